@@ -1,0 +1,236 @@
+"""The one module that touches private TensorFlow and Keras internals.
+
+Stock ``CentralStorageStrategy`` under Keras 3 is wrong or crashes in several places (see the README's "What
+hetero_cs fixes"). Each fix below is reached only through objects that belong to a
+:class:`~hetero_cs.HeteroCentralStorageStrategy`: a patched Keras function first checks that the current strategy
+(or the variable's strategy) is one of ours and otherwise calls the original unchanged, so plain Keras and every
+other strategy behave exactly as before. Patches are installed once, when the first strategy is constructed.
+
+Every use of a private name is commented with why it is needed and what it relies on; the versions this was
+checked against are TensorFlow 2.21 and Keras 3.15.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+# Private: the extended class behind CentralStorageStrategy. Subclassing it is the only way to change how variables
+# are created and how replica functions are called without rewriting the strategy.
+from tensorflow.python.distribute import parameter_server_strategy  # noqa: E402
+
+from hetero_cs import training
+
+logger = logging.getLogger(__name__)
+
+_install_lock = threading.Lock()
+_installed = False
+
+STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
+
+
+def is_hetero_strategy(strategy: Any) -> bool:
+    """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
+    return bool(getattr(strategy, STRATEGY_MARKER, False))
+
+
+def current_hetero_strategy():
+    """Returns the current strategy if it is ours and a replica step is running in this thread, else None."""
+    if training.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    return strategy if is_hetero_strategy(strategy) else None
+
+
+def replica_id_in_sync_group(replica_context) -> int:
+    # Private attribute: the public `replica_id_in_sync_group` is a tensor; the Python int is needed to pick the
+    # replica's device, emulated profile and monitor slot while tracing. Under CentralStorageStrategy it is an int.
+    return int(replica_context._replica_id_in_sync_group)  # noqa: SLF001
+
+
+class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
+    """CentralStorageStrategy's extended object with two changes.
+
+    1. Non-trainable variables created with aggregation NONE (Keras' BatchNormalization moving statistics,
+       Dropout/GaussianNoise seed state, and any layer state written in a step) get an aggregation, because
+       stock CentralStorageStrategy raises "You must specify an aggregation method to update a
+       AggregatingVariable in Replica Context" on their first update with more than one replica. Integer state
+       (seed counters) gets ONLY_FIRST_REPLICA (MEAN would break integer state); floating-point state gets MEAN.
+    2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing).
+    """
+
+    def _create_variable(self, next_creator, **kwargs):
+        aggregation = kwargs.get("aggregation")
+        trainable = kwargs.get("trainable", True)
+        if not trainable and aggregation in (None, tf.VariableAggregation.NONE):
+            dtype = kwargs.get("dtype")
+            initial_value = kwargs.get("initial_value")
+            if dtype is None and initial_value is not None and not callable(initial_value):
+                dtype = getattr(initial_value, "dtype", None)
+            is_float = dtype is None or tf.as_dtype(dtype).is_floating
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN if is_float else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        wrapped = self._container_strategy()._wrap_replica_fn(fn, args, kwargs)  # noqa: SLF001
+        return super()._call_for_each_replica(wrapped, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Keras patches. Each one dispatches on our strategy and otherwise calls the original.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _patch_loss_scaling() -> None:
+    # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
+    # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
+    # call time (by Loss.__call__ via reduce_values, the TF trainer and compile_utils), so replacing the module
+    # attributes reaches every caller. Under our strategy the factor is b_i / B instead.
+    from keras.src.losses import loss as loss_module
+
+    original_scale = loss_module.scale_loss_for_distribution
+    original_unscale = loss_module.unscale_loss_for_distribution
+
+    @functools.wraps(original_scale)
+    def scale_loss_for_distribution(value):
+        if current_hetero_strategy() is not None and training.current_replica_step().global_batch_size is not None:
+            return value * training.replica_weight(value.dtype)
+        return original_scale(value)
+
+    @functools.wraps(original_unscale)
+    def unscale_loss_for_distribution(value):
+        if current_hetero_strategy() is not None and training.current_replica_step().global_batch_size is not None:
+            # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
+            return tf.math.divide_no_nan(value, training.replica_weight(value.dtype))
+        return original_unscale(value)
+
+    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
+
+
+def _patch_variable_assign_add() -> None:
+    # Keras' Variable.assign_add(v) is assign(self + v). On a SUM-aggregated central variable in replica context,
+    # each replica's `old + d_i` is then summed: new = N*old + sum(d_i), so metrics and the logged loss drift from
+    # step 2 on. tf.Variable's native assign_add aggregates the deltas instead: new = old + sum(d_i).
+    from keras.src.backend.tensorflow import core
+
+    def _route(original: Callable, native_name: str):
+        @functools.wraps(original)
+        def method(self, value):
+            inner = getattr(self, "_value", None)
+            if (
+                inner is not None
+                and tf.distribute.in_cross_replica_context() is False
+                and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+            ):
+                return getattr(inner, native_name)(tf.cast(value, inner.dtype))
+            return original(self, value)
+
+        return method
+
+    core.Variable.assign_add = _route(core.Variable.assign_add, "assign_add")
+    core.Variable.assign_sub = _route(core.Variable.assign_sub, "assign_sub")
+
+
+def _patch_optimizer() -> None:
+    # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,
+    # which is not the clipping of the full-batch gradient. Under our strategy clipping is skipped in replica
+    # context and applied to the all-reduced (summed) gradient inside _all_reduce_sum_gradients, the last place
+    # in replica context before the merge. The same place gives the strategy the moment a replica's gradients
+    # are ready (per-replica timing and emulated device time).
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    original_clip = TFOptimizer._clip_gradients  # noqa: SLF001
+    original_all_reduce = TFOptimizer._all_reduce_sum_gradients  # noqa: SLF001
+
+    @functools.wraps(original_clip)
+    def _clip_gradients(self, grads):
+        if current_hetero_strategy() is not None and not getattr(_clip_state, "active", False):
+            return grads
+        return original_clip(self, grads)
+
+    @functools.wraps(original_all_reduce)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        strategy = current_hetero_strategy()
+        if strategy is None or tf.distribute.get_replica_context() is None:
+            return original_all_reduce(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        grads = strategy._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
+        grads_and_vars = list(zip(grads, [v for _, v in grads_and_vars]))
+        reduced = original_all_reduce(self, grads_and_vars)
+        _clip_state.active = True
+        try:
+            clipped = original_clip(self, [g for g, _ in reduced])
+        finally:
+            _clip_state.active = False
+        return list(zip(clipped, [v for _, v in reduced]))
+
+    TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
+    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
+
+
+_clip_state = threading.local()
+
+
+def _patch_seed_generator() -> None:
+    # With ONLY_FIRST_REPLICA seed state every replica would draw the same dropout / noise seed within a step, so
+    # the masks of different slices would be identical (correlated). Folding the replica id into the drawn seed
+    # gives each replica its own stream; the state itself still advances once per call.
+    from keras.src.random.seed_generator import SeedGenerator
+
+    original_next = SeedGenerator.next
+
+    @functools.wraps(original_next)
+    def next_seed(self, ordered=True):
+        seed = original_next(self, ordered=ordered)
+        step = training.current_replica_step()
+        if step is not None and step.replica_id and current_hetero_strategy() is not None:
+            offset = tf.constant([step.replica_id * 1_000_003, 0], dtype=seed.dtype)
+            seed = seed + offset
+        return seed
+
+    SeedGenerator.next = next_seed
+
+
+def _patch_fit() -> None:
+    # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
+    # callback that calibrates on the first global batch (auto_balance), and reports per-replica step times, the
+    # straggler wait and the plan in the logs. Other strategies are untouched.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original_fit = TensorFlowTrainer.fit
+    signature = inspect.signature(original_fit)
+
+    @functools.wraps(original_fit)
+    def fit(self, *args, **kwargs):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if not is_hetero_strategy(strategy):
+            return original_fit(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        callbacks = bound.arguments.get("callbacks")
+        bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks)  # noqa: SLF001
+        return original_fit(*bound.args, **bound.kwargs)
+
+    TensorFlowTrainer.fit = fit
+
+
+def install() -> None:
+    """Installs the dispatching patches once per process (thread-safe, idempotent)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _patch_loss_scaling()
+        _patch_variable_assign_add()
+        _patch_optimizer()
+        _patch_seed_generator()
+        _patch_fit()
+        _installed = True
+        logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

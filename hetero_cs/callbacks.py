@@ -1,0 +1,68 @@
+"""BalanceCallback: calibration at the start of fit, and per-replica timing in the fit logs."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import keras
+
+logger = logging.getLogger(__name__)
+
+
+class BalanceCallback(keras.callbacks.Callback):
+    """Connects ``model.fit`` to a HeteroCentralStorageStrategy.
+
+    ``model.fit`` adds it by itself under the strategy; add it yourself only to control its position in the list.
+
+    * ``on_train_begin``: sizes emulated devices for the model and, with ``auto_balance``, calibrates on the first
+      global batch (or loads the cached profile) and solves the plan.
+    * Every batch: ``straggler_wait_ms`` (mean idle time of the replicas waiting for the slowest one in the last
+      completed step, milliseconds) joins the logs while per-replica timing is on.
+    * Every epoch: ``makespan_ms`` and ``straggler_wait_ms`` (epoch medians), ``replica_<i>_step_ms`` (median step
+      time of replica i) and ``replica_<i>_batch_size`` (its slice in the current plan) join the epoch logs, so
+      they reach ``History`` and TensorBoard's scalars.
+
+    Args:
+        strategy: The HeteroCentralStorageStrategy the model was built under.
+    """
+
+    def __init__(self, strategy):
+        super().__init__()
+        self._strategy = strategy
+        self._samples = []
+        self._last_step_seen = -1
+
+    def on_train_begin(self, logs=None):
+        strategy = self._strategy
+        data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
+        if data is not None:
+            strategy.calibrate(self.model, data)
+        if strategy.plan is not None:
+            logger.info("hetero_cs plan:\n%s", strategy.plan)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._samples = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        sample = self._strategy.monitor.last_step()
+        if sample is None or sample.step == self._last_step_seen:
+            return
+        self._last_step_seen = sample.step
+        self._samples.append(sample)
+        if logs is not None:
+            logs["straggler_wait_ms"] = sample.straggler_wait_s * 1e3
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        plan = self._strategy.plan
+        if plan is not None:
+            for i, b in enumerate(plan.per_replica_batch_sizes):
+                logs[f"replica_{i}_batch_size"] = float(b)
+        if not self._samples:
+            return
+        logs["makespan_ms"] = statistics.median(s.makespan_s for s in self._samples) * 1e3
+        logs["straggler_wait_ms"] = statistics.median(s.straggler_wait_s for s in self._samples) * 1e3
+        for i in range(len(self._samples[0].per_replica_step_times_s)):
+            logs[f"replica_{i}_step_ms"] = statistics.median(s.per_replica_step_times_s[i] for s in self._samples) * 1e3

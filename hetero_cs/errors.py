@@ -1,0 +1,69 @@
+"""The exception tree of hetero_cs.
+
+Every error the library raises on purpose derives from :class:`HeteroCSError` and also from a builtin exception,
+so callers can catch either ``HeteroCSError`` or the builtin they already handle (``ValueError``,
+``RuntimeError``, ...). Messages say what was wrong, the values as ``name=value``, and the fix; the same data is
+kept on attributes where a caller might act on it.
+"""
+
+from __future__ import annotations
+
+
+class HeteroCSError(Exception):
+    """Base of every error hetero_cs raises on purpose."""
+
+
+class ConfigError(HeteroCSError, ValueError):
+    """An argument, environment variable or config file holds a value hetero_cs cannot use."""
+
+
+class InvalidCostModelError(HeteroCSError, ValueError):
+    """A cost model predicted NaN, a negative time, or a time that decreases with batch size."""
+
+
+class InfeasiblePlanError(HeteroCSError, ValueError):
+    """No per-replica split satisfies the global batch size, the memory caps and the minimum slice size."""
+
+
+class BatchSplitError(HeteroCSError, ValueError):
+    """A fixed ``batch_split`` has the wrong length, negative shares, or only zero shares."""
+
+
+class DeviceError(HeteroCSError, ValueError):
+    """A device name is empty, unknown to TensorFlow, repeated, or used both for compute and parameters."""
+
+
+class UnknownEmulatedDeviceError(HeteroCSError, KeyError):
+    """An emulated device name is not in the emulation catalog."""
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message.
+        return str(self.args[0]) if self.args else ""
+
+
+class EmulationError(HeteroCSError, RuntimeError):
+    """Emulated devices could not be set up (for example, TensorFlow was already initialised)."""
+
+
+class CalibrationError(HeteroCSError, RuntimeError):
+    """Calibration could not measure a device."""
+
+
+class CalibrationOOMError(CalibrationError, MemoryError):
+    """A device ran out of memory at every probe batch size."""
+
+
+class ProfileCacheError(HeteroCSError, ValueError):
+    """A profile cache file is corrupt, has unknown keys, or belongs to another model or device."""
+
+
+class InputError(HeteroCSError, ValueError):
+    """A dataset element cannot be split into per-replica slices (for example, it has no batch dimension)."""
+
+
+class ReplicaStepError(HeteroCSError, RuntimeError):
+    """A training step failed inside one replica; the model and optimizer state were left as they were."""
+
+    def __init__(self, message: str, *, replica_id: int | None = None, device: str | None = None):
+        super().__init__(message)
+        self.replica_id = replica_id
+        self.device = device

@@ -1,0 +1,670 @@
+"""HeteroCentralStorageStrategy: central storage with plan-sized, exactly weighted replica slices."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hetero_cs import _compat, training
+from hetero_cs.cost_model import CostModel
+from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
+from hetero_cs.monitor import StepTimeMonitor
+from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
+from hetero_cs.rebalance import RebalancePolicy, Rebalancer
+from hetero_cs.solver import solve_batch_split
+
+logger = logging.getLogger(__name__)
+
+_PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
+
+
+def _canonical_device(name: str) -> str:
+    """'/cpu:1', 'CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
+    if not isinstance(name, str) or not name.strip():
+        raise DeviceError(f"Device names must be non-empty strings. Received: device={name!r}.")
+    text = name.strip()
+    if not text.startswith("/"):
+        text = "/device:" + text
+    try:
+        spec = tf.DeviceSpec.from_string(text)
+    except ValueError as exc:
+        raise DeviceError(
+            f"Cannot parse device name {name!r}. Use names like '/device:GPU:0' or '/cpu:1'."
+        ) from exc
+    if spec.device_type is None or spec.device_index is None:
+        raise DeviceError(
+            f"Device name {name!r} needs a type and an index, like '/device:GPU:0' or '/cpu:1'."
+        )
+    return f"/device:{spec.device_type.upper()}:{spec.device_index}"
+
+
+def _default_compute_devices(parameter_device: str) -> list[str]:
+    gpus = [_canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
+    if gpus:
+        return gpus
+    cpus = [_canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")]
+    others = [d for d in cpus if d != parameter_device]
+    return others or cpus[:1]
+
+
+class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStrategy):
+    """Central-storage data parallelism whose per-replica slices are sized by a plan, with exact weighting.
+
+    Variables live once on the parameter device (host memory). Each step, every global batch of ``B`` examples is
+    cut into contiguous slices ``b_1..b_R`` by the current :class:`~hetero_cs.BatchPlan`; replica ``i`` computes
+    its gradient on its ``b_i`` examples with its loss weighted by ``b_i / B``, and the host sums the gradients. One
+    step on any split therefore equals one single-device step on the whole batch (loss, gradients, optimizer state,
+    metrics). See :mod:`hetero_cs.training` for the worked number.
+
+    How the plan is chosen:
+      * ``batch_split=[2, 1, 1]``: fixed relative shares, no calibration.
+      * ``auto_balance=False`` without ``batch_split``: an even split (``B // R`` each, the first ``B % R`` replicas
+        one more).
+      * ``auto_balance=True`` (default): ``model.fit`` calibrates on the first global batch it sees (or loads a
+        cached profile) and solves the minimum-makespan split; custom loops call :meth:`calibrate` once. Until
+        then the split is even.
+      * ``rebalance=True`` (default, with auto_balance): per-replica step times are measured during training and
+        the plan is re-solved when a device drifts (deadband and cooldown in :class:`~hetero_cs.RebalancePolicy`).
+
+    Example:
+        >>> strategy = hetero_cs.HeteroCentralStorageStrategy(auto_balance=True)  # doctest: +SKIP
+        >>> with strategy.scope():  # doctest: +SKIP
+        ...     model = keras.Sequential([...])
+        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        >>> model.fit(x, y, batch_size=256, epochs=5)  # doctest: +SKIP
+
+    Args:
+        compute_devices: Devices that run replicas, e.g. ``["/gpu:0", "/gpu:1"]``. Default: every GPU; with no GPU,
+            every logical CPU device except the parameter device (see :func:`hetero_cs.emulation.setup_logical_devices`).
+        parameter_device: Where the variables live. Default ``"/device:CPU:0"`` (host memory).
+        auto_balance: Calibrate and solve the split (True), or split evenly (False).
+        rebalance: Re-plan online when measured step times drift (only with auto_balance).
+        batch_split: Fixed relative shares per replica, length R, finite, >= 0, not all zero; overrides
+            auto_balance.
+        emulate: Catalog device names, one per compute device (e.g. ``["A10", "T4", "P100"]``), or a
+            :class:`hetero_cs.emulation.Emulator` (for drift or a fixed time scale): each replica then also waits for
+            the time that device would take. With ``compute_devices=None`` the logical CPU devices
+            are created for you (this must happen before TensorFlow initialises).
+        profile_cache: Calibration profile cache: None for the default directory (``$HETERO_CS_CACHE_DIR``, else
+            ``~/.cache/hetero_cs``), a directory path, a ``calibration.ProfileStore``, or False for no cache.
+
+    Raises:
+        DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
+            devices.
+        BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
+        UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
+        ConfigError: ``emulate`` of the wrong length.
+    """
+
+    def __init__(
+        self,
+        compute_devices: Sequence[str] | None = None,
+        parameter_device: str | None = None,
+        *,
+        auto_balance: bool = True,
+        rebalance: bool = True,
+        batch_split: Sequence[float] | None = None,
+        emulate: "Sequence[str] | Any | None" = None,
+        profile_cache: Any = None,
+    ):
+        from hetero_cs import emulation
+
+        emulator = None
+        if isinstance(emulate, emulation.Emulator):
+            emulator, emulate = emulate, [spec.name for spec in emulate.specs]
+        if emulate is not None:
+            if isinstance(emulate, str) or not emulate:
+                raise ConfigError(
+                    f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
+                    f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
+                )
+            for name in emulate:
+                emulation.get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
+            if compute_devices is None:
+                compute_devices = emulation.setup_logical_devices(list(emulate))
+        parameter_device = _canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
+        if compute_devices is None:
+            compute_devices = _default_compute_devices(parameter_device)
+        if isinstance(compute_devices, str):
+            compute_devices = [compute_devices]
+        devices = [_canonical_device(d) for d in compute_devices]
+        self._validate_devices(devices, parameter_device)
+        if emulate is not None and len(emulate) != len(devices):
+            raise ConfigError(
+                f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
+                f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
+            )
+        if batch_split is not None:
+            shares = list(batch_split)
+            if len(shares) != len(devices):
+                raise BatchSplitError(
+                    f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
+                    f"R={len(devices)} compute devices {devices}. Give {len(devices)} shares, e.g. "
+                    f"{[1] * len(devices)}."
+                )
+            _validate_shares(shares)
+        self._shares: tuple[float, ...] | None = (
+            None if batch_split is None else tuple(float(s) for s in batch_split)
+        )
+
+        _compat.install()
+        # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
+        # stock one, and it only adds a usage gauge on top of this.
+        extended = _compat.HeteroExtended(self, compute_devices=devices, parameter_device=parameter_device)
+        tf.distribute.Strategy.__init__(self, extended)
+        setattr(self, _compat.STRATEGY_MARKER, True)
+
+        self._compute_devices = tuple(devices)
+        self._parameter_device = parameter_device
+        self._auto_balance = bool(auto_balance) and self._shares is None
+        self._rebalance_enabled = bool(rebalance) and self._auto_balance
+        if emulator is None and emulate is not None:
+            emulator = emulation.Emulator(list(emulate))
+        self._emulator = emulator
+        self._profile_cache = profile_cache
+        self._lock = threading.RLock()
+        self._cost_models: list[CostModel] | None = None
+        self._max_batch_sizes: list[int | None] | None = None
+        self._plan: BatchPlan | None = None
+        self._plans_by_batch: dict[int, BatchPlan] = {}
+        self._reference_batch_size: int | None = None
+        self._source_dataset = None
+        self._calibration = None
+        self._calibrated_fingerprint: str | None = None
+        self._monitor = StepTimeMonitor(len(devices))
+        self._rebalancer = Rebalancer(RebalancePolicy(), max_batch_sizes=None)
+        self._handled_steps = 0
+        self._timing_enabled = self._rebalance_enabled or self._emulator is not None or _env_flag(
+            "HETERO_CS_TIMING"
+        )
+        self._plan_listeners: list[Callable[[BatchPlan], None]] = []
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Validation
+    # ----------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _validate_devices(devices: list[str], parameter_device: str) -> None:
+        if not devices:
+            raise DeviceError("compute_devices is empty. Give at least one device, e.g. ['/gpu:0'].")
+        if len(set(devices)) != len(devices):
+            raise DeviceError(f"compute_devices repeats a device: {devices}. List each device once.")
+        if parameter_device in devices and len(devices) > 1:
+            raise DeviceError(
+                f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
+                f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it from "
+                f"compute_devices."
+            )
+        known = {_canonical_device(d.name) for d in tf.config.list_logical_devices()}
+        unknown = [d for d in [*devices, parameter_device] if d not in known]
+        if unknown:
+            raise DeviceError(
+                f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create "
+                f"logical devices first with hetero_cs.emulation.setup_logical_devices([...]) or pass emulate=[...]."
+            )
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Public state
+    # ----------------------------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> BatchPlan | None:
+        """The current plan for the full global batch (None before the first global batch is seen)."""
+        return self._plan
+
+    @property
+    def compute_devices(self) -> tuple[str, ...]:
+        """The replicas' devices, in replica-id order."""
+        return self._compute_devices
+
+    @property
+    def parameter_device(self) -> str:
+        """Where the central variables live."""
+        return self._parameter_device
+
+    @property
+    def emulator(self):
+        """The :class:`hetero_cs.emulation.Emulator` adding emulated device time, or None on real devices."""
+        return self._emulator
+
+    @property
+    def monitor(self) -> StepTimeMonitor:
+        """Per-replica step-time statistics (filled while timing is on: rebalance, emulation, HETERO_CS_TIMING=1)."""
+        return self._monitor
+
+    @property
+    def calibration(self):
+        """The last ``calibration.CalibrationResult`` used for the plan, or None."""
+        return self._calibration
+
+    @property
+    def cost_models(self) -> list[CostModel] | None:
+        """Per-replica cost models behind the plan (calibrated, then updated online), or None."""
+        return None if self._cost_models is None else list(self._cost_models)
+
+    def set_cost_models(
+        self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None
+    ) -> None:
+        """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
+
+        Args:
+            cost_models: One per replica, in replica-id order.
+            max_batch_sizes: Per-replica caps in examples (None entries: uncapped).
+
+        Raises:
+            ConfigError: Wrong number of cost models or caps.
+        """
+        if len(cost_models) != self.num_replicas_in_sync:
+            raise ConfigError(
+                f"Need one cost model per replica: got {len(cost_models)} for R={self.num_replicas_in_sync}."
+            )
+        if max_batch_sizes is not None and len(max_batch_sizes) != self.num_replicas_in_sync:
+            raise ConfigError(
+                f"Need one cap per replica: len(max_batch_sizes)={len(max_batch_sizes)}, "
+                f"R={self.num_replicas_in_sync}."
+            )
+        with self._lock:
+            self._cost_models = list(cost_models)
+            self._max_batch_sizes = None if max_batch_sizes is None else list(max_batch_sizes)
+            self._rebalancer = Rebalancer(RebalancePolicy(), max_batch_sizes=self._max_batch_sizes)
+            self._plans_by_batch.clear()
+            if self._reference_batch_size is not None:
+                self._set_plan(self._solve(self._reference_batch_size))
+
+    def set_batch_split(self, shares: Sequence[float] | None) -> None:
+        """Fixes the relative shares per replica from now on (None: back to auto_balance / even split).
+
+        Args:
+            shares: Length R, finite, >= 0, not all zero; e.g. ``[2, 1, 1]``.
+
+        Raises:
+            BatchSplitError: Wrong length, negative, non-finite or all-zero shares.
+        """
+        if shares is not None:
+            shares = list(shares)
+            if len(shares) != self.num_replicas_in_sync:
+                raise BatchSplitError(
+                    f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
+                    f"R={self.num_replicas_in_sync} compute devices. Give {self.num_replicas_in_sync} shares."
+                )
+            _validate_shares(shares)
+        with self._lock:
+            self._shares = None if shares is None else tuple(float(s) for s in shares)
+            self._plans_by_batch.clear()
+            if self._reference_batch_size is not None:
+                self._set_plan(self._solve(self._reference_batch_size))
+
+    def _set_plan(self, plan: BatchPlan) -> None:
+        with self._lock:
+            self._plan = plan
+            self._plans_by_batch = {plan.global_batch_size: plan}
+        for listener in list(self._plan_listeners):
+            listener(plan)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Planning
+    # ----------------------------------------------------------------------------------------------------------
+    def _solve(self, global_batch_size: int) -> BatchPlan:
+        R = self.num_replicas_in_sync
+        if self._shares is not None:
+            return plan_from_split(split_by_shares(global_batch_size, self._shares), self._cost_models)
+        if not self._auto_balance or self._cost_models is None:
+            return plan_from_split(even_batch_split(global_batch_size, R), self._cost_models)
+        min_batch_size = 1 if global_batch_size >= R else 0
+        return solve_batch_split(
+            self._cost_models,
+            global_batch_size,
+            max_batch_sizes=self._max_batch_sizes,
+            min_batch_size=min_batch_size,
+        )
+
+    def plan_for(self, global_batch_size: int) -> BatchPlan:
+        """Returns the plan used for a global batch of ``global_batch_size`` examples (solved once, then cached).
+
+        The first (largest) global batch size seen becomes the reference whose plan is :attr:`plan`; a last partial
+        batch ``B' < B`` gets a plan solved for ``B'`` and is weighted by ``B'``.
+
+        Raises:
+            ConfigError: ``global_batch_size`` < 1.
+        """
+        b = int(global_batch_size)
+        if b < 1:
+            raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
+        with self._lock:
+            cached = self._plans_by_batch.get(b)
+            if cached is not None:
+                return cached
+            plan = self._solve(b)
+            if self._reference_batch_size is None or b > self._reference_batch_size:
+                self._reference_batch_size = b
+                self._plans_by_batch[b] = plan
+                self._set_plan(plan)
+            else:
+                self._plans_by_batch[b] = plan
+            return plan
+
+    def _slice_sizes(self, global_batch_size) -> np.ndarray:
+        # Called from the tf.data pipeline (numpy_function) for every global batch.
+        return np.asarray(self.plan_for(int(global_batch_size)).per_replica_batch_sizes, dtype=np.int64)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Input
+    # ----------------------------------------------------------------------------------------------------------
+    def _slice_by_plan(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """Global batches -> R consecutive slices per batch (replica i gets element k*R + i)."""
+        spec = dataset.element_spec
+        leaves = tf.nest.flatten(spec)
+        if not leaves:
+            raise InputError("The dataset's elements are empty structures; there is nothing to split.")
+        for leaf in leaves:
+            shape = getattr(leaf, "shape", None)
+            if shape is None or shape.rank == 0:
+                raise InputError(
+                    f"Every dataset component needs a leading batch dimension to be split across replicas; got "
+                    f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
+                )
+        R = self.num_replicas_in_sync
+        is_tuple = isinstance(spec, tuple)
+
+        def to_slices(*args):
+            element = args if is_tuple else args[0]
+            flat = tf.nest.flatten(element)
+            batch = tf.shape(flat[0], out_type=tf.int64)[0]
+            sizes = tf.numpy_function(self._slice_sizes, [batch], tf.int64, stateful=True)
+            sizes = tf.reshape(sizes, [R])
+            offsets = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(sizes)], axis=0)
+
+            def take(i):
+                return tf.nest.map_structure(lambda t: t[offsets[i] : offsets[i + 1]], element)
+
+            return tf.data.Dataset.range(R).map(take)
+
+        return dataset.flat_map(to_slices)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes a dataset of global batches, cutting each by the current plan.
+
+        Every element of ``dataset`` is one global batch (``B`` examples along the first axis of every component);
+        replica ``i`` receives examples ``[sum(b_<i), sum(b_<=i))`` of it, so every example is used exactly once and
+        ``predict`` outputs come back in order. A last partial batch is split by a plan solved for its own size.
+        A plan change takes effect a few batches later (the pipeline prefetches) and never retraces the step.
+
+        Raises:
+            InputError: A component has no batch dimension.
+        """
+        self._source_dataset = dataset
+        sliced = self._slice_by_plan(dataset)
+        return super().distribute_datasets_from_function(lambda _: sliced, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Like ``tf.distribute``'s, but ``dataset_fn``'s dataset yields global batches that are cut by the plan.
+
+        ``dataset_fn`` is called once with an ``InputContext`` for one pipeline and one replica, so
+        ``input_context.get_per_replica_batch_size(B)`` returns ``B``: batch by the global batch size.
+        """
+        context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+        dataset = dataset_fn(context)
+        self._source_dataset = dataset
+        sliced = self._slice_by_plan(dataset)
+        return super().distribute_datasets_from_function(lambda _: sliced, options)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Replica steps
+    # ----------------------------------------------------------------------------------------------------------
+    def _wrap_replica_fn(self, fn, args, kwargs):
+        """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time."""
+        per_replica_leaf = next(
+            (
+                v
+                for v in tf.nest.flatten((args, kwargs or {}))
+                if isinstance(v, tf.distribute.DistributedValues)
+            ),
+            None,
+        )
+        global_batch_size = None
+        if per_replica_leaf is not None:
+            components = self.experimental_local_results(per_replica_leaf)
+            with tf.device(self._parameter_device):
+                global_batch_size = tf.add_n([_leading_dim(c) for c in components])
+        if self._emulator is not None and not self._emulator_ready():
+            raise ConfigError(
+                "Emulated devices need the model's size before the first step. model.fit does this for you; in a "
+                "custom loop call strategy.calibrate(model, dataset) once before the first strategy.run."
+            )
+        strategy = self
+
+        def replica_fn(*call_args, **call_kwargs):
+            context = tf.distribute.get_replica_context()
+            replica_id = _compat.replica_id_in_sync_group(context)
+            leaves = [t for t in tf.nest.flatten((call_args, call_kwargs)) if isinstance(t, tf.Tensor)]
+            batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
+            batch_size = _leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
+            start = None
+            if strategy._timing_enabled and batched is not None:
+                from hetero_cs.emulation import wall_clock_stamp
+
+                start = wall_clock_stamp(batched)
+            step = training.ReplicaStep(
+                replica_id=replica_id,
+                device=strategy._compute_devices[replica_id],
+                batch_size=batch_size,
+                global_batch_size=global_batch_size if per_replica_leaf is not None else None,
+                start_stamp=start,
+            )
+            with training.replica_step(step):
+                return fn(*call_args, **call_kwargs)
+
+        return replica_fn
+
+    def _emulator_ready(self) -> bool:
+        return getattr(self._emulator, "workload", None) is not None
+
+    def _on_replica_gradients(self, grads: list) -> list:
+        """Called in replica context when a replica's gradients are ready, just before they go to the host."""
+        step = training.current_replica_step()
+        if step is None or step.start_stamp is None:
+            return grads
+        from hetero_cs.emulation import end_replica_step
+
+        present = [g for g in grads if g is not None]
+        if not present:
+            return grads
+        values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
+        anchor = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(v, [-1])[:1]), tf.float64) for v in values])
+        end = end_replica_step(
+            step.start_stamp,
+            anchor,
+            replica_id=step.replica_id,
+            batch_size=step.batch_size,
+            emulator=self._emulator,
+            record=self._record_step_time,
+        )
+        # A stateless op whose output only feeds control dependencies is pruned by Grappler, so the end stamp is
+        # tied into the data path of the smallest gradient (one element-wise op; values unchanged). The step,
+        # whose update needs every gradient, cannot finish before the replica's step has ended.
+        from hetero_cs.emulation import tie_to_stamp
+
+        sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
+        known = [(n, i) for i, n in enumerate(sizes) if n is not None]
+        index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
+        grads = list(grads)
+        grads[index] = tie_to_stamp(grads[index], end)
+        return grads
+
+    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+        """Monitor callback (runs in a TensorFlow thread once per replica per step)."""
+        with self._lock:
+            self._monitor.record(int(replica_id), int(batch_size), float(step_time_s))
+            completed = self._monitor.completed_steps
+            if completed <= self._handled_steps:
+                return
+            self._handled_steps = completed
+            if not self._rebalance_enabled or self._shares is not None or self._plan is None:
+                return
+            models = self._monitor.updated_cost_models(self._cost_models)
+            new_plan = self._rebalancer.propose(completed, self._plan, models)
+            if new_plan is not None:
+                self._cost_models = list(models)
+                self._set_plan(new_plan)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Reductions
+    # ----------------------------------------------------------------------------------------------------------
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduces per-replica values across replicas, leaf by leaf for nested values.
+
+        Stock CentralStorageStrategy returns replica 0's value for ``MEAN`` of a tuple or dict (and raises for
+        ``SUM``); here each leaf is reduced on its own.
+
+        With uneven slices, average per-example quantities by weight, not per replica. Worked number: slices
+        ``[7, 3]`` whose mean losses are 1.0 and 0.0 have the full-batch mean 0.7, but ``reduce("MEAN", loss,
+        axis=None)`` gives 0.5. Compute each replica's loss with ``tf.nn.compute_average_loss(per_example_loss,
+        global_batch_size=B)`` (0.7 and 0.0) and reduce with ``"SUM"``: 0.7. ``axis=0`` reduces per example and is
+        exact as is. ``MEAN`` with ``axis=None`` of values whose shapes differ between replicas (slices of a data
+        batch) has no element-wise mean; it returns the largest replica's value, which is what Keras needs when it
+        infers input shapes from a distributed batch.
+        """
+        if tf.nest.is_nested(value) and not isinstance(value, tf.distribute.DistributedValues):
+            return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis=axis), value)
+        op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
+        if (
+            axis is None
+            and str(op).upper() == "MEAN"
+            and isinstance(value, tf.distribute.DistributedValues)
+            and _known_unequal_shapes(self.experimental_local_results(value))
+        ):
+            components = self.experimental_local_results(value)
+            sizes = [c.shape[0] if c.shape.rank else 0 for c in components]
+            known = [s if s is not None else -1 for s in sizes]
+            return components[int(np.argmax(known))]
+        return super().reduce(reduce_op, value, axis=axis)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Calibration
+    # ----------------------------------------------------------------------------------------------------------
+    def calibrate(self, model, data, *, force: bool = False, progress: bool = True):
+        """Prepares balancing for ``model``: emulated device sizes, then (auto_balance) calibration and the plan.
+
+        ``model.fit`` calls this for you on its first global batch. Custom loops call it once before the first
+        ``strategy.run``.
+
+        Args:
+            model: A built Keras model created under ``strategy.scope()``.
+            data: A ``tf.data.Dataset`` of global batches (its first element is used), or one global batch
+                ``(x, y)`` / ``(x, y, sample_weight)``.
+            force: Calibrate even if this model was already calibrated (the profile cache is still used).
+            progress: Show Keras' progress bar while calibrating.
+
+        Returns:
+            The ``calibration.CalibrationResult``, or None when no calibration is needed (fixed or even split).
+        """
+        from calibration import calibrate as run_calibration
+        from calibration.probe import model_fingerprint
+
+        batch = _first_batch(data)
+        global_batch_size = int(_leading_dim_value(tf.nest.flatten(batch)[0]))
+        if self._emulator is not None and not self._emulator_ready():
+            from hetero_cs.emulation import estimate_workload
+
+            self._emulator.set_workload(estimate_workload(model))
+            self._emulator.calibrate_time_scale(global_batch_size)
+        if not self._auto_balance:
+            self.plan_for(global_batch_size)
+            return None
+        fingerprint = model_fingerprint(model)
+        if not force and self._calibrated_fingerprint == fingerprint and self._cost_models is not None:
+            return self._calibration
+        result = run_calibration(
+            model,
+            batch,
+            devices=list(self._compute_devices),
+            parameter_device=self._parameter_device,
+            global_batch_size=global_batch_size,
+            emulator=self._emulator,
+            store=self._store(),
+            progress=progress,
+        )
+        self._calibration = result
+        self._calibrated_fingerprint = fingerprint
+        with self._lock:
+            self._reference_batch_size = max(self._reference_batch_size or 0, global_batch_size)
+        self.set_cost_models(
+            [p.cost_model for p in result.profiles], max_batch_sizes=[p.max_batch_size for p in result.profiles]
+        )
+        return result
+
+    def _store(self):
+        from calibration.store import ProfileStore
+
+        cache = self._profile_cache
+        if cache is False:
+            return False
+        if cache is None:
+            return ProfileStore()
+        if isinstance(cache, (str, os.PathLike)):
+            return ProfileStore(cache)
+        return cache
+
+    def _fit_callbacks(self, model, callbacks):
+        from hetero_cs.callbacks import BalanceCallback
+
+        callbacks = list(callbacks or [])
+        if not any(isinstance(c, BalanceCallback) for c in callbacks):
+            callbacks.insert(0, BalanceCallback(self))
+        return callbacks
+
+
+def _validate_shares(shares: Sequence[float]) -> None:
+    bad = [s for s in shares if not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0]
+    if bad or not any(s > 0 for s in shares):
+        raise BatchSplitError(
+            f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
+            f"batch_split={list(shares)}. Example: batch_split=[2, 1, 1] gives replica 0 half of each batch."
+        )
+
+
+def _leading_dim(tensor) -> tf.Tensor:
+    return tf.shape(tensor, out_type=tf.int32)[0]
+
+
+def _leading_dim_value(value) -> int:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        shape = np.shape(value)
+    if len(shape) == 0:
+        raise InputError(
+            f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
+        )
+    return int(shape[0])
+
+
+def _known_unequal_shapes(components) -> bool:
+    """True when every component's shape is fully known and they are not all equal (uneven eager slices)."""
+    shapes = []
+    for c in components:
+        shape = getattr(c, "shape", None)
+        if shape is None or shape.rank is None or None in shape.as_list():
+            return False
+        shapes.append(tuple(shape.as_list()))
+    return len(set(shapes)) > 1
+
+
+def _first_batch(data):
+    if isinstance(data, tf.data.Dataset):
+        for element in data.take(1):
+            return element
+        raise InputError("The dataset is empty; calibration needs one global batch.")
+    if isinstance(data, (tuple, list)) and data:
+        return tuple(data)
+    raise InputError(
+        f"Calibration needs a tf.data.Dataset of global batches or one batch (x, y); got {type(data).__name__}."
+    )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

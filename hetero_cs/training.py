@@ -1,0 +1,120 @@
+"""Exact weighted steps: what each replica knows about its slice while it runs.
+
+Replica i of a :class:`~hetero_cs.HeteroCentralStorageStrategy` holds ``b_i`` examples of a global batch of ``B``.
+Its loss must be ``sum(per_example_loss_i) / B`` - its mean loss times ``b_i / B`` - and the host sums the
+replicas' gradients. Stock Keras 3 instead scales each replica's mean loss by ``1 / num_replicas``, which is exact
+only when every slice has the same size.
+
+Worked number: a batch of ``B = 10`` examples split ``[7, 3]`` whose per-example losses average 1.0 on the first
+replica and 0.0 on the second. The full-batch mean loss is ``(7 * 1.0 + 3 * 0.0) / 10 = 0.7``. Averaging the
+replicas' means gives ``(1.0 + 0.0) / 2 = 0.5`` - wrong by 0.2. Weighting each mean by ``b_i / B`` gives
+``1.0 * 7/10 + 0.0 * 3/10 = 0.7``, and so does ``tf.nn.compute_average_loss(per_example_loss,
+global_batch_size=10)`` on each replica followed by a SUM over replicas.
+
+Inside ``strategy.run`` (and so inside ``model.fit``/``evaluate``), :func:`replica_weight` and
+:func:`current_global_batch_size` expose ``b_i / B`` and ``B`` for the step being run, so custom loops stay exact
+on a last partial batch too::
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            per_example_loss = loss_fn(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(
+                per_example_loss, global_batch_size=hetero_cs.current_global_batch_size())
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    per_replica_loss = strategy.run(step_fn, args=next(iterator))
+    step_loss = strategy.reduce("SUM", per_replica_loss, axis=None)  # the full-batch mean loss
+
+The thread-local state here is set by the strategy around each replica's function (TensorFlow runs replica
+functions in one Python thread each while tracing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hetero_cs.errors import HeteroCSError
+
+_state = threading.local()
+
+
+class NotInReplicaStepError(HeteroCSError, RuntimeError):
+    """A replica-step accessor was called outside a replica function of HeteroCentralStorageStrategy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStep:
+    """What one replica knows about the step it is running (symbolic tensors while tracing).
+
+    Attributes:
+        replica_id: 0-based replica index (``replica_id_in_sync_group``).
+        device: The replica's compute device, e.g. ``"/device:CPU:1"``.
+        batch_size: int32 scalar tensor, ``b_i`` (may be 0).
+        global_batch_size: int32 scalar tensor, ``B`` = sum of all ``b_i`` of this step, or None when the
+            step's inputs were not per-replica values (then every replica sees the same inputs and the stock
+            ``1 / num_replicas`` weighting is exact).
+        start_stamp: float64 scalar tensor, wall clock when the slice reached the device, or None when
+            per-replica timing is off.
+    """
+
+    replica_id: int
+    device: str
+    batch_size: Any
+    global_batch_size: Any
+    start_stamp: Any = None
+
+
+@contextmanager
+def replica_step(step: ReplicaStep) -> Iterator[ReplicaStep]:
+    """Makes ``step`` the current replica step of this thread for the duration of the block."""
+    previous = getattr(_state, "step", None)
+    _state.step = step
+    try:
+        yield step
+    finally:
+        _state.step = previous
+
+
+def current_replica_step() -> ReplicaStep | None:
+    """Returns the replica step this thread is running, or None outside a HeteroCentralStorageStrategy replica."""
+    return getattr(_state, "step", None)
+
+
+def _require_step() -> ReplicaStep:
+    step = current_replica_step()
+    if step is None or step.global_batch_size is None:
+        raise NotInReplicaStepError(
+            "This accessor only works inside a replica function run by HeteroCentralStorageStrategy.run with "
+            "per-replica inputs (for example a distributed dataset's element). Call it inside the function you "
+            "pass to strategy.run."
+        )
+    return step
+
+
+def current_global_batch_size():
+    """Returns ``B``, the global batch size of the step being run, as an int32 scalar tensor.
+
+    It is the sum of all replicas' slice sizes of this step, so it is right for a last partial batch too.
+
+    Raises:
+        NotInReplicaStepError: Outside a replica function of HeteroCentralStorageStrategy.
+    """
+    return _require_step().global_batch_size
+
+
+def replica_weight(dtype: str = "float32"):
+    """Returns ``b_i / B`` for this replica as a scalar tensor of ``dtype``; the weights of all replicas sum to 1.
+
+    Raises:
+        NotInReplicaStepError: Outside a replica function of HeteroCentralStorageStrategy.
+    """
+    import tensorflow as tf
+
+    step = _require_step()
+    return tf.math.divide_no_nan(tf.cast(step.batch_size, dtype), tf.cast(step.global_batch_size, dtype))

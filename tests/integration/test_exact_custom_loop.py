@@ -1,0 +1,154 @@
+"""Custom loops (strategy.run), metrics, reductions and checkpoints under HeteroCentralStorageStrategy."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hetero_cs
+from hetero_cs import HeteroCentralStorageStrategy
+
+
+@pytest.fixture(scope="module")
+def strategy3():
+    return HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, batch_split=[5, 3, 2], profile_cache=False
+    )
+
+
+def make_model(seed=0):
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(seed)),
+            keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(seed + 1)),
+        ]
+    )
+
+
+def data(n=47, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=(n,)).astype(np.int32)
+    return x, y
+
+
+def test_custom_loop_with_compute_average_loss_is_exact(strategy3):
+    x, y = data()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)  # 4 full batches and a last batch of 7
+
+    reference = make_model()
+    ref_opt = keras.optimizers.Adam(0.01)
+    for xb, yb in dataset:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_fn(yb, reference(xb, training=True)))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        ref_opt.apply_gradients(zip(grads, reference.trainable_variables))
+
+    with strategy3.scope():
+        model = make_model()
+        optimizer = keras.optimizers.Adam(0.01)
+
+    @tf.function
+    def train_step(iterator):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(yb, model(xb, training=True))
+                loss = tf.nn.compute_average_loss(
+                    per_example, global_batch_size=hetero_cs.current_global_batch_size()
+                )
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        per_replica = strategy3.run(step_fn, args=next(iterator))
+        return strategy3.reduce("SUM", per_replica, axis=None)
+
+    iterator = iter(strategy3.experimental_distribute_dataset(dataset))
+    losses = [float(train_step(iterator)) for _ in range(5)]
+    assert all(np.isfinite(losses))
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=1e-5)
+    for ref_v, v in zip(ref_opt.variables, optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(ref_v), atol=1e-5)
+
+
+def test_sum_metric_accumulates_once_per_step(strategy3):
+    # Stock CentralStorageStrategy reads 60, 240, 780 here: each replica's assign(old + d_i) is summed.
+    with strategy3.scope():
+        metric = keras.metrics.Sum()
+    values = tf.data.Dataset.from_tensor_slices(np.arange(1, 16, dtype=np.float32)).batch(15).repeat(3)
+    iterator = iter(strategy3.experimental_distribute_dataset(values))
+
+    @tf.function
+    def update(iterator):
+        strategy3.run(lambda v: metric.update_state(v), args=(next(iterator),))
+
+    readings = []
+    for _ in range(3):
+        update(iterator)
+        readings.append(float(metric.result()))
+    assert readings == [120.0, 240.0, 360.0]
+
+
+def test_reduce_nested_values_leaf_by_leaf(strategy3):
+    dataset = tf.data.Dataset.from_tensor_slices(np.arange(10, dtype=np.float32)).batch(10)
+    element = next(iter(strategy3.experimental_distribute_dataset(dataset)))
+
+    def replica_fn(v):
+        return {"sum": tf.reduce_sum(v), "count": tf.cast(tf.shape(v)[0], tf.float32)}, tf.reduce_sum(v) * 0 + 1.0
+
+    outputs = strategy3.run(replica_fn, args=(element,))
+    summed = strategy3.reduce("SUM", outputs, axis=None)
+    assert float(summed[0]["sum"]) == 45.0
+    assert float(summed[0]["count"]) == 10.0
+    assert float(summed[1]) == 3.0
+    mean = strategy3.reduce("MEAN", outputs, axis=None)
+    assert float(mean[1]) == 1.0
+    # Per replica sums of slices [5, 3, 2]: 10, 18, 17 -> mean 15 (not replica 0's 10).
+    assert float(mean[0]["sum"]) == pytest.approx(15.0)
+
+
+def test_checkpoints_round_trip_between_strategies(tmp_path, strategy3):
+    x, y = data(30)
+    with strategy3.scope():
+        model = make_model(3)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+
+    ckpt_dir = tmp_path / "ckpt"
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(ckpt_dir / "c"))
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    model.save(str(tmp_path / "m.keras"))
+
+    plain = make_model(9)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    plain.optimizer.build(plain.trainable_variables)
+    tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(str(ckpt_dir / "c")).assert_existing_objects_matched()
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(model.optimizer.variables, plain.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    two = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, profile_cache=False)
+    with two.scope():
+        other = make_model(11)
+    other.load_weights(str(tmp_path / "w.weights.h5"))
+    for a, b in zip(model.get_weights(), other.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_other_strategies_and_plain_keras_are_unaffected():
+    # The patches dispatch on our strategy only: stock CentralStorageStrategy still scales by 1/N.
+    from keras.src.losses import loss as loss_module
+
+    stock = tf.distribute.experimental.CentralStorageStrategy(["/cpu:1", "/cpu:2"])
+    with stock.scope():
+        scaled = loss_module.scale_loss_for_distribution(tf.constant(1.0))
+    assert float(scaled) == 0.5
+    assert float(loss_module.scale_loss_for_distribution(tf.constant(1.0))) == 1.0

@@ -1,0 +1,233 @@
+"""The oracle: one step on any split equals one single-device step on the whole batch (model.fit path)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hetero_cs
+from hetero_cs import HeteroCentralStorageStrategy
+
+_STRATEGIES: dict[int, HeteroCentralStorageStrategy] = {}
+
+
+def strategy_for(num_replicas: int, shares) -> HeteroCentralStorageStrategy:
+    """One strategy per replica count for the whole module (re-split with set_batch_split)."""
+    if num_replicas not in _STRATEGIES:
+        devices = [f"/cpu:{i}" for i in range(1, num_replicas + 1)]
+        _STRATEGIES[num_replicas] = HeteroCentralStorageStrategy(
+            devices, auto_balance=False, rebalance=False, batch_split=shares, profile_cache=False
+        )
+    strategy = _STRATEGIES[num_replicas]
+    strategy.set_batch_split(shares)
+    return strategy
+
+
+def linear_model():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+SEVEN_ONES_THREE_ZEROS = (np.ones((10, 1), np.float32), np.array([1.0] * 7 + [0.0] * 3, np.float32).reshape(10, 1))
+
+
+@pytest.mark.parametrize("shares", [[7, 3], [1, 9], [9, 1], [5, 3, 2]])
+def test_one_fit_step_on_uneven_split_equals_full_batch(shares):
+    # Full batch: grad = mean(2 * (w*x - y) * x) = -1.4 at w=0, so w = 0.14; loss = mean(y^2) = 0.7.
+    # Weighting each replica by 1/N instead of b_i/B gives w = 0.10 and loss 0.5 for [7, 3].
+    strategy = strategy_for(len(shares), shares)
+    with strategy.scope():
+        model = linear_model()
+    x, y = SEVEN_ONES_THREE_ZEROS
+    history = model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    assert strategy.plan.per_replica_batch_sizes == tuple(shares)
+    np.testing.assert_allclose(model.get_weights()[0], [[0.14]], atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"][0], 0.7, atol=1e-6)
+
+
+def dense_model(seed: int, *, optimizer: str, clip: dict | None = None, batchnorm: bool = False):
+    init = keras.initializers.GlorotUniform(seed=seed)
+    layers = [keras.Input((3,)), keras.layers.Dense(4, activation="tanh", kernel_initializer=init)]
+    if batchnorm:
+        layers.append(keras.layers.BatchNormalization(synchronized=True))
+    layers.append(keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1)))
+    model = keras.Sequential(layers)
+    opt_cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer]
+    model.compile(optimizer=opt_cls(learning_rate=0.05, **(clip or {})), loss="mse", metrics=["mae"])
+    return model
+
+
+def reference_and_distributed(shares, *, x, y, global_batch_size, optimizer, seed=0, clip=None, batchnorm=False):
+    reference = dense_model(seed, optimizer=optimizer, clip=clip, batchnorm=batchnorm)
+    ref_hist = reference.fit(x, y, batch_size=global_batch_size, epochs=1, shuffle=False, verbose=0)
+    strategy = strategy_for(len(shares), shares)
+    with strategy.scope():
+        model = dense_model(seed, optimizer=optimizer, clip=clip, batchnorm=batchnorm)
+    hist = model.fit(x, y, batch_size=global_batch_size, epochs=1, shuffle=False, verbose=0)
+    return reference, ref_hist, model, hist
+
+
+def assert_same_state(reference, model, atol=1e-5):
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=atol)
+    for ref_v, v in zip(reference.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(ref_v), atol=atol, err_msg=v.path)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    num_replicas=st.integers(1, 4),
+    global_batch_size=st.integers(4, 24),
+    steps=st.integers(1, 3),
+    optimizer=st.sampled_from(["sgd", "adam"]),
+)
+def test_random_splits_match_single_device(data, num_replicas, global_batch_size, steps, optimizer):
+    shares = data.draw(
+        st.lists(st.integers(0, 9), min_size=num_replicas, max_size=num_replicas).filter(lambda s: sum(s) > 0)
+    )
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    n = global_batch_size * steps - data.draw(st.integers(0, global_batch_size - 1))  # maybe a partial last batch
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    reference, ref_hist, model, hist = reference_and_distributed(
+        shares, x=x, y=y, global_batch_size=global_batch_size, optimizer=optimizer
+    )
+    assert_same_state(reference, model)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], atol=1e-5)
+    np.testing.assert_allclose(hist.history["mae"], ref_hist.history["mae"], atol=1e-5)
+
+
+def test_adam_first_moment_has_no_replica_count_factor():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, 3)).astype(np.float32)
+    y = rng.normal(size=(12, 1)).astype(np.float32)
+    reference = dense_model(5, optimizer="sgd")
+    with tf.GradientTape() as tape:
+        loss = keras.losses.mean_squared_error(y, reference(x))
+        loss = tf.reduce_mean(loss)
+    full_batch_grads = tape.gradient(loss, reference.trainable_variables)
+    _, _, model, _ = reference_and_distributed([6, 4, 2], x=x, y=y, global_batch_size=12, optimizer="adam", seed=5)
+    beta_1 = model.optimizer.beta_1
+    momentums = model.optimizer._momentums  # noqa: SLF001 - the slot variables under test
+    for m, g in zip(momentums, full_batch_grads):
+        np.testing.assert_allclose(np.asarray(m), (1 - beta_1) * g.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "clip", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05}, {"clipvalue": 0.01}], ids=lambda c: next(iter(c))
+)
+def test_gradient_clipping_acts_on_the_aggregated_gradient(clip):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    y = (3 * rng.normal(size=(16, 1))).astype(np.float32)
+    reference, _, model, _ = reference_and_distributed(
+        [9, 5, 2], x=x, y=y, global_batch_size=16, optimizer="sgd", clip=clip
+    )
+    assert_same_state(reference, model, atol=1e-6)
+
+
+def test_synchronized_batchnorm_gives_full_batch_moving_statistics():
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(30, 3)) * [1, 5, 0.1] + [0, 3, -2]).astype(np.float32)
+    y = rng.normal(size=(30, 1)).astype(np.float32)
+    reference, _, model, _ = reference_and_distributed(
+        [4, 9, 17], x=x, y=y, global_batch_size=30, optimizer="sgd", batchnorm=True
+    )
+    bn_ref = reference.layers[1]
+    bn = model.layers[1]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), bn_ref.moving_mean.numpy(), atol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), bn_ref.moving_variance.numpy(), atol=1e-5)
+    assert_same_state(reference, model)
+
+
+@pytest.mark.parametrize(
+    "shares,global_batch_size",
+    [([0, 5, 5], 10), ([1, 8, 1], 10), ([1, 1, 1], 2)],
+    ids=["zero-example-slice", "one-example-slices", "batch-smaller-than-replicas"],
+)
+def test_tiny_and_empty_slices_stay_exact(shares, global_batch_size):
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(global_batch_size * 2, 3)).astype(np.float32)
+    y = rng.normal(size=(global_batch_size * 2, 1)).astype(np.float32)
+    reference, ref_hist, model, hist = reference_and_distributed(
+        shares, x=x, y=y, global_batch_size=global_batch_size, optimizer="adam"
+    )
+    assert np.isfinite(hist.history["loss"][0])
+    assert_same_state(reference, model)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], atol=1e-5)
+
+
+def test_dropout_model_trains_on_three_replicas():
+    # Stock CentralStorageStrategy fails at step 0 on this model ("You must specify an aggregation method...").
+    strategy = strategy_for(3, [3, 2, 1])
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((16,)),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dropout(0.2),
+                keras.layers.GaussianNoise(0.1),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(240, 16)).astype(np.float32)
+    y = (x[:, :10].argmax(axis=1)).astype(np.int32)
+    history = model.fit(x, y, batch_size=48, epochs=4, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert all(np.isfinite(history.history["loss"]))
+
+
+def test_evaluate_and_predict_match_single_device():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(25, 3)).astype(np.float32)
+    y = rng.normal(size=(25, 1)).astype(np.float32)
+    reference = dense_model(7, optimizer="sgd")
+    strategy = strategy_for(3, [5, 1, 2])
+    with strategy.scope():
+        model = dense_model(7, optimizer="sgd")
+    ref_eval = reference.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    got_eval = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    for key in ref_eval:
+        np.testing.assert_allclose(got_eval[key], ref_eval[key], atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(model.predict(x, batch_size=10, verbose=0), reference.predict(x, batch_size=10, verbose=0), atol=1e-6)
+
+
+def test_plan_change_does_not_retrace_the_train_step():
+    strategy = strategy_for(3, [1, 1, 1])
+    with strategy.scope():
+        model = dense_model(1, optimizer="sgd")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(60, 3)).astype(np.float32)
+    y = rng.normal(size=(60, 1)).astype(np.float32)
+    traces = []
+    original_train_step = model.train_step
+
+    def counting_train_step(data):  # runs once per replica each time the step function is traced
+        traces.append(1)
+        return original_train_step(data)
+
+    model.train_step = counting_train_step
+    model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    traced = len(traces)
+    assert traced > 0
+    for shares in ([5, 1, 1], [1, 0, 3], [2, 2, 1]):
+        strategy.set_batch_split(shares)
+        model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    assert strategy.plan.per_replica_batch_sizes == (5, 5, 2)
+    assert len(traces) == traced
+
+
+def test_replica_weight_outside_a_replica_raises():
+    with pytest.raises(hetero_cs.HeteroCSError, match="inside a replica function"):
+        hetero_cs.current_global_batch_size()

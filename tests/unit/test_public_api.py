@@ -1,0 +1,82 @@
+"""The public API is a deliberate diff, and the pure layer never needs TensorFlow."""
+
+import subprocess
+import sys
+import textwrap
+
+import hetero_cs
+
+EXPECTED_ALL = [
+    "BalanceCallback",
+    "BatchPlan",
+    "BatchSplitError",
+    "CalibrationError",
+    "CalibrationOOMError",
+    "ConfigError",
+    "CostModel",
+    "DeviceError",
+    "DeviceInfo",
+    "EmulationError",
+    "HeteroCSError",
+    "HeteroCentralStorageStrategy",
+    "InfeasiblePlanError",
+    "InputError",
+    "InvalidCostModelError",
+    "LinearCostModel",
+    "PiecewiseLinearCostModel",
+    "ProfileCacheError",
+    "RebalancePolicy",
+    "Rebalancer",
+    "ReplicaStepError",
+    "ScaledCostModel",
+    "StepTimeMonitor",
+    "UnknownEmulatedDeviceError",
+    "current_global_batch_size",
+    "discover_devices",
+    "even_batch_split",
+    "replica_weight",
+    "solve_batch_split",
+    "split_by_shares",
+]
+
+
+def test_all_snapshot():
+    assert sorted(hetero_cs.__all__) == EXPECTED_ALL
+
+
+def test_every_error_subclasses_the_base_and_a_builtin():
+    errors = [getattr(hetero_cs, n) for n in EXPECTED_ALL if n.endswith("Error") and n != "HeteroCSError"]
+    for error in errors:
+        assert issubclass(error, hetero_cs.HeteroCSError), error
+        builtins = [b for b in error.__mro__ if b.__module__ == "builtins" and b not in (object, BaseException, Exception)]
+        assert builtins, f"{error.__name__} subclasses no builtin error"
+
+
+def test_pure_layer_imports_without_tensorflow_or_pynvml():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["tensorflow"] = None
+        sys.modules["pynvml"] = None
+        sys.modules["keras"] = None
+        import hetero_cs
+        from hetero_cs import cost_model, plan, solver, rebalance, monitor, emulation, errors
+        from calibration import timing, fit, store
+        plan_ = hetero_cs.solve_batch_split(
+            [hetero_cs.LinearCostModel(0.001, 1e-4), hetero_cs.LinearCostModel(0.001, 3e-4)], 64
+        )
+        assert sum(plan_.per_replica_batch_sizes) == 64
+        assert emulation.get_device_spec("T4").name == "T4"
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_import_does_not_load_tensorflow():
+    code = "import sys, hetero_cs, calibration; print('tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
