@@ -1,0 +1,806 @@
+"""Emulated accelerators: a catalog of real devices and delay injection on logical CPU devices.
+
+An emulated replica runs the real computation on a logical CPU device (``/device:CPU:1`` ...) and then waits until
+its step has taken as long as the named device would take for its slice of the batch: compute at a stated
+efficiency, plus the parameter broadcast and the gradient return over the device's PCIe link. This lets the whole
+calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and the monitor
+measure wall time only; they never read this catalog.
+
+The module has two layers:
+
+* a pure layer (``DeviceSpec``, ``CATALOG``, ``Workload``, ``emulated_step_time_s``, ``Drift``, ``Emulator``)
+  that imports neither TensorFlow nor pynvml, and ``estimate_workload`` which imports Keras lazily;
+* a TF layer (``setup_logical_devices``, ``wall_clock_stamp``, ``end_replica_step``) that imports TensorFlow
+  inside each function, so ``import hetero_cs.emulation`` never loads TensorFlow.
+
+All times produced here are emulated, not measured; every human-readable output says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+import os
+import threading
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+TIME_SCALE_ENV_VAR = "HETERO_CS_EMULATION_TIME_SCALE"
+"""Environment variable fixing ``Emulator.time_scale`` (a positive float); an explicit argument wins over it."""
+
+DEFAULT_COMPUTE_EFFICIENCY = 0.35
+"""Fraction of peak fp32 FLOP/s a training step sustains; 0.3-0.5 is typical for small dense models."""
+
+DEFAULT_LAUNCH_OVERHEAD_S = 5e-4
+"""Fixed per-step cost (kernel launches, op dispatch, synchronisation), an assumption: ~50 kernels x ~10 us."""
+
+# Usable bandwidth per lane and direction after line encoding, in bytes/s (PCI-SIG base specifications):
+# gen1 2.5 GT/s and gen2 5 GT/s use 8b/10b; gen3 8 GT/s, gen4 16 GT/s, gen5 32 GT/s use 128b/130b.
+# Real DMA throughput is a further ~10-20 % lower (TLP headers); the emulation uses these link rates.
+PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType({
+    1: 0.250e9,
+    2: 0.500e9,
+    3: 0.985e9,
+    4: 1.969e9,
+    5: 3.938e9,
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Published figures of one device.
+
+    Attributes:
+        name: Catalog key, e.g. "A10".
+        fp32_tflops: Peak dense fp32 throughput (non-tensor-core), in 1e12 FLOP/s; > 0.
+        fp16_tflops: Peak dense fp16 throughput (tensor cores where the device has them, no sparsity), 1e12 FLOP/s.
+        memory_bytes: Device memory, in bytes (1 GB = 1e9 bytes as in the datasheets).
+        memory_bandwidth_bytes_per_s: Peak device-memory bandwidth, in bytes/s.
+        pcie_generation: PCIe generation of the host link (1-5); None for the host CPU (no link: same memory).
+        pcie_lanes: Lanes of the host link (1-32); None for the host CPU.
+        source: Where the figures come from (datasheet name and URL, or a stated assumption).
+    """
+
+    name: str
+    fp32_tflops: float
+    fp16_tflops: float
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    pcie_generation: int | None
+    pcie_lanes: int | None
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("DeviceSpec.name is empty; give the catalog key, e.g. name='A10'.")
+        for field in ("fp32_tflops", "fp16_tflops", "memory_bandwidth_bytes_per_s"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be a finite number > 0.")
+        if not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
+            raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes={self.memory_bytes!r} must be an int > 0.")
+        if (self.pcie_generation is None) != (self.pcie_lanes is None):
+            raise ConfigError(
+                f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} and "
+                f"pcie_lanes={self.pcie_lanes!r} must both be set (a PCIe device) or both be None (the host CPU).")
+        if self.pcie_generation is not None and self.pcie_generation not in PCIE_BYTES_PER_S_PER_LANE:
+            raise ConfigError(
+                f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} is not one of "
+                f"{sorted(PCIE_BYTES_PER_S_PER_LANE)}.")
+        if self.pcie_lanes is not None and not (isinstance(self.pcie_lanes, int) and 1 <= self.pcie_lanes <= 32):
+            raise ConfigError(f"DeviceSpec {self.name!r}: pcie_lanes={self.pcie_lanes!r} must be an int in [1, 32].")
+        if not self.source:
+            raise ConfigError(f"DeviceSpec {self.name!r}: source is empty; cite the datasheet or the assumption.")
+
+    @property
+    def pcie_bandwidth_bytes_per_s(self) -> float:
+        """Usable host-link bandwidth per direction, in bytes/s; ``math.inf`` for the host CPU (no copy needed).
+
+        Per lane: gen3 0.985e9, gen4 1.969e9, gen5 3.938e9 bytes/s (line rate after 128b/130b encoding), so a
+        gen4 x16 link gives 31.5e9 bytes/s each way.
+        """
+        if self.pcie_generation is None or self.pcie_lanes is None:
+            return math.inf
+        return PCIE_BYTES_PER_S_PER_LANE[self.pcie_generation] * self.pcie_lanes
+
+
+_GB = 10**9
+
+# Figures from NVIDIA's datasheets (PCIe form factors). fp16 is the dense tensor-core figure (no sparsity) where the
+# device has tensor cores; P100 has none, so its fp16 is the packed-half rate.
+CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
+    "A10": DeviceSpec(
+        name="A10", fp32_tflops=31.2, fp16_tflops=125.0, memory_bytes=24 * _GB,
+        memory_bandwidth_bytes_per_s=600e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W), "
+                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf")),
+    "T4": DeviceSpec(
+        name="T4", fp32_tflops=8.1, fp16_tflops=65.0, memory_bytes=16 * _GB,
+        memory_bandwidth_bytes_per_s=320e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA T4 Tensor Core GPU datasheet (low-profile PCIe card, 70 W; fp16 is mixed-precision "
+                "tensor), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
+                "t4-tensor-core-datasheet-951643.pdf")),
+    "P100": DeviceSpec(
+        name="P100", fp32_tflops=9.3, fp16_tflops=18.7, memory_bytes=16 * _GB,
+        memory_bandwidth_bytes_per_s=732e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA Tesla P100 PCIe datasheet (16 GB CoWoS HBM2 variant, 250 W), "
+                "https://images.nvidia.com/content/tesla/pdf/nvidia-tesla-p100-PCIe-datasheet.pdf")),
+    "V100": DeviceSpec(
+        name="V100", fp32_tflops=14.0, fp16_tflops=112.0, memory_bytes=32 * _GB,
+        memory_bandwidth_bytes_per_s=900e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA V100 Tensor Core GPU datasheet, V100 PCIe column (32 GB variant; a 16 GB one also "
+                "exists), https://images.nvidia.com/content/technologies/volta/pdf/"
+                "volta-v100-datasheet-update-us-1165301-r5.pdf")),
+    "A100": DeviceSpec(
+        name="A100", fp32_tflops=19.5, fp16_tflops=312.0, memory_bytes=80 * _GB,
+        memory_bandwidth_bytes_per_s=1935e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column, "
+                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")),
+    "H100": DeviceSpec(
+        name="H100", fp32_tflops=51.0, fp16_tflops=756.0, memory_bytes=80 * _GB,
+        memory_bandwidth_bytes_per_s=2.0e12, pcie_generation=5, pcie_lanes=16,
+        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (fp16 tensor 1,513 TF is with "
+                "sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
+                "nvidia-tensor-core-gpu-datasheet")),
+    "CPU": DeviceSpec(
+        name="CPU", fp32_tflops=1.28, fp16_tflops=1.28, memory_bytes=128 * 2**30,
+        memory_bandwidth_bytes_per_s=204.8e9, pcie_generation=None, pcie_lanes=None,
+        source=("Assumption, not a datasheet: a typical 16-core AVX2 server socket at 2.5 GHz sustained, "
+                "2 FMA units x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle/core -> 1.28 TFLOP/s fp32 (no native fp16 "
+                "arithmetic, so fp16 = fp32); 8 channels DDR4-3200 -> 204.8 GB/s; 128 GiB of host memory; "
+                "parameters and gradients stay in host memory, so no PCIe transfer")),
+})
+
+
+def get_device_spec(name: str) -> DeviceSpec:
+    """Looks up a catalog device, case-insensitively.
+
+    Args:
+        name: A catalog key such as "A10", "t4" or "cpu".
+
+    Returns:
+        The device's DeviceSpec.
+
+    Raises:
+        UnknownEmulatedDeviceError: If ``name`` is not in the catalog (the message lists the known names).
+
+    Example:
+        >>> get_device_spec("t4").fp32_tflops
+        8.1
+    """
+    if isinstance(name, str):
+        for key, spec in CATALOG.items():
+            if key.lower() == name.strip().lower():
+                return spec
+    raise UnknownEmulatedDeviceError(
+        f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "
+        f"Use one of these names (case does not matter).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model-dependent inputs of the emulated step time.
+
+    Attributes:
+        flops_per_example: Forward-pass FLOPs for one example (a multiply-add counts 2); finite, >= 0.
+        parameter_bytes: Bytes of the trainable weights (what is broadcast, and returned as gradients); >= 0.
+    """
+
+    flops_per_example: float
+    parameter_bytes: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.flops_per_example, (int, float)) and math.isfinite(self.flops_per_example)
+                and self.flops_per_example >= 0):
+            raise ConfigError(
+                f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
+        if isinstance(self.parameter_bytes, bool) or not isinstance(self.parameter_bytes, int) \
+                or self.parameter_bytes < 0:
+            raise ConfigError(f"Workload.parameter_bytes={self.parameter_bytes!r} must be an int >= 0.")
+
+
+def _dtype_size_bytes(dtype: Any) -> int:
+    """Bytes per element of a Keras/numpy dtype name ('float32', 'bfloat16', ...)."""
+    import numpy as np
+
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        digits = "".join(ch for ch in str(dtype) if ch.isdigit())
+        return max(1, int(digits) // 8) if digits else 4
+
+
+def _output_shape(layer: Any) -> tuple | None:
+    """A layer's output shape (batch dim included), or None when it cannot be known."""
+    try:
+        return tuple(layer.output.shape)
+    except (AttributeError, ValueError):
+        pass
+    build_shapes = getattr(layer, "_build_shapes_dict", None)  # Keras 3: the shapes build() received.
+    if build_shapes and len(build_shapes) == 1:
+        try:
+            return tuple(layer.compute_output_shape(next(iter(build_shapes.values()))))
+        except Exception:  # noqa: BLE001 - any layer may refuse; the estimate then uses a fallback.
+            return None
+    return None
+
+
+def _positions(layer: Any, channels: int) -> int:
+    """Output positions per example: prod(output dims but batch) / channels; 1 when the shape is unknown."""
+    shape = _output_shape(layer)
+    if not shape or any(d is None for d in shape[1:]):
+        logger.debug("estimate_workload: output shape of %s unknown; counting one output row.", layer.name)
+        return 1
+    return max(1, math.prod(int(d) for d in shape[1:]) // max(1, channels))
+
+
+def estimate_workload(model: Any) -> Workload:
+    """Estimates forward FLOPs per example and trainable parameter bytes of a built Keras 3 model.
+
+    Counted layers (nested models and sublayers included): ``Dense`` costs 2 * in * out per output row;
+    ``Conv1D``/``Conv2D``/``Conv3D`` cost 2 * kernel.size per output position (kernel.size = k... * cin/groups *
+    cout). Every other layer counts ~0 (activations, normalisation, pooling are small beside these).
+
+    Args:
+        model: A built ``keras.Model`` or ``keras.layers.Layer``.
+
+    Returns:
+        Workload(flops_per_example, parameter_bytes), parameter_bytes summing size * dtype size over the
+        distinct trainable weights.
+
+    Raises:
+        ConfigError: If the model has not been built (it has no weights yet).
+
+    Example:
+        Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528.
+    """
+    import keras
+
+    if not getattr(model, "built", False):
+        raise ConfigError(
+            f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
+            f"model.build(input_shape) or call it on one batch.")
+    if hasattr(model, "_flatten_layers"):  # Keras 3 private API: the only walk that reaches attribute sublayers.
+        layers = list(model._flatten_layers(include_self=True, recursive=True))
+    else:  # pragma: no cover - public fallback for other Keras versions.
+        layers, stack = [], [model]
+        while stack:
+            layer = stack.pop()
+            layers.append(layer)
+            stack.extend(getattr(layer, "layers", []))
+    convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
+    flops = 0.0
+    for layer in layers:
+        if isinstance(layer, keras.layers.Dense):
+            fan_in, units = (int(d) for d in layer.kernel.shape)
+            flops += 2.0 * fan_in * units * _positions(layer, units)
+        elif convs and isinstance(layer, convs):
+            flops += 2.0 * math.prod(int(d) for d in layer.kernel.shape) * _positions(layer, int(layer.filters))
+    seen: set[int] = set()
+    parameter_bytes = 0
+    for weight in model.trainable_weights:
+        if id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        parameter_bytes += math.prod(int(d) for d in weight.shape) * _dtype_size_bytes(weight.dtype)
+    return Workload(flops_per_example=flops, parameter_bytes=int(parameter_bytes))
+
+
+def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, *,
+                         compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+                         launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S) -> float:
+    """Time one replica on ``spec`` would take for one training step on ``batch_size`` examples.
+
+    t = launch_overhead_s                                          (fixed per-step dispatch cost)
+      + parameter_bytes / pcie_bandwidth                           (broadcast of the central variables)
+      + 3 * flops_per_example * batch_size / (fp32_tflops * 1e12 * compute_efficiency)
+                                                                   (forward + backward ~ 3x forward)
+      + parameter_bytes / pcie_bandwidth                           (gradient return to the host)
+
+    The host CPU entry has no PCIe link (variables live in its memory), so both transfers cost 0. A replica with
+    0 examples idles: it costs 0 s (no compute, and the plan would skip its transfers).
+
+    Args:
+        spec: The emulated device.
+        batch_size: Examples in the replica's slice, >= 0.
+        workload: The model's FLOPs per example and parameter bytes.
+        compute_efficiency: Fraction of peak fp32 FLOP/s sustained, in (0, 1].
+        launch_overhead_s: Fixed per-step cost in seconds, >= 0.
+
+    Returns:
+        Emulated seconds, >= 0.
+
+    Raises:
+        ConfigError: If an argument is out of range.
+
+    Example:
+        T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes: 0.5 ms + 2 x 0.052 ms (PCIe gen3 x16)
+        + 3 x 406,528 x 256 / (8.1e12 x 0.35) = 0.110 ms, in all ~0.71 ms.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0.")
+    if not (0.0 < compute_efficiency <= 1.0):
+        raise ConfigError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1].")
+    if not (math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
+        raise ConfigError(f"launch_overhead_s={launch_overhead_s!r} must be a finite number >= 0.")
+    if batch_size == 0:
+        return 0.0
+    bandwidth = spec.pcie_bandwidth_bytes_per_s
+    transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
+    compute_s = 3.0 * workload.flops_per_example * batch_size / (spec.fp32_tflops * 1e12 * compute_efficiency)
+    return launch_overhead_s + transfer_s + compute_s + transfer_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Drift:
+    """A change of one emulated device's speed over a range of steps.
+
+    The replica runs ``factor`` times slower (factor < 1: faster) for its steps in [from_step, until_step).
+    Overlapping drifts of one replica multiply.
+
+    Attributes:
+        replica_id: The replica that drifts, >= 0.
+        factor: Slow-down factor, finite and > 0 (2.0 = twice as slow).
+        from_step: First affected step of that replica (its own step counter), >= 0.
+        until_step: First step no longer affected (> from_step), or None for "until the end".
+    """
+
+    replica_id: int
+    factor: float
+    from_step: int = 0
+    until_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replica_id, bool) or not isinstance(self.replica_id, int) or self.replica_id < 0:
+            raise ConfigError(f"Drift.replica_id={self.replica_id!r} must be an int >= 0.")
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(f"Drift.factor={self.factor!r} must be a finite number > 0 (2.0 = twice as slow).")
+        if isinstance(self.from_step, bool) or not isinstance(self.from_step, int) or self.from_step < 0:
+            raise ConfigError(f"Drift.from_step={self.from_step!r} must be an int >= 0.")
+        if self.until_step is not None and (not isinstance(self.until_step, int)
+                                            or self.until_step <= self.from_step):
+            raise ConfigError(
+                f"Drift.until_step={self.until_step!r} must be None or an int > from_step={self.from_step}.")
+
+    def applies(self, step: int) -> bool:
+        """Whether this drift affects ``step`` (in [from_step, until_step))."""
+        return step >= self.from_step and (self.until_step is None or step < self.until_step)
+
+
+def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
+    base, extra = divmod(global_batch_size, num_replicas)
+    return [base + (1 if i < extra else 0) for i in range(num_replicas)]
+
+
+class Emulator:
+    """Emulated step times for a set of replicas, one catalog device each; safe to call from several threads.
+
+    The emulated step time of replica i on b examples at its step s is
+    ``time_scale * drift_factor(i, s) * emulated_step_time_s(spec_i, b, workload)``. ``time_scale`` stretches all
+    devices alike (ratios between devices are kept) so that emulated waits dominate the real CPU compute of a small
+    model; it comes from the ``time_scale`` argument, else the environment variable
+    ``HETERO_CS_EMULATION_TIME_SCALE``, else ``calibrate_time_scale``, else 1.0.
+
+    Args:
+        device_names: Catalog names, one per replica in replica-id order (length R >= 1).
+        workload: The model's Workload; may be set later with ``set_workload``.
+        time_scale: Fixed multiplier > 0 of all emulated times; None to take it from the environment or from
+            ``calibrate_time_scale``.
+        drift: Speed changes per replica.
+
+    Raises:
+        UnknownEmulatedDeviceError: If a name is not in the catalog.
+        ConfigError: If ``device_names`` is empty, ``time_scale`` (or the environment variable) is not a positive
+            finite number, or a drift names a replica >= R.
+
+    Example:
+        >>> emulator = Emulator(["A10", "T4"], workload=Workload(4e5, 800_000))
+        >>> scale = emulator.calibrate_time_scale(256)  # the slower T4 at 128 examples -> ~0.05 s
+        >>> emulator.delay_s(0, 128) < emulator.delay_s(1, 128)
+        True
+    """
+
+    def __init__(self, device_names: Sequence[str], *, workload: Workload | None = None,
+                 time_scale: float | None = None, drift: Sequence[Drift] = ()) -> None:
+        if isinstance(device_names, str) or not device_names:
+            raise ConfigError(
+                f"device_names={device_names!r} must be a non-empty sequence of catalog names, e.g. ['A10', 'T4'].")
+        self._specs = tuple(get_device_spec(name) for name in device_names)
+        num_replicas = len(self._specs)
+        self._drift = tuple(drift)
+        for item in self._drift:
+            if not isinstance(item, Drift):
+                raise ConfigError(f"drift entries must be Drift instances; received: {item!r}.")
+            if item.replica_id >= num_replicas:
+                raise ConfigError(
+                    f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} "
+                    f"(ids 0..{num_replicas - 1}); fix the drift's replica_id.")
+        if workload is not None and not isinstance(workload, Workload):
+            raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
+        self._time_scale_fixed = False
+        scale = 1.0
+        if time_scale is not None:
+            scale, self._time_scale_fixed = self._check_scale(time_scale, "time_scale"), True
+        elif os.environ.get(TIME_SCALE_ENV_VAR, "").strip():
+            raw = os.environ[TIME_SCALE_ENV_VAR].strip()
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            scale, self._time_scale_fixed = self._check_scale(value, f"{TIME_SCALE_ENV_VAR}={raw!r}"), True
+        self._lock = threading.Lock()
+        self._workload = workload
+        self._time_scale = scale
+        self._steps = [0] * num_replicas
+
+    @staticmethod
+    def _check_scale(value: float, label: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time.")
+        return float(value)
+
+    @property
+    def specs(self) -> tuple[DeviceSpec, ...]:
+        """The emulated devices, in replica-id order."""
+        return self._specs
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of emulated replicas."""
+        return len(self._specs)
+
+    @property
+    def time_scale(self) -> float:
+        """The multiplier applied to every emulated time."""
+        with self._lock:
+            return self._time_scale
+
+    @property
+    def workload(self) -> Workload | None:
+        """The current Workload, or None if not set yet."""
+        with self._lock:
+            return self._workload
+
+    @property
+    def steps_done(self) -> tuple[int, ...]:
+        """Steps each replica has taken (``delay_s`` calls), in replica-id order."""
+        with self._lock:
+            return tuple(self._steps)
+
+    def set_workload(self, workload: Workload) -> None:
+        """Sets the Workload used by every later time query."""
+        if not isinstance(workload, Workload):
+            raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
+        with self._lock:
+            self._workload = workload
+
+    def advance_to(self, step: int) -> None:
+        """Sets every replica's step counter to ``step`` (>= 0), e.g. when training resumes from a checkpoint."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step={step!r} must be an int >= 0.")
+        with self._lock:
+            self._steps = [step] * len(self._specs)
+
+    def calibrate_time_scale(self, global_batch_size: int, *, target_makespan_s: float = 0.05) -> float:
+        """Chooses ``time_scale`` so the slowest replica's step at an even split takes ~``target_makespan_s``.
+
+        Does nothing when the scale was fixed by the constructor argument or the environment variable.
+
+        Args:
+            global_batch_size: B >= 1, split evenly across the R replicas for this purpose.
+            target_makespan_s: Emulated makespan wanted at the even split, in seconds, > 0. Keep it well above the
+                real per-replica compute so the emulated ratios between devices dominate.
+
+        Returns:
+            The time_scale now in force.
+
+        Raises:
+            ConfigError: If an argument is out of range.
+            EmulationError: If no Workload has been set.
+        """
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ConfigError(f"global_batch_size={global_batch_size!r} must be an int >= 1.")
+        if not (math.isfinite(target_makespan_s) and target_makespan_s > 0):
+            raise ConfigError(f"target_makespan_s={target_makespan_s!r} must be a finite number > 0.")
+        with self._lock:
+            if self._time_scale_fixed:
+                return self._time_scale
+            workload = self._require_workload()
+            split = _even_split(global_batch_size, len(self._specs))
+            makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
+            self._time_scale = target_makespan_s / makespan_s
+            logger.info("Emulation time_scale=%.4g (even-split makespan %.4g s emulated -> %.4g s).",
+                        self._time_scale, makespan_s, target_makespan_s)
+            return self._time_scale
+
+    def _require_workload(self) -> Workload:
+        if self._workload is None:
+            raise EmulationError(
+                "The emulator has no Workload. Pass workload= to Emulator(...) or call "
+                "emulator.set_workload(estimate_workload(model)).")
+        return self._workload
+
+    def _drift_factor(self, replica_id: int, step: int) -> float:
+        factor = 1.0
+        for item in self._drift:
+            if item.replica_id == replica_id and item.applies(step):
+                factor *= item.factor
+        return factor
+
+    def _check_replica(self, replica_id: int) -> None:
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
+                or not 0 <= replica_id < len(self._specs):
+            raise ConfigError(
+                f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
+                f"num_replicas={len(self._specs)}.")
+
+    def _step_time_locked(self, replica_id: int, batch_size: int, step: int) -> float:
+        base_s = emulated_step_time_s(self._specs[replica_id], batch_size, self._require_workload())
+        return self._time_scale * self._drift_factor(replica_id, step) * base_s
+
+    def step_time_s(self, replica_id: int, batch_size: int, *, step: int | None = None) -> float:
+        """Emulated step time of a replica, without advancing anything.
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: Examples in the slice, >= 0 (0 -> 0 s: the replica idles).
+            step: The replica's step whose drift applies; None for its next step.
+
+        Returns:
+            Seconds (already multiplied by time_scale and drift).
+
+        Raises:
+            ConfigError: If an argument is out of range.
+            EmulationError: If no Workload has been set.
+        """
+        self._check_replica(replica_id)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ConfigError(f"step={step!r} must be None or an int >= 0.")
+        with self._lock:
+            return self._step_time_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
+
+    def delay_s(self, replica_id: int, batch_size: int) -> float:
+        """Emulated time of the replica's next step (drift at its step counter); then advances that counter.
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: Examples in the slice, >= 0.
+
+        Returns:
+            Seconds the replica's step should take in all (real compute included).
+        """
+        self._check_replica(replica_id)
+        with self._lock:
+            step = self._steps[replica_id]
+            value = self._step_time_locked(replica_id, batch_size, step)
+            self._steps[replica_id] = step + 1
+            return value
+
+    def describe(self, global_batch_size: int | None = None) -> list[str]:
+        """Lines of a table of the emulated replicas; the header says the times are emulated.
+
+        Args:
+            global_batch_size: If given (and a Workload is set), each row shows the replica's emulated step time
+                at an even split of this batch.
+        """
+        with self._lock:
+            workload, scale = self._workload, self._time_scale
+            split = (_even_split(global_batch_size, len(self._specs))
+                     if global_batch_size and workload is not None else None)
+            lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
+                     f"{'replica':>7}  {'device':<6} {'fp32 TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
+            for i, spec in enumerate(self._specs):
+                link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
+                step_text = "-"
+                if split is not None:
+                    step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
+                drift_text = ", ".join(
+                    f"x{d.factor:g} steps [{d.from_step}, {'end' if d.until_step is None else d.until_step})"
+                    for d in self._drift if d.replica_id == i) or "-"
+                lines.append(f"{i:>7}  {spec.name:<6} {spec.fp32_tflops:>8.1f} {link:>9}  {step_text:>18}  "
+                             f"{drift_text}")
+        return lines
+
+
+# ----------------------------------------------------------------------------------------------------- TF layer
+
+
+def setup_logical_devices(names: Sequence[str]) -> list[str]:
+    """Splits the host CPU into a parameter device and one compute device per emulated name.
+
+    Must run before TensorFlow initialises its devices (before any op runs). Creates len(names) + 1 logical CPU
+    devices (CPU:0 holds the central variables, CPU:1..R compute) and raises the inter-op thread pool to at least
+    R + 2 threads (only when it is unset or lower), so the replicas' emulated waits overlap. Calling it again is
+    harmless: if TF is already initialised with enough logical CPU devices, the names are returned as they are.
+
+    Args:
+        names: Catalog names, one per compute replica, R >= 1.
+
+    Returns:
+        ["/device:CPU:1", ..., "/device:CPU:R"].
+
+    Raises:
+        UnknownEmulatedDeviceError: If a name is not in the catalog.
+        ConfigError: If ``names`` is empty.
+        EmulationError: If TF is already initialised with fewer than R + 1 logical CPU devices.
+
+    Example:
+        >>> setup_logical_devices(["A10", "T4", "T4"])  # first thing in main() or a conftest
+        ['/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
+    """
+    if isinstance(names, str) or not names:
+        raise ConfigError(f"names={names!r} must be a non-empty sequence of catalog names, e.g. ['A10', 'T4'].")
+    for name in names:
+        get_device_spec(name)
+    import tensorflow as tf
+
+    num_replicas = len(names)
+    wanted_devices = num_replicas + 1
+    wanted_threads = num_replicas + 2
+    device_names = [f"/device:CPU:{i}" for i in range(1, wanted_devices)]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        configured = tf.config.get_logical_device_configuration(cpu) or []
+        if len(configured) < wanted_devices:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(wanted_devices)])
+        threads = tf.config.threading.get_inter_op_parallelism_threads()
+        if threads == 0 or threads < wanted_threads:
+            tf.config.threading.set_inter_op_parallelism_threads(wanted_threads)
+    except RuntimeError as exc:  # TF refuses once its context is initialised.
+        existing = tf.config.list_logical_devices("CPU")
+        if len(existing) < wanted_devices:
+            raise EmulationError(
+                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but "
+                f"{wanted_devices} are needed for names={list(names)}. Call setup_logical_devices(...) before any "
+                f"TensorFlow op runs (first thing in main, or in a conftest).") from exc
+        threads = tf.config.threading.get_inter_op_parallelism_threads() or (os.cpu_count() or 1)
+        if threads < wanted_threads:
+            logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
+                           threads, wanted_threads)
+    logger.info("Emulated devices %s on %s.", list(names), device_names)
+    return device_names
+
+
+def _probe_scalar(anchor: Any) -> tf.Tensor:
+    """A float64 scalar that depends on ``anchor``'s data (0.0 for an empty tensor), so it is not constant-folded."""
+    import tensorflow as tf
+
+    flat = tf.reshape(anchor, [-1])[:1]  # at most one element: cheap, and a 0-element slice gives 0.0.
+    if flat.dtype == tf.string:
+        return tf.cast(tf.reduce_sum(tf.strings.length(flat)), tf.float64)
+    if flat.dtype.is_complex:
+        flat = tf.math.real(flat)
+    return tf.reduce_sum(tf.cast(flat, tf.float64))
+
+
+def _perf_counter(_probe: Any) -> Any:
+    import numpy as np
+
+    return np.float64(time.perf_counter())
+
+
+def wall_clock_stamp(anchor: Any) -> tf.Tensor:
+    """``time.perf_counter()`` taken once ``anchor`` has been computed, as a float64 scalar tensor.
+
+    A stateless ``tf.numpy_function`` fed a data-dependent scalar of ``anchor``: stateless so that tf.function does
+    not chain it with the other replicas' stamps (``tf.timestamp`` would serialise them), data-dependent so that it
+    is not constant-folded. Keep the result in the data path or it is pruned (``end_replica_step`` consumes it).
+    TF may run the stamp after work that merely shares its input; to stamp before the work starts, feed the work
+    ``tie_to_stamp(inputs, stamp)``.
+
+    Args:
+        anchor: Any tensor (any shape, may be empty); the stamp is taken after it is ready.
+
+    Returns:
+        A float64 scalar, seconds on the ``time.perf_counter`` clock.
+    """
+    import tensorflow as tf
+
+    stamp = tf.numpy_function(_perf_counter, [_probe_scalar(anchor)], tf.float64, stateful=False,
+                              name="wall_clock_stamp")
+    stamp.set_shape([])
+    return stamp
+
+
+def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,
+                     emulator: Emulator | None = None,
+                     record: Callable[[int, int, float], None] | None = None,
+                     advance: bool = True) -> tf.Tensor:
+    """Ends one replica's step: waits out the emulated device time, reports the step, returns the end stamp.
+
+    One stateless ``tf.numpy_function`` that runs once ``anchor`` is ready. With an emulator it sleeps until
+    ``start_stamp + emulator.delay_s(replica_id, b)``, so the replica's wall time from start to end matches the
+    emulated device (the real compute counts toward it; if the real compute was longer, nothing is added). Then it
+    calls ``record(replica_id, b, elapsed_s)``.
+
+    Keep the result in the data path: ``grads = tie_to_stamp(grads, end)``. A control dependency alone is not
+    enough: Grappler's dependency optimizer turns a stateless op whose outputs feed only control edges into a
+    NoOp, so ``with tf.control_dependencies([end]): tf.identity(g)`` silently skips the wait and the record
+    (measured on TF 2.21 inside tf.function).
+
+    Args:
+        start_stamp: float64 scalar from ``wall_clock_stamp`` at the start of the step.
+        anchor: A tensor computed at the end of the replica's work (e.g. a gradient).
+        replica_id: The replica, in [0, R).
+        batch_size: Examples in the replica's slice (int scalar tensor or int), >= 0.
+        emulator: Supplies the emulated step time; None to only time the step.
+        record: Called as ``record(replica_id, batch_size, elapsed_s)`` from a TF thread (must be thread-safe).
+        advance: True for training steps (``emulator.delay_s``: drift at the replica's step counter, which then
+            advances); False for probes that are not training steps (``emulator.step_time_s``: counter unchanged).
+
+    Returns:
+        A float64 scalar: the end stamp on the ``time.perf_counter`` clock.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    replica_id = operator.index(replica_id)  # a Python or numpy int, fixed at trace time
+
+    def _end(start: Any, _probe: Any, size: Any) -> Any:
+        start_s, examples = float(start), int(size)
+        if emulator is not None:
+            target_s = (emulator.delay_s(replica_id, examples) if advance
+                        else emulator.step_time_s(replica_id, examples))
+            remaining_s = start_s + target_s - time.perf_counter()
+            if remaining_s > 0:
+                time.sleep(remaining_s)
+        end_s = time.perf_counter()
+        if record is not None:
+            record(replica_id, examples, end_s - start_s)
+        return np.float64(end_s)
+
+    end = tf.numpy_function(
+        _end, [tf.cast(start_stamp, tf.float64), _probe_scalar(anchor), tf.cast(batch_size, tf.int64)],
+        tf.float64, stateful=False, name=f"end_replica_step_{replica_id}")
+    end.set_shape([])
+    return end
+
+
+def tie_to_stamp(structure: Any, stamp: Any) -> Any:
+    """Makes every numeric tensor of ``structure`` depend on ``stamp`` through data, values unchanged.
+
+    Each tensor t becomes ``t - zero`` where ``zero = cast(is_nan(stamp))`` is a 0 computed at run time, which
+    Grappler cannot fold; ``t - (+0)`` equals t bit for bit (signed zeros, inf and NaN included; subnormals are
+    flushed to zero, as by every TF CPU kernel). Use it instead of
+    ``tf.control_dependencies`` (which does not keep a stateless stamp op alive, see ``end_replica_step``), e.g.
+    ``grads = tie_to_stamp(grads, end)`` so the gradients leave the replica only after its emulated step ended.
+    Costs one element-wise subtraction per tensor.
+
+    Args:
+        structure: A nest of tensors, ``tf.IndexedSlices`` (their values are tied) and None; non-numeric tensors
+            (bool, string) are returned as they are, so at least one numeric tensor must be present for the tie.
+        stamp: A float64 scalar from ``wall_clock_stamp`` or ``end_replica_step``.
+
+    Returns:
+        The same nest, the same dtypes, shapes and values.
+    """
+    import tensorflow as tf
+
+    zero = tf.cast(tf.math.is_nan(stamp), tf.float64)
+
+    def tie(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tie(value.values), value.indices, value.dense_shape)
+        if not isinstance(value, (tf.Tensor, tf.Variable)) and not tf.is_tensor(value):
+            return value
+        dtype = tf.as_dtype(value.dtype)
+        if not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
+            return value
+        return value - tf.cast(zero, dtype)
+
+    return tf.nest.map_structure(tie, structure)

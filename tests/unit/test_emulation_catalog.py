@@ -1,0 +1,310 @@
+"""The pure part of hetero_cs.emulation: catalog, step-time model, drift, Emulator (no TensorFlow)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from hetero_cs.emulation import (
+    CATALOG,
+    TIME_SCALE_ENV_VAR,
+    DeviceSpec,
+    Drift,
+    Emulator,
+    Workload,
+    emulated_step_time_s,
+    get_device_spec,
+)
+from hetero_cs.errors import ConfigError, EmulationError, HeteroCSError, UnknownEmulatedDeviceError
+
+# MLP 784-256-10 in fp32: forward FLOPs 2*784*256 + 2*256*10; parameters (784*256+256 + 256*10+10) * 4 bytes.
+MLP = Workload(flops_per_example=2 * 784 * 256 + 2 * 256 * 10, parameter_bytes=(784 * 256 + 256 + 256 * 10 + 10) * 4)
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_time_scale_env(monkeypatch):
+    monkeypatch.delenv(TIME_SCALE_ENV_VAR, raising=False)
+
+
+# ----------------------------------------------------------------------------------------------------- catalog
+
+
+def test_catalog_holds_the_documented_devices_and_is_read_only():
+    assert set(CATALOG) == {"A10", "T4", "P100", "V100", "A100", "H100", "CPU"}
+    with pytest.raises(TypeError):
+        CATALOG["X"] = CATALOG["T4"]  # type: ignore[index]
+    with pytest.raises(Exception):  # frozen dataclass
+        CATALOG["T4"].fp32_tflops = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "name, fp32, fp16, memory_gb, bandwidth_gb_s, generation",
+    [
+        ("A10", 31.2, 125.0, 24, 600, 4),
+        ("T4", 8.1, 65.0, 16, 320, 3),
+        ("P100", 9.3, 18.7, 16, 732, 3),
+        ("V100", 14.0, 112.0, 32, 900, 3),
+        ("A100", 19.5, 312.0, 80, 1935, 4),
+        ("H100", 51.0, 756.0, 80, 2000, 5),
+    ],
+)
+def test_published_figures(name, fp32, fp16, memory_gb, bandwidth_gb_s, generation):
+    spec = CATALOG[name]
+    assert spec.name == name
+    assert spec.fp32_tflops == fp32
+    assert spec.fp16_tflops == fp16
+    assert spec.memory_bytes == memory_gb * 10**9
+    assert spec.memory_bandwidth_bytes_per_s == pytest.approx(bandwidth_gb_s * 1e9)
+    assert (spec.pcie_generation, spec.pcie_lanes) == (generation, 16)
+    assert "datasheet" in spec.source and "https://" in spec.source and "nvidia" in spec.source.lower()
+
+
+def test_cpu_entry_is_a_stated_assumption_without_pcie():
+    cpu = CATALOG["CPU"]
+    assert cpu.source.startswith("Assumption")
+    assert cpu.pcie_generation is None and cpu.pcie_lanes is None
+    assert math.isinf(cpu.pcie_bandwidth_bytes_per_s)
+    assert cpu.fp32_tflops < min(spec.fp32_tflops for name, spec in CATALOG.items() if name != "CPU")
+
+
+@pytest.mark.parametrize("name, expected", [("T4", 0.985e9 * 16), ("A10", 1.969e9 * 16), ("H100", 3.938e9 * 16)])
+def test_pcie_bandwidth_per_direction(name, expected):
+    assert CATALOG[name].pcie_bandwidth_bytes_per_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name", ["a10", "T4", " h100 ", "Cpu"])
+def test_get_device_spec_is_case_insensitive(name):
+    assert get_device_spec(name) is CATALOG[name.strip().upper()]
+
+
+def test_unknown_device_lists_known_names_and_is_a_key_error():
+    with pytest.raises(UnknownEmulatedDeviceError, match=r"name='K80'.*Known devices: A10, T4, P100"):
+        get_device_spec("K80")
+    with pytest.raises(KeyError):
+        get_device_spec("")
+    with pytest.raises(HeteroCSError):
+        get_device_spec(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"fp32_tflops": 0.0}, "fp32_tflops=0.0"),
+        ({"memory_bytes": -1}, "memory_bytes=-1"),
+        ({"pcie_generation": 7}, "pcie_generation=7"),
+        ({"pcie_lanes": None}, "both be set"),
+        ({"pcie_lanes": 64}, "pcie_lanes=64"),
+        ({"source": ""}, "source is empty"),
+    ],
+)
+def test_device_spec_validation(changes, pattern):
+    fields = dict(name="X", fp32_tflops=1.0, fp16_tflops=2.0, memory_bytes=10**9, memory_bandwidth_bytes_per_s=1e9,
+                  pcie_generation=3, pcie_lanes=16, source="test")
+    fields.update(changes)
+    with pytest.raises(ConfigError, match=pattern):
+        DeviceSpec(**fields)
+
+
+@pytest.mark.parametrize("flops, parameter_bytes", [(-1.0, 0), (math.nan, 0), (1.0, -4), (1.0, 2.5)])
+def test_workload_validation(flops, parameter_bytes):
+    with pytest.raises(ConfigError, match="Workload"):
+        Workload(flops_per_example=flops, parameter_bytes=parameter_bytes)
+
+
+# -------------------------------------------------------------------------------------------- step-time model
+
+
+def test_step_time_is_the_sum_of_documented_terms():
+    t4 = CATALOG["T4"]
+    transfer_s = MLP.parameter_bytes / t4.pcie_bandwidth_bytes_per_s
+    compute_s = 3 * MLP.flops_per_example * 256 / (8.1e12 * 0.35)
+    expected = 5e-4 + transfer_s + compute_s + transfer_s
+    assert emulated_step_time_s(t4, 256, MLP) == pytest.approx(expected, rel=1e-12)
+    assert emulated_step_time_s(t4, 256, MLP) == pytest.approx(7.13e-4, rel=1e-2)  # the docstring's example
+    faster = emulated_step_time_s(t4, 256, MLP, compute_efficiency=0.7, launch_overhead_s=0.0)
+    assert faster == pytest.approx(2 * transfer_s + compute_s / 2, rel=1e-12)
+
+
+def test_host_cpu_pays_no_transfer():
+    heavy_params = Workload(flops_per_example=0.0, parameter_bytes=10**9)
+    assert emulated_step_time_s(CATALOG["CPU"], 8, heavy_params, launch_overhead_s=0.0) == 0.0
+    assert emulated_step_time_s(CATALOG["T4"], 8, heavy_params, launch_overhead_s=0.0) > 0.1
+
+
+def test_empty_slice_idles():
+    assert emulated_step_time_s(CATALOG["P100"], 0, MLP) == 0.0
+
+
+def test_step_time_grows_with_batch_and_keeps_device_ratios():
+    times = [emulated_step_time_s(CATALOG["T4"], b, MLP) for b in (1, 2, 64, 1024)]
+    assert times == sorted(times) and times[0] < times[-1]
+    compute_only = Workload(flops_per_example=1e9, parameter_bytes=0)
+    ratio = (emulated_step_time_s(CATALOG["T4"], 1000, compute_only, launch_overhead_s=0.0)
+             / emulated_step_time_s(CATALOG["A10"], 1000, compute_only, launch_overhead_s=0.0))
+    assert ratio == pytest.approx(31.2 / 8.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [({"batch_size": -1}, "batch_size=-1"), ({"compute_efficiency": 0.0}, "compute_efficiency=0.0"),
+     ({"launch_overhead_s": -1.0}, "launch_overhead_s=-1.0")],
+)
+def test_step_time_validation(kwargs, pattern):
+    arguments = {"batch_size": 4, **kwargs}
+    batch_size = arguments.pop("batch_size")
+    with pytest.raises(ConfigError, match=pattern):
+        emulated_step_time_s(CATALOG["T4"], batch_size, MLP, **arguments)
+
+
+# ------------------------------------------------------------------------------------------------------ drift
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [({"replica_id": -1, "factor": 2.0}, "replica_id=-1"), ({"replica_id": 0, "factor": 0.0}, "factor=0.0"),
+     ({"replica_id": 0, "factor": 2.0, "from_step": -3}, "from_step=-3"),
+     ({"replica_id": 0, "factor": 2.0, "from_step": 5, "until_step": 5}, "until_step=5")],
+)
+def test_drift_validation(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        Drift(**kwargs)
+
+
+def test_drift_applies_on_half_open_range():
+    drift = Drift(replica_id=0, factor=2.0, from_step=3, until_step=5)
+    assert [drift.applies(s) for s in range(7)] == [False, False, False, True, True, False, False]
+    assert Drift(replica_id=0, factor=2.0, from_step=3).applies(10**6)
+
+
+# --------------------------------------------------------------------------------------------------- Emulator
+
+
+def test_emulator_validates_names_and_drift():
+    with pytest.raises(UnknownEmulatedDeviceError, match="Known devices"):
+        Emulator(["A10", "K80"])
+    with pytest.raises(ConfigError, match="non-empty"):
+        Emulator([])
+    with pytest.raises(ConfigError, match="non-empty"):
+        Emulator("T4")
+    with pytest.raises(ConfigError, match=r"replica_id=2 but there are num_replicas=2"):
+        Emulator(["A10", "T4"], drift=[Drift(replica_id=2, factor=2.0)])
+    with pytest.raises(ConfigError, match="time_scale"):
+        Emulator(["T4"], time_scale=0.0)
+
+
+def test_time_scale_from_argument_environment_or_default(monkeypatch):
+    assert Emulator(["T4"]).time_scale == 1.0
+    monkeypatch.setenv(TIME_SCALE_ENV_VAR, "25")
+    assert Emulator(["T4"]).time_scale == 25.0
+    assert Emulator(["T4"], time_scale=3.0).time_scale == 3.0
+    monkeypatch.setenv(TIME_SCALE_ENV_VAR, "fast")
+    with pytest.raises(ConfigError, match=r"HETERO_CS_EMULATION_TIME_SCALE='fast'"):
+        Emulator(["T4"])
+
+
+def test_calibrate_time_scale_puts_the_slowest_replica_on_target():
+    emulator = Emulator(["A10", "T4", "T4", "P100"], workload=MLP)
+    scale = emulator.calibrate_time_scale(1022, target_makespan_s=0.05)  # 256/256/255/255
+    assert scale == emulator.time_scale > 1.0
+    times = [emulator.step_time_s(i, b) for i, b in enumerate([256, 256, 255, 255])]
+    assert max(times) == pytest.approx(0.05)
+    assert times[0] < times[1]  # the A10 beats the T4: ratios survive scaling
+    assert emulator.steps_done == (0, 0, 0, 0)  # a pure query
+
+
+def test_calibrate_keeps_a_fixed_scale(monkeypatch):
+    assert Emulator(["T4"], workload=MLP, time_scale=2.0).calibrate_time_scale(64) == 2.0
+    monkeypatch.setenv(TIME_SCALE_ENV_VAR, "7")
+    assert Emulator(["T4"], workload=MLP).calibrate_time_scale(64) == 7.0
+
+
+def test_calibrate_needs_a_workload_and_valid_arguments():
+    emulator = Emulator(["T4", "A10"])
+    with pytest.raises(EmulationError, match="set_workload"):
+        emulator.calibrate_time_scale(64)
+    with pytest.raises(EmulationError, match="no Workload"):
+        emulator.step_time_s(0, 4)
+    emulator.set_workload(MLP)
+    with pytest.raises(ConfigError, match="global_batch_size=0"):
+        emulator.calibrate_time_scale(0)
+    with pytest.raises(ConfigError, match="target_makespan_s=-1"):
+        emulator.calibrate_time_scale(8, target_makespan_s=-1)
+
+
+def test_delay_applies_drift_at_each_replicas_own_step_and_advances():
+    drift = [Drift(replica_id=1, factor=2.0, from_step=2, until_step=4), Drift(replica_id=1, factor=3.0, from_step=3)]
+    emulator = Emulator(["T4", "T4"], workload=MLP, time_scale=1.0, drift=drift)
+    base_s = emulated_step_time_s(CATALOG["T4"], 32, MLP)
+    delays = [emulator.delay_s(1, 32) for _ in range(5)]
+    assert delays == pytest.approx([base_s, base_s, 2 * base_s, 6 * base_s, 3 * base_s])
+    assert emulator.steps_done == (0, 5)
+    assert emulator.delay_s(0, 32) == pytest.approx(base_s)  # replica 0 is not drifted
+    assert emulator.step_time_s(1, 32, step=3) == pytest.approx(6 * base_s)
+    emulator.advance_to(0)
+    assert emulator.steps_done == (0, 0)
+    assert emulator.delay_s(1, 0) == 0.0  # an empty slice idles, drift or not
+
+
+def test_query_validation():
+    emulator = Emulator(["T4"], workload=MLP)
+    with pytest.raises(ConfigError, match=r"replica_id=1 must be an int in \[0, 1\)"):
+        emulator.delay_s(1, 4)
+    with pytest.raises(ConfigError, match="step=-1"):
+        emulator.step_time_s(0, 4, step=-1)
+    with pytest.raises(ConfigError, match="step=-2"):
+        emulator.advance_to(-2)
+    with pytest.raises(ConfigError, match="Workload"):
+        emulator.set_workload({"flops_per_example": 1})  # type: ignore[arg-type]
+
+
+def test_delay_counters_are_thread_safe():
+    emulator = Emulator(["T4", "A10"], workload=MLP)
+    barrier = threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        for _ in range(200):
+            emulator.delay_s(0, 8)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert emulator.steps_done == (1600, 0)
+
+
+def test_describe_says_times_are_emulated():
+    emulator = Emulator(["A10", "T4"], workload=MLP, drift=[Drift(replica_id=1, factor=2.0, from_step=200)])
+    lines = emulator.describe(global_batch_size=64)
+    assert "emulated, not measured" in lines[0]
+    assert len(lines) == 4
+    assert "A10" in lines[2] and "gen4 x16" in lines[2] and "ms (32)" in lines[2]
+    assert "x2 steps [200, end)" in lines[3]
+    assert Emulator(["CPU"]).describe()[2].split()[1:4] == ["CPU", "1.3", "host"]
+
+
+def test_pure_modules_import_without_tensorflow_or_pynvml():
+    """Loads hetero_cs.emulation and hetero_cs.devices with tensorflow, keras and pynvml blocked.
+
+    A fresh interpreter, and a stand-in package object, so the test holds whatever hetero_cs/__init__ imports.
+    """
+    code = (
+        "import sys, types\n"
+        "for blocked in ('tensorflow', 'keras', 'pynvml'):\n"
+        "    sys.modules[blocked] = None\n"
+        "package = types.ModuleType('hetero_cs')\n"
+        f"package.__path__ = [{str(REPO_ROOT / 'hetero_cs')!r}]\n"
+        "sys.modules['hetero_cs'] = package\n"
+        "import hetero_cs.emulation as e, hetero_cs.devices as d\n"
+        "assert e.get_device_spec('t4').name == 'T4'\n"
+        "assert 'numpy' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
