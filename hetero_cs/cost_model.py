@@ -1,0 +1,415 @@
+"""Per-replica step-time models: t_i(b), the seconds one training step takes on replica i with b examples.
+
+A cost model is any object with ``predict_step_time_s(batch_size: int) -> float`` that is non-decreasing in
+batch_size (:class:`CostModel`). This module provides the three the library builds itself:
+
+* :class:`LinearCostModel` - ``t(b) = fixed_overhead_s + seconds_per_example * b``;
+* :class:`PiecewiseLinearCostModel` - a monotone curve through measured points (what calibration's isotonic fit
+  produces when a line does not fit: real GPU curves are flat for small batches, then rise);
+* :class:`ScaledCostModel` - ``factor * base(b)``, the online monitor's correction of a calibrated model.
+
+All three are frozen dataclasses validated on construction, serialise with ``to_dict()`` (a ``"kind"`` key plus
+the fields) and load with :func:`cost_model_from_dict`. :func:`check_cost_model` validates any model's predictions
+at given batch sizes; the solver uses the same rules.
+
+Pure Python: no TensorFlow, no NVML.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from hetero_cs.errors import ConfigError, InvalidCostModelError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CostModel",
+    "LinearCostModel",
+    "PiecewiseLinearCostModel",
+    "ScaledCostModel",
+    "check_cost_model",
+    "cost_model_from_dict",
+]
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Anything that predicts one replica's step time from its batch size.
+
+    ``predict_step_time_s(b)`` is the wall time, in seconds, of one training step of this replica on ``b >= 0``
+    examples (parameter broadcast, forward, backward, gradient return). It must be finite, ``>= 0`` and
+    non-decreasing in ``b``; ``b = 0`` is the cost of an idle replica that still takes part in the step.
+    """
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """Returns the predicted step time in seconds for ``batch_size`` examples."""
+        ...
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_batch_size(batch_size: Any) -> None:
+    if type(batch_size) is int:  # the common case, checked first because the solver calls this often
+        if batch_size >= 0:
+            return
+    elif _is_int(batch_size) and batch_size >= 0:
+        return
+    raise ConfigError(
+        f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. "
+        "Pass the number of examples of one replica's slice."
+    )
+
+
+def _check_keys(kind: str, data: Mapping[str, Any], required: set[str]) -> None:
+    if not isinstance(data, Mapping):
+        raise InvalidCostModelError(f"A {kind} cost model dict must be a mapping. Received: {data!r}.")
+    keys = set(data) - {"kind"}
+    unknown = sorted(keys - required)
+    missing = sorted(required - keys)
+    if unknown or missing:
+        raise InvalidCostModelError(
+            f"A {kind} cost model dict has keys {sorted(required)} (plus 'kind'). Received: unknown={unknown}, "
+            f"missing={missing}. Write it with to_dict()."
+        )
+    if "kind" in data and data["kind"] != kind:
+        raise InvalidCostModelError(f"Expected kind={kind!r}. Received: kind={data['kind']!r}.")
+
+
+@dataclass(frozen=True)
+class LinearCostModel:
+    """Affine step time: ``t(b) = fixed_overhead_s + seconds_per_example * b`` seconds.
+
+    Attributes:
+        fixed_overhead_s: Seconds per step independent of the batch (launches, parameter broadcast, gradient
+            return), finite, >= 0.
+        seconds_per_example: Marginal seconds per example, finite, >= 0.
+
+    Raises:
+        InvalidCostModelError: If a field is not a finite real number >= 0.
+
+    Example:
+        >>> model = LinearCostModel(fixed_overhead_s=0.005, seconds_per_example=1e-4)
+        >>> round(model.predict_step_time_s(100), 6), model.throughput_examples_per_s
+        (0.015, 10000.0)
+    """
+
+    fixed_overhead_s: float
+    seconds_per_example: float
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_overhead_s", "seconds_per_example"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value < 0:
+                raise InvalidCostModelError(
+                    f"LinearCostModel.{name} must be a finite number >= 0 (seconds). Received: {name}={value!r}. "
+                    "Refit the model from calibration samples."
+                )
+            object.__setattr__(self, name, float(value))
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """Returns ``fixed_overhead_s + seconds_per_example * batch_size`` in seconds (batch_size >= 0)."""
+        _check_batch_size(batch_size)
+        return self.fixed_overhead_s + self.seconds_per_example * batch_size
+
+    @property
+    def throughput_examples_per_s(self) -> float:
+        """Marginal throughput ``1 / seconds_per_example`` in examples per second (``inf`` when it is 0)."""
+        return math.inf if self.seconds_per_example == 0 else 1.0 / self.seconds_per_example
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns ``{"kind": "linear", "fixed_overhead_s": ..., "seconds_per_example": ...}``."""
+        return {"kind": "linear", "fixed_overhead_s": self.fixed_overhead_s,
+                "seconds_per_example": self.seconds_per_example}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LinearCostModel:
+        """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
+        _check_keys("linear", data, {"fixed_overhead_s", "seconds_per_example"})
+        return cls(data["fixed_overhead_s"], data["seconds_per_example"])
+
+    def _breakpoints(self) -> tuple[int, ...]:
+        """Batch sizes where the curve changes slope (none): the solver's closed-form path uses it."""
+        return ()
+
+
+@dataclass(frozen=True)
+class PiecewiseLinearCostModel:
+    """Monotone piecewise-linear step time through measured points ``(batch_sizes[k], step_times_s[k])``.
+
+    Between points the time is interpolated linearly; below the first point it is constant at the first time
+    (small batches are overhead-bound); above the last point it continues with the last segment's slope (clamped
+    at >= 0; with a single point the curve is constant).
+
+    Attributes:
+        batch_sizes: Knot batch sizes, shape [K], K >= 1, integers >= 0, strictly increasing.
+        step_times_s: Step time at each knot in seconds, shape [K], finite, >= 0, non-decreasing.
+
+    Raises:
+        InvalidCostModelError: If the lengths differ, a batch size is not an integer >= 0 or not strictly
+            increasing, or a time is NaN, negative or decreasing (the message names the offending points).
+
+    Example:
+        >>> model = PiecewiseLinearCostModel((16, 64, 128), (0.010, 0.010, 0.018))
+        >>> [round(model.predict_step_time_s(b), 4) for b in (1, 64, 96, 256)]
+        [0.01, 0.01, 0.014, 0.034]
+    """
+
+    batch_sizes: tuple[int, ...]
+    step_times_s: tuple[float, ...]
+    _last_slope_s: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            sizes = tuple(self.batch_sizes)
+            times = tuple(self.step_times_s)
+        except TypeError as exc:
+            raise InvalidCostModelError(
+                "PiecewiseLinearCostModel needs sequences batch_sizes and step_times_s. Received: "
+                f"batch_sizes={self.batch_sizes!r}, step_times_s={self.step_times_s!r}."
+            ) from exc
+        if not sizes or len(sizes) != len(times):
+            raise InvalidCostModelError(
+                "PiecewiseLinearCostModel needs as many step times as batch sizes, at least one. Received: "
+                f"len(batch_sizes)={len(sizes)}, len(step_times_s)={len(times)}."
+            )
+        bad = [b for b in sizes if not _is_int(b) or b < 0]
+        if bad:
+            raise InvalidCostModelError(
+                f"PiecewiseLinearCostModel.batch_sizes must be integers >= 0. Received: batch_sizes={list(sizes)} "
+                f"(offending: {bad})."
+            )
+        sizes = tuple(int(b) for b in sizes)
+        for k in range(1, len(sizes)):
+            if sizes[k] <= sizes[k - 1]:
+                raise InvalidCostModelError(
+                    "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
+                    f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
+                    "repeated batch sizes (average their times)."
+                )
+        bad_times = [(b, t) for b, t in zip(sizes, times) if not _is_real(t) or not math.isfinite(t) or t < 0]
+        if bad_times:
+            raise InvalidCostModelError(
+                "PiecewiseLinearCostModel.step_times_s must be finite and >= 0 seconds. Received (batch_size, "
+                f"step_time_s): {bad_times}. Drop failed measurements before fitting."
+            )
+        times = tuple(float(t) for t in times)
+        for k in range(1, len(times)):
+            if times[k] < times[k - 1]:
+                raise InvalidCostModelError(
+                    "PiecewiseLinearCostModel.step_times_s must be non-decreasing in batch size. Received: "
+                    f"step time {times[k - 1]!r} s at batch_size={sizes[k - 1]} but {times[k]!r} s at "
+                    f"batch_size={sizes[k]}. Fit the measurements with calibration's isotonic fit "
+                    "(calibration.fit.fit_cost_model), which makes them monotone."
+                )
+        object.__setattr__(self, "batch_sizes", sizes)
+        object.__setattr__(self, "step_times_s", times)
+        slope = 0.0
+        if len(sizes) >= 2:
+            slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        object.__setattr__(self, "_last_slope_s", slope)
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """Returns the interpolated step time in seconds for ``batch_size >= 0`` examples."""
+        _check_batch_size(batch_size)
+        xs, ys = self.batch_sizes, self.step_times_s
+        if batch_size <= xs[0]:
+            return ys[0]
+        if batch_size >= xs[-1]:
+            return ys[-1] + self._last_slope_s * (batch_size - xs[-1])
+        k = bisect.bisect_right(xs, batch_size)  # xs[k - 1] <= batch_size < xs[k]
+        x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
+        return y0 + (y1 - y0) * ((batch_size - x0) / (x1 - x0))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns ``{"kind": "piecewise_linear", "batch_sizes": [...], "step_times_s": [...]}``."""
+        return {"kind": "piecewise_linear", "batch_sizes": list(self.batch_sizes),
+                "step_times_s": list(self.step_times_s)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PiecewiseLinearCostModel:
+        """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
+        _check_keys("piecewise_linear", data, {"batch_sizes", "step_times_s"})
+        return cls(tuple(data["batch_sizes"]), tuple(data["step_times_s"]))
+
+    def _breakpoints(self) -> tuple[int, ...]:
+        return self.batch_sizes
+
+
+@dataclass(frozen=True)
+class ScaledCostModel:
+    """``t(b) = factor * base.predict_step_time_s(b)``: a calibrated model corrected by a measured ratio.
+
+    The online monitor uses it when a device drifts (thermal throttling, a co-tenant): ``factor`` is the robust
+    ratio of measured to predicted step times.
+
+    Attributes:
+        base: Any :class:`CostModel`.
+        factor: Multiplier, finite, > 0.
+
+    Raises:
+        InvalidCostModelError: If base has no ``predict_step_time_s`` or factor is not a finite number > 0.
+
+    Example:
+        >>> ScaledCostModel(LinearCostModel(0.01, 0.001), 2.0).predict_step_time_s(10)
+        0.04
+    """
+
+    base: CostModel
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.base, "predict_step_time_s", None)):
+            raise InvalidCostModelError(
+                f"ScaledCostModel.base must have a predict_step_time_s method. Received: base={self.base!r}."
+            )
+        if not _is_real(self.factor) or not math.isfinite(self.factor) or self.factor <= 0:
+            raise InvalidCostModelError(
+                f"ScaledCostModel.factor must be a finite number > 0. Received: factor={self.factor!r}. "
+                "A factor comes from measured / predicted step times; drop non-positive measurements."
+            )
+        object.__setattr__(self, "factor", float(self.factor))
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """Returns ``factor * base.predict_step_time_s(batch_size)`` in seconds."""
+        return self.factor * self.base.predict_step_time_s(batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns ``{"kind": "scaled", "factor": ..., "base": base.to_dict()}``.
+
+        Raises:
+            InvalidCostModelError: If base has no ``to_dict``.
+        """
+        to_dict = getattr(self.base, "to_dict", None)
+        if not callable(to_dict):
+            raise InvalidCostModelError(
+                f"ScaledCostModel.to_dict needs a base with to_dict(). Received: base={self.base!r}. Use one of "
+                "LinearCostModel, PiecewiseLinearCostModel or ScaledCostModel as the base."
+            )
+        return {"kind": "scaled", "factor": self.factor, "base": to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ScaledCostModel:
+        """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
+        _check_keys("scaled", data, {"factor", "base"})
+        return cls(cost_model_from_dict(data["base"]), data["factor"])
+
+    def _breakpoints(self) -> tuple[int, ...] | None:
+        return _breakpoints(self.base)
+
+
+_KINDS: dict[str, Any] = {
+    "linear": LinearCostModel,
+    "piecewise_linear": PiecewiseLinearCostModel,
+    "scaled": ScaledCostModel,
+}
+
+
+def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
+    """Rebuilds a cost model from its ``to_dict()`` output, dispatching on ``data["kind"]``.
+
+    Args:
+        data: A mapping with ``"kind"`` in ``{"linear", "piecewise_linear", "scaled"}`` and that kind's fields.
+
+    Returns:
+        The cost model.
+
+    Raises:
+        InvalidCostModelError: If data is not a mapping, the kind is missing or unknown, a key is unknown or
+            missing, or a value is invalid.
+
+    Example:
+        >>> cost_model_from_dict({"kind": "linear", "fixed_overhead_s": 0.002, "seconds_per_example": 1e-4})
+        LinearCostModel(fixed_overhead_s=0.002, seconds_per_example=0.0001)
+    """
+    if not isinstance(data, Mapping) or data.get("kind") not in _KINDS:
+        kind = data.get("kind") if isinstance(data, Mapping) else None
+        raise InvalidCostModelError(
+            f"A cost model dict needs 'kind' in {sorted(_KINDS)}. Received: kind={kind!r} in {data!r}. "
+            "Write it with the model's to_dict()."
+        )
+    return _KINDS[data["kind"]].from_dict(data)
+
+
+def _breakpoints(model: Any) -> tuple[int, ...] | None:
+    """The batch sizes where ``model`` changes slope, if it is piecewise linear in closed form; else None.
+
+    Used by the solver's fast path: between consecutive breakpoints (and beyond the outer ones) the model is
+    exactly linear in the batch size. Only the three classes of this module qualify.
+    """
+    if type(model) in (LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel):
+        return model._breakpoints()
+    return None
+
+
+def check_cost_model(model: Any, batch_sizes: Sequence[int], *, replica_id: int | None = None) -> np.ndarray:
+    """Evaluates ``model`` at ``batch_sizes`` and checks the predictions are usable.
+
+    Args:
+        model: A :class:`CostModel`.
+        batch_sizes: Batch sizes to check, integers >= 0, shape [N]; they are checked in increasing order.
+        replica_id: The replica the model belongs to, named in error messages (None: not named).
+
+    Returns:
+        The predicted step times in seconds, float64 array of shape [N], in the order of ``batch_sizes``.
+
+    Raises:
+        InvalidCostModelError: If the model has no ``predict_step_time_s``, a prediction is not a number, NaN,
+            infinite or negative, or predictions decrease with batch size (the message names the replica, the
+            batch sizes and the values).
+    """
+    who = "cost model" if replica_id is None else f"cost_models[{replica_id}]"
+    predict = getattr(model, "predict_step_time_s", None)
+    if not callable(predict):
+        raise InvalidCostModelError(
+            f"{who} has no predict_step_time_s method. Received: {model!r}. Pass a CostModel such as "
+            "LinearCostModel or PiecewiseLinearCostModel."
+        )
+    sizes = [int(b) for b in batch_sizes]
+    times = np.empty(len(sizes), dtype=np.float64)
+    for k, b in enumerate(sizes):
+        times[k] = _checked_prediction(predict, b, who)
+    order = np.argsort(np.asarray(sizes, dtype=np.int64), kind="stable")
+    for a, c in zip(order[:-1], order[1:]):
+        if sizes[c] > sizes[a] and times[c] < times[a]:
+            raise _decreasing_error(who, sizes[a], float(times[a]), sizes[c], float(times[c]))
+    return times
+
+
+def _checked_prediction(predict: Any, batch_size: int, who: str) -> float:
+    """Calls ``predict(batch_size)``; returns it as a float or raises InvalidCostModelError."""
+    try:
+        value = float(predict(batch_size))
+    except (TypeError, ValueError) as exc:
+        raise InvalidCostModelError(
+            f"{who}.predict_step_time_s({batch_size}) did not return a number: {exc}. A cost model returns "
+            "seconds as a float."
+        ) from exc
+    if not math.isfinite(value) or value < 0:
+        raise InvalidCostModelError(
+            f"{who}.predict_step_time_s({batch_size}) returned {value!r}; step times must be finite and >= 0 "
+            "seconds. Recalibrate the device or fix the cost model."
+        )
+    return value
+
+
+def _decreasing_error(who: str, b0: int, t0: float, b1: int, t1: float) -> InvalidCostModelError:
+    return InvalidCostModelError(
+        f"{who} predicts a shorter step for a larger batch: predict_step_time_s({b0})={t0!r} s > "
+        f"predict_step_time_s({b1})={t1!r} s. Cost models must be non-decreasing in batch_size; fit the "
+        "measurements with calibration's isotonic fit (calibration.fit.fit_cost_model)."
+    )

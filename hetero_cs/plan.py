@@ -1,0 +1,387 @@
+"""BatchPlan: how one global batch is cut into per-replica slices, with the predicted step times.
+
+A plan is plain, validated, immutable data: the slices ``b`` (shape [R], integers >= 0, summing to the global
+batch ``B > 0``) and, when cost models were known, the predicted makespan ``max_i t_i(b_i)``, the makespan of the
+even split (what stock CentralStorageStrategy would do) and the ideal makespan (the continuous lower bound, see
+:func:`hetero_cs.solver.ideal_makespan_s`). It round-trips exactly through JSON.
+
+This module also holds the two fixed splitting rules, :func:`even_batch_split` and :func:`split_by_shares`, and
+:func:`plan_from_split`, which wraps any split in a plan with its predictions.
+
+Pure Python: no TensorFlow, no NVML.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from hetero_cs.errors import BatchSplitError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchPlan", "even_batch_split", "plan_from_split", "split_by_shares"]
+
+_OPTIONAL_FIGURES = ("predicted_makespan_s", "even_split_makespan_s", "ideal_makespan_s")
+_KEYS = ("per_replica_batch_sizes", "global_batch_size", *_OPTIONAL_FIGURES, "predicted_step_times_s")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_tuple(values: Any) -> tuple | None:
+    """values as a tuple if it is a non-string iterable (list, tuple, numpy array), else None."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        return None
+    return tuple(values)
+
+
+def _checked_seconds(name: str, value: Any) -> float:
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"BatchPlan.{name} must be None or a finite number of seconds >= 0. Received: "
+                          f"{name}={value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One global batch cut into per-replica slices, with the predicted step times when known.
+
+    Attributes:
+        per_replica_batch_sizes: b, examples per replica in replica-id order, shape [R], R >= 1, integers >= 0.
+        global_batch_size: B = sum(b) > 0, examples per optimizer step.
+        predicted_makespan_s: max_i t_i(b_i) in seconds under the cost models, or None.
+        even_split_makespan_s: The makespan of :func:`even_batch_split` (B, R) under the same models, in seconds,
+            or None. It ignores memory caps: it is what the stock, evenly splitting strategy would run.
+        ideal_makespan_s: The continuous lower bound in seconds (examples infinitely divisible; see
+            :func:`hetero_cs.solver.ideal_makespan_s`), or None.
+        predicted_step_times_s: t_i(b_i) in seconds, shape [R], or None.
+
+    Raises:
+        ConfigError: If a slice is not an integer >= 0, the slices do not sum to global_batch_size, B <= 0, a
+            figure is negative, NaN or infinite, or predicted_step_times_s has the wrong length.
+
+    Example:
+        >>> plan = BatchPlan((160, 48, 48), 256, predicted_makespan_s=0.010, even_split_makespan_s=0.0155)
+        >>> plan.replica_weights, round(plan.predicted_speedup_vs_even, 2)
+        ((0.625, 0.1875, 0.1875), 1.55)
+    """
+
+    per_replica_batch_sizes: tuple[int, ...]
+    global_batch_size: int
+    predicted_makespan_s: float | None = None
+    even_split_makespan_s: float | None = None
+    ideal_makespan_s: float | None = None
+    predicted_step_times_s: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        sizes = _as_tuple(self.per_replica_batch_sizes)
+        if not sizes:
+            raise ConfigError(
+                "BatchPlan.per_replica_batch_sizes must be a non-empty sequence of integers. Received: "
+                f"per_replica_batch_sizes={self.per_replica_batch_sizes!r}."
+            )
+        bad = [(i, b) for i, b in enumerate(sizes) if not _is_int(b) or b < 0]
+        if bad:
+            raise ConfigError(
+                "BatchPlan.per_replica_batch_sizes must hold integers >= 0. Received: "
+                f"per_replica_batch_sizes={tuple(sizes)!r} (offending (replica, value): {bad})."
+            )
+        sizes = tuple(int(b) for b in sizes)
+        B = self.global_batch_size
+        if not _is_int(B) or B <= 0:
+            raise ConfigError(f"BatchPlan.global_batch_size must be an integer > 0. Received: global_batch_size={B!r}.")
+        if sum(sizes) != B:
+            raise ConfigError(
+                f"per_replica_batch_sizes={sizes} sum to {sum(sizes)}, not global_batch_size={B}. Every example "
+                "of the global batch goes to exactly one replica; fix the slices or the global batch size."
+            )
+        object.__setattr__(self, "per_replica_batch_sizes", sizes)
+        object.__setattr__(self, "global_batch_size", int(B))
+        for name in _OPTIONAL_FIGURES:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _checked_seconds(name, value))
+        times = self.predicted_step_times_s
+        if times is not None:
+            times = _as_tuple(times)
+            if times is None or len(times) != len(sizes):
+                raise ConfigError(
+                    "BatchPlan.predicted_step_times_s must be None or hold one time per replica. Received: "
+                    f"predicted_step_times_s={self.predicted_step_times_s!r} for {len(sizes)} replicas."
+                )
+            object.__setattr__(
+                self, "predicted_step_times_s", tuple(_checked_seconds("predicted_step_times_s", t) for t in times)
+            )
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of replicas (slices)."""
+        return len(self.per_replica_batch_sizes)
+
+    @property
+    def replica_weights(self) -> tuple[float, ...]:
+        """b_i / B per replica, shape [R], summing to 1: each replica's weight in the gradient average."""
+        B = self.global_batch_size
+        return tuple(b / B for b in self.per_replica_batch_sizes)
+
+    @property
+    def predicted_speedup_vs_even(self) -> float | None:
+        """even_split_makespan_s / predicted_makespan_s, or None when either is unknown or the makespan is 0."""
+        if self.even_split_makespan_s is None or not self.predicted_makespan_s:
+            return None
+        return self.even_split_makespan_s / self.predicted_makespan_s
+
+    @property
+    def efficiency(self) -> float | None:
+        """ideal_makespan_s / predicted_makespan_s in [0, 1], or None when either is unknown or the makespan is 0."""
+        if self.ideal_makespan_s is None or not self.predicted_makespan_s:
+            return None
+        return self.ideal_makespan_s / self.predicted_makespan_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-serialisable dict with every field (lists for tuples); inverse of :meth:`from_dict`."""
+        return {
+            "per_replica_batch_sizes": list(self.per_replica_batch_sizes),
+            "global_batch_size": self.global_batch_size,
+            "predicted_makespan_s": self.predicted_makespan_s,
+            "even_split_makespan_s": self.even_split_makespan_s,
+            "ideal_makespan_s": self.ideal_makespan_s,
+            "predicted_step_times_s": (
+                None if self.predicted_step_times_s is None else list(self.predicted_step_times_s)
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BatchPlan:
+        """Rebuilds a plan from :meth:`to_dict` output; the optional figures may be omitted.
+
+        Raises:
+            ConfigError: If data is not a mapping, a key is unknown, a required key is missing, or a value is
+                invalid.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"BatchPlan.from_dict needs a mapping. Received: {data!r}.")
+        unknown = sorted(set(data) - set(_KEYS))
+        missing = [k for k in _KEYS[:2] if k not in data]
+        if unknown or missing:
+            raise ConfigError(
+                f"BatchPlan dict keys are {list(_KEYS)} (the last four optional). Received: unknown={unknown}, "
+                f"missing={missing}. Write it with BatchPlan.to_dict()."
+            )
+        return cls(
+            per_replica_batch_sizes=data["per_replica_batch_sizes"],
+            global_batch_size=data["global_batch_size"],
+            predicted_makespan_s=data.get("predicted_makespan_s"),
+            even_split_makespan_s=data.get("even_split_makespan_s"),
+            ideal_makespan_s=data.get("ideal_makespan_s"),
+            predicted_step_times_s=data.get("predicted_step_times_s"),
+        )
+
+    def to_json(self) -> str:
+        """Returns the plan as a JSON object (floats written exactly, so from_json gives an equal plan)."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> BatchPlan:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ConfigError: If text is not JSON, or as :meth:`from_dict`.
+        """
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"BatchPlan.from_json needs a JSON object written by to_json(): {exc}.") from exc
+        return cls.from_dict(data)
+
+    def __str__(self) -> str:
+        times = self.predicted_step_times_s
+        lines = [
+            f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} replicas",
+            f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}",
+        ]
+        for i, (b, w) in enumerate(zip(self.per_replica_batch_sizes, self.replica_weights)):
+            step = "n/a" if times is None else f"{times[i] * 1e3:.3f}"
+            lines.append(f"{i:>7}  {b:>7}  {w:>7.4f}  {step:>17}")
+
+        def ms(value: float | None) -> str:
+            return "n/a" if value is None else f"{value * 1e3:.3f} ms"
+
+        speedup, efficiency = self.predicted_speedup_vs_even, self.efficiency
+        lines += [
+            f"predicted makespan: {ms(self.predicted_makespan_s)}",
+            f"even split makespan: {ms(self.even_split_makespan_s)}",
+            f"ideal makespan: {ms(self.ideal_makespan_s)}",
+            f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
+            f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}",
+        ]
+        return "\n".join(lines)
+
+
+def _checked_global_batch_size(global_batch_size: Any, *, allow_zero: bool) -> int:
+    low = 0 if allow_zero else 1
+    if not _is_int(global_batch_size) or global_batch_size < low:
+        raise ConfigError(
+            f"global_batch_size must be an integer >= {low}. Received: global_batch_size={global_batch_size!r}."
+        )
+    return int(global_batch_size)
+
+
+def even_batch_split(global_batch_size: int, num_replicas: int) -> tuple[int, ...]:
+    """Splits B examples as evenly as possible: B // R each, and the first B % R replicas get one more.
+
+    This is stock CentralStorageStrategy's rule (for B divisible by R) made total and deterministic.
+
+    Args:
+        global_batch_size: B, integer >= 0.
+        num_replicas: R, integer >= 1.
+
+    Returns:
+        Slices, shape [R], summing to B; they differ by at most one, larger ones first.
+
+    Raises:
+        ConfigError: If B < 0 or R < 1 or either is not an integer.
+
+    Example:
+        >>> even_batch_split(10, 4)
+        (3, 3, 2, 2)
+    """
+    B = _checked_global_batch_size(global_batch_size, allow_zero=True)
+    if not _is_int(num_replicas) or num_replicas < 1:
+        raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+    q, r = divmod(B, int(num_replicas))
+    return tuple(q + 1 if i < r else q for i in range(int(num_replicas)))
+
+
+def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[int, ...]:
+    """Splits B examples in proportion to fixed shares, by the largest-remainder (Hamilton) method.
+
+    Replica i first gets floor(B * s_i / sum(s)); the examples left over go one each to the replicas with the
+    largest fractional parts, ties to the lower replica index. Arithmetic is exact (shares are converted to
+    fractions), so the result does not depend on rounding. Every slice is within one example of its exact quota,
+    and a replica with share 0 gets 0 examples.
+
+    Args:
+        global_batch_size: B, integer >= 0.
+        shares: Relative shares, one per replica, shape [R], R >= 1; finite, >= 0, not all zero. Only ratios
+            matter: (2, 1, 1) and (0.5, 0.25, 0.25) give the same split.
+
+    Returns:
+        Slices, shape [R], summing to B.
+
+    Raises:
+        ConfigError: If B is not an integer >= 0.
+        BatchSplitError: If shares is empty, holds a value that is not a finite number >= 0, or is all zero.
+
+    Example:
+        >>> split_by_shares(10, [2, 1, 1])
+        (5, 3, 2)
+    """
+    B = _checked_global_batch_size(global_batch_size, allow_zero=True)
+    given = shares
+    shares = _as_tuple(shares)  # type: ignore[assignment]
+    if not shares:
+        raise BatchSplitError(
+            f"shares must be a non-empty sequence of numbers, one per replica. Received: shares={given!r}. "
+            "Pass e.g. [2, 1, 1] to give replica 0 half the batch."
+        )
+    bad = [(i, s) for i, s in enumerate(shares) if not _is_real(s) or not math.isfinite(s) or s < 0]
+    if bad:
+        raise BatchSplitError(
+            f"shares must be finite numbers >= 0. Received: shares={list(shares)!r} (offending (replica, share): "
+            f"{bad}). Give each replica a non-negative relative share, e.g. [2, 1, 1]."
+        )
+    exact = [Fraction(s) for s in shares]
+    total = sum(exact)
+    if total == 0:
+        raise BatchSplitError(
+            f"shares are all zero: shares={list(shares)!r}. At least one replica needs a positive share, e.g. "
+            "[1] * num_replicas for an even split."
+        )
+    quotas = [B * s / total for s in exact]
+    sizes = [math.floor(q) for q in quotas]
+    leftover = B - sum(sizes)
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
+    for i in by_remainder[:leftover]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+def plan_from_split(
+    per_replica_batch_sizes: Sequence[int],
+    cost_models: Sequence[Any] | None = None,
+    *,
+    max_batch_sizes: Sequence[int | None] | None = None,
+    min_batch_size: int = 0,
+) -> BatchPlan:
+    """Wraps a given split in a BatchPlan, with its predicted figures when cost models are given.
+
+    With cost models, predicted_step_times_s is t_i(b_i), predicted_makespan_s their maximum,
+    even_split_makespan_s the makespan of ``even_batch_split(B, R)``, and ideal_makespan_s the continuous lower
+    bound of :func:`hetero_cs.solver.ideal_makespan_s` under ``max_batch_sizes`` and ``min_batch_size`` (by
+    default: no caps, idle replicas allowed - the best any split could do), never above the predicted makespan.
+    Without cost models those figures are None.
+
+    Args:
+        per_replica_batch_sizes: Slices, shape [R], integers >= 0 with a positive sum B.
+        cost_models: One CostModel per replica (shape [R]), or None.
+        max_batch_sizes: Per-replica caps for the ideal bound, shape [R] (None entries: no cap), or None.
+        min_batch_size: Smallest slice for the ideal bound, integer >= 0.
+
+    Returns:
+        The plan; global_batch_size is sum(per_replica_batch_sizes).
+
+    Raises:
+        ConfigError: If the slices are invalid or cost_models has the wrong length.
+        InvalidCostModelError: If a model predicts NaN, a negative time, or a time that decreases with batch size.
+
+    Example:
+        >>> from hetero_cs.cost_model import LinearCostModel
+        >>> models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.003)]
+        >>> plan = plan_from_split((3, 1), models)
+        >>> plan.predicted_makespan_s, plan.even_split_makespan_s, plan.ideal_makespan_s
+        (0.003, 0.006, 0.003)
+    """
+    sizes = _as_tuple(per_replica_batch_sizes)
+    if sizes is None:
+        raise ConfigError(
+            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}."
+        )
+    total = sum(b for b in sizes if _is_int(b))
+    if cost_models is None:
+        return BatchPlan(sizes, total)
+    BatchPlan(sizes, total)  # validates the slices before any model is called
+    models = list(cost_models)
+    if len(models) != len(sizes):
+        raise ConfigError(
+            f"cost_models must hold one model per slice. Received: len(cost_models)={len(models)}, "
+            f"per_replica_batch_sizes={sizes}."
+        )
+    from hetero_cs.cost_model import check_cost_model  # noqa: PLC0415 - keeps this module light to import
+    from hetero_cs.solver import ideal_makespan_s  # noqa: PLC0415 - solver imports this module
+
+    times = tuple(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, sizes)))
+    even = even_batch_split(total, len(sizes))
+    even_s = max(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, even)))
+    makespan_s = max(times)
+    ideal_s = ideal_makespan_s(models, total, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
+    return BatchPlan(
+        sizes,
+        total,
+        predicted_makespan_s=makespan_s,
+        even_split_makespan_s=even_s,
+        ideal_makespan_s=min(ideal_s, makespan_s),
+        predicted_step_times_s=times,
+    )
