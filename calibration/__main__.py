@@ -1,0 +1,209 @@
+"""Command line: `python -m calibration` (calibrate) and `plan_main` (`hetero-cs plan`).
+
+    python -m calibration --model digits_cnn --emulate A10,T4,P100 --global-batch-size 256 --output profile.json
+    hetero-cs plan --profile profile.json --global-batch-size 512
+
+Calibration sets up the devices before TensorFlow initialises: with --emulate (or on a machine without GPUs, where
+A10,T4,P100 are emulated by default) the host CPU is split into a parameter device (/device:CPU:0) and one logical
+compute device per emulated name. The model is built inside a tf.distribute.experimental.CentralStorageStrategy
+scope over the compute devices, as in training, so the probe reads the same central variables a training step
+would. The sample batch is random data of the model's input shape (step time does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from hetero_cs.errors import ConfigError, HeteroCSError
+
+__all__ = ["add_calibrate_arguments", "add_plan_arguments", "main", "plan_main", "run_calibrate", "run_plan"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EMULATED_DEVICES = ("A10", "T4", "P100")
+"""Emulated when the machine has no GPU and --emulate is not given."""
+
+_INPUT_SHAPES = {"mlp": (64,), "digits_cnn": (8, 8, 1)}  # scikit-learn's 8x8 digits, flat or as an image.
+_NUM_CLASSES = 10
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _name_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"needs at least one comma-separated name, got {text!r}")
+    return names
+
+
+def _size_list(text: str) -> list[int]:
+    sizes = [_positive_int(part) for part in _name_list(text)]
+    return sorted(set(sizes))
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the calibration options to parser (used by `python -m calibration` and `hetero-cs calibrate`)."""
+    parser.add_argument("--model", choices=sorted(_INPUT_SHAPES), default="digits_cnn",
+                        help="reference model to calibrate (default: digits_cnn)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--emulate", type=_name_list, default=None, metavar="NAMES",
+                       help="comma-separated catalog devices to emulate on logical CPU devices, e.g. A10,T4,P100 "
+                            "(default on a machine without GPUs: A10,T4,P100)")
+    where.add_argument("--devices", type=_name_list, default=None, metavar="DEVICES",
+                       help="comma-separated compute devices, e.g. /device:GPU:0,/device:GPU:1 (default: every GPU)")
+    parser.add_argument("--global-batch-size", type=_positive_int, default=256, metavar="B",
+                        help="examples per optimizer step (default: 256)")
+    parser.add_argument("--trials", type=_positive_int, default=5, help="timed steps per probe size (default: 5)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per probe size (default: 2)")
+    parser.add_argument("--probe-batch-sizes", type=_size_list, default=None, metavar="SIZES",
+                        help="comma-separated probe sizes (default: 5 geometric sizes up to B)")
+    parser.add_argument("--time-scale", type=_positive_float, default=None,
+                        help="emulation time scale (default: chosen so an even-split step takes --target-step-ms)")
+    parser.add_argument("--target-step-ms", type=_positive_float, default=50.0,
+                        help="emulated even-split step time when --time-scale is not given (default: 50)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--cache-dir", default=None,
+                       help="profile cache directory (default: $HETERO_CS_CACHE_DIR, $XDG_CACHE_HOME/hetero_cs or "
+                            "~/.cache/hetero_cs)")
+    cache.add_argument("--no-cache", action="store_true", help="always calibrate; neither read nor write the cache")
+    parser.add_argument("--output", default=None, metavar="FILE", help="write the profile (JSON) to FILE")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the options of `hetero-cs plan` to parser."""
+    parser.add_argument("--profile", required=True, metavar="FILE",
+                        help="profile written by `python -m calibration --output FILE`")
+    parser.add_argument("--global-batch-size", type=_positive_int, default=None, metavar="B",
+                        help="examples per optimizer step (default: the profile's plan's)")
+    parser.add_argument("--multiple-of", type=_positive_int, default=1,
+                        help="every slice a multiple of this (default: 1)")
+    parser.add_argument("--min-batch-size", type=int, default=1, help="smallest slice per replica (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    return parser
+
+
+def _setup_devices(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """Returns (compute devices, emulated names or None); must run before TensorFlow initialises."""
+    import tensorflow as tf
+
+    from hetero_cs.emulation import setup_logical_devices
+
+    emulate = args.emulate
+    if emulate is None and args.devices is None and not tf.config.list_physical_devices("GPU"):
+        emulate = list(DEFAULT_EMULATED_DEVICES)
+        logger.info("No GPU found: emulating %s on logical CPU devices.", ",".join(emulate))
+    if emulate is not None:
+        return setup_logical_devices(emulate), list(emulate)
+    if args.devices is not None:
+        return list(args.devices), None
+    return [f"/device:GPU:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))], None
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Runs a calibration from parsed add_calibrate_arguments options; prints the table and plan; returns 0."""
+    devices, emulated = _setup_devices(args)  # Before anything below touches TensorFlow's runtime.
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from calibration.calibrate import calibrate
+    from calibration.models import build_model
+    from calibration.store import ProfileStore, save_result_file
+    from hetero_cs.emulation import Emulator, estimate_workload
+
+    parameter_device = "/device:CPU:0"
+    strategy = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=parameter_device)
+    input_shape = _INPUT_SHAPES[args.model]
+    with strategy.scope():
+        model = build_model(args.model, input_shape=input_shape, num_classes=_NUM_CLASSES)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    batch = args.global_batch_size
+    x = rng.standard_normal((batch, *input_shape)).astype(np.float32)
+    y = rng.integers(0, _NUM_CLASSES, size=batch).astype(np.int64)
+
+    emulator = None
+    if emulated is not None:
+        emulator = Emulator(emulated, workload=estimate_workload(model), time_scale=args.time_scale)
+        emulator.calibrate_time_scale(batch, target_makespan_s=args.target_step_ms / 1e3)
+        print("\n".join(emulator.describe(batch)))
+    store = False if args.no_cache else ProfileStore(args.cache_dir)
+    result = calibrate(
+        model, (x, y), devices=devices, parameter_device=parameter_device, global_batch_size=batch,
+        emulator=emulator, probe_batch_sizes=args.probe_batch_sizes, warmup_steps=args.warmup_steps, trials=args.trials,
+        store=store, progress=not args.no_progress,
+    )
+    print(result.format_table())
+    if result.plan is not None:
+        print(result.plan)
+    if args.output:
+        save_result_file(args.output, result)
+        print(f"profile written to {args.output}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Loads a profile and prints the plan solved for the requested global batch size; returns 0."""
+    from calibration.store import load_result_file
+    from hetero_cs.solver import solve_batch_split
+
+    result = load_result_file(args.profile)
+    batch = args.global_batch_size
+    if batch is None:
+        if result.plan is None:
+            raise ConfigError(f"The profile path={args.profile!r} holds no plan; pass --global-batch-size B.")
+        batch = result.plan.global_batch_size
+    plan = solve_batch_split(result.cost_models, batch, max_batch_sizes=result.max_batch_sizes,
+                             min_batch_size=args.min_batch_size, multiple_of=args.multiple_of)
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(result.format_table())
+        print(plan)
+    return 0
+
+
+def _run(runner, args: argparse.Namespace) -> int:  # noqa: ANN001 - one of run_calibrate / run_plan.
+    try:
+        return runner(args)
+    except HeteroCSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m calibration [options]`; returns the exit status (0 ok, 2 error)."""
+    parser = add_calibrate_arguments(argparse.ArgumentParser(
+        prog="python -m calibration", description="Calibrate compute devices on a reference model."))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return _run(run_calibrate, args)
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """`hetero-cs plan --profile FILE [--global-batch-size B]`; returns the exit status (0 ok, 2 error)."""
+    parser = add_plan_arguments(argparse.ArgumentParser(
+        prog="hetero-cs plan", description="Solve the batch split for a calibrated profile."))
+    return _run(run_plan, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""calibrate(): times every compute device on the real model's step, fits cost models, solves a plan.
+
+Devices are timed one at a time (replica i is devices[i]), so they never compete for host cores or the PCIe bus.
+Per device: geometric probe batch sizes up to the global batch (or the device's cap), warm-up steps, timed trials
+summarised by median and MAD, a monotone cost-model fit, and on GPUs a memory cap found from peak memory and a bounded
+search that recovers from out-of-memory errors. The model is left exactly as it was (see calibration.probe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from calibration import fit as fit_lib
+from calibration import probe as probe_lib
+from calibration import timing
+from calibration.result import CalibrationResult, DeviceProfile
+from calibration.store import ProfileStore, profile_key
+from hetero_cs.errors import (
+    CalibrationError,
+    CalibrationOOMError,
+    ConfigError,
+    DeviceError,
+    InfeasiblePlanError,
+    ProfileCacheError,
+)
+from hetero_cs.plan import BatchPlan
+
+__all__ = ["calibrate"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_PROBES = 5
+"""Probe sizes per device when probe_batch_sizes is None (geometric from 1 to the largest size)."""
+
+
+def _canonical_device(device: str) -> str:
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    if not spec.device_type:
+        raise DeviceError(f"Device name={device!r} has no device type; use names like '/device:GPU:0'.")
+    return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
+
+
+def _check_devices(devices: Sequence[str], parameter_device: str) -> tuple[list[str], str]:
+    import tensorflow as tf
+
+    if isinstance(devices, str) or not devices or not all(isinstance(d, str) and d for d in devices):
+        raise DeviceError(
+            f"devices must be a non-empty sequence of device names, e.g. ['/device:GPU:0', '/device:GPU:1']. "
+            f"Received: devices={devices!r}."
+        )
+    canonical = [_canonical_device(d) for d in devices]
+    if len(set(canonical)) != len(canonical):
+        raise DeviceError(f"Each compute device may appear once. Received: devices={list(devices)!r}.")
+    available = {_canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    parameter = _canonical_device(parameter_device)
+    unknown = [d for d in [*canonical, parameter] if d not in available]
+    if unknown:
+        raise DeviceError(
+            f"Unknown device(s) {unknown}; TensorFlow has {sorted(available)}. For emulation, call "
+            "hetero_cs.emulation.setup_logical_devices(names) before TensorFlow initialises."
+        )
+    return canonical, parameter
+
+
+def _gpu_facts() -> dict[str, Any]:
+    """DeviceInfo per GPU name from hetero_cs.devices (NVML), or {} when unavailable."""
+    try:
+        from hetero_cs.devices import discover_devices
+
+        return {info.name: info for info in discover_devices() if info.device_type == "GPU"}
+    except Exception as exc:  # noqa: BLE001 - facts are optional: the cache key and memory cap degrade gracefully.
+        logger.info("GPU facts unavailable (%s); using TensorFlow device names only.", exc)
+        return {}
+
+
+def _device_ids(devices: Sequence[str], emulator: Any, gpu_facts: dict[str, Any]) -> list[str]:
+    ids = []
+    for i, device in enumerate(devices):
+        parts = [device]
+        info = gpu_facts.get(device)
+        if info is not None:
+            parts.append(f"{info.description}|{info.uuid or ''}|{info.memory_total_bytes or ''}")
+        if emulator is not None:
+            parts.append(f"emulated={emulator.specs[i].name}@time_scale={emulator.time_scale:.9g}")
+        ids.append("|".join(parts))
+    return ids
+
+
+def _check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}. Received: {name}={value!r}.")
+    return value
+
+
+def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int, cap: int | None) -> tuple[int, ...]:
+    largest = global_batch_size if cap is None else min(cap, global_batch_size)
+    if requested is None:
+        return timing.probe_batch_sizes(largest, num=DEFAULT_NUM_PROBES)
+    sizes = sorted({int(b) for b in requested if int(b) <= largest})
+    return tuple(sizes) or (largest,)
+
+
+def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPlan | None:
+    from hetero_cs.solver import solve_batch_split
+
+    try:
+        return solve_batch_split([p.cost_model for p in profiles], global_batch_size,
+                                 max_batch_sizes=[p.max_batch_size for p in profiles])
+    except InfeasiblePlanError as exc:
+        warnings.warn(f"Calibration finished but no plan fits: {exc}", stacklevel=3)
+        return None
+
+
+class _DeviceCalibration:
+    """Calibrates one device: probe sizes, trials, memory cap, fit."""
+
+    def __init__(self, probe: Any, *, cap: int | None, memory_limit_bytes: int | None, warmup_steps: int,
+                 trials: int) -> None:
+        self.probe = probe
+        self.cap = cap
+        self.memory_limit_bytes = memory_limit_bytes
+        self.warmup_steps = warmup_steps
+        self.trials = trials
+        self.sizes: list[int] = []
+        self.stats: list[timing.TimingStats] = []
+        self.peaks_bytes: list[tuple[int, int]] = []
+
+    def _measure(self, batch_size: int) -> None:
+        self.probe.reset_peak_memory()
+        samples_s = self.probe.time_step(batch_size, warmup_steps=self.warmup_steps, trials=self.trials)
+        peak_bytes = self.probe.peak_memory_bytes()
+        if peak_bytes is not None:
+            self.peaks_bytes.append((batch_size, peak_bytes))
+        self.sizes.append(batch_size)
+        self.stats.append(timing.summarize_trials(samples_s))
+
+    def run(self, sizes: Sequence[int], *, emulated_as: str | None,
+            on_measured: Callable[[int, float], None] | None = None) -> DeviceProfile:
+        """Probes `sizes` in increasing order (stopping at the first out-of-memory), fits, returns the profile."""
+        import tensorflow as tf
+
+        failed_size: int | None = None
+        for batch_size in sizes:
+            try:
+                self._measure(batch_size)
+            except tf.errors.ResourceExhaustedError:
+                failed_size = batch_size
+                logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
+                break
+            except tf.errors.OpError as exc:
+                raise CalibrationError(
+                    f"The probe step failed on device={self.probe.device!r} at batch_size={batch_size}: "
+                    f"{type(exc).__name__}: {exc.message}. Check that the model runs on this device with this "
+                    "sample batch (model(x, training=True) and its loss)."
+                ) from exc
+            if on_measured is not None:
+                on_measured(batch_size, self.stats[-1].median_s)
+        if failed_size is not None:
+            self._find_cap(list(sizes), failed_size)
+        result = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in self.stats])
+        return DeviceProfile(
+            device=self.probe.device,
+            cost_model=result.cost_model,
+            max_batch_size=self.cap,
+            fit_error=result.fit_error,
+            probe_batch_sizes=tuple(self.sizes),
+            median_step_times_s=tuple(s.median_s for s in self.stats),
+            mad_s=tuple(s.mad_s for s in self.stats),
+            emulated_as=emulated_as,
+        )
+
+    def _find_cap(self, sizes: list[int], failed_size: int) -> None:
+        """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
+        import tensorflow as tf
+
+        device = self.probe.device
+        largest_fitting = self.sizes[-1] if self.sizes else None
+        if largest_fitting is None:
+            if failed_size > 1 and self.probe.fits(1):
+                largest_fitting = 1
+            else:
+                tried = sorted({1, failed_size})
+                raise CalibrationOOMError(
+                    f"device={device!r} ran out of memory at every batch size tried: batch_sizes={tried}, "
+                    f"probe_batch_sizes={sizes}. Use a smaller global batch size or a smaller model, or leave this "
+                    "device out of the compute devices."
+                )
+        guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
+        cap = probe_lib.search_memory_cap(
+            self.probe.fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
+        )
+        logger.info("%s: memory cap max_batch_size=%d (out of memory at %d)", device, cap, failed_size)
+        self.cap = cap if self.cap is None else min(self.cap, cap)
+        if not self.sizes or cap > self.sizes[-1]:
+            try:
+                self._measure(cap)
+            except tf.errors.ResourceExhaustedError as exc:
+                raise CalibrationError(
+                    f"device={device!r} fitted batch_size={cap} once but ran out of memory when timing it. Another "
+                    "process may be using the device's memory; pass max_batch_sizes=[...] to cap it explicitly."
+                ) from exc
+
+
+def calibrate(
+    model: Any,
+    sample_batch: Any,
+    *,
+    devices: Sequence[str],
+    parameter_device: str = "/device:CPU:0",
+    global_batch_size: int | None = None,
+    emulator: Any = None,
+    probe_batch_sizes: Sequence[int] | None = None,
+    warmup_steps: int = 2,
+    trials: int = 5,
+    max_batch_sizes: Sequence[int | None] | None = None,
+    store: ProfileStore | None | bool = None,
+    run_plan: Callable[[BatchPlan], float] | None = None,
+    progress: bool = True,
+    loss: Callable[..., Any] | None = None,
+) -> CalibrationResult:
+    """Times each compute device on the model's real step, fits its cost model, and solves a batch split.
+
+    For each device in turn (replica i = devices[i]): the probe step (broadcast from parameter_device, forward with
+    training=True, loss, backward, gradient return) runs warmup_steps untimed and `trials` timed times at each
+    probe batch size; the median times are fitted by calibration.fit.fit_cost_model. On GPUs, an out-of-memory
+    error at a probe size triggers a bounded search for the largest size that fits (the device's cap); CPU devices
+    are capped only by max_batch_sizes. Then solve_batch_split gives the plan for global_batch_size.
+
+    Results are cached (see calibration.store) under a key of the device ids (and emulated names and time scale),
+    the model fingerprint, the input signature with global_batch_size, probe sizes and caps, and tf.__version__.
+
+    Args:
+        model: A built Keras model, compiled unless `loss` is given. Its variables may be those of a
+            CentralStorageStrategy. It is not changed (non-trainable and metric variables are restored).
+        sample_batch: (x, y) or (x, y, sample_weight), arrays or tensors with n >= 1 examples; probes larger than n
+            repeat examples (step time does not depend on the values).
+        devices: Compute devices in replica order, e.g. ["/device:GPU:0", "/device:GPU:1"], length R >= 1.
+        parameter_device: Where the central variables live and gradients return.
+        global_batch_size: B, examples per optimizer step; None means n.
+        emulator: A hetero_cs.emulation.Emulator with R devices; replica i's steps then wait as long as its
+            emulated device would take. If it has no workload, estimate_workload(model) is set on it.
+        probe_batch_sizes: Sizes to probe on every device (sizes above a device's cap or B are dropped); None means
+            5 geometric sizes from 1 to min(B, cap).
+        warmup_steps: Untimed steps per size, >= 0 (the first one also traces the step function).
+        trials: Timed steps per size, >= 1.
+        max_batch_sizes: Per-replica caps in examples (None entries: no user cap), shape [R]; None for none.
+        store: A ProfileStore; None means ProfileStore() (the default directory); False disables caching.
+        run_plan: Optional callable that runs one training step with the plan and returns its wall time in seconds;
+            called once to report measured against predicted makespan.
+        progress: Show a keras.utils.Progbar per device (one tick per probe size).
+        loss: callable(y_true, y_pred[, sample_weight]); None uses the model's compiled loss.
+
+    Returns:
+        A CalibrationResult with one DeviceProfile per device, the plan (None, with a warning, when the caps cannot
+        hold B) and, with run_plan, the measured makespan.
+
+    Raises:
+        DeviceError: If a device is unknown to TensorFlow or repeated.
+        ConfigError: If an argument is out of range or the emulator's replica count differs from len(devices).
+        CalibrationOOMError: If a device runs out of memory even at batch size 1.
+        CalibrationError: If the model has no loss, or a step fails.
+
+    Example:
+        >>> names = setup_logical_devices(["A10", "T4", "P100"])  # before TF initialises
+        >>> emulator = Emulator(["A10", "T4", "P100"])
+        >>> result = calibrate(model, (x, y), devices=names, emulator=emulator, store=False)
+        >>> print(result.format_table())
+    """
+    import keras
+    import tensorflow as tf
+
+    devices, parameter_device = _check_devices(devices, parameter_device)
+    num_replicas = len(devices)
+    if global_batch_size is None:
+        global_batch_size = probe_lib.sample_batch_size(sample_batch)
+    _check_positive_int("global_batch_size", global_batch_size)
+    _check_positive_int("warmup_steps", warmup_steps, minimum=0)
+    _check_positive_int("trials", trials)
+    if max_batch_sizes is None:
+        caps: list[int | None] = [None] * num_replicas
+    else:
+        caps = list(max_batch_sizes)
+        if len(caps) != num_replicas:
+            raise ConfigError(
+                f"max_batch_sizes needs one entry per device. Received: len(max_batch_sizes)={len(caps)}, "
+                f"len(devices)={num_replicas}."
+            )
+        for cap in caps:
+            if cap is not None:
+                _check_positive_int("max_batch_sizes[i]", cap)
+    if probe_batch_sizes is not None:
+        if isinstance(probe_batch_sizes, (str, bytes)) or not probe_batch_sizes:
+            raise ConfigError(
+                f"probe_batch_sizes must be a non-empty sequence of ints. Received: {probe_batch_sizes!r}."
+            )
+        for b in probe_batch_sizes:
+            _check_positive_int("probe_batch_sizes[i]", b)
+    if emulator is not None:
+        if emulator.num_replicas != num_replicas:
+            raise ConfigError(
+                f"The emulator has num_replicas={emulator.num_replicas} but len(devices)={num_replicas}; give one "
+                "catalog name per compute device."
+            )
+        if emulator.workload is None:
+            from hetero_cs.emulation import estimate_workload
+
+            emulator.set_workload(estimate_workload(model))
+
+    if store is True:
+        store = None
+    if store is not False and store is not None and not isinstance(store, ProfileStore):
+        raise ConfigError(f"store must be a ProfileStore, None or False. Received: store={store!r}.")
+    gpu_facts = _gpu_facts() if any(":GPU:" in d for d in devices) else {}
+    key = None
+    if store is not False:
+        store = store if store is not None else ProfileStore()
+        signature = (
+            f"{probe_lib.input_signature(sample_batch)}|global_batch_size={global_batch_size}"
+            f"|probe_batch_sizes={None if probe_batch_sizes is None else sorted(set(probe_batch_sizes))}"
+            f"|max_batch_sizes={caps}|parameter_device={parameter_device}"
+        )
+        key = profile_key(
+            device_ids=_device_ids(devices, emulator, gpu_facts),
+            model_fingerprint=probe_lib.model_fingerprint(model),
+            input_signature=signature,
+            tf_version=tf.__version__,
+        )
+        cached = store.load(key)
+        if cached is not None and cached.devices == tuple(devices):
+            logger.info("Calibration profile cache hit (%s); skipping calibration.", store.path(key))
+            return _with_measurement(cached, run_plan)
+        logger.info("Calibration profile cache miss; calibrating %d device(s).", num_replicas)
+
+    start_s = time.perf_counter()
+    sizes_per_device = [_device_probe_sizes(probe_batch_sizes, global_batch_size, cap) for cap in caps]
+    profiles = []
+    with probe_lib.preserved_model_state(model):
+        for replica_id, (device, sizes) in enumerate(zip(devices, sizes_per_device)):
+            device_start_s = time.perf_counter()
+            emulated_as = None if emulator is None else emulator.specs[replica_id].name
+            label = device if emulated_as is None else f"{device} (emulated {emulated_as})"
+            logger.info("Calibrating replica %d, %s, at probe_batch_sizes=%s", replica_id, label, list(sizes))
+            probe = probe_lib.DeviceProbe(
+                model, sample_batch, device=device, parameter_device=parameter_device, loss=loss,
+                replica_id=replica_id, emulator=emulator,
+            )
+            memory_limit_bytes = None
+            if probe.tracks_memory:
+                memory_limit_bytes = probe.memory_limit_bytes() or getattr(
+                    gpu_facts.get(device), "memory_total_bytes", None)
+
+            # One bar per device, one tick per probe size (Keras' own progress bar, as in model.fit).
+            progbar = keras.utils.Progbar(len(sizes), verbose=1 if progress else 0, unit_name="size",
+                                          stateful_metrics=["batch_size", "median_ms"])
+
+            ticks = [0]
+
+            def on_measured(batch_size: int, median_s: float, progbar: Any = progbar, ticks: list = ticks) -> None:
+                ticks[0] += 1
+                progbar.update(ticks[0], [("batch_size", batch_size), ("median_ms", median_s * 1e3)])
+
+            device_calibration = _DeviceCalibration(
+                probe, cap=caps[replica_id], memory_limit_bytes=memory_limit_bytes, warmup_steps=warmup_steps,
+                trials=trials,
+            )
+            profile = device_calibration.run(sizes, emulated_as=emulated_as, on_measured=on_measured)
+            if ticks[0] < len(sizes):  # An out-of-memory cut the probes short: close the bar.
+                progbar.update(len(sizes), finalize=True)
+            profiles.append(profile)
+            logger.info(
+                "Calibrated replica %d, %s: %s, max_batch_size=%s, fit_error=%.1f%% (%.2f s)", replica_id, label,
+                profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
+                time.perf_counter() - device_start_s,
+            )
+    plan = _solve(profiles, global_batch_size)
+    wall_time_s = time.perf_counter() - start_s
+    result = CalibrationResult(profiles=tuple(profiles), wall_time_s=wall_time_s, emulated=emulator is not None,
+                               plan=plan)
+    logger.info("Calibration of %d device(s) took %.2f s%s.", num_replicas, wall_time_s,
+                " (emulated timings)" if emulator is not None else "")
+    if store is not False and key is not None:
+        try:
+            store.save(key, result)
+        except ProfileCacheError as exc:
+            warnings.warn(f"Calibration result not cached: {exc}", stacklevel=2)
+    return _with_measurement(result, run_plan)
+
+
+def _with_measurement(result: CalibrationResult, run_plan: Callable[[BatchPlan], float] | None) -> CalibrationResult:
+    """Calls run_plan once with the plan and records its measured makespan."""
+    if run_plan is None or result.plan is None:
+        return result
+    measured_s = float(run_plan(result.plan))
+    if not (math.isfinite(measured_s) and measured_s >= 0):
+        raise CalibrationError(f"run_plan must return a step time in seconds >= 0. Received: {measured_s!r}.")
+    predicted_s = result.plan.predicted_makespan_s or float("nan")
+    logger.info(
+        "Plan %s: predicted makespan %.4f s, measured %.4f s (measured/predicted %.3f)",
+        list(result.plan.per_replica_batch_sizes), predicted_s, measured_s, measured_s / predicted_s,
+    )
+    return dataclasses.replace(result, measured_makespan_s=measured_s)

@@ -1,0 +1,259 @@
+"""What calibration produces: per-device profiles and the plan solved from them (pure: no TensorFlow).
+
+These are plain frozen dataclasses with a strict dict round trip, so calibration.store can cache them without
+importing TensorFlow and the CLI can print them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from hetero_cs.cost_model import CostModel, cost_model_from_dict
+from hetero_cs.errors import ProfileCacheError
+from hetero_cs.plan import BatchPlan
+
+__all__ = ["CalibrationResult", "DeviceProfile"]
+
+
+def _check_keys(name: str, data: Mapping[str, Any], required: set[str], optional: set[str] = frozenset()) -> None:
+    if not isinstance(data, Mapping):
+        raise ProfileCacheError(f"{name} must be a JSON object. Received: {type(data).__name__}.")
+    unknown = sorted(set(data) - required - optional)
+    missing = sorted(required - set(data))
+    if unknown or missing:
+        raise ProfileCacheError(
+            f"{name} has unknown keys {unknown} and/or misses keys {missing}. It was written by another version "
+            "of hetero_cs or edited by hand; recalibrate to replace it."
+        )
+
+
+def _finite_non_negative(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ProfileCacheError(f"{owner}.{name} must be a finite number >= 0. Received: {name}={value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """The calibrated step-time curve and memory cap of one compute device.
+
+    Attributes:
+        device: TensorFlow device name, e.g. "/device:GPU:0" or "/device:CPU:1".
+        cost_model: Step time t(b) in seconds for a slice of b examples (broadcast, forward, backward, gradient
+            return), non-decreasing in b.
+        max_batch_size: Largest slice that fits in the device's memory, in examples, >= 1; None when unbounded
+            (CPU devices without a user cap, or a GPU that held the whole global batch).
+        fit_error: Largest relative error of cost_model at the measured points, >= 0.
+        probe_batch_sizes: Probed sizes, strictly increasing, shape [P].
+        median_step_times_s: Median step time at each probed size, seconds, shape [P].
+        mad_s: Median absolute deviation of the trials at each probed size, seconds, shape [P].
+        emulated_as: Catalog device name whose timing was emulated on this device, or None for real timings.
+    """
+
+    device: str
+    cost_model: CostModel
+    max_batch_size: int | None
+    fit_error: float
+    probe_batch_sizes: tuple[int, ...]
+    median_step_times_s: tuple[float, ...]
+    mad_s: tuple[float, ...]
+    emulated_as: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "probe_batch_sizes", tuple(int(b) for b in self.probe_batch_sizes))
+        object.__setattr__(self, "median_step_times_s", tuple(float(t) for t in self.median_step_times_s))
+        object.__setattr__(self, "mad_s", tuple(float(t) for t in self.mad_s))
+        if not isinstance(self.device, str) or not self.device:
+            raise ProfileCacheError(f"DeviceProfile.device must be a non-empty string. Received: {self.device!r}.")
+        if not callable(getattr(self.cost_model, "predict_step_time_s", None)):
+            raise ProfileCacheError(
+                f"DeviceProfile.cost_model needs predict_step_time_s. Received: {type(self.cost_model).__name__}."
+            )
+        if self.max_batch_size is not None and (
+            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1
+        ):
+            raise ProfileCacheError(
+                f"DeviceProfile.max_batch_size must be None or an int >= 1. Received: {self.max_batch_size!r}."
+            )
+        _finite_non_negative("DeviceProfile", "fit_error", self.fit_error)
+        sizes, medians, mads = self.probe_batch_sizes, self.median_step_times_s, self.mad_s
+        if not sizes or len(medians) != len(sizes) or len(mads) != len(sizes):
+            raise ProfileCacheError(
+                "DeviceProfile needs one median and one MAD per probed size, at least one size. Received: "
+                f"len(probe_batch_sizes)={len(sizes)}, len(median_step_times_s)={len(medians)}, len(mad_s)={len(mads)}."
+            )
+        if any(b < 1 for b in sizes) or any(b >= c for b, c in zip(sizes, sizes[1:])):
+            raise ProfileCacheError(
+                f"DeviceProfile.probe_batch_sizes must be >= 1 and strictly increasing. Received: {sizes}."
+            )
+        for value in medians + mads:
+            _finite_non_negative("DeviceProfile", "median_step_times_s/mad_s", value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-serialisable dict; inverse of from_dict."""
+        return {
+            "device": self.device,
+            "cost_model": self.cost_model.to_dict(),
+            "max_batch_size": self.max_batch_size,
+            "fit_error": self.fit_error,
+            "probe_batch_sizes": list(self.probe_batch_sizes),
+            "median_step_times_s": list(self.median_step_times_s),
+            "mad_s": list(self.mad_s),
+            "emulated_as": self.emulated_as,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
+        """Rebuilds a profile from to_dict output.
+
+        Raises:
+            ProfileCacheError: If a key is unknown or missing, or a value is invalid.
+        """
+        required = {"device", "cost_model", "max_batch_size", "fit_error", "probe_batch_sizes",
+                    "median_step_times_s", "mad_s", "emulated_as"}
+        _check_keys("DeviceProfile", data, required)
+        try:
+            cost_model = cost_model_from_dict(data["cost_model"])
+            return cls(
+                device=data["device"],
+                cost_model=cost_model,
+                max_batch_size=data["max_batch_size"],
+                fit_error=data["fit_error"],
+                probe_batch_sizes=tuple(data["probe_batch_sizes"]),
+                median_step_times_s=tuple(data["median_step_times_s"]),
+                mad_s=tuple(data["mad_s"]),
+                emulated_as=data["emulated_as"],
+            )
+        except ProfileCacheError:
+            raise
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ProfileCacheError(f"DeviceProfile data is invalid: {exc}. Recalibrate to replace it.") from exc
+
+    def describe_cost_model(self) -> str:
+        """Short text of the model: "a=1.20 ms c=0.040 ms/ex" for linear, the knots otherwise."""
+        model = self.cost_model
+        if hasattr(model, "fixed_overhead_s") and hasattr(model, "seconds_per_example"):
+            return f"a={model.fixed_overhead_s * 1e3:.3f} ms c={model.seconds_per_example * 1e3:.4f} ms/ex"
+        if hasattr(model, "batch_sizes") and hasattr(model, "step_times_s"):
+            knots = " ".join(f"{b}:{t * 1e3:.2f}" for b, t in zip(model.batch_sizes, model.step_times_s))
+            return f"knots(b:ms) {knots}"
+        return type(model).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationResult:
+    """Profiles of every compute device (replica order) and the plan solved from them.
+
+    Attributes:
+        profiles: One DeviceProfile per replica, replica i = devices[i], length R >= 1.
+        wall_time_s: Wall time calibration took (probing and fitting, not run_plan), seconds, >= 0.
+        emulated: True when the step times came from emulated devices (see hetero_cs.emulation).
+        plan: The BatchPlan solved for the global batch size, or None.
+        measured_makespan_s: Measured step time of the plan when calibrate was given run_plan, else None.
+    """
+
+    profiles: tuple[DeviceProfile, ...]
+    wall_time_s: float
+    emulated: bool
+    plan: BatchPlan | None = None
+    measured_makespan_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "profiles", tuple(self.profiles))
+        if not self.profiles or not all(isinstance(p, DeviceProfile) for p in self.profiles):
+            raise ProfileCacheError(
+                "CalibrationResult.profiles must be a non-empty sequence of DeviceProfile. Received: "
+                f"{self.profiles!r}."
+            )
+        _finite_non_negative("CalibrationResult", "wall_time_s", self.wall_time_s)
+        if not isinstance(self.emulated, bool):
+            raise ProfileCacheError(f"CalibrationResult.emulated must be a bool. Received: {self.emulated!r}.")
+        if self.plan is not None and len(self.plan.per_replica_batch_sizes) != len(self.profiles):
+            raise ProfileCacheError(
+                "CalibrationResult.plan must have one slice per profile. Received: "
+                f"len(per_replica_batch_sizes)={len(self.plan.per_replica_batch_sizes)}, "
+                f"len(profiles)={len(self.profiles)}."
+            )
+        if self.measured_makespan_s is not None:
+            _finite_non_negative("CalibrationResult", "measured_makespan_s", self.measured_makespan_s)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Device names in replica order."""
+        return tuple(p.device for p in self.profiles)
+
+    @property
+    def cost_models(self) -> tuple[CostModel, ...]:
+        """Cost models in replica order, ready for solve_batch_split."""
+        return tuple(p.cost_model for p in self.profiles)
+
+    @property
+    def max_batch_sizes(self) -> tuple[int | None, ...]:
+        """Memory caps in replica order (None = unbounded)."""
+        return tuple(p.max_batch_size for p in self.profiles)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-serialisable dict; inverse of from_dict."""
+        return {
+            "profiles": [p.to_dict() for p in self.profiles],
+            "wall_time_s": self.wall_time_s,
+            "emulated": self.emulated,
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "measured_makespan_s": self.measured_makespan_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CalibrationResult:
+        """Rebuilds a result from to_dict output.
+
+        Raises:
+            ProfileCacheError: If a key is unknown or missing, or a value is invalid.
+        """
+        _check_keys("CalibrationResult", data, {"profiles", "wall_time_s", "emulated", "plan", "measured_makespan_s"})
+        if not isinstance(data["profiles"], list):
+            raise ProfileCacheError("CalibrationResult.profiles must be a list. Recalibrate to replace it.")
+        profiles = tuple(DeviceProfile.from_dict(p) for p in data["profiles"])
+        try:
+            plan = None if data["plan"] is None else BatchPlan.from_dict(data["plan"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ProfileCacheError(f"CalibrationResult.plan is invalid: {exc}. Recalibrate to replace it.") from exc
+        return cls(
+            profiles=profiles,
+            wall_time_s=data["wall_time_s"],
+            emulated=data["emulated"],
+            plan=plan,
+            measured_makespan_s=data["measured_makespan_s"],
+        )
+
+    def format_table(self) -> str:
+        """A text table: replica, device, cost model, memory cap and fit error per device.
+
+        The first line says whether timings were measured or emulated; the plan, if any, follows the table.
+        """
+        source = ("EMULATED timings (catalog devices on logical CPU devices; not real hardware)"
+                  if self.emulated else "measured timings")
+        header = ("replica", "device", "emulated as", "cost model t(b)", "cap (ex)", "fit err")
+        rows = [
+            (
+                str(i),
+                p.device,
+                p.emulated_as or "-",
+                p.describe_cost_model(),
+                "none" if p.max_batch_size is None else str(p.max_batch_size),
+                f"{p.fit_error * 100:.1f} %",
+            )
+            for i, p in enumerate(self.profiles)
+        ]
+        widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
+        lines = [f"Calibration of {len(self.profiles)} device(s), {source}, took {self.wall_time_s:.2f} s"]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        if self.plan is not None:
+            predicted_s = self.plan.predicted_makespan_s
+            lines.append(f"plan: per_replica_batch_sizes={list(self.plan.per_replica_batch_sizes)} "
+                         f"global_batch_size={self.plan.global_batch_size} predicted_makespan_s="
+                         f"{'n/a' if predicted_s is None else f'{predicted_s:.6f}'}")
+        if self.measured_makespan_s is not None:
+            lines.append(f"measured_makespan_s={self.measured_makespan_s:.6f}")
+        return "\n".join(lines)

@@ -1,0 +1,340 @@
+"""Calibration on emulated A10 / T4 / P100 devices (logical CPU devices with emulated waits).
+
+The emulated step times are short (time_scale chosen for a ~40 ms even-split step) so the module runs in seconds,
+yet well above the real per-replica compute of these small models even on a busy 2-core machine, so the emulated
+curves dominate what is measured.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from hetero_cs.emulation import Emulator, estimate_workload, setup_logical_devices  # noqa: E402
+
+# Before TensorFlow initialises (idempotent when the integration conftest already made enough CPU devices).
+EMULATED = ("A10", "T4", "P100")
+DEVICES = setup_logical_devices(list(EMULATED))
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from calibration import probe as probe_module  # noqa: E402
+from calibration.__main__ import main, plan_main  # noqa: E402
+from calibration.calibrate import calibrate  # noqa: E402
+from calibration.models import build_model  # noqa: E402
+from calibration.probe import (  # noqa: E402
+    DeviceProbe,
+    extrapolate_memory_cap,
+    input_signature,
+    model_fingerprint,
+    preserved_model_state,
+    search_memory_cap,
+)
+from calibration.store import ProfileStore, load_result_file  # noqa: E402
+from hetero_cs.errors import CalibrationError, CalibrationOOMError, ConfigError, DeviceError  # noqa: E402
+
+GLOBAL_BATCH_SIZE = 128
+TARGET_STEP_S = 0.04
+PROBED_SIZES = (1, 3, 11, 38, 128)
+UNPROBED_SIZES = (8, 24, 64, 100)
+
+
+def _emulator(model, names=EMULATED, target_s=TARGET_STEP_S, global_batch_size=GLOBAL_BATCH_SIZE):
+    """An Emulator whose even-split step takes ~target_s (explicit time_scale: immune to the environment)."""
+    workload = estimate_workload(model)
+    unit = Emulator(list(names), workload=workload, time_scale=1.0)
+    share = -(-global_batch_size // len(names))
+    makespan_s = max(unit.step_time_s(i, share) for i in range(len(names)))
+    return Emulator(list(names), workload=workload, time_scale=target_s / makespan_s)
+
+
+def _compiled(model):
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _digits_batch(n, shape=(8, 8, 1), seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, *shape)).astype(np.float32), rng.integers(0, 10, size=n).astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tf.distribute.experimental.CentralStorageStrategy(DEVICES, parameter_device="/device:CPU:0")
+
+
+@pytest.fixture(scope="module")
+def digits_cnn(strategy):
+    with strategy.scope():
+        return _compiled(build_model("digits_cnn", input_shape=(8, 8, 1), num_classes=10))
+
+
+@pytest.fixture(scope="module")
+def calibrated(digits_cnn):
+    emulator = _emulator(digits_cnn)
+    started = time.perf_counter()
+    result = calibrate(digits_cnn, _digits_batch(GLOBAL_BATCH_SIZE), devices=DEVICES, emulator=emulator,
+                       store=False, progress=False)
+    return result, emulator, time.perf_counter() - started
+
+
+def test_calibration_ranks_devices_and_predicts_unprobed_sizes(calibrated, digits_cnn, capsys):
+    result, emulator, wall_time_s = calibrated
+    assert result.emulated
+    assert [p.emulated_as for p in result.profiles] == list(EMULATED)
+    assert all(p.probe_batch_sizes == PROBED_SIZES for p in result.profiles)
+    at_full_batch = [p.cost_model.predict_step_time_s(GLOBAL_BATCH_SIZE) for p in result.profiles]
+    assert int(np.argmin(at_full_batch)) == 0, at_full_batch  # A10 is the fastest
+    assert max(result.plan.per_replica_batch_sizes) == result.plan.per_replica_batch_sizes[0]
+    assert sum(result.plan.per_replica_batch_sizes) == GLOBAL_BATCH_SIZE
+
+    errors = {}
+    batch = _digits_batch(GLOBAL_BATCH_SIZE)
+    with preserved_model_state(digits_cnn):
+        for replica_id, (device, profile) in enumerate(zip(DEVICES, result.profiles)):
+            probe = DeviceProbe(digits_cnn, batch, device=device, replica_id=replica_id, emulator=emulator)
+            for b in UNPROBED_SIZES:
+                measured_s = float(np.median(probe.time_step(b, warmup_steps=1, trials=3)))
+                errors[(profile.emulated_as, b)] = profile.cost_model.predict_step_time_s(b) / measured_s - 1
+    worst = max(abs(e) for e in errors.values())
+    with capsys.disabled():
+        print(f"\n{result.format_table()}\ncalibration wall time (3 emulated devices, digits CNN, "
+              f"{TARGET_STEP_S * 1e3:.0f} ms steps): {wall_time_s:.2f} s; worst prediction error at unprobed sizes "
+              f"{UNPROBED_SIZES}: {worst * 100:.1f} %")
+    assert worst < 0.10, errors
+
+
+def test_calibration_does_not_advance_emulated_drift_counters(calibrated):
+    _, emulator, _ = calibrated
+    assert emulator.steps_done == (0, 0, 0)
+
+
+def test_probe_leaves_the_model_unchanged(strategy):
+    with strategy.scope():
+        model = _compiled(keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3),
+            keras.layers.BatchNormalization(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(10),
+        ]))
+    batch = _digits_batch(32)
+    tracked = list(model.variables) + list(model.metrics_variables) + list(model.optimizer.variables)
+
+    def snapshot():
+        return [np.array(v.numpy(), copy=True) for v in tracked]
+
+    before = snapshot()
+    probe = DeviceProbe(model, batch, device=DEVICES[0])
+    probe.run_step(16)  # Unprotected: BatchNormalization statistics and the dropout seed do move ...
+    moved = [v.path for v, a, b in zip(tracked, before, snapshot()) if not np.array_equal(a, b)]
+    assert any("moving_mean" in path for path in moved) and any("seed" in path for path in moved), moved
+    for variable, value in zip(tracked, before):  # ... so put them back before the real tests.
+        variable.assign(value)
+
+    probe.time_step(8, warmup_steps=1, trials=2)
+    assert [v.path for v, a, b in zip(tracked, before, snapshot()) if not np.array_equal(a, b)] == []
+
+    calibrate(model, batch, devices=DEVICES[:2], probe_batch_sizes=[2, 8, 32], warmup_steps=1, trials=1,
+              store=False, progress=False)
+    after = snapshot()
+    changed = [v.path for v, a, b in zip(tracked, before, after) if not np.array_equal(a, b)]
+    assert changed == []
+
+
+def test_cache_hit_skips_probing_and_model_change_misses(tmp_path, monkeypatch, strategy):
+    def mlp(hidden):
+        with strategy.scope():
+            return _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(hidden, activation="relu"),
+                                               keras.layers.Dense(10)]))
+
+    batch = (np.ones((32, 16), np.float32), np.zeros((32,), np.int64))
+    store = ProfileStore(tmp_path)
+    kwargs = dict(devices=DEVICES, probe_batch_sizes=[1, 8, 32], warmup_steps=1, trials=2, store=store,
+                  progress=False)
+    first = calibrate(mlp(32), batch, **kwargs)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_probing(*args, **kwargs):
+        raise AssertionError("a cache hit must not probe")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(probe_module, "DeviceProbe", no_probing)
+        calls = []
+        second = calibrate(mlp(32), batch, **kwargs, run_plan=lambda plan: calls.append(plan) or 0.0123)
+    assert second.profiles == first.profiles and second.plan == first.plan
+    assert calls == [first.plan]
+    assert second.measured_makespan_s == 0.0123
+
+    calibrate(mlp(48), batch, **kwargs)  # another model: a miss, calibrated and stored beside the first
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def _oom():
+    return tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor (simulated)")
+
+
+def test_out_of_memory_gives_a_cap_and_a_plan_within_it(monkeypatch, strategy):
+    with strategy.scope():
+        model = _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)]))
+    real_run_step = DeviceProbe.run_step
+
+    def run_step(self, batch_size):
+        if self.device == DEVICES[0] and batch_size > 100:
+            raise _oom()
+        return real_run_step(self, batch_size)
+
+    monkeypatch.setattr(DeviceProbe, "run_step", run_step)
+    batch = (np.ones((256, 16), np.float32), np.zeros((256,), np.int64))
+    result = calibrate(model, batch, devices=DEVICES[:2], warmup_steps=0, trials=1, store=False, progress=False)
+    cap = result.profiles[0].max_batch_size
+    assert cap is not None and 98 <= cap <= 100
+    assert result.profiles[0].probe_batch_sizes[-1] == cap  # the cap itself was timed and fitted
+    assert result.profiles[1].max_batch_size is None
+    assert result.plan.per_replica_batch_sizes[0] <= cap
+
+
+def test_out_of_memory_at_every_size_names_device_and_fix(monkeypatch, strategy):
+    with strategy.scope():
+        model = _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)]))
+
+    def run_step(self, batch_size):
+        raise _oom()
+
+    monkeypatch.setattr(DeviceProbe, "run_step", run_step)
+    batch = (np.ones((64, 16), np.float32), np.zeros((64,), np.int64))
+    with pytest.raises(CalibrationOOMError, match=r"device='/device:CPU:1'.*batch_sizes=\[1\].*smaller global batch"):
+        calibrate(model, batch, devices=DEVICES[:1], store=False, progress=False)
+
+
+def test_search_memory_cap_and_extrapolation():
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= 300
+
+    assert search_memory_cap(fits, largest_fitting=256, smallest_failing=512, relative_precision=0) == 300
+    assert len(tried) <= 8 and all(256 < b < 512 for b in tried)
+    tried.clear()
+    assert search_memory_cap(fits, largest_fitting=256, smallest_failing=512, first_guess=300,
+                             relative_precision=0) == 300
+    assert tried[0] == 300
+    with pytest.raises(ConfigError, match="largest_fitting < smallest_failing"):
+        search_memory_cap(fits, largest_fitting=8, smallest_failing=8)
+    # peak(b) = 1000 + 10 b bytes; 90 % of 11,000 bytes -> (9,900 - 1,000) / 10 = 890 examples.
+    assert extrapolate_memory_cap([(16, 1160), (64, 1640)], memory_limit_bytes=11_000) == 890
+    assert extrapolate_memory_cap([(16, 1160), (64, 1640)], memory_limit_bytes=None) is None
+    assert extrapolate_memory_cap([(16, 1160)], memory_limit_bytes=11_000) is None
+
+
+def test_fingerprint_and_signature(strategy):
+    first = build_model("mlp", input_shape=(64,), num_classes=10)
+    same = build_model("mlp", input_shape=(64,), num_classes=10)
+    other = build_model("mlp", input_shape=(32,), num_classes=10)
+    assert model_fingerprint(first) == model_fingerprint(same)  # layer names differ; they do not count
+    assert model_fingerprint(first) != model_fingerprint(other)
+    x, y = _digits_batch(5)
+    assert input_signature((x, y)) == "0=float32[*,8,8,1];1=int64[*]"
+    assert input_signature((x, y), include_batch_dim=True) == "0=float32[5,8,8,1];1=int64[5]"
+
+
+def test_invalid_arguments(digits_cnn):
+    batch = _digits_batch(16)
+    with pytest.raises(DeviceError, match="Unknown device"):
+        calibrate(digits_cnn, batch, devices=["/device:CPU:9"], store=False, progress=False)
+    with pytest.raises(DeviceError, match="once"):
+        calibrate(digits_cnn, batch, devices=[DEVICES[0], DEVICES[0]], store=False, progress=False)
+    with pytest.raises(ConfigError, match="num_replicas=3 but len\\(devices\\)=2"):
+        calibrate(digits_cnn, batch, devices=DEVICES[:2], emulator=_emulator(digits_cnn), store=False)
+    with pytest.raises(ConfigError, match="sample_batch"):
+        calibrate(digits_cnn, batch[0], devices=DEVICES[:1], store=False)
+    uncompiled = build_model("mlp", input_shape=(8, 8, 1), num_classes=10)
+    with pytest.raises(CalibrationError, match="not compiled and no loss"):
+        calibrate(uncompiled, batch, devices=DEVICES[:1], store=False, progress=False)
+
+
+def test_explicit_loss_on_an_uncompiled_model(capsys):
+    model = build_model("mlp", input_shape=(8, 8, 1), num_classes=10)
+    result = calibrate(model, _digits_batch(16), devices=DEVICES[:1], probe_batch_sizes=[4, 16], warmup_steps=1,
+                       trials=1, store=False, progress=True,
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert result.profiles[0].probe_batch_sizes == (4, 16)
+    assert not result.emulated
+    assert "2/2" in capsys.readouterr().out  # Keras' Progbar reached the end
+
+
+def test_cli_calibrates_writes_a_profile_and_plans(tmp_path, capsys):
+    output = tmp_path / "profile.json"
+    status = main(["--model", "mlp", "--emulate", ",".join(EMULATED), "--global-batch-size", "64",
+                   "--cache-dir", str(tmp_path / "cache"), "--output", str(output), "--trials", "2",
+                   "--warmup-steps", "1", "--target-step-ms", "10", "--no-progress"])
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "EMULATED" in printed and "BatchPlan" in printed
+    result = load_result_file(output)
+    assert [p.emulated_as for p in result.profiles] == list(EMULATED)
+    assert result.plan.global_batch_size == 64
+
+    assert plan_main(["--profile", str(output), "--global-batch-size", "96", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["global_batch_size"] == 96 and sum(plan["per_replica_batch_sizes"]) == 96
+
+    output.write_text("{}")
+    assert plan_main(["--profile", str(output)]) == 2
+    assert "Recalibrate" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_wall_time_with_default_settings(strategy, capsys):
+    """The figure DESIGN.md asks for: 3 devices, default warm-up/trials, the CLI's 50 ms emulated steps."""
+    with strategy.scope():
+        model = _compiled(build_model("digits_cnn", input_shape=(8, 8, 1), num_classes=10))
+    emulator = _emulator(model, target_s=0.05, global_batch_size=256)
+    batch = _digits_batch(256)
+    result = calibrate(model, batch, devices=DEVICES, emulator=emulator, store=False, progress=False)
+    errors = []
+    with preserved_model_state(model):
+        for replica_id, (device, profile) in enumerate(zip(DEVICES, result.profiles)):
+            probe = DeviceProbe(model, batch, device=device, replica_id=replica_id, emulator=emulator)
+            for b in (8, 40, 100, 180):
+                measured_s = float(np.median(probe.time_step(b, warmup_steps=1, trials=5)))
+                errors.append(abs(profile.cost_model.predict_step_time_s(b) / measured_s - 1))
+    with capsys.disabled():
+        print(f"\n{result.format_table()}\ndefault settings: wall time {result.wall_time_s:.2f} s, worst "
+              f"prediction error at unprobed sizes {max(errors) * 100:.1f} %")
+    assert max(errors) < 0.10
+
+
+def test_reference_models():
+    assert build_model("mlp", input_shape=(64,), num_classes=10).count_params() == 85_002
+    cnn = build_model("digits_cnn", input_shape=(8, 8, 1), num_classes=10)
+    assert cnn.count_params() == 53_002
+    assert any(isinstance(layer, keras.layers.Dropout) for layer in cnn.layers)
+    with pytest.raises(ConfigError, match="H, W >= 6"):
+        build_model("digits_cnn", input_shape=(4, 4, 1), num_classes=10)
+    with pytest.raises(ConfigError, match="Unknown model name='resnet'"):
+        build_model("resnet", input_shape=(8, 8, 1), num_classes=10)
+
+
+def test_user_caps_bound_the_probes_and_the_plan(strategy):
+    with strategy.scope():
+        model = _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)]))
+    batch = (np.ones((64, 16), np.float32), np.zeros((64,), np.int64))
+    result = calibrate(model, batch, devices=DEVICES[:2], max_batch_sizes=[20, None], warmup_steps=0, trials=1,
+                       store=False, progress=False)
+    assert result.profiles[0].max_batch_size == 20
+    assert result.profiles[0].probe_batch_sizes[-1] == 20
+    assert result.profiles[1].max_batch_size is None
+    assert result.profiles[1].probe_batch_sizes[-1] == 64
+    assert result.plan.per_replica_batch_sizes[0] <= 20
