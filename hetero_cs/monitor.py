@@ -1,0 +1,400 @@
+"""Per-replica step timing: straggler statistics and robust per-replica speed estimates (pure).
+
+The strategy reports, for every training step, each replica's slice size and how long that replica took
+(``StepTimeMonitor.record``). The monitor pairs the k-th report of every replica into step k, keeps the last
+``window_steps`` complete steps, and derives from that window
+
+* what the last step cost: its makespan, which replica was the straggler and how long the others waited
+  (``last_step``);
+* each replica's throughput (``per_replica_throughput_examples_per_s``);
+* each replica's updated cost model (``updated_cost_models``), the input of the re-balance policy, and how
+  precisely the window pins each model's level (``relative_standard_errors``), its noise margin.
+
+Every estimate is a median over the window, so a few outlying steps (a garbage collection, a co-tenant burst)
+move it little and multiplicative noise averages out; memory stays bounded by the window.
+
+This module is pure: it imports neither TensorFlow nor pynvml.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from hetero_cs.cost_model import CostModel, LinearCostModel, ScaledCostModel
+from hetero_cs.errors import CalibrationError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+# An affine fit t = a + c*b from the window is used only when its slice sizes span at least this factor
+# (max b / min b). Over a narrower range the slope is mostly noise: with 10 % timing noise and slices 48 vs 50,
+# the fitted slope is off by ~100 %, and the intercept absorbs the error. The proportional model t = c*b is a
+# secant through the origin instead; re-planning on secants converges to equal finishing times.
+_MIN_SIZE_SPREAD_FOR_AFFINE_FIT = 2.0
+
+# Incomplete steps kept beyond the window before the oldest is dropped (a replica that never reports).
+_EXTRA_PENDING_STEPS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSample:
+    """One complete training step as the replicas reported it.
+
+    Attributes:
+        step: 0-based index of the step (the k-th report of every replica belongs to step k).
+        per_replica_batch_sizes: b_i, examples in each replica's slice, shape [R].
+        per_replica_step_times_s: t_i, each replica's step time in seconds, shape [R], finite and >= 0.
+        makespan_s: max_i t_i, the step's wall time as set by the slowest replica.
+        straggler_replica: argmax_i t_i (the lowest replica id on ties).
+        straggler_wait_s: mean over all R replicas of (makespan_s - t_i): how long the average replica sat idle
+            waiting for the straggler (the straggler itself counts with 0). 0 for a perfectly balanced step.
+        total_idle_s: sum over replicas of (makespan_s - t_i) = R * straggler_wait_s, device-seconds wasted.
+        balance_efficiency: mean_i t_i / max_i t_i in (0, 1]; 1 means every replica finished together.
+            1.0 when every time is 0.
+
+    Example: times [0.10, 0.20, 0.30] s give makespan 0.30 s, straggler 2, waits [0.20, 0.10, 0] s,
+    straggler_wait_s 0.10 s, total_idle_s 0.30 s, balance_efficiency 0.2 / 0.3 = 0.667.
+    """
+
+    step: int
+    per_replica_batch_sizes: tuple[int, ...]
+    per_replica_step_times_s: tuple[float, ...]
+    makespan_s: float
+    straggler_replica: int
+    straggler_wait_s: float
+    total_idle_s: float
+    balance_efficiency: float
+
+    @classmethod
+    def from_times(cls, step: int, batch_sizes: Sequence[int], step_times_s: Sequence[float]) -> StepSample:
+        """Builds a sample, computing the straggler statistics from the per-replica times (shape [R])."""
+        times = np.asarray(step_times_s, dtype=np.float64)
+        makespan_s = float(times.max())
+        waits_s = makespan_s - times
+        return cls(
+            step=int(step),
+            per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
+            per_replica_step_times_s=tuple(float(t) for t in times),
+            makespan_s=makespan_s,
+            straggler_replica=int(np.argmax(times)),
+            straggler_wait_s=float(waits_s.mean()),
+            total_idle_s=float(waits_s.sum()),
+            balance_efficiency=float(times.mean() / makespan_s) if makespan_s > 0 else 1.0,
+        )
+
+
+class StepTimeMonitor:
+    """Collects per-replica step times and turns them into robust per-replica estimates.
+
+    Thread-safe: ``record`` may be called concurrently from TF executor threads, one call per replica per training
+    step, replicas in any order. The k-th ``record`` of replica i belongs to step k; a step is complete when every
+    replica has recorded it. Every replica must record every step, also one whose slice is 0 examples (report its
+    time, or 0.0) - otherwise no step completes.
+
+    A report whose time is NaN, infinite or negative is ignored with one logged warning per monitor: it still
+    counts for step pairing and completes its step, but that step enters neither the window nor ``last_step``.
+
+    Plan changes do not need ``reset``: every estimate is per replica and scale-free (a ratio to the base cost
+    model, or a fit over slice sizes), so samples taken at the old slice sizes stay valid as long as the devices
+    did not change, and keeping them means the next decision does not wait for a fresh window. Call ``reset``
+    when the old samples no longer describe the devices (another model, new calibration).
+
+    Args:
+        num_replicas: R >= 1, the number of replicas reporting.
+        window_steps: >= 1, how many of the most recent complete steps the estimates use. A step change in a
+            device's speed moves the median after window_steps // 2 + 1 steps.
+
+    Raises:
+        ConfigError: If num_replicas or window_steps is not a positive integer.
+
+    Example:
+        >>> monitor = StepTimeMonitor(2, window_steps=8)
+        >>> monitor.record(1, 16, 0.75)
+        >>> monitor.record(0, 16, 0.25)
+        >>> monitor.last_step().straggler_wait_s   # ((0.75 - 0.25) + (0.75 - 0.75)) / 2
+        0.25
+    """
+
+    def __init__(self, num_replicas: int, *, window_steps: int = 16):
+        for name, value in (("num_replicas", num_replicas), ("window_steps", window_steps)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer. Received: {name}={value!r}.")
+        self._num_replicas = int(num_replicas)
+        self._window_steps = int(window_steps)
+        self._lock = threading.Lock()
+        self._warned_invalid = False  # Each warning is logged once per monitor, also across reset().
+        self._warned_dropped = False
+        self._reset_locked()
+
+    def _reset_locked(self) -> None:
+        num_replicas = self._num_replicas
+        self._next_step = [0] * num_replicas  # Per replica: the step its next report belongs to.
+        # step -> [batch sizes, times, number of reports, all times valid]; insertion (= step) order.
+        self._pending: dict[int, list] = {}
+        self._first_open_step = 0  # Reports for earlier (dropped) steps are discarded.
+        self._completed_steps = 0
+        self._window: collections.deque[StepSample] = collections.deque(maxlen=self._window_steps)
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of replicas."""
+        return self._num_replicas
+
+    @property
+    def window_steps(self) -> int:
+        """The window length in complete steps."""
+        return self._window_steps
+
+    @property
+    def completed_steps(self) -> int:
+        """Steps every replica has reported since construction or ``reset`` (with or without valid times)."""
+        with self._lock:
+            return self._completed_steps
+
+    @property
+    def num_samples(self) -> int:
+        """Complete, valid steps in the window now, in [0, window_steps]; compare with a policy's min_samples."""
+        with self._lock:
+            return len(self._window)
+
+    def record(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+        """Records one replica's step.
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: b_i >= 0, examples in this replica's slice for this step.
+            step_time_s: Seconds this replica took for its step; NaN, infinite or negative values are ignored
+                (one warning per monitor) but still pair into their step.
+
+        Raises:
+            ConfigError: If replica_id is out of range or batch_size is negative or not an integer.
+        """
+        if isinstance(replica_id, bool) or not isinstance(replica_id, (int, np.integer)) or not (
+            0 <= replica_id < self._num_replicas
+        ):
+            raise ConfigError(
+                f"replica_id must be an integer in [0, {self._num_replicas}). Received: replica_id={replica_id!r}."
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+            raise ConfigError(
+                f"batch_size must be a non-negative integer (examples in the replica's slice). "
+                f"Received: batch_size={batch_size!r} for replica_id={replica_id}."
+            )
+        try:
+            step_time_s = float(step_time_s)
+        except (TypeError, ValueError):
+            step_time_s = math.nan
+        valid = math.isfinite(step_time_s) and step_time_s >= 0.0
+        with self._lock:
+            if not valid and not self._warned_invalid:
+                self._warned_invalid = True
+                logger.warning(
+                    "Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be finite "
+                    "and >= 0. Steps with invalid times are left out of the statistics; further ones are not "
+                    "reported.",
+                    step_time_s, replica_id,
+                )
+            step = self._next_step[replica_id]
+            self._next_step[replica_id] = step + 1
+            if step < self._first_open_step:
+                return  # Its step was dropped as incomplete.
+            entry = self._pending.get(step)
+            if entry is None:
+                entry = [[0] * self._num_replicas, [0.0] * self._num_replicas, 0, True]
+                self._pending[step] = entry
+                self._drop_stale_pending_locked()
+            entry[0][replica_id] = int(batch_size)
+            entry[1][replica_id] = step_time_s
+            entry[2] += 1
+            entry[3] = entry[3] and valid
+            if entry[2] == self._num_replicas:
+                del self._pending[step]
+                self._completed_steps += 1
+                if entry[3]:
+                    self._window.append(StepSample.from_times(step, entry[0], entry[1]))
+
+    def _drop_stale_pending_locked(self) -> None:
+        max_pending = self._window_steps + _EXTRA_PENDING_STEPS
+        while len(self._pending) > max_pending:
+            oldest = next(iter(self._pending))
+            del self._pending[oldest]
+            self._first_open_step = oldest + 1
+            if not self._warned_dropped:
+                self._warned_dropped = True
+                behind = [i for i in range(self._num_replicas) if self._next_step[i] <= oldest]
+                logger.warning(
+                    "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
+                    "ahead. Every replica must call record() once per step, also with a 0-example slice.",
+                    oldest, behind, max_pending,
+                )
+
+    def last_step(self) -> StepSample | None:
+        """The most recent complete step with valid times, or None before there is one."""
+        with self._lock:
+            return self._window[-1] if self._window else None
+
+    def window(self) -> tuple[StepSample, ...]:
+        """The complete, valid steps in the window, oldest first (at most window_steps)."""
+        with self._lock:
+            return tuple(self._window)
+
+    def reset(self) -> None:
+        """Forgets every report, pending step and the window; step pairing restarts at step 0."""
+        with self._lock:
+            self._reset_locked()
+
+    def _window_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Batch sizes and times of the window, each of shape [S, R] (S = samples in the window)."""
+        with self._lock:
+            samples = tuple(self._window)
+        sizes = np.array([s.per_replica_batch_sizes for s in samples], dtype=np.float64)
+        times_s = np.array([s.per_replica_step_times_s for s in samples], dtype=np.float64)
+        return sizes.reshape(len(samples), self._num_replicas), times_s.reshape(len(samples), self._num_replicas)
+
+    def per_replica_throughput_examples_per_s(self) -> np.ndarray:
+        """Each replica's median of b_i / t_i over the window's steps where it had b_i > 0 and t_i > 0.
+
+        Returns:
+            Float array of shape [R], examples per second; NaN for a replica without such a step in the window.
+        """
+        sizes, times_s = self._window_arrays()
+        result = np.full(self._num_replicas, np.nan)
+        for i in range(self._num_replicas):
+            usable = (sizes[:, i] > 0) & (times_s[:, i] > 0)
+            if usable.any():
+                result[i] = float(np.median(sizes[usable, i] / times_s[usable, i]))
+        return result
+
+    def updated_cost_models(self, base_models: Sequence[CostModel] | None = None) -> list[CostModel]:
+        """Per-replica cost models corrected by the window's observations.
+
+        With base models (from calibration), replica i's model is ``ScaledCostModel(base_i, r_i)`` with the robust
+        ratio r_i = median over the window of t_i / base_i.predict_step_time_s(b_i), over steps where b_i > 0
+        and the base predicts a positive time. It keeps the calibrated shape (fixed overhead vs per-example cost)
+        and corrects the level, so a device that drifted 2x slower gets r_i ~ 2.
+
+        Without base models, replica i's model is fitted from its (b_i, t_i) pairs with b_i > 0: an affine
+        ``LinearCostModel(a, c)`` by the Theil-Sen estimator (median of pairwise slopes, median intercept) when
+        its slice sizes span at least a factor 2 and the fit has a >= 0 and c > 0; otherwise the proportional
+        model ``LinearCostModel(0, median(t_i / b_i))``.
+
+        A replica with no step with b_i > 0 in the window keeps its base model. Without base models its speed
+        is unknown; it then gets the model of the slowest known replica (the one predicting the largest time at
+        the window's median positive slice), a conservative guess that gives it some work to measure.
+
+        Args:
+            base_models: None, or one cost model per replica (length R), in replica-id order.
+
+        Returns:
+            R cost models, in replica-id order.
+
+        Raises:
+            ConfigError: If base_models does not have length R.
+            CalibrationError: If base_models is None and no replica has a step with b_i > 0 and t_i > 0 in the
+                window (record some steps first, or pass base models).
+        """
+        if base_models is not None and len(base_models) != self._num_replicas:
+            raise ConfigError(
+                f"base_models must hold one cost model per replica. Received: len(base_models)={len(base_models)}, "
+                f"num_replicas={self._num_replicas}."
+            )
+        sizes, times_s = self._window_arrays()
+        if base_models is not None:
+            return [self._scaled_model(base_models[i], sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)]
+        fitted: list[CostModel | None] = [
+            _fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)
+        ]
+        known = [m for m in fitted if m is not None]
+        if not known:
+            raise CalibrationError(
+                f"Cannot estimate any replica's speed: the window holds no step where a replica had a positive "
+                f"slice and a positive time (num_samples={len(sizes)}). Record steps first, or pass base_models."
+            )
+        positive = sizes[sizes > 0]
+        reference_batch_size = max(1, int(round(float(np.median(positive))))) if positive.size else 1
+        slowest = max(known, key=lambda m: m.predict_step_time_s(reference_batch_size))
+        return [m if m is not None else slowest for m in fitted]
+
+    def relative_standard_errors(self, cost_models: Sequence[CostModel]) -> np.ndarray:
+        """How precisely the window pins each replica's speed level under the given models.
+
+        For replica i, with q = t_i / model_i.predict_step_time_s(b_i) over the window's steps where b_i > 0 and
+        the model predicts a positive time, the relative standard error of the median level is
+        1.2533 * 1.4826 * MAD(q) / median(q) / sqrt(n): 1.4826 * MAD estimates the standard deviation robustly
+        (consistent for normal noise), and 1.2533 / sqrt(n) is the standard error of a median of n such samples.
+        Example: 10 % uniform timing noise over a 16-step window gives about 0.023.
+
+        A replica whose speed changed inside the window (half the samples 2x slower) gets a large error until the
+        window holds mostly new samples; a replica with no usable sample gets 0 (its model is taken as given).
+
+        Args:
+            cost_models: One per replica (length R), normally ``updated_cost_models(...)``.
+
+        Returns:
+            Float array of shape [R], >= 0, unitless (0.02 = 2 %).
+
+        Raises:
+            ConfigError: If cost_models does not have length R.
+        """
+        if len(cost_models) != self._num_replicas:
+            raise ConfigError(
+                f"cost_models must hold one cost model per replica. Received: len(cost_models)={len(cost_models)}, "
+                f"num_replicas={self._num_replicas}."
+            )
+        sizes, times_s = self._window_arrays()
+        result = np.zeros(self._num_replicas)
+        for i, model in enumerate(cost_models):
+            levels = []
+            for b, t in zip(sizes[:, i], times_s[:, i]):
+                if b <= 0:
+                    continue
+                predicted_s = float(model.predict_step_time_s(int(b)))
+                if math.isfinite(predicted_s) and predicted_s > 0:
+                    levels.append(t / predicted_s)
+            if not levels:
+                continue
+            q = np.asarray(levels)
+            center = float(np.median(q))
+            if center > 0:
+                mad = float(np.median(np.abs(q - center)))
+                result[i] = 1.2533 * 1.4826 * mad / center / math.sqrt(q.size)
+        return result
+
+    @staticmethod
+    def _scaled_model(base: CostModel, sizes: np.ndarray, times_s: np.ndarray) -> CostModel:
+        ratios = []
+        for b, t in zip(sizes, times_s):
+            if b <= 0:
+                continue
+            predicted_s = float(base.predict_step_time_s(int(b)))
+            if math.isfinite(predicted_s) and predicted_s > 0:
+                ratios.append(t / predicted_s)
+        if not ratios:
+            return base
+        factor = float(np.median(ratios))
+        if not (math.isfinite(factor) and factor > 0):
+            return base  # Only zero times observed: no usable correction.
+        return ScaledCostModel(base, factor)
+
+
+def _fit_linear_model(sizes: np.ndarray, times_s: np.ndarray) -> LinearCostModel | None:
+    """Fits t = a + c*b to one replica's window samples (shape [S] each); None if no usable sample."""
+    usable = (sizes > 0) & (times_s > 0)
+    b = sizes[usable]
+    t = times_s[usable]
+    if b.size == 0:
+        return None
+    if b.max() >= _MIN_SIZE_SPREAD_FOR_AFFINE_FIT * b.min():
+        i, j = np.triu_indices(b.size, k=1)
+        distinct = b[i] != b[j]
+        slope = float(np.median((t[j][distinct] - t[i][distinct]) / (b[j][distinct] - b[i][distinct])))
+        intercept = float(np.median(t - slope * b))
+        if slope > 0 and intercept >= 0:
+            return LinearCostModel(intercept, slope)
+    return LinearCostModel(0.0, float(np.median(t / b)))
