@@ -38,8 +38,7 @@ class BalanceCallback(keras.callbacks.Callback):
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
         if data is not None:
             strategy.calibrate(self.model, data)
-        if strategy.plan is not None:
-            logger.info("hetero_cs plan:\n%s", strategy.plan)
+        strategy._log_plan_if_new()  # noqa: SLF001
 
     def on_epoch_begin(self, epoch, logs=None):
         self._samples = []

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -170,7 +170,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         self._emulator = emulator
         self._profile_cache = profile_cache
         self._lock = threading.RLock()
-        self._cost_models: list[CostModel] | None = None
+        self._calibrated_models: list[CostModel] | None = None  # from calibration / set_cost_models
+        self._cost_models: list[CostModel] | None = None  # the above, updated online by the monitor
         self._max_batch_sizes: list[int | None] | None = None
         self._plan: BatchPlan | None = None
         self._plans_by_batch: dict[int, BatchPlan] = {}
@@ -179,12 +180,12 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         self._calibration = None
         self._calibrated_fingerprint: str | None = None
         self._monitor = StepTimeMonitor(len(devices))
-        self._rebalancer = Rebalancer(RebalancePolicy(), max_batch_sizes=None)
+        self._rebalancer = self._make_rebalancer()
         self._handled_steps = 0
         self._timing_enabled = self._rebalance_enabled or self._emulator is not None or _env_flag(
             "HETERO_CS_TIMING"
         )
-        self._plan_listeners: list[Callable[[BatchPlan], None]] = []
+        self._last_logged_plan: BatchPlan | None = None
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation
@@ -269,9 +270,10 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 f"R={self.num_replicas_in_sync}."
             )
         with self._lock:
+            self._calibrated_models = list(cost_models)
             self._cost_models = list(cost_models)
             self._max_batch_sizes = None if max_batch_sizes is None else list(max_batch_sizes)
-            self._rebalancer = Rebalancer(RebalancePolicy(), max_batch_sizes=self._max_batch_sizes)
+            self._rebalancer = self._make_rebalancer()
             self._plans_by_batch.clear()
             if self._reference_batch_size is not None:
                 self._set_plan(self._solve(self._reference_batch_size))
@@ -299,12 +301,27 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             if self._reference_batch_size is not None:
                 self._set_plan(self._solve(self._reference_batch_size))
 
+    def _log_plan_if_new(self) -> None:
+        plan = self._plan
+        if plan is not None and plan != self._last_logged_plan:
+            self._last_logged_plan = plan
+            logger.info("hetero_cs batch plan:\n%s", plan)
+
+    def _make_rebalancer(self) -> Rebalancer:
+        caps = self._max_batch_sizes
+        if caps is not None and all(c is None for c in caps):
+            caps = None
+        elif caps is not None:
+            caps = [np.iinfo(np.int32).max if c is None else int(c) for c in caps]
+        return Rebalancer(RebalancePolicy(), max_batch_sizes=caps)
+
     def _set_plan(self, plan: BatchPlan) -> None:
         with self._lock:
             self._plan = plan
-            self._plans_by_batch = {plan.global_batch_size: plan}
-        for listener in list(self._plan_listeners):
-            listener(plan)
+            self._plans_by_batch[plan.global_batch_size] = plan
+            # Plans for other (partial-batch) sizes came from the same models only if this plan did.
+            for size in [k for k, v in self._plans_by_batch.items() if k != plan.global_batch_size]:
+                del self._plans_by_batch[size]
 
     # ----------------------------------------------------------------------------------------------------------
     # Planning
@@ -336,16 +353,14 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if b < 1:
             raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
         with self._lock:
-            cached = self._plans_by_batch.get(b)
-            if cached is not None:
-                return cached
-            plan = self._solve(b)
+            plan = self._plans_by_batch.get(b)
+            if plan is None:
+                plan = self._solve(b)
+                self._plans_by_batch[b] = plan
             if self._reference_batch_size is None or b > self._reference_batch_size:
                 self._reference_batch_size = b
-                self._plans_by_batch[b] = plan
+            if b == self._reference_batch_size and plan is not self._plan:
                 self._set_plan(plan)
-            else:
-                self._plans_by_batch[b] = plan
             return plan
 
     def _slice_sizes(self, global_batch_size) -> np.ndarray:
@@ -397,9 +412,15 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         Raises:
             InputError: A component has no batch dimension.
         """
-        self._source_dataset = dataset
+        self._start_new_input(dataset)
         sliced = self._slice_by_plan(dataset)
         return super().distribute_datasets_from_function(lambda _: sliced, options)
+
+    def _start_new_input(self, dataset) -> None:
+        """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
+        with self._lock:
+            self._source_dataset = dataset
+            self._reference_batch_size = None
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Like ``tf.distribute``'s, but ``dataset_fn``'s dataset yields global batches that are cut by the plan.
@@ -409,7 +430,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         """
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
         dataset = dataset_fn(context)
-        self._source_dataset = dataset
+        self._start_new_input(dataset)
         sliced = self._slice_by_plan(dataset)
         return super().distribute_datasets_from_function(lambda _: sliced, options)
 
@@ -506,10 +527,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             self._handled_steps = completed
             if not self._rebalance_enabled or self._shares is not None or self._plan is None:
                 return
-            models = self._monitor.updated_cost_models(self._cost_models)
-            new_plan = self._rebalancer.propose(completed, self._plan, models)
+            new_plan = self._rebalancer.propose_from_monitor(self._monitor, self._plan, base_models=self._calibrated_models)
             if new_plan is not None:
-                self._cost_models = list(models)
+                self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
                 self._set_plan(new_plan)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -572,7 +592,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             from hetero_cs.emulation import estimate_workload
 
             self._emulator.set_workload(estimate_workload(model))
-            self._emulator.calibrate_time_scale(global_batch_size)
+            self._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=_emulated_makespan_target_s())
         if not self._auto_balance:
             self.plan_for(global_batch_size)
             return None
@@ -591,6 +611,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         )
         self._calibration = result
         self._calibrated_fingerprint = fingerprint
+        logger.info("hetero_cs calibration:\n%s", result.format_table())
         with self._lock:
             self._reference_batch_size = max(self._reference_batch_size or 0, global_batch_size)
         self.set_cost_models(
@@ -664,6 +685,26 @@ def _first_batch(data):
     raise InputError(
         f"Calibration needs a tf.data.Dataset of global batches or one batch (x, y); got {type(data).__name__}."
     )
+
+
+def _emulated_makespan_target_s() -> float:
+    """Emulated even-split makespan to aim for, seconds: HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, default 100 ms.
+
+    Real compute of the logical CPU replicas shares the host's cores; the emulated waits must stay well above it
+    so that the emulated devices, not CPU contention, set each replica's step time.
+    """
+    raw = os.environ.get("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "").strip()
+    if not raw:
+        return 0.1
+    try:
+        value_ms = float(raw)
+    except ValueError:
+        value_ms = math.nan
+    if not math.isfinite(value_ms) or value_ms <= 0:
+        raise ConfigError(
+            f"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS={raw!r} must be a positive number of milliseconds, e.g. 100."
+        )
+    return value_ms / 1e3
 
 
 def _env_flag(name: str) -> bool:

@@ -1,0 +1,84 @@
+"""The `hetero-cs` command: devices, calibrate, plan, bench.
+
+    hetero-cs devices                                   # TF devices joined with NVML facts
+    hetero-cs calibrate --emulate A10,T4,P100 --output profile.json
+    hetero-cs plan --profile profile.json --global-batch-size 512
+    hetero-cs bench [benchmark options]                 # benchmarks/balance.py, from a source checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from hetero_cs.errors import HeteroCSError
+
+
+def _devices(args: argparse.Namespace) -> int:
+    from hetero_cs.devices import discover_devices, format_device_table
+
+    print(format_device_table(discover_devices()))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from calibration.__main__ import run_calibrate
+
+    return run_calibrate(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from calibration.__main__ import run_plan
+
+    return run_plan(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.balance import main as balance_main
+    except ImportError as exc:
+        raise HeteroCSError(
+            "`hetero-cs bench` runs benchmarks/balance.py, which ships with the source checkout, not the wheel. "
+            "Run it from the repository root (cd hetero_cs && hetero-cs bench) or call "
+            "`python benchmarks/balance.py` there."
+        ) from exc
+    return int(balance_main(args.bench_args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from calibration.__main__ import add_calibrate_arguments, add_plan_arguments
+
+    parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench}")
+    devices = verbs.add_parser("devices", help="list compute devices (TensorFlow joined with NVML facts)")
+    devices.set_defaults(run=_devices)
+    calibrate = verbs.add_parser("calibrate", help="time each device on a reference model and write a profile")
+    add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(run=_calibrate)
+    plan = verbs.add_parser("plan", help="solve and print the batch plan of a profile for a global batch size")
+    add_plan_arguments(plan)
+    plan.set_defaults(run=_plan)
+    bench = verbs.add_parser(
+        "bench", help="run benchmarks/balance.py (emulated mixes); options after `bench` go to it", add_help=False
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hetero-cs` console script; returns the exit status (0 ok, 2 a hetero_cs error)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return args.run(args)
+    except HeteroCSError as exc:
+        print(f"hetero-cs {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
