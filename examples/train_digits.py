@@ -110,7 +110,7 @@ class StepTimer:
 def measure_examples_per_s(model, dataset, *, global_batch_size: int, steps: int) -> float:
     """Examples per second from the median step time of `steps` model.fit steps (the first one dropped)."""
     timer = StepTimer()
-    model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, verbose=0, callbacks=[timer])
+    model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, shuffle=False, verbose=0, callbacks=[timer])
     return global_batch_size / statistics.median(timer.step_times_s[1:])
 
 
@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     print(f"\n== training: {len(x_train)} train / {len(x_test)} test examples, global batch {B}, {args.epochs} epochs")
     print("(model.fit calibrates on the first global batch, then solves the plan)" if not args.no_auto_balance else "")
     started = time.perf_counter()
-    model.fit(train, epochs=args.epochs, verbose=2 if not sys.stdout.isatty() else 1)
+    # shuffle=False: the dataset shuffles itself each epoch (Keras ignores `shuffle` for a tf.data.Dataset).
+    model.fit(train, epochs=args.epochs, shuffle=False, verbose=2 if not sys.stdout.isatty() else 1)
     train_s = time.perf_counter() - started
 
     print("\n== batch plan in use at the end of training")

@@ -129,7 +129,14 @@ def _patch_variable_assign_add() -> None:
                 and tf.distribute.in_cross_replica_context() is False
                 and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
             ):
-                return getattr(inner, native_name)(tf.cast(value, inner.dtype))
+                value = tf.cast(value, inner.dtype)
+                step = training.current_replica_step()
+                if step is not None and step.barrier:
+                    # ONLY_FIRST_REPLICA writes (the iteration counter) would otherwise run as soon as replica 0
+                    # is done, even when another replica's part of the step fails.
+                    with tf.control_dependencies(step.barrier):
+                        value = tf.identity(value)
+                return getattr(inner, native_name)(value)
             return original(self, value)
 
         return method
@@ -164,6 +171,7 @@ def _patch_optimizer() -> None:
         grads = strategy._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
         grads_and_vars = list(zip(grads, [v for _, v in grads_and_vars]))
         reduced = original_all_reduce(self, grads_and_vars)
+        training.current_replica_step().barrier[:] = [g for g, _ in reduced if g is not None]
         _clip_state.active = True
         try:
             clipped = original_clip(self, [g for g, _ in reduced])
@@ -216,7 +224,13 @@ def _patch_fit() -> None:
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
         bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks)  # noqa: SLF001
-        return original_fit(*bound.args, **bound.kwargs)
+        try:
+            return original_fit(*bound.args, **bound.kwargs)
+        except tf.errors.OpError as exc:
+            replica_error = strategy._replica_step_error(exc)  # noqa: SLF001
+            if replica_error is None:
+                raise
+            raise replica_error from exc
 
     TensorFlowTrainer.fit = fit
 

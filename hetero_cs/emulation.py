@@ -656,6 +656,7 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
         if len(configured) < wanted_devices:
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(wanted_devices)])
+            logger.info("Emulated devices %s on %s.", list(names), device_names)
         threads = tf.config.threading.get_inter_op_parallelism_threads()
         if threads == 0 or threads < wanted_threads:
             tf.config.threading.set_inter_op_parallelism_threads(wanted_threads)
@@ -670,7 +671,6 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
         if threads < wanted_threads:
             logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
                            threads, wanted_threads)
-    logger.info("Emulated devices %s on %s.", list(names), device_names)
     return device_names
 
 

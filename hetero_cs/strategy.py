@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hetero_cs import _compat, training
 from hetero_cs.cost_model import CostModel
-from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
+from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError, ReplicaStepError
 from hetero_cs.monitor import StepTimeMonitor
 from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
 from hetero_cs.rebalance import RebalancePolicy, Rebalancer
@@ -531,6 +531,35 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             if new_plan is not None:
                 self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
                 self._set_plan(new_plan)
+
+    def _replica_step_error(self, exc: Exception):
+        """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
+
+        TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no prefix.
+        """
+        import re
+
+        message = str(exc)
+        match = re.search(r"node (replica_(\d+)/)?(\S+)", message)
+        if match is None:
+            return None
+        replica_id = int(match.group(2)) if match.group(2) else 0
+        if replica_id >= self.num_replicas_in_sync:
+            return None
+        device = self._compute_devices[replica_id]
+        lines = [line.strip() for line in message.splitlines()]
+        # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
+        marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
+        before = [line for line in lines[:marker] if line] if marker is not None else []
+        cause = before[-1] if before else type(exc).__name__
+        return ReplicaStepError(
+            f"The training step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
+            f"No update of this step was applied: variables and optimizer state are as they were before it. "
+            f"Check that replica's slice of the batch (plan: {self._plan.per_replica_batch_sizes if self._plan else None}) "
+            f"and the device; the original error is chained below.",
+            replica_id=replica_id,
+            device=device,
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # Reductions

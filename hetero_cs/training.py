@@ -61,6 +61,9 @@ class ReplicaStep:
             ``1 / num_replicas`` weighting is exact).
         start_stamp: float64 scalar tensor, wall clock when the slice reached the device, or None when
             per-replica timing is off.
+        barrier: Filled when the replica's gradients have been summed across replicas: tensors that exist only
+            once every replica finished its part of the step. Writes that need no other replica (the optimizer's
+            iteration counter) wait for them, so a step that fails in any replica changes nothing.
     """
 
     replica_id: int
@@ -68,6 +71,7 @@ class ReplicaStep:
     batch_size: Any
     global_batch_size: Any
     start_stamp: Any = None
+    barrier: list = dataclasses.field(default_factory=list)
 
 
 @contextmanager
