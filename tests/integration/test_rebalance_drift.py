@@ -1,0 +1,96 @@
+"""Online re-balancing on emulated devices: work moves off a device that slows down, and back when it recovers."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetero_cs import HeteroCentralStorageStrategy
+from hetero_cs.emulation import Drift, Emulator, Workload
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+
+
+def mlp():
+    return keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
+    )
+
+
+class PlanRecorder(keras.callbacks.Callback):
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+        self.plans = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.plans.append(self.strategy.plan.per_replica_batch_sizes)
+
+
+@pytest.fixture
+def fast_emulation(monkeypatch, tmp_path):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "40")
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
+
+
+def train(strategy, epochs, steps_per_epoch, callbacks=()):
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 32)).astype(np.float32)
+    y = rng.integers(0, 10, size=512).astype(np.int32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(128, drop_remainder=True).repeat()
+    return model.fit(
+        dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=list(callbacks)
+    )
+
+
+def compute_bound_emulator(drift):
+    """Emulated devices for a model with a lot of compute per example, so device speeds differ clearly.
+
+    The tiny test MLP itself would be launch-bound on real GPUs, leaving the devices almost alike.
+    """
+    emulator = Emulator(
+        ["A10", "T4", "P100"], workload=Workload(flops_per_example=2e9, parameter_bytes=4_000_000), drift=drift
+    )
+    emulator.calibrate_time_scale(128, target_makespan_s=0.04)
+    return emulator
+
+
+def test_plan_moves_work_off_a_slowed_device_and_back(fast_emulation):
+    # The A10 (replica 0) carries most of the batch; it runs 3x slower for steps [40, 100).
+    emulator = compute_bound_emulator([Drift(replica_id=0, factor=3.0, from_step=40, until_step=100)])
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator)
+    recorder = PlanRecorder(strategy)
+    train(strategy, epochs=16, steps_per_epoch=10, callbacks=[recorder])
+    before, during, after = recorder.plans[3][0], recorder.plans[9][0], recorder.plans[-1][0]
+    assert during < 0.8 * before, recorder.plans
+    assert after > 1.2 * during, recorder.plans
+
+
+def test_rebalance_false_freezes_the_plan(fast_emulation):
+    emulator = compute_bound_emulator([Drift(replica_id=0, factor=3.0, from_step=5)])
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False)
+    recorder = PlanRecorder(strategy)
+    train(strategy, epochs=4, steps_per_epoch=10, callbacks=[recorder])
+    assert len(set(recorder.plans)) == 1
+
+
+def test_fit_logs_and_tensorboard_show_replica_timing_and_plan(fast_emulation, tmp_path):
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4", "P100"])
+    log_dir = tmp_path / "tb"
+    history = train(strategy, epochs=2, steps_per_epoch=6, callbacks=[keras.callbacks.TensorBoard(str(log_dir))])
+    logs = history.history
+    for key in ("straggler_wait_ms", "makespan_ms", "replica_0_step_ms", "replica_2_batch_size"):
+        assert key in logs, sorted(logs)
+    assert logs["makespan_ms"][-1] >= logs["replica_1_step_ms"][-1] > 0
+    assert logs["replica_0_batch_size"][-1] == strategy.plan.per_replica_batch_sizes[0]
+    tags = set()
+    for root, _, files in os.walk(log_dir):
+        for name in files:
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
+                tags.update(value.tag for value in event.summary.value)
+    assert {"epoch_straggler_wait_ms", "epoch_replica_0_step_ms"} <= tags, sorted(tags)
