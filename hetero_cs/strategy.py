@@ -444,6 +444,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 v
                 for v in tf.nest.flatten((args, kwargs or {}))
                 if isinstance(v, tf.distribute.DistributedValues)
+                and all(getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in v.values)
             ),
             None,
         )

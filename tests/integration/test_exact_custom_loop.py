@@ -152,3 +152,28 @@ def test_other_strategies_and_plain_keras_are_unaffected():
         scaled = loss_module.scale_loss_for_distribution(tf.constant(1.0))
     assert float(scaled) == 0.5
     assert float(loss_module.scale_loss_for_distribution(tf.constant(1.0))) == 1.0
+
+
+def test_distribute_datasets_from_function_cuts_global_batches_by_the_plan(strategy3):
+    seen = []
+
+    def dataset_fn(context):
+        seen.append((context.num_replicas_in_sync, context.get_per_replica_batch_size(20)))
+        return tf.data.Dataset.range(40).batch(context.get_per_replica_batch_size(20))
+
+    element = next(iter(strategy3.distribute_datasets_from_function(dataset_fn)))
+    slices = [t.numpy().tolist() for t in strategy3.experimental_local_results(element)]
+    assert seen == [(1, 20)]
+    assert [len(s) for s in slices] == [10, 6, 4]  # shares 5:3:2 of 20
+    assert sum(slices, []) == list(range(20))  # every example once, in order
+
+
+def test_per_replica_scalars_do_not_count_as_slices(strategy3):
+    # A PerReplica of scalars has no batch dimension: the step keeps the stock 1/R weighting and does not fail.
+    values = strategy3.experimental_distribute_values_from_function(lambda ctx: tf.constant(1.0))
+
+    def replica_fn(v):
+        return v * 2.0
+
+    outputs = strategy3.run(replica_fn, args=(values,))
+    assert float(strategy3.reduce("SUM", outputs, axis=None)) == 6.0
