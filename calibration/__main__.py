@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
@@ -30,17 +31,31 @@ _INPUT_SHAPES = {"mlp": (64,), "digits_cnn": (8, 8, 1)}  # scikit-learn's 8x8 di
 _NUM_CLASSES = 10
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
     return value
 
 
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
@@ -69,7 +84,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--global-batch-size", type=_positive_int, default=256, metavar="B",
                         help="examples per optimizer step (default: 256)")
     parser.add_argument("--trials", type=_positive_int, default=5, help="timed steps per probe size (default: 5)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per probe size (default: 2)")
+    parser.add_argument("--warmup-steps", type=_non_negative_int, default=2,
+                        help="untimed steps per probe size (default: 2)")
     parser.add_argument("--probe-batch-sizes", type=_size_list, default=None, metavar="SIZES",
                         help="comma-separated probe sizes (default: 5 geometric sizes up to B)")
     parser.add_argument("--time-scale", type=_positive_float, default=None,
@@ -94,7 +110,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="examples per optimizer step (default: the profile's plan's)")
     parser.add_argument("--multiple-of", type=_positive_int, default=1,
                         help="every slice a multiple of this (default: 1)")
-    parser.add_argument("--min-batch-size", type=int, default=1, help="smallest slice per replica (default: 1)")
+    parser.add_argument("--min-batch-size", type=_non_negative_int, default=1,
+                        help="smallest slice per replica; 0 lets a replica sit idle (default: 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     return parser
 
@@ -128,7 +145,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from calibration.store import ProfileStore, save_result_file
     from hetero_cs.emulation import Emulator, estimate_workload
 
+    from calibration.calibrate import _check_devices
+
     parameter_device = "/device:CPU:0"
+    devices, parameter_device = _check_devices(devices, parameter_device)  # DeviceError before TF's own ValueError
     strategy = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=parameter_device)
     input_shape = _INPUT_SHAPES[args.model]
     with strategy.scope():

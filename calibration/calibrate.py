@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,7 +43,17 @@ DEFAULT_NUM_PROBES = 5
 def _canonical_device(device: str) -> str:
     import tensorflow as tf
 
-    spec = tf.DeviceSpec.from_string(device)
+    if not isinstance(device, str) or not device.strip():
+        raise DeviceError(
+            f"Device names must be non-empty strings like '/device:GPU:0'. Received: device={device!r}."
+        )
+    text = device.strip()
+    try:
+        spec = tf.DeviceSpec.from_string(text if text.startswith("/") else "/device:" + text)
+    except ValueError as exc:
+        raise DeviceError(
+            f"Cannot parse device name={device!r}. Use names like '/device:GPU:0' or '/cpu:1'."
+        ) from exc
     if not spec.device_type:
         raise DeviceError(f"Device name={device!r} has no device type; use names like '/device:GPU:0'.")
     return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
@@ -95,9 +106,9 @@ def _device_ids(devices: Sequence[str], emulator: Any, gpu_facts: dict[str, Any]
 
 
 def _check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}. Received: {name}={value!r}.")
-    return value
+    return int(value)
 
 
 def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int, cap: int | None) -> tuple[int, ...]:
@@ -263,7 +274,7 @@ def calibrate(
         hold B) and, with run_plan, the measured makespan.
 
     Raises:
-        DeviceError: If a device is unknown to TensorFlow or repeated.
+        DeviceError: If a device name cannot be parsed, is unknown to TensorFlow or is repeated.
         ConfigError: If an argument is out of range or the emulator's replica count differs from len(devices).
         CalibrationOOMError: If a device runs out of memory even at batch size 1.
         CalibrationError: If the model has no loss, or a step fails.
@@ -281,28 +292,35 @@ def calibrate(
     num_replicas = len(devices)
     if global_batch_size is None:
         global_batch_size = probe_lib.sample_batch_size(sample_batch)
-    _check_positive_int("global_batch_size", global_batch_size)
-    _check_positive_int("warmup_steps", warmup_steps, minimum=0)
-    _check_positive_int("trials", trials)
+    global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
+    warmup_steps = _check_positive_int("warmup_steps", warmup_steps, minimum=0)
+    trials = _check_positive_int("trials", trials)
     if max_batch_sizes is None:
         caps: list[int | None] = [None] * num_replicas
     else:
+        if isinstance(max_batch_sizes, (str, bytes)) or not hasattr(max_batch_sizes, "__iter__"):
+            raise ConfigError(
+                f"max_batch_sizes must be None or one cap per device (int >= 1, or None for no cap). Received: "
+                f"max_batch_sizes={max_batch_sizes!r}."
+            )
         caps = list(max_batch_sizes)
         if len(caps) != num_replicas:
             raise ConfigError(
                 f"max_batch_sizes needs one entry per device. Received: len(max_batch_sizes)={len(caps)}, "
                 f"len(devices)={num_replicas}."
             )
-        for cap in caps:
-            if cap is not None:
-                _check_positive_int("max_batch_sizes[i]", cap)
+        caps = [None if cap is None else _check_positive_int(f"max_batch_sizes[{i}]", cap)
+                for i, cap in enumerate(caps)]
     if probe_batch_sizes is not None:
-        if isinstance(probe_batch_sizes, (str, bytes)) or not probe_batch_sizes:
+        given = probe_batch_sizes
+        if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__") or not (
+                probe_batch_sizes := list(given)):
             raise ConfigError(
-                f"probe_batch_sizes must be a non-empty sequence of ints. Received: {probe_batch_sizes!r}."
+                f"probe_batch_sizes must be a non-empty sequence of ints >= 1, e.g. [1, 4, 16, 64]. Received: "
+                f"probe_batch_sizes={given!r}."
             )
-        for b in probe_batch_sizes:
-            _check_positive_int("probe_batch_sizes[i]", b)
+        probe_batch_sizes = [_check_positive_int(f"probe_batch_sizes[{i}]", b)
+                             for i, b in enumerate(probe_batch_sizes)]
     if emulator is not None:
         if emulator.num_replicas != num_replicas:
             raise ConfigError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,31 @@ class DeviceProfile:
     emulated_as: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("probe_batch_sizes", "median_step_times_s", "mad_s"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+                raise ProfileCacheError(
+                    f"DeviceProfile.{name} must be a list of numbers, one per probed size. Received: {name}={value!r}."
+                )
+            object.__setattr__(self, name, tuple(value))
+        bad_sizes = [b for b in self.probe_batch_sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral)]
+        if bad_sizes:
+            raise ProfileCacheError(
+                f"DeviceProfile.probe_batch_sizes must be integers. Received: probe_batch_sizes="
+                f"{list(self.probe_batch_sizes)!r} (offending: {bad_sizes!r})."
+            )
+        if self.emulated_as is not None and (not isinstance(self.emulated_as, str) or not self.emulated_as):
+            raise ProfileCacheError(
+                f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. Received: "
+                f"emulated_as={self.emulated_as!r}."
+            )
+        bad_times = [t for t in self.median_step_times_s + self.mad_s
+                     if isinstance(t, bool) or not isinstance(t, numbers.Real)]
+        if bad_times:
+            raise ProfileCacheError(
+                f"DeviceProfile.median_step_times_s and mad_s must hold numbers of seconds. Received: "
+                f"median_step_times_s={list(self.median_step_times_s)!r}, mad_s={list(self.mad_s)!r}."
+            )
         object.__setattr__(self, "probe_batch_sizes", tuple(int(b) for b in self.probe_batch_sizes))
         object.__setattr__(self, "median_step_times_s", tuple(float(t) for t in self.median_step_times_s))
         object.__setattr__(self, "mad_s", tuple(float(t) for t in self.mad_s))
@@ -121,15 +147,17 @@ class DeviceProfile:
                 cost_model=cost_model,
                 max_batch_size=data["max_batch_size"],
                 fit_error=data["fit_error"],
-                probe_batch_sizes=tuple(data["probe_batch_sizes"]),
-                median_step_times_s=tuple(data["median_step_times_s"]),
-                mad_s=tuple(data["mad_s"]),
+                probe_batch_sizes=data["probe_batch_sizes"],  # __post_init__ checks they are lists
+                median_step_times_s=data["median_step_times_s"],
+                mad_s=data["mad_s"],
                 emulated_as=data["emulated_as"],
             )
         except ProfileCacheError:
             raise
         except (TypeError, ValueError, KeyError) as exc:
-            raise ProfileCacheError(f"DeviceProfile data is invalid: {exc}. Recalibrate to replace it.") from exc
+            raise ProfileCacheError(
+                f"DeviceProfile data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
+            ) from exc
 
     def describe_cost_model(self) -> str:
         """Short text of the model: "a=1.20 ms c=0.040 ms/ex" for linear, the knots otherwise."""
@@ -218,7 +246,9 @@ class CalibrationResult:
         try:
             plan = None if data["plan"] is None else BatchPlan.from_dict(data["plan"])
         except (TypeError, ValueError, KeyError) as exc:
-            raise ProfileCacheError(f"CalibrationResult.plan is invalid: {exc}. Recalibrate to replace it.") from exc
+            raise ProfileCacheError(
+                f"CalibrationResult.plan is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
+            ) from exc
         return cls(
             profiles=profiles,
             wall_time_s=data["wall_time_s"],

@@ -150,7 +150,7 @@ def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
         return _result_from_document(document, expected_key=None)
     except (OSError, ValueError) as exc:  # ProfileCacheError and JSONDecodeError are ValueErrors.
         raise ProfileCacheError(
-            f"Cannot use the calibration profile path={str(source)!r}: {exc}. "
+            f"Cannot use the calibration profile path={str(source)!r}: {str(exc).rstrip('.')}. "
             "Recalibrate with `python -m calibration ... --output PATH`."
         ) from exc
 
@@ -171,8 +171,27 @@ class ProfileStore:
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Args:
             directory: Cache directory (created on the first save); None means default_cache_dir().
+
+        Raises:
+            ConfigError: If directory is not a path, or the directory (from the argument, $HETERO_CS_CACHE_DIR or
+                the default) exists but is a file.
         """
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(
+                f"ProfileStore directory must be a path (str or os.PathLike) or None. Received: directory={directory!r}."
+            )
         self._directory = pathlib.Path(directory).expanduser() if directory is not None else default_cache_dir()
+        if self._directory.exists() and not self._directory.is_dir():
+            if directory is not None:
+                source = f"directory={str(directory)!r}"
+            elif os.environ.get("HETERO_CS_CACHE_DIR"):
+                source = f"HETERO_CS_CACHE_DIR={os.environ['HETERO_CS_CACHE_DIR']!r}"
+            else:
+                source = f"the default cache directory {str(self._directory)!r}"
+            raise ConfigError(
+                f"The profile cache directory is not a directory: {source} names an existing file. Point it at a "
+                "directory (it is created if missing), or disable the cache (profile_cache=False, --no-cache)."
+            )
 
     def __repr__(self) -> str:
         return f"ProfileStore(directory={str(self._directory)!r})"

@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from hetero_cs.errors import HeteroCSError
+from hetero_cs.errors import ConfigError, HeteroCSError
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         from benchmarks.balance import main as balance_main
     except ImportError as exc:
-        raise HeteroCSError(
+        raise ConfigError(
             "`hetero-cs bench` runs benchmarks/balance.py, which ships with the source checkout, not the wheel. "
             "Run it from the repository root (cd hetero_cs && hetero-cs bench) or call "
             "`python benchmarks/balance.py` there."

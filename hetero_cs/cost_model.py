@@ -244,7 +244,7 @@ class PiecewiseLinearCostModel:
     def from_dict(cls, data: Mapping[str, Any]) -> PiecewiseLinearCostModel:
         """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
         _check_keys("piecewise_linear", data, {"batch_sizes", "step_times_s"})
-        return cls(tuple(data["batch_sizes"]), tuple(data["step_times_s"]))
+        return cls(data["batch_sizes"], data["step_times_s"])  # __post_init__ checks they are sequences
 
     def _breakpoints(self) -> tuple[int, ...]:
         return self.batch_sizes

@@ -21,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import operator
 import os
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
@@ -162,6 +163,16 @@ CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
                 "arithmetic, so fp16 = fp32); 8 channels DDR4-3200 -> 204.8 GB/s; 128 GiB of host memory; "
                 "parameters and gradients stay in host memory, so no PCIe transfer")),
 })
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def get_device_spec(name: str) -> DeviceSpec:
@@ -330,11 +341,15 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
         + 3 x 406,528 x 256 / (8.1e12 x 0.35) = 0.110 ms, in all ~0.71 ms.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0.")
-    if not (0.0 < compute_efficiency <= 1.0):
-        raise ConfigError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1].")
-    if not (math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
-        raise ConfigError(f"launch_overhead_s={launch_overhead_s!r} must be a finite number >= 0.")
+        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    if not (_is_real(compute_efficiency) and 0.0 < compute_efficiency <= 1.0):
+        raise ConfigError(
+            f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak fp32 "
+            f"FLOP/s sustained; the default is {DEFAULT_COMPUTE_EFFICIENCY}.")
+    if not (_is_real(launch_overhead_s) and math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
+        raise ConfigError(
+            f"launch_overhead_s={launch_overhead_s!r} must be a finite number of seconds >= 0; the default is "
+            f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
     if batch_size == 0:
         return 0.0
     bandwidth = spec.pcie_bandwidth_bytes_per_s
@@ -365,11 +380,11 @@ class Drift:
     def __post_init__(self) -> None:
         if isinstance(self.replica_id, bool) or not isinstance(self.replica_id, int) or self.replica_id < 0:
             raise ConfigError(f"Drift.replica_id={self.replica_id!r} must be an int >= 0.")
-        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0):
+        if not (_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0):
             raise ConfigError(f"Drift.factor={self.factor!r} must be a finite number > 0 (2.0 = twice as slow).")
         if isinstance(self.from_step, bool) or not isinstance(self.from_step, int) or self.from_step < 0:
             raise ConfigError(f"Drift.from_step={self.from_step!r} must be an int >= 0.")
-        if self.until_step is not None and (not isinstance(self.until_step, int)
+        if self.until_step is not None and (isinstance(self.until_step, bool) or not isinstance(self.until_step, int)
                                             or self.until_step <= self.from_step):
             raise ConfigError(
                 f"Drift.until_step={self.until_step!r} must be None or an int > from_step={self.from_step}.")
@@ -402,8 +417,8 @@ class Emulator:
 
     Raises:
         UnknownEmulatedDeviceError: If a name is not in the catalog.
-        ConfigError: If ``device_names`` is empty, ``time_scale`` (or the environment variable) is not a positive
-            finite number, or a drift names a replica >= R.
+        ConfigError: If ``device_names`` is empty or not a sequence, ``time_scale`` (or the environment variable) is
+            not a positive finite number, ``drift`` is not a sequence of Drift, or a drift names a replica >= R.
 
     Example:
         >>> emulator = Emulator(["A10", "T4"], workload=Workload(4e5, 800_000))
@@ -414,11 +429,16 @@ class Emulator:
 
     def __init__(self, device_names: Sequence[str], *, workload: Workload | None = None,
                  time_scale: float | None = None, drift: Sequence[Drift] = ()) -> None:
-        if isinstance(device_names, str) or not device_names:
+        if isinstance(device_names, (str, bytes)) or not isinstance(device_names, Iterable) or not (
+                names := list(device_names)):
             raise ConfigError(
                 f"device_names={device_names!r} must be a non-empty sequence of catalog names, e.g. ['A10', 'T4'].")
-        self._specs = tuple(get_device_spec(name) for name in device_names)
+        self._specs = tuple(get_device_spec(name) for name in names)
         num_replicas = len(self._specs)
+        if isinstance(drift, (Drift, str, bytes)) or not isinstance(drift, Iterable):
+            raise ConfigError(
+                f"drift must be a sequence of Drift instances. Received: drift={drift!r}. Wrap a single drift in a "
+                "list: drift=[Drift(replica_id=1, factor=2.0, from_step=200)].")
         self._drift = tuple(drift)
         for item in self._drift:
             if not isinstance(item, Drift):
@@ -447,7 +467,7 @@ class Emulator:
 
     @staticmethod
     def _check_scale(value: float, label: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not _is_real(value) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time.")
         return float(value)
 
@@ -510,10 +530,13 @@ class Emulator:
             ConfigError: If an argument is out of range.
             EmulationError: If no Workload has been set.
         """
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"global_batch_size={global_batch_size!r} must be an int >= 1.")
-        if not (math.isfinite(target_makespan_s) and target_makespan_s > 0):
-            raise ConfigError(f"target_makespan_s={target_makespan_s!r} must be a finite number > 0.")
+        if not _is_int(global_batch_size) or global_batch_size < 1:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size!r} must be an int >= 1 (examples per optimizer step).")
+        global_batch_size = int(global_batch_size)
+        if not (_is_real(target_makespan_s) and math.isfinite(target_makespan_s) and target_makespan_s > 0):
+            raise ConfigError(
+                f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05.")
         with self._lock:
             if self._time_scale_fixed:
                 return self._time_scale

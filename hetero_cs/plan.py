@@ -303,7 +303,7 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
             f"shares must be finite numbers >= 0. Received: shares={list(shares)!r} (offending (replica, share): "
             f"{bad}). Give each replica a non-negative relative share, e.g. [2, 1, 1]."
         )
-    exact = [Fraction(s) for s in shares]
+    exact = [_exact_fraction(s) for s in shares]
     total = sum(exact)
     if total == 0:
         raise BatchSplitError(
@@ -316,7 +316,14 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
     by_remainder = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
     for i in by_remainder[:leftover]:
         sizes[i] += 1
-    return tuple(sizes)
+    return tuple(int(b) for b in sizes)
+
+
+def _exact_fraction(value: Any) -> Fraction:
+    """A finite real (Python, numpy int or float of any width) as an exact Fraction."""
+    if isinstance(value, numbers.Rational):
+        return Fraction(int(value.numerator), int(value.denominator))
+    return Fraction(float(value))  # numpy float32 / float16 are Reals but not accepted by Fraction() directly
 
 
 def plan_from_split(

@@ -219,9 +219,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+_INT_HINTS = {
+    "global_batch_size": "Pass the number of examples in one optimizer step, e.g. 256.",
+    "min_batch_size": "Pass 0 to let a replica sit idle, or 1 (the default) to give every replica work.",
+    "multiple_of": "Pass 1 for no rounding, or e.g. 8 to keep every slice a multiple of 8.",
+}
+
+
 def _checked_int(name: str, value: Any, *, low: int) -> int:
     if not _is_int(value) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
+        hint = _INT_HINTS.get(name, "")
+        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}. {hint}".rstrip())
     return int(value)
 
 
@@ -247,8 +255,13 @@ def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
 def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: int) -> list[int | None]:
     if max_batch_sizes is None:
         return [None] * R
-    if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, Sequence):
-        raise ConfigError(f"max_batch_sizes must be None or a sequence of R={R} caps. Received: {max_batch_sizes!r}.")
+    if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, (Sequence, np.ndarray)) or (
+        isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1
+    ):
+        raise ConfigError(
+            f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
+            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128]."
+        )
     caps = list(max_batch_sizes)
     if len(caps) != R:
         raise ConfigError(
@@ -257,7 +270,9 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
         )
     for i, cap in enumerate(caps):
         if cap is not None and not _is_int(cap):
-            raise ConfigError(f"max_batch_sizes[{i}] must be an integer or None. Received: {cap!r}.")
+            raise ConfigError(
+                f"max_batch_sizes[{i}] must be an integer or None (no cap). Received: max_batch_sizes[{i}]={cap!r}."
+            )
     low = [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]
     if low:
         listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)

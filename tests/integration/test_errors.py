@@ -1,0 +1,446 @@
+"""Bad input at the TensorFlow-facing boundaries gives a typed error naming the value and the fix.
+
+Strategies run over /cpu:1../cpu:3 (the integration conftest made the logical CPU devices) with
+profile_cache=False. Each case checks the hetero_cs class, that it is catchable as the builtin, and the message.
+
+Tests marked ``xfail(strict=True)`` are gaps in files this module's author could not edit (strategy.py,
+_compat.py); each reason names the fix. When the fix lands the test passes, strict xfail turns that into a
+failure, and the marker is removed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from calibration.__main__ import main as calibration_main
+from calibration.calibrate import calibrate as run_calibration
+from calibration.probe import DeviceProbe
+from hetero_cs import HeteroCentralStorageStrategy, LinearCostModel
+from hetero_cs.errors import (
+    BatchSplitError,
+    CalibrationError,
+    CalibrationOOMError,
+    ConfigError,
+    DeviceError,
+    EmulationError,
+    HeteroCSError,
+    InfeasiblePlanError,
+    InputError,
+    InvalidCostModelError,
+    UnknownEmulatedDeviceError,
+)
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+X = np.ones((12, 4), np.float32)
+Y = np.ones((12, 1), np.float32)
+
+
+def strategy(*args, **kwargs) -> HeteroCentralStorageStrategy:
+    kwargs.setdefault("profile_cache", False)
+    kwargs.setdefault("rebalance", False)
+    return HeteroCentralStorageStrategy(*args, **kwargs)
+
+
+def fixed_split_strategy() -> HeteroCentralStorageStrategy:
+    return strategy(DEVICES, auto_balance=False)
+
+
+def small_model(under: HeteroCentralStorageStrategy, features: int = 4):
+    with under.scope():
+        model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def expect(fn, cls, builtin, match):
+    """Runs fn; asserts it raises cls (a HeteroCSError) catchable as builtin, with a message matching match."""
+    with pytest.raises(builtin, match=match) as info:
+        fn()
+    assert isinstance(info.value, cls), f"{type(info.value).__name__} is not a {cls.__name__}: {info.value}"
+    assert isinstance(info.value, HeteroCSError)
+    return info.value
+
+
+class NaNModel:
+    def predict_step_time_s(self, batch_size):
+        return math.nan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HeteroCentralStorageStrategy(...)
+# ----------------------------------------------------------------------------------------------------------------
+CONSTRUCTOR_CASES = [
+    ("no_devices", dict(compute_devices=[]), DeviceError, ValueError,
+     r"compute_devices is empty. Give at least one device, e\.g\. \['/gpu:0'\]"),
+    ("unknown_gpu", dict(compute_devices=["/gpu:7"]), DeviceError, ValueError,
+     r"Unknown device\(s\) \['/device:GPU:7'\]; TensorFlow sees \[.*setup_logical_devices"),
+    ("repeated", dict(compute_devices=["/cpu:1", "/cpu:1"]), DeviceError, ValueError,
+     r"repeats a device: \['/device:CPU:1', '/device:CPU:1'\]. List each device once"),
+    ("repeated_spelled_twice", dict(compute_devices=["/cpu:1", "/device:CPU:1"]), DeviceError, ValueError,
+     r"repeats a device"),
+    ("parameter_device_computes", dict(compute_devices=["/cpu:0", "/cpu:1"]), DeviceError, ValueError,
+     r"parameter device /device:CPU:0 is also a compute device.*drop it from compute_devices"),
+    ("explicit_parameter_device_computes", dict(compute_devices=["/cpu:1", "/cpu:2"], parameter_device="/cpu:2"),
+     DeviceError, ValueError, r"parameter device /device:CPU:2 is also a compute device"),
+    ("not_a_device", dict(compute_devices=["not a device"]), DeviceError, ValueError,
+     r"Cannot parse device name 'not a device'. Use names like '/device:GPU:0' or '/cpu:1'"),
+    ("empty_name", dict(compute_devices=[""]), DeviceError, ValueError, r"non-empty strings. Received: device=''"),
+    ("none_name", dict(compute_devices=[None]), DeviceError, ValueError, r"device=None"),
+    ("no_index", dict(compute_devices=["/cpu"]), DeviceError, ValueError, r"'/cpu' needs a type and an index"),
+    ("unknown_parameter_device", dict(compute_devices=DEVICES, parameter_device="/cpu:9"), DeviceError, ValueError,
+     r"Unknown device\(s\) \['/device:CPU:9'\]"),
+    ("split_wrong_length", dict(compute_devices=DEVICES, batch_split=[1, 1]), BatchSplitError, ValueError,
+     r"len\(batch_split\)=2, but there are R=3 compute devices.*Give 3 shares, e\.g\. \[1, 1, 1\]"),
+    ("split_empty", dict(compute_devices=DEVICES, batch_split=[]), BatchSplitError, ValueError,
+     r"len\(batch_split\)=0"),
+    ("split_negative", dict(compute_devices=DEVICES, batch_split=[1, -1, 1]), BatchSplitError, ValueError,
+     r"finite numbers >= 0 with at least one > 0. Received: batch_split=\[1, -1, 1\]. Example: batch_split="),
+    ("split_nan", dict(compute_devices=DEVICES, batch_split=[1, math.nan, 1]), BatchSplitError, ValueError,
+     r"batch_split=\[1, nan, 1\]"),
+    ("split_inf", dict(compute_devices=DEVICES, batch_split=[1, math.inf, 1]), BatchSplitError, ValueError,
+     r"batch_split=\[1, inf, 1\]"),
+    ("split_all_zero", dict(compute_devices=DEVICES, batch_split=[0, 0, 0]), BatchSplitError, ValueError,
+     r"at least one > 0. Received: batch_split=\[0, 0, 0\]"),
+    ("split_strings", dict(compute_devices=DEVICES, batch_split=["2", "1", "1"]), BatchSplitError, ValueError,
+     r"batch_split=\['2', '1', '1'\]"),
+    ("emulate_unknown", dict(compute_devices=DEVICES, emulate=["A10", "T4", "RTX"]), UnknownEmulatedDeviceError,
+     KeyError, r"name='RTX'. Known devices: A10, T4, P100"),
+    ("emulate_wrong_length", dict(compute_devices=DEVICES, emulate=["A10", "T4"]), ConfigError, ValueError,
+     r"len\(emulate\)=2, compute_devices=.*\(R=3\). Give exactly 3 names"),
+    ("emulate_plain_string", dict(compute_devices=DEVICES, emulate="A10"), ConfigError, ValueError,
+     r"emulate='A10'. Example: emulate=\['A10', 'T4', 'P100'\]"),
+    ("emulate_empty", dict(compute_devices=DEVICES, emulate=[]), ConfigError, ValueError, r"emulate=\[\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs,cls,builtin,match", [c[1:] for c in CONSTRUCTOR_CASES],
+                         ids=[c[0] for c in CONSTRUCTOR_CASES])
+def test_constructor_rejects(kwargs, cls, builtin, match):
+    expect(lambda: strategy(**kwargs), cls, builtin, match)
+
+
+def test_emulate_more_devices_than_tensorflow_was_started_with():
+    existing = len(tf.config.list_logical_devices("CPU"))  # starts TensorFlow if nothing has yet
+    expect(lambda: strategy(emulate=["T4"] * existing), EmulationError, RuntimeError,
+           rf"already initialised with logical_cpu_devices={existing}, but {existing + 1} are needed.*before any "
+           r"TensorFlow op runs")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.__init__/set_batch_split: list(3) raises a raw TypeError; check "
+                   "the shares are a non-string iterable first and raise BatchSplitError naming batch_split")
+@pytest.mark.parametrize("where", ["constructor", "set_batch_split"])
+def test_batch_split_that_is_not_a_sequence(where):
+    if where == "constructor":
+        expect(lambda: strategy(DEVICES, batch_split=3), BatchSplitError, ValueError, r"batch_split=3")
+    else:
+        expect(lambda: fixed_split_strategy().set_batch_split(3), BatchSplitError, ValueError, r"batch_split=3")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy._validate_shares: isinstance(s, (int, float)) rejects numpy "
+                   "ints and float32 with a message saying they are not finite numbers >= 0; accept numbers.Real "
+                   "(not bool)")
+@pytest.mark.parametrize("dtype", [np.int64, np.float32])
+def test_numpy_batch_split_is_accepted(dtype):
+    shares = np.array([2, 1, 1], dtype)
+    under = strategy(DEVICES, batch_split=shares)
+    assert under.plan_for(8).per_replica_batch_sizes == (4, 2, 2)
+    under.set_batch_split(shares[::-1])
+    assert under.plan_for(8).per_replica_batch_sizes == (2, 2, 4)
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.__init__: `for name in emulate` raises a raw TypeError for "
+                   "emulate=3; raise ConfigError('emulate must be a non-empty list of catalog names ...') as for a str")
+def test_emulate_that_is_not_a_sequence():
+    expect(lambda: strategy(DEVICES, emulate=3), ConfigError, ValueError, r"emulate=3")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.__init__ keeps any profile_cache and calibrate later fails with "
+                   "'store must be a ProfileStore' (the wrong name, mid-fit); check it is None, False, a path or a "
+                   "ProfileStore at construction: ConfigError naming profile_cache")
+def test_profile_cache_of_the_wrong_type():
+    expect(lambda: strategy(DEVICES, profile_cache=3), ConfigError, ValueError, r"profile_cache=3")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# set_batch_split, plan_for, set_cost_models
+# ----------------------------------------------------------------------------------------------------------------
+SET_BATCH_SPLIT_CASES = [
+    ("wrong_length", [1, 2], r"len\(batch_split\)=2, but there are R=3 compute devices. Give 3 shares"),
+    ("negative", [1, -2, 1], r"batch_split=\[1, -2, 1\]. Example"),
+    ("all_zero", [0, 0, 0], r"batch_split=\[0, 0, 0\]"),
+    ("nan", [0, math.nan, 1], r"batch_split=\[0, nan, 1\]"),
+]
+
+
+@pytest.mark.parametrize("shares,match", [c[1:] for c in SET_BATCH_SPLIT_CASES],
+                         ids=[c[0] for c in SET_BATCH_SPLIT_CASES])
+def test_set_batch_split_rejects_and_keeps_the_split(shares, match):
+    under = strategy(DEVICES, batch_split=[2, 1, 1])
+    expect(lambda: under.set_batch_split(shares), BatchSplitError, ValueError, match)
+    assert under.plan_for(8).per_replica_batch_sizes == (4, 2, 2)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_plan_for_a_global_batch_below_one(size):
+    expect(lambda: fixed_split_strategy().plan_for(size), ConfigError, ValueError,
+           rf"global_batch_size must be >= 1. Received: global_batch_size={size}")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.plan_for: int(global_batch_size) lets 'abc' / None escape as raw "
+                   "ValueError / TypeError and silently truncates 2.7 to 2; check numbers.Integral (not bool) and "
+                   "raise ConfigError('global_batch_size must be an integer >= 1 ... Received: ...')")
+@pytest.mark.parametrize("size", ["abc", None, 2.7])
+def test_plan_for_a_global_batch_that_is_not_an_integer(size):
+    expect(lambda: fixed_split_strategy().plan_for(size), ConfigError, ValueError,
+           rf"global_batch_size={re.escape(repr(size))}")
+
+
+def test_set_cost_models_of_the_wrong_length():
+    under = strategy(DEVICES)
+    expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)]), ConfigError, ValueError,
+           r"one cost model per replica: got 1 for R=3")
+    expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)] * 3, max_batch_sizes=[8]), ConfigError,
+           ValueError, r"len\(max_batch_sizes\)=1, R=3")
+
+
+def test_set_cost_models_with_caps_that_cannot_hold_the_batch():
+    under = strategy(DEVICES)
+    under.plan_for(12)
+    expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)] * 3, max_batch_sizes=[1, 1, 1]),
+           InfeasiblePlanError, ValueError,
+           r"global_batch_size=12 exceeds the total capacity: max_batch_sizes=\[1, 1, 1\] sum to 3.*at most 3")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.set_cost_models stores models and caps before solving, so after "
+                   "InfeasiblePlanError / InvalidCostModelError every later plan_for / fit step fails (a fixed "
+                   "split that never needed the models included); validate (check_cost_model at 0 and 1, "
+                   "solver._checked_caps) and solve into locals first, then commit under the lock")
+def test_failed_set_cost_models_leaves_the_strategy_as_it_was():
+    models = [LinearCostModel(0.0, 1e-3)] * 3
+    balanced = strategy(DEVICES)
+    balanced.set_cost_models(models)
+    before = balanced.plan_for(12)
+    with pytest.raises(InfeasiblePlanError):
+        balanced.set_cost_models(models, max_batch_sizes=[1, 1, 1])
+    assert balanced.plan_for(12) == before
+
+    fixed = strategy(DEVICES, batch_split=[1, 1, 1])
+    model = small_model(fixed)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    with pytest.raises(InvalidCostModelError):
+        fixed.set_cost_models([*models[:2], NaNModel()])
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)  # today: ReplicaStepError wrapping the NaN model
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.set_cost_models accepts a NaN cost model when no batch was seen "
+                   "yet (nothing is solved), so the error surfaces mid-fit inside the input pipeline; call "
+                   "cost_model.check_cost_model(model, [0, 1], replica_id=i) for each model up front")
+def test_set_cost_models_rejects_nan_costs_at_once():
+    expect(lambda: strategy(DEVICES).set_cost_models([LinearCostModel(0.0, 1e-3)] * 2 + [NaNModel()]),
+           InvalidCostModelError, ValueError, r"cost_models\[2\]\.predict_step_time_s\(0\) returned nan")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.set_cost_models: len() of a generator is a raw TypeError and caps "
+                   "'abc' reach int('a') in _make_rebalancer (raw ValueError); materialise list(cost_models) and "
+                   "check caps with solver._checked_caps (ConfigError naming max_batch_sizes)")
+@pytest.mark.parametrize("case", ["generator", "caps_string"])
+def test_set_cost_models_with_odd_containers(case):
+    under = strategy(DEVICES)
+    if case == "generator":
+        under.set_cost_models(LinearCostModel(0.0, 1e-3) for _ in range(3))
+        assert len(under.cost_models) == 3
+    else:
+        expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)] * 3, max_batch_sizes="abc"),
+               ConfigError, ValueError, r"max_batch_sizes='abc'")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model.fit / evaluate / predict input
+# ----------------------------------------------------------------------------------------------------------------
+SCALAR_COMPONENT = r"needs a leading batch dimension to be split across replicas.*dataset\.batch\(global_batch_size\)"
+
+
+def test_fit_on_a_dataset_element_without_a_batch_dimension():
+    under = fixed_split_strategy()
+    model = small_model(under)
+    labels_per_example = tf.data.Dataset.from_tensor_slices((X, np.ones(12, np.float32)))  # not batched: y is ()
+    expect(lambda: model.fit(labels_per_example, epochs=1, verbose=0), InputError, ValueError, SCALAR_COMPONENT)
+    scalar_label = tf.data.Dataset.from_tensors((X, np.float32(1.0)))
+    expect(lambda: model.fit(scalar_label, epochs=1, verbose=0), InputError, ValueError, SCALAR_COMPONENT)
+    expect(lambda: model.evaluate(scalar_label, verbose=0), InputError, ValueError, SCALAR_COMPONENT)
+    expect(lambda: model.predict(tf.data.Dataset.from_tensors(np.float32(1.0)), verbose=0), InputError, ValueError,
+           SCALAR_COMPONENT)
+
+
+@pytest.mark.xfail(strict=True, reason="strategy._slice_by_plan slices each component by offsets of the first "
+                   "one's batch, so labels (or sample weights) with MORE rows than x are silently cut and training "
+                   "runs on misaligned data (a single device raises). Check the known leading dims of all "
+                   "components agree (InputError naming element_spec), and compare them at run time in to_slices")
+def test_fit_on_components_with_different_batch_sizes_is_an_error_not_silent_training():
+    under = fixed_split_strategy()
+    model = small_model(under)
+    misaligned = tf.data.Dataset.from_tensors((X, np.arange(24, dtype=np.float32).reshape(24, 1)))
+    expect(lambda: model.fit(misaligned, epochs=1, verbose=0), InputError, ValueError,
+           r"leading (batch )?dimension.*\b12\b.*\b24\b|\b24\b.*\b12\b")
+
+
+@pytest.mark.xfail(strict=True, reason="an unbatched dataset whose components are all rank >= 1 (x (4,), y (1,)) "
+                   "passes the rank check and fails deep in Keras; the same leading-dim agreement check in "
+                   "strategy._slice_by_plan turns it into InputError('... batch the dataset first')")
+def test_fit_on_an_unbatched_dataset_of_vectors():
+    under = fixed_split_strategy()
+    model = small_model(under)
+    unbatched = tf.data.Dataset.from_tensor_slices((X, Y))  # elements (4,), (1,)
+    expect(lambda: model.fit(unbatched, epochs=1, verbose=0), InputError, ValueError, r"(?i)batch")
+
+
+@pytest.mark.xfail(strict=True, reason="model.fit on an empty dataset ends in a bare StopIteration from "
+                   "input_lib (stock CentralStorageStrategy too); in _compat's fit wrapper catch StopIteration "
+                   "and raise InputError('model.fit got no batches: the dataset is empty ...') from it, or check "
+                   "dataset.cardinality() == 0 in strategy._slice_by_plan")
+def test_fit_on_an_empty_dataset():
+    under = fixed_split_strategy()
+    model = small_model(under)
+    empty = tf.data.Dataset.from_tensor_slices((X, Y)).batch(6).take(0)
+    expect(lambda: model.fit(empty, epochs=1, verbose=0), InputError, ValueError, r"empty")
+
+
+@pytest.mark.xfail(strict=True, reason="a global batch of 0 examples reaches plan_for(0) inside the tf.data "
+                   "numpy_function; its ConfigError comes back as ReplicaStepError('check that replica's slice') "
+                   "naming a replica. Raise InputError for B == 0 in strategy._slice_sizes and re-raise "
+                   "HeteroCSErrors from the input pipeline unwrapped (remember it on the strategy, raise it in "
+                   "_compat's fit wrapper)")
+def test_fit_on_a_batch_with_zero_examples():
+    under = fixed_split_strategy()
+    model = small_model(under)
+    zero = tf.data.Dataset.from_tensors((X[:0], Y[:0]))
+    expect(lambda: model.fit(zero, epochs=1, verbose=0), InputError, ValueError, r"0 examples")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------------------------
+CALIBRATE_INPUT_CASES = [
+    ("empty_dataset", lambda: tf.data.Dataset.from_tensor_slices((X, Y)).batch(6).take(0),
+     r"The dataset is empty; calibration needs one global batch"),
+    ("scalar_component", lambda: tf.data.Dataset.from_tensors((np.float32(1.0), Y)),
+     r"no batch dimension \(shape=\(\)\); batch the data first"),
+    ("none", lambda: None, r"tf\.data\.Dataset of global batches or one batch \(x, y\); got NoneType"),
+    ("empty_tuple", lambda: (), r"got tuple"),
+]
+
+
+@pytest.mark.parametrize("data,match", [c[1:] for c in CALIBRATE_INPUT_CASES], ids=[c[0] for c in CALIBRATE_INPUT_CASES])
+def test_strategy_calibrate_rejects(data, match):
+    under = strategy(DEVICES)
+    model = small_model(under)
+    expect(lambda: under.calibrate(model, data(), progress=False), InputError, ValueError, match)
+
+
+def _out_of_memory(self, batch_size):
+    raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor (simulated)")
+
+
+def test_calibration_out_of_memory_at_every_probe_size(monkeypatch):
+    monkeypatch.setattr(DeviceProbe, "run_step", _out_of_memory)
+    under = strategy(DEVICES)
+    model = small_model(under)
+    error = expect(
+        lambda: run_calibration(model, (X, Y), devices=DEVICES, probe_batch_sizes=[4, 12], store=False,
+                                progress=False),
+        CalibrationOOMError, MemoryError,
+        r"device='/device:CPU:1' ran out of memory at every batch size tried: batch_sizes=\[1, 4\], "
+        r"probe_batch_sizes=\[4, 12\]\. Use a smaller global batch size or a smaller model, or leave this device out")
+    assert isinstance(error, CalibrationError) and isinstance(error, RuntimeError)
+    # model.fit calibrates on its first global batch: the same error reaches the caller, not a wrapped one.
+    expect(lambda: model.fit(X, Y, batch_size=12, epochs=1, verbose=0), CalibrationOOMError, MemoryError,
+           r"ran out of memory at every batch size tried")
+
+
+def test_calibrate_direct_device_names():
+    under = strategy(DEVICES)
+    model = small_model(under)
+    expect(lambda: run_calibration(model, (X, Y), devices=["not a device"], store=False, progress=False),
+           DeviceError, ValueError, r"Cannot parse device name='not a device'. Use names like '/device:GPU:0'")
+    expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], parameter_device="banana", store=False,
+                                   progress=False), DeviceError, ValueError, r"name='banana'")
+    expect(lambda: run_calibration(model, (X, Y), devices=[], store=False), DeviceError, ValueError,
+           r"devices=\[\]")
+    expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], max_batch_sizes=[0], store=False),
+           ConfigError, ValueError, r"max_batch_sizes\[0\]=0")
+    expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], probe_batch_sizes=[4, -1], store=False),
+           ConfigError, ValueError, r"probe_batch_sizes\[1\]=-1")
+
+
+def test_regression_calibrate_accepts_numpy_sizes():
+    under = strategy(DEVICES)
+    model = small_model(under)
+    result = run_calibration(model, (X, Y), devices=["/cpu:1"], global_batch_size=np.int64(8),
+                             probe_batch_sizes=np.array([2, 8]), warmup_steps=0, trials=1, store=False,
+                             progress=False)
+    assert result.profiles[0].probe_batch_sizes == (2, 8)
+    assert result.plan.global_batch_size == 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HETERO_CS_* environment variables
+# ----------------------------------------------------------------------------------------------------------------
+def test_time_scale_environment_variable_with_garbage(monkeypatch):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TIME_SCALE", "fast")
+    expect(lambda: strategy(DEVICES, emulate=["A10", "T4", "P100"]), ConfigError, ValueError,
+           r"HETERO_CS_EMULATION_TIME_SCALE='fast'.*must be a finite number > 0, e\.g\. 1\.0")
+
+
+@pytest.mark.parametrize("raw", ["soon", "-5", "nan"])
+def test_target_makespan_environment_variable_with_garbage(monkeypatch, raw):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", raw)
+    under = strategy(DEVICES, emulate=["A10", "T4", "P100"], auto_balance=False)
+    model = small_model(under)
+    expect(lambda: under.calibrate(model, (X, Y), progress=False), ConfigError, ValueError,
+           rf"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='{raw}' must be a positive number of milliseconds, e\.g\. 100")
+
+
+@pytest.mark.xfail(strict=True, reason="strategy.calibrate sets the emulator's workload before it reads "
+                   "HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, so after the ConfigError the emulator counts as ready "
+                   "and a retry silently runs with time_scale=1.0; read the target first, then set_workload")
+def test_target_makespan_error_is_raised_again_on_retry(monkeypatch):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "soon")
+    under = strategy(DEVICES, emulate=["A10", "T4", "P100"], auto_balance=False)
+    model = small_model(under)
+    with pytest.raises(ConfigError):
+        under.calibrate(model, (X, Y), progress=False)
+    expect(lambda: under.calibrate(model, (X, Y), progress=False), ConfigError, ValueError,
+           r"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='soon'")
+
+
+def test_regression_cache_dir_environment_variable_naming_a_file(monkeypatch, tmp_path):
+    # It used to warn twice (cannot read, cannot write) on every calibration and carry on without a cache.
+    blocker = tmp_path / "cache_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(blocker))
+    under = strategy(DEVICES, profile_cache=None)
+    model = small_model(under)
+    expect(lambda: under.calibrate(model, (X, Y), progress=False), ConfigError, ValueError,
+           r"HETERO_CS_CACHE_DIR=.*cache_file' names an existing file.*profile_cache=False")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line: calibrate
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,match", [
+    (["--devices", "not a device"], r"error: Cannot parse device name='not a device'"),
+    (["--devices", "/gpu:7"], r"error: Unknown device\(s\) \['/device:GPU:7'\]"),
+    (["--emulate", "A10,RTX"], r"error: Unknown emulated device name='RTX'"),
+], ids=["regression_unparsable_device", "unknown_device", "unknown_emulated_device"])
+def test_cli_calibrate_bad_devices_exit_2(capsys, argv, match):
+    status = calibration_main([*argv, "--no-cache", "--no-progress", "--trials", "1", "--warmup-steps", "0"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "Traceback" not in err
+    assert re.search(match, err), err
