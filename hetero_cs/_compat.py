@@ -224,8 +224,17 @@ def _patch_fit() -> None:
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
         bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks)  # noqa: SLF001
+        strategy._input_error = None  # noqa: SLF001
         try:
             return original_fit(*bound.args, **bound.kwargs)
+        except StopIteration as exc:
+            # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
+            from hetero_cs.errors import InputError
+
+            raise InputError(
+                "model.fit got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that "
+                "drops everything, or fewer examples than one batch with drop_remainder=True)."
+            ) from exc
         except tf.errors.OpError as exc:
             replica_error = strategy._replica_step_error(exc)  # noqa: SLF001
             if replica_error is None:

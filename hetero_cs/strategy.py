@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,7 +121,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if isinstance(emulate, emulation.Emulator):
             emulator, emulate = emulate, [spec.name for spec in emulate.specs]
         if emulate is not None:
-            if isinstance(emulate, str) or not emulate:
+            if isinstance(emulate, str) or not isinstance(emulate, Iterable) or not list(emulate):
                 raise ConfigError(
                     f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
                     f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
@@ -141,8 +142,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
                 f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
             )
+        _validate_profile_cache(profile_cache)
         if batch_split is not None:
-            shares = list(batch_split)
+            shares = _shares_list(batch_split)
             if len(shares) != len(devices):
                 raise BatchSplitError(
                     f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
@@ -150,9 +152,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                     f"{[1] * len(devices)}."
                 )
             _validate_shares(shares)
-        self._shares: tuple[float, ...] | None = (
-            None if batch_split is None else tuple(float(s) for s in batch_split)
-        )
+        self._shares: tuple[float, ...] | None = None if batch_split is None else tuple(float(s) for s in shares)
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
@@ -186,6 +186,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             "HETERO_CS_TIMING"
         )
         self._last_logged_plan: BatchPlan | None = None
+        self._input_error: Exception | None = None  # the last error raised inside the input pipeline
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation
@@ -260,23 +261,41 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         Raises:
             ConfigError: Wrong number of cost models or caps.
         """
-        if len(cost_models) != self.num_replicas_in_sync:
+        from hetero_cs.cost_model import check_cost_model
+        from hetero_cs.solver import _checked_caps  # the solver's own cap validation, same messages
+
+        models = list(cost_models)
+        R = self.num_replicas_in_sync
+        if len(models) != R:
             raise ConfigError(
-                f"Need one cost model per replica: got {len(cost_models)} for R={self.num_replicas_in_sync}."
+                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
             )
-        if max_batch_sizes is not None and len(max_batch_sizes) != self.num_replicas_in_sync:
-            raise ConfigError(
-                f"Need one cap per replica: len(max_batch_sizes)={len(max_batch_sizes)}, "
-                f"R={self.num_replicas_in_sync}."
-            )
+        if max_batch_sizes is not None and not isinstance(max_batch_sizes, (str, bytes)):
+            try:
+                count = len(max_batch_sizes)
+            except TypeError:
+                count = None
+            if count is not None and count != R:
+                raise ConfigError(
+                    f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
+                )
+        caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
+        for i, model in enumerate(models):
+            check_cost_model(model, [0, 1], replica_id=i)
         with self._lock:
-            self._calibrated_models = list(cost_models)
-            self._cost_models = list(cost_models)
-            self._max_batch_sizes = None if max_batch_sizes is None else list(max_batch_sizes)
-            self._rebalancer = self._make_rebalancer()
+            # Solve with the new models before committing anything, so a failure leaves the strategy as it was.
+            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes)
+            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            try:
+                plan = self._solve(self._reference_batch_size) if self._reference_batch_size is not None else None
+                rebalancer = self._make_rebalancer()
+            except Exception:
+                self._calibrated_models, self._cost_models, self._max_batch_sizes = previous
+                raise
+            self._rebalancer = rebalancer
             self._plans_by_batch.clear()
-            if self._reference_batch_size is not None:
-                self._set_plan(self._solve(self._reference_batch_size))
+            if plan is not None:
+                self._set_plan(plan)
 
     def set_batch_split(self, shares: Sequence[float] | None) -> None:
         """Fixes the relative shares per replica from now on (None: back to auto_balance / even split).
@@ -288,7 +307,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             BatchSplitError: Wrong length, negative, non-finite or all-zero shares.
         """
         if shares is not None:
-            shares = list(shares)
+            shares = _shares_list(shares)
             if len(shares) != self.num_replicas_in_sync:
                 raise BatchSplitError(
                     f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
@@ -349,6 +368,11 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         Raises:
             ConfigError: ``global_batch_size`` < 1.
         """
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, numbers.Integral):
+            raise ConfigError(
+                f"global_batch_size must be an integer >= 1 (examples per step). Received: "
+                f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."
+            )
         b = int(global_batch_size)
         if b < 1:
             raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
@@ -363,9 +387,28 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 self._set_plan(plan)
             return plan
 
-    def _slice_sizes(self, global_batch_size) -> np.ndarray:
-        # Called from the tf.data pipeline (numpy_function) for every global batch.
-        return np.asarray(self.plan_for(int(global_batch_size)).per_replica_batch_sizes, dtype=np.int64)
+    def _slice_sizes(self, *leading_dims) -> np.ndarray:
+        # Called from the tf.data pipeline (numpy_function) for every global batch, with every component's
+        # leading dimension. An error here would reach the user wrapped in TensorFlow's; it is kept on the
+        # strategy so that model.fit re-raises it as it is.
+        try:
+            sizes = sorted({int(d) for d in leading_dims})
+            if len(sizes) > 1:
+                raise InputError(
+                    f"The components of one dataset element have different leading (batch) dimensions "
+                    f"{[int(d) for d in leading_dims]}, so they cannot be cut into the same slices. Every "
+                    f"component of a global batch needs the same number of examples; if the dataset is not "
+                    f"batched yet, batch it: dataset.batch(global_batch_size)."
+                )
+            if sizes[0] == 0:
+                raise InputError(
+                    "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
+                    "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
+                )
+            return np.asarray(self.plan_for(sizes[0]).per_replica_batch_sizes, dtype=np.int64)
+        except Exception as exc:
+            self._input_error = exc
+            raise
 
     # ----------------------------------------------------------------------------------------------------------
     # Input
@@ -383,14 +426,20 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                     f"Every dataset component needs a leading batch dimension to be split across replicas; got "
                     f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
                 )
+        known = sorted({leaf.shape[0] for leaf in leaves if leaf.shape.rank and leaf.shape[0] is not None})
+        if len(known) > 1:
+            raise InputError(
+                f"The dataset's components have different leading (batch) dimensions {known}; got "
+                f"element_spec={spec}. Every component of a global batch needs the same number of examples; if "
+                f"the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
+            )
         R = self.num_replicas_in_sync
         is_tuple = isinstance(spec, tuple)
 
         def to_slices(*args):
             element = args if is_tuple else args[0]
-            flat = tf.nest.flatten(element)
-            batch = tf.shape(flat[0], out_type=tf.int64)[0]
-            sizes = tf.numpy_function(self._slice_sizes, [batch], tf.int64, stateful=True)
+            dims = [tf.shape(t, out_type=tf.int64)[0] for t in tf.nest.flatten(element)]
+            sizes = tf.numpy_function(self._slice_sizes, dims, tf.int64, stateful=True)
             sizes = tf.reshape(sizes, [R])
             offsets = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(sizes)], axis=0)
 
@@ -421,6 +470,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         with self._lock:
             self._source_dataset = dataset
             self._reference_batch_size = None
+            self._input_error = None
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Like ``tf.distribute``'s, but ``dataset_fn``'s dataset yields global batches that are cut by the plan.
@@ -540,9 +590,12 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         """
         import re
 
+        if self._input_error is not None:
+            error, self._input_error = self._input_error, None
+            return error
         message = str(exc)
         match = re.search(r"node (replica_(\d+)/)?(\S+)", message)
-        if match is None:
+        if match is None or "Iterator" in match.group(3):
             return None
         replica_id = int(match.group(2)) if match.group(2) else 0
         if replica_id >= self.num_replicas_in_sync:
@@ -621,8 +674,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if self._emulator is not None and not self._emulator_ready():
             from hetero_cs.emulation import estimate_workload
 
+            target_s = _emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
             self._emulator.set_workload(estimate_workload(model))
-            self._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=_emulated_makespan_target_s())
+            self._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=target_s)
         if not self._auto_balance:
             self.plan_for(global_batch_size)
             return None
@@ -670,8 +724,32 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         return callbacks
 
 
+def _shares_list(batch_split) -> list:
+    if isinstance(batch_split, (str, bytes)) or not isinstance(batch_split, Iterable):
+        raise BatchSplitError(
+            f"batch_split must be a sequence of relative shares, one per replica. Received: "
+            f"batch_split={batch_split!r}. Example: batch_split=[2, 1, 1]."
+        )
+    return list(batch_split)
+
+
+def _validate_profile_cache(profile_cache) -> None:
+    from calibration.store import ProfileStore
+
+    if profile_cache is None or profile_cache is False or isinstance(profile_cache, (str, os.PathLike, ProfileStore)):
+        return
+    raise ConfigError(
+        f"profile_cache must be None (the default cache directory), False (no cache), a directory path or a "
+        f"calibration.ProfileStore. Received: profile_cache={profile_cache!r}."
+    )
+
+
 def _validate_shares(shares: Sequence[float]) -> None:
-    bad = [s for s in shares if not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0]
+    bad = [
+        s
+        for s in shares
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0
+    ]
     if bad or not any(s > 0 for s in shares):
         raise BatchSplitError(
             f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "

@@ -3,9 +3,8 @@
 Strategies run over /cpu:1../cpu:3 (the integration conftest made the logical CPU devices) with
 profile_cache=False. Each case checks the hetero_cs class, that it is catchable as the builtin, and the message.
 
-Tests marked ``xfail(strict=True)`` are gaps in files this module's author could not edit (strategy.py,
-_compat.py); each reason names the fix. When the fix lands the test passes, strict xfail turns that into a
-failure, and the marker is removed.
+Cases named after what broke (labels longer than x trained silently; a failed set_cost_models left the strategy
+unusable; ...) are regression tests.
 """
 
 from __future__ import annotations
@@ -132,8 +131,6 @@ def test_emulate_more_devices_than_tensorflow_was_started_with():
            r"TensorFlow op runs")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.__init__/set_batch_split: list(3) raises a raw TypeError; check "
-                   "the shares are a non-string iterable first and raise BatchSplitError naming batch_split")
 @pytest.mark.parametrize("where", ["constructor", "set_batch_split"])
 def test_batch_split_that_is_not_a_sequence(where):
     if where == "constructor":
@@ -142,9 +139,6 @@ def test_batch_split_that_is_not_a_sequence(where):
         expect(lambda: fixed_split_strategy().set_batch_split(3), BatchSplitError, ValueError, r"batch_split=3")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy._validate_shares: isinstance(s, (int, float)) rejects numpy "
-                   "ints and float32 with a message saying they are not finite numbers >= 0; accept numbers.Real "
-                   "(not bool)")
 @pytest.mark.parametrize("dtype", [np.int64, np.float32])
 def test_numpy_batch_split_is_accepted(dtype):
     shares = np.array([2, 1, 1], dtype)
@@ -154,15 +148,10 @@ def test_numpy_batch_split_is_accepted(dtype):
     assert under.plan_for(8).per_replica_batch_sizes == (2, 2, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.__init__: `for name in emulate` raises a raw TypeError for "
-                   "emulate=3; raise ConfigError('emulate must be a non-empty list of catalog names ...') as for a str")
 def test_emulate_that_is_not_a_sequence():
     expect(lambda: strategy(DEVICES, emulate=3), ConfigError, ValueError, r"emulate=3")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.__init__ keeps any profile_cache and calibrate later fails with "
-                   "'store must be a ProfileStore' (the wrong name, mid-fit); check it is None, False, a path or a "
-                   "ProfileStore at construction: ConfigError naming profile_cache")
 def test_profile_cache_of_the_wrong_type():
     expect(lambda: strategy(DEVICES, profile_cache=3), ConfigError, ValueError, r"profile_cache=3")
 
@@ -192,9 +181,6 @@ def test_plan_for_a_global_batch_below_one(size):
            rf"global_batch_size must be >= 1. Received: global_batch_size={size}")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.plan_for: int(global_batch_size) lets 'abc' / None escape as raw "
-                   "ValueError / TypeError and silently truncates 2.7 to 2; check numbers.Integral (not bool) and "
-                   "raise ConfigError('global_batch_size must be an integer >= 1 ... Received: ...')")
 @pytest.mark.parametrize("size", ["abc", None, 2.7])
 def test_plan_for_a_global_batch_that_is_not_an_integer(size):
     expect(lambda: fixed_split_strategy().plan_for(size), ConfigError, ValueError,
@@ -217,10 +203,6 @@ def test_set_cost_models_with_caps_that_cannot_hold_the_batch():
            r"global_batch_size=12 exceeds the total capacity: max_batch_sizes=\[1, 1, 1\] sum to 3.*at most 3")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.set_cost_models stores models and caps before solving, so after "
-                   "InfeasiblePlanError / InvalidCostModelError every later plan_for / fit step fails (a fixed "
-                   "split that never needed the models included); validate (check_cost_model at 0 and 1, "
-                   "solver._checked_caps) and solve into locals first, then commit under the lock")
 def test_failed_set_cost_models_leaves_the_strategy_as_it_was():
     models = [LinearCostModel(0.0, 1e-3)] * 3
     balanced = strategy(DEVICES)
@@ -238,17 +220,11 @@ def test_failed_set_cost_models_leaves_the_strategy_as_it_was():
     model.fit(X, Y, batch_size=12, epochs=1, verbose=0)  # today: ReplicaStepError wrapping the NaN model
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.set_cost_models accepts a NaN cost model when no batch was seen "
-                   "yet (nothing is solved), so the error surfaces mid-fit inside the input pipeline; call "
-                   "cost_model.check_cost_model(model, [0, 1], replica_id=i) for each model up front")
 def test_set_cost_models_rejects_nan_costs_at_once():
     expect(lambda: strategy(DEVICES).set_cost_models([LinearCostModel(0.0, 1e-3)] * 2 + [NaNModel()]),
            InvalidCostModelError, ValueError, r"cost_models\[2\]\.predict_step_time_s\(0\) returned nan")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.set_cost_models: len() of a generator is a raw TypeError and caps "
-                   "'abc' reach int('a') in _make_rebalancer (raw ValueError); materialise list(cost_models) and "
-                   "check caps with solver._checked_caps (ConfigError naming max_batch_sizes)")
 @pytest.mark.parametrize("case", ["generator", "caps_string"])
 def test_set_cost_models_with_odd_containers(case):
     under = strategy(DEVICES)
@@ -278,10 +254,6 @@ def test_fit_on_a_dataset_element_without_a_batch_dimension():
            SCALAR_COMPONENT)
 
 
-@pytest.mark.xfail(strict=True, reason="strategy._slice_by_plan slices each component by offsets of the first "
-                   "one's batch, so labels (or sample weights) with MORE rows than x are silently cut and training "
-                   "runs on misaligned data (a single device raises). Check the known leading dims of all "
-                   "components agree (InputError naming element_spec), and compare them at run time in to_slices")
 def test_fit_on_components_with_different_batch_sizes_is_an_error_not_silent_training():
     under = fixed_split_strategy()
     model = small_model(under)
@@ -290,9 +262,6 @@ def test_fit_on_components_with_different_batch_sizes_is_an_error_not_silent_tra
            r"leading (batch )?dimension.*\b12\b.*\b24\b|\b24\b.*\b12\b")
 
 
-@pytest.mark.xfail(strict=True, reason="an unbatched dataset whose components are all rank >= 1 (x (4,), y (1,)) "
-                   "passes the rank check and fails deep in Keras; the same leading-dim agreement check in "
-                   "strategy._slice_by_plan turns it into InputError('... batch the dataset first')")
 def test_fit_on_an_unbatched_dataset_of_vectors():
     under = fixed_split_strategy()
     model = small_model(under)
@@ -300,10 +269,6 @@ def test_fit_on_an_unbatched_dataset_of_vectors():
     expect(lambda: model.fit(unbatched, epochs=1, verbose=0), InputError, ValueError, r"(?i)batch")
 
 
-@pytest.mark.xfail(strict=True, reason="model.fit on an empty dataset ends in a bare StopIteration from "
-                   "input_lib (stock CentralStorageStrategy too); in _compat's fit wrapper catch StopIteration "
-                   "and raise InputError('model.fit got no batches: the dataset is empty ...') from it, or check "
-                   "dataset.cardinality() == 0 in strategy._slice_by_plan")
 def test_fit_on_an_empty_dataset():
     under = fixed_split_strategy()
     model = small_model(under)
@@ -311,11 +276,6 @@ def test_fit_on_an_empty_dataset():
     expect(lambda: model.fit(empty, epochs=1, verbose=0), InputError, ValueError, r"empty")
 
 
-@pytest.mark.xfail(strict=True, reason="a global batch of 0 examples reaches plan_for(0) inside the tf.data "
-                   "numpy_function; its ConfigError comes back as ReplicaStepError('check that replica's slice') "
-                   "naming a replica. Raise InputError for B == 0 in strategy._slice_sizes and re-raise "
-                   "HeteroCSErrors from the input pipeline unwrapped (remember it on the strategy, raise it in "
-                   "_compat's fit wrapper)")
 def test_fit_on_a_batch_with_zero_examples():
     under = fixed_split_strategy()
     model = small_model(under)
@@ -406,9 +366,6 @@ def test_target_makespan_environment_variable_with_garbage(monkeypatch, raw):
            rf"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='{raw}' must be a positive number of milliseconds, e\.g\. 100")
 
 
-@pytest.mark.xfail(strict=True, reason="strategy.calibrate sets the emulator's workload before it reads "
-                   "HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, so after the ConfigError the emulator counts as ready "
-                   "and a retry silently runs with time_scale=1.0; read the target first, then set_workload")
 def test_target_makespan_error_is_raised_again_on_retry(monkeypatch):
     monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "soon")
     under = strategy(DEVICES, emulate=["A10", "T4", "P100"], auto_balance=False)
