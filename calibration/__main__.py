@@ -90,8 +90,9 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="comma-separated probe sizes (default: 5 geometric sizes up to B)")
     parser.add_argument("--time-scale", type=_positive_float, default=None,
                         help="emulation time scale (default: chosen so an even-split step takes --target-step-ms)")
-    parser.add_argument("--target-step-ms", type=_positive_float, default=50.0,
-                        help="emulated even-split step time when --time-scale is not given (default: 50)")
+    parser.add_argument("--target-step-ms", type=_positive_float, default=100.0,
+                        help="emulated even-split step time when --time-scale is not given (default: 100, as "
+                             "HeteroCentralStorageStrategy)")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--cache-dir", default=None,
                        help="profile cache directory (default: $HETERO_CS_CACHE_DIR, $XDG_CACHE_HOME/hetero_cs or "
@@ -214,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = add_calibrate_arguments(argparse.ArgumentParser(
         prog="python -m calibration", description="Calibrate compute devices on a reference model."))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("hetero_cs", "calibration"):  # our progress at INFO; TensorFlow's own INFO lines stay quiet
+        logging.getLogger(name).setLevel(logging.INFO)
     return _run(run_calibrate, args)
 
 

@@ -16,6 +16,7 @@ or your own ``.npz`` with arrays ``x`` (N, 8, 8) or (N, 8, 8, 1) and ``y`` (N,) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import statistics
@@ -145,12 +146,9 @@ def main(argv=None) -> int:
 
     strategy = hetero_cs.HeteroCentralStorageStrategy(emulate=emulate, auto_balance=not args.no_auto_balance)
     print("== devices")
-    print(format_device_table(discover_devices()))
-    if emulate:
-        print(
-            f"EMULATED: no GPUs used; replicas {list(strategy.compute_devices)} emulate {emulate} on logical CPU "
-            f"devices (real compute on the CPU plus the named GPU's modelled step time)."
-        )
+    emulated_as = dict(zip(strategy.compute_devices, emulate or []))
+    devices = [dataclasses.replace(d, emulated_as=emulated_as.get(d.name)) for d in discover_devices()]
+    print(format_device_table(devices))
     print(f"replicas: {list(strategy.compute_devices)}, parameter device: {strategy.parameter_device}")
 
     with strategy.scope():
@@ -182,6 +180,7 @@ def main(argv=None) -> int:
 
     # Throughput: the plan in use beside the even split, interleaved in one run (this machine is noisy).
     logging.getLogger("hetero_cs").setLevel(logging.WARNING)  # the plan flips on purpose below
+    print(f"\n== measuring examples/s: the plan in use vs the even split, {args.timing_steps} steps each, twice ...")
     repeated = train.repeat()
     R = strategy.num_replicas_in_sync
     plan_rates, even_rates = [], []
@@ -194,18 +193,19 @@ def main(argv=None) -> int:
     plan_eps, even_eps = statistics.median(plan_rates), statistics.median(even_rates)
     speedup = plan_eps / even_eps
     plan = strategy.plan
-    theoretical = plan.predicted_speedup_vs_even if plan.predicted_speedup_vs_even else float("nan")
+    theoretical = plan.predicted_speedup_vs_even  # None without cost models (--no-auto-balance)
     label = "auto_balance" if not args.no_auto_balance else "even split (--no-auto-balance)"
     print(f"\n== throughput (median step time, 2 interleaved runs of {args.timing_steps} steps each)")
     print(f"{label:>32}: {plan_eps:9.1f} examples/s")
     print(f"{'even split':>32}: {even_eps:9.1f} examples/s")
-    print(f"{'speedup vs even':>32}: {speedup:9.2f}x (predicted by the plan: {theoretical:.2f}x)")
+    predicted = f"{theoretical:.2f}x" if theoretical else "n/a without calibration"
+    print(f"{'speedup vs even':>32}: {speedup:9.2f}x (predicted by the plan: {predicted})")
 
     calibration_s = strategy.calibration.wall_time_s if strategy.calibration is not None else 0.0
     summary = {
         "test_accuracy": f"{test_accuracy:.4f}",
         "speedup_vs_even": f"{speedup:.3f}",
-        "predicted_speedup": f"{theoretical:.3f}",
+        "predicted_speedup": f"{theoretical:.3f}" if theoretical else "n/a",
         "examples_per_s": f"{plan_eps:.1f}",
         "even_examples_per_s": f"{even_eps:.1f}",
         "plan": "/".join(str(b) for b in plan.per_replica_batch_sizes),
@@ -220,4 +220,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception as exc:  # a clear one-line message for hetero_cs' own errors, the traceback otherwise
+        from hetero_cs.errors import HeteroCSError
+
+        if not isinstance(exc, HeteroCSError):
+            raise
+        print(f"train_digits.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)

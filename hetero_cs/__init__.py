@@ -37,6 +37,10 @@ _LAZY = {
 }
 
 
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib

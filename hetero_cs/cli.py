@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hetero-cs` console script; returns the exit status (0 ok, 2 a hetero_cs error)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("hetero_cs", "calibration"):  # our progress at INFO; TensorFlow's own INFO lines stay quiet
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.run(args)
     except HeteroCSError as exc:

@@ -209,7 +209,8 @@ class BatchPlan:
     def __str__(self) -> str:
         times = self.predicted_step_times_s
         lines = [
-            f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} replicas",
+            f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} "
+            f"replica{'' if self.num_replicas == 1 else 's'}",
             f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}",
         ]
         for i, (b, w) in enumerate(zip(self.per_replica_batch_sizes, self.replica_weights)):

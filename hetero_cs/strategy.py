@@ -7,6 +7,7 @@ import math
 import numbers
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,6 +25,9 @@ from hetero_cs.solver import solve_batch_split
 logger = logging.getLogger(__name__)
 
 _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
+
+MIN_PREDICTED_GAIN = 0.02
+"""An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
 
 def _canonical_device(name: str) -> str:
@@ -70,7 +74,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         one more).
       * ``auto_balance=True`` (default): ``model.fit`` calibrates on the first global batch it sees (or loads a
         cached profile) and solves the minimum-makespan split; custom loops call :meth:`calibrate` once. Until
-        then the split is even.
+        then the split is even, and it stays even when the solved split is predicted less than
+        ``MIN_PREDICTED_GAIN`` (2 %) faster: such ties are decided by calibration noise.
       * ``rebalance=True`` (default, with auto_balance): per-replica step times are measured during training and
         the plan is re-solved when a device drifts (deadband and cooldown in :class:`~hetero_cs.RebalancePolicy`).
 
@@ -168,6 +173,19 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if emulator is None and emulate is not None:
             emulator = emulation.Emulator(list(emulate))
         self._emulator = emulator
+        if emulator is not None:
+            logger.warning(
+                "hetero_cs: timings are EMULATED - replicas %s emulate %s on logical CPU devices (real compute on "
+                "the CPU plus each named device's modelled step time); no GPU is used.",
+                list(devices),
+                [spec.name for spec in emulator.specs],
+            )
+        if len(devices) == 1 and self._auto_balance:
+            warnings.warn(
+                f"HeteroCentralStorageStrategy has one compute device ({devices[0]}): there is nothing to balance. "
+                f"Add GPUs, or pass emulate=['A10', 'T4', ...] on a CPU-only machine.",
+                stacklevel=2,
+            )
         self._profile_cache = profile_cache
         self._lock = threading.RLock()
         self._calibrated_models: list[CostModel] | None = None  # from calibration / set_cost_models
@@ -352,12 +370,22 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if not self._auto_balance or self._cost_models is None:
             return plan_from_split(even_batch_split(global_batch_size, R), self._cost_models)
         min_batch_size = 1 if global_batch_size >= R else 0
-        return solve_batch_split(
+        plan = solve_batch_split(
             self._cost_models,
             global_batch_size,
             max_batch_sizes=self._max_batch_sizes,
             min_batch_size=min_batch_size,
         )
+        even = even_batch_split(global_batch_size, R)
+        speedup = plan.predicted_speedup_vs_even
+        caps_allow_even = self._max_batch_sizes is None or all(
+            cap is None or b <= cap for b, cap in zip(even, self._max_batch_sizes)
+        )
+        if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
+            # When the devices are (nearly) alike, or fixed per-step costs dominate, many splits tie and the
+            # optimum is decided by calibration noise (e.g. 3/197 on two identical CPUs); keep the even split.
+            return plan_from_split(even, self._cost_models, max_batch_sizes=self._max_batch_sizes)
+        return plan
 
     def plan_for(self, global_batch_size: int) -> BatchPlan:
         """Returns the plan used for a global batch of ``global_batch_size`` examples (solved once, then cached).
