@@ -244,6 +244,27 @@ def _patch_fit() -> None:
     TensorFlowTrainer.fit = fit
 
 
+def all_sublayers(model) -> list:
+    """The model and every layer inside it, nested models and layers held as attributes included."""
+    # Private: Keras 3's _flatten_layers is the only walk that reaches sublayers kept as plain attributes of a
+    # subclassed layer; `model.layers` lists only the top level. Used to count a model's FLOPs for emulation.
+    if hasattr(model, "_flatten_layers"):
+        return list(model._flatten_layers(include_self=True, recursive=True))  # noqa: SLF001
+    layers, stack = [], [model]  # public fallback for Keras versions without it
+    while stack:
+        layer = stack.pop()
+        layers.append(layer)
+        stack.extend(getattr(layer, "layers", []))
+    return layers
+
+
+def layer_build_shapes(layer) -> dict | None:
+    """The input shapes a layer was built with ({argument name: shape}), or None."""
+    # Private: a layer inside a subclassed model has no symbolic `output`; the shapes its build() received are the
+    # only record of what it computes on (used to count its FLOPs for emulation).
+    return getattr(layer, "_build_shapes_dict", None)
+
+
 def install() -> None:
     """Installs the dispatching patches once per process (thread-safe, idempotent)."""
     global _installed

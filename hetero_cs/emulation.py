@@ -239,7 +239,9 @@ def _output_shape(layer: Any) -> tuple | None:
         return tuple(layer.output.shape)
     except (AttributeError, ValueError):
         pass
-    build_shapes = getattr(layer, "_build_shapes_dict", None)  # Keras 3: the shapes build() received.
+    from hetero_cs import _compat
+
+    build_shapes = _compat.layer_build_shapes(layer)
     if build_shapes and len(build_shapes) == 1:
         try:
             return tuple(layer.compute_output_shape(next(iter(build_shapes.values()))))
@@ -283,14 +285,9 @@ def estimate_workload(model: Any) -> Workload:
         raise ConfigError(
             f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
             f"model.build(input_shape) or call it on one batch.")
-    if hasattr(model, "_flatten_layers"):  # Keras 3 private API: the only walk that reaches attribute sublayers.
-        layers = list(model._flatten_layers(include_self=True, recursive=True))
-    else:  # pragma: no cover - public fallback for other Keras versions.
-        layers, stack = [], [model]
-        while stack:
-            layer = stack.pop()
-            layers.append(layer)
-            stack.extend(getattr(layer, "layers", []))
+    from hetero_cs import _compat
+
+    layers = _compat.all_sublayers(model)
     convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
     flops = 0.0
     for layer in layers:

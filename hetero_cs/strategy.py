@@ -522,7 +522,10 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 v
                 for v in tf.nest.flatten((args, kwargs or {}))
                 if isinstance(v, tf.distribute.DistributedValues)
-                and all(getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in v.values)
+                and all(
+                    getattr(c, "shape", None) is not None and c.shape.rank != 0
+                    for c in self.experimental_local_results(v)
+                )
             ),
             None,
         )
