@@ -824,3 +824,37 @@ def tie_to_stamp(structure: Any, stamp: Any) -> Any:
         return value - tf.cast(zero, dtype)
 
     return tf.nest.map_structure(tie, structure)
+
+
+def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
+                        emulator: Emulator | None = None,
+                        record: Callable[[int, int, float], None] | None = None) -> list:
+    """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
+
+    Runs :func:`end_replica_step` anchored on the gradients (waits out the emulated device time, reports the step
+    time to ``record``) and ties its end stamp into the smallest gradient with :func:`tie_to_stamp` - one
+    element-wise op; every value unchanged. The step, whose update needs every gradient, cannot finish before.
+
+    Args:
+        grads: The replica's gradients (tensors, ``tf.IndexedSlices`` or None), at least one not None.
+        start_stamp: float64 scalar from :func:`wall_clock_stamp` when the replica's slice arrived.
+        replica_id, batch_size, emulator, record: As for :func:`end_replica_step`.
+
+    Returns:
+        The gradients, in order, one of them tied to the end of the step.
+    """
+    import tensorflow as tf
+
+    present = [g for g in grads if g is not None]
+    if not present:
+        return list(grads)
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
+    anchor = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(v, [-1])[:1]), tf.float64) for v in values])
+    end = end_replica_step(start_stamp, anchor, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
+                           record=record)
+    sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
+    known = [(n, i) for i, n in enumerate(sizes) if n is not None]
+    index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
+    tied = list(grads)
+    tied[index] = tie_to_stamp(tied[index], end)
+    return tied

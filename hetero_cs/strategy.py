@@ -572,32 +572,16 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         step = training.current_replica_step()
         if step is None or step.start_stamp is None:
             return grads
-        from hetero_cs.emulation import end_replica_step
+        from hetero_cs.emulation import finish_replica_step
 
-        present = [g for g in grads if g is not None]
-        if not present:
-            return grads
-        values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
-        anchor = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(v, [-1])[:1]), tf.float64) for v in values])
-        end = end_replica_step(
+        return finish_replica_step(
+            grads,
             step.start_stamp,
-            anchor,
             replica_id=step.replica_id,
             batch_size=step.batch_size,
             emulator=self._emulator,
             record=self._record_step_time,
         )
-        # A stateless op whose output only feeds control dependencies is pruned by Grappler, so the end stamp is
-        # tied into the data path of the smallest gradient (one element-wise op; values unchanged). The step,
-        # whose update needs every gradient, cannot finish before the replica's step has ended.
-        from hetero_cs.emulation import tie_to_stamp
-
-        sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
-        known = [(n, i) for i, n in enumerate(sizes) if n is not None]
-        index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
-        grads = list(grads)
-        grads[index] = tie_to_stamp(grads[index], end)
-        return grads
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
         """Monitor callback (runs in a TensorFlow thread once per replica per step)."""
