@@ -1,0 +1,438 @@
+"""Benchmark: balancing efficiency and speedup over the even split, on emulated heterogeneous devices.
+
+What it measures. For a device mix (default A10,T4,P100) and a model (MLP and small CNN, no Dropout/BatchNorm),
+three configurations are trained in one process on the same logical CPU devices, interleaved (rounds over the
+configurations, order rotating, medians of the step times):
+
+* ``stock_even``: stock tf.distribute.experimental.CentralStorageStrategy (its even split) with the same emulated
+  waits hetero_cs injects (added by the benchmark's training step);
+* ``hetero_even``: HeteroCentralStorageStrategy(auto_balance=False), an even split;
+* ``hetero_auto``: HeteroCentralStorageStrategy(auto_balance=True, rebalance=True), calibrated by the library.
+
+All three run the same custom training loop (strategy.run in tf.function, Keras Adam). Timings are EMULATED: each
+replica computes for real on a logical CPU device and then waits until its step has taken as long as the named
+device would take (hetero_cs.emulation; the time scale stretches all devices alike so the waits dominate the real
+compute on this machine's few cores).
+
+Figures: ideal makespan = continuous lower bound from the TRUE emulated profiles (hetero_cs.solver.ideal_makespan_s
+over the emulator's step_time_s); efficiency = ideal / measured hetero_auto step; speedup_vs_even = hetero_even step
+/ hetero_auto step; theoretical_speedup = true even-split makespan / ideal makespan. Goals: efficiency >= 0.95 and
+speedup_vs_even >= 0.95 x theoretical_speedup. A PNG shows each replica's busy and idle time in a median step.
+
+    python benchmarks/balance.py [--mix A10,T4,P100] [--model mlp|cnn|both] [--json F] [--timeline F.png] [--quick]
+    python benchmarks/balance.py --all-mixes --json benchmarks/out/balance_all.json
+
+Logical devices can be configured once per process, so several mixes run in one subprocess each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import log, ms  # noqa: E402
+
+DEFAULT_MIX = "A10,T4,P100"
+ALL_MIXES = ("A10,T4,P100", "A10,T4", "A10,4xT4", "A100,P100,CPU")
+EFFICIENCY_GOAL = 0.95
+SPEEDUP_FRACTION_GOAL = 0.95
+CONFIG_LABELS = {
+    "stock_even": "stock CSS, even split (+ same emulated waits)",
+    "hetero_even": "hetero_cs, even split",
+    "hetero_auto": "hetero_cs, auto_balance",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/balance.py", description=__doc__.split("\n\n")[0],
+        epilog="Timings are emulated (see the module docstring). Outputs go to benchmarks/out/ by default.")
+    parser.add_argument("--mix", action="append", default=None,
+                        help=f"device mix, e.g. 'A10,T4,P100' or 'A10+4xT4' (default {DEFAULT_MIX}); repeatable")
+    parser.add_argument("--all-mixes", action="store_true",
+                        help=f"run every standard mix ({'; '.join(ALL_MIXES)}), each in a subprocess")
+    parser.add_argument("--model", choices=(*_common.MODELS, "both"), default="both", help="model (default both)")
+    parser.add_argument("--global-batch-size", type=int, default=2048,
+                        help="B, examples per step (default 2048: large enough that the emulated GPUs are not "
+                             "bound by their fixed per-step cost, so balancing matters)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 3)")
+    parser.add_argument("--steps-per-round", type=int, default=None,
+                        help="timed steps per configuration per round (default 10; quick 6)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps per configuration (default 5)")
+    parser.add_argument("--target-ideal-ms", type=float, default=None,
+                        help="the emulator's time scale is set so that the ideal makespan of the true profiles is "
+                             "this long (default 200; quick 100); larger makes the host-side work outside the "
+                             "replicas a smaller part of the step and hides more real compute")
+    parser.add_argument("--no-rebalance", action="store_true", help="hetero_auto without online re-balancing")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic data")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps, shorter emulated steps")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--timeline", default=None,
+                        help="PNG path of the busy/idle timeline ('none' to skip); default next to --json, else "
+                             "benchmarks/out/balance_timeline.png")
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # set for the subprocesses
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.rounds = args.rounds or (3 if quick else 5)
+    args.steps_per_round = args.steps_per_round or (6 if quick else 10)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (3 if quick else 5)
+    args.target_ideal_ms = args.target_ideal_ms or (100.0 if quick else 200.0)
+    if min(args.rounds, args.steps_per_round, args.global_batch_size) < 1 or args.warmup_steps < 0:
+        parser.error("--rounds, --steps-per-round and --global-batch-size must be >= 1, --warmup-steps >= 0")
+    if args.target_ideal_ms <= 0:
+        parser.error("--target-ideal-ms must be > 0")
+    mixes = list(ALL_MIXES) if args.all_mixes else (args.mix or [DEFAULT_MIX])
+    try:
+        args.mixes = [_common.parse_mix(m) for m in mixes]
+    except (KeyError, ValueError) as exc:
+        parser.error(str(exc))
+    args.models = list(_common.MODELS) if args.model == "both" else [args.model]
+    return args
+
+
+class BenchmarkFailed(Exception):
+    """A mix's subprocess failed (its traceback is in the output above)."""
+
+
+# ------------------------------------------------------------------------------------------------ one mix, one model
+
+
+def _sample_dict(sample: Any, wall_s: float) -> dict[str, Any] | None:
+    if sample is None:
+        return None
+    return {"step": sample.step, "batch_sizes": list(sample.per_replica_batch_sizes),
+            "step_times_s": list(sample.per_replica_step_times_s), "makespan_s": sample.makespan_s,
+            "straggler_wait_s": sample.straggler_wait_s, "wall_s": wall_s}
+
+
+def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Namespace, *,
+             keep_alive: list | None = None) -> dict[str, Any]:
+    """Measures the three configurations for one mix and one model; returns the result record.
+
+    ``keep_alive`` receives the configurations (strategies, models, iterators) so they are not freed here (see
+    ``_common.exit_now``).
+    """
+    import keras
+    import tensorflow as tf
+
+    from hetero_cs import HeteroCentralStorageStrategy
+    from hetero_cs.emulation import Emulator, estimate_workload
+    from hetero_cs.monitor import StepTimeMonitor
+
+    B, R = args.global_batch_size, len(names)
+    label = _common.mix_label(names)
+    log(f"\n== {label}, {kind}: {_common.MODEL_DESCRIPTIONS[kind]}, B={B}")
+    log(f"   {_common.EMULATED_NOTE}")
+    keras.utils.set_random_seed(args.seed)
+    workload = estimate_workload(_common.build_model(kind, seed=args.seed))
+    unscaled_ideal_s = _common.true_figures(Emulator(names, workload=workload, time_scale=1.0), B)["ideal_makespan_s"]
+    time_scale = args.target_ideal_ms / 1e3 / unscaled_ideal_s
+
+    def new_emulator() -> Emulator:  # one per configuration (own step counters), all alike
+        return Emulator(names, workload=workload, time_scale=time_scale)
+
+    reference = new_emulator()
+    truth = _common.true_figures(reference, B)
+    log(f"   true profiles (time_scale={time_scale:.4g}): even split {truth['even_split']} -> "
+        f"{ms(truth['even_split_makespan_s'])}; optimum {truth['optimal_split']} -> "
+        f"{ms(truth['optimal_makespan_s'])}; ideal (continuous) {ms(truth['ideal_makespan_s'])}")
+
+    dataset = _common.batch_dataset(_common.synthetic_batch(kind, B, seed=args.seed))
+    configs: list[_common.Config] = []
+    emulators: dict[str, Emulator] = {}
+
+    stock = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device="/device:CPU:0")
+    emulators["stock_even"] = new_emulator()
+    stock_monitor = StepTimeMonitor(R)
+    with stock.scope():
+        model = _common.build_model(kind, seed=args.seed)
+        optimizer = keras.optimizers.Adam(1e-3)
+    configs.append(_common.Config(
+        "stock_even", CONFIG_LABELS["stock_even"],
+        _common.make_train_step(stock, model, optimizer, global_batch_size=B,
+                                stock_emulator=emulators["stock_even"], stock_record=stock_monitor.record),
+        iter(stock.experimental_distribute_dataset(dataset)), monitor=stock_monitor, strategy=stock))
+
+    calibration = None
+    for name, auto in (("hetero_even", False), ("hetero_auto", True)):
+        emulators[name] = new_emulator()
+        strategy = HeteroCentralStorageStrategy(devices, emulate=emulators[name], auto_balance=auto,
+                                                rebalance=auto and not args.no_rebalance, profile_cache=False)
+        with strategy.scope():
+            model = _common.build_model(kind, seed=args.seed)
+            optimizer = keras.optimizers.Adam(1e-3)
+            model.compile(optimizer=optimizer, loss=_common.loss_function())  # calibration times this loss
+        start_s = time.perf_counter()
+        result = strategy.calibrate(model, dataset, progress=False)  # custom loops call it once (fit does it)
+        if auto:
+            calibration = {"wall_s": time.perf_counter() - start_s,
+                           "plan": list(strategy.plan.per_replica_batch_sizes),
+                           "predicted_makespan_s": strategy.plan.predicted_makespan_s,
+                           "cost_models": [p.describe_cost_model() for p in result.profiles] if result else None}
+            log(f"   library calibration: {calibration['wall_s']:.1f} s, plan {calibration['plan']}, predicted "
+                f"makespan {ms(calibration['predicted_makespan_s'])} (emulated)")
+        configs.append(_common.Config(
+            name, CONFIG_LABELS[name],
+            _common.make_train_step(strategy, model, optimizer, global_batch_size=B),
+            iter(strategy.experimental_distribute_dataset(dataset)), monitor=strategy.monitor, strategy=strategy))
+
+    log(f"   measuring: {args.warmup_steps} warm-up steps, then {args.rounds} rounds x {args.steps_per_round} "
+        f"steps per configuration")
+    _common.run_interleaved(configs, rounds=args.rounds, steps_per_round=args.steps_per_round,
+                            warmup_steps=args.warmup_steps)
+
+    if keep_alive is not None:
+        keep_alive.append(configs)
+    by_name = {c.name: c for c in configs}
+    record: dict[str, Any] = {
+        "mix": label, "devices": names, "model": kind, "model_description": _common.MODEL_DESCRIPTIONS[kind],
+        "global_batch_size": B, "emulated": True, "time_scale": time_scale,
+        "hetero_auto_rebalance": not args.no_rebalance,
+        "workload": {"flops_per_example": workload.flops_per_example, "parameter_bytes": workload.parameter_bytes},
+        **truth, "calibration": calibration, "configs": {}, "timeline": {},
+    }
+    for c in configs:
+        splits = collections.Counter(tuple(s.per_replica_batch_sizes) for s in c.samples if s is not None)
+        makespans = sorted(s.makespan_s for s in c.samples if s is not None)
+        walls_minus_makespan = sorted(w - s.makespan_s for w, s in zip(c.step_times_s, c.samples) if s is not None)
+        median_index = c.median_index()
+        record["configs"][c.name] = {
+            "label": c.label,
+            "median_step_s": c.median_step_s,
+            "round_medians_s": c.round_medians_s,
+            "steps": len(c.step_times_s),
+            "splits_used": [{"split": list(k), "steps": v} for k, v in splits.most_common()],
+            "median_makespan_s": makespans[len(makespans) // 2] if makespans else None,
+            "median_outside_replicas_s": (walls_minus_makespan[len(walls_minus_makespan) // 2]
+                                          if walls_minus_makespan else None),
+            "emulation_overrun": _common.emulation_overrun(emulators[c.name], c.samples),
+        }
+        record["timeline"][c.name] = _sample_dict(c.samples[median_index], c.step_times_s[median_index])
+    auto_plan = by_name["hetero_auto"].strategy.plan
+    record["configs"]["hetero_auto"]["final_plan"] = list(auto_plan.per_replica_batch_sizes)
+
+    even_s = by_name["hetero_even"].median_step_s
+    auto_s = by_name["hetero_auto"].median_step_s
+    stock_s = by_name["stock_even"].median_step_s
+    record["efficiency"] = truth["ideal_makespan_s"] / auto_s
+    auto_makespan_s = record["configs"]["hetero_auto"]["median_makespan_s"]
+    # The replicas' own share: ideal / measured slowest-replica time, i.e. without the host work outside them.
+    record["replica_efficiency"] = truth["ideal_makespan_s"] / auto_makespan_s if auto_makespan_s else None
+    record["speedup_vs_even"] = even_s / auto_s
+    record["speedup_vs_stock"] = stock_s / auto_s
+    record["theoretical_speedup"] = truth["even_split_makespan_s"] / truth["ideal_makespan_s"]
+    record["speedup_fraction_of_theoretical"] = record["speedup_vs_even"] / record["theoretical_speedup"]
+    record["goals_met"] = bool(record["efficiency"] >= EFFICIENCY_GOAL
+                               and record["speedup_fraction_of_theoretical"] >= SPEEDUP_FRACTION_GOAL)
+    _print_case(record)
+    return record
+
+
+def _print_case(record: dict[str, Any]) -> None:
+    log(f"   {'configuration':<46} {'split(s) used (steps)':<28} {'median step':>12} {'outside replicas':>17}")
+    for name, c in record["configs"].items():
+        splits = ", ".join(f"{'/'.join(map(str, s['split']))} ({s['steps']})" for s in c["splits_used"][:2])
+        if len(c["splits_used"]) > 2:
+            splits += ", ..."
+        log(f"   {c['label']:<46} {splits:<28} {ms(c['median_step_s']):>12} {ms(c['median_outside_replicas_s']):>17}")
+    overrun = max(c["emulation_overrun"] for c in record["configs"].values())
+    log(f"   emulation check: replicas' measured times exceed their emulated times by {overrun * 100:.1f} % at most "
+        f"(median step){' - real compute shows through: raise --target-ideal-ms' if overrun > 0.05 else ''}")
+    log(f"   efficiency         = ideal / auto step = {ms(record['ideal_makespan_s'])} / "
+        f"{ms(record['configs']['hetero_auto']['median_step_s'])} = {record['efficiency']:.3f}"
+        f"   (goal >= {EFFICIENCY_GOAL})")
+    log(f"   replica efficiency = ideal / auto replicas' makespan (host work outside the replicas excluded) = "
+        f"{record['replica_efficiency']:.3f}")
+    log(f"   speedup vs even    = {record['speedup_vs_even']:.3f}; theoretical max {record['theoretical_speedup']:.3f}"
+        f" -> {record['speedup_fraction_of_theoretical']:.3f} of it   (goal >= {SPEEDUP_FRACTION_GOAL})")
+    log(f"   speedup vs stock   = {record['speedup_vs_stock']:.3f}  (stock CSS even split, same emulated waits)")
+
+
+# ---------------------------------------------------------------------------------------------- mixes and processes
+
+
+def run_mix_in_process(names: list[str], args: argparse.Namespace, *,
+                       keep_alive: list | None = None) -> list[dict[str, Any]]:
+    """Creates the logical devices (must be first in this process) and runs every requested model."""
+    _common.quiet_libraries()
+    devices = _common.setup_devices(names)
+    return [run_case(names, devices, kind, args, keep_alive=keep_alive) for kind in args.models]
+
+
+def _child_argv(names: list[str], args: argparse.Namespace, json_path: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--in-process", "--mix", ",".join(names),
+            "--model", args.model, "--global-batch-size", str(args.global_batch_size),
+            "--rounds", str(args.rounds), "--steps-per-round", str(args.steps_per_round),
+            "--warmup-steps", str(args.warmup_steps), "--target-ideal-ms", str(args.target_ideal_ms),
+            "--seed", str(args.seed), "--json", str(json_path), "--timeline", "none"]
+    if args.no_rebalance:
+        argv.append("--no-rebalance")
+    return argv
+
+
+def run_mix_subprocess(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs one mix in a fresh Python process (its own logical devices); its output streams through."""
+    with tempfile.TemporaryDirectory(prefix="hetero_cs_bench_") as tmp:
+        json_path = Path(tmp) / "mix.json"
+        completed = subprocess.run(_child_argv(names, args, json_path), cwd=_common.REPO_ROOT, check=False)
+        if completed.returncode != 0 or not json_path.exists():
+            raise BenchmarkFailed(f"The benchmark of mix={_common.mix_label(names)} failed "
+                                  f"(exit status {completed.returncode}); see its output above.")
+        return json.loads(json_path.read_text())["results"]
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Top-level figures: the worst case over mixes and models (lowest efficiency; lowest speedup fraction)."""
+    worst_efficiency = min(results, key=lambda r: r["efficiency"])
+    worst_speedup = min(results, key=lambda r: r["speedup_fraction_of_theoretical"])
+    return {
+        "emulated": True,
+        "note": _common.EMULATED_NOTE,
+        "method": _common.METHOD_NOTE + "; interleaved rounds, medians",
+        "efficiency": worst_efficiency["efficiency"],
+        "efficiency_case": f"{worst_efficiency['mix']}/{worst_efficiency['model']}",
+        "speedup_vs_even": worst_speedup["speedup_vs_even"],
+        "theoretical_speedup": worst_speedup["theoretical_speedup"],
+        "speedup_fraction_of_theoretical": worst_speedup["speedup_fraction_of_theoretical"],
+        "speedup_case": f"{worst_speedup['mix']}/{worst_speedup['model']}",
+        "goals": {"efficiency": EFFICIENCY_GOAL, "speedup_fraction_of_theoretical": SPEEDUP_FRACTION_GOAL},
+        "goals_met": all(r["goals_met"] for r in results),
+        "results": results,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ timeline PNG
+
+
+def draw_timeline(results: list[dict[str, Any]], path: Path) -> Path:
+    """Per mix/model row: each replica's busy and idle time in a median step, even split beside auto_balance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    heights = [0.9 + 0.4 * len(r["devices"]) for r in results]
+    fig, axes = plt.subplots(len(results), 2, figsize=(13, sum(heights) + 1.0), squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
+    for row, record in enumerate(results):
+        panels = [(k, record["timeline"].get(k)) for k in ("hetero_even", "hetero_auto")]
+        xmax = 1.05 * max([p["wall_s"] for _, p in panels if p] + [record["even_split_makespan_s"]]) * 1e3
+        for col, (name, panel) in enumerate(panels):
+            ax = axes[row][col]
+            ax.set_xlim(0, xmax)
+            if panel is None:
+                ax.text(0.5, 0.5, "no per-replica timing", ha="center", va="center", transform=ax.transAxes)
+                continue
+            times_ms = [t * 1e3 for t in panel["step_times_s"]]
+            makespan_ms = max(times_ms)
+            ys = list(range(len(times_ms)))[::-1]  # replica 0 on top
+            ax.barh(ys, times_ms, color="tab:blue", height=0.6)
+            ax.barh(ys, [makespan_ms - t for t in times_ms], left=times_ms, color="#e6e6e6", hatch="//",
+                    edgecolor="#9a9a9a", height=0.6)
+            for y, t in zip(ys, times_ms):
+                ax.text(t - 0.01 * xmax, y, f"{t:.1f} ms", va="center", ha="right", fontsize=8, color="white")
+            ax.axvline(panel["wall_s"] * 1e3, color="black", linestyle=":", linewidth=1.2)
+            ax.axvline(record["ideal_makespan_s"] * 1e3, color="tab:green", linestyle="--", linewidth=1.2)
+            ax.set_yticks(ys)
+            ax.set_yticklabels([f"{d}  b={b}" for d, b in zip(record["devices"], panel["batch_sizes"])], fontsize=9)
+            step_ms = record["configs"][name]["median_step_s"] * 1e3
+            title = "even split" if name == "hetero_even" else "auto_balance"
+            ax.set_title(f"{record['mix']} / {record['model']}, B={record['global_batch_size']}: {title}, "
+                         f"median step {step_ms:.1f} ms", fontsize=10)
+            if row == len(results) - 1:
+                ax.set_xlabel("time within one step, ms (emulated)")
+    handles = [Patch(color="tab:blue", label="busy: compute + emulated device time"),
+               Patch(facecolor="#e6e6e6", hatch="//", edgecolor="#9a9a9a", label="idle: waiting for the straggler"),
+               plt.Line2D([], [], color="black", linestyle=":", label="this step, wall clock (host work included)"),
+               plt.Line2D([], [], color="tab:green", linestyle="--", label="ideal makespan (true profiles)")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=9, frameon=False)
+    fig.suptitle("hetero_cs: per-replica busy and idle time within a median step (EMULATED timings; per-replica "
+                 "times from the strategy's monitor)", fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> int:
+    """Runs the benchmark; returns 0 when every mix ran (goals are reported, not enforced).
+
+    Each mix runs in a fresh Python subprocess (logical devices are configured once per process, and this keeps
+    TensorFlow out of the caller's process, e.g. ``hetero-cs bench``); ``--in-process`` runs one mix here.
+
+    Args:
+        argv: Command-line arguments (None: sys.argv[1:]).
+        keep_alive: Receives TensorFlow objects that must outlive main (see ``_common.exit_now``).
+    """
+    args = parse_args(argv)
+    start_s = time.perf_counter()
+    if args.in_process:
+        if len(args.mixes) != 1:
+            print("error: --in-process runs exactly one --mix", file=sys.stderr)
+            return 2
+        results = run_mix_in_process(args.mixes[0], args, keep_alive=keep_alive)
+        if args.json is not None:
+            _common.write_json(args.json, summarize(results))
+        return 0
+
+    log(f"hetero_cs balance benchmark - {_common.EMULATED_NOTE}")
+    log(f"method: {_common.METHOD_NOTE}; {args.rounds} interleaved rounds x {args.steps_per_round} steps, medians; "
+        f"each mix in its own subprocess")
+    results: list[dict[str, Any]] = []
+    try:
+        for names in args.mixes:
+            log(f"### mix {_common.mix_label(names)}")
+            results.extend(run_mix_subprocess(names, args))
+    except BenchmarkFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+    summary = summarize(results)
+    if args.json is not None:
+        _common.write_json(args.json, summary)
+    timeline = None
+    if args.timeline is None or args.timeline.lower() != "none":
+        if args.timeline:
+            timeline = Path(args.timeline)
+        elif args.json is not None:
+            timeline = args.json.with_name(args.json.stem + "_timeline.png")
+        else:
+            timeline = _common.OUT_DIR / "balance_timeline.png"
+        draw_timeline(results, timeline)
+    log("== summary (timings EMULATED)")
+    log(f"   {'mix':<16} {'model':<5} {'efficiency':>10} {'speedup vs even':>16} {'theoretical':>12} "
+        f"{'fraction':>9} {'vs stock':>9}")
+    for r in results:
+        log(f"   {r['mix']:<16} {r['model']:<5} {r['efficiency']:>10.3f} {r['speedup_vs_even']:>16.3f} "
+            f"{r['theoretical_speedup']:>12.3f} {r['speedup_fraction_of_theoretical']:>9.3f} "
+            f"{r['speedup_vs_stock']:>9.3f}")
+    log(f"   worst efficiency {summary['efficiency']:.3f} ({summary['efficiency_case']}, goal >= "
+        f"{EFFICIENCY_GOAL}); worst speedup {summary['speedup_vs_even']:.3f} of theoretical "
+        f"{summary['theoretical_speedup']:.3f} = {summary['speedup_fraction_of_theoretical']:.3f} "
+        f"({summary['speedup_case']}, goal >= {SPEEDUP_FRACTION_GOAL}); goals met: {summary['goals_met']}")
+    if args.json is not None:
+        log(f"   JSON: {args.json}")
+    if timeline is not None:
+        log(f"   timeline PNG: {timeline}")
+    log(f"   wall time {time.perf_counter() - start_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    _objects: list = []
+    _common.exit_now(main(keep_alive=_objects))
