@@ -36,6 +36,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]  # the source checkout, when hetero_cs is installed from it
+    if (checkout / "benchmarks" / "balance.py").is_file() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     try:
         from benchmarks.balance import main as balance_main
     except ImportError as exc:
@@ -71,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hetero-cs` console script; returns the exit status (0 ok, 2 a hetero_cs error)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to benchmarks/balance.py, --help included
+        args = argparse.Namespace(verb="bench", bench_args=argv[1:], run=_bench, verbose=False)
+    else:
+        args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in ("hetero_cs", "calibration"):  # our progress at INFO; TensorFlow's own INFO lines stay quiet
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
