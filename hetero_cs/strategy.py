@@ -428,6 +428,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                     f"component of a global batch needs the same number of examples; if the dataset is not "
                     f"batched yet, batch it: dataset.batch(global_batch_size)."
                 )
+            if self._rebalance_enabled:
+                self._maybe_rebalance()
             if sizes[0] == 0:
                 raise InputError(
                     "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
@@ -530,10 +532,17 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             None,
         )
         global_batch_size = None
+        step_start = None
         if per_replica_leaf is not None:
             components = self.experimental_local_results(per_replica_leaf)
             with tf.device(self._parameter_device):
                 global_batch_size = tf.add_n([_leading_dim(c) for c in components])
+                if self._timing_enabled:
+                    from hetero_cs.emulation import wall_clock_stamp
+
+                    # One clock start per step, when the step's input is there: every replica's step time runs
+                    # from it (what a real device's does: input and parameters reach it after the step starts).
+                    step_start = wall_clock_stamp(components[0])  # data, so never constant-folded
         if self._emulator is not None and not self._emulator_ready():
             raise ConfigError(
                 "Emulated devices need the model's size before the first step. model.fit does this for you; in a "
@@ -547,8 +556,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             leaves = [t for t in tf.nest.flatten((call_args, call_kwargs)) if isinstance(t, tf.Tensor)]
             batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
             batch_size = _leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
-            start = None
-            if strategy._timing_enabled and batched is not None:
+            start = step_start
+            if start is None and strategy._timing_enabled and batched is not None:
                 from hetero_cs.emulation import wall_clock_stamp
 
                 start = wall_clock_stamp(batched)
@@ -584,9 +593,16 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         )
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
-        """Monitor callback (runs in a TensorFlow thread once per replica per step)."""
+        """Monitor callback (runs in a TensorFlow thread once per replica per step): records only."""
+        self._monitor.record(int(replica_id), int(batch_size), float(step_time_s))
+
+    def _maybe_rebalance(self) -> None:
+        """Re-plans from the monitor if steps completed since the last look.
+
+        Called from the input pipeline before it cuts the next global batch, so the decision runs ahead of the
+        training step instead of inside it, and the new plan reaches the very batches being prepared.
+        """
         with self._lock:
-            self._monitor.record(int(replica_id), int(batch_size), float(step_time_s))
             completed = self._monitor.completed_steps
             if completed <= self._handled_steps:
                 return
