@@ -126,11 +126,13 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if isinstance(emulate, emulation.Emulator):
             emulator, emulate = emulate, [spec.name for spec in emulate.specs]
         if emulate is not None:
-            if isinstance(emulate, str) or not isinstance(emulate, Iterable) or not list(emulate):
+            names = None if isinstance(emulate, str) or not isinstance(emulate, Iterable) else list(emulate)
+            if not names:
                 raise ConfigError(
                     f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
                     f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
                 )
+            emulate = names
             for name in emulate:
                 emulation.get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
             if compute_devices is None:
