@@ -7,7 +7,7 @@ every configuration a script compares, so the configurations differ only in the 
   batch with ``tf.nn.compute_average_loss``) for every configuration;
 * synthetic data (step time does not depend on the values), one cached global batch repeated;
 * for a stock ``CentralStorageStrategy`` with emulated devices, the same per-replica wait that hetero_cs injects
-  (``end_replica_step`` + ``tie_to_stamp`` once a replica's gradients are ready, see ``make_train_step``);
+  (``hetero_cs.emulation.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
 * interleaved rounds over the configurations (the order rotates every round), medians.
 
 TensorFlow is imported lazily (inside functions) so a script can create its logical devices first.
@@ -180,30 +180,6 @@ def loss_function(**kwargs: Any) -> Any:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
 
 
-def _end_emulated_replica_step(grads: list, start: Any, *, replica_id: int, batch_size: Any, emulator: Any,
-                               record: Callable[[int, int, float], None] | None) -> list:
-    """The wait hetero_cs injects when a replica's gradients are ready, for a stock strategy.
-
-    Mirrors HeteroCentralStorageStrategy._on_replica_gradients (hetero_cs/strategy.py): anchor on one element of
-    every gradient, end_replica_step (sleep until start + emulated time, then record), tie the end stamp into the
-    smallest gradient so the update cannot run before the replica's emulated step has ended.
-    """
-    import tensorflow as tf
-
-    from hetero_cs.emulation import end_replica_step, tie_to_stamp
-
-    present = [g for g in grads if g is not None]
-    anchor = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(g, [-1])[:1]), tf.float64) for g in present])
-    end = end_replica_step(start, anchor, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
-                           record=record)
-    sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
-    known = [(n, i) for i, n in enumerate(sizes) if n is not None]
-    index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
-    grads = list(grads)
-    grads[index] = tie_to_stamp(grads[index], end)
-    return grads
-
-
 def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_size: int,
                     stock_emulator: Any = None,
                     stock_record: Callable[[int, int, float], None] | None = None,
@@ -223,29 +199,30 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_s
     """
     import tensorflow as tf
 
-    from hetero_cs.emulation import wall_clock_stamp
+    from hetero_cs.emulation import finish_replica_step, wall_clock_stamp
 
     loss_fn = loss_function(reduction=None)
 
-    def replica_fn(x, y):
-        start = None
-        if stock_emulator is not None:
-            # The library stamps the start on its first batched input in the same way (strategy._wrap_replica_fn).
-            start = wall_clock_stamp(x)
+    def replica_fn(x, y, start):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
             loss = tf.nn.compute_average_loss(loss_fn(y, logits), global_batch_size=global_batch_size)
         grads = tape.gradient(loss, model.trainable_variables)
         if stock_emulator is not None:
             replica_id = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
-            grads = _end_emulated_replica_step(grads, start, replica_id=replica_id, batch_size=tf.shape(x)[0],
-                                               emulator=stock_emulator, record=stock_record)
+            grads = finish_replica_step(grads, start, replica_id=replica_id, batch_size=tf.shape(x)[0],
+                                        emulator=stock_emulator, record=stock_record)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
     @tf.function
     def train_step(source):
-        per_replica_loss = strategy.run(replica_fn, args=next(source) if from_iterator else source)
+        x, y = next(source) if from_iterator else source
+        start = None
+        if stock_emulator is not None:
+            # One clock start per step when the input is there, as the library does (strategy._wrap_replica_fn).
+            start = wall_clock_stamp(strategy.experimental_local_results(x)[0])
+        per_replica_loss = strategy.run(lambda a, b: replica_fn(a, b, start), args=(x, y))
         return strategy.reduce("SUM", per_replica_loss, axis=None)
 
     return train_step
