@@ -16,7 +16,8 @@ class BalanceCallback(keras.callbacks.Callback):
     ``model.fit`` adds it by itself under the strategy; add it yourself only to control its position in the list.
 
     * ``on_train_begin``: sizes emulated devices for the model and, with ``auto_balance``, calibrates on the first
-      global batch (or loads the cached profile) and solves the plan.
+      global batch (or loads the cached profile) and solves the plan. After the first epoch it logs the plan's
+      predicted makespan beside the measured one.
     * Every batch: ``straggler_wait_ms`` (mean idle time of the replicas waiting for the slowest one in the last
       completed step, milliseconds) joins the logs while per-replica timing is on.
     * Every epoch: ``makespan_ms`` and ``straggler_wait_ms`` (epoch medians), ``replica_<i>_step_ms`` (median step
@@ -53,9 +54,19 @@ class BalanceCallback(keras.callbacks.Callback):
             logs["straggler_wait_ms"] = sample.straggler_wait_s * 1e3
 
     def on_epoch_end(self, epoch, logs=None):
+        plan = self._strategy.plan
+        if epoch == 0 and self._samples and plan is not None and plan.predicted_makespan_s:
+            full = [s for s in self._samples if sum(s.per_replica_batch_sizes) == plan.global_batch_size]
+            if full:
+                logger.info(
+                    "hetero_cs: plan %s predicted a makespan of %.1f ms; measured %.1f ms (median of %d steps).",
+                    list(plan.per_replica_batch_sizes),
+                    plan.predicted_makespan_s * 1e3,
+                    statistics.median(s.makespan_s for s in full) * 1e3,
+                    len(full),
+                )
         if logs is None:
             return
-        plan = self._strategy.plan
         if plan is not None:
             for i, b in enumerate(plan.per_replica_batch_sizes):
                 logs[f"replica_{i}_batch_size"] = float(b)

@@ -177,3 +177,17 @@ def test_per_replica_scalars_do_not_count_as_slices(strategy3):
 
     outputs = strategy3.run(replica_fn, args=(values,))
     assert float(strategy3.reduce("SUM", outputs, axis=None)) == 6.0
+
+
+def test_each_replica_draws_its_own_dropout_mask():
+    # Seed state is shared (ONLY_FIRST_REPLICA); without folding in the replica id every replica would draw the
+    # same mask within a step, so equal slices would be dropped identically.
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], batch_split=[1, 1], profile_cache=False)
+    with strategy.scope():
+        dropout = keras.layers.Dropout(0.5, seed=7)
+        dropout.build((None, 64))
+    ones = tf.data.Dataset.from_tensors(np.ones((8, 64), np.float32))
+    element = next(iter(strategy.experimental_distribute_dataset(ones)))
+    masks = strategy.experimental_local_results(strategy.run(lambda x: dropout(x, training=True), args=(element,)))
+    assert masks[0].shape == masks[1].shape == (4, 64)
+    assert not np.array_equal(masks[0].numpy() > 0, masks[1].numpy() > 0)
