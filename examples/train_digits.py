@@ -180,22 +180,28 @@ def main(argv=None) -> int:
 
     # Throughput: the plan in use beside the even split, interleaved in one run (this machine is noisy).
     logging.getLogger("hetero_cs").setLevel(logging.WARNING)  # the plan flips on purpose below
-    print(f"\n== measuring examples/s: the plan in use vs the even split, {args.timing_steps} steps each, twice ...")
     repeated = train.repeat()
     R = strategy.num_replicas_in_sync
     plan_rates, even_rates = [], []
-    for _ in range(2):
-        strategy.set_batch_split(None)
+    if strategy.plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R):
+        # The plan in use is the even split (--no-auto-balance, one device, or devices alike): one measurement.
+        print(f"\n== measuring examples/s ({args.timing_steps} steps; the plan in use is the even split) ...")
         plan_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
-        strategy.set_batch_split([1] * R)
-        even_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
-    strategy.set_batch_split(None)
+        even_rates = plan_rates
+    else:
+        print(f"\n== measuring examples/s: the plan in use vs the even split, {args.timing_steps} steps each, twice ...")
+        for _ in range(2):
+            strategy.set_batch_split(None)
+            plan_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
+            strategy.set_batch_split([1] * R)
+            even_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
+        strategy.set_batch_split(None)
     plan_eps, even_eps = statistics.median(plan_rates), statistics.median(even_rates)
     speedup = plan_eps / even_eps
     plan = strategy.plan
     theoretical = plan.predicted_speedup_vs_even  # None without cost models (--no-auto-balance)
     label = "auto_balance" if not args.no_auto_balance else "even split (--no-auto-balance)"
-    print(f"\n== throughput (median step time, 2 interleaved runs of {args.timing_steps} steps each)")
+    print("\n== throughput (from the median step time)")
     print(f"{label:>32}: {plan_eps:9.1f} examples/s")
     print(f"{'even split':>32}: {even_eps:9.1f} examples/s")
     predicted = f"{theoretical:.2f}x" if theoretical else "n/a without calibration"

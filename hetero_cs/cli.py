@@ -38,9 +38,12 @@ def _plan(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    checkout = Path(__file__).resolve().parents[1]  # the source checkout, when hetero_cs is installed from it
-    if (checkout / "benchmarks" / "balance.py").is_file() and str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
+    # The source checkout: the working directory, or where an editable install of hetero_cs lives.
+    for checkout in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (checkout / "benchmarks" / "balance.py").is_file():
+            if str(checkout) not in sys.path:
+                sys.path.insert(0, str(checkout))
+            break
     try:
         from benchmarks.balance import main as balance_main
     except ImportError as exc:

@@ -386,6 +386,14 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
             # When the devices are (nearly) alike, or fixed per-step costs dominate, many splits tie and the
             # optimum is decided by calibration noise (e.g. 3/197 on two identical CPUs); keep the even split.
+            logger.info(
+                "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
+                "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
+                list(plan.per_replica_batch_sizes),
+                (speedup - 1.0) * 100,
+                MIN_PREDICTED_GAIN * 100,
+                list(even),
+            )
             return plan_from_split(even, self._cost_models, max_batch_sizes=self._max_batch_sizes)
         return plan
 
