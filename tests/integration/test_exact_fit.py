@@ -78,15 +78,30 @@ def assert_same_state(reference, model, atol=1e-5):
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+RANDOM_SPLIT = given(
     data=st.data(),
     num_replicas=st.integers(1, 4),
     global_batch_size=st.integers(4, 24),
     steps=st.integers(1, 3),
     optimizer=st.sampled_from(["sgd", "adam"]),
 )
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@RANDOM_SPLIT
 def test_random_splits_match_single_device(data, num_replicas, global_batch_size, steps, optimizer):
+    check_random_split(data, num_replicas, global_batch_size, steps, optimizer)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@RANDOM_SPLIT
+def test_random_splits_match_single_device_long(data, num_replicas, global_batch_size, steps, optimizer):
+    check_random_split(data, num_replicas, global_batch_size, steps, optimizer)
+
+
+def check_random_split(data, num_replicas, global_batch_size, steps, optimizer):
+    """Random shares (zeros allowed) of a random batch, maybe a partial last batch: equal to one device."""
     shares = data.draw(
         st.lists(st.integers(0, 9), min_size=num_replicas, max_size=num_replicas).filter(lambda s: sum(s) > 0)
     )
