@@ -386,7 +386,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
             # When the devices are (nearly) alike, or fixed per-step costs dominate, many splits tie and the
             # optimum is decided by calibration noise (e.g. 3/197 on two identical CPUs); keep the even split.
-            logger.info(
+            reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
+            logger.log(
+                logging.INFO if reference else logging.DEBUG,
                 "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
                 "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
                 list(plan.per_replica_batch_sizes),
