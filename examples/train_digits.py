@@ -135,7 +135,6 @@ def main(argv=None) -> int:
         emulation.setup_logical_devices(emulate)  # before TensorFlow initialises
 
     import keras
-    import numpy as np
 
     import hetero_cs
     from hetero_cs.devices import discover_devices, format_device_table
