@@ -347,12 +347,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             logger.info("hetero_cs batch plan:\n%s", plan)
 
     def _make_rebalancer(self) -> Rebalancer:
-        caps = self._max_batch_sizes
-        if caps is not None and all(c is None for c in caps):
-            caps = None
-        elif caps is not None:
-            caps = [np.iinfo(np.int32).max if c is None else int(c) for c in caps]
-        return Rebalancer(RebalancePolicy(), max_batch_sizes=caps)
+        return Rebalancer(RebalancePolicy(), max_batch_sizes=self._max_batch_sizes)
 
     def _set_plan(self, plan: BatchPlan) -> None:
         with self._lock:
