@@ -61,9 +61,9 @@ class ReplicaStep:
             ``1 / num_replicas`` weighting is exact).
         start_stamp: float64 scalar tensor, wall clock when the slice reached the device, or None when
             per-replica timing is off.
-        barrier: Filled when the replica's gradients have been summed across replicas: tensors that exist only
-            once every replica finished its part of the step. Writes that need no other replica (the optimizer's
-            iteration counter) wait for them, so a step that fails in any replica changes nothing.
+        barrier: Filled when the optimizer all-reduces the gradients: a token on the parameter device that exists
+            only once every replica has computed its gradients. Writes that need no other replica (the
+            optimizer's iteration counter) wait for it, so a step that fails in any replica changes nothing.
     """
 
     replica_id: int
