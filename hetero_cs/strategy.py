@@ -17,6 +17,7 @@ import tensorflow as tf
 from hetero_cs import _compat, training
 from hetero_cs.cost_model import CostModel
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError, ReplicaStepError
+from hetero_cs.input_slicing import PlanSlicer
 from hetero_cs.monitor import StepTimeMonitor
 from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
 from hetero_cs.rebalance import RebalancePolicy, Rebalancer
@@ -207,6 +208,11 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         )
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
+        # Without online re-balancing nothing changes the plan between batches, so full global batches take their
+        # sizes from a copy of the plan in the graph instead of a Python call each (see hetero_cs.input_slicing).
+        self._slicer = PlanSlicer(
+            len(devices), self._slice_sizes, device=parameter_device, cacheable=not self._rebalance_enabled
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # Validation
@@ -352,6 +358,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
     def _set_plan(self, plan: BatchPlan) -> None:
         with self._lock:
             self._plan = plan
+            self._slicer.publish(plan)
             self._plans_by_batch[plan.global_batch_size] = plan
             # Plans for other (partial-batch) sizes came from the same models only if this plan did.
             for size in [k for k, v in self._plans_by_batch.items() if k != plan.global_batch_size]:
@@ -423,8 +430,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             return plan
 
     def _slice_sizes(self, *leading_dims) -> np.ndarray:
-        # Called from the tf.data pipeline (numpy_function) for every global batch, with every component's
-        # leading dimension. An error here would reach the user wrapped in TensorFlow's; it is kept on the
+        # Called from the tf.data pipeline (numpy_function) with every component's leading dimension, for every
+        # global batch that the cached plan does not cover (hetero_cs.input_slicing). An error here would reach the user wrapped in TensorFlow's; it is kept on the
         # strategy so that model.fit re-raises it as it is.
         try:
             sizes = sorted({int(d) for d in leading_dims})
@@ -442,7 +449,11 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                     "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
                     "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
                 )
-            return np.asarray(self.plan_for(sizes[0]).per_replica_batch_sizes, dtype=np.int64)
+            with self._lock:
+                plan = self.plan_for(sizes[0])
+                if plan is self._plan:  # the reference plan: later full batches may read it from the graph
+                    self._slicer.publish(plan)
+            return np.asarray(plan.per_replica_batch_sizes, dtype=np.int64)
         except Exception as exc:
             self._input_error = exc
             raise
@@ -450,45 +461,6 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
     # ----------------------------------------------------------------------------------------------------------
     # Input
     # ----------------------------------------------------------------------------------------------------------
-    def _slice_by_plan(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """Global batches -> R consecutive slices per batch (replica i gets element k*R + i)."""
-        spec = dataset.element_spec
-        leaves = tf.nest.flatten(spec)
-        if not leaves:
-            raise InputError("The dataset's elements are empty structures; there is nothing to split.")
-        for leaf in leaves:
-            shape = getattr(leaf, "shape", None)
-            if shape is None or shape.rank == 0:
-                raise InputError(
-                    f"Every dataset component needs a leading batch dimension to be split across replicas; got "
-                    f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
-                )
-        known = sorted({leaf.shape[0] for leaf in leaves if leaf.shape.rank and leaf.shape[0] is not None})
-        if len(known) > 1:
-            raise InputError(
-                f"The dataset's components have different leading (batch) dimensions {known}; got "
-                f"element_spec={spec}. Every component of a global batch needs the same number of examples; if "
-                f"the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
-            )
-        R = self.num_replicas_in_sync
-        is_tuple = isinstance(spec, tuple)
-
-        def to_slices(*args):
-            element = args if is_tuple else args[0]
-            dims = [tf.shape(t, out_type=tf.int64)[0] for t in tf.nest.flatten(element)]
-            sizes = tf.numpy_function(self._slice_sizes, dims, tf.int64, stateful=True)
-            sizes = tf.reshape(sizes, [R])
-            # One split op per component and a chain of R one-element datasets: about half the host CPU time of
-            # slicing inside Dataset.range(R).map(...), which matters when the pipeline shares cores with compute.
-            parts = [tf.split(t, sizes, num=R) for t in tf.nest.flatten(element)]
-            slices = None
-            for i in range(R):
-                one = tf.data.Dataset.from_tensors(tf.nest.pack_sequence_as(element, [p[i] for p in parts]))
-                slices = one if slices is None else slices.concatenate(one)
-            return slices
-
-        return dataset.flat_map(to_slices)
-
     def experimental_distribute_dataset(self, dataset, options=None):
         """Distributes a dataset of global batches, cutting each by the current plan.
 
@@ -501,7 +473,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             InputError: A component has no batch dimension.
         """
         self._start_new_input(dataset)
-        sliced = self._slice_by_plan(dataset)
+        sliced = self._slicer.slice(dataset)
         return super().distribute_datasets_from_function(lambda _: sliced, options)
 
     def _start_new_input(self, dataset) -> None:
@@ -510,6 +482,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             self._source_dataset = dataset
             self._reference_batch_size = None
             self._input_error = None
+            self._slicer.publish(None)  # the new input's first batch sets the reference again
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Like ``tf.distribute``'s, but ``dataset_fn``'s dataset yields global batches that are cut by the plan.
@@ -520,7 +493,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
-        sliced = self._slice_by_plan(dataset)
+        sliced = self._slicer.slice(dataset)
         return super().distribute_datasets_from_function(lambda _: sliced, options)
 
     # ----------------------------------------------------------------------------------------------------------

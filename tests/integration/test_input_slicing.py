@@ -1,0 +1,144 @@
+"""The plan-slicing input pipeline: slices match the plan, and the cached plan spares the Python call per batch."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetero_cs import HeteroCentralStorageStrategy
+from hetero_cs.errors import InputError
+from hetero_cs.input_slicing import PlanSlicer
+from hetero_cs.plan import plan_from_split, split_by_shares
+
+
+class CountingSizes:
+    """A slow path that splits by fixed shares, counts its calls and publishes the plan of the largest batch."""
+
+    def __init__(self, shares, publish_reference=True):
+        self.shares = shares
+        self.calls = []
+        self.slicer = None
+        self.reference = 0
+        self.publish_reference = publish_reference
+
+    def __call__(self, *dims):
+        b = int(dims[0])
+        self.calls.append(b)
+        split = split_by_shares(b, self.shares)
+        if self.publish_reference and b >= self.reference:
+            self.reference = b
+            self.slicer.publish(plan_from_split(split))
+        return np.asarray(split, dtype=np.int64)
+
+
+def make_slicer(shares, *, cacheable=True, publish_reference=True):
+    sizes = CountingSizes(shares, publish_reference)
+    sizes.slicer = PlanSlicer(len(shares), sizes, device="/device:CPU:0", cacheable=cacheable)
+    return sizes.slicer, sizes
+
+
+def cut(slicer, batch_sizes, width=3):
+    """Slices of consecutive-integer batches of the given sizes, as lists of example ids per batch and replica."""
+    total = sum(batch_sizes)
+    x = np.arange(total * width, dtype=np.int64).reshape(total, width)
+    offsets = np.cumsum([0, *batch_sizes])
+    batches = [(x[a:b], x[a:b, 0]) for a, b in zip(offsets[:-1], offsets[1:])]
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches),
+        output_signature=(tf.TensorSpec([None, width], tf.int64), tf.TensorSpec([None], tf.int64)),
+    )
+    out = []
+    R = slicer._num_replicas  # noqa: SLF001 - test reads the replica count it built
+    elements = list(slicer.slice(dataset).as_numpy_iterator())
+    assert len(elements) == R * len(batch_sizes)
+    for k in range(len(batch_sizes)):
+        per_replica = []
+        for xi, yi in elements[k * R:(k + 1) * R]:
+            np.testing.assert_array_equal(xi[:, 0], yi)  # components cut alike
+            per_replica.append(yi.tolist())
+        out.append(per_replica)
+    return out, batches
+
+
+def test_full_batches_read_the_cached_plan_without_calling_python():
+    slicer, sizes = make_slicer([5, 3, 2])
+    out, batches = cut(slicer, [10, 10, 10, 10, 7])
+    assert sizes.calls == [10, 7]  # the first full batch (cache empty) and the partial one
+    for per_replica, (_, y) in zip(out, batches):
+        assert [len(s) for s in per_replica] == list(split_by_shares(len(y), [5, 3, 2]))
+        assert sum(per_replica, []) == y.tolist()  # every example once, in order
+
+
+def test_not_cacheable_calls_python_for_every_batch():
+    slicer, sizes = make_slicer([1, 1], cacheable=False)
+    assert not slicer.cacheable
+    out, _ = cut(slicer, [6, 6, 6, 5])
+    assert sizes.calls == [6, 6, 6, 5]
+    assert [[len(s) for s in b] for b in out] == [[3, 3], [3, 3], [3, 3], [3, 2]]
+
+
+def test_a_published_plan_applies_to_the_next_batches_and_none_clears_it():
+    slicer, sizes = make_slicer([1, 1], publish_reference=False)
+    slicer.publish(plan_from_split([6, 2]))
+    out, _ = cut(slicer, [8, 8])
+    assert sizes.calls == [] and [[len(s) for s in b] for b in out] == [[6, 2], [6, 2]]
+    slicer.publish(plan_from_split([1, 7]))
+    out, _ = cut(slicer, [8])
+    assert [len(s) for s in out[0]] == [1, 7]
+    slicer.publish(None)
+    out, _ = cut(slicer, [8])
+    assert sizes.calls == [8] and [len(s) for s in out[0]] == [4, 4]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shares=st.lists(st.integers(0, 5), min_size=1, max_size=4).filter(any),
+    batch_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+)
+def test_slices_always_equal_the_python_plan(shares, batch_sizes):
+    # Whatever the order of batch sizes (cache hits, misses, a larger batch replacing the reference), every batch is
+    # cut exactly as the slow path would cut it, and every example lands once, in order.
+    slicer, _ = make_slicer(shares)
+    out, batches = cut(slicer, batch_sizes)
+    for per_replica, (_, y) in zip(out, batches):
+        assert [len(s) for s in per_replica] == list(split_by_shares(len(y), shares))
+        assert sum(per_replica, []) == y.tolist()
+
+
+def test_mismatched_components_still_reach_the_python_check():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False, profile_cache=False
+    )
+    batches = [(np.zeros((4, 2), np.float32), np.zeros(4, np.int64)), (np.zeros((4, 2), np.float32), np.zeros(3, np.int64))]
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches),
+        output_signature=(tf.TensorSpec([None, 2], tf.float32), tf.TensorSpec([None], tf.int64)),
+    )
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    next(iterator)  # the first batch sets the reference plan [2, 2] and caches it
+    with pytest.raises(tf.errors.OpError):
+        next(iterator)  # x has 4 examples (the cached batch size), y has 3: not a cache hit
+    assert isinstance(strategy._input_error, InputError)  # noqa: SLF001 - what model.fit re-raises
+
+
+def test_a_plan_change_reaches_the_cached_path():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, batch_split=[5, 3, 2], profile_cache=False
+    )
+    dataset = tf.data.Dataset.range(200).batch(20)
+
+    def sizes_of_first_batches(count):
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        return [[int(t.shape[0]) for t in strategy.experimental_local_results(next(iterator))] for _ in range(count)]
+
+    assert sizes_of_first_batches(3) == [[10, 6, 4]] * 3
+    strategy.set_batch_split([1, 1, 2])
+    assert sizes_of_first_batches(3) == [[5, 5, 10]] * 3
+    strategy.set_batch_split(None)  # back to the even split
+    assert sizes_of_first_batches(2) == [[7, 7, 6]] * 2
+
+
+def test_online_rebalancing_keeps_the_python_path():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=True, rebalance=True, profile_cache=False)
+    assert not strategy._slicer.cacheable  # noqa: SLF001 - the re-balancing check runs in the Python path
