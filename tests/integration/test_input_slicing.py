@@ -142,3 +142,21 @@ def test_a_plan_change_reaches_the_cached_path():
 def test_online_rebalancing_keeps_the_python_path():
     strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=True, rebalance=True, profile_cache=False)
     assert not strategy._slicer.cacheable  # noqa: SLF001 - the re-balancing check runs in the Python path
+
+
+@pytest.mark.parametrize(
+    ("dataset", "expected"),
+    [
+        (tf.data.Dataset.range(10).batch(4), 3 * 3),  # 3 global batches (4, 4, 2) -> 3 slices each
+        (tf.data.Dataset.range(8).batch(4).repeat(), tf.data.INFINITE_CARDINALITY),
+        (tf.data.Dataset.range(10).filter(lambda x: x > 2).batch(4), tf.data.UNKNOWN_CARDINALITY),
+    ],
+    ids=["finite", "infinite", "unknown"],
+)
+def test_the_sliced_dataset_states_its_length(dataset, expected):
+    # tf.distribute reads the length: an infinite input needs no partial-batch handling in every step.
+    slicer, _ = make_slicer([1, 1, 1])
+    sliced = slicer.slice(dataset)
+    assert int(sliced.cardinality()) == expected
+    if expected >= 0:
+        assert len(list(sliced)) == expected
