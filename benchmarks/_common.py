@@ -7,7 +7,7 @@ every configuration a script compares, so the configurations differ only in the 
   batch with ``tf.nn.compute_average_loss``) for every configuration;
 * synthetic data (step time does not depend on the values), one cached global batch repeated;
 * for a stock ``CentralStorageStrategy`` with emulated devices, the same per-replica wait that hetero_cs injects
-  (``hetero_cs.emulation.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
+  (``hetero_cs.step_timing.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
 * interleaved rounds over the configurations (the order rotates every round), medians.
 
 TensorFlow is imported lazily (inside functions) so a script can create its logical devices first.
@@ -199,7 +199,7 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_s
     """
     import tensorflow as tf
 
-    from hetero_cs.emulation import finish_replica_step, wall_clock_stamp
+    from hetero_cs.step_timing import finish_replica_step, wall_clock_stamp
 
     loss_fn = loss_function(reduction=None)
 

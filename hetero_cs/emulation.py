@@ -6,12 +6,10 @@ efficiency, plus the parameter broadcast and the gradient return over the device
 calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and the monitor
 measure wall time only; they never read this catalog.
 
-The module has two layers:
-
-* a pure layer (``DeviceSpec``, ``CATALOG``, ``Workload``, ``emulated_step_time_s``, ``Drift``, ``Emulator``)
-  that imports neither TensorFlow nor pynvml, and ``estimate_workload`` which imports Keras lazily;
-* a TF layer (``setup_logical_devices``, ``wall_clock_stamp``, ``end_replica_step``) that imports TensorFlow
-  inside each function, so ``import hetero_cs.emulation`` never loads TensorFlow.
+The module is pure (``DeviceSpec``, ``CATALOG``, ``Workload``, ``emulated_step_time_s``, ``Drift``, ``Emulator``):
+it imports neither TensorFlow nor pynvml. ``estimate_workload`` imports Keras and ``setup_logical_devices``
+TensorFlow inside the function, so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are inserted
+into the training graph by :mod:`hetero_cs.step_timing`.
 
 All times produced here are emulated, not measured; every human-readable output says so.
 """
@@ -22,18 +20,13 @@ import dataclasses
 import logging
 import math
 import numbers
-import operator
 import os
 import threading
-import time
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
@@ -634,7 +627,7 @@ class Emulator:
         return lines
 
 
-# ----------------------------------------------------------------------------------------------------- TF layer
+# ------------------------------------------------------------------------- logical devices (imports TF lazily)
 
 
 def setup_logical_devices(names: Sequence[str]) -> list[str]:
@@ -692,169 +685,3 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
             logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
                            threads, wanted_threads)
     return device_names
-
-
-def _probe_scalar(anchor: Any) -> tf.Tensor:
-    """A float64 scalar that depends on ``anchor``'s data (0.0 for an empty tensor), so it is not constant-folded."""
-    import tensorflow as tf
-
-    flat = tf.reshape(anchor, [-1])[:1]  # at most one element: cheap, and a 0-element slice gives 0.0.
-    if flat.dtype == tf.string:
-        return tf.cast(tf.reduce_sum(tf.strings.length(flat)), tf.float64)
-    if flat.dtype.is_complex:
-        flat = tf.math.real(flat)
-    return tf.reduce_sum(tf.cast(flat, tf.float64))
-
-
-def _perf_counter(_probe: Any) -> Any:
-    import numpy as np
-
-    return np.float64(time.perf_counter())
-
-
-def wall_clock_stamp(anchor: Any) -> tf.Tensor:
-    """``time.perf_counter()`` taken once ``anchor`` has been computed, as a float64 scalar tensor.
-
-    A stateless ``tf.numpy_function`` fed a data-dependent scalar of ``anchor``: stateless so that tf.function does
-    not chain it with the other replicas' stamps (``tf.timestamp`` would serialise them), data-dependent so that it
-    is not constant-folded. Keep the result in the data path or it is pruned (``end_replica_step`` consumes it).
-    TF may run the stamp after work that merely shares its input; to stamp before the work starts, feed the work
-    ``tie_to_stamp(inputs, stamp)``.
-
-    Args:
-        anchor: Any tensor (any shape, may be empty); the stamp is taken after it is ready.
-
-    Returns:
-        A float64 scalar, seconds on the ``time.perf_counter`` clock.
-    """
-    import tensorflow as tf
-
-    stamp = tf.numpy_function(_perf_counter, [_probe_scalar(anchor)], tf.float64, stateful=False,
-                              name="wall_clock_stamp")
-    stamp.set_shape([])
-    return stamp
-
-
-def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,
-                     emulator: Emulator | None = None,
-                     record: Callable[[int, int, float], None] | None = None,
-                     advance: bool = True) -> tf.Tensor:
-    """Ends one replica's step: waits out the emulated device time, reports the step, returns the end stamp.
-
-    One stateless ``tf.numpy_function`` that runs once ``anchor`` is ready. With an emulator it sleeps until
-    ``start_stamp + emulator.delay_s(replica_id, b)``, so the replica's wall time from start to end matches the
-    emulated device (the real compute counts toward it; if the real compute was longer, nothing is added). Then it
-    calls ``record(replica_id, b, elapsed_s)``.
-
-    Keep the result in the data path: ``grads = tie_to_stamp(grads, end)``. A control dependency alone is not
-    enough: Grappler's dependency optimizer turns a stateless op whose outputs feed only control edges into a
-    NoOp, so ``with tf.control_dependencies([end]): tf.identity(g)`` silently skips the wait and the record
-    (measured on TF 2.21 inside tf.function).
-
-    Args:
-        start_stamp: float64 scalar from ``wall_clock_stamp`` at the start of the step.
-        anchor: A tensor computed at the end of the replica's work (e.g. a gradient).
-        replica_id: The replica, in [0, R).
-        batch_size: Examples in the replica's slice (int scalar tensor or int), >= 0.
-        emulator: Supplies the emulated step time; None to only time the step.
-        record: Called as ``record(replica_id, batch_size, elapsed_s)`` from a TF thread (must be thread-safe).
-        advance: True for training steps (``emulator.delay_s``: drift at the replica's step counter, which then
-            advances); False for probes that are not training steps (``emulator.step_time_s``: counter unchanged).
-
-    Returns:
-        A float64 scalar: the end stamp on the ``time.perf_counter`` clock.
-    """
-    import numpy as np
-    import tensorflow as tf
-
-    replica_id = operator.index(replica_id)  # a Python or numpy int, fixed at trace time
-
-    def _end(start: Any, _probe: Any, size: Any) -> Any:
-        start_s, examples = float(start), int(size)
-        if emulator is not None:
-            target_s = (emulator.delay_s(replica_id, examples) if advance
-                        else emulator.step_time_s(replica_id, examples))
-            remaining_s = start_s + target_s - time.perf_counter()
-            if remaining_s > 0:
-                time.sleep(remaining_s)
-        end_s = time.perf_counter()
-        if record is not None:
-            record(replica_id, examples, end_s - start_s)
-        return np.float64(end_s)
-
-    end = tf.numpy_function(
-        _end, [tf.cast(start_stamp, tf.float64), _probe_scalar(anchor), tf.cast(batch_size, tf.int64)],
-        tf.float64, stateful=False, name=f"end_replica_step_{replica_id}")
-    end.set_shape([])
-    return end
-
-
-def tie_to_stamp(structure: Any, stamp: Any) -> Any:
-    """Makes every numeric tensor of ``structure`` depend on ``stamp`` through data, values unchanged.
-
-    Each tensor t becomes ``t - zero`` where ``zero = cast(is_nan(stamp))`` is a 0 computed at run time, which
-    Grappler cannot fold; ``t - (+0)`` equals t bit for bit (signed zeros, inf and NaN included; subnormals are
-    flushed to zero, as by every TF CPU kernel). Use it instead of
-    ``tf.control_dependencies`` (which does not keep a stateless stamp op alive, see ``end_replica_step``), e.g.
-    ``grads = tie_to_stamp(grads, end)`` so the gradients leave the replica only after its emulated step ended.
-    Costs one element-wise subtraction per tensor.
-
-    Args:
-        structure: A nest of tensors, ``tf.IndexedSlices`` (their values are tied) and None; non-numeric tensors
-            (bool, string) are returned as they are, so at least one numeric tensor must be present for the tie.
-        stamp: A float64 scalar from ``wall_clock_stamp`` or ``end_replica_step``.
-
-    Returns:
-        The same nest, the same dtypes, shapes and values.
-    """
-    import tensorflow as tf
-
-    zero = tf.cast(tf.math.is_nan(stamp), tf.float64)
-
-    def tie(value: Any) -> Any:
-        if value is None:
-            return None
-        if isinstance(value, tf.IndexedSlices):
-            return tf.IndexedSlices(tie(value.values), value.indices, value.dense_shape)
-        if not isinstance(value, (tf.Tensor, tf.Variable)) and not tf.is_tensor(value):
-            return value
-        dtype = tf.as_dtype(value.dtype)
-        if not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
-            return value
-        return value - tf.cast(zero, dtype)
-
-    return tf.nest.map_structure(tie, structure)
-
-
-def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
-                        emulator: Emulator | None = None,
-                        record: Callable[[int, int, float], None] | None = None) -> list:
-    """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
-
-    Runs :func:`end_replica_step` anchored on the gradients (waits out the emulated device time, reports the step
-    time to ``record``) and ties its end stamp into the smallest gradient with :func:`tie_to_stamp` - one
-    element-wise op; every value unchanged. The step, whose update needs every gradient, cannot finish before.
-
-    Args:
-        grads: The replica's gradients (tensors, ``tf.IndexedSlices`` or None), at least one not None.
-        start_stamp: float64 scalar from :func:`wall_clock_stamp` when the replica's slice arrived.
-        replica_id, batch_size, emulator, record: As for :func:`end_replica_step`.
-
-    Returns:
-        The gradients, in order, one of them tied to the end of the step.
-    """
-    import tensorflow as tf
-
-    present = [g for g in grads if g is not None]
-    if not present:
-        return list(grads)
-    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
-    anchor = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(v, [-1])[:1]), tf.float64) for v in values])
-    end = end_replica_step(start_stamp, anchor, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
-                           record=record)
-    sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
-    known = [(n, i) for i, n in enumerate(sizes) if n is not None]
-    index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
-    tied = list(grads)
-    tied[index] = tie_to_stamp(tied[index], end)
-    return tied

@@ -520,7 +520,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             with tf.device(self._parameter_device):
                 global_batch_size = tf.add_n([_leading_dim(c) for c in components])
                 if self._timing_enabled:
-                    from hetero_cs.emulation import wall_clock_stamp
+                    from hetero_cs.step_timing import wall_clock_stamp
 
                     # One clock start per step, when the step's input is there: every replica's step time runs
                     # from it (what a real device's does: input and parameters reach it after the step starts).
@@ -540,7 +540,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             batch_size = _leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
             start = step_start
             if start is None and strategy._timing_enabled and batched is not None:
-                from hetero_cs.emulation import wall_clock_stamp
+                from hetero_cs.step_timing import wall_clock_stamp
 
                 start = wall_clock_stamp(batched)
             step = training.ReplicaStep(
@@ -563,7 +563,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         step = training.current_replica_step()
         if step is None or step.start_stamp is None:
             return grads
-        from hetero_cs.emulation import finish_replica_step
+        from hetero_cs.step_timing import finish_replica_step
 
         return finish_replica_step(
             grads,

@@ -14,13 +14,11 @@ from hetero_cs.emulation import (
     TIME_SCALE_ENV_VAR,
     Emulator,
     Workload,
-    end_replica_step,
     estimate_workload,
     setup_logical_devices,
-    tie_to_stamp,
-    wall_clock_stamp,
 )
 from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
+from hetero_cs.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
 
 # Before any TF op runs in this process (idempotent: a conftest or an earlier module may have configured more).
 COMPUTE_DEVICES = setup_logical_devices(["A10", "T4", "T4"])
