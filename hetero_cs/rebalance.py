@@ -51,6 +51,7 @@ TOO_FEW_SAMPLES = "too_few_samples"
 BELOW_DEADBAND = "below_deadband"
 UNCHANGED = "unchanged"
 WITHIN_NOISE = "within_noise"
+NOT_DUE = "not_due"
 
 # Lower bound of a level factor 1 - noise_sigmas * u when u is so large that the factor would not be positive.
 _MIN_LEVEL_FACTOR = 1e-6
@@ -76,6 +77,10 @@ class RebalancePolicy:
             ``StepTimeMonitor.relative_standard_errors``), the gain must exceed the deadband even in the worst
             case within noise_sigmas standard errors: the current plan is evaluated with every replica's level
             scaled by (1 - noise_sigmas * u_i), the new plan with (1 + noise_sigmas * u_i). 0 disables this.
+        check_interval_steps: >= 1. After a look at step s, calls before step s + check_interval_steps return at
+            once (outcome "not_due"). A look fits the monitor's models and solves a split: about 0.4 ms of host
+            CPU for R = 3, which is 8 % of a 5 ms step but nothing beside a 100 ms one. Looking every k steps
+            delays a reaction by at most k - 1 steps. A memory-cap violation is acted on at any call.
 
     Raises:
         ConfigError: If a field is out of range or of the wrong type.
@@ -87,6 +92,7 @@ class RebalancePolicy:
     multiple_of: int = 1
     min_batch_size: int = 1
     noise_sigmas: float = 1.5
+    check_interval_steps: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -107,7 +113,13 @@ class RebalancePolicy:
                 f"noise_sigmas must be a finite number >= 0 (standard errors; the default is 1.5). "
                 f"Received: noise_sigmas={self.noise_sigmas!r}."
             )
-        for name, minimum in (("cooldown_steps", 0), ("min_samples", 1), ("multiple_of", 1), ("min_batch_size", 0)):
+        for name, minimum in (
+            ("cooldown_steps", 0),
+            ("min_samples", 1),
+            ("multiple_of", 1),
+            ("min_batch_size", 0),
+            ("check_interval_steps", 1),
+        ):
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
                 raise ConfigError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}.")
@@ -121,10 +133,11 @@ class RebalanceDecision:
         step: The step passed to ``propose``.
         outcome: One of "replanned", "cooldown", "too_few_samples", "below_deadband", "within_noise" (the
             point gain exceeds the deadband, its worst case within noise_sigmas standard errors does not),
-            "unchanged" (the optimal split under the models is the current one).
+            "unchanged" (the optimal split under the models is the current one), "not_due" (fewer than
+            policy.check_interval_steps steps since the last look).
         old_per_replica_batch_sizes: The current plan's slices, shape [R].
         new_per_replica_batch_sizes: The optimal slices under the models, shape [R]; None when not solved
-            (cooldown, too few samples).
+            (cooldown, too few samples, not due).
         current_makespan_s: The current plan's makespan predicted by the models; None when not solved.
         new_makespan_s: The optimal plan's predicted makespan; None when not solved.
         predicted_gain: (current_makespan_s - new_makespan_s) / current_makespan_s; None when not solved.
@@ -191,6 +204,7 @@ class Rebalancer:
         self._policy = policy
         self._max_batch_sizes = max_batch_sizes
         self._last_switch_step: int | None = None
+        self._last_look_step: int | None = None
         self._last_step: int | None = None
         self._last_decision: RebalanceDecision | None = None
         self._switches: list[RebalanceDecision] = []
@@ -313,6 +327,11 @@ class Rebalancer:
         self._last_step = int(step)
         forced = caps is not None and any(m is not None and b > m for b, m in zip(old_sizes, caps))
         if not forced:
+            interval = self._policy.check_interval_steps
+            if self._last_look_step is not None and step - self._last_look_step < interval:
+                self._last_decision = RebalanceDecision(step, NOT_DUE, old_sizes)
+                return None
+            self._last_look_step = int(step)
             if num_samples is not None and num_samples < self._policy.min_samples:
                 self._last_decision = RebalanceDecision(step, TOO_FEW_SAMPLES, old_sizes)
                 return None

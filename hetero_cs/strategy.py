@@ -30,6 +30,12 @@ _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 MIN_PREDICTED_GAIN = 0.02
 """An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
+REBALANCE_CHECK_INTERVAL_STEPS = 4
+"""Online re-balancing looks at the monitor every 4 completed steps (``RebalancePolicy.check_interval_steps``).
+
+A look costs about 0.4 ms of host CPU for 3 replicas; it runs in the input pipeline, beside the step. Every 4 steps
+keeps that under 0.1 ms per step and delays a reaction to a drifting device by at most 3 steps."""
+
 
 def _canonical_device(name: str) -> str:
     """'/cpu:1', 'CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
@@ -353,7 +359,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             logger.info("hetero_cs batch plan:\n%s", plan)
 
     def _make_rebalancer(self) -> Rebalancer:
-        return Rebalancer(RebalancePolicy(), max_batch_sizes=self._max_batch_sizes)
+        policy = RebalancePolicy(check_interval_steps=REBALANCE_CHECK_INTERVAL_STEPS)
+        return Rebalancer(policy, max_batch_sizes=self._max_batch_sizes)
 
     def _set_plan(self, plan: BatchPlan) -> None:
         with self._lock:

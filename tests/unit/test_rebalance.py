@@ -14,6 +14,7 @@ from hetero_cs.plan import plan_from_split
 from hetero_cs.rebalance import (
     BELOW_DEADBAND,
     COOLDOWN,
+    NOT_DUE,
     REPLANNED,
     TOO_FEW_SAMPLES,
     UNCHANGED,
@@ -47,6 +48,7 @@ EVEN = plan_from_split([50, 50])
         ({"min_batch_size": -1}, "min_batch_size must be an integer >= 0"),
         ({"noise_sigmas": -1.0}, r"noise_sigmas must be a finite number >= 0.*noise_sigmas=-1.0"),
         ({"noise_sigmas": math.inf}, "noise_sigmas=inf"),
+        ({"check_interval_steps": 0}, "check_interval_steps must be an integer >= 1. Received: check_interval_steps=0"),
     ],
 )
 def test_policy_rejects_bad_values(kwargs, match):
@@ -58,6 +60,7 @@ def test_policy_defaults():
     policy = RebalancePolicy()
     assert (policy.deadband, policy.cooldown_steps, policy.min_samples) == (0.05, 20, 5)
     assert (policy.multiple_of, policy.min_batch_size, policy.noise_sigmas) == (1, 1, 1.5)
+    assert policy.check_interval_steps == 1
 
 
 def test_rebalancer_rejects_bad_policy_and_caps():
@@ -128,6 +131,25 @@ def test_first_decision_has_no_cooldown_but_waits_for_min_samples():
     assert rebalancer.propose(4, EVEN, MODELS, num_samples=4) is None
     assert rebalancer.last_decision.outcome == TOO_FEW_SAMPLES
     assert rebalancer.propose(5, EVEN, MODELS, num_samples=5) is not None
+
+
+def test_looks_only_every_check_interval_steps():
+    rebalancer = Rebalancer(RebalancePolicy(check_interval_steps=4))
+    assert rebalancer.propose(3, EVEN, [FAST, FAST]) is None  # the first call looks
+    assert rebalancer.last_decision.outcome == UNCHANGED
+    for step in (4, 5, 6):  # the caller may skip steps (the input pipeline runs ahead of the training steps)
+        assert rebalancer.propose(step, EVEN, MODELS) is None
+        assert rebalancer.last_decision.outcome == NOT_DUE
+        assert rebalancer.last_decision.new_per_replica_batch_sizes is None  # nothing was solved
+    new_plan = rebalancer.propose(9, EVEN, MODELS)  # 6 steps after the last look
+    assert new_plan is not None and new_plan.per_replica_batch_sizes == (55, 45)
+
+
+def test_a_cap_violation_is_acted_on_between_checks():
+    rebalancer = Rebalancer(RebalancePolicy(check_interval_steps=100), max_batch_sizes=[100, 40])
+    new_plan = rebalancer.propose(7, plan_from_split([50, 50]), [FAST, FAST])
+    assert new_plan is not None and new_plan.per_replica_batch_sizes == (60, 40)
+    assert rebalancer.last_decision.forced
 
 
 def test_new_plan_respects_caps():
