@@ -11,7 +11,9 @@ identical devices (3 logical CPU compute devices, CPU:0 holds the variables), tr
   (timing on, because re-balancing reads it);
 * ``stock_step`` and ``hetero_step``: stock and hetero_cs (even, timing off) fed fixed per-replica values of the
   same even split instead of a distributed dataset: the step alone, without the input pipeline, to locate an
-  overhead in the step or in the input pipeline.
+  overhead in the step or in the input pipeline;
+* ``stock_again``: a second, identical stock strategy: the A/A control. Its ratio to ``stock`` is what the method
+  reads when there is no difference at all (the noise floor of the ratios above).
 
 Ratios are paired per round (each round's median step time of a configuration over the same round's median of its
 reference), then the median over rounds is reported, which cancels slow drifts of the shared machine's load.
@@ -48,6 +50,7 @@ LABELS = {
     "hetero_auto": "hetero_cs auto_balance (+rebalance)",
     "stock_step": "stock CSS, step only (no input pipeline)",
     "hetero_step": "hetero_cs even, step only (no input pipeline)",
+    "stock_again": "stock CentralStorageStrategy again (A/A control)",
 }
 
 
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     with timing_env(False):
         configs.append(new_config("hetero_step", HeteroCentralStorageStrategy(
             devices, auto_balance=False, rebalance=False, profile_cache=False), step_only=True))
+    configs.append(new_config("stock_again", tf.distribute.experimental.CentralStorageStrategy(
+        devices, parameter_device="/device:CPU:0")))
     by_name = {c.name: c for c in configs}
     if keep_alive is not None:  # freed at exit_now, not here (see _common.exit_now)
         keep_alive.append(configs)
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         "auto_balance_ratio": paired_ratio(by_name["hetero_auto"], by_name["stock"]),
         "timing_ratio": paired_ratio(by_name["hetero_even_timed"], by_name["hetero_even"]),
         "step_only_ratio": paired_ratio(by_name["hetero_step"], by_name["stock_step"]),
+        "control_ratio": paired_ratio(by_name["stock_again"], by_name["stock"]),
     }
     results["timing_overhead"] = results["timing_ratio"] - 1.0
     results["timing_overhead_s"] = results["timing_overhead"] * by_name["hetero_even"].median_step_s
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     log(f"   hetero_cs auto_balance / stock = {results['auto_balance_ratio']:.3f}   (plan "
         f"{results['hetero_auto_plan']}; includes per-replica timing)")
     log(f"   step only (no input pipeline): hetero_cs even / stock = {results['step_only_ratio']:.3f}")
+    log(f"   A/A control: stock again / stock = {results['control_ratio']:.3f}   (no difference reads as this)")
     log(f"   per-replica timing on vs off  = {results['timing_overhead'] * 100:+.2f} % of the step "
         f"({results['timing_overhead_s'] * 1e3:+.3f} ms)   (goal < {TIMING_GOAL * 100:.0f} %)")
     log(f"   goals met: {results['goals_met']}")

@@ -354,7 +354,7 @@ def calibrate(
         cached = store.load(key)
         if cached is not None and cached.devices == tuple(devices):
             logger.info("Calibration profile cache hit (%s); skipping calibration.", store.path(key))
-            return _with_measurement(cached, run_plan)
+            return _with_measurement(dataclasses.replace(cached, from_cache=True), run_plan)
         logger.info("Calibration profile cache miss; calibrating %d device(s).", num_replicas)
 
     start_s = time.perf_counter()

@@ -180,6 +180,9 @@ class CalibrationResult:
         emulated: True when the step times came from emulated devices (see hetero_cs.emulation).
         plan: The BatchPlan solved for the global batch size, or None.
         measured_makespan_s: Measured step time of the plan when calibrate was given run_plan, else None.
+        from_cache: True when ``calibrate`` loaded this result from the profile cache instead of probing; then
+            ``wall_time_s`` is the time the original calibration took, not time spent now. Not stored in the
+            cache (a stored result reads back as False).
     """
 
     profiles: tuple[DeviceProfile, ...]
@@ -187,6 +190,7 @@ class CalibrationResult:
     emulated: bool
     plan: BatchPlan | None = None
     measured_makespan_s: float | None = None
+    from_cache: bool = dataclasses.field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profiles", tuple(self.profiles))
@@ -277,7 +281,9 @@ class CalibrationResult:
             for i, p in enumerate(self.profiles)
         ]
         widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
-        lines = [f"Calibration of {len(self.profiles)} device(s), {source}, took {self.wall_time_s:.2f} s"]
+        took = (f"loaded from the profile cache (calibrated earlier in {self.wall_time_s:.2f} s)" if self.from_cache
+                else f"took {self.wall_time_s:.2f} s")
+        lines = [f"Calibration of {len(self.profiles)} device(s), {source}, {took}"]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         if self.plan is not None:
             predicted_s = self.plan.predicted_makespan_s

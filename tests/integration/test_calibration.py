@@ -173,6 +173,8 @@ def test_cache_hit_skips_probing_and_model_change_misses(tmp_path, monkeypatch, 
         calls = []
         second = calibrate(mlp(32), batch, **kwargs, run_plan=lambda plan: calls.append(plan) or 0.0123)
     assert second.profiles == first.profiles and second.plan == first.plan
+    assert second.from_cache and not first.from_cache
+    assert "loaded from the profile cache" in second.format_table()
     assert calls == [first.plan]
     assert second.measured_makespan_s == 0.0123
 
