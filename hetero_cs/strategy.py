@@ -438,8 +438,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
     def _slice_sizes(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) with every component's leading dimension, for every
-        # global batch that the cached plan does not cover (hetero_cs.input_slicing). An error here would reach the user wrapped in TensorFlow's; it is kept on the
-        # strategy so that model.fit re-raises it as it is.
+        # global batch that the cached plan does not cover (hetero_cs.input_slicing). An error here would reach the
+        # user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as it is.
         try:
             sizes = sorted({int(d) for d in leading_dims})
             if len(sizes) > 1:

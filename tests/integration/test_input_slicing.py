@@ -110,7 +110,10 @@ def test_mismatched_components_still_reach_the_python_check():
     strategy = HeteroCentralStorageStrategy(
         ["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False, profile_cache=False
     )
-    batches = [(np.zeros((4, 2), np.float32), np.zeros(4, np.int64)), (np.zeros((4, 2), np.float32), np.zeros(3, np.int64))]
+    batches = [
+        (np.zeros((4, 2), np.float32), np.zeros(4, np.int64)),
+        (np.zeros((4, 2), np.float32), np.zeros(3, np.int64)),
+    ]
     dataset = tf.data.Dataset.from_generator(
         lambda: iter(batches),
         output_signature=(tf.TensorSpec([None, 2], tf.float32), tf.TensorSpec([None], tf.int64)),
@@ -140,7 +143,9 @@ def test_a_plan_change_reaches_the_cached_path():
 
 
 def test_online_rebalancing_keeps_the_python_path():
-    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=True, rebalance=True, profile_cache=False)
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2"], auto_balance=True, rebalance=True, profile_cache=False
+    )
     assert not strategy._slicer.cacheable  # noqa: SLF001 - the re-balancing check runs in the Python path
 
 
