@@ -30,6 +30,15 @@ _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 MIN_PREDICTED_GAIN = 0.02
 """An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
+_EMPTY_SLICE_ADVICE = (
+    "Some TensorFlow kernels fail on 0-example inputs, e.g. Conv2D and SeparableConv2D on CPU with oneDNN ('input "
+    "depth must be evenly divisible by filter depth'). To give every replica at least one example, make every "
+    "global batch hold at least R examples: drop a last partial batch smaller than R (dataset.batch(B, "
+    "drop_remainder=True), or fit on the first N - N % B examples), choose a global batch size B whose remainder "
+    "N % B is 0 or at least R, and give no replica a 0 share in batch_split; or set TF_ENABLE_ONEDNN_OPTS=0 before "
+    "TensorFlow is imported."
+)
+
 REBALANCE_CHECK_INTERVAL_STEPS = 4
 """Online re-balancing looks at the monitor every 4 completed steps (``RebalancePolicy.check_interval_steps``).
 
@@ -214,6 +223,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         )
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
+        self._empty_slice_plan: BatchPlan | None = None  # the last plan cut that gave a replica 0 examples
+        self._warned_empty_slices: set[int] = set()  # global batch sizes already warned about
         # Without online re-balancing nothing changes the plan between batches, so full global batches take their
         # sizes from a copy of the plan in the graph instead of a Python call each (see hetero_cs.input_slicing).
         self._slicer = PlanSlicer(
@@ -460,10 +471,29 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 plan = self.plan_for(sizes[0])
                 if plan is self._plan:  # the reference plan: later full batches may read it from the graph
                     self._slicer.publish(plan)
+                if 0 in plan.per_replica_batch_sizes:
+                    self._note_empty_slices(plan)
             return np.asarray(plan.per_replica_batch_sizes, dtype=np.int64)
         except Exception as exc:
             self._input_error = exc
             raise
+
+    def _note_empty_slices(self, plan: BatchPlan) -> None:
+        """Remembers a cut that leaves a replica without examples, and warns once per global batch size."""
+        self._empty_slice_plan = plan
+        size = plan.global_batch_size
+        if size in self._warned_empty_slices:
+            return
+        self._warned_empty_slices.add(size)
+        empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
+        logger.warning(
+            "hetero_cs: a global batch of %d examples is cut %s, so replica(s) %s get 0 examples in that step "
+            "(exact: their loss weight is 0). %s",
+            size,
+            list(plan.per_replica_batch_sizes),
+            empty,
+            _EMPTY_SLICE_ADVICE,
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # Input
@@ -614,10 +644,13 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             error, self._input_error = self._input_error, None
             return error
         message = str(exc)
-        match = re.search(r"node (replica_(\d+)/)?(\S+)", message)
-        if match is None or "Iterator" in match.group(3):
+        # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
+        match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
+        if match is None or "Iterator" in match.group(1):
             return None
-        replica_id = int(match.group(2)) if match.group(2) else 0
+        # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
+        scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
+        replica_id = int(scope.group(1)) if scope else 0
         if replica_id >= self.num_replicas_in_sync:
             return None
         device = self._compute_devices[replica_id]
@@ -626,11 +659,20 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
         before = [line for line in lines[:marker] if line] if marker is not None else []
         cause = before[-1] if before else type(exc).__name__
+        plan = list(self._plan.per_replica_batch_sizes) if self._plan else None
+        empty = self._empty_slice_plan
+        if empty is not None and empty.per_replica_batch_sizes[replica_id] == 0:
+            advice = (
+                f"That replica gets 0 examples of a global batch of {empty.global_batch_size} (cut "
+                f"{list(empty.per_replica_batch_sizes)}; full batches: {plan}), which is likely this step. "
+                f"{_EMPTY_SLICE_ADVICE}"
+            )
+        else:
+            advice = f"Check that replica's slice of the batch (plan: {plan}) and the device."
         return ReplicaStepError(
             f"The training step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
             f"No update of this step was applied: variables and optimizer state are as they were before it. "
-            f"Check that replica's slice of the batch (plan: {self._plan.per_replica_batch_sizes if self._plan else None}) "
-            f"and the device; the original error is chained below.",
+            f"{advice} The original error is chained below.",
             replica_id=replica_id,
             device=device,
         )

@@ -36,3 +36,45 @@ def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, repli
     after = [np.array(v) for v in [*model.variables, *model.optimizer.variables]]
     for path, a, b in zip([v.path for v in [*model.variables, *model.optimizer.variables]], before, after):
         np.testing.assert_array_equal(a, b, err_msg=path)  # iteration counter included
+
+
+def test_the_failing_op_names_the_replica_even_behind_other_scopes():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[4, 4, 2], rebalance=False, profile_cache=False
+    )
+    strategy.plan_for(10)  # the plan [4, 4, 2]
+    message = (
+        "Graph execution error:\n\nDetected at node sequential/conv2d/BiasAdd defined at ...\n"
+        "input depth must be evenly divisible by filter depth: 1 vs 32\n"
+        "\t [[{{node gradient_tape/replica_2/sequential/conv2d/Conv2DBackpropFilter}}]]"
+    )
+    error = strategy._replica_step_error(tf.errors.InvalidArgumentError(None, None, message))  # noqa: SLF001
+    assert isinstance(error, ReplicaStepError)
+    assert (error.replica_id, error.device) == (2, "/device:CPU:3")
+    assert "filter depth: 1 vs 32" in str(error) and "plan: [4, 4, 2]" in str(error)
+
+
+def test_a_partial_batch_smaller_than_r_warns_and_a_failure_it_causes_is_explained(caplog):
+    # 257 examples in batches of 256: the last batch holds 1 example, so two of the three replicas get none. Some
+    # TF kernels (Conv2D with oneDNN on CPU) fail on 0-example inputs; the step then fails with advice, not a bare
+    # TF error. If the kernel copes, training goes on and only the warning remains.
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, profile_cache=False
+    )
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((6, 6, 1)), keras.layers.Conv2D(4, 3), keras.layers.Flatten(), keras.layers.Dense(2)
+        ])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(257, 6, 6, 1)).astype(np.float32)
+    y = rng.integers(0, 2, size=(257,)).astype(np.int64)
+    with caplog.at_level("WARNING", logger="hetero_cs.strategy"):
+        try:
+            model.fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0)
+        except ReplicaStepError as error:
+            assert error.replica_id in (1, 2)  # the replicas with 0 examples
+            assert "gets 0 examples of a global batch of 1 (cut [1, 0, 0]" in str(error)
+            assert "drop_remainder=True" in str(error)
+    warnings = [r.getMessage() for r in caplog.records if "get 0 examples" in r.getMessage()]
+    assert len(warnings) == 1 and "cut [1, 0, 0], so replica(s) [1, 2] get 0 examples" in warnings[0]
