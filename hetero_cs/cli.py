@@ -49,7 +49,7 @@ def _bench(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(
             "`hetero-cs bench` runs benchmarks/balance.py, which ships with the source checkout, not the wheel. "
-            "Run it from the repository root (cd hetero_cs && hetero-cs bench) or call "
+            "Run it from the root of a source checkout (the folder that holds benchmarks/ and setup.cfg) or call "
             "`python benchmarks/balance.py` there."
         ) from exc
     return int(balance_main(args.bench_args) or 0)

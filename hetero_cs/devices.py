@@ -461,9 +461,10 @@ def discover_devices() -> list[DeviceInfo]:
         CPU devices then GPU devices, in TF's logical-device order.
 
     Warns:
-        UserWarning: Once per process, when NVML is unavailable (no driver, driver not loaded, version mismatch, a
-            failed device query; the devices then come from TF alone), or when NVML refused some facts (e.g.
-            NVMLError_NoPermission on memory; those fields are None).
+        UserWarning: Once per process, when TensorFlow sees a GPU but NVML is unavailable (no driver, driver not
+            loaded, version mismatch, a failed device query; the devices then come from TF alone), or when NVML
+            refused some facts (e.g. NVMLError_NoPermission on memory; those fields are None). Without a GPU an
+            unavailable NVML is only logged (INFO).
 
     Example:
         >>> for device in discover_devices():
@@ -471,7 +472,11 @@ def discover_devices() -> list[DeviceInfo]:
     """
     tf_devices = _list_tf_devices()
     nvml_records, problems, reason = _query_nvml()
-    if reason is not None and _first_time("nvml-unavailable"):
+    has_gpu = any(kind == "GPU" for _, kind, _ in tf_devices)
+    if reason is not None and not has_gpu:
+        # No GPU to describe (a CPU-only or emulated run): nothing is missing, so no warning.
+        logger.info("NVML is unavailable (%s); TensorFlow sees no GPU.", reason)
+    elif reason is not None and _first_time("nvml-unavailable"):
         warnings.warn(
             f"NVML is unavailable: {reason}. hetero_cs lists TensorFlow's devices without NVML facts (free memory, "
             f"PCIe link, UUID, MIG). On a GPU machine, install or load the NVIDIA driver and nvidia-ml-py.",

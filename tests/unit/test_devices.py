@@ -373,3 +373,13 @@ def test_format_device_table_marks_emulated_devices():
     assert lines[2].split()[-1] == "T4" and "EMULATED" in lines[3]
     assert "EMULATED" not in format_device_table([DeviceInfo(name="/device:CPU:0", device_type="CPU",
                                                              description="Xeon")])
+
+
+def test_without_a_gpu_an_unavailable_nvml_is_not_a_warning(monkeypatch, caplog):
+    install(monkeypatch, make_fake_pynvml(make_cards(), init_error="NVMLError_LibraryNotFound"))
+    monkeypatch.setattr(devices, "_list_tf_devices", lambda: [("/device:CPU:0", "CPU", None)])
+    with warnings.catch_warnings(), caplog.at_level("INFO", logger="hetero_cs.devices"):
+        warnings.simplefilter("error")
+        (cpu,) = discover_devices()
+    assert cpu.device_type == "CPU"
+    assert any("NVML is unavailable" in r.getMessage() for r in caplog.records)
