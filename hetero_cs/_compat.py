@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -175,10 +176,13 @@ def _patch_optimizer() -> None:
         # data. Waiting on the summed gradients instead would make every replica fetch its own copy of the whole
         # summed gradient, which nothing else reads: 2-3 % of a 5 ms CPU step in benchmarks/overhead.py (step
         # only), and a host-to-device copy of the whole gradient per replica on GPUs.
+        # The variable updates (cross-replica, in _distributed_tf_update_step) wait for it too: an update needs
+        # only its own summed gradient, which may exist before another replica's backward pass fails.
         local = [g for g, _ in grads_and_vars if g is not None]
         if local:
             token = tf.distribute.get_replica_context().merge_call(_all_replicas_done, args=(local,))
             training.current_replica_step().barrier[:] = [token]
+            _barrier_state.token = token
         reduced = original_all_reduce(self, grads_and_vars)
         _clip_state.active = True
         try:
@@ -187,11 +191,27 @@ def _patch_optimizer() -> None:
             _clip_state.active = False
         return list(zip(clipped, [v for _, v in reduced]))
 
+    original_update_step = TFOptimizer._distributed_tf_update_step  # noqa: SLF001
+
+    @functools.wraps(original_update_step)
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        # Cross-replica (merge_call), in the thread that runs the merge. The token is from this step's graph only.
+        token = getattr(_barrier_state, "token", None)
+        _barrier_state.token = None
+        if token is None or not is_hetero_strategy(distribution) or token.graph is not tf.compat.v1.get_default_graph():
+            return original_update_step(self, distribution, grads_and_vars, learning_rate)
+        with tf.control_dependencies([token]):
+            return original_update_step(self, distribution, grads_and_vars, learning_rate)
+
     TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
+    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
 
 
 _clip_state = threading.local()
+# The barrier token of the step being traced, handed from the replica threads to the merge that applies the update.
+# Not thread-local: replicas run in their own threads, the merge in the thread that called strategy.run.
+_barrier_state = types.SimpleNamespace(token=None)
 
 
 def _all_replicas_done(strategy, per_replica_grads):

@@ -13,6 +13,25 @@ class RejectNaN(keras.layers.Layer):
         return tf.debugging.check_numerics(x, "non-finite input")
 
 
+class FailsInBackward(keras.layers.Layer):
+    """Identity forward; the backward pass fails on a slice holding a value above 50.
+
+    The layers after it already have their gradients, in every replica, when the failure comes: their updates must
+    still not be applied.
+    """
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(t):
+            def grad(upstream):
+                bad = tf.reduce_any(tf.abs(t) > 50.0)
+                return tf.debugging.check_numerics(tf.where(bad, np.inf, 1.0) * upstream, "bad backward")
+
+            return tf.identity(t), grad
+
+        return identity(x)
+
+
 @pytest.mark.parametrize("bad_index,replica,device", [(5, 1, "/device:CPU:2"), (1, 0, "/device:CPU:1")])
 def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, replica, device):
     strategy = HeteroCentralStorageStrategy(
@@ -78,3 +97,30 @@ def test_a_partial_batch_smaller_than_r_warns_and_a_failure_it_causes_is_explain
             assert "drop_remainder=True" in str(error)
     warnings = [r.getMessage() for r in caplog.records if "get 0 examples" in r.getMessage()]
     assert len(warnings) == 1 and "cut [1, 0, 0], so replica(s) [1, 2] get 0 examples" in warnings[0]
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_a_replica_failing_in_its_backward_pass_applies_no_update(trial):
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[4, 4, 2], rebalance=False, profile_cache=False
+    )
+    x = np.ones((10, 3), np.float32)
+    y = np.ones((10, 1), np.float32)
+    for bad_index in (1, 5, 9):  # one in each slice [0, 4), [4, 8), [8, 10)
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((3,)),
+                keras.layers.Dense(3, kernel_initializer="ones"),
+                FailsInBackward(),
+                keras.layers.Dense(1),
+            ])
+            model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        before = [np.array(v) for v in [*model.trainable_variables, *model.optimizer.variables]]
+        x_bad = x.copy()
+        x_bad[bad_index] = 1000.0
+        with pytest.raises(ReplicaStepError, match="bad backward"):
+            model.fit(x_bad, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+        after = [np.array(v) for v in [*model.trainable_variables, *model.optimizer.variables]]
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)
