@@ -108,7 +108,9 @@ class PlanSlicer:
                 f"the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
             )
         R = self._num_replicas
-        is_tuple = isinstance(spec, tuple)
+        # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
+        # structure) as one argument.
+        is_tuple = type(spec) is tuple
         cache = self._cache
         slice_sizes = self._slice_sizes
 
@@ -135,22 +137,4 @@ class PlanSlicer:
                 slices = one if slices is None else slices.concatenate(one)
             return slices
 
-        sliced = dataset.flat_map(to_slices)
-        return _with_cardinality(sliced, dataset, R)
-
-
-def _with_cardinality(sliced: tf.data.Dataset, dataset: tf.data.Dataset, num_replicas: int) -> tf.data.Dataset:
-    """States the sliced dataset's length (``R`` per global batch), which ``flat_map`` makes unknown.
-
-    tf.distribute reads it: for an infinite dataset it fetches the replicas' inputs with a plain ``get_next``, as it
-    does for stock CentralStorageStrategy, instead of the partial-batch handling (an optional per replica, a count of
-    replicas with data and a cond in every step) that an unknown length requires.
-    """
-    if not tf.executing_eagerly():
-        return sliced
-    cardinality = int(dataset.cardinality())
-    if cardinality == tf.data.INFINITE_CARDINALITY:
-        return sliced.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
-    if cardinality >= 0:
-        return sliced.apply(tf.data.experimental.assert_cardinality(cardinality * num_replicas))
-    return sliced
+        return dataset.flat_map(to_slices)
