@@ -202,6 +202,8 @@ class CalibrationResult:
         _finite_non_negative("CalibrationResult", "wall_time_s", self.wall_time_s)
         if not isinstance(self.emulated, bool):
             raise ProfileCacheError(f"CalibrationResult.emulated must be a bool. Received: {self.emulated!r}.")
+        if not isinstance(self.from_cache, bool):
+            raise ProfileCacheError(f"CalibrationResult.from_cache must be a bool. Received: {self.from_cache!r}.")
         if self.plan is not None and len(self.plan.per_replica_batch_sizes) != len(self.profiles):
             raise ProfileCacheError(
                 "CalibrationResult.plan must have one slice per profile. Received: "

@@ -145,6 +145,12 @@ def test_looks_only_every_check_interval_steps():
     assert new_plan is not None and new_plan.per_replica_batch_sizes == (55, 45)
 
 
+def test_with_the_default_interval_every_call_looks():
+    rebalancer = Rebalancer(RebalancePolicy())
+    assert rebalancer.propose(3, EVEN, [FAST, FAST]) is None
+    assert rebalancer.propose(3, EVEN, MODELS) is not None  # same step, new models: looked at again
+
+
 def test_a_cap_violation_is_acted_on_between_checks():
     rebalancer = Rebalancer(RebalancePolicy(check_interval_steps=100), max_batch_sizes=[100, 40])
     new_plan = rebalancer.propose(7, plan_from_split([50, 50]), [FAST, FAST])

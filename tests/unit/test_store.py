@@ -258,3 +258,14 @@ def test_result_validates_plan_length():
     result = _result()
     with pytest.raises(ProfileCacheError, match="one slice per profile"):
         CalibrationResult(profiles=result.profiles[:1], wall_time_s=1.0, emulated=True, plan=result.plan)
+
+
+def test_from_cache_is_a_bool_and_is_not_stored():
+    result = _result()
+    assert not result.from_cache
+    cached = dataclasses.replace(result, from_cache=True)
+    assert cached == result  # the same calibration, wherever it came from
+    assert "from_cache" not in cached.to_dict()
+    assert not CalibrationResult.from_dict(cached.to_dict()).from_cache
+    with pytest.raises(ProfileCacheError, match="from_cache must be a bool. Received: 'no'"):
+        dataclasses.replace(result, from_cache="no")
