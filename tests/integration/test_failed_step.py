@@ -43,7 +43,7 @@ def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, repli
     x = np.ones((10, 3), np.float32)
     y = np.ones((10, 1), np.float32)
     model.fit(x, y, batch_size=10, epochs=2, verbose=0)
-    before = [np.array(v) for v in [*model.variables, *model.optimizer.variables]]
+    before = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
 
     x_bad = x.copy()
     x_bad[bad_index] = np.nan  # slices [0, 4), [4, 8), [8, 10)
@@ -52,7 +52,7 @@ def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, repli
     assert info.value.replica_id == replica and info.value.device == device
     assert isinstance(info.value.__cause__, tf.errors.InvalidArgumentError)
 
-    after = [np.array(v) for v in [*model.variables, *model.optimizer.variables]]
+    after = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
     for path, a, b in zip([v.path for v in [*model.variables, *model.optimizer.variables]], before, after):
         np.testing.assert_array_equal(a, b, err_msg=path)  # iteration counter included
 
@@ -116,11 +116,11 @@ def test_a_replica_failing_in_its_backward_pass_applies_no_update(trial):
             ])
             model.compile(optimizer="adam", loss="mse")
         model.fit(x, y, batch_size=10, epochs=1, verbose=0)
-        before = [np.array(v) for v in [*model.trainable_variables, *model.optimizer.variables]]
+        before = [v.numpy() for v in [*model.trainable_variables, *model.optimizer.variables]]
         x_bad = x.copy()
         x_bad[bad_index] = 1000.0
         with pytest.raises(ReplicaStepError, match="bad backward"):
             model.fit(x_bad, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
-        after = [np.array(v) for v in [*model.trainable_variables, *model.optimizer.variables]]
+        after = [v.numpy() for v in [*model.trainable_variables, *model.optimizer.variables]]
         for a, b in zip(before, after):
             np.testing.assert_array_equal(a, b)
