@@ -192,26 +192,60 @@ def _patch_optimizer() -> None:
         return list(zip(clipped, [v for _, v in reduced]))
 
     original_update_step = TFOptimizer._distributed_tf_update_step  # noqa: SLF001
+    original_decay = TFOptimizer._apply_weight_decay  # noqa: SLF001
+
+    @functools.wraps(original_decay)
+    def _apply_weight_decay(self, variables):
+        # Decoupled weight decay (AdamW, or any optimizer given weight_decay) is applied before the gradients are
+        # summed, so it would run even when a replica's step fails. Under our strategy it is deferred to the update
+        # merge below, where it runs first (the same order as in one device's step), behind the barrier.
+        if self.weight_decay is not None and current_hetero_strategy() is not None:
+            _barrier_state.decay = (self, list(variables))
+            return None
+        return original_decay(self, variables)
 
     @functools.wraps(original_update_step)
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         # Cross-replica (merge_call), in the thread that runs the merge. The token is from this step's graph only.
-        token = getattr(_barrier_state, "token", None)
-        _barrier_state.token = None
-        if token is None or not is_hetero_strategy(distribution) or token.graph is not tf.compat.v1.get_default_graph():
+        token, decay = _barrier_state.token, _barrier_state.decay
+        _barrier_state.token = _barrier_state.decay = None
+        if not is_hetero_strategy(distribution):
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
-        with tf.control_dependencies([token]):
+        current_graph = tf.compat.v1.get_default_graph()
+        barrier = [token] if token is not None and token.graph is current_graph else []
+        with tf.control_dependencies(barrier):
+            if decay is not None and decay[0] is self:
+                _weight_decay_cross_replica(self, distribution, decay[1])
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
 
     TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
+    TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
 
 
 _clip_state = threading.local()
 # The barrier token of the step being traced, handed from the replica threads to the merge that applies the update.
 # Not thread-local: replicas run in their own threads, the merge in the thread that called strategy.run.
-_barrier_state = types.SimpleNamespace(token=None)
+_barrier_state = types.SimpleNamespace(token=None, decay=None)
+
+
+def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:
+    # Keras' TFOptimizer._apply_weight_decay, minus its maybe_merge_call (we are already in the merge): the same
+    # decoupled decay, variable by variable, on the parameter device. _use_weight_decay is Keras' own exclusion
+    # list (exclude_from_weight_decay).
+    from keras.src import backend
+
+    def weight_decay_fn(variable):
+        if optimizer._use_weight_decay(variable):  # noqa: SLF001
+            lr = tf.cast(optimizer.learning_rate, variable.dtype)
+            wd = tf.cast(optimizer.weight_decay, variable.dtype)
+            variable.assign_sub(variable * wd * lr)
+
+    for variable in variables:
+        if isinstance(variable, backend.Variable):
+            variable = variable.value
+        distribution.extended.update(variable, weight_decay_fn, group=False)
 
 
 def _all_replicas_done(strategy, per_replica_grads):

@@ -32,14 +32,16 @@ class FailsInBackward(keras.layers.Layer):
         return identity(x)
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])  # AdamW: its weight decay must wait for the barrier too
 @pytest.mark.parametrize("bad_index,replica,device", [(5, 1, "/device:CPU:2"), (1, 0, "/device:CPU:1")])
-def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, replica, device):
+def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, replica, device, optimizer):
     strategy = HeteroCentralStorageStrategy(
         ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[4, 4, 2], rebalance=False, profile_cache=False
     )
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), RejectNaN(), keras.layers.Dense(1)])
-        model.compile(optimizer="adam", loss="mse")
+        opt = keras.optimizers.AdamW(0.01, weight_decay=0.5) if optimizer == "adamw" else "adam"
+        model.compile(optimizer=opt, loss="mse")
     x = np.ones((10, 3), np.float32)
     y = np.ones((10, 1), np.float32)
     model.fit(x, y, batch_size=10, epochs=2, verbose=0)
