@@ -236,4 +236,7 @@ if __name__ == "__main__":
         if not isinstance(exc, HeteroCSError):
             raise
         print(f"train_digits.py: error: {exc}", file=sys.stderr)
+        if exc.__cause__ is not None:  # e.g. the TensorFlow error behind a ReplicaStepError
+            cause = str(exc.__cause__).strip().splitlines()
+            print(f"caused by {type(exc.__cause__).__name__}: {cause[0] if cause else ''}", file=sys.stderr)
         sys.exit(2)

@@ -488,10 +488,11 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
         logger.warning(
             "hetero_cs: a global batch of %d examples is cut %s, so replica(s) %s get 0 examples in that step "
-            "(exact: their loss weight is 0). %s",
+            "(exact: their loss weight is 0; R = %d replicas). %s",
             size,
             list(plan.per_replica_batch_sizes),
             empty,
+            len(plan.per_replica_batch_sizes),
             _EMPTY_SLICE_ADVICE,
         )
 
