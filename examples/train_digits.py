@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--no-auto-balance", action="store_true", help="train with an even split")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data split, weights and shuffling")
+    parser.add_argument("--traceback", action="store_true", help="on a hetero_cs error, show the full traceback")
     parser.add_argument("--data", default=None, help="optional .npz with x (N, 8, 8[, 1]) and y (N,)")
     parser.add_argument(
         "--timing-steps", type=int, default=30, help="steps per configuration for the examples/s comparison"
@@ -235,8 +236,9 @@ if __name__ == "__main__":
 
         if not isinstance(exc, HeteroCSError):
             raise
+        if "--traceback" in sys.argv[1:]:
+            raise
         print(f"train_digits.py: error: {exc}", file=sys.stderr)
         if exc.__cause__ is not None:  # e.g. the TensorFlow error behind a ReplicaStepError
-            cause = str(exc.__cause__).strip().splitlines()
-            print(f"caused by {type(exc.__cause__).__name__}: {cause[0] if cause else ''}", file=sys.stderr)
+            print("(add --traceback to see the error it was raised from)", file=sys.stderr)
         sys.exit(2)
