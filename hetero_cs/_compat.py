@@ -63,7 +63,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
        stock CentralStorageStrategy raises "You must specify an aggregation method to update a
        AggregatingVariable in Replica Context" on their first update with more than one replica. Integer state
        (seed counters) gets ONLY_FIRST_REPLICA (MEAN would break integer state); floating-point state gets MEAN.
-    2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing).
+    2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing), and a
+       packed global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
     """
 
     def _create_variable(self, next_creator, **kwargs):
@@ -79,8 +80,69 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         return super()._create_variable(next_creator, **kwargs)
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        wrapped = self._container_strategy()._wrap_replica_fn(fn, args, kwargs)  # noqa: SLF001
+        strategy = self._container_strategy()
+        args, kwargs = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs)  # noqa: SLF001
         return super()._call_for_each_replica(wrapped, args, kwargs)
+
+    @property
+    def input_device(self) -> str:
+        """The host device that runs the input pipeline and cuts each global batch."""
+        # Private: _worker_device is where CentralStorageStrategy itself places its input iterators (this host's
+        # CPU); there is no public name for it.
+        return self._worker_device
+
+
+def distribute_on_host(strategy, dataset, options=None):
+    """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
+
+    ``dataset`` yields packed global batches (hetero_cs.input_slicing); the strategy cuts each into the replicas'
+    slices inside the step. Every leaf of an element arrives as a per-replica value with a single component,
+    which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
+    """
+    # Private: tf.distribute builds its distributed datasets from InputWorkers (input device -> fed devices) and
+    # input_util.get_distributed_dataset; the public experimental_distribute_dataset would feed R devices with R
+    # elements. One element per global batch, fed to the host device, is what makes the cut cheaper than stock
+    # CentralStorageStrategy's rebatch (benchmarks/overhead.py).
+    from tensorflow.python.distribute import input_lib, input_util
+
+    from tensorflow.python.distribute import values as values_lib
+
+    host = strategy.extended.input_device
+    workers = input_lib.InputWorkers([(host, (host,))])
+    distributed = input_util.get_distributed_dataset(dataset, workers, strategy, options=options)
+    if strategy.num_replicas_in_sync > 1:
+        # Private: the distributed dataset describes an element as one component per compute device (its spec is
+        # built from strategy.extended.worker_devices), but ours have one component. Iterators copy this spec, and
+        # loops over iterator.get_next_as_optional() (Keras' steps_per_execution > 1) need the true one. The
+        # batch dimension is left open, as tf.distribute does where partial batches are handled.
+        def one_component(spec):
+            try:
+                spec = spec._unbatch()._batch(None)  # noqa: SLF001 - TypeSpec batching, as input_lib does
+            except ValueError:
+                pass
+            return values_lib.PerReplicaSpec(spec)
+
+        distributed._element_spec = tf.nest.map_structure(one_component, dataset.element_spec)  # noqa: SLF001
+    return distributed
+
+
+def single_component(value):
+    """The one component of a per-replica value that has exactly one (a packed global batch leaf), else None."""
+    # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
+    # to return the unpacked slices, so it cannot be used here.
+    components = getattr(value, "_values", None)
+    if isinstance(value, tf.distribute.DistributedValues) and components is not None and len(components) == 1:
+        return components[0]
+    return None
+
+
+def per_replica(components) -> Any:
+    """A per-replica value holding ``components`` (one per replica, in replica order)."""
+    # Private: there is no public constructor of PerReplica; tf.distribute builds them the same way from iterators.
+    from tensorflow.python.distribute import values as values_lib
+
+    return values_lib.PerReplica(tuple(components))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,16 +1,22 @@
-"""The input pipeline that cuts every global batch into the plan's per-replica slices.
+"""The input pipeline that cuts every global batch by the plan, and the unpacking of the cut inside the step.
 
-``PlanSlicer.slice(dataset)`` turns a dataset of global batches into one of ``R`` consecutive slices per batch:
-element ``k * R + i`` is replica ``i``'s slice of global batch ``k``, which is the order in which ``tf.distribute``
-hands the elements of one input pipeline to the replicas of one worker.
+``PlanSlicer.pack(dataset)`` keeps one element per global batch but packs every component ``t`` (``B`` examples
+along axis 0) as a ``tf.RaggedTensor`` of ``R`` rows whose row lengths are the plan's per-replica batch sizes:
+``[R, (b_i), ...]``, with ``t`` itself as the values (no copy). The strategy hands that element to the replicas
+whole, on the host, and :func:`unpack` cuts it into replica ``i``'s slice (examples ``[sum(b_<i), sum(b_<=i))``)
+inside the step, with one ``split`` op.
+
+Why this shape. Stock ``CentralStorageStrategy`` re-batches each global batch into ``R`` pipeline elements and feeds
+them to the replicas one by one. Producing ``R`` elements of plan-dependent sizes in ``tf.data`` needs a
+``flat_map`` (one small dataset per batch), which costs about 0.2 ms of host CPU per batch more than stock's
+``rebatch``; one packed element per batch costs less than stock (``benchmarks/overhead.py``).
 
 Where the slice sizes come from. The plan is Python state of the strategy (it is solved, changed by calibration and
-re-balanced online), so the pipeline asks Python for the sizes of each global batch through ``tf.numpy_function``.
-That call costs about 0.2 ms of host CPU per batch, which competes with the replicas' compute when they share the
-host's cores. When the plan does not change online (re-balancing off), the slicer keeps the current plan in a small
-host variable, ``[B, b_0, ..., b_{R-1}]``, and a batch of exactly ``B`` examples reads its sizes from there inside
-the graph; any other batch (the first one, a last partial batch, mismatched components) still goes to Python, which
-validates it, solves its plan and raises the library's errors.
+re-balanced online), so the pipeline asks Python for the sizes of a global batch through ``tf.numpy_function``.
+That call costs about 0.2 ms of host CPU. When the plan does not change online (re-balancing off), the slicer keeps
+the current plan in a small host variable, ``[B, b_0, ..., b_{R-1}]``, and a batch of exactly ``B`` examples reads
+its sizes from there inside the graph; any other batch (the first one, a last partial batch, mismatched
+components) still goes to Python, which validates it, solves its plan and raises the library's errors.
 """
 
 from __future__ import annotations
@@ -25,6 +31,24 @@ from hetero_cs.errors import InputError
 from hetero_cs.plan import BatchPlan
 
 _UNSET = -1
+
+
+def unpack(packed, num_replicas: int) -> list:
+    """Replica slices of one packed component: ``[R, (b_i), ...]`` -> ``R`` tensors of ``[b_i, ...]``.
+
+    Args:
+        packed: A component of an element of :meth:`PlanSlicer.pack`: a ``tf.RaggedTensor`` whose rows are the
+            replicas' slices (with ``R = 1``, the component as it is).
+        num_replicas: ``R``, the number of rows.
+
+    Returns:
+        A list of ``R`` tensors (``tf.RaggedTensor`` where the dataset's own component is ragged).
+    """
+    if num_replicas == 1:
+        return [packed]
+    if isinstance(packed.values, tf.RaggedTensor):
+        return [packed[i] for i in range(num_replicas)]
+    return tf.split(packed.values, packed.row_lengths(), num=num_replicas)
 
 
 class PlanSlicer:
@@ -61,6 +85,11 @@ class PlanSlicer:
                 )
 
     @property
+    def num_replicas(self) -> int:
+        """``R``, the number of slices per global batch."""
+        return self._num_replicas
+
+    @property
     def cacheable(self) -> bool:
         """Whether full global batches read their sizes from the cached plan instead of calling Python."""
         return self._cache is not None
@@ -82,18 +111,26 @@ class PlanSlicer:
                 self._cache.assign(value)
                 self._published = value
 
-    def slice(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """Global batches -> ``R`` consecutive slices per batch (replica ``i`` gets element ``k * R + i``).
+    def pack(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """Global batches -> the same global batches, every component packed as ``[R, (b_i), ...]`` by the plan.
+
+        With ``R = 1`` the components stay as they are (the plan is still looked up, so bad batches raise).
 
         Raises:
-            InputError: The elements are empty structures, a component has no leading (batch) dimension, or the
-                components' static leading dimensions differ.
+            InputError: The elements are empty structures, a component has no leading (batch) dimension or is a
+                ``tf.SparseTensor``, or the components' static leading dimensions differ.
         """
         spec = dataset.element_spec
         leaves = tf.nest.flatten(spec)
         if not leaves:
             raise InputError("The dataset's elements are empty structures; there is nothing to split.")
         for leaf in leaves:
+            if isinstance(leaf, tf.SparseTensorSpec):
+                raise InputError(
+                    f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica slices; got "
+                    f"element_spec={spec}. Make it dense (tf.sparse.to_dense) or ragged "
+                    f"(tf.RaggedTensor.from_sparse) in a dataset.map before distributing the dataset."
+                )
             shape = getattr(leaf, "shape", None)
             if shape is None or shape.rank == 0:
                 raise InputError(
@@ -118,23 +155,26 @@ class PlanSlicer:
             sizes = tf.numpy_function(slice_sizes, dims, tf.int64, stateful=True)
             return tf.reshape(sizes, [R])
 
-        def to_slices(*args):
+        def leading_dim(t):
+            return t.nrows(out_type=tf.int64) if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
+
+        def to_packed(*args):
             element = args if is_tuple else args[0]
-            flat = tf.nest.flatten(element)
-            dims = [tf.shape(t, out_type=tf.int64)[0] for t in flat]
+            flat = tf.nest.flatten(element, expand_composites=False)
+            dims = [leading_dim(t) for t in flat]
             if cache is None:
                 sizes = python_sizes(dims)
             else:
                 cached = cache.read_value()
                 hit = tf.reduce_all(tf.equal(tf.stack(dims), cached[0]))
                 sizes = tf.cond(hit, lambda: cached[1:], lambda: python_sizes(dims))
-            # One split op per component and a chain of R one-element datasets: about half the host CPU time of
-            # slicing inside Dataset.range(R).map(...), which matters when the pipeline shares cores with compute.
-            parts = [tf.split(t, sizes, num=R) for t in flat]
-            slices = None
-            for i in range(R):
-                one = tf.data.Dataset.from_tensors(tf.nest.pack_sequence_as(element, [p[i] for p in parts]))
-                slices = one if slices is None else slices.concatenate(one)
-            return slices
+            if R == 1:
+                with tf.control_dependencies([sizes]):  # the lookup still validates the batch
+                    packed = [tf.identity(t) for t in flat]
+            else:
+                # validate=False: the sizes sum to the batch size (the Python path checked it, or the cached plan
+                # is for exactly this size), and the check would cost an assertion op per component per batch.
+                packed = [tf.RaggedTensor.from_row_lengths(t, sizes, validate=False) for t in flat]
+            return tf.nest.pack_sequence_as(element, packed)
 
-        return dataset.flat_map(to_slices)
+        return dataset.map(to_packed)

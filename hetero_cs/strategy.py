@@ -17,7 +17,7 @@ import tensorflow as tf
 from hetero_cs import _compat, training
 from hetero_cs.cost_model import CostModel
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError, ReplicaStepError
-from hetero_cs.input_slicing import PlanSlicer
+from hetero_cs.input_slicing import PlanSlicer, unpack as unpack_slices
 from hetero_cs.monitor import StepTimeMonitor
 from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
 from hetero_cs.rebalance import RebalancePolicy, Rebalancer
@@ -507,12 +507,15 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         ``predict`` outputs come back in order. A last partial batch is split by a plan solved for its own size.
         A plan change takes effect a few batches later (the pipeline prefetches) and never retraces the step.
 
+        The global batch stays whole in host memory until ``strategy.run`` cuts it (one ``split`` op per component
+        on the host); each replica's ops then copy only its own slice to its device. ``experimental_local_results``
+        of an element returns the ``R`` slices, as for stock per-replica values.
+
         Raises:
-            InputError: A component has no batch dimension.
+            InputError: A component has no batch dimension, or is a ``tf.SparseTensor``.
         """
         self._start_new_input(dataset)
-        sliced = self._slicer.slice(dataset)
-        return super().distribute_datasets_from_function(lambda _: sliced, options)
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), options)
 
     def _start_new_input(self, dataset) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
@@ -531,8 +534,37 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
-        sliced = self._slicer.slice(dataset)
-        return super().distribute_datasets_from_function(lambda _: sliced, options)
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), options)
+
+    def _replica_slices(self, value) -> list | None:
+        """The ``R`` slices of one packed global-batch leaf from a distributed dataset, or None for other values."""
+        if self.num_replicas_in_sync == 1:
+            return None  # one replica: the batch is not packed, it is already replica 0's slice
+        packed = _compat.single_component(value)
+        if packed is None:
+            return None
+        if not isinstance(packed, tf.RaggedTensor):
+            raise InputError(
+                f"strategy.run got a per-replica value with 1 component, but there are R={self.num_replicas_in_sync} "
+                f"replicas. Pass the elements of strategy.experimental_distribute_dataset(...) or per-replica values "
+                f"made by strategy.experimental_distribute_values_from_function."
+            )
+        with tf.device(self.extended.input_device):
+            return unpack_slices(packed, self.num_replicas_in_sync)
+
+    def _unpack_inputs(self, args, kwargs):
+        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices."""
+
+        def convert(value):
+            slices = self._replica_slices(value)
+            return value if slices is None else _compat.per_replica(slices)
+
+        return tf.nest.map_structure(convert, args), tf.nest.map_structure(convert, kwargs or {})
+
+    def experimental_local_results(self, value):
+        """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices."""
+        slices = self._replica_slices(value)
+        return tuple(slices) if slices is not None else super().experimental_local_results(value)
 
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
@@ -697,6 +729,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         """
         if tf.nest.is_nested(value) and not isinstance(value, tf.distribute.DistributedValues):
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis=axis), value)
+        slices = self._replica_slices(value)
+        if slices is not None:  # an element of a distributed dataset: reduce its per-replica slices
+            value = _compat.per_replica(slices)
         op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
         if (
             axis is None

@@ -247,6 +247,26 @@ def test_evaluate_and_predict_match_single_device():
     np.testing.assert_allclose(model.predict(x, batch_size=10, verbose=0), reference.predict(x, batch_size=10, verbose=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("steps_per_execution", [3, 4])
+def test_steps_per_execution_matches_single_device(steps_per_execution):
+    # Several steps per call loop over iterator.get_next_as_optional(); 23 examples in batches of 6 end on a
+    # partial batch of 5, inside a loop of 3 or 4 steps.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(23, 3)).astype(np.float32)
+    y = rng.normal(size=(23, 1)).astype(np.float32)
+    reference = dense_model(5, optimizer="adam")
+    reference.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", steps_per_execution=steps_per_execution)
+    ref_hist = reference.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(3, [3, 2, 1])
+    with strategy.scope():
+        model = dense_model(5, optimizer="adam")
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", steps_per_execution=steps_per_execution)
+    hist = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert_same_state(reference, model)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], atol=1e-5)
+    assert int(model.optimizer.iterations) == 8
+
+
 def test_plan_change_does_not_retrace_the_train_step():
     strategy = strategy_for(3, [1, 1, 1])
     with strategy.scope():

@@ -1,4 +1,8 @@
-"""The plan-slicing input pipeline: slices match the plan, and the cached plan spares the Python call per batch."""
+"""The plan-slicing input pipeline: slices match the plan, and the cached plan spares the Python call per batch.
+
+The pipeline packs each global batch as ``[R, (b_i), ...]`` ragged components; ``unpack`` cuts them into the
+replicas' slices (what the strategy does inside ``strategy.run``).
+"""
 
 import collections
 
@@ -10,7 +14,8 @@ from hypothesis import strategies as st
 
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.errors import InputError
-from hetero_cs.input_slicing import PlanSlicer
+from hetero_cs import _compat
+from hetero_cs.input_slicing import PlanSlicer, unpack
 from hetero_cs.plan import plan_from_split, split_by_shares
 
 
@@ -51,14 +56,14 @@ def cut(slicer, batch_sizes, width=3):
         output_signature=(tf.TensorSpec([None, width], tf.int64), tf.TensorSpec([None], tf.int64)),
     )
     out = []
-    R = slicer._num_replicas  # noqa: SLF001 - test reads the replica count it built
-    elements = list(slicer.slice(dataset).as_numpy_iterator())
-    assert len(elements) == R * len(batch_sizes)
-    for k in range(len(batch_sizes)):
+    R = slicer.num_replicas
+    elements = list(slicer.pack(dataset))
+    assert len(elements) == len(batch_sizes)  # one element per global batch
+    for x_packed, y_packed in elements:
         per_replica = []
-        for xi, yi in elements[k * R:(k + 1) * R]:
-            np.testing.assert_array_equal(xi[:, 0], yi)  # components cut alike
-            per_replica.append(yi.tolist())
+        for xi, yi in zip(unpack(x_packed, R), unpack(y_packed, R)):
+            np.testing.assert_array_equal(xi.numpy()[:, 0], yi.numpy())  # components cut alike
+            per_replica.append(yi.numpy().tolist())
         out.append(per_replica)
     return out, batches
 
@@ -155,10 +160,11 @@ def test_namedtuple_elements_keep_their_structure():
     Example = collections.namedtuple("Example", ["x", "y"])
     slicer, _ = make_slicer([1, 1])
     dataset = tf.data.Dataset.from_tensor_slices(Example(np.arange(6.0), np.arange(6))).batch(6)
-    sliced = slicer.slice(dataset)
-    assert isinstance(sliced.element_spec, Example)
-    first, second = list(sliced.as_numpy_iterator())
-    assert first.y.tolist() == [0, 1, 2] and second.y.tolist() == [3, 4, 5]
+    packed = slicer.pack(dataset)
+    assert isinstance(packed.element_spec, Example)
+    (element,) = list(packed)
+    assert isinstance(element, Example)
+    assert [t.numpy().tolist() for t in unpack(element.y, 2)] == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_a_dataset_that_claims_to_be_infinite_may_still_end():
@@ -174,4 +180,52 @@ def test_a_dataset_that_claims_to_be_infinite_may_still_end():
     source = tf.data.Dataset.from_generator(generate, output_signature=tf.TensorSpec([None], tf.int64)).repeat()
     assert int(source.cardinality()) == tf.data.INFINITE_CARDINALITY
     slicer, _ = make_slicer([1, 1])
-    assert len(list(slicer.slice(source))) == 3 * 2
+    assert len(list(slicer.pack(source))) == 3
+
+
+def test_one_element_per_global_batch_and_local_results_are_the_slices():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, batch_split=[5, 3, 2], profile_cache=False
+    )
+    dataset = tf.data.Dataset.range(40).batch(20)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    elements = list(distributed)
+    assert len(elements) == 2
+    assert [t.numpy().tolist() for t in strategy.experimental_local_results(elements[1])] == [
+        list(range(20, 30)), list(range(30, 36)), list(range(36, 40))
+    ]
+    # Inside strategy.run every replica gets its slice of the same element, on its own device.
+    sizes = strategy.run(lambda x: (tf.shape(x)[0], tf.reduce_sum(x)), args=(elements[0],))
+    assert [int(t) for t in strategy.experimental_local_results(sizes[0])] == [10, 6, 4]
+    assert int(strategy.reduce("SUM", sizes[1], axis=None)) == sum(range(20))
+    assert int(strategy.reduce("SUM", elements[0], axis=0).numpy().sum()) == sum(range(20))
+
+
+def test_ragged_components_are_cut_by_rows():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False, batch_split=[3, 1], profile_cache=False
+    )
+    rows = [[1], [2, 2], [], [4, 4, 4], [5], [6], [7, 7], [8]]
+    dataset = tf.data.Dataset.from_tensors(tf.ragged.constant(rows, dtype=tf.int64))
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    slices = strategy.experimental_local_results(element)
+    assert [s.to_list() for s in slices] == [rows[:6], rows[6:]]
+    totals = strategy.run(lambda x: tf.reduce_sum(x.flat_values), args=(element,))
+    assert [int(t) for t in strategy.experimental_local_results(totals)] == [1 + 4 + 12 + 5 + 6, 14 + 8]
+
+
+def test_sparse_components_are_refused_with_the_fix():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
+    sparse = tf.sparse.SparseTensor(indices=[[0, 0], [1, 2]], values=[1.0, 2.0], dense_shape=[4, 3])
+    dataset = tf.data.Dataset.from_tensors(sparse)
+    with pytest.raises(InputError, match="tf.sparse.to_dense"):
+        strategy.experimental_distribute_dataset(dataset)
+
+
+def test_a_single_component_value_that_is_not_a_packed_batch_is_refused():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
+    lonely = _compat.per_replica([tf.constant([1.0, 2.0])])
+    with pytest.raises(InputError, match="1 component"):
+        strategy.run(lambda x: x, args=(lonely,))
