@@ -93,7 +93,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         return self._worker_device
 
 
-def distribute_on_host(strategy, dataset, options=None):
+def distribute_on_host(strategy, dataset):
     """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
 
     ``dataset`` yields packed global batches (hetero_cs.input_slicing); the strategy cuts each into the replicas'
@@ -101,16 +101,24 @@ def distribute_on_host(strategy, dataset, options=None):
     which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
     """
     # Private: tf.distribute builds its distributed datasets from InputWorkers (input device -> fed devices) and
-    # input_util.get_distributed_dataset; the public experimental_distribute_dataset would feed R devices with R
-    # elements. One element per global batch, fed to the host device, is what makes the cut cheaper than stock
-    # CentralStorageStrategy's rebatch (benchmarks/overhead.py).
+    # input_util; the public experimental_distribute_dataset would feed R devices with R elements. Here one input
+    # device (the host) is fed one element per global batch. The options ask for a plain tf.data iterator on the
+    # host (PER_REPLICA without fetching to a device) instead of a MultiDeviceIterator, whose per-device prefetch
+    # thread has nothing to move here (the pipeline ends in its own prefetch). Together this makes the input path
+    # cheaper than stock CentralStorageStrategy's rebatch (benchmarks/overhead.py).
     from tensorflow.python.distribute import input_lib, input_util
-
     from tensorflow.python.distribute import values as values_lib
 
     host = strategy.extended.input_device
     workers = input_lib.InputWorkers([(host, (host,))])
-    distributed = input_util.get_distributed_dataset(dataset, workers, strategy, options=options)
+    options = tf.distribute.InputOptions(
+        experimental_fetch_to_device=False,
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+    )
+    context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+    distributed = input_util.get_distributed_datasets_from_function(
+        lambda _: dataset, workers, [context], strategy, options=options
+    )
     if strategy.num_replicas_in_sync > 1:
         # Private: the distributed dataset describes an element as one component per compute device (its spec is
         # built from strategy.extended.worker_devices), but ours have one component. Iterators copy this spec, and

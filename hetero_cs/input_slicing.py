@@ -9,7 +9,8 @@ inside the step, with one ``split`` op.
 Why this shape. Stock ``CentralStorageStrategy`` re-batches each global batch into ``R`` pipeline elements and feeds
 them to the replicas one by one. Producing ``R`` elements of plan-dependent sizes in ``tf.data`` needs a
 ``flat_map`` (one small dataset per batch), which costs about 0.2 ms of host CPU per batch more than stock's
-``rebatch``; one packed element per batch costs less than stock (``benchmarks/overhead.py``).
+``rebatch``; one packed element per batch, read by a plain iterator on the host, costs less than stock
+(``benchmarks/overhead.py``).
 
 Where the slice sizes come from. The plan is Python state of the strategy (it is solved, changed by calibration and
 re-balanced online), so the pipeline asks Python for the sizes of a global batch through ``tf.numpy_function``.
@@ -114,7 +115,9 @@ class PlanSlicer:
     def pack(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """Global batches -> the same global batches, every component packed as ``[R, (b_i), ...]`` by the plan.
 
-        With ``R = 1`` the components stay as they are (the plan is still looked up, so bad batches raise).
+        With ``R = 1`` the components stay as they are (the plan is still looked up, so bad batches raise). The
+        result ends in ``prefetch(1)``, so the size lookup (with online re-balancing, a Python call that also runs
+        the re-balancing check) is done ahead of the step, as stock's one-batch device buffer would be.
 
         Raises:
             InputError: The elements are empty structures, a component has no leading (batch) dimension or is a
@@ -177,4 +180,4 @@ class PlanSlicer:
                 packed = [tf.RaggedTensor.from_row_lengths(t, sizes, validate=False) for t in flat]
             return tf.nest.pack_sequence_as(element, packed)
 
-        return dataset.map(to_packed)
+        return dataset.map(to_packed).prefetch(1)

@@ -509,13 +509,16 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
         The global batch stays whole in host memory until ``strategy.run`` cuts it (one ``split`` op per component
         on the host); each replica's ops then copy only its own slice to its device. ``experimental_local_results``
-        of an element returns the ``R`` slices, as for stock per-replica values.
+        of an element returns the ``R`` slices, as for stock per-replica values. ``options``
+        (``tf.distribute.InputOptions``) are accepted for compatibility; their device-placement and per-replica
+        buffer settings do not apply to this host-side cut and are ignored with a warning.
 
         Raises:
             InputError: A component has no batch dimension, or is a ``tf.SparseTensor``.
         """
+        _warn_unused_input_options(options)
         self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset), options)
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset))
 
     def _start_new_input(self, dataset) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
@@ -532,9 +535,10 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         ``input_context.get_per_replica_batch_size(B)`` returns ``B``: batch by the global batch size.
         """
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+        _warn_unused_input_options(options)
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset), options)
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset))
 
     def _replica_slices(self, value) -> list | None:
         """The ``R`` slices of one packed global-batch leaf from a distributed dataset, or None for other values."""
@@ -543,28 +547,38 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         packed = _compat.single_component(value)
         if packed is None:
             return None
-        if not isinstance(packed, tf.RaggedTensor):
+        R = self.num_replicas_in_sync
+        rows = packed.shape[0] if isinstance(packed, tf.RaggedTensor) else None
+        if not isinstance(packed, tf.RaggedTensor) or (rows is not None and rows != R):
+            made_for = f" (it was cut for {rows} replicas: another strategy's dataset?)" if rows is not None else ""
             raise InputError(
-                f"strategy.run got a per-replica value with 1 component, but there are R={self.num_replicas_in_sync} "
-                f"replicas. Pass the elements of strategy.experimental_distribute_dataset(...) or per-replica values "
-                f"made by strategy.experimental_distribute_values_from_function."
+                f"Got a per-replica value with 1 component{made_for}, but this strategy has R={R} replicas. Pass "
+                f"elements of this strategy's experimental_distribute_dataset(...), or per-replica values made by "
+                f"its experimental_distribute_values_from_function."
             )
         with tf.device(self.extended.input_device):
-            return unpack_slices(packed, self.num_replicas_in_sync)
+            return unpack_slices(packed, R)
 
-    def _unpack_inputs(self, args, kwargs):
-        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices."""
+    def _unpack(self, structure):
+        """``structure`` with every packed global-batch leaf replaced by a per-replica value of its ``R`` slices."""
 
         def convert(value):
             slices = self._replica_slices(value)
             return value if slices is None else _compat.per_replica(slices)
 
-        return tf.nest.map_structure(convert, args), tf.nest.map_structure(convert, kwargs or {})
+        return tf.nest.map_structure(convert, structure)
+
+    def _unpack_inputs(self, args, kwargs):
+        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices."""
+        return self._unpack(args), self._unpack(kwargs or {})
 
     def experimental_local_results(self, value):
-        """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices."""
-        slices = self._replica_slices(value)
-        return tuple(slices) if slices is not None else super().experimental_local_results(value)
+        """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices.
+
+        For a nested element such as ``(features, labels)`` the result is a tuple of ``R`` such structures, replica
+        ``i``'s holding its slice of every component.
+        """
+        return super().experimental_local_results(self._unpack(value))
 
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
@@ -820,6 +834,33 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if not any(isinstance(c, BalanceCallback) for c in callbacks):
             callbacks.insert(0, BalanceCallback(self))
         return callbacks
+
+
+_DEFAULT_INPUT_OPTIONS = tf.distribute.InputOptions()
+
+
+def _warn_unused_input_options(options) -> None:
+    """Warns about InputOptions settings that cannot apply when every global batch is cut on the host."""
+    if options is None:
+        return
+    if not isinstance(options, tf.distribute.InputOptions):
+        raise InputError(
+            f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}."
+        )
+    fields = (
+        "experimental_fetch_to_device",
+        "experimental_replication_mode",
+        "experimental_place_dataset_on_device",
+        "experimental_per_replica_buffer_size",
+    )
+    changed = {f: getattr(options, f) for f in fields if getattr(options, f) != getattr(_DEFAULT_INPUT_OPTIONS, f)}
+    if changed:
+        logger.warning(
+            "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "
+            "strategy.run, so there is no per-replica input to place or buffer. Add .prefetch(...) to the dataset "
+            "for more buffering.",
+            changed,
+        )
 
 
 def _shares_list(batch_split) -> list:

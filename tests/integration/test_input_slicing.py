@@ -229,3 +229,41 @@ def test_a_single_component_value_that_is_not_a_packed_batch_is_refused():
     lonely = _compat.per_replica([tf.constant([1.0, 2.0])])
     with pytest.raises(InputError, match="1 component"):
         strategy.run(lambda x: x, args=(lonely,))
+
+
+def test_local_results_of_a_nested_element_are_per_replica_structures():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, batch_split=[2, 1, 1], profile_cache=False
+    )
+    features = {"a": np.arange(8.0), "b": np.arange(16).reshape(8, 2)}
+    dataset = tf.data.Dataset.from_tensors((features, np.arange(8) * 10))
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    local = strategy.experimental_local_results(element)
+    assert len(local) == 3
+    assert [f["a"].numpy().tolist() for f, _ in local] == [[0, 1, 2, 3], [4, 5], [6, 7]]
+    assert [f["b"].shape[0] for f, _ in local] == [4, 2, 2]
+    assert [y.numpy().tolist() for _, y in local] == [[0, 10, 20, 30], [40, 50], [60, 70]]
+
+
+def test_an_element_cut_for_another_replica_count_is_refused():
+    three = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False,
+                                         profile_cache=False)
+    two = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False, profile_cache=False)
+    element = next(iter(three.experimental_distribute_dataset(tf.data.Dataset.range(6).batch(6))))
+    with pytest.raises(InputError, match="cut for 3 replicas"):
+        two.run(lambda x: x, args=(element,))
+
+
+def test_input_options_that_cannot_apply_are_ignored_with_a_warning(caplog):
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
+    dataset = tf.data.Dataset.range(8).batch(4)
+    with caplog.at_level("WARNING", logger="hetero_cs"):
+        strategy.experimental_distribute_dataset(dataset, tf.distribute.InputOptions())
+        assert not caplog.records  # the defaults: nothing to say
+        options = tf.distribute.InputOptions(experimental_fetch_to_device=False, experimental_per_replica_buffer_size=3)
+        distributed = strategy.experimental_distribute_dataset(dataset, options)
+    assert "experimental_fetch_to_device" in caplog.text and "experimental_per_replica_buffer_size" in caplog.text
+    assert [t.numpy().tolist() for t in strategy.experimental_local_results(next(iter(distributed)))] == [[0, 1], [2, 3]]
+    with pytest.raises(InputError, match="InputOptions"):
+        strategy.experimental_distribute_dataset(dataset, {"experimental_fetch_to_device": False})
