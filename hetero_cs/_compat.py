@@ -81,8 +81,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         strategy = self._container_strategy()
-        args, kwargs = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
-        wrapped = strategy._wrap_replica_fn(fn, args, kwargs)  # noqa: SLF001
+        args, kwargs, batch_leaves = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves)  # noqa: SLF001
         return super()._call_for_each_replica(wrapped, args, kwargs)
 
     @property
@@ -127,22 +127,21 @@ def distribute_on_host(strategy, dataset):
         def one_component(spec):
             try:
                 spec = spec._unbatch()._batch(None)  # noqa: SLF001 - TypeSpec batching, as input_lib does
-            except ValueError:
-                pass
+            except (ValueError, AttributeError, NotImplementedError):
+                pass  # not batchable (e.g. an Optional): as it is
             return values_lib.PerReplicaSpec(spec)
 
         distributed._element_spec = tf.nest.map_structure(one_component, dataset.element_spec)  # noqa: SLF001
     return distributed
 
 
-def single_component(value):
-    """The one component of a per-replica value that has exactly one (a packed global batch leaf), else None."""
+def components(value) -> tuple | None:
+    """The components of a per-replica value (one per replica, or one for a packed global batch leaf), else None."""
     # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
     # to return the unpacked slices, so it cannot be used here.
-    components = getattr(value, "_values", None)
-    if isinstance(value, tf.distribute.DistributedValues) and components is not None and len(components) == 1:
-        return components[0]
-    return None
+    if not isinstance(value, tf.distribute.DistributedValues):
+        return None
+    return tuple(getattr(value, "_values", ()))
 
 
 def per_replica(components) -> Any:
@@ -282,7 +281,8 @@ def _patch_optimizer() -> None:
         if not is_hetero_strategy(distribution):
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
         current_graph = tf.compat.v1.get_default_graph()
-        barrier = [token] if token is not None and token.graph is current_graph else []
+        # Eager steps have no graph (and run in order): nothing to wait for.
+        barrier = [token] if getattr(token, "graph", None) is current_graph and not tf.executing_eagerly() else []
         with tf.control_dependencies(barrier):
             if decay is not None and decay[0] is self:
                 _weight_decay_cross_replica(self, distribution, decay[1])

@@ -52,6 +52,18 @@ def unpack(packed, num_replicas: int) -> list:
     return tf.split(packed.values, packed.row_lengths(), num=num_replicas)
 
 
+def is_unbatched_marker(spec_or_value) -> bool:
+    """True for a component that stands for "no data" and is handed to every replica as it is.
+
+    That is None (tf.data's NoneTensorSpec, e.g. the missing sample weights of ``(x, y, None)``) and
+    ``tf.experimental.Optional`` (what Keras makes of None in some of its data adapters).
+    """
+    # NoneTensorSpec has no public name.
+    return spec_or_value is None or type(spec_or_value).__name__ == "NoneTensorSpec" or isinstance(
+        spec_or_value, (tf.OptionalSpec, tf.experimental.Optional)
+    )
+
+
 class PlanSlicer:
     """Cuts global batches into plan-sized slices for ``R`` replicas.
 
@@ -115,19 +127,22 @@ class PlanSlicer:
     def pack(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """Global batches -> the same global batches, every component packed as ``[R, (b_i), ...]`` by the plan.
 
-        With ``R = 1`` the components stay as they are (the plan is still looked up, so bad batches raise). The
+        None and ``tf.experimental.Optional`` components stay as they are. With ``R = 1`` the components stay as they are (the plan is still looked up, so
+        bad batches raise). The
         result ends in ``prefetch(1)``, so the size lookup (with online re-balancing, a Python call that also runs
         the re-balancing check) is done ahead of the step, as stock's one-batch device buffer would be.
 
         Raises:
-            InputError: The elements are empty structures, a component has no leading (batch) dimension or is a
-                ``tf.SparseTensor``, or the components' static leading dimensions differ.
+            InputError: The elements are empty structures or hold only None, a component has no leading (batch)
+                dimension or is a ``tf.SparseTensor``, or the components' static leading dimensions differ.
         """
         spec = dataset.element_spec
         leaves = tf.nest.flatten(spec)
         if not leaves:
             raise InputError("The dataset's elements are empty structures; there is nothing to split.")
         for leaf in leaves:
+            if is_unbatched_marker(leaf):
+                continue  # a None component (e.g. no sample weights): nothing to cut
             if isinstance(leaf, tf.SparseTensorSpec):
                 raise InputError(
                     f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica slices; got "
@@ -140,7 +155,12 @@ class PlanSlicer:
                     f"Every dataset component needs a leading batch dimension to be split across replicas; got "
                     f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
                 )
-        known = sorted({leaf.shape[0] for leaf in leaves if leaf.shape.rank and leaf.shape[0] is not None})
+        batched = [leaf for leaf in leaves if not is_unbatched_marker(leaf)]
+        if not batched:
+            raise InputError(
+                f"The dataset's elements hold only None or Optional components; there is nothing to split: {spec}."
+            )
+        known = sorted({leaf.shape[0] for leaf in batched if leaf.shape.rank and leaf.shape[0] is not None})
         if len(known) > 1:
             raise InputError(
                 f"The dataset's components have different leading (batch) dimensions {known}; got "
@@ -161,23 +181,29 @@ class PlanSlicer:
         def leading_dim(t):
             return t.nrows(out_type=tf.int64) if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
 
+        def pack_one(t, sizes):
+            if is_unbatched_marker(t):
+                return t
+            if R == 1:
+                return tf.identity(t)
+            if isinstance(t, tf.RaggedTensor):  # the outer row partition must use the component's own dtype
+                sizes = tf.cast(sizes, t.row_splits.dtype)
+            # validate=False: the sizes sum to the batch size (the Python path checked it, or the cached plan is for
+            # exactly this size), and the check would cost an assertion op per component per batch.
+            return tf.RaggedTensor.from_row_lengths(t, sizes, validate=False)
+
         def to_packed(*args):
             element = args if is_tuple else args[0]
             flat = tf.nest.flatten(element, expand_composites=False)
-            dims = [leading_dim(t) for t in flat]
+            dims = [leading_dim(t) for t in flat if not is_unbatched_marker(t)]
             if cache is None:
                 sizes = python_sizes(dims)
             else:
                 cached = cache.read_value()
                 hit = tf.reduce_all(tf.equal(tf.stack(dims), cached[0]))
                 sizes = tf.cond(hit, lambda: cached[1:], lambda: python_sizes(dims))
-            if R == 1:
-                with tf.control_dependencies([sizes]):  # the lookup still validates the batch
-                    packed = [tf.identity(t) for t in flat]
-            else:
-                # validate=False: the sizes sum to the batch size (the Python path checked it, or the cached plan
-                # is for exactly this size), and the check would cost an assertion op per component per batch.
-                packed = [tf.RaggedTensor.from_row_lengths(t, sizes, validate=False) for t in flat]
+            with tf.control_dependencies([sizes] if R == 1 else []):  # with R = 1 the lookup only validates
+                packed = [pack_one(t, sizes) for t in flat]
             return tf.nest.pack_sequence_as(element, packed)
 
         return dataset.map(to_packed).prefetch(1)

@@ -17,7 +17,7 @@ import tensorflow as tf
 from hetero_cs import _compat, training
 from hetero_cs.cost_model import CostModel
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError, ReplicaStepError
-from hetero_cs.input_slicing import PlanSlicer, unpack as unpack_slices
+from hetero_cs.input_slicing import PlanSlicer, is_unbatched_marker, unpack as unpack_slices
 from hetero_cs.monitor import StepTimeMonitor
 from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
 from hetero_cs.rebalance import RebalancePolicy, Rebalancer
@@ -544,10 +544,13 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         """The ``R`` slices of one packed global-batch leaf from a distributed dataset, or None for other values."""
         if self.num_replicas_in_sync == 1:
             return None  # one replica: the batch is not packed, it is already replica 0's slice
-        packed = _compat.single_component(value)
-        if packed is None:
+        parts = _compat.components(value)
+        if parts is None or len(parts) != 1:
             return None
+        packed = parts[0]
         R = self.num_replicas_in_sync
+        if is_unbatched_marker(packed):  # None / Optional ("no sample weights"): the same for every replica
+            return [packed] * R
         rows = packed.shape[0] if isinstance(packed, tf.RaggedTensor) else None
         if not isinstance(packed, tf.RaggedTensor) or (rows is not None and rows != R):
             made_for = f" (it was cut for {rows} replicas: another strategy's dataset?)" if rows is not None else ""
@@ -559,18 +562,30 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         with tf.device(self.extended.input_device):
             return unpack_slices(packed, R)
 
-    def _unpack(self, structure):
-        """``structure`` with every packed global-batch leaf replaced by a per-replica value of its ``R`` slices."""
+    def _unpack(self, structure, created=None):
+        """``structure`` with every packed global-batch leaf replaced by a per-replica value of its ``R`` slices.
+
+        The new per-replica values are appended to ``created`` (a list) when given.
+        """
 
         def convert(value):
             slices = self._replica_slices(value)
-            return value if slices is None else _compat.per_replica(slices)
+            if slices is None:
+                return value
+            unpacked = _compat.per_replica(slices)
+            if created is not None:
+                created.append(unpacked)
+            return unpacked
 
         return tf.nest.map_structure(convert, structure)
 
     def _unpack_inputs(self, args, kwargs):
-        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices."""
-        return self._unpack(args), self._unpack(kwargs or {})
+        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices.
+
+        Returns ``(args, kwargs, batch_leaves)``; ``batch_leaves`` are the per-replica slices made here, in order.
+        """
+        created: list = []
+        return self._unpack(args, created), self._unpack(kwargs or {}, created), created
 
     def experimental_local_results(self, value):
         """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices.
@@ -583,24 +598,27 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
-    def _wrap_replica_fn(self, fn, args, kwargs):
-        """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time."""
-        per_replica_leaf = next(
-            (
-                v
-                for v in tf.nest.flatten((args, kwargs or {}))
-                if isinstance(v, tf.distribute.DistributedValues)
-                and all(
-                    getattr(c, "shape", None) is not None and c.shape.rank != 0
-                    for c in self.experimental_local_results(v)
-                )
-            ),
-            None,
-        )
+    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=()):
+        """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
+
+        ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
+        dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
+        """
+        flat = tf.nest.flatten((args, kwargs or {}))
+        batch_ids = {id(v) for v in batch_leaves}
+
+        def is_batched_per_replica(v):
+            return isinstance(v, tf.distribute.DistributedValues) and all(
+                getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in self.experimental_local_results(v)
+            )
+
+        batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
+        if batch_index is None:
+            batch_index = next((i for i, v in enumerate(flat) if is_batched_per_replica(v)), None)
         global_batch_size = None
         step_start = None
-        if per_replica_leaf is not None:
-            components = self.experimental_local_results(per_replica_leaf)
+        if batch_index is not None:
+            components = self.experimental_local_results(flat[batch_index])
             with tf.device(self._parameter_device):
                 global_batch_size = tf.add_n([_leading_dim(c) for c in components])
                 if self._timing_enabled:
@@ -608,7 +626,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
                     # One clock start per step, when the step's input is there: every replica's step time runs
                     # from it (what a real device's does: input and parameters reach it after the step starts).
-                    step_start = wall_clock_stamp(components[0])  # data, so never constant-folded
+                    step_start = wall_clock_stamp(_dense_part(components[0]))  # data, so never constant-folded
         if self._emulator is not None and not self._emulator_ready():
             raise ConfigError(
                 "Emulated devices need the model's size before the first step. model.fit does this for you; in a "
@@ -619,19 +637,23 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         def replica_fn(*call_args, **call_kwargs):
             context = tf.distribute.get_replica_context()
             replica_id = _compat.replica_id_in_sync_group(context)
-            leaves = [t for t in tf.nest.flatten((call_args, call_kwargs)) if isinstance(t, tf.Tensor)]
-            batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
+            call_flat = tf.nest.flatten((call_args, call_kwargs))
+            if batch_index is not None and batch_index < len(call_flat):
+                batched = call_flat[batch_index]  # this replica's component of the batch leaf
+            else:  # no per-replica batch: the first argument with a batch dimension
+                leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
+                batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
             batch_size = _leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
             start = step_start
             if start is None and strategy._timing_enabled and batched is not None:
                 from hetero_cs.step_timing import wall_clock_stamp
 
-                start = wall_clock_stamp(batched)
+                start = wall_clock_stamp(_dense_part(batched))
             step = training.ReplicaStep(
                 replica_id=replica_id,
                 device=strategy._compute_devices[replica_id],
                 batch_size=batch_size,
-                global_batch_size=global_batch_size if per_replica_leaf is not None else None,
+                global_batch_size=global_batch_size,
                 start_stamp=start,
             )
             with training.replica_step(step):
@@ -737,27 +759,45 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         ``[7, 3]`` whose mean losses are 1.0 and 0.0 have the full-batch mean 0.7, but ``reduce("MEAN", loss,
         axis=None)`` gives 0.5. Compute each replica's loss with ``tf.nn.compute_average_loss(per_example_loss,
         global_batch_size=B)`` (0.7 and 0.0) and reduce with ``"SUM"``: 0.7. ``axis=0`` reduces per example and is
-        exact as is. ``MEAN`` with ``axis=None`` of values whose shapes differ between replicas (slices of a data
-        batch) has no element-wise mean; it returns the largest replica's value, which is what Keras needs when it
-        infers input shapes from a distributed batch.
+        exact as is. ``MEAN`` with ``axis=None`` of an element of a distributed dataset, or of values whose shapes
+        differ between replicas (slices of a data batch), has no element-wise mean; it returns the largest replica's
+        value, which is what Keras needs when it infers input shapes from a distributed batch.
         """
         if tf.nest.is_nested(value) and not isinstance(value, tf.distribute.DistributedValues):
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis=axis), value)
+        if value is None:  # e.g. the missing sample weights of an (x, y, None) batch
+            return None
+        op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
         slices = self._replica_slices(value)
         if slices is not None:  # an element of a distributed dataset: reduce its per-replica slices
+            if is_unbatched_marker(slices[0]):
+                return slices[0]
+            if axis is None and str(op).upper() == "MEAN":
+                return _largest(slices)
             value = _compat.per_replica(slices)
-        op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
         if (
             axis is None
             and str(op).upper() == "MEAN"
             and isinstance(value, tf.distribute.DistributedValues)
             and _known_unequal_shapes(self.experimental_local_results(value))
         ):
-            components = self.experimental_local_results(value)
-            sizes = [c.shape[0] if c.shape.rank else 0 for c in components]
-            known = [s if s is not None else -1 for s in sizes]
-            return components[int(np.argmax(known))]
+            return _largest(self.experimental_local_results(value))
         return super().reduce(reduce_op, value, axis=axis)
+
+    def gather(self, value, axis):
+        """Like ``tf.distribute``'s, leaf by leaf for nested values; an element of a distributed dataset gathers its
+        slices back into the global batch. (Stock gather returns only part of a nested value.)"""
+        gather_one = super().gather
+
+        def gather_leaf(leaf):
+            slices = self._replica_slices(leaf)
+            if slices is None:
+                return gather_one(leaf, axis)
+            if is_unbatched_marker(slices[0]):  # None / Optional: nothing to gather
+                return slices[0]
+            return gather_one(_compat.per_replica(slices), axis)
+
+        return tf.nest.map_structure(gather_leaf, value)
 
     # ----------------------------------------------------------------------------------------------------------
     # Calibration
@@ -897,7 +937,15 @@ def _validate_shares(shares: Sequence[float]) -> None:
 
 
 def _leading_dim(tensor) -> tf.Tensor:
+    """The batch size (int32 scalar) of a tensor or ragged tensor."""
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.nrows(out_type=tf.int32)
     return tf.shape(tensor, out_type=tf.int32)[0]
+
+
+def _dense_part(tensor):
+    """A dense tensor holding ``tensor``'s data (a ragged tensor's flat values), e.g. to anchor a clock stamp on."""
+    return tensor.flat_values if isinstance(tensor, tf.RaggedTensor) else tensor
 
 
 def _leading_dim_value(value) -> int:
@@ -909,6 +957,13 @@ def _leading_dim_value(value) -> int:
             f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
         )
     return int(shape[0])
+
+
+def _largest(slices):
+    """The slice with the most examples where that is known without running anything, else the first one."""
+    sizes = [s.shape[0] if s.shape.rank else None for s in slices]
+    known = [n if n is not None else -1 for n in sizes]
+    return slices[int(np.argmax(known))]
 
 
 def _known_unequal_shapes(components) -> bool:

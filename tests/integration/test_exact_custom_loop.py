@@ -191,3 +191,43 @@ def test_each_replica_draws_its_own_dropout_mask():
     masks = strategy.experimental_local_results(strategy.run(lambda x: dropout(x, training=True), args=(element,)))
     assert masks[0].shape == masks[1].shape == (4, 64)
     assert not np.array_equal(masks[0].numpy() > 0, masks[1].numpy() > 0)
+
+
+def test_an_eager_custom_loop_is_exact(strategy3):
+    # No tf.function: every replica's ops run eagerly, and the update must still equal one device's.
+    x, y = data(n=23, seed=4)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    reference = make_model(3)
+    ref_opt = keras.optimizers.SGD(0.1)
+    for xb, yb in dataset:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_fn(yb, reference(xb, training=True)))
+        ref_opt.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables))
+    with strategy3.scope():
+        model = make_model(3)
+        optimizer = keras.optimizers.SGD(0.1)
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(yb, model(xb, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size())
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    for element in strategy3.experimental_distribute_dataset(dataset):
+        strategy3.run(step_fn, args=element)
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=1e-5)
+    assert int(optimizer.iterations) == 3
+
+
+def test_the_batch_leaf_sets_the_weights_wherever_it_is(strategy3):
+    # b_i and B come from the dataset element's slices, not from a non-batch argument placed before them.
+    x = tf.constant(np.arange(10, dtype=np.float32).reshape(10, 1))
+    element = next(iter(strategy3.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, x)))))
+    per_class = tf.constant([1.0, 1.0])
+    constant_first = strategy3.run(lambda c, xb, yb: hetero_cs.replica_weight(), args=(per_class, *element))
+    assert [float(w) for w in strategy3.experimental_local_results(constant_first)] == pytest.approx([0.5, 0.3, 0.2])
+    other = strategy3.experimental_distribute_values_from_function(lambda ctx: tf.constant([1.0]))
+    sizes = strategy3.run(lambda o, xb, yb: hetero_cs.current_global_batch_size(), args=(other, *element))
+    assert {int(b) for b in strategy3.experimental_local_results(sizes)} == {10}  # equal values may come back as one

@@ -12,6 +12,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import hetero_cs
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.errors import InputError
 from hetero_cs import _compat
@@ -267,3 +268,34 @@ def test_input_options_that_cannot_apply_are_ignored_with_a_warning(caplog):
     assert [t.numpy().tolist() for t in strategy.experimental_local_results(next(iter(distributed)))] == [[0, 1], [2, 3]]
     with pytest.raises(InputError, match="InputOptions"):
         strategy.experimental_distribute_dataset(dataset, {"experimental_fetch_to_device": False})
+
+
+def test_ragged_inputs_alone_give_the_replicas_their_weights():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            batch_split=[3, 1], profile_cache=False)
+    rows = tf.ragged.constant([[1.0], [2.0, 2.0], [], [4.0]])
+    element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(rows))))
+    weights = strategy.run(lambda r: hetero_cs.replica_weight(), args=(element,))
+    assert [float(w) for w in strategy.experimental_local_results(weights)] == [0.75, 0.25]
+
+
+def test_ragged_components_with_int32_row_splits():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            batch_split=[1, 1], profile_cache=False)
+    rows = tf.ragged.constant([[1], [2, 2], [3], [4]], row_splits_dtype=tf.int32)
+    element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(rows))))
+    slices = strategy.experimental_local_results(element)
+    assert [s.to_list() for s in slices] == [[[1], [2, 2]], [[3], [4]]]
+    assert all(s.row_splits.dtype == tf.int32 for s in slices)
+
+
+def test_none_components_reach_every_replica_as_none():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            batch_split=[3, 1], profile_cache=False)
+    dataset = tf.data.Dataset.range(8).batch(4).map(lambda x: (x, x * 2, None))
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    seen = strategy.run(lambda x, y, w: tf.constant(w is None), args=element)
+    assert [bool(v) for v in strategy.experimental_local_results(seen)] == [True, True]
+    assert strategy.reduce("MEAN", element, axis=None)[2] is None
+    x_all, y_all, w_all = strategy.gather(element, axis=0)
+    assert x_all.numpy().tolist() == [0, 1, 2, 3] and y_all.numpy().tolist() == [0, 2, 4, 6] and w_all is None
