@@ -214,6 +214,28 @@ def _patch_variable_assign_add() -> None:
     core.Variable.assign_add = _route(core.Variable.assign_add, "assign_add")
     core.Variable.assign_sub = _route(core.Variable.assign_sub, "assign_sub")
 
+    # Many Keras metrics (TruePositives, Precision, Recall, AUC, IoU, R2Score, ...) accumulate with
+    # assign(self.var + delta) instead. On a SUM-aggregated central variable in replica context that also gives
+    # N*old + sum(d_i). Under our strategy such an assign adds (value - old) instead: new = old + sum(d_i). Only
+    # SUM variables change (Keras metric state); an assign meant to *set* a SUM variable inside a replica step has
+    # no single-device meaning anyway. MEAN variables (BatchNormalization's moving statistics) keep assign.
+    original_assign = core.Variable.assign
+
+    @functools.wraps(original_assign)
+    def assign(self, value):
+        inner = getattr(self, "_value", None)
+        if (
+            inner is not None
+            and getattr(inner, "aggregation", None) == tf.VariableAggregation.SUM
+            and tf.distribute.in_cross_replica_context() is False
+            and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+        ):
+            delta = tf.cast(value, inner.dtype) - inner.read_value()
+            return core.Variable.assign_add(self, delta)  # routed above: aggregated deltas, behind the barrier
+        return original_assign(self, value)
+
+    core.Variable.assign = assign
+
 
 def _patch_optimizer() -> None:
     # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,

@@ -835,6 +835,14 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         fingerprint = model_fingerprint(model)
         if not force and self._calibrated_fingerprint == fingerprint and self._cost_models is not None:
             return self._calibration
+        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or batch[1] is None:
+            raise ConfigError(
+                f"auto_balance calibrates each device on the model's training step with (x, y) or "
+                f"(x, y, sample_weight) batches, but this data's batches have no labels (got a "
+                f"{type(batch).__name__}{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; "
+                f"e.g. x only, with a loss from add_loss). Pass batch_split=[...] (fixed shares) or "
+                f"auto_balance=False to train on such data."
+            )
         result = run_calibration(
             model,
             batch,

@@ -401,3 +401,30 @@ def test_cli_calibrate_bad_devices_exit_2(capsys, argv, match):
     assert status == 2
     assert "Traceback" not in err
     assert re.search(match, err), err
+
+
+class AddLossAutoencoder(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        out = self.dense(x)
+        self.add_loss(tf.reduce_mean((out - x) ** 2))
+        return out
+
+
+def test_auto_balance_on_data_without_labels_says_how_to_train_it():
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    balanced = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], profile_cache=False)
+    with balanced.scope():
+        model = AddLossAutoencoder()
+        model.compile(optimizer="sgd")
+    with pytest.raises(ConfigError, match=r"no labels.*batch_split=\[\.\.\.\].*auto_balance=False"):
+        model.fit(x, batch_size=10, epochs=1, verbose=0)
+    fixed = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], batch_split=[3, 1], profile_cache=False)
+    with fixed.scope():
+        model = AddLossAutoencoder()
+        model.compile(optimizer="sgd")
+    history = model.fit(x, batch_size=10, epochs=1, verbose=0)
+    assert math.isfinite(history.history["loss"][0])

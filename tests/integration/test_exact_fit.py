@@ -267,6 +267,34 @@ def test_steps_per_execution_matches_single_device(steps_per_execution):
     assert int(model.optimizer.iterations) == 8
 
 
+def test_metrics_that_accumulate_with_assign_match_single_device():
+    # TruePositives, Precision, Recall, AUC and R2Score update with var.assign(var + delta), not assign_add.
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(53, 3)).astype(np.float32)
+    y = (x[:, :1] + 0.5 * rng.normal(size=(53, 1)) > 0).astype(np.float32)
+
+    def build():
+        init = keras.initializers.GlorotUniform(seed=9)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid", kernel_initializer=init)])
+        metrics = [keras.metrics.TruePositives(name="tp"), keras.metrics.Precision(name="precision"),
+                   keras.metrics.Recall(name="recall"), keras.metrics.AUC(name="auc"), keras.metrics.R2Score(name="r2")]
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy", metrics=metrics)
+        return model
+
+    reference = build()
+    ref_hist = reference.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(3, [5, 3, 2])
+    with strategy.scope():
+        model = build()
+    hist = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    for key in ("tp", "precision", "recall", "auc", "r2"):
+        np.testing.assert_allclose(hist.history[key], ref_hist.history[key], atol=1e-4, err_msg=key)
+    ref_eval = reference.evaluate(x, y, batch_size=7, verbose=0, return_dict=True)
+    got_eval = model.evaluate(x, y, batch_size=7, verbose=0, return_dict=True)
+    for key in ref_eval:
+        np.testing.assert_allclose(got_eval[key], ref_eval[key], atol=1e-4, err_msg=key)
+
+
 def test_plan_change_does_not_retrace_the_train_step():
     strategy = strategy_for(3, [1, 1, 1])
     with strategy.scope():
