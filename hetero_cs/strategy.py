@@ -629,8 +629,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                     step_start = wall_clock_stamp(_dense_part(components[0]))  # data, so never constant-folded
         if self._emulator is not None and not self._emulator_ready():
             raise ConfigError(
-                "Emulated devices need the model's size before the first step. model.fit does this for you; in a "
-                "custom loop call strategy.calibrate(model, dataset) once before the first strategy.run."
+                "Emulated devices need the model's size before the first step. model.fit does this for you; "
+                "before a model.evaluate or model.predict that comes before any fit, and in a custom loop before "
+                "the first strategy.run, call strategy.calibrate(model, dataset) once."
             )
         strategy = self
 
