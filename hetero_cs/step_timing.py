@@ -72,7 +72,9 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
 
     Args:
         start_stamp: float64 scalar from ``wall_clock_stamp`` at the start of the step.
-        anchor: A tensor computed at the end of the replica's work (e.g. a gradient).
+        anchor: A tensor computed at the end of the replica's work (e.g. a gradient), or None when the call is
+            made under ``tf.control_dependencies`` on that work (control inputs of this op itself are kept; it is
+            only a stamp whose *output* feeds nothing but control edges that Grappler drops).
         replica_id: The replica, in [0, R).
         batch_size: Examples in the replica's slice (int scalar tensor or int), >= 0.
         emulator: Supplies the emulated step time; None to only time the step.
@@ -98,8 +100,11 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
             record(replica_id, examples, end_s - start_s)
         return np.float64(end_s)
 
+    # With anchor=None the caller orders the op after the work with tf.control_dependencies around this call; the
+    # start stamp (a run-time value) keeps it from being constant-folded.
+    probe = tf.constant(0.0, tf.float64) if anchor is None else _probe_scalar(anchor)
     end = tf.numpy_function(
-        _end, [tf.cast(start_stamp, tf.float64), _probe_scalar(anchor), tf.cast(batch_size, tf.int64)],
+        _end, [tf.cast(start_stamp, tf.float64), probe, tf.cast(batch_size, tf.int64)],
         tf.float64, stateful=False, name=f"end_replica_step_{replica_id}")
     end.set_shape([])
     return end
@@ -145,7 +150,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
                         record: Callable[[int, int, float], None] | None = None) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
 
-    Runs :func:`end_replica_step` anchored on the gradients (waits out the emulated device time, reports the step
+    Runs :func:`end_replica_step` after every gradient (a control edge from each; waits out the emulated device time, reports the step
     time to ``record``) and ties its end stamp into the smallest gradient with :func:`tie_to_stamp` - one
     element-wise op; every value unchanged. The step, whose update needs every gradient, cannot finish before.
 
@@ -160,10 +165,11 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
     present = [g for g in grads if g is not None]
     if not present:
         return list(grads)
-    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in present]
-    anchor = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(v, [-1])[:1]), tf.float64) for v in values])
-    end = end_replica_step(start_stamp, anchor, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
-                           record=record)
+    # A control edge from every gradient: no ops per gradient (an anchor summing one element of each cost 4 ops per
+    # gradient per replica per step).
+    with tf.control_dependencies(tf.nest.flatten(present, expand_composites=True)):
+        end = end_replica_step(start_stamp, None, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
+                               record=record)
     sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
     known = [(n, i) for i, n in enumerate(sizes) if n is not None]
     index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)

@@ -237,3 +237,32 @@ def test_discover_devices_without_a_driver_lists_the_cpus_without_a_warning(monk
     assert all(d.device_type == "CPU" and d.source == "tensorflow" for d in found)
     assert found[0].memory_total_bytes and found[0].memory_total_bytes > 0 and found[0].description
     assert devices.format_device_table(found).splitlines()[1].startswith("/device:CPU:0")
+
+
+def test_finish_replica_step_stamps_the_end_after_every_gradient():
+    # The end stamp waits for the gradients through control edges only; if they were lost (e.g. pruned by Grappler)
+    # the stamp would run as soon as the start stamp exists, before the slow gradients below are computed.
+    from hetero_cs.step_timing import finish_replica_step
+
+    done_s: list[float] = []
+    recorder = Recorder()
+
+    def slow(value):
+        time.sleep(0.05)
+        done_s.append(time.perf_counter())
+        return value
+
+    @tf.function
+    def step(x):
+        start = wall_clock_stamp(x)
+        fast = x * 2.0
+        late = tf.numpy_function(slow, [x * 3.0], tf.float32, stateful=False)
+        grads = finish_replica_step([fast, None, late], start, replica_id=0, batch_size=tf.shape(x)[0],
+                                    record=recorder)
+        return tf.add_n([g for g in grads if g is not None]), start
+
+    out, start = step(tf.ones([4]))
+    assert out.numpy().tolist() == [5.0] * 4  # values unchanged
+    (replica_id, batch_size, elapsed_s), = recorder.calls
+    assert (replica_id, batch_size) == (0, 4)
+    assert float(start) + elapsed_s >= done_s[0]  # the end stamp came after the last gradient
