@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from hetero_cs.errors import (
     CalibrationOOMError,
     ConfigError,
     DeviceError,
+    HeteroCSError,
     InfeasiblePlanError,
     ProfileCacheError,
 )
@@ -171,6 +173,14 @@ class _DeviceCalibration:
                     f"The probe step failed on device={self.probe.device!r} at batch_size={batch_size}: "
                     f"{type(exc).__name__}: {exc.message}. Check that the model runs on this device with this "
                     "sample batch (model(x, training=True) and its loss)."
+                ) from exc
+            except HeteroCSError:
+                raise
+            except (ValueError, TypeError) as exc:  # raised while tracing the step, e.g. Keras' "No loss to compute"
+                raise CalibrationError(
+                    f"The probe step could not be built on device={self.probe.device!r}: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else exc!r}. Check that the model is compiled with a "
+                    "loss and accepts the sample batch (model(x, training=True) and its loss)."
                 ) from exc
             if on_measured is not None:
                 on_measured(batch_size, self.stats[-1].median_s)
@@ -375,8 +385,10 @@ def calibrate(
                 memory_limit_bytes = probe.memory_limit_bytes() or getattr(
                     gpu_facts.get(device), "memory_total_bytes", None)
 
-            # One bar per device, one tick per probe size (Keras' own progress bar, as in model.fit).
-            progbar = keras.utils.Progbar(len(sizes), verbose=1 if progress else 0, unit_name="size",
+            # One bar per device, one tick per probe size (Keras' own progress bar, as in model.fit). Like fit's
+            # verbose="auto": a live bar on a terminal, one line per device when the output goes to a file or pipe.
+            verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
+            progbar = keras.utils.Progbar(len(sizes), verbose=verbose, unit_name="size",
                                           stateful_metrics=["batch_size", "median_ms"])
 
             ticks = [0]

@@ -56,7 +56,15 @@ def load_digits(path: str | None, seed: int):
 
     if path:
         with np.load(path) as data:
+            missing = sorted({"x", "y"} - set(data.files))
+            if missing:
+                raise SystemExit(f"train_digits.py: error: --data {path} has no array(s) {missing}; it holds "
+                                 f"{sorted(data.files)}. Save x (N, 8, 8[, 1]) and y (N,) with np.savez.")
             x, y = data["x"].astype("float32"), data["y"].astype("int32")
+        image_ok = x.ndim in (3, 4) and x.shape[1:3] == (8, 8) and (x.ndim == 3 or x.shape[3] == 1)
+        if not image_ok or y.shape != x.shape[:1]:
+            raise SystemExit(f"train_digits.py: error: --data {path}: x has shape {x.shape} and y {y.shape}; expected "
+                             f"x (N, 8, 8) or (N, 8, 8, 1) and y (N,) with the same N.")
         if x.ndim == 3:
             x = x[..., None]
         x /= max(float(x.max()), 1.0)

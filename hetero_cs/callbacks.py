@@ -38,7 +38,8 @@ class BalanceCallback(keras.callbacks.Callback):
         strategy = self._strategy
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
         if data is not None:
-            strategy.calibrate(self.model, data)
+            # fit(verbose=0) keeps calibration quiet too; its progress bars otherwise show while fit starts.
+            strategy.calibrate(self.model, data, progress=self.params.get("verbose", 1) != 0)
         strategy._log_plan_if_new()  # noqa: SLF001
 
     def on_epoch_begin(self, epoch, logs=None):

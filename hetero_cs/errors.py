@@ -60,6 +60,10 @@ class InputError(HeteroCSError, ValueError):
     """A dataset element cannot be split into per-replica slices (for example, it has no batch dimension)."""
 
 
+class NotInReplicaStepError(HeteroCSError, RuntimeError):
+    """A replica-step accessor was called outside a replica function of HeteroCentralStorageStrategy."""
+
+
 class ReplicaStepError(HeteroCSError, RuntimeError):
     """A training step failed inside one replica; the model and optimizer state were left as they were."""
 

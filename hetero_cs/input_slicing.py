@@ -127,10 +127,10 @@ class PlanSlicer:
     def pack(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """Global batches -> the same global batches, every component packed as ``[R, (b_i), ...]`` by the plan.
 
-        None and ``tf.experimental.Optional`` components stay as they are. With ``R = 1`` the components stay as they are (the plan is still looked up, so
-        bad batches raise). The
-        result ends in ``prefetch(1)``, so the size lookup (with online re-balancing, a Python call that also runs
-        the re-balancing check) is done ahead of the step, as stock's one-batch device buffer would be.
+        None and ``tf.experimental.Optional`` components stay as they are. With ``R = 1`` the components stay as
+        they are (the plan is still looked up, so bad batches raise). The result ends in ``prefetch(1)``, so the size
+        lookup (with online re-balancing, a Python call that also runs the re-balancing check) is done ahead of the
+        step, as stock's one-batch device buffer would be.
 
         Raises:
             InputError: The elements are empty structures or hold only None, a component has no leading (batch)

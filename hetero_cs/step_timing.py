@@ -150,9 +150,10 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
                         record: Callable[[int, int, float], None] | None = None) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
 
-    Runs :func:`end_replica_step` after every gradient (a control edge from each; waits out the emulated device time, reports the step
-    time to ``record``) and ties its end stamp into the smallest gradient with :func:`tie_to_stamp` - one
-    element-wise op; every value unchanged. The step, whose update needs every gradient, cannot finish before.
+    Runs :func:`end_replica_step` after every gradient (a control edge from each): it waits out the emulated device
+    time and reports the step time to ``record``. Its end stamp is tied into the smallest gradient with
+    :func:`tie_to_stamp` (one element-wise op; every value unchanged), so the step, whose update needs every
+    gradient, cannot finish before.
 
     Args:
         grads: The replica's gradients (tensors, ``tf.IndexedSlices`` or None), at least one not None.

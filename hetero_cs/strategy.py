@@ -824,6 +824,11 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
         batch = _first_batch(data)
         global_batch_size = int(_leading_dim_value(tf.nest.flatten(batch)[0]))
+        if global_batch_size < 1:
+            raise InputError(
+                "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
+                "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
+            )
         if self._emulator is not None and not self._emulator_ready():
             from hetero_cs.emulation import estimate_workload
 

@@ -39,13 +39,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hetero_cs.errors import HeteroCSError
+from hetero_cs.errors import NotInReplicaStepError
 
 _state = threading.local()
-
-
-class NotInReplicaStepError(HeteroCSError, RuntimeError):
-    """A replica-step accessor was called outside a replica function of HeteroCentralStorageStrategy."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -428,3 +428,28 @@ def test_auto_balance_on_data_without_labels_says_how_to_train_it():
         model.compile(optimizer="sgd")
     history = model.fit(x, batch_size=10, epochs=1, verbose=0)
     assert math.isfinite(history.history["loss"][0])
+
+
+def test_calibrating_a_model_compiled_without_a_loss_is_a_calibration_error():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam")
+    with pytest.raises(CalibrationError, match="compiled with a loss"):
+        strategy.calibrate(model, tf.data.Dataset.from_tensors((X, Y)), progress=False)
+
+
+def test_calibrating_on_an_empty_first_batch_is_an_input_error():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(InputError, match="0 examples"):
+        strategy.calibrate(model, tf.data.Dataset.from_tensors((X[:0], Y[:0])), progress=False)
+
+
+def test_not_in_replica_step_error_is_exported():
+    import hetero_cs
+
+    with pytest.raises(hetero_cs.NotInReplicaStepError):
+        hetero_cs.current_global_batch_size()

@@ -23,6 +23,7 @@ EXPECTED_ALL = [
     "InputError",
     "InvalidCostModelError",
     "LinearCostModel",
+    "NotInReplicaStepError",
     "PiecewiseLinearCostModel",
     "ProfileCacheError",
     "RebalancePolicy",
