@@ -406,6 +406,33 @@ def _patch_fit() -> None:
     TensorFlowTrainer.fit = fit
 
 
+def _patch_evaluate_and_predict() -> None:
+    # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
+    # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
+    # do the same here. Other strategies are untouched.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    def reraise_input_errors(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            strategy = getattr(self, "_distribute_strategy", None)
+            if not is_hetero_strategy(strategy):
+                return original(self, *args, **kwargs)
+            strategy._input_error = None  # noqa: SLF001
+            try:
+                return original(self, *args, **kwargs)
+            except tf.errors.OpError as exc:
+                input_error, strategy._input_error = strategy._input_error, None  # noqa: SLF001
+                if input_error is None:
+                    raise
+                raise input_error from exc
+
+        return method
+
+    TensorFlowTrainer.evaluate = reraise_input_errors(TensorFlowTrainer.evaluate)
+    TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
+
+
 def all_sublayers(model) -> list:
     """The model and every layer inside it, nested models and layers held as attributes included."""
     # Private: Keras 3's _flatten_layers is the only walk that reaches sublayers kept as plain attributes of a
@@ -438,5 +465,6 @@ def install() -> None:
         _patch_optimizer()
         _patch_seed_generator()
         _patch_fit()
+        _patch_evaluate_and_predict()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

@@ -453,3 +453,20 @@ def test_not_in_replica_step_error_is_exported():
 
     with pytest.raises(hetero_cs.NotInReplicaStepError):
         hetero_cs.current_global_batch_size()
+
+
+def test_evaluate_and_predict_raise_the_input_error_of_a_bad_batch():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    batches = [(X[:4], Y[:4]), (X[:4], Y[:3])]  # the second batch's components disagree: 4 and 3 examples
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches),
+        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)),
+    )
+    with pytest.raises(InputError, match=r"different leading \(batch\) dimensions \[4, 3\]"):
+        model.evaluate(dataset, verbose=0)
+    with pytest.raises(InputError, match=r"different leading \(batch\) dimensions \[4, 3\]"):
+        model.predict(dataset, verbose=0)
