@@ -198,6 +198,7 @@ def _patch_variable_assign_add() -> None:
                 inner is not None
                 and tf.distribute.in_cross_replica_context() is False
                 and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+                and not _in_keras_stateless_scope()
             ):
                 value = tf.cast(value, inner.dtype)
                 step = training.current_replica_step()
@@ -215,10 +216,11 @@ def _patch_variable_assign_add() -> None:
     core.Variable.assign_sub = _route(core.Variable.assign_sub, "assign_sub")
 
     # Many Keras metrics (TruePositives, Precision, Recall, AUC, IoU, R2Score, ...) accumulate with
-    # assign(self.var + delta) instead. On a SUM-aggregated central variable in replica context that also gives
-    # N*old + sum(d_i). Under our strategy such an assign adds (value - old) instead: new = old + sum(d_i). Only
-    # SUM variables change (Keras metric state); an assign meant to *set* a SUM variable inside a replica step has
-    # no single-device meaning anyway. MEAN variables (BatchNormalization's moving statistics) keep assign.
+    # assign(self.var + delta) instead, the pattern Keras' Metric docstring shows. On a SUM-aggregated central
+    # variable in replica context that gives N*old + sum(d_i). When the assigned value is visibly `var + delta` in
+    # the graph, it becomes assign_add(delta): new = old + sum(d_i). Any other assign (setting the state to this
+    # batch's statistic, or to 0) keeps the SUM semantics, sum_i v_i, which is right for additive statistics.
+    # Eager values carry no graph: there the accumulate form is assumed (every built-in metric uses it).
     original_assign = core.Variable.assign
 
     @functools.wraps(original_assign)
@@ -229,12 +231,67 @@ def _patch_variable_assign_add() -> None:
             and getattr(inner, "aggregation", None) == tf.VariableAggregation.SUM
             and tf.distribute.in_cross_replica_context() is False
             and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+            and not _in_keras_stateless_scope()
+            and (tf.executing_eagerly() or _adds_to(value, inner))
         ):
             delta = tf.cast(value, inner.dtype) - inner.read_value()
             return core.Variable.assign_add(self, delta)  # routed above: aggregated deltas, behind the barrier
         return original_assign(self, value)
 
     core.Variable.assign = assign
+
+
+def _in_keras_stateless_scope() -> bool:
+    # Keras' stateless API (metric.stateless_update_state, ...) records assignments instead of applying them; the
+    # Variable methods check this scope first, so the rerouting above must step aside in it.
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return in_stateless_scope()
+
+
+def _adds_to(value, variable) -> bool:
+    """True when graph tensor ``value`` is ``variable + something`` (through casts and identities)."""
+    op = getattr(value, "op", None)
+    if op is None:
+        return False
+    handles = {id(h) for h in _handles(variable)}
+
+    def skip(o):
+        while o.type in ("Identity", "Cast") and o.inputs:
+            o = o.inputs[0].op
+        return o
+
+    op = skip(op)
+    if op.type not in ("AddV2", "Add"):
+        return False
+    for operand in op.inputs:
+        read = skip(operand.op)
+        if read.type == "ReadVariableOp" and _captures_one_of(read.inputs[0], handles):
+            return True
+    return False
+
+
+def _captures_one_of(tensor, handle_ids: set) -> bool:
+    """True when ``tensor`` is one of the handles, or a function graph's capture of one (through nested graphs)."""
+    for _ in range(16):  # nesting depth bound
+        if tensor is None:
+            return False
+        if id(tensor) in handle_ids:
+            return True
+        # FuncGraph.captures: (outer tensor, placeholder inside the function) pairs.
+        captures = getattr(tensor.graph, "captures", ())
+        tensor = next((outer for outer, inner in captures if inner is tensor), None)
+    return False
+
+
+def _handles(variable) -> list:
+    """The resource handles a read of ``variable`` may use in the current graph (its own, or its wrapped one's)."""
+    found = []
+    for candidate in (variable, getattr(variable, "_v", None)):  # _v: the variable an AggregatingVariable wraps
+        handle = getattr(candidate, "handle", None)
+        if handle is not None:
+            found.append(handle)
+    return found
 
 
 def _patch_optimizer() -> None:
@@ -310,6 +367,23 @@ def _patch_optimizer() -> None:
                 _weight_decay_cross_replica(self, distribution, decay[1])
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
 
+    original_apply_gradients = TFOptimizer.apply_gradients
+
+    @functools.wraps(original_apply_gradients)
+    def apply_gradients(self, grads_and_vars):
+        # Keras' gradient accumulation keeps one accumulator per variable and adds to it inside a cond; under a
+        # central-storage strategy that fails in graph mode and, eagerly, adds each replica's unreduced gradient.
+        if getattr(self, "gradient_accumulation_steps", None) and is_hetero_strategy(tf.distribute.get_strategy()):
+            from hetero_cs.errors import ConfigError
+
+            raise ConfigError(
+                f"Optimizer gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported under "
+                f"HeteroCentralStorageStrategy. Use a global batch that many times larger instead, where the devices' "
+                f"memory allows it."
+            )
+        return original_apply_gradients(self, grads_and_vars)
+
+    TFOptimizer.apply_gradients = apply_gradients
     TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001

@@ -573,7 +573,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             if slices is None:
                 return value
             unpacked = _compat.per_replica(slices)
-            if created is not None:
+            if created is not None and not is_unbatched_marker(slices[0]):
                 created.append(unpacked)
             return unpacked
 
@@ -823,7 +823,12 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         from calibration.probe import model_fingerprint
 
         batch = _first_batch(data)
-        global_batch_size = int(_leading_dim_value(tf.nest.flatten(batch)[0]))
+        batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
+        if not batched:
+            raise InputError(
+                "The first dataset element holds only None or Optional components; there is nothing to calibrate on."
+            )
+        global_batch_size = int(_leading_dim_value(batched[0]))
         if global_batch_size < 1:
             raise InputError(
                 "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "

@@ -275,7 +275,8 @@ def test_metrics_that_accumulate_with_assign_match_single_device():
 
     def build():
         init = keras.initializers.GlorotUniform(seed=9)
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid", kernel_initializer=init)])
+        dense = keras.layers.Dense(1, activation="sigmoid", kernel_initializer=init)
+        model = keras.Sequential([keras.Input((3,)), dense])
         metrics = [keras.metrics.TruePositives(name="tp"), keras.metrics.Precision(name="precision"),
                    keras.metrics.Recall(name="recall"), keras.metrics.AUC(name="auc"), keras.metrics.R2Score(name="r2")]
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy", metrics=metrics)
@@ -293,6 +294,63 @@ def test_metrics_that_accumulate_with_assign_match_single_device():
     got_eval = model.evaluate(x, y, batch_size=7, verbose=0, return_dict=True)
     for key in ref_eval:
         np.testing.assert_allclose(got_eval[key], ref_eval[key], atol=1e-4, err_msg=key)
+
+
+class LastBatchMean(keras.metrics.Metric):
+    """Sets its state to the batch's sums (no accumulation): the last batch's mean prediction."""
+
+    def __init__(self, name="last_batch_mean", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), "zeros", name="total")
+        self.count = self.add_variable((), "zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign(tf.reduce_sum(y_pred))
+        self.count.assign(tf.cast(tf.size(y_pred), "float32"))
+
+    def result(self):
+        return tf.math.divide_no_nan(self.total.value, self.count.value)
+
+
+def test_a_metric_that_sets_its_state_keeps_the_sum_over_replicas():
+    # Only assign(var + delta) is turned into an aggregated add; setting the state to the batch's sums stays a sum
+    # over the replicas' slices, which is the full batch's sum.
+    x = np.arange(40, dtype=np.float32).reshape(40, 1) / 40
+    y = np.zeros((40, 1), np.float32)
+
+    def build():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(loss="mse", metrics=[LastBatchMean(), keras.metrics.TruePositives(name="tp")])
+        return model
+
+    expected = build().evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    strategy = strategy_for(2, [3, 1])
+    with strategy.scope():
+        model = build()
+    got = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    assert got["last_batch_mean"] == pytest.approx(float(x[30:].mean()))
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+
+
+def test_the_stateless_metric_api_leaves_the_variables_alone():
+    strategy = strategy_for(2, [3, 1])
+    with strategy.scope():
+        metric = keras.metrics.TruePositives()
+    element = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors((np.ones((8, 1), np.float32), np.ones((8, 1), np.float32))))))
+
+    @tf.function
+    def step(dist):
+        def replica_fn(y_true, y_pred):
+            new_state = metric.stateless_update_state([v.value for v in metric.variables], y_true, y_pred)
+            return new_state[0]
+
+        return strategy.run(replica_fn, args=dist)
+
+    new_states = strategy.experimental_local_results(step(element))
+    assert [float(t[0]) for t in new_states] == [6.0, 2.0]  # each replica's own new state
+    assert float(metric.variables[0][0]) == 0.0  # the variable itself is unchanged
 
 
 def test_plan_change_does_not_retrace_the_train_step():

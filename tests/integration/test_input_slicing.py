@@ -265,7 +265,8 @@ def test_input_options_that_cannot_apply_are_ignored_with_a_warning(caplog):
         options = tf.distribute.InputOptions(experimental_fetch_to_device=False, experimental_per_replica_buffer_size=3)
         distributed = strategy.experimental_distribute_dataset(dataset, options)
     assert "experimental_fetch_to_device" in caplog.text and "experimental_per_replica_buffer_size" in caplog.text
-    assert [t.numpy().tolist() for t in strategy.experimental_local_results(next(iter(distributed)))] == [[0, 1], [2, 3]]
+    local = strategy.experimental_local_results(next(iter(distributed)))
+    assert [t.numpy().tolist() for t in local] == [[0, 1], [2, 3]]
     with pytest.raises(InputError, match="InputOptions"):
         strategy.experimental_distribute_dataset(dataset, {"experimental_fetch_to_device": False})
 
@@ -299,3 +300,12 @@ def test_none_components_reach_every_replica_as_none():
     assert strategy.reduce("MEAN", element, axis=None)[2] is None
     x_all, y_all, w_all = strategy.gather(element, axis=0)
     assert x_all.numpy().tolist() == [0, 1, 2, 3] and y_all.numpy().tolist() == [0, 2, 4, 6] and w_all is None
+
+
+def test_a_none_or_optional_first_component_does_not_decide_the_batch_size():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            batch_split=[3, 1], profile_cache=False)
+    dataset = tf.data.Dataset.from_tensors({"a": None, "x": np.ones((8, 2), np.float32)})  # "a" flattens first
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    weights = strategy.run(lambda d: hetero_cs.replica_weight(), args=(element,))
+    assert [float(w) for w in strategy.experimental_local_results(weights)] == [0.75, 0.25]
