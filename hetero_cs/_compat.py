@@ -236,9 +236,32 @@ def _patch_variable_assign_add() -> None:
         ):
             delta = tf.cast(value, inner.dtype) - inner.read_value()
             return core.Variable.assign_add(self, delta)  # routed above: aggregated deltas, behind the barrier
+        if (
+            inner is not None
+            and getattr(inner, "aggregation", None) == tf.VariableAggregation.NONE
+            and tf.distribute.in_cross_replica_context() is False
+            and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+            and not _in_keras_stateless_scope()
+        ):
+            # A trainable variable (aggregation NONE) assigned in replica context: Keras' optimizer applies weight
+            # constraints (kernel_constraint=MaxNorm, ...) this way after the update, and every replica computes the
+            # same value from the same central variable. Stock CentralStorageStrategy raises "You must specify an
+            # aggregation method"; here replica 0's value is written once, behind the failure barrier.
+            value = tf.cast(value, inner.dtype)
+            step = training.current_replica_step()
+            if step is not None and step.barrier:
+                with tf.control_dependencies(step.barrier):
+                    value = tf.identity(value)
+            return tf.distribute.get_replica_context().merge_call(_assign_first_replica, args=(inner, value))
         return original_assign(self, value)
 
     core.Variable.assign = assign
+
+
+def _assign_first_replica(strategy, variable, value):
+    """Cross-replica: writes replica 0's value to the central variable."""
+    first = strategy.experimental_local_results(value)[0]
+    return strategy.extended.update(variable, lambda var, v: var.assign(v), args=(first,), group=True)
 
 
 def _in_keras_stateless_scope() -> bool:

@@ -353,6 +353,30 @@ def test_the_stateless_metric_api_leaves_the_variables_alone():
     assert float(metric.variables[0][0]) == 0.0  # the variable itself is unchanged
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_weight_constraints_match_single_device(run_eagerly):
+    # Keras applies kernel_constraint after the update by assigning in replica context (stock raises there).
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = x[:, :2] * 3
+
+    def build():
+        init = keras.initializers.GlorotUniform(seed=2)
+        dense = keras.layers.Dense(2, kernel_initializer=init, kernel_constraint=keras.constraints.MaxNorm(0.3))
+        model = keras.Sequential([keras.Input((4,)), dense])
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse", run_eagerly=run_eagerly)
+        return model
+
+    reference = build()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(2, [3, 1])
+    with strategy.scope():
+        model = build()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_same_state(reference, model)
+    assert np.linalg.norm(model.get_weights()[0], axis=0).max() <= 0.3 + 1e-6
+
+
 def test_plan_change_does_not_retrace_the_train_step():
     strategy = strategy_for(3, [1, 1, 1])
     with strategy.scope():
