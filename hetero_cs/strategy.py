@@ -36,7 +36,8 @@ _EMPTY_SLICE_ADVICE = (
     "global batch hold at least R examples: drop a last partial batch smaller than R (dataset.batch(B, "
     "drop_remainder=True), or fit on the first N - N % B examples), choose a global batch size B whose remainder "
     "N % B is 0 or at least R, and give no replica a 0 share in batch_split; or set TF_ENABLE_ONEDNN_OPTS=0 before "
-    "TensorFlow is imported."
+    "TensorFlow is imported. An unsynchronized BatchNormalization would also average NaN moments from the empty "
+    "slice into its moving statistics: use BatchNormalization(synchronized=True)."
 )
 
 REBALANCE_CHECK_INTERVAL_STEPS = 4
@@ -716,8 +717,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         message = str(exc)
         # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
         match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
-        if match is None or "Iterator" in match.group(1):
-            return None
+        if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
+            return None  # the input pipeline failed (e.g. a generator), not a replica's step
         # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
         scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
         replica_id = int(scope.group(1)) if scope else 0
