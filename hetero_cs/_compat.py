@@ -193,21 +193,9 @@ def _patch_variable_assign_add() -> None:
     def _route(original: Callable, native_name: str):
         @functools.wraps(original)
         def method(self, value):
-            inner = getattr(self, "_value", None)
-            if (
-                inner is not None
-                and tf.distribute.in_cross_replica_context() is False
-                and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
-                and not _in_keras_stateless_scope()
-            ):
-                value = tf.cast(value, inner.dtype)
-                step = training.current_replica_step()
-                if step is not None and step.barrier:
-                    # ONLY_FIRST_REPLICA writes (the iteration counter) would otherwise run as soon as replica 0
-                    # is done, even when another replica's part of the step fails.
-                    with tf.control_dependencies(step.barrier):
-                        value = tf.identity(value)
-                return getattr(inner, native_name)(value)
+            inner = _central_in_replica_context(self)
+            if inner is not None:
+                return getattr(inner, native_name)(_behind_barrier(value, inner.dtype))
             return original(self, value)
 
         return method
@@ -225,37 +213,49 @@ def _patch_variable_assign_add() -> None:
 
     @functools.wraps(original_assign)
     def assign(self, value):
-        inner = getattr(self, "_value", None)
-        if (
-            inner is not None
-            and getattr(inner, "aggregation", None) == tf.VariableAggregation.SUM
-            and tf.distribute.in_cross_replica_context() is False
-            and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
-            and not _in_keras_stateless_scope()
-            and (tf.executing_eagerly() or _adds_to(value, inner))
-        ):
+        inner = _central_in_replica_context(self)
+        aggregation = getattr(inner, "aggregation", None)
+        if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or _adds_to(value, inner)):
             delta = tf.cast(value, inner.dtype) - inner.read_value()
             return core.Variable.assign_add(self, delta)  # routed above: aggregated deltas, behind the barrier
-        if (
-            inner is not None
-            and getattr(inner, "aggregation", None) == tf.VariableAggregation.NONE
-            and tf.distribute.in_cross_replica_context() is False
-            and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
-            and not _in_keras_stateless_scope()
-        ):
+        if aggregation == tf.VariableAggregation.NONE:
             # A trainable variable (aggregation NONE) assigned in replica context: Keras' optimizer applies weight
             # constraints (kernel_constraint=MaxNorm, ...) this way after the update, and every replica computes the
             # same value from the same central variable. Stock CentralStorageStrategy raises "You must specify an
             # aggregation method"; here replica 0's value is written once, behind the failure barrier.
-            value = tf.cast(value, inner.dtype)
-            step = training.current_replica_step()
-            if step is not None and step.barrier:
-                with tf.control_dependencies(step.barrier):
-                    value = tf.identity(value)
+            value = _behind_barrier(value, inner.dtype)
             return tf.distribute.get_replica_context().merge_call(_assign_first_replica, args=(inner, value))
         return original_assign(self, value)
 
     core.Variable.assign = assign
+
+
+def _central_in_replica_context(variable):
+    """The central variable behind Keras ``variable`` when it is one of our strategy's, written in replica context
+    outside Keras' stateless scope (the case the patches above reroute); else None."""
+    inner = getattr(variable, "_value", None)
+    if (
+        inner is not None
+        and tf.distribute.in_cross_replica_context() is False
+        and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+        and not _in_keras_stateless_scope()
+    ):
+        return inner
+    return None
+
+
+def _behind_barrier(value, dtype):
+    """``value`` cast to ``dtype``, computed only once every replica's gradients exist (the failure barrier).
+
+    Writes that need no other replica (the ONLY_FIRST_REPLICA iteration counter, a constraint written from replica
+    0) would otherwise run as soon as their replica is done, even when another replica's part of the step fails.
+    """
+    value = tf.cast(value, dtype)
+    step = training.current_replica_step()
+    if step is not None and step.barrier:
+        with tf.control_dependencies(step.barrier):
+            value = tf.identity(value)
+    return value
 
 
 def _assign_first_replica(strategy, variable, value):
