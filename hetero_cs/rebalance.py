@@ -78,8 +78,8 @@ class RebalancePolicy:
             case within noise_sigmas standard errors: the current plan is evaluated with every replica's level
             scaled by (1 - noise_sigmas * u_i), the new plan with (1 + noise_sigmas * u_i). 0 disables this.
         check_interval_steps: >= 1. When > 1, after a look at step s, calls before step s + check_interval_steps
-            return at once (outcome "not_due"); 1 looks at every call. A look fits the monitor's models and solves a split: about 0.4 ms of host
-            CPU for R = 3, which is 8 % of a 5 ms step but nothing beside a 100 ms one. Looking every k steps
+            return at once (outcome "not_due"); 1 looks at every call. A look fits the monitor's models and solves
+            a split: about 0.4 ms of host CPU for R = 3, which is 8 % of a 5 ms step but nothing beside a 100 ms one. Looking every k steps
             delays a reaction by at most k - 1 steps. A memory-cap violation is acted on at any call.
 
     Raises:

@@ -699,7 +699,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             self._handled_steps = completed
             if not self._rebalance_enabled or self._shares is not None or self._plan is None:
                 return
-            new_plan = self._rebalancer.propose_from_monitor(self._monitor, self._plan, base_models=self._calibrated_models)
+            new_plan = self._rebalancer.propose_from_monitor(
+                self._monitor, self._plan, base_models=self._calibrated_models
+            )
             if new_plan is not None:
                 self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
                 self._set_plan(new_plan)
