@@ -7,7 +7,7 @@ every configuration a script compares, so the configurations differ only in the 
   batch with ``tf.nn.compute_average_loss``) for every configuration;
 * synthetic data (step time does not depend on the values), one cached global batch repeated;
 * for a stock ``CentralStorageStrategy`` with emulated devices, the same per-replica wait that hetero_cs injects
-  (``hetero_cs.step_timing.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
+  (``hetero_cs.engine.step_timing.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
 * interleaved rounds over the configurations (the order rotates every round), medians.
 
 TensorFlow is imported lazily (inside functions) so a script can create its logical devices first.
@@ -199,7 +199,7 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_s
     """
     import tensorflow as tf
 
-    from hetero_cs.step_timing import finish_replica_step, wall_clock_stamp
+    from hetero_cs.engine.step_timing import finish_replica_step, wall_clock_stamp
 
     loss_fn = loss_function(reduction=None)
 
@@ -339,8 +339,8 @@ def true_profiles(emulator: Any, *, step: int = 0) -> list[TrueProfile]:
 
 def true_figures(emulator: Any, global_batch_size: int, *, step: int = 0) -> dict[str, Any]:
     """Ideal (continuous), optimal integer and even-split makespans of the true emulated profiles, seconds."""
-    from hetero_cs.plan import even_batch_split
-    from hetero_cs.solver import ideal_makespan_s, solve_batch_split
+    from hetero_cs.planning.plan import even_batch_split
+    from hetero_cs.planning.solver import ideal_makespan_s, solve_batch_split
 
     models = true_profiles(emulator, step=step)
     optimal = solve_batch_split(models, global_batch_size)

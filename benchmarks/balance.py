@@ -14,7 +14,7 @@ replica computes for real on a logical CPU device and then waits until its step 
 device would take (hetero_cs.emulation; the time scale stretches all devices alike so the waits dominate the real
 compute on this machine's few cores).
 
-Figures: ideal makespan = continuous lower bound from the TRUE emulated profiles (hetero_cs.solver.ideal_makespan_s
+Figures: ideal makespan = continuous lower bound from the TRUE emulated profiles (hetero_cs.planning.solver.ideal_makespan_s
 over the emulator's step_time_s); efficiency = ideal / measured hetero_auto step; speedup_vs_even = hetero_even step
 / hetero_auto step; theoretical_speedup = true even-split makespan / ideal makespan. Goals: efficiency >= 0.95 and
 speedup_vs_even >= 0.95 x theoretical_speedup. A PNG shows each replica's busy and idle time in a median step.
@@ -128,7 +128,7 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
 
     from hetero_cs import HeteroCentralStorageStrategy
     from hetero_cs.emulation import Emulator, estimate_workload
-    from hetero_cs.monitor import StepTimeMonitor
+    from hetero_cs.planning.monitor import StepTimeMonitor
 
     B, R = args.global_batch_size, len(names)
     label = _common.mix_label(names)

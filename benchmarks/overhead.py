@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     import tensorflow as tf
 
     from hetero_cs import HeteroCentralStorageStrategy
-    from hetero_cs.plan import even_batch_split
+    from hetero_cs.planning.plan import even_batch_split
 
     B = args.global_batch_size
     log("hetero_cs overhead benchmark - REAL compute (no emulation), identical logical CPU devices")

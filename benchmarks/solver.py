@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hetero_cs.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel  # noqa: E402
-from hetero_cs.solver import solve_batch_split  # noqa: E402
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel  # noqa: E402
+from hetero_cs.planning.solver import solve_batch_split  # noqa: E402
 
 FP32_TFLOPS = (31.2, 8.1, 9.3, 15.7)  # A10, T4, P100 (PCIe), V100 (PCIe): NVIDIA datasheets
 REPLICAS = (2, 8, 64)

@@ -184,7 +184,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """Loads a profile and prints the plan solved for the requested global batch size; returns 0."""
     from calibration.store import load_result_file
-    from hetero_cs.solver import solve_batch_split
+    from hetero_cs.planning.solver import solve_batch_split
 
     result = load_result_file(args.profile)
     batch = args.global_batch_size

@@ -32,7 +32,7 @@ from hetero_cs.errors import (
     InfeasiblePlanError,
     ProfileCacheError,
 )
-from hetero_cs.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan
 
 __all__ = ["calibrate"]
 
@@ -122,7 +122,7 @@ def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int,
 
 
 def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPlan | None:
-    from hetero_cs.solver import solve_batch_split
+    from hetero_cs.planning.solver import solve_batch_split
 
     try:
         return solve_batch_split([p.cost_model for p in profiles], global_batch_size,

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 from scipy import optimize
 
-from hetero_cs.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel
 from hetero_cs.errors import ConfigError
 
 __all__ = ["FitResult", "fit_cost_model"]

@@ -327,7 +327,7 @@ class DeviceProbe:
     def _step_fn(self, batch: Any) -> Any:
         import tensorflow as tf
 
-        from hetero_cs.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
+        from hetero_cs.engine.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
 
         x, y = batch[0], batch[1]
         sample_weight = batch[2] if len(batch) == 3 else None
@@ -347,7 +347,7 @@ class DeviceProbe:
             end = end_replica_step(start, checksum, replica_id=self.replica_id, batch_size=batch_size,
                                    emulator=self.emulator, advance=False)
             # A data dependency keeps the stateless end stamp (and its emulated wait) from being pruned; a control
-            # dependency alone is not enough under Grappler (see hetero_cs.step_timing.end_replica_step).
+            # dependency alone is not enough under Grappler (see hetero_cs.engine.step_timing.end_replica_step).
             return tie_to_stamp(checksum, end)
 
     def batch(self, batch_size: int) -> Any:

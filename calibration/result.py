@@ -12,9 +12,9 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from hetero_cs.cost_model import CostModel, cost_model_from_dict
+from hetero_cs.planning.cost_model import CostModel, cost_model_from_dict
 from hetero_cs.errors import ProfileCacheError
-from hetero_cs.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
 

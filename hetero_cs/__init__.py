@@ -1,11 +1,12 @@
 """hetero_cs: balanced, exact central-storage training on machines whose accelerators are not alike.
 
-The pure layer (cost models, solver, plan, rebalance policy, emulation catalog) imports without TensorFlow; the
-TensorFlow-facing names (the strategy, the callback, the replica-step accessors, device discovery) are imported
-on first use, so ``import hetero_cs`` neither loads TensorFlow nor initialises any device.
+Layers (see docs/architecture.md): ``hetero_cs.planning`` (pure: cost models, solver, plan, monitor, re-balance
+policy, guard, the ``Balancer`` plan lifecycle), ``hetero_cs.engine`` (TensorFlow: the strategy, input slicing,
+step timing, the one module of private TF/Keras touches) and ``hetero_cs.devices`` (NVML discovery, emulation).
+The TensorFlow-facing names (the strategy, the callback, the replica-step accessors, device discovery) are
+imported on first use, so ``import hetero_cs`` neither loads TensorFlow nor initialises any device.
 """
 
-from hetero_cs.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.errors import (
     BatchSplitError,
     CalibrationError,
@@ -22,20 +23,24 @@ from hetero_cs.errors import (
     ReplicaStepError,
     UnknownEmulatedDeviceError,
 )
-from hetero_cs.monitor import StepTimeMonitor
-from hetero_cs.plan import BatchPlan, even_batch_split, split_by_shares
-from hetero_cs.rebalance import RebalancePolicy, Rebalancer
-from hetero_cs.solver import solve_batch_split
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning.monitor import StepTimeMonitor
+from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
+from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
+from hetero_cs.planning.solver import solve_batch_split
 
 # Name -> module for the TensorFlow-facing API (PEP 562 lazy attributes; see the module docstring).
 _LAZY = {
-    "HeteroCentralStorageStrategy": "hetero_cs.strategy",
-    "BalanceCallback": "hetero_cs.callbacks",
-    "current_global_batch_size": "hetero_cs.training",
-    "replica_weight": "hetero_cs.training",
+    "HeteroCentralStorageStrategy": "hetero_cs.engine.central_storage",
+    "BalanceCallback": "hetero_cs.engine.callbacks",
+    "current_global_batch_size": "hetero_cs.engine.training",
+    "replica_weight": "hetero_cs.engine.training",
     "discover_devices": "hetero_cs.devices",
     "DeviceInfo": "hetero_cs.devices",
 }
+
+# Subpackages and modules reachable as attributes without an explicit import (none of them loads TensorFlow).
+_SUBMODULES = ("devices", "emulation", "errors", "planning")
 
 
 def __dir__():
@@ -43,10 +48,12 @@ def __dir__():
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:  # e.g. hetero_cs.emulation.setup_logical_devices(...) after a plain `import hetero_cs`
+        return importlib.import_module(f"hetero_cs.{name}")
     raise AttributeError(f"module 'hetero_cs' has no attribute {name!r}")
 
 

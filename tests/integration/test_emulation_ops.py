@@ -9,7 +9,7 @@ import warnings
 import pytest
 import tensorflow as tf
 
-from hetero_cs import devices
+from hetero_cs.devices import discovery as devices
 from hetero_cs.emulation import (
     TIME_SCALE_ENV_VAR,
     Emulator,
@@ -18,7 +18,7 @@ from hetero_cs.emulation import (
     setup_logical_devices,
 )
 from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
-from hetero_cs.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
+from hetero_cs.engine.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
 
 # Before any TF op runs in this process (idempotent: a conftest or an earlier module may have configured more).
 COMPUTE_DEVICES = setup_logical_devices(["A10", "T4", "T4"])
@@ -242,7 +242,7 @@ def test_discover_devices_without_a_driver_lists_the_cpus_without_a_warning(monk
 def test_finish_replica_step_stamps_the_end_after_every_gradient():
     # The end stamp waits for the gradients through control edges only; if they were lost (e.g. pruned by Grappler)
     # the stamp would run as soon as the start stamp exists, before the slow gradients below are computed.
-    from hetero_cs.step_timing import finish_replica_step
+    from hetero_cs.engine.step_timing import finish_replica_step
 
     done_s: list[float] = []
     recorder = Recorder()

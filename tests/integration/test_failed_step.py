@@ -90,7 +90,7 @@ def test_a_partial_batch_smaller_than_r_warns_and_a_failure_it_causes_is_explain
     rng = np.random.default_rng(0)
     x = rng.normal(size=(257, 6, 6, 1)).astype(np.float32)
     y = rng.integers(0, 2, size=(257,)).astype(np.int64)
-    with caplog.at_level("WARNING", logger="hetero_cs.strategy"):
+    with caplog.at_level("WARNING", logger="hetero_cs.engine.central_storage"):
         try:
             model.fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0)
         except ReplicaStepError as error:

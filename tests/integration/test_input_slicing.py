@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 import hetero_cs
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.errors import InputError
-from hetero_cs import _compat
-from hetero_cs.input_slicing import PlanSlicer, unpack
-from hetero_cs.plan import plan_from_split, split_by_shares
+from hetero_cs.engine import _compat
+from hetero_cs.engine.input_slicing import PlanSlicer, unpack
+from hetero_cs.planning.plan import split_by_shares
+from hetero_cs.planning.solver import plan_from_split
 
 
 class CountingSizes:

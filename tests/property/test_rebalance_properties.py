@@ -10,10 +10,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_cs.cost_model import LinearCostModel, ScaledCostModel
-from hetero_cs.plan import even_batch_split, plan_from_split
-from hetero_cs.rebalance import RebalancePolicy, simulate_training
-from hetero_cs.solver import solve_batch_split
+from hetero_cs.planning.cost_model import LinearCostModel, ScaledCostModel
+from hetero_cs.planning.plan import even_batch_split
+from hetero_cs.planning.solver import plan_from_split
+from hetero_cs.planning.rebalance import RebalancePolicy
+from hetero_cs.planning.simulation import simulate_training
+from hetero_cs.planning.solver import solve_batch_split
 
 WINDOW_STEPS = 16
 POLICY = RebalancePolicy()  # deadband 5 %, cooldown 20 steps, min_samples 5

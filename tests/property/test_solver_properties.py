@@ -8,10 +8,10 @@ from fractions import Fraction
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hetero_cs.cost_model import LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.errors import InfeasiblePlanError
-from hetero_cs.plan import BatchPlan, even_batch_split, split_by_shares
-from hetero_cs.solver import ideal_makespan_s, solve_batch_split
+from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
+from hetero_cs.planning.solver import ideal_makespan_s, solve_batch_split
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 THOROUGH = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from hetero_cs import cost_model as cost_model_module
-from hetero_cs.cost_model import (
+from hetero_cs.planning import cost_model as cost_model_module
+from hetero_cs.planning.cost_model import (
     CostModel,
     LinearCostModel,
     PiecewiseLinearCostModel,

@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-from hetero_cs import devices
-from hetero_cs.devices import (
+from hetero_cs.devices import discovery as devices
+from hetero_cs.devices.discovery import (
     DeviceInfo,
     NvmlRecord,
     TfGpuRecord,

@@ -24,7 +24,7 @@ from calibration.store import ProfileStore, load_result_file, save_result_file
 from calibration.timing import probe_batch_sizes, summarize_trials
 from hetero_cs import BatchPlan, LinearCostModel, solve_batch_split
 from hetero_cs.cli import main as cli_main
-from hetero_cs.cost_model import PiecewiseLinearCostModel, ScaledCostModel, cost_model_from_dict
+from hetero_cs.planning.cost_model import PiecewiseLinearCostModel, ScaledCostModel, cost_model_from_dict
 from hetero_cs.emulation import (
     Drift,
     Emulator,
@@ -43,7 +43,8 @@ from hetero_cs.errors import (
     ProfileCacheError,
     UnknownEmulatedDeviceError,
 )
-from hetero_cs.plan import even_batch_split, plan_from_split, split_by_shares
+from hetero_cs.planning.plan import even_batch_split, split_by_shares
+from hetero_cs.planning.solver import plan_from_split
 
 FAST = LinearCostModel(0.001, 0.001)
 SLOW = LinearCostModel(0.001, 0.003)

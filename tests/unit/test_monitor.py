@@ -1,4 +1,4 @@
-"""Unit tests for hetero_cs.monitor: step pairing, straggler statistics, robust estimates (pure, no TF)."""
+"""Unit tests for hetero_cs.planning.monitor: step pairing, straggler statistics, robust estimates (pure, no TF)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from hetero_cs.cost_model import LinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import LinearCostModel, ScaledCostModel
 from hetero_cs.errors import CalibrationError, ConfigError
-from hetero_cs.monitor import StepSample, StepTimeMonitor
+from hetero_cs.planning.monitor import StepSample, StepTimeMonitor
 
 
 def _record_step(monitor: StepTimeMonitor, sizes, times_s) -> None:
@@ -81,7 +81,7 @@ def test_window_is_bounded_and_keeps_the_latest_steps():
 @pytest.mark.parametrize("bad_time", [math.nan, math.inf, -0.5, "fast"])
 def test_invalid_time_is_ignored_with_one_warning(caplog, bad_time):
     monitor = StepTimeMonitor(2)
-    with caplog.at_level(logging.WARNING, logger="hetero_cs.monitor"):
+    with caplog.at_level(logging.WARNING, logger="hetero_cs.planning.monitor"):
         _record_step(monitor, [4, 4], [bad_time, 0.1])
         _record_step(monitor, [4, 4], [0.2, bad_time])
         _record_step(monitor, [4, 4], [0.2, 0.1])
@@ -257,7 +257,7 @@ def test_reset_forgets_samples_and_restarts_pairing():
 
 def test_incomplete_steps_are_dropped_to_bound_memory(caplog):
     monitor = StepTimeMonitor(2, window_steps=1)
-    with caplog.at_level(logging.WARNING, logger="hetero_cs.monitor"):
+    with caplog.at_level(logging.WARNING, logger="hetero_cs.planning.monitor"):
         for k in range(200):
             monitor.record(0, k, 0.1)  # Replica 1 falls 200 steps behind.
         for k in range(200):

@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from hetero_cs import plan as plan_module
-from hetero_cs.cost_model import LinearCostModel
+from hetero_cs.planning import plan as plan_module
+from hetero_cs.planning.cost_model import LinearCostModel
 from hetero_cs.errors import BatchSplitError, ConfigError, InvalidCostModelError
-from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
+from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
+from hetero_cs.planning.solver import plan_from_split
 
 
 def _full_plan() -> BatchPlan:

@@ -61,7 +61,11 @@ def test_pure_layer_imports_without_tensorflow_or_pynvml():
         sys.modules["pynvml"] = None
         sys.modules["keras"] = None
         import hetero_cs
-        from hetero_cs import cost_model, plan, solver, rebalance, monitor, emulation, errors
+        from hetero_cs import emulation, errors
+        from hetero_cs.devices import catalog, nvml
+        from hetero_cs.planning import (
+            balancer, cost_model, guard, monitor, plan, rebalance, simulation, solver,
+        )
         from calibration import timing, fit, store
         plan_ = hetero_cs.solve_batch_split(
             [hetero_cs.LinearCostModel(0.001, 1e-4), hetero_cs.LinearCostModel(0.001, 3e-4)], 64
@@ -81,3 +85,33 @@ def test_import_does_not_load_tensorflow():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_planning_layer_imports_nothing_above_it():
+    """Every module of hetero_cs/planning imports only the standard library, NumPy, SciPy, errors and itself."""
+    import ast
+    import pathlib
+
+    allowed_roots = {"numpy", "scipy", "hetero_cs"}
+    folder = pathlib.Path(hetero_cs.__file__).parent / "planning"
+    stdlib = set(sys.stdlib_module_names)
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for name in names:
+                root = name.split(".")[0]
+                assert root in stdlib or root in allowed_roots, f"{path.name} imports {name}"
+                if root == "hetero_cs":
+                    assert name.startswith(("hetero_cs.planning", "hetero_cs.errors")), f"{path.name} imports {name}"
+
+
+def test_emulation_is_reachable_from_the_package():
+    """``import hetero_cs; hetero_cs.emulation.setup_logical_devices`` works as the README writes it."""
+    code = "import sys, hetero_cs; print(callable(hetero_cs.emulation.setup_logical_devices), 'tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True False"

@@ -1,4 +1,4 @@
-"""Unit tests for hetero_cs.rebalance: policy validation, deadband, cooldown, caps, logging (pure, no TF)."""
+"""Unit tests for hetero_cs.planning.rebalance: policy validation, deadband, cooldown, caps, logging (pure, no TF)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from hetero_cs.cost_model import LinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import LinearCostModel, ScaledCostModel
 from hetero_cs.errors import ConfigError
-from hetero_cs.monitor import StepTimeMonitor
-from hetero_cs.plan import plan_from_split
-from hetero_cs.rebalance import (
+from hetero_cs.planning.monitor import StepTimeMonitor
+from hetero_cs.planning.solver import plan_from_split
+from hetero_cs.planning.rebalance import (
     BELOW_DEADBAND,
     COOLDOWN,
     NOT_DUE,
@@ -21,9 +21,9 @@ from hetero_cs.rebalance import (
     WITHIN_NOISE,
     RebalancePolicy,
     Rebalancer,
-    simulate_training,
 )
-from hetero_cs.solver import solve_batch_split
+from hetero_cs.planning.simulation import simulate_training
+from hetero_cs.planning.solver import solve_batch_split
 
 # Two replicas, the second 1.2x slower per example. Even split of 100: 50 ms vs 60 ms. Optimum: [55, 45]:
 # max(55 ms, 54 ms) = 55 ms, a predicted gain of 5/60 = 8.3 %.
@@ -217,9 +217,9 @@ def test_relative_standard_errors_are_validated(errors):
 
 
 def test_replan_is_logged_at_info_with_old_and_new_slices(caplog):
-    with caplog.at_level(logging.INFO, logger="hetero_cs.rebalance"):
+    with caplog.at_level(logging.INFO, logger="hetero_cs.planning.rebalance"):
         Rebalancer().propose(7, EVEN, MODELS)
-    (record,) = [r for r in caplog.records if r.name == "hetero_cs.rebalance"]
+    (record,) = [r for r in caplog.records if r.name == "hetero_cs.planning.rebalance"]
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
         "re-planned at step 7: [50, 50] -> [55, 45], predicted makespan 60.000 ms -> 55.000 ms (gain 8.3 %)"
@@ -227,9 +227,9 @@ def test_replan_is_logged_at_info_with_old_and_new_slices(caplog):
 
 
 def test_no_log_without_a_switch(caplog):
-    with caplog.at_level(logging.DEBUG, logger="hetero_cs.rebalance"):
+    with caplog.at_level(logging.DEBUG, logger="hetero_cs.planning.rebalance"):
         Rebalancer(RebalancePolicy(deadband=0.5)).propose(7, EVEN, MODELS)
-    assert not [r for r in caplog.records if r.name == "hetero_cs.rebalance"]
+    assert not [r for r in caplog.records if r.name == "hetero_cs.planning.rebalance"]
 
 
 def test_propose_validates_arguments():

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from hetero_cs import solver as solver_module
-from hetero_cs.cost_model import LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning import solver as solver_module
+from hetero_cs.planning.cost_model import LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.errors import ConfigError, InfeasiblePlanError, InvalidCostModelError
-from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split
-from hetero_cs.solver import ideal_makespan_s, solve_batch_split
+from hetero_cs.planning.plan import BatchPlan, even_batch_split
+from hetero_cs.planning.solver import plan_from_split
+from hetero_cs.planning.solver import ideal_makespan_s, solve_batch_split
 
 
 class Opaque:
@@ -251,7 +252,7 @@ def test_warm_start_is_certified_when_an_idle_slice_sets_the_makespan(caplog):
     # Regression: the closed-form path once started from the ideal bound (here 2.0 s, replica 1's idle time), which
     # handed replica 2 examples that a flat replica 0 finishes sooner, failed its certificate and fell back.
     models = [LinearCostModel(1.0, 0.0), LinearCostModel(2.0, 0.0), LinearCostModel(1.5, 1e-4)]
-    with caplog.at_level("DEBUG", logger="hetero_cs.solver"):
+    with caplog.at_level("DEBUG", logger="hetero_cs.planning.solver"):
         plan = solve_batch_split(models, 4096)
     assert plan.per_replica_batch_sizes == (4094, 1, 1)
     assert plan.predicted_makespan_s == 2.0

@@ -18,9 +18,9 @@ from calibration.store import (
     profile_key,
     save_result_file,
 )
-from hetero_cs.cost_model import LinearCostModel, PiecewiseLinearCostModel
+from hetero_cs.planning.cost_model import LinearCostModel, PiecewiseLinearCostModel
 from hetero_cs.errors import ConfigError, ProfileCacheError
-from hetero_cs.solver import solve_batch_split
+from hetero_cs.planning.solver import solve_batch_split
 
 
 def _result(wall_time_s: float = 3.5, *, emulated: bool = True) -> CalibrationResult:

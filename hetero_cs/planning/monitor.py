@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hetero_cs.cost_model import CostModel, LinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
 from hetero_cs.errors import CalibrationError, ConfigError
 
 logger = logging.getLogger(__name__)

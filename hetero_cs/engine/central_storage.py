@@ -1,10 +1,14 @@
-"""HeteroCentralStorageStrategy: central storage with plan-sized, exactly weighted replica slices."""
+"""HeteroCentralStorageStrategy: central storage with plan-sized, exactly weighted replica slices.
+
+A thin adapter between tf.distribute's hooks and the plan lifecycle: the split itself (chosen, served, watched,
+re-planned, guarded) lives in :class:`hetero_cs.planning.balancer.Balancer`; cutting global batches in
+:mod:`hetero_cs.engine.input_slicing`; clocks and emulated waits in :mod:`hetero_cs.engine.step_timing`; the
+private TensorFlow/Keras touches in :mod:`hetero_cs.engine._compat`.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 import threading
 import warnings
@@ -14,66 +18,18 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs import _compat, training
-from hetero_cs.cost_model import CostModel
-from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError, ReplicaStepError
-from hetero_cs.input_slicing import PlanSlicer, is_unbatched_marker, unpack as unpack_slices
-from hetero_cs.monitor import StepTimeMonitor
-from hetero_cs.plan import BatchPlan, even_batch_split, plan_from_split, split_by_shares
-from hetero_cs.rebalance import RebalancePolicy, Rebalancer
-from hetero_cs.solver import solve_batch_split
+from hetero_cs.engine import _compat, arguments, tensors, training
+from hetero_cs.engine.input_slicing import PlanSlicer, is_unbatched_marker, unpack as unpack_slices
+from hetero_cs.engine.step_errors import EMPTY_SLICE_ADVICE, replica_step_error
+from hetero_cs.errors import BatchSplitError, ConfigError, InputError
+from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.monitor import StepTimeMonitor
+from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
 
 _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
-
-MIN_PREDICTED_GAIN = 0.02
-"""An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
-
-_EMPTY_SLICE_ADVICE = (
-    "Some TensorFlow kernels fail on 0-example inputs, e.g. Conv2D and SeparableConv2D on CPU with oneDNN ('input "
-    "depth must be evenly divisible by filter depth'). To give every replica at least one example, make every "
-    "global batch hold at least R examples: drop a last partial batch smaller than R (dataset.batch(B, "
-    "drop_remainder=True), or fit on the first N - N % B examples), choose a global batch size B whose remainder "
-    "N % B is 0 or at least R, and give no replica a 0 share in batch_split; or set TF_ENABLE_ONEDNN_OPTS=0 before "
-    "TensorFlow is imported. An unsynchronized BatchNormalization would also average NaN moments from the empty "
-    "slice into its moving statistics: use BatchNormalization(synchronized=True)."
-)
-
-REBALANCE_CHECK_INTERVAL_STEPS = 4
-"""Online re-balancing looks at the monitor every 4 completed steps (``RebalancePolicy.check_interval_steps``).
-
-A look costs about 0.4 ms of host CPU for 3 replicas; it runs in the input pipeline, beside the step. Every 4 steps
-keeps that under 0.1 ms per step and delays a reaction to a drifting device by at most 3 steps."""
-
-
-def _canonical_device(name: str) -> str:
-    """'/cpu:1', 'CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
-    if not isinstance(name, str) or not name.strip():
-        raise DeviceError(f"Device names must be non-empty strings. Received: device={name!r}.")
-    text = name.strip()
-    if not text.startswith("/"):
-        text = "/device:" + text
-    try:
-        spec = tf.DeviceSpec.from_string(text)
-    except ValueError as exc:
-        raise DeviceError(
-            f"Cannot parse device name {name!r}. Use names like '/device:GPU:0' or '/cpu:1'."
-        ) from exc
-    if spec.device_type is None or spec.device_index is None:
-        raise DeviceError(
-            f"Device name {name!r} needs a type and an index, like '/device:GPU:0' or '/cpu:1'."
-        )
-    return f"/device:{spec.device_type.upper()}:{spec.device_index}"
-
-
-def _default_compute_devices(parameter_device: str) -> list[str]:
-    gpus = [_canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
-    if gpus:
-        return gpus
-    cpus = [_canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")]
-    others = [d for d in cpus if d != parameter_device]
-    return others or cpus[:1]
 
 
 class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStrategy):
@@ -83,7 +39,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
     cut into contiguous slices ``b_1..b_R`` by the current :class:`~hetero_cs.BatchPlan`; replica ``i`` computes
     its gradient on its ``b_i`` examples with its loss weighted by ``b_i / B``, and the host sums the gradients. One
     step on any split therefore equals one single-device step on the whole batch (loss, gradients, optimizer state,
-    metrics). See :mod:`hetero_cs.training` for the worked number.
+    metrics). See :mod:`hetero_cs.engine.training` for the worked number.
 
     How the plan is chosen:
       * ``batch_split=[2, 1, 1]``: fixed relative shares, no calibration.
@@ -117,6 +73,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             are created for you (this must happen before TensorFlow initialises).
         profile_cache: Calibration profile cache: None for the default directory (``$HETERO_CS_CACHE_DIR``, else
             ``~/.cache/hetero_cs``), a directory path, a ``calibration.ProfileStore``, or False for no cache.
+        guard: With auto_balance, keep a calibrated or re-planned split only after it measured faster than the
+            split it replaces, side by side over the same steps (:mod:`hetero_cs.planning.guard`); else revert and
+            back off. False trusts the prediction.
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -136,8 +95,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         batch_split: Sequence[float] | None = None,
         emulate: "Sequence[str] | Any | None" = None,
         profile_cache: Any = None,
+        guard: bool = True,
     ):
-        from hetero_cs import emulation
+        from hetero_cs.devices import emulation
 
         emulator = None
         if isinstance(emulate, emulation.Emulator):
@@ -154,29 +114,20 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 emulation.get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
             if compute_devices is None:
                 compute_devices = emulation.setup_logical_devices(list(emulate))
-        parameter_device = _canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
+        parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
         if compute_devices is None:
-            compute_devices = _default_compute_devices(parameter_device)
+            compute_devices = arguments.default_compute_devices(parameter_device)
         if isinstance(compute_devices, str):
             compute_devices = [compute_devices]
-        devices = [_canonical_device(d) for d in compute_devices]
-        self._validate_devices(devices, parameter_device)
+        devices = [arguments.canonical_device(d) for d in compute_devices]
+        arguments.validate_devices(devices, parameter_device)
         if emulate is not None and len(emulate) != len(devices):
             raise ConfigError(
                 f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
                 f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
             )
-        _validate_profile_cache(profile_cache)
-        if batch_split is not None:
-            shares = _shares_list(batch_split)
-            if len(shares) != len(devices):
-                raise BatchSplitError(
-                    f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
-                    f"R={len(devices)} compute devices {devices}. Give {len(devices)} shares, e.g. "
-                    f"{[1] * len(devices)}."
-                )
-            _validate_shares(shares)
-        self._shares: tuple[float, ...] | None = None if batch_split is None else tuple(float(s) for s in shares)
+        arguments.validate_profile_cache(profile_cache)
+        shares = None if batch_split is None else self._checked_shares(batch_split, len(devices))
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
@@ -187,8 +138,6 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
         self._compute_devices = tuple(devices)
         self._parameter_device = parameter_device
-        self._auto_balance = bool(auto_balance) and self._shares is None
-        self._rebalance_enabled = bool(rebalance) and self._auto_balance
         if emulator is None and emulate is not None:
             emulator = emulation.Emulator(list(emulate))
         self._emulator = emulator
@@ -199,7 +148,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                 list(devices),
                 [spec.name for spec in emulator.specs],
             )
-        if len(devices) == 1 and self._auto_balance:
+        if len(devices) == 1 and auto_balance and shares is None:
             warnings.warn(
                 f"HeteroCentralStorageStrategy has one compute device ({devices[0]}): there is nothing to balance. "
                 f"Add GPUs, or pass emulate=['A10', 'T4', ...] on a CPU-only machine.",
@@ -207,61 +156,52 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             )
         self._profile_cache = profile_cache
         self._lock = threading.RLock()
-        self._calibrated_models: list[CostModel] | None = None  # from calibration / set_cost_models
-        self._cost_models: list[CostModel] | None = None  # the above, updated online by the monitor
-        self._max_batch_sizes: list[int | None] | None = None
-        self._plan: BatchPlan | None = None
-        self._plans_by_batch: dict[int, BatchPlan] = {}
-        self._reference_batch_size: int | None = None
         self._source_dataset = None
         self._calibration = None
         self._calibrated_fingerprint: str | None = None
-        self._monitor = StepTimeMonitor(len(devices))
-        self._rebalancer = self._make_rebalancer()
-        self._handled_steps = 0
-        self._timing_enabled = self._rebalance_enabled or self._emulator is not None or _env_flag(
-            "HETERO_CS_TIMING"
-        )
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
         self._empty_slice_plan: BatchPlan | None = None  # the last plan cut that gave a replica 0 examples
         self._warned_empty_slices: set[int] = set()  # global batch sizes already warned about
-        # Without online re-balancing nothing changes the plan between batches, so full global batches take their
-        # sizes from a copy of the plan in the graph instead of a Python call each (see hetero_cs.input_slicing).
+        # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
+        # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
         self._slicer = PlanSlicer(
-            len(devices), self._slice_sizes, device=parameter_device, cacheable=not self._rebalance_enabled
+            len(devices), self._slice_sizes, device=parameter_device,
+            cacheable=not (bool(auto_balance) and shares is None),
+        )
+        self._balancer = Balancer(
+            len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
+            on_plan=self._slicer.publish,
+        )
+        self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
+            "HETERO_CS_TIMING"
         )
 
-    # ----------------------------------------------------------------------------------------------------------
-    # Validation
-    # ----------------------------------------------------------------------------------------------------------
     @staticmethod
-    def _validate_devices(devices: list[str], parameter_device: str) -> None:
-        if not devices:
-            raise DeviceError("compute_devices is empty. Give at least one device, e.g. ['/gpu:0'].")
-        if len(set(devices)) != len(devices):
-            raise DeviceError(f"compute_devices repeats a device: {devices}. List each device once.")
-        if parameter_device in devices and len(devices) > 1:
-            raise DeviceError(
-                f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
-                f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it from "
-                f"compute_devices."
+    def _checked_shares(batch_split, num_replicas: int) -> list:
+        shares = arguments.shares_list(batch_split)
+        if len(shares) != num_replicas:
+            raise BatchSplitError(
+                f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
+                f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
             )
-        known = {_canonical_device(d.name) for d in tf.config.list_logical_devices()}
-        unknown = [d for d in [*devices, parameter_device] if d not in known]
-        if unknown:
-            raise DeviceError(
-                f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create "
-                f"logical devices first with hetero_cs.emulation.setup_logical_devices([...]) or pass emulate=[...]."
-            )
+        arguments.validate_shares(shares)
+        return shares
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
     # ----------------------------------------------------------------------------------------------------------
     @property
     def plan(self) -> BatchPlan | None:
-        """The current plan for the full global batch (None before the first global batch is seen)."""
-        return self._plan
+        """The plan in force for the full global batch (None before the first global batch is seen).
+
+        While the guard tries a new plan this is still the plan it would replace (see :attr:`balancer`)."""
+        return self._balancer.plan
+
+    @property
+    def balancer(self) -> Balancer:
+        """The plan lifecycle (:class:`hetero_cs.planning.balancer.Balancer`): monitor, re-balancer, guard."""
+        return self._balancer
 
     @property
     def compute_devices(self) -> tuple[str, ...]:
@@ -280,8 +220,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
     @property
     def monitor(self) -> StepTimeMonitor:
-        """Per-replica step-time statistics (filled while timing is on: rebalance, emulation, HETERO_CS_TIMING=1)."""
-        return self._monitor
+        """Per-replica step-time statistics (filled while timing is on: auto_balance, emulation, HETERO_CS_TIMING=1)."""
+        return self._balancer.monitor
 
     @property
     def calibration(self):
@@ -291,12 +231,12 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
     @property
     def cost_models(self) -> list[CostModel] | None:
         """Per-replica cost models behind the plan (calibrated, then updated online), or None."""
-        return None if self._cost_models is None else list(self._cost_models)
+        return self._balancer.cost_models
 
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None
     ) -> None:
-        """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
+        """Replaces the per-replica cost models (and memory caps) and re-solves the plan, at once (no guard trial).
 
         Args:
             cost_models: One per replica, in replica-id order.
@@ -305,41 +245,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         Raises:
             ConfigError: Wrong number of cost models or caps.
         """
-        from hetero_cs.cost_model import check_cost_model
-        from hetero_cs.solver import _checked_caps  # the solver's own cap validation, same messages
-
-        models = list(cost_models)
-        R = self.num_replicas_in_sync
-        if len(models) != R:
-            raise ConfigError(
-                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
-            )
-        if max_batch_sizes is not None and not isinstance(max_batch_sizes, (str, bytes)):
-            try:
-                count = len(max_batch_sizes)
-            except TypeError:
-                count = None
-            if count is not None and count != R:
-                raise ConfigError(
-                    f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
-                )
-        caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
-        for i, model in enumerate(models):
-            check_cost_model(model, [0, 1], replica_id=i)
-        with self._lock:
-            # Solve with the new models before committing anything, so a failure leaves the strategy as it was.
-            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes)
-            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
-            try:
-                plan = self._solve(self._reference_batch_size) if self._reference_batch_size is not None else None
-                rebalancer = self._make_rebalancer()
-            except Exception:
-                self._calibrated_models, self._cost_models, self._max_batch_sizes = previous
-                raise
-            self._rebalancer = rebalancer
-            self._plans_by_batch.clear()
-            if plan is not None:
-                self._set_plan(plan)
+        self._balancer.set_cost_models(cost_models, max_batch_sizes=max_batch_sizes)
 
     def set_batch_split(self, shares: Sequence[float] | None) -> None:
         """Fixes the relative shares per replica from now on (None: back to auto_balance / even split).
@@ -351,74 +257,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             BatchSplitError: Wrong length, negative, non-finite or all-zero shares.
         """
         if shares is not None:
-            shares = _shares_list(shares)
-            if len(shares) != self.num_replicas_in_sync:
-                raise BatchSplitError(
-                    f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
-                    f"R={self.num_replicas_in_sync} compute devices. Give {self.num_replicas_in_sync} shares."
-                )
-            _validate_shares(shares)
-        with self._lock:
-            self._shares = None if shares is None else tuple(float(s) for s in shares)
-            self._plans_by_batch.clear()
-            if self._reference_batch_size is not None:
-                self._set_plan(self._solve(self._reference_batch_size))
-
-    def _log_plan_if_new(self) -> None:
-        plan = self._plan
-        if plan is not None and plan != self._last_logged_plan:
-            self._last_logged_plan = plan
-            logger.info("hetero_cs batch plan:\n%s", plan)
-
-    def _make_rebalancer(self) -> Rebalancer:
-        policy = RebalancePolicy(check_interval_steps=REBALANCE_CHECK_INTERVAL_STEPS)
-        return Rebalancer(policy, max_batch_sizes=self._max_batch_sizes)
-
-    def _set_plan(self, plan: BatchPlan) -> None:
-        with self._lock:
-            self._plan = plan
-            self._slicer.publish(plan)
-            self._plans_by_batch[plan.global_batch_size] = plan
-            # Plans for other (partial-batch) sizes came from the same models only if this plan did.
-            for size in [k for k, v in self._plans_by_batch.items() if k != plan.global_batch_size]:
-                del self._plans_by_batch[size]
-
-    # ----------------------------------------------------------------------------------------------------------
-    # Planning
-    # ----------------------------------------------------------------------------------------------------------
-    def _solve(self, global_batch_size: int) -> BatchPlan:
-        R = self.num_replicas_in_sync
-        if self._shares is not None:
-            return plan_from_split(split_by_shares(global_batch_size, self._shares), self._cost_models)
-        if not self._auto_balance or self._cost_models is None:
-            return plan_from_split(even_batch_split(global_batch_size, R), self._cost_models)
-        min_batch_size = 1 if global_batch_size >= R else 0
-        plan = solve_batch_split(
-            self._cost_models,
-            global_batch_size,
-            max_batch_sizes=self._max_batch_sizes,
-            min_batch_size=min_batch_size,
-        )
-        even = even_batch_split(global_batch_size, R)
-        speedup = plan.predicted_speedup_vs_even
-        caps_allow_even = self._max_batch_sizes is None or all(
-            cap is None or b <= cap for b, cap in zip(even, self._max_batch_sizes)
-        )
-        if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
-            # When the devices are (nearly) alike, or fixed per-step costs dominate, many splits tie and the
-            # optimum is decided by calibration noise (e.g. 3/197 on two identical CPUs); keep the even split.
-            reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
-            logger.log(
-                logging.INFO if reference else logging.DEBUG,
-                "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
-                "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
-                list(plan.per_replica_batch_sizes),
-                (speedup - 1.0) * 100,
-                MIN_PREDICTED_GAIN * 100,
-                list(even),
-            )
-            return plan_from_split(even, self._cost_models, max_batch_sizes=self._max_batch_sizes)
-        return plan
+            shares = self._checked_shares(shares, self.num_replicas_in_sync)
+        self._balancer.set_batch_split(shares)
 
     def plan_for(self, global_batch_size: int) -> BatchPlan:
         """Returns the plan used for a global batch of ``global_batch_size`` examples (solved once, then cached).
@@ -429,29 +269,18 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         Raises:
             ConfigError: ``global_batch_size`` < 1.
         """
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, numbers.Integral):
-            raise ConfigError(
-                f"global_batch_size must be an integer >= 1 (examples per step). Received: "
-                f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."
-            )
-        b = int(global_batch_size)
-        if b < 1:
-            raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
-        with self._lock:
-            plan = self._plans_by_batch.get(b)
-            if plan is None:
-                plan = self._solve(b)
-                self._plans_by_batch[b] = plan
-            if self._reference_batch_size is None or b > self._reference_batch_size:
-                self._reference_batch_size = b
-            if b == self._reference_batch_size and plan is not self._plan:
-                self._set_plan(plan)
-            return plan
+        return self._balancer.plan_for(global_batch_size)
+
+    def _log_plan_if_new(self) -> None:
+        plan = self.plan
+        if plan is not None and plan != self._last_logged_plan:
+            self._last_logged_plan = plan
+            logger.info("hetero_cs batch plan:\n%s", plan)
 
     def _slice_sizes(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) with every component's leading dimension, for every
-        # global batch that the cached plan does not cover (hetero_cs.input_slicing). An error here would reach the
-        # user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as it is.
+        # global batch that the cached plan does not cover (hetero_cs.engine.input_slicing). An error here would
+        # reach the user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as is.
         try:
             sizes = sorted({int(d) for d in leading_dims})
             if len(sizes) > 1:
@@ -461,19 +290,16 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
                     f"component of a global batch needs the same number of examples; if the dataset is not "
                     f"batched yet, batch it: dataset.batch(global_batch_size)."
                 )
-            if self._rebalance_enabled:
-                self._maybe_rebalance()
             if sizes[0] == 0:
                 raise InputError(
                     "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
                     "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
                 )
-            with self._lock:
-                plan = self.plan_for(sizes[0])
-                if plan is self._plan:  # the reference plan: later full batches may read it from the graph
-                    self._slicer.publish(plan)
-                if 0 in plan.per_replica_batch_sizes:
-                    self._note_empty_slices(plan)
+            plan = self._balancer.serve(sizes[0])
+            if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
+                self._slicer.publish(plan)
+            if 0 in plan.per_replica_batch_sizes:
+                self._note_empty_slices(plan)
             return np.asarray(plan.per_replica_batch_sizes, dtype=np.int64)
         except Exception as exc:
             self._input_error = exc
@@ -494,7 +320,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             list(plan.per_replica_batch_sizes),
             empty,
             len(plan.per_replica_batch_sizes),
-            _EMPTY_SLICE_ADVICE,
+            EMPTY_SLICE_ADVICE,
         )
 
     # ----------------------------------------------------------------------------------------------------------
@@ -517,7 +343,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         Raises:
             InputError: A component has no batch dimension, or is a ``tf.SparseTensor``.
         """
-        _warn_unused_input_options(options)
+        arguments.warn_unused_input_options(options)
         self._start_new_input(dataset)
         return _compat.distribute_on_host(self, self._slicer.pack(dataset))
 
@@ -525,8 +351,8 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
         with self._lock:
             self._source_dataset = dataset
-            self._reference_batch_size = None
             self._input_error = None
+            self._balancer.start_new_input()
             self._slicer.publish(None)  # the new input's first batch sets the reference again
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -536,7 +362,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         ``input_context.get_per_replica_batch_size(B)`` returns ``B``: batch by the global batch size.
         """
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
-        _warn_unused_input_options(options)
+        arguments.warn_unused_input_options(options)
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
         return _compat.distribute_on_host(self, self._slicer.pack(dataset))
@@ -621,13 +447,13 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if batch_index is not None:
             components = self.experimental_local_results(flat[batch_index])
             with tf.device(self._parameter_device):
-                global_batch_size = tf.add_n([_leading_dim(c) for c in components])
+                global_batch_size = tf.add_n([tensors.leading_dim(c) for c in components])
                 if self._timing_enabled:
-                    from hetero_cs.step_timing import wall_clock_stamp
+                    from hetero_cs.engine.step_timing import wall_clock_stamp
 
                     # One clock start per step, when the step's input is there: every replica's step time runs
                     # from it (what a real device's does: input and parameters reach it after the step starts).
-                    step_start = wall_clock_stamp(_dense_part(components[0]))  # data, so never constant-folded
+                    step_start = wall_clock_stamp(tensors.dense_part(components[0]))  # data, so never constant-folded
         if self._emulator is not None and not self._emulator_ready():
             raise ConfigError(
                 "Emulated devices need the model's size before the first step. model.fit does this for you; "
@@ -645,12 +471,12 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             else:  # no per-replica batch: the first argument with a batch dimension
                 leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
                 batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
-            batch_size = _leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
+            batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
             start = step_start
             if start is None and strategy._timing_enabled and batched is not None:
-                from hetero_cs.step_timing import wall_clock_stamp
+                from hetero_cs.engine.step_timing import wall_clock_stamp
 
-                start = wall_clock_stamp(_dense_part(batched))
+                start = wall_clock_stamp(tensors.dense_part(batched))
             step = training.ReplicaStep(
                 replica_id=replica_id,
                 device=strategy._compute_devices[replica_id],
@@ -671,7 +497,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         step = training.current_replica_step()
         if step is None or step.start_stamp is None:
             return grads
-        from hetero_cs.step_timing import finish_replica_step
+        from hetero_cs.engine.step_timing import finish_replica_step
 
         return finish_replica_step(
             grads,
@@ -684,70 +510,15 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
         """Monitor callback (runs in a TensorFlow thread once per replica per step): records only."""
-        self._monitor.record(int(replica_id), int(batch_size), float(step_time_s))
-
-    def _maybe_rebalance(self) -> None:
-        """Re-plans from the monitor if steps completed since the last look.
-
-        Called from the input pipeline before it cuts the next global batch, so the decision runs ahead of the
-        training step instead of inside it, and the new plan reaches the very batches being prepared.
-        """
-        with self._lock:
-            completed = self._monitor.completed_steps
-            if completed <= self._handled_steps:
-                return
-            self._handled_steps = completed
-            if not self._rebalance_enabled or self._shares is not None or self._plan is None:
-                return
-            new_plan = self._rebalancer.propose_from_monitor(
-                self._monitor, self._plan, base_models=self._calibrated_models
-            )
-            if new_plan is not None:
-                self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
-                self._set_plan(new_plan)
+        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s))
 
     def _replica_step_error(self, exc: Exception):
-        """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
-
-        TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no prefix.
-        """
-        import re
-
+        """The input pipeline's own error if it failed, else a ReplicaStepError naming the replica, or None."""
         if self._input_error is not None:
             error, self._input_error = self._input_error, None
             return error
-        message = str(exc)
-        # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
-        match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
-        if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
-            return None  # the input pipeline failed (e.g. a generator), not a replica's step
-        # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
-        scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
-        replica_id = int(scope.group(1)) if scope else 0
-        if replica_id >= self.num_replicas_in_sync:
-            return None
-        device = self._compute_devices[replica_id]
-        lines = [line.strip() for line in message.splitlines()]
-        # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
-        marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
-        before = [line for line in lines[:marker] if line] if marker is not None else []
-        cause = before[-1] if before else type(exc).__name__
-        plan = list(self._plan.per_replica_batch_sizes) if self._plan else None
-        empty = self._empty_slice_plan
-        if empty is not None and empty.per_replica_batch_sizes[replica_id] == 0:
-            advice = (
-                f"That replica gets 0 examples of a global batch of {empty.global_batch_size} (cut "
-                f"{list(empty.per_replica_batch_sizes)}; full batches: {plan}), which is likely this step. "
-                f"{_EMPTY_SLICE_ADVICE}"
-            )
-        else:
-            advice = f"Check that replica's slice of the batch (plan: {plan}) and the device."
-        return ReplicaStepError(
-            f"The training step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
-            f"No update of this step was applied: variables and optimizer state are as they were before it. "
-            f"{advice} The original error is chained below.",
-            replica_id=replica_id,
-            device=device,
+        return replica_step_error(
+            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slice_plan
         )
 
     # ----------------------------------------------------------------------------------------------------------
@@ -777,15 +548,15 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
             if is_unbatched_marker(slices[0]):
                 return slices[0]
             if axis is None and str(op).upper() == "MEAN":
-                return _largest(slices)
+                return tensors.largest(slices)
             value = _compat.per_replica(slices)
         if (
             axis is None
             and str(op).upper() == "MEAN"
             and isinstance(value, tf.distribute.DistributedValues)
-            and _known_unequal_shapes(self.experimental_local_results(value))
+            and tensors.known_unequal_shapes(self.experimental_local_results(value))
         ):
-            return _largest(self.experimental_local_results(value))
+            return tensors.largest(self.experimental_local_results(value))
         return super().reduce(reduce_op, value, axis=axis)
 
     def gather(self, value, axis):
@@ -825,13 +596,13 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         from calibration import calibrate as run_calibration
         from calibration.probe import model_fingerprint
 
-        batch = _first_batch(data)
+        batch = tensors.first_batch(data)
         batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
         if not batched:
             raise InputError(
                 "The first dataset element holds only None or Optional components; there is nothing to calibrate on."
             )
-        global_batch_size = int(_leading_dim_value(batched[0]))
+        global_batch_size = int(tensors.leading_dim_value(batched[0]))
         if global_batch_size < 1:
             raise InputError(
                 "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
@@ -840,14 +611,14 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if self._emulator is not None and not self._emulator_ready():
             from hetero_cs.emulation import estimate_workload
 
-            target_s = _emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
+            target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
             self._emulator.set_workload(estimate_workload(model))
             self._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=target_s)
-        if not self._auto_balance:
+        if not self._balancer.auto_balance:
             self.plan_for(global_batch_size)
             return None
         fingerprint = model_fingerprint(model)
-        if not force and self._calibrated_fingerprint == fingerprint and self._cost_models is not None:
+        if not force and self._calibrated_fingerprint == fingerprint and self._balancer.cost_models is not None:
             return self._calibration
         if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or batch[1] is None:
             raise ConfigError(
@@ -870,10 +641,11 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         self._calibration = result
         self._calibrated_fingerprint = fingerprint
         logger.info("hetero_cs calibration:\n%s", result.format_table())
-        with self._lock:
-            self._reference_batch_size = max(self._reference_batch_size or 0, global_batch_size)
-        self.set_cost_models(
-            [p.cost_model for p in result.profiles], max_batch_sizes=[p.max_batch_size for p in result.profiles]
+        self._balancer.set_cost_models(
+            [p.cost_model for p in result.profiles],
+            max_batch_sizes=[p.max_batch_size for p in result.profiles],
+            trial=True,
+            reference_batch_size=global_batch_size,
         )
         return result
 
@@ -890,146 +662,9 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         return cache
 
     def _fit_callbacks(self, model, callbacks):
-        from hetero_cs.callbacks import BalanceCallback
+        from hetero_cs.engine.callbacks import BalanceCallback
 
         callbacks = list(callbacks or [])
         if not any(isinstance(c, BalanceCallback) for c in callbacks):
             callbacks.insert(0, BalanceCallback(self))
         return callbacks
-
-
-_DEFAULT_INPUT_OPTIONS = tf.distribute.InputOptions()
-
-
-def _warn_unused_input_options(options) -> None:
-    """Warns about InputOptions settings that cannot apply when every global batch is cut on the host."""
-    if options is None:
-        return
-    if not isinstance(options, tf.distribute.InputOptions):
-        raise InputError(
-            f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}."
-        )
-    fields = (
-        "experimental_fetch_to_device",
-        "experimental_replication_mode",
-        "experimental_place_dataset_on_device",
-        "experimental_per_replica_buffer_size",
-    )
-    changed = {f: getattr(options, f) for f in fields if getattr(options, f) != getattr(_DEFAULT_INPUT_OPTIONS, f)}
-    if changed:
-        logger.warning(
-            "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "
-            "strategy.run, so there is no per-replica input to place or buffer. Add .prefetch(...) to the dataset "
-            "for more buffering.",
-            changed,
-        )
-
-
-def _shares_list(batch_split) -> list:
-    if isinstance(batch_split, (str, bytes)) or not isinstance(batch_split, Iterable):
-        raise BatchSplitError(
-            f"batch_split must be a sequence of relative shares, one per replica. Received: "
-            f"batch_split={batch_split!r}. Example: batch_split=[2, 1, 1]."
-        )
-    return list(batch_split)
-
-
-def _validate_profile_cache(profile_cache) -> None:
-    from calibration.store import ProfileStore
-
-    if profile_cache is None or profile_cache is False or isinstance(profile_cache, (str, os.PathLike, ProfileStore)):
-        return
-    raise ConfigError(
-        f"profile_cache must be None (the default cache directory), False (no cache), a directory path or a "
-        f"calibration.ProfileStore. Received: profile_cache={profile_cache!r}."
-    )
-
-
-def _validate_shares(shares: Sequence[float]) -> None:
-    bad = [
-        s
-        for s in shares
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0
-    ]
-    if bad or not any(s > 0 for s in shares):
-        raise BatchSplitError(
-            f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
-            f"batch_split={list(shares)}. Example: batch_split=[2, 1, 1] gives replica 0 half of each batch."
-        )
-
-
-def _leading_dim(tensor) -> tf.Tensor:
-    """The batch size (int32 scalar) of a tensor or ragged tensor."""
-    if isinstance(tensor, tf.RaggedTensor):
-        return tensor.nrows(out_type=tf.int32)
-    return tf.shape(tensor, out_type=tf.int32)[0]
-
-
-def _dense_part(tensor):
-    """A dense tensor holding ``tensor``'s data (a ragged tensor's flat values), e.g. to anchor a clock stamp on."""
-    return tensor.flat_values if isinstance(tensor, tf.RaggedTensor) else tensor
-
-
-def _leading_dim_value(value) -> int:
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        shape = np.shape(value)
-    if len(shape) == 0:
-        raise InputError(
-            f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
-        )
-    return int(shape[0])
-
-
-def _largest(slices):
-    """The slice with the most examples where that is known without running anything, else the first one."""
-    sizes = [s.shape[0] if s.shape.rank else None for s in slices]
-    known = [n if n is not None else -1 for n in sizes]
-    return slices[int(np.argmax(known))]
-
-
-def _known_unequal_shapes(components) -> bool:
-    """True when every component's shape is fully known and they are not all equal (uneven eager slices)."""
-    shapes = []
-    for c in components:
-        shape = getattr(c, "shape", None)
-        if shape is None or shape.rank is None or None in shape.as_list():
-            return False
-        shapes.append(tuple(shape.as_list()))
-    return len(set(shapes)) > 1
-
-
-def _first_batch(data):
-    if isinstance(data, tf.data.Dataset):
-        for element in data.take(1):
-            return element
-        raise InputError("The dataset is empty; calibration needs one global batch.")
-    if isinstance(data, (tuple, list)) and data:
-        return tuple(data)
-    raise InputError(
-        f"Calibration needs a tf.data.Dataset of global batches or one batch (x, y); got {type(data).__name__}."
-    )
-
-
-def _emulated_makespan_target_s() -> float:
-    """Emulated even-split makespan to aim for, seconds: HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, default 100 ms.
-
-    Real compute of the logical CPU replicas shares the host's cores; the emulated waits must stay well above it
-    so that the emulated devices, not CPU contention, set each replica's step time.
-    """
-    raw = os.environ.get("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "").strip()
-    if not raw:
-        return 0.1
-    try:
-        value_ms = float(raw)
-    except ValueError:
-        value_ms = math.nan
-    if not math.isfinite(value_ms) or value_ms <= 0:
-        raise ConfigError(
-            f"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS={raw!r} must be a positive number of milliseconds, e.g. 100."
-        )
-    return value_ms / 1e3
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

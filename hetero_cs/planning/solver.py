@@ -25,7 +25,7 @@ one whose time is at least the M-th smallest time, so taking the M smallest keys
 Both paths return the same split, so the tie rule is one rule: *examples go, one legal step at a time, to the
 replica whose step time after taking them is lowest; ties go to the replica whose slice would be smaller, then to
 the lower replica index*. Among all splits with the minimum makespan the solver returns the one this greedy
-builds; for identical replicas (multiple_of=1, no binding cap) that is :func:`~hetero_cs.plan.even_batch_split`.
+builds; for identical replicas (multiple_of=1, no binding cap) that is :func:`~hetero_cs.planning.plan.even_batch_split`.
 The greedy does not spread slack: a replica whose idle time already sets the makespan gets no examples that
 others can finish sooner.
 
@@ -41,23 +41,31 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
-import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hetero_cs.cost_model import CostModel, _breakpoints
-from hetero_cs.errors import ConfigError, InfeasiblePlanError, InvalidCostModelError
-from hetero_cs.plan import BatchPlan, even_batch_split
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning._curves import (
+    _INF,
+    _check_feasible,
+    _checked_caps,
+    _checked_int,
+    _checked_models,
+    _Curves,
+    _Grid,
+    _grid,
+    _is_int,
+)
+from hetero_cs.planning._knots import _closed_form_ideal, _fill, _ideal_tables, _knot_tables, _lowest_level
+from hetero_cs.planning.cost_model import CostModel, _breakpoints, check_cost_model
+from hetero_cs.planning.plan import BatchPlan, _as_tuple, even_batch_split
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ideal_makespan_s", "solve_batch_split"]
+__all__ = ["ideal_makespan_s", "plan_from_split", "solve_batch_split"]
 
-_INF = math.inf
 # The closed-form path starts its selection at this relative distance below the continuous optimum, far more
 # than the rounding error of computing it (the final certificate catches anything else).
 _WARM_START_MARGIN = 1e-9
@@ -91,7 +99,7 @@ def solve_batch_split(
 
     Returns:
         A BatchPlan whose per_replica_batch_sizes has shape [R] and sums to B, with predicted_step_times_s,
-        predicted_makespan_s, even_split_makespan_s (:func:`~hetero_cs.plan.even_batch_split`, ignoring caps) and
+        predicted_makespan_s, even_split_makespan_s (:func:`~hetero_cs.planning.plan.even_batch_split`, ignoring caps) and
         ideal_makespan_s (:func:`ideal_makespan_s` under the same caps and minimum, clamped to at most the
         predicted makespan).
 
@@ -108,7 +116,7 @@ def solve_batch_split(
         Three cards with illustrative linear costs: 5 ms fixed per step, and seconds per example proportional to
         1 / fp32 TFLOPS (NVIDIA datasheets: A10 31.2, T4 8.1, Tesla P100 PCIe 9.3 TFLOPS):
 
-        >>> from hetero_cs.cost_model import LinearCostModel
+        >>> from hetero_cs.planning.cost_model import LinearCostModel
         >>> models = [LinearCostModel(0.005, 0.01 / tflops) for tflops in (31.2, 8.1, 9.3)]
         >>> plan = solve_batch_split(models, 256)
         >>> plan.per_replica_batch_sizes
@@ -196,7 +204,7 @@ def ideal_makespan_s(
         ConfigError, InfeasiblePlanError, InvalidCostModelError: As :func:`solve_batch_split`.
 
     Example:
-        >>> from hetero_cs.cost_model import LinearCostModel
+        >>> from hetero_cs.planning.cost_model import LinearCostModel
         >>> models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.003)]
         >>> round(ideal_makespan_s(models, 6, min_batch_size=0), 12)  # x = (4.5, 1.5)
         0.0045
@@ -212,193 +220,70 @@ def ideal_makespan_s(
     return _generic_ideal(models, B, min_b, caps)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Input checks
-# ----------------------------------------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
+def plan_from_split(
+    per_replica_batch_sizes: Sequence[int],
+    cost_models: Sequence[Any] | None = None,
+    *,
+    max_batch_sizes: Sequence[int | None] | None = None,
+    min_batch_size: int = 0,
+) -> BatchPlan:
+    """Wraps a given split in a BatchPlan, with its predicted figures when cost models are given.
 
-_INT_HINTS = {
-    "global_batch_size": "Pass the number of examples in one optimizer step, e.g. 256.",
-    "min_batch_size": "Pass 0 to let a replica sit idle, or 1 (the default) to give every replica work.",
-    "multiple_of": "Pass 1 for no rounding, or e.g. 8 to keep every slice a multiple of 8.",
-}
+    With cost models, predicted_step_times_s is t_i(b_i), predicted_makespan_s their maximum,
+    even_split_makespan_s the makespan of ``even_batch_split(B, R)``, and ideal_makespan_s the continuous lower
+    bound of :func:`hetero_cs.planning.solver.ideal_makespan_s` under ``max_batch_sizes`` and ``min_batch_size`` (by
+    default: no caps, idle replicas allowed - the best any split could do), never above the predicted makespan.
+    Without cost models those figures are None.
 
+    Args:
+        per_replica_batch_sizes: Slices, shape [R], integers >= 0 with a positive sum B.
+        cost_models: One CostModel per replica (shape [R]), or None.
+        max_batch_sizes: Per-replica caps for the ideal bound, shape [R] (None entries: no cap), or None.
+        min_batch_size: Smallest slice for the ideal bound, integer >= 0.
 
-def _checked_int(name: str, value: Any, *, low: int) -> int:
-    if not _is_int(value) or value < low:
-        hint = _INT_HINTS.get(name, "")
-        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}. {hint}".rstrip())
-    return int(value)
+    Returns:
+        The plan; global_batch_size is sum(per_replica_batch_sizes).
 
+    Raises:
+        ConfigError: If the slices are invalid or cost_models has the wrong length.
+        InvalidCostModelError: If a model predicts NaN, a negative time, or a time that decreases with batch size.
 
-def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
-    try:
-        models = list(cost_models)
-    except TypeError as exc:
-        raise ConfigError(f"cost_models must be a sequence of cost models. Received: {cost_models!r}.") from exc
-    if not models:
+    Example:
+        >>> from hetero_cs.planning.cost_model import LinearCostModel
+        >>> models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.003)]
+        >>> plan = plan_from_split((3, 1), models)
+        >>> plan.predicted_makespan_s, plan.even_split_makespan_s, plan.ideal_makespan_s
+        (0.003, 0.006, 0.003)
+    """
+    sizes = _as_tuple(per_replica_batch_sizes)
+    if sizes is None:
         raise ConfigError(
-            "cost_models is empty: give one cost model per replica (e.g. from calibration.calibrate, or "
-            "LinearCostModel(fixed_overhead_s, seconds_per_example))."
+            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}."
         )
-    for i, model in enumerate(models):
-        if not callable(getattr(model, "predict_step_time_s", None)):
-            raise InvalidCostModelError(
-                f"cost_models[{i}] has no predict_step_time_s method. Received: {model!r}. Pass a CostModel "
-                "such as LinearCostModel or PiecewiseLinearCostModel."
-            )
-    return models
-
-
-def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: int) -> list[int | None]:
-    if max_batch_sizes is None:
-        return [None] * R
-    if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, (Sequence, np.ndarray)) or (
-        isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1
-    ):
+    total = sum(b for b in sizes if _is_int(b))
+    if cost_models is None:
+        return BatchPlan(sizes, total)
+    BatchPlan(sizes, total)  # validates the slices before any model is called
+    models = list(cost_models)
+    if len(models) != len(sizes):
         raise ConfigError(
-            f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
-            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128]."
+            f"cost_models must hold one model per slice. Received: len(cost_models)={len(models)}, "
+            f"per_replica_batch_sizes={sizes}."
         )
-    caps = list(max_batch_sizes)
-    if len(caps) != R:
-        raise ConfigError(
-            f"max_batch_sizes must hold one cap per replica: len(max_batch_sizes)={len(caps)} but there are "
-            f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap."
-        )
-    for i, cap in enumerate(caps):
-        if cap is not None and not _is_int(cap):
-            raise ConfigError(
-                f"max_batch_sizes[{i}] must be an integer or None (no cap). Received: max_batch_sizes[{i}]={cap!r}."
-            )
-    low = [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]
-    if low:
-        listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)
-        raise InfeasiblePlanError(
-            f"{listing} below min_batch_size={min_b}: such a replica cannot hold even the smallest slice. "
-            "Pass min_batch_size=0 (lets it sit idle), raise its cap, or leave the device out."
-        )
-    return [None if c is None else int(c) for c in caps]
-
-
-def _caps_listing(caps: Sequence[int | None]) -> str:
-    return ", ".join(f"replica {i}: {'no cap' if c is None else c}" for i, c in enumerate(caps))
-
-
-def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> None:
-    if B < R * min_b:
-        raise InfeasiblePlanError(
-            f"global_batch_size={B} is less than num_replicas={R} x min_batch_size={min_b} = {R * min_b}: every "
-            "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
-            "raise the global batch size, or use fewer replicas."
-        )
-    if all(c is not None for c in caps):
-        total = sum(c for c in caps if c is not None)
-        if total < B:
-            raise InfeasiblePlanError(
-                f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum to {total} "
-                f"({_caps_listing(caps)}). Lower the global batch size to at most {total}, raise the caps "
-                "(recalibrate the memory limits), or add replicas."
-            )
-
-
-@dataclass(frozen=True)
-class _Grid:
-    """Legal slices of replica i: lo[i] + j * k for j = 0..length[i]; M steps of k examples to hand out."""
-
-    lo: list[int]
-    length: list[int]
-    M: int
-    remainder_replica: int | None
-
-
-def _first_at_least(minimum: int, offset: int, k: int) -> int:
-    """The smallest v >= minimum with v = offset (mod k), for 0 <= offset < k."""
-    return offset + -(-max(0, minimum - offset) // k) * k
-
-
-def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Grid:
-    rem = B % k
-    offsets = [0] * R
-    remainder_replica = None
-    if rem:
-        first = _first_at_least(min_b, rem, k)
-        for i, cap in enumerate(caps):
-            if cap is None or first <= cap:
-                remainder_replica = i
-                break
-        if remainder_replica is None:
-            raise InfeasiblePlanError(
-                f"global_batch_size={B} is not a multiple of multiple_of={k}, so one replica must take a slice of "
-                f"{rem} (mod {k}), at least {first} examples, but every cap is smaller: {_caps_listing(caps)}. "
-                f"Use a global batch size that is a multiple of {k}, a smaller multiple_of, or larger caps."
-            )
-        offsets[remainder_replica] = rem
-    lo = [_first_at_least(min_b, o, k) for o in offsets]
-    hi = [None if c is None else o + (c - o) // k * k for c, o in zip(caps, offsets)]
-    empty = [i for i in range(R) if hi[i] is not None and hi[i] < lo[i]]  # type: ignore[operator]
-    if empty:
-        listing = ", ".join(f"max_batch_sizes[{i}]={caps[i]}" for i in empty)
-        raise InfeasiblePlanError(
-            f"{listing} admits no slice that is a multiple of multiple_of={k} and >= min_batch_size={min_b} "
-            f"(the smallest legal slice is {lo[empty[0]]}). Pass min_batch_size=0, a smaller multiple_of, or "
-            "raise the cap."
-        )
-    if sum(lo) > B:
-        raise InfeasiblePlanError(
-            f"global_batch_size={B} cannot be split into slices that are multiples of multiple_of={k} and >= "
-            f"min_batch_size={min_b}: the smallest legal slices {lo} sum to {sum(lo)} > {B}. Pass "
-            "min_batch_size=0, a smaller multiple_of, or a larger global batch size."
-        )
-    M = (B - sum(lo)) // k
-    length = [M if h is None else min(M, (h - l) // k) for h, l in zip(hi, lo)]
-    if sum(length) < M:
-        largest = [l + n * k for l, n in zip(lo, length)]
-        raise InfeasiblePlanError(
-            f"global_batch_size={B} exceeds the total capacity once slices are rounded to multiples of "
-            f"multiple_of={k}: the largest legal slices {largest} sum to {sum(largest)} ({_caps_listing(caps)}). "
-            f"Lower the global batch size, use a smaller multiple_of, or raise the caps."
-        )
-    return _Grid(lo, length, M, remainder_replica)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Generic selection
-# ----------------------------------------------------------------------------------------------------------------
-class _Curves:
-    """Checked, counted evaluation of each replica's cost model on its grid lo[i] + j * step."""
-
-    def __init__(self, models: Sequence[CostModel], lo: Sequence[int], length: Sequence[int], step: int):
-        self.predict = [m.predict_step_time_s for m in models]
-        self.lo = list(lo)
-        self.length = list(length)
-        self.step = step
-        self.evaluations = 0
-
-    def time(self, i: int, batch_size: int) -> float:
-        self.evaluations += 1
-        try:
-            value = float(self.predict[i](batch_size))
-        except Exception as exc:  # noqa: BLE001 - any failure of a user's model is reported with its replica
-            raise InvalidCostModelError(
-                f"cost_models[{i}].predict_step_time_s({batch_size}) failed: {exc}. A cost model returns seconds "
-                "as a float for any batch size >= 0."
-            ) from exc
-        if not 0.0 <= value < _INF:
-            raise InvalidCostModelError(
-                f"cost_models[{i}].predict_step_time_s({batch_size}) returned {value!r}; step times must be finite "
-                f"and >= 0 seconds. Recalibrate replica {i} or fix its cost model."
-            )
-        return value
-
-    def decreasing(self, i: int, b0: int, t0: float, b1: int, t1: float) -> InvalidCostModelError:
-        return InvalidCostModelError(
-            f"cost_models[{i}] predicts a shorter step for a larger batch: predict_step_time_s({b0})={t0!r} s > "
-            f"predict_step_time_s({b1})={t1!r} s. Cost models must be non-decreasing in batch_size; fit replica "
-            f"{i}'s measurements with calibration's isotonic fit (calibration.fit.fit_cost_model)."
-        )
+    times = tuple(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, sizes)))
+    even = even_batch_split(total, len(sizes))
+    even_s = max(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, even)))
+    makespan_s = max(times)
+    ideal_s = ideal_makespan_s(models, total, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
+    return BatchPlan(
+        sizes,
+        total,
+        predicted_makespan_s=makespan_s,
+        even_split_makespan_s=even_s,
+        ideal_makespan_s=min(ideal_s, makespan_s),
+        predicted_step_times_s=times,
+    )
 
 
 def _select(curves: _Curves, counts: list[int], step_times: list[float], remaining: int) -> None:
@@ -526,81 +411,6 @@ def _generic_ideal(models: Sequence[CostModel], B: int, min_b: int, caps: Sequen
     curves = _Curves(models, [min_b] * R, length, 1)
     step_times = [curves.time(i, min_b) for i in range(R)]
     return _select_with_ideal(curves, [0] * R, step_times, M, B, max(step_times))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Closed-form path (piecewise-linear models of this library)
-# ----------------------------------------------------------------------------------------------------------------
-def _knot_tables(
-    models: Sequence[CostModel], lows: Sequence[int], highs: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Knots (x, t_i(x)) of each replica's curve on [lows[i], highs[i]], shapes [R, K], padded with the last knot.
-
-    Between knots each curve is exactly linear (the models have closed-form breakpoints).
-    """
-    curves = _Curves(models, lows, [0] * len(models), 1)
-    rows_x, rows_t = [], []
-    for i, model in enumerate(models):
-        low, high = lows[i], highs[i]
-        inner = [b for b in _breakpoints(model) if low < b < high]  # type: ignore[union-attr]
-        xs = [low, *inner] + ([high] if high > low else [])
-        ts = [curves.time(i, x) for x in xs]
-        for a in range(1, len(ts)):
-            if ts[a] < ts[a - 1]:
-                raise curves.decreasing(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
-        rows_x.append(xs)
-        rows_t.append(ts)
-    width = max(2, max(len(r) for r in rows_x))
-    X = np.array([r + [r[-1]] * (width - len(r)) for r in rows_x], dtype=np.float64)
-    T = np.array([r + [r[-1]] * (width - len(r)) for r in rows_t], dtype=np.float64)
-    return X, T
-
-
-def _ideal_tables(
-    models: Sequence[CostModel], B: int, min_b: int, caps: Sequence[int | None]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Knot tables on [min_b, cap_i]; a replica never needs more than B - (R - 1) * min_b, its cap if it has none."""
-    most = B - (len(models) - 1) * min_b
-    return _knot_tables(models, [min_b] * len(models), [most if c is None else min(c, most) for c in caps])
-
-
-def _fill(X: np.ndarray, T: np.ndarray, level: float, *, strict: bool = False) -> np.ndarray:
-    """x_i(level) = max{x: t_i(x) <= level} per replica (its left limit when strict), shape [R]."""
-    below = (T < level) if strict else (T <= level)
-    count = below.sum(axis=1)
-    width = X.shape[1]
-    rows = np.arange(X.shape[0])
-    j = np.clip(count, 1, width - 1)
-    x0, x1, t0, t1 = X[rows, j - 1], X[rows, j], T[rows, j - 1], T[rows, j]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inside = x0 + (level - t0) * ((x1 - x0) / (t1 - t0))
-    return np.where(count == 0, X[:, 0], np.where(count == width, X[:, -1], inside))
-
-
-def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
-    """min{T: sum_i x_i(T) >= B} on knot tables (x_i at its lowest knot below its curve), -inf if that holds B."""
-    if X[:, 0].sum() >= B:
-        return -_INF
-    levels = np.unique(T)
-    if _fill(X, T, float(levels[0])).sum() >= B:  # below levels[0] every x_i is at its lowest knot
-        return float(levels[0])
-    lo_idx, hi_idx = 0, len(levels) - 1  # sum x(levels[lo]) < B <= sum x(levels[hi]) (the last knots hold B)
-    while hi_idx - lo_idx > 1:
-        mid = (lo_idx + hi_idx) // 2
-        if _fill(X, T, float(levels[mid])).sum() >= B:
-            hi_idx = mid
-        else:
-            lo_idx = mid
-    a, b = float(levels[lo_idx]), float(levels[hi_idx])
-    at_a = float(_fill(X, T, a).sum())
-    before_b = float(_fill(X, T, b, strict=True).sum())  # sum x is linear on [a, b), then may jump at b
-    level = a + (B - at_a) * (b - a) / (before_b - at_a) if before_b >= B else b
-    return min(max(level, a), b)
-
-
-def _closed_form_ideal(X: np.ndarray, T: np.ndarray, B: int) -> float:
-    """The ideal bound of :func:`ideal_makespan_s` from :func:`_ideal_tables`."""
-    return max(float(T[:, 0].max()), _lowest_level(X, T, B))
 
 
 def _warm_selection(

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.errors import InputError
-from hetero_cs.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan
 
 _UNSET = -1
 

@@ -3,10 +3,10 @@
 A plan is plain, validated, immutable data: the slices ``b`` (shape [R], integers >= 0, summing to the global
 batch ``B > 0``) and, when cost models were known, the predicted makespan ``max_i t_i(b_i)``, the makespan of the
 even split (what stock CentralStorageStrategy would do) and the ideal makespan (the continuous lower bound, see
-:func:`hetero_cs.solver.ideal_makespan_s`). It round-trips exactly through JSON.
+:func:`hetero_cs.planning.solver.ideal_makespan_s`). It round-trips exactly through JSON.
 
 This module also holds the two fixed splitting rules, :func:`even_batch_split` and :func:`split_by_shares`, and
-:func:`plan_from_split`, which wraps any split in a plan with its predictions.
+:func:`hetero_cs.planning.solver.plan_from_split`, which wraps any split in a plan with its predictions.
 
 Pure Python: no TensorFlow, no NVML.
 """
@@ -26,7 +26,7 @@ from hetero_cs.errors import BatchSplitError, ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchPlan", "even_batch_split", "plan_from_split", "split_by_shares"]
+__all__ = ["BatchPlan", "even_batch_split", "split_by_shares"]
 
 _OPTIONAL_FIGURES = ("predicted_makespan_s", "even_split_makespan_s", "ideal_makespan_s")
 _KEYS = ("per_replica_batch_sizes", "global_batch_size", *_OPTIONAL_FIGURES, "predicted_step_times_s")
@@ -65,7 +65,7 @@ class BatchPlan:
         even_split_makespan_s: The makespan of :func:`even_batch_split` (B, R) under the same models, in seconds,
             or None. It ignores memory caps: it is what the stock, evenly splitting strategy would run.
         ideal_makespan_s: The continuous lower bound in seconds (examples infinitely divisible; see
-            :func:`hetero_cs.solver.ideal_makespan_s`), or None.
+            :func:`hetero_cs.planning.solver.ideal_makespan_s`), or None.
         predicted_step_times_s: t_i(b_i) in seconds, shape [R], or None.
 
     Raises:
@@ -325,71 +325,3 @@ def _exact_fraction(value: Any) -> Fraction:
     if isinstance(value, numbers.Rational):
         return Fraction(int(value.numerator), int(value.denominator))
     return Fraction(float(value))  # numpy float32 / float16 are Reals but not accepted by Fraction() directly
-
-
-def plan_from_split(
-    per_replica_batch_sizes: Sequence[int],
-    cost_models: Sequence[Any] | None = None,
-    *,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    min_batch_size: int = 0,
-) -> BatchPlan:
-    """Wraps a given split in a BatchPlan, with its predicted figures when cost models are given.
-
-    With cost models, predicted_step_times_s is t_i(b_i), predicted_makespan_s their maximum,
-    even_split_makespan_s the makespan of ``even_batch_split(B, R)``, and ideal_makespan_s the continuous lower
-    bound of :func:`hetero_cs.solver.ideal_makespan_s` under ``max_batch_sizes`` and ``min_batch_size`` (by
-    default: no caps, idle replicas allowed - the best any split could do), never above the predicted makespan.
-    Without cost models those figures are None.
-
-    Args:
-        per_replica_batch_sizes: Slices, shape [R], integers >= 0 with a positive sum B.
-        cost_models: One CostModel per replica (shape [R]), or None.
-        max_batch_sizes: Per-replica caps for the ideal bound, shape [R] (None entries: no cap), or None.
-        min_batch_size: Smallest slice for the ideal bound, integer >= 0.
-
-    Returns:
-        The plan; global_batch_size is sum(per_replica_batch_sizes).
-
-    Raises:
-        ConfigError: If the slices are invalid or cost_models has the wrong length.
-        InvalidCostModelError: If a model predicts NaN, a negative time, or a time that decreases with batch size.
-
-    Example:
-        >>> from hetero_cs.cost_model import LinearCostModel
-        >>> models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.003)]
-        >>> plan = plan_from_split((3, 1), models)
-        >>> plan.predicted_makespan_s, plan.even_split_makespan_s, plan.ideal_makespan_s
-        (0.003, 0.006, 0.003)
-    """
-    sizes = _as_tuple(per_replica_batch_sizes)
-    if sizes is None:
-        raise ConfigError(
-            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}."
-        )
-    total = sum(b for b in sizes if _is_int(b))
-    if cost_models is None:
-        return BatchPlan(sizes, total)
-    BatchPlan(sizes, total)  # validates the slices before any model is called
-    models = list(cost_models)
-    if len(models) != len(sizes):
-        raise ConfigError(
-            f"cost_models must hold one model per slice. Received: len(cost_models)={len(models)}, "
-            f"per_replica_batch_sizes={sizes}."
-        )
-    from hetero_cs.cost_model import check_cost_model  # noqa: PLC0415 - keeps this module light to import
-    from hetero_cs.solver import ideal_makespan_s  # noqa: PLC0415 - solver imports this module
-
-    times = tuple(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, sizes)))
-    even = even_batch_split(total, len(sizes))
-    even_s = max(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, even)))
-    makespan_s = max(times)
-    ideal_s = ideal_makespan_s(models, total, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
-    return BatchPlan(
-        sizes,
-        total,
-        predicted_makespan_s=makespan_s,
-        even_split_makespan_s=even_s,
-        ideal_makespan_s=min(ideal_s, makespan_s),
-        predicted_step_times_s=times,
-    )

@@ -26,7 +26,7 @@ import tensorflow as tf
 # are created and how replica functions are called without rewriting the strategy.
 from tensorflow.python.distribute import parameter_server_strategy  # noqa: E402
 
-from hetero_cs import training
+from hetero_cs.engine import training
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
 def distribute_on_host(strategy, dataset):
     """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
 
-    ``dataset`` yields packed global batches (hetero_cs.input_slicing); the strategy cuts each into the replicas'
+    ``dataset`` yields packed global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the replicas'
     slices inside the step. Every leaf of an element arrives as a per-replica value with a single component,
     which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
     """

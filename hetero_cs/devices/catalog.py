@@ -1,0 +1,180 @@
+"""The catalog of emulated accelerators: published figures of real devices, each with its source (pure).
+
+``DeviceSpec`` holds one device's peak fp32/fp16 throughput, memory size and bandwidth and PCIe link; ``CATALOG``
+maps names (A10, T4, P100, V100, A100, H100, CPU) to specs and ``get_device_spec`` looks one up. The emulator
+(:mod:`hetero_cs.devices.emulation`) turns these figures into step times; calibration and the monitor never read
+them. This module imports neither TensorFlow nor pynvml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from hetero_cs.errors import ConfigError, UnknownEmulatedDeviceError
+
+TIME_SCALE_ENV_VAR = "HETERO_CS_EMULATION_TIME_SCALE"
+"""Environment variable fixing ``Emulator.time_scale`` (a positive float); an explicit argument wins over it."""
+
+DEFAULT_COMPUTE_EFFICIENCY = 0.35
+"""Fraction of peak fp32 FLOP/s a training step sustains; 0.3-0.5 is typical for small dense models."""
+
+DEFAULT_LAUNCH_OVERHEAD_S = 5e-4
+"""Fixed per-step cost (kernel launches, op dispatch, synchronisation), an assumption: ~50 kernels x ~10 us."""
+
+# Usable bandwidth per lane and direction after line encoding, in bytes/s (PCI-SIG base specifications):
+# gen1 2.5 GT/s and gen2 5 GT/s use 8b/10b; gen3 8 GT/s, gen4 16 GT/s, gen5 32 GT/s use 128b/130b.
+# Real DMA throughput is a further ~10-20 % lower (TLP headers); the emulation uses these link rates.
+PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType({
+    1: 0.250e9,
+    2: 0.500e9,
+    3: 0.985e9,
+    4: 1.969e9,
+    5: 3.938e9,
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Published figures of one device.
+
+    Attributes:
+        name: Catalog key, e.g. "A10".
+        fp32_tflops: Peak dense fp32 throughput (non-tensor-core), in 1e12 FLOP/s; > 0.
+        fp16_tflops: Peak dense fp16 throughput (tensor cores where the device has them, no sparsity), 1e12 FLOP/s.
+        memory_bytes: Device memory, in bytes (1 GB = 1e9 bytes as in the datasheets).
+        memory_bandwidth_bytes_per_s: Peak device-memory bandwidth, in bytes/s.
+        pcie_generation: PCIe generation of the host link (1-5); None for the host CPU (no link: same memory).
+        pcie_lanes: Lanes of the host link (1-32); None for the host CPU.
+        source: Where the figures come from (datasheet name and URL, or a stated assumption).
+    """
+
+    name: str
+    fp32_tflops: float
+    fp16_tflops: float
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    pcie_generation: int | None
+    pcie_lanes: int | None
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("DeviceSpec.name is empty; give the catalog key, e.g. name='A10'.")
+        for field in ("fp32_tflops", "fp16_tflops", "memory_bandwidth_bytes_per_s"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be a finite number > 0.")
+        if not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
+            raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes={self.memory_bytes!r} must be an int > 0.")
+        if (self.pcie_generation is None) != (self.pcie_lanes is None):
+            raise ConfigError(
+                f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} and "
+                f"pcie_lanes={self.pcie_lanes!r} must both be set (a PCIe device) or both be None (the host CPU).")
+        if self.pcie_generation is not None and self.pcie_generation not in PCIE_BYTES_PER_S_PER_LANE:
+            raise ConfigError(
+                f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} is not one of "
+                f"{sorted(PCIE_BYTES_PER_S_PER_LANE)}.")
+        if self.pcie_lanes is not None and not (isinstance(self.pcie_lanes, int) and 1 <= self.pcie_lanes <= 32):
+            raise ConfigError(f"DeviceSpec {self.name!r}: pcie_lanes={self.pcie_lanes!r} must be an int in [1, 32].")
+        if not self.source:
+            raise ConfigError(f"DeviceSpec {self.name!r}: source is empty; cite the datasheet or the assumption.")
+
+    @property
+    def pcie_bandwidth_bytes_per_s(self) -> float:
+        """Usable host-link bandwidth per direction, in bytes/s; ``math.inf`` for the host CPU (no copy needed).
+
+        Per lane: gen3 0.985e9, gen4 1.969e9, gen5 3.938e9 bytes/s (line rate after 128b/130b encoding), so a
+        gen4 x16 link gives 31.5e9 bytes/s each way.
+        """
+        if self.pcie_generation is None or self.pcie_lanes is None:
+            return math.inf
+        return PCIE_BYTES_PER_S_PER_LANE[self.pcie_generation] * self.pcie_lanes
+
+
+_GB = 10**9
+
+# Figures from NVIDIA's datasheets (PCIe form factors). fp16 is the dense tensor-core figure (no sparsity) where the
+# device has tensor cores; P100 has none, so its fp16 is the packed-half rate.
+CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
+    "A10": DeviceSpec(
+        name="A10", fp32_tflops=31.2, fp16_tflops=125.0, memory_bytes=24 * _GB,
+        memory_bandwidth_bytes_per_s=600e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W), "
+                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf")),
+    "T4": DeviceSpec(
+        name="T4", fp32_tflops=8.1, fp16_tflops=65.0, memory_bytes=16 * _GB,
+        memory_bandwidth_bytes_per_s=320e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA T4 Tensor Core GPU datasheet (low-profile PCIe card, 70 W; fp16 is mixed-precision "
+                "tensor), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
+                "t4-tensor-core-datasheet-951643.pdf")),
+    "P100": DeviceSpec(
+        name="P100", fp32_tflops=9.3, fp16_tflops=18.7, memory_bytes=16 * _GB,
+        memory_bandwidth_bytes_per_s=732e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA Tesla P100 PCIe datasheet (16 GB CoWoS HBM2 variant, 250 W), "
+                "https://images.nvidia.com/content/tesla/pdf/nvidia-tesla-p100-PCIe-datasheet.pdf")),
+    "V100": DeviceSpec(
+        name="V100", fp32_tflops=14.0, fp16_tflops=112.0, memory_bytes=32 * _GB,
+        memory_bandwidth_bytes_per_s=900e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA V100 Tensor Core GPU datasheet, V100 PCIe column (32 GB variant; a 16 GB one also "
+                "exists), https://images.nvidia.com/content/technologies/volta/pdf/"
+                "volta-v100-datasheet-update-us-1165301-r5.pdf")),
+    "A100": DeviceSpec(
+        name="A100", fp32_tflops=19.5, fp16_tflops=312.0, memory_bytes=80 * _GB,
+        memory_bandwidth_bytes_per_s=1935e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column, "
+                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")),
+    "H100": DeviceSpec(
+        name="H100", fp32_tflops=51.0, fp16_tflops=756.0, memory_bytes=80 * _GB,
+        memory_bandwidth_bytes_per_s=2.0e12, pcie_generation=5, pcie_lanes=16,
+        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (fp16 tensor 1,513 TF is with "
+                "sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
+                "nvidia-tensor-core-gpu-datasheet")),
+    "CPU": DeviceSpec(
+        name="CPU", fp32_tflops=1.28, fp16_tflops=1.28, memory_bytes=128 * 2**30,
+        memory_bandwidth_bytes_per_s=204.8e9, pcie_generation=None, pcie_lanes=None,
+        source=("Assumption, not a datasheet: a typical 16-core AVX2 server socket at 2.5 GHz sustained, "
+                "2 FMA units x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle/core -> 1.28 TFLOP/s fp32 (no native fp16 "
+                "arithmetic, so fp16 = fp32); 8 channels DDR4-3200 -> 204.8 GB/s; 128 GiB of host memory; "
+                "parameters and gradients stay in host memory, so no PCIe transfer")),
+})
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def get_device_spec(name: str) -> DeviceSpec:
+    """Looks up a catalog device, case-insensitively.
+
+    Args:
+        name: A catalog key such as "A10", "t4" or "cpu".
+
+    Returns:
+        The device's DeviceSpec.
+
+    Raises:
+        UnknownEmulatedDeviceError: If ``name`` is not in the catalog (the message lists the known names).
+
+    Example:
+        >>> get_device_spec("t4").fp32_tflops
+        8.1
+    """
+    if isinstance(name, str):
+        for key, spec in CATALOG.items():
+            if key.lower() == name.strip().lower():
+                return spec
+    raise UnknownEmulatedDeviceError(
+        f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "
+        f"Use one of these names (case does not matter).")

@@ -1,0 +1,478 @@
+"""Emulated accelerators: delay injection on logical CPU devices, from the catalog's figures.
+
+An emulated replica runs the real computation on a logical CPU device (``/device:CPU:1`` ...) and then waits until
+its step has taken as long as the named device would take for its slice of the batch: compute at a stated
+efficiency, plus the parameter broadcast and the gradient return over the device's PCIe link. This lets the whole
+calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and the monitor
+measure wall time only; they never read this catalog.
+
+The catalog itself is :mod:`hetero_cs.devices.catalog`. This module is pure (``Workload``, ``emulated_step_time_s``, ``Drift``, ``Emulator``):
+it imports neither TensorFlow nor pynvml. ``estimate_workload`` imports Keras inside the function (``setup_logical_devices``, in
+:mod:`hetero_cs.devices.logical`, imports TensorFlow inside its own), so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are inserted
+into the training graph by :mod:`hetero_cs.engine.step_timing`.
+
+All times produced here are emulated, not measured; every human-readable output says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hetero_cs.devices.catalog import (  # noqa: F401 - re-exported: hetero_cs.emulation is the public path
+    CATALOG,
+    DEFAULT_COMPUTE_EFFICIENCY,
+    DEFAULT_LAUNCH_OVERHEAD_S,
+    PCIE_BYTES_PER_S_PER_LANE,
+    TIME_SCALE_ENV_VAR,
+    DeviceSpec,
+    _is_int,
+    _is_real,
+    get_device_spec,
+)
+from hetero_cs.devices.logical import setup_logical_devices  # noqa: F401 - re-exported (public path)
+from hetero_cs.errors import ConfigError, EmulationError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model-dependent inputs of the emulated step time.
+
+    Attributes:
+        flops_per_example: Forward-pass FLOPs for one example (a multiply-add counts 2); finite, >= 0.
+        parameter_bytes: Bytes of the trainable weights (what is broadcast, and returned as gradients); >= 0.
+    """
+
+    flops_per_example: float
+    parameter_bytes: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.flops_per_example, (int, float)) and math.isfinite(self.flops_per_example)
+                and self.flops_per_example >= 0):
+            raise ConfigError(
+                f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
+        if isinstance(self.parameter_bytes, bool) or not isinstance(self.parameter_bytes, int) \
+                or self.parameter_bytes < 0:
+            raise ConfigError(f"Workload.parameter_bytes={self.parameter_bytes!r} must be an int >= 0.")
+
+
+def _dtype_size_bytes(dtype: Any) -> int:
+    """Bytes per element of a Keras/numpy dtype name ('float32', 'bfloat16', ...)."""
+    import numpy as np
+
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        digits = "".join(ch for ch in str(dtype) if ch.isdigit())
+        return max(1, int(digits) // 8) if digits else 4
+
+
+def _output_shape(layer: Any) -> tuple | None:
+    """A layer's output shape (batch dim included), or None when it cannot be known."""
+    try:
+        return tuple(layer.output.shape)
+    except (AttributeError, ValueError):
+        pass
+    from hetero_cs.engine import _compat
+
+    build_shapes = _compat.layer_build_shapes(layer)
+    if build_shapes and len(build_shapes) == 1:
+        try:
+            return tuple(layer.compute_output_shape(next(iter(build_shapes.values()))))
+        except Exception:  # noqa: BLE001 - any layer may refuse; the estimate then uses a fallback.
+            return None
+    return None
+
+
+def _positions(layer: Any, channels: int) -> int:
+    """Output positions per example: prod(output dims but batch) / channels; 1 when the shape is unknown."""
+    shape = _output_shape(layer)
+    if not shape or any(d is None for d in shape[1:]):
+        logger.debug("estimate_workload: output shape of %s unknown; counting one output row.", layer.name)
+        return 1
+    return max(1, math.prod(int(d) for d in shape[1:]) // max(1, channels))
+
+
+def estimate_workload(model: Any) -> Workload:
+    """Estimates forward FLOPs per example and trainable parameter bytes of a built Keras 3 model.
+
+    Counted layers (nested models and sublayers included): ``Dense`` costs 2 * in * out per output row;
+    ``Conv1D``/``Conv2D``/``Conv3D`` cost 2 * kernel.size per output position (kernel.size = k... * cin/groups *
+    cout). Every other layer counts ~0 (activations, normalisation, pooling are small beside these).
+
+    Args:
+        model: A built ``keras.Model`` or ``keras.layers.Layer``.
+
+    Returns:
+        Workload(flops_per_example, parameter_bytes), parameter_bytes summing size * dtype size over the
+        distinct trainable weights.
+
+    Raises:
+        ConfigError: If the model has not been built (it has no weights yet).
+
+    Example:
+        Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528.
+    """
+    import keras
+
+    if not getattr(model, "built", False):
+        raise ConfigError(
+            f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
+            f"model.build(input_shape) or call it on one batch.")
+    from hetero_cs.engine import _compat
+
+    layers = _compat.all_sublayers(model)
+    convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
+    flops = 0.0
+    for layer in layers:
+        if isinstance(layer, keras.layers.Dense):
+            fan_in, units = (int(d) for d in layer.kernel.shape)
+            flops += 2.0 * fan_in * units * _positions(layer, units)
+        elif convs and isinstance(layer, convs):
+            flops += 2.0 * math.prod(int(d) for d in layer.kernel.shape) * _positions(layer, int(layer.filters))
+    seen: set[int] = set()
+    parameter_bytes = 0
+    for weight in model.trainable_weights:
+        if id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        parameter_bytes += math.prod(int(d) for d in weight.shape) * _dtype_size_bytes(weight.dtype)
+    return Workload(flops_per_example=flops, parameter_bytes=int(parameter_bytes))
+
+
+def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, *,
+                         compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+                         launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S) -> float:
+    """Time one replica on ``spec`` would take for one training step on ``batch_size`` examples.
+
+    t = launch_overhead_s                                          (fixed per-step dispatch cost)
+      + parameter_bytes / pcie_bandwidth                           (broadcast of the central variables)
+      + 3 * flops_per_example * batch_size / (fp32_tflops * 1e12 * compute_efficiency)
+                                                                   (forward + backward ~ 3x forward)
+      + parameter_bytes / pcie_bandwidth                           (gradient return to the host)
+
+    The host CPU entry has no PCIe link (variables live in its memory), so both transfers cost 0. A replica with
+    0 examples idles: it costs 0 s (no compute, and the plan would skip its transfers).
+
+    Args:
+        spec: The emulated device.
+        batch_size: Examples in the replica's slice, >= 0.
+        workload: The model's FLOPs per example and parameter bytes.
+        compute_efficiency: Fraction of peak fp32 FLOP/s sustained, in (0, 1].
+        launch_overhead_s: Fixed per-step cost in seconds, >= 0.
+
+    Returns:
+        Emulated seconds, >= 0.
+
+    Raises:
+        ConfigError: If an argument is out of range.
+
+    Example:
+        T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes: 0.5 ms + 2 x 0.052 ms (PCIe gen3 x16)
+        + 3 x 406,528 x 256 / (8.1e12 x 0.35) = 0.110 ms, in all ~0.71 ms.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    if not (_is_real(compute_efficiency) and 0.0 < compute_efficiency <= 1.0):
+        raise ConfigError(
+            f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak fp32 "
+            f"FLOP/s sustained; the default is {DEFAULT_COMPUTE_EFFICIENCY}.")
+    if not (_is_real(launch_overhead_s) and math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
+        raise ConfigError(
+            f"launch_overhead_s={launch_overhead_s!r} must be a finite number of seconds >= 0; the default is "
+            f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
+    if batch_size == 0:
+        return 0.0
+    bandwidth = spec.pcie_bandwidth_bytes_per_s
+    transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
+    compute_s = 3.0 * workload.flops_per_example * batch_size / (spec.fp32_tflops * 1e12 * compute_efficiency)
+    return launch_overhead_s + transfer_s + compute_s + transfer_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Drift:
+    """A change of one emulated device's speed over a range of steps.
+
+    The replica runs ``factor`` times slower (factor < 1: faster) for its steps in [from_step, until_step).
+    Overlapping drifts of one replica multiply.
+
+    Attributes:
+        replica_id: The replica that drifts, >= 0.
+        factor: Slow-down factor, finite and > 0 (2.0 = twice as slow).
+        from_step: First affected step of that replica (its own step counter), >= 0.
+        until_step: First step no longer affected (> from_step), or None for "until the end".
+    """
+
+    replica_id: int
+    factor: float
+    from_step: int = 0
+    until_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replica_id, bool) or not isinstance(self.replica_id, int) or self.replica_id < 0:
+            raise ConfigError(f"Drift.replica_id={self.replica_id!r} must be an int >= 0.")
+        if not (_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(f"Drift.factor={self.factor!r} must be a finite number > 0 (2.0 = twice as slow).")
+        if isinstance(self.from_step, bool) or not isinstance(self.from_step, int) or self.from_step < 0:
+            raise ConfigError(f"Drift.from_step={self.from_step!r} must be an int >= 0.")
+        if self.until_step is not None and (isinstance(self.until_step, bool) or not isinstance(self.until_step, int)
+                                            or self.until_step <= self.from_step):
+            raise ConfigError(
+                f"Drift.until_step={self.until_step!r} must be None or an int > from_step={self.from_step}.")
+
+    def applies(self, step: int) -> bool:
+        """Whether this drift affects ``step`` (in [from_step, until_step))."""
+        return step >= self.from_step and (self.until_step is None or step < self.until_step)
+
+
+def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
+    base, extra = divmod(global_batch_size, num_replicas)
+    return [base + (1 if i < extra else 0) for i in range(num_replicas)]
+
+
+class Emulator:
+    """Emulated step times for a set of replicas, one catalog device each; safe to call from several threads.
+
+    The emulated step time of replica i on b examples at its step s is
+    ``time_scale * drift_factor(i, s) * emulated_step_time_s(spec_i, b, workload)``. ``time_scale`` stretches all
+    devices alike (ratios between devices are kept) so that emulated waits dominate the real CPU compute of a small
+    model; it comes from the ``time_scale`` argument, else the environment variable
+    ``HETERO_CS_EMULATION_TIME_SCALE``, else ``calibrate_time_scale``, else 1.0.
+
+    Args:
+        device_names: Catalog names, one per replica in replica-id order (length R >= 1).
+        workload: The model's Workload; may be set later with ``set_workload``.
+        time_scale: Fixed multiplier > 0 of all emulated times; None to take it from the environment or from
+            ``calibrate_time_scale``.
+        drift: Speed changes per replica.
+
+    Raises:
+        UnknownEmulatedDeviceError: If a name is not in the catalog.
+        ConfigError: If ``device_names`` is empty or not a sequence, ``time_scale`` (or the environment variable) is
+            not a positive finite number, ``drift`` is not a sequence of Drift, or a drift names a replica >= R.
+
+    Example:
+        >>> emulator = Emulator(["A10", "T4"], workload=Workload(4e5, 800_000))
+        >>> scale = emulator.calibrate_time_scale(256)  # the slower T4 at 128 examples -> ~0.05 s
+        >>> emulator.delay_s(0, 128) < emulator.delay_s(1, 128)
+        True
+    """
+
+    def __init__(self, device_names: Sequence[str], *, workload: Workload | None = None,
+                 time_scale: float | None = None, drift: Sequence[Drift] = ()) -> None:
+        if isinstance(device_names, (str, bytes)) or not isinstance(device_names, Iterable) or not (
+                names := list(device_names)):
+            raise ConfigError(
+                f"device_names={device_names!r} must be a non-empty sequence of catalog names, e.g. ['A10', 'T4'].")
+        self._specs = tuple(get_device_spec(name) for name in names)
+        num_replicas = len(self._specs)
+        if isinstance(drift, (Drift, str, bytes)) or not isinstance(drift, Iterable):
+            raise ConfigError(
+                f"drift must be a sequence of Drift instances. Received: drift={drift!r}. Wrap a single drift in a "
+                "list: drift=[Drift(replica_id=1, factor=2.0, from_step=200)].")
+        self._drift = tuple(drift)
+        for item in self._drift:
+            if not isinstance(item, Drift):
+                raise ConfigError(f"drift entries must be Drift instances; received: {item!r}.")
+            if item.replica_id >= num_replicas:
+                raise ConfigError(
+                    f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} "
+                    f"(ids 0..{num_replicas - 1}); fix the drift's replica_id.")
+        if workload is not None and not isinstance(workload, Workload):
+            raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
+        self._time_scale_fixed = False
+        scale = 1.0
+        if time_scale is not None:
+            scale, self._time_scale_fixed = self._check_scale(time_scale, "time_scale"), True
+        elif os.environ.get(TIME_SCALE_ENV_VAR, "").strip():
+            raw = os.environ[TIME_SCALE_ENV_VAR].strip()
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            scale, self._time_scale_fixed = self._check_scale(value, f"{TIME_SCALE_ENV_VAR}={raw!r}"), True
+        self._lock = threading.Lock()
+        self._workload = workload
+        self._time_scale = scale
+        self._steps = [0] * num_replicas
+
+    @staticmethod
+    def _check_scale(value: float, label: str) -> float:
+        if not _is_real(value) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time.")
+        return float(value)
+
+    @property
+    def specs(self) -> tuple[DeviceSpec, ...]:
+        """The emulated devices, in replica-id order."""
+        return self._specs
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of emulated replicas."""
+        return len(self._specs)
+
+    @property
+    def time_scale(self) -> float:
+        """The multiplier applied to every emulated time."""
+        with self._lock:
+            return self._time_scale
+
+    @property
+    def workload(self) -> Workload | None:
+        """The current Workload, or None if not set yet."""
+        with self._lock:
+            return self._workload
+
+    @property
+    def steps_done(self) -> tuple[int, ...]:
+        """Steps each replica has taken (``delay_s`` calls), in replica-id order."""
+        with self._lock:
+            return tuple(self._steps)
+
+    def set_workload(self, workload: Workload) -> None:
+        """Sets the Workload used by every later time query."""
+        if not isinstance(workload, Workload):
+            raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
+        with self._lock:
+            self._workload = workload
+
+    def advance_to(self, step: int) -> None:
+        """Sets every replica's step counter to ``step`` (>= 0), e.g. when training resumes from a checkpoint."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step={step!r} must be an int >= 0.")
+        with self._lock:
+            self._steps = [step] * len(self._specs)
+
+    def calibrate_time_scale(self, global_batch_size: int, *, target_makespan_s: float = 0.05) -> float:
+        """Chooses ``time_scale`` so the slowest replica's step at an even split takes ~``target_makespan_s``.
+
+        Does nothing when the scale was fixed by the constructor argument or the environment variable.
+
+        Args:
+            global_batch_size: B >= 1, split evenly across the R replicas for this purpose.
+            target_makespan_s: Emulated makespan wanted at the even split, in seconds, > 0. Keep it well above the
+                real per-replica compute so the emulated ratios between devices dominate.
+
+        Returns:
+            The time_scale now in force.
+
+        Raises:
+            ConfigError: If an argument is out of range.
+            EmulationError: If no Workload has been set.
+        """
+        if not _is_int(global_batch_size) or global_batch_size < 1:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size!r} must be an int >= 1 (examples per optimizer step).")
+        global_batch_size = int(global_batch_size)
+        if not (_is_real(target_makespan_s) and math.isfinite(target_makespan_s) and target_makespan_s > 0):
+            raise ConfigError(
+                f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05.")
+        with self._lock:
+            if self._time_scale_fixed:
+                return self._time_scale
+            workload = self._require_workload()
+            split = _even_split(global_batch_size, len(self._specs))
+            makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
+            self._time_scale = target_makespan_s / makespan_s
+            logger.info("Emulation time_scale=%.4g (even-split makespan %.4g s emulated -> %.4g s).",
+                        self._time_scale, makespan_s, target_makespan_s)
+            return self._time_scale
+
+    def _require_workload(self) -> Workload:
+        if self._workload is None:
+            raise EmulationError(
+                "The emulator has no Workload. Pass workload= to Emulator(...) or call "
+                "emulator.set_workload(estimate_workload(model)).")
+        return self._workload
+
+    def _drift_factor(self, replica_id: int, step: int) -> float:
+        factor = 1.0
+        for item in self._drift:
+            if item.replica_id == replica_id and item.applies(step):
+                factor *= item.factor
+        return factor
+
+    def _check_replica(self, replica_id: int) -> None:
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
+                or not 0 <= replica_id < len(self._specs):
+            raise ConfigError(
+                f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
+                f"num_replicas={len(self._specs)}.")
+
+    def _step_time_locked(self, replica_id: int, batch_size: int, step: int) -> float:
+        base_s = emulated_step_time_s(self._specs[replica_id], batch_size, self._require_workload())
+        return self._time_scale * self._drift_factor(replica_id, step) * base_s
+
+    def step_time_s(self, replica_id: int, batch_size: int, *, step: int | None = None) -> float:
+        """Emulated step time of a replica, without advancing anything.
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: Examples in the slice, >= 0 (0 -> 0 s: the replica idles).
+            step: The replica's step whose drift applies; None for its next step.
+
+        Returns:
+            Seconds (already multiplied by time_scale and drift).
+
+        Raises:
+            ConfigError: If an argument is out of range.
+            EmulationError: If no Workload has been set.
+        """
+        self._check_replica(replica_id)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ConfigError(f"step={step!r} must be None or an int >= 0.")
+        with self._lock:
+            return self._step_time_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
+
+    def delay_s(self, replica_id: int, batch_size: int) -> float:
+        """Emulated time of the replica's next step (drift at its step counter); then advances that counter.
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: Examples in the slice, >= 0.
+
+        Returns:
+            Seconds the replica's step should take in all (real compute included).
+        """
+        self._check_replica(replica_id)
+        with self._lock:
+            step = self._steps[replica_id]
+            value = self._step_time_locked(replica_id, batch_size, step)
+            self._steps[replica_id] = step + 1
+            return value
+
+    def describe(self, global_batch_size: int | None = None) -> list[str]:
+        """Lines of a table of the emulated replicas; the header says the times are emulated.
+
+        Args:
+            global_batch_size: If given (and a Workload is set), each row shows the replica's emulated step time
+                at an even split of this batch.
+        """
+        with self._lock:
+            workload, scale = self._workload, self._time_scale
+            split = (_even_split(global_batch_size, len(self._specs))
+                     if global_batch_size and workload is not None else None)
+            lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
+                     f"{'replica':>7}  {'device':<6} {'fp32 TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
+            for i, spec in enumerate(self._specs):
+                link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
+                step_text = "-"
+                if split is not None:
+                    step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
+                drift_text = ", ".join(
+                    f"x{d.factor:g} steps [{d.from_step}, {'end' if d.until_step is None else d.until_step})"
+                    for d in self._drift if d.replica_id == i) or "-"
+                lines.append(f"{i:>7}  {spec.name:<6} {spec.fp32_tflops:>8.1f} {link:>9}  {step_text:>18}  "
+                             f"{drift_text}")
+        return lines
+
+
+# ------------------------------------------------------------------------- logical devices (imports TF lazily)

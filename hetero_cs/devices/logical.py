@@ -1,0 +1,72 @@
+"""Logical CPU devices for emulation: one parameter device and one compute device per emulated name.
+
+TensorFlow is imported inside the function, so importing this module does not load it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from hetero_cs.devices.catalog import get_device_spec
+from hetero_cs.errors import ConfigError, EmulationError
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logical_devices(names: Sequence[str]) -> list[str]:
+    """Splits the host CPU into a parameter device and one compute device per emulated name.
+
+    Must run before TensorFlow initialises its devices (before any op runs). Creates len(names) + 1 logical CPU
+    devices (CPU:0 holds the central variables, CPU:1..R compute) and raises the inter-op thread pool to at least
+    R + 2 threads (only when it is unset or lower), so the replicas' emulated waits overlap. Calling it again is
+    harmless: if TF is already initialised with enough logical CPU devices, the names are returned as they are.
+
+    Args:
+        names: Catalog names, one per compute replica, R >= 1.
+
+    Returns:
+        ["/device:CPU:1", ..., "/device:CPU:R"].
+
+    Raises:
+        UnknownEmulatedDeviceError: If a name is not in the catalog.
+        ConfigError: If ``names`` is empty.
+        EmulationError: If TF is already initialised with fewer than R + 1 logical CPU devices.
+
+    Example:
+        >>> setup_logical_devices(["A10", "T4", "T4"])  # first thing in main() or a conftest
+        ['/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
+    """
+    if isinstance(names, str) or not names:
+        raise ConfigError(f"names={names!r} must be a non-empty sequence of catalog names, e.g. ['A10', 'T4'].")
+    for name in names:
+        get_device_spec(name)
+    import tensorflow as tf
+
+    num_replicas = len(names)
+    wanted_devices = num_replicas + 1
+    wanted_threads = num_replicas + 2
+    device_names = [f"/device:CPU:{i}" for i in range(1, wanted_devices)]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        configured = tf.config.get_logical_device_configuration(cpu) or []
+        if len(configured) < wanted_devices:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(wanted_devices)])
+            logger.info("Emulated devices %s on %s.", list(names), device_names)
+        threads = tf.config.threading.get_inter_op_parallelism_threads()
+        if threads == 0 or threads < wanted_threads:
+            tf.config.threading.set_inter_op_parallelism_threads(wanted_threads)
+    except RuntimeError as exc:  # TF refuses once its context is initialised.
+        existing = tf.config.list_logical_devices("CPU")
+        if len(existing) < wanted_devices:
+            raise EmulationError(
+                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but "
+                f"{wanted_devices} are needed for names={list(names)}. Call setup_logical_devices(...) before any "
+                f"TensorFlow op runs (first thing in main, or in a conftest).") from exc
+        threads = tf.config.threading.get_inter_op_parallelism_threads() or (os.cpu_count() or 1)
+        if threads < wanted_threads:
+            logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
+                           threads, wanted_threads)
+    return device_names

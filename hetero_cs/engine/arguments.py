@@ -1,0 +1,151 @@
+"""Checks of the strategy's arguments: device names, batch_split shares, profile_cache, input options, environment.
+
+Each raises the library's typed error with the values and the fix; none changes any state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+from collections.abc import Iterable, Sequence
+
+import tensorflow as tf
+
+from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
+
+
+def canonical_device(name: str) -> str:
+    """'/cpu:1', 'CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
+    if not isinstance(name, str) or not name.strip():
+        raise DeviceError(f"Device names must be non-empty strings. Received: device={name!r}.")
+    text = name.strip()
+    if not text.startswith("/"):
+        text = "/device:" + text
+    try:
+        spec = tf.DeviceSpec.from_string(text)
+    except ValueError as exc:
+        raise DeviceError(
+            f"Cannot parse device name {name!r}. Use names like '/device:GPU:0' or '/cpu:1'."
+        ) from exc
+    if spec.device_type is None or spec.device_index is None:
+        raise DeviceError(
+            f"Device name {name!r} needs a type and an index, like '/device:GPU:0' or '/cpu:1'."
+        )
+    return f"/device:{spec.device_type.upper()}:{spec.device_index}"
+
+
+def default_compute_devices(parameter_device: str) -> list[str]:
+    gpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
+    if gpus:
+        return gpus
+    cpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")]
+    others = [d for d in cpus if d != parameter_device]
+    return others or cpus[:1]
+
+
+def validate_devices(devices: list[str], parameter_device: str) -> None:
+    if not devices:
+        raise DeviceError("compute_devices is empty. Give at least one device, e.g. ['/gpu:0'].")
+    if len(set(devices)) != len(devices):
+        raise DeviceError(f"compute_devices repeats a device: {devices}. List each device once.")
+    if parameter_device in devices and len(devices) > 1:
+        raise DeviceError(
+            f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
+            f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it from "
+            f"compute_devices."
+        )
+    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    unknown = [d for d in [*devices, parameter_device] if d not in known]
+    if unknown:
+        raise DeviceError(
+            f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create "
+            f"logical devices first with hetero_cs.emulation.setup_logical_devices([...]) or pass emulate=[...]."
+        )
+
+
+def shares_list(batch_split) -> list:
+    if isinstance(batch_split, (str, bytes)) or not isinstance(batch_split, Iterable):
+        raise BatchSplitError(
+            f"batch_split must be a sequence of relative shares, one per replica. Received: "
+            f"batch_split={batch_split!r}. Example: batch_split=[2, 1, 1]."
+        )
+    return list(batch_split)
+
+
+def validate_shares(shares: Sequence[float]) -> None:
+    bad = [
+        s
+        for s in shares
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0
+    ]
+    if bad or not any(s > 0 for s in shares):
+        raise BatchSplitError(
+            f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
+            f"batch_split={list(shares)}. Example: batch_split=[2, 1, 1] gives replica 0 half of each batch."
+        )
+
+
+def validate_profile_cache(profile_cache) -> None:
+    from calibration.store import ProfileStore
+
+    if profile_cache is None or profile_cache is False or isinstance(profile_cache, (str, os.PathLike, ProfileStore)):
+        return
+    raise ConfigError(
+        f"profile_cache must be None (the default cache directory), False (no cache), a directory path or a "
+        f"calibration.ProfileStore. Received: profile_cache={profile_cache!r}."
+    )
+
+
+_DEFAULT_INPUT_OPTIONS = tf.distribute.InputOptions()
+
+
+def warn_unused_input_options(options) -> None:
+    """Warns about InputOptions settings that cannot apply when every global batch is cut on the host."""
+    if options is None:
+        return
+    if not isinstance(options, tf.distribute.InputOptions):
+        raise InputError(
+            f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}."
+        )
+    fields = (
+        "experimental_fetch_to_device",
+        "experimental_replication_mode",
+        "experimental_place_dataset_on_device",
+        "experimental_per_replica_buffer_size",
+    )
+    changed = {f: getattr(options, f) for f in fields if getattr(options, f) != getattr(_DEFAULT_INPUT_OPTIONS, f)}
+    if changed:
+        logger.warning(
+            "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "
+            "strategy.run, so there is no per-replica input to place or buffer. Add .prefetch(...) to the dataset "
+            "for more buffering.",
+            changed,
+        )
+
+
+def emulated_makespan_target_s() -> float:
+    """Emulated even-split makespan to aim for, seconds: HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, default 100 ms.
+
+    Real compute of the logical CPU replicas shares the host's cores; the emulated waits must stay well above it
+    so that the emulated devices, not CPU contention, set each replica's step time.
+    """
+    raw = os.environ.get("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "").strip()
+    if not raw:
+        return 0.1
+    try:
+        value_ms = float(raw)
+    except ValueError:
+        value_ms = math.nan
+    if not math.isfinite(value_ms) or value_ms <= 0:
+        raise ConfigError(
+            f"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS={raw!r} must be a positive number of milliseconds, e.g. 100."
+        )
+    return value_ms / 1e3
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,60 @@
+"""What a failed training step is reported as: the replica and device it failed on, and what to do.
+
+Also the advice for 0-example slices, which some TensorFlow kernels cannot run.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hetero_cs.errors import ReplicaStepError
+
+EMPTY_SLICE_ADVICE = (
+    "Some TensorFlow kernels fail on 0-example inputs, e.g. Conv2D and SeparableConv2D on CPU with oneDNN ('input "
+    "depth must be evenly divisible by filter depth'). To give every replica at least one example, make every "
+    "global batch hold at least R examples: drop a last partial batch smaller than R (dataset.batch(B, "
+    "drop_remainder=True), or fit on the first N - N % B examples), choose a global batch size B whose remainder "
+    "N % B is 0 or at least R, and give no replica a 0 share in batch_split; or set TF_ENABLE_ONEDNN_OPTS=0 before "
+    "TensorFlow is imported. An unsynchronized BatchNormalization would also average NaN moments from the empty "
+    "slice into its moving statistics: use BatchNormalization(synchronized=True)."
+)
+
+
+def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan):
+    """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
+
+    TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no prefix.
+    """
+    message = str(exc)
+    # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
+    match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
+    if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
+        return None  # the input pipeline failed (e.g. a generator), not a replica's step
+    # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
+    scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
+    replica_id = int(scope.group(1)) if scope else 0
+    if replica_id >= len(compute_devices):
+        return None
+    device = compute_devices[replica_id]
+    lines = [line.strip() for line in message.splitlines()]
+    # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
+    marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
+    before = [line for line in lines[:marker] if line] if marker is not None else []
+    cause = before[-1] if before else type(exc).__name__
+    plan = list(plan.per_replica_batch_sizes) if plan else None
+    empty = empty_slice_plan
+    if empty is not None and empty.per_replica_batch_sizes[replica_id] == 0:
+        advice = (
+            f"That replica gets 0 examples of a global batch of {empty.global_batch_size} (cut "
+            f"{list(empty.per_replica_batch_sizes)}; full batches: {plan}), which is likely this step. "
+            f"{EMPTY_SLICE_ADVICE}"
+        )
+    else:
+        advice = f"Check that replica's slice of the batch (plan: {plan}) and the device."
+    return ReplicaStepError(
+        f"The training step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
+        f"No update of this step was applied: variables and optimizer state are as they were before it. "
+        f"{advice} The original error is chained below.",
+        replica_id=replica_id,
+        device=device,
+    )

@@ -1,0 +1,61 @@
+"""Small tensor helpers of the strategy: batch sizes of (ragged) components, the largest slice, the first batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from hetero_cs.errors import InputError
+
+
+def leading_dim(tensor) -> tf.Tensor:
+    """The batch size (int32 scalar) of a tensor or ragged tensor."""
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.nrows(out_type=tf.int32)
+    return tf.shape(tensor, out_type=tf.int32)[0]
+
+
+def dense_part(tensor):
+    """A dense tensor holding ``tensor``'s data (a ragged tensor's flat values), e.g. to anchor a clock stamp on."""
+    return tensor.flat_values if isinstance(tensor, tf.RaggedTensor) else tensor
+
+
+def leading_dim_value(value) -> int:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        shape = np.shape(value)
+    if len(shape) == 0:
+        raise InputError(
+            f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
+        )
+    return int(shape[0])
+
+
+def largest(slices):
+    """The slice with the most examples where that is known without running anything, else the first one."""
+    sizes = [s.shape[0] if s.shape.rank else None for s in slices]
+    known = [n if n is not None else -1 for n in sizes]
+    return slices[int(np.argmax(known))]
+
+
+def known_unequal_shapes(components) -> bool:
+    """True when every component's shape is fully known and they are not all equal (uneven eager slices)."""
+    shapes = []
+    for c in components:
+        shape = getattr(c, "shape", None)
+        if shape is None or shape.rank is None or None in shape.as_list():
+            return False
+        shapes.append(tuple(shape.as_list()))
+    return len(set(shapes)) > 1
+
+
+def first_batch(data):
+    if isinstance(data, tf.data.Dataset):
+        for element in data.take(1):
+            return element
+        raise InputError("The dataset is empty; calibration needs one global batch.")
+    if isinstance(data, (tuple, list)) and data:
+        return tuple(data)
+    raise InputError(
+        f"Calibration needs a tf.data.Dataset of global batches or one batch (x, y); got {type(data).__name__}."
+    )

@@ -1,0 +1,482 @@
+"""The plan lifecycle: cost models -> plan -> measured steps -> re-plan -> guarded switch (pure).
+
+``Balancer`` is the one object every engine (central storage today, several machines next) talks to about the
+split. It owns
+
+* how the split is chosen: fixed shares, the even split, or auto-balance (solve the minimum-makespan split from
+  per-replica cost models, keep the even split when the solved one is predicted less than ``min_predicted_gain``
+  faster);
+* the plan in force for the reference (full) global batch and the plans of other sizes (a last partial batch is
+  split by a plan solved for its own size);
+* the :class:`~hetero_cs.planning.monitor.StepTimeMonitor` the replicas report step times to, the
+  :class:`~hetero_cs.planning.rebalance.Rebalancer` that proposes re-plans from it, and the
+  :class:`~hetero_cs.planning.guard.PlanGuard` that keeps a proposed plan only if it measured faster;
+* when per-replica timing is worth its cost (``timing_due``): every step while a decision needs samples, else
+  one step in ``timing_interval_steps``.
+
+An engine calls ``serve(B)`` for every global batch it cuts (from its input pipeline, ahead of the step),
+``record_step_time`` from each replica's step, and reads ``plan``; ``on_plan`` tells it when the plan in force
+changes. Thread-safe: one lock serialises every call.
+
+This module is pure: it imports neither TensorFlow nor pynvml.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import threading
+from collections.abc import Callable, Sequence
+
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.cost_model import CostModel, check_cost_model
+from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
+from hetero_cs.planning.monitor import StepTimeMonitor
+from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
+from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
+from hetero_cs.planning.solver import _checked_caps, plan_from_split, solve_batch_split
+
+logger = logging.getLogger(__name__)
+
+MIN_PREDICTED_GAIN = 0.02
+"""An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
+
+REBALANCE_CHECK_INTERVAL_STEPS = 4
+"""Online re-balancing looks at the monitor every 4 completed steps (``RebalancePolicy.check_interval_steps``).
+
+A look costs about 0.4 ms of host CPU for 3 replicas; it runs in the input pipeline, beside the step. Every 4 steps
+keeps that under 0.1 ms per step and delays a reaction to a drifting device by at most 3 steps."""
+
+TIMING_COST_S = 6e-4
+"""Host time one timed step costs, seconds (0.47-0.59 ms measured by benchmarks/overhead.py for R = 3 on a 2-core
+CPU machine: the clock reads and the per-replica reports). ``timing_interval_steps`` keeps it under
+``TIMING_BUDGET`` of the step."""
+
+TIMING_BUDGET = 0.01
+"""Largest share of step time that steady-state timing may cost (1 %)."""
+
+MAX_TIMING_INTERVAL_STEPS = 64
+"""Steady-state timing looks at least at one step in 64."""
+
+
+class Balancer:
+    """Chooses, serves, watches and re-plans the per-replica split of every global batch.
+
+    Args:
+        num_replicas: R >= 1.
+        auto_balance: Solve the split from cost models (True) or split evenly (False); ignored with ``shares``.
+        rebalance: Re-plan from measured step times (only with auto_balance).
+        shares: Fixed relative shares per replica (validated by the caller), or None.
+        guard: Keep a calibrated or re-planned split only if it measured faster than the one it replaces (only
+            with auto_balance). See :mod:`hetero_cs.planning.guard`.
+        rebalance_policy: The re-balancer's policy; None for the defaults with ``check_interval_steps=4``.
+        guard_policy: The guard's policy; None for the defaults.
+        on_plan: Called with the new plan (under the lock) whenever the plan in force for the reference size
+            changes; e.g. to publish it to a graph cache.
+
+    Example:
+        >>> from hetero_cs.planning.cost_model import LinearCostModel
+        >>> balancer = Balancer(2, auto_balance=True, rebalance=False, guard=False)
+        >>> balancer.serve(100).per_replica_batch_sizes            # no cost models yet: even
+        (50, 50)
+        >>> balancer.set_cost_models([LinearCostModel(0.0, 1e-3), LinearCostModel(0.0, 3e-3)])
+        >>> balancer.plan.per_replica_batch_sizes
+        (75, 25)
+    """
+
+    def __init__(
+        self,
+        num_replicas: int,
+        *,
+        auto_balance: bool = True,
+        rebalance: bool = True,
+        shares: Sequence[float] | None = None,
+        guard: bool = True,
+        rebalance_policy: RebalancePolicy | None = None,
+        guard_policy: GuardPolicy | None = None,
+        on_plan: Callable[[BatchPlan], None] | None = None,
+    ):
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+        self._num_replicas = num_replicas
+        self._lock = threading.RLock()
+        self._shares = None if shares is None else tuple(float(s) for s in shares)
+        self._auto_balance = bool(auto_balance)
+        self._rebalance = bool(rebalance)
+        self._guard_enabled = bool(guard)
+        self._rebalance_policy = rebalance_policy or RebalancePolicy(
+            check_interval_steps=REBALANCE_CHECK_INTERVAL_STEPS
+        )
+        self._on_plan = on_plan
+        self._calibrated_models: list[CostModel] | None = None
+        self._cost_models: list[CostModel] | None = None
+        self._max_batch_sizes: list[int | None] | None = None
+        self._plan: BatchPlan | None = None
+        self._plans_by_batch: dict[int, BatchPlan] = {}
+        self._reference_batch_size: int | None = None
+        self._monitor = StepTimeMonitor(num_replicas)
+        self._rebalancer = Rebalancer(self._rebalance_policy)
+        self._guard = PlanGuard(guard_policy)
+        self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
+        self._handled_steps = 0
+        self._observed_step = -1  # the last monitor step fed to the guard
+        self._trial_served = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of replicas."""
+        return self._num_replicas
+
+    @property
+    def plan(self) -> BatchPlan | None:
+        """The plan in force for the reference (full) global batch; None before the first global batch is seen.
+
+        During a guard trial this is the incumbent; the candidate becomes the plan only when the guard keeps it."""
+        return self._plan
+
+    @property
+    def shares(self) -> tuple[float, ...] | None:
+        """The fixed relative shares, or None."""
+        return self._shares
+
+    @property
+    def auto_balance(self) -> bool:
+        """True when the split is solved from cost models (no fixed shares)."""
+        return self._auto_balance and self._shares is None
+
+    @property
+    def rebalance_enabled(self) -> bool:
+        """True when measured step times may change the plan during training."""
+        return self._rebalance and self.auto_balance
+
+    @property
+    def guard_enabled(self) -> bool:
+        """True when a new auto-balanced plan must measure faster before it is kept."""
+        return self._guard_enabled and self.auto_balance
+
+    @property
+    def timing_needed(self) -> bool:
+        """True when this balancer uses measured step times at all (re-balancing or the guard)."""
+        return self.rebalance_enabled or self.guard_enabled
+
+    @property
+    def monitor(self) -> StepTimeMonitor:
+        """The per-replica step-time statistics."""
+        return self._monitor
+
+    @property
+    def rebalancer(self) -> Rebalancer:
+        """The re-balancer (its ``last_decision`` and ``switches`` say what it did)."""
+        return self._rebalancer
+
+    @property
+    def guard(self) -> PlanGuard:
+        """The guard (``in_trial``, ``candidate``, ``last_decision``)."""
+        return self._guard
+
+    @property
+    def last_guard_decision(self) -> GuardDecision | None:
+        """The guard's last decision, or None before the first."""
+        return self._guard.last_decision
+
+    @property
+    def cost_models(self) -> list[CostModel] | None:
+        """Per-replica cost models behind the plan (calibrated, then updated online), or None."""
+        return None if self._cost_models is None else list(self._cost_models)
+
+    @property
+    def calibrated_models(self) -> list[CostModel] | None:
+        """The cost models as calibrated or set, before online updates; None before either."""
+        return None if self._calibrated_models is None else list(self._calibrated_models)
+
+    @property
+    def max_batch_sizes(self) -> list[int | None] | None:
+        """Per-replica memory caps in examples (None entries: uncapped), or None."""
+        return None if self._max_batch_sizes is None else list(self._max_batch_sizes)
+
+    @property
+    def reference_batch_size(self) -> int | None:
+        """The largest global batch seen since the input started, whose plan is :attr:`plan`."""
+        return self._reference_batch_size
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Changing the models or the split
+    # ------------------------------------------------------------------------------------------------------------
+    def set_cost_models(
+        self,
+        cost_models: Sequence[CostModel],
+        *,
+        max_batch_sizes: Sequence[int | None] | None = None,
+        trial: bool = False,
+        reference_batch_size: int | None = None,
+    ) -> None:
+        """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
+
+        Args:
+            cost_models: One per replica, in replica-id order.
+            max_batch_sizes: Per-replica caps in examples (None entries: uncapped), shape [R], or None.
+            trial: With the guard on, try the solved plan against the plan in force before keeping it
+                (calibration results); False commits it at once (models a user set on purpose).
+            reference_batch_size: The full global batch size, if known before the first batch is served.
+
+        Raises:
+            ConfigError: Wrong number of cost models or caps.
+            InvalidCostModelError: A model predicts NaN, a negative time or a decreasing curve.
+            InfeasiblePlanError: The caps cannot hold the reference global batch.
+        """
+        models = list(cost_models)
+        R = self._num_replicas
+        if len(models) != R:
+            raise ConfigError(
+                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
+            )
+        if max_batch_sizes is not None and not isinstance(max_batch_sizes, (str, bytes)):
+            try:
+                count = len(max_batch_sizes)
+            except TypeError:
+                count = None
+            if count is not None and count != R:
+                raise ConfigError(
+                    f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
+                )
+        caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
+        for i, model in enumerate(models):
+            check_cost_model(model, [0, 1], replica_id=i)
+        with self._lock:
+            if reference_batch_size is not None:
+                self._reference_batch_size = max(self._reference_batch_size or 0, int(reference_batch_size))
+            # Solve with the new models before committing anything, so a failure leaves everything as it was.
+            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes)
+            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            try:
+                B = self._reference_batch_size
+                plan = self._solve(B) if B is not None else None
+                rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
+            except Exception:
+                self._calibrated_models, self._cost_models, self._max_batch_sizes = previous
+                raise
+            self._rebalancer = rebalancer
+            self._guard.abandon()
+            self._plans_by_batch.clear()
+            if plan is None:  # solved (and tried) when the first global batch arrives
+                self._trial_on_first_batch = trial
+                return
+            self._trial_on_first_batch = False
+            self._adopt(plan, trial=trial)
+
+    def set_batch_split(self, shares: Sequence[float] | None) -> None:
+        """Fixes the relative shares (validated by the caller) from now on; None returns to auto-balance / even."""
+        with self._lock:
+            self._shares = None if shares is None else tuple(float(s) for s in shares)
+            self._guard.abandon()
+            self._plans_by_batch.clear()
+            if self._reference_batch_size is not None:
+                self._commit(self._solve(self._reference_batch_size))
+
+    def start_new_input(self) -> None:
+        """A new input's first global batch sets the reference size of :attr:`plan` again."""
+        with self._lock:
+            self._reference_batch_size = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Serving and watching
+    # ------------------------------------------------------------------------------------------------------------
+    def plan_for(self, global_batch_size: int) -> BatchPlan:
+        """The plan in force for a global batch of ``global_batch_size`` examples (solved once, then cached).
+
+        The largest size seen becomes the reference whose plan is :attr:`plan`; a last partial batch ``B' < B``
+        gets a plan solved for ``B'``. This is a query: it does not advance a guard trial (see :meth:`serve`).
+
+        Raises:
+            ConfigError: ``global_batch_size`` is not an integer >= 1.
+        """
+        b = _checked_global_batch_size(global_batch_size)
+        with self._lock:
+            if self._reference_batch_size is None or b > self._reference_batch_size:
+                self._reference_batch_size = b
+            plan = self._plans_by_batch.get(b)
+            if plan is None:
+                plan = self._solve(b)
+                if b == self._reference_batch_size and self._plan is not None and self._plan.global_batch_size == b:
+                    plan = self._plan  # the plan in force (a guarded one may differ from a fresh solve)
+                self._plans_by_batch[b] = plan
+            if b == self._reference_batch_size and plan is not self._plan:
+                if self._trial_on_first_batch and self.guard_enabled:
+                    self._trial_on_first_batch = False
+                    self._adopt(plan, trial=True)
+                    return self._plans_by_batch[b]
+                self._commit(plan)
+            return plan
+
+    def serve(self, global_batch_size: int) -> BatchPlan:
+        """The plan to cut the next global batch of ``global_batch_size`` examples with.
+
+        Called once per global batch, ahead of its step (from the input pipeline). It first processes the steps
+        measured since the last call (guard trial, re-balancing), then returns the plan in force - or, during a
+        guard trial, the candidate or the incumbent by the trial's pattern.
+
+        Raises:
+            ConfigError: ``global_batch_size`` is not an integer >= 1.
+            InfeasiblePlanError: From re-planning, if no split satisfies the caps.
+        """
+        b = _checked_global_batch_size(global_batch_size)
+        with self._lock:
+            if self.timing_needed:
+                self._process_measurements()
+            plan = self.plan_for(b)
+            if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
+                self._trial_served += 1
+                if self._trial_served > 3 * self._guard.policy.max_trial_steps and self._observed_step < 0:
+                    logger.warning(
+                        "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
+                        "a Keras optimizer is not timed); keeping %s unmeasured.",
+                        self._trial_served, list(self._guard.candidate.per_replica_batch_sizes),
+                    )
+                    candidate = self._guard.candidate
+                    self._guard.abandon()
+                    self._commit(candidate)
+                    return candidate
+                return self._guard.plan_to_serve()
+            return plan
+
+    def record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+        """One replica's measured step (called from each replica's step; see StepTimeMonitor.record)."""
+        self._monitor.record(replica_id, batch_size, step_time_s)
+
+    def timing_due(self) -> bool:
+        """Whether the next steps should be timed: always while a trial or the re-balancer needs samples.
+
+        In steady state, one step in :meth:`timing_interval_steps` (this is called once per served batch)."""
+        with self._lock:
+            if not self.timing_needed:
+                return False
+            if self._guard.in_trial or self._monitor.num_samples < self._rebalance_policy.min_samples:
+                return True
+            interval = self.timing_interval_steps()
+            return self._monitor.completed_steps % interval == 0 or interval == 1
+
+    def timing_interval_steps(self) -> int:
+        """How many steps per timed step in steady state: the smallest N with TIMING_COST_S / N <= 1 % of the
+        last measured makespan, in [1, MAX_TIMING_INTERVAL_STEPS]; 1 until a step was measured."""
+        sample = self._monitor.last_step()
+        if sample is None or not sample.makespan_s > 0:
+            return 1
+        return max(1, min(MAX_TIMING_INTERVAL_STEPS, math.ceil(TIMING_COST_S / (TIMING_BUDGET * sample.makespan_s))))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Internals (called with the lock held)
+    # ------------------------------------------------------------------------------------------------------------
+    def _solve(self, global_batch_size: int) -> BatchPlan:
+        R = self._num_replicas
+        if self._shares is not None:
+            return plan_from_split(split_by_shares(global_batch_size, self._shares), self._cost_models)
+        if not self._auto_balance or self._cost_models is None:
+            return plan_from_split(even_batch_split(global_batch_size, R), self._cost_models)
+        min_batch_size = 1 if global_batch_size >= R else 0
+        plan = solve_batch_split(
+            self._cost_models, global_batch_size, max_batch_sizes=self._max_batch_sizes, min_batch_size=min_batch_size
+        )
+        even = even_batch_split(global_batch_size, R)
+        speedup = plan.predicted_speedup_vs_even
+        caps_allow_even = self._max_batch_sizes is None or all(
+            cap is None or b <= cap for b, cap in zip(even, self._max_batch_sizes)
+        )
+        if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
+            # When the devices are (nearly) alike, or fixed per-step costs dominate, many splits tie and the
+            # optimum is decided by calibration noise (e.g. 3/197 on two identical CPUs); keep the even split.
+            reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
+            logger.log(
+                logging.INFO if reference else logging.DEBUG,
+                "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
+                "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
+                list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even),
+            )
+            return plan_from_split(even, self._cost_models, max_batch_sizes=self._max_batch_sizes)
+        return plan
+
+    def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
+        """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
+        incumbent = self._incumbent_for(plan)
+        if (
+            trial and self.guard_enabled and incumbent is not None
+            and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
+            and not _violates_caps(incumbent, self._max_batch_sizes)
+        ):
+            self._commit(incumbent)
+            self._trial_served = 0
+            # Steps measured before the trial belong to neither side of it.
+            self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
+            self._guard.start(incumbent, plan, step=self._monitor.completed_steps)
+            return
+        self._commit(plan)
+
+    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan | None:
+        """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
+        B = plan.global_batch_size
+        if self._plan is not None and self._plan.global_batch_size == B:
+            current = self._plan
+        else:
+            current = BatchPlan(even_batch_split(B, self._num_replicas), B)
+        return plan_from_split(current.per_replica_batch_sizes, self._cost_models)
+
+    def _commit(self, plan: BatchPlan) -> None:
+        changed = plan != self._plan
+        self._plan = plan
+        self._plans_by_batch[plan.global_batch_size] = plan
+        # Plans for other (partial-batch) sizes came from the same models only if this plan did.
+        for size in [k for k in self._plans_by_batch if k != plan.global_batch_size]:
+            del self._plans_by_batch[size]
+        if changed and self._on_plan is not None:
+            self._on_plan(plan)
+
+    def _process_measurements(self) -> None:
+        """Feeds the steps measured since the last call to the guard, then lets the re-balancer look."""
+        completed = self._monitor.completed_steps
+        if completed <= self._handled_steps:
+            return
+        self._handled_steps = completed
+        if self._guard.in_trial:
+            for sample in self._monitor.window():
+                if sample.step <= self._observed_step:
+                    continue
+                self._observed_step = sample.step
+                decision = self._guard.observe(sample.per_replica_batch_sizes, sample.makespan_s, step=completed)
+                if decision is not None:
+                    if decision.kept:
+                        kept = plan_from_split(decision.candidate_per_replica_batch_sizes, self._cost_models,
+                                               max_batch_sizes=self._max_batch_sizes)
+                        self._commit(kept)
+                    break
+            return
+        if not self.rebalance_enabled or self._plan is None or self._cost_models is None:
+            return
+        if self.guard_enabled and not self._guard.may_start(completed):
+            return
+        new_plan = self._rebalancer.propose_from_monitor(
+            self._monitor, self._plan, base_models=self._calibrated_models
+        )
+        if new_plan is None:
+            return
+        self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
+        forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
+        self._plans_by_batch.clear()
+        self._adopt(new_plan, trial=not forced)
+
+
+def _violates_caps(plan: BatchPlan, caps: Sequence[int | None] | None) -> bool:
+    return caps is not None and any(c is not None and b > c for b, c in zip(plan.per_replica_batch_sizes, caps))
+
+
+def _checked_global_batch_size(global_batch_size: object) -> int:
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, numbers.Integral):
+        raise ConfigError(
+            f"global_batch_size must be an integer >= 1 (examples per step). Received: "
+            f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."
+        )
+    if global_batch_size < 1:
+        raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
+    return int(global_batch_size)

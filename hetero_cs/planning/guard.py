@@ -1,0 +1,329 @@
+"""The measured guard: a new plan stays only if it measured faster than the plan it replaces (pure).
+
+A solved plan is a prediction. Calibration taken while the host was busy, a cost model that extrapolates badly, or
+a device that changed since the profile was cached can all predict a split that is in truth slower than the one it
+replaces - and then balancing loses to the even split. The guard turns "predicted faster" into "measured faster":
+
+1. **Trial.** When a candidate plan would replace the incumbent (auto-balance's first move away from the even
+   split, or a re-plan), both are served in one repeating pattern of ``pattern`` global batches: the candidate
+   everywhere but the last batch of each repetition, which goes to the incumbent (default ``"CCI"``). Each
+   incumbent step is paired with the candidate step just before it, so a load change on the host hits both sides of
+   a pair alike and cancels in their ratio. Both sides are measured over the same number of steps (the pairs); the
+   extra candidate steps are steps in force, so a good candidate is in use from the trial's first step.
+2. **Decision.** With paired makespan ratios ``r_k = candidate_k / incumbent_k``:
+
+   * early keep, from ``min_pairs`` pairs on: every ``r_k < 1 - early_gain`` (clearly faster in every pair);
+   * early revert, from ``min_pairs`` pairs on: every ``r_k > 1`` and ``median(r) > 1 + early_gain``;
+   * at ``max_pairs`` pairs: keep iff ``median(r) < 1 - min_gain`` and the one-sided Wilcoxon signed-rank test
+     on ``log r`` gives ``p < significance`` (scipy.stats.wilcoxon); otherwise revert.
+
+   "Measurably faster" is therefore both an effect (``min_gain``) and evidence (``significance``); a tie reverts.
+3. **Back-off.** After a revert no new trial starts for ``backoff_steps`` steps, doubling with every consecutive
+   revert up to ``max_backoff_steps``; a keep resets it.
+
+Which plan a step ran with is read from the sizes the step reported (``StepSample.per_replica_batch_sizes``), not
+from what was served, so batches already cut before a switch (the input pipeline prefetches) are attributed right;
+a step whose sizes match neither plan (a last partial batch) is ignored.
+
+This module is pure: it imports neither TensorFlow nor pynvml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.plan import BatchPlan
+
+logger = logging.getLogger(__name__)
+
+KEPT = "kept"
+REVERTED = "reverted"
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardPolicy:
+    """How a candidate plan is measured against the incumbent.
+
+    Attributes:
+        pattern: The serving pattern of one repetition: ``"C"`` candidate, ``"I"`` incumbent; at least one of each,
+            and every ``"I"`` must follow a ``"C"`` (it is paired with it). Default ``"CCI"``.
+        min_pairs: >= 1. Pairs before an early decision may be taken.
+        max_pairs: >= min_pairs. Pairs at which the trial decides by the test.
+        early_gain: In (0, 1). Early keep needs every pair this much faster (0.1 = 10 %); early revert needs the
+            median this much slower.
+        min_gain: In [0, 1). The median paired ratio must be below 1 - min_gain to keep at max_pairs.
+        significance: In (0, 1). The one-sided Wilcoxon p-value must be below this to keep at max_pairs.
+        backoff_steps: >= 0. Steps after a revert before the next trial may start; doubles per consecutive revert.
+        max_backoff_steps: >= backoff_steps. The back-off's ceiling.
+        max_trial_steps: >= 1. A trial that has not decided after this many recorded steps (its plans' sizes were
+            never observed, e.g. only partial batches) reverts.
+
+    Raises:
+        ConfigError: If a field is out of range.
+    """
+
+    pattern: str = "CCI"
+    min_pairs: int = 3
+    max_pairs: int = 8
+    early_gain: float = 0.10
+    min_gain: float = 0.01
+    significance: float = 0.05
+    backoff_steps: int = 50
+    max_backoff_steps: int = 800
+    max_trial_steps: int = 200
+
+    def __post_init__(self) -> None:
+        p = self.pattern
+        if (
+            not isinstance(p, str) or set(p) - {"C", "I"} or "C" not in p or "I" not in p
+            or p[0] == "I" or "II" in p
+        ):
+            raise ConfigError(
+                f"pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', with every "
+                f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'."
+            )
+        for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
+        for name, low_name in (("max_pairs", "min_pairs"), ("max_backoff_steps", "backoff_steps")):
+            value, low = getattr(self, name), getattr(self, low_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(
+                    f"{name} must be an integer >= {low_name}={low}. Received: {name}={value!r}."
+                )
+        for name, lo, hi, lo_open in (
+            ("early_gain", 0.0, 1.0, True), ("min_gain", 0.0, 1.0, False), ("significance", 0.0, 1.0, True)
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok and (lo < value if lo_open else lo <= value) and value < hi
+            if not ok:
+                bracket = "(" if lo_open else "["
+                raise ConfigError(f"{name} must be a number in {bracket}{lo}, {hi}). Received: {name}={value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardDecision:
+    """The end of one trial.
+
+    Attributes:
+        step: The monitor's completed-step count when the trial decided.
+        outcome: ``"kept"`` (the candidate is the plan from now on) or ``"reverted"`` (the incumbent stays).
+        incumbent_per_replica_batch_sizes: The plan that was in force, shape [R].
+        candidate_per_replica_batch_sizes: The plan that was tried, shape [R].
+        num_pairs: Paired measurements the decision used.
+        median_ratio: median of candidate / incumbent makespan over the pairs (< 1: the candidate was faster);
+            NaN when there were no pairs.
+        p_value: The one-sided Wilcoxon p-value when the test decided, else None (an early decision or no pairs).
+        reason: One line for the log.
+    """
+
+    step: int
+    outcome: str
+    incumbent_per_replica_batch_sizes: tuple[int, ...]
+    candidate_per_replica_batch_sizes: tuple[int, ...]
+    num_pairs: int
+    median_ratio: float
+    p_value: float | None
+    reason: str
+
+    @property
+    def kept(self) -> bool:
+        """True when the candidate became the plan."""
+        return self.outcome == KEPT
+
+
+class PlanGuard:
+    """Runs trials of candidate plans against the incumbent and decides from paired step makespans.
+
+    Not thread-safe: the owner (``Balancer``) serialises calls.
+
+    Args:
+        policy: The trial's pattern, decision thresholds and back-off; None for the defaults.
+
+    Example:
+        >>> from hetero_cs.planning.plan import BatchPlan
+        >>> guard = PlanGuard()
+        >>> even, solved = BatchPlan((50, 50), 100), BatchPlan((70, 30), 100)
+        >>> guard.start(even, solved, step=0)
+        >>> for k in range(9):  # steps as the input pipeline serves them: C C I C C I ...
+        ...     plan = guard.plan_to_serve()
+        ...     makespan_s = 0.07 if plan is solved else 0.10
+        ...     decision = guard.observe(plan.per_replica_batch_sizes, makespan_s, step=k)
+        >>> decision.outcome, decision.num_pairs, round(decision.median_ratio, 2)
+        ('kept', 3, 0.7)
+    """
+
+    def __init__(self, policy: GuardPolicy | None = None):
+        policy = GuardPolicy() if policy is None else policy
+        if not isinstance(policy, GuardPolicy):
+            raise ConfigError(f"policy must be a GuardPolicy. Received: policy={policy!r}.")
+        self._policy = policy
+        self._incumbent: BatchPlan | None = None
+        self._candidate: BatchPlan | None = None
+        self._served = 0
+        self._trial_steps = 0
+        self._pending_candidate_s: float | None = None  # the last candidate makespan, waiting for its incumbent
+        self._ratios: list[float] = []
+        self._last_decision: GuardDecision | None = None
+        self._consecutive_reverts = 0
+        self._blocked_until_step = -1
+
+    @property
+    def policy(self) -> GuardPolicy:
+        """The policy in use."""
+        return self._policy
+
+    @property
+    def in_trial(self) -> bool:
+        """True while a candidate is being measured."""
+        return self._candidate is not None
+
+    @property
+    def incumbent(self) -> BatchPlan | None:
+        """The plan in force during a trial, else None."""
+        return self._incumbent
+
+    @property
+    def candidate(self) -> BatchPlan | None:
+        """The plan being tried, else None."""
+        return self._candidate
+
+    @property
+    def last_decision(self) -> GuardDecision | None:
+        """The last trial's decision (None before the first)."""
+        return self._last_decision
+
+    def may_start(self, step: int) -> bool:
+        """True when no trial runs and the back-off after the last revert has passed at ``step``."""
+        return self._candidate is None and step >= self._blocked_until_step
+
+    def start(self, incumbent: BatchPlan, candidate: BatchPlan, *, step: int) -> None:
+        """Begins a trial of ``candidate`` against ``incumbent`` (same global batch size, different slices).
+
+        Raises:
+            ConfigError: If the plans are for different global batch sizes or replica counts, or have equal slices.
+        """
+        if (
+            incumbent.global_batch_size != candidate.global_batch_size
+            or len(incumbent.per_replica_batch_sizes) != len(candidate.per_replica_batch_sizes)
+            or incumbent.per_replica_batch_sizes == candidate.per_replica_batch_sizes
+        ):
+            raise ConfigError(
+                f"A trial compares two different splits of one global batch. Received: incumbent="
+                f"{list(incumbent.per_replica_batch_sizes)}, candidate={list(candidate.per_replica_batch_sizes)}."
+            )
+        self._incumbent, self._candidate = incumbent, candidate
+        self._served = 0
+        self._trial_steps = 0
+        self._pending_candidate_s = None
+        self._ratios = []
+        logger.info(
+            "guard: trying %s against %s from step %d (pattern %s, %d-%d pairs)",
+            list(candidate.per_replica_batch_sizes), list(incumbent.per_replica_batch_sizes), step,
+            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs,
+        )
+
+    def plan_to_serve(self) -> BatchPlan | None:
+        """The plan for the next full global batch the input pipeline cuts during a trial (None outside one)."""
+        if self._candidate is None:
+            return None
+        pattern = self._policy.pattern
+        letter = pattern[self._served % len(pattern)]
+        self._served += 1
+        return self._candidate if letter == "C" else self._incumbent
+
+    def observe(self, per_replica_batch_sizes: Sequence[int], makespan_s: float, *, step: int) -> GuardDecision | None:
+        """Takes one measured step; returns the decision when this step ends the trial, else None.
+
+        Args:
+            per_replica_batch_sizes: The slices the step ran with, shape [R].
+            makespan_s: Its makespan in seconds (max over replicas), finite and > 0 to count.
+            step: The monitor's completed-step count (for the decision's record and the back-off).
+        """
+        if self._candidate is None:
+            return None
+        self._trial_steps += 1
+        sizes = tuple(int(b) for b in per_replica_batch_sizes)
+        usable = math.isfinite(makespan_s) and makespan_s > 0
+        if usable and sizes == self._candidate.per_replica_batch_sizes:
+            self._pending_candidate_s = float(makespan_s)
+        elif usable and sizes == self._incumbent.per_replica_batch_sizes and self._pending_candidate_s is not None:
+            self._ratios.append(self._pending_candidate_s / float(makespan_s))
+            self._pending_candidate_s = None
+        decision = self._decide(step)
+        if decision is not None:
+            self._finish(decision)
+        return decision
+
+    def abandon(self) -> None:
+        """Ends a trial without a decision (the plans it compared are obsolete, e.g. new cost models)."""
+        self._incumbent = self._candidate = None
+        self._pending_candidate_s = None
+        self._ratios = []
+
+    def _decide(self, step: int) -> GuardDecision | None:
+        policy = self._policy
+        ratios = np.asarray(self._ratios, dtype=np.float64)
+        n = len(ratios)
+        median = float(np.median(ratios)) if n else math.nan
+        if n >= policy.min_pairs:
+            if np.all(ratios < 1.0 - policy.early_gain):
+                return self._decision(step, KEPT, median, None, f"faster in every one of {n} pairs")
+            if np.all(ratios > 1.0) and median > 1.0 + policy.early_gain:
+                return self._decision(step, REVERTED, median, None, f"slower in every one of {n} pairs")
+        if n >= policy.max_pairs:
+            p_value = _wilcoxon_less_p(np.log(ratios))
+            if median < 1.0 - policy.min_gain and p_value < policy.significance:
+                return self._decision(step, KEPT, median, p_value, "measurably faster")
+            return self._decision(step, REVERTED, median, p_value, "not measurably faster")
+        if self._trial_steps >= policy.max_trial_steps:
+            return self._decision(step, REVERTED, median, None, f"only {n} pairs in {self._trial_steps} steps")
+        return None
+
+    def _decision(self, step: int, outcome: str, median: float, p_value: float | None, why: str) -> GuardDecision:
+        return GuardDecision(
+            step=int(step),
+            outcome=outcome,
+            incumbent_per_replica_batch_sizes=tuple(self._incumbent.per_replica_batch_sizes),
+            candidate_per_replica_batch_sizes=tuple(self._candidate.per_replica_batch_sizes),
+            num_pairs=len(self._ratios),
+            median_ratio=median,
+            p_value=p_value,
+            reason=why,
+        )
+
+    def _finish(self, decision: GuardDecision) -> None:
+        policy = self._policy
+        if decision.kept:
+            self._consecutive_reverts = 0
+        else:
+            backoff = min(policy.backoff_steps * 2 ** self._consecutive_reverts, policy.max_backoff_steps)
+            self._consecutive_reverts += 1
+            self._blocked_until_step = decision.step + backoff
+        self._last_decision = decision
+        p_text = "" if decision.p_value is None else f", p={decision.p_value:.3g}"
+        logger.info(
+            "guard: %s %s (vs %s): candidate/incumbent makespan %.3f over %d pairs%s - %s%s",
+            decision.outcome, list(decision.candidate_per_replica_batch_sizes),
+            list(decision.incumbent_per_replica_batch_sizes), decision.median_ratio, decision.num_pairs, p_text,
+            decision.reason,
+            "" if decision.kept else f"; no new trial before step {self._blocked_until_step}",
+        )
+        self.abandon()
+
+
+def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:
+    """One-sided Wilcoxon signed-rank p-value for "the log ratios are centred below 0" (scipy.stats.wilcoxon)."""
+    from scipy import stats
+
+    if not np.any(log_ratios != 0):
+        return 1.0
+    return float(stats.wilcoxon(log_ratios, alternative="less").pvalue)

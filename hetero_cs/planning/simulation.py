@@ -1,0 +1,119 @@
+"""Closed-loop simulation of online re-balancing with synthetic step times (pure: no TensorFlow, no sleeping).
+
+``simulate_training`` drives a :class:`~hetero_cs.planning.monitor.StepTimeMonitor` and a
+:class:`~hetero_cs.planning.rebalance.Rebalancer` with step times drawn from true cost models and multiplicative
+noise, so the policy's behaviour (how many re-plans on steady devices, how fast work moves off a device that slowed)
+is a deterministic function of a seed. The property tests and ``benchmarks/rebalance.py``'s reasoning use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.monitor import StepTimeMonitor
+from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer, _is_int
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedStep:
+    """One step of ``simulate_training``.
+
+    Attributes:
+        step: 0-based step index.
+        per_replica_batch_sizes: The slices this step ran with, shape [R].
+        makespan_s: The observed (noisy) makespan, max_i of the noisy per-replica times.
+        true_makespan_s: The noise-free makespan of these slices under the step's true models.
+        replanned: True if the rebalancer switched plans after this step (the next step runs the new plan).
+    """
+
+    step: int
+    per_replica_batch_sizes: tuple[int, ...]
+    makespan_s: float
+    true_makespan_s: float
+    replanned: bool
+
+
+def simulate_training(
+    true_models_at_step: Callable[[int], Sequence[CostModel]],
+    initial_plan: BatchPlan,
+    *,
+    steps: int,
+    policy: RebalancePolicy | None = None,
+    base_models: Sequence[CostModel] | None = None,
+    window_steps: int = 16,
+    max_batch_sizes: Sequence[int | None] | None = None,
+    relative_noise: float = 0.0,
+    lognormal_sigma: float = 0.0,
+    seed: int = 0,
+) -> list[SimulatedStep]:
+    """Drives a StepTimeMonitor and a Rebalancer with synthetic step times (no TensorFlow, no sleeping).
+
+    At each step, replica i's observed time is true_models_at_step(step)[i].predict_step_time_s(b_i) times a
+    multiplicative noise factor U(1 - relative_noise, 1 + relative_noise) * exp(N(0, lognormal_sigma^2)); after
+    recording all replicas, the rebalancer may switch plans for the next step.
+
+    Args:
+        true_models_at_step: step -> the devices' true cost models at that step (length R); drift is a model
+            that changes with the step.
+        initial_plan: The plan the simulation starts with.
+        steps: >= 0, steps to simulate.
+        policy: Re-balance policy; None means the defaults.
+        base_models: Calibrated models given to ``StepTimeMonitor.updated_cost_models``; None fits from the window.
+        window_steps: The monitor's window.
+        max_batch_sizes: Memory caps for the rebalancer, shape [R], or None.
+        relative_noise: In [0, 1), half-width of the uniform multiplicative noise.
+        lognormal_sigma: >= 0, sigma of the lognormal multiplicative noise.
+        seed: Seed of the noise generator (numpy default_rng); equal arguments give equal results.
+
+    Returns:
+        One SimulatedStep per step.
+
+    Raises:
+        ConfigError: If steps, relative_noise or lognormal_sigma is out of range.
+
+    Example:
+        Replica 1 runs 2x slower from step 100; the switch comes once 9 of the 16 window steps are slow:
+
+        >>> from hetero_cs.planning.cost_model import LinearCostModel, ScaledCostModel
+        >>> from hetero_cs.planning.solver import plan_from_split
+        >>> fast = LinearCostModel(0.0, 0.001)
+        >>> slow_from_100 = lambda step: [fast, ScaledCostModel(fast, 2.0) if step >= 100 else fast]
+        >>> trace = simulate_training(slow_from_100, plan_from_split([32, 32]), steps=200, base_models=[fast, fast])
+        >>> [(s.step, trace[s.step + 1].per_replica_batch_sizes) for s in trace if s.replanned]
+        [(108, (43, 21))]
+    """
+    if not _is_int(steps) or steps < 0:
+        raise ConfigError(f"steps must be a non-negative integer. Received: steps={steps!r}.")
+    if not (0.0 <= relative_noise < 1.0):
+        raise ConfigError(f"relative_noise must be in [0, 1). Received: relative_noise={relative_noise!r}.")
+    if not (lognormal_sigma >= 0.0 and math.isfinite(lognormal_sigma)):
+        raise ConfigError(f"lognormal_sigma must be finite and >= 0. Received: lognormal_sigma={lognormal_sigma!r}.")
+    rng = np.random.default_rng(seed)
+    plan = initial_plan
+    num_replicas = len(plan.per_replica_batch_sizes)
+    monitor = StepTimeMonitor(num_replicas, window_steps=window_steps)
+    rebalancer = Rebalancer(policy, max_batch_sizes=max_batch_sizes)
+    trace: list[SimulatedStep] = []
+    for step in range(steps):
+        true_models = true_models_at_step(step)
+        sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
+        true_times_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
+        noise = rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, num_replicas)
+        noise *= np.exp(rng.normal(0.0, lognormal_sigma, num_replicas))
+        times_s = true_times_s * noise
+        for replica_id in rng.permutation(num_replicas):  # Any report order, as from executor threads.
+            monitor.record(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
+        new_plan = rebalancer.propose_from_monitor(monitor, plan, base_models=base_models)
+        trace.append(
+            SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None)
+        )
+        if new_plan is not None:
+            plan = new_plan
+    return trace
