@@ -9,7 +9,6 @@ private TensorFlow/Keras touches in :mod:`hetero_cs.engine._compat`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -19,8 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, tensors, training
-from hetero_cs.engine.input_slicing import PlanSlicer, is_unbatched_marker, unpack as unpack_slices
-from hetero_cs.engine.step_errors import EMPTY_SLICE_ADVICE, replica_step_error
+from hetero_cs.engine.input_slicing import PlanSlicer
+from hetero_cs.engine.packed_values import PackedBatchValues
+from hetero_cs.engine.step_errors import log_empty_slices, replica_step_error
 from hetero_cs.errors import BatchSplitError, ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 
 
-class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStrategy):
+class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental.CentralStorageStrategy):
     """Central-storage data parallelism whose per-replica slices are sized by a plan, with exact weighting.
 
     Variables live once on the parameter device (host memory). Each step, every global batch of ``B`` examples is
@@ -312,16 +312,7 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         if size in self._warned_empty_slices:
             return
         self._warned_empty_slices.add(size)
-        empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
-        logger.warning(
-            "hetero_cs: a global batch of %d examples is cut %s, so replica(s) %s get 0 examples in that step "
-            "(exact: their loss weight is 0; R = %d replicas). %s",
-            size,
-            list(plan.per_replica_batch_sizes),
-            empty,
-            len(plan.per_replica_batch_sizes),
-            EMPTY_SLICE_ADVICE,
-        )
+        log_empty_slices(plan)
 
     # ----------------------------------------------------------------------------------------------------------
     # Input
@@ -366,61 +357,6 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
         return _compat.distribute_on_host(self, self._slicer.pack(dataset))
-
-    def _replica_slices(self, value) -> list | None:
-        """The ``R`` slices of one packed global-batch leaf from a distributed dataset, or None for other values."""
-        if self.num_replicas_in_sync == 1:
-            return None  # one replica: the batch is not packed, it is already replica 0's slice
-        parts = _compat.components(value)
-        if parts is None or len(parts) != 1:
-            return None
-        packed = parts[0]
-        R = self.num_replicas_in_sync
-        if is_unbatched_marker(packed):  # None / Optional ("no sample weights"): the same for every replica
-            return [packed] * R
-        rows = packed.shape[0] if isinstance(packed, tf.RaggedTensor) else None
-        if not isinstance(packed, tf.RaggedTensor) or (rows is not None and rows != R):
-            made_for = f" (it was cut for {rows} replicas: another strategy's dataset?)" if rows is not None else ""
-            raise InputError(
-                f"Got a per-replica value with 1 component{made_for}, but this strategy has R={R} replicas. Pass "
-                f"elements of this strategy's experimental_distribute_dataset(...), or per-replica values made by "
-                f"its experimental_distribute_values_from_function."
-            )
-        with tf.device(self.extended.input_device):
-            return unpack_slices(packed, R)
-
-    def _unpack(self, structure, created=None):
-        """``structure`` with every packed global-batch leaf replaced by a per-replica value of its ``R`` slices.
-
-        The new per-replica values are appended to ``created`` (a list) when given.
-        """
-
-        def convert(value):
-            slices = self._replica_slices(value)
-            if slices is None:
-                return value
-            unpacked = _compat.per_replica(slices)
-            if created is not None and not is_unbatched_marker(slices[0]):
-                created.append(unpacked)
-            return unpacked
-
-        return tf.nest.map_structure(convert, structure)
-
-    def _unpack_inputs(self, args, kwargs):
-        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices.
-
-        Returns ``(args, kwargs, batch_leaves)``; ``batch_leaves`` are the per-replica slices made here, in order.
-        """
-        created: list = []
-        return self._unpack(args, created), self._unpack(kwargs or {}, created), created
-
-    def experimental_local_results(self, value):
-        """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices.
-
-        For a nested element such as ``(features, labels)`` the result is a tuple of ``R`` such structures, replica
-        ``i``'s holding its slice of every component.
-        """
-        return super().experimental_local_results(self._unpack(value))
 
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
@@ -522,66 +458,14 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
         )
 
     # ----------------------------------------------------------------------------------------------------------
-    # Reductions
-    # ----------------------------------------------------------------------------------------------------------
-    def reduce(self, reduce_op, value, axis=None):
-        """Reduces per-replica values across replicas, leaf by leaf for nested values.
-
-        Stock CentralStorageStrategy returns replica 0's value for ``MEAN`` of a tuple or dict (and raises for
-        ``SUM``); here each leaf is reduced on its own.
-
-        With uneven slices, average per-example quantities by weight, not per replica. Worked number: slices
-        ``[7, 3]`` whose mean losses are 1.0 and 0.0 have the full-batch mean 0.7, but ``reduce("MEAN", loss,
-        axis=None)`` gives 0.5. Compute each replica's loss with ``tf.nn.compute_average_loss(per_example_loss,
-        global_batch_size=B)`` (0.7 and 0.0) and reduce with ``"SUM"``: 0.7. ``axis=0`` reduces per example and is
-        exact as is. ``MEAN`` with ``axis=None`` of an element of a distributed dataset, or of values whose shapes
-        differ between replicas (slices of a data batch), has no element-wise mean; it returns the largest replica's
-        value, which is what Keras needs when it infers input shapes from a distributed batch.
-        """
-        if tf.nest.is_nested(value) and not isinstance(value, tf.distribute.DistributedValues):
-            return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis=axis), value)
-        if value is None:  # e.g. the missing sample weights of an (x, y, None) batch
-            return None
-        op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
-        slices = self._replica_slices(value)
-        if slices is not None:  # an element of a distributed dataset: reduce its per-replica slices
-            if is_unbatched_marker(slices[0]):
-                return slices[0]
-            if axis is None and str(op).upper() == "MEAN":
-                return tensors.largest(slices)
-            value = _compat.per_replica(slices)
-        if (
-            axis is None
-            and str(op).upper() == "MEAN"
-            and isinstance(value, tf.distribute.DistributedValues)
-            and tensors.known_unequal_shapes(self.experimental_local_results(value))
-        ):
-            return tensors.largest(self.experimental_local_results(value))
-        return super().reduce(reduce_op, value, axis=axis)
-
-    def gather(self, value, axis):
-        """Like ``tf.distribute``'s, leaf by leaf for nested values; an element of a distributed dataset gathers its
-        slices back into the global batch. (Stock gather returns only part of a nested value.)"""
-        gather_one = super().gather
-
-        def gather_leaf(leaf):
-            slices = self._replica_slices(leaf)
-            if slices is None:
-                return gather_one(leaf, axis)
-            if is_unbatched_marker(slices[0]):  # None / Optional: nothing to gather
-                return slices[0]
-            return gather_one(_compat.per_replica(slices), axis)
-
-        return tf.nest.map_structure(gather_leaf, value)
-
-    # ----------------------------------------------------------------------------------------------------------
     # Calibration
     # ----------------------------------------------------------------------------------------------------------
     def calibrate(self, model, data, *, force: bool = False, progress: bool = True):
         """Prepares balancing for ``model``: emulated device sizes, then (auto_balance) calibration and the plan.
 
         ``model.fit`` calls this for you on its first global batch. Custom loops call it once before the first
-        ``strategy.run``.
+        ``strategy.run``. With the guard on, the calibrated plan is tried against the even split during the
+        first training steps and kept only if it measured faster (:mod:`hetero_cs.planning.guard`).
 
         Args:
             model: A built Keras model created under ``strategy.scope()``.
@@ -592,74 +476,15 @@ class HeteroCentralStorageStrategy(tf.distribute.experimental.CentralStorageStra
 
         Returns:
             The ``calibration.CalibrationResult``, or None when no calibration is needed (fixed or even split).
+
+        Raises:
+            InputError: The data holds no examples or only None components.
+            ConfigError: auto_balance on data without labels.
+            CalibrationError, CalibrationOOMError: From calibration.
         """
-        from calibration import calibrate as run_calibration
-        from calibration.probe import model_fingerprint
+        from hetero_cs.engine import calibrating
 
-        batch = tensors.first_batch(data)
-        batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
-        if not batched:
-            raise InputError(
-                "The first dataset element holds only None or Optional components; there is nothing to calibrate on."
-            )
-        global_batch_size = int(tensors.leading_dim_value(batched[0]))
-        if global_batch_size < 1:
-            raise InputError(
-                "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
-                "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
-            )
-        if self._emulator is not None and not self._emulator_ready():
-            from hetero_cs.emulation import estimate_workload
-
-            target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
-            self._emulator.set_workload(estimate_workload(model))
-            self._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=target_s)
-        if not self._balancer.auto_balance:
-            self.plan_for(global_batch_size)
-            return None
-        fingerprint = model_fingerprint(model)
-        if not force and self._calibrated_fingerprint == fingerprint and self._balancer.cost_models is not None:
-            return self._calibration
-        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or batch[1] is None:
-            raise ConfigError(
-                f"auto_balance calibrates each device on the model's training step with (x, y) or "
-                f"(x, y, sample_weight) batches, but this data's batches have no labels (got a "
-                f"{type(batch).__name__}{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; "
-                f"e.g. x only, with a loss from add_loss). Pass batch_split=[...] (fixed shares) or "
-                f"auto_balance=False to train on such data."
-            )
-        result = run_calibration(
-            model,
-            batch,
-            devices=list(self._compute_devices),
-            parameter_device=self._parameter_device,
-            global_batch_size=global_batch_size,
-            emulator=self._emulator,
-            store=self._store(),
-            progress=progress,
-        )
-        self._calibration = result
-        self._calibrated_fingerprint = fingerprint
-        logger.info("hetero_cs calibration:\n%s", result.format_table())
-        self._balancer.set_cost_models(
-            [p.cost_model for p in result.profiles],
-            max_batch_sizes=[p.max_batch_size for p in result.profiles],
-            trial=True,
-            reference_batch_size=global_batch_size,
-        )
-        return result
-
-    def _store(self):
-        from calibration.store import ProfileStore
-
-        cache = self._profile_cache
-        if cache is False:
-            return False
-        if cache is None:
-            return ProfileStore()
-        if isinstance(cache, (str, os.PathLike)):
-            return ProfileStore(cache)
-        return cache
+        return calibrating.calibrate(self, model, data, force=force, progress=progress)
 
     def _fit_callbacks(self, model, callbacks):
         from hetero_cs.engine.callbacks import BalanceCallback

@@ -5,9 +5,12 @@ Also the advice for 0-example slices, which some TensorFlow kernels cannot run.
 
 from __future__ import annotations
 
+import logging
 import re
 
 from hetero_cs.errors import ReplicaStepError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
 EMPTY_SLICE_ADVICE = (
     "Some TensorFlow kernels fail on 0-example inputs, e.g. Conv2D and SeparableConv2D on CPU with oneDNN ('input "
@@ -57,4 +60,15 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
         f"{advice} The original error is chained below.",
         replica_id=replica_id,
         device=device,
+    )
+
+
+def log_empty_slices(plan) -> None:
+    """Warns that ``plan`` (a BatchPlan) leaves some replicas 0 examples, and what that can break."""
+    empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
+    logger.warning(
+        "hetero_cs: a global batch of %d examples is cut %s, so replica(s) %s get 0 examples in that step "
+        "(exact: their loss weight is 0; R = %d replicas). %s",
+        plan.global_batch_size, list(plan.per_replica_batch_sizes), empty, len(plan.per_replica_batch_sizes),
+        EMPTY_SLICE_ADVICE,
     )

@@ -1,0 +1,78 @@
+"""The one place that touches private TensorFlow and Keras internals.
+
+Stock ``CentralStorageStrategy`` under Keras 3 is wrong or crashes in several places (see the README's "What
+hetero_cs fixes"). Each fix below is reached only through objects that belong to a
+:class:`~hetero_cs.HeteroCentralStorageStrategy`: a patched Keras function first checks that the current strategy
+(or the variable's strategy) is one of ours and otherwise calls the original unchanged, so plain Keras and every
+other strategy behave exactly as before. Patches are installed once, when the first strategy is constructed.
+
+Every use of a private name is commented with why it is needed and what it relies on; the versions this was
+checked against are TensorFlow 2.21 and Keras 3.15.
+
+The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
+``variables`` (Keras variables and seeds), ``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit,
+evaluate, predict and layer walks). Nothing outside this package imports a private TensorFlow or Keras name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from hetero_cs.engine._compat.distribute import (
+    STRATEGY_MARKER,
+    HeteroExtended,
+    components,
+    current_hetero_strategy,
+    distribute_on_host,
+    is_hetero_strategy,
+    per_replica,
+    replica_id_in_sync_group,
+)
+from hetero_cs.engine._compat.optimizer import _patch_optimizer
+from hetero_cs.engine._compat.trainer import (
+    _patch_evaluate_and_predict,
+    _patch_fit,
+    all_sublayers,
+    layer_build_shapes,
+)
+from hetero_cs.engine._compat.variables import (
+    _patch_loss_scaling,
+    _patch_seed_generator,
+    _patch_variable_assign_add,
+)
+
+__all__ = [
+    "STRATEGY_MARKER",
+    "HeteroExtended",
+    "all_sublayers",
+    "components",
+    "current_hetero_strategy",
+    "distribute_on_host",
+    "install",
+    "is_hetero_strategy",
+    "layer_build_shapes",
+    "per_replica",
+    "replica_id_in_sync_group",
+]
+
+logger = logging.getLogger(__name__)
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Installs the dispatching patches once per process (thread-safe, idempotent)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _patch_loss_scaling()
+        _patch_variable_assign_add()
+        _patch_optimizer()
+        _patch_seed_generator()
+        _patch_fit()
+        _patch_evaluate_and_predict()
+        _installed = True
+        logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

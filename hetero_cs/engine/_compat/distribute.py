@@ -1,0 +1,143 @@
+"""Private touches of tf.distribute: the extended object, the host-side input iterator, per-replica values.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import tensorflow as tf
+
+# Private: the extended class behind CentralStorageStrategy. Subclassing it is the only way to change how variables
+# are created and how replica functions are called without rewriting the strategy.
+from tensorflow.python.distribute import parameter_server_strategy  # noqa: E402
+
+from hetero_cs.engine import training
+
+
+logger = logging.getLogger(__name__)
+
+STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
+
+
+def is_hetero_strategy(strategy: Any) -> bool:
+    """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
+    return bool(getattr(strategy, STRATEGY_MARKER, False))
+
+
+def current_hetero_strategy():
+    """Returns the current strategy if it is ours and a replica step is running in this thread, else None."""
+    if training.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    return strategy if is_hetero_strategy(strategy) else None
+
+
+def replica_id_in_sync_group(replica_context) -> int:
+    # Private attribute: the public `replica_id_in_sync_group` is a tensor; the Python int is needed to pick the
+    # replica's device, emulated profile and monitor slot while tracing. Under CentralStorageStrategy it is an int.
+    return int(replica_context._replica_id_in_sync_group)  # noqa: SLF001
+
+
+class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
+    """CentralStorageStrategy's extended object with two changes.
+
+    1. Non-trainable variables created with aggregation NONE (Keras' BatchNormalization moving statistics,
+       Dropout/GaussianNoise seed state, and any layer state written in a step) get an aggregation, because
+       stock CentralStorageStrategy raises "You must specify an aggregation method to update a
+       AggregatingVariable in Replica Context" on their first update with more than one replica. Integer state
+       (seed counters) gets ONLY_FIRST_REPLICA (MEAN would break integer state); floating-point state gets MEAN.
+    2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing), and a
+       packed global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
+    """
+
+    def _create_variable(self, next_creator, **kwargs):
+        aggregation = kwargs.get("aggregation")
+        trainable = kwargs.get("trainable", True)
+        if not trainable and aggregation in (None, tf.VariableAggregation.NONE):
+            dtype = kwargs.get("dtype")
+            initial_value = kwargs.get("initial_value")
+            if dtype is None and initial_value is not None and not callable(initial_value):
+                dtype = getattr(initial_value, "dtype", None)
+            is_float = dtype is None or tf.as_dtype(dtype).is_floating
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN if is_float else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        strategy = self._container_strategy()
+        args, kwargs, batch_leaves = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves)  # noqa: SLF001
+        return super()._call_for_each_replica(wrapped, args, kwargs)
+
+    @property
+    def input_device(self) -> str:
+        """The host device that runs the input pipeline and cuts each global batch."""
+        # Private: _worker_device is where CentralStorageStrategy itself places its input iterators (this host's
+        # CPU); there is no public name for it.
+        return self._worker_device
+
+
+def distribute_on_host(strategy, dataset):
+    """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
+
+    ``dataset`` yields packed global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the replicas'
+    slices inside the step. Every leaf of an element arrives as a per-replica value with a single component,
+    which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
+    """
+    # Private: tf.distribute builds its distributed datasets from InputWorkers (input device -> fed devices) and
+    # input_util; the public experimental_distribute_dataset would feed R devices with R elements. Here one input
+    # device (the host) is fed one element per global batch. The options ask for a plain tf.data iterator on the
+    # host (PER_REPLICA without fetching to a device) instead of a MultiDeviceIterator, whose per-device prefetch
+    # thread has nothing to move here (the pipeline ends in its own prefetch). Together this makes the input path
+    # cheaper than stock CentralStorageStrategy's rebatch (benchmarks/overhead.py).
+    from tensorflow.python.distribute import input_lib, input_util
+    from tensorflow.python.distribute import values as values_lib
+
+    host = strategy.extended.input_device
+    workers = input_lib.InputWorkers([(host, (host,))])
+    options = tf.distribute.InputOptions(
+        experimental_fetch_to_device=False,
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+    )
+    context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+    distributed = input_util.get_distributed_datasets_from_function(
+        lambda _: dataset, workers, [context], strategy, options=options
+    )
+    if strategy.num_replicas_in_sync > 1:
+        # Private: the distributed dataset describes an element as one component per compute device (its spec is
+        # built from strategy.extended.worker_devices), but ours have one component. Iterators copy this spec, and
+        # loops over iterator.get_next_as_optional() (Keras' steps_per_execution > 1) need the true one. The
+        # batch dimension is left open, as tf.distribute does where partial batches are handled.
+        def one_component(spec):
+            try:
+                spec = spec._unbatch()._batch(None)  # noqa: SLF001 - TypeSpec batching, as input_lib does
+            except (ValueError, AttributeError, NotImplementedError):
+                pass  # not batchable (e.g. an Optional): as it is
+            return values_lib.PerReplicaSpec(spec)
+
+        distributed._element_spec = tf.nest.map_structure(one_component, dataset.element_spec)  # noqa: SLF001
+    return distributed
+
+
+def components(value) -> tuple | None:
+    """The components of a per-replica value (one per replica, or one for a packed global batch leaf), else None."""
+    # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
+    # to return the unpacked slices, so it cannot be used here.
+    if not isinstance(value, tf.distribute.DistributedValues):
+        return None
+    return tuple(getattr(value, "_values", ()))
+
+
+def per_replica(components) -> Any:
+    """A per-replica value holding ``components`` (one per replica, in replica order)."""
+    # Private: there is no public constructor of PerReplica; tf.distribute builds them the same way from iterators.
+    from tensorflow.python.distribute import values as values_lib
+
+    return values_lib.PerReplica(tuple(components))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Keras patches. Each one dispatches on our strategy and otherwise calls the original.
+# --------------------------------------------------------------------------------------------------------------

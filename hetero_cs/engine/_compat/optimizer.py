@@ -1,0 +1,135 @@
+"""Private touches of Keras' TensorFlow optimizer: clipping, gradient aggregation and updates on the host.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from hetero_cs.engine import training
+from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.variables import _barrier_state, _clip_state
+
+def _patch_optimizer() -> None:
+    # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,
+    # which is not the clipping of the full-batch gradient. Under our strategy clipping is skipped in replica
+    # context and applied to the all-reduced (summed) gradient inside _all_reduce_sum_gradients, the last place
+    # in replica context before the merge. The same place gives the strategy the moment a replica's gradients
+    # are ready (per-replica timing and emulated device time).
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    original_clip = TFOptimizer._clip_gradients  # noqa: SLF001
+    original_all_reduce = TFOptimizer._all_reduce_sum_gradients  # noqa: SLF001
+
+    @functools.wraps(original_clip)
+    def _clip_gradients(self, grads):
+        if current_hetero_strategy() is not None and not getattr(_clip_state, "active", False):
+            return grads
+        return original_clip(self, grads)
+
+    @functools.wraps(original_all_reduce)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        strategy = current_hetero_strategy()
+        if strategy is None or tf.distribute.get_replica_context() is None:
+            return original_all_reduce(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        grads = strategy._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
+        grads_and_vars = list(zip(grads, [v for _, v in grads_and_vars]))
+        # The barrier: a token on the parameter device that exists once every replica's gradients do. Writes
+        # that need no other replica (the iteration counter) wait for it through a control edge, which moves no
+        # data. Waiting on the summed gradients instead would make every replica fetch its own copy of the whole
+        # summed gradient, which nothing else reads: 2-3 % of a 5 ms CPU step in benchmarks/overhead.py (step
+        # only), and a host-to-device copy of the whole gradient per replica on GPUs.
+        # The variable updates (cross-replica, in _distributed_tf_update_step) wait for it too: an update needs
+        # only its own summed gradient, which may exist before another replica's backward pass fails.
+        local = [g for g, _ in grads_and_vars if g is not None]
+        if local:
+            token = tf.distribute.get_replica_context().merge_call(_all_replicas_done, args=(local,))
+            training.current_replica_step().barrier[:] = [token]
+            _barrier_state.token = token
+        reduced = original_all_reduce(self, grads_and_vars)
+        _clip_state.active = True
+        try:
+            clipped = original_clip(self, [g for g, _ in reduced])
+        finally:
+            _clip_state.active = False
+        return list(zip(clipped, [v for _, v in reduced]))
+
+    original_update_step = TFOptimizer._distributed_tf_update_step  # noqa: SLF001
+    original_decay = TFOptimizer._apply_weight_decay  # noqa: SLF001
+
+    @functools.wraps(original_decay)
+    def _apply_weight_decay(self, variables):
+        # Decoupled weight decay (AdamW, or any optimizer given weight_decay) is applied before the gradients are
+        # summed, so it would run even when a replica's step fails. Under our strategy it is deferred to the update
+        # merge below, where it runs first (the same order as in one device's step), behind the barrier.
+        if self.weight_decay is not None and current_hetero_strategy() is not None:
+            _barrier_state.decay = (self, list(variables))
+            return None
+        return original_decay(self, variables)
+
+    @functools.wraps(original_update_step)
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        # Cross-replica (merge_call), in the thread that runs the merge. The token is from this step's graph only.
+        token, decay = _barrier_state.token, _barrier_state.decay
+        _barrier_state.token = _barrier_state.decay = None
+        if not is_hetero_strategy(distribution):
+            return original_update_step(self, distribution, grads_and_vars, learning_rate)
+        current_graph = tf.compat.v1.get_default_graph()
+        # Eager steps have no graph (and run in order): nothing to wait for.
+        barrier = [token] if getattr(token, "graph", None) is current_graph and not tf.executing_eagerly() else []
+        with tf.control_dependencies(barrier):
+            if decay is not None and decay[0] is self:
+                _weight_decay_cross_replica(self, distribution, decay[1])
+            return original_update_step(self, distribution, grads_and_vars, learning_rate)
+
+    original_apply_gradients = TFOptimizer.apply_gradients
+
+    @functools.wraps(original_apply_gradients)
+    def apply_gradients(self, grads_and_vars):
+        # Keras' gradient accumulation keeps one accumulator per variable and adds to it inside a cond; under a
+        # central-storage strategy that fails in graph mode and, eagerly, adds each replica's unreduced gradient.
+        if getattr(self, "gradient_accumulation_steps", None) and is_hetero_strategy(tf.distribute.get_strategy()):
+            from hetero_cs.errors import ConfigError
+
+            raise ConfigError(
+                f"Optimizer gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported under "
+                f"HeteroCentralStorageStrategy. Use a global batch that many times larger instead, where the devices' "
+                f"memory allows it."
+            )
+        return original_apply_gradients(self, grads_and_vars)
+
+    TFOptimizer.apply_gradients = apply_gradients
+    TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
+    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
+    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
+    TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
+
+
+def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:
+    # Keras' TFOptimizer._apply_weight_decay, minus its maybe_merge_call (we are already in the merge): the same
+    # decoupled decay, variable by variable, on the parameter device. _use_weight_decay is Keras' own exclusion
+    # list (exclude_from_weight_decay).
+    from keras.src import backend
+
+    def weight_decay_fn(variable):
+        if optimizer._use_weight_decay(variable):  # noqa: SLF001
+            lr = tf.cast(optimizer.learning_rate, variable.dtype)
+            wd = tf.cast(optimizer.weight_decay, variable.dtype)
+            variable.assign_sub(variable * wd * lr)
+
+    for variable in variables:
+        if isinstance(variable, backend.Variable):
+            variable = variable.value
+        distribution.extended.update(variable, weight_decay_fn, group=False)
+
+
+def _all_replicas_done(strategy, per_replica_grads):
+    """Cross-replica: a scalar on the parameter device that is computed after every replica's every gradient."""
+    local = [t for value in per_replica_grads for t in strategy.experimental_local_results(value)]
+    deps = tf.nest.flatten(local, expand_composites=True)  # IndexedSlices (embedding gradients) -> their tensors
+    with tf.device(strategy.parameter_device), tf.control_dependencies(deps):
+        return tf.identity(tf.constant(0, tf.int32))

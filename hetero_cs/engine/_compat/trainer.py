@@ -1,0 +1,99 @@
+"""Private touches of Keras' trainer and layers: fit's callbacks and errors, layer walks for emulation.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from hetero_cs.engine._compat.distribute import is_hetero_strategy
+
+def _patch_fit() -> None:
+    # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
+    # callback that calibrates on the first global batch (auto_balance), and reports per-replica step times, the
+    # straggler wait and the plan in the logs. Other strategies are untouched.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original_fit = TensorFlowTrainer.fit
+    signature = inspect.signature(original_fit)
+
+    @functools.wraps(original_fit)
+    def fit(self, *args, **kwargs):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if not is_hetero_strategy(strategy):
+            return original_fit(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        callbacks = bound.arguments.get("callbacks")
+        bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks)  # noqa: SLF001
+        strategy._input_error = None  # noqa: SLF001
+        try:
+            return original_fit(*bound.args, **bound.kwargs)
+        except StopIteration as exc:
+            # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
+            from hetero_cs.errors import InputError
+
+            raise InputError(
+                "model.fit got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that "
+                "drops everything, or fewer examples than one batch with drop_remainder=True)."
+            ) from exc
+        except tf.errors.OpError as exc:
+            replica_error = strategy._replica_step_error(exc)  # noqa: SLF001
+            if replica_error is None:
+                raise
+            raise replica_error from exc
+
+    TensorFlowTrainer.fit = fit
+
+
+def _patch_evaluate_and_predict() -> None:
+    # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
+    # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
+    # do the same here. Other strategies are untouched.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    def reraise_input_errors(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            strategy = getattr(self, "_distribute_strategy", None)
+            if not is_hetero_strategy(strategy):
+                return original(self, *args, **kwargs)
+            strategy._input_error = None  # noqa: SLF001
+            try:
+                return original(self, *args, **kwargs)
+            except tf.errors.OpError as exc:
+                input_error, strategy._input_error = strategy._input_error, None  # noqa: SLF001
+                if input_error is None:
+                    raise
+                raise input_error from exc
+
+        return method
+
+    TensorFlowTrainer.evaluate = reraise_input_errors(TensorFlowTrainer.evaluate)
+    TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
+
+
+def all_sublayers(model) -> list:
+    """The model and every layer inside it, nested models and layers held as attributes included."""
+    # Private: Keras 3's _flatten_layers is the only walk that reaches sublayers kept as plain attributes of a
+    # subclassed layer; `model.layers` lists only the top level. Used to count a model's FLOPs for emulation.
+    if hasattr(model, "_flatten_layers"):
+        return list(model._flatten_layers(include_self=True, recursive=True))  # noqa: SLF001
+    layers, stack = [], [model]  # public fallback for Keras versions without it
+    while stack:
+        layer = stack.pop()
+        layers.append(layer)
+        stack.extend(getattr(layer, "layers", []))
+    return layers
+
+
+def layer_build_shapes(layer) -> dict | None:
+    """The input shapes a layer was built with ({argument name: shape}), or None."""
+    # Private: a layer inside a subclassed model has no symbolic `output`; the shapes its build() received are the
+    # only record of what it computes on (used to count its FLOPs for emulation).
+    return getattr(layer, "_build_shapes_dict", None)

@@ -1,0 +1,102 @@
+"""Preparing a strategy's balancing for one model: emulated device sizes, calibration, the plan to try.
+
+``HeteroCentralStorageStrategy.calibrate`` (called by ``model.fit`` on its first global batch) delegates here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import tensorflow as tf
+
+from hetero_cs.engine import arguments, tensors
+from hetero_cs.engine.input_slicing import is_unbatched_marker
+from hetero_cs.errors import ConfigError, InputError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
+
+
+def calibrate(strategy, model, data, *, force: bool = False, progress: bool = True):
+    """Prepares balancing for ``model``: emulated device sizes, then (auto_balance) calibration and the plan.
+
+    ``model.fit`` calls this for you on its first global batch. Custom loops call it once before the first
+    ``strategy.run``.
+
+    Args:
+        model: A built Keras model created under ``strategy.scope()``.
+        data: A ``tf.data.Dataset`` of global batches (its first element is used), or one global batch
+            ``(x, y)`` / ``(x, y, sample_weight)``.
+        force: Calibrate even if this model was already calibrated (the profile cache is still used).
+        progress: Show Keras' progress bar while calibrating.
+
+    Returns:
+        The ``calibration.CalibrationResult``, or None when no calibration is needed (fixed or even split).
+    """
+    from calibration import calibrate as run_calibration
+    from calibration.probe import model_fingerprint
+
+    batch = tensors.first_batch(data)
+    batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
+    if not batched:
+        raise InputError(
+            "The first dataset element holds only None or Optional components; there is nothing to calibrate on."
+        )
+    global_batch_size = int(tensors.leading_dim_value(batched[0]))
+    if global_batch_size < 1:
+        raise InputError(
+            "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
+            "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
+        )
+    if strategy._emulator is not None and not strategy._emulator_ready():
+        from hetero_cs.emulation import estimate_workload
+
+        target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
+        strategy._emulator.set_workload(estimate_workload(model))
+        strategy._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=target_s)
+    if not strategy._balancer.auto_balance:
+        strategy.plan_for(global_batch_size)
+        return None
+    fingerprint = model_fingerprint(model)
+    if not force and strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
+        return strategy._calibration
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or batch[1] is None:
+        raise ConfigError(
+            f"auto_balance calibrates each device on the model's training step with (x, y) or "
+            f"(x, y, sample_weight) batches, but this data's batches have no labels (got a "
+            f"{type(batch).__name__}{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; "
+            f"e.g. x only, with a loss from add_loss). Pass batch_split=[...] (fixed shares) or "
+            f"auto_balance=False to train on such data."
+        )
+    result = run_calibration(
+        model,
+        batch,
+        devices=list(strategy._compute_devices),
+        parameter_device=strategy._parameter_device,
+        global_batch_size=global_batch_size,
+        emulator=strategy._emulator,
+        store=_store(strategy),
+        progress=progress,
+    )
+    strategy._calibration = result
+    strategy._calibrated_fingerprint = fingerprint
+    logger.info("hetero_cs calibration:\n%s", result.format_table())
+    strategy._balancer.set_cost_models(
+        [p.cost_model for p in result.profiles],
+        max_batch_sizes=[p.max_batch_size for p in result.profiles],
+        trial=True,
+        reference_batch_size=global_batch_size,
+    )
+    return result
+
+def _store(strategy):
+    from calibration.store import ProfileStore
+
+    cache = strategy._profile_cache
+    if cache is False:
+        return False
+    if cache is None:
+        return ProfileStore()
+    if isinstance(cache, (str, os.PathLike)):
+        return ProfileStore(cache)
+    return cache
