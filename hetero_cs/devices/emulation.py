@@ -24,18 +24,15 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hetero_cs.devices.catalog import (  # noqa: F401 - re-exported: hetero_cs.emulation is the public path
-    CATALOG,
+from hetero_cs.devices.catalog import (
     DEFAULT_COMPUTE_EFFICIENCY,
     DEFAULT_LAUNCH_OVERHEAD_S,
-    PCIE_BYTES_PER_S_PER_LANE,
     TIME_SCALE_ENV_VAR,
     DeviceSpec,
     _is_int,
     _is_real,
     get_device_spec,
 )
-from hetero_cs.devices.logical import setup_logical_devices  # noqa: F401 - re-exported (public path)
 from hetero_cs.errors import ConfigError, EmulationError
 
 logger = logging.getLogger(__name__)

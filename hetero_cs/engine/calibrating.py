@@ -18,21 +18,7 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages u
 
 
 def calibrate(strategy, model, data, *, force: bool = False, progress: bool = True):
-    """Prepares balancing for ``model``: emulated device sizes, then (auto_balance) calibration and the plan.
-
-    ``model.fit`` calls this for you on its first global batch. Custom loops call it once before the first
-    ``strategy.run``.
-
-    Args:
-        model: A built Keras model created under ``strategy.scope()``.
-        data: A ``tf.data.Dataset`` of global batches (its first element is used), or one global batch
-            ``(x, y)`` / ``(x, y, sample_weight)``.
-        force: Calibrate even if this model was already calibrated (the profile cache is still used).
-        progress: Show Keras' progress bar while calibrating.
-
-    Returns:
-        The ``calibration.CalibrationResult``, or None when no calibration is needed (fixed or even split).
-    """
+    """``HeteroCentralStorageStrategy.calibrate`` (see there for the arguments, result and errors)."""
     from calibration import calibrate as run_calibration
     from calibration.probe import model_fingerprint
 

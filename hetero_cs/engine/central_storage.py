@@ -97,7 +97,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile_cache: Any = None,
         guard: bool = True,
     ):
-        from hetero_cs.devices import emulation
+        from hetero_cs import emulation
 
         emulator = None
         if isinstance(emulate, emulation.Emulator):
