@@ -42,11 +42,14 @@ logger = logging.getLogger(__name__)
 MIN_PREDICTED_GAIN = 0.02
 """An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
-REBALANCE_CHECK_INTERVAL_STEPS = 4
-"""Online re-balancing looks at the monitor every 4 completed steps (``RebalancePolicy.check_interval_steps``).
+LOOK_COST_S = 4e-4
+"""Host time one re-balancing look costs, seconds (fit the monitor's models and solve: about 0.4 ms for R = 3).
 
-A look costs about 0.4 ms of host CPU for 3 replicas; it runs in the input pipeline, beside the step. Every 4 steps
-keeps that under 0.1 ms per step and delays a reaction to a drifting device by at most 3 steps."""
+The balancer looks every N completed steps, the smallest N with LOOK_COST_S / N <= TIMING_BUDGET of the last
+makespan, at most MAX_LOOK_INTERVAL_STEPS: every step beside a 40 ms step, every 8th beside a 5 ms one. A look
+runs in the input pipeline, beside the step; waiting N steps delays a reaction to a drifting device by N - 1."""
+
+MAX_LOOK_INTERVAL_STEPS = 8
 
 TIMING_COST_S = 6e-4
 """Host time one timed step costs, seconds (0.47-0.59 ms measured by benchmarks/overhead.py for R = 3 on a 2-core
@@ -70,7 +73,8 @@ class Balancer:
         shares: Fixed relative shares per replica (validated by the caller), or None.
         guard: Keep a calibrated or re-planned split only if it measured faster than the one it replaces (only
             with auto_balance). See :mod:`hetero_cs.planning.guard`.
-        rebalance_policy: The re-balancer's policy; None for the defaults with ``check_interval_steps=4``.
+        rebalance_policy: The re-balancer's policy; None for the defaults. The balancer itself looks only every
+            few steps when steps are short (``LOOK_COST_S``).
         guard_policy: The guard's policy; None for the defaults.
         on_plan: Called with the new plan (under the lock) whenever the plan in force for the reference size
             changes; e.g. to publish it to a graph cache.
@@ -105,9 +109,7 @@ class Balancer:
         self._auto_balance = bool(auto_balance)
         self._rebalance = bool(rebalance)
         self._guard_enabled = bool(guard)
-        self._rebalance_policy = rebalance_policy or RebalancePolicy(
-            check_interval_steps=REBALANCE_CHECK_INTERVAL_STEPS
-        )
+        self._rebalance_policy = rebalance_policy or RebalancePolicy()
         self._on_plan = on_plan
         self._calibrated_models: list[CostModel] | None = None
         self._cost_models: list[CostModel] | None = None
@@ -120,6 +122,7 @@ class Balancer:
         self._guard = PlanGuard(guard_policy)
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
+        self._last_look_step = -(10**9)
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
 
@@ -367,6 +370,12 @@ class Balancer:
             return 1
         return max(1, min(MAX_TIMING_INTERVAL_STEPS, math.ceil(TIMING_COST_S / (TIMING_BUDGET * sample.makespan_s))))
 
+    def _look_interval_steps(self) -> int:
+        sample = self._monitor.last_step()
+        if sample is None or not sample.makespan_s > 0:
+            return 1
+        return max(1, min(MAX_LOOK_INTERVAL_STEPS, math.ceil(LOOK_COST_S / (TIMING_BUDGET * sample.makespan_s))))
+
     # ------------------------------------------------------------------------------------------------------------
     # Internals (called with the lock held)
     # ------------------------------------------------------------------------------------------------------------
@@ -456,6 +465,9 @@ class Balancer:
             return
         if self.guard_enabled and not self._guard.may_start(completed):
             return
+        if completed - self._last_look_step < self._look_interval_steps():
+            return
+        self._last_look_step = completed
         new_plan = self._rebalancer.propose_from_monitor(
             self._monitor, self._plan, base_models=self._calibrated_models
         )

@@ -41,6 +41,14 @@ _MIN_SIZE_SPREAD_FOR_AFFINE_FIT = 2.0
 # Incomplete steps kept beyond the window before the oldest is dropped (a replica that never reports).
 _EXTRA_PENDING_STEPS = 64
 
+# Shift detection: when a replica's last SHIFT_STEPS relative levels all lie more than SHIFT_THRESHOLD above (or
+# below) the median of its earlier ones in the window, its speed changed; its estimate then uses only those recent
+# steps instead of waiting for the window median to flip (window_steps // 2 + 1 steps). With up to 10 % uniform
+# per-replica noise a false shift is impossible (every sample would have to be 15 % off); with 10 % lognormal noise
+# its odds are about 4e-5 per replica per step - and the guard measures any re-plan it causes.
+SHIFT_STEPS = 4
+SHIFT_THRESHOLD = 0.15
+
 
 @dataclasses.dataclass(frozen=True)
 class StepSample:
@@ -108,7 +116,8 @@ class StepTimeMonitor:
     Args:
         num_replicas: R >= 1, the number of replicas reporting.
         window_steps: >= 1, how many of the most recent complete steps the estimates use. A step change in a
-            device's speed moves the median after window_steps // 2 + 1 steps.
+            device's speed moves the estimate after SHIFT_STEPS (4) steps once the shift is clear (see
+            ``SHIFT_THRESHOLD``), else after window_steps // 2 + 1 steps (the median).
 
     Raises:
         ConfigError: If num_replicas or window_steps is not a positive integer.
@@ -274,10 +283,15 @@ class StepTimeMonitor:
     def updated_cost_models(self, base_models: Sequence[CostModel] | None = None) -> list[CostModel]:
         """Per-replica cost models corrected by the window's observations.
 
-        With base models (from calibration), replica i's model is ``ScaledCostModel(base_i, r_i)`` with the robust
-        ratio r_i = median over the window of t_i / base_i.predict_step_time_s(b_i), over steps where b_i > 0
-        and the base predicts a positive time. It keeps the calibrated shape (fixed overhead vs per-example cost)
-        and corrects the level, so a device that drifted 2x slower gets r_i ~ 2.
+        With base models (from calibration), replica i's model is ``ScaledCostModel(base_i, r_i)``. Its level is
+        taken relative to the step it was measured in: with q_ki = t_i / base_i.predict_step_time_s(b_i) at window
+        step k (steps where b_i > 0 and the base predicts a positive time) and g_k the geometric mean of step k's
+        q_ki over its replicas, r_i = median_k(q_ki / g_k) * median_k(g_k). A factor that slowed a whole step (the
+        host got busy) divides out of q / g, so it changes every r_i alike and never the split solved from them;
+        only a change in the replicas' relative speeds does. It keeps the calibrated shape (fixed overhead vs
+        per-example cost) and corrects the level, so a device that drifted 2x slower gets r_i ~ 2 (relative to the
+        others). The noise margin (:meth:`relative_standard_errors`) stays on the absolute levels, so a busy host
+        widens it and makes re-planning more cautious, never less.
 
         Without base models, replica i's model is fitted from its (b_i, t_i) pairs with b_i > 0: an affine
         ``LinearCostModel(a, c)`` by the Theil-Sen estimator (median of pairwise slopes, median intercept) when
@@ -304,9 +318,10 @@ class StepTimeMonitor:
                 f"base_models must hold one cost model per replica. Received: len(base_models)={len(base_models)}, "
                 f"num_replicas={self._num_replicas}."
             )
-        sizes, times_s = self._window_arrays()
         if base_models is not None:
-            return [self._scaled_model(base_models[i], sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)]
+            relative, common = self._relative_levels(base_models)
+            return [self._scaled_model(base_models[i], relative[:, i], common) for i in range(self._num_replicas)]
+        sizes, times_s = self._window_arrays()
         fitted: list[CostModel | None] = [
             _fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)
         ]
@@ -348,6 +363,7 @@ class StepTimeMonitor:
                 f"num_replicas={self._num_replicas}."
             )
         sizes, times_s = self._window_arrays()
+        relative, _ = self._relative_levels(cost_models)
         result = np.zeros(self._num_replicas)
         for i, model in enumerate(cost_models):
             levels = []
@@ -360,27 +376,68 @@ class StepTimeMonitor:
             if not levels:
                 continue
             q = np.asarray(levels)
+            recent = _shift_start(relative[:, i][np.isfinite(relative[:, i])])
+            if recent is not None and q.size == np.isfinite(relative[:, i]).sum():
+                q = q[recent:]  # the speed changed: only the steps since say how precisely the new level is known
             center = float(np.median(q))
             if center > 0:
                 mad = float(np.median(np.abs(q - center)))
                 result[i] = 1.2533 * 1.4826 * mad / center / math.sqrt(q.size)
         return result
 
+    def _relative_levels(self, cost_models: Sequence[CostModel]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-step levels with the step's common mode divided out, and the common modes.
+
+        q[k, i] = t_i / model_i.predict_step_time_s(b_i) at window step k (NaN where b_i = 0 or the model predicts no
+        positive time); g[k] = the geometric mean of step k's finite levels, the factor by which the whole step ran
+        slow or fast (the host got busy, a garbage collection): it hits every replica alike and says nothing about
+        their relative speeds. Returns (q / g, g), shapes [S, R] and [S].
+        """
+        sizes, times_s = self._window_arrays()
+        levels = np.full(sizes.shape, np.nan)
+        for i, model in enumerate(cost_models):
+            for k, (b, t) in enumerate(zip(sizes[:, i], times_s[:, i])):
+                if b <= 0:
+                    continue
+                predicted_s = float(model.predict_step_time_s(int(b)))
+                if math.isfinite(predicted_s) and predicted_s > 0 and t > 0:
+                    levels[k, i] = t / predicted_s
+        with np.errstate(invalid="ignore", divide="ignore"):
+            finite = np.isfinite(levels)
+            log_levels = np.where(finite, np.log(np.where(finite, levels, 1.0)), 0.0)
+            counts = finite.sum(axis=1)
+            common = np.exp(np.where(counts > 0, log_levels.sum(axis=1) / np.maximum(counts, 1), 0.0))
+        return levels / common[:, None], common
+
     @staticmethod
-    def _scaled_model(base: CostModel, sizes: np.ndarray, times_s: np.ndarray) -> CostModel:
-        ratios = []
-        for b, t in zip(sizes, times_s):
-            if b <= 0:
-                continue
-            predicted_s = float(base.predict_step_time_s(int(b)))
-            if math.isfinite(predicted_s) and predicted_s > 0:
-                ratios.append(t / predicted_s)
-        if not ratios:
+    def _scaled_model(base: CostModel, relative: np.ndarray, common: np.ndarray) -> CostModel:
+        usable = np.isfinite(relative)
+        if not usable.any():
             return base
-        factor = float(np.median(ratios))
+        relative, common = relative[usable], common[usable]
+        recent = _shift_start(relative)
+        if recent is not None:  # the replica's speed changed: estimate it from the steps since
+            relative, common = relative[recent:], common[recent:]
+        factor = float(np.median(relative)) * float(np.median(common))
         if not (math.isfinite(factor) and factor > 0):
             return base  # Only zero times observed: no usable correction.
         return ScaledCostModel(base, factor)
+
+
+def _shift_start(levels: np.ndarray) -> int | None:
+    """Index where the last SHIFT_STEPS levels start if they all moved past SHIFT_THRESHOLD of the earlier median.
+
+    ``levels`` is one replica's finite relative levels, oldest first; at least SHIFT_STEPS earlier ones are needed.
+    """
+    if levels.size < 2 * SHIFT_STEPS:
+        return None
+    start = levels.size - SHIFT_STEPS
+    recent, before = levels[start:], float(np.median(levels[:start]))
+    if before <= 0:
+        return None
+    if np.all(recent > before * (1.0 + SHIFT_THRESHOLD)) or np.all(recent < before * (1.0 - SHIFT_THRESHOLD)):
+        return start
+    return None
 
 
 def _fit_linear_model(sizes: np.ndarray, times_s: np.ndarray) -> LinearCostModel | None:

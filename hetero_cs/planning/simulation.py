@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -116,4 +117,88 @@ def simulate_training(
         )
         if new_plan is not None:
             plan = new_plan
+    return trace
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancedStep:
+    """One step of ``simulate_balancer``.
+
+    Attributes:
+        step: 0-based step index.
+        per_replica_batch_sizes: The slices this step ran with (served ``prefetch`` steps earlier), shape [R].
+        plan_in_force: ``Balancer.plan``'s slices when the step ran, shape [R].
+        makespan_s: The observed (noisy) makespan.
+        true_makespan_s: The noise-free makespan of these slices under the step's true models.
+        in_trial: True while the guard was trying a candidate.
+    """
+
+    step: int
+    per_replica_batch_sizes: tuple[int, ...]
+    plan_in_force: tuple[int, ...]
+    makespan_s: float
+    true_makespan_s: float
+    in_trial: bool
+
+
+def simulate_balancer(
+    balancer: Any,
+    true_models_at_step: Callable[[int], Sequence[CostModel]],
+    global_batch_size: int,
+    *,
+    steps: int,
+    prefetch: int = 2,
+    relative_noise: float = 0.0,
+    common_noise_sigma: float = 0.0,
+    seed: int = 0,
+) -> list[BalancedStep]:
+    """Drives a :class:`~hetero_cs.planning.balancer.Balancer` as an engine would, with synthetic step times.
+
+    Each step, the input side asks ``balancer.serve(B)`` for the slices of a batch that runs ``prefetch`` steps
+    later (as a prefetching input pipeline does); when a batch runs, replica i reports
+    ``true_i(b_i) * c_k * u_ki``: c_k = exp(N(0, common_noise_sigma^2)) is shared by every replica of step k (the
+    whole host got busier or quieter) and u_ki ~ U(1 - relative_noise, 1 + relative_noise) is the replica's own
+    noise. Every step is timed.
+
+    Args:
+        balancer: The Balancer under test (its monitor receives the reports).
+        true_models_at_step: step -> the devices' true cost models at that step (length R).
+        global_batch_size: B, the size of every batch.
+        steps: >= 0, steps to simulate.
+        prefetch: >= 0, batches cut ahead of the step that runs them.
+        relative_noise: In [0, 1), per-replica multiplicative noise half-width.
+        common_noise_sigma: >= 0, sigma of the per-step common-mode lognormal factor.
+        seed: numpy default_rng seed; equal arguments give equal results.
+
+    Returns:
+        One BalancedStep per step.
+
+    Raises:
+        ConfigError: If an argument is out of range.
+    """
+    if not _is_int(steps) or steps < 0 or not _is_int(prefetch) or prefetch < 0:
+        raise ConfigError(f"steps and prefetch must be integers >= 0. Received: steps={steps!r}, prefetch={prefetch!r}.")
+    if not (0.0 <= relative_noise < 1.0) or not (0.0 <= common_noise_sigma < math.inf):
+        raise ConfigError(
+            f"relative_noise must be in [0, 1) and common_noise_sigma finite and >= 0. Received: "
+            f"relative_noise={relative_noise!r}, common_noise_sigma={common_noise_sigma!r}."
+        )
+    rng = np.random.default_rng(seed)
+    queue = [balancer.serve(global_batch_size) for _ in range(prefetch)]
+    trace: list[BalancedStep] = []
+    for step in range(steps):
+        queue.append(balancer.serve(global_batch_size))
+        plan = queue.pop(0)
+        sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
+        true_models = true_models_at_step(step)
+        true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
+        common = float(np.exp(rng.normal(0.0, common_noise_sigma)))
+        times_s = true_s * common * rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, len(sizes))
+        in_force = balancer.plan
+        trace.append(BalancedStep(
+            step, sizes, tuple(in_force.per_replica_batch_sizes) if in_force is not None else sizes,
+            float(times_s.max()), float(true_s.max()), balancer.guard.in_trial,
+        ))
+        for replica_id in rng.permutation(len(sizes)):
+            balancer.record_step_time(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
     return trace
