@@ -295,3 +295,37 @@ def test_concurrent_records_pair_into_the_right_steps():
     assert [s.step for s in samples] == list(range(num_steps))  # Steps complete in order.
     assert all(s.per_replica_batch_sizes == (s.step,) * num_replicas for s in samples)
     assert all(s.straggler_replica == num_replicas - 1 for s in samples)
+
+
+def test_a_load_that_slows_whole_steps_divides_out_of_the_relative_levels():
+    """Regression (busy host): each step runs 0.5x-3x as long for every replica alike; the ratio stays exact."""
+    models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.002)]
+    monitor = StepTimeMonitor(2, window_steps=16)
+    loads = [1.0, 3.0, 0.5, 2.0, 1.2, 2.7, 0.8, 1.9, 3.0, 1.1, 0.6, 2.2, 1.4, 2.9, 0.7, 1.6]
+    for k, load in enumerate(loads):
+        noise = 1.0 + 0.01 * ((-1) ** k)  # 1 % of the replica's own noise
+        _record_step(monitor, [20, 10], [0.020 * load * noise, 0.040 * load / noise])
+    fast, slow = monitor.updated_cost_models(models)
+    assert slow.factor / fast.factor == pytest.approx(2.0, rel=0.021)
+
+
+def test_a_clear_shift_is_seen_after_four_steps():
+    model = LinearCostModel(0.0, 0.001)
+    monitor = StepTimeMonitor(2, window_steps=16)
+    for k in range(16):
+        slowed = 2.0 if k >= 12 else 1.0  # replica 1 runs 2x slower in the last 4 steps only
+        _record_step(monitor, [10, 10], [0.010 * (1 + 0.01 * (k % 3)), 0.010 * slowed])
+    fast, slow = monitor.updated_cost_models([model, model])
+    assert slow.factor / fast.factor == pytest.approx(2.0, rel=0.03)  # the window median alone would say ~1
+    errors = monitor.relative_standard_errors([fast, slow])
+    assert errors[1] < 0.05  # the new level is known from the steps since the shift
+
+
+def test_no_shift_is_seen_in_noise_of_under_15_percent():
+    model = LinearCostModel(0.0, 0.001)
+    monitor = StepTimeMonitor(2, window_steps=16)
+    for k in range(16):
+        wobble = 1.12 if k >= 12 else 1.0  # a 12 % rise: below the shift threshold, so the median decides
+        _record_step(monitor, [10, 10], [0.010, 0.010 * wobble])
+    fast, slow = monitor.updated_cost_models([model, model])
+    assert slow.factor / fast.factor == pytest.approx(1.0, rel=0.01)

@@ -1,0 +1,146 @@
+"""The plan lifecycle with injected step times: guard, re-planning, common-mode load, serving (no TensorFlow)."""
+
+import statistics
+
+import pytest
+
+from hetero_cs.errors import ConfigError, InvalidCostModelError
+from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.cost_model import LinearCostModel, ScaledCostModel
+from hetero_cs.planning.simulation import simulate_balancer
+from hetero_cs.planning.solver import solve_batch_split
+
+B = 2048
+# A10 + T4 + P100-like curves: a fixed overhead and unlike per-example costs.
+TRUE = [LinearCostModel(0.02, 1e-4), LinearCostModel(0.02, 4e-4), LinearCostModel(0.02, 3e-4)]
+EVEN = (683, 683, 682)
+
+
+def balanced(**kwargs):
+    balancer = Balancer(3, **kwargs)
+    balancer.set_cost_models(TRUE, trial=True, reference_batch_size=B)
+    return balancer
+
+
+def test_a_calibrated_plan_is_tried_against_the_even_split_and_kept_when_faster():
+    balancer = balanced()
+    assert balancer.plan.per_replica_batch_sizes == EVEN  # in force until the trial decides
+    assert balancer.guard.in_trial
+    trace = simulate_balancer(balancer, lambda step: TRUE, B, steps=30, relative_noise=0.02)
+    solved = solve_batch_split(TRUE, B).per_replica_batch_sizes
+    decision = balancer.last_guard_decision
+    assert decision.kept and decision.candidate_per_replica_batch_sizes == solved
+    assert balancer.plan.per_replica_batch_sizes == solved
+    assert trace[0].per_replica_batch_sizes == solved  # the candidate is served from the trial's first batch
+    assert all(s.per_replica_batch_sizes == solved for s in trace[15:])
+
+
+def test_a_calibration_that_lies_is_reverted_to_the_even_split():
+    """Calibrated on a busy host: the profile says replica 0 is fast, but the devices are in truth alike."""
+    alike = [LinearCostModel(0.02, 2e-4)] * 3
+    balancer = balanced()
+    trace = simulate_balancer(balancer, lambda step: alike, B, steps=40, relative_noise=0.02)
+    decision = balancer.last_guard_decision
+    assert decision.outcome == "reverted" and decision.median_ratio > 1.2
+    assert balancer.plan.per_replica_batch_sizes == EVEN
+    # After the decision, every full batch runs the even split (no re-plan while the back-off lasts).
+    assert all(s.per_replica_batch_sizes == EVEN for s in trace[decision.step + 3:])
+    assert not balancer.rebalancer.switches
+
+
+def test_guard_false_and_trial_false_commit_at_once():
+    solved = solve_batch_split(TRUE, B).per_replica_batch_sizes
+    unguarded = balanced(guard=False)
+    assert unguarded.plan.per_replica_batch_sizes == solved and not unguarded.guard.in_trial
+    user_set = Balancer(3)
+    user_set.set_cost_models(TRUE, reference_batch_size=B)  # trial=False: models a user set on purpose
+    assert user_set.plan.per_replica_batch_sizes == solved
+
+
+def test_a_trial_waits_for_the_first_batch_when_the_size_is_not_known_yet():
+    balancer = Balancer(3)
+    balancer.set_cost_models(TRUE, trial=True)
+    assert balancer.plan is None
+    first = balancer.serve(B)
+    assert balancer.guard.in_trial and balancer.plan.per_replica_batch_sizes == EVEN
+    assert first.per_replica_batch_sizes == balancer.guard.candidate.per_replica_batch_sizes
+
+
+def test_a_busy_host_alone_causes_no_replan():
+    """Every step's load is shared by all replicas (lognormal sigma 0.3: steps 0.5x-2x as long); nothing moves."""
+    balancer = balanced()
+    simulate_balancer(balancer, lambda step: TRUE, B, steps=300, relative_noise=0.02, common_noise_sigma=0.3, seed=3)
+    assert balancer.last_guard_decision.kept  # the initial move off the even split
+    assert not balancer.rebalancer.switches
+
+
+def test_a_device_that_slows_2x_loses_work_within_10_steps():
+    balancer = balanced()
+    slow_from = 100
+
+    def true_at(step):
+        return [TRUE[0], ScaledCostModel(TRUE[1], 2.0) if step >= slow_from else TRUE[1], TRUE[2]]
+
+    trace = simulate_balancer(balancer, true_at, B, steps=160, relative_noise=0.05)
+    optimum_s = solve_batch_split(true_at(slow_from), B).predicted_makespan_s
+    # Recovered: the trailing median of 5 steps' true makespans is within 10 % of the new optimum, and stays.
+    recovered = None
+    for t in range(slow_from + 4, len(trace)):
+        ok = statistics.median(s.true_makespan_s for s in trace[t - 4:t + 1]) <= 1.1 * optimum_s
+        recovered = (t if recovered is None else recovered) if ok else None
+    assert recovered is not None and recovered - slow_from <= 10
+    assert balancer.last_guard_decision.kept
+    assert balancer.plan.per_replica_batch_sizes[1] < solve_batch_split(TRUE, B).per_replica_batch_sizes[1]
+
+
+def test_a_partial_last_batch_gets_its_own_plan_and_does_not_disturb_the_trial():
+    balancer = balanced()
+    partial = balancer.serve(100)
+    assert sum(partial.per_replica_batch_sizes) == 100
+    assert balancer.guard.in_trial and balancer.plan.global_batch_size == B
+
+
+def test_timing_is_due_every_step_while_deciding_then_sampled():
+    balancer = balanced()
+    assert balancer.timing_due()  # a trial is running
+    simulate_balancer(balancer, lambda step: TRUE, B, steps=40)
+    assert not balancer.guard.in_trial
+    # Steps of ~170 ms: timing costs far less than 1 % of a step, so every step stays timed.
+    assert balancer.timing_interval_steps() == 1
+    short = [LinearCostModel(0.001, 1e-6)] * 3
+    quick = Balancer(3, guard=False)
+    quick.set_cost_models(short, reference_batch_size=B)
+    simulate_balancer(quick, lambda step: short, B, steps=20)
+    assert quick.timing_interval_steps() > 1  # ~2.4 ms steps: time one in a few
+
+
+def test_fixed_shares_and_even_split_need_no_timing():
+    fixed = Balancer(3, shares=[2, 1, 1])
+    assert fixed.serve(B).per_replica_batch_sizes == (1024, 512, 512)
+    assert not fixed.timing_needed and not fixed.timing_due()
+    even = Balancer(3, auto_balance=False)
+    assert even.serve(B).per_replica_batch_sizes == EVEN and not even.timing_needed
+
+
+def test_a_failed_set_cost_models_leaves_the_balancer_as_it_was():
+    balancer = balanced(guard=False)
+    plan = balancer.plan
+
+    class NaNModel:
+        def predict_step_time_s(self, batch_size):
+            return float("nan")
+
+    with pytest.raises(InvalidCostModelError):
+        balancer.set_cost_models([*TRUE[:2], NaNModel()])
+    with pytest.raises(ConfigError, match="one cost model per replica"):
+        balancer.set_cost_models(TRUE[:2])
+    assert balancer.plan is plan and balancer.cost_models == TRUE
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_serve_and_plan_for_reject_a_bad_global_batch_size(bad):
+    balancer = Balancer(2)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        balancer.serve(bad)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        balancer.plan_for(bad)

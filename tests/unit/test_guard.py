@@ -1,0 +1,157 @@
+"""The measured guard: decisions from injected makespans (no clock, no TensorFlow)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.guard import KEPT, REVERTED, GuardPolicy, PlanGuard
+from hetero_cs.planning.plan import BatchPlan
+
+EVEN = BatchPlan((50, 50), 100)
+SOLVED = BatchPlan((70, 30), 100)
+
+
+def run_trial(guard, candidate_s, incumbent_s, *, steps=200, start=0):
+    """Serves the guard's pattern and reports each served plan's makespan from the given callables of k."""
+    for k in range(steps):
+        plan = guard.plan_to_serve()
+        if plan is None:
+            return None
+        seconds = candidate_s(k) if plan is guard.candidate else incumbent_s(k)
+        decision = guard.observe(plan.per_replica_batch_sizes, seconds, step=start + k)
+        if decision is not None:
+            return decision
+    return None
+
+
+def test_serves_the_pattern_candidate_first():
+    guard = PlanGuard(GuardPolicy(pattern="CCI"))
+    guard.start(EVEN, SOLVED, step=0)
+    served = [guard.plan_to_serve() for _ in range(6)]
+    assert served == [SOLVED, SOLVED, EVEN, SOLVED, SOLVED, EVEN]
+
+
+def test_keeps_a_clearly_faster_candidate_after_min_pairs():
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 0.07, lambda k: 0.10)
+    assert decision.outcome == KEPT and decision.kept
+    assert decision.num_pairs == 3 and decision.p_value is None
+    assert decision.median_ratio == pytest.approx(0.7)
+    assert not guard.in_trial and guard.last_decision is decision
+
+
+def test_reverts_a_clearly_slower_candidate_after_min_pairs():
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 0.14, lambda k: 0.10)
+    assert decision.outcome == REVERTED and decision.num_pairs == 3
+    assert decision.median_ratio == pytest.approx(1.4)
+
+
+def test_a_consistent_small_gain_is_kept_by_the_test():
+    rng = np.random.default_rng(0)
+    noise = rng.uniform(0.99, 1.01, 400)
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 0.095 * noise[k], lambda k: 0.100 * noise[k + 1])
+    assert decision.outcome == KEPT and decision.num_pairs == 8
+    assert decision.p_value is not None and decision.p_value < 0.05
+
+
+def test_a_tie_is_reverted():
+    """Measurably faster means an effect and evidence; pure noise around 1.0 has neither."""
+    rng = np.random.default_rng(1)
+    noise = rng.uniform(0.9, 1.1, 400)
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 0.1 * noise[k], lambda k: 0.1 * noise[k + 200])
+    assert decision.outcome == REVERTED and decision.num_pairs == 8
+
+
+def test_common_mode_load_cancels_in_the_pairs():
+    """The host's load swings 3x from step to step; the candidate is 10 % faster in every step it runs."""
+    load = [1.0, 3.0, 1.5, 2.5, 1.0, 2.0] * 40
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    # A pair is adjacent steps; the load of the incumbent's step is the load of the pair's candidate step here.
+    decision = run_trial(guard, lambda k: 0.09 * load[k], lambda k: 0.10 * load[k - 1])
+    assert decision.outcome == KEPT
+
+
+def test_steps_of_other_sizes_and_unpaired_incumbent_steps_are_ignored():
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    assert guard.observe((10, 10), 0.01, step=0) is None  # a partial last batch
+    assert guard.observe((50, 50), 0.10, step=1) is None  # an incumbent step without a candidate step before it
+    assert guard.observe((70, 30), math.nan, step=2) is None  # an unusable measurement
+    assert guard.observe((50, 50), 0.10, step=3) is None
+    for k in range(3):
+        guard.observe((70, 30), 0.07, step=4 + 2 * k)
+        decision = guard.observe((50, 50), 0.10, step=5 + 2 * k)
+    assert decision.kept and decision.num_pairs == 3
+
+
+def test_back_off_doubles_after_consecutive_reverts_and_resets_after_a_keep():
+    policy = GuardPolicy(backoff_steps=10, max_backoff_steps=25)
+    guard = PlanGuard(policy)
+    step = 0
+    blocked = []
+    for _ in range(3):
+        guard.start(EVEN, SOLVED, step=step)
+        decision = run_trial(guard, lambda k: 0.2, lambda k: 0.1, start=step)
+        step = decision.step
+        first_free = next(s for s in range(step, step + 100) if guard.may_start(s))
+        blocked.append(first_free - step)
+        step = first_free
+    assert blocked == [10, 20, 25]
+    guard.start(EVEN, SOLVED, step=step)
+    decision = run_trial(guard, lambda k: 0.05, lambda k: 0.1, start=step)
+    assert decision.kept and guard.may_start(decision.step)
+    guard.start(EVEN, SOLVED, step=decision.step)
+    revert = run_trial(guard, lambda k: 0.2, lambda k: 0.1, start=decision.step)
+    assert not guard.may_start(revert.step + 9) and guard.may_start(revert.step + 10)
+
+
+def test_a_trial_that_sees_no_pairs_reverts_after_max_trial_steps():
+    guard = PlanGuard(GuardPolicy(max_trial_steps=5))
+    guard.start(EVEN, SOLVED, step=0)
+    decisions = [guard.observe((10, 10), 0.01, step=k) for k in range(5)]
+    assert decisions[:4] == [None] * 4
+    assert decisions[4].outcome == REVERTED and decisions[4].num_pairs == 0 and math.isnan(decisions[4].median_ratio)
+
+
+def test_start_refuses_plans_that_are_not_two_splits_of_one_batch():
+    guard = PlanGuard()
+    with pytest.raises(ConfigError, match="two different splits"):
+        guard.start(EVEN, EVEN, step=0)
+    with pytest.raises(ConfigError, match="two different splits"):
+        guard.start(EVEN, BatchPlan((60, 50), 110), step=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pattern": "ICC"}, "pattern"),
+        ({"pattern": "CII"}, "pattern"),
+        ({"pattern": "CCC"}, "pattern"),
+        ({"pattern": "CXI"}, "pattern"),
+        ({"min_pairs": 0}, "min_pairs"),
+        ({"min_pairs": 4, "max_pairs": 3}, "max_pairs"),
+        ({"early_gain": 0.0}, "early_gain"),
+        ({"min_gain": 1.0}, "min_gain"),
+        ({"significance": 1.5}, "significance"),
+        ({"backoff_steps": 10, "max_backoff_steps": 5}, "max_backoff_steps"),
+        ({"max_trial_steps": True}, "max_trial_steps"),
+    ],
+)
+def test_policy_rejects_out_of_range_fields(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        GuardPolicy(**kwargs)
+
+
+def test_guard_rejects_a_policy_of_the_wrong_type():
+    with pytest.raises(ConfigError, match="GuardPolicy"):
+        PlanGuard({"pattern": "CCI"})
