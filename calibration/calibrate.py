@@ -1,9 +1,14 @@
 """calibrate(): times every compute device on the real model's step, fits cost models, solves a plan.
 
-Devices are timed one at a time (replica i is devices[i]), so they never compete for host cores or the PCIe bus.
-Per device: geometric probe batch sizes up to the global batch (or the device's cap), warm-up steps, timed trials
-summarised by median and MAD, a monotone cost-model fit, and on GPUs a memory cap found from peak memory and a bounded
-search that recovers from out-of-memory errors. The model is left exactly as it was (see calibration.probe).
+Phase 1, one device at a time (replica i is devices[i]): geometric probe batch sizes up to the global batch (or the
+device's cap), warm-up steps at each (the first traces the step), and on GPUs a memory cap found from peak memory
+and a bounded search that recovers from out-of-memory errors. Phase 2 times the devices *interleaved*: each pass
+runs one step per (size, device), devices round-robin within a size, the device order rotating between passes, so a
+change in the host's load hits every device alike instead of skewing one device's whole profile. Samples are
+summarised by median and MAD after outlier rejection; each device's relative noise (median MAD / median) is kept
+in its profile, and while any device is noisier than NOISE_LIMIT the passes repeat (at most MAX_TIMING_ROUNDS
+rounds, logged). Then a monotone cost-model fit per device. The model is left exactly as it was (see
+calibration.probe). Devices never run concurrently, so they never compete for host cores or the PCIe bus.
 """
 
 from __future__ import annotations
@@ -18,17 +23,16 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from calibration import fit as fit_lib
 from calibration import probe as probe_lib
 from calibration import timing
 from calibration.result import CalibrationResult, DeviceProfile
+from calibration.cache_check import _cached_profile_mismatch
+from calibration.device_timing import _DeviceCalibration, _time_interleaved
 from calibration.store import ProfileStore, profile_key
 from hetero_cs.errors import (
     CalibrationError,
-    CalibrationOOMError,
     ConfigError,
     DeviceError,
-    HeteroCSError,
     InfeasiblePlanError,
     ProfileCacheError,
 )
@@ -132,104 +136,6 @@ def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPl
         return None
 
 
-class _DeviceCalibration:
-    """Calibrates one device: probe sizes, trials, memory cap, fit."""
-
-    def __init__(self, probe: Any, *, cap: int | None, memory_limit_bytes: int | None, warmup_steps: int,
-                 trials: int) -> None:
-        self.probe = probe
-        self.cap = cap
-        self.memory_limit_bytes = memory_limit_bytes
-        self.warmup_steps = warmup_steps
-        self.trials = trials
-        self.sizes: list[int] = []
-        self.stats: list[timing.TimingStats] = []
-        self.peaks_bytes: list[tuple[int, int]] = []
-
-    def _measure(self, batch_size: int) -> None:
-        self.probe.reset_peak_memory()
-        samples_s = self.probe.time_step(batch_size, warmup_steps=self.warmup_steps, trials=self.trials)
-        peak_bytes = self.probe.peak_memory_bytes()
-        if peak_bytes is not None:
-            self.peaks_bytes.append((batch_size, peak_bytes))
-        self.sizes.append(batch_size)
-        self.stats.append(timing.summarize_trials(samples_s))
-
-    def run(self, sizes: Sequence[int], *, emulated_as: str | None,
-            on_measured: Callable[[int, float], None] | None = None) -> DeviceProfile:
-        """Probes `sizes` in increasing order (stopping at the first out-of-memory), fits, returns the profile."""
-        import tensorflow as tf
-
-        failed_size: int | None = None
-        for batch_size in sizes:
-            try:
-                self._measure(batch_size)
-            except tf.errors.ResourceExhaustedError:
-                failed_size = batch_size
-                logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
-                break
-            except tf.errors.OpError as exc:
-                raise CalibrationError(
-                    f"The probe step failed on device={self.probe.device!r} at batch_size={batch_size}: "
-                    f"{type(exc).__name__}: {exc.message}. Check that the model runs on this device with this "
-                    "sample batch (model(x, training=True) and its loss)."
-                ) from exc
-            except HeteroCSError:
-                raise
-            except (ValueError, TypeError) as exc:  # raised while tracing the step, e.g. Keras' "No loss to compute"
-                raise CalibrationError(
-                    f"The probe step could not be built on device={self.probe.device!r}: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else exc!r}. Check that the model is compiled with a "
-                    "loss and accepts the sample batch (model(x, training=True) and its loss)."
-                ) from exc
-            if on_measured is not None:
-                on_measured(batch_size, self.stats[-1].median_s)
-        if failed_size is not None:
-            self._find_cap(list(sizes), failed_size)
-        result = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in self.stats])
-        return DeviceProfile(
-            device=self.probe.device,
-            cost_model=result.cost_model,
-            max_batch_size=self.cap,
-            fit_error=result.fit_error,
-            probe_batch_sizes=tuple(self.sizes),
-            median_step_times_s=tuple(s.median_s for s in self.stats),
-            mad_s=tuple(s.mad_s for s in self.stats),
-            emulated_as=emulated_as,
-        )
-
-    def _find_cap(self, sizes: list[int], failed_size: int) -> None:
-        """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
-        import tensorflow as tf
-
-        device = self.probe.device
-        largest_fitting = self.sizes[-1] if self.sizes else None
-        if largest_fitting is None:
-            if failed_size > 1 and self.probe.fits(1):
-                largest_fitting = 1
-            else:
-                tried = sorted({1, failed_size})
-                raise CalibrationOOMError(
-                    f"device={device!r} ran out of memory at every batch size tried: batch_sizes={tried}, "
-                    f"probe_batch_sizes={sizes}. Use a smaller global batch size or a smaller model, or leave this "
-                    "device out of the compute devices."
-                )
-        guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
-        cap = probe_lib.search_memory_cap(
-            self.probe.fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
-        )
-        logger.info("%s: memory cap max_batch_size=%d (out of memory at %d)", device, cap, failed_size)
-        self.cap = cap if self.cap is None else min(self.cap, cap)
-        if not self.sizes or cap > self.sizes[-1]:
-            try:
-                self._measure(cap)
-            except tf.errors.ResourceExhaustedError as exc:
-                raise CalibrationError(
-                    f"device={device!r} fitted batch_size={cap} once but ran out of memory when timing it. Another "
-                    "process may be using the device's memory; pass max_batch_sizes=[...] to cap it explicitly."
-                ) from exc
-
-
 def calibrate(
     model: Any,
     sample_batch: Any,
@@ -246,12 +152,14 @@ def calibrate(
     run_plan: Callable[[BatchPlan], float] | None = None,
     progress: bool = True,
     loss: Callable[..., Any] | None = None,
+    check_cached: bool = True,
 ) -> CalibrationResult:
     """Times each compute device on the model's real step, fits its cost model, and solves a batch split.
 
-    For each device in turn (replica i = devices[i]): the probe step (broadcast from parameter_device, forward with
-    training=True, loss, backward, gradient return) runs warmup_steps untimed and `trials` timed times at each
-    probe batch size; the median times are fitted by calibration.fit.fit_cost_model. On GPUs, an out-of-memory
+    The probe step (broadcast from parameter_device, forward with training=True, loss, backward, gradient return)
+    runs warmup_steps untimed times at each probe batch size of each device, then `trials` timed times at each,
+    interleaved across devices (repeated up to MAX_TIMING_ROUNDS rounds while a device's noise exceeds
+    NOISE_LIMIT); the median times are fitted by calibration.fit.fit_cost_model. On GPUs, an out-of-memory
     error at a probe size triggers a bounded search for the largest size that fits (the device's cap); CPU devices
     are capped only by max_batch_sizes. Then solve_batch_split gives the plan for global_batch_size.
 
@@ -276,8 +184,13 @@ def calibrate(
         store: A ProfileStore; None means ProfileStore() (the default directory); False disables caching.
         run_plan: Optional callable that runs one training step with the plan and returns its wall time in seconds;
             called once to report measured against predicted makespan.
-        progress: Show a keras.utils.Progbar per device (one tick per probe size).
+        progress: Show keras.utils.Progbar bars: the warm-up (one tick per size and device), then the timing
+            (one tick per timed step).
         loss: callable(y_true, y_pred[, sample_weight]); None uses the model's compiled loss.
+        check_cached: Before trusting a cached profile, time CHECK_TRIALS steps per device at the cached plan's
+            slices (interleaved) and compare them with the profile's predictions; when the devices' relative speeds
+            differ by more than the tolerance (see _cached_profile_mismatch), log why and recalibrate (the cache
+            entry is replaced). A host that is uniformly busier or quieter than at calibration is not a mismatch.
 
     Returns:
         A CalibrationResult with one DeviceProfile per device, the plan (None, with a warning, when the caps cannot
@@ -363,19 +276,36 @@ def calibrate(
         )
         cached = store.load(key)
         if cached is not None and cached.devices == tuple(devices):
-            logger.info("Calibration profile cache hit (%s); skipping calibration.", store.path(key))
-            return _with_measurement(dataclasses.replace(cached, from_cache=True), run_plan)
-        logger.info("Calibration profile cache miss; calibrating %d device(s).", num_replicas)
+            mismatch = None
+            if check_cached:
+                with probe_lib.preserved_model_state(model):
+                    mismatch = _cached_profile_mismatch(
+                        cached, model, sample_batch, devices=devices, parameter_device=parameter_device, loss=loss,
+                        emulator=emulator, global_batch_size=global_batch_size,
+                    )
+            if mismatch is None:
+                logger.info("Calibration profile cache hit (%s)%s; skipping calibration.", store.path(key),
+                            ", checked against a few timed steps" if check_cached else "")
+                return _with_measurement(dataclasses.replace(cached, from_cache=True), run_plan)
+            logger.warning("The cached calibration profile %s no longer fits this machine: %s. Recalibrating.",
+                           store.path(key), mismatch)
+        else:
+            logger.info("Calibration profile cache miss; calibrating %d device(s).", num_replicas)
 
     start_s = time.perf_counter()
     sizes_per_device = [_device_probe_sizes(probe_batch_sizes, global_batch_size, cap) for cap in caps]
-    profiles = []
+    labels = [device if emulator is None else f"{device} (emulated {emulator.specs[i].name})"
+              for i, device in enumerate(devices)]
+    # Keras' own progress bar, as in model.fit: a live bar on a terminal, one line per phase when the output goes
+    # to a file or pipe. Phase 1 warms every probe size up and finds memory caps, one device after another; phase
+    # 2 times all devices interleaved.
+    verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
     with probe_lib.preserved_model_state(model):
+        calibrations = []
+        warm_bar = keras.utils.Progbar(sum(len(s) for s in sizes_per_device), verbose=verbose, unit_name="size")
         for replica_id, (device, sizes) in enumerate(zip(devices, sizes_per_device)):
-            device_start_s = time.perf_counter()
-            emulated_as = None if emulator is None else emulator.specs[replica_id].name
-            label = device if emulated_as is None else f"{device} (emulated {emulated_as})"
-            logger.info("Calibrating replica %d, %s, at probe_batch_sizes=%s", replica_id, label, list(sizes))
+            logger.info("Warming up replica %d, %s, at probe_batch_sizes=%s", replica_id, labels[replica_id],
+                        list(sizes))
             probe = probe_lib.DeviceProbe(
                 model, sample_batch, device=device, parameter_device=parameter_device, loss=loss,
                 replica_id=replica_id, emulator=emulator,
@@ -384,31 +314,32 @@ def calibrate(
             if probe.tracks_memory:
                 memory_limit_bytes = probe.memory_limit_bytes() or getattr(
                     gpu_facts.get(device), "memory_total_bytes", None)
+            calibration = _DeviceCalibration(probe, cap=caps[replica_id], memory_limit_bytes=memory_limit_bytes,
+                                             warmup_steps=warmup_steps)
+            calibration.prepare(sizes, on_warm=lambda b: warm_bar.add(1, [("batch_size", b)]))
+            calibrations.append(calibration)
+        warmed = sum(len(c.sizes) for c in calibrations)
+        if warmed < warm_bar.target:  # an out-of-memory cut the warm-up short
+            warm_bar.update(warm_bar.target, finalize=True)
+        logger.info("Timing %d device(s) interleaved: %d trials at each of their probe sizes", num_replicas, trials)
+        time_bar = keras.utils.Progbar(warmed * trials, verbose=verbose, unit_name="step")
+        ticks = [0]
 
-            # One bar per device, one tick per probe size (Keras' own progress bar, as in model.fit). Like fit's
-            # verbose="auto": a live bar on a terminal, one line per device when the output goes to a file or pipe.
-            verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
-            progbar = keras.utils.Progbar(len(sizes), verbose=verbose, unit_name="size",
-                                          stateful_metrics=["batch_size", "median_ms"])
+        def tick() -> None:
+            ticks[0] += 1
+            if ticks[0] <= warmed * trials:  # repeated rounds (noise) run past the bar's target: it stays full
+                time_bar.update(ticks[0])
 
-            ticks = [0]
-
-            def on_measured(batch_size: int, median_s: float, progbar: Any = progbar, ticks: list = ticks) -> None:
-                ticks[0] += 1
-                progbar.update(ticks[0], [("batch_size", batch_size), ("median_ms", median_s * 1e3)])
-
-            device_calibration = _DeviceCalibration(
-                probe, cap=caps[replica_id], memory_limit_bytes=memory_limit_bytes, warmup_steps=warmup_steps,
-                trials=trials,
-            )
-            profile = device_calibration.run(sizes, emulated_as=emulated_as, on_measured=on_measured)
-            if ticks[0] < len(sizes):  # An out-of-memory cut the probes short: close the bar.
-                progbar.update(len(sizes), finalize=True)
+        noise = _time_interleaved(calibrations, trials, tick=tick)
+        profiles = []
+        for replica_id, calibration in enumerate(calibrations):
+            emulated_as = None if emulator is None else emulator.specs[replica_id].name
+            profile = calibration.profile(emulated_as=emulated_as)
             profiles.append(profile)
             logger.info(
-                "Calibrated replica %d, %s: %s, max_batch_size=%s, fit_error=%.1f%% (%.2f s)", replica_id, label,
-                profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
-                time.perf_counter() - device_start_s,
+                "Calibrated replica %d, %s: %s, max_batch_size=%s, fit_error=%.1f%%, noise=%.1f%%", replica_id,
+                labels[replica_id], profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
+                noise[replica_id] * 100,
             )
     plan = _solve(profiles, global_batch_size)
     wall_time_s = time.perf_counter() - start_s

@@ -51,6 +51,8 @@ class DeviceProfile:
         median_step_times_s: Median step time at each probed size, seconds, shape [P].
         mad_s: Median absolute deviation of the trials at each probed size, seconds, shape [P].
         emulated_as: Catalog device name whose timing was emulated on this device, or None for real timings.
+        relative_noise: The timing noise calibration saw on this device, >= 0: the median over probe sizes of
+            mad_s / median_step_times_s (0.02 = 2 %). 0.0 in profiles written before it was recorded.
     """
 
     device: str
@@ -61,6 +63,7 @@ class DeviceProfile:
     median_step_times_s: tuple[float, ...]
     mad_s: tuple[float, ...]
     emulated_as: str | None = None
+    relative_noise: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("probe_batch_sizes", "median_step_times_s", "mad_s"):
@@ -116,6 +119,7 @@ class DeviceProfile:
             )
         for value in medians + mads:
             _finite_non_negative("DeviceProfile", "median_step_times_s/mad_s", value)
+        _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict; inverse of from_dict."""
@@ -128,6 +132,7 @@ class DeviceProfile:
             "median_step_times_s": list(self.median_step_times_s),
             "mad_s": list(self.mad_s),
             "emulated_as": self.emulated_as,
+            "relative_noise": self.relative_noise,
         }
 
     @classmethod
@@ -139,7 +144,7 @@ class DeviceProfile:
         """
         required = {"device", "cost_model", "max_batch_size", "fit_error", "probe_batch_sizes",
                     "median_step_times_s", "mad_s", "emulated_as"}
-        _check_keys("DeviceProfile", data, required)
+        _check_keys("DeviceProfile", data, required, {"relative_noise"})
         try:
             cost_model = cost_model_from_dict(data["cost_model"])
             return cls(
@@ -151,6 +156,7 @@ class DeviceProfile:
                 median_step_times_s=data["median_step_times_s"],
                 mad_s=data["mad_s"],
                 emulated_as=data["emulated_as"],
+                relative_noise=data.get("relative_noise", 0.0),
             )
         except ProfileCacheError:
             raise
@@ -160,14 +166,22 @@ class DeviceProfile:
             ) from exc
 
     def describe_cost_model(self) -> str:
-        """Short text of the model: "a=1.20 ms c=0.040 ms/ex" for linear, the knots otherwise."""
+        """The model in one form whatever was fitted: "a=1.200 ms c=0.0400 ms/ex" (t(b) = a + c*b).
+
+        A linear model prints its own a and c. Any other model prints the line through its values at the smallest
+        and largest probed sizes (for a piecewise-linear fit, its end knots), marked "(piecewise, k knots)".
+        """
         model = self.cost_model
         if hasattr(model, "fixed_overhead_s") and hasattr(model, "seconds_per_example"):
-            return f"a={model.fixed_overhead_s * 1e3:.3f} ms c={model.seconds_per_example * 1e3:.4f} ms/ex"
-        if hasattr(model, "batch_sizes") and hasattr(model, "step_times_s"):
-            knots = " ".join(f"{b}:{t * 1e3:.2f}" for b, t in zip(model.batch_sizes, model.step_times_s))
-            return f"knots(b:ms) {knots}"
-        return type(model).__name__
+            a_s, c_s, note = model.fixed_overhead_s, model.seconds_per_example, ""
+        else:
+            lo, hi = self.probe_batch_sizes[0], self.probe_batch_sizes[-1]
+            t_lo, t_hi = float(model.predict_step_time_s(lo)), float(model.predict_step_time_s(hi))
+            c_s = (t_hi - t_lo) / (hi - lo) if hi > lo else 0.0
+            a_s = t_lo - c_s * lo
+            knots = len(getattr(model, "batch_sizes", ())) or None
+            note = f" (piecewise, {knots} knots)" if knots else f" ({type(model).__name__})"
+        return f"a={a_s * 1e3:.3f} ms c={c_s * 1e3:.4f} ms/ex{note}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +284,7 @@ class CalibrationResult:
         """
         source = ("EMULATED timings (catalog devices on logical CPU devices; not real hardware)"
                   if self.emulated else "measured timings")
-        header = ("replica", "device", "emulated as", "cost model t(b)", "cap (ex)", "fit err")
+        header = ("replica", "device", "emulated as", "cost model t(b) = a + c*b", "cap (ex)", "fit err", "noise")
         rows = [
             (
                 str(i),
@@ -279,6 +293,7 @@ class CalibrationResult:
                 p.describe_cost_model(),
                 "none" if p.max_batch_size is None else str(p.max_batch_size),
                 f"{p.fit_error * 100:.1f} %",
+                f"{p.relative_noise * 100:.1f} %",
             )
             for i, p in enumerate(self.profiles)
         ]
@@ -289,7 +304,7 @@ class CalibrationResult:
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         if self.plan is not None:
             predicted_s = self.plan.predicted_makespan_s
-            lines.append(f"plan: per_replica_batch_sizes={list(self.plan.per_replica_batch_sizes)} "
+            lines.append(f"solved plan: per_replica_batch_sizes={list(self.plan.per_replica_batch_sizes)} "
                          f"global_batch_size={self.plan.global_batch_size} predicted_makespan_s="
                          f"{'n/a' if predicted_s is None else f'{predicted_s:.6f}'}")
         if self.measured_makespan_s is not None:

@@ -86,6 +86,7 @@ def calibrated(digits_cnn):
     return result, emulator, time.perf_counter() - started
 
 
+@pytest.mark.slow  # asserts on wall-clock measurements: run by `tox -e slow` on a quiet machine, never in CI
 def test_calibration_ranks_devices_and_predicts_unprobed_sizes(calibrated, digits_cnn, capsys):
     result, emulator, wall_time_s = calibrated
     assert result.emulated
@@ -171,7 +172,9 @@ def test_cache_hit_skips_probing_and_model_change_misses(tmp_path, monkeypatch, 
     with monkeypatch.context() as patch:
         patch.setattr(probe_module, "DeviceProbe", no_probing)
         calls = []
-        second = calibrate(mlp(32), batch, **kwargs, run_plan=lambda plan: calls.append(plan) or 0.0123)
+        # check_cached=False: the check's own timed steps are tested with injected times below.
+        second = calibrate(mlp(32), batch, **kwargs, run_plan=lambda plan: calls.append(plan) or 0.0123,
+                           check_cached=False)
     assert second.profiles == first.profiles and second.plan == first.plan
     assert second.from_cache and not first.from_cache
     assert "loaded from the profile cache" in second.format_table()
@@ -298,6 +301,7 @@ def test_cli_calibrates_writes_a_profile_and_plans(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # asserts on wall-clock measurements (benchmarks report this figure)
 def test_wall_time_with_default_settings(strategy, capsys):
     """The figure DESIGN.md asks for: 3 devices, default warm-up/trials, the CLI's 50 ms emulated steps."""
     with strategy.scope():
@@ -341,3 +345,151 @@ def test_user_caps_bound_the_probes_and_the_plan(strategy):
     assert result.profiles[1].max_batch_size is None
     assert result.profiles[1].probe_batch_sizes[-1] == 64
     assert result.plan.per_replica_batch_sizes[0] <= 20
+
+
+# ------------------------------------------------------------------------------------------------- injected times
+class _ScriptedProbe:
+    """Stands in for DeviceProbe: step times come from a true linear model times the host's load at that call.
+
+    ``load(call)`` is a shared clock of calls across all devices, so a busy phase of the host hits whatever device
+    happens to be measured then - the situation interleaving is for. No wall clock is read.
+    """
+
+    calls = 0
+    log: list = []
+
+    def __init__(self, model, sample_batch, *, device, parameter_device, loss, replica_id, emulator):
+        self.device = device
+        self.replica_id = replica_id
+        self.tracks_memory = False
+
+    def memory_limit_bytes(self):
+        return None
+
+    def reset_peak_memory(self):
+        pass
+
+    def peak_memory_bytes(self):
+        return None
+
+    def time_step(self, batch_size, *, warmup_steps=2, trials=5):
+        return [self.run_step(batch_size) for _ in range(warmup_steps + trials)][-trials:]
+
+    def run_step(self, batch_size):
+        cls = type(self)
+        call = cls.calls
+        cls.calls += 1
+        cls.log.append((self.replica_id, batch_size))
+        a_s, c_s = cls.true[self.replica_id]
+        return (a_s + c_s * batch_size) * cls.load(call)
+
+    def fits(self, batch_size):
+        return True
+
+
+def _scripted(monkeypatch, true, load):
+    probe_class = type("Probe", (_ScriptedProbe,), {"calls": 0, "log": [], "true": true, "load": staticmethod(load)})
+    monkeypatch.setattr(probe_module, "DeviceProbe", probe_class)
+    return probe_class
+
+
+TRUE_A10_T4_P100 = [(0.005, 1e-4), (0.005, 4e-4), (0.005, 3e-4)]
+
+
+def test_calibration_times_devices_interleaved_round_robin(monkeypatch, digits_cnn):
+    probe_class = _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 1.0)
+    calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
+              probe_batch_sizes=[4, 64], warmup_steps=1, trials=2, store=False, progress=False)
+    warmup = probe_class.log[:6]  # phase 1: one device after another, each size once (warmup_steps=1)
+    assert warmup == [(0, 4), (0, 64), (1, 4), (1, 64), (2, 4), (2, 64)]
+    first_pass, second_pass = probe_class.log[6:12], probe_class.log[12:18]
+    assert first_pass == [(0, 4), (1, 4), (2, 4), (0, 64), (1, 64), (2, 64)]
+    assert second_pass == [(1, 4), (2, 4), (0, 4), (1, 64), (2, 64), (0, 64)]  # the device order rotates
+    assert len(probe_class.log) == 18  # 6 warm-up steps, then 2 trials x 2 sizes x 3 devices
+
+
+def test_a_busy_phase_of_the_host_does_not_reorder_the_devices(monkeypatch, digits_cnn):
+    """Regression (noisy host): a neighbour made the host 3x slower for the first third of the calibration.
+
+    Timed one device after another, the A10 (first) took the whole slowdown and came out slowest; interleaved,
+    the slowdown hits every device alike and the ranking and the plan stay right.
+    """
+    _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 3.0 if call < 25 else 1.0)
+    result = calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
+                       probe_batch_sizes=[4, 32, 128], warmup_steps=1, trials=5, store=False, progress=False)
+    per_example = [p.cost_model.predict_step_time_s(GLOBAL_BATCH_SIZE) for p in result.profiles]
+    assert per_example[0] < per_example[2] < per_example[1]  # A10 < P100 < T4
+    for profile, (a_s, c_s) in zip(result.profiles, TRUE_A10_T4_P100):
+        for b in (8, 64, 100):  # sizes that were never probed
+            assert profile.cost_model.predict_step_time_s(b) == pytest.approx(a_s + c_s * b, rel=0.10)
+    sizes = result.plan.per_replica_batch_sizes
+    assert sizes[0] == max(sizes) and sizes[1] == min(sizes)
+
+
+def test_noise_is_recorded_and_a_noisy_calibration_repeats_its_trials(monkeypatch, digits_cnn, caplog):
+    rng = np.random.default_rng(0)
+    jitter = rng.uniform(0.6, 1.4, 10_000)  # +-40 %: far above NOISE_LIMIT
+    probe_class = _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: float(jitter[call]))
+    with caplog.at_level("WARNING", logger="calibration"):
+        result = calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
+                           probe_batch_sizes=[4, 64], warmup_steps=1, trials=3, store=False, progress=False)
+    timed = len(probe_class.log) - 6
+    assert timed == 3 * (3 * 2 * 3)  # MAX_TIMING_ROUNDS rounds of 3 trials x 2 sizes x 3 devices
+    assert all(p.relative_noise > 0.10 for p in result.profiles)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("repeating the trials (round 2 of at most 3)" in m for m in messages)
+    assert any("may be ranked wrongly" in m for m in messages)
+    assert result.to_dict()["profiles"][0]["relative_noise"] == result.profiles[0].relative_noise
+
+
+def test_a_quiet_calibration_records_low_noise_and_does_not_repeat(monkeypatch, digits_cnn):
+    rng = np.random.default_rng(1)
+    jitter = rng.uniform(0.99, 1.01, 10_000)
+    probe_class = _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: float(jitter[call]))
+    result = calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
+                       probe_batch_sizes=[4, 64], warmup_steps=1, trials=3, store=False, progress=False)
+    assert len(probe_class.log) - 6 == 3 * 2 * 3
+    assert all(0 < p.relative_noise < 0.02 for p in result.profiles)
+
+
+def _calibrate_scripted(model, store, **kwargs):
+    return calibrate(model, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
+                     probe_batch_sizes=[4, 32, 128], warmup_steps=1, trials=3, store=store, progress=False, **kwargs)
+
+
+def test_a_cached_profile_is_checked_and_reused_when_it_fits(monkeypatch, digits_cnn, tmp_path, caplog):
+    store = ProfileStore(tmp_path)
+    _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 1.0)
+    first = _calibrate_scripted(digits_cnn, store)
+    probe_class = _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 2.0)  # the whole host runs 2x slower now
+    with caplog.at_level("INFO", logger="calibration"):
+        second = _calibrate_scripted(digits_cnn, store)
+    assert second.from_cache and second.profiles == first.profiles
+    assert len(probe_class.log) == 3 + 3 * 3  # one warm-up and CHECK_TRIALS timed steps per device, nothing more
+    assert any("checked against a few timed steps" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cached_profile_that_no_longer_fits_is_recalibrated_and_replaced(monkeypatch, digits_cnn, tmp_path, caplog):
+    """Regression (profile cached from a busy host): the cache says replica 0 is slow; in truth it is the fastest."""
+    store = ProfileStore(tmp_path)
+    busy_truth = [(0.005, 5e-4), (0.005, 4e-4), (0.005, 3e-4)]
+    _scripted(monkeypatch, busy_truth, lambda call: 1.0)
+    stale = _calibrate_scripted(digits_cnn, store)
+    _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 1.0)
+    with caplog.at_level("WARNING", logger="calibration"):
+        fresh = _calibrate_scripted(digits_cnn, store)
+    assert not fresh.from_cache and fresh.profiles != stale.profiles
+    assert fresh.plan.per_replica_batch_sizes[0] == max(fresh.plan.per_replica_batch_sizes)
+    warning = next(r.getMessage() for r in caplog.records if "no longer fits" in r.getMessage())
+    assert "replica 0 (/device:CPU:1)" in warning and "Recalibrating" in warning
+    _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 1.0)
+    assert _calibrate_scripted(digits_cnn, store).from_cache  # the entry was replaced by the fresh profile
+
+
+def test_check_cached_false_trusts_the_cache_without_timing(monkeypatch, digits_cnn, tmp_path):
+    store = ProfileStore(tmp_path)
+    _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 1.0)
+    _calibrate_scripted(digits_cnn, store)
+    probe_class = _scripted(monkeypatch, [(0.005, 5e-4)] * 3, lambda call: 1.0)
+    assert _calibrate_scripted(digits_cnn, store, check_cached=False).from_cache
+    assert probe_class.log == []

@@ -1,0 +1,198 @@
+"""Measuring devices for calibration: warm-up and memory caps per device, then timing all devices interleaved.
+
+``_DeviceCalibration`` holds one device's probe, its probe sizes that fit, its memory cap and its timed samples.
+``_time_interleaved`` times every device round-robin (see ``calibration.calibrate``'s module docstring for why).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from calibration import fit as fit_lib
+from calibration import probe as probe_lib
+from calibration import timing
+from calibration.result import DeviceProfile
+from hetero_cs.errors import CalibrationError, CalibrationOOMError, HeteroCSError
+
+logger = logging.getLogger("calibration.calibrate")  # the messages users filter on
+
+NOISE_LIMIT = 0.10
+"""A device's timing noise (median over its probe sizes of MAD / median) above which its trials are repeated."""
+
+MAX_TIMING_ROUNDS = 3
+"""Rounds of ``trials`` interleaved timings at most; after the last, calibration goes on and says so."""
+
+
+class _DeviceCalibration:
+    """Calibrates one device: warm-up and memory cap first, then timed samples taken when the caller says."""
+
+    def __init__(self, probe: Any, *, cap: int | None, memory_limit_bytes: int | None, warmup_steps: int) -> None:
+        self.probe = probe
+        self.cap = cap
+        self.memory_limit_bytes = memory_limit_bytes
+        self.warmup_steps = warmup_steps
+        self.sizes: list[int] = []  # the probe sizes that fit, increasing
+        self.samples_s: dict[int, list[float]] = {}
+        self.peaks_bytes: list[tuple[int, int]] = []
+
+    def _step_error(self, batch_size: int, exc: Exception) -> CalibrationError:
+        import tensorflow as tf
+
+        if isinstance(exc, tf.errors.OpError):
+            return CalibrationError(
+                f"The probe step failed on device={self.probe.device!r} at batch_size={batch_size}: "
+                f"{type(exc).__name__}: {exc.message}. Check that the model runs on this device with this "
+                "sample batch (model(x, training=True) and its loss)."
+            )
+        return CalibrationError(  # raised while tracing the step, e.g. Keras' "No loss to compute"
+            f"The probe step could not be built on device={self.probe.device!r}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else exc!r}. Check that the model is compiled with a "
+            "loss and accepts the sample batch (model(x, training=True) and its loss)."
+        )
+
+    def _warm(self, batch_size: int) -> None:
+        """Untimed steps at batch_size (the first traces the step) with the peak memory recorded."""
+        self.probe.reset_peak_memory()
+        self.probe.time_step(batch_size, warmup_steps=max(self.warmup_steps - 1, 0), trials=1)
+        peak_bytes = self.probe.peak_memory_bytes()
+        if peak_bytes is not None:
+            self.peaks_bytes.append((batch_size, peak_bytes))
+
+    def prepare(self, sizes: Sequence[int], on_warm: Callable[[int], None] | None = None) -> None:
+        """Warms every size up in increasing order, stopping at the first out-of-memory, then finds the cap."""
+        import tensorflow as tf
+
+        failed_size: int | None = None
+        for batch_size in sizes:
+            try:
+                self._warm(batch_size)
+            except tf.errors.ResourceExhaustedError:
+                failed_size = batch_size
+                logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
+                break
+            except HeteroCSError:
+                raise
+            except (tf.errors.OpError, ValueError, TypeError) as exc:
+                raise self._step_error(batch_size, exc) from exc
+            self.sizes.append(batch_size)
+            if on_warm is not None:
+                on_warm(batch_size)
+        if failed_size is not None:
+            self._find_cap(list(sizes), failed_size)
+        self.samples_s = {b: [] for b in self.sizes}
+
+    def time_once(self, batch_size: int) -> None:
+        """One timed step at batch_size (a size that fits), appended to its samples."""
+        import tensorflow as tf
+
+        try:  # the caller holds preserved_model_state around the whole calibration
+            self.samples_s[batch_size].append(self.probe.run_step(batch_size))
+        except tf.errors.ResourceExhaustedError as exc:
+            raise CalibrationError(
+                f"device={self.probe.device!r} ran batch_size={batch_size} during warm-up but ran out of memory "
+                "when timing it. Another process may be using the device's memory; pass max_batch_sizes=[...] to "
+                "cap it explicitly."
+            ) from exc
+        except tf.errors.OpError as exc:
+            raise self._step_error(batch_size, exc) from exc
+
+    def relative_noise(self) -> float:
+        """Median over sizes of MAD / median of the timed samples (0.02 = 2 %); 0 before any sample."""
+        values = []
+        for samples in self.samples_s.values():
+            if samples:
+                stats = timing.summarize_trials(samples)
+                if stats.median_s > 0:
+                    values.append(stats.mad_s / stats.median_s)
+        return float(sorted(values)[len(values) // 2]) if values else 0.0
+
+    def profile(self, *, emulated_as: str | None) -> DeviceProfile:
+        """Summarises the samples, fits the cost model and returns the device's profile."""
+        stats = [timing.summarize_trials(self.samples_s[b]) for b in self.sizes]
+        result = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats])
+        return DeviceProfile(
+            device=self.probe.device,
+            cost_model=result.cost_model,
+            max_batch_size=self.cap,
+            fit_error=result.fit_error,
+            probe_batch_sizes=tuple(self.sizes),
+            median_step_times_s=tuple(s.median_s for s in stats),
+            mad_s=tuple(s.mad_s for s in stats),
+            emulated_as=emulated_as,
+            relative_noise=self.relative_noise(),
+        )
+
+    def _find_cap(self, sizes: list[int], failed_size: int) -> None:
+        """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
+        import tensorflow as tf
+
+        device = self.probe.device
+        largest_fitting = self.sizes[-1] if self.sizes else None
+        if largest_fitting is None:
+            if failed_size > 1 and self.probe.fits(1):
+                largest_fitting = 1
+            else:
+                tried = sorted({1, failed_size})
+                raise CalibrationOOMError(
+                    f"device={device!r} ran out of memory at every batch size tried: batch_sizes={tried}, "
+                    f"probe_batch_sizes={sizes}. Use a smaller global batch size or a smaller model, or leave this "
+                    "device out of the compute devices."
+                )
+        guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
+        cap = probe_lib.search_memory_cap(
+            self.probe.fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
+        )
+        logger.info("%s: memory cap max_batch_size=%d (out of memory at %d)", device, cap, failed_size)
+        self.cap = cap if self.cap is None else min(self.cap, cap)
+        if not self.sizes or cap > self.sizes[-1]:
+            try:
+                self._warm(cap)
+            except tf.errors.ResourceExhaustedError as exc:
+                raise CalibrationError(
+                    f"device={device!r} fitted batch_size={cap} once but ran out of memory when timing it. Another "
+                    "process may be using the device's memory; pass max_batch_sizes=[...] to cap it explicitly."
+                ) from exc
+            self.sizes.append(cap)
+
+
+def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
+                      tick: Callable[[], None] | None = None) -> list[float]:
+    """Times every device at every size, round-robin, ``trials`` times, repeating (bounded) while it is too noisy.
+
+    One pass visits size j on device 0, 1, ..., R-1 before size j + 1, and the device order rotates from pass to
+    pass, so a change in the host's load (another process, a throttling card) hits every device and size alike
+    instead of one device's whole calibration. Returns each device's relative noise.
+    """
+    R = len(calibrations)
+    longest = max((len(c.sizes) for c in calibrations), default=0)
+    noise = [0.0] * R
+    for round_index in range(MAX_TIMING_ROUNDS):
+        for trial in range(trials):
+            offset = (round_index * trials + trial) % R
+            order = [calibrations[(offset + i) % R] for i in range(R)]
+            for j in range(longest):
+                for calibration in order:
+                    if j < len(calibration.sizes):
+                        calibration.time_once(calibration.sizes[j])
+                        if tick is not None:
+                            tick()
+        noise = [c.relative_noise() for c in calibrations]
+        worst = max(range(R), key=lambda i: noise[i])
+        if noise[worst] <= NOISE_LIMIT:
+            break
+        if round_index + 1 < MAX_TIMING_ROUNDS:
+            logger.warning(
+                "Calibration: timing noise %.0f %% on %s exceeds %.0f %% (the host or device is busy); repeating "
+                "the trials (round %d of at most %d).", noise[worst] * 100, calibrations[worst].probe.device,
+                NOISE_LIMIT * 100, round_index + 2, MAX_TIMING_ROUNDS,
+            )
+        else:
+            logger.warning(
+                "Calibration: timing noise is still %.0f %% on %s after %d rounds; the devices may be ranked "
+                "wrongly. The plan will be measured against the even split before it is kept; calibrate again on a "
+                "quieter machine for a better plan.", noise[worst] * 100, calibrations[worst].probe.device,
+                MAX_TIMING_ROUNDS,
+            )
+    return noise
