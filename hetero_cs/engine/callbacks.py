@@ -21,8 +21,12 @@ class BalanceCallback(keras.callbacks.Callback):
     * Every batch: ``straggler_wait_ms`` (mean idle time of the replicas waiting for the slowest one in the last
       completed step, milliseconds) joins the logs while per-replica timing is on.
     * Every epoch: ``makespan_ms`` and ``straggler_wait_ms`` (epoch medians), ``replica_<i>_step_ms`` (median step
-      time of replica i) and ``replica_<i>_batch_size`` (its slice in the current plan) join the epoch logs, so
-      they reach ``History`` and TensorBoard's scalars.
+      time of replica i) and ``replica_<i>_batch_size`` (its slice in the plan in force) join the epoch logs, so
+      they reach ``History`` and TensorBoard's scalars. With auto_balance also the guard's state:
+      ``guard_kept`` (1.0 when its last decision kept the tried plan, 0.0 when it reverted; absent before the
+      first decision), ``guard_in_trial`` (1.0 while a plan is being tried) and ``guard_reverts`` (how many
+      tried plans were reverted so far). The guard's decisions are also logged at INFO by
+      ``hetero_cs.planning.guard``.
 
     Args:
         strategy: The HeteroCentralStorageStrategy the model was built under.
@@ -71,6 +75,13 @@ class BalanceCallback(keras.callbacks.Callback):
         if plan is not None:
             for i, b in enumerate(plan.per_replica_batch_sizes):
                 logs[f"replica_{i}_batch_size"] = float(b)
+        balancer = self._strategy.balancer
+        if balancer.guard_enabled:
+            decision = balancer.last_guard_decision
+            if decision is not None:
+                logs["guard_kept"] = 1.0 if decision.kept else 0.0
+            logs["guard_in_trial"] = 1.0 if balancer.guard.in_trial else 0.0
+            logs["guard_reverts"] = float(balancer.guard.num_reverts)
         if not self._samples:
             return
         logs["makespan_ms"] = statistics.median(s.makespan_s for s in self._samples) * 1e3

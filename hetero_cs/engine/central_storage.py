@@ -21,7 +21,7 @@ from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step_errors import log_empty_slices, replica_step_error
-from hetero_cs.errors import BatchSplitError, ConfigError, InputError
+from hetero_cs.errors import ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -127,7 +127,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
             )
         arguments.validate_profile_cache(profile_cache)
-        shares = None if batch_split is None else self._checked_shares(batch_split, len(devices))
+        shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
@@ -176,17 +176,13 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )
+        # Sampled timing on real devices when only the balancer needs the times; an emulated step must wait (and so
+        # be timed) every step, and HETERO_CS_TIMING=1 asks for every step.
+        self._timing_switch = None
+        if self._balancer.timing_needed and emulator is None and not arguments.env_flag("HETERO_CS_TIMING"):
+            from hetero_cs.engine.step_timing import TimingSwitch
 
-    @staticmethod
-    def _checked_shares(batch_split, num_replicas: int) -> list:
-        shares = arguments.shares_list(batch_split)
-        if len(shares) != num_replicas:
-            raise BatchSplitError(
-                f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
-                f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
-            )
-        arguments.validate_shares(shares)
-        return shares
+            self._timing_switch = TimingSwitch(parameter_device)
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
@@ -257,7 +253,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             BatchSplitError: Wrong length, negative, non-finite or all-zero shares.
         """
         if shares is not None:
-            shares = self._checked_shares(shares, self.num_replicas_in_sync)
+            shares = arguments.checked_shares(shares, self.num_replicas_in_sync)
         self._balancer.set_batch_split(shares)
 
     def plan_for(self, global_batch_size: int) -> BatchPlan:
@@ -296,6 +292,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                     "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
                 )
             plan = self._balancer.serve(sizes[0])
+            if self._timing_switch is not None:
+                self._timing_switch.set(self._balancer.timing_due())
             if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
                 self._slicer.publish(plan)
             if 0 in plan.per_replica_batch_sizes:
@@ -385,11 +383,15 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             with tf.device(self._parameter_device):
                 global_batch_size = tf.add_n([tensors.leading_dim(c) for c in components])
                 if self._timing_enabled:
-                    from hetero_cs.engine.step_timing import wall_clock_stamp
+                    from hetero_cs.engine.step_timing import sampled_wall_clock_stamp, wall_clock_stamp
 
                     # One clock start per step, when the step's input is there: every replica's step time runs
                     # from it (what a real device's does: input and parameters reach it after the step starts).
-                    step_start = wall_clock_stamp(tensors.dense_part(components[0]))  # data, so never constant-folded
+                    anchor = tensors.dense_part(components[0])  # data, so never constant-folded
+                    if self._timing_switch is not None:  # read once here, so every replica of the step agrees
+                        step_start = sampled_wall_clock_stamp(anchor, self._timing_switch.read())
+                    else:
+                        step_start = wall_clock_stamp(anchor)
         if self._emulator is not None and not self._emulator_ready():
             raise ConfigError(
                 "Emulated devices need the model's size before the first step. model.fit does this for you; "
@@ -408,7 +410,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
                 batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
             batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
-            start = step_start
+            start, sampled = step_start, step_start is not None and strategy._timing_switch is not None
             if start is None and strategy._timing_enabled and batched is not None:
                 from hetero_cs.engine.step_timing import wall_clock_stamp
 
@@ -419,6 +421,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 batch_size=batch_size,
                 global_batch_size=global_batch_size,
                 start_stamp=start,
+                sampled_timing=sampled,
             )
             with training.replica_step(step):
                 return fn(*call_args, **call_kwargs)
@@ -442,6 +445,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             batch_size=step.batch_size,
             emulator=self._emulator,
             record=self._record_step_time,
+            sampled=step.sampled_timing,
         )
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:

@@ -145,9 +145,44 @@ def tie_to_stamp(structure: Any, stamp: Any) -> Any:
     return tf.nest.map_structure(tie, structure)
 
 
+class TimingSwitch:
+    """A host boolean that training steps read once per step to decide whether to time it (sampled timing).
+
+    Timing a step costs host time (the clock reads and the per-replica reports, ~0.5 ms for R = 3); on short steps
+    the balancer times only one step in N (``Balancer.timing_due``). The step reads the switch once, in
+    cross-replica context, so every replica of a step agrees and the monitor's step pairing holds.
+
+    Args:
+        device: Where the variable lives (the parameter device, host memory).
+    """
+
+    def __init__(self, device: str):
+        # Created outside any strategy scope and tf.function: a plain host variable, not a mirrored one.
+        with tf.init_scope(), tf.device(device):
+            self._variable = tf.Variable(True, trainable=False, name="hetero_cs_timing_switch")
+        self._value = True
+
+    def read(self) -> tf.Tensor:
+        """The switch as a bool scalar tensor (read at run time, every step)."""
+        return self._variable.read_value()
+
+    def set(self, value: bool) -> None:
+        """Turns timing of the next steps on or off (an assign only when the value changes; any thread)."""
+        value = bool(value)
+        if value != self._value:
+            self._value = value
+            self._variable.assign(value)
+
+
+def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
+    """``wall_clock_stamp(anchor)`` when ``timed`` (a bool scalar tensor), else -1.0 without reading the clock."""
+    return tf.cond(timed, lambda: wall_clock_stamp(anchor), lambda: tf.constant(-1.0, tf.float64))
+
+
 def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
                         emulator: Emulator | None = None,
-                        record: Callable[[int, int, float], None] | None = None) -> list:
+                        record: Callable[[int, int, float], None] | None = None,
+                        sampled: bool = False) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
 
     Runs :func:`end_replica_step` after every gradient (a control edge from each): it waits out the emulated device
@@ -159,6 +194,8 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
         grads: The replica's gradients (tensors, ``tf.IndexedSlices`` or None), at least one not None.
         start_stamp: float64 scalar from :func:`wall_clock_stamp` when the replica's slice arrived.
         replica_id, batch_size, emulator, record: As for :func:`end_replica_step`.
+        sampled: ``start_stamp`` came from :func:`sampled_wall_clock_stamp`: a negative stamp (an untimed step)
+            skips the end stamp and the report (not allowed with an emulator, whose wait must run every step).
 
     Returns:
         The gradients, in order, one of them tied to the end of the step.
@@ -168,9 +205,15 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
         return list(grads)
     # A control edge from every gradient: no ops per gradient (an anchor summing one element of each cost 4 ops per
     # gradient per replica per step).
+    def end():
+        return end_replica_step(start_stamp, None, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
+                                record=record)
+
     with tf.control_dependencies(tf.nest.flatten(present, expand_composites=True)):
-        end = end_replica_step(start_stamp, None, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
-                               record=record)
+        if sampled and emulator is None:
+            end = tf.cond(start_stamp >= 0.0, end, lambda: tf.constant(0.0, tf.float64))
+        else:
+            end = end()
     sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
     known = [(n, i) for i, n in enumerate(sizes) if n is not None]
     index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)

@@ -57,6 +57,7 @@ class ReplicaStep:
             ``1 / num_replicas`` weighting is exact).
         start_stamp: float64 scalar tensor, wall clock when the slice reached the device, or None when
             per-replica timing is off.
+        sampled_timing: True when start_stamp is negative on steps that are not timed (sampled timing).
         barrier: Filled when the optimizer all-reduces the gradients: a token on the parameter device that exists
             only once every replica has computed its gradients. Writes that need no other replica (the
             optimizer's iteration counter) wait for it, so a step that fails in any replica changes nothing.
@@ -67,6 +68,7 @@ class ReplicaStep:
     batch_size: Any
     global_batch_size: Any
     start_stamp: Any = None
+    sampled_timing: bool = False
     barrier: list = dataclasses.field(default_factory=list)
 
 

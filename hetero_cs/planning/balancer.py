@@ -120,6 +120,7 @@ class Balancer:
         self._monitor = StepTimeMonitor(num_replicas)
         self._rebalancer = Rebalancer(self._rebalance_policy)
         self._guard = PlanGuard(guard_policy)
+        self._served = 0  # global batches served: steady-state timing picks every N-th
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
         self._last_look_step = -(10**9)
@@ -328,6 +329,7 @@ class Balancer:
         """
         b = _checked_global_batch_size(global_batch_size)
         with self._lock:
+            self._served += 1
             if self.timing_needed:
                 self._process_measurements()
             plan = self.plan_for(b)
@@ -353,14 +355,14 @@ class Balancer:
     def timing_due(self) -> bool:
         """Whether the next steps should be timed: always while a trial or the re-balancer needs samples.
 
-        In steady state, one step in :meth:`timing_interval_steps` (this is called once per served batch)."""
+        In steady state, one served batch in :meth:`timing_interval_steps`; an engine reads this once per served
+        batch (its timing switch then applies to the next steps it runs)."""
         with self._lock:
             if not self.timing_needed:
                 return False
             if self._guard.in_trial or self._monitor.num_samples < self._rebalance_policy.min_samples:
                 return True
-            interval = self.timing_interval_steps()
-            return self._monitor.completed_steps % interval == 0 or interval == 1
+            return self._served % self.timing_interval_steps() == 0
 
     def timing_interval_steps(self) -> int:
         """How many steps per timed step in steady state: the smallest N with TIMING_COST_S / N <= 1 % of the

@@ -174,6 +174,7 @@ class PlanGuard:
         self._ratios: list[float] = []
         self._last_decision: GuardDecision | None = None
         self._consecutive_reverts = 0
+        self._num_reverts = 0
         self._blocked_until_step = -1
 
     @property
@@ -200,6 +201,11 @@ class PlanGuard:
     def last_decision(self) -> GuardDecision | None:
         """The last trial's decision (None before the first)."""
         return self._last_decision
+
+    @property
+    def num_reverts(self) -> int:
+        """How many trials ended in a revert so far."""
+        return self._num_reverts
 
     def may_start(self, step: int) -> bool:
         """True when no trial runs and the back-off after the last revert has passed at ``step``."""
@@ -307,6 +313,7 @@ class PlanGuard:
         else:
             backoff = min(policy.backoff_steps * 2 ** self._consecutive_reverts, policy.max_backoff_steps)
             self._consecutive_reverts += 1
+            self._num_reverts += 1
             self._blocked_until_step = decision.step + backoff
         self._last_decision = decision
         p_text = "" if decision.p_value is None else f", p={decision.p_value:.3g}"

@@ -1,0 +1,99 @@
+"""The guard and sampled timing inside model.fit (TensorFlow on logical CPU devices)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetero_cs import HeteroCentralStorageStrategy, LinearCostModel
+from hetero_cs.emulation import Emulator, Workload
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+B = 96
+
+
+def mlp():
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+
+
+def data(n=B * 8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    return x, rng.integers(0, 4, size=n).astype(np.int32)
+
+
+def compiled(strategy):
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_sampled_timing_keeps_replicas_paired_and_times_fewer_steps(monkeypatch):
+    """Real (not emulated) CPU steps of a few ms: timing every step would cost more than 1 %, so it is sampled."""
+    monkeypatch.delenv("HETERO_CS_TIMING", raising=False)
+    strategy = HeteroCentralStorageStrategy(DEVICES, auto_balance=True, rebalance=True, profile_cache=False)
+    model = compiled(strategy)
+    strategy.set_cost_models([LinearCostModel(1e-3, 1e-5)] * 3)  # alike: the even split, no trial
+    x, y = data()
+    steps = 120
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+    monitor = strategy.monitor
+    assert strategy.balancer.timing_interval_steps() > 1
+    assert 0 < monitor.completed_steps < steps  # some steps timed, not all
+    for sample in monitor.window():  # a mis-paired step would mix slices of different steps
+        assert sum(sample.per_replica_batch_sizes) == B
+
+
+def lying_emulator():
+    emulator = Emulator(["T4", "T4", "T4"], workload=Workload(flops_per_example=2e9, parameter_bytes=4_000_000))
+    emulator.calibrate_time_scale(B, target_makespan_s=0.03)
+    return emulator
+
+
+def test_guard_reverts_a_plan_that_measures_slower_in_fit(caplog):
+    """The cost models claim replica 0 is 4x faster; the (emulated) devices are alike, so the plan is reverted."""
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=lying_emulator(), profile_cache=False, rebalance=False)
+    model = compiled(strategy)
+    x, y = data()
+    strategy.calibrate(model, (x[:B], y[:B]), progress=False)  # sizes the emulated devices for the model
+    lie = [LinearCostModel(0.001, 0.25e-3), LinearCostModel(0.001, 1e-3), LinearCostModel(0.001, 1e-3)]
+    strategy.balancer.set_cost_models(lie, trial=True, reference_batch_size=B)
+    assert strategy.balancer.guard.in_trial and strategy.plan.per_replica_batch_sizes == (32, 32, 32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
+    with caplog.at_level("INFO", logger="hetero_cs"):
+        history = model.fit(dataset, epochs=2, steps_per_epoch=12, verbose=0)
+    decision = strategy.balancer.last_guard_decision
+    assert decision is not None and decision.outcome == "reverted"
+    assert strategy.plan.per_replica_batch_sizes == (32, 32, 32)
+    assert history.history["guard_kept"][-1] == 0.0 and history.history["guard_reverts"][-1] == 1.0
+    assert [history.history[f"replica_{i}_batch_size"][-1] for i in range(3)] == [32.0, 32.0, 32.0]
+    assert any("guard: reverted" in r.getMessage() for r in caplog.records)
+
+
+def test_guard_keeps_a_plan_that_measures_faster_in_fit():
+    emulator = Emulator(["A10", "T4", "P100"], workload=Workload(flops_per_example=2e9, parameter_bytes=4_000_000))
+    emulator.calibrate_time_scale(B, target_makespan_s=0.03)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, profile_cache=False, rebalance=False)
+    model = compiled(strategy)
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
+    history = model.fit(dataset, epochs=2, steps_per_epoch=12, verbose=0)  # calibrates, then tries the plan
+    decision = strategy.balancer.last_guard_decision
+    assert decision is not None and decision.kept
+    assert strategy.plan.per_replica_batch_sizes == decision.candidate_per_replica_batch_sizes
+    assert strategy.plan.per_replica_batch_sizes[0] > strategy.plan.per_replica_batch_sizes[1]
+    assert history.history["guard_kept"][-1] == 1.0 and history.history["guard_in_trial"][-1] == 0.0
+
+
+def test_guard_false_uses_the_calibrated_plan_at_once():
+    emulator = Emulator(["A10", "T4", "P100"], workload=Workload(flops_per_example=2e9, parameter_bytes=4_000_000))
+    emulator.calibrate_time_scale(B, target_makespan_s=0.03)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, profile_cache=False, rebalance=False,
+                                            guard=False)
+    model = compiled(strategy)
+    x, y = data()
+    strategy.calibrate(model, (x[:B], y[:B]), progress=False)
+    assert strategy.plan.per_replica_batch_sizes[0] > strategy.plan.per_replica_batch_sizes[1]
+    assert strategy.balancer.last_guard_decision is None and not strategy.balancer.guard.in_trial
