@@ -16,11 +16,22 @@ compute on this machine's few cores).
 
 Figures: ideal makespan = continuous lower bound from the TRUE emulated profiles (hetero_cs.planning.solver.ideal_makespan_s
 over the emulator's step_time_s); efficiency = ideal / measured hetero_auto step; speedup_vs_even = hetero_even step
-/ hetero_auto step; theoretical_speedup = true even-split makespan / ideal makespan. Goals: efficiency >= 0.95 and
-speedup_vs_even >= 0.95 x theoretical_speedup. A PNG shows each replica's busy and idle time in a median step.
+/ hetero_auto step; theoretical_speedup = true even-split makespan / ideal makespan. Goals on a quiet machine:
+efficiency >= 0.97 and speedup_vs_even >= 0.97 x theoretical_speedup. A PNG shows each replica's busy and idle time in
+a median step.
+
+``--noise`` runs a CPU-burning neighbour process beside training (the benchmark starts it and stops it, also on
+failure or Ctrl-C). Each case then also reports ``lost_to_even``: hetero_auto's median step more than 2 % longer
+than hetero_even's AND slower in every interleaved round; the JSON's top-level ``lost_to_even`` counts such cases.
+Goals with the neighbour: lost_to_even == 0 and speedup_vs_even >= 0.85 x theoretical.
+
+Emulation honesty: when a replica's measured time exceeds its emulated time by more than 5 % (real CPU compute
+showing through), the case is re-run with 2x longer emulated steps, at most twice; if it still fails, the benchmark
+stops with an error instead of reporting figures that measure the host.
 
     python benchmarks/balance.py [--mix A10,T4,P100] [--model mlp|cnn|both] [--json F] [--timeline F.png] [--quick]
     python benchmarks/balance.py --all-mixes --json benchmarks/out/balance_all.json
+    python benchmarks/balance.py --noise --json benchmarks/out/balance_noise.json
 
 Logical devices can be configured once per process, so several mixes run in one subprocess each.
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import subprocess
 import sys
@@ -42,11 +54,21 @@ if __package__ in (None, ""):
 
 from benchmarks import _common  # noqa: E402
 from benchmarks._common import log, ms  # noqa: E402
+from benchmarks.noise import busy_neighbour  # noqa: E402
 
 DEFAULT_MIX = "A10,T4,P100"
 ALL_MIXES = ("A10,T4,P100", "A10,T4", "A10,4xT4", "A100,P100,CPU")
-EFFICIENCY_GOAL = 0.95
-SPEEDUP_FRACTION_GOAL = 0.95
+EFFICIENCY_GOAL = 0.97
+SPEEDUP_FRACTION_GOAL = 0.97
+NOISY_SPEEDUP_FRACTION_GOAL = 0.85
+LOSS_MARGIN = 0.02
+"""hetero_auto counts as lost to the even split when its median step is more than 2 % longer than hetero_even's
+and it was slower in every interleaved round (measurably slower, not a tie decided by noise)."""
+OVERRUN_LIMIT = 0.05
+"""The emulation check: when a replica's measured time exceeds its emulated time by more than 5 % (median step),
+real CPU compute shows through and the case measures the host, not the emulated devices."""
+MAX_HONESTY_RETRIES = 2
+"""Times a case is re-run with a 2x longer emulated step when the emulation check fails, before giving up."""
 CONFIG_LABELS = {
     "stock_even": "stock CSS, even split (+ same emulated waits)",
     "hetero_even": "hetero_cs, even split",
@@ -81,6 +103,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeline", default=None,
                         help="PNG path of the busy/idle timeline ('none' to skip); default next to --json, else "
                              "benchmarks/out/balance_timeline.png")
+    parser.add_argument("--noise", action="store_true",
+                        help="run a CPU-burning neighbour process beside training (started and stopped by the "
+                             "benchmark, also on failure or Ctrl-C; it stops by itself after an hour) and report "
+                             "lost_to_even")
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # set for the subprocesses
     args = parser.parse_args(argv)
     quick = args.quick
@@ -176,12 +202,13 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
         start_s = time.perf_counter()
         result = strategy.calibrate(model, dataset, progress=False)  # custom loops call it once (fit does it)
         if auto:
+            tried = strategy.balancer.guard.candidate or strategy.plan  # the guard tries it in the first steps
             calibration = {"wall_s": time.perf_counter() - start_s,
-                           "plan": list(strategy.plan.per_replica_batch_sizes),
-                           "predicted_makespan_s": strategy.plan.predicted_makespan_s,
+                           "plan": list(tried.per_replica_batch_sizes),
+                           "predicted_makespan_s": tried.predicted_makespan_s,
                            "cost_models": [p.describe_cost_model() for p in result.profiles] if result else None}
-            log(f"   library calibration: {calibration['wall_s']:.1f} s, plan {calibration['plan']}, predicted "
-                f"makespan {ms(calibration['predicted_makespan_s'])} (emulated)")
+            log(f"   library calibration: {calibration['wall_s']:.1f} s, plan {calibration['plan']} (tried against "
+                f"the even split by the guard), predicted makespan {ms(tried.predicted_makespan_s)} (emulated)")
         configs.append(_common.Config(
             name, CONFIG_LABELS[name],
             _common.make_train_step(strategy, model, optimizer, global_batch_size=B),
@@ -221,6 +248,14 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
         record["timeline"][c.name] = _sample_dict(c.samples[median_index], c.step_times_s[median_index])
     auto_plan = by_name["hetero_auto"].strategy.plan
     record["configs"]["hetero_auto"]["final_plan"] = list(auto_plan.per_replica_batch_sizes)
+    balancer = by_name["hetero_auto"].strategy.balancer
+    decision = balancer.last_guard_decision
+    record["configs"]["hetero_auto"]["guard"] = None if decision is None else {
+        "outcome": decision.outcome, "candidate": list(decision.candidate_per_replica_batch_sizes),
+        "incumbent": list(decision.incumbent_per_replica_batch_sizes), "median_ratio": decision.median_ratio,
+        "pairs": decision.num_pairs, "reverts": balancer.guard.num_reverts}
+    record["configs"]["hetero_auto"]["replans"] = len(balancer.rebalancer.switches)
+    record["emulation_overrun"] = max(c["emulation_overrun"] for c in record["configs"].values())
 
     even_s = by_name["hetero_even"].median_step_s
     auto_s = by_name["hetero_auto"].median_step_s
@@ -233,8 +268,17 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
     record["speedup_vs_stock"] = stock_s / auto_s
     record["theoretical_speedup"] = truth["even_split_makespan_s"] / truth["ideal_makespan_s"]
     record["speedup_fraction_of_theoretical"] = record["speedup_vs_even"] / record["theoretical_speedup"]
-    record["goals_met"] = bool(record["efficiency"] >= EFFICIENCY_GOAL
-                               and record["speedup_fraction_of_theoretical"] >= SPEEDUP_FRACTION_GOAL)
+    auto_rounds = by_name["hetero_auto"].round_medians_s
+    even_rounds = by_name["hetero_even"].round_medians_s
+    record["lost_to_even"] = bool(auto_s > even_s * (1.0 + LOSS_MARGIN)
+                                  and all(a > e for a, e in zip(auto_rounds, even_rounds)))
+    record["noise"] = bool(args.noise)
+    if args.noise:
+        record["goals_met"] = bool(not record["lost_to_even"]
+                                   and record["speedup_fraction_of_theoretical"] >= NOISY_SPEEDUP_FRACTION_GOAL)
+    else:
+        record["goals_met"] = bool(record["efficiency"] >= EFFICIENCY_GOAL
+                                   and record["speedup_fraction_of_theoretical"] >= SPEEDUP_FRACTION_GOAL)
     _print_case(record)
     return record
 
@@ -257,6 +301,11 @@ def _print_case(record: dict[str, Any]) -> None:
     log(f"   speedup vs even    = {record['speedup_vs_even']:.3f}; theoretical max {record['theoretical_speedup']:.3f}"
         f" -> {record['speedup_fraction_of_theoretical']:.3f} of it   (goal >= {SPEEDUP_FRACTION_GOAL})")
     log(f"   speedup vs stock   = {record['speedup_vs_stock']:.3f}  (stock CSS even split, same emulated waits)")
+    guard = record["configs"]["hetero_auto"]["guard"]
+    if guard is not None:
+        log(f"   guard: {guard['outcome']} {guard['candidate']} vs {guard['incumbent']} (candidate/incumbent "
+            f"{guard['median_ratio']:.3f} over {guard['pairs']} pairs); re-plans during the run: "
+            f"{record['configs']['hetero_auto']['replans']}; lost to even: {record['lost_to_even']}")
 
 
 # ---------------------------------------------------------------------------------------------- mixes and processes
@@ -267,7 +316,34 @@ def run_mix_in_process(names: list[str], args: argparse.Namespace, *,
     """Creates the logical devices (must be first in this process) and runs every requested model."""
     _common.quiet_libraries()
     devices = _common.setup_devices(names)
-    return [run_case(names, devices, kind, args, keep_alive=keep_alive) for kind in args.models]
+    return [run_honest_case(names, devices, kind, args, keep_alive=keep_alive) for kind in args.models]
+
+
+def run_honest_case(names: list[str], devices: list[str], kind: str, args: argparse.Namespace, *,
+                    keep_alive: list | None = None) -> dict[str, Any]:
+    """``run_case``, re-run with 2x longer emulated steps while real compute shows through the emulated times.
+
+    Raises:
+        BenchmarkFailed: If the emulation check still fails after MAX_HONESTY_RETRIES re-runs: the figures would
+            measure this host's CPU, not the emulated devices, so none is reported.
+    """
+    target_ms = args.target_ideal_ms
+    for attempt in range(MAX_HONESTY_RETRIES + 1):
+        record = run_case(names, devices, kind, argparse.Namespace(**{**vars(args), "target_ideal_ms": target_ms}),
+                          keep_alive=keep_alive)
+        overrun = record["emulation_overrun"]
+        if overrun <= OVERRUN_LIMIT:
+            record["target_ideal_ms"] = target_ms
+            return record
+        if attempt < MAX_HONESTY_RETRIES:
+            log(f"   emulation check failed: real compute exceeds the emulated times by {overrun * 100:.1f} % "
+                f"(limit {OVERRUN_LIMIT * 100:.0f} %); re-running with 2x longer emulated steps "
+                f"(--target-ideal-ms {target_ms * 2:g})")
+            target_ms *= 2
+    raise BenchmarkFailed(
+        f"mix={_common.mix_label(names)}, model={kind}: real CPU compute still exceeds the emulated device times by "
+        f"{overrun * 100:.1f} % at --target-ideal-ms {target_ms:g}, so the figures would measure this host, not the "
+        f"emulated devices. Run on a quieter machine or pass a larger --target-ideal-ms.")
 
 
 def _child_argv(names: list[str], args: argparse.Namespace, json_path: Path) -> list[str]:
@@ -276,6 +352,8 @@ def _child_argv(names: list[str], args: argparse.Namespace, json_path: Path) -> 
             "--rounds", str(args.rounds), "--steps-per-round", str(args.steps_per_round),
             "--warmup-steps", str(args.warmup_steps), "--target-ideal-ms", str(args.target_ideal_ms),
             "--seed", str(args.seed), "--json", str(json_path), "--timeline", "none"]
+    if args.noise:
+        argv.append("--noise")  # the child only labels its results; the parent runs the neighbour
     if args.no_rebalance:
         argv.append("--no-rebalance")
     return argv
@@ -296,8 +374,11 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Top-level figures: the worst case over mixes and models (lowest efficiency; lowest speedup fraction)."""
     worst_efficiency = min(results, key=lambda r: r["efficiency"])
     worst_speedup = min(results, key=lambda r: r["speedup_fraction_of_theoretical"])
+    noisy = any(r.get("noise") for r in results)
     return {
         "emulated": True,
+        "noise": noisy,
+        "lost_to_even": sum(1 for r in results if r["lost_to_even"]),
         "note": _common.EMULATED_NOTE,
         "method": _common.METHOD_NOTE + "; interleaved rounds, medians",
         "efficiency": worst_efficiency["efficiency"],
@@ -306,7 +387,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "theoretical_speedup": worst_speedup["theoretical_speedup"],
         "speedup_fraction_of_theoretical": worst_speedup["speedup_fraction_of_theoretical"],
         "speedup_case": f"{worst_speedup['mix']}/{worst_speedup['model']}",
-        "goals": {"efficiency": EFFICIENCY_GOAL, "speedup_fraction_of_theoretical": SPEEDUP_FRACTION_GOAL},
+        "goals": ({"lost_to_even": 0, "speedup_fraction_of_theoretical": NOISY_SPEEDUP_FRACTION_GOAL} if noisy else
+                  {"efficiency": EFFICIENCY_GOAL, "speedup_fraction_of_theoretical": SPEEDUP_FRACTION_GOAL}),
         "goals_met": all(r["goals_met"] for r in results),
         "results": results,
     }
@@ -394,10 +476,14 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     log(f"method: {_common.METHOD_NOTE}; {args.rounds} interleaved rounds x {args.steps_per_round} steps, medians; "
         f"each mix in its own subprocess")
     results: list[dict[str, Any]] = []
+    neighbour = busy_neighbour() if args.noise else contextlib.nullcontext([])
     try:
-        for names in args.mixes:
-            log(f"### mix {_common.mix_label(names)}")
-            results.extend(run_mix_subprocess(names, args))
+        with neighbour as pids:
+            if pids:
+                log(f"noise: a CPU-burning neighbour process (pid {pids[0]}) runs beside training until the end")
+            for names in args.mixes:
+                log(f"### mix {_common.mix_label(names)}")
+                results.extend(run_mix_subprocess(names, args))
     except BenchmarkFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -416,15 +502,18 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         draw_timeline(results, timeline)
     log("== summary (timings EMULATED)")
     log(f"   {'mix':<16} {'model':<5} {'efficiency':>10} {'speedup vs even':>16} {'theoretical':>12} "
-        f"{'fraction':>9} {'vs stock':>9}")
+        f"{'fraction':>9} {'vs stock':>9} {'lost':>5} {'guard':>9}")
     for r in results:
+        guard = r["configs"]["hetero_auto"].get("guard") or {}
         log(f"   {r['mix']:<16} {r['model']:<5} {r['efficiency']:>10.3f} {r['speedup_vs_even']:>16.3f} "
             f"{r['theoretical_speedup']:>12.3f} {r['speedup_fraction_of_theoretical']:>9.3f} "
-            f"{r['speedup_vs_stock']:>9.3f}")
+            f"{r['speedup_vs_stock']:>9.3f} {str(r['lost_to_even']).lower():>5} {guard.get('outcome', '-'):>9}")
     log(f"   worst efficiency {summary['efficiency']:.3f} ({summary['efficiency_case']}, goal >= "
         f"{EFFICIENCY_GOAL}); worst speedup {summary['speedup_vs_even']:.3f} of theoretical "
         f"{summary['theoretical_speedup']:.3f} = {summary['speedup_fraction_of_theoretical']:.3f} "
-        f"({summary['speedup_case']}, goal >= {SPEEDUP_FRACTION_GOAL}); goals met: {summary['goals_met']}")
+        f"({summary['speedup_case']}, goal >= "
+        f"{NOISY_SPEEDUP_FRACTION_GOAL if args.noise else SPEEDUP_FRACTION_GOAL}); lost to even: "
+        f"{summary['lost_to_even']} of {len(results)} (goal 0); goals met: {summary['goals_met']}")
     if args.json is not None:
         log(f"   JSON: {args.json}")
     if timeline is not None:

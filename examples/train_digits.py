@@ -124,6 +124,15 @@ def measure_examples_per_s(model, dataset, *, global_batch_size: int, steps: int
     return global_batch_size / statistics.median(timer.step_times_s[1:])
 
 
+def guard_outcome(strategy) -> str:
+    """'kept' or 'reverted' (the guard's last decision), 'trying' mid-trial, 'none' when it never decided."""
+    balancer = strategy.balancer
+    if balancer.guard.in_trial:
+        return "trying"
+    decision = balancer.last_guard_decision
+    return "none" if decision is None else decision.outcome
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -180,8 +189,15 @@ def main(argv=None) -> int:
     model.fit(train, epochs=args.epochs, shuffle=False, verbose=2 if not sys.stdout.isatty() else 1)
     train_s = time.perf_counter() - started
 
+    final_plan = strategy.plan  # the summary line reports this plan
     print("\n== batch plan in use at the end of training")
-    print(strategy.plan)
+    print(final_plan)
+    guard = guard_outcome(strategy)
+    decision = strategy.balancer.last_guard_decision
+    if decision is not None:
+        print(f"guard: {decision.outcome} {list(decision.candidate_per_replica_batch_sizes)} against "
+              f"{list(decision.incumbent_per_replica_batch_sizes)} (candidate/incumbent makespan "
+              f"{decision.median_ratio:.3f} over {decision.num_pairs} paired steps: {decision.reason})")
 
     _, test_accuracy = model.evaluate(x_test, y_test, batch_size=B, verbose=0)
     print(f"\n== test accuracy: {test_accuracy:.4f} on {len(x_test)} held-out examples")
@@ -191,7 +207,7 @@ def main(argv=None) -> int:
     repeated = train.repeat()
     R = strategy.num_replicas_in_sync
     plan_rates, even_rates = [], []
-    if strategy.plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R):
+    if final_plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R):
         # The plan in use is the even split (--no-auto-balance, one device, or devices alike): one measurement.
         print(f"\n== measuring examples/s ({args.timing_steps} steps; the plan in use is the even split) ...")
         plan_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
@@ -206,7 +222,8 @@ def main(argv=None) -> int:
         strategy.set_batch_split(None)
     plan_eps, even_eps = statistics.median(plan_rates), statistics.median(even_rates)
     speedup = plan_eps / even_eps
-    plan = strategy.plan
+    plan = final_plan
+    assert strategy.plan == final_plan, "the measurement must leave the plan as it was"
     theoretical = plan.predicted_speedup_vs_even  # None without cost models (--no-auto-balance)
     label = "auto_balance" if not args.no_auto_balance else "even split (--no-auto-balance)"
     print("\n== throughput (from the median step time)")
@@ -225,6 +242,7 @@ def main(argv=None) -> int:
         "examples_per_s": f"{plan_eps:.1f}",
         "even_examples_per_s": f"{even_eps:.1f}",
         "plan": "/".join(str(b) for b in plan.per_replica_batch_sizes),
+        "guard": guard,
         "devices": ",".join(emulate) if emulate else ",".join(strategy.compute_devices),
         "emulated": str(bool(emulate)).lower(),
         "calibration_s": f"{calibration_s:.2f}",  # time spent calibrating in this run

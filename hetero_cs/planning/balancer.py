@@ -121,6 +121,7 @@ class Balancer:
         self._rebalancer = Rebalancer(self._rebalance_policy)
         self._guard = PlanGuard(guard_policy)
         self._served = 0  # global batches served: steady-state timing picks every N-th
+        self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
         self._last_look_step = -(10**9)
@@ -273,13 +274,25 @@ class Balancer:
             self._adopt(plan, trial=trial)
 
     def set_batch_split(self, shares: Sequence[float] | None) -> None:
-        """Fixes the relative shares (validated by the caller) from now on; None returns to auto-balance / even."""
+        """Fixes the relative shares (validated by the caller) from now on; None returns to auto-balance / even.
+
+        Returning to auto-balance restores the plan that was in force before the shares were set (a plan the guard
+        kept or reverted to stays as it was) when the global batch is the same; otherwise the split is solved anew.
+        """
         with self._lock:
+            if shares is not None and self._shares is None:
+                self._auto_plan = self._plan  # the plan to come back to
             self._shares = None if shares is None else tuple(float(s) for s in shares)
             self._guard.abandon()
             self._plans_by_batch.clear()
-            if self._reference_batch_size is not None:
-                self._commit(self._solve(self._reference_batch_size))
+            if self._reference_batch_size is None:
+                return
+            restored = self._auto_plan if shares is None else None
+            if restored is not None and restored.global_batch_size == self._reference_batch_size:
+                self._auto_plan = None
+                self._commit(restored)
+                return
+            self._commit(self._solve(self._reference_batch_size))
 
     def start_new_input(self) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` again."""

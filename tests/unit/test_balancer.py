@@ -144,3 +144,17 @@ def test_serve_and_plan_for_reject_a_bad_global_batch_size(bad):
         balancer.serve(bad)
     with pytest.raises(ConfigError, match="global_batch_size"):
         balancer.plan_for(bad)
+
+
+def test_clearing_fixed_shares_restores_the_plan_the_guard_left_in_force():
+    """Regression: the main job measures the even split with set_batch_split([1, 1, 1]) and then clears it; a plan
+    the guard had reverted must not come back as the solved (unmeasured) plan."""
+    alike = [LinearCostModel(0.02, 2e-4)] * 3
+    balancer = balanced()
+    simulate_balancer(balancer, lambda step: alike, B, steps=40, relative_noise=0.02)
+    assert balancer.last_guard_decision.outcome == "reverted"
+    balancer.set_batch_split([1, 1, 1])
+    balancer.set_batch_split([2, 1, 1])
+    assert balancer.plan.per_replica_batch_sizes == (1024, 512, 512)
+    balancer.set_batch_split(None)
+    assert balancer.plan.per_replica_batch_sizes == EVEN
