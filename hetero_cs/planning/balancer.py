@@ -348,7 +348,7 @@ class Balancer:
             plan = self.plan_for(b)
             if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
                 self._trial_served += 1
-                if self._trial_served > 3 * self._guard.policy.max_trial_steps and self._observed_step < 0:
+                if self._trial_served > 3 * self._guard.policy.max_trial_steps and self._guard.observed_steps == 0:
                     logger.warning(
                         "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
                         "a Keras optimizer is not timed); keeping %s unmeasured.",

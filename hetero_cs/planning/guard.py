@@ -203,6 +203,11 @@ class PlanGuard:
         return self._last_decision
 
     @property
+    def observed_steps(self) -> int:
+        """Measured steps the running trial has taken so far (0 outside a trial)."""
+        return self._trial_steps if self._candidate is not None else 0
+
+    @property
     def num_reverts(self) -> int:
         """How many trials ended in a revert so far."""
         return self._num_reverts

@@ -158,3 +158,17 @@ def test_clearing_fixed_shares_restores_the_plan_the_guard_left_in_force():
     assert balancer.plan.per_replica_batch_sizes == (1024, 512, 512)
     balancer.set_batch_split(None)
     assert balancer.plan.per_replica_batch_sizes == EVEN
+
+
+def test_a_trial_that_is_never_timed_keeps_the_candidate_with_a_warning(caplog):
+    """A custom loop without a Keras optimizer reports no step times; the guard cannot measure and gives up."""
+    balancer = balanced()
+    simulate_balancer(balancer, lambda step: TRUE, B, steps=30)  # a first, measured trial (kept)
+    alike = [LinearCostModel(0.02, 2e-4)] * 3
+    balancer.set_cost_models(alike[:1] + TRUE[1:], trial=True, reference_batch_size=B)
+    assert balancer.guard.in_trial
+    with caplog.at_level("WARNING", logger="hetero_cs"):
+        for _ in range(3 * balancer.guard.policy.max_trial_steps + 1):
+            balancer.serve(B)  # served, never recorded
+    assert not balancer.guard.in_trial
+    assert any("no step of the trial was timed" in r.getMessage() for r in caplog.records)
