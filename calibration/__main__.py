@@ -135,7 +135,15 @@ def _setup_devices(args: argparse.Namespace) -> tuple[list[str], list[str] | Non
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    """Runs a calibration from parsed add_calibrate_arguments options; prints the table and plan; returns 0."""
+    """Runs a calibration from parsed add_calibrate_arguments options; prints the table and plan; returns 0.
+
+    Raises:
+        ConfigError: If --output cannot be written (checked before anything is calibrated).
+    """
+    from calibration.store import check_output_path
+
+    if args.output is not None:
+        check_output_path(args.output)  # before minutes of calibration, not after
     devices, emulated = _setup_devices(args)  # Before anything below touches TensorFlow's runtime.
     import keras
     import numpy as np
