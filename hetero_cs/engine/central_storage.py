@@ -20,7 +20,7 @@ import tensorflow as tf
 from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import log_empty_slices, replica_step_error
+from hetero_cs.engine.step_errors import log_empty_slices, raised_by_input_pipeline, replica_step_error
 from hetero_cs.errors import BatchSplitError, ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -448,12 +448,15 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         """Monitor callback (runs in a TensorFlow thread once per replica per step): records only."""
         self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s))
 
+    def _input_error_raised(self, exc: Exception) -> Exception | None:
+        """The input pipeline's kept error if TensorFlow's ``exc`` is it, else None (a later, prefetched batch's
+        error is not this step's); the kept error is dropped either way."""
+        error, self._input_error = self._input_error, None
+        return error if error is not None and raised_by_input_pipeline(exc, error) else None
+
     def _replica_step_error(self, exc: Exception):
-        """The input pipeline's own error if it failed, else a ReplicaStepError naming the replica, or None."""
-        if self._input_error is not None:
-            error, self._input_error = self._input_error, None
-            return error
-        return replica_step_error(
+        """The input pipeline's own error if it is what failed, else a ReplicaStepError naming the replica, or None."""
+        return self._input_error_raised(exc) or replica_step_error(
             exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slice_plan
         )
 
