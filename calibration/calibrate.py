@@ -169,11 +169,7 @@ class _DeviceCalibration:
                 logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
                 break
             except tf.errors.OpError as exc:
-                raise CalibrationError(
-                    f"The probe step failed on device={self.probe.device!r} at batch_size={batch_size}: "
-                    f"{type(exc).__name__}: {exc.message}. Check that the model runs on this device with this "
-                    "sample batch (model(x, training=True) and its loss)."
-                ) from exc
+                raise self.probe.step_error(exc, batch_size) from exc  # names the data when it is at fault
             except HeteroCSError:
                 raise
             except (ValueError, TypeError) as exc:  # raised while tracing the step, e.g. Keras' "No loss to compute"
