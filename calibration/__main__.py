@@ -49,14 +49,28 @@ def _non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, maximum: float = math.inf) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
     return value
+
+
+def _time_scale(text: str) -> float:
+    from hetero_cs.devices.catalog import MAX_TIME_SCALE
+
+    return _positive_float(text, MAX_TIME_SCALE)
+
+
+def _target_step_ms(text: str) -> float:
+    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S
+
+    return _positive_float(text, MAX_EMULATED_MAKESPAN_S * 1e3)
 
 
 def _name_list(text: str) -> list[str]:
@@ -88,11 +102,12 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="untimed steps per probe size (default: 2)")
     parser.add_argument("--probe-batch-sizes", type=_size_list, default=None, metavar="SIZES",
                         help="comma-separated probe sizes (default: 5 geometric sizes up to B)")
-    parser.add_argument("--time-scale", type=_positive_float, default=None,
-                        help="emulation time scale (default: chosen so an even-split step takes --target-step-ms)")
-    parser.add_argument("--target-step-ms", type=_positive_float, default=100.0,
-                        help="emulated even-split step time when --time-scale is not given (default: 100, as "
-                             "HeteroCentralStorageStrategy)")
+    parser.add_argument("--time-scale", type=_time_scale, default=None,
+                        help="emulation time scale, at most 1000 (default: chosen so an even-split step takes "
+                             "--target-step-ms)")
+    parser.add_argument("--target-step-ms", type=_target_step_ms, default=100.0,
+                        help="emulated even-split step time when --time-scale is not given, at most 5000 (default: "
+                             "100, as HeteroCentralStorageStrategy)")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--cache-dir", default=None,
                        help="profile cache directory (default: $HETERO_CS_CACHE_DIR, $XDG_CACHE_HOME/hetero_cs or "

@@ -131,18 +131,28 @@ def emulated_makespan_target_s() -> float:
     """Emulated even-split makespan to aim for, seconds: HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, default 100 ms.
 
     Real compute of the logical CPU replicas shares the host's cores; the emulated waits must stay well above it
-    so that the emulated devices, not CPU contention, set each replica's step time.
+    so that the emulated devices, not CPU contention, set each replica's step time. Bounded to
+    [MIN_TARGET_MAKESPAN_MS, MAX_EMULATED_MAKESPAN_S * 1000] = [1, 5000] ms: calibration alone runs about a hundred
+    emulated steps.
+
+    Raises:
+        ConfigError: If the variable is not a number in that range (the message names the variable).
     """
-    raw = os.environ.get("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "").strip()
+    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR
+
+    raw = os.environ.get(TARGET_MAKESPAN_ENV_VAR, "").strip()
     if not raw:
         return 0.1
     try:
         value_ms = float(raw)
     except ValueError:
         value_ms = math.nan
-    if not math.isfinite(value_ms) or value_ms <= 0:
+    high_ms = MAX_EMULATED_MAKESPAN_S * 1e3
+    if not math.isfinite(value_ms) or not MIN_TARGET_MAKESPAN_MS <= value_ms <= high_ms:
         raise ConfigError(
-            f"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS={raw!r} must be a positive number of milliseconds, e.g. 100."
+            f"{TARGET_MAKESPAN_ENV_VAR}={raw!r} must be a positive number of milliseconds, e.g. 100, from "
+            f"{MIN_TARGET_MAKESPAN_MS:g} to {high_ms:g} (an emulated step of at most {MAX_EMULATED_MAKESPAN_S:g} s). "
+            f"Unset it for the default of 100."
         )
     return value_ms / 1e3
 

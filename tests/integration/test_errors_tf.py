@@ -366,6 +366,27 @@ def test_target_makespan_environment_variable_with_garbage(monkeypatch, raw):
            rf"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='{raw}' must be a positive number of milliseconds, e\.g\. 100")
 
 
+@pytest.mark.parametrize("raw", ["1e30", "1e4"])
+def test_regression_a_huge_time_scale_variable_is_refused_when_the_strategy_is_built(monkeypatch, raw):
+    # 1e30 gave a 77-line error about sleep at the first step; 1e4 ran for minutes without a word.
+    monkeypatch.setenv("HETERO_CS_EMULATION_TIME_SCALE", raw)
+    error = expect(lambda: strategy(DEVICES, emulate=["A10", "T4", "P100"]), ConfigError, ValueError,
+                   rf"HETERO_CS_EMULATION_TIME_SCALE='{raw}' \(value .*\) must be a finite number > 0.*at most "
+                   r"MAX_TIME_SCALE=1000")
+    assert "\n" not in str(error) and "sleep" not in str(error)
+
+
+@pytest.mark.parametrize("raw", ["1e30", "1e4", "5000.1", "0.5"])
+def test_regression_an_out_of_range_target_makespan_variable_is_refused_before_any_step(monkeypatch, raw):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", raw)
+    under = strategy(DEVICES, emulate=["A10", "T4", "P100"], auto_balance=False)
+    model = small_model(under)
+    expect(lambda: model.fit(X, Y, batch_size=12, epochs=1, verbose=0), ConfigError, ValueError,
+           rf"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='{re.escape(raw)}' must be a positive number of milliseconds, "
+           r"e\.g\. 100, from 1 to 5000 \(an emulated step of at most 5 s\)")
+    assert under.emulator.steps_done == (0, 0, 0)  # no step ran
+
+
 def test_target_makespan_error_is_raised_again_on_retry(monkeypatch):
     monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "soon")
     under = strategy(DEVICES, emulate=["A10", "T4", "P100"], auto_balance=False)
