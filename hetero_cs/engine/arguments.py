@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
+from hetero_cs.planning.plan import finite_real, ordered_values, short_repr, unordered_note
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -68,24 +68,28 @@ def validate_devices(devices: list[str], parameter_device: str) -> None:
 
 
 def shares_list(batch_split) -> list:
-    if isinstance(batch_split, (str, bytes)) or not isinstance(batch_split, Iterable):
+    """batch_split as a list, if it is an ordered sequence (list, tuple, range, 1-D array); a set or dict is not."""
+    shares = ordered_values(batch_split)
+    if shares is None:
         raise BatchSplitError(
-            f"batch_split must be a sequence of relative shares, one per replica. Received: "
-            f"batch_split={batch_split!r}. Example: batch_split=[2, 1, 1]."
+            f"batch_split must be a sequence of relative shares, one per replica in replica order. Received: "
+            f"batch_split={short_repr(batch_split)}{unordered_note(batch_split)}. Example: batch_split=[2, 1, 1]."
         )
-    return list(batch_split)
+    return list(shares)
 
 
 def validate_shares(shares: Sequence[float]) -> None:
-    bad = [
-        s
-        for s in shares
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0
-    ]
+    bad = [s for s in shares if not finite_real(s) or s < 0]
     if bad or not any(s > 0 for s in shares):
         raise BatchSplitError(
             f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
-            f"batch_split={list(shares)}. Example: batch_split=[2, 1, 1] gives replica 0 half of each batch."
+            f"batch_split={short_repr(list(shares))}. Example: batch_split=[2, 1, 1] gives replica 0 half of each "
+            f"batch."
+        )
+    if not math.isfinite(sum(float(s) for s in shares)):
+        raise BatchSplitError(
+            f"batch_split shares sum to more than a float holds: batch_split={short_repr(list(shares))}. Only their "
+            f"ratios matter; scale them down, e.g. batch_split=[2, 1, 1]."
         )
 
 

@@ -139,6 +139,27 @@ def test_batch_split_that_is_not_a_sequence(where):
         expect(lambda: fixed_split_strategy().set_batch_split(3), BatchSplitError, ValueError, r"batch_split=3")
 
 
+UNORDERED_OR_HUGE_SPLITS = [
+    ("regression_set", {3, 1, 2}, r"batch_split=\{1, 2, 3\} \(a set, which has no replica order\)"),
+    ("regression_dict", {"a": 2, "b": 1, "c": 1}, r"\(a dict, which has no replica order\)"),
+    ("generator", (s for s in [2, 1, 1]), r"\(a generator, not a sequence: make it a list\)"),
+    ("regression_int_too_large_for_a_float", [10**400, 1, 1], r"finite numbers >= 0 with at least one > 0"),
+    ("regression_sum_too_large_for_a_float", [1e308, 1e308, 1e308], r"sum to more than a float holds"),
+]
+
+
+@pytest.mark.parametrize("where", ["constructor", "set_batch_split"])
+@pytest.mark.parametrize("shares,match", [c[1:] for c in UNORDERED_OR_HUGE_SPLITS],
+                         ids=[c[0] for c in UNORDERED_OR_HUGE_SPLITS])
+def test_batch_split_unordered_or_huge_is_a_batch_split_error(where, shares, match):
+    if where == "constructor":
+        expect(lambda: strategy(DEVICES, batch_split=shares), BatchSplitError, ValueError, match)
+    else:
+        under = strategy(DEVICES, batch_split=[2, 1, 1])
+        expect(lambda: under.set_batch_split(shares), BatchSplitError, ValueError, match)
+        assert under.plan_for(8).per_replica_batch_sizes == (4, 2, 2)
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.float32])
 def test_numpy_batch_split_is_accepted(dtype):
     shares = np.array([2, 1, 1], dtype)
