@@ -78,6 +78,18 @@ def shares_list(batch_split) -> list:
     return list(shares)
 
 
+def checked_shares(batch_split, num_replicas: int) -> list:
+    """batch_split as a list of R valid shares (see shares_list and validate_shares)."""
+    shares = shares_list(batch_split)
+    if len(shares) != num_replicas:
+        raise BatchSplitError(
+            f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
+            f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
+        )
+    validate_shares(shares)
+    return shares
+
+
 def validate_shares(shares: Sequence[float]) -> None:
     bad = [s for s in shares if not finite_real(s) or s < 0]
     if bad or not any(s > 0 for s in shares):

@@ -21,7 +21,7 @@ from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step_errors import log_empty_slices, raised_by_input_pipeline, replica_step_error
-from hetero_cs.errors import BatchSplitError, ConfigError, InputError
+from hetero_cs.errors import ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -76,13 +76,18 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         guard: With auto_balance, keep a calibrated or re-planned split only after it measured faster than the
             split it replaces, side by side over the same steps (:mod:`hetero_cs.planning.guard`); else revert and
             back off. False trusts the prediction.
+        profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
+            for these devices and this model: its cost models and memory caps are used instead of calibrating
+            (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
             devices.
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
-        ConfigError: ``emulate`` of the wrong length.
+        ConfigError: ``emulate`` of the wrong length; a ``profile`` of other devices, or with batch_split or
+            auto_balance=False.
+        ProfileCacheError: ``profile`` cannot be read or is not a profile.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         emulate: "Sequence[str] | Any | None" = None,
         profile_cache: Any = None,
         guard: bool = True,
+        profile: Any = None,
     ):
         from hetero_cs import emulation
 
@@ -127,7 +133,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
             )
         arguments.validate_profile_cache(profile_cache)
-        shares = None if batch_split is None else self._checked_shares(batch_split, len(devices))
+        shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
+        if profile is not None:
+            from hetero_cs.engine.calibrating import load_profile
+
+            profile = load_profile(profile, devices, emulate, auto_balance=auto_balance and shares is None)
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
@@ -155,6 +165,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 stacklevel=2,
             )
         self._profile_cache = profile_cache
+        self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
         self._source_dataset = None
         self._calibration = None
@@ -176,17 +187,6 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )
-
-    @staticmethod
-    def _checked_shares(batch_split, num_replicas: int) -> list:
-        shares = arguments.shares_list(batch_split)
-        if len(shares) != num_replicas:
-            raise BatchSplitError(
-                f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
-                f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
-            )
-        arguments.validate_shares(shares)
-        return shares
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
@@ -257,7 +257,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             BatchSplitError: Wrong length, negative, non-finite or all-zero shares.
         """
         if shares is not None:
-            shares = self._checked_shares(shares, self.num_replicas_in_sync)
+            shares = arguments.checked_shares(shares, self.num_replicas_in_sync)
         self._balancer.set_batch_split(shares)
 
     def plan_for(self, global_batch_size: int) -> BatchPlan:
