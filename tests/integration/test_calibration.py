@@ -391,3 +391,38 @@ def test_a_bad_label_in_the_first_batch_of_fit_blames_the_data(tmp_path):
     y[2] = 3
     with pytest.raises(CalibrationError, match=r"data is at fault.*labels y hold \[3\] at examples \[2\]"):
         _classifier(hetero).fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("kind", ["not_utf8", "nested_thousands_deep", "int_too_large", "fifo"])
+def test_regression_an_unreadable_cache_entry_is_one_warning_a_fresh_calibration_and_replaced(tmp_path, strategy,
+                                                                                               kind):
+    # Some of these raised UnicodeDecodeError, RecursionError or OverflowError out of calibration (and model.fit),
+    # and the file was never replaced, so every later run failed too.
+    import os
+    import re
+    import warnings
+
+    with strategy.scope():
+        model = _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)]))
+    batch = (np.ones((16, 16), np.float32), np.zeros((16,), np.int64))
+    kwargs = dict(devices=DEVICES[:2], probe_batch_sizes=[1, 16], warmup_steps=0, trials=1,
+                  store=ProfileStore(tmp_path), progress=False)
+    first = calibrate(model, batch, **kwargs)
+    (entry,) = tmp_path.glob("*.json")
+    text = entry.read_text()
+    entry.unlink()
+    if kind == "fifo":
+        os.mkfifo(entry)
+    else:
+        too_large = re.sub(r'"wall_time_s": [^,\n]+', '"wall_time_s": 1' + "0" * 400, text)
+        assert too_large != text
+        entry.write_bytes({"not_utf8": b"\xff\xfe" + text.encode(), "nested_thousands_deep": b"[" * 50_000,
+                           "int_too_large": too_large.encode()}[kind])
+    with pytest.warns(UserWarning, match="unusable profile cache file") as record:
+        second = calibrate(model, batch, **kwargs)
+    assert len(record) == 1
+    assert not second.from_cache and second.devices == first.devices  # calibrated afresh
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_result_file(entry) == second  # replaced by a good entry
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # and nothing else left behind
