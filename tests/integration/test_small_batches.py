@@ -1,5 +1,7 @@
 """A global batch smaller than the replica count trains with the defaults (auto_balance and re-balancing on)."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -25,7 +27,12 @@ def test_regression_fit_with_a_global_batch_smaller_than_the_replica_count(fast_
     rng = np.random.default_rng(0)
     x = rng.normal(size=(24 * global_batch_size, 8)).astype(np.float32)
     y = rng.integers(0, 3, size=len(x)).astype(np.int64)
-    history = model.fit(x, y, batch_size=global_batch_size, epochs=3, shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=global_batch_size, epochs=3, shuffle=False, verbose=0)
+    # Calibration solved a plan for B < R too (it warned "no plan fits" and kept none).
+    assert not [w for w in caught if "no plan fits" in str(w.message)], [str(w.message) for w in caught]
+    assert strategy.calibration.plan is not None and strategy.calibration.plan.global_batch_size == global_batch_size
 
     assert len(history.history["loss"]) == 3 and np.all(np.isfinite(history.history["loss"]))
     assert strategy.plan.global_batch_size == global_batch_size
