@@ -1,13 +1,19 @@
 """Command line: `python -m calibration` (calibrate) and `plan_main` (`hetero-cs plan`).
 
     python -m calibration --model digits_cnn --emulate A10,T4,P100 --global-batch-size 256 --output profile.json
+    python -m calibration --model mypackage.models:build_model --output profile.json    # your own model
     hetero-cs plan --profile profile.json --global-batch-size 512
+
+A profile written with --output is what ``HeteroCentralStorageStrategy(profile="profile.json")`` uses instead of
+calibrating (same devices, same model); see calibration.user_model for what ``--model package.module:function``
+returns.
 
 Calibration sets up the devices before TensorFlow initialises: with --emulate (or on a machine without GPUs, where
 A10,T4,P100 are emulated by default) the host CPU is split into a parameter device (/device:CPU:0) and one logical
 compute device per emulated name. The model is built inside a tf.distribute.experimental.CentralStorageStrategy
 scope over the compute devices, as in training, so the probe reads the same central variables a training step
-would. The sample batch is random data of the model's input shape (step time does not depend on the values).
+would. The sample batch is the one your function returns, else random data of the model's input shape (step time
+does not depend on the values).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+from calibration.user_model import model_spec
 from hetero_cs.errors import ConfigError, HeteroCSError
 
 __all__ = ["add_calibrate_arguments", "add_plan_arguments", "main", "plan_main", "run_calibrate", "run_plan"]
@@ -26,9 +33,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_EMULATED_DEVICES = ("A10", "T4", "P100")
 """Emulated when the machine has no GPU and --emulate is not given."""
-
-_INPUT_SHAPES = {"mlp": (64,), "digits_cnn": (8, 8, 1)}  # scikit-learn's 8x8 digits, flat or as an image.
-_NUM_CLASSES = 10
 
 
 def _int_at_least(text: str, minimum: int) -> int:
@@ -49,14 +53,28 @@ def _non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, maximum: float = math.inf) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
     return value
+
+
+def _time_scale(text: str) -> float:
+    from hetero_cs.devices.catalog import MAX_TIME_SCALE
+
+    return _positive_float(text, MAX_TIME_SCALE)
+
+
+def _target_step_ms(text: str) -> float:
+    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S
+
+    return _positive_float(text, MAX_EMULATED_MAKESPAN_S * 1e3)
 
 
 def _name_list(text: str) -> list[str]:
@@ -73,8 +91,9 @@ def _size_list(text: str) -> list[int]:
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the calibration options to parser (used by `python -m calibration` and `hetero-cs calibrate`)."""
-    parser.add_argument("--model", choices=sorted(_INPUT_SHAPES), default="digits_cnn",
-                        help="reference model to calibrate (default: digits_cnn)")
+    parser.add_argument("--model", type=model_spec, default="digits_cnn", metavar="MODEL",
+                        help="digits_cnn or mlp (reference models), or your own as package.module:function, a "
+                             "function returning a compiled Keras model or (model, (x, y)) (default: digits_cnn)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--emulate", type=_name_list, default=None, metavar="NAMES",
                        help="comma-separated catalog devices to emulate on logical CPU devices, e.g. A10,T4,P100 "
@@ -88,11 +107,12 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="untimed steps per probe size (default: 2)")
     parser.add_argument("--probe-batch-sizes", type=_size_list, default=None, metavar="SIZES",
                         help="comma-separated probe sizes (default: 5 geometric sizes up to B)")
-    parser.add_argument("--time-scale", type=_positive_float, default=None,
-                        help="emulation time scale (default: chosen so an even-split step takes --target-step-ms)")
-    parser.add_argument("--target-step-ms", type=_positive_float, default=100.0,
-                        help="emulated even-split step time when --time-scale is not given (default: 100, as "
-                             "HeteroCentralStorageStrategy)")
+    parser.add_argument("--time-scale", type=_time_scale, default=None,
+                        help="emulation time scale, at most 1000 (default: chosen so an even-split step takes "
+                             "--target-step-ms)")
+    parser.add_argument("--target-step-ms", type=_target_step_ms, default=100.0,
+                        help="emulated even-split step time when --time-scale is not given, at most 5000 (default: "
+                             "100, as HeteroCentralStorageStrategy)")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--cache-dir", default=None,
                        help="profile cache directory (default: $HETERO_CS_CACHE_DIR, $XDG_CACHE_HOME/hetero_cs or "
@@ -135,31 +155,30 @@ def _setup_devices(args: argparse.Namespace) -> tuple[list[str], list[str] | Non
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    """Runs a calibration from parsed add_calibrate_arguments options; prints the table and plan; returns 0."""
+    """Runs a calibration from parsed add_calibrate_arguments options; prints the table and plan; returns 0.
+
+    Raises:
+        ConfigError: If --output cannot be written (checked before anything is calibrated), or --model names a
+            function that cannot be imported or does not return a compiled model (see calibration.user_model).
+    """
+    from calibration.store import check_output_path
+
+    if args.output is not None:
+        check_output_path(args.output)  # before minutes of calibration, not after
     devices, emulated = _setup_devices(args)  # Before anything below touches TensorFlow's runtime.
-    import keras
-    import numpy as np
     import tensorflow as tf
 
-    from calibration.calibrate import calibrate
-    from calibration.models import build_model
+    from calibration.calibrate import _check_devices, calibrate
     from calibration.store import ProfileStore, save_result_file
+    from calibration.user_model import build_calibration_model
     from hetero_cs.emulation import Emulator, estimate_workload
-
-    from calibration.calibrate import _check_devices
 
     parameter_device = "/device:CPU:0"
     devices, parameter_device = _check_devices(devices, parameter_device)  # DeviceError before TF's own ValueError
     strategy = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=parameter_device)
-    input_shape = _INPUT_SHAPES[args.model]
-    with strategy.scope():
-        model = build_model(args.model, input_shape=input_shape, num_classes=_NUM_CLASSES)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
     batch = args.global_batch_size
-    x = rng.standard_normal((batch, *input_shape)).astype(np.float32)
-    y = rng.integers(0, _NUM_CLASSES, size=batch).astype(np.int64)
+    with strategy.scope():  # the user's function builds its variables here, as central ones
+        model, sample = build_calibration_model(args.model, global_batch_size=batch)
 
     emulator = None
     if emulated is not None:
@@ -168,7 +187,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print("\n".join(emulator.describe(batch)))
     store = False if args.no_cache else ProfileStore(args.cache_dir)
     result = calibrate(
-        model, (x, y), devices=devices, parameter_device=parameter_device, global_batch_size=batch,
+        model, sample, devices=devices, parameter_device=parameter_device, global_batch_size=batch,
         emulator=emulator, probe_batch_sizes=args.probe_batch_sizes, warmup_steps=args.warmup_steps, trials=args.trials,
         store=store, progress=not args.no_progress,
     )
@@ -177,7 +196,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(result.plan)
     if args.output:
         save_result_file(args.output, result)
-        print(f"profile written to {args.output}")
+        print(f"profile written to {args.output}; use it with HeteroCentralStorageStrategy(profile={args.output!r}) "
+              "on the same devices and model")
     return 0
 
 

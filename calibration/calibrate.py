@@ -130,7 +130,8 @@ def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPl
 
     try:
         return solve_batch_split([p.cost_model for p in profiles], global_batch_size,
-                                 max_batch_sizes=[p.max_batch_size for p in profiles])
+                                 max_batch_sizes=[p.max_batch_size for p in profiles],
+                                 min_batch_size=1 if global_batch_size >= len(profiles) else 0)  # B < R: some idle
     except InfeasiblePlanError as exc:
         warnings.warn(f"Calibration finished but no plan fits: {exc}", stacklevel=3)
         return None

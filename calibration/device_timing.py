@@ -41,11 +41,7 @@ class _DeviceCalibration:
         import tensorflow as tf
 
         if isinstance(exc, tf.errors.OpError):
-            return CalibrationError(
-                f"The probe step failed on device={self.probe.device!r} at batch_size={batch_size}: "
-                f"{type(exc).__name__}: {exc.message}. Check that the model runs on this device with this "
-                "sample batch (model(x, training=True) and its loss)."
-            )
+            return self.probe.step_error(exc, batch_size)  # names the data when the batch's values are at fault
         return CalibrationError(  # raised while tracing the step, e.g. Keras' "No loss to compute"
             f"The probe step could not be built on device={self.probe.device!r}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else exc!r}. Check that the model is compiled with a "

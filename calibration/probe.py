@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from calibration.probe_failure import probe_step_error
 from hetero_cs.errors import CalibrationError, ConfigError
 
 __all__ = [
@@ -408,6 +409,12 @@ class DeviceProbe:
             logger.info("%s: batch_size=%d does not fit in memory", self.device, batch_size)
             return False
         return True
+
+    def step_error(self, exc: Exception, batch_size: int) -> CalibrationError:
+        """The CalibrationError for a probe step that failed with TensorFlow's ``exc`` at ``batch_size``: it blames
+        the sample batch when its values explain the failure, else the device (see calibration.probe_failure)."""
+        return probe_step_error(exc, device=self.device, batch_size=batch_size, model=self._model,
+                                sample=[t.numpy() for t in self._sample], sample_size=self.sample_size)
 
     @property
     def tracks_memory(self) -> bool:

@@ -31,9 +31,20 @@ def _check_keys(name: str, data: Mapping[str, Any], required: set[str], optional
         )
 
 
+def _is_finite_real(value: Any) -> bool:
+    """A real number (not a bool) that converts to a finite float; an int too large for a float is not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _finite_non_negative(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ProfileCacheError(f"{owner}.{name} must be a finite number >= 0. Received: {name}={value!r}.")
+    if not _is_finite_real(value) or value < 0:
+        shown = "an integer too large for a float" if isinstance(value, int) and abs(value) > 10**300 else repr(value)
+        raise ProfileCacheError(f"{owner}.{name} must be a finite number >= 0. Received: {name}={shown}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +95,10 @@ class DeviceProfile:
                 f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. Received: "
                 f"emulated_as={self.emulated_as!r}."
             )
-        bad_times = [t for t in self.median_step_times_s + self.mad_s
-                     if isinstance(t, bool) or not isinstance(t, numbers.Real)]
+        bad_times = [t for t in self.median_step_times_s + self.mad_s if not _is_finite_real(t)]
         if bad_times:
             raise ProfileCacheError(
-                f"DeviceProfile.median_step_times_s and mad_s must hold numbers of seconds. Received: "
+                f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds. Received: "
                 f"median_step_times_s={list(self.median_step_times_s)!r}, mad_s={list(self.mad_s)!r}."
             )
         object.__setattr__(self, "probe_batch_sizes", tuple(int(b) for b in self.probe_batch_sizes))
@@ -160,7 +170,7 @@ class DeviceProfile:
             )
         except ProfileCacheError:
             raise
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ProfileCacheError(
                 f"DeviceProfile data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
             ) from exc
@@ -265,7 +275,7 @@ class CalibrationResult:
         profiles = tuple(DeviceProfile.from_dict(p) for p in data["profiles"])
         try:
             plan = None if data["plan"] is None else BatchPlan.from_dict(data["plan"])
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise ProfileCacheError(
                 f"CalibrationResult.plan is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
             ) from exc

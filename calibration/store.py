@@ -4,11 +4,18 @@ One JSON file per key, ``<directory>/<key>.json``::
 
     {"schema_version": 1, "key": "<sha256 hex>", "result": {...CalibrationResult.to_dict()...}}
 
-Files are written atomically (a temporary file in the same directory, fsync, then ``os.replace``), so a reader sees
-the old file or the new one, never half of one, and two writers at once leave one complete file. A file that cannot
-be used (corrupt JSON, another schema version, unknown keys, another key) is never trusted: ``load`` warns once and
-returns None, and the caller calibrates afresh and overwrites it. A wrong cache entry would give a wrong plan
-silently; a recalibration only costs seconds.
+Files are written atomically (a temporary file ``.<name>.<random>.tmp`` in the same directory, fsync, then
+``os.replace``), so a reader sees the old file or the new one, never half of one, and two writers at once leave one
+complete file. A writer killed mid-write leaves its temporary file; the next use of the store (and the next write of
+the same result file) removes such files once no live writer holds them (an advisory lock where the platform has
+one, else an age of ``STALE_TEMP_AGE_S``).
+
+A file that cannot be used is never trusted, whatever it holds: corrupt JSON, bytes that are not UTF-8, JSON nested
+thousands deep, numbers too large for a float, values of the wrong type, another schema version, unknown keys,
+another key, more than ``MAX_PROFILE_BYTES``, or anything but a regular file (a FIFO, a device such as /dev/zero,
+a directory). ``load`` warns once and returns None, and the caller calibrates afresh and overwrites it;
+``load_result_file`` raises ``ProfileCacheError``. A wrong cache entry would give a wrong plan silently; a
+recalibration only costs seconds.
 
 The directory is, in order of precedence: the ``directory`` argument, ``$HETERO_CS_CACHE_DIR``,
 ``$XDG_CACHE_HOME/hetero_cs``, ``~/.cache/hetero_cs``.
@@ -17,13 +24,16 @@ The directory is, in order of precedence: the ``directory`` argument, ``$HETERO_
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import pathlib
 import re
+import stat
 import tempfile
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,16 +41,32 @@ from typing import Any
 from calibration.result import CalibrationResult
 from hetero_cs.errors import ConfigError, ProfileCacheError
 
-__all__ = ["SCHEMA_VERSION", "ProfileStore", "default_cache_dir", "load_result_file", "profile_key",
-           "save_result_file"]
+__all__ = ["MAX_PROFILE_BYTES", "SCHEMA_VERSION", "ProfileStore", "check_output_path", "default_cache_dir",
+           "load_result_file", "profile_key", "save_result_file"]
 
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 """Version of the file layout; a file with another version is ignored (one warning) and recalibrated."""
 
+MAX_PROFILE_BYTES = 4 * 1024 * 1024
+"""Largest profile file read, bytes. A profile of 64 devices is about 100 KB; anything larger is not ours."""
+
+STALE_TEMP_AGE_S = 3600.0
+"""Where no advisory lock is available, a temporary file of ours older than this (seconds) counts as abandoned."""
+
+_LOCKED_TEMP_AGE_S = 10.0
+"""With advisory locks, an unlocked temporary file older than this (seconds) is abandoned: it covers the moments
+between creating a file and locking it, and between closing it and renaming it into place."""
+
 _KEY_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 _FILE_KEYS = {"schema_version", "key", "result"}
+_TEMP_SUFFIX = ".tmp"
+
+try:  # POSIX advisory locks; absent on Windows, where the age alone decides.
+    import fcntl
+except ImportError:  # pragma: no cover - not on the platforms tested here
+    fcntl = None  # type: ignore[assignment]
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -106,11 +132,122 @@ def _result_from_document(document: Any, *, expected_key: str | None) -> Calibra
     return CalibrationResult.from_dict(document["result"])
 
 
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-    """Writes text to path via a temporary file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _read_text(path: pathlib.Path) -> str:
+    """The UTF-8 text of a regular file of at most MAX_PROFILE_BYTES.
+
+    Never blocks on a FIFO and never reads a device: the file type is checked before and after opening.
+
+    Raises:
+        OSError: If the file is missing, a directory or unreadable.
+        ProfileCacheError: If it is not a regular file, is too large, or is not UTF-8.
+    """
+    def refuse_special(mode: int) -> None:
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise ProfileCacheError(f"it is {kind}, not a regular file; a profile is a JSON file")
+
+    refuse_special(os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        refuse_special(status.st_mode)  # it may have been swapped since the first check
+        data = handle.read(MAX_PROFILE_BYTES + 1)
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ProfileCacheError(
+            f"it holds more than MAX_PROFILE_BYTES={MAX_PROFILE_BYTES} bytes (size {status.st_size}); a profile "
+            "is a few kilobytes"
+        )
     try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileCacheError(f"it is not UTF-8 text ({exc})") from exc
+
+
+_PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
+"""What parsing a hostile document can raise: JSON syntax and UTF-8 (ValueError), nesting thousands deep
+(RecursionError), integers too large for a float (OverflowError), values of the wrong type (TypeError, KeyError,
+IndexError, AttributeError). ProfileCacheError is a ValueError."""
+
+
+def _parse(text: str, *, expected_key: str | None) -> CalibrationResult:
+    """Parses one file's text; raises ProfileCacheError (chained) for anything it cannot use."""
+    try:
+        # NaN, Infinity and numbers too large for a float (1e400 reads as inf) parse; the field checks reject them
+        # with the field's name.
+        return _result_from_document(json.loads(text), expected_key=expected_key)
+    except ProfileCacheError:
+        raise
+    except RecursionError as exc:
+        raise ProfileCacheError("its JSON is nested too deeply") from exc
+    except _PARSE_ERRORS as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        raise ProfileCacheError(message) from exc
+
+
+def _temp_pattern(name: str) -> re.Pattern[str]:
+    """Our temporary files of `name`: tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp")."""
+    return re.compile(rf"^\.{re.escape(name)}\.[A-Za-z0-9_]+{re.escape(_TEMP_SUFFIX)}$")
+
+
+_STORE_TEMP_PATTERN = re.compile(rf"^\.[0-9a-f]{{64}}\.json\.[A-Za-z0-9_]+{re.escape(_TEMP_SUFFIX)}$")
+
+
+def _remove_stale_temp_files(directory: pathlib.Path, pattern: re.Pattern[str]) -> list[pathlib.Path]:
+    """Removes temporary files of ours (names matching pattern) that no live writer holds; returns them.
+
+    A writer holds an exclusive advisory lock on its temporary file until it closes it; a killed writer's lock is
+    gone. Without locks (Windows), files older than STALE_TEMP_AGE_S count as abandoned. Errors are ignored: this
+    is housekeeping, and a file another process removes first is fine.
+    """
+    removed = []
+    try:
+        candidates = [entry for entry in os.scandir(directory) if pattern.match(entry.name)]
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in candidates:
+        with contextlib.suppress(OSError):
+            status = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(status.st_mode):
+                continue
+            age_s = now - status.st_mtime
+            if fcntl is None:
+                if age_s > STALE_TEMP_AGE_S:
+                    os.unlink(entry.path)
+                    removed.append(pathlib.Path(entry.path))
+                continue
+            if age_s <= _LOCKED_TEMP_AGE_S:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError): a writer is alive
+                if os.fstat(fd).st_ino == status.st_ino:
+                    os.unlink(entry.path)
+                    removed.append(pathlib.Path(entry.path))
+            finally:
+                os.close(fd)
+    if removed:
+        logger.info("Removed %d abandoned temporary profile file(s) in %s", len(removed), directory)
+    return removed
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes text to path via a locked temporary file in the same directory and os.replace.
+
+    First removes temporary files an interrupted earlier write of the same path left behind.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_files(path.parent, _temp_pattern(path.name))
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed, or when this process dies
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -120,6 +257,42 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
         raise
+
+
+def check_output_path(path: str | os.PathLike[str], *, option: str = "--output") -> pathlib.Path:
+    """Checks, before any work, that a profile can be written to path; returns it as a Path.
+
+    The path must not be a directory, and the nearest existing folder above it must be a directory this process
+    can create files in (missing folders are created when the file is written).
+
+    Raises:
+        ConfigError: If the path is empty, a directory, or its folder is not a writable directory.
+    """
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not text:
+        raise ConfigError(f"{option} must name a file. Received: {option}={path!r}. Example: {option} profile.json.")
+    target = pathlib.Path(text).expanduser()
+    if target.is_dir() or text.endswith(("/", os.sep)):
+        raise ConfigError(
+            f"{option}={text!r} is a directory; it must name a file to write. Example: {option} "
+            f"{str(target / 'profile.json')!r}."
+        )
+    if target.exists() and not target.is_file():
+        raise ConfigError(f"{option}={text!r} exists and is not a regular file. Name a new or a regular file.")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{option}={text!r} cannot be written: {str(folder)!r} is not a directory. Choose a path in a "
+            "writable directory."
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{option}={text!r} cannot be written: the directory {str(folder)!r} is not writable. Choose a path "
+            "in a writable directory."
+        )
+    return target
 
 
 def save_result_file(path: str | os.PathLike[str], result: CalibrationResult) -> None:
@@ -146,11 +319,11 @@ def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
     """
     source = pathlib.Path(path)
     try:
-        document = json.loads(source.read_text(encoding="utf-8"))
-        return _result_from_document(document, expected_key=None)
-    except (OSError, ValueError) as exc:  # ProfileCacheError and JSONDecodeError are ValueErrors.
+        return _parse(_read_text(source), expected_key=None)
+    except (OSError, ProfileCacheError) as exc:
+        reason = " ".join(str(exc).split()).rstrip(".")  # one line, whatever the cause
         raise ProfileCacheError(
-            f"Cannot use the calibration profile path={str(source)!r}: {str(exc).rstrip('.')}. "
+            f"Cannot use the calibration profile path={str(source)!r}: {reason}. "
             "Recalibrate with `python -m calibration ... --output PATH`."
         ) from exc
 
@@ -214,27 +387,28 @@ class ProfileStore:
     def load(self, key: str) -> CalibrationResult | None:
         """Returns the cached result for key, or None on a miss.
 
-        A file that exists but cannot be used gives one warnings.warn (UserWarning, naming the file and the reason)
-        and None, so the caller recalibrates and overwrites it.
+        A file that exists but cannot be used, whatever it holds (see the module docstring), gives one
+        warnings.warn (UserWarning, naming the file and the reason) and None, so the caller recalibrates and
+        overwrites it. Temporary files that interrupted writes left in the directory are removed first.
 
         Raises:
             ConfigError: If key is malformed.
         """
         path = self.path(key)
+        _remove_stale_temp_files(self._directory, _STORE_TEMP_PATTERN)
         try:
-            text = path.read_text(encoding="utf-8")
+            result = _parse(_read_text(path), expected_key=key)
         except FileNotFoundError:
             logger.debug("Profile cache miss: %s", path)
             return None
         except OSError as exc:
             warnings.warn(f"Cannot read the profile cache file {str(path)!r} ({exc}); recalibrating.", stacklevel=2)
             return None
-        try:
-            result = _result_from_document(json.loads(text), expected_key=key)
-        except ValueError as exc:  # JSONDecodeError and ProfileCacheError are ValueErrors.
+        except ProfileCacheError as exc:
+            reason = " ".join(str(exc).split()).rstrip(".")
             warnings.warn(
-                f"Ignoring the unusable profile cache file {str(path)!r}: {exc}. Recalibrating; the file will be "
-                "overwritten.",
+                f"Ignoring the unusable profile cache file {str(path)!r}: {reason}. Recalibrating; the file will "
+                "be overwritten.",
                 stacklevel=2,
             )
             return None

@@ -33,10 +33,14 @@ class DeviceError(HeteroCSError, ValueError):
     """A device name is empty, unknown to TensorFlow, repeated, or used both for compute and parameters."""
 
 
-class UnknownEmulatedDeviceError(HeteroCSError, KeyError):
-    """An emulated device name is not in the emulation catalog."""
+class UnknownEmulatedDeviceError(HeteroCSError, ValueError, KeyError):
+    """An emulated device name is not in the emulation catalog.
 
-    def __str__(self) -> str:  # KeyError would otherwise repr() the message.
+    An invalid argument value, so a ValueError like the other argument errors; also a KeyError (a failed catalog
+    lookup), as it always was.
+    """
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message (quotes and escaped newlines).
         return str(self.args[0]) if self.args else ""
 
 

@@ -18,7 +18,22 @@ from typing import Any
 from hetero_cs.errors import ConfigError, UnknownEmulatedDeviceError
 
 TIME_SCALE_ENV_VAR = "HETERO_CS_EMULATION_TIME_SCALE"
-"""Environment variable fixing ``Emulator.time_scale`` (a positive float); an explicit argument wins over it."""
+"""Environment variable fixing ``Emulator.time_scale`` (a float in (0, MAX_TIME_SCALE]); an explicit argument wins
+over it."""
+
+TARGET_MAKESPAN_ENV_VAR = "HETERO_CS_EMULATION_TARGET_MAKESPAN_MS"
+"""Environment variable setting the emulated even-split step the strategy aims for, in milliseconds, in
+[MIN_TARGET_MAKESPAN_MS, MAX_EMULATED_MAKESPAN_S * 1000]; default 100."""
+
+MAX_TIME_SCALE = 1000.0
+"""Largest ``time_scale``: at 1000 the emulated 0.5 ms launch overhead alone makes every step take 0.5 s."""
+
+MAX_EMULATED_MAKESPAN_S = 5.0
+"""Longest emulated even-split step, seconds: a target above it, or a fixed time scale that stretches a model's step
+beyond it, is refused (calibration alone runs about a hundred steps; at 5 s each that is minutes already)."""
+
+MIN_TARGET_MAKESPAN_MS = 1.0
+"""Shortest emulated even-split step to aim for, milliseconds: below it the host's own work sets the step time."""
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.35
 """Fraction of peak fp32 FLOP/s a training step sustains; 0.3-0.5 is typical for small dense models."""

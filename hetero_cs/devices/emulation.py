@@ -27,6 +27,8 @@ from typing import Any
 from hetero_cs.devices.catalog import (
     DEFAULT_COMPUTE_EFFICIENCY,
     DEFAULT_LAUNCH_OVERHEAD_S,
+    MAX_EMULATED_MAKESPAN_S,
+    MAX_TIME_SCALE,
     TIME_SCALE_ENV_VAR,
     DeviceSpec,
     _is_int,
@@ -246,14 +248,15 @@ class Emulator:
     Args:
         device_names: Catalog names, one per replica in replica-id order (length R >= 1).
         workload: The model's Workload; may be set later with ``set_workload``.
-        time_scale: Fixed multiplier > 0 of all emulated times; None to take it from the environment or from
-            ``calibrate_time_scale``.
+        time_scale: Fixed multiplier of all emulated times, in (0, MAX_TIME_SCALE] (1000); None to take it from the
+            environment or from ``calibrate_time_scale``.
         drift: Speed changes per replica.
 
     Raises:
         UnknownEmulatedDeviceError: If a name is not in the catalog.
         ConfigError: If ``device_names`` is empty or not a sequence, ``time_scale`` (or the environment variable) is
-            not a positive finite number, ``drift`` is not a sequence of Drift, or a drift names a replica >= R.
+            not a number in (0, MAX_TIME_SCALE], ``drift`` is not a sequence of Drift, or a drift names a replica
+            >= R.
 
     Example:
         >>> emulator = Emulator(["A10", "T4"], workload=Workload(4e5, 800_000))
@@ -285,16 +288,19 @@ class Emulator:
         if workload is not None and not isinstance(workload, Workload):
             raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
         self._time_scale_fixed = False
+        self._time_scale_source = None  # what fixed the scale, for messages
         scale = 1.0
         if time_scale is not None:
-            scale, self._time_scale_fixed = self._check_scale(time_scale, "time_scale"), True
+            scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
         elif os.environ.get(TIME_SCALE_ENV_VAR, "").strip():
             raw = os.environ[TIME_SCALE_ENV_VAR].strip()
             try:
                 value = float(raw)
             except ValueError:
                 value = math.nan
-            scale, self._time_scale_fixed = self._check_scale(value, f"{TIME_SCALE_ENV_VAR}={raw!r}"), True
+            self._time_scale_source = f"{TIME_SCALE_ENV_VAR}={raw!r}"
+            scale = self._check_scale(value, self._time_scale_source)
+        self._time_scale_fixed = self._time_scale_source is not None
         self._lock = threading.Lock()
         self._workload = workload
         self._time_scale = scale
@@ -302,8 +308,11 @@ class Emulator:
 
     @staticmethod
     def _check_scale(value: float, label: str) -> float:
-        if not _is_real(value) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time.")
+        if not _is_real(value) or not math.isfinite(value) or not 0 < value <= MAX_TIME_SCALE:
+            raise ConfigError(
+                f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time, and at most "
+                f"MAX_TIME_SCALE={MAX_TIME_SCALE:g} (there the emulated launch overhead alone takes 0.5 s per step)."
+            )
         return float(value)
 
     @property
@@ -351,37 +360,55 @@ class Emulator:
     def calibrate_time_scale(self, global_batch_size: int, *, target_makespan_s: float = 0.05) -> float:
         """Chooses ``time_scale`` so the slowest replica's step at an even split takes ~``target_makespan_s``.
 
-        Does nothing when the scale was fixed by the constructor argument or the environment variable.
+        A scale fixed by the constructor argument or the environment variable is kept, but checked: it may not
+        stretch the even-split step beyond MAX_EMULATED_MAKESPAN_S (5 s).
 
         Args:
             global_batch_size: B >= 1, split evenly across the R replicas for this purpose.
-            target_makespan_s: Emulated makespan wanted at the even split, in seconds, > 0. Keep it well above the
-                real per-replica compute so the emulated ratios between devices dominate.
+            target_makespan_s: Emulated makespan wanted at the even split, in seconds, in
+                (0, MAX_EMULATED_MAKESPAN_S]. Keep it well above the real per-replica compute so the emulated ratios
+                between devices dominate.
 
         Returns:
             The time_scale now in force.
 
         Raises:
-            ConfigError: If an argument is out of range.
-            EmulationError: If no Workload has been set.
+            ConfigError: If an argument is out of range, or a fixed scale makes the even-split step longer than
+                MAX_EMULATED_MAKESPAN_S (the message names the argument or environment variable).
+            EmulationError: If no Workload has been set (and the scale is not fixed).
         """
         if not _is_int(global_batch_size) or global_batch_size < 1:
             raise ConfigError(
                 f"global_batch_size={global_batch_size!r} must be an int >= 1 (examples per optimizer step).")
         global_batch_size = int(global_batch_size)
-        if not (_is_real(target_makespan_s) and math.isfinite(target_makespan_s) and target_makespan_s > 0):
+        if not (_is_real(target_makespan_s) and math.isfinite(target_makespan_s)
+                and 0 < target_makespan_s <= MAX_EMULATED_MAKESPAN_S):
             raise ConfigError(
-                f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05.")
+                f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05, and at "
+                f"most MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g}.")
         with self._lock:
-            if self._time_scale_fixed:
-                return self._time_scale
+            if self._time_scale_fixed and self._workload is None:
+                return self._time_scale  # nothing to check it against yet
             workload = self._require_workload()
             split = _even_split(global_batch_size, len(self._specs))
             makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
+            if self._time_scale_fixed:
+                self._check_fixed_makespan(makespan_s, global_batch_size, target_makespan_s)
+                return self._time_scale
             self._time_scale = target_makespan_s / makespan_s
             logger.info("Emulation time_scale=%.4g (even-split makespan %.4g s emulated -> %.4g s).",
                         self._time_scale, makespan_s, target_makespan_s)
             return self._time_scale
+
+    def _check_fixed_makespan(self, unscaled_s: float, global_batch_size: int, target_makespan_s: float) -> None:
+        scaled_s = self._time_scale * unscaled_s
+        if scaled_s > MAX_EMULATED_MAKESPAN_S:
+            raise ConfigError(
+                f"{self._time_scale_source} (value {self._time_scale:g}) stretches this model's emulated even-split "
+                f"step at global_batch_size={global_batch_size} to {scaled_s:.3g} s, above "
+                f"MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g} s. Use at most "
+                f"{MAX_EMULATED_MAKESPAN_S / unscaled_s:.3g} (e.g. {target_makespan_s / unscaled_s:.3g} for a "
+                f"{target_makespan_s * 1e3:g} ms step), or leave it unset and the scale is chosen for you.")
 
     def _require_workload(self) -> Workload:
         if self._workload is None:
@@ -470,6 +497,3 @@ class Emulator:
                 lines.append(f"{i:>7}  {spec.name:<6} {spec.fp32_tflops:>8.1f} {link:>9}  {step_text:>18}  "
                              f"{drift_text}")
         return lines
-
-
-# ------------------------------------------------------------------------- logical devices (imports TF lazily)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
+from hetero_cs.planning.plan import finite_real, ordered_values, short_repr, unordered_note
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -68,16 +68,18 @@ def validate_devices(devices: list[str], parameter_device: str) -> None:
 
 
 def shares_list(batch_split) -> list:
-    if isinstance(batch_split, (str, bytes)) or not isinstance(batch_split, Iterable):
+    """batch_split as a list, if it is an ordered sequence (list, tuple, range, 1-D array); a set or dict is not."""
+    shares = ordered_values(batch_split)
+    if shares is None:
         raise BatchSplitError(
-            f"batch_split must be a sequence of relative shares, one per replica. Received: "
-            f"batch_split={batch_split!r}. Example: batch_split=[2, 1, 1]."
+            f"batch_split must be a sequence of relative shares, one per replica in replica order. Received: "
+            f"batch_split={short_repr(batch_split)}{unordered_note(batch_split)}. Example: batch_split=[2, 1, 1]."
         )
-    return list(batch_split)
+    return list(shares)
 
 
 def checked_shares(batch_split, num_replicas: int) -> list:
-    """``batch_split`` as a list of R valid shares, or BatchSplitError naming what is wrong."""
+    """batch_split as a list of R valid shares (see shares_list and validate_shares)."""
     shares = shares_list(batch_split)
     if len(shares) != num_replicas:
         raise BatchSplitError(
@@ -89,15 +91,17 @@ def checked_shares(batch_split, num_replicas: int) -> list:
 
 
 def validate_shares(shares: Sequence[float]) -> None:
-    bad = [
-        s
-        for s in shares
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s < 0
-    ]
+    bad = [s for s in shares if not finite_real(s) or s < 0]
     if bad or not any(s > 0 for s in shares):
         raise BatchSplitError(
             f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
-            f"batch_split={list(shares)}. Example: batch_split=[2, 1, 1] gives replica 0 half of each batch."
+            f"batch_split={short_repr(list(shares))}. Example: batch_split=[2, 1, 1] gives replica 0 half of each "
+            f"batch."
+        )
+    if not math.isfinite(sum(float(s) for s in shares)):
+        raise BatchSplitError(
+            f"batch_split shares sum to more than a float holds: batch_split={short_repr(list(shares))}. Only their "
+            f"ratios matter; scale them down, e.g. batch_split=[2, 1, 1]."
         )
 
 
@@ -143,18 +147,28 @@ def emulated_makespan_target_s() -> float:
     """Emulated even-split makespan to aim for, seconds: HETERO_CS_EMULATION_TARGET_MAKESPAN_MS, default 100 ms.
 
     Real compute of the logical CPU replicas shares the host's cores; the emulated waits must stay well above it
-    so that the emulated devices, not CPU contention, set each replica's step time.
+    so that the emulated devices, not CPU contention, set each replica's step time. Bounded to
+    [MIN_TARGET_MAKESPAN_MS, MAX_EMULATED_MAKESPAN_S * 1000] = [1, 5000] ms: calibration alone runs about a hundred
+    emulated steps.
+
+    Raises:
+        ConfigError: If the variable is not a number in that range (the message names the variable).
     """
-    raw = os.environ.get("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "").strip()
+    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR
+
+    raw = os.environ.get(TARGET_MAKESPAN_ENV_VAR, "").strip()
     if not raw:
         return 0.1
     try:
         value_ms = float(raw)
     except ValueError:
         value_ms = math.nan
-    if not math.isfinite(value_ms) or value_ms <= 0:
+    high_ms = MAX_EMULATED_MAKESPAN_S * 1e3
+    if not math.isfinite(value_ms) or not MIN_TARGET_MAKESPAN_MS <= value_ms <= high_ms:
         raise ConfigError(
-            f"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS={raw!r} must be a positive number of milliseconds, e.g. 100."
+            f"{TARGET_MAKESPAN_ENV_VAR}={raw!r} must be a positive number of milliseconds, e.g. 100, from "
+            f"{MIN_TARGET_MAKESPAN_MS:g} to {high_ms:g} (an emulated step of at most {MAX_EMULATED_MAKESPAN_S:g} s). "
+            f"Unset it for the default of 100."
         )
     return value_ms / 1e3
 

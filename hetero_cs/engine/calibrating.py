@@ -1,4 +1,5 @@
-"""Preparing a strategy's balancing for one model: emulated device sizes, calibration, the plan to try.
+"""Preparing a strategy's balancing for one model: emulated device sizes, calibration (or a profile file), the plan
+to try.
 
 ``HeteroCentralStorageStrategy.calibrate`` (called by ``model.fit`` on its first global batch) delegates here.
 """
@@ -46,6 +47,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
     fingerprint = model_fingerprint(model)
     if not force and strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
         return strategy._calibration
+    if strategy._profile is not None:  # a profile file stands in for calibration
+        return _use(strategy, strategy._profile, fingerprint, global_batch_size, "from the profile file")
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or batch[1] is None:
         raise ConfigError(
             f"auto_balance calibrates each device on the model's training step with (x, y) or "
@@ -64,15 +67,64 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
         store=_store(strategy),
         progress=progress,
     )
+    return _use(strategy, result, fingerprint, global_batch_size, "")
+
+
+def _use(strategy, result, fingerprint: str, global_batch_size: int, source: str):
+    """Hands a calibration result's cost models and caps to the balancer (the plan is tried by the guard)."""
     strategy._calibration = result
     strategy._calibrated_fingerprint = fingerprint
-    logger.info("hetero_cs calibration:\n%s", result.format_table())
+    logger.info("hetero_cs calibration%s:\n%s", f" {source}" if source else "", result.format_table())
     strategy._balancer.set_cost_models(
-        [p.cost_model for p in result.profiles],
-        max_batch_sizes=[p.max_batch_size for p in result.profiles],
+        list(result.cost_models),
+        max_batch_sizes=list(result.max_batch_sizes),
         trial=True,
         reference_batch_size=global_batch_size,
     )
+    return result
+
+
+def load_profile(path, devices, emulate, *, auto_balance: bool):
+    """Reads a profile file for a strategy over ``devices`` (emulating ``emulate``, or None) and checks it fits.
+
+    The profile must hold one device profile per compute device, for the same devices in the same order, and be
+    emulated as the same catalog devices (or measured on real ones, when nothing is emulated). It cannot tell
+    whether it was calibrated on the same model: calibrate with ``hetero-cs calibrate --model
+    package.module:function`` on the model you train.
+
+    Returns:
+        The ``calibration.CalibrationResult``.
+
+    Raises:
+        ConfigError: ``path`` is not a path; the profile is for other devices or emulated devices; or
+            auto_balance is off (a fixed batch_split or auto_balance=False leave nothing for a profile to do).
+        ProfileCacheError: The file cannot be read or is not a profile (calibration.store.load_result_file).
+    """
+    from calibration.store import load_result_file
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(
+            f"profile must be the path of a file written by `hetero-cs calibrate --output PATH`. Received: "
+            f"profile={path!r}."
+        )
+    if not auto_balance:
+        raise ConfigError(
+            f"profile={os.fspath(path)!r} holds calibrated cost models, which only auto_balance uses; with "
+            f"batch_split=[...] or auto_balance=False it would be ignored. Drop one or the other."
+        )
+    result = load_result_file(path)
+    profiled = [arguments.canonical_device(d) for d in result.devices]
+    profiled_as = [p.emulated_as.upper() if p.emulated_as else None for p in result.profiles]
+    wanted_as = [name.upper() for name in emulate] if emulate is not None else [None] * len(devices)
+    if profiled != list(devices) or profiled_as != wanted_as:
+        def describe(names, emulated):
+            return f"{names}" + (f" emulating {emulated}" if any(emulated) else " (not emulated)")
+
+        raise ConfigError(
+            f"profile={os.fspath(path)!r} was calibrated on {describe(profiled, profiled_as)}, but this strategy "
+            f"runs on {describe(list(devices), wanted_as)}. Calibrate for these devices (hetero-cs calibrate "
+            f"--devices ... or --emulate ... --output PATH), or build the strategy on the profile's devices."
+        )
     return result
 
 def _store(strategy):

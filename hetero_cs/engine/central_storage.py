@@ -20,7 +20,7 @@ import tensorflow as tf
 from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import log_empty_slices, replica_step_error
+from hetero_cs.engine.step_errors import log_empty_slices, raised_by_input_pipeline, replica_step_error
 from hetero_cs.errors import ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -76,13 +76,18 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         guard: With auto_balance, keep a calibrated or re-planned split only after it measured faster than the
             split it replaces, side by side over the same steps (:mod:`hetero_cs.planning.guard`); else revert and
             back off. False trusts the prediction.
+        profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
+            for these devices and this model: its cost models and memory caps are used instead of calibrating
+            (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
             devices.
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
-        ConfigError: ``emulate`` of the wrong length.
+        ConfigError: ``emulate`` of the wrong length; a ``profile`` of other devices, or with batch_split or
+            auto_balance=False.
+        ProfileCacheError: ``profile`` cannot be read or is not a profile.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         emulate: "Sequence[str] | Any | None" = None,
         profile_cache: Any = None,
         guard: bool = True,
+        profile: Any = None,
     ):
         from hetero_cs import emulation
 
@@ -128,6 +134,10 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             )
         arguments.validate_profile_cache(profile_cache)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
+        if profile is not None:
+            from hetero_cs.engine.calibrating import load_profile
+
+            profile = load_profile(profile, devices, emulate, auto_balance=auto_balance and shares is None)
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
@@ -155,6 +165,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 stacklevel=2,
             )
         self._profile_cache = profile_cache
+        self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
         self._source_dataset = None
         self._calibration = None
@@ -452,12 +463,15 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         """Monitor callback (runs in a TensorFlow thread once per replica per step): records only."""
         self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s))
 
+    def _input_error_raised(self, exc: Exception) -> Exception | None:
+        """The input pipeline's kept error if TensorFlow's ``exc`` is it, else None (a later, prefetched batch's
+        error is not this step's); the kept error is dropped either way."""
+        error, self._input_error = self._input_error, None
+        return error if error is not None and raised_by_input_pipeline(exc, error) else None
+
     def _replica_step_error(self, exc: Exception):
-        """The input pipeline's own error if it failed, else a ReplicaStepError naming the replica, or None."""
-        if self._input_error is not None:
-            error, self._input_error = self._input_error, None
-            return error
-        return replica_step_error(
+        """The input pipeline's own error if it is what failed, else a ReplicaStepError naming the replica, or None."""
+        return self._input_error_raised(exc) or replica_step_error(
             exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slice_plan
         )
 

@@ -63,6 +63,17 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     )
 
 
+def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:
+    """Whether TensorFlow's op error ``exc`` is ``input_error``, raised in the input pipeline's numpy_function.
+
+    TensorFlow reports a Python exception raised inside ``tf.numpy_function`` as an op error whose message holds
+    ``"<class name>: <message>"``. The pipeline runs ahead of the steps (it prefetches), so the error it kept may
+    belong to a later batch than the step that failed; only the error TensorFlow actually raised is that step's.
+    """
+    lines = str(input_error).strip().splitlines()
+    return bool(lines) and f"{type(input_error).__name__}: {lines[0]}" in str(exc)
+
+
 def log_empty_slices(plan) -> None:
     """Warns that ``plan`` (a BatchPlan) leaves some replicas 0 examples, and what that can break."""
     empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]

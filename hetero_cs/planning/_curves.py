@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError, InvalidCostModelError
-from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.cost_model import CostModel, not_a_number_error, prediction_seconds
 
 _INF = math.inf
 
@@ -122,12 +122,15 @@ class _Curves:
     def time(self, i: int, batch_size: int) -> float:
         self.evaluations += 1
         try:
-            value = float(self.predict[i](batch_size))
+            raw = self.predict[i](batch_size)
         except Exception as exc:  # noqa: BLE001 - any failure of a user's model is reported with its replica
             raise InvalidCostModelError(
                 f"cost_models[{i}].predict_step_time_s({batch_size}) failed: {exc}. A cost model returns seconds "
                 "as a float for any batch size >= 0."
             ) from exc
+        value = prediction_seconds(raw)
+        if value is None:  # a string, None, a list...: float() would take some of them silently
+            raise not_a_number_error(f"cost_models[{i}]", batch_size, raw)
         if not 0.0 <= value < _INF:
             raise InvalidCostModelError(
                 f"cost_models[{i}].predict_step_time_s({batch_size}) returned {value!r}; step times must be finite "

@@ -368,8 +368,8 @@ def check_cost_model(model: Any, batch_sizes: Sequence[int], *, replica_id: int 
         The predicted step times in seconds, float64 array of shape [N], in the order of ``batch_sizes``.
 
     Raises:
-        InvalidCostModelError: If the model has no ``predict_step_time_s``, a prediction is not a number, NaN,
-            infinite or negative, or predictions decrease with batch size (the message names the replica, the
+        InvalidCostModelError: If the model has no ``predict_step_time_s``, a prediction is not a number (a
+            string, None, a list: see prediction_seconds), NaN, infinite or negative, or predictions decrease with batch size (the message names the replica, the
             batch sizes and the values).
     """
     who = "cost model" if replica_id is None else f"cost_models[{replica_id}]"
@@ -390,15 +390,48 @@ def check_cost_model(model: Any, batch_sizes: Sequence[int], *, replica_id: int 
     return times
 
 
+def prediction_seconds(value: Any) -> float | None:
+    """A prediction as a float of seconds, or None when it is not a real number.
+
+    Real numbers are Python and NumPy ints and floats and 0-d real arrays; a string ("0.5"), None, a list, a bool
+    or an array of several values is not a prediction, even where float() would take it. An int too large for a
+    float gives inf (not finite, so refused by the callers).
+    """
+    if isinstance(value, bool) or not (
+        isinstance(value, numbers.Real)
+        or (getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", "") in "iuf")
+    ):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def not_a_number_error(who: str, batch_size: int, value: Any) -> InvalidCostModelError:
+    """The error for a prediction that prediction_seconds refused."""
+    try:
+        shown = repr(value)
+    except Exception:  # noqa: BLE001 - a user's object may fail to print; its type still says enough
+        shown = "<unprintable>"
+    return InvalidCostModelError(
+        f"{who}.predict_step_time_s({batch_size}) did not return a number: it returned {shown[:80]} "
+        f"({type(value).__name__}). A cost model returns seconds as a float (or int); fix its predict_step_time_s."
+    )
+
+
 def _checked_prediction(predict: Any, batch_size: int, who: str) -> float:
     """Calls ``predict(batch_size)``; returns it as a float or raises InvalidCostModelError."""
     try:
-        value = float(predict(batch_size))
+        raw = predict(batch_size)
     except (TypeError, ValueError) as exc:
         raise InvalidCostModelError(
             f"{who}.predict_step_time_s({batch_size}) did not return a number: {exc}. A cost model returns "
             "seconds as a float."
         ) from exc
+    value = prediction_seconds(raw)
+    if value is None:
+        raise not_a_number_error(who, batch_size, raw)
     if not math.isfinite(value) or value < 0:
         raise InvalidCostModelError(
             f"{who}.predict_step_time_s({batch_size}) returned {value!r}; step times must be finite and >= 0 "

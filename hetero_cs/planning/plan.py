@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -45,6 +45,47 @@ def _as_tuple(values: Any) -> tuple | None:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         return None
     return tuple(values)
+
+
+def ordered_values(values: Any) -> tuple | None:
+    """values as a tuple if it is an ordered sequence (list, tuple, range, 1-D array), else None.
+
+    Sets, dicts and other iterables without an index order (generators included) give None: their iteration order
+    is not a replica order, so taking it would reorder shares silently.
+    """
+    if isinstance(values, (str, bytes, Mapping, Set)):
+        return None
+    if isinstance(values, Sequence) or getattr(values, "ndim", None) == 1:
+        return tuple(values)
+    return None
+
+
+def unordered_note(values: Any) -> str:
+    """' (a set, which has no replica order)' and the like for an iterable that ordered_values refuses, else ''."""
+    if isinstance(values, (Mapping, Set)):
+        return f" (a {type(values).__name__}, which has no replica order)"
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)) and ordered_values(values) is None:
+        return f" (a {type(values).__name__}, not a sequence: make it a list)"
+    return ""
+
+
+def finite_real(value: Any) -> bool:
+    """A real number (not a bool) that converts to a finite float; an int too large for a float is not one."""
+    if not _is_real(value):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def short_repr(values: Any, limit: int = 200) -> str:
+    """repr(values), cut to limit characters (and safe for ints too long for Python to print)."""
+    try:
+        text = repr(values)
+    except ValueError:  # int larger than sys.get_int_max_str_digits()
+        text = f"<{type(values).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _checked_seconds(name: str, value: Any) -> float:
@@ -276,15 +317,18 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
 
     Args:
         global_batch_size: B, integer >= 0.
-        shares: Relative shares, one per replica, shape [R], R >= 1; finite, >= 0, not all zero. Only ratios
-            matter: (2, 1, 1) and (0.5, 0.25, 0.25) give the same split.
+        shares: Relative shares, an ordered sequence (list, tuple, 1-D array) with one per replica, shape [R],
+            R >= 1; finite, >= 0, not all zero, with a sum a float holds. Only ratios matter: (2, 1, 1) and
+            (0.5, 0.25, 0.25) give the same split.
 
     Returns:
         Slices, shape [R], summing to B.
 
     Raises:
         ConfigError: If B is not an integer >= 0.
-        BatchSplitError: If shares is empty, holds a value that is not a finite number >= 0, or is all zero.
+        BatchSplitError: If shares is empty or not an ordered sequence (a set or dict has no replica order), holds
+            a value that is not a finite number >= 0 (an int too large for a float is not finite), is all zero, or
+            sums to more than a float holds.
 
     Example:
         >>> split_by_shares(10, [2, 1, 1])
@@ -292,17 +336,23 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
     """
     B = _checked_global_batch_size(global_batch_size, allow_zero=True)
     given = shares
-    shares = _as_tuple(shares)  # type: ignore[assignment]
+    shares = ordered_values(shares)  # type: ignore[assignment]
     if not shares:
         raise BatchSplitError(
-            f"shares must be a non-empty sequence of numbers, one per replica. Received: shares={given!r}. "
-            "Pass e.g. [2, 1, 1] to give replica 0 half the batch."
+            f"shares must be a non-empty sequence of numbers (an ordered one: list, tuple or 1-D array), one per "
+            f"replica in replica order. Received: shares={short_repr(given)}{unordered_note(given)}. Pass e.g. "
+            "[2, 1, 1] to give replica 0 half the batch."
         )
-    bad = [(i, s) for i, s in enumerate(shares) if not _is_real(s) or not math.isfinite(s) or s < 0]
+    bad = [(i, s) for i, s in enumerate(shares) if not finite_real(s) or s < 0]
     if bad:
         raise BatchSplitError(
-            f"shares must be finite numbers >= 0. Received: shares={list(shares)!r} (offending (replica, share): "
-            f"{bad}). Give each replica a non-negative relative share, e.g. [2, 1, 1]."
+            f"shares must be finite numbers >= 0. Received: shares={short_repr(list(shares))} (offending (replica, "
+            f"share): {short_repr(bad)}). Give each replica a non-negative relative share, e.g. [2, 1, 1]."
+        )
+    if not math.isfinite(sum(float(s) for s in shares)):
+        raise BatchSplitError(
+            f"shares sum to more than a float holds: shares={short_repr(list(shares))}. Only their ratios matter; "
+            "scale them down, e.g. [2, 1, 1]."
         )
     exact = [_exact_fraction(s) for s in shares]
     total = sum(exact)

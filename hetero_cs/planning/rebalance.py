@@ -72,7 +72,8 @@ class RebalancePolicy:
             samples taken under the new plan.
         min_samples: >= 1. Complete steps the monitor's window must hold before any decision.
         multiple_of: >= 1. Every slice of a new plan is a multiple of this (passed to the solver).
-        min_batch_size: >= 0. Smallest slice of a new plan (passed to the solver); 0 lets a replica sit out.
+        min_batch_size: >= 0. Smallest slice of a new plan (passed to the solver); 0 lets a replica sit out. A
+            global batch B < R * min_batch_size is re-planned with B // R instead (some replicas then sit out).
         noise_sigmas: >= 0. When the caller passes each replica's relative standard error u_i (from
             ``StepTimeMonitor.relative_standard_errors``), the gain must exceed the deadband even in the worst
             case within noise_sigmas standard errors: the current plan is evaluated with every replica's level
@@ -256,7 +257,8 @@ class Rebalancer:
         Raises:
             ConfigError: If step is negative or earlier than a previous call's, cost_models, the errors or the caps
                 do not have one entry per replica of current_plan, or an error is negative or not finite.
-            InfeasiblePlanError: From the solver, if no split satisfies the caps and policy constraints.
+            InfeasiblePlanError: From the solver, if no split satisfies the caps and policy constraints (a global
+                batch below R * policy.min_batch_size is not such a case: see RebalancePolicy.min_batch_size).
         """
         num_replicas = len(current_plan.per_replica_batch_sizes)
         if len(cost_models) != num_replicas:
@@ -341,11 +343,12 @@ class Rebalancer:
 
         cost_models, errors = get_models_and_errors()
         errors = self._check_errors(errors, len(old_sizes))
+        global_batch_size = current_plan.global_batch_size
         new_plan = solve_batch_split(
             cost_models,
-            current_plan.global_batch_size,
+            global_batch_size,
             max_batch_sizes=caps,
-            min_batch_size=self._policy.min_batch_size,
+            min_batch_size=_feasible_min_batch_size(self._policy.min_batch_size, global_batch_size, len(old_sizes)),
             multiple_of=self._policy.multiple_of,
         )
         new_sizes = tuple(int(b) for b in new_plan.per_replica_batch_sizes)
@@ -394,6 +397,16 @@ class Rebalancer:
                 f"relative_standard_errors={values}, num_replicas={num_replicas}."
             )
         return values
+
+
+def _feasible_min_batch_size(min_batch_size: int, global_batch_size: int, num_replicas: int) -> int:
+    """policy.min_batch_size, lowered to B // R when B < R * min_batch_size (then not every replica can get it).
+
+    A global batch smaller than R * min_batch_size is legal (a small B, or a last partial batch): the strategy
+    already cuts it with some replicas idle, so the re-planner must not make it infeasible. B = 2 on R = 3 with
+    the default min_batch_size=1 re-plans with min_batch_size=0.
+    """
+    return min(min_batch_size, global_batch_size // num_replicas)
 
 
 def _makespan_s(

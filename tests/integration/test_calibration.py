@@ -493,3 +493,88 @@ def test_check_cached_false_trusts_the_cache_without_timing(monkeypatch, digits_
     probe_class = _scripted(monkeypatch, [(0.005, 5e-4)] * 3, lambda call: 1.0)
     assert _calibrate_scripted(digits_cnn, store, check_cached=False).from_cache
     assert probe_class.log == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A probe step that fails: the data, or the device
+# ----------------------------------------------------------------------------------------------------------------
+def _classifier(strategy, classes=3):
+    with strategy.scope():
+        return _compiled(keras.Sequential([keras.Input((4,)), keras.layers.Dense(classes)]))
+
+
+def test_regression_a_bad_label_in_the_calibration_batch_blames_the_data_not_the_device(strategy):
+    # It said "The probe step failed on device='/device:CPU:1' ... Check that the model runs on this device".
+    x = np.ones((8, 4), np.float32)
+    y = np.zeros(8, np.int64)
+    y[5] = 7
+    with pytest.raises(CalibrationError, match=r"data is at fault, not device=.*labels y hold \[7\] at examples "
+                                               r"\[5\]; valid labels are 0\.\.2 \(the model has 3 outputs\)") as info:
+        calibrate(_classifier(strategy), (x, y), devices=DEVICES, probe_batch_sizes=[2, 8], warmup_steps=0,
+                  trials=1, store=False, progress=False)
+    assert "Received a label value of 7" in str(info.value) and "\n" not in str(info.value)
+    assert isinstance(info.value.__cause__, tf.errors.InvalidArgumentError)
+
+
+def test_a_negative_label_blames_the_data(strategy):
+    x = np.ones((4, 4), np.float32)
+    y = np.array([0, -1, 2, 1], np.int64)
+    with pytest.raises(CalibrationError, match=r"labels y hold \[-1\] at examples \[1\]"):
+        calibrate(_classifier(strategy), (x, y), devices=DEVICES[:1], probe_batch_sizes=[4], warmup_steps=0,
+                  trials=1, store=False, progress=False)
+
+
+def test_a_failure_the_data_does_not_explain_names_the_device(strategy):
+    probe = DeviceProbe(_classifier(strategy), (np.ones((4, 4), np.float32), np.array([0, 1, 2, 1])),
+                        device=DEVICES[1])
+    failure = tf.errors.InternalError(None, None, "Graph execution error:\n\nkernel launch failed\n\t [[{{node x}}]]")
+    error = probe.step_error(failure, 4)
+    assert isinstance(error, CalibrationError)
+    assert str(error).startswith(f"The probe step failed on device={DEVICES[1]!r} at batch_size=4: InternalError: "
+                                 "kernel launch failed. Check that the model runs on this device")
+
+
+def test_a_bad_label_in_the_first_batch_of_fit_blames_the_data(tmp_path):
+    from hetero_cs import HeteroCentralStorageStrategy
+
+    hetero = HeteroCentralStorageStrategy(DEVICES, profile_cache=tmp_path, guard=False)
+    x = np.ones((12, 4), np.float32)
+    y = np.zeros(12, np.int64)
+    y[2] = 3
+    with pytest.raises(CalibrationError, match=r"data is at fault.*labels y hold \[3\] at examples \[2\]"):
+        _classifier(hetero).fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("kind", ["not_utf8", "nested_thousands_deep", "int_too_large", "fifo"])
+def test_regression_an_unreadable_cache_entry_is_one_warning_a_fresh_calibration_and_replaced(tmp_path, strategy,
+                                                                                               kind):
+    # Some of these raised UnicodeDecodeError, RecursionError or OverflowError out of calibration (and model.fit),
+    # and the file was never replaced, so every later run failed too.
+    import os
+    import re
+    import warnings
+
+    with strategy.scope():
+        model = _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(10)]))
+    batch = (np.ones((16, 16), np.float32), np.zeros((16,), np.int64))
+    kwargs = dict(devices=DEVICES[:2], probe_batch_sizes=[1, 16], warmup_steps=0, trials=1,
+                  store=ProfileStore(tmp_path), progress=False)
+    first = calibrate(model, batch, **kwargs)
+    (entry,) = tmp_path.glob("*.json")
+    text = entry.read_text()
+    entry.unlink()
+    if kind == "fifo":
+        os.mkfifo(entry)
+    else:
+        too_large = re.sub(r'"wall_time_s": [^,\n]+', '"wall_time_s": 1' + "0" * 400, text)
+        assert too_large != text
+        entry.write_bytes({"not_utf8": b"\xff\xfe" + text.encode(), "nested_thousands_deep": b"[" * 50_000,
+                           "int_too_large": too_large.encode()}[kind])
+    with pytest.warns(UserWarning, match="unusable profile cache file") as record:
+        second = calibrate(model, batch, **kwargs)
+    assert len(record) == 1
+    assert not second.from_cache and second.devices == first.devices  # calibrated afresh
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_result_file(entry) == second  # replaced by a good entry
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # and nothing else left behind

@@ -139,6 +139,27 @@ def test_batch_split_that_is_not_a_sequence(where):
         expect(lambda: fixed_split_strategy().set_batch_split(3), BatchSplitError, ValueError, r"batch_split=3")
 
 
+UNORDERED_OR_HUGE_SPLITS = [
+    ("regression_set", {3, 1, 2}, r"batch_split=\{1, 2, 3\} \(a set, which has no replica order\)"),
+    ("regression_dict", {"a": 2, "b": 1, "c": 1}, r"\(a dict, which has no replica order\)"),
+    ("generator", (s for s in [2, 1, 1]), r"\(a generator, not a sequence: make it a list\)"),
+    ("regression_int_too_large_for_a_float", [10**400, 1, 1], r"finite numbers >= 0 with at least one > 0"),
+    ("regression_sum_too_large_for_a_float", [1e308, 1e308, 1e308], r"sum to more than a float holds"),
+]
+
+
+@pytest.mark.parametrize("where", ["constructor", "set_batch_split"])
+@pytest.mark.parametrize("shares,match", [c[1:] for c in UNORDERED_OR_HUGE_SPLITS],
+                         ids=[c[0] for c in UNORDERED_OR_HUGE_SPLITS])
+def test_batch_split_unordered_or_huge_is_a_batch_split_error(where, shares, match):
+    if where == "constructor":
+        expect(lambda: strategy(DEVICES, batch_split=shares), BatchSplitError, ValueError, match)
+    else:
+        under = strategy(DEVICES, batch_split=[2, 1, 1])
+        expect(lambda: under.set_batch_split(shares), BatchSplitError, ValueError, match)
+        assert under.plan_for(8).per_replica_batch_sizes == (4, 2, 2)
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.float32])
 def test_numpy_batch_split_is_accepted(dtype):
     shares = np.array([2, 1, 1], dtype)
@@ -364,6 +385,27 @@ def test_target_makespan_environment_variable_with_garbage(monkeypatch, raw):
     model = small_model(under)
     expect(lambda: under.calibrate(model, (X, Y), progress=False), ConfigError, ValueError,
            rf"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='{raw}' must be a positive number of milliseconds, e\.g\. 100")
+
+
+@pytest.mark.parametrize("raw", ["1e30", "1e4"])
+def test_regression_a_huge_time_scale_variable_is_refused_when_the_strategy_is_built(monkeypatch, raw):
+    # 1e30 gave a 77-line error about sleep at the first step; 1e4 ran for minutes without a word.
+    monkeypatch.setenv("HETERO_CS_EMULATION_TIME_SCALE", raw)
+    error = expect(lambda: strategy(DEVICES, emulate=["A10", "T4", "P100"]), ConfigError, ValueError,
+                   rf"HETERO_CS_EMULATION_TIME_SCALE='{raw}' \(value .*\) must be a finite number > 0.*at most "
+                   r"MAX_TIME_SCALE=1000")
+    assert "\n" not in str(error) and "sleep" not in str(error)
+
+
+@pytest.mark.parametrize("raw", ["1e30", "1e4", "5000.1", "0.5"])
+def test_regression_an_out_of_range_target_makespan_variable_is_refused_before_any_step(monkeypatch, raw):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", raw)
+    under = strategy(DEVICES, emulate=["A10", "T4", "P100"], auto_balance=False)
+    model = small_model(under)
+    expect(lambda: model.fit(X, Y, batch_size=12, epochs=1, verbose=0), ConfigError, ValueError,
+           rf"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS='{re.escape(raw)}' must be a positive number of milliseconds, "
+           r"e\.g\. 100, from 1 to 5000 \(an emulated step of at most 5 s\)")
+    assert under.emulator.steps_done == (0, 0, 0)  # no step ran
 
 
 def test_target_makespan_error_is_raised_again_on_retry(monkeypatch):

@@ -17,6 +17,7 @@ from hetero_cs.planning.cost_model import (
     cost_model_from_dict,
 )
 from hetero_cs.errors import ConfigError, InvalidCostModelError
+from hetero_cs.planning.solver import solve_batch_split
 
 
 class _PlainModel:
@@ -231,3 +232,42 @@ def test_check_cost_model_names_replica_sizes_and_values_when_decreasing():
 def test_check_cost_model_rejects_unusable_predictions(model, match):
     with pytest.raises(InvalidCostModelError, match=match):
         check_cost_model(model, [4])
+
+
+class _Returns:
+    """A cost model whose prediction is a fixed object."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def predict_step_time_s(self, batch_size):
+        return self.value
+
+
+NOT_NUMBERS = [("regression_numeric_string", "0.5"), ("none", None), ("list", [0.5]), ("bool", True),
+               ("array_of_two", np.array([0.1, 0.2])), ("regression_one_element_array", np.array([0.5])),
+               ("bytes", b"1"), ("complex", 1 + 0j)]
+
+
+@pytest.mark.parametrize("value", [v for _, v in NOT_NUMBERS], ids=[n for n, _ in NOT_NUMBERS])
+def test_regression_a_prediction_that_is_not_a_number_is_refused_by_the_solver_and_the_check(value):
+    # solve_batch_split took float("0.5") and float(np.array([0.5])) as 0.5: a string is not a step time.
+    models = [LinearCostModel(0.001, 0.001), _Returns(value)]
+    with pytest.raises(InvalidCostModelError, match=r"cost_models\[1\]\.predict_step_time_s\(\d+\) did not return "
+                                                    r"a number: it returned .* \(\w+\)\. A cost model returns seconds"):
+        solve_batch_split(models, 8)
+    with pytest.raises(InvalidCostModelError, match=r"cost_models\[1\]\.predict_step_time_s\(0\) did not return"):
+        check_cost_model(models[1], [0, 1], replica_id=1)
+
+
+@pytest.mark.parametrize("value", [0.5, 1, np.float32(0.5), np.float64(0.5), np.int64(1), np.array(0.5)])
+def test_real_numbers_of_any_kind_are_predictions(value):
+    assert solve_batch_split([_Returns(value), LinearCostModel(0.0, 0.1)], 4).global_batch_size == 4
+    assert check_cost_model(_Returns(value), [0, 1]).tolist() == [float(value)] * 2
+
+
+def test_an_int_too_large_for_a_float_is_not_a_finite_prediction():
+    with pytest.raises(InvalidCostModelError, match=r"returned inf; step times must be finite"):
+        check_cost_model(_Returns(10**400), [1])
+    with pytest.raises(InvalidCostModelError, match=r"cost_models\[0\]\.predict_step_time_s\(\d+\) returned inf"):
+        solve_batch_split([_Returns(10**400)], 4)

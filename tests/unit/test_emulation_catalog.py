@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -12,6 +13,8 @@ import pytest
 
 from hetero_cs.emulation import (
     CATALOG,
+    MAX_EMULATED_MAKESPAN_S,
+    MAX_TIME_SCALE,
     TIME_SCALE_ENV_VAR,
     DeviceSpec,
     Drift,
@@ -308,3 +311,62 @@ def test_pure_modules_import_without_tensorflow_or_pynvml():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------------------------------ time-scale bounds
+
+
+@pytest.mark.parametrize("raw", ["1e30", "1e4", "1000.5"])
+def test_regression_a_huge_time_scale_variable_is_refused_at_construction_naming_it(monkeypatch, raw):
+    # 1e30 gave a 77-line error about sleep at the first step; 1e4 ran for minutes without a word.
+    monkeypatch.setenv(TIME_SCALE_ENV_VAR, raw)
+    with pytest.raises(ConfigError, match=rf"HETERO_CS_EMULATION_TIME_SCALE='{re.escape(raw)}' \(value .*\) must be "
+                                          r"a finite number > 0.*at most MAX_TIME_SCALE=1000") as info:
+        Emulator(["T4"])
+    assert "\n" not in str(info.value)
+
+
+def test_time_scale_bounds_are_inclusive_and_apply_to_the_argument(monkeypatch):
+    monkeypatch.setenv(TIME_SCALE_ENV_VAR, str(MAX_TIME_SCALE))
+    assert Emulator(["T4"]).time_scale == MAX_TIME_SCALE
+    assert Emulator(["T4"], time_scale=1e-9).time_scale == 1e-9
+    with pytest.raises(ConfigError, match=r"time_scale \(value 5000\.0\).*MAX_TIME_SCALE=1000"):
+        Emulator(["T4"], time_scale=5000.0)
+
+
+def test_a_fixed_scale_that_stretches_the_step_beyond_the_maximum_is_refused_naming_its_source(monkeypatch):
+    heavy = Workload(flops_per_example=2e9, parameter_bytes=4_000_000)
+    unscaled_s = max(Emulator(["T4", "A10"], workload=heavy).step_time_s(i, 64) for i in range(2))
+    allowed = MAX_EMULATED_MAKESPAN_S / unscaled_s
+    assert allowed < MAX_TIME_SCALE  # this model's step stretches past 5 s below the scale's own bound
+    monkeypatch.setenv(TIME_SCALE_ENV_VAR, f"{allowed * 1.5:.6g}")
+    emulator = Emulator(["T4", "A10"], workload=heavy)
+    with pytest.raises(ConfigError, match=r"HETERO_CS_EMULATION_TIME_SCALE='.*' \(value .*\) stretches this model's "
+                                          r"emulated even-split step at global_batch_size=128 to .* s, above "
+                                          r"MAX_EMULATED_MAKESPAN_S=5 s\. Use at most"):
+        emulator.calibrate_time_scale(128)
+    with pytest.raises(ConfigError, match=r"^time_scale \(value .*\) stretches"):
+        Emulator(["T4", "A10"], workload=heavy, time_scale=allowed * 1.5).calibrate_time_scale(128)
+    scale = allowed * 0.9
+    assert Emulator(["T4", "A10"], workload=heavy, time_scale=scale).calibrate_time_scale(128) == scale
+
+
+def test_the_target_makespan_is_bounded():
+    emulator = Emulator(["T4"], workload=MLP)
+    with pytest.raises(ConfigError, match=r"target_makespan_s=6\.0 must be .* at most MAX_EMULATED_MAKESPAN_S=5"):
+        emulator.calibrate_time_scale(64, target_makespan_s=6.0)
+    emulator.calibrate_time_scale(64, target_makespan_s=MAX_EMULATED_MAKESPAN_S)
+    assert max(emulator.step_time_s(0, 64), 0) == pytest.approx(MAX_EMULATED_MAKESPAN_S)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--time-scale", "1e4"], r"--time-scale: must be at most 1000, got '1e4'"),
+    (["--target-step-ms", "1e4"], r"--target-step-ms: must be at most 5000, got '1e4'"),
+])
+def test_cli_emulation_options_are_bounded(capsys, argv, match):
+    from hetero_cs.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["calibrate", *argv])
+    assert info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)

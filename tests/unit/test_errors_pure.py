@@ -96,6 +96,21 @@ def test_unknown_emulated_device_error_prints_its_message_not_a_repr():
     assert str(error).startswith("Unknown emulated device name='RTX9090'")  # KeyError would wrap it in quotes
 
 
+@pytest.mark.parametrize("call", [lambda: get_device_spec("RTX9090"), lambda: Emulator(["A10", "RTX9090"]),
+                                  lambda: setup_logical_devices(["A10", "RTX9090"])], ids=["spec", "emulator", "setup"])
+def test_regression_unknown_emulated_device_is_a_value_error_too(call):
+    # An invalid argument value was only a KeyError, so `except ValueError` around argument checks missed it.
+    error = expect(call, UnknownEmulatedDeviceError, ValueError, "RTX9090")
+    assert isinstance(error, KeyError)  # as before
+    message = str(error)
+    assert message.startswith("Unknown emulated device name='RTX9090'") and not message.startswith(('"', "'"))
+    assert message == error.args[0]
+    import traceback
+
+    shown = "".join(traceback.format_exception_only(type(error), error))
+    assert shown == f"hetero_cs.errors.UnknownEmulatedDeviceError: {message}\n"  # no quotes around it
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # solve_batch_split
 # ----------------------------------------------------------------------------------------------------------------

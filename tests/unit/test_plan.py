@@ -212,3 +212,32 @@ def test_plan_from_split_rejects_a_bad_model():
 
     with pytest.raises(InvalidCostModelError, match=r"cost_models\[1\]\.predict_step_time_s\(1\) returned -1\.0"):
         plan_from_split((1, 1), [LinearCostModel(0.0, 1.0), Negative()])
+
+
+@pytest.mark.parametrize("shares,match", [
+    ({1, 2, 3}, r"shares=\{1, 2, 3\} \(a set, which has no replica order\)"),
+    (frozenset({1, 2}), r"\(a frozenset, which has no replica order\)"),
+    ({"a": 2, "b": 1}, r"shares=\{'a': 2, 'b': 1\} \(a dict, which has no replica order\)"),
+    ({"a": 2, "b": 1}.values(), r"\(a dict_values, not a sequence: make it a list\)"),
+    ((s for s in [2, 1]), r"\(a generator, not a sequence: make it a list\)"),
+])
+def test_regression_unordered_shares_are_refused_not_reordered(shares, match):
+    # split_by_shares(10, {3, 1, 2}) used to split (2, 3, 5): the set's iteration order, not the order written.
+    with pytest.raises(BatchSplitError, match=match):
+        split_by_shares(10, shares)
+
+
+@pytest.mark.parametrize("shares,match", [
+    ([10**400, 1], r"shares must be finite numbers >= 0.*\(offending \(replica, share\): \[\(0, 1000"),
+    ([1e308, 1e308, 1], r"shares sum to more than a float holds: shares=\[1e\+308, 1e\+308, 1\]\. Only their ratios"),
+    ([10**5000, 1], r"too large to print"),
+])
+def test_regression_huge_shares_are_a_batch_split_error_not_an_overflow_error(shares, match):
+    with pytest.raises(BatchSplitError, match=match):
+        split_by_shares(10, shares)
+
+
+def test_ordered_sequences_and_large_finite_shares_are_accepted():
+    assert split_by_shares(10, range(1, 3)) == split_by_shares(10, (1, 2)) == (3, 7)
+    assert split_by_shares(10, [1e308, 1e-308]) == (10, 0)
+    assert split_by_shares(4, [10**300, 10**300]) == (2, 2)

@@ -317,3 +317,28 @@ def test_simulation_is_deterministic_for_a_seed():
 def test_simulation_validates_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         simulate_training(lambda step: MODELS, EVEN, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A global batch smaller than R * min_batch_size
+# ----------------------------------------------------------------------------------------------------------------
+def test_regression_a_global_batch_smaller_than_the_replica_count_is_replanned_not_infeasible():
+    # B = 2 on R = 3 with the default min_batch_size=1 raised InfeasiblePlanError a few steps into fit.
+    models = [LinearCostModel(0.0, 0.004), LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.001)]
+    rebalancer = Rebalancer(RebalancePolicy(deadband=0.05))
+    new_plan = rebalancer.propose(5, plan_from_split([1, 1, 0]), models)  # replica 0 is 4x slower
+    assert new_plan is not None and new_plan.global_batch_size == 2
+    assert new_plan.per_replica_batch_sizes[0] == 0 and sorted(new_plan.per_replica_batch_sizes) == [0, 1, 1]
+    assert rebalancer.last_decision.outcome == REPLANNED
+
+
+@pytest.mark.parametrize(("min_batch_size", "B", "R", "floor"), [(1, 2, 3, 0), (1, 1, 4, 0), (4, 10, 3, 3),
+                                                                  (4, 12, 3, 4), (2, 100, 3, 2), (0, 2, 3, 0)])
+def test_min_batch_size_is_lowered_only_when_b_is_below_r_times_it(min_batch_size, B, R, floor):
+    models = [LinearCostModel(0.001 * (i + 1), 0.001 * (i + 1)) for i in range(R)]
+    current = plan_from_split([B] + [0] * (R - 1))  # everything on the slowest-growing replica 0
+    rebalancer = Rebalancer(RebalancePolicy(deadband=0.0, min_batch_size=min_batch_size))
+    rebalancer.propose(0, current, models)
+    sizes = rebalancer.last_decision.new_per_replica_batch_sizes
+    assert sum(sizes) == B and min(sizes) >= floor
+    assert sizes == solve_batch_split(models, B, min_batch_size=floor).per_replica_batch_sizes

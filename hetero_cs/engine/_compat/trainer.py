@@ -54,7 +54,8 @@ def _patch_fit() -> None:
 def _patch_evaluate_and_predict() -> None:
     # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
     # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
-    # do the same here. Other strategies are untouched.
+    # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). Other
+    # strategies are untouched.
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     def reraise_input_errors(original: Callable) -> Callable:
@@ -67,7 +68,7 @@ def _patch_evaluate_and_predict() -> None:
             try:
                 return original(self, *args, **kwargs)
             except tf.errors.OpError as exc:
-                input_error, strategy._input_error = strategy._input_error, None  # noqa: SLF001
+                input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
                 if input_error is None:
                     raise
                 raise input_error from exc
