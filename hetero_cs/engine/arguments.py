@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
 
@@ -16,6 +16,30 @@ from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputErr
 from hetero_cs.planning.plan import finite_real, ordered_values, short_repr, unordered_note
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
+
+
+def emulation_names(emulate) -> tuple:
+    """``emulate`` as (Emulator or None, list of catalog names or None); the names are checked against the catalog.
+
+    Raises:
+        ConfigError: ``emulate`` is not a non-empty list of names (or an Emulator).
+        UnknownEmulatedDeviceError: A name is not in the catalog.
+    """
+    from hetero_cs import emulation
+
+    if emulate is None:
+        return None, None
+    if isinstance(emulate, emulation.Emulator):
+        return emulate, [spec.name for spec in emulate.specs]
+    names = None if isinstance(emulate, str) or not isinstance(emulate, Iterable) else list(emulate)
+    if not names:
+        raise ConfigError(
+            f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
+            f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
+        )
+    for name in names:
+        emulation.get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
+    return None, names
 
 
 def canonical_device(name: str) -> str:

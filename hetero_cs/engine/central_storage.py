@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import tensorflow as tf
 from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import log_empty_slices, raised_by_input_pipeline, replica_step_error
+from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error
 from hetero_cs.errors import ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -103,23 +103,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         guard: bool = True,
         profile: Any = None,
     ):
-        from hetero_cs import emulation
+        emulator, emulate = arguments.emulation_names(emulate)
+        if emulate is not None and compute_devices is None:
+            from hetero_cs import emulation
 
-        emulator = None
-        if isinstance(emulate, emulation.Emulator):
-            emulator, emulate = emulate, [spec.name for spec in emulate.specs]
-        if emulate is not None:
-            names = None if isinstance(emulate, str) or not isinstance(emulate, Iterable) else list(emulate)
-            if not names:
-                raise ConfigError(
-                    f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
-                    f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
-                )
-            emulate = names
-            for name in emulate:
-                emulation.get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
-            if compute_devices is None:
-                compute_devices = emulation.setup_logical_devices(list(emulate))
+            compute_devices = emulation.setup_logical_devices(list(emulate))
         parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
         if compute_devices is None:
             compute_devices = arguments.default_compute_devices(parameter_device)
@@ -149,6 +137,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._compute_devices = tuple(devices)
         self._parameter_device = parameter_device
         if emulator is None and emulate is not None:
+            from hetero_cs import emulation
+
             emulator = emulation.Emulator(list(emulate))
         self._emulator = emulator
         if emulator is not None:
@@ -172,8 +162,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._calibrated_fingerprint: str | None = None
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
-        self._empty_slice_plan: BatchPlan | None = None  # the last plan cut that gave a replica 0 examples
-        self._warned_empty_slices: set[int] = set()  # global batch sizes already warned about
+        self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
         self._slicer = PlanSlicer(
@@ -308,20 +297,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
                 self._slicer.publish(plan)
             if 0 in plan.per_replica_batch_sizes:
-                self._note_empty_slices(plan)
+                self._empty_slices.note(plan)
             return np.asarray(plan.per_replica_batch_sizes, dtype=np.int64)
         except Exception as exc:
             self._input_error = exc
             raise
-
-    def _note_empty_slices(self, plan: BatchPlan) -> None:
-        """Remembers a cut that leaves a replica without examples, and warns once per global batch size."""
-        self._empty_slice_plan = plan
-        size = plan.global_batch_size
-        if size in self._warned_empty_slices:
-            return
-        self._warned_empty_slices.add(size)
-        log_empty_slices(plan)
 
     # ----------------------------------------------------------------------------------------------------------
     # Input
@@ -472,7 +452,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
     def _replica_step_error(self, exc: Exception):
         """The input pipeline's own error if it is what failed, else a ReplicaStepError naming the replica, or None."""
         return self._input_error_raised(exc) or replica_step_error(
-            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slice_plan
+            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan
         )
 
     # ----------------------------------------------------------------------------------------------------------

@@ -83,3 +83,17 @@ def log_empty_slices(plan) -> None:
         plan.global_batch_size, list(plan.per_replica_batch_sizes), empty, len(plan.per_replica_batch_sizes),
         EMPTY_SLICE_ADVICE,
     )
+
+
+class EmptySliceNotes:
+    """Remembers the last cut that left a replica 0 examples, and warns once per global batch size."""
+
+    def __init__(self) -> None:
+        self.last_plan = None  # the last BatchPlan with a 0-example slice, for the advice in a failed step's error
+        self._warned_sizes: set[int] = set()
+
+    def note(self, plan) -> None:
+        self.last_plan = plan
+        if plan.global_batch_size not in self._warned_sizes:
+            self._warned_sizes.add(plan.global_batch_size)
+            log_empty_slices(plan)

@@ -24,8 +24,6 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import threading
 from collections.abc import Callable, Sequence
 
@@ -33,35 +31,21 @@ from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
+from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
+from hetero_cs.planning.sampling import (
+    LOOK_COST_S,
+    MAX_LOOK_INTERVAL_STEPS,
+    MAX_TIMING_INTERVAL_STEPS,
+    TIMING_COST_S,
+    interval_steps,
+)
 from hetero_cs.planning.solver import _checked_caps, plan_from_split, solve_batch_split
 
 logger = logging.getLogger(__name__)
 
 MIN_PREDICTED_GAIN = 0.02
 """An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
-
-LOOK_COST_S = 4e-4
-"""Host time one re-balancing look costs, seconds (fit the monitor's models and solve: about 0.4 ms for R = 3).
-
-The balancer looks every N completed steps, the smallest N with LOOK_COST_S / N <= TIMING_BUDGET of the last
-makespan, at most MAX_LOOK_INTERVAL_STEPS: every step beside a 40 ms step, every 8th beside a 5 ms one. A look
-runs in the input pipeline, beside the step; waiting N steps delays a reaction to a drifting device by N - 1."""
-
-MAX_LOOK_INTERVAL_STEPS = 8
-
-TIMING_COST_S = 6e-4
-"""Host time one timed step costs, seconds (0.47-0.59 ms measured by benchmarks/overhead.py for R = 3 on a 2-core
-CPU machine: the clock reads and the per-replica reports). ``timing_interval_steps`` keeps it under
-``TIMING_BUDGET`` of the step."""
-
-TIMING_BUDGET = 0.01
-"""Largest share of step time that steady-state timing may cost (1 %)."""
-
-MAX_TIMING_INTERVAL_STEPS = 64
-"""Steady-state timing looks at least at one step in 64."""
-
 
 class Balancer:
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
@@ -381,15 +365,11 @@ class Balancer:
         """How many steps per timed step in steady state: the smallest N with TIMING_COST_S / N <= 1 % of the
         last measured makespan, in [1, MAX_TIMING_INTERVAL_STEPS]; 1 until a step was measured."""
         sample = self._monitor.last_step()
-        if sample is None or not sample.makespan_s > 0:
-            return 1
-        return max(1, min(MAX_TIMING_INTERVAL_STEPS, math.ceil(TIMING_COST_S / (TIMING_BUDGET * sample.makespan_s))))
+        return interval_steps(TIMING_COST_S, sample and sample.makespan_s, MAX_TIMING_INTERVAL_STEPS)
 
     def _look_interval_steps(self) -> int:
         sample = self._monitor.last_step()
-        if sample is None or not sample.makespan_s > 0:
-            return 1
-        return max(1, min(MAX_LOOK_INTERVAL_STEPS, math.ceil(LOOK_COST_S / (TIMING_BUDGET * sample.makespan_s))))
+        return interval_steps(LOOK_COST_S, sample and sample.makespan_s, MAX_LOOK_INTERVAL_STEPS)
 
     # ------------------------------------------------------------------------------------------------------------
     # Internals (called with the lock held)
@@ -499,7 +479,7 @@ def _violates_caps(plan: BatchPlan, caps: Sequence[int | None] | None) -> bool:
 
 
 def _checked_global_batch_size(global_batch_size: object) -> int:
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, numbers.Integral):
+    if not _is_int(global_batch_size):
         raise ConfigError(
             f"global_batch_size must be an integer >= 1 (examples per step). Received: "
             f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."

@@ -1,0 +1,37 @@
+"""How often the balancer times a step and looks at the monitor: a share of the step's time (pure).
+
+Timing a step and re-planning both cost host time. Both run every step when that costs under ``TIMING_BUDGET`` of
+the step, else every N-th step with the smallest N that keeps it under the budget (bounded).
+"""
+
+from __future__ import annotations
+
+import math
+
+LOOK_COST_S = 4e-4
+"""Host time one re-balancing look costs, seconds (fit the monitor's models and solve: about 0.4 ms for R = 3).
+
+The balancer looks every N completed steps, the smallest N with LOOK_COST_S / N <= TIMING_BUDGET of the last
+makespan, at most MAX_LOOK_INTERVAL_STEPS: every step beside a 40 ms step, every 8th beside a 5 ms one. A look
+runs in the input pipeline, beside the step; waiting N steps delays a reaction to a drifting device by N - 1."""
+
+MAX_LOOK_INTERVAL_STEPS = 8
+
+TIMING_COST_S = 6e-4
+"""Host time one timed step costs, seconds (0.47-0.59 ms measured by benchmarks/overhead.py for R = 3 on a 2-core
+CPU machine: the clock reads and the per-replica reports). ``timing_interval_steps`` keeps it under
+``TIMING_BUDGET`` of the step."""
+
+TIMING_BUDGET = 0.01
+"""Largest share of step time that steady-state timing may cost (1 %)."""
+
+MAX_TIMING_INTERVAL_STEPS = 64
+"""Steady-state timing looks at least at one step in 64."""
+
+
+def interval_steps(cost_s: float, makespan_s: float | None, maximum: int) -> int:
+    """The smallest N >= 1 with cost_s / N <= TIMING_BUDGET * makespan_s, at most ``maximum``; 1 when the makespan
+    is unknown (no step measured yet)."""
+    if makespan_s is None or not makespan_s > 0:
+        return 1
+    return max(1, min(maximum, math.ceil(cost_s / (TIMING_BUDGET * makespan_s))))
