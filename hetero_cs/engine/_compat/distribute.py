@@ -6,6 +6,7 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -66,10 +67,46 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         return super()._create_variable(next_creator, **kwargs)
 
     def _call_for_each_replica(self, fn, args, kwargs):
+        lifted = self._lifted_tf_function(fn)
+        if lifted is not None:
+            return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
         args, kwargs, batch_leaves = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
         wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves)  # noqa: SLF001
         return super()._call_for_each_replica(wrapped, args, kwargs)
+
+    def _lifted_tf_function(self, fn):
+        """For a ``tf.function`` passed to ``strategy.run``: a clone of it that runs the whole per-replica call.
+
+        tf.distribute's ``call_for_each_replica`` (mirrored_run.py) does this for a ``tf.function``: it lifts one
+        ``tf.function`` around all replicas' calls, so that sync points inside (the optimizer's gradient
+        all-reduce, ``replica_context.all_reduce``) are merge calls of one graph. Our replica wrapper (slice
+        sizes, timing) replaces ``fn`` by a plain closure, which would lose that: each replica thread would then
+        trace its own nested function and fail with "merge_call called while defining a new graph or a
+        tf.function". So the lifting happens here first, with the same rule and the same cache per function.
+        """
+        # Private: tf.function's class and its _clone(python_function=...), exactly as mirrored_run uses them (a
+        # clone keeps the user's tf.function options: input_signature, reduce_retracing, jit_compile, ...).
+        from tensorflow.python.eager import def_function
+
+        if not isinstance(fn, def_function.Function):
+            return None
+        if fn._jit_compile and all(  # noqa: SLF001 - mirrored_run's rule: XLA on GPUs only keeps fn as is
+            tf.DeviceSpec.from_string(d).device_type == "GPU" for d in self.worker_devices
+        ):
+            return None
+        cache = self.__dict__.setdefault("_hetero_lifted_functions", weakref.WeakKeyDictionary())
+        lifted = cache.get(fn)
+        if lifted is None:
+            python_function = fn.python_function
+            extended = weakref.proxy(self)
+
+            def call_every_replica(*args, **kwargs):
+                return extended._call_for_each_replica(python_function, args, kwargs)  # noqa: SLF001
+
+            lifted = fn._clone(python_function=call_every_replica)  # noqa: SLF001
+            cache[fn] = lifted
+        return lifted
 
     @property
     def input_device(self) -> str:
