@@ -93,3 +93,50 @@ def test_tf_function_step_passed_to_run_from_an_eager_loop_is_exact():
         np.testing.assert_allclose(w, ref_w, atol=ATOL)
     for ref_v, v in zip(ref_opt.variables, optimizer.variables):
         np.testing.assert_allclose(np.asarray(v), np.asarray(ref_v), atol=ATOL)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 6. Metrics that accumulate in other forms than var + delta
+# ------------------------------------------------------------------------------------------------------------------
+class AccumulatingForms(keras.metrics.Metric):
+    """Accumulates with var + a + b, tf.add_n, subtracting a negative, and var - 2 * d (a vector)."""
+
+    def __init__(self, name="forms", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.plus_two = self.add_variable((), "zeros", name="plus_two")
+        self.add_n = self.add_variable((), "zeros", name="add_n")
+        self.minus_negative = self.add_variable((), "zeros", name="minus_negative")
+        self.vector = self.add_variable((2,), "zeros", name="vector")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        total = tf.reduce_sum(y_pred)
+        count = tf.cast(tf.size(y_pred), self.dtype)
+        self.plus_two.assign(self.plus_two + total + count)
+        self.add_n.assign(tf.add_n([self.add_n, total, count]))
+        self.minus_negative.assign(self.minus_negative - (-total))
+        self.vector.assign(self.vector - tf.stack([-total, count]) * 2.0)
+
+    def result(self):
+        return {"plus_two": self.plus_two.value, "add_n": self.add_n.value,
+                "minus_negative": self.minus_negative.value, "vector": tf.reduce_sum(self.vector.value)}
+
+
+def test_metrics_accumulating_in_other_linear_forms_match_single_device():
+    x, y = regression_data(23, features=1)
+
+    def build():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=[AccumulatingForms()])
+        return model
+
+    reference = build()
+    ref_hist = reference.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    expected = reference.evaluate(x, y, batch_size=6, verbose=0, return_dict=True)
+    strategy = strategy_for([2, 0, 3])
+    with strategy.scope():
+        model = build()
+    hist = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    got = model.evaluate(x, y, batch_size=6, verbose=0, return_dict=True)
+    assert_same_state(reference, model)
+    assert_same_logs(ref_hist.history, hist.history, atol=1e-4)
+    assert_same_logs(expected, got, atol=1e-4)
