@@ -10,8 +10,9 @@ Every use of a private name is commented with why it is needed and what it relie
 checked against are TensorFlow 2.21 and Keras 3.15.
 
 The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
-``variables`` (Keras variables and seeds), ``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit,
-evaluate, predict and layer walks). Nothing outside this package imports a private TensorFlow or Keras name.
+``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
+``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit, evaluate, predict and layer walks), and
+``graph_patterns`` (reading how a traced value was computed). Nothing outside this package imports a private TensorFlow or Keras name.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from hetero_cs.engine._compat.trainer import (
     all_sublayers,
     layer_build_shapes,
 )
-from hetero_cs.engine._compat.variables import (
+from hetero_cs.engine._compat.losses import (
+    _patch_compute_loss,
+    _patch_loss_reduction,
     _patch_loss_scaling,
-    _patch_seed_generator,
-    _patch_variable_assign_add,
+    _patch_mean_metric,
 )
+from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 
 __all__ = [
     "STRATEGY_MARKER",
@@ -69,6 +72,9 @@ def install() -> None:
         if _installed:
             return
         _patch_loss_scaling()
+        _patch_loss_reduction()
+        _patch_compute_loss()
+        _patch_mean_metric()
         _patch_variable_assign_add()
         _patch_optimizer()
         _patch_seed_generator()

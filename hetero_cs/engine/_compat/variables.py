@@ -1,4 +1,4 @@
-"""Private touches of Keras variables: loss scaling, aggregated metric updates, writes behind the failure barrier,
+"""Private touches of Keras variables: aggregated metric updates, writes behind the failure barrier,
 per-replica dropout seeds.
 
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
@@ -22,33 +22,6 @@ _clip_state = threading.local()
 # Not thread-local: replicas run in their own threads, the merge in the thread that called strategy.run.
 _barrier_state = types.SimpleNamespace(token=None, decay=None)
 
-
-
-def _patch_loss_scaling() -> None:
-    # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
-    # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
-    # call time (by Loss.__call__ via reduce_values, the TF trainer and compile_utils), so replacing the module
-    # attributes reaches every caller. Under our strategy the factor is b_i / B instead.
-    from keras.src.losses import loss as loss_module
-
-    original_scale = loss_module.scale_loss_for_distribution
-    original_unscale = loss_module.unscale_loss_for_distribution
-
-    @functools.wraps(original_scale)
-    def scale_loss_for_distribution(value):
-        if current_hetero_strategy() is not None and training.current_replica_step().global_batch_size is not None:
-            return value * training.replica_weight(value.dtype)
-        return original_scale(value)
-
-    @functools.wraps(original_unscale)
-    def unscale_loss_for_distribution(value):
-        if current_hetero_strategy() is not None and training.current_replica_step().global_batch_size is not None:
-            # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
-            return tf.math.divide_no_nan(value, training.replica_weight(value.dtype))
-        return original_unscale(value)
-
-    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
-    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
 
 
 def _patch_variable_assign_add() -> None:
