@@ -157,6 +157,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._profile_cache = profile_cache
         self._lock = threading.RLock()
         self._source_dataset = None
+        self._first_batches = _compat.FirstBatchReader()  # calibration's read-ahead, rewound for training
         self._calibration = None
         self._calibrated_fingerprint: str | None = None
         self._last_logged_plan: BatchPlan | None = None
@@ -336,7 +337,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         """
         arguments.warn_unused_input_options(options)
         self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset))
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
 
     def _start_new_input(self, dataset) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
@@ -356,7 +357,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         arguments.warn_unused_input_options(options)
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset))
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
 
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps

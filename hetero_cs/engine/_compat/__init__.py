@@ -11,8 +11,9 @@ checked against are TensorFlow 2.21 and Keras 3.15.
 
 The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
 ``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
-``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit, evaluate, predict and layer walks), and
-``graph_patterns`` (reading how a traced value was computed). Nothing outside this package imports a private TensorFlow or Keras name.
+``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit, evaluate, predict and layer walks),
+``graph_patterns`` (reading how a traced value was computed) and ``input_state`` (reading a first batch without
+moving the dataset). Nothing outside this package imports a private TensorFlow or Keras name.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from hetero_cs.engine._compat.optimizer import _patch_optimizer
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
     _patch_fit,
+    _patch_symbolic_build,
     all_sublayers,
     layer_build_shapes,
 )
+from hetero_cs.engine._compat.input_state import FirstBatchReader
 from hetero_cs.engine._compat.losses import (
     _patch_compute_loss,
     _patch_loss_reduction,
@@ -47,6 +50,7 @@ from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_var
 
 __all__ = [
     "STRATEGY_MARKER",
+    "FirstBatchReader",
     "HeteroExtended",
     "all_sublayers",
     "components",
@@ -80,5 +84,6 @@ def install() -> None:
         _patch_seed_generator()
         _patch_fit()
         _patch_evaluate_and_predict()
+        _patch_symbolic_build()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")
