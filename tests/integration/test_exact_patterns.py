@@ -256,6 +256,33 @@ def test_a_scalar_loss_that_cannot_be_weighed_is_refused(reduction, sample_weigh
     assert "'reduced_mse'" in str(info.value) and "per-example losses" in str(info.value)
 
 
+class SumOverride(keras.Sequential):
+    """A compute_loss override returning a sum over the batch: not a mean, so it cannot weigh b_i / B."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.sum((y_pred - y) ** 2)
+
+
+class SummedSquaredError(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return tf.reduce_sum(tf.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("where", ["loss_function", "compute_loss"])
+def test_a_scalar_sum_over_the_batch_is_refused(where):
+    x, y = regression_data()
+    strategy = strategy_for(SHARES)
+    with strategy.scope():
+        if where == "loss_function":
+            model = compiled(dense(), SummedSquaredError(name="summed"))
+        else:
+            model = compiled(regularized(SumOverride), "mse")
+    match = "'summed' returns the sum of its values over the batch" if where == "loss_function" else (
+        "compute_loss of SumOverride returns a term that sums over the batch")
+    with pytest.raises(hetero_cs.errors.LossPatternError, match=match):
+        model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+
+
 # 2. Masked losses and mean_with_sample_weight ---------------------------------------------------------------------
 def padded_sequences(n=23, steps=5, seed=3):
     rng = np.random.default_rng(seed)

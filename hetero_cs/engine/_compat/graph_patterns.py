@@ -107,6 +107,30 @@ def _sums_whole_stack(sum_op) -> bool:
     return axis is not None and set(np.ravel(axis).tolist()) <= {0, -1}
 
 
+def sums_over_batch(value) -> bool:
+    """True when graph tensor ``value`` is visibly a sum over a batch: ``reduce_sum`` of a tensor whose leading
+    (batch) dimension is unknown while tracing, along that dimension (through casts and identities).
+
+    Under the strategy every replica's slice has an unknown leading dimension, and model weights have static
+    shapes, so a sum of a weight (a hand-written regularizer) is not one. Eagerly (no graph) this is False.
+    """
+    if not hasattr(value, "op") or tf.executing_eagerly():
+        return False
+    op = value.op
+    while op.type in _PASS_THROUGH and op.inputs:
+        op = op.inputs[0].op
+    if op.type != "Sum" or len(op.inputs) != 2:
+        return False
+    summed = op.inputs[0]
+    if summed.shape.rank is None or summed.shape.rank == 0 or summed.shape[0] is not None:
+        return False
+    axis = tf.get_static_value(op.inputs[1])
+    if axis is None:
+        return False
+    rank = summed.shape.rank
+    return 0 in {int(a) % rank for a in np.ravel(axis)}
+
+
 def accumulates_into(value, variable) -> bool:
     """True when graph tensor ``value`` is ``variable + delta`` in some linear form.
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from hetero_cs.engine import training
 from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
-from hetero_cs.engine._compat.graph_patterns import linear_terms
+from hetero_cs.engine._compat.graph_patterns import linear_terms, sums_over_batch
 from hetero_cs.errors import LossPatternError
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -162,6 +162,14 @@ def _scalar_share(value, sample_weight, mask, reduction):
             f"reduction={reduction!r} reduce them, or use reduction='sum_over_batch_size' if the scalar is a mean "
             f"over the batch."
         )
+    if sums_over_batch(value):
+        raise LossPatternError(
+            f"The loss {_loss_name()} returns the sum of its values over the batch as a scalar, with "
+            f"reduction={reduction!r}. Under HeteroCentralStorageStrategy a scalar loss is taken as the mean over "
+            f"the replica's slice and weighed b_i / B, which a sum is not (one device would sum over the whole "
+            f"batch). Return per-example losses (shape [batch, ...], without the tf.reduce_sum) and use "
+            f"reduction='sum', or return the mean (tf.reduce_mean)."
+        )
     return _weigh(value)
 
 
@@ -285,6 +293,15 @@ def _as_share(result, step, before: int, owner: str):
     own = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t)]
     if not own:
         return _register(step, result)
+    if any(sums_over_batch(t) for _, t in terms if not _is_share(step, t)):
+        raise LossPatternError(
+            f"compute_loss of {owner} returns a term that sums over the batch (a tf.reduce_sum / ops.sum of "
+            f"per-example values). Under HeteroCentralStorageStrategy the override's own scalar terms are taken as "
+            f"means over the replica's slice and weighed b_i / B, which a sum is not (one device would sum over "
+            f"the whole batch). Return the mean over the batch (tf.reduce_mean) instead, or compute the sum with a "
+            f"Keras loss of reduction='sum' (e.g. keras.losses.MeanSquaredError(reduction='sum')), whose value "
+            f"hetero_cs weighs itself."
+        )
     # result = shares + own, exactly (linear_terms); the share of `own` (a mean over the slice) is own * w_i.
     shares = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if _is_share(step, t)]
     return _register(step, tf.add_n([*shares, _weigh(tf.add_n(own), weight)]))
@@ -307,6 +324,14 @@ def _patch_mean_metric() -> None:
         tensor = values if hasattr(values, "shape") else tf.convert_to_tensor(values)
         if tensor.shape.rank != 0:
             return original_update(self, values, sample_weight=sample_weight)
+        if sums_over_batch(tensor):
+            raise LossPatternError(
+                f"The Mean metric {self.name!r} was given one scalar per step that sums over the batch (a "
+                f"tf.reduce_sum / ops.sum of per-example values) and no sample_weight. Under "
+                f"HeteroCentralStorageStrategy such a scalar is taken as the mean over the replica's slice and "
+                f"weighed b_i / B, which a sum is not. Pass the per-example values (update_state(values)), or their "
+                f"mean (tf.reduce_mean), or use keras.metrics.Sum for a sum."
+            )
         weight = training.replica_weight(self.dtype)
         tensor = tf.cast(tensor, self.dtype)
         if _is_share(step, tensor):
