@@ -470,7 +470,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
 
         Args:
             model: A built Keras model created under ``strategy.scope()``.
-            data: A ``tf.data.Dataset`` of global batches (its first element is used), or one global batch
+            data: A ``tf.data.Dataset`` of global batches (its first element is used; the next iteration over
+                this dataset object still starts with it, in its own shuffle order), or one global batch
                 ``(x, y)`` / ``(x, y, sample_weight)``.
             force: Calibrate even if this model was already calibrated (the profile cache is still used).
             progress: Show Keras' progress bar while calibrating.
