@@ -95,6 +95,32 @@ def test_tf_function_step_passed_to_run_from_an_eager_loop_is_exact():
         np.testing.assert_allclose(np.asarray(v), np.asarray(ref_v), atol=ATOL)
 
 
+def test_a_mean_metric_given_the_replicas_share_in_strategy_run_reads_the_full_batch_loss():
+    # The documented custom-loop loss (compute_average_loss over B) is each replica's share of the batch's loss; a
+    # Mean fed it inside strategy.run counts one value per step, as on one device (it read 1/R of it before).
+    x, y = regression_data(17)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)  # 6, 6, 5
+    model = dense()
+    expected = np.mean([float(tf.reduce_mean(tf.reduce_sum(tf.square(model(xb) - yb), axis=-1))) for xb, yb in dataset])
+    strategy = strategy_for([3, 0, 2])
+    with strategy.scope():
+        replica_model = dense()
+        tracker = keras.metrics.Mean()
+
+    @tf.function
+    def step(element):
+        def step_fn(xb, yb):
+            per_example = tf.reduce_sum(tf.square(replica_model(xb) - yb), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size())
+            tracker.update_state(loss)
+
+        strategy.run(step_fn, args=element)
+
+    for element in strategy.experimental_distribute_dataset(dataset):
+        step(element)
+    np.testing.assert_allclose(float(tracker.result()), expected, atol=ATOL)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # 6. Metrics that accumulate in other forms than var + delta
 # ------------------------------------------------------------------------------------------------------------------
@@ -302,8 +328,7 @@ def masked_sequence_model(masking_layer: bool):
     model = keras.Sequential([
         keras.Input((5,) if not masking_layer else (5, 1)),
         *first,
-        keras.layers.SimpleRNN(3, return_sequences=True, kernel_initializer=keras.initializers.GlorotUniform(2),
-                               recurrent_initializer=keras.initializers.Orthogonal(seed=3)),
+        keras.layers.Dense(3, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(2)),  # keeps the mask
         keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(4)),
     ])
     return compiled(model, "mse", metrics=["mae"])

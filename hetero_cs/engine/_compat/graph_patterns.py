@@ -107,6 +107,30 @@ def _sums_whole_stack(sum_op) -> bool:
     return axis is not None and set(np.ravel(axis).tolist()) <= {0, -1}
 
 
+def divided_by(value, divisor) -> bool:
+    """True when graph tensor ``value`` is visibly ``x / divisor`` or a product with such a quotient (through casts
+    and identities); ``divisor`` is a tensor of the same graph or one the graph captured."""
+    if divisor is None or not hasattr(value, "op") or not hasattr(divisor, "op") or tf.executing_eagerly():
+        return False
+
+    def skip(tensor):
+        while tensor.op.type in _PASS_THROUGH and tensor.op.inputs:
+            tensor = tensor.op.inputs[0]
+        return tensor
+
+    targets = {id(divisor)}
+    stack, visited = [value], 0
+    while stack and visited < 16:
+        visited += 1
+        op = skip(stack.pop()).op
+        if op.type in ("RealDiv", "DivNoNan", "Div") and len(op.inputs) == 2:
+            if _captures_one_of(skip(op.inputs[1]), targets):
+                return True
+        elif op.type == "Mul" and len(op.inputs) == 2:
+            stack.extend(op.inputs)
+    return False
+
+
 def sums_over_batch(value) -> bool:
     """True when graph tensor ``value`` is visibly a sum over a batch: ``reduce_sum`` of a tensor whose leading
     (batch) dimension is unknown while tracing, along that dimension (through casts and identities).

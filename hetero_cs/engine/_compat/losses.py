@@ -18,8 +18,11 @@ is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places,
 * ``keras.metrics.Mean`` given one scalar per step without a sample weight (the loss tracker of Keras' guide, a
   per-output loss metric): a share counts as ``share / w_i`` with weight ``w_i``, any other scalar (a slice mean)
   with weight ``w_i``; over the replicas that is one value per step, as on one device.
+* A scalar that is visibly a sum over the batch cannot be a slice mean: ``LossPatternError``.
 
-Shares are remembered per replica step (:attr:`hetero_cs.engine.training.ReplicaStep.loss_terms`).
+Shares are remembered per replica step (:attr:`hetero_cs.engine.training.ReplicaStep.loss_terms`); a value visibly
+divided by the step's ``B`` (``tf.nn.compute_average_loss(..., global_batch_size=current_global_batch_size())``)
+is one too.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import tensorflow as tf
 
 from hetero_cs.engine import training
 from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
-from hetero_cs.engine._compat.graph_patterns import linear_terms, sums_over_batch
+from hetero_cs.engine._compat.graph_patterns import divided_by, linear_terms, sums_over_batch
 from hetero_cs.errors import LossPatternError
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -59,10 +62,15 @@ def _weigh(value, weight=None):
 
 
 def _is_share(step, value) -> bool:
+    """True for a value hetero_cs weighted, or one visibly divided by this step's ``B`` (the documented idiom
+    ``tf.nn.compute_average_loss(..., global_batch_size=hetero_cs.current_global_batch_size())``, or a value times
+    ``hetero_cs.replica_weight()``)."""
     try:
-        return value.ref() in step.loss_terms
+        if value.ref() in step.loss_terms:
+            return True
     except (AttributeError, TypeError):
         return False
+    return divided_by(value, step.global_batch_size)
 
 
 def _patch_loss_scaling() -> None:
@@ -103,6 +111,8 @@ def _patch_loss_reduction() -> None:
 
     @functools.wraps(original_call)
     def call(self, y_true, y_pred, sample_weight=None):
+        if weighted_step() is None:
+            return original_call(self, y_true, y_pred, sample_weight=sample_weight)
         previous = getattr(_current_loss, "loss", None)
         _current_loss.loss = self
         try:
@@ -115,8 +125,10 @@ def _patch_loss_reduction() -> None:
         step = weighted_step()
         if step is None:
             return original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+        from keras.src import ops
+
         reduction = loss_module.standardize_reduction(reduction)
-        values = tf.convert_to_tensor(values, dtype=dtype)
+        values = ops.convert_to_tensor(values, dtype=dtype)  # as Keras' own: casts to the loss's dtype
         if values.shape.rank == 0:
             return _register(step, _scalar_share(values, sample_weight, mask, reduction))
         global_normaliser = reduction in _MEAN_REDUCTIONS and (
@@ -321,7 +333,7 @@ def _patch_mean_metric() -> None:
         step = weighted_step() if sample_weight is None else None
         if step is None or _in_stateless_scope():
             return original_update(self, values, sample_weight=sample_weight)
-        tensor = values if hasattr(values, "shape") else tf.convert_to_tensor(values)
+        tensor = values if isinstance(values, tf.Tensor) else tf.convert_to_tensor(values)
         if tensor.shape.rank != 0:
             return original_update(self, values, sample_weight=sample_weight)
         if sums_over_batch(tensor):
@@ -333,8 +345,9 @@ def _patch_mean_metric() -> None:
                 f"mean (tf.reduce_mean), or use keras.metrics.Sum for a sum."
             )
         weight = training.replica_weight(self.dtype)
+        share = _is_share(step, tensor)
         tensor = tf.cast(tensor, self.dtype)
-        if _is_share(step, tensor):
+        if share:
             tensor = tf.math.divide_no_nan(tensor, weight)  # the slice's own mean
         # A 0-example replica's own mean of nothing is NaN; it counts 0 with weight 0.
         tensor = tf.where(weight > 0, tensor, tf.zeros_like(tensor))
