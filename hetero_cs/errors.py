@@ -17,6 +17,13 @@ class ConfigError(HeteroCSError, ValueError):
     """An argument, environment variable or config file holds a value hetero_cs cannot use."""
 
 
+class LossPatternError(ConfigError):
+    """A loss or metric pattern whose share of the global batch hetero_cs cannot infer (see the message's fix).
+
+    A :class:`ConfigError`, so ``except hetero_cs.ConfigError`` (or ``ValueError``) catches it too.
+    """
+
+
 class InvalidCostModelError(HeteroCSError, ValueError):
     """A cost model predicted NaN, a negative time, or a time that decreases with batch size."""
 

@@ -11,7 +11,7 @@ import os
 
 import tensorflow as tf
 
-from hetero_cs.engine import arguments, tensors
+from hetero_cs.engine import _compat, arguments, tensors
 from hetero_cs.engine.input_slicing import is_unbatched_marker
 from hetero_cs.errors import ConfigError, InputError
 
@@ -23,7 +23,12 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
     from calibration import calibrate as run_calibration
     from calibration.probe import model_fingerprint
 
-    batch = tensors.first_batch(data)
+    emulation_pending = strategy._emulator is not None and not strategy._emulator_ready()
+    if strategy._balancer.auto_balance and not force and not emulation_pending:
+        fingerprint = model_fingerprint(model)
+        if strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
+            return strategy._calibration  # calibrated already: no batch is read
+    batch = first_global_batch(strategy, data)
     batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
     if not batched:
         raise InputError(
@@ -35,7 +40,7 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
             "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
         )
-    if strategy._emulator is not None and not strategy._emulator_ready():
+    if emulation_pending:
         from hetero_cs.emulation import estimate_workload
 
         target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
@@ -126,6 +131,43 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
             f"--devices ... or --emulate ... --output PATH), or build the strategy on the profile's devices."
         )
     return result
+
+
+def first_global_batch(strategy, data):
+    """The first global batch of ``data`` (a dataset, or one batch), read so that the dataset does not move.
+
+    A dataset is read through the pipeline training iterates, and that pipeline's next iterator over the same
+    dataset object starts from the first batch again, with the same shuffle order and random state
+    (:mod:`hetero_cs.engine._compat.input_state`): training sees the batches single-device training sees.
+    """
+    if not isinstance(data, tf.data.Dataset):
+        return tensors.first_batch(data)
+    try:
+        distributed = _compat.distribute_on_host(strategy, strategy._slicer.pack(data), source=data)
+    except InputError:
+        return tensors.first_batch(data)  # a dataset that cannot be cut: the checks below say what is wrong with it
+    strategy._input_error = None
+    try:
+        element = strategy._first_batches.read(distributed, data)
+    except StopIteration:
+        raise InputError("The dataset is empty; calibration needs one global batch.") from None
+    except tf.errors.OpError as exc:
+        error, strategy._input_error = strategy._input_error, None
+        if error is None:
+            raise
+        raise error from exc
+
+    def whole(leaf):  # a packed global-batch leaf ([R, (b_i), ...]) -> the global batch it packs
+        parts = _compat.components(leaf)
+        if parts is None:
+            return leaf
+        packed = parts[0]
+        if strategy.num_replicas_in_sync == 1 or is_unbatched_marker(packed):
+            return packed
+        return packed.values
+
+    return tf.nest.map_structure(whole, element)
+
 
 def _store(strategy):
     from calibration.store import ProfileStore

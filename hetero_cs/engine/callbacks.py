@@ -41,7 +41,11 @@ class BalanceCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = self._strategy
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
-        if data is not None:
+        # A fixed or even split without emulation needs nothing before the first batch: no batch is read then.
+        needed = strategy.balancer.auto_balance or (
+            strategy.emulator is not None and not strategy._emulator_ready()  # noqa: SLF001
+        )
+        if data is not None and needed:
             # fit(verbose=0) keeps calibration quiet too; its progress bars otherwise show while fit starts.
             strategy.calibrate(self.model, data, progress=self.params.get("verbose", 1) != 0)
         strategy._log_plan_if_new()  # noqa: SLF001
@@ -50,6 +54,8 @@ class BalanceCallback(keras.callbacks.Callback):
         self._samples = []
 
     def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self._strategy._log_plan_if_new()  # noqa: SLF001 - a plan first solved for the first batch
         sample = self._strategy.monitor.last_step()
         if sample is None or sample.step == self._last_step_seen:
             return

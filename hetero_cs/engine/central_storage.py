@@ -158,6 +158,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
         self._source_dataset = None
+        self._first_batches = _compat.FirstBatchReader()  # calibration's read-ahead, rewound for training
         self._calibration = None
         self._calibrated_fingerprint: str | None = None
         self._last_logged_plan: BatchPlan | None = None
@@ -325,7 +326,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         """
         arguments.warn_unused_input_options(options)
         self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset))
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
 
     def _start_new_input(self, dataset) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
@@ -345,7 +346,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         arguments.warn_unused_input_options(options)
         dataset = dataset_fn(context)
         self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset))
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
 
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
@@ -467,7 +468,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
 
         Args:
             model: A built Keras model created under ``strategy.scope()``.
-            data: A ``tf.data.Dataset`` of global batches (its first element is used), or one global batch
+            data: A ``tf.data.Dataset`` of global batches (its first element is used; the next iteration over
+                this dataset object still starts with it, in its own shuffle order), or one global batch
                 ``(x, y)`` / ``(x, y, sample_weight)``.
             force: Calibrate even if this model was already calibrated (the profile cache is still used).
             progress: Show Keras' progress bar while calibrating.

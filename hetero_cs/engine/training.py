@@ -61,6 +61,10 @@ class ReplicaStep:
         barrier: Filled when the optimizer all-reduces the gradients: a token on the parameter device that exists
             only once every replica has computed its gradients. Writes that need no other replica (the
             optimizer's iteration counter) wait for it, so a step that fails in any replica changes nothing.
+        loss_terms: References (``tensor.ref()``) of the loss values of this step that are already this
+            replica's share of the global batch's loss (a Keras loss reduced under the strategy, a
+            ``compute_loss`` result). Summed over replicas they give the single-device loss; any other scalar
+            loss is taken as a mean over the replica's slice (see :mod:`hetero_cs.engine._compat.losses`).
     """
 
     replica_id: int
@@ -70,6 +74,7 @@ class ReplicaStep:
     start_stamp: Any = None
     sampled_timing: bool = False
     barrier: list = dataclasses.field(default_factory=list)
+    loss_terms: set = dataclasses.field(default_factory=set)
 
 
 @contextmanager

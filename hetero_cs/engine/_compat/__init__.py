@@ -10,8 +10,10 @@ Every use of a private name is commented with why it is needed and what it relie
 checked against are TensorFlow 2.21 and Keras 3.15.
 
 The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
-``variables`` (Keras variables and seeds), ``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit,
-evaluate, predict and layer walks). Nothing outside this package imports a private TensorFlow or Keras name.
+``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
+``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit, evaluate, predict and layer walks),
+``graph_patterns`` (reading how a traced value was computed) and ``input_state`` (reading a first batch without
+moving the dataset). Nothing outside this package imports a private TensorFlow or Keras name.
 """
 
 from __future__ import annotations
@@ -33,17 +35,22 @@ from hetero_cs.engine._compat.optimizer import _patch_optimizer
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
     _patch_fit,
+    _patch_symbolic_build,
     all_sublayers,
     layer_build_shapes,
 )
-from hetero_cs.engine._compat.variables import (
+from hetero_cs.engine._compat.input_state import FirstBatchReader
+from hetero_cs.engine._compat.losses import (
+    _patch_compute_loss,
+    _patch_loss_reduction,
     _patch_loss_scaling,
-    _patch_seed_generator,
-    _patch_variable_assign_add,
+    _patch_mean_metric,
 )
+from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 
 __all__ = [
     "STRATEGY_MARKER",
+    "FirstBatchReader",
     "HeteroExtended",
     "all_sublayers",
     "components",
@@ -69,10 +76,14 @@ def install() -> None:
         if _installed:
             return
         _patch_loss_scaling()
+        _patch_loss_reduction()
+        _patch_compute_loss()
+        _patch_mean_metric()
         _patch_variable_assign_add()
         _patch_optimizer()
         _patch_seed_generator()
         _patch_fit()
         _patch_evaluate_and_predict()
+        _patch_symbolic_build()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

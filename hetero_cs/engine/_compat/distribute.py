@@ -6,13 +6,15 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import tensorflow as tf
 
 # Private: the extended class behind CentralStorageStrategy. Subclassing it is the only way to change how variables
-# are created and how replica functions are called without rewriting the strategy.
-from tensorflow.python.distribute import parameter_server_strategy  # noqa: E402
+# are created and how replica functions are called without rewriting the strategy. input_lib's distributed dataset
+# is subclassed for the same reason (see _HostDistributedDataset).
+from tensorflow.python.distribute import input_lib, parameter_server_strategy  # noqa: E402
 
 from hetero_cs.engine import training
 
@@ -66,10 +68,46 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         return super()._create_variable(next_creator, **kwargs)
 
     def _call_for_each_replica(self, fn, args, kwargs):
+        lifted = self._lifted_tf_function(fn)
+        if lifted is not None:
+            return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
         args, kwargs, batch_leaves = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
         wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves)  # noqa: SLF001
         return super()._call_for_each_replica(wrapped, args, kwargs)
+
+    def _lifted_tf_function(self, fn):
+        """For a ``tf.function`` passed to ``strategy.run``: a clone of it that runs the whole per-replica call.
+
+        tf.distribute's ``call_for_each_replica`` (mirrored_run.py) does this for a ``tf.function``: it lifts one
+        ``tf.function`` around all replicas' calls, so that sync points inside (the optimizer's gradient
+        all-reduce, ``replica_context.all_reduce``) are merge calls of one graph. Our replica wrapper (slice
+        sizes, timing) replaces ``fn`` by a plain closure, which would lose that: each replica thread would then
+        trace its own nested function and fail with "merge_call called while defining a new graph or a
+        tf.function". So the lifting happens here first, with the same rule and the same cache per function.
+        """
+        # Private: tf.function's class and its _clone(python_function=...), exactly as mirrored_run uses them (a
+        # clone keeps the user's tf.function options: input_signature, reduce_retracing, jit_compile, ...).
+        from tensorflow.python.eager import def_function
+
+        if not isinstance(fn, def_function.Function):
+            return None
+        if fn._jit_compile and all(  # noqa: SLF001 - mirrored_run's rule: XLA on GPUs only keeps fn as is
+            tf.DeviceSpec.from_string(d).device_type == "GPU" for d in self.worker_devices
+        ):
+            return None
+        cache = self.__dict__.setdefault("_hetero_lifted_functions", weakref.WeakKeyDictionary())
+        lifted = cache.get(fn)
+        if lifted is None:
+            python_function = fn.python_function
+            extended = weakref.proxy(self)
+
+            def call_every_replica(*args, **kwargs):
+                return extended._call_for_each_replica(python_function, args, kwargs)  # noqa: SLF001
+
+            lifted = fn._clone(python_function=call_every_replica)  # noqa: SLF001
+            cache[fn] = lifted
+        return lifted
 
     @property
     def input_device(self) -> str:
@@ -79,12 +117,50 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         return self._worker_device
 
 
-def distribute_on_host(strategy, dataset):
+class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
+    """tf.distribute's distributed dataset, whose new iterators can start where a read-ahead iterator did.
+
+    Calibration reads the first global batch through the same pipeline before training (see
+    :mod:`hetero_cs.engine._compat.input_state`); the next iterator over the same source dataset is restored from
+    the state saved before that read, so training sees the data order single-device training sees.
+    """
+
+    def __init__(self, *args, source=None, first_batches=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hetero_source_spec = None if source is None else source.element_spec
+        self._hetero_source = None if source is None else weakref.ref(source)
+        self._hetero_first_batches = first_batches
+
+    def plain_iterator(self):
+        """A new iterator as tf.distribute makes it (no pending state applied)."""
+        return super().__iter__()
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        source = self.source_dataset
+        if self._hetero_first_batches is not None and source is not None:
+            self._hetero_first_batches.restore_next(source, iterator)
+        return iterator
+
+    @property
+    def source_dataset(self):
+        """The user's dataset this one packs (None when it is gone or unknown)."""
+        return self._hetero_source() if self._hetero_source is not None else None
+
+    @property
+    def source_element_spec(self):
+        """The element spec of the user's dataset (one global batch, before it was packed), or None."""
+        return self._hetero_source_spec
+
+
+def distribute_on_host(strategy, dataset, *, source=None):
     """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
 
     ``dataset`` yields packed global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the replicas'
     slices inside the step. Every leaf of an element arrives as a per-replica value with a single component,
     which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
+    ``source`` is the user's dataset that ``dataset`` packs: an iterator over it started by calibration's read
+    (``strategy._first_batches``) is continued from there.
     """
     # Private: tf.distribute builds its distributed datasets from InputWorkers (input device -> fed devices) and
     # input_util; the public experimental_distribute_dataset would feed R devices with R elements. Here one input
@@ -92,7 +168,6 @@ def distribute_on_host(strategy, dataset):
     # host (PER_REPLICA without fetching to a device) instead of a MultiDeviceIterator, whose per-device prefetch
     # thread has nothing to move here (the pipeline ends in its own prefetch). Together this makes the input path
     # cheaper than stock CentralStorageStrategy's rebatch (benchmarks/overhead.py).
-    from tensorflow.python.distribute import input_lib, input_util
     from tensorflow.python.distribute import values as values_lib
 
     host = strategy.extended.input_device
@@ -102,8 +177,11 @@ def distribute_on_host(strategy, dataset):
         experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
     )
     context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
-    distributed = input_util.get_distributed_datasets_from_function(
-        lambda _: dataset, workers, [context], strategy, options=options
+    # input_util.get_distributed_datasets_from_function builds the same object (TF2), after checking options that
+    # are fixed here.
+    distributed = _HostDistributedDataset(
+        workers, strategy, input_contexts=[context], dataset_fn=lambda _: dataset, options=options,
+        source=source, first_batches=getattr(strategy, "_first_batches", None),
     )
     if strategy.num_replicas_in_sync > 1:
         # Private: the distributed dataset describes an element as one component per compute device (its spec is

@@ -79,6 +79,36 @@ def _patch_evaluate_and_predict() -> None:
     TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
 
 
+def _patch_symbolic_build() -> None:
+    # Under any tf.distribute strategy, Keras' fit/evaluate/predict build the model and its metrics symbolically
+    # from a first batch, which they read by opening an iterator over the data and discarding it. That extra
+    # iteration moves a dataset that reshuffles on each iteration (Dataset.shuffle, a shuffling PyDataset), so
+    # training would see other batches than on one device. The build only needs shapes and dtypes: under our
+    # strategy it takes them from the user dataset's element spec instead, and reads nothing.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original = TensorFlowTrainer._maybe_symbolic_build  # noqa: SLF001
+
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = getattr(self, "_distribute_strategy", None)
+        # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
+        distributed = getattr(iterator, "_distributed_dataset", None)
+        spec = getattr(distributed, "source_element_spec", None)
+        if not is_hetero_strategy(strategy) or data_batch is not None or spec is None:
+            return original(self, iterator=iterator, data_batch=data_batch)
+        from hetero_cs.engine.input_slicing import is_unbatched_marker
+
+        source = distributed.source_dataset
+        if source is not None and int(source.cardinality()) == 0:
+            raise StopIteration  # what the original's read raises on a dataset known to be empty (fit: InputError)
+        shapes = tf.nest.map_structure(lambda leaf: None if is_unbatched_marker(leaf) else leaf, spec)
+        with strategy.scope():
+            self._symbolic_build(data_batch=shapes)  # noqa: SLF001 - what the original calls with a real batch
+
+    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build  # noqa: SLF001
+
+
 def all_sublayers(model) -> list:
     """The model and every layer inside it, nested models and layers held as attributes included."""
     # Private: Keras 3's _flatten_layers is the only walk that reaches sublayers kept as plain attributes of a

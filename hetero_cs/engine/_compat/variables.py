@@ -1,4 +1,4 @@
-"""Private touches of Keras variables: loss scaling, aggregated metric updates, writes behind the failure barrier,
+"""Private touches of Keras variables: aggregated metric updates, writes behind the failure barrier,
 per-replica dropout seeds.
 
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
@@ -15,39 +15,13 @@ import tensorflow as tf
 
 from hetero_cs.engine import training
 from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
 _clip_state = threading.local()
 # The barrier token of the step being traced, handed from the replica threads to the merge that applies the update.
 # Not thread-local: replicas run in their own threads, the merge in the thread that called strategy.run.
 _barrier_state = types.SimpleNamespace(token=None, decay=None)
 
-
-
-def _patch_loss_scaling() -> None:
-    # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
-    # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
-    # call time (by Loss.__call__ via reduce_values, the TF trainer and compile_utils), so replacing the module
-    # attributes reaches every caller. Under our strategy the factor is b_i / B instead.
-    from keras.src.losses import loss as loss_module
-
-    original_scale = loss_module.scale_loss_for_distribution
-    original_unscale = loss_module.unscale_loss_for_distribution
-
-    @functools.wraps(original_scale)
-    def scale_loss_for_distribution(value):
-        if current_hetero_strategy() is not None and training.current_replica_step().global_batch_size is not None:
-            return value * training.replica_weight(value.dtype)
-        return original_scale(value)
-
-    @functools.wraps(original_unscale)
-    def unscale_loss_for_distribution(value):
-        if current_hetero_strategy() is not None and training.current_replica_step().global_batch_size is not None:
-            # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
-            return tf.math.divide_no_nan(value, training.replica_weight(value.dtype))
-        return original_unscale(value)
-
-    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
-    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
 
 
 def _patch_variable_assign_add() -> None:
@@ -72,7 +46,8 @@ def _patch_variable_assign_add() -> None:
     # Many Keras metrics (TruePositives, Precision, Recall, AUC, IoU, R2Score, ...) accumulate with
     # assign(self.var + delta) instead, the pattern Keras' Metric docstring shows. On a SUM-aggregated central
     # variable in replica context that gives N*old + sum(d_i). When the assigned value is visibly `var + delta` in
-    # the graph, it becomes assign_add(delta): new = old + sum(d_i). Any other assign (setting the state to this
+    # the graph, in any linear form (var + a + b, tf.add_n([var, a, b]), var - (-d): graph_patterns), it becomes
+    # assign_add(delta): new = old + sum(d_i). Any other assign (setting the state to this
     # batch's statistic, or to 0) keeps the SUM semantics, sum_i v_i, which is right for additive statistics.
     # Eager values carry no graph: there the accumulate form is assumed (every built-in metric uses it).
     original_assign = core.Variable.assign
@@ -81,7 +56,7 @@ def _patch_variable_assign_add() -> None:
     def assign(self, value):
         inner = _central_in_replica_context(self)
         aggregation = getattr(inner, "aggregation", None)
-        if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or _adds_to(value, inner)):
+        if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or accumulates_into(value, inner)):
             delta = tf.cast(value, inner.dtype) - inner.read_value()
             return core.Variable.assign_add(self, delta)  # routed above: aggregated deltas, behind the barrier
         if aggregation == tf.VariableAggregation.NONE:
@@ -136,52 +111,6 @@ def _in_keras_stateless_scope() -> bool:
     from keras.src.backend.common.stateless_scope import in_stateless_scope
 
     return in_stateless_scope()
-
-
-def _adds_to(value, variable) -> bool:
-    """True when graph tensor ``value`` is ``variable + something`` (through casts and identities)."""
-    op = getattr(value, "op", None)
-    if op is None:
-        return False
-    handles = {id(h) for h in _handles(variable)}
-
-    def skip(o):
-        while o.type in ("Identity", "Cast") and o.inputs:
-            o = o.inputs[0].op
-        return o
-
-    op = skip(op)
-    if op.type not in ("AddV2", "Add"):
-        return False
-    for operand in op.inputs:
-        read = skip(operand.op)
-        if read.type == "ReadVariableOp" and _captures_one_of(read.inputs[0], handles):
-            return True
-    return False
-
-
-def _captures_one_of(tensor, handle_ids: set) -> bool:
-    """True when ``tensor`` is one of the handles, or a function graph's capture of one (through nested graphs)."""
-    for _ in range(16):  # nesting depth bound
-        if tensor is None:
-            return False
-        if id(tensor) in handle_ids:
-            return True
-        # FuncGraph.captures: (outer tensor, placeholder inside the function) pairs.
-        captures = getattr(tensor.graph, "captures", ())
-        tensor = next((outer for outer, inner in captures if inner is tensor), None)
-    return False
-
-
-def _handles(variable) -> list:
-    """The resource handles a read of ``variable`` may use in the current graph (its own, or its wrapped one's)."""
-    found = []
-    for candidate in (variable, getattr(variable, "_v", None)):  # _v: the variable an AggregatingVariable wraps
-        handle = getattr(candidate, "handle", None)
-        if handle is not None:
-            found.append(handle)
-    return found
-
 
 
 def _patch_seed_generator() -> None:

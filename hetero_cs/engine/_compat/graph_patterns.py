@@ -1,0 +1,203 @@
+"""Reading a traced value's graph: which linear combination of which tensors it is.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. Two patches need to
+know how a value was computed, which only the graph shows:
+
+* an ``assign`` to a metric variable accumulates when the value is ``var + delta`` in any linear form
+  (``var + a + b``, ``tf.add_n([var, a, b])``, ``var - (-d)``): the variable's reads have total coefficient 1
+  and nothing else reads it (:func:`accumulates_into`);
+* a loss returned by a ``compute_loss`` override is a sum of terms, some of them already weighted by hetero_cs
+  and some the override's own scalars (:func:`linear_terms`).
+
+Both walk only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a product with a
+constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+
+_PASS_THROUGH = ("Identity", "Cast", "StopGradient")
+_MAX_OPS = 256  # bound on the ops visited per question (a linear combination of a few terms needs far fewer)
+
+
+def _constant_scalar(tensor) -> float | None:
+    """The value of a rank-0 (or one-element) constant tensor in the graph, else None."""
+    op = tensor.op
+    while op.type in ("Identity", "Cast") and op.inputs:
+        op = op.inputs[0].op
+    if op.type != "Const":
+        return None
+    try:
+        value = tf.get_static_value(op.outputs[0])
+    except (TypeError, ValueError):
+        return None
+    if value is None or np.size(value) != 1:
+        return None
+    return float(np.reshape(value, ()))
+
+
+def linear_terms(value, is_term: Callable[[object], bool]) -> list | None:
+    """``value`` as ``sum_k c_k * t_k``: a list of ``(c_k, t_k)``, or None when the graph does not show it.
+
+    A tensor for which ``is_term`` is true is a term and is not looked into. Other tensors are followed through
+    linear ops (see the module docstring) down to leaves, which are terms as well. Returns None in eager mode
+    (no graph) or when the walk visits more than a bounded number of ops.
+    """
+    if not hasattr(value, "op") or tf.executing_eagerly():
+        return None
+    terms: list = []
+    stack = [(value, 1.0)]
+    visited = 0
+    while stack:
+        tensor, coeff = stack.pop()
+        visited += 1
+        if visited > _MAX_OPS:
+            return None
+        if is_term(tensor):
+            terms.append((coeff, tensor))
+            continue
+        op = tensor.op
+        kind = op.type
+        inputs = list(op.inputs)
+        if kind in _PASS_THROUGH and inputs:
+            stack.append((inputs[0], coeff))
+        elif kind in ("AddV2", "Add") and len(inputs) == 2:
+            stack.extend((t, coeff) for t in inputs)
+        elif kind == "AddN":
+            stack.extend((t, coeff) for t in inputs)
+        elif kind == "Sub" and len(inputs) == 2:
+            stack.extend([(inputs[0], coeff), (inputs[1], -coeff)])
+        elif kind == "Neg" and inputs:
+            stack.append((inputs[0], -coeff))
+        elif kind in ("Mul", "RealDiv") and len(inputs) == 2 and _scaled_by_constant(op) is not None:
+            factor, other = _scaled_by_constant(op)
+            stack.append((other, coeff * factor))
+        elif kind == "Sum" and len(inputs) == 2 and inputs[0].op.type == "Pack" and _sums_whole_stack(op):
+            stack.extend((t, coeff) for t in inputs[0].op.inputs)  # keras.ops.sum([a, b, ...])
+        else:
+            terms.append((coeff, tensor))
+    return terms
+
+
+def _scaled_by_constant(op):
+    """``(factor, other input)`` when ``op`` is a product with (or a division by) a constant scalar, else None."""
+    a, b = op.inputs
+    if op.type == "Mul":
+        for const, other in ((a, b), (b, a)):
+            factor = _constant_scalar(const)
+            if factor is not None:
+                return factor, other
+        return None
+    divisor = _constant_scalar(b)  # RealDiv: only x / constant is linear in x
+    if divisor:
+        return 1.0 / divisor, a
+    return None
+
+
+def _sums_whole_stack(sum_op) -> bool:
+    """True when a Sum op reduces a stacked list of scalars along the stacking axis to a scalar."""
+    packed = sum_op.inputs[0]
+    if packed.shape.rank != 1 or any(t.shape.rank != 0 for t in packed.op.inputs):
+        return False
+    axis = tf.get_static_value(sum_op.inputs[1])
+    return axis is not None and set(np.ravel(axis).tolist()) <= {0, -1}
+
+
+def divided_by(value, divisor) -> bool:
+    """True when graph tensor ``value`` is visibly ``x / divisor`` or a product with such a quotient (through casts
+    and identities); ``divisor`` is a tensor of the same graph or one the graph captured."""
+    if divisor is None or not hasattr(value, "op") or not hasattr(divisor, "op") or tf.executing_eagerly():
+        return False
+
+    def skip(tensor):
+        while tensor.op.type in _PASS_THROUGH and tensor.op.inputs:
+            tensor = tensor.op.inputs[0]
+        return tensor
+
+    targets = {id(divisor)}
+    stack, visited = [value], 0
+    while stack and visited < 16:
+        visited += 1
+        op = skip(stack.pop()).op
+        if op.type in ("RealDiv", "DivNoNan", "Div") and len(op.inputs) == 2:
+            if _captures_one_of(skip(op.inputs[1]), targets):
+                return True
+        elif op.type == "Mul" and len(op.inputs) == 2:
+            stack.extend(op.inputs)
+    return False
+
+
+def sums_over_batch(value) -> bool:
+    """True when graph tensor ``value`` is visibly a sum over a batch: ``reduce_sum`` of a tensor whose leading
+    (batch) dimension is unknown while tracing, along that dimension (through casts and identities).
+
+    Under the strategy every replica's slice has an unknown leading dimension, and model weights have static
+    shapes, so a sum of a weight (a hand-written regularizer) is not one. Eagerly (no graph) this is False.
+    """
+    if not hasattr(value, "op") or tf.executing_eagerly():
+        return False
+    op = value.op
+    while op.type in _PASS_THROUGH and op.inputs:
+        op = op.inputs[0].op
+    if op.type != "Sum" or len(op.inputs) != 2:
+        return False
+    summed = op.inputs[0]
+    if summed.shape.rank is None or summed.shape.rank == 0 or summed.shape[0] is not None:
+        return False
+    axis = tf.get_static_value(op.inputs[1])
+    if axis is None:
+        return False
+    rank = summed.shape.rank
+    return 0 in {int(a) % rank for a in np.ravel(axis)}
+
+
+def accumulates_into(value, variable) -> bool:
+    """True when graph tensor ``value`` is ``variable + delta`` in some linear form.
+
+    The variable's direct reads (its own handle, or a function graph's capture of it) must add up to coefficient
+    1: ``var + a + b``, ``tf.add_n([var, a, b])``, ``var - (-d)`` and ``var - d`` qualify; ``var * decay + x``
+    and ``2 * var + d`` do not. The other terms are not searched for further reads of the variable (they can be
+    the whole model's forward pass): a value such as ``var + var * d`` counts as an accumulation of ``var * d``.
+    """
+    handles = {id(h) for h in _handles(variable)}
+    if not handles:
+        return False
+
+    def reads_variable(tensor) -> bool:
+        op = tensor.op
+        while op.type in _PASS_THROUGH and op.inputs:
+            op = op.inputs[0].op
+        return op.type == "ReadVariableOp" and _captures_one_of(op.inputs[0], handles)
+
+    terms = linear_terms(value, reads_variable)
+    if terms is None:
+        return False
+    coefficient = sum(coeff for coeff, tensor in terms if reads_variable(tensor))
+    return abs(coefficient - 1.0) < 1e-12
+
+
+def _captures_one_of(tensor, handle_ids: set) -> bool:
+    """True when ``tensor`` is one of the handles, or a function graph's capture of one (through nested graphs)."""
+    for _ in range(16):  # nesting depth bound
+        if tensor is None:
+            return False
+        if id(tensor) in handle_ids:
+            return True
+        # FuncGraph.captures: (outer tensor, placeholder inside the function) pairs.
+        captures = getattr(tensor.graph, "captures", ())
+        tensor = next((outer for outer, inner in captures if inner is tensor), None)
+    return False
+
+
+def _handles(variable) -> list:
+    """The resource handles a read of ``variable`` may use in the current graph (its own, or its wrapped one's)."""
+    found = []
+    for candidate in (variable, getattr(variable, "_v", None)):  # _v: the variable an AggregatingVariable wraps
+        handle = getattr(candidate, "handle", None)
+        if handle is not None:
+            found.append(handle)
+    return found

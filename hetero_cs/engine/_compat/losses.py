@@ -1,0 +1,362 @@
+"""Private touches of Keras' losses and loss tracking: every replica's loss is its exact share of the global batch's.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
+
+Replica ``i`` holds ``b_i`` of the ``B`` examples; the host sums the replicas' gradients, so each replica's loss
+must be its *share*: the part of the single-device loss that its examples contribute. For a per-example mean that
+is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places, and each is made exact here:
+
+* ``reduce_values`` (per-example losses, reduction ``"sum_over_batch_size"``): Keras' ``1 / R`` scaling becomes
+  ``w_i`` (:func:`_patch_loss_scaling`).
+* A loss that returns a scalar (a loss function that reduces itself): a slice mean, weighed ``w_i``. With
+  reduction ``"sum"`` or None, or with sample weights or a mask, it cannot be weighed: ``LossPatternError``.
+* A mask (``mask_zero=True``, ``Masking``), and reduction ``"mean_with_sample_weight"``: the normaliser (unmasked
+  count, sum of sample weights) is the whole batch's, all-reduced over the replicas, not the slice's.
+* ``compute_loss``: a result that is Keras' own is already a share; an override's own scalar terms (``ops.mean``
+  of the batch, ``ops.sum(self.losses)``) are slice means and weigh ``w_i``, found through the graph
+  (:func:`hetero_cs.engine._compat.graph_patterns.linear_terms`).
+* ``keras.metrics.Mean`` given one scalar per step without a sample weight (the loss tracker of Keras' guide, a
+  per-output loss metric): a share counts as ``share / w_i`` with weight ``w_i``, any other scalar (a slice mean)
+  with weight ``w_i``; over the replicas that is one value per step, as on one device.
+* A scalar that is visibly a sum over the batch cannot be a slice mean: ``LossPatternError``.
+
+Shares are remembered per replica step (:attr:`hetero_cs.engine.training.ReplicaStep.loss_terms`); a value visibly
+divided by the step's ``B`` (``tf.nn.compute_average_loss(..., global_batch_size=current_global_batch_size())``)
+is one too.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import tensorflow as tf
+
+from hetero_cs.engine import training
+from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.graph_patterns import divided_by, linear_terms, sums_over_batch
+from hetero_cs.errors import LossPatternError
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+_current_loss = threading.local()  # the Loss object being called in this thread (for error messages)
+
+
+def weighted_step():
+    """The replica step being run when it is ours and knows its global batch (the b_i / B weighting applies)."""
+    if current_hetero_strategy() is None:
+        return None
+    step = training.current_replica_step()
+    return step if step.global_batch_size is not None else None
+
+
+def _register(step, value):
+    step.loss_terms.add(value.ref())
+    return value
+
+
+def _weigh(value, weight=None):
+    """``value * w_i``, and 0 (never NaN) for a 0-example replica, whose own mean of nothing is NaN."""
+    if weight is None:
+        weight = training.replica_weight(value.dtype)
+    return tf.where(weight > 0, value * weight, tf.zeros_like(value))
+
+
+def _is_share(step, value) -> bool:
+    """True for a value hetero_cs weighted, or one visibly divided by this step's ``B`` (the documented idiom
+    ``tf.nn.compute_average_loss(..., global_batch_size=hetero_cs.current_global_batch_size())``, or a value times
+    ``hetero_cs.replica_weight()``)."""
+    try:
+        if value.ref() in step.loss_terms:
+            return True
+    except (AttributeError, TypeError):
+        return False
+    return divided_by(value, step.global_batch_size)
+
+
+def _patch_loss_scaling() -> None:
+    # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
+    # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
+    # call time (by Loss.__call__ via reduce_values, the TF trainer and compile_utils), so replacing the module
+    # attributes reaches every caller. Under our strategy the factor is b_i / B instead.
+    from keras.src.losses import loss as loss_module
+
+    original_scale = loss_module.scale_loss_for_distribution
+    original_unscale = loss_module.unscale_loss_for_distribution
+
+    @functools.wraps(original_scale)
+    def scale_loss_for_distribution(value):
+        step = weighted_step()
+        if step is not None:
+            return _register(step, value * training.replica_weight(value.dtype))
+        return original_scale(value)
+
+    @functools.wraps(original_unscale)
+    def unscale_loss_for_distribution(value):
+        if weighted_step() is not None:
+            # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
+            return tf.math.divide_no_nan(value, training.replica_weight(value.dtype))
+        return original_unscale(value)
+
+    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
+
+
+def _patch_loss_reduction() -> None:
+    # Loss.__call__ reduces through the module attribute reduce_weighted_values (looked up at call time), so
+    # replacing it reaches every Keras loss. Loss.__call__ itself is wrapped only to name the loss in errors.
+    from keras.src.losses import loss as loss_module
+
+    original_reduce = loss_module.reduce_weighted_values
+    original_call = loss_module.Loss.__call__
+
+    @functools.wraps(original_call)
+    def call(self, y_true, y_pred, sample_weight=None):
+        if weighted_step() is None:
+            return original_call(self, y_true, y_pred, sample_weight=sample_weight)
+        previous = getattr(_current_loss, "loss", None)
+        _current_loss.loss = self
+        try:
+            return original_call(self, y_true, y_pred, sample_weight=sample_weight)
+        finally:
+            _current_loss.loss = previous
+
+    @functools.wraps(original_reduce)
+    def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+        step = weighted_step()
+        if step is None:
+            return original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+        from keras.src import ops
+
+        reduction = loss_module.standardize_reduction(reduction)
+        values = ops.convert_to_tensor(values, dtype=dtype)  # as Keras' own: casts to the loss's dtype
+        if values.shape.rank == 0:
+            return _register(step, _scalar_share(values, sample_weight, mask, reduction))
+        global_normaliser = reduction in _MEAN_REDUCTIONS and (
+            mask is not None or (reduction == "mean_with_sample_weight" and sample_weight is not None)
+        )
+        if not global_normaliser:
+            result = original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+            if reduction not in (None, "none") and result.shape.rank != 0:
+                # Keras returns losses of static shape (0,) unreduced (eagerly, a 0-example slice): their share is a
+                # scalar 0, not an empty vector (whose mean in the loss tracker would be NaN).
+                result = tf.reduce_sum(result)
+            return _register(step, result)
+        return _register(step, _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module))
+
+    loss_module.Loss.__call__ = call
+    loss_module.reduce_weighted_values = reduce_weighted_values
+
+
+def _loss_name() -> str:
+    loss = getattr(_current_loss, "loss", None)
+    name = getattr(loss, "name", None) or type(loss).__name__
+    fn = getattr(loss, "fn", None)  # LossFunctionWrapper: the user's function
+    return f"{name!r} ({getattr(fn, '__qualname__', fn)})" if fn is not None else repr(name)
+
+
+def _scalar_share(value, sample_weight, mask, reduction):
+    """A loss that reduced itself to a scalar: the replica's slice mean, weighed b_i / B."""
+    if sample_weight is not None or mask is not None:
+        given = "sample weights (sample_weight or class_weight)" if sample_weight is not None else "a mask"
+        raise LossPatternError(
+            f"The loss {_loss_name()} returned a scalar, but the batch has {given}. Under "
+            f"HeteroCentralStorageStrategy each replica's loss must be its share of the whole batch's loss, and a "
+            f"scalar that was reduced before the weights apply cannot be weighted per example (on one device the "
+            f"result would not be a weighted mean either). Return per-example losses (shape [batch, ...], e.g. "
+            f"without the final tf.reduce_mean) and let the loss reduction apply the weights."
+        )
+    if reduction not in _MEAN_REDUCTIONS:
+        raise LossPatternError(
+            f"The loss {_loss_name()} returned a scalar with reduction={reduction!r}. Under "
+            f"HeteroCentralStorageStrategy a scalar loss is one replica's value on its slice of the batch, and with "
+            f"this reduction hetero_cs cannot tell whether it is the slice's sum or its mean, so it cannot weigh "
+            f"the replicas' values to equal one device's. Return per-example losses (shape [batch, ...]) and let "
+            f"reduction={reduction!r} reduce them, or use reduction='sum_over_batch_size' if the scalar is a mean "
+            f"over the batch."
+        )
+    if sums_over_batch(value):
+        raise LossPatternError(
+            f"The loss {_loss_name()} returns the sum of its values over the batch as a scalar, with "
+            f"reduction={reduction!r}. Under HeteroCentralStorageStrategy a scalar loss is taken as the mean over "
+            f"the replica's slice and weighed b_i / B, which a sum is not (one device would sum over the whole "
+            f"batch). Return per-example losses (shape [batch, ...], without the tf.reduce_sum) and use "
+            f"reduction='sum', or return the mean (tf.reduce_mean)."
+        )
+    return _weigh(value)
+
+
+def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module):
+    """Keras' reduce_weighted_values with the normaliser of the whole global batch (summed over the replicas).
+
+    Masked mean (reduction "sum_over_batch_size" / "mean"): sum(loss * sample_weight * mask) / unmasked count.
+    "mean_with_sample_weight": sum(loss * weight) / sum(weight), the weight being sample_weight times the mask.
+    Keras divides by the slice's own count or sum; here the count or sum is all-reduced, so each replica's value
+    is its share and the shares add up to the single-device loss (0 for a 0-example slice).
+    """
+    squeeze = loss_module.squeeze_or_expand_to_same_rank
+    if sample_weight is not None:
+        sample_weight = tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)
+    weights = sample_weight
+    float_mask = None
+    if mask is not None:
+        float_mask = tf.cast(tf.convert_to_tensor(mask), values.dtype)
+        if weights is not None:
+            masked, weights = squeeze(float_mask, weights)
+            weights = weights * masked
+        else:
+            weights = float_mask
+    values, weights = squeeze(values, weights)
+    weighted = values * weights
+    numerator = tf.reduce_sum(weighted)
+    if reduction == "mean_with_sample_weight":
+        local_normaliser, ratio = tf.reduce_sum(weights), tf.constant(1, values.dtype)
+    else:
+        # Keras weighs unmasked entries total/valid and divides by the number of loss values; total/size is a
+        # shape constant (1 when the mask has the loss's shape), kept as is.
+        local_normaliser = tf.reduce_sum(float_mask)
+        ratio = tf.math.divide_no_nan(tf.cast(tf.size(float_mask), values.dtype), tf.cast(tf.size(weighted), values.dtype))
+    context = tf.distribute.get_replica_context()
+    normaliser = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stop_gradient(local_normaliser))
+    return tf.math.divide_no_nan(numerator * ratio, normaliser)
+
+
+def _patch_compute_loss() -> None:
+    # Trainer.compute_loss (Keras' own) sums shares: the compiled loss's and the scaled add_loss / regularization
+    # terms; its result is remembered as a share. Trainer._compute_loss is what Keras' train_step and test_step
+    # call, and compute_loss overrides of models compiled under our strategy are wrapped at compile: an override's
+    # result is turned into a share there (_as_share). Other strategies call the originals.
+    from keras.src.trainers.trainer import Trainer
+
+    original_compute_loss = Trainer.compute_loss
+    original_private = Trainer._compute_loss  # noqa: SLF001
+    original_compile = Trainer.compile
+
+    @functools.wraps(original_compute_loss)
+    def compute_loss(self, *args, **kwargs):
+        result = original_compute_loss(self, *args, **kwargs)
+        step = weighted_step()
+        if step is not None and result is not None:
+            _register(step, result)
+        return result
+
+    @functools.wraps(original_private)
+    def _compute_loss(self, *args, **kwargs):
+        step = weighted_step()
+        if step is None:
+            return original_private(self, *args, **kwargs)
+        before = len(step.loss_terms)
+        return _as_share(original_private(self, *args, **kwargs), step, before, type(self).__name__)
+
+    @functools.wraps(original_compile)
+    def compile(self, *args, **kwargs):
+        result = original_compile(self, *args, **kwargs)
+        if is_hetero_strategy(getattr(self, "_distribute_strategy", None)):
+            _wrap_compute_loss_overrides(type(self), Trainer)
+        return result
+
+    Trainer.compute_loss = compute_loss
+    Trainer._compute_loss = _compute_loss  # noqa: SLF001
+    Trainer.compile = compile
+
+
+def _wrap_compute_loss_overrides(model_class, trainer_class) -> None:
+    """Wraps every compute_loss a model class defines above Keras' Trainer (once; dispatching on our strategy)."""
+    for cls in model_class.__mro__:
+        if cls is trainer_class:
+            return
+        override = cls.__dict__.get("compute_loss")
+        if override is None or getattr(override, "_hetero_cs_share", False) or not callable(override):
+            continue
+
+        wrapped = _share_of(override)
+        setattr(cls, "compute_loss", wrapped)
+
+
+def _share_of(override):
+    """``override`` (a compute_loss) returning this replica's share under our strategy, unchanged elsewhere."""
+
+    @functools.wraps(override)
+    def compute_loss(self, *args, **kwargs):
+        step = weighted_step()
+        if step is None:
+            return override(self, *args, **kwargs)
+        before = len(step.loss_terms)
+        return _as_share(override(self, *args, **kwargs), step, before, type(self).__name__)
+
+    compute_loss._hetero_cs_share = True
+    return compute_loss
+
+
+def _as_share(result, step, before: int, owner: str):
+    """A compute_loss result as this replica's share: Keras' own terms as they are, the rest weighed b_i / B."""
+    if result is None or getattr(getattr(result, "shape", None), "rank", None) != 0 or _is_share(step, result):
+        return result
+    weight = training.replica_weight(result.dtype)
+    terms = linear_terms(result, lambda t: _is_share(step, t))
+    if terms is None:  # eager: no graph to read
+        if len(step.loss_terms) == before:  # nothing of Keras' weighting ran in the call: all of it is its own
+            return _register(step, _weigh(result, weight))
+        raise LossPatternError(
+            f"compute_loss of {owner} returned a value that mixes Keras' own loss terms (already weighted by "
+            f"hetero_cs) with terms of its own, and with run_eagerly=True the value has no graph that tells them "
+            f"apart. Compile without run_eagerly=True, or return either Keras' loss alone or only your own scalar "
+            f"(a mean over the batch, which hetero_cs weighs by b_i / B)."
+        )
+    own = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t)]
+    if not own:
+        return _register(step, result)
+    if any(sums_over_batch(t) for _, t in terms if not _is_share(step, t)):
+        raise LossPatternError(
+            f"compute_loss of {owner} returns a term that sums over the batch (a tf.reduce_sum / ops.sum of "
+            f"per-example values). Under HeteroCentralStorageStrategy the override's own scalar terms are taken as "
+            f"means over the replica's slice and weighed b_i / B, which a sum is not (one device would sum over "
+            f"the whole batch). Return the mean over the batch (tf.reduce_mean) instead, or compute the sum with a "
+            f"Keras loss of reduction='sum' (e.g. keras.losses.MeanSquaredError(reduction='sum')), whose value "
+            f"hetero_cs weighs itself."
+        )
+    # result = shares + own, exactly (linear_terms); the share of `own` (a mean over the slice) is own * w_i.
+    shares = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if _is_share(step, t)]
+    return _register(step, tf.add_n([*shares, _weigh(tf.add_n(own), weight)]))
+
+
+def _patch_mean_metric() -> None:
+    # keras.metrics.Mean.update_state(scalar) without a sample weight counts 1 per call, so R replicas would count
+    # R per step and the mean would come out R times too small (Keras' guide: a Mean tracking compute_loss's
+    # value in a custom train_step), or average slices unweighted (per-output loss metrics). Under our strategy
+    # such a scalar counts w_i = b_i / B per replica: one per step, as on one device.
+    from keras.src.metrics.reduction_metrics import Mean
+
+    original_update = Mean.update_state
+
+    @functools.wraps(original_update)
+    def update_state(self, values, sample_weight=None):
+        step = weighted_step() if sample_weight is None else None
+        if step is None or _in_stateless_scope():
+            return original_update(self, values, sample_weight=sample_weight)
+        tensor = values if isinstance(values, tf.Tensor) else tf.convert_to_tensor(values)
+        if tensor.shape.rank != 0:
+            return original_update(self, values, sample_weight=sample_weight)
+        if sums_over_batch(tensor):
+            raise LossPatternError(
+                f"The Mean metric {self.name!r} was given one scalar per step that sums over the batch (a "
+                f"tf.reduce_sum / ops.sum of per-example values) and no sample_weight. Under "
+                f"HeteroCentralStorageStrategy such a scalar is taken as the mean over the replica's slice and "
+                f"weighed b_i / B, which a sum is not. Pass the per-example values (update_state(values)), or their "
+                f"mean (tf.reduce_mean), or use keras.metrics.Sum for a sum."
+            )
+        weight = training.replica_weight(self.dtype)
+        share = _is_share(step, tensor)
+        tensor = tf.cast(tensor, self.dtype)
+        if share:
+            tensor = tf.math.divide_no_nan(tensor, weight)  # the slice's own mean
+        # A 0-example replica's own mean of nothing is NaN; it counts 0 with weight 0.
+        tensor = tf.where(weight > 0, tensor, tf.zeros_like(tensor))
+        return original_update(self, tensor, sample_weight=weight)
+
+    Mean.update_state = update_state
+
+
+def _in_stateless_scope() -> bool:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return in_stateless_scope()
