@@ -31,7 +31,8 @@ from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split, split_by_shares
+from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import (
     LOOK_COST_S,
@@ -40,12 +41,9 @@ from hetero_cs.planning.sampling import (
     TIMING_COST_S,
     interval_steps,
 )
-from hetero_cs.planning.solver import _checked_caps, plan_from_split, solve_batch_split
+from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
-
-MIN_PREDICTED_GAIN = 0.02
-"""An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
 class Balancer:
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
@@ -100,6 +98,9 @@ class Balancer:
         self._max_batch_sizes: list[int | None] | None = None
         self._plan: BatchPlan | None = None
         self._plans_by_batch: dict[int, BatchPlan] = {}
+        # The plan in force for every reference size seen under the current models: a verdict of the guard (kept or
+        # reverted) for one input survives an input of another size in between (e.g. a validation set).
+        self._in_force_by_size: dict[int, BatchPlan] = {}
         self._reference_batch_size: int | None = None
         self._monitor = StepTimeMonitor(num_replicas)
         self._rebalancer = Rebalancer(self._rebalance_policy)
@@ -233,24 +234,31 @@ class Balancer:
                     f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
                 )
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
+        if reference_batch_size is not None and (not _is_int(reference_batch_size) or reference_batch_size < 1):
+            raise ConfigError(
+                f"reference_batch_size must be an integer >= 1 (the full global batch) or None. Received: "
+                f"reference_batch_size={reference_batch_size!r}."
+            )
         for i, model in enumerate(models):
             check_cost_model(model, [0, 1], replica_id=i)
         with self._lock:
+            # Solve with the new models before committing anything, so a failure leaves everything as it was.
+            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size)
+            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
             if reference_batch_size is not None:
                 self._reference_batch_size = max(self._reference_batch_size or 0, int(reference_batch_size))
-            # Solve with the new models before committing anything, so a failure leaves everything as it was.
-            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes)
-            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
             try:
                 B = self._reference_batch_size
                 plan = self._solve(B) if B is not None else None
                 rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             except Exception:
-                self._calibrated_models, self._cost_models, self._max_batch_sizes = previous
+                (self._calibrated_models, self._cost_models, self._max_batch_sizes,
+                 self._reference_batch_size) = previous
                 raise
             self._rebalancer = rebalancer
             self._guard.abandon()
             self._plans_by_batch.clear()
+            self._in_force_by_size.clear()
             if plan is None:  # solved (and tried) when the first global batch arrives
                 self._trial_on_first_batch = trial
                 return
@@ -262,21 +270,40 @@ class Balancer:
 
         Returning to auto-balance restores the plan that was in force before the shares were set (a plan the guard
         kept or reverted to stays as it was) when the global batch is the same; otherwise the split is solved anew.
+        A failure (e.g. shares the split cannot use) leaves everything as it was.
         """
         with self._lock:
-            if shares is not None and self._shares is None:
-                self._auto_plan = self._plan  # the plan to come back to
-            self._shares = None if shares is None else tuple(float(s) for s in shares)
-            self._guard.abandon()
-            self._plans_by_batch.clear()
-            if self._reference_batch_size is None:
-                return
-            restored = self._auto_plan if shares is None else None
-            if restored is not None and restored.global_batch_size == self._reference_batch_size:
-                self._auto_plan = None
-                self._commit(restored)
-                return
-            self._commit(self._solve(self._reference_batch_size))
+            previous = (self._shares, self._auto_plan, dict(self._plans_by_batch), dict(self._in_force_by_size))
+            try:
+                self._set_batch_split(shares)
+            except Exception:
+                self._shares, self._auto_plan = previous[0], previous[1]
+                self._plans_by_batch, self._in_force_by_size = previous[2], previous[3]
+                raise
+
+    def _set_batch_split(self, shares: Sequence[float] | None) -> None:
+        if shares is not None and self._shares is None:
+            self._auto_plan = self._plan  # the plan to come back to
+        new_shares = None if shares is None else tuple(float(s) for s in shares)
+        B = self._reference_batch_size
+        restored = self._auto_plan if shares is None else None
+        if B is not None and not (restored is not None and restored.global_batch_size == B):
+            old, self._shares = self._shares, new_shares
+            try:
+                plan = self._solve(B)
+            finally:
+                self._shares = old
+        self._shares = new_shares
+        self._guard.abandon()
+        self._plans_by_batch.clear()
+        self._in_force_by_size.clear()
+        if B is None:
+            return
+        if restored is not None and restored.global_batch_size == B:
+            self._auto_plan = None
+            self._commit(restored)
+            return
+        self._commit(plan)
 
     def start_new_input(self) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` again."""
@@ -290,7 +317,8 @@ class Balancer:
         """The plan in force for a global batch of ``global_batch_size`` examples (solved once, then cached).
 
         The largest size seen becomes the reference whose plan is :attr:`plan`; a last partial batch ``B' < B``
-        gets a plan solved for ``B'``. This is a query: it does not advance a guard trial (see :meth:`serve`).
+        gets a plan solved for ``B'``. It does not advance a guard trial (see :meth:`serve`), but a size larger than
+        the reference becomes the new reference, as when an input's first batch arrives.
 
         Raises:
             ConfigError: ``global_batch_size`` is not an integer >= 1.
@@ -302,8 +330,8 @@ class Balancer:
             plan = self._plans_by_batch.get(b)
             if plan is None:
                 plan = self._solve(b)
-                if b == self._reference_batch_size and self._plan is not None and self._plan.global_batch_size == b:
-                    plan = self._plan  # the plan in force (a guarded one may differ from a fresh solve)
+                if b == self._reference_batch_size and b in self._in_force_by_size:
+                    plan = self._in_force_by_size[b]  # the plan in force (a guarded one may differ from a solve)
                 self._plans_by_batch[b] = plan
             if b == self._reference_batch_size and plan is not self._plan:
                 if self._trial_on_first_batch and self.guard_enabled:
@@ -375,32 +403,11 @@ class Balancer:
     # Internals (called with the lock held)
     # ------------------------------------------------------------------------------------------------------------
     def _solve(self, global_batch_size: int) -> BatchPlan:
-        R = self._num_replicas
-        if self._shares is not None:
-            return plan_from_split(split_by_shares(global_batch_size, self._shares), self._cost_models)
-        if not self._auto_balance or self._cost_models is None:
-            return plan_from_split(even_batch_split(global_batch_size, R), self._cost_models)
-        min_batch_size = 1 if global_batch_size >= R else 0
-        plan = solve_batch_split(
-            self._cost_models, global_batch_size, max_batch_sizes=self._max_batch_sizes, min_batch_size=min_batch_size
+        reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
+        return choose_plan(
+            global_batch_size, self._num_replicas, shares=self._shares, auto_balance=self._auto_balance,
+            cost_models=self._cost_models, max_batch_sizes=self._max_batch_sizes, log_ties=reference,
         )
-        even = even_batch_split(global_batch_size, R)
-        speedup = plan.predicted_speedup_vs_even
-        caps_allow_even = self._max_batch_sizes is None or all(
-            cap is None or b <= cap for b, cap in zip(even, self._max_batch_sizes)
-        )
-        if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
-            # When the devices are (nearly) alike, or fixed per-step costs dominate, many splits tie and the
-            # optimum is decided by calibration noise (e.g. 3/197 on two identical CPUs); keep the even split.
-            reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
-            logger.log(
-                logging.INFO if reference else logging.DEBUG,
-                "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
-                "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
-                list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even),
-            )
-            return plan_from_split(even, self._cost_models, max_batch_sizes=self._max_batch_sizes)
-        return plan
 
     def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
         """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
@@ -431,6 +438,7 @@ class Balancer:
         changed = plan != self._plan
         self._plan = plan
         self._plans_by_batch[plan.global_batch_size] = plan
+        self._in_force_by_size[plan.global_batch_size] = plan
         # Plans for other (partial-batch) sizes came from the same models only if this plan did.
         for size in [k for k in self._plans_by_batch if k != plan.global_batch_size]:
             del self._plans_by_batch[size]
@@ -471,6 +479,7 @@ class Balancer:
         self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
         self._plans_by_batch.clear()
+        self._in_force_by_size.clear()
         self._adopt(new_plan, trial=not forced)
 
 

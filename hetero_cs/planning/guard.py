@@ -15,11 +15,14 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    * early keep, from ``min_pairs`` pairs on: every ``r_k < 1 - early_gain`` (clearly faster in every pair);
    * early revert, from ``min_pairs`` pairs on: every ``r_k > 1`` and ``median(r) > 1 + early_gain``;
    * at ``max_pairs`` pairs: keep iff ``median(r) < 1 - min_gain`` and the one-sided Wilcoxon signed-rank test
-     on ``log r`` gives ``p < significance`` (scipy.stats.wilcoxon); otherwise revert.
+     on ``log r`` gives ``p < significance`` (scipy.stats.wilcoxon); when the median shows the gain but the test
+     does not yet (a host whose load changes from step to step leaves noise in every pair), measure on, up to
+     ``2 * max_pairs`` pairs, and decide the same way there; otherwise revert.
 
    "Measurably faster" is therefore both an effect (``min_gain``) and evidence (``significance``); a tie reverts.
 3. **Back-off.** After a revert no new trial starts for ``backoff_steps`` steps, doubling with every consecutive
-   revert up to ``max_backoff_steps``; a keep resets it.
+   revert up to ``max_backoff_steps``; a keep resets it, and so does a revert that comes more than
+   ``max_backoff_steps`` after the previous back-off ended.
 
 Which plan a step ran with is read from the sizes the step reported (``StepSample.per_replica_batch_sizes``), not
 from what was served, so batches already cut before a switch (the input pipeline prefetches) are attributed right;
@@ -98,6 +101,18 @@ class GuardPolicy:
                 raise ConfigError(
                     f"{name} must be an integer >= {low_name}={low}. Received: {name}={value!r}."
                 )
+        if 2.0 ** -(2 * self.max_pairs) >= self.significance:
+            raise ConfigError(
+                f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
+                f"one-sided p-value of {2 * self.max_pairs} pairs is {2.0 ** -(2 * self.max_pairs):.3g}). Raise "
+                f"max_pairs or significance."
+            )
+        needed = math.ceil(len(p) / p.count("I")) * 2 * self.max_pairs
+        if self.max_trial_steps < needed:
+            raise ConfigError(
+                f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "
+                f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}."
+            )
         for name, lo, hi, lo_open in (
             ("early_gain", 0.0, 1.0, True), ("min_gain", 0.0, 1.0, False), ("significance", 0.0, 1.0, True)
         ):
@@ -222,6 +237,10 @@ class PlanGuard:
         Raises:
             ConfigError: If the plans are for different global batch sizes or replica counts, or have equal slices.
         """
+        if not isinstance(incumbent, BatchPlan) or not isinstance(candidate, BatchPlan):
+            raise ConfigError(
+                f"A trial compares two BatchPlans. Received: incumbent={incumbent!r}, candidate={candidate!r}."
+            )
         if (
             incumbent.global_batch_size != candidate.global_batch_size
             or len(incumbent.per_replica_batch_sizes) != len(candidate.per_replica_batch_sizes)
@@ -294,6 +313,8 @@ class PlanGuard:
             p_value = _wilcoxon_less_p(np.log(ratios))
             if median < 1.0 - policy.min_gain and p_value < policy.significance:
                 return self._decision(step, KEPT, median, p_value, "measurably faster")
+            if median < 1.0 - policy.min_gain and n < 2 * policy.max_pairs:
+                return None  # faster on the median but not yet significant (a noisy host): measure up to twice as long
             return self._decision(step, REVERTED, median, p_value, "not measurably faster")
         if self._trial_steps >= policy.max_trial_steps:
             return self._decision(step, REVERTED, median, None, f"only {n} pairs in {self._trial_steps} steps")
@@ -316,6 +337,8 @@ class PlanGuard:
         if decision.kept:
             self._consecutive_reverts = 0
         else:
+            if decision.step - self._blocked_until_step > policy.max_backoff_steps:
+                self._consecutive_reverts = 0  # the last revert is long past: start the back-off from the bottom
             backoff = min(policy.backoff_steps * 2 ** self._consecutive_reverts, policy.max_backoff_steps)
             self._consecutive_reverts += 1
             self._num_reverts += 1

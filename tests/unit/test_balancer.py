@@ -172,3 +172,30 @@ def test_a_trial_that_is_never_timed_keeps_the_candidate_with_a_warning(caplog):
             balancer.serve(B)  # served, never recorded
     assert not balancer.guard.in_trial
     assert any("no step of the trial was timed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_guard_verdict_survives_an_input_of_another_batch_size():
+    """Regression: after a revert, a validation input batched differently made the reverted plan come back unmeasured."""
+    wrong = [LinearCostModel(0.0, 1e-3), LinearCostModel(0.0, 3e-3)]
+    truth = LinearCostModel(0.0, 1e-3)
+    balancer = Balancer(2, rebalance=False)
+    balancer.set_cost_models(wrong, trial=True, reference_batch_size=100)
+    simulate_balancer(balancer, lambda step: [truth, truth], 100, steps=40)
+    assert balancer.last_guard_decision.outcome == "reverted" and balancer.plan.per_replica_batch_sizes == (50, 50)
+    balancer.start_new_input()
+    balancer.serve(64)  # another input, another size
+    balancer.start_new_input()
+    assert balancer.serve(100).per_replica_batch_sizes == (50, 50) and not balancer.guard.in_trial
+
+
+def test_bad_reference_batch_size_and_bad_shares_leave_the_balancer_as_it_was():
+    models = [LinearCostModel(0.0, 1e-3), LinearCostModel(0.0, 3e-3)]
+    balancer = Balancer(2, guard=False, rebalance=False)
+    balancer.set_cost_models(models, reference_batch_size=100)
+    for bad in (0, -5, 2.7, "100", True):
+        with pytest.raises(ConfigError, match="reference_batch_size"):
+            balancer.set_cost_models(models, reference_batch_size=bad)
+    assert balancer.reference_batch_size == 100 and balancer.plan.global_batch_size == 100
+    with pytest.raises(Exception):
+        balancer.set_batch_split([1, -1])
+    assert balancer.shares is None and balancer.serve(100).per_replica_batch_sizes == (75, 25)

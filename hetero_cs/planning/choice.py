@@ -1,0 +1,55 @@
+"""How the split of one global batch is chosen: fixed shares, the even split, or the solved split (pure)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
+from hetero_cs.planning.solver import plan_from_split, solve_batch_split
+
+logger = logging.getLogger("hetero_cs.planning.balancer")  # the messages users filter on
+
+MIN_PREDICTED_GAIN = 0.02
+"""An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
+
+
+def choose_plan(
+    global_batch_size: int,
+    num_replicas: int,
+    *,
+    shares: Sequence[float] | None,
+    auto_balance: bool,
+    cost_models: Sequence[CostModel] | None,
+    max_batch_sizes: Sequence[int | None] | None,
+    log_ties: bool = True,
+) -> BatchPlan:
+    """The plan for one global batch of B examples on R replicas.
+
+    Fixed ``shares`` win; without them, no auto-balance or no cost models give the even split; else the
+    minimum-makespan split (``solve_batch_split``, min_batch_size 1 when B >= R, else 0), unless it is predicted
+    less than MIN_PREDICTED_GAIN faster than the even split and the caps allow the even split: such ties are decided
+    by calibration noise (e.g. 3/197 on two identical CPUs), so the even split stays (logged at INFO when
+    ``log_ties``, at DEBUG otherwise, e.g. for a last partial batch). Predictions are filled when models are given.
+    """
+    if shares is not None:
+        return plan_from_split(split_by_shares(global_batch_size, shares), cost_models)
+    if not auto_balance or cost_models is None:
+        return plan_from_split(even_batch_split(global_batch_size, num_replicas), cost_models)
+    min_batch_size = 1 if global_batch_size >= num_replicas else 0
+    plan = solve_batch_split(
+        cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size
+    )
+    even = even_batch_split(global_batch_size, num_replicas)
+    speedup = plan.predicted_speedup_vs_even
+    caps_allow_even = max_batch_sizes is None or all(cap is None or b <= cap for b, cap in zip(even, max_batch_sizes))
+    if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
+        logger.log(
+            logging.INFO if log_ties else logging.DEBUG,
+            "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
+            "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
+            list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even),
+        )
+        return plan_from_split(even, cost_models, max_batch_sizes=max_batch_sizes)
+    return plan
