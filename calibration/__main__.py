@@ -217,7 +217,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        print(f"profile {args.profile} (its 'plan:' line is the plan at calibration time):")
+        print(f"profile {args.profile} (its 'solved plan:' line is the plan solved at calibration time):")
         print(result.format_table())
         print(f"\nplan for global batch size {batch}:")
         print(plan)

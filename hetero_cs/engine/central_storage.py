@@ -272,7 +272,9 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         plan = self.plan
         if plan is not None and plan != self._last_logged_plan:
             self._last_logged_plan = plan
-            logger.info("hetero_cs batch plan:\n%s", plan)
+            candidate = self._balancer.guard.candidate
+            trying = f" (in force while the guard tries {list(candidate.per_replica_batch_sizes)})" if candidate else ""
+            logger.info("hetero_cs batch plan%s:\n%s", trying, plan)
 
     def _slice_sizes(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) with every component's leading dimension, for every

@@ -273,6 +273,8 @@ class Balancer:
         A failure (e.g. shares the split cannot use) leaves everything as it was.
         """
         with self._lock:
+            if shares is None and self._shares is None:
+                return  # already auto-balanced (or even): nothing changes, a running trial goes on
             previous = (self._shares, self._auto_plan, dict(self._plans_by_batch), dict(self._in_force_by_size))
             try:
                 self._set_batch_split(shares)
