@@ -362,22 +362,16 @@ class StepTimeMonitor:
                 f"cost_models must hold one cost model per replica. Received: len(cost_models)={len(cost_models)}, "
                 f"num_replicas={self._num_replicas}."
             )
-        sizes, times_s = self._window_arrays()
-        relative, _ = self._relative_levels(cost_models)
+        levels = self._levels(cost_models)
+        relative, _ = self._relative_levels(cost_models, levels)
         result = np.zeros(self._num_replicas)
-        for i, model in enumerate(cost_models):
-            levels = []
-            for b, t in zip(sizes[:, i], times_s[:, i]):
-                if b <= 0:
-                    continue
-                predicted_s = float(model.predict_step_time_s(int(b)))
-                if math.isfinite(predicted_s) and predicted_s > 0:
-                    levels.append(t / predicted_s)
-            if not levels:
+        for i in range(self._num_replicas):
+            q = levels[:, i][np.isfinite(levels[:, i])]
+            if not q.size:
                 continue
-            q = np.asarray(levels)
-            recent = _shift_start(relative[:, i][np.isfinite(relative[:, i])])
-            if recent is not None and q.size == np.isfinite(relative[:, i]).sum():
+            usable = relative[:, i][np.isfinite(relative[:, i])]
+            recent = _shift_start(usable)
+            if recent is not None and q.size == usable.size:
                 q = q[recent:]  # the speed changed: only the steps since say how precisely the new level is known
             center = float(np.median(q))
             if center > 0:
@@ -385,23 +379,36 @@ class StepTimeMonitor:
                 result[i] = 1.2533 * 1.4826 * mad / center / math.sqrt(q.size)
         return result
 
-    def _relative_levels(self, cost_models: Sequence[CostModel]) -> tuple[np.ndarray, np.ndarray]:
-        """Per-step levels with the step's common mode divided out, and the common modes.
-
-        q[k, i] = t_i / model_i.predict_step_time_s(b_i) at window step k (NaN where b_i = 0 or the model predicts no
-        positive time); g[k] = the geometric mean of step k's finite levels, the factor by which the whole step ran
-        slow or fast (the host got busy, a garbage collection): it hits every replica alike and says nothing about
-        their relative speeds. Returns (q / g, g), shapes [S, R] and [S].
-        """
+    def _levels(self, cost_models: Sequence[CostModel]) -> np.ndarray:
+        """q[k, i] = t_i / model_i.predict_step_time_s(b_i) at window step k, shape [S, R]; NaN where b_i = 0 or the
+        model predicts no positive time (each model is evaluated once per distinct slice size)."""
         sizes, times_s = self._window_arrays()
         levels = np.full(sizes.shape, np.nan)
         for i, model in enumerate(cost_models):
+            predicted: dict[int, float] = {}
             for k, (b, t) in enumerate(zip(sizes[:, i], times_s[:, i])):
                 if b <= 0:
                     continue
-                predicted_s = float(model.predict_step_time_s(int(b)))
-                if math.isfinite(predicted_s) and predicted_s > 0 and t > 0:
+                if int(b) not in predicted:
+                    predicted[int(b)] = float(model.predict_step_time_s(int(b)))
+                predicted_s = predicted[int(b)]
+                if math.isfinite(predicted_s) and predicted_s > 0:
                     levels[k, i] = t / predicted_s
+        return levels
+
+    def _relative_levels(
+        self, cost_models: Sequence[CostModel], levels: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per-step levels with the step's common mode divided out, and the common modes.
+
+        With q = :meth:`_levels` (positive levels only; a zero time says nothing about speed) and g[k] the geometric
+        mean of step k's positive levels - the factor by which the whole step ran slow or fast (the host got busy, a
+        garbage collection), which hits every replica alike and says nothing about their relative speeds - returns
+        (q / g, g), shapes [S, R] and [S].
+        """
+        if levels is None:
+            levels = self._levels(cost_models)
+        levels = np.where(levels > 0, levels, np.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
             finite = np.isfinite(levels)
             log_levels = np.where(finite, np.log(np.where(finite, levels, 1.0)), 0.0)
