@@ -20,7 +20,7 @@ import tensorflow as tf
 from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error, tag_replica
+from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error, naming_the_replica
 from hetero_cs.errors import ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -417,14 +417,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 start_stamp=start,
                 sampled_timing=sampled,
             )
-            with training.replica_step(step):
-                if tf.inside_function():
-                    return fn(*call_args, **call_kwargs)
-                try:  # eagerly, an op error names no op (no "replica_<i>/" scope): say which replica raised it
-                    return fn(*call_args, **call_kwargs)
-                except tf.errors.OpError as exc:
-                    tag_replica(exc, tf.get_static_value(replica_id))
-                    raise
+            with training.replica_step(step), naming_the_replica(replica_id):
+                return fn(*call_args, **call_kwargs)
 
         return replica_fn
 

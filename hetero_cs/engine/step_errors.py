@@ -5,8 +5,11 @@ Also the advice for 0-example slices, which some TensorFlow kernels cannot run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+
+import tensorflow as tf
 
 from hetero_cs.errors import ReplicaStepError
 
@@ -34,6 +37,22 @@ def tag_replica(exc: Exception, replica_id: int) -> None:
             setattr(exc, REPLICA_ID_ATTRIBUTE, int(replica_id))
         except (AttributeError, TypeError):
             pass  # an exception type that takes no attributes: the op-name path below still applies
+
+
+@contextlib.contextmanager
+def naming_the_replica(replica_id):
+    """Around a replica function: eagerly, tags an op error it raises with the replica (see :func:`tag_replica`).
+
+    In a graph (inside tf.function) the op names carry the replica's scope and this does nothing.
+    """
+    if tf.inside_function():
+        yield
+        return
+    try:
+        yield
+    except tf.errors.OpError as exc:
+        tag_replica(exc, tf.get_static_value(replica_id))
+        raise
 
 
 def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan):
