@@ -238,3 +238,31 @@ def test_mixed_bfloat16_fit_matches_one_device():
         model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     for w, ref in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(w, ref, atol=1e-2)  # bfloat16 keeps 8 bits of mantissa
+
+
+def test_mixed_bfloat16_on_an_emulated_t4_is_refused_at_fit():
+    x, y = data_with_overflows({})
+    with global_policy("mixed_bfloat16"):
+        strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], emulate=["A10", "T4"], auto_balance=False,
+                                                rebalance=False, profile_cache=False)
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        with pytest.raises(hetero_cs.UnsupportedPrecisionError, match="T4 has no bfloat16"):
+            model.fit(x[:B], y[:B], batch_size=B, verbose=0)
+
+
+def test_mixed_bfloat16_on_a_real_gpu_without_bf16_is_refused(monkeypatch):
+    from hetero_cs.devices import discovery
+    from hetero_cs.engine import calibrating
+
+    t4 = discovery.DeviceInfo(name="/device:GPU:1", device_type="GPU", description="Tesla T4",
+                              compute_capability=(7, 5))
+    monkeypatch.setattr(discovery, "discover_devices", lambda: [t4])
+    fake_strategy = type("FakeStrategy", (), {"_compute_devices": ("/device:GPU:0", "/device:GPU:1")})()
+    with global_policy("mixed_bfloat16"):
+        model = make_model()
+    with pytest.raises(hetero_cs.UnsupportedPrecisionError, match=r"GPU:1 \(compute capability 7.5\)"):
+        calibrating.check_policy_support(fake_strategy, model)
+    with global_policy("mixed_float16"):
+        calibrating.check_policy_support(fake_strategy, make_model())  # float16 runs on a T4
