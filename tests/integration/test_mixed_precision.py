@@ -266,3 +266,32 @@ def test_mixed_bfloat16_on_a_real_gpu_without_bf16_is_refused(monkeypatch):
         calibrating.check_policy_support(fake_strategy, model)
     with global_policy("mixed_float16"):
         calibrating.check_policy_support(fake_strategy, make_model())  # float16 runs on a T4
+
+
+def test_a_profile_measured_under_one_policy_never_serves_another(tmp_path, monkeypatch):
+    import importlib
+
+    from calibration import calibrate
+
+    calibrate_module = importlib.import_module("calibration.calibrate")  # the package exports a function of that name
+    from calibration.store import ProfileStore
+
+    policies = []
+    real_key = calibrate_module.profile_key
+
+    def recording_key(**kwargs):
+        policies.append(kwargs["dtype_policy"])
+        return real_key(**kwargs)
+
+    monkeypatch.setattr(calibrate_module, "profile_key", recording_key)
+    x, y = data_with_overflows({})
+    kwargs = dict(devices=["/device:CPU:1", "/device:CPU:2"], probe_batch_sizes=[1, 4, 8], warmup_steps=1, trials=1,
+                  store=ProfileStore(tmp_path), progress=False)
+    for policy in ("float32", "mixed_float16", "float32"):
+        with global_policy(policy):
+            model = make_model()
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+            result = calibrate(model, (x[:8], y[:8]), **kwargs)
+        assert result.from_cache == (len(policies) == 3)  # the third run (float32 again) hits the first's entry
+    assert policies == ["float32", "mixed_float16", "float32"]
+    assert len(list(tmp_path.glob("*.json"))) == 2
