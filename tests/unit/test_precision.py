@@ -82,8 +82,8 @@ def test_half_precision_compute_uses_the_half_precision_figure():
         fixed = emulated_step_time_s(spec, 0, workload("float32"))  # 0 examples: idles, 0 s
         assert fixed == 0.0
         # The compute term alone: the difference between two batch sizes.
-        fp32 = emulated_step_time_s(spec, 200, workload("float32")) - emulated_step_time_s(spec, 100, workload("float32"))
-        fp16 = emulated_step_time_s(spec, 200, workload("float16")) - emulated_step_time_s(spec, 100, workload("float16"))
+        fp32, fp16 = (emulated_step_time_s(spec, 200, workload(d)) - emulated_step_time_s(spec, 100, workload(d))
+                      for d in ("float32", "float16"))
         assert fp32 / fp16 == pytest.approx(spec.fp16_tflops / spec.fp32_tflops, rel=1e-9)
 
 
