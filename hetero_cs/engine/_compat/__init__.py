@@ -13,7 +13,8 @@ The touches are grouped by what they touch: ``distribute`` (tf.distribute's exte
 ``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
 ``optimizer`` (Keras' TensorFlow optimizer), ``loss_scale`` (its LossScaleOptimizer: mixed_float16),
 ``trainer`` (fit, evaluate, predict and layer walks), ``graph_patterns`` (reading how a traced value was computed)
-and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a private TensorFlow or Keras name.
+and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a
+private TensorFlow or Keras name.
 """
 
 from __future__ import annotations
