@@ -295,3 +295,27 @@ def test_a_profile_measured_under_one_policy_never_serves_another(tmp_path, monk
         assert result.from_cache == (len(policies) == 3)  # the third run (float32 again) hits the first's entry
     assert policies == ["float32", "mixed_float16", "float32"]
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_several_steps_per_execution_skip_like_one_device():
+    # Keras runs the steps of one execution inside one tf.function (a loop): each step is judged on its own.
+    shares = [5, 3, 2]
+    x, y = data_with_overflows(overflows_in_each_replica(shares))
+
+    def final_state(model):
+        optimizer = model.optimizer
+        return float(optimizer.dynamic_scale.numpy()), int(optimizer.step_counter.numpy()), int(
+            optimizer.iterations.numpy())
+
+    with global_policy("mixed_float16"):
+        reference = make_model()
+        reference.compile(optimizer=scaled_adam(), loss="sparse_categorical_crossentropy")
+        reference.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        strategy = strategy_for(shares)
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer=scaled_adam(), loss="sparse_categorical_crossentropy", steps_per_execution=3)
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert final_state(model) == final_state(reference)
+    assert final_state(model)[2] == STEPS - 3
+    assert_same_state(model, reference)
