@@ -319,3 +319,25 @@ def test_several_steps_per_execution_skip_like_one_device():
     assert final_state(model) == final_state(reference)
     assert final_state(model)[2] == STEPS - 3
     assert_same_state(model, reference)
+
+
+def test_a_failed_replica_step_under_loss_scaling_changes_nothing():
+    # The loss-scaled update and the scale's own update wait for every replica's gradients (the failure barrier).
+    class RejectNaN(keras.layers.Layer):
+        def call(self, x):
+            return tf.debugging.check_numerics(x, "non-finite input")
+
+    with global_policy("mixed_float16"):
+        strategy = strategy_for([4, 4, 2])
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), RejectNaN(), keras.layers.Dense(1)])
+            model.compile(optimizer=scaled_adam(), loss="mse")
+        x, y = np.ones((10, 3), np.float32), np.ones((10, 1), np.float32)
+        model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+        state = [*model.variables, *model.optimizer.variables]
+        before = [v.numpy() for v in state]
+        x[5] = np.nan  # replica 1's slice
+        with pytest.raises(hetero_cs.ReplicaStepError, match="replica 1 on /device:CPU:2"):
+            model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    for variable, value in zip(state, before):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)  # scale and counters included
