@@ -56,9 +56,11 @@ def make_model(seed: int = 0):
     ])
 
 
-def scaled_adam():
-    return keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(0.01), initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS)
+def scaled_adam(inner: str = "adam"):
+    # AdamW: decoupled weight decay must be skipped with the rest of a non-finite step, as on one device.
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.2) if inner == "adamw" else keras.optimizers.Adam(0.01)
+    return keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=INITIAL_SCALE,
+                                               dynamic_growth_steps=GROWTH_STEPS)
 
 
 def data_with_overflows(overflow_at: dict[int, int], seed: int = 0):
@@ -109,18 +111,20 @@ def assert_same_state(model, reference):
         np.testing.assert_allclose(np.asarray(v), np.asarray(ref), atol=FP16_ATOL)
 
 
-@pytest.mark.parametrize("shares", [[5, 3, 2], [6, 0, 4]])
-def test_fit_loss_scaling_matches_one_device_with_an_overflow_in_each_replica(shares):
+@pytest.mark.parametrize("shares, inner", [([5, 3, 2], "adam"), ([6, 0, 4], "adam"), ([2, 5, 3], "adamw")])
+def test_fit_loss_scaling_matches_one_device_with_an_overflow_in_each_replica(shares, inner):
     overflow_at = overflows_in_each_replica(shares)
     x, y = data_with_overflows(overflow_at)
     with global_policy("mixed_float16"):
         reference = make_model()
-        reference.compile(optimizer=scaled_adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        reference.compile(optimizer=scaled_adam(inner),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         expected_rows, _ = fit_run(reference, x, y)
         strategy = strategy_for(shares)
         with strategy.scope():
             model = make_model()
-            model.compile(optimizer=scaled_adam(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(optimizer=scaled_adam(inner),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         rows, _ = fit_run(model, x, y)
     assert strategy.plan.per_replica_batch_sizes == tuple(shares)
     # The overflow steps were skipped on one device: the iteration counter stands still there, and the scale halves.
@@ -130,7 +134,7 @@ def test_fit_loss_scaling_matches_one_device_with_an_overflow_in_each_replica(sh
     assert_same_state(model, reference)
 
 
-@pytest.mark.parametrize("run_eagerly", [False, True])
+@pytest.mark.parametrize("run_eagerly", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compile_wraps_the_optimizer_automatically_and_trains_like_one_device(run_eagerly):
     # global_clipnorm: clipping must see the unscaled summed gradient (the scaled one is ~2**15 times larger).
     x, y = data_with_overflows({2: 1})
@@ -148,21 +152,11 @@ def test_compile_wraps_the_optimizer_automatically_and_trains_like_one_device(ru
         rows, loss = fit_run(model, x, y)
     assert rows == expected_rows
     assert rows[2][0] == rows[1][0] / 2  # the overflow halved Keras' default scale 2**15
-    assert_same_state(model, reference)
-    np.testing.assert_equal(np.isfinite(loss), np.isfinite(expected_loss))
-
-
-def test_the_scale_lives_once_on_the_parameter_device():
-    with global_policy("mixed_float16"):
-        strategy = strategy_for([5, 3, 2])
-        with strategy.scope():
-            model = make_model()
-            model.compile(optimizer=scaled_adam(), loss="sparse_categorical_crossentropy")
-        x, y = data_with_overflows({})
-        model.fit(x[:B], y[:B], batch_size=B, verbose=0)
-    for variable in (model.optimizer.dynamic_scale, model.optimizer.step_counter):
+    for variable in (model.optimizer.dynamic_scale, model.optimizer.step_counter):  # once, on the parameter device
         local = strategy.experimental_local_results(variable.value)
         assert len(local) == 1 and "CPU:0" in local[0].device
+    assert_same_state(model, reference)
+    np.testing.assert_equal(np.isfinite(loss), np.isfinite(expected_loss))
 
 
 def custom_loop_run(strategy, x, y, shares):
@@ -286,7 +280,8 @@ def test_a_profile_measured_under_one_policy_never_serves_another(tmp_path, monk
     monkeypatch.setattr(calibrate_module, "profile_key", recording_key)
     x, y = data_with_overflows({})
     kwargs = dict(devices=["/device:CPU:1", "/device:CPU:2"], probe_batch_sizes=[1, 4, 8], warmup_steps=1, trials=1,
-                  store=ProfileStore(tmp_path), progress=False)
+                  store=ProfileStore(tmp_path), progress=False,
+                  check_cached=False)  # a hit is not re-timed: a busy host could make the check recalibrate
     for policy in ("float32", "mixed_float16", "float32"):
         with global_policy(policy):
             model = make_model()
@@ -297,6 +292,7 @@ def test_a_profile_measured_under_one_policy_never_serves_another(tmp_path, monk
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+@pytest.mark.slow
 def test_several_steps_per_execution_skip_like_one_device():
     # Keras runs the steps of one execution inside one tf.function (a loop): each step is judged on its own.
     shares = [5, 3, 2]

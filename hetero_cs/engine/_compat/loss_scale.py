@@ -106,7 +106,7 @@ def _divide(grad, scale):
     return grad / tf.cast(scale, grad.dtype)
 
 
-def apply_or_skip(scaler, inner, distribution, grads_and_vars, learning_rate, *, clip, update, decay=None):
+def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update, decay=None):
     """Cross-replica (the inner optimizer's update merge): one loss-scaled step, judged on the summed gradient.
 
     Args:
@@ -114,7 +114,6 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, learning_rate, *,
         inner: Its inner optimizer, whose update this is.
         distribution: Our strategy.
         grads_and_vars: (summed scaled gradient, variable) pairs, gradients as all-reduced values.
-        learning_rate: As the inner optimizer passes it to its update.
         clip: ``clip(grads) -> grads``: the inner optimizer's clipping of the unscaled summed gradients.
         update: ``update(grads_and_vars)``: the inner optimizer's variable updates (cross-replica).
         decay: ``decay()`` applying deferred decoupled weight decay first, or None.
@@ -122,6 +121,7 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, learning_rate, *,
     Returns:
         The finiteness of the step, a bool scalar tensor on the parameter device.
     """
+    _loss_scale_state.pending = None  # consumed: this step's update is the one the replicas marked
     pairs = [(_first_value(distribution, g), v) for g, v in grads_and_vars]
     variables = [v for _, v in pairs]
     with tf.device(distribution.parameter_device):

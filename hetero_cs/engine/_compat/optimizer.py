@@ -14,7 +14,6 @@ from hetero_cs.engine._compat import loss_scale
 from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.variables import _barrier_state, _clip_state
 
-
 def _patch_optimizer() -> None:
     # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,
     # which is not the clipping of the full-batch gradient. Under our strategy clipping is skipped in replica
@@ -89,21 +88,13 @@ def _patch_optimizer() -> None:
         scaler = loss_scale.pending_scaler(self)
         with tf.control_dependencies(barrier):
             if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
-                loss_scale._loss_scale_state.pending = None  # noqa: SLF001 - consumed by this step's update
                 return loss_scale.apply_or_skip(
-                    scaler, self, distribution, grads_and_vars, learning_rate, clip=functools.partial(_clip_now, self),
+                    scaler, self, distribution, grads_and_vars, clip=functools.partial(original_clip, self),
                     update=lambda pairs: original_update_step(self, distribution, pairs, learning_rate),
                     decay=None if decay is None else lambda: _weight_decay_cross_replica(self, distribution, decay))
             if decay is not None:
                 _weight_decay_cross_replica(self, distribution, decay)
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
-
-    def _clip_now(optimizer, grads):
-        _clip_state.active = True
-        try:
-            return original_clip(optimizer, grads)
-        finally:
-            _clip_state.active = False
 
     original_apply_gradients = TFOptimizer.apply_gradients
 
