@@ -136,6 +136,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except (KeyError, ValueError) as exc:
         parser.error(str(exc))
     args.models = list(_common.MODELS) if args.model == "both" else [args.model]
+    if args.policy != "float32":
+        from hetero_cs.emulation import get_device_spec
+        from hetero_cs.errors import UnsupportedPrecisionError
+
+        try:
+            for names in args.mixes:
+                for name in names:
+                    get_device_spec(name).peak_tflops(args.policy)
+        except UnsupportedPrecisionError as exc:
+            parser.error(str(exc))
     return args
 
 
