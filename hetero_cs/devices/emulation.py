@@ -391,8 +391,10 @@ class Emulator:
             workload, scale = self._workload, self._time_scale
             split = (_even_split(global_batch_size, len(self._specs))
                      if global_batch_size and workload is not None else None)
+            dtype = "float32" if workload is None else workload.compute_dtype  # the peak figure the replicas use
+            short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
             lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
-                     f"{'replica':>7}  {'device':<6} {'fp32 TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
+                     f"{'replica':>7}  {'device':<6} {short + ' TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
             for i, spec in enumerate(self._specs):
                 link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
                 step_text = "-"
@@ -401,6 +403,6 @@ class Emulator:
                 drift_text = ", ".join(
                     f"x{d.factor:g} steps [{d.from_step}, {'end' if d.until_step is None else d.until_step})"
                     for d in self._drift if d.replica_id == i) or "-"
-                lines.append(f"{i:>7}  {spec.name:<6} {spec.fp32_tflops:>8.1f} {link:>9}  {step_text:>18}  "
+                lines.append(f"{i:>7}  {spec.name:<6} {spec.peak_tflops(dtype):>8.1f} {link:>9}  {step_text:>18}  "
                              f"{drift_text}")
         return lines

@@ -117,3 +117,10 @@ def test_real_gpus_below_compute_capability_8_are_refused_bf16_only():
     with pytest.raises(UnsupportedPrecisionError, match=r"GPU:0 \(compute capability 7.5\).*mixed_float16") as info:
         check_policy_support("mixed_bfloat16", [a10, t4])
     assert info.value.device == "/device:GPU:0"
+
+
+def test_the_emulator_table_shows_the_figure_of_the_workloads_precision():
+    lines = Emulator(["A10", "T4"], workload=workload("mixed_float16")).describe(global_batch_size=64)
+    assert "fp16 TF" in lines[1]
+    assert lines[2].split()[1:3] == ["A10", "125.0"] and lines[3].split()[1:3] == ["T4", "65.0"]
+    assert "fp32 TF" in Emulator(["T4"]).describe()[1]
