@@ -68,7 +68,7 @@ ALL_MIXES = ("A10,T4,P100", "A10,T4", "A10,4xT4", "A100,P100,CPU")
 EFFICIENCY_GOAL = 0.97
 SPEEDUP_FRACTION_GOAL = 0.97
 NOISY_SPEEDUP_FRACTION_GOAL = 0.85
-MIXED_PRECISION_GOAL = 0.95  # efficiency and speedup fraction under mixed_float16 / mixed_bfloat16 (the issue's goal)
+MIXED_PRECISION_GOAL = 0.95  # efficiency and speedup fraction goal under mixed_float16 / mixed_bfloat16
 LOSS_MARGIN = 0.02
 """hetero_auto counts as lost to the even split when its median step is more than 2 % longer than hetero_even's
 and it was slower in every interleaved round (measurably slower, not a tie decided by noise)."""
