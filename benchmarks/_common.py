@@ -207,7 +207,8 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_s
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
             loss = tf.nn.compute_average_loss(loss_fn(y, logits), global_batch_size=global_batch_size)
-        grads = tape.gradient(loss, model.trainable_variables)
+            scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's dynamic scale (mixed_float16); else loss
+        grads = tape.gradient(scaled, model.trainable_variables)
         if stock_emulator is not None:
             replica_id = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
             grads = finish_replica_step(grads, start, replica_id=replica_id, batch_size=tf.shape(x)[0],
@@ -352,6 +353,26 @@ def true_figures(emulator: Any, global_batch_size: int, *, step: int = 0) -> dic
         "even_split": list(even),
         "even_split_makespan_s": max(m.predict_step_time_s(b) for m, b in zip(models, even)),
     }
+
+
+def plans_by_policy(names: list[str], workload: Any, global_batch_size: int, policy: str) -> dict[str, Any]:
+    """The true optimal plans (emulated profiles, time_scale 1) under float32 and under ``policy``, logged side by
+    side: the devices' order and ratios change with the precision (in fp16 the T4 overtakes the P100)."""
+    from hetero_cs.emulation import Emulator
+
+    plans = {}
+    for name in dict.fromkeys(("float32", policy)):
+        emulator = Emulator(names, workload=dataclasses.replace(workload, compute_dtype=name), time_scale=1.0)
+        plans[name] = true_figures(emulator, global_batch_size)
+        plans[name]["theoretical_speedup"] = (plans[name]["even_split_makespan_s"]
+                                              / plans[name]["ideal_makespan_s"])
+    log(f"   true optimal plans (emulated, unscaled) {'policy':<15} {'/'.join(names):<22} {'makespan':>10} "
+        f"{'even split':>11} {'theoretical speedup':>20}")
+    for name, figures in plans.items():
+        log(f"   {'':<40}{name:<15} {'/'.join(map(str, figures['optimal_split'])):<22} "
+            f"{ms(figures['optimal_makespan_s']):>10} {ms(figures['even_split_makespan_s']):>11} "
+            f"{figures['theoretical_speedup']:>20.3f}")
+    return plans
 
 
 def emulation_overrun(emulator: Any, samples: Sequence[Any]) -> float:

@@ -20,6 +20,11 @@ over the emulator's step_time_s); efficiency = ideal / measured hetero_auto step
 efficiency >= 0.97 and speedup_vs_even >= 0.97 x theoretical_speedup. A PNG shows each replica's busy and idle time in
 a median step.
 
+``--policy mixed_float16`` (or ``mixed_bfloat16``) trains under that Keras dtype policy: the emulated devices compute at
+their fp16 (bf16) figures, the hetero_cs configurations use Keras' LossScaleOptimizer (what ``compile`` does under
+mixed_float16; stock CentralStorageStrategy cannot run it, so ``stock_even`` trains without loss scaling), and each
+case first prints the true optimal plans under float32 and under the policy side by side.
+
 ``--noise`` runs a CPU-burning neighbour process beside training (the benchmark starts it and stops it, also on
 failure or Ctrl-C). Each case then also reports ``lost_to_even``: hetero_auto's median step more than 2 % longer
 than hetero_even's AND slower in every interleaved round; the JSON's top-level ``lost_to_even`` counts such cases.
@@ -32,6 +37,7 @@ stops with an error instead of reporting figures that measure the host.
     python benchmarks/balance.py [--mix A10,T4,P100] [--model mlp|cnn|both] [--json F] [--timeline F.png] [--quick]
     python benchmarks/balance.py --all-mixes --json benchmarks/out/balance_all.json
     python benchmarks/balance.py --noise --json benchmarks/out/balance_noise.json
+    python benchmarks/balance.py --policy mixed_float16 --json benchmarks/out/balance_fp16.json
 
 Logical devices can be configured once per process, so several mixes run in one subprocess each.
 """
@@ -55,12 +61,14 @@ if __package__ in (None, ""):
 from benchmarks import _common  # noqa: E402
 from benchmarks._common import log, ms  # noqa: E402
 from benchmarks.noise import busy_neighbour  # noqa: E402
+from benchmarks.balance_report import draw_timeline, print_case  # noqa: E402
 
 DEFAULT_MIX = "A10,T4,P100"
 ALL_MIXES = ("A10,T4,P100", "A10,T4", "A10,4xT4", "A100,P100,CPU")
 EFFICIENCY_GOAL = 0.97
 SPEEDUP_FRACTION_GOAL = 0.97
 NOISY_SPEEDUP_FRACTION_GOAL = 0.85
+MIXED_PRECISION_GOAL = 0.95  # efficiency and speedup fraction goal under mixed_float16 / mixed_bfloat16
 LOSS_MARGIN = 0.02
 """hetero_auto counts as lost to the even split when its median step is more than 2 % longer than hetero_even's
 and it was slower in every interleaved round (measurably slower, not a tie decided by noise)."""
@@ -69,6 +77,7 @@ OVERRUN_LIMIT = 0.05
 real CPU compute shows through and the case measures the host, not the emulated devices."""
 MAX_HONESTY_RETRIES = 2
 """Times a case is re-run with a 2x longer emulated step when the emulation check fails, before giving up."""
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 CONFIG_LABELS = {
     "stock_even": "stock CSS, even split (+ same emulated waits)",
     "hetero_even": "hetero_cs, even split",
@@ -107,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run a CPU-burning neighbour process beside training (started and stopped by the "
                              "benchmark, also on failure or Ctrl-C; it stops by itself after an hour) and report "
                              "lost_to_even")
+    parser.add_argument("--policy", choices=POLICIES, default="float32",
+                        help="Keras dtype policy to train under (default float32); the emulated devices compute at the "
+                             "policy's figures and the fp32 and policy plans are printed side by side")
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # set for the subprocesses
     args = parser.parse_args(argv)
     quick = args.quick
@@ -124,6 +136,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except (KeyError, ValueError) as exc:
         parser.error(str(exc))
     args.models = list(_common.MODELS) if args.model == "both" else [args.model]
+    if args.policy != "float32":
+        from hetero_cs.emulation import get_device_spec
+        from hetero_cs.errors import UnsupportedPrecisionError
+
+        try:
+            for names in args.mixes:
+                for name in names:
+                    get_device_spec(name).peak_tflops(args.policy)
+        except UnsupportedPrecisionError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -158,10 +180,12 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
 
     B, R = args.global_batch_size, len(names)
     label = _common.mix_label(names)
-    log(f"\n== {label}, {kind}: {_common.MODEL_DESCRIPTIONS[kind]}, B={B}")
+    log(f"\n== {label}, {kind}: {_common.MODEL_DESCRIPTIONS[kind]}, B={B}, dtype policy {args.policy}")
     log(f"   {_common.EMULATED_NOTE}")
+    keras.mixed_precision.set_global_policy(args.policy)
     keras.utils.set_random_seed(args.seed)
     workload = estimate_workload(_common.build_model(kind, seed=args.seed))
+    plans_by_policy = _common.plans_by_policy(names, workload, B, args.policy)
     unscaled_ideal_s = _common.true_figures(Emulator(names, workload=workload, time_scale=1.0), B)["ideal_makespan_s"]
     time_scale = args.target_ideal_ms / 1e3 / unscaled_ideal_s
 
@@ -198,6 +222,8 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
         with strategy.scope():
             model = _common.build_model(kind, seed=args.seed)
             optimizer = keras.optimizers.Adam(1e-3)
+            if args.policy == "mixed_float16":  # as compile does; the training step scales the loss by it
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             model.compile(optimizer=optimizer, loss=_common.loss_function())  # calibration times this loss
         start_s = time.perf_counter()
         result = strategy.calibrate(model, dataset, progress=False)  # custom loops call it once (fit does it)
@@ -224,7 +250,8 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
     by_name = {c.name: c for c in configs}
     record: dict[str, Any] = {
         "mix": label, "devices": names, "model": kind, "model_description": _common.MODEL_DESCRIPTIONS[kind],
-        "global_batch_size": B, "emulated": True, "time_scale": time_scale,
+        "global_batch_size": B, "emulated": True, "time_scale": time_scale, "policy": args.policy,
+        "plans_by_policy": plans_by_policy,
         "hetero_auto_rebalance": not args.no_rebalance,
         "workload": {"flops_per_example": workload.flops_per_example, "parameter_bytes": workload.parameter_bytes},
         **truth, "calibration": calibration, "configs": {}, "timeline": {},
@@ -277,35 +304,18 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
         record["goals_met"] = bool(not record["lost_to_even"]
                                    and record["speedup_fraction_of_theoretical"] >= NOISY_SPEEDUP_FRACTION_GOAL)
     else:
-        record["goals_met"] = bool(record["efficiency"] >= EFFICIENCY_GOAL
-                                   and record["speedup_fraction_of_theoretical"] >= SPEEDUP_FRACTION_GOAL)
-    _print_case(record)
+        efficiency_goal, speedup_goal = _quiet_goals(args.policy)
+        record["goals_met"] = bool(record["efficiency"] >= efficiency_goal
+                                   and record["speedup_fraction_of_theoretical"] >= speedup_goal)
+    print_case(record, goals=_quiet_goals(args.policy))
     return record
 
 
-def _print_case(record: dict[str, Any]) -> None:
-    log(f"   {'configuration':<46} {'split(s) used (steps)':<28} {'median step':>12} {'outside replicas':>17}")
-    for name, c in record["configs"].items():
-        splits = ", ".join(f"{'/'.join(map(str, s['split']))} ({s['steps']})" for s in c["splits_used"][:2])
-        if len(c["splits_used"]) > 2:
-            splits += ", ..."
-        log(f"   {c['label']:<46} {splits:<28} {ms(c['median_step_s']):>12} {ms(c['median_outside_replicas_s']):>17}")
-    overrun = max(c["emulation_overrun"] for c in record["configs"].values())
-    log(f"   emulation check: replicas' measured times exceed their emulated times by {overrun * 100:.1f} % at most "
-        f"(median step){' - real compute shows through: raise --target-ideal-ms' if overrun > 0.05 else ''}")
-    log(f"   efficiency         = ideal / auto step = {ms(record['ideal_makespan_s'])} / "
-        f"{ms(record['configs']['hetero_auto']['median_step_s'])} = {record['efficiency']:.3f}"
-        f"   (goal >= {EFFICIENCY_GOAL})")
-    log(f"   replica efficiency = ideal / auto replicas' makespan (host work outside the replicas excluded) = "
-        f"{record['replica_efficiency']:.3f}")
-    log(f"   speedup vs even    = {record['speedup_vs_even']:.3f}; theoretical max {record['theoretical_speedup']:.3f}"
-        f" -> {record['speedup_fraction_of_theoretical']:.3f} of it   (goal >= {SPEEDUP_FRACTION_GOAL})")
-    log(f"   speedup vs stock   = {record['speedup_vs_stock']:.3f}  (stock CSS even split, same emulated waits)")
-    guard = record["configs"]["hetero_auto"]["guard"]
-    if guard is not None:
-        log(f"   guard: {guard['outcome']} {guard['candidate']} vs {guard['incumbent']} (candidate/incumbent "
-            f"{guard['median_ratio']:.3f} over {guard['pairs']} pairs); re-plans during the run: "
-            f"{record['configs']['hetero_auto']['replans']}; lost to even: {record['lost_to_even']}")
+def _quiet_goals(policy: str) -> tuple[float, float]:
+    """(efficiency goal, speedup-fraction goal) on a quiet machine under ``policy``."""
+    if policy == "float32":
+        return EFFICIENCY_GOAL, SPEEDUP_FRACTION_GOAL
+    return MIXED_PRECISION_GOAL, MIXED_PRECISION_GOAL
 
 
 # ---------------------------------------------------------------------------------------------- mixes and processes
@@ -361,7 +371,7 @@ def _child_argv(names: list[str], args: argparse.Namespace, json_path: Path) -> 
             "--model", args.model, "--global-batch-size", str(args.global_batch_size),
             "--rounds", str(args.rounds), "--steps-per-round", str(args.steps_per_round),
             "--warmup-steps", str(args.warmup_steps), "--target-ideal-ms", str(args.target_ideal_ms),
-            "--seed", str(args.seed), "--json", str(json_path), "--timeline", "none"]
+            "--seed", str(args.seed), "--json", str(json_path), "--timeline", "none", "--policy", args.policy]
     if args.noise:
         argv.append("--noise")  # the child only labels its results; the parent runs the neighbour
     if args.no_rebalance:
@@ -385,8 +395,11 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     worst_efficiency = min(results, key=lambda r: r["efficiency"])
     worst_speedup = min(results, key=lambda r: r["speedup_fraction_of_theoretical"])
     noisy = any(r.get("noise") for r in results)
+    policy = results[0].get("policy", "float32")
+    efficiency_goal, speedup_goal = _quiet_goals(policy)
     return {
         "emulated": True,
+        "policy": policy,
         "noise": noisy,
         "lost_to_even": sum(1 for r in results if r["lost_to_even"]),
         "note": _common.EMULATED_NOTE,
@@ -398,64 +411,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "speedup_fraction_of_theoretical": worst_speedup["speedup_fraction_of_theoretical"],
         "speedup_case": f"{worst_speedup['mix']}/{worst_speedup['model']}",
         "goals": ({"lost_to_even": 0, "speedup_fraction_of_theoretical": NOISY_SPEEDUP_FRACTION_GOAL} if noisy else
-                  {"efficiency": EFFICIENCY_GOAL, "speedup_fraction_of_theoretical": SPEEDUP_FRACTION_GOAL}),
+                  {"efficiency": efficiency_goal, "speedup_fraction_of_theoretical": speedup_goal}),
         "goals_met": all(r["goals_met"] for r in results),
         "results": results,
     }
-
-
-# ------------------------------------------------------------------------------------------------------ timeline PNG
-
-
-def draw_timeline(results: list[dict[str, Any]], path: Path) -> Path:
-    """Per mix/model row: each replica's busy and idle time in a median step, even split beside auto_balance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    heights = [0.9 + 0.4 * len(r["devices"]) for r in results]
-    fig, axes = plt.subplots(len(results), 2, figsize=(13, sum(heights) + 1.0), squeeze=False,
-                             gridspec_kw={"height_ratios": heights}, layout="constrained")
-    for row, record in enumerate(results):
-        panels = [(k, record["timeline"].get(k)) for k in ("hetero_even", "hetero_auto")]
-        xmax = 1.05 * max([p["wall_s"] for _, p in panels if p] + [record["even_split_makespan_s"]]) * 1e3
-        for col, (name, panel) in enumerate(panels):
-            ax = axes[row][col]
-            ax.set_xlim(0, xmax)
-            if panel is None:
-                ax.text(0.5, 0.5, "no per-replica timing", ha="center", va="center", transform=ax.transAxes)
-                continue
-            times_ms = [t * 1e3 for t in panel["step_times_s"]]
-            makespan_ms = max(times_ms)
-            ys = list(range(len(times_ms)))[::-1]  # replica 0 on top
-            ax.barh(ys, times_ms, color="tab:blue", height=0.6)
-            ax.barh(ys, [makespan_ms - t for t in times_ms], left=times_ms, color="#e6e6e6", hatch="//",
-                    edgecolor="#9a9a9a", height=0.6)
-            for y, t in zip(ys, times_ms):
-                ax.text(t - 0.01 * xmax, y, f"{t:.1f} ms", va="center", ha="right", fontsize=8, color="white")
-            ax.axvline(panel["wall_s"] * 1e3, color="black", linestyle=":", linewidth=1.2)
-            ax.axvline(record["ideal_makespan_s"] * 1e3, color="tab:green", linestyle="--", linewidth=1.2)
-            ax.set_yticks(ys)
-            ax.set_yticklabels([f"{d}  b={b}" for d, b in zip(record["devices"], panel["batch_sizes"])], fontsize=9)
-            step_ms = record["configs"][name]["median_step_s"] * 1e3
-            title = "even split" if name == "hetero_even" else "auto_balance"
-            ax.set_title(f"{record['mix']} / {record['model']}, B={record['global_batch_size']}: {title}, "
-                         f"median step {step_ms:.1f} ms", fontsize=10)
-            if row == len(results) - 1:
-                ax.set_xlabel("time within one step, ms (emulated)")
-    handles = [Patch(color="tab:blue", label="busy: compute + emulated device time"),
-               Patch(facecolor="#e6e6e6", hatch="//", edgecolor="#9a9a9a", label="idle: waiting for the straggler"),
-               plt.Line2D([], [], color="black", linestyle=":", label="this step, wall clock (host work included)"),
-               plt.Line2D([], [], color="tab:green", linestyle="--", label="ideal makespan (true profiles)")]
-    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=9, frameon=False)
-    fig.suptitle("hetero_cs: per-replica busy and idle time within a median step (EMULATED timings; per-replica "
-                 "times from the strategy's monitor)", fontsize=11)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ------------------------------------------------------------------------------------------------------------- main
@@ -511,6 +470,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             timeline = _common.OUT_DIR / "balance_timeline.png"
         draw_timeline(results, timeline)
     log("== summary (timings EMULATED)")
+    log(f"   policy {args.policy}")
     log(f"   {'mix':<16} {'model':<5} {'efficiency':>10} {'speedup vs even':>16} {'theoretical':>12} "
         f"{'fraction':>9} {'vs stock':>9} {'lost':>5} {'guard':>9}")
     for r in results:
@@ -519,10 +479,10 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             f"{r['theoretical_speedup']:>12.3f} {r['speedup_fraction_of_theoretical']:>9.3f} "
             f"{r['speedup_vs_stock']:>9.3f} {str(r['lost_to_even']).lower():>5} {guard.get('outcome', '-'):>9}")
     log(f"   worst efficiency {summary['efficiency']:.3f} ({summary['efficiency_case']}, goal >= "
-        f"{EFFICIENCY_GOAL}); worst speedup {summary['speedup_vs_even']:.3f} of theoretical "
+        f"{summary['goals'].get('efficiency', '-')}); worst speedup {summary['speedup_vs_even']:.3f} of theoretical "
         f"{summary['theoretical_speedup']:.3f} = {summary['speedup_fraction_of_theoretical']:.3f} "
         f"({summary['speedup_case']}, goal >= "
-        f"{NOISY_SPEEDUP_FRACTION_GOAL if args.noise else SPEEDUP_FRACTION_GOAL}); lost to even: "
+        f"{summary['goals']['speedup_fraction_of_theoretical']}); lost to even: "
         f"{summary['lost_to_even']} of {len(results)} (goal 0); goals met: {summary['goals_met']}")
     if args.json is not None:
         log(f"   JSON: {args.json}")

@@ -118,6 +118,9 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                        help="profile cache directory (default: $HETERO_CS_CACHE_DIR, $XDG_CACHE_HOME/hetero_cs or "
                             "~/.cache/hetero_cs)")
     cache.add_argument("--no-cache", action="store_true", help="always calibrate; neither read nor write the cache")
+    parser.add_argument("--policy", choices=("float32", "mixed_float16", "mixed_bfloat16"), default=None,
+                        help="Keras dtype policy to build and time the model under (default: the model's own); a "
+                             "profile is only good for the policy it was measured under")
     parser.add_argument("--output", default=None, metavar="FILE", help="write the profile (JSON) to FILE")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -175,6 +178,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     parameter_device = "/device:CPU:0"
     devices, parameter_device = _check_devices(devices, parameter_device)  # DeviceError before TF's own ValueError
+    if args.policy is not None:
+        import keras
+
+        keras.mixed_precision.set_global_policy(args.policy)  # before the user's function builds the model
     strategy = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=parameter_device)
     batch = args.global_batch_size
     with strategy.scope():  # the user's function builds its variables here, as central ones

@@ -274,6 +274,7 @@ def calibrate(
             model_fingerprint=probe_lib.model_fingerprint(model),
             input_signature=signature,
             tf_version=tf.__version__,
+            dtype_policy=probe_lib.dtype_policy_name(model),
         )
         cached = store.load(key)
         if cached is not None and cached.devices == tuple(devices):

@@ -33,6 +33,7 @@ from hetero_cs.errors import CalibrationError, ConfigError
 
 __all__ = [
     "DeviceProbe",
+    "dtype_policy_name",
     "extrapolate_memory_cap",
     "input_signature",
     "model_fingerprint",
@@ -94,6 +95,13 @@ def model_fingerprint(model: Any) -> str:
         "variables": [[list(v.shape), str(v.dtype), bool(v.trainable)] for v in variables],
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def dtype_policy_name(model: Any) -> str:
+    """The model's Keras dtype policy name, e.g. "float32", "mixed_float16" or "mixed_bfloat16" (part of the profile
+    cache key: the same model computes at another speed in another precision)."""
+    policy = getattr(model, "dtype_policy", None)
+    return str(getattr(policy, "name", None) or policy or "float32")
 
 
 def _leaf_signature(leaf: Any, include_batch_dim: bool) -> str:

@@ -1,4 +1,4 @@
-"""On-disk cache of calibration results, keyed by devices, model, input and TensorFlow version (pure: no TF).
+"""On-disk cache of calibration results, keyed by devices, model, input, dtype policy and TensorFlow version (pure).
 
 One JSON file per key, ``<directory>/<key>.json``::
 
@@ -80,7 +80,8 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "hetero_cs"
 
 
-def profile_key(*, device_ids: Sequence[str], model_fingerprint: str, input_signature: str, tf_version: str) -> str:
+def profile_key(*, device_ids: Sequence[str], model_fingerprint: str, input_signature: str, tf_version: str,
+                dtype_policy: str = "float32") -> str:
     """Returns the cache key of one calibration: a sha256 hex digest (64 characters).
 
     Args:
@@ -89,6 +90,9 @@ def profile_key(*, device_ids: Sequence[str], model_fingerprint: str, input_sign
         model_fingerprint: From calibration.probe.model_fingerprint (layer classes, weight shapes and dtypes).
         input_signature: From calibration.probe.input_signature, plus whatever else changes the result.
         tf_version: tf.__version__ (kernels and their speed change between versions).
+        dtype_policy: The model's Keras dtype policy name ("float32", "mixed_float16", "mixed_bfloat16"): a step in
+            float16 on tensor cores is several times faster than in float32, and not alike on every device, so a
+            profile measured under one policy never serves another.
 
     Raises:
         ConfigError: If device_ids is empty or an argument is not a string.
@@ -96,12 +100,13 @@ def profile_key(*, device_ids: Sequence[str], model_fingerprint: str, input_sign
     if isinstance(device_ids, str) or not device_ids or not all(isinstance(d, str) for d in device_ids):
         raise ConfigError(f"device_ids must be a non-empty sequence of strings. Received: device_ids={device_ids!r}.")
     for name, value in (("model_fingerprint", model_fingerprint), ("input_signature", input_signature),
-                        ("tf_version", tf_version)):
+                        ("tf_version", tf_version), ("dtype_policy", dtype_policy)):
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string. Received: {name}={value!r}.")
     payload = json.dumps(
         {"device_ids": list(device_ids), "model_fingerprint": model_fingerprint,
-         "input_signature": input_signature, "tf_version": tf_version, "schema_version": SCHEMA_VERSION},
+         "input_signature": input_signature, "tf_version": tf_version, "dtype_policy": dtype_policy,
+         "schema_version": SCHEMA_VERSION},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()

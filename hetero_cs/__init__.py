@@ -22,6 +22,7 @@ from hetero_cs.errors import (
     ProfileCacheError,
     ReplicaStepError,
     UnknownEmulatedDeviceError,
+    UnsupportedPrecisionError,
 )
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -83,6 +84,7 @@ __all__ = [
     "ScaledCostModel",
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
+    "UnsupportedPrecisionError",
     "current_global_batch_size",
     "discover_devices",
     "even_batch_split",

@@ -51,6 +51,18 @@ class UnknownEmulatedDeviceError(HeteroCSError, ValueError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnsupportedPrecisionError(HeteroCSError, ValueError):
+    """A device cannot compute in the model's dtype policy (``mixed_bfloat16`` on a T4, P100 or V100).
+
+    Attributes: ``device`` (the device or catalog name), ``compute_dtype`` (e.g. ``"bfloat16"``).
+    """
+
+    def __init__(self, message: str, *, device: str | None = None, compute_dtype: str | None = None):
+        super().__init__(message)
+        self.device = device
+        self.compute_dtype = compute_dtype
+
+
 class EmulationError(HeteroCSError, RuntimeError):
     """Emulated devices could not be set up (for example, TensorFlow was already initialised)."""
 

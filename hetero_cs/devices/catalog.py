@@ -1,6 +1,6 @@
 """The catalog of emulated accelerators: published figures of real devices, each with its source (pure).
 
-``DeviceSpec`` holds one device's peak fp32/fp16 throughput, memory size and bandwidth and PCIe link; ``CATALOG``
+``DeviceSpec`` holds one device's peak fp32/fp16/bf16 throughput, memory size and bandwidth and PCIe link; ``CATALOG``
 maps names (A10, T4, P100, V100, A100, H100, CPU) to specs and ``get_device_spec`` looks one up. The emulator
 (:mod:`hetero_cs.devices.emulation`) turns these figures into step times; calibration and the monitor never read
 them. This module imports neither TensorFlow nor pynvml.
@@ -15,7 +15,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from hetero_cs.errors import ConfigError, UnknownEmulatedDeviceError
+from hetero_cs.errors import ConfigError, UnknownEmulatedDeviceError, UnsupportedPrecisionError
 
 TIME_SCALE_ENV_VAR = "HETERO_CS_EMULATION_TIME_SCALE"
 """Environment variable fixing ``Emulator.time_scale`` (a float in (0, MAX_TIME_SCALE]); an explicit argument wins
@@ -66,6 +66,8 @@ class DeviceSpec:
         pcie_generation: PCIe generation of the host link (1-5); None for the host CPU (no link: same memory).
         pcie_lanes: Lanes of the host link (1-32); None for the host CPU.
         source: Where the figures come from (datasheet name and URL, or a stated assumption).
+        bf16_tflops: Peak dense bfloat16 throughput in 1e12 FLOP/s, or None when the device has no bfloat16
+            arithmetic (NVIDIA GPUs before compute capability 8.0: P100 6.0, V100 7.0, T4 7.5).
     """
 
     name: str
@@ -76,6 +78,7 @@ class DeviceSpec:
     pcie_generation: int | None
     pcie_lanes: int | None
     source: str
+    bf16_tflops: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -84,6 +87,10 @@ class DeviceSpec:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be a finite number > 0.")
+        if self.bf16_tflops is not None and not (isinstance(self.bf16_tflops, (int, float))
+                                                 and math.isfinite(self.bf16_tflops) and self.bf16_tflops > 0):
+            raise ConfigError(f"DeviceSpec {self.name!r}: bf16_tflops={self.bf16_tflops!r} must be None (no "
+                              f"bfloat16) or a finite number > 0.")
         if not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
             raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes={self.memory_bytes!r} must be an int > 0.")
         if (self.pcie_generation is None) != (self.pcie_lanes is None):
@@ -98,6 +105,33 @@ class DeviceSpec:
             raise ConfigError(f"DeviceSpec {self.name!r}: pcie_lanes={self.pcie_lanes!r} must be an int in [1, 32].")
         if not self.source:
             raise ConfigError(f"DeviceSpec {self.name!r}: source is empty; cite the datasheet or the assumption.")
+
+    def peak_tflops(self, compute_dtype: str = "float32") -> float:
+        """Peak throughput for a compute dtype, in 1e12 FLOP/s.
+
+        Args:
+            compute_dtype: The dtype the layers compute in: "float32" (policy "float32"), "float16" (policy
+                "mixed_float16") or "bfloat16" (policy "mixed_bfloat16"); a policy name is accepted too.
+
+        Raises:
+            UnsupportedPrecisionError: If the device has no bfloat16 arithmetic (``bf16_tflops`` is None).
+            ConfigError: If ``compute_dtype`` is none of these.
+
+        Example:
+            >>> get_device_spec("T4").peak_tflops("float16")
+            65.0
+        """
+        dtype = compute_dtype_of(compute_dtype)
+        if dtype == "float32":
+            return self.fp32_tflops
+        if dtype == "float16":
+            return self.fp16_tflops
+        if self.bf16_tflops is None:
+            raise UnsupportedPrecisionError(
+                f"Emulated device {self.name} has no bfloat16 arithmetic (compute_dtype={dtype!r}): bfloat16 needs an "
+                f"NVIDIA GPU of compute capability 8.0 or newer (A10, A100, H100). Use the policy 'mixed_float16' on "
+                f"it, or leave it out.", device=self.name, compute_dtype=dtype)
+        return self.bf16_tflops
 
     @property
     def pcie_bandwidth_bytes_per_s(self) -> float:
@@ -117,45 +151,50 @@ _GB = 10**9
 # device has tensor cores; P100 has none, so its fp16 is the packed-half rate.
 CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
     "A10": DeviceSpec(
-        name="A10", fp32_tflops=31.2, fp16_tflops=125.0, memory_bytes=24 * _GB,
+        name="A10", fp32_tflops=31.2, fp16_tflops=125.0, bf16_tflops=125.0, memory_bytes=24 * _GB,
         memory_bandwidth_bytes_per_s=600e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W), "
+        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W; BF16 tensor 125 TF "
+                "dense, as FP16), "
                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf")),
     "T4": DeviceSpec(
         name="T4", fp32_tflops=8.1, fp16_tflops=65.0, memory_bytes=16 * _GB,
         memory_bandwidth_bytes_per_s=320e9, pcie_generation=3, pcie_lanes=16,
         source=("NVIDIA T4 Tensor Core GPU datasheet (low-profile PCIe card, 70 W; fp16 is mixed-precision "
-                "tensor), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
+                "tensor; no BF16 in its list of precisions: Turing, compute capability 7.5), "
+                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
                 "t4-tensor-core-datasheet-951643.pdf")),
     "P100": DeviceSpec(
         name="P100", fp32_tflops=9.3, fp16_tflops=18.7, memory_bytes=16 * _GB,
         memory_bandwidth_bytes_per_s=732e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA Tesla P100 PCIe datasheet (16 GB CoWoS HBM2 variant, 250 W), "
+        source=("NVIDIA Tesla P100 PCIe datasheet (16 GB CoWoS HBM2 variant, 250 W; FP32, FP16 and FP64 only, no "
+                "BF16: Pascal, compute capability 6.0), "
                 "https://images.nvidia.com/content/tesla/pdf/nvidia-tesla-p100-PCIe-datasheet.pdf")),
     "V100": DeviceSpec(
         name="V100", fp32_tflops=14.0, fp16_tflops=112.0, memory_bytes=32 * _GB,
         memory_bandwidth_bytes_per_s=900e9, pcie_generation=3, pcie_lanes=16,
         source=("NVIDIA V100 Tensor Core GPU datasheet, V100 PCIe column (32 GB variant; a 16 GB one also "
-                "exists), https://images.nvidia.com/content/technologies/volta/pdf/"
+                "exists; no BF16: Volta, compute capability 7.0), "
+                "https://images.nvidia.com/content/technologies/volta/pdf/"
                 "volta-v100-datasheet-update-us-1165301-r5.pdf")),
     "A100": DeviceSpec(
-        name="A100", fp32_tflops=19.5, fp16_tflops=312.0, memory_bytes=80 * _GB,
+        name="A100", fp32_tflops=19.5, fp16_tflops=312.0, bf16_tflops=312.0, memory_bytes=80 * _GB,
         memory_bandwidth_bytes_per_s=1935e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column, "
+        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column (BF16 tensor 312 TF dense), "
                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                 "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")),
     "H100": DeviceSpec(
-        name="H100", fp32_tflops=51.0, fp16_tflops=756.0, memory_bytes=80 * _GB,
+        name="H100", fp32_tflops=51.0, fp16_tflops=756.0, bf16_tflops=756.0, memory_bytes=80 * _GB,
         memory_bandwidth_bytes_per_s=2.0e12, pcie_generation=5, pcie_lanes=16,
-        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (fp16 tensor 1,513 TF is with "
-                "sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
+        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (fp16 and bf16 tensor 1,513 TF are "
+                "with sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
                 "nvidia-tensor-core-gpu-datasheet")),
     "CPU": DeviceSpec(
-        name="CPU", fp32_tflops=1.28, fp16_tflops=1.28, memory_bytes=128 * 2**30,
+        name="CPU", fp32_tflops=1.28, fp16_tflops=1.28, bf16_tflops=1.28, memory_bytes=128 * 2**30,
         memory_bandwidth_bytes_per_s=204.8e9, pcie_generation=None, pcie_lanes=None,
         source=("Assumption, not a datasheet: a typical 16-core AVX2 server socket at 2.5 GHz sustained, "
                 "2 FMA units x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle/core -> 1.28 TFLOP/s fp32 (no native fp16 "
-                "arithmetic, so fp16 = fp32); 8 channels DDR4-3200 -> 204.8 GB/s; 128 GiB of host memory; "
+                "or bf16 arithmetic, so fp16 = bf16 = fp32: TensorFlow converts); 8 channels DDR4-3200 -> "
+                "204.8 GB/s; 128 GiB of host memory; "
                 "parameters and gradients stay in host memory, so no PCIe transfer")),
 })
 
@@ -168,6 +207,27 @@ def _is_real(value: Any) -> bool:
 def _is_int(value: Any) -> bool:
     """An integer (Python or numpy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+_COMPUTE_DTYPES = {"float32": "float32", "mixed_float16": "float16", "float16": "float16",
+                   "mixed_bfloat16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def compute_dtype_of(policy: str) -> str:
+    """The compute dtype of a Keras dtype policy name: "float32", "float16" or "bfloat16".
+
+    Args:
+        policy: A policy name ("float32", "mixed_float16", "mixed_bfloat16") or a compute dtype.
+
+    Raises:
+        ConfigError: For any other name (float64 policies are not emulated).
+    """
+    dtype = _COMPUTE_DTYPES.get(policy) if isinstance(policy, str) else None
+    if dtype is None:
+        raise ConfigError(
+            f"Unknown dtype policy or compute dtype {policy!r} for emulation; use one of "
+            f"{', '.join(sorted(_COMPUTE_DTYPES))}.")
+    return dtype
 
 
 def get_device_spec(name: str) -> DeviceSpec:

@@ -6,10 +6,8 @@ efficiency, plus the parameter broadcast and the gradient return over the device
 calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and the monitor
 measure wall time only; they never read this catalog.
 
-The catalog itself is :mod:`hetero_cs.devices.catalog`. This module is pure (``Workload``, ``emulated_step_time_s``, ``Drift``, ``Emulator``):
-it imports neither TensorFlow nor pynvml. ``estimate_workload`` imports Keras inside the function (``setup_logical_devices``, in
-:mod:`hetero_cs.devices.logical`, imports TensorFlow inside its own), so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are inserted
-into the training graph by :mod:`hetero_cs.engine.step_timing`.
+The catalog is :mod:`hetero_cs.devices.catalog`, a model's cost :mod:`hetero_cs.devices.workload`. This module
+imports neither TensorFlow nor pynvml. The waits are inserted by :mod:`hetero_cs.engine.step_timing`.
 
 All times produced here are emulated, not measured; every human-readable output says so.
 """
@@ -22,7 +20,6 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from hetero_cs.devices.catalog import (
     DEFAULT_COMPUTE_EFFICIENCY,
@@ -35,115 +32,12 @@ from hetero_cs.devices.catalog import (
     _is_real,
     get_device_spec,
 )
+from hetero_cs.devices.workload import Workload, estimate_workload
 from hetero_cs.errors import ConfigError, EmulationError
 
+__all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s", "estimate_workload"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """The model-dependent inputs of the emulated step time.
-
-    Attributes:
-        flops_per_example: Forward-pass FLOPs for one example (a multiply-add counts 2); finite, >= 0.
-        parameter_bytes: Bytes of the trainable weights (what is broadcast, and returned as gradients); >= 0.
-    """
-
-    flops_per_example: float
-    parameter_bytes: int
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.flops_per_example, (int, float)) and math.isfinite(self.flops_per_example)
-                and self.flops_per_example >= 0):
-            raise ConfigError(
-                f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
-        if isinstance(self.parameter_bytes, bool) or not isinstance(self.parameter_bytes, int) \
-                or self.parameter_bytes < 0:
-            raise ConfigError(f"Workload.parameter_bytes={self.parameter_bytes!r} must be an int >= 0.")
-
-
-def _dtype_size_bytes(dtype: Any) -> int:
-    """Bytes per element of a Keras/numpy dtype name ('float32', 'bfloat16', ...)."""
-    import numpy as np
-
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:
-        digits = "".join(ch for ch in str(dtype) if ch.isdigit())
-        return max(1, int(digits) // 8) if digits else 4
-
-
-def _output_shape(layer: Any) -> tuple | None:
-    """A layer's output shape (batch dim included), or None when it cannot be known."""
-    try:
-        return tuple(layer.output.shape)
-    except (AttributeError, ValueError):
-        pass
-    from hetero_cs.engine import _compat
-
-    build_shapes = _compat.layer_build_shapes(layer)
-    if build_shapes and len(build_shapes) == 1:
-        try:
-            return tuple(layer.compute_output_shape(next(iter(build_shapes.values()))))
-        except Exception:  # noqa: BLE001 - any layer may refuse; the estimate then uses a fallback.
-            return None
-    return None
-
-
-def _positions(layer: Any, channels: int) -> int:
-    """Output positions per example: prod(output dims but batch) / channels; 1 when the shape is unknown."""
-    shape = _output_shape(layer)
-    if not shape or any(d is None for d in shape[1:]):
-        logger.debug("estimate_workload: output shape of %s unknown; counting one output row.", layer.name)
-        return 1
-    return max(1, math.prod(int(d) for d in shape[1:]) // max(1, channels))
-
-
-def estimate_workload(model: Any) -> Workload:
-    """Estimates forward FLOPs per example and trainable parameter bytes of a built Keras 3 model.
-
-    Counted layers (nested models and sublayers included): ``Dense`` costs 2 * in * out per output row;
-    ``Conv1D``/``Conv2D``/``Conv3D`` cost 2 * kernel.size per output position (kernel.size = k... * cin/groups *
-    cout). Every other layer counts ~0 (activations, normalisation, pooling are small beside these).
-
-    Args:
-        model: A built ``keras.Model`` or ``keras.layers.Layer``.
-
-    Returns:
-        Workload(flops_per_example, parameter_bytes), parameter_bytes summing size * dtype size over the
-        distinct trainable weights.
-
-    Raises:
-        ConfigError: If the model has not been built (it has no weights yet).
-
-    Example:
-        Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528.
-    """
-    import keras
-
-    if not getattr(model, "built", False):
-        raise ConfigError(
-            f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
-            f"model.build(input_shape) or call it on one batch.")
-    from hetero_cs.engine import _compat
-
-    layers = _compat.all_sublayers(model)
-    convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
-    flops = 0.0
-    for layer in layers:
-        if isinstance(layer, keras.layers.Dense):
-            fan_in, units = (int(d) for d in layer.kernel.shape)
-            flops += 2.0 * fan_in * units * _positions(layer, units)
-        elif convs and isinstance(layer, convs):
-            flops += 2.0 * math.prod(int(d) for d in layer.kernel.shape) * _positions(layer, int(layer.filters))
-    seen: set[int] = set()
-    parameter_bytes = 0
-    for weight in model.trainable_weights:
-        if id(weight) in seen:
-            continue
-        seen.add(id(weight))
-        parameter_bytes += math.prod(int(d) for d in weight.shape) * _dtype_size_bytes(weight.dtype)
-    return Workload(flops_per_example=flops, parameter_bytes=int(parameter_bytes))
 
 
 def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, *,
@@ -153,10 +47,11 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
 
     t = launch_overhead_s                                          (fixed per-step dispatch cost)
       + parameter_bytes / pcie_bandwidth                           (broadcast of the central variables)
-      + 3 * flops_per_example * batch_size / (fp32_tflops * 1e12 * compute_efficiency)
+      + 3 * flops_per_example * batch_size / (peak_tflops * 1e12 * compute_efficiency)
                                                                    (forward + backward ~ 3x forward)
       + parameter_bytes / pcie_bandwidth                           (gradient return to the host)
 
+    peak_tflops is the device's figure for the workload's compute dtype (fp32, fp16 or bf16: ``spec.peak_tflops``).
     The host CPU entry has no PCIe link (variables live in its memory), so both transfers cost 0. A replica with
     0 examples idles: it costs 0 s (no compute, and the plan would skip its transfers).
 
@@ -172,6 +67,7 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
 
     Raises:
         ConfigError: If an argument is out of range.
+        UnsupportedPrecisionError: If ``spec`` has no arithmetic in the workload's compute dtype (bf16 on a T4).
 
     Example:
         T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes: 0.5 ms + 2 x 0.052 ms (PCIe gen3 x16)
@@ -191,7 +87,8 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
         return 0.0
     bandwidth = spec.pcie_bandwidth_bytes_per_s
     transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
-    compute_s = 3.0 * workload.flops_per_example * batch_size / (spec.fp32_tflops * 1e12 * compute_efficiency)
+    peak_tflops = spec.peak_tflops(workload.compute_dtype)
+    compute_s = 3.0 * workload.flops_per_example * batch_size / (peak_tflops * 1e12 * compute_efficiency)
     return launch_overhead_s + transfer_s + compute_s + transfer_s
 
 
@@ -285,8 +182,8 @@ class Emulator:
                 raise ConfigError(
                     f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} "
                     f"(ids 0..{num_replicas - 1}); fix the drift's replica_id.")
-        if workload is not None and not isinstance(workload, Workload):
-            raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
+        if workload is not None:
+            self._check_workload(workload)
         self._time_scale_fixed = False
         self._time_scale_source = None  # what fixed the scale, for messages
         scale = 1.0
@@ -343,10 +240,20 @@ class Emulator:
         with self._lock:
             return tuple(self._steps)
 
-    def set_workload(self, workload: Workload) -> None:
-        """Sets the Workload used by every later time query."""
+    def _check_workload(self, workload: Workload) -> None:
         if not isinstance(workload, Workload):
             raise ConfigError(f"workload must be a Workload; received: {workload!r}.")
+        for spec in self._specs:  # a device without the workload's arithmetic (bf16 on a T4) is refused here
+            spec.peak_tflops(workload.compute_dtype)
+
+    def set_workload(self, workload: Workload) -> None:
+        """Sets the Workload used by every later time query.
+
+        Raises:
+            UnsupportedPrecisionError: If a device has no arithmetic in the workload's compute dtype (bf16: T4,
+                P100, V100).
+        """
+        self._check_workload(workload)
         with self._lock:
             self._workload = workload
 
@@ -484,8 +391,10 @@ class Emulator:
             workload, scale = self._workload, self._time_scale
             split = (_even_split(global_batch_size, len(self._specs))
                      if global_batch_size and workload is not None else None)
+            dtype = "float32" if workload is None else workload.compute_dtype  # the peak figure the replicas use
+            short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
             lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
-                     f"{'replica':>7}  {'device':<6} {'fp32 TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
+                     f"{'replica':>7}  {'device':<6} {short + ' TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
             for i, spec in enumerate(self._specs):
                 link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
                 step_text = "-"
@@ -494,6 +403,6 @@ class Emulator:
                 drift_text = ", ".join(
                     f"x{d.factor:g} steps [{d.from_step}, {'end' if d.until_step is None else d.until_step})"
                     for d in self._drift if d.replica_id == i) or "-"
-                lines.append(f"{i:>7}  {spec.name:<6} {spec.fp32_tflops:>8.1f} {link:>9}  {step_text:>18}  "
+                lines.append(f"{i:>7}  {spec.name:<6} {spec.peak_tflops(dtype):>8.1f} {link:>9}  {step_text:>18}  "
                              f"{drift_text}")
         return lines

@@ -18,11 +18,26 @@ from hetero_cs.errors import ConfigError, InputError
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
 
+def check_policy_support(strategy, model) -> None:
+    """Refuses ``mixed_bfloat16`` on a real GPU without bfloat16 arithmetic (emulated devices: the emulator does)."""
+    from calibration.probe import dtype_policy_name
+
+    policy = dtype_policy_name(model)
+    if policy != "mixed_bfloat16" or not any(":GPU:" in d for d in strategy._compute_devices):
+        return
+    from hetero_cs.devices.discovery import discover_devices
+    from hetero_cs.devices.precision import check_policy_support as check
+
+    capabilities = {info.name: info.compute_capability for info in discover_devices()}
+    check(policy, [(d, capabilities.get(d)) for d in strategy._compute_devices])
+
+
 def calibrate(strategy, model, data, *, force: bool = False, progress: bool = True):
     """``HeteroCentralStorageStrategy.calibrate`` (see there for the arguments, result and errors)."""
     from calibration import calibrate as run_calibration
     from calibration.probe import model_fingerprint
 
+    check_policy_support(strategy, model)
     emulation_pending = strategy._emulator is not None and not strategy._emulator_ready()
     if strategy._balancer.auto_balance and not force and not emulation_pending:
         fingerprint = model_fingerprint(model)

@@ -7,6 +7,8 @@ import statistics
 
 import keras
 
+from hetero_cs.engine import calibrating
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,6 +42,7 @@ class BalanceCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         strategy = self._strategy
+        calibrating.check_policy_support(strategy, self.model)  # mixed_bfloat16 on a GPU without bf16: refused
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
         # A fixed or even split without emulation needs nothing before the first batch: no batch is read then.
         needed = strategy.balancer.auto_balance or (

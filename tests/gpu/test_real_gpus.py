@@ -80,3 +80,45 @@ def test_calibration_on_a_gpu_finds_a_memory_cap(tmp_path):
     profile = result.profiles[0]
     assert profile.max_batch_size is not None and profile.max_batch_size >= 512
     assert profile.fit_error < 0.5
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_on_real_devices_skips_an_overflow_like_one_device(policy):
+    import keras
+
+    from hetero_cs import HeteroCentralStorageStrategy
+
+    details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+    if policy == "mixed_bfloat16" and tuple(details.get("compute_capability") or (0, 0)) < (8, 0):
+        pytest.skip("bfloat16 needs compute capability 8.0 (refused with UnsupportedPrecisionError below it)")
+    devices = _gpu_and_host_devices()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    x[35, 0] = 1e6  # the second batch of 32 overflows (float16 inf; bfloat16 keeps it finite)
+    y = rng.integers(0, 3, size=(64,)).astype(np.int32)
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        def build():
+            init = keras.initializers.GlorotUniform
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "tanh", kernel_initializer=init(1)),
+                                      keras.layers.Dense(3, kernel_initializer=init(2))])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+            return model
+
+        with tf.device("/cpu:0"):
+            reference = build()
+            reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        strategy = HeteroCentralStorageStrategy(devices, batch_split=[3, 1], profile_cache=False)
+        with strategy.scope():
+            model = build()
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    if policy == "mixed_float16":
+        assert int(model.optimizer.iterations.numpy()) == 2  # both epochs' overflowing batch skipped
+        assert float(model.optimizer.dynamic_scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy())
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(b, a, atol=5e-3)  # half-precision kernels on a GPU beside the CPU's

@@ -204,3 +204,18 @@ def test_a_profile_that_is_not_a_path_is_a_config_error():
 
 def test_the_profile_is_json_written_by_the_cli(emulated_profile):
     assert json.loads(emulated_profile.read_text())["schema_version"] == 1
+
+
+def test_cli_calibrates_under_the_policy_asked_for_and_refuses_bf16_on_a_t4(on_path, tmp_path, capsys):
+    import keras
+
+    previous = keras.mixed_precision.global_policy()
+    try:
+        assert _calibrate_cli("hcs_user_models.models:build", tmp_path / "fp16.json", "--policy", "mixed_float16") == 0
+        assert keras.mixed_precision.global_policy().name == "mixed_float16"  # the user's model was built under it
+        capsys.readouterr()
+        assert _calibrate_cli("hcs_user_models.models:build", tmp_path / "bf16.json", "--policy", "mixed_bfloat16") == 2
+        assert "error: Emulated device T4 has no bfloat16 arithmetic" in capsys.readouterr().err
+        assert not (tmp_path / "bf16.json").exists()
+    finally:
+        keras.mixed_precision.set_global_policy(previous)

@@ -32,6 +32,7 @@ EXPECTED_ALL = [
     "ScaledCostModel",
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
+    "UnsupportedPrecisionError",
     "current_global_batch_size",
     "discover_devices",
     "even_batch_split",

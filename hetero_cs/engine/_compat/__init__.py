@@ -11,9 +11,10 @@ checked against are TensorFlow 2.21 and Keras 3.15.
 
 The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
 ``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
-``optimizer`` (Keras' TensorFlow optimizer), ``trainer`` (fit, evaluate, predict and layer walks),
-``graph_patterns`` (reading how a traced value was computed) and ``input_state`` (reading a first batch without
-moving the dataset). Nothing outside this package imports a private TensorFlow or Keras name.
+``optimizer`` (Keras' TensorFlow optimizer), ``loss_scale`` (its LossScaleOptimizer: mixed_float16),
+``trainer`` (fit, evaluate, predict and layer walks), ``graph_patterns`` (reading how a traced value was computed)
+and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a
+private TensorFlow or Keras name.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hetero_cs.engine._compat.distribute import (
     per_replica,
     replica_id_in_sync_group,
 )
+from hetero_cs.engine._compat.loss_scale import _patch_loss_scale_optimizer
 from hetero_cs.engine._compat.optimizer import _patch_optimizer
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
@@ -81,6 +83,7 @@ def install() -> None:
         _patch_mean_metric()
         _patch_variable_assign_add()
         _patch_optimizer()
+        _patch_loss_scale_optimizer()
         _patch_seed_generator()
         _patch_fit()
         _patch_evaluate_and_predict()

@@ -10,6 +10,7 @@ import functools
 import tensorflow as tf
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat import loss_scale
 from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.variables import _barrier_state, _clip_state
 
@@ -51,6 +52,8 @@ def _patch_optimizer() -> None:
             training.current_replica_step().barrier[:] = [token]
             _barrier_state.token = token
         reduced = original_all_reduce(self, grads_and_vars)
+        if loss_scale.pending_scaler(self) is not None:
+            return reduced  # loss-scaled: unscaled and clipped on the host, in the update (loss_scale.apply_or_skip)
         _clip_state.active = True
         try:
             clipped = original_clip(self, [g for g, _ in reduced])
@@ -81,9 +84,16 @@ def _patch_optimizer() -> None:
         current_graph = tf.compat.v1.get_default_graph()
         # Eager steps have no graph (and run in order): nothing to wait for.
         barrier = [token] if getattr(token, "graph", None) is current_graph and not tf.executing_eagerly() else []
+        decay = decay[1] if decay is not None and decay[0] is self else None
+        scaler = loss_scale.pending_scaler(self)
         with tf.control_dependencies(barrier):
-            if decay is not None and decay[0] is self:
-                _weight_decay_cross_replica(self, distribution, decay[1])
+            if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
+                return loss_scale.apply_or_skip(
+                    scaler, self, distribution, grads_and_vars, clip=functools.partial(original_clip, self),
+                    update=lambda pairs: original_update_step(self, distribution, pairs, learning_rate),
+                    decay=None if decay is None else lambda: _weight_decay_cross_replica(self, distribution, decay))
+            if decay is not None:
+                _weight_decay_cross_replica(self, distribution, decay)
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
 
     original_apply_gradients = TFOptimizer.apply_gradients

@@ -35,6 +35,10 @@ def _patch_variable_assign_add() -> None:
         def method(self, value):
             inner = _central_in_replica_context(self)
             if inner is not None:
+                if native_name == "assign_add":  # a loss-scaled step that was skipped counts no iteration
+                    from hetero_cs.engine._compat.loss_scale import iterations_increment
+
+                    value = iterations_increment(self, tf.cast(value, inner.dtype))
                 return getattr(inner, native_name)(_behind_barrier(value, inner.dtype))
             return original(self, value)
 

@@ -1,0 +1,86 @@
+"""What benchmarks/balance.py reports: one case's table and figures, and the busy/idle timeline PNG (per mix and
+model, each replica's busy and idle time in a median step, even split beside auto_balance; timings EMULATED)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import log, ms
+
+
+def print_case(record: dict[str, Any], *, goals: tuple[float, float]) -> None:
+    """Logs one mix/model record's table and figures; ``goals`` = (efficiency, speedup fraction) on a quiet host."""
+    log(f"   {'configuration':<46} {'split(s) used (steps)':<28} {'median step':>12} {'outside replicas':>17}")
+    for name, c in record["configs"].items():
+        splits = ", ".join(f"{'/'.join(map(str, s['split']))} ({s['steps']})" for s in c["splits_used"][:2])
+        if len(c["splits_used"]) > 2:
+            splits += ", ..."
+        log(f"   {c['label']:<46} {splits:<28} {ms(c['median_step_s']):>12} {ms(c['median_outside_replicas_s']):>17}")
+    overrun = max(c["emulation_overrun"] for c in record["configs"].values())
+    log(f"   emulation check: replicas' measured times exceed their emulated times by {overrun * 100:.1f} % at most "
+        f"(median step){' - real compute shows through: raise --target-ideal-ms' if overrun > 0.05 else ''}")
+    log(f"   efficiency         = ideal / auto step = {ms(record['ideal_makespan_s'])} / "
+        f"{ms(record['configs']['hetero_auto']['median_step_s'])} = {record['efficiency']:.3f}"
+        f"   (goal >= {goals[0]})")
+    log(f"   replica efficiency = ideal / auto replicas' makespan (host work outside the replicas excluded) = "
+        f"{record['replica_efficiency']:.3f}")
+    log(f"   speedup vs even    = {record['speedup_vs_even']:.3f}; theoretical max {record['theoretical_speedup']:.3f}"
+        f" -> {record['speedup_fraction_of_theoretical']:.3f} of it   (goal >= {goals[1]})")
+    log(f"   speedup vs stock   = {record['speedup_vs_stock']:.3f}  (stock CSS even split, same emulated waits)")
+    guard = record["configs"]["hetero_auto"]["guard"]
+    if guard is not None:
+        log(f"   guard: {guard['outcome']} {guard['candidate']} vs {guard['incumbent']} (candidate/incumbent "
+            f"{guard['median_ratio']:.3f} over {guard['pairs']} pairs); re-plans during the run: "
+            f"{record['configs']['hetero_auto']['replans']}; lost to even: {record['lost_to_even']}")
+
+
+def draw_timeline(results: list[dict[str, Any]], path: Path) -> Path:
+    """Per mix/model row: each replica's busy and idle time in a median step, even split beside auto_balance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    heights = [0.9 + 0.4 * len(r["devices"]) for r in results]
+    fig, axes = plt.subplots(len(results), 2, figsize=(13, sum(heights) + 1.0), squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
+    for row, record in enumerate(results):
+        panels = [(k, record["timeline"].get(k)) for k in ("hetero_even", "hetero_auto")]
+        xmax = 1.05 * max([p["wall_s"] for _, p in panels if p] + [record["even_split_makespan_s"]]) * 1e3
+        for col, (name, panel) in enumerate(panels):
+            ax = axes[row][col]
+            ax.set_xlim(0, xmax)
+            if panel is None:
+                ax.text(0.5, 0.5, "no per-replica timing", ha="center", va="center", transform=ax.transAxes)
+                continue
+            times_ms = [t * 1e3 for t in panel["step_times_s"]]
+            makespan_ms = max(times_ms)
+            ys = list(range(len(times_ms)))[::-1]  # replica 0 on top
+            ax.barh(ys, times_ms, color="tab:blue", height=0.6)
+            ax.barh(ys, [makespan_ms - t for t in times_ms], left=times_ms, color="#e6e6e6", hatch="//",
+                    edgecolor="#9a9a9a", height=0.6)
+            for y, t in zip(ys, times_ms):
+                ax.text(t - 0.01 * xmax, y, f"{t:.1f} ms", va="center", ha="right", fontsize=8, color="white")
+            ax.axvline(panel["wall_s"] * 1e3, color="black", linestyle=":", linewidth=1.2)
+            ax.axvline(record["ideal_makespan_s"] * 1e3, color="tab:green", linestyle="--", linewidth=1.2)
+            ax.set_yticks(ys)
+            ax.set_yticklabels([f"{d}  b={b}" for d, b in zip(record["devices"], panel["batch_sizes"])], fontsize=9)
+            step_ms = record["configs"][name]["median_step_s"] * 1e3
+            title = "even split" if name == "hetero_even" else "auto_balance"
+            ax.set_title(f"{record['mix']} / {record['model']}, B={record['global_batch_size']}: {title}, "
+                         f"median step {step_ms:.1f} ms", fontsize=10)
+            if row == len(results) - 1:
+                ax.set_xlabel("time within one step, ms (emulated)")
+    handles = [Patch(color="tab:blue", label="busy: compute + emulated device time"),
+               Patch(facecolor="#e6e6e6", hatch="//", edgecolor="#9a9a9a", label="idle: waiting for the straggler"),
+               plt.Line2D([], [], color="black", linestyle=":", label="this step, wall clock (host work included)"),
+               plt.Line2D([], [], color="tab:green", linestyle="--", label="ideal makespan (true profiles)")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=9, frameon=False)
+    fig.suptitle("hetero_cs: per-replica busy and idle time within a median step (EMULATED timings; per-replica "
+                 "times from the strategy's monitor)", fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,149 @@
+"""Private touches of Keras' LossScaleOptimizer: dynamic loss scaling judged on the summed gradient, on the host.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
+
+Keras 3's ``LossScaleOptimizer`` (``compile`` wraps the optimizer in it under ``mixed_float16``) does not work under
+central storage: its TensorFlow path puts the inner optimizer's update, which all-reduces the gradients through a
+merge call, inside a ``cond`` in replica context, which tf.distribute cannot run ("merge_call called while defining
+a new graph"). Under ``MirroredStrategy`` it also judges finiteness on one replica's *local* gradients, before the
+all-reduce, so an overflow in another replica's slice is applied.
+
+Under our strategy one optimizer step with loss scaling runs as follows (one device's step is the oracle):
+
+1. Each replica's loss was multiplied by the scale (``optimizer.scale_loss``, a read of the central scale); its
+   gradients go to the inner optimizer unchanged, through the usual exact path (the failure barrier, per-replica
+   timing, the SUM all-reduce on the host).
+2. In the cross-replica update, once, on the parameter device: ``finite`` = every summed gradient is finite; the
+   summed gradients are divided by the scale, then clipped (the inner optimizer's clipnorm etc.), exactly as one
+   device unscales and clips its whole-batch gradient.
+3. ``finite`` gates the whole update (weight decay, every variable's update and its slots) in one ``cond``; the
+   inner optimizer's iteration counter adds ``finite`` (1 or 0) instead of 1.
+4. The scale and its counter are updated once, on the parameter device, with Keras' rule: a non-finite step halves
+   the scale and resets the counter; ``dynamic_growth_steps`` finite steps in a row double it.
+
+Metrics and the logged loss are updated on a skipped step as on one device (Keras' train step updates them before
+and regardless of the optimizer).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import tensorflow as tf
+
+from hetero_cs.engine._compat.distribute import current_hetero_strategy
+
+# Shared by the replica threads and the thread that runs the merge (like variables._barrier_state): ``pending`` is
+# (loss-scale optimizer, graph) while a replica step applies gradients through it; ``finite`` is (inner optimizer,
+# bool tensor, graph) once the update merge has judged the step.
+_loss_scale_state = types.SimpleNamespace(pending=None, finite=None)
+
+
+def _current_graph():
+    """The graph being traced, or None when executing eagerly (eager steps run one after another)."""
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def pending_scaler(inner_optimizer):
+    """The LossScaleOptimizer that is applying gradients through ``inner_optimizer`` in this step, else None."""
+    pending = _loss_scale_state.pending
+    if pending is None:
+        return None
+    scaler, graph = pending
+    if getattr(scaler, "inner_optimizer", None) is not inner_optimizer or graph is not _current_graph():
+        return None
+    return scaler
+
+
+def iterations_increment(variable, value):
+    """``value`` times this step's finiteness when ``variable`` is the iteration counter of an inner optimizer
+    whose step was judged by :func:`apply_or_skip` in this graph; ``value`` unchanged otherwise."""
+    judged = _loss_scale_state.finite
+    if judged is None:
+        return value
+    inner, finite, graph = judged
+    if variable is not getattr(inner, "_iterations", None) or graph is not _current_graph():
+        return value
+    return value * tf.cast(finite, value.dtype)
+
+
+def _patch_loss_scale_optimizer() -> None:
+    # LossScaleOptimizer._tf_apply is the TensorFlow path of LossScaleOptimizer.apply (the base apply_gradients
+    # calls apply). Under our strategy, in replica context, it hands the (scaled) gradients to the inner optimizer
+    # directly and marks the step as loss-scaled; the finiteness check, unscaling and the gated update then happen
+    # once in the inner optimizer's cross-replica update (apply_or_skip). Anything else runs Keras' own code.
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    original_tf_apply = LossScaleOptimizer._tf_apply  # noqa: SLF001
+
+    @functools.wraps(original_tf_apply)
+    def _tf_apply(self, grads, trainable_variables=None):
+        if current_hetero_strategy() is None or tf.distribute.in_cross_replica_context():
+            return original_tf_apply(self, grads, trainable_variables)
+        _loss_scale_state.pending = (self, _current_graph())
+        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+        return None
+
+    LossScaleOptimizer._tf_apply = _tf_apply  # noqa: SLF001
+
+
+def _first_value(strategy, value):
+    """One replica's copy of an all-reduced (identical on every replica) value; plain tensors as they are."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
+
+
+def _is_finite(grad):
+    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    return tf.reduce_all(tf.math.is_finite(values))
+
+
+def _divide(grad, scale):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad / tf.cast(scale, grad.dtype)
+
+
+def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update, decay=None):
+    """Cross-replica (the inner optimizer's update merge): one loss-scaled step, judged on the summed gradient.
+
+    Args:
+        scaler: The ``LossScaleOptimizer`` (its ``dynamic_scale``, ``step_counter``, ``dynamic_growth_steps``).
+        inner: Its inner optimizer, whose update this is.
+        distribution: Our strategy.
+        grads_and_vars: (summed scaled gradient, variable) pairs, gradients as all-reduced values.
+        clip: ``clip(grads) -> grads``: the inner optimizer's clipping of the unscaled summed gradients.
+        update: ``update(grads_and_vars)``: the inner optimizer's variable updates (cross-replica).
+        decay: ``decay()`` applying deferred decoupled weight decay first, or None.
+
+    Returns:
+        The finiteness of the step, a bool scalar tensor on the parameter device.
+    """
+    _loss_scale_state.pending = None  # consumed: this step's update is the one the replicas marked
+    pairs = [(_first_value(distribution, g), v) for g, v in grads_and_vars]
+    variables = [v for _, v in pairs]
+    with tf.device(distribution.parameter_device):
+        present = [g for g, _ in pairs if g is not None]
+        finite = tf.reduce_all(tf.stack([_is_finite(g) for g in present])) if present else tf.constant(True)
+        scale = tf.identity(scaler.dynamic_scale.value)
+        counter = tf.identity(scaler.step_counter.value)
+        unscaled = clip([None if g is None else _divide(g, scale) for g, _ in pairs])
+
+    def apply_step():
+        if decay is not None:
+            decay()
+        update(list(zip(unscaled, variables)))
+        return tf.constant(True)
+
+    tf.cond(finite, apply_step, lambda: tf.constant(False))
+    _loss_scale_state.finite = (inner, finite, _current_graph())
+    with tf.device(distribution.parameter_device):
+        growth_steps = tf.cast(scaler.dynamic_growth_steps, counter.dtype)
+        grow = tf.logical_and(finite, tf.equal(counter, growth_steps - 1))
+        new_counter = tf.where(tf.logical_and(finite, tf.logical_not(grow)), counter + 1, tf.zeros_like(counter))
+        new_scale = tf.where(grow, scale * 2.0, tf.where(finite, scale, scale * 0.5))
+    for variable, value in ((scaler.step_counter, new_counter), (scaler.dynamic_scale, new_scale)):
+        distribution.extended.update(variable.value, lambda var, x: var.assign(x), args=(value,), group=False)
+    return finite
