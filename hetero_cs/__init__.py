@@ -32,6 +32,7 @@ from hetero_cs.planning.solver import solve_batch_split
 # Name -> module for the TensorFlow-facing API (PEP 562 lazy attributes; see the module docstring).
 _LAZY = {
     "HeteroCentralStorageStrategy": "hetero_cs.engine.central_storage",
+    "HeteroMultiWorkerMirroredStrategy": "hetero_cs.engine.multi_worker",
     "BalanceCallback": "hetero_cs.engine.callbacks",
     "current_global_batch_size": "hetero_cs.engine.training",
     "replica_weight": "hetero_cs.engine.training",
@@ -70,6 +71,7 @@ __all__ = [
     "EmulationError",
     "HeteroCSError",
     "HeteroCentralStorageStrategy",
+    "HeteroMultiWorkerMirroredStrategy",
     "InfeasiblePlanError",
     "InputError",
     "InvalidCostModelError",
