@@ -22,6 +22,7 @@ from hetero_cs.errors import (
     ProfileCacheError,
     ReplicaStepError,
     UnknownEmulatedDeviceError,
+    WorkerLostError,
 )
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -85,6 +86,7 @@ __all__ = [
     "ScaledCostModel",
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
+    "WorkerLostError",
     "current_global_batch_size",
     "discover_devices",
     "even_batch_split",

@@ -130,6 +130,8 @@ def _patch_entry_points() -> None:
             _current_model.model = self
             try:
                 return original(*bound.args, **bound.kwargs)
+            except _PEER_FAILURES as exc:
+                raise _worker_lost(strategy, original.__name__, exc) from exc
             finally:
                 _current_model.model = previous
 
@@ -138,6 +140,32 @@ def _patch_entry_points() -> None:
     TensorFlowTrainer.fit = with_model(TensorFlowTrainer.fit)
     TensorFlowTrainer.evaluate = with_model(TensorFlowTrainer.evaluate)
     TensorFlowTrainer.predict = with_model(TensorFlowTrainer.predict)
+
+
+# How TensorFlow's collectives report a peer that is gone: the coordination service's missed heartbeats or a
+# refused connection (Unavailable), a collective that waited past CommunicationOptions.timeout_seconds
+# (DeadlineExceeded), or a collective aborted because another one failed (Cancelled/Aborted).
+_PEER_FAILURES = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+)
+
+
+def _worker_lost(strategy, verb: str, exc: Exception):
+    from hetero_cs.errors import WorkerLostError
+
+    options = getattr(strategy.extended, "_communication_options", None)  # Private: the options MWMS was given.
+    timeout_s = getattr(options, "timeout_seconds", None)
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return WorkerLostError(
+        f"model.{verb} stopped on worker {id_in_cluster(strategy)}: another worker of the cluster is gone or not "
+        f"answering ({type(exc).__name__}: {first_line}). Every worker runs the same steps in lockstep, so the "
+        f"job cannot go on without it (collective timeout: "
+        f"{'none set' if timeout_s is None else f'{timeout_s:g} s'}). Check the other workers' logs, then restart "
+        f"all workers; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup."
+    )
 
 
 _install_lock = threading.Lock()
