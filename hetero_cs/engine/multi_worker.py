@@ -242,14 +242,16 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             sizes = strategy._step_sizes(global_batch_size, replica_id, context)
             offset = tf.reduce_sum(sizes[:replica_id])
             batch_size = sizes[replica_id]
+            start = None
+            if strategy._timing:
+                from hetero_cs.engine.step_timing import tie_to_stamp, wall_clock_stamp
+
+                start = wall_clock_stamp(sizes)  # the split is known: this replica's step starts
+                sizes = tie_to_stamp(sizes, start)  # and its work waits for the stamp (never runs before it)
+                offset, batch_size = tf.reduce_sum(sizes[:replica_id]), sizes[replica_id]
             for i in batched:
                 flat[i] = _cut(flat[i], offset, batch_size)
             call_args, call_kwargs = tf.nest.pack_sequence_as((call_args, call_kwargs), flat)
-            start = None
-            if strategy._timing:
-                from hetero_cs.engine.step_timing import wall_clock_stamp
-
-                start = wall_clock_stamp(sizes)  # the split is known: this replica's step starts
             step = training.ReplicaStep(
                 replica_id=replica_id, device=strategy.extended.worker_devices[replica_id - strategy._first_replica],
                 batch_size=batch_size, global_batch_size=global_batch_size, start_stamp=start,
