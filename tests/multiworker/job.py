@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--die-at-step", type=int, default=None, help="worker 1 exits abruptly at this step")
+    parser.add_argument("--die-at-epoch", type=int, default=0, help="... of this epoch")
+    parser.add_argument("--backup", default=None, help="keras.callbacks.BackupAndRestore in BACKUP/<worker>")
     parser.add_argument("--timeout-s", type=float, default=None)
     args = parser.parse_args(argv)
 
@@ -80,12 +82,21 @@ def main(argv=None) -> int:
     callbacks = []
     if args.die_at_step is not None and name == "worker1":
         class Die(keras.callbacks.Callback):
+            epoch = 0
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
             def on_train_batch_begin(self, batch, logs=None):
-                if batch == args.die_at_step:
+                if batch == args.die_at_step and self.epoch == args.die_at_epoch:
                     print("dying now", flush=True)
                     os._exit(17)
 
         callbacks.append(Die())
+    if args.backup is not None:
+        # Keras 3's BackupAndRestore writes plain files and knows nothing of workers: each worker gets its own
+        # folder (the mirrored weights are the same on every worker, so each backup is whole).
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
         model = build(keras)
     else:
@@ -98,6 +109,7 @@ def main(argv=None) -> int:
     for i, v in enumerate(model.optimizer.variables):
         result[f"optimizer_{i}"] = np.asarray(v)
     result["loss"] = np.asarray(history.history["loss"])
+    result["epochs_run"] = np.asarray(len(history.history["loss"]))
     result["accuracy"] = np.asarray(history.history["accuracy"])
     result["eval_loss"] = np.asarray(evaluated["loss"])
     result["predict"] = np.asarray(predicted)

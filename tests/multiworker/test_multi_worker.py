@@ -102,6 +102,35 @@ def test_killed_worker_ends_the_others_with_worker_lost_error(tmp_path):
     assert not (tmp_path / "worker0.npz").exists()
 
 
+@pytest.mark.slow
+def test_backup_and_restore_resumes_after_a_killed_worker_with_nothing_lost(tmp_path):
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    done = subprocess.run([sys.executable, str(JOB), str(reference_dir), "--reference", "--epochs", "3"],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = dict(np.load(reference_dir / "reference.npz"))
+    backup = tmp_path / "backup"
+    command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--",
+               sys.executable, str(JOB), str(tmp_path), "--split", "3,1", "--epochs", "3", "--backup", str(backup)]
+    # First run: worker 1 dies in the second epoch (after the first epoch's backup); the launcher stops worker 0.
+    first = subprocess.run(command + ["--die-at-epoch", "1", "--die-at-step", "1"], env=_env(), capture_output=True,
+                           text=True, timeout=240)
+    assert first.returncode == 17, first.stdout[-3000:]
+    assert not (tmp_path / "worker0.npz").exists()
+    # The rerun resumes from the backup of epoch 1 and ends where uninterrupted single-device training ends.
+    _launch(tmp_path, 2, "--split", "3,1", "--epochs", "3", "--backup", str(backup))
+    for index in range(2):
+        result = np.load(tmp_path / f"worker{index}.npz")
+        assert int(result["epochs_run"]) == 2  # epochs 2 and 3 only: the first came from the backup
+        for key, expected in reference.items():
+            if key in ("loss", "accuracy"):
+                expected = expected[1:]
+            if key == "epochs_run":
+                continue
+            np.testing.assert_allclose(result[key], expected, rtol=0, atol=TOLERANCE, err_msg=f"worker{index} {key}")
+
+
 def test_launch_stops_every_worker_on_first_failure_and_returns_its_status(tmp_path):
     # No TensorFlow: worker 1 fails with status 3 while worker 0 would sleep for minutes.
     script = (
