@@ -63,8 +63,12 @@ def main(argv=None) -> int:
     if args.reference:
         strategy, name = None, "reference"
     else:
+        import logging
+
         import hetero_cs
 
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("hetero_cs").setLevel(logging.INFO)
         kwargs = {}
         if args.split == "auto":
             kwargs["auto_balance"] = True

@@ -42,11 +42,19 @@ def _launch(out: Path, workers: int, *job_args: str, emulate: str | None = None,
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    done = subprocess.run([sys.executable, str(JOB), str(out), "--reference"], env=_env(), capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return dict(np.load(out / "reference.npz"))
+    """Single-device training: {epochs: results}, each run once per module."""
+    runs = {}
+
+    def run(epochs: int = 2) -> dict:
+        if epochs not in runs:
+            out = tmp_path_factory.mktemp(f"reference{epochs}")
+            done = subprocess.run([sys.executable, str(JOB), str(out), "--reference", "--epochs", str(epochs)],
+                                  env=_env(), capture_output=True, text=True, timeout=240)
+            assert done.returncode == 0, done.stderr[-4000:]
+            runs[epochs] = dict(np.load(out / "reference.npz"))
+        return runs[epochs]
+
+    return run
 
 
 def _assert_equal_to_reference(out: Path, workers: int, reference: dict) -> None:
@@ -62,16 +70,21 @@ def _assert_equal_to_reference(out: Path, workers: int, reference: dict) -> None
 def test_two_workers_uneven_fixed_split_equal_one_device(tmp_path, reference):
     # Slices 12 | 4 of each global batch of 16, and 5 | 1 of the last batch of 6 (weighted by 6, not 16).
     _launch(tmp_path, 2, "--split", "3,1")
-    _assert_equal_to_reference(tmp_path, 2, reference)
+    _assert_equal_to_reference(tmp_path, 2, reference(2))
 
 
 def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference):
-    # auto_balance: the chief serves probe splits (uneven, changing every step) through the per-step agreement,
-    # with emulated A10 | T4 | P100 waits; every step must still equal the single-device step.
-    stdout = _launch(tmp_path, 3, "--split", "auto", emulate="A10,T4,P100",
+    # auto_balance over 12 steps (4 epochs of 3, the last batch partial): a warm-up step, 6 probe splits (uneven,
+    # changing every step), the chief's fit of the probe times, then the Balancer's decision (this tiny model's
+    # emulated steps are mostly fixed overhead, so the solved split may be refused as a tie or tried by the guard;
+    # benchmarks/multiworker.py shows a trial kept). Every split reaches all workers through the per-step
+    # agreement, with emulated A10 | T4 | P100 waits; every step must still equal the single-device step.
+    stdout = _launch(tmp_path, 3, "--split", "auto", "--epochs", "4", emulate="A10,T4,P100",
                      HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5")  # short emulated waits: this test is about values
     assert stdout.count("timings are EMULATED") == 3
-    _assert_equal_to_reference(tmp_path, 3, reference)
+    assert "[worker 0] hetero_cs.engine.cluster_planner: hetero_cs multi-worker calibration from 6" in stdout, stdout
+    assert "guard: trying" in stdout or "keeping the even split" in stdout, stdout
+    _assert_equal_to_reference(tmp_path, 3, reference(4))
 
 
 @pytest.mark.slow
