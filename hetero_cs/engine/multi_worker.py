@@ -103,6 +103,7 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         _compat.install()
         _compat.install_multi_worker()
         setattr(self, _compat.MULTI_WORKER_MARKER, True)
+        _compat.skip_partial_batch_agreement(self)  # every worker reads the same batches: no per-step "has data?"
 
         R = self.num_replicas_in_sync
         self._num_local = len(self.extended.worker_devices)

@@ -55,6 +55,7 @@ from hetero_cs.engine._compat.multi_worker import (
     is_multi_worker_strategy,
     is_tf_function,
     mark_distributed_dataset,
+    skip_partial_batch_agreement,
 )
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 
@@ -68,6 +69,7 @@ __all__ = [
     "is_multi_worker_strategy",
     "is_tf_function",
     "mark_distributed_dataset",
+    "skip_partial_batch_agreement",
     "FirstBatchReader",
     "HeteroExtended",
     "all_sublayers",

@@ -55,6 +55,15 @@ def id_in_cluster(strategy) -> int:
     return int(getattr(strategy.extended, "_id_in_cluster", 0))
 
 
+def skip_partial_batch_agreement(strategy) -> None:
+    """Stops the distributed iterators from agreeing on "is there a next batch" over the cluster every step."""
+    # Undocumented attribute of CollectiveAllReduceExtended (input_lib._enable_get_next_as_optional reads it): with
+    # it on, every get_next of a multi-worker iterator runs an all-reduce of how many replicas still have data, so
+    # that workers with unequal shards agree on the last partial batch. Here every worker reads the same global
+    # batches, so they run out at the same step by construction; the extra collective per step is dropped.
+    strategy.extended.experimental_enable_get_next_as_optional = False
+
+
 def clone_function(fn, python_function):
     """A clone of the ``tf.function`` ``fn`` running ``python_function``, with fn's options (input_signature, ...).
 
