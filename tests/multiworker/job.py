@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--die-at-step", type=int, default=None, help="worker 1 exits abruptly at this step")
     parser.add_argument("--die-at-epoch", type=int, default=0, help="... of this epoch")
     parser.add_argument("--backup", default=None, help="keras.callbacks.BackupAndRestore in BACKUP/<worker>")
+    parser.add_argument("--custom-loop", action="store_true", help="a tf.function loop over strategy.run instead")
     parser.add_argument("--timeout-s", type=float, default=None)
     args = parser.parse_args(argv)
 
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
     else:
         with strategy.scope():
             model = build(keras)
+    if args.custom_loop:
+        return custom_loop(args, strategy, model, dataset, name)
     history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
     evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
     predicted = model.predict(dataset, verbose=0)
@@ -119,6 +122,49 @@ def main(argv=None) -> int:
     result["predict"] = np.asarray(predicted)
     np.savez(os.path.join(args.out, f"{name}.npz"), **result)
     print("done", name, history.history["loss"], flush=True)
+    return 0
+
+
+def custom_loop(args, strategy, model, dataset, name) -> int:
+    """The custom loop of hetero_cs.engine.training's docstring: weights, optimizer state and per-step losses."""
+    import keras
+    import tensorflow as tf
+
+    optimizer = model.optimizer
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(y, model(x, training=True))
+            if strategy is None:
+                loss = tf.nn.compute_average_loss(per_example) + tf.add_n(model.losses)
+            else:
+                import hetero_cs
+
+                B = hetero_cs.current_global_batch_size()
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=B)
+                loss += hetero_cs.replica_weight() * tf.add_n(model.losses)  # shares of the regulariser sum to it
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(batch):
+        if strategy is None:
+            return step_fn(*batch)
+        return strategy.reduce("SUM", strategy.run(step_fn, args=batch), axis=None)
+
+    losses = []
+    source = dataset if strategy is None else strategy.experimental_distribute_dataset(dataset)
+    for _ in range(args.epochs):
+        for batch in source:
+            losses.append(float(train_step(batch)))
+    result = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    for i, v in enumerate(optimizer.variables):
+        result[f"optimizer_{i}"] = np.asarray(v)
+    result["loss"] = np.asarray(losses)
+    np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    print("done", name, losses, flush=True)
     return 0
 
 

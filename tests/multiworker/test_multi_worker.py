@@ -88,6 +88,20 @@ def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference)
 
 
 @pytest.mark.slow
+def test_custom_loop_over_strategy_run_equals_one_device(tmp_path):
+    # The documented custom loop: strategy.run inside tf.function, compute_average_loss with
+    # current_global_batch_size(), the regulariser weighted by replica_weight(), strategy.reduce("SUM").
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    done = subprocess.run([sys.executable, str(JOB), str(reference_dir), "--reference", "--custom-loop"],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = dict(np.load(reference_dir / "reference.npz"))
+    _launch(tmp_path, 2, "--split", "5,3", "--custom-loop")
+    _assert_equal_to_reference(tmp_path, 2, reference)
+
+
+@pytest.mark.slow
 def test_killed_worker_ends_the_others_with_worker_lost_error(tmp_path):
     # Workers started directly (not by the launcher, which would stop the survivor itself): worker 1 exits at its
     # second step; worker 0 must fail with WorkerLostError, not hang. The bound is generous (a busy machine);
