@@ -114,7 +114,8 @@ def _launch(args, mode: str, out: Path) -> dict:
                "--steps", str(args.steps), "--measure", str(args.measure),
                "--global-batch-size", str(args.global_batch_size)] + (["--verbose"] if args.verbose else [])
     with open(os.devnull, "w") as quiet:
-        status = Launch(command, num_workers=len(emulate), emulate=emulate, output=None if args.verbose else quiet).run()
+        output = None if args.verbose else quiet
+        status = Launch(command, num_workers=len(emulate), emulate=emulate, output=output).run()
     if status != 0:
         raise SystemExit(f"the {mode} run failed with status {status} (rerun with --verbose)")
     return json.loads(out.read_text())
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         "all_reduce_share": 1.0 - auto["served_makespan_emulated_s"] / auto["median_step_s"],
         "emulation_check": auto["emulation_check"],
     }
-    print("timings are EMULATED (" + " | ".join(auto["emulate"]) + f", one worker each, on loopback)")
+    print("timings are EMULATED (" + " | ".join(auto["emulate"]) + ", one worker each, on loopback)")
     for key, value in summary.items():
         print(f"{key}={value}")
     if args.json:

@@ -6,7 +6,6 @@ TensorFlow. The oracle is single-device Keras training on the whole batch (``job
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
