@@ -121,8 +121,17 @@ def main(argv=None) -> int:
     result["eval_loss"] = np.asarray(evaluated["loss"])
     result["predict"] = np.asarray(predicted)
     np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    _barrier(strategy)
     print("done", name, history.history["loss"], flush=True)
     return 0
+
+
+def _barrier(strategy) -> None:
+    """Every worker waits here until all have written their results (the chief's exit ends the cluster)."""
+    if strategy is not None:
+        import tensorflow as tf
+
+        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
 
 def custom_loop(args, strategy, model, dataset, name) -> int:
@@ -164,6 +173,7 @@ def custom_loop(args, strategy, model, dataset, name) -> int:
         result[f"optimizer_{i}"] = np.asarray(v)
     result["loss"] = np.asarray(losses)
     np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    _barrier(strategy)
     print("done", name, losses, flush=True)
     return 0
 
