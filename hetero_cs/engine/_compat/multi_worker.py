@@ -16,9 +16,10 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
 2. ``reduce_per_replica`` reduces the step's logs (scalars) with ``strategy.reduce("MEAN", v, axis=0)`` in
    multi-worker mode, which fails on a scalar ("Invalid reduction dimension 0 for input with 0 dimensions"). And a
    plain mean of the replicas' logs would be wrong anyway with uneven slices: each replica's metric is a ratio of
-   its own totals. Under our strategy the logs are the model's metric results read in cross-replica context
-   (Keras' metric variables are ON_READ / SUM, so the read sums every replica's totals and counts over the
-   cluster: the single-device value); a log that is not a metric is averaged with ``axis=None``. ``predict``'s
+   its own totals. Under our strategy the logs are the model's metric results computed from every replica's
+   totals and counts summed over the cluster (Keras' metric variables are ON_READ / SUM; one all-reduce for all
+   of them, see ``summed_metric_results``): the single-device value. A log that is not a metric is averaged with
+   ``axis=None``. ``predict``'s
    ``"concat"`` is left to Keras (it gathers slices of unequal length in replica order, which is batch order here).
 """
 
@@ -28,6 +29,7 @@ import functools
 import threading
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import training
@@ -99,8 +101,7 @@ def _patch_reduce_per_replica() -> None:
         model = getattr(_current_model, "model", None)
         results = {}
         if model is not None and isinstance(values, dict):
-            # Cross-replica read of ON_READ/SUM metric variables: summed over every replica of the cluster.
-            results = dict(model.get_metrics_result())
+            results = summed_metric_results(model, strategy)
 
         def reduce(key, value):
             if key in results:
@@ -115,6 +116,49 @@ def _patch_reduce_per_replica() -> None:
 
     # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
     trainer_module.reduce_per_replica = reduce_per_replica
+
+
+def summed_metric_results(model, strategy) -> dict:
+    """The model's metric results over the whole cluster (cross-replica context), from ONE SUM all-reduce.
+
+    Keras' metric variables are ON_READ with SUM aggregation, so reading each in cross-replica context sums it over
+    every replica - one collective per variable (4 for a loss and an accuracy), every step. Here every replica's
+    local values of all metric variables travel in one vector (float64; exact for integer counts below 2**53),
+    and each metric's result is computed from the summed values with Keras' ``stateless_result``.
+    """
+    from hetero_cs.engine._compat.distribute import per_replica
+
+    metrics = list(model.metrics)
+    variables = [v for metric in metrics for v in metric.variables]
+    if not variables:
+        return {}
+    # Private: a Keras variable's backing tf.Variable (_value); reading its public value in cross-replica context
+    # would run the per-variable all-reduce this function avoids. Its local components are the replicas' copies.
+    components = [strategy.experimental_local_results(v._value) for v in variables]  # noqa: SLF001
+    shapes = [tuple(v.shape) for v in variables]
+    sizes = [int(np.prod(shape)) if shape else 1 for shape in shapes]
+    vectors = []
+    for local in range(len(components[0])):
+        vectors.append(tf.concat(
+            [tf.reshape(tf.cast(c[local].read_value(), tf.float64), [-1]) for c in components], axis=0))
+    summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica(vectors), axis=None)
+    pieces = [
+        tf.cast(tf.reshape(piece, shape), v.dtype)
+        for piece, shape, v in zip(tf.split(summed, sizes), shapes, variables)
+    ]
+    results, start = {}, 0
+    for metric in metrics:
+        count = len(metric.variables)
+        result = metric.stateless_result(pieces[start:start + count])
+        start += count
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    # Private: Keras' own flattening of nested result dicts, as get_metrics_result ends (tensors stay tensors here).
+    from keras.src.utils.python_utils import pythonify_logs
+
+    return pythonify_logs(results)
 
 
 def _patch_entry_points() -> None:
