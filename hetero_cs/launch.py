@@ -30,6 +30,7 @@ from hetero_cs.errors import ConfigError
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
+_EXAMPLE_NAMES = ("A10", "T4", "P100")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -73,7 +74,7 @@ def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
         raise ConfigError(
             f"--emulate names one catalog device per worker, comma-separated: got {text!r} ({len(names)} names) "
             f"for --workers {num_workers}. A worker's MultiWorkerMirroredStrategy runs one CPU replica, so give "
-            f"exactly {num_workers} names, e.g. --emulate {','.join(['A10', 'T4', 'P100'][:1] * num_workers)}."
+            f"exactly {num_workers} names, e.g. --emulate {','.join(_EXAMPLE_NAMES[i % 3] for i in range(num_workers))}."
         )
     from hetero_cs.devices.catalog import get_device_spec
 
@@ -114,6 +115,7 @@ class Launch:
         self._print_lock = threading.Lock()
         self._processes: list[subprocess.Popen] = []
         self._stop = threading.Event()
+        self._signal = signal.SIGINT  # the signal that asked to stop (Ctrl-C unless told otherwise)
 
     def _environment(self, ports: Sequence[int], index: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -178,7 +180,7 @@ class Launch:
                 self._stop_all()
                 return status
             if self._stop.is_set():
-                signum = getattr(self, "_signal", signal.SIGINT)
+                signum = self._signal
                 self._note(f"received signal {signum}; stopping all workers")
                 self._stop_all()
                 return 128 + int(signum)

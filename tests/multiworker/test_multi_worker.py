@@ -180,6 +180,42 @@ def test_launch_stops_every_worker_on_first_failure_and_returns_its_status(tmp_p
         os.kill(pid, 0)
 
 
+def test_ctrl_c_stops_every_worker_even_one_that_ignores_sigterm(tmp_path):
+    import signal
+
+    # Worker 1 ignores SIGTERM: it must be killed after --grace-s. Status 130 = 128 + SIGINT.
+    script = (
+        "import json, os, signal, sys, time\n"
+        "index = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "if index == 1: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(os.path.join(sys.argv[1], f'pid{index}'), 'w').write(str(os.getpid()))\n"
+        "print('started', index, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--grace-s", "1", "--",
+               sys.executable, "-c", script, str(tmp_path)]
+    launcher = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = set()
+        while len(seen) < 2:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended before both workers started"
+            if "started" in line:
+                seen.add(line.split()[1])
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, output
+    assert "stopping all workers" in output
+    for index in range(2):
+        pid = int((tmp_path / f"pid{index}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_launch_sets_tf_config_and_emulation_per_worker(tmp_path):
     script = (
         "import json, os\n"
@@ -198,5 +234,6 @@ def test_launch_rejects_an_emulate_list_of_the_wrong_length():
     from hetero_cs.errors import ConfigError
     from hetero_cs.launch import parse_emulate
 
-    with pytest.raises(ConfigError, match="one catalog device per worker"):
+    with pytest.raises(ConfigError, match="one catalog device per worker.*--emulate A10,T4,P100"):
         parse_emulate("A10,T4", 3)
+    assert parse_emulate("a10, T4", 2) == ["a10", "T4"]
