@@ -140,8 +140,10 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
     # ----------------------------------------------------------------------------------------------------------
     @property
     def plan(self) -> BatchPlan | None:
-        """The plan in force for the full global batch on this worker's Balancer (the chief's decides with
-        auto_balance; on other workers it stays the even split). None before the first global batch."""
+        """The plan in force for the full global batch, None before the first global batch.
+
+        With a fixed or even split every worker knows it. With auto_balance only the chief's Balancer plans (the
+        other workers receive each step's split inside the step), so it is None on the other workers."""
         return self._balancer.plan
 
     @property
@@ -161,8 +163,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
 
     @property
     def calibrating(self) -> bool:
-        """True while the chief still serves probe splits (auto_balance, before the fit)."""
-        return self._planner.calibrating
+        """On the chief: True while it still serves probe splits (auto_balance, before the fit). False elsewhere."""
+        return self.is_chief and self._planner.calibrating
 
     def prepare_emulation(self, model) -> None:
         """Sizes the emulated devices for ``model`` (its FLOPs and parameter bytes); fit/evaluate/predict call it.
