@@ -38,7 +38,8 @@ def build(keras):
     ])
     model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
     model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=0.05),
+        # global_clipnorm: clipping must apply to the summed gradient of all replicas, as on one device.
+        optimizer=keras.optimizers.Adam(learning_rate=0.05, global_clipnorm=0.5),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
