@@ -23,6 +23,7 @@ from hetero_cs.errors import (
     ReplicaStepError,
     UnknownEmulatedDeviceError,
     UnsupportedPrecisionError,
+    WorkerLostError,
 )
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -33,6 +34,7 @@ from hetero_cs.planning.solver import solve_batch_split
 # Name -> module for the TensorFlow-facing API (PEP 562 lazy attributes; see the module docstring).
 _LAZY = {
     "HeteroCentralStorageStrategy": "hetero_cs.engine.central_storage",
+    "HeteroMultiWorkerMirroredStrategy": "hetero_cs.engine.multi_worker",
     "BalanceCallback": "hetero_cs.engine.callbacks",
     "current_global_batch_size": "hetero_cs.engine.training",
     "replica_weight": "hetero_cs.engine.training",
@@ -71,6 +73,7 @@ __all__ = [
     "EmulationError",
     "HeteroCSError",
     "HeteroCentralStorageStrategy",
+    "HeteroMultiWorkerMirroredStrategy",
     "InfeasiblePlanError",
     "InputError",
     "InvalidCostModelError",
@@ -85,6 +88,7 @@ __all__ = [
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
     "UnsupportedPrecisionError",
+    "WorkerLostError",
     "current_global_batch_size",
     "discover_devices",
     "even_batch_split",

@@ -1,9 +1,10 @@
-"""The `hetero-cs` command: devices, calibrate, plan, bench.
+"""The `hetero-cs` command: devices, calibrate, plan, bench, launch.
 
     hetero-cs devices                                   # TF devices joined with NVML facts
     hetero-cs calibrate --emulate A10,T4,P100 --output profile.json
     hetero-cs plan --profile profile.json --global-batch-size 512
     hetero-cs bench [benchmark options]                 # benchmarks/balance.py, from a source checkout
+    hetero-cs launch --workers 2 --emulate A10,T4 -- python train.py   # N workers with TF_CONFIG on loopback
 """
 
 from __future__ import annotations
@@ -55,12 +56,18 @@ def _bench(args: argparse.Namespace) -> int:
     return int(balance_main(args.bench_args) or 0)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from hetero_cs.launch import run_launch
+
+    return run_launch(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from calibration.__main__ import add_calibrate_arguments, add_plan_arguments
 
     parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch}")
     devices = verbs.add_parser("devices", help="list compute devices (TensorFlow joined with NVML facts)")
     devices.set_defaults(run=_devices)
     calibrate = verbs.add_parser("calibrate", help="time each device on a reference model and write a profile")
@@ -74,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
+    from hetero_cs.launch import add_launch_arguments
+
+    launch = verbs.add_parser("launch", help="run a command as N MultiWorkerMirroredStrategy workers on 127.0.0.1")
+    add_launch_arguments(launch)
+    launch.set_defaults(run=_launch)
     return parser
 
 

@@ -94,3 +94,7 @@ class ReplicaStepError(HeteroCSError, RuntimeError):
         super().__init__(message)
         self.replica_id = replica_id
         self.device = device
+
+
+class WorkerLostError(HeteroCSError, RuntimeError):
+    """A multi-worker step failed because another worker stopped answering (crashed, killed, or cut off)."""

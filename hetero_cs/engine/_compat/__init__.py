@@ -48,10 +48,30 @@ from hetero_cs.engine._compat.losses import (
     _patch_loss_scaling,
     _patch_mean_metric,
 )
+from hetero_cs.engine._compat.multi_worker import (
+    MULTI_WORKER_MARKER,
+    clone_function,
+    current_multi_worker_strategy,
+    id_in_cluster,
+    install_multi_worker,
+    is_multi_worker_strategy,
+    is_tf_function,
+    mark_distributed_dataset,
+    skip_partial_batch_agreement,
+)
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 
 __all__ = [
+    "MULTI_WORKER_MARKER",
     "STRATEGY_MARKER",
+    "clone_function",
+    "current_multi_worker_strategy",
+    "id_in_cluster",
+    "install_multi_worker",
+    "is_multi_worker_strategy",
+    "is_tf_function",
+    "mark_distributed_dataset",
+    "skip_partial_batch_agreement",
     "FirstBatchReader",
     "HeteroExtended",
     "all_sublayers",

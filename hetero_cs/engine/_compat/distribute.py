@@ -17,6 +17,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import input_lib, parameter_server_strategy  # noqa: E402
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,17 @@ STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
 def is_hetero_strategy(strategy: Any) -> bool:
     """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
     return bool(getattr(strategy, STRATEGY_MARKER, False))
+
+
+def current_weighting_strategy():
+    """The current strategy if it is one of ours (central storage or multi-worker) running a replica step in this
+    thread, else None: the b_i / B loss weighting applies under both."""
+    if training.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
+        return strategy
+    return None
 
 
 def current_hetero_strategy():

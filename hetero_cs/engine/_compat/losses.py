@@ -33,7 +33,8 @@ import threading
 import tensorflow as tf
 
 from hetero_cs.engine import training
-from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.engine._compat.graph_patterns import divided_by, linear_terms, sums_over_batch
 from hetero_cs.errors import LossPatternError
 
@@ -43,7 +44,7 @@ _current_loss = threading.local()  # the Loss object being called in this thread
 
 def weighted_step():
     """The replica step being run when it is ours and knows its global batch (the b_i / B weighting applies)."""
-    if current_hetero_strategy() is None:
+    if current_weighting_strategy() is None:
         return None
     step = training.current_replica_step()
     return step if step.global_batch_size is not None else None
@@ -250,7 +251,8 @@ def _patch_compute_loss() -> None:
     @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):
         result = original_compile(self, *args, **kwargs)
-        if is_hetero_strategy(getattr(self, "_distribute_strategy", None)):
+        strategy = getattr(self, "_distribute_strategy", None)
+        if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
             _wrap_compute_loss_overrides(type(self), Trainer)
         return result
 

@@ -11,7 +11,12 @@ import tensorflow as tf
 
 from hetero_cs.engine import training
 from hetero_cs.engine._compat import loss_scale
-from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.distribute import (
+    current_hetero_strategy,
+    current_weighting_strategy,
+    is_hetero_strategy,
+)
+from hetero_cs.engine._compat.multi_worker import current_multi_worker_strategy
 from hetero_cs.engine._compat.variables import _barrier_state, _clip_state
 
 def _patch_optimizer() -> None:
@@ -19,7 +24,9 @@ def _patch_optimizer() -> None:
     # which is not the clipping of the full-batch gradient. Under our strategy clipping is skipped in replica
     # context and applied to the all-reduced (summed) gradient inside _all_reduce_sum_gradients, the last place
     # in replica context before the merge. The same place gives the strategy the moment a replica's gradients
-    # are ready (per-replica timing and emulated device time).
+    # are ready (per-replica timing and emulated device time). Under the multi-worker strategy the same two changes
+    # apply: clipping after the SUM all-reduce (every replica clips the same summed gradient, as one device would),
+    # and the replica's clock stops when its gradients are ready, before the all-reduce waits for the others.
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     original_clip = TFOptimizer._clip_gradients  # noqa: SLF001
@@ -27,12 +34,18 @@ def _patch_optimizer() -> None:
 
     @functools.wraps(original_clip)
     def _clip_gradients(self, grads):
-        if current_hetero_strategy() is not None and not getattr(_clip_state, "active", False):
+        if current_weighting_strategy() is not None and not getattr(_clip_state, "active", False):
             return grads
         return original_clip(self, grads)
 
     @functools.wraps(original_all_reduce)
     def _all_reduce_sum_gradients(self, grads_and_vars):
+        multi_worker = current_multi_worker_strategy()
+        if multi_worker is not None and tf.distribute.get_replica_context() is not None:
+            grads_and_vars = list(grads_and_vars)
+            grads = multi_worker._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
+            reduced = original_all_reduce(self, list(zip(grads, [v for _, v in grads_and_vars])))
+            return _clip_reduced(self, reduced)
         strategy = current_hetero_strategy()
         if strategy is None or tf.distribute.get_replica_context() is None:
             return original_all_reduce(self, grads_and_vars)
@@ -54,9 +67,12 @@ def _patch_optimizer() -> None:
         reduced = original_all_reduce(self, grads_and_vars)
         if loss_scale.pending_scaler(self) is not None:
             return reduced  # loss-scaled: unscaled and clipped on the host, in the update (loss_scale.apply_or_skip)
+        return _clip_reduced(self, reduced)
+
+    def _clip_reduced(optimizer, reduced):
         _clip_state.active = True
         try:
-            clipped = original_clip(self, [g for g, _ in reduced])
+            clipped = original_clip(optimizer, [g for g, _ in reduced])
         finally:
             _clip_state.active = False
         return list(zip(clipped, [v for _, v in reduced]))

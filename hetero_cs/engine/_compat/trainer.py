@@ -12,6 +12,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
+from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 
 def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
@@ -84,7 +85,9 @@ def _patch_symbolic_build() -> None:
     # from a first batch, which they read by opening an iterator over the data and discarding it. That extra
     # iteration moves a dataset that reshuffles on each iteration (Dataset.shuffle, a shuffling PyDataset), so
     # training would see other batches than on one device. The build only needs shapes and dtypes: under our
-    # strategy it takes them from the user dataset's element spec instead, and reads nothing.
+    # strategies it takes them from the user dataset's element spec instead, and reads nothing. Under the
+    # multi-worker strategy this also avoids the original's strategy.reduce("MEAN", batch) over the cluster
+    # (keras-team/keras#20585).
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     original = TensorFlowTrainer._maybe_symbolic_build  # noqa: SLF001
@@ -95,7 +98,8 @@ def _patch_symbolic_build() -> None:
         # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
         distributed = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(distributed, "source_element_spec", None)
-        if not is_hetero_strategy(strategy) or data_batch is not None or spec is None:
+        ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+        if not ours or data_batch is not None or spec is None:
             return original(self, iterator=iterator, data_batch=data_batch)
         from hetero_cs.engine.input_slicing import is_unbatched_marker
 

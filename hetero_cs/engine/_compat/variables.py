@@ -14,7 +14,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hetero_cs.engine import training
-from hetero_cs.engine._compat.distribute import current_hetero_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
 _clip_state = threading.local()
@@ -120,7 +120,9 @@ def _in_keras_stateless_scope() -> bool:
 def _patch_seed_generator() -> None:
     # With ONLY_FIRST_REPLICA seed state every replica would draw the same dropout / noise seed within a step, so
     # the masks of different slices would be identical (correlated). Folding the replica id into the drawn seed
-    # gives each replica its own stream; the state itself still advances once per call.
+    # gives each replica its own stream; the state itself still advances once per call. Under the multi-worker
+    # strategy every worker's copy of the seed state advances alike, so the replicas would draw the same seeds
+    # there too; the same fold applies.
     from keras.src.random.seed_generator import SeedGenerator
 
     original_next = SeedGenerator.next
@@ -129,7 +131,7 @@ def _patch_seed_generator() -> None:
     def next_seed(self, ordered=True):
         seed = original_next(self, ordered=ordered)
         step = training.current_replica_step()
-        if step is not None and step.replica_id and current_hetero_strategy() is not None:
+        if step is not None and step.replica_id and current_weighting_strategy() is not None:
             offset = tf.constant([step.replica_id * 1_000_003, 0], dtype=seed.dtype)
             seed = seed + offset
         return seed

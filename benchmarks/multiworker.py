@@ -1,0 +1,164 @@
+"""Several emulated unlike workers on loopback: balanced vs even split under HeteroMultiWorkerMirroredStrategy.
+
+    python benchmarks/multiworker.py [--emulate A10,T4,P100] [--steps 80] [--global-batch-size 256] [--json F]
+
+Runs the same Keras ``fit`` twice as N worker processes on 127.0.0.1 (``hetero_cs.launch``), each worker emulating
+one catalog device (real compute on this CPU plus the named device's modelled step time): once with an even
+split (``auto_balance=False``), once with ``auto_balance=True`` (calibration on probe steps, the chief's plan, the
+guard). Prints, from the chief:
+
+* ``speedup_vs_even``: median even-split step time / median balanced step time (the last ``--measure`` steps of
+  each run, wall time between step ends), beside ``theoretical_speedup``: the emulated even-split makespan / the
+  emulated optimal makespan (the emulator's own step-time model, solved with ``solve_batch_split``), and
+  ``fraction_of_theoretical`` = their ratio (goal >= 0.95).
+* ``all_reduce_share``: 1 - (emulated makespan of the plan served) / (measured step time) in the balanced run: the
+  part of a step that is not the slowest replica's compute, i.e. the all-reduces, the plan agreement and Keras.
+* ``emulation_check``: per replica, its median measured step time / its emulated step time for its slice (1.0 =
+  the emulated device is reproduced; above 1 when real compute or CPU contention exceeds the emulated time).
+
+Timings are EMULATED; this machine's CPU cores are shared by all workers. Not a test: it prints ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def _worker(args) -> int:
+    import logging
+
+    import hetero_cs
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("hetero_cs").setLevel(logging.INFO if args.verbose else logging.WARNING)
+
+    strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(auto_balance=args.mode == "auto")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    B = args.global_batch_size
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(B, 784)).astype("float32")
+    y = rng.randint(0, 10, size=(B,)).astype("int64")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ends, samples = [], []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+            sample = strategy.balancer.monitor.last_step()
+            if sample is not None and (not samples or samples[-1].step != sample.step):
+                samples.append(sample)
+
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[Clock()])
+    if not strategy.is_chief:
+        return 0
+    emulator = strategy.emulator
+    R = strategy.num_replicas_in_sync
+    measured = [b - a for a, b in zip(ends[-args.measure - 1:], ends[-args.measure:])]
+    plan = strategy.plan
+    sizes = list(plan.per_replica_batch_sizes)
+    even = list(hetero_cs.even_batch_split(B, R))
+
+    class Emulated:
+        def __init__(self, i):
+            self.i = i
+
+        def predict_step_time_s(self, b):
+            return emulator.step_time_s(self.i, int(b), step=0) if b > 0 else 0.0
+
+    optimal = hetero_cs.solve_batch_split([Emulated(i) for i in range(R)], B)
+    even_makespan = max(Emulated(i).predict_step_time_s(b) for i, b in enumerate(even))
+    served_makespan = max(Emulated(i).predict_step_time_s(b) for i, b in enumerate(sizes))
+    recent = [s for s in samples[-args.measure:] if list(s.per_replica_batch_sizes) == sizes]
+    check = []
+    for i in range(R):
+        times = [s.per_replica_step_times_s[i] for s in recent]
+        check.append(statistics.median(times) / Emulated(i).predict_step_time_s(sizes[i]) if times else None)
+    result = {
+        "mode": args.mode,
+        "emulate": [spec.name for spec in emulator.specs],
+        "plan": sizes,
+        "median_step_s": statistics.median(measured),
+        "even_makespan_emulated_s": even_makespan,
+        "optimal_makespan_emulated_s": optimal.predicted_makespan_s,
+        "served_makespan_emulated_s": served_makespan,
+        "emulation_check": check,
+    }
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def _launch(args, mode: str, out: Path) -> dict:
+    from hetero_cs.launch import Launch, parse_emulate
+
+    emulate = parse_emulate(args.emulate, len(args.emulate.split(",")))
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--out", str(out),
+               "--steps", str(args.steps), "--measure", str(args.measure),
+               "--global-batch-size", str(args.global_batch_size)] + (["--verbose"] if args.verbose else [])
+    with open(os.devnull, "w") as quiet:
+        output = None if args.verbose else quiet
+        status = Launch(command, num_workers=len(emulate), emulate=emulate, output=output).run()
+    if status != 0:
+        raise SystemExit(f"the {mode} run failed with status {status} (rerun with --verbose)")
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--emulate", default="A10,T4,P100", help="one catalog device per worker (2-3 advised)")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--measure", type=int, default=30, help="steps at the end of each run that are measured")
+    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--verbose", action="store_true", help="show the workers' output")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        even = _launch(args, "even", Path(tmp) / "even.json")
+        auto = _launch(args, "auto", Path(tmp) / "auto.json")
+    speedup = even["median_step_s"] / auto["median_step_s"]
+    theoretical = auto["even_makespan_emulated_s"] / auto["optimal_makespan_emulated_s"]
+    summary = {
+        "emulate": auto["emulate"],
+        "global_batch_size": args.global_batch_size,
+        "plan": auto["plan"],
+        "even_step_ms": even["median_step_s"] * 1e3,
+        "balanced_step_ms": auto["median_step_s"] * 1e3,
+        "speedup_vs_even": speedup,
+        "theoretical_speedup": theoretical,
+        "fraction_of_theoretical": speedup / theoretical,
+        "all_reduce_share": 1.0 - auto["served_makespan_emulated_s"] / auto["median_step_s"],
+        "emulation_check": auto["emulation_check"],
+    }
+    print("timings are EMULATED (" + " | ".join(auto["emulate"]) + ", one worker each, on loopback)")
+    for key, value in summary.items():
+        print(f"{key}={value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Private touches for :class:`~hetero_cs.HeteroMultiWorkerMirroredStrategy`: Keras 3 fit/evaluate/predict on
+``tf.distribute.MultiWorkerMirroredStrategy``, and the strategy's view of its place in the cluster.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. Every patch here checks
+``is_multi_worker_strategy`` first and otherwise calls Keras' original, so plain Keras, stock
+MultiWorkerMirroredStrategy and the central-storage strategy behave exactly as before.
+
+Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's ``backend/tensorflow/trainer.py``):
+
+1. ``TensorFlowTrainer._maybe_symbolic_build`` reads a first batch from the distributed iterator and, when it is a
+   per-replica value, averages it across the cluster with ``strategy.reduce("MEAN", batch, axis=None)``. Under
+   multi-worker mode that read is an extra collective over data the model does not need (the build needs only
+   shapes and dtypes), and the read moves an iterator that reshuffles. Under our strategy the build takes the
+   shapes from the user dataset's element spec and reads nothing (``trainer._patch_symbolic_build``, shared with
+   the central-storage strategy).
+2. ``reduce_per_replica`` reduces the step's logs (scalars) with ``strategy.reduce("MEAN", v, axis=0)`` in
+   multi-worker mode, which fails on a scalar ("Invalid reduction dimension 0 for input with 0 dimensions"). And a
+   plain mean of the replicas' logs would be wrong anyway with uneven slices: each replica's metric is a ratio of
+   its own totals. Under our strategy the logs are the model's metric results computed from every replica's
+   totals and counts summed over the cluster (Keras' metric variables are ON_READ / SUM; one all-reduce for all
+   of them, see ``summed_metric_results``): the single-device value. A log that is not a metric is averaged with
+   ``axis=None``. ``predict``'s
+   ``"concat"`` is left to Keras (it gathers slices of unequal length in replica order, which is batch order here).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hetero_cs.engine import training
+
+MULTI_WORKER_MARKER = "_is_hetero_multi_worker_strategy"
+_current_model = threading.local()  # the model whose fit/evaluate/predict runs in this thread
+
+
+def is_multi_worker_strategy(strategy: Any) -> bool:
+    """True when ``strategy`` is a HeteroMultiWorkerMirroredStrategy (checked by marker: no import cycle)."""
+    return bool(getattr(strategy, MULTI_WORKER_MARKER, False))
+
+
+def current_multi_worker_strategy():
+    """The current strategy if it is a HeteroMultiWorkerMirroredStrategy running a replica step here, else None."""
+    if training.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    return strategy if is_multi_worker_strategy(strategy) else None
+
+
+def id_in_cluster(strategy) -> int:
+    # Private: CollectiveAllReduceExtended._id_in_cluster is the worker's rank (the chief first), the number TF's
+    # own replica ids are built from (_get_replica_id_in_sync_group); there is no public accessor.
+    return int(getattr(strategy.extended, "_id_in_cluster", 0))
+
+
+def skip_partial_batch_agreement(strategy) -> None:
+    """Stops the distributed iterators from agreeing on "is there a next batch" over the cluster every step."""
+    # Undocumented attribute of CollectiveAllReduceExtended (input_lib._enable_get_next_as_optional reads it): with
+    # it on, every get_next of a multi-worker iterator runs an all-reduce of how many replicas still have data, so
+    # that workers with unequal shards agree on the last partial batch. Here every worker reads the same global
+    # batches, so they run out at the same step by construction; the extra collective per step is dropped.
+    strategy.extended.experimental_enable_get_next_as_optional = False
+
+
+def clone_function(fn, python_function):
+    """A clone of the ``tf.function`` ``fn`` running ``python_function``, with fn's options (input_signature, ...).
+
+    tf.distribute's mirrored_run lifts one ``tf.function`` around every replica's call when ``strategy.run`` gets a
+    ``tf.function``; the strategy wraps the replica function (slices, weights, timing), and a plain closure would
+    lose that lifting (each replica thread would then fail with "merge_call called while defining a new graph").
+    """
+    # Private: tf.function's _clone(python_function=...), exactly as mirrored_run uses it.
+    return fn._clone(python_function=python_function)  # noqa: SLF001
+
+
+def is_tf_function(fn) -> bool:
+    from tensorflow.python.eager import def_function  # Private: tf.function's class, as mirrored_run checks it.
+
+    return isinstance(fn, def_function.Function)
+
+
+def mark_distributed_dataset(distributed, source) -> None:
+    """Gives a distributed dataset the attributes ``trainer._patch_symbolic_build`` reads (the user's dataset)."""
+    distributed.source_dataset = source
+    distributed.source_element_spec = source.element_spec
+
+
+def _patch_reduce_per_replica() -> None:
+    from keras.src.backend.tensorflow import trainer as trainer_module
+
+    original = trainer_module.reduce_per_replica
+
+    @functools.wraps(original)
+    def reduce_per_replica(values, strategy, reduction):
+        if not is_multi_worker_strategy(strategy) or reduction not in ("auto", "mean"):
+            return original(values, strategy, reduction)
+        model = getattr(_current_model, "model", None)
+        results = {}
+        if model is not None and isinstance(values, dict):
+            results = summed_metric_results(model, strategy)
+
+        def reduce(key, value):
+            if key in results:
+                return results[key]
+            if isinstance(value, tf.distribute.DistributedValues):
+                return strategy.reduce("MEAN", value, axis=None)
+            return value
+
+        if isinstance(values, dict):
+            return {key: reduce(key, value) for key, value in values.items()}
+        return tf.nest.map_structure(lambda v: reduce(None, v), values)
+
+    # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
+    trainer_module.reduce_per_replica = reduce_per_replica
+
+
+def summed_metric_results(model, strategy) -> dict:
+    """The model's metric results over the whole cluster (cross-replica context), from ONE SUM all-reduce.
+
+    Keras' metric variables are ON_READ with SUM aggregation, so reading each in cross-replica context sums it over
+    every replica - one collective per variable (4 for a loss and an accuracy), every step. Here every replica's
+    local values of all metric variables travel in one vector (float64; exact for integer counts below 2**53),
+    and each metric's result is computed from the summed values with Keras' ``stateless_result``.
+    """
+    from hetero_cs.engine._compat.distribute import per_replica
+
+    metrics = list(model.metrics)
+    variables = [v for metric in metrics for v in metric.variables]
+    if not variables:
+        return {}
+    # Private: a Keras variable's backing tf.Variable (_value); reading its public value in cross-replica context
+    # would run the per-variable all-reduce this function avoids. Its local components are the replicas' copies.
+    components = [strategy.experimental_local_results(v._value) for v in variables]  # noqa: SLF001
+    shapes = [tuple(v.shape) for v in variables]
+    sizes = [int(np.prod(shape)) if shape else 1 for shape in shapes]
+    vectors = []
+    for local in range(len(components[0])):
+        vectors.append(tf.concat(
+            [tf.reshape(tf.cast(c[local].read_value(), tf.float64), [-1]) for c in components], axis=0))
+    summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica(vectors), axis=None)
+    pieces = [
+        tf.cast(tf.reshape(piece, shape), v.dtype)
+        for piece, shape, v in zip(tf.split(summed, sizes), shapes, variables)
+    ]
+    results, start = {}, 0
+    for metric in metrics:
+        count = len(metric.variables)
+        result = metric.stateless_result(pieces[start:start + count])
+        start += count
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    # Private: Keras' own flattening of nested result dicts, as get_metrics_result ends (tensors stay tensors here).
+    from keras.src.utils.python_utils import pythonify_logs
+
+    return pythonify_logs(results)
+
+
+def _patch_entry_points() -> None:
+    # fit/evaluate/predict know the model: the reduce above needs it (set for the call, thread-local), and fit gets
+    # the strategy's callback (emulated device sizes before the first step, plan and timing in the logs).
+    import inspect
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    def with_model(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            strategy = getattr(self, "_distribute_strategy", None)
+            if not is_multi_worker_strategy(strategy):
+                return original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
+            previous = getattr(_current_model, "model", None)
+            _current_model.model = self
+            try:
+                return original(*bound.args, **bound.kwargs)
+            except _PEER_FAILURES as exc:
+                raise _worker_lost(strategy, original.__name__, exc) from exc
+            finally:
+                _current_model.model = previous
+
+        return method
+
+    TensorFlowTrainer.fit = with_model(TensorFlowTrainer.fit)
+    TensorFlowTrainer.evaluate = with_model(TensorFlowTrainer.evaluate)
+    TensorFlowTrainer.predict = with_model(TensorFlowTrainer.predict)
+
+
+# How TensorFlow's collectives report a peer that is gone: the coordination service's missed heartbeats or a
+# refused connection (Unavailable), a collective that waited past CommunicationOptions.timeout_seconds
+# (DeadlineExceeded), or a collective aborted because another one failed (Cancelled/Aborted).
+_PEER_FAILURES = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+)
+
+
+def _worker_lost(strategy, verb: str, exc: Exception):
+    from hetero_cs.errors import WorkerLostError
+
+    options = getattr(strategy.extended, "_communication_options", None)  # Private: the options MWMS was given.
+    timeout_s = getattr(options, "timeout_seconds", None)
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return WorkerLostError(
+        f"model.{verb} stopped on worker {id_in_cluster(strategy)}: another worker of the cluster is gone or not "
+        f"answering ({type(exc).__name__}: {first_line}). Every worker runs the same steps in lockstep, so the "
+        f"job cannot go on without it (collective timeout: "
+        f"{'none set' if timeout_s is None else f'{timeout_s:g} s'}). Check the other workers' logs, then restart "
+        f"all workers; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup."
+    )
+
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def install_multi_worker() -> None:
+    """Installs the multi-worker patches once per process (after the shared ones)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _patch_reduce_per_replica()
+        _patch_entry_points()
+        _installed = True

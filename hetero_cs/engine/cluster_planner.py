@@ -1,0 +1,124 @@
+"""The chief's side of multi-worker balancing: calibration during the first training steps, then the Balancer.
+
+Under :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy` the split of every global batch is decided by the chief
+alone (global replica 0) and reaches every worker inside the step through one all-reduce (see
+:mod:`hetero_cs.engine.multi_worker`); every other worker only reports its own replicas' step times through the
+same all-reduce. This object is what the chief consults: it never touches TensorFlow.
+
+Calibration happens *in* training. Any split is exact (each replica's loss weighs ``b_i / B``), so the first steps
+can serve probe splits - each replica's share of the even split times 1.0, 0.5 and 1.5 in rotation - and each
+worker's own replica is timed on its own device at three slice sizes while the model trains as it would on one
+device. After ``probe_steps`` timed probes the chief fits one cost model per replica
+(:func:`calibration.fit.fit_cost_model`, the fit calibration uses) and hands them to the
+:class:`~hetero_cs.planning.balancer.Balancer` with a guard trial; from then on the Balancer serves every batch
+(guard, monitor, re-balancing), exactly as under the central-storage strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.plan import split_by_shares
+
+logger = logging.getLogger(__name__)
+
+PROBE_FACTORS = (1.0, 0.5, 1.5)  # each replica's share of the even split, in rotation over the probe steps
+DEFAULT_PROBE_STEPS = 6  # timed probes: each replica sees each factor twice
+WARMUP_STEPS = 1  # the first step traces and builds: served even, its times dropped
+
+
+class ClusterPlanner:
+    """Sizes for every global batch, as decided by the chief (thread-safe).
+
+    Args:
+        balancer: The plan lifecycle (one per strategy; only the chief's is consulted).
+        calibrate: Probe and fit cost models during the first steps (auto_balance); False serves the Balancer's
+            plans from the start (a fixed or even split).
+        probe_steps: Timed probe steps before the fit, >= 3 (every replica must see every factor).
+    """
+
+    def __init__(self, balancer: Balancer, *, calibrate: bool, probe_steps: int = DEFAULT_PROBE_STEPS):
+        if probe_steps < len(PROBE_FACTORS):
+            raise ValueError(f"probe_steps must be >= {len(PROBE_FACTORS)}. Received: probe_steps={probe_steps}.")
+        self._balancer = balancer
+        self._lock = threading.Lock()
+        self._calibrating = bool(calibrate)
+        self._probe_steps = int(probe_steps)
+        self._reference: int | None = None
+        self._served = 0  # steps of the reference size served while calibrating
+        self._probe_sizes: dict[int, tuple[int, ...]] = {}  # step index -> probe split served
+        self._points: list[tuple[list[int], list[float]]] = []  # per replica: sizes, times
+        self._step_index = 0  # steps served (all sizes), to pair reports with what was served
+        self._served_sizes: dict[int, tuple[int, ...]] = {}
+        self.calibration_points: list[tuple[int, ...]] | None = None
+
+    @property
+    def calibrating(self) -> bool:
+        """True until the probes were fitted (or calibration was not asked for)."""
+        return self._calibrating
+
+    def sizes(self, global_batch_size: int) -> tuple[tuple[int, ...], int]:
+        """The split of the next global batch, and the index of the step it is served for.
+
+        Raises:
+            ConfigError, InfeasiblePlanError: From the Balancer.
+        """
+        B = int(global_batch_size)
+        with self._lock:
+            index = self._step_index
+            self._step_index += 1
+            if self._calibrating:
+                if self._reference is None:
+                    self._reference = B
+                    self._balancer.plan_for(B)  # the reference size, as the first batch sets it
+                if B == self._reference:
+                    probe = self._served - WARMUP_STEPS
+                    self._served += 1
+                    if 0 <= probe < self._probe_steps:
+                        R = self._balancer.num_replicas
+                        shares = [PROBE_FACTORS[(i + probe) % len(PROBE_FACTORS)] for i in range(R)]
+                        sizes = tuple(int(b) for b in split_by_shares(B, shares))
+                        self._probe_sizes[index] = sizes
+                        return sizes, index
+            sizes = tuple(int(b) for b in self._balancer.serve(B).per_replica_batch_sizes)
+            self._served_sizes[index] = sizes
+            return sizes, index
+
+    def report(self, step_index: int, per_replica_step_times_s: Sequence[float]) -> None:
+        """The measured step time of every replica in the step ``step_index`` (0 or less: not timed)."""
+        times = [float(t) for t in per_replica_step_times_s]
+        with self._lock:
+            probe = self._probe_sizes.pop(step_index, None)
+            served = self._served_sizes.pop(step_index, None)
+            if any(t <= 0.0 for t in times):
+                return
+            if probe is not None:
+                self._points.append((list(probe), times))
+                if len(self._points) >= self._probe_steps and self._calibrating:
+                    self._fit()
+                return
+            if served is None:
+                return
+            for i, (b, t) in enumerate(zip(served, times)):
+                self._balancer.record_step_time(i, b, t)
+
+    def _fit(self) -> None:
+        from calibration.fit import fit_cost_model
+
+        R = self._balancer.num_replicas
+        models = []
+        for i in range(R):
+            sizes = [probe[i] for probe, _ in self._points]
+            times = [step_times[i] for _, step_times in self._points]
+            models.append(fit_cost_model(sizes, times).cost_model)
+        self._calibrating = False
+        self.calibration_points = [tuple(p) for p, _ in self._points]
+        logger.info(
+            "hetero_cs multi-worker calibration from %d training steps: %s",
+            len(self._points),
+            "; ".join(f"replica {i}: {m}" for i, m in enumerate(models)),
+        )
+        self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference)

@@ -1,0 +1,382 @@
+"""HeteroMultiWorkerMirroredStrategy: several machines on MultiWorkerMirroredStrategy, balanced and exact.
+
+Every worker runs the same script on the same data, and ``batch_size`` is the *global* batch ``B``. Each worker's
+input pipeline yields every global batch whole; inside ``strategy.run`` every replica cuts its own contiguous slice
+``[sum(b_<i), sum(b_<=i))`` by the plan of this step, so every example is used exactly once over the cluster.
+Replica ``i``'s loss is weighted ``b_i / B`` (the shared Keras patches of :mod:`hetero_cs.engine._compat`) and the
+gradients are SUM-all-reduced by TensorFlow's own collectives: one step on any split equals one single-device step
+on the whole batch. A last partial batch ``B' < B`` is split by a plan for ``B'`` and weighted by ``B'``.
+
+Agreement. With a fixed ``batch_split`` or an even split, the plan of a batch depends on its size alone, so every
+worker computes the same one. With ``auto_balance`` the chief (global replica 0) decides: at the start of every
+step each replica contributes one small vector to a single SUM all-reduce (``ReplicaContext.all_reduce``, i.e.
+TensorFlow's collective ops over gRPC, no transport of our own): the chief writes the split of this batch, every
+replica writes the step time it measured in the previous step. So every worker adopts the chief's plan in the same
+step, and the chief's :class:`~hetero_cs.planning.balancer.Balancer` (via
+:class:`~hetero_cs.engine.cluster_planner.ClusterPlanner`) sees every replica's times. The split is a tensor value,
+never a traced constant: a plan change cannot retrace one worker and not another (which would mismatch the
+collective keys).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hetero_cs.engine import _compat, arguments, tensors, training
+from hetero_cs.engine.cluster_planner import ClusterPlanner
+from hetero_cs.errors import ConfigError, InputError
+from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.plan import BatchPlan
+
+logger = logging.getLogger(__name__)
+
+EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
+
+
+class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
+
+    Variables are mirrored on every replica, as under MultiWorkerMirroredStrategy; the cluster comes from
+    ``TF_CONFIG`` (``hetero-cs launch --workers N -- COMMAND`` sets it for N workers on this machine). Replicas are
+    numbered in task-index order, then local order (``replica_id_in_sync_group``); on a CPU-only worker there is one
+    replica per worker.
+
+    Example (the same script on every worker)::
+
+        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(batch_split=[3, 1])
+        with strategy.scope():
+            model = keras.Sequential([...])
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.fit(dataset_of_global_batches, epochs=5)  # every worker: the same dataset, unsharded
+
+    Args:
+        auto_balance: Calibrate each replica during the first training steps (each worker times its own device on
+            probe splits, which are exact training steps too), let the chief solve the minimum-makespan split and
+            try it against the even split (the guard); False: an even split.
+        rebalance: With auto_balance, re-plan when measured step times drift (the chief decides; all adopt).
+        batch_split: Fixed relative shares for all replicas of all workers, in task-index then local order
+            (length ``num_replicas_in_sync``); overrides auto_balance.
+        emulate: Catalog device names for all replicas of all workers, in the same order (length
+            ``num_replicas_in_sync``), e.g. ``["A10", "T4"]``: each replica then also waits for the time its named
+            device would take. None reads ``HETERO_CS_EMULATE`` (set by ``hetero-cs launch --emulate``).
+        profile_cache: Accepted for symmetry with the central-storage strategy; calibration here happens during
+            training and is not cached (must be None or False).
+        communication_options: ``tf.distribute.experimental.CommunicationOptions``; its ``timeout_seconds`` bounds
+            how long a collective waits for a worker that died (then every other worker fails with an error instead
+            of hanging).
+
+    Raises:
+        BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
+        ConfigError: ``emulate`` of the wrong length, or a profile_cache other than None/False.
+        UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
+    """
+
+    def __init__(
+        self,
+        *,
+        auto_balance: bool = True,
+        rebalance: bool = True,
+        batch_split: Sequence[float] | None = None,
+        emulate: Sequence[str] | None = None,
+        profile_cache: Any = None,
+        communication_options: Any = None,
+    ):
+        if profile_cache not in (None, False):
+            raise ConfigError(
+                f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "
+                f"training steps and caches nothing. Pass None or False."
+            )
+        if emulate is None and os.environ.get(EMULATE_ENV_VAR, "").strip():
+            emulate = [name.strip() for name in os.environ[EMULATE_ENV_VAR].split(",")]
+        _, emulate = arguments.emulation_names(emulate)
+        # MultiWorkerMirroredStrategy must be built before TensorFlow initialises (it configures collective ops):
+        # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.
+        super().__init__(communication_options=communication_options)
+        _compat.install()
+        _compat.install_multi_worker()
+        setattr(self, _compat.MULTI_WORKER_MARKER, True)
+        _compat.skip_partial_batch_agreement(self)  # every worker reads the same batches: no per-step "has data?"
+
+        R = self.num_replicas_in_sync
+        self._num_local = len(self.extended.worker_devices)
+        self._first_replica = _compat.id_in_cluster(self) * self._num_local
+        shares = None if batch_split is None else arguments.checked_shares(batch_split, R)
+        if emulate is not None and len(emulate) != R:
+            raise ConfigError(
+                f"emulate names one catalog device per replica of the whole cluster, in task-index order: "
+                f"len(emulate)={len(emulate)}, num_replicas_in_sync={R} ({R // self._num_local} workers x "
+                f"{self._num_local} local replicas). Give exactly {R} names."
+            )
+        self._emulator = None
+        if emulate is not None:
+            from hetero_cs import emulation
+
+            self._emulator = emulation.Emulator(list(emulate))
+            local = list(emulate)[self._first_replica:self._first_replica + self._num_local]
+            logger.warning(
+                "hetero_cs: timings are EMULATED - this worker's replicas %s emulate %s (real compute on the CPU "
+                "plus each named device's modelled step time); no GPU is used.",
+                list(range(self._first_replica, self._first_replica + self._num_local)), local,
+            )
+        self._balancer = Balancer(R, auto_balance=auto_balance, rebalance=rebalance, shares=shares)
+        self._agreed = bool(auto_balance) and shares is None and R > 1  # the chief decides every step
+        self._planner = ClusterPlanner(self._balancer, calibrate=self._agreed)
+        self._timing = self._agreed or self._emulator is not None
+        self._lock = threading.Lock()
+        self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
+        self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
+        self._time_scale_set = False
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Public state
+    # ----------------------------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> BatchPlan | None:
+        """The plan in force for the full global batch, None before the first global batch.
+
+        With a fixed or even split every worker knows it. With auto_balance only the chief's Balancer plans (the
+        other workers receive each step's split inside the step), so it is None on the other workers."""
+        return self._balancer.plan
+
+    @property
+    def balancer(self) -> Balancer:
+        """This worker's :class:`~hetero_cs.planning.balancer.Balancer` (the chief's is the one that decides)."""
+        return self._balancer
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the worker that holds replica 0 and decides the plan."""
+        return self._first_replica == 0
+
+    @property
+    def emulator(self):
+        """The :class:`hetero_cs.emulation.Emulator` (every replica of the cluster), or None on real devices."""
+        return self._emulator
+
+    @property
+    def calibrating(self) -> bool:
+        """On the chief: True while it still serves probe splits (auto_balance, before the fit). False elsewhere."""
+        return self.is_chief and self._planner.calibrating
+
+    def prepare_emulation(self, model) -> None:
+        """Sizes the emulated devices for ``model`` (its FLOPs and parameter bytes); fit/evaluate/predict call it.
+
+        Custom loops call it once, with the built model, before the first ``strategy.run``. No-op without
+        emulation.
+        """
+        if self._emulator is None or self._emulator.workload is not None:
+            return
+        from hetero_cs.emulation import estimate_workload
+
+        self._emulator.set_workload(estimate_workload(model))
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Input: every worker reads every global batch whole (the cut happens in the step)
+    # ----------------------------------------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes a dataset of *global* batches: every worker iterates all of it, unsharded.
+
+        Each element goes whole to each local replica, which cuts its own slice inside ``strategy.run``; every
+        example is used exactly once over the cluster. Every worker must iterate the same data in the same order
+        (the same dataset, the same shuffle seed).
+
+        Raises:
+            InputError: ``dataset`` is not a ``tf.data.Dataset``.
+        """
+        if not isinstance(dataset, tf.data.Dataset):
+            raise InputError(f"experimental_distribute_dataset needs a tf.data.Dataset; got {type(dataset).__name__}.")
+        return self.distribute_datasets_from_function(lambda _: dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Like tf.distribute's, but ``dataset_fn``'s dataset yields global batches, read whole on every worker.
+
+        ``dataset_fn`` is called once per worker with an ``InputContext`` of one pipeline and one replica, so
+        ``input_context.get_per_replica_batch_size(B)`` returns ``B``: batch by the global batch size and do not
+        shard.
+        """
+        context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+        source = dataset_fn(context)
+        if not isinstance(source, tf.data.Dataset):
+            raise InputError(f"dataset_fn must return a tf.data.Dataset; got {type(source).__name__}.")
+        local = self._num_local
+        dataset = source
+        if local > 1:  # one copy of each global batch per local replica (element k goes to local replica k mod n)
+            dataset = dataset.flat_map(lambda *e: tf.data.Dataset.from_tensors(e if len(e) > 1 else e[0]).repeat(local))
+        distributed = super().distribute_datasets_from_function(lambda _: dataset, options)
+        _compat.mark_distributed_dataset(distributed, source)
+        self._balancer.start_new_input()
+        return distributed
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Replica steps
+    # ----------------------------------------------------------------------------------------------------------
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """``Strategy.run`` whose replica function sees only its slice of every rank >= 1 tensor argument.
+
+        Every tensor argument of rank >= 1 is taken as part of the global batch (all with the same leading size
+        ``B``) and cut along its first axis; scalars pass unchanged. Inside ``fn``,
+        :func:`hetero_cs.current_global_batch_size` is ``B`` and :func:`hetero_cs.replica_weight` is ``b_i / B``.
+        """
+        if _compat.is_tf_function(fn):
+            wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function))
+        else:
+            wrapped = self._wrap_replica_fn(fn)
+        return super().run(wrapped, args=args, kwargs=kwargs, options=options)
+
+    def _wrap_replica_fn(self, fn):
+        strategy = self
+
+        def replica_fn(*call_args, **call_kwargs):
+            context = tf.distribute.get_replica_context()
+            replica_id = _compat.replica_id_in_sync_group(context)
+            flat = tf.nest.flatten((call_args, call_kwargs))
+            batched = [i for i, t in enumerate(flat) if _is_batched(t)]
+            if not batched:
+                return fn(*call_args, **call_kwargs)
+            global_batch_size = tensors.leading_dim(flat[batched[0]])
+            sizes = strategy._step_sizes(global_batch_size, replica_id, context)
+            offset = tf.reduce_sum(sizes[:replica_id])
+            batch_size = sizes[replica_id]
+            start = None
+            if strategy._timing:
+                from hetero_cs.engine.step_timing import tie_to_stamp, wall_clock_stamp
+
+                start = wall_clock_stamp(sizes)  # the split is known: this replica's step starts
+                sizes = tie_to_stamp(sizes, start)  # and its work waits for the stamp (never runs before it)
+                offset, batch_size = tf.reduce_sum(sizes[:replica_id]), sizes[replica_id]
+            for i in batched:
+                flat[i] = _cut(flat[i], offset, batch_size)
+            call_args, call_kwargs = tf.nest.pack_sequence_as((call_args, call_kwargs), flat)
+            step = training.ReplicaStep(
+                replica_id=replica_id, device=strategy.extended.worker_devices[replica_id - strategy._first_replica],
+                batch_size=batch_size, global_batch_size=global_batch_size, start_stamp=start,
+            )
+            with training.replica_step(step):
+                return fn(*call_args, **call_kwargs)
+
+        return replica_fn
+
+    def _step_sizes(self, global_batch_size, replica_id: int, context):
+        """The split of this step's global batch (int32 [R]), the same on every worker."""
+        R = self.num_replicas_in_sync
+        if not self._agreed:
+            sizes = tf.numpy_function(self._local_sizes, [global_batch_size], tf.int64, name="hetero_cs_plan")
+        else:
+            proposal = tf.numpy_function(
+                functools.partial(self._proposal, replica_id), [global_batch_size], tf.float64,
+                name="hetero_cs_plan_proposal",
+            )
+            proposal.set_shape([3 * R])
+            agreed = context.all_reduce(tf.distribute.ReduceOp.SUM, proposal)
+            sizes = tf.numpy_function(
+                functools.partial(self._adopt, replica_id), [agreed, global_batch_size], tf.int64,
+                name="hetero_cs_plan_adopt",
+            )
+        sizes.set_shape([R])
+        return tf.cast(sizes, tf.int32)
+
+    def _local_sizes(self, global_batch_size) -> np.ndarray:
+        B = int(global_batch_size)
+        self._ensure_time_scale(B)
+        return np.asarray(self._balancer.plan_for(B).per_replica_batch_sizes, dtype=np.int64)
+
+    def _proposal(self, replica_id: int, global_batch_size) -> np.ndarray:
+        """This replica's part of the agreement vector: [chief's split (R), step times (R), slice sizes (R)]."""
+        R = self.num_replicas_in_sync
+        B = int(global_batch_size)
+        self._ensure_time_scale(B)
+        vector = np.zeros(3 * R, dtype=np.float64)
+        if replica_id == 0:
+            sizes, index = self._planner.sizes(B)
+            self._served_index = index
+            vector[:R] = sizes
+        with self._lock:
+            last = self._last_step.pop(replica_id, None)
+        if last is not None:
+            vector[2 * R + replica_id], vector[R + replica_id] = last
+        return vector
+
+    def _adopt(self, replica_id: int, agreed, global_batch_size) -> np.ndarray:
+        R = self.num_replicas_in_sync
+        sizes = np.rint(agreed[:R]).astype(np.int64)
+        if int(sizes.sum()) != int(global_batch_size):
+            raise InputError(
+                f"The workers do not read the same data: this worker's global batch has {int(global_batch_size)} "
+                f"examples but the chief split {int(sizes.sum())} ({sizes.tolist()}). Every worker must iterate the "
+                f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
+            )
+        if replica_id == 0 and self._served_index > 0:
+            self._planner.report(self._served_index - 1, agreed[R:2 * R])
+        return sizes
+
+    def _ensure_time_scale(self, global_batch_size: int) -> None:
+        """Emulation: the time scale comes from the first global batch (the same on every worker)."""
+        if self._emulator is None or self._time_scale_set:
+            return
+        with self._lock:
+            if not self._time_scale_set:
+                if self._emulator.workload is None:
+                    raise ConfigError(
+                        "Emulated devices need the model's size before the first step. fit/evaluate/predict do "
+                        "this for you; in a custom loop call strategy.prepare_emulation(model) first."
+                    )
+                self._emulator.calibrate_time_scale(
+                    global_batch_size, target_makespan_s=arguments.emulated_makespan_target_s()
+                )
+                self._time_scale_set = True
+
+    def _on_replica_gradients(self, grads: list) -> list:
+        """Replica context, gradients ready, before the all-reduce: the step's end (emulated wait, time)."""
+        step = training.current_replica_step()
+        if step is None or step.start_stamp is None:
+            return grads
+        from hetero_cs.engine.step_timing import finish_replica_step
+
+        return finish_replica_step(
+            grads, step.start_stamp, replica_id=step.replica_id, batch_size=step.batch_size,
+            emulator=self._emulator, record=self._record_step_time,
+        )
+
+    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+        with self._lock:
+            self._last_step[int(replica_id)] = (int(batch_size), float(step_time_s))
+
+    def _keras_callbacks(self, callbacks):
+        from hetero_cs.engine.multi_worker_callback import MultiWorkerCallback
+
+        if hasattr(callbacks, "callbacks"):  # a keras.callbacks.CallbackList: the caller built it, keep it
+            return callbacks
+        callbacks = list(callbacks or [])
+        if not _has_ours(callbacks):
+            callbacks.insert(0, MultiWorkerCallback(self))
+        return callbacks
+
+
+def _has_ours(callbacks) -> bool:
+    from hetero_cs.engine.multi_worker_callback import MultiWorkerCallback
+
+    return any(isinstance(c, MultiWorkerCallback) for c in callbacks)
+
+
+def _is_batched(value) -> bool:
+    if isinstance(value, tf.SparseTensor):
+        raise InputError(
+            "HeteroMultiWorkerMirroredStrategy cuts every batch component along its first axis, which a "
+            "tf.SparseTensor does not support here. Convert it with tf.sparse.to_dense in the dataset."
+        )
+    if isinstance(value, tf.RaggedTensor):
+        return True
+    return tf.is_tensor(value) and value.shape.rank != 0
+
+
+def _cut(value, offset, size):
+    """Examples [offset, offset + size) of a batch component (a view for dense tensors)."""
+    return value[offset:offset + size]

@@ -1,0 +1,238 @@
+"""``hetero-cs launch``: N worker processes of one command on this machine, each with its own ``TF_CONFIG``.
+
+Every worker gets the same command and a ``TF_CONFIG`` that names all N workers on free 127.0.0.1 ports and its own
+task index, which is what ``tf.distribute.MultiWorkerMirroredStrategy`` (and so
+:class:`hetero_cs.HeteroMultiWorkerMirroredStrategy`) reads to form the cluster. With ``emulate`` each worker also
+gets ``HETERO_CS_EMULATE`` (the catalog device of every worker, in task order) so that the strategy emulates an
+unlike device per worker on a CPU-only machine.
+
+Every line a worker prints (stdout and stderr together) is printed with a ``[worker i]`` prefix. The launcher's
+exit status is the first failing worker's (a worker killed by signal ``s`` counts as ``128 + s``), else 0. When a
+worker fails, or on Ctrl-C (SIGINT) or SIGTERM, every worker still running is sent SIGTERM, then SIGKILL after
+``grace_s`` seconds, each worker's whole process group included, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from hetero_cs.errors import ConfigError
+
+EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
+DEFAULT_GRACE_S = 10.0
+_POLL_S = 0.05
+_EXAMPLE_NAMES = ("A10", "T4", "P100")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that were free on ``host`` a moment ago (bound to port 0, then released).
+
+    Another process may take one before a worker binds it; the worker then fails to start and the launch fails
+    with its error (rerun it).
+    """
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def tf_config(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> str:
+    """The ``TF_CONFIG`` JSON of worker ``index`` in a cluster of one worker per port."""
+    return json.dumps({
+        "cluster": {"worker": [f"{host}:{port}" for port in ports]},
+        "task": {"type": "worker", "index": int(index)},
+    })
+
+
+def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
+    """``"A10,T4"`` -> ``["A10", "T4"]``, one catalog device per worker (checked against the catalog).
+
+    Raises:
+        ConfigError: The list does not name one device per worker.
+        UnknownEmulatedDeviceError: A name is not in the catalog.
+    """
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",")]
+    if any(not name for name in names) or len(names) != num_workers:
+        raise ConfigError(
+            f"--emulate names one catalog device per worker, comma-separated: got {text!r} ({len(names)} names) "
+            f"for --workers {num_workers}. A worker's MultiWorkerMirroredStrategy runs one CPU replica, so give "
+            f"exactly {num_workers} names, e.g. --emulate {','.join(_EXAMPLE_NAMES[i % 3] for i in range(num_workers))}."
+        )
+    from hetero_cs.devices.catalog import get_device_spec
+
+    for name in names:
+        get_device_spec(name)
+    return names
+
+
+class Launch:
+    """N workers of one command; see the module docstring. :meth:`run` returns the exit status.
+
+    Args:
+        command: The command every worker runs (argv list, non-empty).
+        num_workers: N >= 1.
+        emulate: One catalog device name per worker, or None.
+        grace_s: Seconds between SIGTERM and SIGKILL when stopping workers, > 0.
+        output: Where the prefixed lines go (default: this process's stdout).
+
+    Raises:
+        ConfigError: An empty command, N < 1, or grace_s <= 0.
+    """
+
+    def __init__(self, command: Sequence[str], *, num_workers: int, emulate: Sequence[str] | None = None,
+                 grace_s: float = DEFAULT_GRACE_S, output: TextIO | None = None):
+        if not command:
+            raise ConfigError("hetero-cs launch needs a command after `--`, e.g. -- python train.py.")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigError(f"--workers must be an int >= 1. Received: {num_workers!r}.")
+        if not grace_s > 0:
+            raise ConfigError(f"grace_s must be > 0 seconds. Received: grace_s={grace_s!r}.")
+        if emulate is not None and len(emulate) != num_workers:
+            raise ConfigError(f"emulate names one device per worker: {len(emulate)} names for {num_workers} workers.")
+        self._command = list(command)
+        self._num_workers = num_workers
+        self._emulate = None if emulate is None else list(emulate)
+        self._grace_s = float(grace_s)
+        self._output = output or sys.stdout
+        self._print_lock = threading.Lock()
+        self._processes: list[subprocess.Popen] = []
+        self._stop = threading.Event()
+        self._signal = signal.SIGINT  # the signal that asked to stop (Ctrl-C unless told otherwise)
+
+    def _environment(self, ports: Sequence[int], index: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env["TF_CONFIG"] = tf_config(ports, index)
+        env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
+        if self._emulate is not None:
+            env[EMULATE_ENV_VAR] = ",".join(self._emulate)
+        return env
+
+    def _pump(self, index: int, stream) -> None:
+        prefix = f"[worker {index}] "
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._print_lock:
+                self._output.write(prefix + line + "\n")
+                self._output.flush()
+        stream.close()
+
+    def run(self) -> int:
+        """Starts the workers, waits for them, and returns the exit status (see the module docstring)."""
+        ports = free_ports(self._num_workers)
+        pumps = []
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        status = 0
+        try:
+            for index in range(self._num_workers):
+                process = subprocess.Popen(
+                    self._command, env=self._environment(ports, index), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+                self._processes.append(process)
+                pump = threading.Thread(target=self._pump, args=(index, process.stdout), daemon=True)
+                pump.start()
+                pumps.append(pump)
+            status = self._wait()
+        except BaseException:
+            self._stop_all()
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for pump in pumps:
+                pump.join(timeout=self._grace_s)
+        return status
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop.set()
+        self._signal = signum
+
+    def _wait(self) -> int:
+        status = 0
+        while True:
+            codes = [p.poll() for p in self._processes]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed and status == 0:
+                index, code = failed[0]
+                status = _exit_status(code)
+                self._note(f"worker {index} exited with status {status}; stopping the others")
+                self._stop_all()
+                return status
+            if self._stop.is_set():
+                signum = self._signal
+                self._note(f"received signal {signum}; stopping all workers")
+                self._stop_all()
+                return 128 + int(signum)
+            if all(c is not None for c in codes):
+                return 0
+            time.sleep(_POLL_S)
+
+    def _note(self, message: str) -> None:
+        with self._print_lock:
+            self._output.write(f"[launch] {message}\n")
+            self._output.flush()
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every running worker's process group, SIGKILL after grace_s; returns when all have exited."""
+        running = [p for p in self._processes if p.poll() is None]
+        for process in running:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in running):
+            time.sleep(_POLL_S)
+        for process in self._processes:
+            # The group too: a worker that exited may have left children behind.
+            _signal_group(process, signal.SIGKILL)
+        for process in running:
+            process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)  # start_new_session=True: the worker leads its own group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def add_launch_arguments(parser) -> None:
+    """The ``hetero-cs launch`` options."""
+    parser.add_argument("--workers", type=int, required=True, help="number of worker processes (N >= 1)")
+    parser.add_argument("--emulate", default=None,
+                        help="one catalog device per worker, comma-separated (e.g. A10,T4); sets HETERO_CS_EMULATE")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                        help=f"seconds from SIGTERM to SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
+
+
+def run_launch(args) -> int:
+    """``hetero-cs launch`` from parsed arguments; returns the exit status."""
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    emulate = parse_emulate(args.emulate, args.workers)
+    return Launch(command, num_workers=args.workers, emulate=emulate, grace_s=args.grace_s).run()

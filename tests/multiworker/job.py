@@ -1,0 +1,183 @@
+"""One training job for the multi-worker tests: run as a worker (under ``hetero-cs launch``) or as the reference.
+
+    python tests/multiworker/job.py OUT_DIR --split 3,1|even|auto [--reference] [--steps-kill N] [--epochs E]
+
+Trains a small MLP (fixed initial weights, Adam, an L2 regulariser) on a fixed dataset of global batches of 16
+with a partial last batch of 6 (38 examples). Writes ``OUT_DIR/worker<i>.npz`` (or ``reference.npz``): the
+weights, the optimizer's variables, the logged loss per epoch, the evaluate loss and the predict output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+GLOBAL_BATCH = 16
+EXAMPLES = 38  # 2 full global batches and a partial one of 6
+
+
+def data():
+    rng = np.random.RandomState(7)
+    x = rng.normal(size=(EXAMPLES, 5)).astype("float32")
+    y = rng.randint(0, 3, size=(EXAMPLES,)).astype("int64")
+    return x, y
+
+
+def build(keras):
+    rng = np.random.RandomState(0)
+    model = keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(3),
+    ])
+    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(
+        # global_clipnorm: clipping must apply to the summed gradient of all replicas, as on one device.
+        optimizer=keras.optimizers.Adam(learning_rate=0.05, global_clipnorm=0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--split", default="even")
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--die-at-step", type=int, default=None, help="worker 1 exits abruptly at this step")
+    parser.add_argument("--die-at-epoch", type=int, default=0, help="... of this epoch")
+    parser.add_argument("--backup", default=None, help="keras.callbacks.BackupAndRestore in BACKUP/<worker>")
+    parser.add_argument("--custom-loop", action="store_true", help="a tf.function loop over strategy.run instead")
+    parser.add_argument("--timeout-s", type=float, default=None)
+    args = parser.parse_args(argv)
+
+    import keras
+    import tensorflow as tf
+
+    if args.reference:
+        strategy, name = None, "reference"
+    else:
+        import logging
+
+        import hetero_cs
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("hetero_cs").setLevel(logging.INFO)
+        kwargs = {}
+        if args.split == "auto":
+            kwargs["auto_balance"] = True
+        elif args.split == "even":
+            kwargs["auto_balance"] = False
+        else:
+            kwargs["batch_split"] = [float(s) for s in args.split.split(",")]
+        if args.timeout_s is not None:
+            kwargs["communication_options"] = tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=args.timeout_s)
+        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(**kwargs)
+        name = f"worker{json.loads(os.environ['TF_CONFIG'])['task']['index']}"
+    x, y = data()  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    callbacks = []
+    if args.die_at_step is not None and name == "worker1":
+        class Die(keras.callbacks.Callback):
+            epoch = 0
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == args.die_at_step and self.epoch == args.die_at_epoch:
+                    print("dying now", flush=True)
+                    os._exit(17)
+
+        callbacks.append(Die())
+    if args.backup is not None:
+        # Keras 3's BackupAndRestore writes plain files and knows nothing of workers: each worker gets its own
+        # folder (the mirrored weights are the same on every worker, so each backup is whole).
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
+    if strategy is None:
+        model = build(keras)
+    else:
+        with strategy.scope():
+            model = build(keras)
+    if args.custom_loop:
+        return custom_loop(args, strategy, model, dataset, name)
+    history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
+    predicted = model.predict(dataset, verbose=0)
+    result = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    for i, v in enumerate(model.optimizer.variables):
+        result[f"optimizer_{i}"] = np.asarray(v)
+    result["loss"] = np.asarray(history.history["loss"])
+    result["epochs_run"] = np.asarray(len(history.history["loss"]))
+    result["accuracy"] = np.asarray(history.history["accuracy"])
+    result["eval_loss"] = np.asarray(evaluated["loss"])
+    result["predict"] = np.asarray(predicted)
+    np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    _barrier(strategy)
+    print("done", name, history.history["loss"], flush=True)
+    return 0
+
+
+def _barrier(strategy) -> None:
+    """Every worker waits here until all have written their results (the chief's exit ends the cluster)."""
+    if strategy is not None:
+        import tensorflow as tf
+
+        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+
+def custom_loop(args, strategy, model, dataset, name) -> int:
+    """The custom loop of hetero_cs.engine.training's docstring: weights, optimizer state and per-step losses."""
+    import keras
+    import tensorflow as tf
+
+    optimizer = model.optimizer
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(y, model(x, training=True))
+            if strategy is None:
+                loss = tf.nn.compute_average_loss(per_example) + tf.add_n(model.losses)
+            else:
+                import hetero_cs
+
+                B = hetero_cs.current_global_batch_size()
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=B)
+                loss += hetero_cs.replica_weight() * tf.add_n(model.losses)  # shares of the regulariser sum to it
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(batch):
+        if strategy is None:
+            return step_fn(*batch)
+        return strategy.reduce("SUM", strategy.run(step_fn, args=batch), axis=None)
+
+    losses = []
+    source = dataset if strategy is None else strategy.experimental_distribute_dataset(dataset)
+    for _ in range(args.epochs):
+        for batch in source:
+            losses.append(float(train_step(batch)))
+    result = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    for i, v in enumerate(optimizer.variables):
+        result[f"optimizer_{i}"] = np.asarray(v)
+    result["loss"] = np.asarray(losses)
+    np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    _barrier(strategy)
+    print("done", name, losses, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The chief's planner of the multi-worker strategy: probe splits, the fit, then the Balancer (no TensorFlow)."""
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero_cs.engine.cluster_planner import PROBE_FACTORS, WARMUP_STEPS, ClusterPlanner
+from hetero_cs.planning.balancer import Balancer
+
+
+def _emulated_times(sizes, seconds_per_example=(1e-4, 4e-4, 2e-4), overhead_s=0.01):
+    return [overhead_s + c * b for c, b in zip(seconds_per_example, sizes)]
+
+
+def test_the_planner_imports_without_tensorflow():
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None\n"
+        "from hetero_cs.engine.cluster_planner import ClusterPlanner; print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@given(B=st.integers(min_value=3, max_value=4096), R=st.integers(min_value=2, max_value=8))
+@settings(max_examples=60, deadline=None)
+def test_every_served_split_sums_to_the_batch_and_probes_vary_each_replica(B, R):
+    planner = ClusterPlanner(Balancer(R, guard=False), calibrate=True)
+    seen = [set() for _ in range(R)]
+    for _ in range(WARMUP_STEPS + 6):
+        sizes, _ = planner.sizes(B)
+        assert sum(sizes) == B and len(sizes) == R and min(sizes) >= 0
+        for i, b in enumerate(sizes):
+            seen[i].add(b)
+    if B >= 4 * R:  # enough examples that 0.5x, 1x and 1.5x of a share differ
+        assert all(len(s) >= 2 for s in seen)
+
+
+def test_probes_then_fit_then_the_balancer_serves_the_solved_plan():
+    R, B = 3, 600
+    balancer = Balancer(R, guard=False, rebalance=False)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    served = []
+    for step in range(WARMUP_STEPS + 6 + 2):
+        sizes, index = planner.sizes(B)
+        served.append(sizes)
+        planner.report(index, _emulated_times(sizes))
+    assert not planner.calibrating
+    assert served[0] == (200, 200, 200)  # the warm-up step (tracing) is even
+    assert len(set(served[WARMUP_STEPS:WARMUP_STEPS + 6])) > 1  # probes
+    # The fitted models are the emulated lines, so the plan is the minimum-makespan split of those lines.
+    plan = balancer.plan.per_replica_batch_sizes
+    assert served[-1] == plan
+    times = _emulated_times(plan)
+    assert max(times) - min(times) < 4e-4 + 1e-12  # finish together within one example of the slowest
+    assert plan[0] > plan[2] > plan[1]
+
+
+def test_untimed_reports_are_ignored_and_a_partial_batch_is_not_a_probe():
+    planner = ClusterPlanner(Balancer(2, guard=False), calibrate=True)
+    planner.sizes(100)  # warm-up, sets the reference size
+    sizes, index = planner.sizes(37)  # a partial batch: the Balancer's plan for 37
+    assert sum(sizes) == 37
+    planner.report(index, [0.0, 0.0])  # not timed (e.g. an evaluate step): nothing recorded
+    assert planner.calibrating
+
+
+def test_without_calibration_the_balancer_serves_from_the_first_step():
+    balancer = Balancer(2, auto_balance=False)
+    planner = ClusterPlanner(balancer, calibrate=False)
+    assert planner.sizes(7)[0] == (4, 3)
+    assert planner.sizes(7)[1] == 1
+
+
+def test_probe_factors_cover_below_and_above_the_even_share():
+    assert min(PROBE_FACTORS) < 1.0 < max(PROBE_FACTORS)
+    with pytest.raises(ValueError, match="probe_steps"):
+        ClusterPlanner(Balancer(2), calibrate=True, probe_steps=2)
