@@ -1,0 +1,221 @@
+"""What a model asks of an emulated device: FLOPs and transfer bytes per step, and memory per slice.
+
+``Workload`` holds the model-dependent inputs of the emulated step time (forward FLOPs per example, trainable
+parameter bytes) and of the emulated memory footprint (optimizer bytes, activation bytes per example);
+``estimate_workload`` reads them off a built Keras 3 model; ``slice_memory_bytes`` is what one replica's slice of
+``b`` examples needs. This module is pure apart from ``estimate_workload``, which imports Keras inside the function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+from hetero_cs.errors import ConfigError
+
+logger = logging.getLogger("hetero_cs.devices.emulation")
+
+
+def _non_negative_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{owner}.{name}={value!r} must be an int >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model-dependent inputs of the emulated step time and memory footprint.
+
+    Attributes:
+        flops_per_example: Forward-pass FLOPs for one example (a multiply-add counts 2); finite, >= 0.
+        parameter_bytes: Bytes of the trainable weights (what is broadcast, and returned as gradients); >= 0.
+        optimizer_bytes: Bytes of the optimizer's variables (Adam: two slots per weight); >= 0. Default 0.
+        activation_bytes_per_example: Bytes the forward pass keeps per example for the backward pass (every
+            layer's output, and the input); >= 0. Default 0 (then memory grows with nothing but the weights).
+        non_trainable_bytes: Bytes of the model's non-trainable weights (e.g. BatchNormalization statistics),
+            which a replica also holds; >= 0. Default 0.
+    """
+
+    flops_per_example: float
+    parameter_bytes: int
+    optimizer_bytes: int = 0
+    activation_bytes_per_example: int = 0
+    non_trainable_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.flops_per_example, (int, float)) and math.isfinite(self.flops_per_example)
+                and self.flops_per_example >= 0):
+            raise ConfigError(
+                f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
+        for name in ("parameter_bytes", "optimizer_bytes", "activation_bytes_per_example", "non_trainable_bytes"):
+            _non_negative_int("Workload", name, getattr(self, name))
+
+    @property
+    def fixed_memory_bytes(self) -> int:
+        """Memory a replica needs whatever its slice: weights + gradients + optimizer variables, bytes.
+
+        Central storage keeps the optimizer's variables on the host; they are counted here anyway, so an emulated
+        cap errs on the safe side (a real device also needs scratch space for the update's temporaries).
+        """
+        return 2 * self.parameter_bytes + self.non_trainable_bytes + self.optimizer_bytes
+
+
+def slice_memory_bytes(workload: Workload, batch_size: int) -> int:
+    """Device memory one replica's step on ``batch_size`` examples needs, bytes.
+
+    ``fixed_memory_bytes + activation_bytes_per_example * batch_size``; a replica with 0 examples idles and needs 0.
+
+    Raises:
+        ConfigError: If ``batch_size`` is not an int >= 0.
+
+    Example:
+        >>> slice_memory_bytes(Workload(0.0, 1000, optimizer_bytes=2000, activation_bytes_per_example=50), 10)
+        4500
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    if batch_size == 0:
+        return 0
+    return workload.fixed_memory_bytes + workload.activation_bytes_per_example * batch_size
+
+
+def max_examples_in_memory(workload: Workload, memory_bytes: int) -> int | None:
+    """The largest slice that fits in ``memory_bytes`` (0 when not even the weights fit); None if unbounded.
+
+    Example:
+        >>> max_examples_in_memory(Workload(0.0, 1000, activation_bytes_per_example=50), 4500)
+        50
+    """
+    if memory_bytes < workload.fixed_memory_bytes + workload.activation_bytes_per_example:
+        return 0
+    if workload.activation_bytes_per_example == 0:
+        return None
+    return (memory_bytes - workload.fixed_memory_bytes) // workload.activation_bytes_per_example
+
+
+def _dtype_size_bytes(dtype: Any) -> int:
+    """Bytes per element of a Keras/numpy dtype name ('float32', 'bfloat16', ...)."""
+    import numpy as np
+
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        digits = "".join(ch for ch in str(dtype) if ch.isdigit())
+        return max(1, int(digits) // 8) if digits else 4
+
+
+def _output_shape(layer: Any) -> tuple | None:
+    """A layer's output shape (batch dim included), or None when it cannot be known."""
+    try:
+        return tuple(layer.output.shape)
+    except (AttributeError, ValueError):
+        pass
+    from hetero_cs.engine import _compat
+
+    build_shapes = _compat.layer_build_shapes(layer)
+    if build_shapes and len(build_shapes) == 1:
+        try:
+            return tuple(layer.compute_output_shape(next(iter(build_shapes.values()))))
+        except Exception:  # noqa: BLE001 - any layer may refuse; the estimate then uses a fallback.
+            return None
+    return None
+
+
+def _per_example_elements(shape: tuple | None) -> int | None:
+    """prod(shape[1:]) for a known shape with a batch dimension, else None."""
+    if not shape or any(d is None for d in shape[1:]):
+        return None
+    return math.prod(int(d) for d in shape[1:])
+
+
+def _positions(layer: Any, channels: int) -> int:
+    """Output positions per example: prod(output dims but batch) / channels; 1 when the shape is unknown."""
+    elements = _per_example_elements(_output_shape(layer))
+    if elements is None:
+        logger.debug("estimate_workload: output shape of %s unknown; counting one output row.", layer.name)
+        return 1
+    return max(1, elements // max(1, channels))
+
+
+def _bytes(variables: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for variable in variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        total += math.prod(int(d) for d in variable.shape) * _dtype_size_bytes(variable.dtype)
+    return int(total)
+
+
+def _activation_bytes_per_example(model: Any, layers: list) -> int:
+    """Every leaf layer's output (and the model's inputs), bytes per example, from the built shapes."""
+    total = 0
+    for tensor in getattr(model, "inputs", None) or ():
+        elements = _per_example_elements(tuple(tensor.shape))
+        total += (elements or 0) * _dtype_size_bytes(getattr(tensor, "dtype", "float32"))
+    for layer in layers:
+        if layer is model or getattr(layer, "layers", None):  # containers: their leaves are counted
+            continue
+        elements = _per_example_elements(_output_shape(layer))
+        if elements is None:
+            continue
+        dtype = getattr(layer, "compute_dtype", None) or "float32"
+        total += elements * _dtype_size_bytes(dtype)
+    return int(total)
+
+
+def estimate_workload(model: Any) -> Workload:
+    """Estimates a built Keras 3 model's FLOPs per example, and its memory footprint, for emulated devices.
+
+    FLOPs (nested models and sublayers included): ``Dense`` costs 2 * in * out per output row;
+    ``Conv1D``/``Conv2D``/``Conv3D`` cost 2 * kernel.size per output position (kernel.size = k... * cin/groups *
+    cout). Every other layer counts ~0 (activations, normalisation, pooling are small beside these).
+
+    Memory: ``parameter_bytes`` and ``non_trainable_bytes`` are the sizes of the model's weights;
+    ``optimizer_bytes`` the sizes of the compiled optimizer's variables once it is built (0 before);
+    ``activation_bytes_per_example`` adds up, per example, the output of every leaf layer and the model's inputs,
+    with the shapes the layers were built with on the real batch and their compute dtype - what the forward pass
+    keeps for the backward pass. It is counted from the real model's shapes, not read from an allocator (CPU
+    devices report no memory to TensorFlow); on a GPU the calibration's search measures the real cap instead.
+
+    Args:
+        model: A built ``keras.Model`` or ``keras.layers.Layer``.
+
+    Returns:
+        The Workload.
+
+    Raises:
+        ConfigError: If the model has not been built (it has no weights yet).
+
+    Example:
+        Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528;
+        activation_bytes_per_example = 4 * (784 + 256 + 10) = 4,200.
+    """
+    import keras
+
+    if not getattr(model, "built", False):
+        raise ConfigError(
+            f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
+            f"model.build(input_shape) or call it on one batch.")
+    from hetero_cs.engine import _compat
+
+    layers = _compat.all_sublayers(model)
+    convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
+    flops = 0.0
+    for layer in layers:
+        if isinstance(layer, keras.layers.Dense):
+            fan_in, units = (int(d) for d in layer.kernel.shape)
+            flops += 2.0 * fan_in * units * _positions(layer, units)
+        elif convs and isinstance(layer, convs):
+            flops += 2.0 * math.prod(int(d) for d in layer.kernel.shape) * _positions(layer, int(layer.filters))
+    optimizer = getattr(model, "optimizer", None)
+    optimizer_variables = list(getattr(optimizer, "variables", ()) or ()) if getattr(optimizer, "built", False) else []
+    return Workload(
+        flops_per_example=flops,
+        parameter_bytes=_bytes(model.trainable_weights),
+        optimizer_bytes=_bytes(optimizer_variables),
+        activation_bytes_per_example=_activation_bytes_per_example(model, layers),
+        non_trainable_bytes=_bytes(model.non_trainable_weights),
+    )
