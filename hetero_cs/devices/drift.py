@@ -31,8 +31,8 @@ class Drift:
     Attributes:
         replica_id: The replica that drifts, >= 0.
         factor: Slow-down factor, finite and > 0 (2.0 = twice as slow). Optional (1.0) when memory_bytes is given.
-        from_step: First affected step of that replica (its own step counter: every step it attempts, an
-            out-of-memory one included), >= 0.
+        from_step: First affected step of that replica (its own step counter: the steps it completed; a step
+            that ran out of memory on it is retried as the same step), >= 0.
         until_step: First step no longer affected (> from_step), or None for "until the end".
         memory_bytes: Device memory left to the replica in those steps, bytes (int >= 1), or None (unchanged).
 

@@ -327,8 +327,8 @@ class Emulator:
     def delay_s(self, replica_id: int, batch_size: int) -> float:
         """Emulated time of the replica's next step (drift at its step counter); then advances that counter.
 
-        The step's memory is checked first (see :meth:`check_memory`); a step that runs out of memory still
-        advances the counter (it was attempted), then raises.
+        The step's memory is checked first (see :meth:`check_memory`); a step that runs out of memory raises
+        without advancing the counter (the replica did not complete it; its retry is the same step).
 
         Args:
             replica_id: In [0, R).
@@ -343,11 +343,7 @@ class Emulator:
         self._check_replica(replica_id)
         with self._lock:
             step = self._steps[replica_id]
-            try:
-                self._check_memory_locked(replica_id, batch_size, step)
-            except EmulatedOutOfMemoryError:
-                self._steps[replica_id] = step + 1
-                raise
+            self._check_memory_locked(replica_id, batch_size, step)
             value = self._step_time_locked(replica_id, batch_size, step)
             self._steps[replica_id] = step + 1
             return value
