@@ -71,9 +71,9 @@ class Drift:
         return step >= self.from_step and (self.until_step is None or step < self.until_step)
 
     def describe(self) -> str:
-        """E.g. ``"x2 steps [200, end)"`` or ``"48.0 MB steps [20, 60)"``."""
+        """E.g. ``"x2 steps [200, end)"`` or ``"48 MB steps [20, 60)"``."""
         parts = [] if self.factor == 1.0 and self.memory_bytes is not None else [f"x{self.factor:g}"]
         if self.memory_bytes is not None:
-            parts.append(f"{self.memory_bytes / 1e6:.1f} MB")
+            parts.append(f"{self.memory_bytes / 1e6:.4g} MB")
         end = "end" if self.until_step is None else self.until_step
         return f"{' '.join(parts)} steps [{self.from_step}, {end})"

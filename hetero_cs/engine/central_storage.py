@@ -82,7 +82,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``)
             gets a lower cap and the same global batch is retried with a plan solved within the caps, a bounded
             number of times (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
-            ``fit`` as before. Needs ``steps_per_execution=1`` (the default) and R >= 2.
+            ``fit`` as before. A :class:`hetero_cs.planning.memory_caps.MemoryRecoveryPolicy` turns it on with
+            that policy (back-off, retries, growth). Needs ``steps_per_execution=1`` (the default) and R >= 2.
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -106,7 +107,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile_cache: Any = None,
         guard: bool = True,
         profile: Any = None,
-        oom_recovery: bool = True,
+        oom_recovery: "bool | Any" = True,
     ):
         emulator, emulate = arguments.emulation_names(emulate)
         if emulate is not None and compute_devices is None:
@@ -126,6 +127,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
             )
         arguments.validate_profile_cache(profile_cache)
+        memory_policy = arguments.memory_policy(oom_recovery)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
             from hetero_cs.engine.calibrating import load_profile
@@ -177,11 +179,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         )
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
-            on_plan=self._slicer.publish,
+            on_plan=self._slicer.publish, memory_policy=memory_policy,
         )
         from hetero_cs.engine.oom_recovery import StepRecovery
 
-        self._step_recovery = StepRecovery(self) if oom_recovery and len(devices) > 1 else None
+        self._step_recovery = StepRecovery(self) if oom_recovery is not False and len(devices) > 1 else None
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )

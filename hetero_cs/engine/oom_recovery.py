@@ -102,6 +102,7 @@ class StepRecovery:
         self._strategy = strategy
         self.recoveries = 0  # retries after an out-of-memory step, since construction
         self.cap_changes = 0  # cap drops and growths since construction
+        self.max_retries_used = 0  # the most retries one global batch needed
 
     def run(self, step: Callable[[Any], Any], data: Any) -> Any:
         """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step.
@@ -140,6 +141,7 @@ class StepRecovery:
                                       f"the caps {balancer.max_batch_sizes} cannot hold the batch: {infeasible}"
                                       ) from exc
                 self.recoveries += 1
+                self.max_retries_used = max(self.max_retries_used, attempt + 1)
                 self._note(change, retry=list(plan.per_replica_batch_sizes))
                 sizes = plan.per_replica_batch_sizes
                 data = recut(data, sizes)
