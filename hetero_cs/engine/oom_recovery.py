@@ -172,5 +172,5 @@ class StepRecovery:
             f"process may hold it), use a smaller global batch size or model, or leave the device out of "
             f"compute_devices. The original error is chained below.",
             replica_id=replica_id, device=device, caps_tried=tuple(caps_tried),
-            global_batch_size=global_batch_size,
+            global_batch_size=global_batch_size, last_error=exc,
         )

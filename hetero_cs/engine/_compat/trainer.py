@@ -12,6 +12,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
+from hetero_cs.errors import StepOOMError
 
 def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
@@ -47,6 +48,11 @@ def _patch_fit() -> None:
             if replica_error is None:
                 raise
             raise replica_error from exc
+        except StepOOMError as exc:
+            # Keras' traceback filtering re-raises errors from inside fit "from None"; chain TensorFlow's again.
+            if exc.__cause__ is None and exc.last_error is not None:
+                raise exc from exc.last_error
+            raise
 
     TensorFlowTrainer.fit = fit
 

@@ -1,0 +1,167 @@
+"""Out-of-memory recovery through model.fit on emulated devices whose memory drops mid-training.
+
+The oracle: single-device training on the same batches, in the same order. A recovered run must match it to 1e-5
+(no example lost or applied twice) with one optimizer iteration per batch.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetero_cs import HeteroCentralStorageStrategy, MemoryRecoveryPolicy, StepOOMError
+from hetero_cs.emulation import Drift, Emulator, Workload
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+ACTIVATION_BYTES = 10_000  # per example, so caps are round numbers of examples
+WORKLOAD = Workload(flops_per_example=2e7, parameter_bytes=10_000, activation_bytes_per_example=ACTIVATION_BYTES)
+B = 96
+NUM_BATCHES = 12
+
+
+def memory_for(examples):
+    """Emulated device memory that holds exactly ``examples`` examples of WORKLOAD."""
+    return WORKLOAD.fixed_memory_bytes + examples * ACTIVATION_BYTES
+
+
+def mlp():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(B * NUM_BATCHES, 8)).astype(np.float32), rng.normal(size=(B * NUM_BATCHES, 1)).astype(
+        np.float32
+    )
+
+
+class TraceCounter:
+    """Counts how often Keras' train step is traced (it runs once per replica per trace, never per step)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        original = model.train_step
+
+        def train_step(batch):
+            self.calls += 1
+            return original(batch)
+
+        model.train_step = train_step
+
+
+def reference(initial_weights, epochs):
+    model = mlp()
+    model.set_weights(initial_weights)
+    model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    history = model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0)
+    return model, history
+
+
+@pytest.fixture
+def fast_emulation(monkeypatch, tmp_path):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "10")
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_emulation):
+    # The T4 (replica 1) fits 40 examples; from its step 6 until its step 14 another process leaves it room for 9.
+    emulator = Emulator(
+        ["A10", f"T4@{memory_for(40)}B", "P100"], workload=WORKLOAD, time_scale=20.0,
+        drift=[Drift(replica_id=1, from_step=6, until_step=14, memory_bytes=memory_for(9))],
+    )
+    policy = MemoryRecoveryPolicy(grow_after_steps=2, growth_factor=2.0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False, oom_recovery=policy)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    initial = model.get_weights()
+    counter = TraceCounter(model)
+    x, y = data()
+    history = model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+
+    ref, ref_history = reference(initial, epochs=2)
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 2 * NUM_BATCHES
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], atol=1e-5)
+
+    recovery = strategy._step_recovery  # noqa: SLF001
+    drops = [c for c in strategy.balancer.memory_caps.history if c.reason == "out_of_memory"]
+    assert drops and all(c.replica_id == 1 for c in drops)
+    assert recovery.max_retries_used <= 3  # recovered within 3 retries of the same batch
+    assert min(c.new_cap for c in drops) <= 9  # a cap that fits the drop was reached
+    assert history.history["oom_recoveries"][-1] == recovery.recoveries >= 1
+    # The memory came back at step 14: the cap grew back (probing, a failed probe or two allowed) to the calibrated
+    # cap, so the T4 takes a share again.
+    assert any(c.reason == "grow" for c in strategy.balancer.memory_caps.history)
+    assert strategy.balancer.max_batch_sizes[1] >= 36
+    assert counter.calls == len(DEVICES)  # traced once (one call per replica): no retrace per recovery
+
+
+def test_calibration_finds_the_emulated_cap_and_a_lowered_cap_is_written_back(fast_emulation):
+    emulator = Emulator(
+        ["A10", f"T4@{memory_for(30)}B", "P100"], workload=WORKLOAD, time_scale=20.0,
+        drift=[Drift(replica_id=1, from_step=3, memory_bytes=memory_for(12))],
+    )
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False, guard=False)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    model.fit(x[: 6 * B], y[: 6 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    calibrated = [p.max_batch_size for p in strategy.calibration.profiles]
+    assert calibrated[0] is None and calibrated[2] is None  # 24 GB and 16 GB hold the whole batch
+    lowered = strategy.balancer.max_batch_sizes[1]
+    assert lowered <= 12
+    (entry,) = fast_emulation.glob("*.json")
+    stored = json.loads(entry.read_text())
+    text = json.dumps(stored)
+    assert f'"max_batch_size": {lowered}' in text
+    # The search found the emulated cap as it would a GPU's: before the drop, 30 examples fit and 31 do not.
+    assert strategy.balancer.memory_caps.history[0].old_cap == 30
+
+
+def test_out_of_memory_on_every_retry_raises_a_clear_error_and_changes_nothing(fast_emulation):
+    emulator = Emulator(
+        ["A10", "T4", "P100"], workload=WORKLOAD, time_scale=20.0,
+        drift=[Drift(replica_id=1, from_step=2, memory_bytes=WORKLOAD.fixed_memory_bytes)],  # not one example
+    )
+    strategy = HeteroCentralStorageStrategy(
+        DEVICES, emulate=emulator, auto_balance=False, oom_recovery=MemoryRecoveryPolicy(max_retries=2)
+    )
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    model.fit(x[: 2 * B], y[: 2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)  # replica steps 0, 1
+    before = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
+    with pytest.raises(StepOOMError, match=r"replica 1 \(/device:CPU:2\).*still ran out of memory after 2 retries.*"
+                       r"caps_tried=\[32, 16, 8\].*Free that device's memory") as info:
+        model.fit(x[: 2 * B], y[: 2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    error = info.value
+    assert isinstance(error, MemoryError)
+    assert (error.replica_id, error.device, error.caps_tried, error.global_batch_size) == (
+        1, "/device:CPU:2", (32, 16, 8), B)
+    assert isinstance(error.__cause__, tf.errors.ResourceExhaustedError)
+    after = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_oom_recovery_false_lets_the_error_end_fit(fast_emulation):
+    emulator = Emulator(["A10", f"T4@{memory_for(10)}B"], workload=WORKLOAD, time_scale=20.0)
+    strategy = HeteroCentralStorageStrategy(DEVICES[:2], emulate=emulator, auto_balance=False, oom_recovery=False)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    with pytest.raises(Exception, match="Emulated out of memory: replica=1") as info:
+        model.fit(x[:B], y[:B], batch_size=B, epochs=1, verbose=0)
+    assert "ResourceExhausted" in type(info.value.__cause__ or info.value).__name__ or "ResourceExhausted" in str(
+        info.value)
+    assert int(model.optimizer.iterations) == 0
