@@ -30,6 +30,10 @@ from collections.abc import Sequence
 from hetero_cs.errors import ConfigError
 
 
+HISTORY_LENGTH = 256
+"""How many cap changes ``MemoryCaps.history`` keeps (the oldest are dropped), so a long run does not grow it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryRecoveryPolicy:
     """How caps fall after an out-of-memory step and grow back.
@@ -131,7 +135,7 @@ class MemoryCaps:
         self._since_change = [0] * R
         self._grow_after = [self.policy.grow_after_steps] * R
         self._grown = [False] * R  # the cap in force was reached by growing (an OOM there was a failed probe)
-        self.history: list[CapChange] = []
+        self.history: collections.deque[CapChange] = collections.deque(maxlen=HISTORY_LENGTH)
 
     @property
     def caps(self) -> list[int | None]:

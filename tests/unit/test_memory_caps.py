@@ -176,7 +176,7 @@ def test_set_cost_models_resets_lowered_caps_to_the_calibrated_ones():
     b = balancer()
     b.recover_from_oom(2, 30, 120)
     b.set_cost_models(MODELS, max_batch_sizes=[None, None, 90])
-    assert b.max_batch_sizes == [None, None, 90] and b.memory_caps.history == []
+    assert b.max_batch_sizes == [None, None, 90] and list(b.memory_caps.history) == []
 
 
 @settings(max_examples=60, deadline=None)

@@ -82,10 +82,11 @@ def _patch_make_train_function() -> None:
         def train_function(iterator):
             if self.steps_per_execution != 1 or not isinstance(iterator, tf.distribute.DistributedIterator):
                 return function(iterator)
-            optional = iterator.get_next_as_optional()
-            if not bool(optional.has_value()):
-                raise StopIteration
-            return recovery.run(lambda data: function([data]), optional.get_value())
+            try:
+                data = iterator.get_next()  # eager: the batch stays in hand for a retry
+            except tf.errors.OutOfRangeError:
+                raise StopIteration from None
+            return recovery.run(lambda batch: function([batch]), data)
 
         train_function._hetero_recovering = True
         self.train_function = train_function
