@@ -165,3 +165,43 @@ def test_oom_recovery_false_lets_the_error_end_fit(fast_emulation):
     assert "ResourceExhausted" in type(info.value.__cause__ or info.value).__name__ or "ResourceExhausted" in str(
         info.value)
     assert int(model.optimizer.iterations) == 0
+
+
+def test_failed_replica_reads_the_emulated_message_and_tensorflow_node_names():
+    from hetero_cs.engine.oom_recovery import failed_replica
+
+    def error(message):
+        return tf.errors.ResourceExhaustedError(None, None, message)
+
+    assert failed_replica(error("MemoryError: Emulated out of memory: replica=2 (T4) needs 5 bytes"), 3) == 2
+    assert failed_replica(error("OOM when allocating tensor\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"), 3) == 1
+    assert failed_replica(error("OOM when allocating\n\t [[{{node sequential/dense/MatMul}}]]"), 3) == 0
+    assert failed_replica(error("OOM\n\t [[{{node IteratorGetNext}}]]"), 3) is None  # the input pipeline
+    assert failed_replica(error("OOM\n\t [[{{node replica_7/x}}]]"), 3) is None  # not one of ours
+    assert failed_replica(error("OOM, no op named"), 3) is None
+
+
+def test_steps_per_execution_above_one_and_validation_keep_keras_path_and_stay_exact(fast_emulation):
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[2, 1, 1], profile_cache=False)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    initial = model.get_weights()
+    x, y = data()
+    history = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, validation_data=(x[:B], y[:B]))
+    ref, _ = reference(initial, epochs=1)
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert "val_loss" in history.history and int(model.optimizer.iterations) == NUM_BATCHES
+
+
+@pytest.mark.slow
+def test_fifty_recoveries_lose_nothing_and_never_retrace(fast_emulation, tmp_path):
+    from benchmarks import oom_recovery
+
+    out = tmp_path / "oom.json"
+    assert oom_recovery.main(["--recoveries", "50", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["recoveries"] >= 50 and result["examples_lost"] == 0
+    assert result["max_weight_diff_vs_single_device"] < 1e-5
+    assert result["retraces"] == 0 and result["max_retries_per_batch"] <= 3
