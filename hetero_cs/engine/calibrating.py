@@ -120,7 +120,9 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
     result = load_result_file(path)
     profiled = [arguments.canonical_device(d) for d in result.devices]
     profiled_as = [p.emulated_as.upper() if p.emulated_as else None for p in result.profiles]
-    wanted_as = [name.upper() for name in emulate] if emulate is not None else [None] * len(devices)
+    # A memory override ("T4@48MB") is not part of what the profile records: the catalog device is.
+    wanted_as = [name.partition("@")[0].strip().upper() for name in emulate] if emulate is not None else [None] * len(
+        devices)
     if profiled != list(devices) or profiled_as != wanted_as:
         def describe(names, emulated):
             return f"{names}" + (f" emulating {emulated}" if any(emulated) else " (not emulated)")

@@ -205,3 +205,9 @@ def test_fifty_recoveries_lose_nothing_and_never_retrace(fast_emulation, tmp_pat
     assert result["recoveries"] >= 50 and result["examples_lost"] == 0
     assert result["max_weight_diff_vs_single_device"] < 1e-5
     assert result["retraces"] == 0 and result["max_retries_per_batch"] <= 3
+
+
+def test_emulate_names_may_carry_memory_overrides():
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4@48MB", "p100@1GiB"], profile_cache=False)
+    assert [s.memory_bytes for s in strategy.emulator.specs] == [24 * 10**9, 48_000_000, 2**30]
+    assert [s.name for s in strategy.emulator.specs] == ["A10", "T4", "P100"]
