@@ -69,12 +69,15 @@ def fast_emulation(monkeypatch, tmp_path):
 
 
 def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_emulation):
-    # The T4 (replica 1) fits 40 examples; from its step 6 until its step 14 another process leaves it room for 9.
+    # Replica 1 fits 40 examples; from its step 6 until its step 14 another process leaves it room for 9. The three
+    # devices are alike, so the plan gives replica 1 about a third of the batch (~32) whatever the timing noise.
     emulator = Emulator(
-        ["A10", f"T4@{memory_for(40)}B", "P100"], workload=WORKLOAD, time_scale=20.0,
+        ["T4", f"T4@{memory_for(40)}B", "T4"], workload=WORKLOAD, time_scale=20.0,
         drift=[Drift(replica_id=1, from_step=6, until_step=14, memory_bytes=memory_for(9))],
     )
-    policy = MemoryRecoveryPolicy(grow_after_steps=2, growth_factor=2.0)
+    # Growth every 2 successful steps, x2, without waiting longer after a failed probe: the test's 24 steps see
+    # the cap probe during the drop and come back after it.
+    policy = MemoryRecoveryPolicy(grow_after_steps=2, max_grow_after_steps=2, growth_factor=2.0)
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False, oom_recovery=policy)
     with strategy.scope():
         model = mlp()
@@ -96,16 +99,17 @@ def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_
     assert recovery.max_retries_used <= 3  # recovered within 3 retries of the same batch
     assert min(c.new_cap for c in drops) <= 9  # a cap that fits the drop was reached
     assert history.history["oom_recoveries"][-1] == recovery.recoveries >= 1
-    # The memory came back at step 14: the cap grew back (probing, a failed probe or two allowed) to the calibrated
-    # cap, so the T4 takes a share again.
+    # The memory came back at step 14: the cap grew back (8 -> 16 -> 32 -> lifted) to the calibrated cap of 40.
     assert any(c.reason == "grow" for c in strategy.balancer.memory_caps.history)
-    assert strategy.balancer.max_batch_sizes[1] >= 36
+    assert strategy.balancer.max_batch_sizes[1] == 40
     assert counter.calls == len(DEVICES)  # traced once (one call per replica): no retrace per recovery
 
 
 def test_calibration_finds_the_emulated_cap_and_a_lowered_cap_is_written_back(fast_emulation):
+    # Three alike devices, so the plan gives replica 1 about a third of the batch (its cap of 30 binds) whatever
+    # the timing noise: the drop to 12 examples certainly makes it run out of memory.
     emulator = Emulator(
-        ["A10", f"T4@{memory_for(30)}B", "P100"], workload=WORKLOAD, time_scale=20.0,
+        ["T4", f"T4@{memory_for(30)}B", "T4"], workload=WORKLOAD, time_scale=20.0,
         drift=[Drift(replica_id=1, from_step=3, memory_bytes=memory_for(12))],
     )
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False, guard=False)
@@ -114,10 +118,10 @@ def test_calibration_finds_the_emulated_cap_and_a_lowered_cap_is_written_back(fa
         model.compile(optimizer="adam", loss="mse")
     x, y = data()
     model.fit(x[: 6 * B], y[: 6 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
-    calibrated = [p.max_batch_size for p in strategy.calibration.profiles]
-    assert calibrated[0] is None and calibrated[2] is None  # 24 GB and 16 GB hold the whole batch
     lowered = strategy.balancer.max_batch_sizes[1]
     assert lowered <= 12
+    assert strategy.balancer.max_batch_sizes == [None, lowered, None]  # 16 GB hold the whole batch
+    assert [p.max_batch_size for p in strategy.calibration.profiles] == [None, lowered, None]  # written back
     (entry,) = fast_emulation.glob("*.json")
     stored = json.loads(entry.read_text())
     text = json.dumps(stored)
