@@ -152,12 +152,16 @@ def _bytes(variables: Any) -> int:
 def _activation_bytes_per_example(model: Any, layers: list) -> int:
     """Every leaf layer's output (and the model's inputs), bytes per example, from the built shapes."""
     total = 0
-    for tensor in getattr(model, "inputs", None) or ():
+    try:
+        inputs = list(getattr(model, "inputs", None) or ())
+    except (AttributeError, ValueError, TypeError):  # a subclassed model has no symbolic inputs
+        inputs = []
+    for tensor in inputs:
         elements = _per_example_elements(tuple(tensor.shape))
         total += (elements or 0) * _dtype_size_bytes(getattr(tensor, "dtype", "float32"))
     for layer in layers:
-        if layer is model or getattr(layer, "layers", None):  # containers: their leaves are counted
-            continue
+        if layer is model or getattr(layer, "layers", None) or type(layer).__name__ == "InputLayer":
+            continue  # containers (their leaves are counted) and input layers (the inputs are counted above)
         elements = _per_example_elements(_output_shape(layer))
         if elements is None:
             continue

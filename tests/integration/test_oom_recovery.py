@@ -215,3 +215,21 @@ def test_emulate_names_may_carry_memory_overrides():
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4@48MB", "p100@1GiB"], profile_cache=False)
     assert [s.memory_bytes for s in strategy.emulator.specs] == [24 * 10**9, 48_000_000, 2**30]
     assert [s.name for s in strategy.emulator.specs] == ["A10", "T4", "P100"]
+
+
+def test_estimate_workload_counts_the_model_memory():
+    from hetero_cs.emulation import estimate_workload
+
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss="mse")
+    before = estimate_workload(model)
+    assert before.optimizer_bytes == 0  # the optimizer is not built yet
+    model.optimizer.build(model.trainable_variables)
+    workload = estimate_workload(model)
+    trainable = 4 * (784 * 256 + 256 + 2 * 256 + 256 * 10 + 10)
+    assert workload.parameter_bytes == trainable
+    assert workload.non_trainable_bytes == 4 * 2 * 256  # the moving mean and variance
+    assert workload.optimizer_bytes >= 2 * trainable  # Adam's two slots per weight (+ its counters)
+    assert workload.activation_bytes_per_example == 4 * (784 + 256 + 256 + 10)  # input, Dense, BN, Dense
+    assert workload.flops_per_example == 2 * 784 * 256 + 2 * 256 * 10
