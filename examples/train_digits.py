@@ -117,11 +117,33 @@ class StepTimer:
         return _StepTimer()
 
 
-def measure_examples_per_s(model, dataset, *, global_batch_size: int, steps: int) -> float:
-    """Examples per second from the median step time of `steps` model.fit steps (the first one dropped)."""
+def median_step_s(model, dataset, *, steps: int) -> float:
+    """The median wall time of `steps` model.fit steps, in seconds (one extra first step is run and dropped)."""
     timer = StepTimer()
     model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, shuffle=False, verbose=0, callbacks=[timer])
-    return global_batch_size / statistics.median(timer.step_times_s[1:])
+    return statistics.median(timer.step_times_s[1:])
+
+
+def paired_step_times(strategy, model, dataset, *, plan_sizes, total_steps: int):
+    """Median step times (seconds) of the plan and of the even split, measured in alternating short rounds.
+
+    `total_steps` steps per split are cut into up to 6 rounds; each round measures both splits back to back (which
+    goes first alternates), so a change in the host's load between rounds hits both splits of a round alike.
+    Both splits are pinned as fixed shares while measured, so neither re-balancing nor the guard changes them.
+
+    Returns:
+        (plan_times_s, even_times_s): one median step time per round for each split, in round order.
+    """
+    R = strategy.num_replicas_in_sync
+    rounds = max(1, min(6, total_steps // 5))
+    steps = max(1, total_steps // rounds)
+    plan_times_s, even_times_s = [], []
+    for r in range(rounds):
+        order = (("plan", plan_sizes), ("even", [1] * R))
+        for name, shares in order if r % 2 == 0 else order[::-1]:
+            strategy.set_batch_split(list(shares))
+            (plan_times_s if name == "plan" else even_times_s).append(median_step_s(model, dataset, steps=steps))
+    return plan_times_s, even_times_s
 
 
 def guard_outcome(strategy) -> str:
@@ -206,24 +228,21 @@ def main(argv=None) -> int:
     logging.getLogger("hetero_cs").setLevel(logging.WARNING)  # the plan flips on purpose below
     repeated = train.repeat()
     R = strategy.num_replicas_in_sync
-    plan_rates, even_rates = [], []
     if final_plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R):
         # The plan in use is the even split (--no-auto-balance, one device, or devices alike): one measurement.
         print(f"\n== measuring examples/s ({args.timing_steps} steps; the plan in use is the even split) ...")
         strategy.set_batch_split(list(final_plan.per_replica_batch_sizes))  # pinned: no re-plan while measuring
-        plan_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
-        even_rates = plan_rates
+        plan_times_s = even_times_s = [median_step_s(model, repeated, steps=args.timing_steps)]
     else:
-        print(f"\n== measuring examples/s: the plan in use vs the even split, {args.timing_steps} steps each, twice ...")
-        for _ in range(2):
-            # Both splits pinned as fixed shares, so neither re-balancing nor the guard changes them mid-measurement.
-            strategy.set_batch_split(list(final_plan.per_replica_batch_sizes))
-            plan_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
-            strategy.set_batch_split([1] * R)
-            even_rates.append(measure_examples_per_s(model, repeated, global_batch_size=B, steps=args.timing_steps))
+        print(f"\n== measuring examples/s: the plan in use vs the even split, {args.timing_steps} steps each, in "
+              f"alternating rounds ...")
+        plan_times_s, even_times_s = paired_step_times(
+            strategy, model, repeated, plan_sizes=final_plan.per_replica_batch_sizes, total_steps=args.timing_steps)
     strategy.set_batch_split(None)  # back to the auto-balanced plan that was in force
-    plan_eps, even_eps = statistics.median(plan_rates), statistics.median(even_rates)
-    speedup = plan_eps / even_eps
+    plan_eps, even_eps = B / statistics.median(plan_times_s), B / statistics.median(even_times_s)
+    # The speedup is the median over rounds of each round's even/plan ratio: paired, so load that changes between
+    # rounds cancels.
+    speedup = statistics.median([e / p for p, e in zip(plan_times_s, even_times_s)])
     plan = final_plan
     theoretical = plan.predicted_speedup_vs_even  # None without cost models (--no-auto-balance)
     label = "auto_balance" if not args.no_auto_balance else "even split (--no-auto-balance)"
@@ -231,7 +250,8 @@ def main(argv=None) -> int:
     print(f"{label:>32}: {plan_eps:9.1f} examples/s")
     print(f"{'even split':>32}: {even_eps:9.1f} examples/s")
     predicted = f"{theoretical:.2f}x" if theoretical else "n/a without calibration"
-    print(f"{'speedup vs even':>32}: {speedup:9.2f}x (predicted by the plan: {predicted})")
+    print(f"{'speedup vs even':>32}: {speedup:9.2f}x (predicted by the plan: {predicted}; median of "
+          f"{len(plan_times_s)} paired round(s): {', '.join(f'{e / p:.2f}' for p, e in zip(plan_times_s, even_times_s))})")
 
     calibration = strategy.calibration
     cached = calibration is not None and calibration.from_cache

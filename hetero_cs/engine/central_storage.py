@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments, tensors, training
+from hetero_cs.engine import _compat, arguments, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error

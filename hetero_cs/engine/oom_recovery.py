@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from hetero_cs.engine import _compat
+from hetero_cs.engine.step_errors import REPLICA_ID_ATTRIBUTE
 from hetero_cs.errors import InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -39,10 +40,14 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages u
 def failed_replica(exc: Exception, num_replicas: int) -> int | None:
     """The replica an out-of-memory error came from, or None when the error names none.
 
-    An emulated device's error says ``replica=<i>``; a TensorFlow op of replica i >= 1 is named
-    ``replica_<i>/...`` (replica 0's ops carry no prefix, so an op error without one is taken as replica 0's).
+    An eager replica's error is tagged with its replica id (:func:`hetero_cs.engine.step_errors.tag_replica`); an
+    emulated device's error says ``replica=<i>``; a TensorFlow op of replica i >= 1 is named ``replica_<i>/...``
+    (replica 0's ops carry no prefix, so an op error without one is taken as replica 0's).
     """
     message = str(exc)
+    tagged = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly (run_eagerly=True)
+    if tagged is not None:
+        return int(tagged) if 0 <= int(tagged) < num_replicas else None
     match = re.search(r"Emulated out of memory: replica=(\d+)", message)
     if match is None:
         node = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, tensors, training
+from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
@@ -84,7 +85,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             call_args, call_kwargs = emulated_memory_gate(
                 (call_args, call_kwargs), tensors.dense_part(batched), replica_id=replica_id,
                 batch_size=batch_size, emulator=strategy._emulator)
-        with training.replica_step(step):
+        with training.replica_step(step), naming_the_replica(replica_id):
             return fn(*call_args, **call_kwargs)
 
     return replica_fn

@@ -5,8 +5,11 @@ Also the advice for 0-example slices, which some TensorFlow kernels cannot run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+
+import tensorflow as tf
 
 from hetero_cs.errors import ReplicaStepError
 
@@ -23,26 +26,61 @@ EMPTY_SLICE_ADVICE = (
 )
 
 
+REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
+"""Set on an op error raised by a replica function that ran eagerly: eager errors name no op, so no replica scope."""
+
+
+def tag_replica(exc: Exception, replica_id: int) -> None:
+    """Marks an error raised eagerly in replica ``replica_id``'s function (the first replica to tag it wins)."""
+    if getattr(exc, REPLICA_ID_ATTRIBUTE, None) is None:
+        try:
+            setattr(exc, REPLICA_ID_ATTRIBUTE, int(replica_id))
+        except (AttributeError, TypeError):
+            pass  # an exception type that takes no attributes: the op-name path below still applies
+
+
+@contextlib.contextmanager
+def naming_the_replica(replica_id):
+    """Around a replica function: eagerly, tags an op error it raises with the replica (see :func:`tag_replica`).
+
+    In a graph (inside tf.function) the op names carry the replica's scope and this does nothing.
+    """
+    if tf.inside_function():
+        yield
+        return
+    try:
+        yield
+    except tf.errors.OpError as exc:
+        tag_replica(exc, tf.get_static_value(replica_id))
+        raise
+
+
 def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan):
     """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
 
-    TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no prefix.
+    In a graph, TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no prefix.
+    Eagerly there is no op name: the replica function tagged the error (:func:`tag_replica`).
     """
     message = str(exc)
-    # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
-    match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
-    if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
-        return None  # the input pipeline failed (e.g. a generator), not a replica's step
-    # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
-    scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
-    replica_id = int(scope.group(1)) if scope else 0
+    replica_id = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly
+    if replica_id is None:
+        # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
+        match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
+        if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
+            return None  # the input pipeline failed (e.g. a generator), not a replica's step
+        # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
+        scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
+        replica_id = int(scope.group(1)) if scope else 0
     if replica_id >= len(compute_devices):
         return None
     device = compute_devices[replica_id]
     lines = [line.strip() for line in message.splitlines()]
     # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
     marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
-    before = [line for line in lines[:marker] if line] if marker is not None else []
+    if marker is not None:
+        before = [line for line in lines[:marker] if line]
+    else:  # eagerly: the op's own line ends in "[Op:NAME]" (Keras may wrap it in "Exception encountered ...")
+        before = [line for line in lines if "[Op:" in line][:1] or [line for line in lines if line][:1]
     cause = before[-1] if before else type(exc).__name__
     plan = list(plan.per_replica_batch_sizes) if plan else None
     empty = empty_slice_plan

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -277,11 +278,21 @@ class PlanGuard:
             per_replica_batch_sizes: The slices the step ran with, shape [R].
             makespan_s: Its makespan in seconds (max over replicas), finite and > 0 to count.
             step: The monitor's completed-step count (for the decision's record and the back-off).
+
+        Raises:
+            ConfigError: ``per_replica_batch_sizes`` is not a sequence of integers or ``makespan_s`` not a number.
         """
+        try:
+            sizes = tuple(operator.index(b) for b in per_replica_batch_sizes)
+            makespan_s = float(makespan_s)
+        except TypeError:
+            raise ConfigError(
+                f"observe takes the step's slices (a sequence of integers) and its makespan in seconds (a number). "
+                f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}."
+            ) from None
         if self._candidate is None:
             return None
         self._trial_steps += 1
-        sizes = tuple(int(b) for b in per_replica_batch_sizes)
         usable = math.isfinite(makespan_s) and makespan_s > 0
         if usable and sizes == self._candidate.per_replica_batch_sizes:
             self._pending_candidate_s = float(makespan_s)

@@ -49,6 +49,7 @@ REPLANNED = "replanned"
 COOLDOWN = "cooldown"
 TOO_FEW_SAMPLES = "too_few_samples"
 BELOW_DEADBAND = "below_deadband"
+BALANCED = "balanced"
 UNCHANGED = "unchanged"
 WITHIN_NOISE = "within_noise"
 NOT_DUE = "not_due"
@@ -135,11 +136,14 @@ class RebalanceDecision:
         outcome: One of "replanned", "cooldown", "too_few_samples", "below_deadband", "within_noise" (the
             point gain exceeds the deadband, its worst case within noise_sigmas standard errors does not),
             "unchanged" (the optimal split under the models is the current one), "not_due" (fewer than
-            policy.check_interval_steps steps since the last look).
+            policy.check_interval_steps steps since the last look), "balanced" (every replica's predicted time
+            under the current plan is within the deadband of the makespan, so no split can gain more than the
+            deadband: not solved).
         old_per_replica_batch_sizes: The current plan's slices, shape [R].
         new_per_replica_batch_sizes: The optimal slices under the models, shape [R]; None when not solved
-            (cooldown, too few samples, not due).
-        current_makespan_s: The current plan's makespan predicted by the models; None when not solved.
+            (cooldown, too few samples, not due, balanced).
+        current_makespan_s: The current plan's makespan predicted by the models; None when the models were not
+            evaluated (cooldown, too few samples, not due).
         new_makespan_s: The optimal plan's predicted makespan; None when not solved.
         predicted_gain: (current_makespan_s - new_makespan_s) / current_makespan_s; None when not solved.
         worst_case_gain: The gain with the current plan evaluated at levels (1 - z u_i) and the new plan at
@@ -266,7 +270,7 @@ class Rebalancer:
                 f"cost_models must hold one model per replica of current_plan. Received: "
                 f"len(cost_models)={len(cost_models)}, current slices={list(current_plan.per_replica_batch_sizes)}."
             )
-        return self._propose(step, current_plan, lambda: (cost_models, relative_standard_errors), num_samples)
+        return self._propose(step, current_plan, lambda: cost_models, lambda _: relative_standard_errors, num_samples)
 
     def propose_from_monitor(
         self,
@@ -299,17 +303,17 @@ class Rebalancer:
                 f"current slices={list(current_plan.per_replica_batch_sizes)}."
             )
 
-        def models_and_errors() -> tuple[Sequence[CostModel], Sequence[float]]:
-            models = monitor.updated_cost_models(base_models)
-            return models, monitor.relative_standard_errors(models)
-
-        return self._propose(monitor.completed_steps, current_plan, models_and_errors, monitor.num_samples)
+        return self._propose(
+            monitor.completed_steps, current_plan, lambda: monitor.updated_cost_models(base_models),
+            monitor.relative_standard_errors, monitor.num_samples,
+        )
 
     def _propose(
         self,
         step: int,
         current_plan: BatchPlan,
-        get_models_and_errors: Callable[[], tuple[Sequence[CostModel], Sequence[float] | None]],
+        get_models: Callable[[], Sequence[CostModel]],
+        get_errors: Callable[[Sequence[CostModel]], Sequence[float] | None],
         num_samples: int | None,
     ) -> BatchPlan | None:
         if not _is_int(step) or step < 0:
@@ -341,8 +345,21 @@ class Rebalancer:
                 self._last_decision = RebalanceDecision(step, COOLDOWN, old_sizes)
                 return None
 
-        cost_models, errors = get_models_and_errors()
-        errors = self._check_errors(errors, len(old_sizes))
+        cost_models = get_models()
+        if not forced:
+            current_times_s = [float(m.predict_step_time_s(b)) for m, b in zip(cost_models, old_sizes)]
+            current_makespan_s = max(current_times_s)
+            if 0 < current_makespan_s < math.inf and min(current_times_s) >= (1.0 - self._policy.deadband) * (
+                current_makespan_s
+            ):
+                # No split can gain more than the deadband: to finish a fraction g > deadband earlier, every
+                # replica (each already within the deadband of the makespan) would have to shed examples, and the
+                # slices still sum to B. So the decision is known without solving (which costs most of a look).
+                self._last_decision = RebalanceDecision(
+                    step, BALANCED, old_sizes, current_makespan_s=current_makespan_s
+                )
+                return None
+        errors = self._check_errors(get_errors(cost_models), len(old_sizes))
         global_batch_size = current_plan.global_batch_size
         new_plan = solve_batch_split(
             cost_models,

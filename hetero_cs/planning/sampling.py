@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 
-LOOK_COST_S = 4e-4
-"""Host time one re-balancing look costs, seconds (fit the monitor's models and solve: about 0.4 ms for R = 3).
+LOOK_COST_S = 5e-4
+"""Host time one re-balancing look costs, seconds: about 0.5 ms for R = 3 when the replicas finish within the
+deadband of each other (the monitor's models only), about 2 ms when it solves (measured on a 2-core CPU machine).
 
 The balancer looks every N completed steps, the smallest N with LOOK_COST_S / N <= TIMING_BUDGET of the last
 makespan, at most MAX_LOOK_INTERVAL_STEPS: every step beside a 40 ms step, every 8th beside a 5 ms one. A look

@@ -174,7 +174,8 @@ def simulate_balancer(
         One BalancedStep per step.
 
     Raises:
-        ConfigError: If an argument is out of range.
+        ConfigError: If an argument is out of range, or ``true_models_at_step`` returns a number of models other
+            than the balancer's replica count.
     """
     if not _is_int(steps) or steps < 0 or not _is_int(prefetch) or prefetch < 0:
         raise ConfigError(f"steps and prefetch must be integers >= 0. Received: steps={steps!r}, prefetch={prefetch!r}.")
@@ -191,6 +192,11 @@ def simulate_balancer(
         plan = queue.pop(0)
         sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
         true_models = true_models_at_step(step)
+        if len(true_models) != len(sizes):
+            raise ConfigError(
+                f"true_models_at_step({step}) returned {len(true_models)} cost models for {len(sizes)} replicas. "
+                f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)})."
+            )
         true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
         common = float(np.exp(rng.normal(0.0, common_noise_sigma)))
         times_s = true_s * common * rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, len(sizes))

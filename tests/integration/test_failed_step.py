@@ -59,6 +59,24 @@ def test_failed_replica_step_leaves_state_and_names_the_replica(bad_index, repli
         np.testing.assert_array_equal(a, b, err_msg=path)  # iteration counter included
 
 
+@pytest.mark.parametrize("bad_index,replica", [(5, 1), (9, 2)])
+def test_an_eager_step_names_the_replica_that_failed(bad_index, replica):
+    # Eagerly no op carries a "replica_<i>/" scope; the replica function itself says which replica raised.
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[4, 4, 2], rebalance=False, profile_cache=False
+    )
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), RejectNaN(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    x = np.ones((10, 3), np.float32)
+    x[bad_index] = np.nan  # slices [0, 4), [4, 8), [8, 10)
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(ReplicaStepError, match=f"replica {replica} on /device:CPU:{replica + 1}.*non-finite input"):
+        model.fit(x, np.ones((10, 1), np.float32), batch_size=10, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(before, [v.numpy() for v in model.variables]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_failing_op_names_the_replica_even_behind_other_scopes():
     strategy = HeteroCentralStorageStrategy(
         ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[4, 4, 2], rebalance=False, profile_cache=False

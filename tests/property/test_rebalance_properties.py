@@ -131,3 +131,29 @@ def test_a_device_slowed_2x_loses_work_quickly_and_regains_it_after_recovery(dev
         trace[recover_at].true_makespan_s <= 1.10 * initial_plan.predicted_makespan_s
     )
     assert trace[-1].true_makespan_s <= 1.10 * initial_plan.predicted_makespan_s
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    devices=linear_devices(),
+    shares=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4),
+    deadband=st.floats(0.0, 0.3),
+)
+def test_a_look_skips_solving_only_when_no_split_gains_more_than_the_deadband(devices, shares, deadband):
+    """The "balanced" shortcut (not solved) is sound: the optimal split then gains at most the deadband."""
+    from hetero_cs.planning.rebalance import BALANCED, Rebalancer
+
+    models, global_batch_size = devices
+    weights = shares[: len(models)]
+    sizes = [int(global_batch_size * w / sum(weights)) for w in weights]
+    sizes[0] += global_batch_size - sum(sizes)
+    current = plan_from_split(sizes, models)
+    rebalancer = Rebalancer(RebalancePolicy(deadband=deadband, noise_sigmas=0.0))
+    rebalancer.propose(0, current, models)
+    decision = rebalancer.last_decision
+    optimum = solve_batch_split(models, global_batch_size)
+    gain = (current.predicted_makespan_s - optimum.predicted_makespan_s) / current.predicted_makespan_s
+    if decision.outcome == BALANCED:
+        assert gain <= deadband + 1e-12
+    else:
+        assert decision.new_per_replica_batch_sizes is not None  # it solved

@@ -179,3 +179,22 @@ def test_a_gain_that_the_median_shows_but_the_test_not_yet_is_measured_longer():
 def test_start_refuses_what_is_not_a_batch_plan():
     with pytest.raises(ConfigError, match="two BatchPlans"):
         PlanGuard().start([50, 50], [70, 30], step=0)
+
+
+@pytest.mark.parametrize("sizes, makespan", [((70, "30"), 0.1), ((70, 30.5), 0.1), (None, 0.1), ((70, 30), None)])
+def test_observe_rejects_malformed_measurements_with_a_clear_error(sizes, makespan):
+    guard = PlanGuard()
+    guard.start(BatchPlan((50, 50), 100), BatchPlan((70, 30), 100), step=0)
+    with pytest.raises(ConfigError, match="observe takes"):
+        guard.observe(sizes, makespan, step=1)
+    assert guard.in_trial and guard.observed_steps == 0  # nothing was counted
+
+
+def test_simulate_balancer_rejects_a_model_count_other_than_the_replica_count():
+    from hetero_cs.planning.balancer import Balancer
+    from hetero_cs.planning.cost_model import LinearCostModel
+    from hetero_cs.planning.simulation import simulate_balancer
+
+    balancer = Balancer(2, auto_balance=False)
+    with pytest.raises(ConfigError, match="3 cost models for 2 replicas"):
+        simulate_balancer(balancer, lambda step: [LinearCostModel(0.0, 1e-3)] * 3, 100, steps=1)

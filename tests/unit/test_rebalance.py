@@ -12,6 +12,7 @@ from hetero_cs.errors import ConfigError
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.solver import plan_from_split
 from hetero_cs.planning.rebalance import (
+    BALANCED,
     BELOW_DEADBAND,
     COOLDOWN,
     NOT_DUE,
@@ -99,7 +100,10 @@ def test_gain_equal_to_deadband_keeps_the_plan():
     models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.001)]
     rebalancer = Rebalancer(RebalancePolicy(deadband=0.0))
     assert rebalancer.propose(0, EVEN, models) is None
-    assert rebalancer.last_decision.outcome == UNCHANGED
+    # Both replicas finish together: known without solving.
+    assert rebalancer.last_decision.outcome == BALANCED
+    assert rebalancer.last_decision.new_per_replica_batch_sizes is None
+    assert rebalancer.last_decision.current_makespan_s == pytest.approx(0.050)
 
 
 def test_zero_deadband_takes_any_strict_improvement():
@@ -136,7 +140,7 @@ def test_first_decision_has_no_cooldown_but_waits_for_min_samples():
 def test_looks_only_every_check_interval_steps():
     rebalancer = Rebalancer(RebalancePolicy(check_interval_steps=4))
     assert rebalancer.propose(3, EVEN, [FAST, FAST]) is None  # the first call looks
-    assert rebalancer.last_decision.outcome == UNCHANGED
+    assert rebalancer.last_decision.outcome == BALANCED
     for step in (4, 5, 6):  # the caller may skip steps (the input pipeline runs ahead of the training steps)
         assert rebalancer.propose(step, EVEN, MODELS) is None
         assert rebalancer.last_decision.outcome == NOT_DUE
