@@ -151,6 +151,10 @@ def test_recover_from_oom_with_fixed_shares_or_the_even_split_moves_the_excess_b
     shares.plan_for(40)  # 20, 10, 10
     plan, _ = shares.recover_from_oom(0, 20, 40)  # cap 10: the other 10 go to replicas 1 and 2 alike
     assert plan.per_replica_batch_sizes == (10, 15, 15)
+    zero_share = Balancer(3, shares=[1.0, 1.0, 0.0], rebalance=False, guard=False)
+    zero_share.plan_for(20)  # 10, 10, 0
+    plan, _ = zero_share.recover_from_oom(1, 10, 20)  # a 0 share stays 0: replica 0 takes the rest
+    assert plan.per_replica_batch_sizes == (15, 5, 0)
 
 
 def test_recover_from_oom_raises_infeasible_when_the_caps_cannot_hold_the_batch():
