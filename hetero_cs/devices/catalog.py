@@ -175,7 +175,8 @@ CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
         source=("NVIDIA Tesla K80 datasheet, per GPU die (the board holds two GK210 dies, each a separate CUDA "
                 "device): 8.73 TFLOP/s fp32 with GPU Boost per board -> 4.37 per die; 24 GB GDDR5 and 480 GB/s "
                 "per board -> 12 GB and 240 GB/s per die; PCIe 3.0 x16 (shared by both dies behind an on-board "
-                "switch); NVIDIA Tesla K80 board specification BD-07317-001 gives the same figures; Kepler has no fp16 arithmetic, so fp16 = fp32")),
+                "switch); NVIDIA Tesla K80 board specification BD-07317-001 gives the same figures; Kepler has "
+                "no fp16 arithmetic, so fp16 = fp32")),
     "RTX2080Ti": DeviceSpec(
         name="RTX2080Ti", fp32_tflops=13.4, fp16_tflops=53.8, memory_bytes=11 * _GB,
         memory_bandwidth_bytes_per_s=616e9, pcie_generation=3, pcie_lanes=16,

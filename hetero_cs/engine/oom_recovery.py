@@ -53,7 +53,8 @@ def failed_replica(exc: Exception, num_replicas: int) -> int | None:
         node = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
         if node is None or "Iterator" in node.group(1):
             return None
-        match = re.search(r"(?:^|/)replica_(\d+)/", node.group(1)) or re.search(r"end_replica_step_(\d+)", node.group(1))
+        name = node.group(1)
+        match = re.search(r"(?:^|/)replica_(\d+)/", name) or re.search(r"end_replica_step_(\d+)", name)
         replica_id = int(match.group(1)) if match else 0
     else:
         replica_id = int(match.group(1))

@@ -1,8 +1,8 @@
 """The wrapper every replica function runs in: its slice size b_i, the global batch B, its clock, emulated memory.
 
 ``HeteroCentralStorageStrategy`` wraps each function given to ``strategy.run`` (Keras' train step included) with
-:func:`wrap_replica_fn`; the wrapped function runs in replica context under :func:`hetero_cs.engine.training.replica_step`,
-which the exact b_i/B weighting and the step timing read.
+:func:`wrap_replica_fn`; the wrapped function runs in replica context under
+:func:`hetero_cs.engine.training.replica_step`, which the exact b_i/B weighting and the step timing read.
 """
 
 from __future__ import annotations

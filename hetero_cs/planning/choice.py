@@ -72,4 +72,5 @@ def _split_within_caps(
 
     models = [LinearCostModel(0.0, 1.0 / s if s > 0 else 1.0) for s in shares]
     capped = [0 if s <= 0 else c for s, c in zip(shares, caps)]
-    return solve_batch_split(models, global_batch_size, max_batch_sizes=capped, min_batch_size=0).per_replica_batch_sizes
+    plan = solve_batch_split(models, global_batch_size, max_batch_sizes=capped, min_batch_size=0)
+    return plan.per_replica_batch_sizes

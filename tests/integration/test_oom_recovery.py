@@ -178,7 +178,7 @@ def test_failed_replica_reads_the_emulated_message_and_tensorflow_node_names():
         return tf.errors.ResourceExhaustedError(None, None, message)
 
     assert failed_replica(error("MemoryError: Emulated out of memory: replica=2 (T4) needs 5 bytes"), 3) == 2
-    assert failed_replica(error("OOM when allocating tensor\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"), 3) == 1
+    assert failed_replica(error("OOM allocating\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"), 3) == 1
     assert failed_replica(error("OOM when allocating\n\t [[{{node sequential/dense/MatMul}}]]"), 3) == 0
     assert failed_replica(error("OOM\n\t [[{{node IteratorGetNext}}]]"), 3) is None  # the input pipeline
     assert failed_replica(error("OOM\n\t [[{{node replica_7/x}}]]"), 3) is None  # not one of ours
