@@ -106,7 +106,8 @@ def _device_ids(devices: Sequence[str], emulator: Any, gpu_facts: dict[str, Any]
         if info is not None:
             parts.append(f"{info.description}|{info.uuid or ''}|{info.memory_total_bytes or ''}")
         if emulator is not None:
-            parts.append(f"emulated={emulator.specs[i].name}@time_scale={emulator.time_scale:.9g}")
+            parts.append(f"emulated={emulator.specs[i].name}@time_scale={emulator.time_scale:.9g}"
+                         f"@memory_bytes={emulator.specs[i].memory_bytes}")
         ids.append("|".join(parts))
     return ids
 
@@ -288,7 +289,7 @@ def calibrate(
             if mismatch is None:
                 logger.info("Calibration profile cache hit (%s)%s; skipping calibration.", store.path(key),
                             ", checked against a few timed steps" if check_cached else "")
-                return _with_measurement(dataclasses.replace(cached, from_cache=True), run_plan)
+                return _with_measurement(dataclasses.replace(cached, from_cache=True, cache_key=key), run_plan)
             logger.warning("The cached calibration profile %s no longer fits this machine: %s. Recalibrating.",
                            store.path(key), mismatch)
         else:
@@ -352,6 +353,7 @@ def calibrate(
     if store is not False and key is not None:
         try:
             store.save(key, result)
+            result = dataclasses.replace(result, cache_key=key)
         except ProfileCacheError as exc:
             warnings.warn(f"Calibration result not cached: {exc}", stacklevel=2)
     return _with_measurement(result, run_plan)

@@ -387,6 +387,7 @@ class DeviceProbe:
         start_s = time.perf_counter()
         self._step(inputs).numpy()
         elapsed_s = time.perf_counter() - start_s
+        self._emulated_peak_size = max(getattr(self, "_emulated_peak_size", 0), int(batch_size))
         self._has_run = True
         return elapsed_s
 
@@ -426,20 +427,27 @@ class DeviceProbe:
 
     @property
     def tracks_memory(self) -> bool:
-        """True when the device reports peak memory (GPUs; TensorFlow raises ValueError for CPU devices)."""
-        return _device_kind(self.device) == "GPU"
+        """True when the device reports peak memory (GPUs, and emulated devices through their memory model;
+        TensorFlow raises ValueError for CPU devices)."""
+        return _device_kind(self.device) == "GPU" or self.emulator is not None
 
     def reset_peak_memory(self) -> None:
         """Resets the device's peak-memory counter (no-op on devices that do not track memory)."""
         import tensorflow as tf
 
-        if self.tracks_memory:
+        self._emulated_peak_size = 0
+        if self.tracks_memory and self.emulator is None:
             tf.config.experimental.reset_memory_stats(_memory_device_name(self.device))
 
     def peak_memory_bytes(self) -> int | None:
-        """Peak device memory since the last reset_peak_memory, bytes; None where not tracked."""
+        """Peak device memory since the last reset_peak_memory, bytes; None where not tracked. An emulated device
+        reports what its largest slice since then needs (hetero_cs.emulation.slice_memory_bytes)."""
         import tensorflow as tf
 
+        if self.emulator is not None:
+            from hetero_cs.emulation import slice_memory_bytes
+
+            return slice_memory_bytes(self.emulator.workload, getattr(self, "_emulated_peak_size", 0))
         if not self.tracks_memory:
             return None
         return int(tf.config.experimental.get_memory_info(_memory_device_name(self.device))["peak"])
@@ -452,6 +460,8 @@ class DeviceProbe:
         """
         import tensorflow as tf
 
+        if self.emulator is not None:
+            return self.emulator.memory_bytes(self.replica_id)
         if not self.tracks_memory:
             return None
         wanted = tf.DeviceSpec.from_string(self.device).device_index or 0

@@ -207,6 +207,8 @@ class CalibrationResult:
         from_cache: True when ``calibrate`` loaded this result from the profile cache instead of probing; then
             ``wall_time_s`` is the time the original calibration took, not time spent now. Not stored in the
             cache (a stored result reads back as False).
+        cache_key: The profile cache key this result was loaded from or saved under (None without a cache), so
+            that memory caps lowered at run time can be written back to the same entry. Not stored.
     """
 
     profiles: tuple[DeviceProfile, ...]
@@ -215,6 +217,7 @@ class CalibrationResult:
     plan: BatchPlan | None = None
     measured_makespan_s: float | None = None
     from_cache: bool = dataclasses.field(default=False, compare=False)
+    cache_key: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profiles", tuple(self.profiles))

@@ -13,6 +13,7 @@ from hetero_cs.errors import (
     CalibrationOOMError,
     ConfigError,
     DeviceError,
+    EmulatedOutOfMemoryError,
     EmulationError,
     HeteroCSError,
     InfeasiblePlanError,
@@ -21,11 +22,13 @@ from hetero_cs.errors import (
     NotInReplicaStepError,
     ProfileCacheError,
     ReplicaStepError,
+    StepOOMError,
     UnknownEmulatedDeviceError,
     UnsupportedPrecisionError,
     WorkerLostError,
 )
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -70,6 +73,7 @@ __all__ = [
     "CostModel",
     "DeviceError",
     "DeviceInfo",
+    "EmulatedOutOfMemoryError",
     "EmulationError",
     "HeteroCSError",
     "HeteroCentralStorageStrategy",
@@ -78,6 +82,7 @@ __all__ = [
     "InputError",
     "InvalidCostModelError",
     "LinearCostModel",
+    "MemoryRecoveryPolicy",
     "NotInReplicaStepError",
     "PiecewiseLinearCostModel",
     "ProfileCacheError",
@@ -85,6 +90,7 @@ __all__ = [
     "Rebalancer",
     "ReplicaStepError",
     "ScaledCostModel",
+    "StepOOMError",
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
     "UnsupportedPrecisionError",

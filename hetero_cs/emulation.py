@@ -1,7 +1,8 @@
 """Emulated accelerators (the public path of :mod:`hetero_cs.devices.emulation` and its catalog).
 
 ``hetero_cs.emulation.setup_logical_devices([...])``, ``Emulator``, ``Drift``, ``get_device_spec`` and the
-``CATALOG`` of published device figures, as the README shows them. Importing this module does not load TensorFlow.
+``CATALOG`` of published device figures, as the README shows them; emulated memory (``"T4@48MB"``,
+``Drift(memory_bytes=...)``, ``slice_memory_bytes``). Importing this module does not load TensorFlow.
 """
 
 from hetero_cs.devices.catalog import (
@@ -16,8 +17,10 @@ from hetero_cs.devices.catalog import (
     TIME_SCALE_ENV_VAR,
     DeviceSpec,
     get_device_spec,
+    parse_memory_bytes,
 )
 from hetero_cs.devices.emulation import Drift, Emulator, Workload, emulated_step_time_s, estimate_workload
+from hetero_cs.devices.workload import max_examples_in_memory, slice_memory_bytes
 from hetero_cs.devices.logical import setup_logical_devices
 
 __all__ = [
@@ -37,5 +40,8 @@ __all__ = [
     "emulated_step_time_s",
     "estimate_workload",
     "get_device_spec",
+    "max_examples_in_memory",
+    "parse_memory_bytes",
     "setup_logical_devices",
+    "slice_memory_bytes",
 ]

@@ -75,6 +75,40 @@ class CalibrationOOMError(CalibrationError, MemoryError):
     """A device ran out of memory at every probe batch size."""
 
 
+class StepOOMError(HeteroCSError, MemoryError):
+    """A training step ran out of memory on one replica after every bounded retry with a lower cap.
+
+    No update of that step was applied. Attributes: ``replica_id``, ``device``, ``caps_tried`` (the replica's
+    slices, in examples, in the order they were tried), ``global_batch_size`` and ``last_error`` (TensorFlow's
+    error of the last attempt, also chained as ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, replica_id: int | None = None, device: str | None = None,
+                 caps_tried: tuple = (), global_batch_size: int | None = None,
+                 last_error: BaseException | None = None):
+        super().__init__(message)
+        self.replica_id = replica_id
+        self.device = device
+        self.caps_tried = tuple(caps_tried)
+        self.global_batch_size = global_batch_size
+        self.last_error = last_error
+
+
+class EmulatedOutOfMemoryError(HeteroCSError, MemoryError):
+    """An emulated replica's slice needs more memory than its emulated device has.
+
+    Raised inside the step, where TensorFlow reports it as ``tf.errors.ResourceExhaustedError`` (what a GPU raises).
+    Attributes: ``replica_id``, ``needed_bytes``, ``memory_bytes``.
+    """
+
+    def __init__(self, message: str, *, replica_id: int | None = None, needed_bytes: int | None = None,
+                 memory_bytes: int | None = None):
+        super().__init__(message)
+        self.replica_id = replica_id
+        self.needed_bytes = needed_bytes
+        self.memory_bytes = memory_bytes
+
+
 class ProfileCacheError(HeteroCSError, ValueError):
     """A profile cache file is corrupt, has unknown keys, or belongs to another model or device."""
 

@@ -1,7 +1,8 @@
 """The catalog of emulated accelerators: published figures of real devices, each with its source (pure).
 
-``DeviceSpec`` holds one device's peak fp32/fp16/bf16 throughput, memory size and bandwidth and PCIe link; ``CATALOG``
-maps names (A10, T4, P100, V100, A100, H100, CPU) to specs and ``get_device_spec`` looks one up. The emulator
+``DeviceSpec`` holds one device's peak fp32/fp16/bf16 throughput, memory size and bandwidth and PCIe link;
+``CATALOG`` maps names (A10, T4, P100, V100, A100, H100; the legacy GTX1080Ti, P40, K80, RTX2080Ti; CPU) to specs and
+``get_device_spec`` looks one up. The emulator
 (:mod:`hetero_cs.devices.emulation`) turns these figures into step times; calibration and the monitor never read
 them. This module imports neither TensorFlow nor pynvml.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -188,6 +190,40 @@ CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
         source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (fp16 and bf16 tensor 1,513 TF are "
                 "with sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
                 "nvidia-tensor-core-gpu-datasheet")),
+    # Legacy cards that labs reuse beside newer ones. Pascal consumer/inference dies (GP102) run fp16 arithmetic at
+    # 1/64 of fp32 and Kepler (GK210) has no fp16 arithmetic at all, so their fp16 figure is the real (slow) rate.
+    "GTX1080Ti": DeviceSpec(
+        name="GTX1080Ti", fp32_tflops=11.3, fp16_tflops=0.177, memory_bytes=11 * _GB,
+        memory_bandwidth_bytes_per_s=484e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA GeForce GTX 1080 Ti specifications (3584 CUDA cores, 1582 MHz boost -> 2 x 3584 x 1.582e9 "
+                "= 11.3 TFLOP/s fp32; 11 GB GDDR5X at 11 Gbps on 352 bits = 484 GB/s; PCIe 3.0 x16), "
+                "https://www.nvidia.com/en-us/geforce/graphics-cards/geforce-gtx-1080-ti/specifications/; fp16 "
+                "at 1/64 of fp32 on GP102 (NVIDIA Pascal tuning guide, CUDA C Programming Guide arithmetic "
+                "instruction throughput table, compute capability 6.1)")),
+    "P40": DeviceSpec(
+        name="P40", fp32_tflops=12.0, fp16_tflops=0.188, memory_bytes=24 * _GB,
+        memory_bandwidth_bytes_per_s=346e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA Tesla P40 datasheet (12 TFLOP/s single precision with boost, 24 GB GDDR5, 346 GB/s, "
+                "PCIe 3.0 x16, 250 W), https://images.nvidia.com/content/pdf/tesla/"
+                "184427-Tesla-P40-Datasheet-NV-Final-Letter-Web.pdf; fp16 at 1/64 of fp32 on GP102 (CUDA C "
+                "Programming Guide throughput table, compute capability 6.1)")),
+    "K80": DeviceSpec(
+        name="K80", fp32_tflops=4.37, fp16_tflops=4.37, memory_bytes=12 * _GB,
+        memory_bandwidth_bytes_per_s=240e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA Tesla K80 datasheet, per GPU die (the board holds two GK210 dies, each a separate CUDA "
+                "device): 8.73 TFLOP/s fp32 with GPU Boost per board -> 4.37 per die; 24 GB GDDR5 and 480 GB/s "
+                "per board -> 12 GB and 240 GB/s per die; PCIe 3.0 x16 (shared by both dies behind an on-board "
+                "switch); NVIDIA Tesla K80 board specification BD-07317-001 gives the same figures; Kepler has "
+                "no fp16 arithmetic, so fp16 = fp32")),
+    "RTX2080Ti": DeviceSpec(
+        name="RTX2080Ti", fp32_tflops=13.4, fp16_tflops=53.8, memory_bytes=11 * _GB,
+        memory_bandwidth_bytes_per_s=616e9, pcie_generation=3, pcie_lanes=16,
+        source=("NVIDIA Turing GPU Architecture whitepaper (WP-09183-001), appendix table for the GeForce RTX "
+                "2080 Ti reference card: 13.4 TFLOP/s fp32 at 1545 MHz boost, 53.8 TFLOP/s fp16 tensor with fp32 "
+                "accumulate (what mixed-precision training uses; 107.6 with fp16 accumulate), 11 GB GDDR6 at "
+                "14 Gbps on 352 bits = 616 GB/s, PCIe 3.0 x16), https://images.nvidia.com/aem-dam/en-zz/"
+                "Solutions/design-visualization/technologies/turing-architecture/"
+                "NVIDIA-Turing-Architecture-Whitepaper.pdf")),
     "CPU": DeviceSpec(
         name="CPU", fp32_tflops=1.28, fp16_tflops=1.28, bf16_tflops=1.28, memory_bytes=128 * 2**30,
         memory_bandwidth_bytes_per_s=204.8e9, pcie_generation=None, pcie_lanes=None,
@@ -230,25 +266,64 @@ def compute_dtype_of(policy: str) -> str:
     return dtype
 
 
-def get_device_spec(name: str) -> DeviceSpec:
-    """Looks up a catalog device, case-insensitively.
+MEMORY_OVERRIDE_SEPARATOR = "@"
+"""Separates a catalog name from a memory override in an emulated device name: ``"T4@48MB"``."""
 
-    Args:
-        name: A catalog key such as "A10", "t4" or "cpu".
+_MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+})
+_MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
 
-    Returns:
-        The device's DeviceSpec.
+
+def parse_memory_bytes(text: str) -> int:
+    """Parses a memory size such as ``"48MB"``, ``"1.5 GiB"`` or ``"512kb"`` into bytes.
+
+    Units (case-insensitive): B; KB, MB, GB, TB (powers of 1000, as datasheets use); KiB, MiB, GiB, TiB (powers of
+    1024).
 
     Raises:
-        UnknownEmulatedDeviceError: If ``name`` is not in the catalog (the message lists the known names).
+        ConfigError: If ``text`` is not a number followed by one of these units, or is under 1 byte.
 
     Example:
-        >>> get_device_spec("t4").fp32_tflops
-        8.1
+        >>> parse_memory_bytes("48MB"), parse_memory_bytes("1GiB")
+        (48000000, 1073741824)
+    """
+    match = _MEMORY_PATTERN.match(text) if isinstance(text, str) else None
+    unit = match and _MEMORY_UNITS.get(match.group(2).lower())
+    value = int(float(match.group(1)) * unit) if unit else 0
+    if value < 1:
+        raise ConfigError(
+            f"A memory size is a number and a unit ({', '.join(('B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB'))}), "
+            f"at least 1 byte, e.g. '48MB' or '1.5GiB'. Received: {text!r}.")
+    return value
+
+
+def get_device_spec(name: str) -> DeviceSpec:
+    """Looks up a catalog device, case-insensitively; ``NAME@SIZE`` overrides its memory.
+
+    Args:
+        name: A catalog key such as "A10", "t4" or "cpu", optionally followed by ``@`` and a memory size
+            (``"T4@48MB"``: a T4 with 48e6 bytes of memory, e.g. to emulate a small card or another process
+            holding most of it; see :func:`parse_memory_bytes` for the units).
+
+    Returns:
+        The device's DeviceSpec (with ``memory_bytes`` replaced when the name carries an override).
+
+    Raises:
+        UnknownEmulatedDeviceError: If the catalog key is not in the catalog (the message lists the known names).
+        ConfigError: If the memory override is not a size.
+
+    Example:
+        >>> get_device_spec("t4").fp32_tflops, get_device_spec("T4@48MB").memory_bytes
+        (8.1, 48000000)
     """
     if isinstance(name, str):
+        key_text, _, memory_text = name.partition(MEMORY_OVERRIDE_SEPARATOR)
         for key, spec in CATALOG.items():
-            if key.lower() == name.strip().lower():
+            if key.lower() == key_text.strip().lower():
+                if memory_text:
+                    return dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text))
                 return spec
     raise UnknownEmulatedDeviceError(
         f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "

@@ -6,15 +6,23 @@ efficiency, plus the parameter broadcast and the gradient return over the device
 calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and the monitor
 measure wall time only; they never read this catalog.
 
-The catalog is :mod:`hetero_cs.devices.catalog`, a model's cost :mod:`hetero_cs.devices.workload`. This module
-imports neither TensorFlow nor pynvml. The waits are inserted by :mod:`hetero_cs.engine.step_timing`.
+Emulated memory: each device has its catalog memory (or the ``NAME@SIZE`` override, e.g. ``"T4@48MB"``), which a
+:class:`Drift` with ``memory_bytes`` lowers for a range of steps. A replica whose slice needs more than that
+(:func:`hetero_cs.devices.workload.slice_memory_bytes`: weights, gradients, optimizer variables and activations)
+fails its step with :class:`hetero_cs.errors.EmulatedOutOfMemoryError`, a ``MemoryError``, which TensorFlow turns
+into the ``tf.errors.ResourceExhaustedError`` a GPU raises.
+
+The catalog itself is :mod:`hetero_cs.devices.catalog`, drift :mod:`hetero_cs.devices.drift`, the model's workload
+:mod:`hetero_cs.devices.workload`. This module is pure (``emulated_step_time_s``, ``Emulator``): it imports neither
+TensorFlow nor pynvml (``setup_logical_devices``, in :mod:`hetero_cs.devices.logical`, imports TensorFlow inside its
+own), so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are inserted into the training graph by
+:mod:`hetero_cs.engine.step_timing`.
 
 All times produced here are emulated, not measured; every human-readable output says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -32,8 +40,9 @@ from hetero_cs.devices.catalog import (
     _is_real,
     get_device_spec,
 )
-from hetero_cs.devices.workload import Workload, estimate_workload
-from hetero_cs.errors import ConfigError, EmulationError
+from hetero_cs.devices.drift import Drift
+from hetero_cs.devices.workload import Workload, estimate_workload, slice_memory_bytes
+from hetero_cs.errors import ConfigError, EmulatedOutOfMemoryError, EmulationError
 
 __all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s", "estimate_workload"]
 
@@ -92,42 +101,6 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
     return launch_overhead_s + transfer_s + compute_s + transfer_s
 
 
-@dataclasses.dataclass(frozen=True)
-class Drift:
-    """A change of one emulated device's speed over a range of steps.
-
-    The replica runs ``factor`` times slower (factor < 1: faster) for its steps in [from_step, until_step).
-    Overlapping drifts of one replica multiply.
-
-    Attributes:
-        replica_id: The replica that drifts, >= 0.
-        factor: Slow-down factor, finite and > 0 (2.0 = twice as slow).
-        from_step: First affected step of that replica (its own step counter), >= 0.
-        until_step: First step no longer affected (> from_step), or None for "until the end".
-    """
-
-    replica_id: int
-    factor: float
-    from_step: int = 0
-    until_step: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.replica_id, bool) or not isinstance(self.replica_id, int) or self.replica_id < 0:
-            raise ConfigError(f"Drift.replica_id={self.replica_id!r} must be an int >= 0.")
-        if not (_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0):
-            raise ConfigError(f"Drift.factor={self.factor!r} must be a finite number > 0 (2.0 = twice as slow).")
-        if isinstance(self.from_step, bool) or not isinstance(self.from_step, int) or self.from_step < 0:
-            raise ConfigError(f"Drift.from_step={self.from_step!r} must be an int >= 0.")
-        if self.until_step is not None and (isinstance(self.until_step, bool) or not isinstance(self.until_step, int)
-                                            or self.until_step <= self.from_step):
-            raise ConfigError(
-                f"Drift.until_step={self.until_step!r} must be None or an int > from_step={self.from_step}.")
-
-    def applies(self, step: int) -> bool:
-        """Whether this drift affects ``step`` (in [from_step, until_step))."""
-        return step >= self.from_step and (self.until_step is None or step < self.until_step)
-
-
 def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
     base, extra = divmod(global_batch_size, num_replicas)
     return [base + (1 if i < extra else 0) for i in range(num_replicas)]
@@ -143,11 +116,12 @@ class Emulator:
     ``HETERO_CS_EMULATION_TIME_SCALE``, else ``calibrate_time_scale``, else 1.0.
 
     Args:
-        device_names: Catalog names, one per replica in replica-id order (length R >= 1).
+        device_names: Catalog names, one per replica in replica-id order (length R >= 1); ``NAME@SIZE`` overrides
+            a device's memory, e.g. ``"T4@48MB"`` (see :func:`hetero_cs.devices.catalog.get_device_spec`).
         workload: The model's Workload; may be set later with ``set_workload``.
         time_scale: Fixed multiplier of all emulated times, in (0, MAX_TIME_SCALE] (1000); None to take it from the
             environment or from ``calibrate_time_scale``.
-        drift: Speed changes per replica.
+        drift: Speed and memory changes per replica (:class:`Drift`).
 
     Raises:
         UnknownEmulatedDeviceError: If a name is not in the catalog.
@@ -366,19 +340,80 @@ class Emulator:
     def delay_s(self, replica_id: int, batch_size: int) -> float:
         """Emulated time of the replica's next step (drift at its step counter); then advances that counter.
 
+        The step's memory is checked first (see :meth:`check_memory`); a step that runs out of memory raises
+        without advancing the counter (the replica did not complete it; its retry is the same step).
+
         Args:
             replica_id: In [0, R).
             batch_size: Examples in the slice, >= 0.
 
         Returns:
             Seconds the replica's step should take in all (real compute included).
+
+        Raises:
+            EmulatedOutOfMemoryError: The slice needs more memory than the device has at this step.
         """
         self._check_replica(replica_id)
         with self._lock:
             step = self._steps[replica_id]
+            self._check_memory_locked(replica_id, batch_size, step)
             value = self._step_time_locked(replica_id, batch_size, step)
             self._steps[replica_id] = step + 1
             return value
+
+    def memory_bytes(self, replica_id: int, *, step: int | None = None) -> int:
+        """Device memory of a replica at a step: its catalog size (or ``NAME@SIZE`` override), lowered by drift.
+
+        Args:
+            replica_id: In [0, R).
+            step: The replica's step; None for its next step.
+        """
+        self._check_replica(replica_id)
+        with self._lock:
+            return self._memory_locked(replica_id, self._steps[replica_id] if step is None else step)
+
+    def max_batch_size(self, replica_id: int, *, step: int | None = None) -> int | None:
+        """The largest slice that fits the replica's memory at a step (0: none fits; None: unbounded).
+
+        Raises:
+            EmulationError: If no Workload has been set.
+        """
+        from hetero_cs.devices.workload import max_examples_in_memory
+
+        memory = self.memory_bytes(replica_id, step=step)
+        return max_examples_in_memory(self.workload or self._require_workload(), memory)
+
+    def check_memory(self, replica_id: int, batch_size: int, *, step: int | None = None) -> None:
+        """Raises if a slice of ``batch_size`` examples does not fit the replica's memory at a step.
+
+        What the slice needs is :func:`hetero_cs.devices.workload.slice_memory_bytes` of the Workload.
+
+        Raises:
+            EmulatedOutOfMemoryError: It does not fit (a MemoryError; inside a TensorFlow step it becomes
+                ``tf.errors.ResourceExhaustedError``, as on a GPU). The message names the replica, the bytes needed
+                and the bytes the device has.
+            EmulationError: If no Workload has been set.
+        """
+        self._check_replica(replica_id)
+        with self._lock:
+            self._check_memory_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
+
+    def _memory_locked(self, replica_id: int, step: int) -> int:
+        limits = [d.memory_bytes for d in self._drift
+                  if d.replica_id == replica_id and d.memory_bytes is not None and d.applies(step)]
+        return min([self._specs[replica_id].memory_bytes, *limits])
+
+    def _check_memory_locked(self, replica_id: int, batch_size: int, step: int) -> None:
+        needed = slice_memory_bytes(self._require_workload(), batch_size)
+        available = self._memory_locked(replica_id, step)
+        if needed > available:
+            raise EmulatedOutOfMemoryError(
+                f"Emulated out of memory: replica={replica_id} ({self._specs[replica_id].name}) needs "
+                f"{needed} bytes for a slice of batch_size={batch_size} at its step {step}, but the device has "
+                f"memory_bytes={available}. Give it a smaller slice (max_batch_sizes), or more memory "
+                f"(the NAME@SIZE override or the Drift's memory_bytes).",
+                replica_id=replica_id, needed_bytes=needed, memory_bytes=available,
+            )
 
     def describe(self, global_batch_size: int | None = None) -> list[str]:
         """Lines of a table of the emulated replicas; the header says the times are emulated.
@@ -400,9 +435,7 @@ class Emulator:
                 step_text = "-"
                 if split is not None:
                     step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
-                drift_text = ", ".join(
-                    f"x{d.factor:g} steps [{d.from_step}, {'end' if d.until_step is None else d.until_step})"
-                    for d in self._drift if d.replica_id == i) or "-"
+                drift_text = ", ".join(d.describe() for d in self._drift if d.replica_id == i) or "-"
                 lines.append(f"{i:>7}  {spec.name:<6} {spec.peak_tflops(dtype):>8.1f} {link:>9}  {step_text:>18}  "
                              f"{drift_text}")
         return lines

@@ -1,7 +1,9 @@
-"""What one training step of a model costs, for the emulator: forward FLOPs per example, parameter bytes, and the
-dtype the layers compute in (pure: ``estimate_workload`` imports Keras inside the function).
+"""What a model asks of an emulated device: FLOPs and transfer bytes per step, and memory per slice.
 
-:mod:`hetero_cs.devices.emulation` turns a ``Workload`` into a device's step time with the catalog's figures.
+``Workload`` holds the model-dependent inputs of the emulated step time (forward FLOPs per example, trainable
+parameter bytes, the dtype the layers compute in) and of the emulated memory footprint (optimizer bytes, activation bytes per example);
+``estimate_workload`` reads them off a built Keras 3 model; ``slice_memory_bytes`` is what one replica's slice of
+``b`` examples needs. This module is pure apart from ``estimate_workload``, which imports Keras inside the function.
 """
 
 from __future__ import annotations
@@ -14,22 +16,35 @@ from typing import Any
 from hetero_cs.devices.catalog import compute_dtype_of
 from hetero_cs.errors import ConfigError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hetero_cs.devices.emulation")
+
+
+def _non_negative_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{owner}.{name}={value!r} must be an int >= 0.")
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """The model-dependent inputs of the emulated step time.
+    """The model-dependent inputs of the emulated step time and memory footprint.
 
     Attributes:
         flops_per_example: Forward-pass FLOPs for one example (a multiply-add counts 2); finite, >= 0.
         parameter_bytes: Bytes of the trainable weights (what is broadcast, and returned as gradients); >= 0.
+        optimizer_bytes: Bytes of the optimizer's variables (Adam: two slots per weight); >= 0. Default 0.
+        activation_bytes_per_example: Bytes the forward pass keeps per example for the backward pass (every
+            layer's output, and the input); >= 0. Default 0 (then memory grows with nothing but the weights).
+        non_trainable_bytes: Bytes of the model's non-trainable weights (e.g. BatchNormalization statistics),
+            which a replica also holds; >= 0. Default 0.
         compute_dtype: What the layers compute in: "float32", "float16" (mixed_float16) or "bfloat16"
             (mixed_bfloat16); a policy name is accepted and stored as its compute dtype. Selects the peak figure.
     """
 
     flops_per_example: float
     parameter_bytes: int
+    optimizer_bytes: int = 0
+    activation_bytes_per_example: int = 0
+    non_trainable_bytes: int = 0
     compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -37,10 +52,51 @@ class Workload:
                 and self.flops_per_example >= 0):
             raise ConfigError(
                 f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
-        if isinstance(self.parameter_bytes, bool) or not isinstance(self.parameter_bytes, int) \
-                or self.parameter_bytes < 0:
-            raise ConfigError(f"Workload.parameter_bytes={self.parameter_bytes!r} must be an int >= 0.")
+        for name in ("parameter_bytes", "optimizer_bytes", "activation_bytes_per_example", "non_trainable_bytes"):
+            _non_negative_int("Workload", name, getattr(self, name))
         object.__setattr__(self, "compute_dtype", compute_dtype_of(self.compute_dtype))
+
+    @property
+    def fixed_memory_bytes(self) -> int:
+        """Memory a replica needs whatever its slice: weights + gradients + optimizer variables, bytes.
+
+        Central storage keeps the optimizer's variables on the host; they are counted here anyway, so an emulated
+        cap errs on the safe side (a real device also needs scratch space for the update's temporaries).
+        """
+        return 2 * self.parameter_bytes + self.non_trainable_bytes + self.optimizer_bytes
+
+
+def slice_memory_bytes(workload: Workload, batch_size: int) -> int:
+    """Device memory one replica's step on ``batch_size`` examples needs, bytes.
+
+    ``fixed_memory_bytes + activation_bytes_per_example * batch_size``; a replica with 0 examples idles and needs 0.
+
+    Raises:
+        ConfigError: If ``batch_size`` is not an int >= 0.
+
+    Example:
+        >>> slice_memory_bytes(Workload(0.0, 1000, optimizer_bytes=2000, activation_bytes_per_example=50), 10)
+        4500
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    if batch_size == 0:
+        return 0
+    return workload.fixed_memory_bytes + workload.activation_bytes_per_example * batch_size
+
+
+def max_examples_in_memory(workload: Workload, memory_bytes: int) -> int | None:
+    """The largest slice that fits in ``memory_bytes`` (0 when not even the weights fit); None if unbounded.
+
+    Example:
+        >>> max_examples_in_memory(Workload(0.0, 1000, activation_bytes_per_example=50), 4500)
+        50
+    """
+    if memory_bytes < workload.fixed_memory_bytes + workload.activation_bytes_per_example:
+        return 0
+    if workload.activation_bytes_per_example == 0:
+        return None
+    return (memory_bytes - workload.fixed_memory_bytes) // workload.activation_bytes_per_example
 
 
 def _dtype_size_bytes(dtype: Any) -> int:
@@ -71,34 +127,81 @@ def _output_shape(layer: Any) -> tuple | None:
     return None
 
 
+def _per_example_elements(shape: tuple | None) -> int | None:
+    """prod(shape[1:]) for a known shape with a batch dimension, else None."""
+    if not shape or any(d is None for d in shape[1:]):
+        return None
+    return math.prod(int(d) for d in shape[1:])
+
+
 def _positions(layer: Any, channels: int) -> int:
     """Output positions per example: prod(output dims but batch) / channels; 1 when the shape is unknown."""
-    shape = _output_shape(layer)
-    if not shape or any(d is None for d in shape[1:]):
+    elements = _per_example_elements(_output_shape(layer))
+    if elements is None:
         logger.debug("estimate_workload: output shape of %s unknown; counting one output row.", layer.name)
         return 1
-    return max(1, math.prod(int(d) for d in shape[1:]) // max(1, channels))
+    return max(1, elements // max(1, channels))
+
+
+def _bytes(variables: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for variable in variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        total += math.prod(int(d) for d in variable.shape) * _dtype_size_bytes(variable.dtype)
+    return int(total)
+
+
+def _activation_bytes_per_example(model: Any, layers: list) -> int:
+    """Every leaf layer's output (and the model's inputs), bytes per example, from the built shapes."""
+    total = 0
+    try:
+        inputs = list(getattr(model, "inputs", None) or ())
+    except (AttributeError, ValueError, TypeError):  # a subclassed model has no symbolic inputs
+        inputs = []
+    for tensor in inputs:
+        elements = _per_example_elements(tuple(tensor.shape))
+        total += (elements or 0) * _dtype_size_bytes(getattr(tensor, "dtype", "float32"))
+    for layer in layers:
+        if layer is model or getattr(layer, "layers", None) or type(layer).__name__ == "InputLayer":
+            continue  # containers (their leaves are counted) and input layers (the inputs are counted above)
+        elements = _per_example_elements(_output_shape(layer))
+        if elements is None:
+            continue
+        dtype = getattr(layer, "compute_dtype", None) or "float32"
+        total += elements * _dtype_size_bytes(dtype)
+    return int(total)
 
 
 def estimate_workload(model: Any) -> Workload:
-    """Estimates forward FLOPs per example and trainable parameter bytes of a built Keras 3 model.
+    """Estimates a built Keras 3 model's FLOPs per example, and its memory footprint, for emulated devices.
 
-    Counted layers (nested models and sublayers included): ``Dense`` costs 2 * in * out per output row;
+    FLOPs (nested models and sublayers included): ``Dense`` costs 2 * in * out per output row;
     ``Conv1D``/``Conv2D``/``Conv3D`` cost 2 * kernel.size per output position (kernel.size = k... * cin/groups *
     cout). Every other layer counts ~0 (activations, normalisation, pooling are small beside these).
+
+    Memory: ``parameter_bytes`` and ``non_trainable_bytes`` are the sizes of the model's weights;
+    ``optimizer_bytes`` the sizes of the compiled optimizer's variables once it is built (0 before);
+    ``activation_bytes_per_example`` adds up, per example, the output of every leaf layer and the model's inputs,
+    with the shapes the layers were built with on the real batch and their compute dtype - what the forward pass
+    keeps for the backward pass. It is counted from the real model's shapes, not read from an allocator (CPU
+    devices report no memory to TensorFlow); on a GPU the calibration's search measures the real cap instead.
 
     Args:
         model: A built ``keras.Model`` or ``keras.layers.Layer``.
 
     Returns:
-        Workload(flops_per_example, parameter_bytes, compute_dtype), parameter_bytes summing size * dtype size over
-        the distinct trainable weights (float32 variables under a mixed policy), compute_dtype the model's policy's.
+        The Workload; ``compute_dtype`` is the model's dtype policy's ("float16" under mixed_float16; the weights,
+        float32 variables under a mixed policy, are counted at their own dtype).
 
     Raises:
         ConfigError: If the model has not been built (it has no weights yet).
 
     Example:
-        Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528.
+        Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528;
+        activation_bytes_per_example = 4 * (784 + 256 + 10) = 4,200.
     """
     import keras
 
@@ -117,13 +220,14 @@ def estimate_workload(model: Any) -> Workload:
             flops += 2.0 * fan_in * units * _positions(layer, units)
         elif convs and isinstance(layer, convs):
             flops += 2.0 * math.prod(int(d) for d in layer.kernel.shape) * _positions(layer, int(layer.filters))
-    seen: set[int] = set()
-    parameter_bytes = 0
-    for weight in model.trainable_weights:
-        if id(weight) in seen:
-            continue
-        seen.add(id(weight))
-        parameter_bytes += math.prod(int(d) for d in weight.shape) * _dtype_size_bytes(weight.dtype)
     policy = getattr(getattr(model, "dtype_policy", None), "compute_dtype", None) or "float32"
-    return Workload(flops_per_example=flops, parameter_bytes=int(parameter_bytes),
-                    compute_dtype=policy if policy in ("float16", "bfloat16") else "float32")
+    optimizer = getattr(model, "optimizer", None)
+    optimizer_variables = list(getattr(optimizer, "variables", ()) or ()) if getattr(optimizer, "built", False) else []
+    return Workload(
+        flops_per_example=flops,
+        parameter_bytes=_bytes(model.trainable_weights),
+        optimizer_bytes=_bytes(optimizer_variables),
+        activation_bytes_per_example=_activation_bytes_per_example(model, layers),
+        non_trainable_bytes=_bytes(model.non_trainable_weights),
+        compute_dtype=policy if policy in ("float16", "bfloat16") else "float32",
+    )

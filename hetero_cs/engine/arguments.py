@@ -199,3 +199,22 @@ def emulated_makespan_target_s() -> float:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def memory_policy(oom_recovery):
+    """The MemoryRecoveryPolicy for ``oom_recovery`` (True: the defaults; False: None, recovery off).
+
+    Raises:
+        ConfigError: ``oom_recovery`` is neither a bool nor a MemoryRecoveryPolicy.
+    """
+    from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
+
+    if isinstance(oom_recovery, MemoryRecoveryPolicy):
+        return oom_recovery
+    if isinstance(oom_recovery, bool):
+        return None
+    raise ConfigError(
+        f"oom_recovery must be True, False or a MemoryRecoveryPolicy. Received: oom_recovery={oom_recovery!r}. "
+        f"Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2)."
+    )
+

@@ -135,7 +135,9 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
     result = load_result_file(path)
     profiled = [arguments.canonical_device(d) for d in result.devices]
     profiled_as = [p.emulated_as.upper() if p.emulated_as else None for p in result.profiles]
-    wanted_as = [name.upper() for name in emulate] if emulate is not None else [None] * len(devices)
+    # A memory override ("T4@48MB") is not part of what the profile records: the catalog device is.
+    wanted_as = [name.partition("@")[0].strip().upper() for name in emulate] if emulate is not None else [None] * len(
+        devices)
     if profiled != list(devices) or profiled_as != wanted_as:
         def describe(names, emulated):
             return f"{names}" + (f" emulating {emulated}" if any(emulated) else " (not emulated)")
@@ -182,6 +184,31 @@ def first_global_batch(strategy, data):
         return packed.values
 
     return tf.nest.map_structure(whole, element)
+
+
+def write_back_caps(strategy) -> None:
+    """Writes the balancer's memory caps in force into the profile cache entry the calibration came from.
+
+    After an out-of-memory recovery (or a cap's growth) the next run then starts from the caps that held. Does
+    nothing without a cache entry (no cache, a profile file, caps set by hand); a write that fails is one warning.
+    """
+    result, caps = strategy._calibration, strategy._balancer.max_batch_sizes
+    store = _store(strategy)
+    if result is None or result.cache_key is None or store is False or caps is None or 0 in caps:
+        return  # (a cap of 0 - not even one example fits - is not a profile's cap: the device stays calibrated)
+    import dataclasses
+
+    from hetero_cs.errors import ProfileCacheError
+
+    profiles = tuple(dataclasses.replace(p, max_batch_size=c) for p, c in zip(result.profiles, caps))
+    updated = dataclasses.replace(result, profiles=profiles)
+    try:
+        path = store.save(result.cache_key, updated)
+    except ProfileCacheError as exc:
+        logger.warning("hetero_cs: the memory caps %s were not written to the profile cache: %s", caps, exc)
+        return
+    strategy._calibration = updated
+    logger.info("hetero_cs: memory caps %s written to the profile cache %s.", caps, path)
 
 
 def _store(strategy):

@@ -28,7 +28,9 @@ class BalanceCallback(keras.callbacks.Callback):
       ``guard_kept`` (1.0 when its last decision kept the tried plan, 0.0 when it reverted; absent before the
       first decision), ``guard_in_trial`` (1.0 while a plan is being tried) and ``guard_reverts`` (how many
       tried plans were reverted so far). The guard's decisions are also logged at INFO by
-      ``hetero_cs.planning.guard``.
+      ``hetero_cs.planning.guard``. With out-of-memory recovery on: ``oom_recoveries`` (retries after an
+      out-of-memory step so far) and ``replica_<i>_memory_cap`` (the cap in force, in examples, for each capped
+      replica; each cap change is also logged by ``hetero_cs.engine.central_storage``).
 
     Args:
         strategy: The HeteroCentralStorageStrategy the model was built under.
@@ -85,6 +87,13 @@ class BalanceCallback(keras.callbacks.Callback):
             for i, b in enumerate(plan.per_replica_batch_sizes):
                 logs[f"replica_{i}_batch_size"] = float(b)
         balancer = self._strategy.balancer
+        recovery = self._strategy._step_recovery  # noqa: SLF001
+        if recovery is not None:
+            logs["oom_recoveries"] = float(recovery.recoveries)
+            caps = balancer.max_batch_sizes or []
+            for i, cap in enumerate(caps):
+                if cap is not None:
+                    logs[f"replica_{i}_memory_cap"] = float(cap)
         if balancer.guard_enabled:
             decision = balancer.last_guard_decision
             if decision is not None:

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments, tensors, training
+from hetero_cs.engine import _compat, arguments, training
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error, naming_the_replica
+from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error
 from hetero_cs.errors import ConfigError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -79,6 +79,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
+        oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``)
+            gets a lower cap and the same global batch is retried with a plan solved within the caps, a bounded
+            number of times (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
+            ``fit`` as before. A :class:`hetero_cs.planning.memory_caps.MemoryRecoveryPolicy` turns it on with
+            that policy (back-off, retries, growth). Needs ``steps_per_execution=1`` (the default) and R >= 2.
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -102,6 +107,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile_cache: Any = None,
         guard: bool = True,
         profile: Any = None,
+        oom_recovery: "bool | Any" = True,
     ):
         emulator, emulate = arguments.emulation_names(emulate)
         if emulate is not None and compute_devices is None:
@@ -121,6 +127,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
             )
         arguments.validate_profile_cache(profile_cache)
+        memory_policy = arguments.memory_policy(oom_recovery)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
             from hetero_cs.engine.calibrating import load_profile
@@ -172,8 +179,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         )
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
-            on_plan=self._slicer.publish,
+            on_plan=self._slicer.publish, memory_policy=memory_policy,
         )
+        from hetero_cs.engine.oom_recovery import StepRecovery
+
+        self._step_recovery = StepRecovery(self) if oom_recovery is not False and len(devices) > 1 else None
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )
@@ -354,73 +364,16 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
     def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=()):
-        """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
+        """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time
+        (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
+        from hetero_cs.engine.replica_wrapping import wrap_replica_fn
 
-        ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
-        dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
-        """
-        flat = tf.nest.flatten((args, kwargs or {}))
-        batch_ids = {id(v) for v in batch_leaves}
+        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves)
 
-        def is_batched_per_replica(v):
-            return isinstance(v, tf.distribute.DistributedValues) and all(
-                getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in self.experimental_local_results(v)
-            )
+    def _write_back_caps(self) -> None:
+        from hetero_cs.engine.calibrating import write_back_caps
 
-        batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
-        if batch_index is None:
-            batch_index = next((i for i, v in enumerate(flat) if is_batched_per_replica(v)), None)
-        global_batch_size = None
-        step_start = None
-        if batch_index is not None:
-            components = self.experimental_local_results(flat[batch_index])
-            with tf.device(self._parameter_device):
-                global_batch_size = tf.add_n([tensors.leading_dim(c) for c in components])
-                if self._timing_enabled:
-                    from hetero_cs.engine.step_timing import sampled_wall_clock_stamp, wall_clock_stamp
-
-                    # One clock start per step, when the step's input is there: every replica's step time runs
-                    # from it (what a real device's does: input and parameters reach it after the step starts).
-                    anchor = tensors.dense_part(components[0])  # data, so never constant-folded
-                    if self._timing_switch is not None:  # read once here, so every replica of the step agrees
-                        step_start = sampled_wall_clock_stamp(anchor, self._timing_switch.read())
-                    else:
-                        step_start = wall_clock_stamp(anchor)
-        if self._emulator is not None and not self._emulator_ready():
-            raise ConfigError(
-                "Emulated devices need the model's size before the first step. model.fit does this for you; "
-                "before a model.evaluate or model.predict that comes before any fit, and in a custom loop before "
-                "the first strategy.run, call strategy.calibrate(model, dataset) once."
-            )
-        strategy = self
-
-        def replica_fn(*call_args, **call_kwargs):
-            context = tf.distribute.get_replica_context()
-            replica_id = _compat.replica_id_in_sync_group(context)
-            call_flat = tf.nest.flatten((call_args, call_kwargs))
-            if batch_index is not None and batch_index < len(call_flat):
-                batched = call_flat[batch_index]  # this replica's component of the batch leaf
-            else:  # no per-replica batch: the first argument with a batch dimension
-                leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
-                batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
-            batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
-            start, sampled = step_start, step_start is not None and strategy._timing_switch is not None
-            if start is None and strategy._timing_enabled and batched is not None:
-                from hetero_cs.engine.step_timing import wall_clock_stamp
-
-                start = wall_clock_stamp(tensors.dense_part(batched))
-            step = training.ReplicaStep(
-                replica_id=replica_id,
-                device=strategy._compute_devices[replica_id],
-                batch_size=batch_size,
-                global_batch_size=global_batch_size,
-                start_stamp=start,
-                sampled_timing=sampled,
-            )
-            with training.replica_step(step), naming_the_replica(replica_id):
-                return fn(*call_args, **call_kwargs)
-
-        return replica_fn
+        write_back_caps(self)
 
     def _emulator_ready(self) -> bool:
         return getattr(self._emulator, "workload", None) is not None

@@ -63,7 +63,8 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
     One stateless ``tf.numpy_function`` that runs once ``anchor`` is ready. With an emulator it sleeps until
     ``start_stamp + emulator.delay_s(replica_id, b)``, so the replica's wall time from start to end matches the
     emulated device (the real compute counts toward it; if the real compute was longer, nothing is added). Then it
-    calls ``record(replica_id, b, elapsed_s)``.
+    calls ``record(replica_id, b, elapsed_s)``. A slice that does not fit the emulated device's memory fails the
+    step here with ``tf.errors.ResourceExhaustedError`` (see ``Emulator.check_memory``), after the real compute.
 
     Keep the result in the data path: ``grads = tie_to_stamp(grads, end)``. A control dependency alone is not
     enough: Grappler's dependency optimizer turns a stateless op whose outputs feed only control edges into a
@@ -90,6 +91,10 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
     def _end(start: Any, _probe: Any, size: Any) -> Any:
         start_s, examples = float(start), int(size)
         if emulator is not None:
+            # An emulated device whose memory the slice exceeds raises EmulatedOutOfMemoryError (a MemoryError),
+            # which TensorFlow reports as tf.errors.ResourceExhaustedError, as a GPU would.
+            if not advance:
+                emulator.check_memory(replica_id, examples)
             target_s = (emulator.delay_s(replica_id, examples) if advance
                         else emulator.step_time_s(replica_id, examples))
             remaining_s = start_s + target_s - time.perf_counter()
@@ -108,6 +113,38 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
         tf.float64, stateful=False, name=f"end_replica_step_{replica_id}")
     end.set_shape([])
     return end
+
+
+def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_size: Any,
+                         emulator: Emulator) -> Any:
+    """``structure`` (a replica's inputs) made to wait for a check that its slice fits the emulated device.
+
+    A stateless ``tf.numpy_function`` (fed ``anchor``'s data, so it is not constant-folded) calls
+    ``emulator.check_memory(replica_id, b)``; a slice too large raises ``EmulatedOutOfMemoryError`` (a
+    MemoryError), which TensorFlow reports as ``tf.errors.ResourceExhaustedError``, naming the replica. The check's
+    result is tied into every numeric tensor of ``structure`` (:func:`tie_to_stamp`, values unchanged), so nothing
+    of the replica's step is computed before it passed.
+
+    Args:
+        structure: A nest of the replica's inputs.
+        anchor: A tensor of the replica's slice (any shape).
+        replica_id: The replica, in [0, R).
+        batch_size: Examples in the slice (int scalar tensor).
+        emulator: The emulator whose memory model applies.
+
+    Returns:
+        ``structure``, same values, tied to the check.
+    """
+    replica_id = operator.index(replica_id)
+
+    def _check(size: Any, _probe: Any) -> Any:
+        emulator.check_memory(replica_id, int(size))
+        return np.float64(0.0)
+
+    passed = tf.numpy_function(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)], tf.float64,
+                               stateful=False, name=f"emulated_memory_check_{replica_id}")
+    passed.set_shape([])
+    return tie_to_stamp(structure, passed)
 
 
 def tie_to_stamp(structure: Any, stamp: Any) -> Any:

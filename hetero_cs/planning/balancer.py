@@ -12,7 +12,9 @@ split. It owns
   :class:`~hetero_cs.planning.rebalance.Rebalancer` that proposes re-plans from it, and the
   :class:`~hetero_cs.planning.guard.PlanGuard` that keeps a proposed plan only if it measured faster;
 * when per-replica timing is worth its cost (``timing_due``): every step while a decision needs samples, else
-  one step in ``timing_interval_steps``.
+  one step in ``timing_interval_steps``;
+* the memory caps in force, lowered after an out-of-memory step and grown back slowly (``recover_from_oom``,
+  ``record_step_success``; :mod:`hetero_cs.planning.balancer_memory`).
 
 An engine calls ``serve(B)`` for every global batch it cuts (from its input pipeline, ahead of the step),
 ``record_step_time`` from each replica's step, and reads ``plan``; ``on_plan`` tells it when the plan in force
@@ -31,7 +33,9 @@ from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
+from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import (
@@ -45,7 +49,7 @@ from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer:
+class Balancer(MemoryRecovery):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -60,6 +64,8 @@ class Balancer:
         guard_policy: The guard's policy; None for the defaults.
         on_plan: Called with the new plan (under the lock) whenever the plan in force for the reference size
             changes; e.g. to publish it to a graph cache.
+        memory_policy: How memory caps fall after an out-of-memory step and grow back (:meth:`recover_from_oom`);
+            None for the defaults.
 
     Example:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
@@ -82,6 +88,7 @@ class Balancer:
         rebalance_policy: RebalancePolicy | None = None,
         guard_policy: GuardPolicy | None = None,
         on_plan: Callable[[BatchPlan], None] | None = None,
+        memory_policy: MemoryRecoveryPolicy | None = None,
     ):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
@@ -112,6 +119,7 @@ class Balancer:
         self._last_look_step = -(10**9)
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
+        self._memory = MemoryCaps(num_replicas, memory_policy)
 
     # ------------------------------------------------------------------------------------------------------------
     # State
@@ -256,6 +264,7 @@ class Balancer:
                  self._reference_batch_size) = previous
                 raise
             self._rebalancer = rebalancer
+            self._memory.reset(caps)
             self._guard.abandon()
             self._plans_by_batch.clear()
             self._in_force_by_size.clear()
@@ -417,7 +426,7 @@ class Balancer:
         if (
             trial and self.guard_enabled and incumbent is not None
             and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
-            and not _violates_caps(incumbent, self._max_batch_sizes)
+            and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)
         ):
             self._commit(incumbent)
             self._trial_served = 0
@@ -484,17 +493,3 @@ class Balancer:
         self._in_force_by_size.clear()
         self._adopt(new_plan, trial=not forced)
 
-
-def _violates_caps(plan: BatchPlan, caps: Sequence[int | None] | None) -> bool:
-    return caps is not None and any(c is not None and b > c for b, c in zip(plan.per_replica_batch_sizes, caps))
-
-
-def _checked_global_batch_size(global_batch_size: object) -> int:
-    if not _is_int(global_batch_size):
-        raise ConfigError(
-            f"global_batch_size must be an integer >= 1 (examples per step). Received: "
-            f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."
-        )
-    if global_batch_size < 1:
-        raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
-    return int(global_batch_size)

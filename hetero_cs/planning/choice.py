@@ -27,16 +27,20 @@ def choose_plan(
 ) -> BatchPlan:
     """The plan for one global batch of B examples on R replicas.
 
-    Fixed ``shares`` win; without them, no auto-balance or no cost models give the even split; else the
+    Fixed ``shares`` win; without them, no auto-balance or no cost models give the even split (either one, when
+    memory caps forbid it, moved to the closest split within the caps: the examples over a cap go to the replicas
+    with room, in proportion to their shares); else the
     minimum-makespan split (``solve_batch_split``, min_batch_size 1 when B >= R, else 0), unless it is predicted
     less than MIN_PREDICTED_GAIN faster than the even split and the caps allow the even split: such ties are decided
     by calibration noise (e.g. 3/197 on two identical CPUs), so the even split stays (logged at INFO when
     ``log_ties``, at DEBUG otherwise, e.g. for a last partial batch). Predictions are filled when models are given.
     """
-    if shares is not None:
-        return plan_from_split(split_by_shares(global_batch_size, shares), cost_models)
-    if not auto_balance or cost_models is None:
-        return plan_from_split(even_batch_split(global_batch_size, num_replicas), cost_models)
+    if shares is not None or not auto_balance or cost_models is None:
+        split = (split_by_shares(global_batch_size, shares) if shares is not None
+                 else even_batch_split(global_batch_size, num_replicas))
+        if _violates(split, max_batch_sizes):  # memory caps lowered after an out-of-memory step
+            split = _split_within_caps(global_batch_size, shares or [1.0] * num_replicas, max_batch_sizes)
+        return plan_from_split(split, cost_models)
     min_batch_size = 1 if global_batch_size >= num_replicas else 0
     plan = solve_batch_split(
         cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size
@@ -53,3 +57,20 @@ def choose_plan(
         )
         return plan_from_split(even, cost_models, max_batch_sizes=max_batch_sizes)
     return plan
+
+
+def _violates(split: Sequence[int], caps: Sequence[int | None] | None) -> bool:
+    return caps is not None and any(c is not None and b > c for b, c in zip(split, caps))
+
+
+def _split_within_caps(
+    global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]
+) -> tuple[int, ...]:
+    """The split closest to ``shares`` within ``caps``: the minimum-makespan split for step times b_i / share_i
+    (a replica with share 0 gets nothing). Raises InfeasiblePlanError when the caps cannot hold the batch."""
+    from hetero_cs.planning.cost_model import LinearCostModel
+
+    models = [LinearCostModel(0.0, 1.0 / s if s > 0 else 1.0) for s in shares]
+    capped = [0 if s <= 0 else c for s, c in zip(shares, caps)]
+    plan = solve_batch_split(models, global_batch_size, max_batch_sizes=capped, min_batch_size=0)
+    return plan.per_replica_batch_sizes

@@ -253,6 +253,18 @@ class StepTimeMonitor:
         with self._lock:
             return tuple(self._window)
 
+    def abandon_open_steps(self) -> None:
+        """Drops every incomplete step and lines the replicas up again, after a step that failed part-way.
+
+        A replica that failed (e.g. out of memory) never reports that step while others may have: without this,
+        its next report would pair with the others' reports of the failed step. Complete steps are kept.
+        """
+        with self._lock:
+            nxt = max(self._next_step)
+            self._next_step = [nxt] * self._num_replicas
+            self._pending.clear()
+            self._first_open_step = nxt
+
     def reset(self) -> None:
         """Forgets every report, pending step and the window; step pairing restarts at step 0."""
         with self._lock:

@@ -39,7 +39,7 @@ def _no_time_scale_env(monkeypatch):
 
 
 def test_catalog_holds_the_documented_devices_and_is_read_only():
-    assert set(CATALOG) == {"A10", "T4", "P100", "V100", "A100", "H100", "CPU"}
+    assert set(CATALOG) == {"A10", "T4", "P100", "V100", "A100", "H100", "GTX1080Ti", "P40", "K80", "RTX2080Ti", "CPU"}
     with pytest.raises(TypeError):
         CATALOG["X"] = CATALOG["T4"]  # type: ignore[index]
     with pytest.raises(Exception):  # frozen dataclass
@@ -87,8 +87,8 @@ def test_get_device_spec_is_case_insensitive(name):
 
 
 def test_unknown_device_lists_known_names_and_is_a_key_error():
-    with pytest.raises(UnknownEmulatedDeviceError, match=r"name='K80'.*Known devices: A10, T4, P100"):
-        get_device_spec("K80")
+    with pytest.raises(UnknownEmulatedDeviceError, match=r"name='MI50'.*Known devices: A10, T4, P100"):
+        get_device_spec("MI50")
     with pytest.raises(KeyError):
         get_device_spec("")
     with pytest.raises(HeteroCSError):
@@ -190,7 +190,7 @@ def test_drift_applies_on_half_open_range():
 
 def test_emulator_validates_names_and_drift():
     with pytest.raises(UnknownEmulatedDeviceError, match="Known devices"):
-        Emulator(["A10", "K80"])
+        Emulator(["A10", "MI50"])
     with pytest.raises(ConfigError, match="non-empty"):
         Emulator([])
     with pytest.raises(ConfigError, match="non-empty"):

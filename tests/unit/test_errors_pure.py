@@ -314,8 +314,8 @@ EMULATION_CASES = [
     # setup_logical_devices checks its names before it imports TensorFlow.
     ("setup_no_names", lambda: setup_logical_devices([]), ConfigError, ValueError, r"names=\[\].*\['A10', 'T4'\]"),
     ("setup_one_string", lambda: setup_logical_devices("A10"), ConfigError, ValueError, r"names='A10'"),
-    ("setup_unknown_name", lambda: setup_logical_devices(["A10", "K80"]), UnknownEmulatedDeviceError, KeyError,
-     r"name='K80'. Known devices"),
+    ("setup_unknown_name", lambda: setup_logical_devices(["A10", "MI50"]), UnknownEmulatedDeviceError, KeyError,
+     r"name='MI50'. Known devices"),
 ]
 
 

@@ -37,6 +37,7 @@ from hetero_cs.engine._compat.optimizer import _patch_optimizer
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
     _patch_fit,
+    _patch_make_train_function,
     _patch_symbolic_build,
     all_sublayers,
     layer_build_shapes,
@@ -106,6 +107,7 @@ def install() -> None:
         _patch_loss_scale_optimizer()
         _patch_seed_generator()
         _patch_fit()
+        _patch_make_train_function()
         _patch_evaluate_and_predict()
         _patch_symbolic_build()
         _installed = True

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
+from hetero_cs.errors import StepOOMError
 
 def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
@@ -48,8 +49,51 @@ def _patch_fit() -> None:
             if replica_error is None:
                 raise
             raise replica_error from exc
+        except StepOOMError as exc:
+            # Keras' traceback filtering re-raises errors from inside fit "from None"; chain TensorFlow's again.
+            if exc.__cause__ is None and exc.last_error is not None:
+                raise exc from exc.last_error
+            raise
 
     TensorFlowTrainer.fit = fit
+
+
+def _patch_make_train_function() -> None:
+    # Keras' train function reads the next batch inside its tf.function (iterator.get_next()), so a step that
+    # fails cannot run again on the same batch: the iterator has moved on. Under our strategy, with out-of-memory
+    # recovery on and steps_per_execution == 1, the train function is wrapped: the batch is read eagerly from the
+    # distributed iterator, then the step runs through Keras' own path for batches given as a Python iterable
+    # (`function([data])` -> one_step_on_data(data), the same reduce_retracing tf.function), so a retry re-runs the
+    # same traced step on the same batch, re-cut by a new plan, without retracing. Other strategies, other
+    # steps_per_execution and train_on_batch (a generator) take Keras' path unchanged.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original = TensorFlowTrainer.make_train_function
+
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        result = original(self, force=force)
+        strategy = getattr(self, "_distribute_strategy", None)
+        function = self.train_function
+        recovery = getattr(strategy, "_step_recovery", None)
+        if not is_hetero_strategy(strategy) or recovery is None or function is None or getattr(
+                function, "_hetero_recovering", False):
+            return result
+
+        def train_function(iterator):
+            if self.steps_per_execution != 1 or not isinstance(iterator, tf.distribute.DistributedIterator):
+                return function(iterator)
+            try:
+                data = iterator.get_next()  # eager: the batch stays in hand for a retry
+            except tf.errors.OutOfRangeError:
+                raise StopIteration from None
+            return recovery.run(lambda batch: function([batch]), data)
+
+        train_function._hetero_recovering = True
+        self.train_function = train_function
+        return result
+
+    TensorFlowTrainer.make_train_function = make_train_function
 
 
 def _patch_evaluate_and_predict() -> None:

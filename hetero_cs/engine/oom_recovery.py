@@ -1,0 +1,183 @@
+"""Out-of-memory recovery inside a training step: re-plan within lower caps and retry the same global batch.
+
+When one replica's step raises ``tf.errors.ResourceExhaustedError`` (a GPU out of memory, or an emulated device
+whose memory the slice exceeds), nothing of that step has been applied: the optimizer's update waits for every
+replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecovery` then
+
+1. asks the :class:`~hetero_cs.planning.balancer.Balancer` to lower that replica's cap and re-solve the plan
+   within the caps (:meth:`~hetero_cs.planning.balancer.Balancer.recover_from_oom`);
+2. re-cuts the *same* global batch by the new plan - the packed element already holds the whole batch on the
+   host, so only its row lengths change, and the element keeps its type spec: the step's ``tf.function`` is not
+   retraced;
+3. runs the same step again, at most ``MemoryRecoveryPolicy.max_retries`` times, then raises
+   :class:`hetero_cs.errors.StepOOMError` naming the device, the caps tried and what to do.
+
+Every example of the batch is used exactly once: the batch that failed is the batch retried, and the data iterator
+is not advanced. Each cap change is logged (logger ``hetero_cs.engine.central_storage``, WARNING for a drop, INFO
+for growth), counted in the fit logs (:class:`hetero_cs.engine.callbacks.BalanceCallback`) and written back to
+the profile cache entry the calibration came from, so the next run starts from the lower cap.
+
+The pipeline prefetches one batch, which was cut by the plan before the recovery; such a batch is re-cut before its
+step when its slices exceed the new caps, so it does not run out of memory a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from hetero_cs.engine import _compat
+from hetero_cs.engine.step_errors import REPLICA_ID_ATTRIBUTE
+from hetero_cs.errors import InfeasiblePlanError, StepOOMError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
+
+
+def failed_replica(exc: Exception, num_replicas: int) -> int | None:
+    """The replica an out-of-memory error came from, or None when the error names none.
+
+    An eager replica's error is tagged with its replica id (:func:`hetero_cs.engine.step_errors.tag_replica`); an
+    emulated device's error says ``replica=<i>``; a TensorFlow op of replica i >= 1 is named ``replica_<i>/...``
+    (replica 0's ops carry no prefix, so an op error without one is taken as replica 0's).
+    """
+    message = str(exc)
+    tagged = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly (run_eagerly=True)
+    if tagged is not None:
+        return int(tagged) if 0 <= int(tagged) < num_replicas else None
+    match = re.search(r"Emulated out of memory: replica=(\d+)", message)
+    if match is None:
+        node = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
+        if node is None or "Iterator" in node.group(1):
+            return None
+        name = node.group(1)
+        match = re.search(r"(?:^|/)replica_(\d+)/", name) or re.search(r"end_replica_step_(\d+)", name)
+        replica_id = int(match.group(1)) if match else 0
+    else:
+        replica_id = int(match.group(1))
+    return replica_id if 0 <= replica_id < num_replicas else None
+
+
+def _packed_leaves(data: Any) -> list:
+    """The packed components (``[R, (b_i), ...]`` ragged tensors) of one distributed-dataset element."""
+    leaves = []
+    for value in tf.nest.flatten(data, expand_composites=False):
+        parts = _compat.components(value)
+        if parts and len(parts) == 1 and isinstance(parts[0], tf.RaggedTensor):
+            leaves.append(parts[0])
+    return leaves
+
+
+def slice_sizes(data: Any) -> tuple[int, ...] | None:
+    """The per-replica slice sizes an element was cut with (read on the host, no device sync), or None."""
+    leaves = _packed_leaves(data)
+    if not leaves:
+        return None
+    splits = leaves[0].row_splits.numpy()  # already on the host: no op runs
+    return tuple(int(b) for b in splits[1:] - splits[:-1])
+
+
+def recut(data: Any, sizes: Sequence[int]) -> Any:
+    """The same element with every packed component re-cut into slices of ``sizes`` (values shared, no copy).
+
+    The result has the element's type spec (a ``[R, (b_i), ...]`` ragged tensor per component), so a
+    ``tf.function`` traced for the element runs it without retracing.
+    """
+
+    def convert(value):
+        parts = _compat.components(value)
+        if not parts or len(parts) != 1 or not isinstance(parts[0], tf.RaggedTensor):
+            return value
+        packed = parts[0]
+        lengths = tf.constant(list(sizes), dtype=packed.row_splits.dtype)
+        return _compat.per_replica([tf.RaggedTensor.from_row_lengths(packed.values, lengths, validate=False)])
+
+    return tf.nest.map_structure(convert, data)
+
+
+class StepRecovery:
+    """Runs one training step on one global batch, retrying it within lower caps after an out-of-memory error.
+
+    Args:
+        strategy: The HeteroCentralStorageStrategy (its balancer, devices and profile cache).
+    """
+
+    def __init__(self, strategy) -> None:
+        self._strategy = strategy
+        self.recoveries = 0  # retries after an out-of-memory step, since construction
+        self.cap_changes = 0  # cap drops and growths since construction
+        self.max_retries_used = 0  # the most retries one global batch needed
+
+    def run(self, step: Callable[[Any], Any], data: Any) -> Any:
+        """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step.
+
+        Raises:
+            StepOOMError: Still out of memory after ``max_retries`` retries, or the caps cannot hold the batch.
+            tf.errors.ResourceExhaustedError: The error names no replica (e.g. the host ran out of memory).
+        """
+        balancer = self._strategy.balancer
+        sizes = slice_sizes(data)
+        if sizes is None:  # one replica: nothing to move elsewhere
+            return step(data)
+        global_batch_size = sum(sizes)
+        caps = balancer.max_batch_sizes
+        if caps is not None and any(c is not None and b > c for b, c in zip(sizes, caps)):
+            # Cut (prefetched) before the last cap change: re-cut by the plan in force now.
+            sizes = balancer.plan_for(global_batch_size).per_replica_batch_sizes
+            data = recut(data, sizes)
+        policy = balancer.memory_caps.policy
+        tried: dict[int, list[int]] = {}
+        for attempt in range(policy.max_retries + 1):
+            try:
+                outputs = step(data)
+            except tf.errors.ResourceExhaustedError as exc:
+                replica_id = failed_replica(exc, len(sizes))
+                if replica_id is None or sizes[replica_id] == 0:
+                    raise
+                tried.setdefault(replica_id, []).append(sizes[replica_id])
+                if attempt == policy.max_retries:
+                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                                      f"it still ran out of memory after {policy.max_retries} retries") from exc
+                try:
+                    plan, change = balancer.recover_from_oom(replica_id, sizes[replica_id], global_batch_size)
+                except InfeasiblePlanError as infeasible:
+                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                                      f"the caps {balancer.max_batch_sizes} cannot hold the batch: {infeasible}"
+                                      ) from exc
+                self.recoveries += 1
+                self.max_retries_used = max(self.max_retries_used, attempt + 1)
+                self._note(change, retry=list(plan.per_replica_batch_sizes))
+                sizes = plan.per_replica_batch_sizes
+                data = recut(data, sizes)
+                continue
+            for change in balancer.record_step_success(sizes):
+                self._note(change)
+            return outputs
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _note(self, change, retry: list[int] | None = None) -> None:
+        self.cap_changes += 1
+        device = self._strategy.compute_devices[change.replica_id]
+        if retry is not None:
+            logger.warning("hetero_cs: out of memory on %s: %s; retrying the same global batch cut %s.",
+                           device, change.describe(), retry)
+        else:
+            logger.info("hetero_cs: memory cap on %s: %s.", device, change.describe())
+        self._strategy._write_back_caps()  # noqa: SLF001 - the profile cache entry the plan came from
+
+    def _error(self, replica_id: int, caps_tried: list[int], global_batch_size: int, exc: Exception,
+               why: str) -> StepOOMError:
+        device = self._strategy.compute_devices[replica_id]
+        return StepOOMError(
+            f"The training step ran out of memory on replica {replica_id} ({device}) and could not be recovered: "
+            f"{why}. Slices tried on that replica: caps_tried={caps_tried} examples, global_batch_size="
+            f"{global_batch_size}, caps now {self._strategy.balancer.max_batch_sizes}. No update of this step was "
+            f"applied: variables and optimizer state are as they were before it. Free that device's memory (another "
+            f"process may hold it), use a smaller global batch size or model, or leave the device out of "
+            f"compute_devices. The original error is chained below.",
+            replica_id=replica_id, device=device, caps_tried=tuple(caps_tried),
+            global_batch_size=global_batch_size, last_error=exc,
+        )

@@ -1,0 +1,91 @@
+"""The wrapper every replica function runs in: its slice size b_i, the global batch B, its clock, emulated memory.
+
+``HeteroCentralStorageStrategy`` wraps each function given to ``strategy.run`` (Keras' train step included) with
+:func:`wrap_replica_fn`; the wrapped function runs in replica context under
+:func:`hetero_cs.engine.training.replica_step`, which the exact b_i/B weighting and the step timing read.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hetero_cs.engine import _compat, tensors, training
+from hetero_cs.engine.step_errors import naming_the_replica
+from hetero_cs.errors import ConfigError
+
+
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
+    """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
+
+    ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
+    dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
+    """
+    flat = tf.nest.flatten((args, kwargs or {}))
+    batch_ids = {id(v) for v in batch_leaves}
+
+    def is_batched_per_replica(v):
+        return isinstance(v, tf.distribute.DistributedValues) and all(
+            getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in strategy.experimental_local_results(v)
+        )
+
+    batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
+    if batch_index is None:
+        batch_index = next((i for i, v in enumerate(flat) if is_batched_per_replica(v)), None)
+    global_batch_size = None
+    step_start = None
+    if batch_index is not None:
+        components = strategy.experimental_local_results(flat[batch_index])
+        with tf.device(strategy._parameter_device):
+            global_batch_size = tf.add_n([tensors.leading_dim(c) for c in components])
+            if strategy._timing_enabled:
+                from hetero_cs.engine.step_timing import sampled_wall_clock_stamp, wall_clock_stamp
+
+                # One clock start per step, when the step's input is there: every replica's step time runs
+                # from it (what a real device's does: input and parameters reach it after the step starts).
+                anchor = tensors.dense_part(components[0])  # data, so never constant-folded
+                if strategy._timing_switch is not None:  # read once here, so every replica of the step agrees
+                    step_start = sampled_wall_clock_stamp(anchor, strategy._timing_switch.read())
+                else:
+                    step_start = wall_clock_stamp(anchor)
+    if strategy._emulator is not None and not strategy._emulator_ready():
+        raise ConfigError(
+            "Emulated devices need the model's size before the first step. model.fit does this for you; "
+            "before a model.evaluate or model.predict that comes before any fit, and in a custom loop before "
+            "the first strategy.run, call strategy.calibrate(model, dataset) once."
+        )
+
+    def replica_fn(*call_args, **call_kwargs):
+        context = tf.distribute.get_replica_context()
+        replica_id = _compat.replica_id_in_sync_group(context)
+        call_flat = tf.nest.flatten((call_args, call_kwargs))
+        if batch_index is not None and batch_index < len(call_flat):
+            batched = call_flat[batch_index]  # this replica's component of the batch leaf
+        else:  # no per-replica batch: the first argument with a batch dimension
+            leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
+            batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
+        batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
+        start, sampled = step_start, step_start is not None and strategy._timing_switch is not None
+        if start is None and strategy._timing_enabled and batched is not None:
+            from hetero_cs.engine.step_timing import wall_clock_stamp
+
+            start = wall_clock_stamp(tensors.dense_part(batched))
+        step = training.ReplicaStep(
+            replica_id=replica_id,
+            device=strategy._compute_devices[replica_id],
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            start_stamp=start,
+            sampled_timing=sampled,
+        )
+        if strategy._emulator is not None and batched is not None:
+            from hetero_cs.engine.step_timing import emulated_memory_gate
+
+            # An emulated slice too large for its device fails here, before the replica computes anything (no
+            # loss or metric of the failed step is formed), as a GPU fails at its first large allocation.
+            call_args, call_kwargs = emulated_memory_gate(
+                (call_args, call_kwargs), tensors.dense_part(batched), replica_id=replica_id,
+                batch_size=batch_size, emulator=strategy._emulator)
+        with training.replica_step(step), naming_the_replica(replica_id):
+            return fn(*call_args, **call_kwargs)
+
+    return replica_fn
