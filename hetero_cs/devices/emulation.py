@@ -372,6 +372,16 @@ class Emulator:
         with self._lock:
             return self._memory_locked(replica_id, self._steps[replica_id] if step is None else step)
 
+    def lowest_memory_bytes(self, replica_id: int) -> int:
+        """The least device memory the replica ever has: its catalog size (or override), or a drift's lower limit.
+
+        Args:
+            replica_id: In [0, R).
+        """
+        self._check_replica(replica_id)
+        limits = [d.memory_bytes for d in self._drift if d.replica_id == replica_id and d.memory_bytes is not None]
+        return min([self._specs[replica_id].memory_bytes, *limits])
+
     def max_batch_size(self, replica_id: int, *, step: int | None = None) -> int | None:
         """The largest slice that fits the replica's memory at a step (0: none fits; None: unbounded).
 

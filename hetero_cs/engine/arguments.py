@@ -202,7 +202,7 @@ def env_flag(name: str) -> bool:
 
 
 def memory_policy(oom_recovery):
-    """The MemoryRecoveryPolicy for ``oom_recovery`` (True: the defaults; False: None, recovery off).
+    """The MemoryRecoveryPolicy for ``oom_recovery`` (True or None: the defaults; False: None, recovery off).
 
     Raises:
         ConfigError: ``oom_recovery`` is neither a bool nor a MemoryRecoveryPolicy.
@@ -211,10 +211,10 @@ def memory_policy(oom_recovery):
 
     if isinstance(oom_recovery, MemoryRecoveryPolicy):
         return oom_recovery
-    if isinstance(oom_recovery, bool):
+    if oom_recovery is None or isinstance(oom_recovery, bool):
         return None
     raise ConfigError(
-        f"oom_recovery must be True, False or a MemoryRecoveryPolicy. Received: oom_recovery={oom_recovery!r}. "
+        f"oom_recovery must be None (the default), True, False or a MemoryRecoveryPolicy. Received: oom_recovery={oom_recovery!r}. "
         f"Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2)."
     )
 

@@ -84,6 +84,9 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             number of times (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
             ``fit`` as before. A :class:`hetero_cs.planning.memory_caps.MemoryRecoveryPolicy` turns it on with
             that policy (back-off, retries, growth). Needs ``steps_per_execution=1`` (the default) and R >= 2.
+            None (the default): on where a step can run out of memory - GPUs, and emulated devices whose least
+            memory cannot hold the whole global batch - since keeping the batch in hand for a retry costs about
+            1 ms of host time per step; True: on everywhere.
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -107,7 +110,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile_cache: Any = None,
         guard: bool = True,
         profile: Any = None,
-        oom_recovery: "bool | Any" = True,
+        oom_recovery: "bool | Any | None" = None,
     ):
         emulator, emulate = arguments.emulation_names(emulate)
         if emulate is not None and compute_devices is None:
@@ -183,7 +186,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         )
         from hetero_cs.engine.oom_recovery import StepRecovery
 
-        self._step_recovery = StepRecovery(self) if oom_recovery is not False and len(devices) > 1 else None
+        self._step_recovery = (StepRecovery(self, always=oom_recovery is not None)
+                               if oom_recovery is not False and len(devices) > 1 else None)
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )

@@ -105,11 +105,30 @@ class StepRecovery:
         strategy: The HeteroCentralStorageStrategy (its balancer, devices and profile cache).
     """
 
-    def __init__(self, strategy) -> None:
+    def __init__(self, strategy, *, always: bool = False) -> None:
         self._strategy = strategy
+        self._always = bool(always)
+        self._possible_by_size: dict[int | None, bool] = {}
         self.recoveries = 0  # retries after an out-of-memory step, since construction
         self.cap_changes = 0  # cap drops and growths since construction
         self.max_retries_used = 0  # the most retries one global batch needed
+
+    def armed(self) -> bool:
+        """Whether ``fit`` keeps each batch in hand for a retry (reads it before the step, ~1 ms of host time).
+
+        Always with ``oom_recovery=True`` or a policy; by default only where a step can run out of memory: on a GPU,
+        or on an emulated device whose least memory (its size, a ``NAME@SIZE`` override or a ``Drift``'s
+        ``memory_bytes``) cannot hold a slice of the whole global batch. Decided once per global batch size.
+        """
+        if self._always:
+            return True
+        strategy = self._strategy
+        global_batch_size = strategy.balancer.reference_batch_size
+        possible = self._possible_by_size.get(global_batch_size)
+        if possible is None:
+            possible = _out_of_memory_possible(strategy.compute_devices, strategy.emulator, global_batch_size)
+            self._possible_by_size[global_batch_size] = possible
+        return possible
 
     def run(self, step: Callable[[Any], Any], data: Any) -> Any:
         """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step.
@@ -181,3 +200,21 @@ class StepRecovery:
             replica_id=replica_id, device=device, caps_tried=tuple(caps_tried),
             global_batch_size=global_batch_size, last_error=exc,
         )
+
+
+def _out_of_memory_possible(compute_devices: Sequence[str], emulator: Any, global_batch_size: int | None) -> bool:
+    """True on a GPU; on emulated devices, when some replica's least memory cannot hold ``global_batch_size``
+    examples (or the size or the model is not known yet); False on plain CPU devices, whose memory is the host's."""
+    if any("GPU" in device.upper() for device in compute_devices):
+        return True
+    if emulator is None:
+        return False
+    if global_batch_size is None or getattr(emulator, "workload", None) is None:
+        return True
+    from hetero_cs.devices.workload import max_examples_in_memory
+
+    for replica_id in range(len(compute_devices)):
+        fits = max_examples_in_memory(emulator.workload, emulator.lowest_memory_bytes(replica_id))
+        if fits is not None and fits < global_batch_size:
+            return True
+    return False

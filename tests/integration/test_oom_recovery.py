@@ -233,3 +233,32 @@ def test_estimate_workload_counts_the_model_memory():
     assert workload.optimizer_bytes >= 2 * trainable  # Adam's two slots per weight (+ its counters)
     assert workload.activation_bytes_per_example == 4 * (784 + 256 + 256 + 10)  # input, Dense, BN, Dense
     assert workload.flops_per_example == 2 * 784 * 256 + 2 * 256 * 10
+
+
+def test_by_default_the_batch_is_kept_in_hand_only_where_a_step_can_run_out_of_memory():
+    # Keeping the batch for a retry costs host time every step, so the default arms recovery only where an
+    # out-of-memory error is possible.
+    from hetero_cs.engine.oom_recovery import _out_of_memory_possible
+
+    roomy = Emulator(["A10", "T4", "P100"], workload=WORKLOAD, time_scale=20.0)
+    small = Emulator(["A10", f"T4@{memory_for(40)}B", "P100"], workload=WORKLOAD, time_scale=20.0)
+    drops = Emulator(["A10", "T4", "P100"], workload=WORKLOAD, time_scale=20.0,
+                     drift=[Drift(replica_id=2, from_step=50, memory_bytes=memory_for(10))])
+    assert not _out_of_memory_possible(DEVICES, None, B)  # plain CPU devices: the host's memory
+    assert _out_of_memory_possible(["/device:GPU:0", "/device:GPU:1"], None, B)
+    assert not _out_of_memory_possible(DEVICES, roomy, B)  # 16-24 GB hold the whole batch
+    assert _out_of_memory_possible(DEVICES, small, B) and not _out_of_memory_possible(DEVICES, small, 40)
+    assert _out_of_memory_possible(DEVICES, drops, B)  # the drift's limit counts before it starts
+    assert _out_of_memory_possible(DEVICES, roomy, None)  # size not known yet: armed
+
+
+@pytest.mark.parametrize("oom_recovery, armed", [(None, False), (True, True)])
+def test_plain_cpu_devices_read_the_batch_in_the_graph_unless_recovery_is_asked_for(oom_recovery, armed):
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[2, 1, 1], profile_cache=False,
+                                            oom_recovery=oom_recovery)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    model.fit(x[: 2 * B], y[: 2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert strategy._step_recovery.armed() is armed  # noqa: SLF001

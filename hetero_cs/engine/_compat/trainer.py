@@ -81,7 +81,8 @@ def _patch_make_train_function() -> None:
             return result
 
         def train_function(iterator):
-            if self.steps_per_execution != 1 or not isinstance(iterator, tf.distribute.DistributedIterator):
+            if (self.steps_per_execution != 1 or not isinstance(iterator, tf.distribute.DistributedIterator)
+                    or not recovery.armed()):
                 return function(iterator)
             try:
                 data = iterator.get_next()  # eager: the batch stays in hand for a retry
