@@ -98,8 +98,7 @@ def model_fingerprint(model: Any) -> str:
 
 
 def dtype_policy_name(model: Any) -> str:
-    """The model's Keras dtype policy name, e.g. "float32", "mixed_float16" or "mixed_bfloat16" (part of the profile
-    cache key: the same model computes at another speed in another precision)."""
+    """The model's Keras dtype policy name, e.g. "mixed_float16" (in the profile cache key: another speed)."""
     policy = getattr(model, "dtype_policy", None)
     return str(getattr(policy, "name", None) or policy or "float32")
 
@@ -427,8 +426,7 @@ class DeviceProbe:
 
     @property
     def tracks_memory(self) -> bool:
-        """True when the device reports peak memory (GPUs, and emulated devices through their memory model;
-        TensorFlow raises ValueError for CPU devices)."""
+        """True when the device reports peak memory: GPUs, and emulated devices (their memory model)."""
         return _device_kind(self.device) == "GPU" or self.emulator is not None
 
     def reset_peak_memory(self) -> None:
