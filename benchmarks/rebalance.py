@@ -12,7 +12,10 @@ first step s from which, until the next change, the median of the --settle-steps
 each step (wall clock, host work included) stays within --tolerance (10 %) of that optimum; steps_to_recover is s
 minus the step of the change. The JSON's steps_to_recover is the worse of the two changes (a change that never
 recovers counts as the whole phase).
-Goal: <= 50 steps. The plan changes the library makes are printed as they happen.
+Beside it, ``steps_to_recover_by_split`` applies the same rule to the TRUE makespan of the split each step ran with
+(the emulator's profiles at that step, no measurement): what the re-balancer controls, free of the host's own load,
+which on a shared machine can push a few wall-clock steps past the tolerance and reset the wall-clock count.
+Goal: <= 50 steps (DESIGN.md); the trust issue asks for <= 10. The plan changes the library makes are printed as they happen.
 
     python benchmarks/rebalance.py [--steps 400] [--slow-at 100] [--recover-at 300] [--json F] [--quick]
 """
@@ -199,6 +202,11 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         spans = [m if m is not None else float("inf") for m in makespans_s]
         by_makespan = recovery(spans, optimum_s, start=change_step, end=end, tolerance=args.tolerance,
                                settle_steps=args.settle_steps)
+        truth = _common.true_profiles(emulator, step=change_step)
+        split_truth = [max(m.predict_step_time_s(b) for m, b in zip(truth, split)) if split else float("inf")
+                       for split in splits_used]
+        by_split = recovery(split_truth, optimum_s, start=change_step, end=end, tolerance=args.tolerance,
+                            settle_steps=args.settle_steps)
         first_plan = next((c["after_step"] for c in plan_changes if c["after_step"] >= change_step), None)
         before = splits_used[change_step - 1] if change_step > 0 else None
         first_used = next((s for s in range(change_step, end) if splits_used[s] not in (None, before)), None)
@@ -210,6 +218,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             "step": change_step, "kind": "slow-down" if index == 0 else "recovery", "optimum_s": optimum_s,
             "steps_to_recover": steps,
             "steps_to_recover_by_replica_makespan": None if by_makespan is None else by_makespan - change_step,
+            "steps_to_recover_by_split": None if by_split is None else by_split - change_step,
             "steps_to_first_plan_change": None if first_plan is None else first_plan - change_step,
             "steps_to_new_split_in_use": None if first_used is None else first_used - change_step,
             "settled_median_step_s": statistics.median(settled) if settled else None,
@@ -219,16 +228,20 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             f"{entry['steps_to_first_plan_change']} steps, new split in use after "
             f"{entry['steps_to_new_split_in_use']} steps; within {args.tolerance * 100:.0f} % after "
             f"{steps if steps is not None else 'NEVER'} steps (wall clock) / "
-            f"{entry['steps_to_recover_by_replica_makespan']} steps (replicas' makespan); settled median "
+            f"{entry['steps_to_recover_by_replica_makespan']} steps (replicas' makespan) / "
+            f"{entry['steps_to_recover_by_split']} steps (true makespan of the split in use); settled median "
             f"{ms(entry['settled_median_step_s'])}")
     results["steps_to_recover"] = worst
     results["all_recovered"] = all_recovered
     results["slowdown_steps_to_recover"] = results["changes"][0]["steps_to_recover"]
     results["recovery_steps_to_recover"] = results["changes"][1]["steps_to_recover"]
+    by_split = [c["steps_to_recover_by_split"] for c in results["changes"]]
+    results["steps_to_recover_by_split"] = None if None in by_split else max(by_split)
     results["goal"] = STEPS_GOAL
     results["goal_met"] = bool(all_recovered and worst <= STEPS_GOAL)
     log(f"   steps_to_recover = {worst}{'' if all_recovered else ' (a change never recovered)'} "
-        f"(goal <= {STEPS_GOAL}); {len(plan_changes)} plan change(s)")
+        f"(goal <= {STEPS_GOAL}); by the true makespan of the split in use: {results['steps_to_recover_by_split']}; "
+        f"{len(plan_changes)} plan change(s)")
     if args.json is not None:
         _common.write_json(args.json, results)
         log(f"   JSON: {args.json}")
