@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +51,10 @@ def load_model_function(spec: str) -> Callable[[], Any]:
         ConfigError: If the module cannot be imported, has no such attribute, or it is not callable.
     """
     module_name, _, attribute = spec.partition(":")
+    # The console script (hetero-cs) does not put the working directory on the import path, as `python -m` does:
+    # add it, so `hetero-cs calibrate --model mypackage.models:build` finds the package in the folder it runs from.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:

@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.global_batch_size < 1 or args.timing_steps < 1:
         parser.error("--epochs, --global-batch-size and --timing-steps must be >= 1")
+    if args.data and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data!r}: no such file (an .npz with arrays x (N, 8, 8) and y (N,))")
     return args
 
 

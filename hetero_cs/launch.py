@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,10 +102,15 @@ class Launch:
                  grace_s: float = DEFAULT_GRACE_S, output: TextIO | None = None):
         if not command:
             raise ConfigError("hetero-cs launch needs a command after `--`, e.g. -- python train.py.")
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ConfigError(f"--workers must be an int >= 1. Received: {num_workers!r}.")
-        if not grace_s > 0:
-            raise ConfigError(f"grace_s must be > 0 seconds. Received: grace_s={grace_s!r}.")
+        if not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers must be an int in [1, {MAX_WORKERS}] (processes on this machine). "
+                              f"Received: {num_workers!r}.")
+        if not (isinstance(grace_s, (int, float)) and 0 < grace_s <= MAX_GRACE_S):
+            raise ConfigError(f"grace_s must be a number of seconds in (0, {MAX_GRACE_S:g}]. Received: "
+                              f"grace_s={grace_s!r}.")
+        if not command[0] or shutil.which(command[0]) is None:
+            raise ConfigError(f"hetero-cs launch: cannot run {command[0]!r}: no such executable file (on PATH or as "
+                              f"a path). Received the command {list(command)!r}.")
         if emulate is not None and len(emulate) != num_workers:
             raise ConfigError(f"emulate names one device per worker: {len(emulate)} names for {num_workers} workers.")
         self._command = list(command)
@@ -127,11 +133,17 @@ class Launch:
 
     def _pump(self, index: int, stream) -> None:
         prefix = f"[worker {index}] "
-        for raw in iter(stream.readline, b""):
+        writable = True
+        for raw in iter(stream.readline, b""):  # drained to the end, so a worker never blocks on a full pipe
+            if not writable:
+                continue
             line = raw.decode(errors="replace").rstrip("\n")
             with self._print_lock:
-                self._output.write(prefix + line + "\n")
-                self._output.flush()
+                try:
+                    self._output.write(prefix + line + "\n")
+                    self._output.flush()
+                except (BrokenPipeError, ValueError, OSError):  # our own output was closed (e.g. `| head`)
+                    writable = False
         stream.close()
 
     def run(self) -> int:
@@ -140,7 +152,7 @@ class Launch:
         pumps = []
         previous = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 previous[sig] = signal.signal(sig, self._on_signal)
         status = 0
         try:
@@ -148,8 +160,12 @@ class Launch:
                 process = subprocess.Popen(
                     self._command, env=self._environment(ports, index), stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
                 self._processes.append(process)
+            # Pumps start once every worker is started: preexec_fn runs between fork and exec, which is safe only
+            # while this process has no other threads.
+            for index, process in enumerate(self._processes):
                 pump = threading.Thread(target=self._pump, args=(index, process.stdout), daemon=True)
                 pump.start()
                 pumps.append(pump)
@@ -162,6 +178,8 @@ class Launch:
                 signal.signal(sig, handler)
             for pump in pumps:
                 pump.join(timeout=self._grace_s)
+            for process in self._processes:  # children a worker left behind, even after a clean exit
+                _signal_group(process, signal.SIGKILL)
         return status
 
     def _on_signal(self, signum, _frame) -> None:
@@ -208,11 +226,30 @@ class Launch:
             process.wait()
 
 
+def _die_with_parent() -> None:
+    """In the worker, before exec: SIGKILL it when the launcher dies, even by SIGKILL (Linux prctl
+    PR_SET_PDEATHSIG); elsewhere nothing (the launcher's own signal handlers still stop the workers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)  # start_new_session=True: the worker leads its own group
     except (ProcessLookupError, PermissionError):
         pass
+
+
+MAX_WORKERS = 256
+"""Most worker processes one launch starts on this machine (each is a TensorFlow process)."""
+
+MAX_GRACE_S = 3600.0
+"""Longest wait from SIGTERM to SIGKILL, seconds."""
 
 
 def _exit_status(code: int) -> int:

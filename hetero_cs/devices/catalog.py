@@ -273,7 +273,7 @@ _MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 })
-_MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
+_MEMORY_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE | re.ASCII)
 
 
 def parse_memory_bytes(text: str) -> int:
@@ -319,10 +319,10 @@ def get_device_spec(name: str) -> DeviceSpec:
         (8.1, 48000000)
     """
     if isinstance(name, str):
-        key_text, _, memory_text = name.partition(MEMORY_OVERRIDE_SEPARATOR)
+        key_text, separator, memory_text = name.partition(MEMORY_OVERRIDE_SEPARATOR)
         for key, spec in CATALOG.items():
             if key.lower() == key_text.strip().lower():
-                if memory_text:
+                if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
                     return dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text))
                 return spec
     raise UnknownEmulatedDeviceError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 
 import keras
@@ -72,7 +73,8 @@ class BalanceCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         plan = self._strategy.plan
         if epoch == 0 and self._samples and plan is not None and plan.predicted_makespan_s:
-            full = [s for s in self._samples if sum(s.per_replica_batch_sizes) == plan.global_batch_size]
+            # Steps cut by this plan only (during a guard trial the candidate's steps are not this plan's).
+            full = [s for s in self._samples if s.per_replica_batch_sizes == tuple(plan.per_replica_batch_sizes)]
             if full:
                 logger.info(
                     "hetero_cs: plan %s predicted a makespan of %.1f ms; measured %.1f ms (median of %d steps).",
@@ -91,16 +93,20 @@ class BalanceCallback(keras.callbacks.Callback):
         if recovery is not None:
             logs["oom_recoveries"] = float(recovery.recoveries)
             caps = balancer.max_batch_sizes or []
-            for i, cap in enumerate(caps):
-                if cap is not None:
-                    logs[f"replica_{i}_memory_cap"] = float(cap)
+            # Every epoch carries every key (NaN: no cap), so History's lists stay aligned with the epochs.
+            for i in range(self._strategy.num_replicas_in_sync):
+                cap = caps[i] if i < len(caps) else None
+                logs[f"replica_{i}_memory_cap"] = math.nan if cap is None else float(cap)
         if balancer.guard_enabled:
-            decision = balancer.last_guard_decision
-            if decision is not None:
-                logs["guard_kept"] = 1.0 if decision.kept else 0.0
+            decision = balancer.last_guard_decision  # NaN until the first decision (the key is in every epoch)
+            logs["guard_kept"] = math.nan if decision is None else (1.0 if decision.kept else 0.0)
             logs["guard_in_trial"] = 1.0 if balancer.guard.in_trial else 0.0
             logs["guard_reverts"] = float(balancer.guard.num_reverts)
         if not self._samples:
+            if self._strategy._timing_enabled:  # noqa: SLF001 - no step timed this epoch: NaN keeps History aligned
+                logs["makespan_ms"] = logs["straggler_wait_ms"] = math.nan
+                for i in range(self._strategy.num_replicas_in_sync):
+                    logs[f"replica_{i}_step_ms"] = math.nan
             return
         logs["makespan_ms"] = statistics.median(s.makespan_s for s in self._samples) * 1e3
         logs["straggler_wait_ms"] = statistics.median(s.straggler_wait_s for s in self._samples) * 1e3

@@ -111,9 +111,15 @@ class ClusterPlanner:
         R = self._balancer.num_replicas
         models = []
         for i in range(R):
-            sizes = [probe[i] for probe, _ in self._points]
-            times = [step_times[i] for _, step_times in self._points]
-            models.append(fit_cost_model(sizes, times).cost_model)
+            # A replica's probes with 0 examples (a global batch below 2R) say nothing about its speed.
+            points = [(probe[i], step_times[i]) for probe, step_times in self._points if probe[i] > 0]
+            if not points:
+                self._calibrating = False
+                logger.warning(
+                    "hetero_cs multi-worker calibration: replica %d got no example in any probe step (global batch "
+                    "%s for %d replicas); keeping the even split.", i, self._reference, R)
+                return
+            models.append(fit_cost_model([b for b, _ in points], [t for _, t in points]).cost_model)
         self._calibrating = False
         self.calibration_points = [tuple(p) for p, _ in self._points]
         logger.info(

@@ -96,6 +96,11 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             )
         if emulate is None and os.environ.get(EMULATE_ENV_VAR, "").strip():
             emulate = [name.strip() for name in os.environ[EMULATE_ENV_VAR].split(",")]
+        if emulate is not None and not isinstance(emulate, (list, tuple)):
+            raise ConfigError(
+                f"HeteroMultiWorkerMirroredStrategy(emulate=...) takes catalog device names (a list of str, one per "
+                f"replica of the cluster), not {type(emulate).__name__}: drift and other Emulator settings are not "
+                f"carried to the other workers. Received: emulate={emulate!r}.")
         _, emulate = arguments.emulation_names(emulate)
         # MultiWorkerMirroredStrategy must be built before TensorFlow initialises (it configures collective ops):
         # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.

@@ -1,7 +1,6 @@
 """The plan lifecycle: cost models -> plan -> measured steps -> re-plan -> guarded switch (pure).
 
-``Balancer`` is the one object every engine (central storage today, several machines next) talks to about the
-split. It owns
+``Balancer`` is the one object every engine (central storage, several machines) talks to about the split. It owns
 
 * how the split is chosen: fixed shares, the even split, or auto-balance (solve the minimum-makespan split from
   per-replica cost models, keep the even split when the solved one is predicted less than ``min_predicted_gain``
@@ -29,22 +28,17 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from hetero_cs.errors import ConfigError
+from hetero_cs.errors import BatchSplitError, ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
-from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
+from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split, ordered_values, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
-from hetero_cs.planning.sampling import (
-    LOOK_COST_S,
-    MAX_LOOK_INTERVAL_STEPS,
-    MAX_TIMING_INTERVAL_STEPS,
-    TIMING_COST_S,
-    interval_steps,
-)
+from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
+from hetero_cs.planning.sampling import interval_steps
 from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
@@ -78,16 +72,9 @@ class Balancer(MemoryRecovery):
     """
 
     def __init__(
-        self,
-        num_replicas: int,
-        *,
-        auto_balance: bool = True,
-        rebalance: bool = True,
-        shares: Sequence[float] | None = None,
-        guard: bool = True,
-        rebalance_policy: RebalancePolicy | None = None,
-        guard_policy: GuardPolicy | None = None,
-        on_plan: Callable[[BatchPlan], None] | None = None,
+        self, num_replicas: int, *, auto_balance: bool = True, rebalance: bool = True,
+        shares: Sequence[float] | None = None, guard: bool = True, rebalance_policy: RebalancePolicy | None = None,
+        guard_policy: GuardPolicy | None = None, on_plan: Callable[[BatchPlan], None] | None = None,
         memory_policy: MemoryRecoveryPolicy | None = None,
     ):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
@@ -116,6 +103,7 @@ class Balancer(MemoryRecovery):
         self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
+        self._models_before_replan: list[CostModel] | None = None  # restored when the guard reverts a re-plan
         self._last_look_step = -(10**9)
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
@@ -205,12 +193,8 @@ class Balancer(MemoryRecovery):
     # Changing the models or the split
     # ------------------------------------------------------------------------------------------------------------
     def set_cost_models(
-        self,
-        cost_models: Sequence[CostModel],
-        *,
-        max_batch_sizes: Sequence[int | None] | None = None,
-        trial: bool = False,
-        reference_batch_size: int | None = None,
+        self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
+        trial: bool = False, reference_batch_size: int | None = None,
     ) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
 
@@ -226,6 +210,9 @@ class Balancer(MemoryRecovery):
             InvalidCostModelError: A model predicts NaN, a negative time or a decreasing curve.
             InfeasiblePlanError: The caps cannot hold the reference global batch.
         """
+        if cost_models is None or isinstance(cost_models, (str, bytes)) or not hasattr(cost_models, "__len__"):
+            raise ConfigError(f"cost_models must be a sequence of one cost model per replica. Received: "
+                              f"cost_models={cost_models!r}.")
         models = list(cost_models)
         R = self._num_replicas
         if len(models) != R:
@@ -266,6 +253,7 @@ class Balancer(MemoryRecovery):
             self._rebalancer = rebalancer
             self._memory.reset(caps)
             self._guard.abandon()
+            self._models_before_replan = None
             self._plans_by_batch.clear()
             self._in_force_by_size.clear()
             if plan is None:  # solved (and tried) when the first global batch arrives
@@ -275,12 +263,18 @@ class Balancer(MemoryRecovery):
             self._adopt(plan, trial=trial)
 
     def set_batch_split(self, shares: Sequence[float] | None) -> None:
-        """Fixes the relative shares (validated by the caller) from now on; None returns to auto-balance / even.
+        """Fixes the relative shares (one per replica) from now on; None returns to auto-balance / even.
 
         Returning to auto-balance restores the plan that was in force before the shares were set (a plan the guard
         kept or reverted to stays as it was) when the global batch is the same; otherwise the split is solved anew.
         A failure (e.g. shares the split cannot use) leaves everything as it was.
         """
+        if shares is not None:
+            split_by_shares(0, shares)  # BatchSplitError for values that are not shares
+            shares = list(ordered_values(shares))
+            if len(shares) != self._num_replicas:
+                raise BatchSplitError(f"shares must hold one share per replica ({self._num_replicas}). Received: "
+                                      f"{len(shares)} shares {shares!r}.")
         with self._lock:
             if shares is None and self._shares is None:
                 return  # already auto-balanced (or even): nothing changes, a running trial goes on
@@ -306,6 +300,7 @@ class Balancer(MemoryRecovery):
                 self._shares = old
         self._shares = new_shares
         self._guard.abandon()
+        self._models_before_replan = None
         self._plans_by_batch.clear()
         self._in_force_by_size.clear()
         if B is None:
@@ -379,6 +374,7 @@ class Balancer(MemoryRecovery):
                     )
                     candidate = self._guard.candidate
                     self._guard.abandon()
+                    self._models_before_replan = None
                     self._commit(candidate)
                     return candidate
                 return self._guard.plan_to_serve()
@@ -469,10 +465,16 @@ class Balancer(MemoryRecovery):
                 self._observed_step = sample.step
                 decision = self._guard.observe(sample.per_replica_batch_sizes, sample.makespan_s, step=completed)
                 if decision is not None:
+                    restored, self._models_before_replan = self._models_before_replan, None
                     if decision.kept:
                         kept = plan_from_split(decision.candidate_per_replica_batch_sizes, self._cost_models,
                                                max_batch_sizes=self._max_batch_sizes)
                         self._commit(kept)
+                    elif restored is not None:  # refuted models: back to those the plan in force was made with
+                        self._cost_models = restored
+                        self._plans_by_batch.clear()
+                        self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
+                                                     max_batch_sizes=self._max_batch_sizes))
                     break
             return
         if not self.rebalance_enabled or self._plan is None or self._cost_models is None:
@@ -487,8 +489,9 @@ class Balancer(MemoryRecovery):
         )
         if new_plan is None:
             return
-        self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
+        self._models_before_replan = None if forced else self._cost_models
+        self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
         self._plans_by_batch.clear()
         self._in_force_by_size.clear()
         self._adopt(new_plan, trial=not forced)

@@ -73,6 +73,7 @@ class MemoryRecovery:
         self._max_batch_sizes = caps
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
         self._guard.abandon()
+        self._models_before_replan = None
         self._plans_by_batch.clear()
         self._in_force_by_size.clear()
 

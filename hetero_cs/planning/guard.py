@@ -257,9 +257,9 @@ class PlanGuard:
         self._pending_candidate_s = None
         self._ratios = []
         logger.info(
-            "guard: trying %s against %s from step %d (pattern %s, %d-%d pairs)",
-            list(candidate.per_replica_batch_sizes), list(incumbent.per_replica_batch_sizes), step,
-            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs,
+            "guard: trying %s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
+            "significant)", list(candidate.per_replica_batch_sizes), list(incumbent.per_replica_batch_sizes), step,
+            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs,
         )
 
     def plan_to_serve(self) -> BatchPlan | None:

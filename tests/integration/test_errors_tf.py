@@ -526,3 +526,12 @@ def test_gradient_accumulation_is_refused_with_the_alternative():
         model.fit(X, Y, batch_size=4, epochs=1, verbose=0)
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(old, new)
+
+
+def test_the_multi_worker_strategy_refuses_an_emulator_object_whose_drift_it_would_drop():
+    from hetero_cs import HeteroMultiWorkerMirroredStrategy
+    from hetero_cs.emulation import Drift, Emulator
+
+    emulator = Emulator(["T4"], drift=[Drift(replica_id=0, factor=50.0)])
+    with pytest.raises(ConfigError, match="takes catalog device names .* not Emulator"):
+        HeteroMultiWorkerMirroredStrategy(emulate=emulator)

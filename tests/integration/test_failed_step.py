@@ -144,3 +144,21 @@ def test_a_replica_failing_in_its_backward_pass_applies_no_update(trial):
         after = [v.numpy() for v in [*model.trainable_variables, *model.optimizer.variables]]
         for a, b in zip(before, after):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_nan_batch_does_not_poison_the_logged_loss_of_later_runs():
+    # Keras resets its metrics (assign 0) outside any strategy scope; that must be a plain assign, not a delta
+    # (NaN + (0 - NaN) stays NaN, and every later fit and evaluate logged loss NaN).
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], batch_split=[1, 1], profile_cache=False)
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 8)).astype(np.float32)
+    y = (x.sum(1) > 4).astype(np.int32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = model.evaluate(x, y, batch_size=32, verbose=0)
+    x_bad = x.copy()
+    x_bad[3] = np.inf
+    assert np.isnan(model.evaluate(x_bad, y, batch_size=32, verbose=0))
+    assert model.evaluate(x, y, batch_size=32, verbose=0) == pytest.approx(before, rel=1e-6)
+    assert np.isfinite(model.fit(x, y, batch_size=32, verbose=0).history["loss"][-1])

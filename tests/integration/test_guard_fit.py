@@ -63,11 +63,13 @@ def test_guard_reverts_a_plan_that_measures_slower_in_fit(caplog):
     assert strategy.balancer.guard.in_trial and strategy.plan.per_replica_batch_sizes == (32, 32, 32)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
     with caplog.at_level("INFO", logger="hetero_cs"):
-        history = model.fit(dataset, epochs=2, steps_per_epoch=12, verbose=0)
+        history = model.fit(dataset, epochs=8, steps_per_epoch=3, verbose=0)  # no decision in the first epoch
     decision = strategy.balancer.last_guard_decision
     assert decision is not None and decision.outcome == "reverted"
     assert strategy.plan.per_replica_batch_sizes == (32, 32, 32)
     assert history.history["guard_kept"][-1] == 0.0 and history.history["guard_reverts"][-1] == 1.0
+    # Every key is logged every epoch (NaN before the first decision), so History's lists line up with the epochs.
+    assert {key: len(values) for key, values in history.history.items()} == {key: 8 for key in history.history}
     assert [history.history[f"replica_{i}_batch_size"][-1] for i in range(3)] == [32.0, 32.0, 32.0]
     assert any("guard: reverted" in r.getMessage() for r in caplog.records)
 

@@ -337,3 +337,15 @@ def test_a_failed_replica_step_under_loss_scaling_changes_nothing():
             model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
     for variable, value in zip(state, before):
         np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)  # scale and counters included
+
+
+def test_loss_scaling_is_refused_under_the_multi_worker_strategy_instead_of_hanging():
+    # An overflow in one worker's slice made that worker skip the gradient all-reduce the others waited in.
+    from hetero_cs.engine._compat.multi_worker import _refuse_loss_scaling
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+    with pytest.raises(ConfigError, match="Loss scaling .* is not supported under HeteroMultiWorkerMirroredStrategy"):
+        _refuse_loss_scaling(model)
+    model.compile(optimizer="sgd", loss="mse")
+    _refuse_loss_scaling(model)  # no loss scaling: nothing to refuse

@@ -199,3 +199,45 @@ def test_bad_reference_batch_size_and_bad_shares_leave_the_balancer_as_it_was():
     with pytest.raises(Exception):
         balancer.set_batch_split([1, -1])
     assert balancer.shares is None and balancer.serve(100).per_replica_batch_sizes == (75, 25)
+
+
+class _Jump:
+    """t(b) = c * b, plus `extra_s` once b exceeds `above` (a device that falls off a cliff past a size)."""
+
+    def __init__(self, seconds_per_example, above=None, extra_s=0.0):
+        self.c, self.above, self.extra_s = seconds_per_example, above, extra_s
+
+    def predict_step_time_s(self, batch_size):
+        return self.c * batch_size + (self.extra_s if self.above is not None and batch_size > self.above else 0.0)
+
+
+def test_a_reverted_replan_restores_the_models_the_plan_in_force_was_made_with():
+    # Replica 0 measures 1.5x slower than calibrated, so the re-planner moves work to replica 1 - which in truth is
+    # much slower past 50 examples: the guard reverts, and the models that predicted the re-plan are dropped.
+    calibrated = [LinearCostModel(0.0, 1e-3), LinearCostModel(0.0, 1e-3)]
+    truth = [_Jump(1.5e-3), _Jump(1e-3, above=50, extra_s=0.1)]
+    balancer = Balancer(2, auto_balance=True, rebalance=True)
+    balancer.set_cost_models(calibrated, trial=False, reference_batch_size=100)
+    simulate_balancer(balancer, lambda step: truth, 100, steps=60, prefetch=1)
+    assert balancer.rebalancer.switches  # it did re-plan
+    decision = balancer.last_guard_decision
+    assert decision is not None and decision.outcome == "reverted"
+    assert balancer.plan.per_replica_batch_sizes == (50, 50)
+    assert balancer.cost_models is calibrated or list(balancer.cost_models) == calibrated
+    assert balancer.plan.predicted_makespan_s == pytest.approx(0.050)  # under the calibrated models, not 0.075
+
+
+@pytest.mark.parametrize("shares", [[1], [1, 1, 1, 1], "ab", [1, "x", 1]])
+def test_set_batch_split_refuses_shares_that_are_not_one_number_per_replica(shares):
+    from hetero_cs.errors import BatchSplitError
+
+    balancer = balanced()
+    before = balancer.plan
+    with pytest.raises(BatchSplitError):
+        balancer.set_batch_split(shares)
+    assert balancer.plan is before and balancer.shares is None
+
+
+def test_set_cost_models_refuses_something_that_is_not_a_sequence_of_models():
+    with pytest.raises(ConfigError, match="one cost model per replica"):
+        Balancer(2).set_cost_models(None)

@@ -79,3 +79,17 @@ def test_probe_factors_cover_below_and_above_the_even_share():
     assert min(PROBE_FACTORS) < 1.0 < max(PROBE_FACTORS)
     with pytest.raises(ValueError, match="probe_steps"):
         ClusterPlanner(Balancer(2), calibrate=True, probe_steps=2)
+
+
+@pytest.mark.parametrize("B", [1, 2, 3, 5])
+def test_a_global_batch_too_small_to_probe_every_replica_keeps_the_even_split(B):
+    # Regression: B=1 on 6 replicas gave probe steps with 0-example slices, and the fit raised ConfigError in the
+    # chief's input pipeline (which ended every worker).
+    R = 6 if B < 5 else 3
+    balancer = Balancer(R, guard=False)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    for _ in range(WARMUP_STEPS + 6 + 2):
+        sizes, index = planner.sizes(B)
+        assert sum(sizes) == B
+        planner.report(index, _emulated_times(sizes, seconds_per_example=(1e-4,) * R))
+    assert not planner.calibrating

@@ -58,6 +58,9 @@ def test_a_name_may_override_the_catalog_memory():
     assert Emulator(["A10", "T4@48MB", "P100"]).specs[1].memory_bytes == 48_000_000
     with pytest.raises(ConfigError, match="memory size"):
         get_device_spec("T4@lots")
+    for text in ("T4@", "T4@ ", "T4@\u0661\u0662MB"):  # no size; digits that are not ASCII
+        with pytest.raises(ConfigError, match="memory size"):
+            get_device_spec(text)
 
 
 def test_what_a_slice_needs():

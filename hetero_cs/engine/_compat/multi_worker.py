@@ -176,6 +176,8 @@ def _patch_entry_points() -> None:
             strategy = getattr(self, "_distribute_strategy", None)
             if not is_multi_worker_strategy(strategy):
                 return original(self, *args, **kwargs)
+            if original.__name__ == "fit":
+                _refuse_loss_scaling(self)
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
@@ -193,6 +195,24 @@ def _patch_entry_points() -> None:
     TensorFlowTrainer.fit = with_model(TensorFlowTrainer.fit)
     TensorFlowTrainer.evaluate = with_model(TensorFlowTrainer.evaluate)
     TensorFlowTrainer.predict = with_model(TensorFlowTrainer.predict)
+
+
+def _refuse_loss_scaling(model) -> None:
+    # Keras' LossScaleOptimizer judges finiteness on each replica's own gradients and runs the update - the
+    # gradient all-reduce included - inside a tf.cond on it: one worker whose slice overflows skips the collective
+    # the others enter, and every worker waits forever (measured with 2 workers). Loss scaling is done right on the
+    # central-storage strategy only (hetero_cs.engine._compat.loss_scale), so refuse it here instead of hanging.
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    from hetero_cs.errors import ConfigError
+
+    if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer):
+        raise ConfigError(
+            "Loss scaling (mixed_float16's LossScaleOptimizer) is not supported under "
+            "HeteroMultiWorkerMirroredStrategy: an overflow in one worker's slice would make that worker skip the "
+            "gradient all-reduce the others wait in. Use mixed_bfloat16 (no loss scaling) or float32 on several "
+            "machines, or HeteroCentralStorageStrategy on one machine."
+        )
 
 
 # How TensorFlow's collectives report a peer that is gone: the coordination service's missed heartbeats or a

@@ -83,6 +83,10 @@ def _central_in_replica_context(variable):
         inner is not None
         and tf.distribute.in_cross_replica_context() is False
         and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+        # Outside every strategy scope TensorFlow's default replica context also reports "not cross-replica": a
+        # reset there (metric.reset_state() after fit, Keras' reset_metrics) is a plain assign, not a delta
+        # (a NaN total would otherwise stay NaN: NaN + (0 - NaN)).
+        and is_hetero_strategy(getattr(tf.distribute.get_replica_context(), "strategy", None))
         and not _in_keras_stateless_scope()
     ):
         return inner

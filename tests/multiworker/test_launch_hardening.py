@@ -1,0 +1,97 @@
+"""hetero-cs launch leaves nothing running and fails clearly: bad commands, SIGHUP, a closed output, children."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _launch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetero_cs.cli", "launch", *args]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie waiting for its parent counts as gone
+        return stat.read().split()[2] != "Z"
+
+
+def _pids(folder: Path, count: int, timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = sorted(folder.glob("pid*"))
+        if len(files) == count and all(f.read_text().strip() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not start: {list(folder.iterdir())}")
+
+
+def test_a_command_that_does_not_exist_is_a_one_line_error():
+    done = subprocess.run(_launch("--workers", "2", "--", "no_such_command_hcs"), env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "cannot run 'no_such_command_hcs'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_children_left_by_workers_that_exited_cleanly_are_stopped(tmp_path):
+    script = ("import os, subprocess, sys\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "open(os.path.join(sys.argv[1], f'pid{os.getpid()}'), 'w').write(str(child.pid))\n")
+    done = subprocess.run(_launch("--workers", "2", "--grace-s", "2", "--", sys.executable, "-c", script,
+                                  str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    children = _pids(tmp_path, 2)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children)
+
+
+def test_a_hangup_stops_every_worker(tmp_path):
+    script = ("import os, sys, time\n"
+              "open(os.path.join(sys.argv[1], f'pid{os.getpid()}'), 'w').write(str(os.getpid()))\n"
+              "time.sleep(600)\n")
+    launcher = subprocess.Popen(_launch("--workers", "2", "--grace-s", "2", "--", sys.executable, "-c", script,
+                                        str(tmp_path)), env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    workers = _pids(tmp_path, 2)
+    launcher.send_signal(signal.SIGHUP)  # the terminal closed, or the ssh session dropped
+    assert launcher.wait(timeout=60) == 128 + signal.SIGHUP
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_workers_do_not_outlive_a_launcher_killed_outright(tmp_path):
+    script = ("import os, sys, time\n"
+              "open(os.path.join(sys.argv[1], f'pid{os.getpid()}'), 'w').write(str(os.getpid()))\n"
+              "time.sleep(600)\n")
+    launcher = subprocess.Popen(_launch("--workers", "2", "--", sys.executable, "-c", script, str(tmp_path)),
+                                env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = _pids(tmp_path, 2)
+    launcher.kill()  # SIGKILL: no handler runs; the workers' parent-death signal stops them
+    launcher.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_a_closed_output_does_not_hang_the_launch():
+    script = "for i in range(200000): print(i)\n"
+    launcher = subprocess.Popen(_launch("--workers", "2", "--", sys.executable, "-c", script), env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    launcher.stdout.readline()
+    launcher.stdout.close()  # like `| head -1`
+    assert launcher.wait(timeout=120) == 0  # the workers' output is drained to the end; they finish
