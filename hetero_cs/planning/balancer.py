@@ -210,7 +210,7 @@ class Balancer(MemoryRecovery):
             InvalidCostModelError: A model predicts NaN, a negative time or a decreasing curve.
             InfeasiblePlanError: The caps cannot hold the reference global batch.
         """
-        if cost_models is None or isinstance(cost_models, (str, bytes)) or not hasattr(cost_models, "__len__"):
+        if cost_models is None or isinstance(cost_models, (str, bytes)) or not hasattr(cost_models, "__iter__"):
             raise ConfigError(f"cost_models must be a sequence of one cost model per replica. Received: "
                               f"cost_models={cost_models!r}.")
         models = list(cost_models)
