@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import hetero_cs
 from hetero_cs import HeteroCentralStorageStrategy
+from hetero_cs.errors import ConfigError
 
 B = 10
 STEPS = 7
