@@ -35,10 +35,22 @@ def _gpu_and_host_devices():
     return [gpus[0].name, cpus[1].name]
 
 
+def _fit_on_one_device_and_on_the_split(build, devices, x, y):
+    """(reference, model): ``build()`` trained on /cpu:0 alone, and on ``devices`` with the split [3, 1]."""
+    from hetero_cs import HeteroCentralStorageStrategy
+
+    with tf.device("/cpu:0"):
+        reference = build()
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(devices, batch_split=[3, 1], profile_cache=False)
+    with strategy.scope():
+        model = build()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return reference, model
+
+
 def test_uneven_split_on_real_devices_matches_one_device():
     import keras
-
-    from hetero_cs import HeteroCentralStorageStrategy
 
     devices = _gpu_and_host_devices()
     rng = np.random.default_rng(0)
@@ -53,13 +65,7 @@ def test_uneven_split_on_real_devices_matches_one_device():
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         return model
 
-    with tf.device("/cpu:0"):
-        reference = build()
-        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    strategy = HeteroCentralStorageStrategy(devices, batch_split=[3, 1], profile_cache=False)
-    with strategy.scope():
-        model = build()
-    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    reference, model = _fit_on_one_device_and_on_the_split(build, devices, x, y)
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-4)  # GPU kernels (TF32, reduction order) differ from CPU's
 
@@ -86,8 +92,6 @@ def test_calibration_on_a_gpu_finds_a_memory_cap(tmp_path):
 def test_mixed_precision_on_real_devices_skips_an_overflow_like_one_device(policy):
     import keras
 
-    from hetero_cs import HeteroCentralStorageStrategy
-
     details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
     if policy == "mixed_bfloat16" and tuple(details.get("compute_capability") or (0, 0)) < (8, 0):
         pytest.skip("bfloat16 needs compute capability 8.0 (refused with UnsupportedPrecisionError below it)")
@@ -106,13 +110,7 @@ def test_mixed_precision_on_real_devices_skips_an_overflow_like_one_device(polic
             model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
             return model
 
-        with tf.device("/cpu:0"):
-            reference = build()
-            reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        strategy = HeteroCentralStorageStrategy(devices, batch_split=[3, 1], profile_cache=False)
-        with strategy.scope():
-            model = build()
-        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        reference, model = _fit_on_one_device_and_on_the_split(build, devices, x, y)
     finally:
         keras.mixed_precision.set_global_policy(previous)
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
