@@ -119,6 +119,7 @@ class Launch:
         self._grace_s = float(grace_s)
         self._output = output or sys.stdout
         self._print_lock = threading.Lock()
+        self._writable = True  # False once our own output is closed
         self._processes: list[subprocess.Popen] = []
         self._stop = threading.Event()
         self._signal = signal.SIGINT  # the signal that asked to stop (Ctrl-C unless told otherwise)
@@ -133,18 +134,35 @@ class Launch:
 
     def _pump(self, index: int, stream) -> None:
         prefix = f"[worker {index}] "
-        writable = True
         for raw in iter(stream.readline, b""):  # drained to the end, so a worker never blocks on a full pipe
-            if not writable:
-                continue
-            line = raw.decode(errors="replace").rstrip("\n")
-            with self._print_lock:
-                try:
-                    self._output.write(prefix + line + "\n")
-                    self._output.flush()
-                except (BrokenPipeError, ValueError, OSError):  # our own output was closed (e.g. `| head`)
-                    writable = False
+            self._write(prefix + raw.decode(errors="replace").rstrip("\n") + "\n")
         stream.close()
+
+    def _write(self, text: str) -> None:
+        """Writes and flushes one line; once our own output is closed (e.g. `| head -1`), drops every line."""
+        with self._print_lock:
+            if not self._writable:
+                return
+            try:
+                self._output.write(text)
+                self._output.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self._writable = False
+                self._silence_output()
+
+    def _silence_output(self) -> None:
+        """Points the closed output's file descriptor at /dev/null. The text layer still holds the unwritten line;
+        without this, the interpreter's last flush at exit fails too and Python exits with status 120 instead of
+        the workers' status (the recipe in Python's `signal` docs, "Note on SIGPIPE")."""
+        try:
+            fd = self._output.fileno()
+        except (AttributeError, ValueError, OSError):
+            return  # not backed by a file descriptor: nothing is flushed to it at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
 
     def run(self) -> int:
         """Starts the workers, waits for them, and returns the exit status (see the module docstring)."""
@@ -178,6 +196,7 @@ class Launch:
                 signal.signal(sig, handler)
             for pump in pumps:
                 pump.join(timeout=self._grace_s)
+            self._write("")  # flushes now, so the interpreter's flush at exit cannot fail on a closed output
             for process in self._processes:  # children a worker left behind, even after a clean exit
                 _signal_group(process, signal.SIGKILL)
         return status
@@ -207,9 +226,7 @@ class Launch:
             time.sleep(_POLL_S)
 
     def _note(self, message: str) -> None:
-        with self._print_lock:
-            self._output.write(f"[launch] {message}\n")
-            self._output.flush()
+        self._write(f"[launch] {message}\n")
 
     def _stop_all(self) -> None:
         """SIGTERM to every running worker's process group, SIGKILL after grace_s; returns when all have exited."""

@@ -88,10 +88,27 @@ def test_workers_do_not_outlive_a_launcher_killed_outright(tmp_path):
     assert not any(_alive(pid) for pid in workers)
 
 
-def test_a_closed_output_does_not_hang_the_launch():
+def test_a_closed_output_does_not_hang_the_launch(tmp_path):
     script = "for i in range(200000): print(i)\n"
-    launcher = subprocess.Popen(_launch("--workers", "2", "--", sys.executable, "-c", script), env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    launcher.stdout.readline()
-    launcher.stdout.close()  # like `| head -1`
-    assert launcher.wait(timeout=120) == 0  # the workers' output is drained to the end; they finish
+    with open(tmp_path / "stderr", "wb") as stderr:
+        launcher = subprocess.Popen(_launch("--workers", "2", "--", sys.executable, "-c", script), env=_env(),
+                                    stdout=subprocess.PIPE, stderr=stderr)
+        launcher.stdout.readline()
+        launcher.stdout.close()  # like `| head -1`
+        status = launcher.wait(timeout=120)
+    # The workers' output is drained to the end and they finish; the launcher's own exit does not fail on the
+    # closed output either (Python exits with 120 when its last flush of stdout fails).
+    assert status == 0, (tmp_path / "stderr").read_text()[-4000:]
+
+
+def test_a_closed_output_is_pointed_at_devnull_so_the_exit_flush_cannot_fail():
+    from hetero_cs.launch import Launch
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: every write to the pipe fails with EPIPE
+    with os.fdopen(write_end, "w") as output:
+        launch = Launch([sys.executable, "-c", "print('a line the closed output cannot take')"], num_workers=1,
+                        output=output)
+        assert launch.run() == 0
+        output.write("text left in the buffer at exit\n")
+        output.flush()  # would raise BrokenPipeError had the launcher left the closed pipe in place
