@@ -66,7 +66,10 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             (length ``num_replicas_in_sync``); overrides auto_balance.
         emulate: Catalog device names for all replicas of all workers, in the same order (length
             ``num_replicas_in_sync``), e.g. ``["A10", "T4"]``: each replica then also waits for the time its named
-            device would take. None reads ``HETERO_CS_EMULATE`` (set by ``hetero-cs launch --emulate``).
+            device would take. Or a :class:`hetero_cs.emulation.Emulator` over those names, e.g. with
+            ``drift=[Drift(replica_id=0, factor=3.0, from_step=40)]`` (cluster replica ids; every worker must build
+            the same one: it is not sent between workers). None reads ``HETERO_CS_EMULATE`` (set by
+            ``hetero-cs launch --emulate``).
         profile_cache: Accepted for symmetry with the central-storage strategy; calibration here happens during
             training and is not cached (must be None or False).
         communication_options: ``tf.distribute.experimental.CommunicationOptions``; its ``timeout_seconds`` bounds
@@ -96,12 +99,14 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             )
         if emulate is None and os.environ.get(EMULATE_ENV_VAR, "").strip():
             emulate = [name.strip() for name in os.environ[EMULATE_ENV_VAR].split(",")]
-        if emulate is not None and not isinstance(emulate, (list, tuple)):
+        from hetero_cs import emulation
+
+        if emulate is not None and not isinstance(emulate, (list, tuple, emulation.Emulator)):
             raise ConfigError(
                 f"HeteroMultiWorkerMirroredStrategy(emulate=...) takes catalog device names (a list of str, one per "
-                f"replica of the cluster), not {type(emulate).__name__}: drift and other Emulator settings are not "
-                f"carried to the other workers. Received: emulate={emulate!r}.")
-        _, emulate = arguments.emulation_names(emulate)
+                f"replica of the cluster) or a hetero_cs.emulation.Emulator, not {type(emulate).__name__}. "
+                f"Received: emulate={emulate!r}.")
+        emulator, emulate = arguments.emulation_names(emulate)
         # MultiWorkerMirroredStrategy must be built before TensorFlow initialises (it configures collective ops):
         # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.
         super().__init__(communication_options=communication_options)
@@ -122,9 +127,10 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             )
         self._emulator = None
         if emulate is not None:
-            from hetero_cs import emulation
-
-            self._emulator = emulation.Emulator(list(emulate))
+            # An Emulator is not sent between workers: each worker builds its own from the same script, applies
+            # only its own replicas' waits and drifts (cluster replica ids), and sets the time scale from the first
+            # global batch, which is the same on every worker.
+            self._emulator = emulator if emulator is not None else emulation.Emulator(list(emulate))
             local = list(emulate)[self._first_replica:self._first_replica + self._num_local]
             logger.warning(
                 "hetero_cs: timings are EMULATED - this worker's replicas %s emulate %s (real compute on the CPU "

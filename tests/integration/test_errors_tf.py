@@ -528,10 +528,10 @@ def test_gradient_accumulation_is_refused_with_the_alternative():
         np.testing.assert_array_equal(old, new)
 
 
-def test_the_multi_worker_strategy_refuses_an_emulator_object_whose_drift_it_would_drop():
+def test_the_multi_worker_strategy_refuses_emulate_as_one_string():
     from hetero_cs import HeteroMultiWorkerMirroredStrategy
-    from hetero_cs.emulation import Drift, Emulator
 
-    emulator = Emulator(["T4"], drift=[Drift(replica_id=0, factor=50.0)])
-    with pytest.raises(ConfigError, match="takes catalog device names .* not Emulator"):
-        HeteroMultiWorkerMirroredStrategy(emulate=emulator)
+    # A list of names or an Emulator (tests/multiworker runs one with drift); a comma-separated string is the
+    # launcher's --emulate form, not the argument's.
+    with pytest.raises(ConfigError, match="takes catalog device names .* or a hetero_cs.emulation.Emulator, not str"):
+        HeteroMultiWorkerMirroredStrategy(emulate="A10,T4")

@@ -4,7 +4,13 @@
 
 Trains a small MLP (fixed initial weights, Adam, an L2 regulariser) on a fixed dataset of global batches of 16
 with a partial last batch of 6 (38 examples). Writes ``OUT_DIR/worker<i>.npz`` (or ``reference.npz``): the
-weights, the optimizer's variables, the logged loss per epoch, the evaluate loss and the predict output.
+weights, the optimizer's variables, the logged loss per epoch, the evaluate loss and the predict output. The
+chief also writes ``OUT_DIR/plans.json``: the split in force at each epoch's end (its History).
+
+``--replan-at-epoch E --replan-split 9,4,3`` changes the plan on the chief alone at the start of epoch E (the
+others must adopt it through the per-step agreement). ``--wide`` trains a 784-256-256-10 MLP on one global batch
+of 1024 per epoch instead (emulated compute then outweighs the fixed per-step costs), and ``--drift R:F:S``
+passes an Emulator whose replica R runs F times slower from its step S.
 """
 
 from __future__ import annotations
@@ -22,20 +28,28 @@ GLOBAL_BATCH = 16
 EXAMPLES = 38  # 2 full global batches and a partial one of 6
 
 
-def data():
+WIDE_BATCH = 1024
+
+
+def data(wide=False):
     rng = np.random.RandomState(7)
+    if wide:
+        return rng.normal(size=(WIDE_BATCH, 784)).astype("float32"), rng.randint(0, 10, size=(WIDE_BATCH,))
     x = rng.normal(size=(EXAMPLES, 5)).astype("float32")
     y = rng.randint(0, 3, size=(EXAMPLES,)).astype("int64")
     return x, y
 
 
-def build(keras):
+def build(keras, wide=False):
     rng = np.random.RandomState(0)
-    model = keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
-        keras.layers.Dense(3),
-    ])
+    if wide:
+        layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                  keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
+    else:
+        layers = [keras.Input((5,)),
+                  keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+                  keras.layers.Dense(3)]
+    model = keras.Sequential(layers)
     model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
     model.compile(
         # global_clipnorm: clipping must apply to the summed gradient of all replicas, as on one device.
@@ -57,6 +71,10 @@ def main(argv=None) -> int:
     parser.add_argument("--backup", default=None, help="keras.callbacks.BackupAndRestore in BACKUP/<worker>")
     parser.add_argument("--custom-loop", action="store_true", help="a tf.function loop over strategy.run instead")
     parser.add_argument("--timeout-s", type=float, default=None)
+    parser.add_argument("--replan-at-epoch", type=int, default=None, help="the chief alone changes the plan ...")
+    parser.add_argument("--replan-split", default=None, help="... to these shares")
+    parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
+    parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
     args = parser.parse_args(argv)
 
     import keras
@@ -78,14 +96,28 @@ def main(argv=None) -> int:
             kwargs["auto_balance"] = False
         else:
             kwargs["batch_split"] = [float(s) for s in args.split.split(",")]
+        if args.drift is not None:
+            from hetero_cs.emulation import Drift, Emulator
+
+            replica, factor, from_step = args.drift.split(":")
+            kwargs["emulate"] = Emulator(os.environ["HETERO_CS_EMULATE"].split(","), drift=[
+                Drift(replica_id=int(replica), factor=float(factor), from_step=int(from_step))])
         if args.timeout_s is not None:
             kwargs["communication_options"] = tf.distribute.experimental.CommunicationOptions(
                 timeout_seconds=args.timeout_s)
         strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(**kwargs)
         name = f"worker{json.loads(os.environ['TF_CONFIG'])['task']['index']}"
-    x, y = data()  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    x, y = data(args.wide)  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(WIDE_BATCH if args.wide else GLOBAL_BATCH)
     callbacks = []
+    if args.replan_at_epoch is not None and name == "worker0":
+        class Replan(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                if epoch == args.replan_at_epoch:
+                    print("replanning now", flush=True)
+                    strategy.balancer.set_batch_split([float(s) for s in args.replan_split.split(",")])
+
+        callbacks.append(Replan())
     if args.die_at_step is not None and name == "worker1":
         class Die(keras.callbacks.Callback):
             epoch = 0
@@ -104,10 +136,10 @@ def main(argv=None) -> int:
         # folder (the mirrored weights are the same on every worker, so each backup is whole).
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
-        model = build(keras)
+        model = build(keras, args.wide)
     else:
         with strategy.scope():
-            model = build(keras)
+            model = build(keras, args.wide)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
@@ -122,6 +154,11 @@ def main(argv=None) -> int:
     result["eval_loss"] = np.asarray(evaluated["loss"])
     result["predict"] = np.asarray(predicted)
     np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    if name == "worker0":
+        plans = [[history.history[f"replica_{i}_batch_size"][epoch] for i in range(strategy.num_replicas_in_sync)]
+                 for epoch in range(len(history.history["loss"]))] if "replica_0_batch_size" in history.history else []
+        with open(os.path.join(args.out, "plans.json"), "w") as f:
+            json.dump(plans, f)
     _barrier(strategy)
     print("done", name, history.history["loss"], flush=True)
     return 0

@@ -6,6 +6,7 @@ TensorFlow. The oracle is single-device Keras training on the whole batch (``job
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,17 +75,45 @@ def test_two_workers_uneven_fixed_split_equal_one_device(tmp_path, reference):
 
 
 def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference):
-    # auto_balance over 12 steps (4 epochs of 3, the last batch partial): a warm-up step, 6 probe splits (uneven,
-    # changing every step), the chief's fit of the probe times, then the Balancer's decision (this tiny model's
-    # emulated steps are mostly fixed overhead, so the solved split may be refused as a tie or tried by the guard;
-    # benchmarks/multiworker.py shows a trial kept). Every split reaches all workers through the per-step
-    # agreement, with emulated A10 | T4 | P100 waits; every step must still equal the single-device step.
-    stdout = _launch(tmp_path, 3, "--split", "auto", "--epochs", "4", emulate="A10,T4,P100",
+    # auto_balance over 18 steps (6 epochs of 3, the last batch of each partial): a warm-up step, 6 probe splits
+    # (uneven, changing every step; only full batches of 16 probe, so they end in epoch 3), the chief's fit of the
+    # probe times, then the Balancer's decision (this tiny model's emulated steps are mostly fixed overhead, so the
+    # solved split may be refused as a tie or tried by the guard; benchmarks/multiworker.py shows a trial kept).
+    # At the start of the last epoch the chief alone changes the
+    # plan (as a re-plan would; test_a_drifting_worker_... below has a real one). Every split reaches all workers
+    # through the per-step agreement, with emulated A10 | T4 | P100 waits: a worker that cut the batch by any
+    # other split would lose or repeat examples, and every step must still equal the single-device step.
+    stdout = _launch(tmp_path, 3, "--split", "auto", "--epochs", "6", "--replan-at-epoch", "5",
+                     "--replan-split", "9,4,3", emulate="A10,T4,P100",
                      HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5")  # short emulated waits: this test is about values
     assert stdout.count("timings are EMULATED") == 3
     assert "[worker 0] hetero_cs.engine.cluster_planner: hetero_cs multi-worker calibration from 6" in stdout, stdout
     assert "guard: trying" in stdout or "keeping the even split" in stdout, stdout
-    _assert_equal_to_reference(tmp_path, 3, reference(4))
+    assert "[worker 0] replanning now" in stdout, stdout
+    plans = json.loads((tmp_path / "plans.json").read_text())
+    # The chief's History: the plan in force for the global batch of 16, at each epoch's end.
+    assert plans[-1] == [9.0, 4.0, 3.0] != plans[-2], plans
+    _assert_equal_to_reference(tmp_path, 3, reference(6))
+
+
+@pytest.mark.slow
+def test_a_drifting_worker_is_rebalanced_by_the_chief_and_every_worker_adopts_it(tmp_path):
+    # The A10 worker's emulated device turns 4x slower at its step 40 (drift in an Emulator every worker builds
+    # alike). Only the chief's Balancer sees it, through the step times all workers report in the agreement; its
+    # re-plan must move work off replica 0, and every worker must adopt it at the same step (the run would hang or
+    # fail on mismatched collectives otherwise). Emulated steps of ~100 ms dominate this wide model's real compute.
+    stdout = _launch(tmp_path, 3, "--split", "auto", "--wide", "--epochs", "80", "--drift", "0:4:40",
+                     emulate="A10,T4,P100", timeout_s=600, HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="100")
+    plans = json.loads((tmp_path / "plans.json").read_text())
+    before, after = plans[38], plans[-1]  # epoch = step here (one global batch of 1024 per epoch)
+    assert "[worker 0] hetero_cs.planning.rebalance: re-planned at step" in stdout, stdout[-6000:]
+    assert before[0] > max(before[1:]), plans  # the A10 took the largest slice before it slowed down
+    assert after[0] < 0.6 * before[0], plans  # and much less after
+    assert sum(after) == 1024, plans
+    weights = [np.load(tmp_path / f"worker{i}.npz") for i in range(3)]
+    for other in weights[1:]:
+        for key in weights[0].files:
+            np.testing.assert_array_equal(other[key], weights[0][key], err_msg=key)
 
 
 @pytest.mark.slow
