@@ -181,17 +181,25 @@ class DeviceProfile:
         A linear model prints its own a and c. Any other model prints the line through its values at the smallest
         and largest probed sizes (for a piecewise-linear fit, its end knots), marked "(piecewise, k knots)".
         """
-        model = self.cost_model
-        if hasattr(model, "fixed_overhead_s") and hasattr(model, "seconds_per_example"):
-            a_s, c_s, note = model.fixed_overhead_s, model.seconds_per_example, ""
-        else:
-            lo, hi = self.probe_batch_sizes[0], self.probe_batch_sizes[-1]
-            t_lo, t_hi = float(model.predict_step_time_s(lo)), float(model.predict_step_time_s(hi))
-            c_s = (t_hi - t_lo) / (hi - lo) if hi > lo else 0.0
-            a_s = t_lo - c_s * lo
-            knots = len(getattr(model, "batch_sizes", ())) or None
-            note = f" (piecewise, {knots} knots)" if knots else f" ({type(model).__name__})"
-        return f"a={a_s * 1e3:.3f} ms c={c_s * 1e3:.4f} ms/ex{note}"
+        return describe_cost_model(self.cost_model, self.probe_batch_sizes[0], self.probe_batch_sizes[-1])
+
+
+def describe_cost_model(model, smallest_batch_size: int, largest_batch_size: int) -> str:
+    """A cost model in the one printed form: "a=1.200 ms c=0.0400 ms/ex" (t(b) = a + c*b, milliseconds).
+
+    A linear model prints its own a and c; any other model the line through its values at the two sizes given
+    (the smallest and largest probed), marked "(piecewise, k knots)" or with its type's name.
+    """
+    if hasattr(model, "fixed_overhead_s") and hasattr(model, "seconds_per_example"):
+        a_s, c_s, note = model.fixed_overhead_s, model.seconds_per_example, ""
+    else:
+        lo, hi = int(smallest_batch_size), int(largest_batch_size)
+        t_lo, t_hi = float(model.predict_step_time_s(lo)), float(model.predict_step_time_s(hi))
+        c_s = (t_hi - t_lo) / (hi - lo) if hi > lo else 0.0
+        a_s = t_lo - c_s * lo
+        knots = len(getattr(model, "batch_sizes", ())) or None
+        note = f" (piecewise, {knots} knots)" if knots else f" ({type(model).__name__})"
+    return f"a={a_s * 1e3:.3f} ms c={c_s * 1e3:.4f} ms/ex{note}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,9 +107,10 @@ class ClusterPlanner:
 
     def _fit(self) -> None:
         from calibration.fit import fit_cost_model
+        from calibration.result import describe_cost_model
 
         R = self._balancer.num_replicas
-        models = []
+        models, descriptions = [], []
         for i in range(R):
             # A replica's probes with 0 examples (a global batch below 2R) say nothing about its speed.
             points = [(probe[i], step_times[i]) for probe, step_times in self._points if probe[i] > 0]
@@ -119,12 +120,14 @@ class ClusterPlanner:
                     "hetero_cs multi-worker calibration: replica %d got no example in any probe step (global batch "
                     "%s for %d replicas); keeping the even split.", i, self._reference, R)
                 return
-            models.append(fit_cost_model([b for b, _ in points], [t for _, t in points]).cost_model)
+            sizes = [b for b, _ in points]
+            models.append(fit_cost_model(sizes, [t for _, t in points]).cost_model)
+            descriptions.append(describe_cost_model(models[-1], min(sizes), max(sizes)))
         self._calibrating = False
         self.calibration_points = [tuple(p) for p, _ in self._points]
         logger.info(
             "hetero_cs multi-worker calibration from %d training steps: %s",
             len(self._points),
-            "; ".join(f"replica {i}: {m}" for i, m in enumerate(models)),
+            "; ".join(f"replica {i}: {d}" for i, d in enumerate(descriptions)),
         )
         self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference)

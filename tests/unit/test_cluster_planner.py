@@ -39,7 +39,8 @@ def test_every_served_split_sums_to_the_batch_and_probes_vary_each_replica(B, R)
         assert all(len(s) >= 2 for s in seen)
 
 
-def test_probes_then_fit_then_the_balancer_serves_the_solved_plan():
+def test_probes_then_fit_then_the_balancer_serves_the_solved_plan(caplog):
+    caplog.set_level("INFO", logger="hetero_cs.engine.cluster_planner")
     R, B = 3, 600
     balancer = Balancer(R, guard=False, rebalance=False)
     planner = ClusterPlanner(balancer, calibrate=True)
@@ -57,6 +58,9 @@ def test_probes_then_fit_then_the_balancer_serves_the_solved_plan():
     times = _emulated_times(plan)
     assert max(times) - min(times) < 4e-4 + 1e-12  # finish together within one example of the slowest
     assert plan[0] > plan[2] > plan[1]
+    # The fit is logged in calibration's one printed form (a = overhead, c = per example; the emulated lines).
+    assert ("replica 0: a=10.000 ms c=0.1000 ms/ex; replica 1: a=10.000 ms c=0.4000 ms/ex; "
+            "replica 2: a=10.000 ms c=0.2000 ms/ex") in caplog.text, caplog.text
 
 
 def test_untimed_reports_are_ignored_and_a_partial_batch_is_not_a_probe():
