@@ -305,6 +305,9 @@ def calibrate(
     verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
     with probe_lib.preserved_model_state(model):
         calibrations = []
+        if verbose:  # a heading above each bar, as model.fit prints "Epoch 1/5" (the log lines need INFO)
+            print(f"hetero_cs calibration: warming up {num_replicas} device(s) at their probe batch sizes",
+                  flush=True)
         warm_bar = keras.utils.Progbar(sum(len(s) for s in sizes_per_device), verbose=verbose, unit_name="size")
         for replica_id, (device, sizes) in enumerate(zip(devices, sizes_per_device)):
             logger.info("Warming up replica %d, %s, at probe_batch_sizes=%s", replica_id, labels[replica_id],
@@ -325,6 +328,9 @@ def calibrate(
         if warmed < warm_bar.target:  # an out-of-memory cut the warm-up short
             warm_bar.update(warm_bar.target, finalize=True)
         logger.info("Timing %d device(s) interleaved: %d trials at each of their probe sizes", num_replicas, trials)
+        if verbose:
+            print(f"hetero_cs calibration: timing {num_replicas} device(s) interleaved, {trials} trial(s) per probe "
+                  f"batch size", flush=True)
         time_bar = keras.utils.Progbar(warmed * trials, verbose=verbose, unit_name="step")
         ticks = [0]
 

@@ -276,7 +276,12 @@ def test_explicit_loss_on_an_uncompiled_model(capsys):
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert result.profiles[0].probe_batch_sizes == (4, 16)
     assert not result.emulated
-    assert "2/2" in capsys.readouterr().out  # Keras' Progbar reached the end
+    out = capsys.readouterr().out
+    assert "2/2" in out  # Keras' Progbar reached the end
+    # Each bar under its heading, without INFO logging.
+    warm = out.index("hetero_cs calibration: warming up 1 device(s)")
+    timing = out.index("hetero_cs calibration: timing 1 device(s) interleaved, 1 trial(s)")
+    assert warm < out.index("2/2") < timing < out.rindex("2/2"), out
 
 
 def test_cli_calibrates_writes_a_profile_and_plans(tmp_path, capsys):
