@@ -60,7 +60,7 @@ class DeviceSpec:
     """Published figures of one device.
 
     Attributes:
-        name: Catalog key, e.g. "A10".
+        name: Catalog key, e.g. "A10"; with a memory override, the key and the size as given ("T4@48MB").
         fp32_tflops: Peak dense fp32 throughput (non-tensor-core), in 1e12 FLOP/s; > 0.
         fp16_tflops: Peak dense fp16 throughput (tensor cores where the device has them, no sparsity), 1e12 FLOP/s.
         memory_bytes: Device memory, in bytes (1 GB = 1e9 bytes as in the datasheets).
@@ -323,7 +323,10 @@ def get_device_spec(name: str) -> DeviceSpec:
         for key, spec in CATALOG.items():
             if key.lower() == key_text.strip().lower():
                 if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
-                    return dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text))
+                    # The name keeps the override: banners show it, a re-lookup by name (an Emulator passed on
+                    # as names) keeps the memory, and profile cache keys tell the two memories apart.
+                    return dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text),
+                                               name=f"{spec.name}{MEMORY_OVERRIDE_SEPARATOR}{memory_text.strip()}")
                 return spec
     raise UnknownEmulatedDeviceError(
         f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "

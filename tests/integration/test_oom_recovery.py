@@ -214,7 +214,7 @@ def test_fifty_recoveries_lose_nothing_and_never_retrace(fast_emulation, tmp_pat
 def test_emulate_names_may_carry_memory_overrides():
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4@48MB", "p100@1GiB"], profile_cache=False)
     assert [s.memory_bytes for s in strategy.emulator.specs] == [24 * 10**9, 48_000_000, 2**30]
-    assert [s.name for s in strategy.emulator.specs] == ["A10", "T4", "P100"]
+    assert [s.name for s in strategy.emulator.specs] == ["A10", "T4@48MB", "P100@1GiB"]  # banners show it
 
 
 def test_estimate_workload_counts_the_model_memory():

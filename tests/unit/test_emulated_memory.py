@@ -53,9 +53,10 @@ def test_parse_memory_bytes_rejects_what_is_not_a_size(text):
 
 def test_a_name_may_override_the_catalog_memory():
     spec = get_device_spec("t4@48MB")
-    assert spec.name == "T4" and spec.memory_bytes == 48_000_000
+    assert spec.name == "T4@48MB" and spec.memory_bytes == 48_000_000  # the name keeps the override
     assert spec.fp32_tflops == CATALOG["T4"].fp32_tflops
     assert Emulator(["A10", "T4@48MB", "P100"]).specs[1].memory_bytes == 48_000_000
+    assert get_device_spec(spec.name) == spec  # looked up again by its name (an Emulator passed on as names)
     with pytest.raises(ConfigError, match="memory size"):
         get_device_spec("T4@lots")
     for text in ("T4@", "T4@ ", "T4@\u0661\u0662MB"):  # no size; digits that are not ASCII
@@ -92,7 +93,7 @@ def test_the_emulator_raises_out_of_memory_in_the_drift_window_only():
     assert emulator.memory_bytes(1, step=2) == 5_000 and emulator.max_batch_size(1, step=3) == 5
     emulator.delay_s(1, 15)
     emulator.delay_s(1, 15)
-    with pytest.raises(EmulatedOutOfMemoryError, match=r"replica=1 \(T4\) needs 6000 bytes .* memory_bytes=5000"
+    with pytest.raises(EmulatedOutOfMemoryError, match=r"replica=1 \(T4@6000B\) needs 6000 bytes .* memory_bytes=5000"
                        ) as info:
         emulator.delay_s(1, 15)
     assert isinstance(info.value, MemoryError) and isinstance(info.value, HeteroCSError)
