@@ -305,7 +305,10 @@ def calibrate(
     verbose = (1 if sys.stdout.isatty() else 2) if progress else 0
     with probe_lib.preserved_model_state(model):
         calibrations = []
-        if verbose:  # a heading above each bar, as model.fit prints "Epoch 1/5" (the log lines need INFO)
+        # A heading above each bar, as model.fit prints "Epoch 1/5", where the INFO log lines that say the same
+        # ("Warming up replica i ...", "Timing N device(s) interleaved ...") are not shown.
+        headings = verbose and not logger.isEnabledFor(logging.INFO)
+        if headings:
             print(f"hetero_cs calibration: warming up {num_replicas} device(s) at their probe batch sizes",
                   flush=True)
         warm_bar = keras.utils.Progbar(sum(len(s) for s in sizes_per_device), verbose=verbose, unit_name="size")
@@ -328,7 +331,7 @@ def calibrate(
         if warmed < warm_bar.target:  # an out-of-memory cut the warm-up short
             warm_bar.update(warm_bar.target, finalize=True)
         logger.info("Timing %d device(s) interleaved: %d trials at each of their probe sizes", num_replicas, trials)
-        if verbose:
+        if headings:
             print(f"hetero_cs calibration: timing {num_replicas} device(s) interleaved, {trials} trial(s) per probe "
                   f"batch size", flush=True)
         time_bar = keras.utils.Progbar(warmed * trials, verbose=verbose, unit_name="step")
@@ -354,7 +357,8 @@ def calibrate(
     wall_time_s = time.perf_counter() - start_s
     result = CalibrationResult(profiles=tuple(profiles), wall_time_s=wall_time_s, emulated=emulator is not None,
                                plan=plan)
-    logger.info("Calibration of %d device(s) took %.2f s%s.", num_replicas, wall_time_s,
+    # DEBUG: the table every caller prints or logs next (CalibrationResult.format_table) opens with the same line.
+    logger.debug("Calibration of %d device(s) took %.2f s%s.", num_replicas, wall_time_s,
                 " (emulated timings)" if emulator is not None else "")
     if store is not False and key is not None:
         try:

@@ -8,8 +8,10 @@ unlike device per worker on a CPU-only machine.
 
 Every line a worker prints (stdout and stderr together) is printed with a ``[worker i]`` prefix. The launcher's
 exit status is the first failing worker's (a worker killed by signal ``s`` counts as ``128 + s``), else 0. When a
-worker fails, or on Ctrl-C (SIGINT) or SIGTERM, every worker still running is sent SIGTERM, then SIGKILL after
-``grace_s`` seconds, each worker's whole process group included, so nothing is left running.
+worker fails, or on Ctrl-C (SIGINT), SIGTERM or SIGHUP, every worker still running is sent SIGINT (what Ctrl-C in a
+terminal sends: Python raises KeyboardInterrupt, and TensorFlow, which catches SIGTERM for its preemption notifier
+and goes on training, stops), SIGTERM after half of ``grace_s`` and SIGKILL after ``grace_s`` seconds, each worker's
+whole process group included, so nothing is left running; a worker that had to be killed is named.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class Launch:
         command: The command every worker runs (argv list, non-empty).
         num_workers: N >= 1.
         emulate: One catalog device name per worker, or None.
-        grace_s: Seconds between SIGTERM and SIGKILL when stopping workers, > 0.
+        grace_s: Seconds from the first signal (SIGINT) to SIGKILL when stopping workers, > 0.
         output: Where the prefixed lines go (default: this process's stdout).
 
     Raises:
@@ -229,18 +231,27 @@ class Launch:
         self._write(f"[launch] {message}\n")
 
     def _stop_all(self) -> None:
-        """SIGTERM to every running worker's process group, SIGKILL after grace_s; returns when all have exited."""
+        """SIGINT to every running worker's process group, SIGTERM after grace_s / 2, SIGKILL after grace_s;
+        returns when all have exited."""
         running = [p for p in self._processes if p.poll() is None]
-        for process in running:
-            _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + self._grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in running):
+        start = time.monotonic()
+        for sig, after_s in ((signal.SIGINT, 0.0), (signal.SIGTERM, self._grace_s / 2)):
+            while time.monotonic() < start + after_s and any(p.poll() is None for p in running):
+                time.sleep(_POLL_S)
+            for process in running:
+                if process.poll() is None:
+                    _signal_group(process, sig)
+        while time.monotonic() < start + self._grace_s and any(p.poll() is None for p in running):
             time.sleep(_POLL_S)
+        killed = [self._processes.index(p) for p in running if p.poll() is None]
         for process in self._processes:
             # The group too: a worker that exited may have left children behind.
             _signal_group(process, signal.SIGKILL)
         for process in running:
             process.wait()
+        if killed:
+            self._note(f"worker(s) {killed} did not stop within {self._grace_s:g} s of SIGINT and SIGTERM; "
+                       f"killed (SIGKILL)")
 
 
 def _die_with_parent() -> None:
@@ -266,7 +277,7 @@ MAX_WORKERS = 256
 """Most worker processes one launch starts on this machine (each is a TensorFlow process)."""
 
 MAX_GRACE_S = 3600.0
-"""Longest wait from SIGTERM to SIGKILL, seconds."""
+"""Longest wait from the first stop signal to SIGKILL, seconds."""
 
 
 def _exit_status(code: int) -> int:
@@ -279,7 +290,8 @@ def add_launch_arguments(parser) -> None:
     parser.add_argument("--emulate", default=None,
                         help="one catalog device per worker, comma-separated (e.g. A10,T4); sets HETERO_CS_EMULATE")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
-                        help=f"seconds from SIGTERM to SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
+                        help=f"seconds from SIGINT (SIGTERM at half) to SIGKILL when stopping workers (default "
+                             f"{DEFAULT_GRACE_S:g})")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 
 

@@ -97,8 +97,17 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "
                 f"training steps and caches nothing. Pass None or False."
             )
-        if emulate is None and os.environ.get(EMULATE_ENV_VAR, "").strip():
-            emulate = [name.strip() for name in os.environ[EMULATE_ENV_VAR].split(",")]
+        from_launch = os.environ.get(EMULATE_ENV_VAR, "").strip()
+        if emulate is None and from_launch:
+            emulate = [name.strip() for name in from_launch.split(",")]
+        elif emulate is not None and from_launch:
+            logger.warning(
+                "hetero_cs: emulate=%r given in the script wins over %s=%r (hetero-cs launch --emulate); drop one of "
+                "them.", emulate, EMULATE_ENV_VAR, from_launch)
+        if not os.environ.get("TF_CONFIG", "").strip():
+            logger.warning(
+                "hetero_cs: TF_CONFIG is not set, so this process is a cluster of one worker. Start every worker "
+                "with its TF_CONFIG, or on one machine: hetero-cs launch --workers N -- python your_script.py")
         from hetero_cs import emulation
 
         if emulate is not None and not isinstance(emulate, (list, tuple, emulation.Emulator)):

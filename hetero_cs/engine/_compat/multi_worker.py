@@ -26,6 +26,7 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from typing import Any
 
@@ -231,10 +232,18 @@ def _worker_lost(strategy, verb: str, exc: Exception):
 
     options = getattr(strategy.extended, "_communication_options", None)  # Private: the options MWMS was given.
     timeout_s = getattr(options, "timeout_seconds", None)
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip()
+    # TensorFlow's first line is often only "Graph execution error:"; the task that stopped answering is named
+    # further down, as "/job:worker/replica:0/task:<i>".
+    lost = sorted({int(t) for t in re.findall(r"/job:worker/replica:\d+/task:(\d+)", text)}
+                  - {id_in_cluster(strategy)})
+    detail = next((line.strip() for line in text.splitlines()
+                   if re.search(r"heartbeat|unavailable|deadline|timed? ?out|connect|task:\d", line, re.I)),
+                  text.splitlines()[0] if text else type(exc).__name__)
+    who = (f"worker {lost[0]}" if len(lost) == 1 else f"workers {lost}") if lost else "another worker of the cluster"
     return WorkerLostError(
-        f"model.{verb} stopped on worker {id_in_cluster(strategy)}: another worker of the cluster is gone or not "
-        f"answering ({type(exc).__name__}: {first_line}). Every worker runs the same steps in lockstep, so the "
+        f"model.{verb} stopped on worker {id_in_cluster(strategy)}: {who} is gone or not answering "
+        f"({type(exc).__name__}: {detail[:300]}). Every worker runs the same steps in lockstep, so the "
         f"job cannot go on without it (collective timeout: "
         f"{'none set' if timeout_s is None else f'{timeout_s:g} s'}). Check the other workers' logs, then restart "
         f"all workers; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup."
