@@ -42,6 +42,7 @@ class BalanceCallback(keras.callbacks.Callback):
         self._strategy = strategy
         self._samples = []
         self._last_step_seen = -1
+        self._guard_logged = False
 
     def on_train_begin(self, logs=None):
         strategy = self._strategy
@@ -97,11 +98,7 @@ class BalanceCallback(keras.callbacks.Callback):
             for i in range(self._strategy.num_replicas_in_sync):
                 cap = caps[i] if i < len(caps) else None
                 logs[f"replica_{i}_memory_cap"] = math.nan if cap is None else float(cap)
-        if balancer.guard_enabled:
-            decision = balancer.last_guard_decision  # NaN until the first decision (the key is in every epoch)
-            logs["guard_kept"] = math.nan if decision is None else (1.0 if decision.kept else 0.0)
-            logs["guard_in_trial"] = 1.0 if balancer.guard.in_trial else 0.0
-            logs["guard_reverts"] = float(balancer.guard.num_reverts)
+        self._guard_logged = add_guard_logs(logs, balancer, self._guard_logged)
         if not self._samples:
             if self._strategy._timing_enabled:  # noqa: SLF001 - no step timed this epoch: NaN keeps History aligned
                 logs["makespan_ms"] = logs["straggler_wait_ms"] = math.nan
@@ -112,3 +109,18 @@ class BalanceCallback(keras.callbacks.Callback):
         logs["straggler_wait_ms"] = statistics.median(s.straggler_wait_s for s in self._samples) * 1e3
         for i in range(len(self._samples[0].per_replica_step_times_s)):
             logs[f"replica_{i}_step_ms"] = statistics.median(s.per_replica_step_times_s[i] for s in self._samples) * 1e3
+
+
+def add_guard_logs(logs: dict, balancer, logged_before: bool) -> bool:
+    """Adds ``guard_kept`` (NaN before the first decision), ``guard_in_trial`` and ``guard_reverts`` to an epoch's
+    logs while the guard is on, and NaN for all three in later epochs once it is off (a ``batch_split`` set in
+    training), so History's lists stay aligned with the epochs. Returns whether the keys were added."""
+    if balancer.guard_enabled:
+        decision = balancer.last_guard_decision
+        logs["guard_kept"] = math.nan if decision is None else (1.0 if decision.kept else 0.0)
+        logs["guard_in_trial"] = 1.0 if balancer.guard.in_trial else 0.0
+        logs["guard_reverts"] = float(balancer.guard.num_reverts)
+        return True
+    if logged_before:
+        logs["guard_kept"] = logs["guard_in_trial"] = logs["guard_reverts"] = math.nan
+    return logged_before

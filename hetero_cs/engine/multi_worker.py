@@ -153,6 +153,7 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         self._lock = threading.Lock()
         self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
         self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
+        self._reported_step_times: list[list[float]] = []  # the chief's, per timed step: [R] seconds
         self._time_scale_set = False
 
     # ----------------------------------------------------------------------------------------------------------
@@ -180,6 +181,11 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
     def emulator(self):
         """The :class:`hetero_cs.emulation.Emulator` (every replica of the cluster), or None on real devices."""
         return self._emulator
+
+    @property
+    def agreed(self) -> bool:
+        """True when the chief decides the split of every step (auto_balance without a fixed batch_split, R > 1)."""
+        return self._agreed
 
     @property
     def calibrating(self) -> bool:
@@ -334,8 +340,19 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
             )
         if replica_id == 0 and self._served_index > 0:
-            self._planner.report(self._served_index - 1, agreed[R:2 * R])
+            times = [float(t) for t in agreed[R:2 * R]]
+            self._planner.report(self._served_index - 1, times)
+            if min(times) > 0.0:
+                with self._lock:
+                    self._reported_step_times.append(times)
         return sizes
+
+    def pop_reported_step_times(self) -> list[list[float]]:
+        """The chief's view: every replica's step time (seconds) of each timed step since the last call, as
+        reported through the agreement (empty on other workers and without auto_balance). For the epoch logs."""
+        with self._lock:
+            times, self._reported_step_times = self._reported_step_times, []
+        return times
 
     def _ensure_time_scale(self, global_batch_size: int) -> None:
         """Emulation: the time scale comes from the first global batch (the same on every worker)."""

@@ -99,3 +99,24 @@ def test_guard_false_uses_the_calibrated_plan_at_once():
     strategy.calibrate(model, (x[:B], y[:B]), progress=False)
     assert strategy.plan.per_replica_batch_sizes[0] > strategy.plan.per_replica_batch_sizes[1]
     assert strategy.balancer.last_guard_decision is None and not strategy.balancer.guard.in_trial
+
+
+def test_guard_keys_stay_in_every_epoch_after_a_batch_split_is_set_in_training():
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4", "P100"], profile_cache=False,
+                                            rebalance=False)
+    model = compiled(strategy)
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
+
+    class FixTheSplit(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                strategy.set_batch_split([2, 1, 1])  # the guard is off from here
+
+    history = model.fit(dataset, epochs=3, steps_per_epoch=4, verbose=0, callbacks=[FixTheSplit()])
+    for key in ("guard_kept", "guard_in_trial", "guard_reverts"):
+        values = history.history[key]
+        assert len(values) == 3, (key, values)
+        assert key == "guard_kept" or np.isfinite(values[0]), (key, values)  # guard_kept: NaN until a decision
+        assert np.isnan(values[1:]).all(), (key, values)  # NaN once the guard is off: History stays aligned
+    assert strategy.plan.per_replica_batch_sizes == (48, 24, 24)

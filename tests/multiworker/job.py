@@ -159,6 +159,8 @@ def main(argv=None) -> int:
                  for epoch in range(len(history.history["loss"]))] if "replica_0_batch_size" in history.history else []
         with open(os.path.join(args.out, "plans.json"), "w") as f:
             json.dump(plans, f)
+        with open(os.path.join(args.out, "history.json"), "w") as f:  # NaN is written as NaN (json's default)
+            json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f)
     _barrier(strategy)
     print("done", name, history.history["loss"], flush=True)
     return 0

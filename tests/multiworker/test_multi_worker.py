@@ -94,6 +94,12 @@ def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference)
     plans = json.loads((tmp_path / "plans.json").read_text())
     # The chief's History: the plan in force for the global batch of 16, at each epoch's end.
     assert plans[-1] == [9.0, 4.0, 3.0] != plans[-2], plans
+    # Every epoch of the chief's History also has the measured makespan and step times (the workers' reports) and
+    # the guard's state, as under the central-storage strategy.
+    history = json.loads((tmp_path / "history.json").read_text())
+    for key in ("makespan_ms", "replica_0_step_ms", "replica_2_step_ms", "guard_in_trial", "guard_reverts"):
+        assert len(history[key]) == 6, (key, history)
+    assert all(ms > 0 for ms in history["makespan_ms"][1:]), history  # every epoch after the first had timed steps
     _assert_equal_to_reference(tmp_path, 3, reference(6))
 
 
