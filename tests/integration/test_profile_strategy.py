@@ -219,3 +219,24 @@ def test_cli_calibrates_under_the_policy_asked_for_and_refuses_bf16_on_a_t4(on_p
         assert not (tmp_path / "bf16.json").exists()
     finally:
         keras.mixed_precision.set_global_policy(previous)
+
+
+def test_a_profile_calibrated_with_a_memory_override_matches_the_same_memory_only(tmp_path):
+    from calibration.result import CalibrationResult, DeviceProfile
+    from calibration.store import save_result_file
+    from hetero_cs import LinearCostModel
+
+    names = ["A10", "T4@48MB", "P100"]  # as `hetero-cs calibrate --emulate A10,T4@48MB,P100` records them
+    profiles = tuple(
+        DeviceProfile(device=f"/device:CPU:{i + 1}", cost_model=LinearCostModel(0.01, 1e-4), max_batch_size=None,
+                      fit_error=0.0, probe_batch_sizes=(1, 8), median_step_times_s=(0.01, 0.02), mad_s=(0.0, 0.0),
+                      emulated_as=name)
+        for i, name in enumerate(names)
+    )
+    path = tmp_path / "override.json"
+    save_result_file(path, CalibrationResult(profiles=profiles, wall_time_s=1.0, emulated=True))
+    for same in (names, ["a10", "t4@48mb", "p100"], ["A10", "T4@48000000B", "P100"]):
+        HeteroCentralStorageStrategy(emulate=same, profile=path, profile_cache=False)
+    with pytest.raises(ConfigError, match=r"emulating \['A10', 'T4@48MB', 'P100'\], but this strategy runs on .* "
+                                          r"emulating \['A10', 'T4', 'P100'\]"):
+        HeteroCentralStorageStrategy(emulate=["A10", "T4", "P100"], profile=path, profile_cache=False)
