@@ -33,6 +33,8 @@ from hetero_cs.errors import ConfigError
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
+_MAX_LINE_BYTES = 1 << 16
+_DRAIN_S = 1.0  # after the workers exited: how long their output may still arrive before leftover children die
 _EXAMPLE_NAMES = ("A10", "T4", "P100")
 
 
@@ -67,23 +69,47 @@ def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
     """``"A10,T4"`` -> ``["A10", "T4"]``, one catalog device per worker (checked against the catalog).
 
     Raises:
-        ConfigError: The list does not name one device per worker.
+        ConfigError: The list does not name one device per worker, or has an empty item.
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
     if text is None:
         return None
-    names = [name.strip() for name in text.split(",")]
-    if any(not name for name in names) or len(names) != num_workers:
+    return check_emulate([name.strip() for name in text.split(",")], num_workers, written=text)
+
+
+def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None = None) -> list[str]:
+    """``names`` as a list of catalog names, one per worker (see :func:`parse_emulate`)."""
+    shown = repr(written) if written is not None else repr(names)
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"emulate must be a list of catalog names (str), one per worker. Received: {names!r}. "
+                          f"Example: emulate={list(_example_names(num_workers))!r}.")
+    names = [name.strip() for name in names]
+    if any(not name for name in names):
+        raise ConfigError(f"--emulate has an empty name in {shown}: name one catalog device per worker, "
+                          f"comma-separated, e.g. --emulate {','.join(_example_names(num_workers))}.")
+    if len(names) != num_workers:
         raise ConfigError(
-            f"--emulate names one catalog device per worker, comma-separated: got {text!r} ({len(names)} names) "
-            f"for --workers {num_workers}. A worker's MultiWorkerMirroredStrategy runs one CPU replica, so give "
-            f"exactly {num_workers} names, e.g. --emulate {','.join(_EXAMPLE_NAMES[i % 3] for i in range(num_workers))}."
+            f"--emulate names one catalog device per worker: got {shown} ({len(names)} "
+            f"name{'s' if len(names) != 1 else ''}) for --workers {num_workers}. A worker's MultiWorkerMirroredStrategy "
+            f"runs one CPU replica, so give exactly {num_workers}, e.g. --emulate {','.join(_example_names(num_workers))}."
         )
     from hetero_cs.devices.catalog import get_device_spec
 
     for name in names:
         get_device_spec(name)
     return names
+
+
+def _example_names(count: int) -> list[str]:
+    return [_EXAMPLE_NAMES[i % 3] for i in range(max(count, 1))]
+
+
+def check_workers(num_workers) -> int:
+    """``num_workers`` if it is an int in [1, MAX_WORKERS], else ConfigError."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers must be an int in [1, {MAX_WORKERS}] (processes on this machine). "
+                          f"Received: {num_workers!r}.")
+    return num_workers
 
 
 class Launch:
@@ -102,24 +128,27 @@ class Launch:
 
     def __init__(self, command: Sequence[str], *, num_workers: int, emulate: Sequence[str] | None = None,
                  grace_s: float = DEFAULT_GRACE_S, output: TextIO | None = None):
+        if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
+            raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
+                              f"{command!r}.")
         if not command:
             raise ConfigError("hetero-cs launch needs a command after `--`, e.g. -- python train.py.")
-        if not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS:
-            raise ConfigError(f"--workers must be an int in [1, {MAX_WORKERS}] (processes on this machine). "
-                              f"Received: {num_workers!r}.")
-        if not (isinstance(grace_s, (int, float)) and 0 < grace_s <= MAX_GRACE_S):
+        check_workers(num_workers)
+        if isinstance(grace_s, bool) or not (isinstance(grace_s, (int, float)) and 0 < grace_s <= MAX_GRACE_S):
             raise ConfigError(f"grace_s must be a number of seconds in (0, {MAX_GRACE_S:g}]. Received: "
                               f"grace_s={grace_s!r}.")
         if not command[0] or shutil.which(command[0]) is None:
-            raise ConfigError(f"hetero-cs launch: cannot run {command[0]!r}: no such executable file (on PATH or as "
-                              f"a path). Received the command {list(command)!r}.")
-        if emulate is not None and len(emulate) != num_workers:
-            raise ConfigError(f"emulate names one device per worker: {len(emulate)} names for {num_workers} workers.")
+            what = ("not executable (chmod +x it, or run it through its interpreter)"
+                    if os.path.isfile(command[0]) else "no such executable file (on PATH or as a path)")
+            raise ConfigError(f"cannot run {command[0]!r}: {what}. Received the command {list(command)!r}.")
+        if emulate is not None:
+            emulate = check_emulate(emulate, num_workers)
         self._command = list(command)
         self._num_workers = num_workers
         self._emulate = None if emulate is None else list(emulate)
         self._grace_s = float(grace_s)
-        self._output = output or sys.stdout
+        # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.
+        self._output = output or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - lives as long as the launch
         self._print_lock = threading.Lock()
         self._writable = True  # False once our own output is closed
         self._processes: list[subprocess.Popen] = []
@@ -136,7 +165,9 @@ class Launch:
 
     def _pump(self, index: int, stream) -> None:
         prefix = f"[worker {index}] "
-        for raw in iter(stream.readline, b""):  # drained to the end, so a worker never blocks on a full pipe
+        # Drained to the end, so a worker never blocks on a full pipe; a line longer than _MAX_LINE_BYTES is
+        # printed in pieces (each prefixed), so one endless line cannot fill the launcher's memory.
+        for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
             self._write(prefix + raw.decode(errors="replace").rstrip("\n") + "\n")
         stream.close()
 
@@ -146,7 +177,11 @@ class Launch:
             if not self._writable:
                 return
             try:
-                self._output.write(text)
+                try:
+                    self._output.write(text)
+                except UnicodeEncodeError:  # an output encoding that cannot show the worker's text (e.g. ascii)
+                    encoding = getattr(self._output, "encoding", None) or "ascii"
+                    self._output.write(text.encode(encoding, errors="replace").decode(encoding))
                 self._output.flush()
             except (BrokenPipeError, ValueError, OSError):
                 self._writable = False
@@ -177,11 +212,18 @@ class Launch:
         status = 0
         try:
             for index in range(self._num_workers):
-                process = subprocess.Popen(
-                    self._command, env=self._environment(ports, index), stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+                try:
+                    process = subprocess.Popen(
+                        self._command, env=self._environment(ports, index), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                except OSError as exc:  # e.g. a script without a #! line, or whose #! names a missing interpreter
+                    raise ConfigError(
+                        f"cannot run {self._command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script "
+                        f"needs a first line #!/path/to/interpreter naming an interpreter that exists, or run it "
+                        f"through one (-- python script.py). Received the command {self._command!r}."
+                    ) from None
                 self._processes.append(process)
             # Pumps start once every worker is started: preexec_fn runs between fork and exec, which is safe only
             # while this process has no other threads.
@@ -194,13 +236,18 @@ class Launch:
             self._stop_all()
             raise
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            # The workers have exited. Their output may still arrive for a moment; a pipe still open after that is
+            # held by a child a worker left behind in its process group, which is killed with the group.
+            deadline = time.monotonic() + _DRAIN_S
+            for pump in pumps:
+                pump.join(timeout=max(0.0, deadline - time.monotonic()))
+            for process in self._processes:  # children a worker left behind, even after a clean exit
+                _signal_group(process, signal.SIGKILL)
             for pump in pumps:
                 pump.join(timeout=self._grace_s)
             self._write("")  # flushes now, so the interpreter's flush at exit cannot fail on a closed output
-            for process in self._processes:  # children a worker left behind, even after a clean exit
-                _signal_group(process, signal.SIGKILL)
+            for sig, handler in previous.items():  # last: a signal until here still stops what is left
+                signal.signal(sig, handler)
         return status
 
     def _on_signal(self, signum, _frame) -> None:
@@ -300,5 +347,6 @@ def run_launch(args) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
+    check_workers(args.workers)  # before the --emulate list is measured against it
     emulate = parse_emulate(args.emulate, args.workers)
     return Launch(command, num_workers=args.workers, emulate=emulate, grace_s=args.grace_s).run()

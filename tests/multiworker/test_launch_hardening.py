@@ -112,3 +112,87 @@ def test_a_closed_output_is_pointed_at_devnull_so_the_exit_flush_cannot_fail():
         assert launch.run() == 0
         output.write("text left in the buffer at exit\n")
         output.flush()  # would raise BrokenPipeError had the launcher left the closed pipe in place
+
+
+def test_a_file_that_cannot_be_executed_is_a_one_line_error(tmp_path):
+    script = tmp_path / "no_shebang.sh"
+    script.write_text("echo hi\n")
+    script.chmod(0o755)  # executable, but no #! line: exec fails with "Exec format error"
+    done = subprocess.run(_launch("--workers", "2", "--", str(script)), env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "cannot run" in done.stderr and "#!" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    done = subprocess.run(_launch("--workers", "1", "--", str(plain)), env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "not executable (chmod +x it" in done.stderr, done.stderr
+
+
+def test_text_the_output_encoding_cannot_show_is_replaced_not_a_reason_to_go_silent():
+    script = "import sys; sys.stdout.buffer.write('bar \\u2501\\u2501 done\\n'.encode()); sys.exit(3)"
+    done = subprocess.run(_launch("--workers", "1", "--", sys.executable, "-c", script),
+                          env={**_env(), "PYTHONIOENCODING": "ascii"}, capture_output=True, timeout=120)
+    assert done.returncode == 3
+    out = done.stdout.decode("ascii")
+    assert "[worker 0] bar ?? done" in out and "[launch] worker 0 exited with status 3" in out, out
+
+
+def test_a_launcher_without_stdout_still_drains_the_workers(tmp_path):
+    script = "for i in range(100000): print(i)"
+    launch = " ".join(f"'{part}'" for part in _launch("--workers", "2", "--", sys.executable, "-c", script))
+    done = subprocess.run(["bash", "-c", f"exec >&-; {launch}"], env=_env(), capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_an_endless_line_is_printed_in_pieces():
+    script = "import sys; sys.stdout.write('x' * 1_000_000); sys.stdout.flush()"  # no newline at all
+    done = subprocess.run(_launch("--workers", "1", "--", sys.executable, "-c", script), env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    pieces = [line for line in done.stdout.splitlines() if line.startswith("[worker 0] ")]
+    assert len(pieces) >= 15 and sum(len(p) - len("[worker 0] ") for p in pieces) == 1_000_000
+
+
+def test_a_clean_exit_does_not_wait_the_grace_for_a_background_child(tmp_path):
+    # The worker exits at once, leaving a child that holds its output pipe: the launcher must not wait the 300 s
+    # grace for that pipe, and must not leave the child running.
+    script = ("import os, subprocess, sys\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "open(os.path.join(sys.argv[1], f'pid{os.getpid()}'), 'w').write(str(child.pid))\n")
+    done = subprocess.run(_launch("--workers", "1", "--grace-s", "300", "--", sys.executable, "-c", script,
+                                  str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (child,) = _pids(tmp_path, 1)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_launch_arguments_are_checked_with_clear_errors():
+    import pytest
+
+    from hetero_cs.errors import ConfigError
+    from hetero_cs.launch import Launch, parse_emulate
+
+    with pytest.raises(ConfigError, match=r"empty name in 'A10,,'"):
+        parse_emulate("A10,,", 3)
+    with pytest.raises(ConfigError, match=r"\(1 name\) for --workers 2"):
+        parse_emulate("A10", 2)
+    for bad in (dict(command="python train.py"), dict(command=["true", 3])):
+        with pytest.raises(ConfigError, match="must be a list of str"):
+            Launch(bad["command"], num_workers=1)
+    with pytest.raises(ConfigError, match="--workers must be an int"):
+        Launch(["true"], num_workers=True)
+    with pytest.raises(ConfigError, match="grace_s must be"):
+        Launch(["true"], num_workers=1, grace_s=True)
+    with pytest.raises(ConfigError, match="list of catalog names"):
+        Launch(["true"], num_workers=3, emulate="A10")
+    from hetero_cs.errors import UnknownEmulatedDeviceError
+
+    with pytest.raises(UnknownEmulatedDeviceError):
+        Launch(["true"], num_workers=2, emulate=["XYZ", "T4"])
+    done = subprocess.run(_launch("--workers", "0", "--emulate", "A10", "--", "true"), env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--workers must be an int" in done.stderr, done.stderr
