@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     workload = Workload(flops_per_example=2e7, parameter_bytes=10_000, activation_bytes_per_example=activation)
     memory = lambda n: workload.fixed_memory_bytes + n * activation  # noqa: E731
     mix = list(names)
-    mix[1] = f"{names[1]}@{memory(args.cap)}B"
+    mix[1] = f"{names[1].partition('@')[0]}@{memory(args.cap)}B"  # this benchmark sets replica 1's memory
     emulator = Emulator(mix, workload=workload, time_scale=20.0,
                         drift=[Drift(replica_id=1, from_step=args.drop_at, memory_bytes=memory(args.low_cap))])
     policy = MemoryRecoveryPolicy(grow_after_steps=1, max_grow_after_steps=1, growth_factor=4.0, max_retries=4)

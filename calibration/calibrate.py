@@ -307,7 +307,8 @@ def calibrate(
         calibrations = []
         # A heading above each bar, as model.fit prints "Epoch 1/5", where the INFO log lines that say the same
         # ("Warming up replica i ...", "Timing N device(s) interleaved ...") are not shown.
-        headings = verbose and not logger.isEnabledFor(logging.INFO)
+        headings = (verbose and not logger.isEnabledFor(logging.INFO)
+                    and keras.config.is_interactive_logging_enabled())  # else the bars go to absl logging
         if headings:
             print(f"hetero_cs calibration: warming up {num_replicas} device(s) at their probe batch sizes",
                   flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -104,6 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HeteroCSError as exc:
         print(f"hetero-cs {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Our output was closed (`| head`): stop quietly, and point stdout at /dev/null so that the interpreter's
+        # last flush does not fail as well (the recipe of Python's `signal` docs, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # as a shell reports a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

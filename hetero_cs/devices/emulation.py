@@ -438,14 +438,16 @@ class Emulator:
                      if global_batch_size and workload is not None else None)
             dtype = "float32" if workload is None else workload.compute_dtype  # the peak figure the replicas use
             short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+            width = max([6] + [len(spec.name) for spec in self._specs])  # "T4@48MB" is wider than "A10"
             lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
-                     f"{'replica':>7}  {'device':<6} {short + ' TF':>8} {'PCIe':>9}  {'step (even split)':>18}  drift"]
+                     f"{'replica':>7}  {'device':<{width}} {short + ' TF':>8} {'PCIe':>9}  {'step (even split)':>18}  "
+                     f"drift"]
             for i, spec in enumerate(self._specs):
                 link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
                 step_text = "-"
                 if split is not None:
                     step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
                 drift_text = ", ".join(d.describe() for d in self._drift if d.replica_id == i) or "-"
-                lines.append(f"{i:>7}  {spec.name:<6} {spec.peak_tflops(dtype):>8.1f} {link:>9}  {step_text:>18}  "
+                lines.append(f"{i:>7}  {spec.name:<{width}} {spec.peak_tflops(dtype):>8.1f} {link:>9}  {step_text:>18}  "
                              f"{drift_text}")
         return lines

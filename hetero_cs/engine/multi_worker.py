@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.cluster_planner import ClusterPlanner
-from hetero_cs.errors import ConfigError, InputError
+from hetero_cs.errors import ConfigError, HeteroCSError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.plan import BatchPlan
 
@@ -98,8 +98,10 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"training steps and caches nothing. Pass None or False."
             )
         from_launch = os.environ.get(EMULATE_ENV_VAR, "").strip()
+        source = "emulate"  # where the names came from, for the errors below
         if emulate is None and from_launch:
             emulate = [name.strip() for name in from_launch.split(",")]
+            source = f"{EMULATE_ENV_VAR}={from_launch!r} (set by hetero-cs launch --emulate; emulate=None)"
         elif emulate is not None and from_launch:
             logger.warning(
                 "hetero_cs: emulate=%r given in the script wins over %s=%r (hetero-cs launch --emulate); drop one of "
@@ -115,7 +117,12 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"HeteroMultiWorkerMirroredStrategy(emulate=...) takes catalog device names (a list of str, one per "
                 f"replica of the cluster) or a hetero_cs.emulation.Emulator, not {type(emulate).__name__}. "
                 f"Received: emulate={emulate!r}.")
-        emulator, emulate = arguments.emulation_names(emulate)
+        try:
+            emulator, emulate = arguments.emulation_names(emulate)
+        except HeteroCSError as exc:
+            if source == "emulate":
+                raise
+            raise type(exc)(f"{source}: {exc}") from None
         # MultiWorkerMirroredStrategy must be built before TensorFlow initialises (it configures collective ops):
         # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.
         super().__init__(communication_options=communication_options)
@@ -130,8 +137,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         shares = None if batch_split is None else arguments.checked_shares(batch_split, R)
         if emulate is not None and len(emulate) != R:
             raise ConfigError(
-                f"emulate names one catalog device per replica of the whole cluster, in task-index order: "
-                f"len(emulate)={len(emulate)}, num_replicas_in_sync={R} ({R // self._num_local} workers x "
+                f"{source} names one catalog device per replica of the whole cluster, in task-index order: "
+                f"{len(emulate)} names, num_replicas_in_sync={R} ({R // self._num_local} workers x "
                 f"{self._num_local} local replicas). Give exactly {R} names."
             )
         self._emulator = None

@@ -290,3 +290,14 @@ def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_on
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-3000:]
     assert "TF_CONFIG is not set, so this process is a cluster of one worker" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_bad_emulate_list_from_the_launcher_names_its_variable():
+    code = "import hetero_cs; hetero_cs.HeteroMultiWorkerMirroredStrategy()"
+    for value, match in (("A10,XYZ", "Unknown emulated device"), ("A10,T4", "names one catalog device per replica")):
+        env = {**_env(), "HETERO_CS_EMULATE": value}
+        env.pop("TF_CONFIG", None)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode != 0
+        assert f"HETERO_CS_EMULATE='{value}' (set by hetero-cs launch --emulate" in done.stderr, done.stderr[-3000:]
+        assert match in done.stderr, done.stderr[-3000:]
