@@ -49,7 +49,6 @@ class ClusterPlanner:
         self._probe_steps = int(probe_steps)
         self._reference: int | None = None
         self._served = 0  # steps of the reference size served while calibrating
-        self._probes_served = 0
         self._probe_sizes: dict[int, tuple[int, ...]] = {}  # step index -> probe split served
         self._points: list[tuple[list[int], list[float]]] = []  # per replica: sizes, times
         self._step_index = 0  # steps served (all sizes), to pair reports with what was served
@@ -60,18 +59,6 @@ class ClusterPlanner:
     def calibrating(self) -> bool:
         """True until the probes were fitted (or calibration was not asked for)."""
         return self._calibrating
-
-    @property
-    def reference_batch_size(self) -> int | None:
-        """The first global batch size served (the training batch; probes are served for it only), or None."""
-        return self._reference
-
-    def discard(self, step_index: int) -> None:
-        """Forgets what was served for ``step_index``: it was not run as served (another batch size came), so no
-        time will be reported for it."""
-        with self._lock:
-            self._probe_sizes.pop(step_index, None)
-            self._served_sizes.pop(step_index, None)
 
     def sizes(self, global_batch_size: int) -> tuple[tuple[int, ...], int]:
         """The split of the next global batch, and the index of the step it is served for.
@@ -88,13 +75,9 @@ class ClusterPlanner:
                     self._reference = B
                     self._balancer.plan_for(B)  # the reference size, as the first batch sets it
                 if B == self._reference:
+                    probe = self._served - WARMUP_STEPS
                     self._served += 1
-                    # A probe that was never timed (discarded, or untimed) is served again later: probes go on
-                    # until probe_steps of them were timed.
-                    outstanding = len(self._probe_sizes)
-                    if self._served > WARMUP_STEPS and len(self._points) + outstanding < self._probe_steps:
-                        probe = self._probes_served
-                        self._probes_served += 1
+                    if 0 <= probe < self._probe_steps:
                         R = self._balancer.num_replicas
                         shares = [PROBE_FACTORS[(i + probe) % len(PROBE_FACTORS)] for i in range(R)]
                         sizes = tuple(int(b) for b in split_by_shares(B, shares))

@@ -34,12 +34,11 @@ from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.cluster_planner import ClusterPlanner
 from hetero_cs.errors import ConfigError, HeteroCSError, InputError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.plan import BatchPlan, split_by_shares
+from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
-_AGREEMENT_SLOTS = 4  # per replica: next split, previous step time, its slice size, this step's global batch
 
 
 class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -160,12 +159,7 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         self._timing = self._agreed or self._emulator is not None
         self._lock = threading.Lock()
         self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
-        # The pipelined agreement (see _step_sizes), per local replica: steps begun, and the agreed vector of the
-        # step each was agreed for; on the chief, the planner's index of the split served at each step.
-        self._replica_steps: dict[int, int] = {}
-        self._agreed_for: dict[tuple[int, int], np.ndarray] = {}
-        self._chief_next_index: dict[int, int] = {}
-        self._chief_step_index: dict[int, int | None] = {}
+        self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
         self._reported_step_times: list[list[float]] = []  # the chief's, per timed step: [R] seconds
         self._time_scale_set = False
 
@@ -304,32 +298,21 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         return replica_fn
 
     def _step_sizes(self, global_batch_size, replica_id: int, context):
-        """The split of this step's global batch (int32 [R]), the same on every worker.
-
-        With the chief deciding (auto_balance), the split of step k was agreed in step k-1: this step's agreement
-        all-reduce carries the chief's split for step k+1 (and every replica's time of step k-1), so it runs beside
-        this step's compute instead of in front of it (the compute depends only on the split read first).
-        """
+        """The split of this step's global batch (int32 [R]), the same on every worker."""
         R = self.num_replicas_in_sync
         if not self._agreed:
             sizes = tf.numpy_function(self._local_sizes, [global_batch_size], tf.int64, name="hetero_cs_plan")
         else:
-            sizes = tf.numpy_function(
-                functools.partial(self._agreed_sizes, replica_id), [global_batch_size], tf.int64,
-                name="hetero_cs_plan",
-            )
-            # `sizes` feeds the proposal so that the read above comes first (this step's adopt writes the split of
-            # the next step); nothing of the compute waits for the proposal, the all-reduce or the adopt.
             proposal = tf.numpy_function(
-                functools.partial(self._proposal, replica_id), [global_batch_size, sizes], tf.float64,
+                functools.partial(self._proposal, replica_id), [global_batch_size], tf.float64,
                 name="hetero_cs_plan_proposal",
             )
-            proposal.set_shape([_AGREEMENT_SLOTS * R])
+            proposal.set_shape([3 * R])
             agreed = context.all_reduce(tf.distribute.ReduceOp.SUM, proposal)
-            tf.numpy_function(
+            sizes = tf.numpy_function(
                 functools.partial(self._adopt, replica_id), [agreed, global_batch_size], tf.int64,
                 name="hetero_cs_plan_adopt",
-            )  # stateful: it runs (tf.function runs every stateful op) though nothing reads its output
+            )
         sizes.set_shape([R])
         return tf.cast(sizes, tf.int32)
 
@@ -338,76 +321,38 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         self._ensure_time_scale(B)
         return np.asarray(self._balancer.plan_for(B).per_replica_batch_sizes, dtype=np.int64)
 
-    def _agreed_sizes(self, replica_id: int, global_batch_size) -> np.ndarray:
-        """The split agreed in this replica's previous step for this one; even for the first step. A batch of
-        another size (a last partial batch, or evaluate's) is cut in the agreed proportions: every worker
-        computes the same sizes from the same agreed vector."""
+    def _proposal(self, replica_id: int, global_batch_size) -> np.ndarray:
+        """This replica's part of the agreement vector: [chief's split (R), step times (R), slice sizes (R)]."""
         R = self.num_replicas_in_sync
         B = int(global_batch_size)
         self._ensure_time_scale(B)
-        with self._lock:
-            step = self._replica_steps.get(replica_id, 0)
-            self._replica_steps[replica_id] = step + 1
-            agreed = self._agreed_for.pop((replica_id, step), None)
-        planned = None if agreed is None else np.rint(agreed[:R]).astype(np.int64)
-        if planned is not None and int(planned.sum()) == B:
-            sizes, served = planned, True
-        elif planned is not None and int(planned.sum()) > 0:
-            sizes, served = np.asarray(split_by_shares(B, planned.tolist()), dtype=np.int64), False
-        else:
-            sizes, served = np.asarray(split_by_shares(B, [1.0] * R), dtype=np.int64), False
+        vector = np.zeros(3 * R, dtype=np.float64)
         if replica_id == 0:
-            with self._lock:
-                # The chief's index of the split this step uses; None when it was re-cut (its times would be
-                # paired with sizes that were not run).
-                index = self._chief_next_index.pop(step, None)
-                self._chief_step_index[step] = index if served else None
-            if index is not None and not served:
-                self._planner.discard(index)
-        return sizes
-
-    def _proposal(self, replica_id: int, global_batch_size, _sizes_read_first) -> np.ndarray:
-        """This replica's part of the agreement vector: [chief's split of the next step (R), step times of the
-        previous step (R), their slice sizes (R), this step's global batch size (R)]."""
-        R = self.num_replicas_in_sync
-        B = int(global_batch_size)
-        vector = np.zeros(_AGREEMENT_SLOTS * R, dtype=np.float64)
-        with self._lock:
-            step = self._replica_steps[replica_id] - 1  # this replica's current step (counted by _agreed_sizes)
-            last = self._last_step.pop(replica_id, None)
-        if replica_id == 0:
-            # For the next step, expected to be of the training batch's size (after a last partial batch too).
-            sizes, index = self._planner.sizes(self._planner.reference_batch_size or B)
-            with self._lock:
-                self._chief_next_index[step + 1] = index
+            sizes, index = self._planner.sizes(B)
+            self._served_index = index
             vector[:R] = sizes
+        with self._lock:
+            last = self._last_step.pop(replica_id, None)
         if last is not None:
             vector[2 * R + replica_id], vector[R + replica_id] = last
-        vector[3 * R + replica_id] = B
         return vector
 
     def _adopt(self, replica_id: int, agreed, global_batch_size) -> np.ndarray:
         R = self.num_replicas_in_sync
-        B = int(global_batch_size)
-        batch_sizes = np.rint(agreed[3 * R:4 * R]).astype(np.int64)
-        if (batch_sizes != B).any():
+        sizes = np.rint(agreed[:R]).astype(np.int64)
+        if int(sizes.sum()) != int(global_batch_size):
             raise InputError(
-                f"The workers do not read the same data: in this step their global batches have "
-                f"{batch_sizes.tolist()} examples (one per replica, in task order); this worker's has {B}. Every "
-                f"worker must iterate the same dataset of global batches in the same order (no sharding, the same "
-                f"shuffle seed)."
+                f"The workers do not read the same data: this worker's global batch has {int(global_batch_size)} "
+                f"examples but the chief split {int(sizes.sum())} ({sizes.tolist()}). Every worker must iterate the "
+                f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
             )
-        with self._lock:
-            step = self._replica_steps[replica_id] - 1
-            self._agreed_for[(replica_id, step + 1)] = np.asarray(agreed, dtype=np.float64)
-            previous = self._chief_step_index.pop(step - 1, None) if replica_id == 0 else None
-        if replica_id == 0 and previous is not None:
-            times = [float(t) for t in agreed[R:2 * R]]  # measured in the previous step
-            self._planner.report(previous, times)
+        if replica_id == 0 and self._served_index > 0:
+            times = [float(t) for t in agreed[R:2 * R]]
+            self._planner.report(self._served_index - 1, times)
             if min(times) > 0.0:
                 with self._lock:
                     self._reported_step_times.append(times)
-        return np.zeros(0, dtype=np.int64)
+        return sizes
 
     def pop_reported_step_times(self) -> list[list[float]]:
         """The chief's view: every replica's step time (seconds) of each timed step since the last call, as

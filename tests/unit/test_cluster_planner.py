@@ -97,23 +97,3 @@ def test_a_global_batch_too_small_to_probe_every_replica_keeps_the_even_split(B)
         assert sum(sizes) == B
         planner.report(index, _emulated_times(sizes, seconds_per_example=(1e-4,) * R))
     assert not planner.calibrating
-
-
-def test_a_discarded_probe_is_served_again_until_enough_probes_were_timed():
-    # The multi-worker strategy discards what it served for a step that came with another batch size (a last
-    # partial batch): that probe is never timed, so another one takes its place.
-    R, B = 3, 600
-    balancer = Balancer(R, guard=False, rebalance=False)
-    planner = ClusterPlanner(balancer, calibrate=True)
-    timed = 0
-    for step in range(40):
-        sizes, index = planner.sizes(B)
-        if not planner.calibrating:
-            break
-        if step % 3 == 2:
-            planner.discard(index)  # every third step: not run as served
-        else:
-            planner.report(index, _emulated_times(sizes))
-            timed += 1
-    assert not planner.calibrating and planner.calibration_points is not None
-    assert len(planner.calibration_points) == 6 and timed == WARMUP_STEPS + 6
