@@ -20,6 +20,7 @@ collective keys).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -39,6 +40,7 @@ from hetero_cs.planning.plan import BatchPlan
 logger = logging.getLogger(__name__)
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
+_MAX_REPORTED_STEPS = 100_000
 
 
 class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -160,7 +162,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         self._lock = threading.Lock()
         self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
         self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
-        self._reported_step_times: list[list[float]] = []  # the chief's, per timed step: [R] seconds
+        # The chief's, per timed step: [R] seconds (bounded: evaluate and predict report too, and nobody may read).
+        self._reported_step_times: collections.deque = collections.deque(maxlen=_MAX_REPORTED_STEPS)
         self._time_scale_set = False
 
     # ----------------------------------------------------------------------------------------------------------
@@ -358,7 +361,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         """The chief's view: every replica's step time (seconds) of each timed step since the last call, as
         reported through the agreement (empty on other workers and without auto_balance). For the epoch logs."""
         with self._lock:
-            times, self._reported_step_times = self._reported_step_times, []
+            times = list(self._reported_step_times)
+            self._reported_step_times.clear()
         return times
 
     def _ensure_time_scale(self, global_batch_size: int) -> None:

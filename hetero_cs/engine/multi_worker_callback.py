@@ -38,6 +38,9 @@ class MultiWorkerCallback(keras.callbacks.Callback):
     def on_predict_begin(self, logs=None):
         self._strategy.prepare_emulation(self.model)
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._strategy.pop_reported_step_times()  # the epoch's own steps only (not the last validation's)
+
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or not self._strategy.is_chief:
             return
