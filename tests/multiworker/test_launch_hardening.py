@@ -47,11 +47,13 @@ def test_a_command_that_does_not_exist_is_a_one_line_error():
 
 
 def test_children_left_by_workers_that_exited_cleanly_are_stopped(tmp_path):
+    # Each worker exits at once, leaving a child that holds its output pipe: the launcher must neither wait the
+    # 300 s grace for that pipe (the 100 s timeout would fail the test) nor leave the children running.
     script = ("import os, subprocess, sys\n"
               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
               "open(os.path.join(sys.argv[1], f'pid{os.getpid()}'), 'w').write(str(child.pid))\n")
-    done = subprocess.run(_launch("--workers", "2", "--grace-s", "2", "--", sys.executable, "-c", script,
-                                  str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(_launch("--workers", "2", "--grace-s", "300", "--", sys.executable, "-c", script,
+                                  str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout + done.stderr
     children = _pids(tmp_path, 2)
     deadline = time.monotonic() + 10
@@ -152,22 +154,6 @@ def test_an_endless_line_is_printed_in_pieces():
     assert done.returncode == 0
     pieces = [line for line in done.stdout.splitlines() if line.startswith("[worker 0] ")]
     assert len(pieces) >= 15 and sum(len(p) - len("[worker 0] ") for p in pieces) == 1_000_000
-
-
-def test_a_clean_exit_does_not_wait_the_grace_for_a_background_child(tmp_path):
-    # The worker exits at once, leaving a child that holds its output pipe: the launcher must not wait the 300 s
-    # grace for that pipe, and must not leave the child running.
-    script = ("import os, subprocess, sys\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-              "open(os.path.join(sys.argv[1], f'pid{os.getpid()}'), 'w').write(str(child.pid))\n")
-    done = subprocess.run(_launch("--workers", "1", "--grace-s", "300", "--", sys.executable, "-c", script,
-                                  str(tmp_path)), env=_env(), capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stdout + done.stderr
-    (child,) = _pids(tmp_path, 1)
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child)
 
 
 def test_launch_arguments_are_checked_with_clear_errors():
