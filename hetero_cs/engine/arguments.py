@@ -218,3 +218,13 @@ def memory_policy(oom_recovery):
         f"Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2)."
     )
 
+
+
+def validate_fused_update(fused_update) -> None:
+    """Raises ConfigError unless ``fused_update`` is None, True or False."""
+    if fused_update is None or isinstance(fused_update, bool):
+        return
+    raise ConfigError(
+        f"fused_update must be None (the default: Keras' own optimizers), True or False. Received: "
+        f"fused_update={fused_update!r}. Pass fused_update=False to run the optimizer's update without XLA."
+    )

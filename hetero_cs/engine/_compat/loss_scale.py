@@ -106,7 +106,7 @@ def _divide(grad, scale):
     return grad / tf.cast(scale, grad.dtype)
 
 
-def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update, decay=None):
+def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
     """Cross-replica (the inner optimizer's update merge): one loss-scaled step, judged on the summed gradient.
 
     Args:
@@ -115,8 +115,8 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update, 
         distribution: Our strategy.
         grads_and_vars: (summed scaled gradient, variable) pairs, gradients as all-reduced values.
         clip: ``clip(grads) -> grads``: the inner optimizer's clipping of the unscaled summed gradients.
-        update: ``update(grads_and_vars)``: the inner optimizer's variable updates (cross-replica).
-        decay: ``decay()`` applying deferred decoupled weight decay first, or None.
+        update: ``update(grads_and_vars)``: the inner optimizer's whole host update (cross-replica): deferred
+            decoupled weight decay first, then every variable's update.
 
     Returns:
         The finiteness of the step, a bool scalar tensor on the parameter device.
@@ -132,8 +132,6 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update, 
         unscaled = clip([None if g is None else _divide(g, scale) for g, _ in pairs])
 
     def apply_step():
-        if decay is not None:
-            decay()
         update(list(zip(unscaled, variables)))
         return tf.constant(True)
 

@@ -9,7 +9,7 @@ import functools
 
 import tensorflow as tf
 
-from hetero_cs.engine import training
+from hetero_cs.engine import fused_update, training
 from hetero_cs.engine._compat import loss_scale
 from hetero_cs.engine._compat.distribute import (
     current_hetero_strategy,
@@ -102,15 +102,22 @@ def _patch_optimizer() -> None:
         barrier = [token] if getattr(token, "graph", None) is current_graph and not tf.executing_eagerly() else []
         decay = decay[1] if decay is not None and decay[0] is self else None
         scaler = loss_scale.pending_scaler(self)
+
+        def update(pairs):  # the host update: deferred weight decay first (one device's order), then Keras' own
+            if decay is not None:
+                _weight_decay_cross_replica(self, distribution, decay)
+            return original_update_step(self, distribution, pairs, learning_rate)
+
+        grads_and_vars = list(grads_and_vars)
+        summed = [t for g, _ in grads_and_vars if g is not None for t in distribution.experimental_local_results(g)]
+        if fused_update.applies(distribution.fused_update, self, summed):
+            update = fused_update.compiled(update, distribution.parameter_device)
         with tf.control_dependencies(barrier):
             if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
                 return loss_scale.apply_or_skip(
                     scaler, self, distribution, grads_and_vars, clip=functools.partial(original_clip, self),
-                    update=lambda pairs: original_update_step(self, distribution, pairs, learning_rate),
-                    decay=None if decay is None else lambda: _weight_decay_cross_replica(self, distribution, decay))
-            if decay is not None:
-                _weight_decay_cross_replica(self, distribution, decay)
-            return original_update_step(self, distribution, grads_and_vars, learning_rate)
+                    update=update)
+            return update(grads_and_vars)
 
     original_apply_gradients = TFOptimizer.apply_gradients
 
