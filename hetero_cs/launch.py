@@ -3,8 +3,8 @@
 Every worker gets the same command and a ``TF_CONFIG`` that names all N workers on free 127.0.0.1 ports and its own
 task index, which is what ``tf.distribute.MultiWorkerMirroredStrategy`` (and so
 :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy`) reads to form the cluster. With ``emulate`` each worker also
-gets ``HETERO_CS_EMULATE`` (the catalog device of every worker, in task order) so that the strategy emulates an
-unlike device per worker on a CPU-only machine.
+gets ``HETERO_CS_EMULATE`` (the catalog devices of every worker, in task order: ``"A10,T4"``, or ``"A10+T4,P100+T4"``
+for two replicas per worker) so that the strategy emulates unlike devices on a CPU-only machine.
 
 Every line a worker prints (stdout and stderr together) is printed with a ``[worker i]`` prefix. The launcher's
 exit status is the first failing worker's (a worker killed by signal ``s`` counts as ``128 + s``), else 0. When a
@@ -66,10 +66,14 @@ def tf_config(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> str:
 
 
 def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
-    """``"A10,T4"`` -> ``["A10", "T4"]``, one catalog device per worker (checked against the catalog).
+    """``"A10,T4"`` -> ``["A10", "T4"]``: one entry per worker, each a catalog device or several joined by ``+``.
+
+    ``"A10+T4,P100+T4"`` gives each of 2 workers two local replicas (worker 0 emulates an A10 and a T4, worker 1 a
+    P100 and a T4). Every worker needs the same number of replicas (MultiWorkerMirroredStrategy's rule).
 
     Raises:
-        ConfigError: The list does not name one device per worker, or has an empty item.
+        ConfigError: The list does not name one entry per worker, has an empty name, or gives the workers different
+            numbers of replicas.
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
     if text is None:
@@ -78,26 +82,37 @@ def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
 
 
 def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None = None) -> list[str]:
-    """``names`` as a list of catalog names, one per worker (see :func:`parse_emulate`)."""
+    """``names`` as a list of per-worker entries (``"A10"`` or ``"A10+T4"``), checked (see :func:`parse_emulate`)."""
     shown = repr(written) if written is not None else repr(names)
     if isinstance(names, str) or not all(isinstance(name, str) for name in names):
         raise ConfigError(f"emulate must be a list of catalog names (str), one per worker. Received: {names!r}. "
                           f"Example: emulate={list(_example_names(num_workers))!r}.")
-    names = [name.strip() for name in names]
-    if any(not name for name in names):
+    groups = [[part.strip() for part in name.split("+")] for name in names]
+    if any(not part for group in groups for part in group):
         raise ConfigError(f"--emulate has an empty name in {shown}: name one catalog device per worker, "
-                          f"comma-separated, e.g. --emulate {','.join(_example_names(num_workers))}.")
-    if len(names) != num_workers:
+                          f"comma-separated, e.g. --emulate {','.join(_example_names(num_workers))} (or several per "
+                          f"worker joined by +, e.g. --emulate A10+T4,P100+T4).")
+    if len(groups) != num_workers:
         raise ConfigError(
-            f"--emulate names one catalog device per worker: got {shown} ({len(names)} "
-            f"name{'s' if len(names) != 1 else ''}) for --workers {num_workers}. A worker's MultiWorkerMirroredStrategy "
-            f"runs one CPU replica, so give exactly {num_workers}, e.g. --emulate {','.join(_example_names(num_workers))}."
+            f"--emulate names the devices of each worker, one comma-separated entry per worker: got {shown} "
+            f"({len(groups)} entr{'ies' if len(groups) != 1 else 'y'}) for --workers {num_workers}. Give exactly "
+            f"{num_workers}, e.g. --emulate {','.join(_example_names(num_workers))}; several replicas per worker are "
+            f"joined by +, e.g. A10+T4."
+        )
+    sizes = sorted({len(group) for group in groups})
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"--emulate gives the workers different numbers of replicas: {shown} has "
+            f"{[len(group) for group in groups]} per worker. MultiWorkerMirroredStrategy needs the same number of "
+            f"replicas on every worker; give each worker {sizes[-1]} (e.g. add a device to the others) or split a "
+            f"worker's devices over more workers."
         )
     from hetero_cs.devices.catalog import get_device_spec
 
-    for name in names:
-        get_device_spec(name)
-    return names
+    for group in groups:
+        for part in group:
+            get_device_spec(part)
+    return ["+".join(group) for group in groups]
 
 
 def _example_names(count: int) -> list[str]:
@@ -118,7 +133,8 @@ class Launch:
     Args:
         command: The command every worker runs (argv list, non-empty).
         num_workers: N >= 1.
-        emulate: One catalog device name per worker, or None.
+        emulate: One entry per worker: a catalog device name, or several joined by ``+`` (the same number on every
+            worker: that many local replicas each); or None.
         grace_s: Seconds from the first signal (SIGINT) to SIGKILL when stopping workers, > 0.
         output: Where the prefixed lines go (default: this process's stdout).
 
@@ -335,7 +351,8 @@ def add_launch_arguments(parser) -> None:
     """The ``hetero-cs launch`` options."""
     parser.add_argument("--workers", type=int, required=True, help="number of worker processes (N >= 1)")
     parser.add_argument("--emulate", default=None,
-                        help="one catalog device per worker, comma-separated (e.g. A10,T4); sets HETERO_CS_EMULATE")
+                        help="the catalog devices of each worker, comma-separated (e.g. A10,T4); several replicas "
+                             "per worker joined by + (e.g. A10+T4,P100+T4); sets HETERO_CS_EMULATE")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds from SIGINT (SIGTERM at half) to SIGKILL when stopping workers (default "
                              f"{DEFAULT_GRACE_S:g})")

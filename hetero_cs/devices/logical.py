@@ -70,3 +70,44 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
             logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
                            threads, wanted_threads)
     return device_names
+
+
+def setup_worker_replica_cpus(count: int) -> list[str]:
+    """Splits a multi-worker process's CPU into ``count`` logical devices, one per local replica.
+
+    For :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy` emulating several devices per worker: its replicas run on
+    ``CPU:0..count-1`` (there is no separate parameter device: every replica keeps its own copy of the variables).
+    Must run before TensorFlow initialises its devices; raises the inter-op thread pool to at least ``count + 2``
+    threads, so the replicas' emulated waits overlap.
+
+    Args:
+        count: Local replicas, >= 1.
+
+    Returns:
+        ``["/device:CPU:0", ..., "/device:CPU:{count-1}"]``.
+
+    Raises:
+        ConfigError: ``count`` is not an int >= 1.
+        EmulationError: TensorFlow is already initialised with fewer than ``count`` logical CPU devices.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"count={count!r} must be an int >= 1 (local replicas of this worker).")
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        configured = tf.config.get_logical_device_configuration(cpu) or []
+        if len(configured) < count:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+        threads = tf.config.threading.get_inter_op_parallelism_threads()
+        if threads == 0 or threads < count + 2:
+            tf.config.threading.set_inter_op_parallelism_threads(count + 2)
+    except RuntimeError as exc:  # TF refuses once its context is initialised.
+        existing = tf.config.list_logical_devices("CPU")
+        if len(existing) < count:
+            raise EmulationError(
+                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but this worker "
+                f"emulates {count} local replicas. Build the HeteroMultiWorkerMirroredStrategy before any "
+                f"TensorFlow op runs (first thing in the script).") from exc
+    return [f"/device:CPU:{i}" for i in range(count)]

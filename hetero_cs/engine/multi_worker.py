@@ -49,7 +49,7 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
     Variables are mirrored on every replica, as under MultiWorkerMirroredStrategy; the cluster comes from
     ``TF_CONFIG`` (``hetero-cs launch --workers N -- COMMAND`` sets it for N workers on this machine). Replicas are
     numbered in task-index order, then local order (``replica_id_in_sync_group``); on a CPU-only worker there is one
-    replica per worker.
+    replica per worker, or one per emulated device when ``emulate`` names several per worker.
 
     Example (the same script on every worker)::
 
@@ -66,9 +66,11 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         rebalance: With auto_balance, re-plan when measured step times drift (the chief decides; all adopt).
         batch_split: Fixed relative shares for all replicas of all workers, in task-index then local order
             (length ``num_replicas_in_sync``); overrides auto_balance.
-        emulate: Catalog device names for all replicas of all workers, in the same order (length
-            ``num_replicas_in_sync``), e.g. ``["A10", "T4"]``: each replica then also waits for the time its named
-            device would take. Or a :class:`hetero_cs.emulation.Emulator` over those names, e.g. with
+        emulate: Catalog device names for all replicas of all workers, in task-index then local order, e.g.
+            ``["A10", "T4"]`` (one replica per worker on 2 workers) or ``["A10", "T4", "P100", "T4"]`` (2 workers
+            of 2 replicas each: the name count is a multiple of the workers in ``TF_CONFIG``, and each worker then
+            runs that many replicas on logical CPU devices). Each replica computes on the CPU and then also waits
+            for the time its named device would take. Or a :class:`hetero_cs.emulation.Emulator` over those names, e.g. with
             ``drift=[Drift(replica_id=0, factor=3.0, from_step=40)]`` (cluster replica ids; every worker must build
             the same one: it is not sent between workers). None reads ``HETERO_CS_EMULATE`` (set by
             ``hetero-cs launch --emulate``).
@@ -80,7 +82,10 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
 
     Raises:
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
-        ConfigError: ``emulate`` of the wrong length, or a profile_cache other than None/False.
+        ConfigError: ``emulate`` of the wrong length (not a multiple of the workers, or not one name per replica
+            of a GPU cluster), or a profile_cache other than None/False.
+        EmulationError: Several emulated replicas per worker, but TensorFlow was initialised before the strategy
+            was built (it cannot create their logical CPU devices any more).
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
     """
 
@@ -101,8 +106,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             )
         from_launch = os.environ.get(EMULATE_ENV_VAR, "").strip()
         source = "emulate"  # where the names came from, for the errors below
-        if emulate is None and from_launch:
-            emulate = [name.strip() for name in from_launch.split(",")]
+        if emulate is None and from_launch:  # one entry per worker; several local replicas joined by "+"
+            emulate = [name.strip() for entry in from_launch.split(",") for name in entry.split("+")]
             source = f"{EMULATE_ENV_VAR}={from_launch!r} (set by hetero-cs launch --emulate; emulate=None)"
         elif emulate is not None and from_launch:
             logger.warning(
@@ -127,7 +132,13 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             raise type(exc)(f"{source}: {exc}") from None
         # MultiWorkerMirroredStrategy must be built before TensorFlow initialises (it configures collective ops):
         # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.
-        super().__init__(communication_options=communication_options)
+        local_replicas = 1 if emulate is None else _emulated_local_replicas(len(emulate), source)
+        if local_replicas > 1:  # several emulated devices per worker: one logical CPU device per local replica
+            from hetero_cs.devices.logical import setup_worker_replica_cpus
+
+            setup_worker_replica_cpus(local_replicas)
+        with _compat.local_cpu_replicas(local_replicas):
+            super().__init__(communication_options=communication_options)
         _compat.install()
         _compat.install_multi_worker()
         setattr(self, _compat.MULTI_WORKER_MARKER, True)
@@ -406,6 +417,26 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         if not _has_ours(callbacks):
             callbacks.insert(0, MultiWorkerCallback(self))
         return callbacks
+
+
+def cluster_workers() -> int:
+    """The number of workers (chief included) that ``TF_CONFIG`` names; 1 without ``TF_CONFIG``."""
+    if not os.environ.get("TF_CONFIG", "").strip():
+        return 1
+    spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec().as_dict()
+    return max(1, sum(len(spec.get(job, ())) for job in ("chief", "worker")))
+
+
+def _emulated_local_replicas(num_names: int, source: str) -> int:
+    """Local replicas per worker when ``num_names`` emulated devices are spread over the cluster's workers."""
+    workers = cluster_workers()
+    if num_names % workers:
+        raise ConfigError(
+            f"{source} names {num_names} emulated devices for {workers} workers: every worker runs the same number "
+            f"of replicas (MultiWorkerMirroredStrategy's rule), so give a multiple of {workers}, in task-index then "
+            f"local order (e.g. 2 per worker: ['A10', 'T4', 'P100', 'T4'] for workers [A10, T4] and [P100, T4])."
+        )
+    return num_names // workers
 
 
 def _has_ours(callbacks) -> bool:

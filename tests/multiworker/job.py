@@ -100,7 +100,8 @@ def main(argv=None) -> int:
             from hetero_cs.emulation import Drift, Emulator
 
             replica, factor, from_step = args.drift.split(":")
-            kwargs["emulate"] = Emulator(os.environ["HETERO_CS_EMULATE"].split(","), drift=[
+            names = [name for entry in os.environ["HETERO_CS_EMULATE"].split(",") for name in entry.split("+")]
+            kwargs["emulate"] = Emulator(names, drift=[
                 Drift(replica_id=int(replica), factor=float(factor), from_step=int(from_step))])
         if args.timeout_s is not None:
             kwargs["communication_options"] = tf.distribute.experimental.CommunicationOptions(

@@ -164,8 +164,10 @@ def test_launch_arguments_are_checked_with_clear_errors():
 
     with pytest.raises(ConfigError, match=r"empty name in 'A10,,'"):
         parse_emulate("A10,,", 3)
-    with pytest.raises(ConfigError, match=r"\(1 name\) for --workers 2"):
+    with pytest.raises(ConfigError, match=r"\(1 entry\) for --workers 2"):
         parse_emulate("A10", 2)
+    with pytest.raises(ConfigError, match=r"empty name in 'A10\+,T4\+P100'"):
+        parse_emulate("A10+,T4+P100", 2)
     for bad in (dict(command="python train.py"), dict(command=["true", 3])):
         with pytest.raises(ConfigError, match="must be a list of str"):
             Launch(bad["command"], num_workers=1)

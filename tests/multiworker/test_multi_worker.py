@@ -1,4 +1,4 @@
-"""HeteroMultiWorkerMirroredStrategy across worker processes on 127.0.0.1 (CPU, one replica per worker).
+"""HeteroMultiWorkerMirroredStrategy across worker processes on 127.0.0.1 (CPU; one replica per worker, or two).
 
 Each test starts TensorFlow processes (the workers, configured once each); the test process itself never imports
 TensorFlow. The oracle is single-device Keras training on the whole batch (``job.py --reference``).
@@ -101,6 +101,25 @@ def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference)
         assert len(history[key]) == 6, (key, history)
     assert all(ms > 0 for ms in history["makespan_ms"][1:]), history  # every epoch after the first had timed steps
     _assert_equal_to_reference(tmp_path, 3, reference(6))
+
+
+def test_two_workers_of_two_emulated_replicas_each_auto_balance_equal_one_device(tmp_path, reference):
+    # --emulate A10+T4,P100+T4: each worker runs 2 replicas on 2 logical CPU devices (4 in the cluster, numbered in
+    # task-index then local order), and TensorFlow's collectives span all 4. The chief's agreement vector now
+    # carries two local replicas per worker; in the last epoch the chief alone switches to 7,4,3,2.
+    stdout = _launch(tmp_path, 2, "--split", "auto", "--epochs", "6", "--replan-at-epoch", "5",
+                     "--replan-split", "7,4,3,2", emulate="A10+T4,P100+T4",
+                     HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5")
+    assert "[worker 0] hetero_cs.engine.multi_worker: hetero_cs: timings are EMULATED - this worker's replicas " \
+           "[0, 1] emulate ['A10', 'T4']" in stdout, stdout
+    assert "[worker 1] hetero_cs.engine.multi_worker: hetero_cs: timings are EMULATED - this worker's replicas " \
+           "[2, 3] emulate ['P100', 'T4']" in stdout, stdout
+    assert "[worker 0] replanning now" in stdout, stdout
+    plans = json.loads((tmp_path / "plans.json").read_text())
+    assert plans[-1] == [7.0, 4.0, 3.0, 2.0] != plans[-2], plans
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert all(len(history[f"replica_{i}_step_ms"]) == 6 for i in range(4)), history
+    _assert_equal_to_reference(tmp_path, 2, reference(6))
 
 
 @pytest.mark.slow
@@ -278,9 +297,12 @@ def test_launch_rejects_an_emulate_list_of_the_wrong_length():
     from hetero_cs.errors import ConfigError
     from hetero_cs.launch import parse_emulate
 
-    with pytest.raises(ConfigError, match="one catalog device per worker.*--emulate A10,T4,P100"):
+    with pytest.raises(ConfigError, match="one comma-separated entry per worker.*--emulate A10,T4,P100"):
         parse_emulate("A10,T4", 3)
+    with pytest.raises(ConfigError, match=r"different numbers of replicas.*\[2, 1\] per worker.*give each worker 2"):
+        parse_emulate("A10+T4,P100", 2)
     assert parse_emulate("a10, T4", 2) == ["a10", "T4"]
+    assert parse_emulate("A10 + T4,P100+t4", 2) == ["A10+T4", "P100+t4"]
 
 
 def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_one():
@@ -294,10 +316,13 @@ def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_on
 
 def test_a_bad_emulate_list_from_the_launcher_names_its_variable():
     code = "import hetero_cs; hetero_cs.HeteroMultiWorkerMirroredStrategy()"
-    for value, match in (("A10,XYZ", "Unknown emulated device"), ("A10,T4", "names one catalog device per replica")):
-        env = {**_env(), "HETERO_CS_EMULATE": value}
-        env.pop("TF_CONFIG", None)
+    # Two workers in TF_CONFIG (nothing connects: the names are checked before the cluster is formed).
+    two_workers = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker",
+                                                                                           "index": 0}})
+    for value, match in (("A10,XYZ", "Unknown emulated device"),
+                         ("A10,T4,P100", "names 3 emulated devices for 2 workers.*multiple of 2")):
+        env = {**_env(), "HETERO_CS_EMULATE": value, "TF_CONFIG": two_workers}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode != 0
         assert f"HETERO_CS_EMULATE='{value}' (set by hetero-cs launch --emulate" in done.stderr, done.stderr[-3000:]
-        assert match in done.stderr, done.stderr[-3000:]
+        assert re.search(match, done.stderr, re.S), done.stderr[-3000:]

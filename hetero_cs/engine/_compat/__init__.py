@@ -57,6 +57,7 @@ from hetero_cs.engine._compat.multi_worker import (
     install_multi_worker,
     is_multi_worker_strategy,
     is_tf_function,
+    local_cpu_replicas,
     mark_distributed_dataset,
     skip_partial_batch_agreement,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "install_multi_worker",
     "is_multi_worker_strategy",
     "is_tf_function",
+    "local_cpu_replicas",
     "mark_distributed_dataset",
     "skip_partial_batch_agreement",
     "FirstBatchReader",

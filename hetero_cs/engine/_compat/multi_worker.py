@@ -20,11 +20,14 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
    totals and counts summed over the cluster (Keras' metric variables are ON_READ / SUM; one all-reduce for all
    of them, see ``summed_metric_results``): the single-device value. A log that is not a metric is averaged with
    ``axis=None``. ``predict``'s
-   ``"concat"`` is left to Keras (it gathers slices of unequal length in replica order, which is batch order here).
+   ``"concat"`` is left to Keras with one replica per worker (it gathers slices of unequal length in replica order,
+   which is batch order here); with several, Keras re-orders them for TensorFlow's own input layout, so the
+   gathered slices are taken as they come instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -97,6 +100,14 @@ def _patch_reduce_per_replica() -> None:
 
     @functools.wraps(original)
     def reduce_per_replica(values, strategy, reduction):
+        if (reduction == "concat" and is_multi_worker_strategy(strategy)
+                and len(strategy.extended.worker_devices) > 1):
+            # predict's outputs with several replicas per worker. Keras' _multi_worker_concat re-orders the gathered
+            # slices as local replica 0 of every worker, then local replica 1, ..., which is not where our replicas'
+            # slices come from: each cuts its contiguous part of the global batch in cluster replica order (task,
+            # then local), the order strategy.gather returns them in. So the gathered rows are the batch's order.
+            return tf.nest.map_structure(
+                lambda v: strategy.gather(v, axis=0) if isinstance(v, tf.distribute.DistributedValues) else v, values)
         if not is_multi_worker_strategy(strategy) or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)
         model = getattr(_current_model, "model", None)
@@ -252,6 +263,50 @@ def _worker_lost(strategy, verb: str, exc: Exception):
 
 _install_lock = threading.Lock()
 _installed = False
+
+
+_local_cpus = threading.local()  # .count while a HeteroMultiWorkerMirroredStrategy with CPU replicas is built here
+_local_devices_lock = threading.Lock()
+_local_devices_patched = False
+
+
+@contextlib.contextmanager
+def local_cpu_replicas(count: int):
+    """While a HeteroMultiWorkerMirroredStrategy is built in this block, its worker runs ``count`` replicas on the
+    logical CPU devices ``CPU:0..count-1`` (which must exist) instead of TensorFlow's one CPU replica."""
+    global _local_devices_patched
+    with _local_devices_lock:
+        if not _local_devices_patched:
+            _patch_local_devices()
+            _local_devices_patched = True
+    _local_cpus.count = int(count)
+    try:
+        yield
+    finally:
+        _local_cpus.count = None
+
+
+def _patch_local_devices() -> None:
+    # Private: CollectiveAllReduceExtended._initialize_local_devices chooses a worker's local replicas: every GPU,
+    # else exactly one CPU replica, and MultiWorkerMirroredStrategy has no argument to give them in a cluster (only
+    # its single-worker path takes a device list, through the private _from_local_devices). Emulating several unlike
+    # devices per worker on a CPU-only machine needs one replica per logical CPU device. The patch answers only
+    # while local_cpu_replicas() is active in this thread (our strategy's own construction); otherwise, and for
+    # one replica, TensorFlow's own choice stands. TensorFlow's collectives then span those devices like GPUs
+    # (group size = replicas per worker x workers, the same on every worker).
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
+    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices  # noqa: SLF001
+
+    @functools.wraps(original)
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        count = getattr(_local_cpus, "count", None)
+        if not count or count == 1:
+            return original(self, cluster_resolver, worker_device)
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
+
+    extended._initialize_local_devices = _initialize_local_devices  # noqa: SLF001
 
 
 def install_multi_worker() -> None:
