@@ -219,7 +219,6 @@ def memory_policy(oom_recovery):
     )
 
 
-
 def validate_fused_update(fused_update) -> None:
     """Raises ConfigError unless ``fused_update`` is None, True or False."""
     if fused_update is None or isinstance(fused_update, bool):

@@ -89,7 +89,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             1 ms of host time per step; True: on everywhere.
         fused_update: Compile the optimizer's update on the parameter device with XLA, as one function per trace
             (:mod:`hetero_cs.engine.fused_update`): it runs on the host between every two steps, and fused it took
-            about 45 % less time for an MLP's Adam on a CPU host. None (the default): for Keras' own optimizers
+            about 40 % less time for an MLP's Adam on a CPU host. None (the default): for Keras' own optimizers
             with dense gradients; True: for any optimizer (one whose update XLA cannot compile then fails at its
             first step); False: never. Never for eager steps (``run_eagerly=True``).
 
