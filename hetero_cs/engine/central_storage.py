@@ -423,8 +423,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         return error if error is not None and raised_by_input_pipeline(exc, error) else None
 
     def _replica_step_error(self, exc: Exception):
-        """The input pipeline's own error if it is what failed, else a ReplicaStepError naming the replica, or None."""
-        return self._input_error_raised(exc) or replica_step_error(
+        """The input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
+        update, else a ReplicaStepError naming the replica, or None."""
+        from hetero_cs.engine.fused_update import compile_error
+
+        return self._input_error_raised(exc) or compile_error(exc) or replica_step_error(
             exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan
         )
 

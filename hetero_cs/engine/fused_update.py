@@ -7,8 +7,9 @@ pass over the variable, its slots and its gradient), which TensorFlow runs one k
 (``tf.function(jit_compile=True)``), the update of every variable becomes a few fused loops instead.
 
 Measured on the 2-core CPU host of ``benchmarks/balance.py`` (MLP 784-256-256-10, 269,322 parameters, Adam): the
-update alone took 2.8-3.1 ms plain and 1.6-1.7 ms compiled (median of 50 calls each); the host's work outside the
-replicas per step fell from 6.0-6.4 ms to 4.2-4.6 ms (see benchmarks/README.md).
+update alone took 2.8-3.1 ms plain and 1.6-1.7 ms compiled (median of 50 calls each); auto_balance's host work
+outside the replicas per step fell from 6.4-6.6 ms to 3.9-4.7 ms, and the benchmark's efficiency from 0.959-0.966
+to 0.973-0.989 (two quiet ``--all-mixes`` runs; benchmarks/README.md).
 
 What does not change: the update's arithmetic is Keras' own (``optimizer.update_step`` and decoupled weight decay),
 run in the same order, on the same variables, behind the same barrier; XLA may round a fused expression
@@ -24,9 +25,12 @@ optimizer whose update uses an op XLA cannot compile fails at its first step, an
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
+
+from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +72,35 @@ def compiled(update: Callable[[list], object], device: str) -> Callable[[list], 
     """
 
     def run(grads_and_vars: list) -> tf.Tensor:
-        def fused():
+        def hetero_cs_fused_update():  # the name TensorFlow's errors quote (see compile_error)
             update(grads_and_vars)
             return tf.constant(True)
 
         logger.debug("hetero_cs: the optimizer update of %d variables on %s is compiled with XLA (fused_update).",
                      len(grads_and_vars), device)
         with tf.device(device):
-            return tf.function(fused, jit_compile=True, autograph=False)()
+            return tf.function(hetero_cs_fused_update, jit_compile=True, autograph=False)()
 
     return run
+
+
+def compile_error(exc: Exception) -> ConfigError | None:
+    """A ConfigError with the fix when TensorFlow's ``exc`` says XLA could not compile the fused update, else None.
+
+    That happens with ``fused_update=True`` and an optimizer whose update uses an op XLA has no kernel for (a
+    ``tf.py_function``, a string op, ...); Keras' own optimizers compile.
+    """
+    if not isinstance(exc, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
+        return None
+    message = str(exc)
+    if "hetero_cs_fused_update" not in message or not re.search(r"XLA|compile|jit", message, re.IGNORECASE):
+        return None
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    # TensorFlow's message starts with "Graph execution error:" and stack notes; the line that names the op is it.
+    reason = next((line for line in lines if "unsupported operations" in line),
+                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)), type(exc).__name__))
+    return ConfigError(
+        f"XLA could not compile the optimizer's update on the parameter device (fused_update): {reason[:500]} "
+        f"Pass fused_update=False to HeteroCentralStorageStrategy to run the update without XLA, or None (the "
+        f"default) to compile only Keras' own optimizers."
+    )

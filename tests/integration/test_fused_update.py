@@ -145,3 +145,28 @@ def test_applies_follows_the_setting_the_optimizer_and_the_gradients():
 def test_a_bad_setting_is_a_config_error_naming_the_value(bad):
     with pytest.raises(ConfigError, match=r"fused_update=.*" + repr(bad).replace(".", r"\.")):
         HeteroCentralStorageStrategy(DEVICES, fused_update=bad, profile_cache=False)
+
+
+class PyFunctionSGD(keras.optimizers.SGD):
+    """A user's optimizer whose update runs a Python function, which XLA cannot compile."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        halved = tf.py_function(lambda g: g * 0.5, [gradient], gradient.dtype)
+        super().update_step(tf.reshape(halved, tf.shape(gradient)), variable, learning_rate)
+
+
+def test_an_update_xla_cannot_compile_is_a_config_error_with_the_fix_and_false_runs_it():
+    x, y = data()
+    with strategy_with(True).scope():
+        model = make_model(PyFunctionSGD(0.05))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ConfigError, match=r"XLA could not compile the optimizer's update.*fused_update=False"):
+        model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    for w0, w in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(w, w0)  # nothing of the failed step applied
+    reference = make_model(PyFunctionSGD(0.05))
+    ref_history = reference.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    with strategy_with(False).scope():
+        model = make_model(PyFunctionSGD(0.05))
+    history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert_same_training(reference, ref_history, model, history)
