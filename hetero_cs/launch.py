@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
@@ -106,6 +107,12 @@ def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None
             f"{[len(group) for group in groups]} per worker. MultiWorkerMirroredStrategy needs the same number of "
             f"replicas on every worker; give each worker {sizes[-1]} (e.g. add a device to the others) or split a "
             f"worker's devices over more workers."
+        )
+    if sizes[-1] > MAX_EMULATED_REPLICAS_PER_WORKER:
+        raise ConfigError(
+            f"--emulate gives each worker {sizes[-1]} emulated replicas in {shown}; at most "
+            f"{MAX_EMULATED_REPLICAS_PER_WORKER} per worker are supported (more stalled in testing: their emulated "
+            f"waits block beside the CPU collectives). Use more --workers with fewer devices each."
         )
     from hetero_cs.devices.catalog import get_device_spec
 

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, tensors, training
+from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.engine.cluster_planner import ClusterPlanner
 from hetero_cs.errors import ConfigError, HeteroCSError, InputError
 from hetero_cs.planning.balancer import Balancer
@@ -107,8 +108,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         from_launch = os.environ.get(EMULATE_ENV_VAR, "").strip()
         source = "emulate"  # where the names came from, for the errors below
         if emulate is None and from_launch:  # one entry per worker; several local replicas joined by "+"
-            emulate = [name.strip() for entry in from_launch.split(",") for name in entry.split("+")]
             source = f"{EMULATE_ENV_VAR}={from_launch!r} (set by hetero-cs launch --emulate; emulate=None)"
+            emulate = _names_per_worker(from_launch, source)
         elif emulate is not None and from_launch:
             logger.warning(
                 "hetero_cs: emulate=%r given in the script wins over %s=%r (hetero-cs launch --emulate); drop one of "
@@ -124,6 +125,11 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"HeteroMultiWorkerMirroredStrategy(emulate=...) takes catalog device names (a list of str, one per "
                 f"replica of the cluster) or a hetero_cs.emulation.Emulator, not {type(emulate).__name__}. "
                 f"Received: emulate={emulate!r}.")
+        if isinstance(emulate, (list, tuple)) and any(isinstance(n, str) and "+" in n for n in emulate):
+            raise ConfigError(
+                f"emulate={list(emulate)!r}: in a script, emulate= is a flat list of catalog names for all replicas, "
+                f"in task-index then local order (e.g. ['A10', 'T4', 'P100', 'T4'] for 2 workers of 2); the A10+T4 "
+                f"form is for hetero-cs launch --emulate and HETERO_CS_EMULATE.")
         try:
             emulator, emulate = arguments.emulation_names(emulate)
         except HeteroCSError as exc:
@@ -427,6 +433,21 @@ def cluster_workers() -> int:
     return max(1, sum(len(spec.get(job, ())) for job in ("chief", "worker")))
 
 
+def _names_per_worker(text: str, source: str) -> list[str]:
+    """``HETERO_CS_EMULATE``'s entries (one per worker, ``+`` between a worker's devices) as a flat list, checked
+    against the workers in ``TF_CONFIG``: an entry per worker, the same number of devices in each."""
+    groups = [[name.strip() for name in entry.split("+")] for entry in text.split(",")]
+    workers = cluster_workers()
+    sizes = [len(group) for group in groups]
+    if "+" in text and (len(groups) != workers or len(set(sizes)) != 1):
+        raise ConfigError(
+            f"{source} gives {len(groups)} worker entries of {sizes} devices, but TF_CONFIG names {workers} "
+            f"worker(s): give one entry per worker, comma-separated, each with the same number of devices joined by "
+            f"+ (e.g. A10+T4,P100+T4 for 2 workers of 2 replicas)."
+        )
+    return [name for group in groups for name in group]
+
+
 def _emulated_local_replicas(num_names: int, source: str) -> int:
     """Local replicas per worker when ``num_names`` emulated devices are spread over the cluster's workers."""
     workers = cluster_workers()
@@ -436,7 +457,15 @@ def _emulated_local_replicas(num_names: int, source: str) -> int:
             f"of replicas (MultiWorkerMirroredStrategy's rule), so give a multiple of {workers}, in task-index then "
             f"local order (e.g. 2 per worker: ['A10', 'T4', 'P100', 'T4'] for workers [A10, T4] and [P100, T4])."
         )
-    return num_names // workers
+    per_worker = num_names // workers
+    if per_worker > MAX_EMULATED_REPLICAS_PER_WORKER:
+        raise ConfigError(
+            f"{source} gives each of {workers} worker(s) {per_worker} emulated replicas; at most "
+            f"{MAX_EMULATED_REPLICAS_PER_WORKER} per worker process are supported (more stalled in testing: their "
+            f"emulated waits block beside the CPU collectives). Use more workers (hetero-cs launch --workers) with "
+            f"fewer devices each."
+        )
+    return per_worker
 
 
 def _has_ours(callbacks) -> bool:

@@ -303,6 +303,8 @@ def test_launch_rejects_an_emulate_list_of_the_wrong_length():
         parse_emulate("A10+T4,P100", 2)
     assert parse_emulate("a10, T4", 2) == ["a10", "T4"]
     assert parse_emulate("A10 + T4,P100+t4", 2) == ["A10+T4", "P100+t4"]
+    with pytest.raises(ConfigError, match="each worker 5 emulated replicas.*at most 4 per worker"):
+        parse_emulate("A10+T4+P100+T4+A10,T4+T4+T4+T4+T4", 2)
 
 
 def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_one():
@@ -320,9 +322,16 @@ def test_a_bad_emulate_list_from_the_launcher_names_its_variable():
     two_workers = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker",
                                                                                            "index": 0}})
     for value, match in (("A10,XYZ", "Unknown emulated device"),
-                         ("A10,T4,P100", "names 3 emulated devices for 2 workers.*multiple of 2")):
+                         ("A10,T4,P100", "names 3 emulated devices for 2 workers.*multiple of 2"),
+                         ("A10+T4+P100,T4", r"2 worker entries of \[3, 1\] devices.*same number of devices")):
         env = {**_env(), "HETERO_CS_EMULATE": value, "TF_CONFIG": two_workers}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode != 0
         assert f"HETERO_CS_EMULATE='{value}' (set by hetero-cs launch --emulate" in done.stderr, done.stderr[-3000:]
         assert re.search(match, done.stderr, re.S), done.stderr[-3000:]
+    # In a script, emulate= is a flat list; the launcher's A10+T4 form is refused with the flat form to use.
+    code = "import hetero_cs; hetero_cs.HeteroMultiWorkerMirroredStrategy(emulate=['A10+T4', 'P100+T4'])"
+    env = {**_env(), "TF_CONFIG": two_workers}
+    env.pop("HETERO_CS_EMULATE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0 and "emulate= is a flat list" in done.stderr, done.stderr[-3000:]
