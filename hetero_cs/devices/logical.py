@@ -46,33 +46,12 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
         raise ConfigError(f"names={names!r} must be a non-empty sequence of catalog names, e.g. ['A10', 'T4'].")
     for name in names:
         get_device_spec(name)
-    import tensorflow as tf
-
     num_replicas = len(names)
-    wanted_devices = num_replicas + 1
-    wanted_threads = num_replicas + 2
-    device_names = [f"/device:CPU:{i}" for i in range(1, wanted_devices)]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        configured = tf.config.get_logical_device_configuration(cpu) or []
-        if len(configured) < wanted_devices:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(wanted_devices)])
-            logger.info("Emulated devices %s on %s.", list(names), device_names)
-        threads = tf.config.threading.get_inter_op_parallelism_threads()
-        if threads == 0 or threads < wanted_threads:
-            tf.config.threading.set_inter_op_parallelism_threads(wanted_threads)
-    except RuntimeError as exc:  # TF refuses once its context is initialised.
-        existing = tf.config.list_logical_devices("CPU")
-        if len(existing) < wanted_devices:
-            raise EmulationError(
-                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but "
-                f"{wanted_devices} are needed for names={list(names)}. Call setup_logical_devices(...) before any "
-                f"TensorFlow op runs (first thing in main, or in a conftest).") from exc
-        threads = tf.config.threading.get_inter_op_parallelism_threads() or (os.cpu_count() or 1)
-        if threads < wanted_threads:
-            logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
-                           threads, wanted_threads)
+    device_names = [f"/device:CPU:{i}" for i in range(1, num_replicas + 1)]
+    if _split_host_cpu(num_replicas + 1, num_replicas + 2, needed_for=f"names={list(names)}",
+                       fix="Call setup_logical_devices(...) before any TensorFlow op runs (first thing in main, or in "
+                           "a conftest)."):
+        logger.info("Emulated devices %s on %s.", list(names), device_names)
     return device_names
 
 
@@ -96,22 +75,39 @@ def setup_worker_replica_cpus(count: int) -> list[str]:
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"count={count!r} must be an int >= 1 (local replicas of this worker).")
+    _split_host_cpu(count, count + 2, needed_for=f"this worker's {count} emulated local replicas",
+                    fix="Build the HeteroMultiWorkerMirroredStrategy before any TensorFlow op runs (first thing in "
+                        "the script).")
+    return [f"/device:CPU:{i}" for i in range(count)]
+
+
+def _split_host_cpu(num_devices: int, min_threads: int, *, needed_for: str, fix: str) -> bool:
+    """Splits the host CPU into at least ``num_devices`` logical devices and raises the inter-op thread pool to at
+    least ``min_threads`` (so emulated waits overlap); True when it configured the devices now.
+
+    Once TensorFlow is initialised it can change neither: enough existing devices are taken as they are (a warning
+    when the thread pool is smaller), too few raise EmulationError with ``needed_for`` and ``fix``.
+    """
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
-        configured = tf.config.get_logical_device_configuration(cpu) or []
-        if len(configured) < count:
+        created = len(tf.config.get_logical_device_configuration(cpu) or []) < num_devices
+        if created:
             tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)])
         threads = tf.config.threading.get_inter_op_parallelism_threads()
-        if threads == 0 or threads < count + 2:
-            tf.config.threading.set_inter_op_parallelism_threads(count + 2)
+        if threads == 0 or threads < min_threads:
+            tf.config.threading.set_inter_op_parallelism_threads(min_threads)
+        return created
     except RuntimeError as exc:  # TF refuses once its context is initialised.
         existing = tf.config.list_logical_devices("CPU")
-        if len(existing) < count:
+        if len(existing) < num_devices:
             raise EmulationError(
-                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but this worker "
-                f"emulates {count} local replicas. Build the HeteroMultiWorkerMirroredStrategy before any "
-                f"TensorFlow op runs (first thing in the script).") from exc
-    return [f"/device:CPU:{i}" for i in range(count)]
+                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but {num_devices} are "
+                f"needed for {needed_for}. {fix}") from exc
+        threads = tf.config.threading.get_inter_op_parallelism_threads() or (os.cpu_count() or 1)
+        if threads < min_threads:
+            logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",
+                           threads, min_threads)
+        return False
