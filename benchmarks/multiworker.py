@@ -22,6 +22,8 @@ guard). Prints, from the chief:
 * ``measured_on_final_plan``: the share of the measured balanced steps that were served the final plan (below 1
   when the guard's trial, which serves the even split beside the candidate, or a re-plan reaches into the window:
   raise ``--steps``).
+* ``agreed_steps_held_steps``: on the chief, the balanced run's steps that ran the plan agreement and those that
+  kept the split agreed before (every step agrees while calibrating and deciding; then one in N).
 
 Timings are EMULATED; this machine's CPU cores are shared by all workers. Not a test: it prints ratios.
 """
@@ -65,11 +67,12 @@ def _worker(args) -> int:
         model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
                                   keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    ends, samples = [], []
+    ends, samples, splits = [], [], []
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             ends.append(time.perf_counter())
+            splits.append(strategy.last_split)
             sample = strategy.balancer.monitor.last_step()
             if sample is not None and (not samples or samples[-1].step != sample.step):
                 samples.append(sample)
@@ -110,7 +113,9 @@ def _worker(args) -> int:
         "emulation_check": check,
         # Of the measured steps, how many were served the final plan (the rest: the guard's trial still serving
         # the even split beside it, or a re-plan). Below 1, the window includes the plan's search.
-        "measured_on_final_plan": len(recent) / max(1, len(samples[-args.measure:])),
+        "measured_on_final_plan": sum(split == tuple(sizes) for split in splits[-args.measure:]) / args.measure,
+        # Steps that ran the plan agreement / steps that kept the split agreed before (auto_balance only).
+        "agreement_counts": list(strategy.agreement_counts),
     }
     Path(args.out).write_text(json.dumps(result))
     return 0
@@ -170,6 +175,7 @@ def main(argv=None) -> int:
         "all_reduce_share": 1.0 - auto["served_makespan_emulated_s"] / auto["median_step_s"],
         "emulation_check": auto["emulation_check"],
         "measured_on_final_plan": auto["measured_on_final_plan"],
+        "agreed_steps_held_steps": auto["agreement_counts"],
     }
     workers = args.emulate.split(",")
     print(f"timings are EMULATED ({' | '.join(w.strip() for w in workers)}: {len(workers)} workers of "

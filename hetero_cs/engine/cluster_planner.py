@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.plan import split_by_shares
+from hetero_cs.planning.sampling import AGREEMENT_COST_S, MAX_AGREEMENT_INTERVAL_STEPS, interval_steps
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,19 @@ class ClusterPlanner:
             sizes = tuple(int(b) for b in self._balancer.serve(B).per_replica_batch_sizes)
             self._served_sizes[index] = sizes
             return sizes, index
+
+    def hold_steps(self) -> int:
+        """How many steps after the one just served keep its split without agreeing (>= 0).
+
+        0 while calibrating and while the Balancer needs every step's times (a guard trial, a monitor window still
+        filling); in steady state N - 1, where one agreement in N steps costs at most ``TIMING_BUDGET`` of the last
+        measured makespan (``AGREEMENT_COST_S``, N <= ``MAX_AGREEMENT_INTERVAL_STEPS``). A plan the chief makes
+        during a hold (a re-plan, ``set_batch_split``) is served from the next agreement on."""
+        with self._lock:
+            if self._calibrating or self._balancer.samples_needed():
+                return 0
+            sample = self._balancer.monitor.last_step()
+            return interval_steps(AGREEMENT_COST_S, sample and sample.makespan_s, MAX_AGREEMENT_INTERVAL_STEPS) - 1
 
     def report(self, step_index: int, per_replica_step_times_s: Sequence[float]) -> None:
         """The measured step time of every replica in the step ``step_index`` (0 or less: not timed)."""

@@ -8,14 +8,18 @@ gradients are SUM-all-reduced by TensorFlow's own collectives: one step on any s
 on the whole batch. A last partial batch ``B' < B`` is split by a plan for ``B'`` and weighted by ``B'``.
 
 Agreement. With a fixed ``batch_split`` or an even split, the plan of a batch depends on its size alone, so every
-worker computes the same one. With ``auto_balance`` the chief (global replica 0) decides: at the start of every
-step each replica contributes one small vector to a single SUM all-reduce (``ReplicaContext.all_reduce``, i.e.
-TensorFlow's collective ops over gRPC, no transport of our own): the chief writes the split of this batch, every
-replica writes the step time it measured in the previous step. So every worker adopts the chief's plan in the same
-step, and the chief's :class:`~hetero_cs.planning.balancer.Balancer` (via
-:class:`~hetero_cs.engine.cluster_planner.ClusterPlanner`) sees every replica's times. The split is a tensor value,
-never a traced constant: a plan change cannot retrace one worker and not another (which would mismatch the
-collective keys).
+worker computes the same one. With ``auto_balance`` the chief (global replica 0) decides. Before the replicas of a
+step start, each worker asks its schedule whether this step agrees; if so, every replica contributes one small
+vector to a single SUM all-reduce (``Strategy.reduce``, i.e. TensorFlow's collective ops over gRPC, no transport of
+our own): the chief writes the split of this batch and how many following steps hold it, every replica writes the
+step time it measured in its last step. So every worker adopts the chief's plan in the same step, and the chief's
+:class:`~hetero_cs.planning.balancer.Balancer` (via :class:`~hetero_cs.engine.cluster_planner.ClusterPlanner`)
+sees every replica's times. While calibrating and while the Balancer decides (a guard trial, a filling monitor
+window) every step agrees; in steady state one step in N, with N chosen so the agreement costs at most 1 % of the
+step (:data:`hetero_cs.planning.sampling.AGREEMENT_COST_S`). A different global batch size (a last partial batch)
+always agrees. The split is a tensor value, never a traced constant, and the choice to agree follows from agreed
+values and the batch sizes every worker reads alike: a plan change or a hold cannot retrace one worker and not
+another, or run a collective on one worker only (either would mismatch the collectives and hang).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from hetero_cs.planning.plan import BatchPlan
 logger = logging.getLogger(__name__)
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
+_AGREEMENT_FIELDS = 3  # per replica in the agreement vector: the chief's split, step times, slice sizes
 _MAX_REPORTED_STEPS = 100_000
 
 
@@ -179,6 +184,9 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         self._lock = threading.Lock()
         self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
         self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
+        self._hold: tuple[int, np.ndarray, int] | None = None  # agreed (B, split, steps left) every worker keeps
+        self._steps = [0, 0]  # [steps that agreed, steps that kept a held split] on this worker
+        self._last_split: tuple[int, ...] | None = None
         # The chief's, per timed step: [R] seconds (bounded: evaluate and predict report too, and nobody may read).
         self._reported_step_times: collections.deque = collections.deque(maxlen=_MAX_REPORTED_STEPS)
         self._time_scale_set = False
@@ -213,6 +221,19 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
     def agreed(self) -> bool:
         """True when the chief decides the split of every step (auto_balance without a fixed batch_split, R > 1)."""
         return self._agreed
+
+    @property
+    def last_split(self) -> tuple[int, ...] | None:
+        """The per-replica batch sizes of the last step this worker cut (agreed or held; the same on every worker),
+        None before the first step."""
+        return self._last_split
+
+    @property
+    def agreement_counts(self) -> tuple[int, int]:
+        """(steps that ran the plan agreement, steps that kept the split agreed before) on this worker, since the
+        strategy was built; the same on every worker. (0, 0) without auto_balance."""
+        with self._lock:
+            return tuple(self._steps)
 
     @property
     def calibrating(self) -> bool:
@@ -278,13 +299,18 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         ``B``) and cut along its first axis; scalars pass unchanged. Inside ``fn``,
         :func:`hetero_cs.current_global_batch_size` is ``B`` and :func:`hetero_cs.replica_weight` is ``b_i / B``.
         """
+        sizes = None
+        if self._agreed:
+            batched = [v for v in tf.nest.flatten((args, kwargs or {})) if _is_batched(_first_local(self, v))]
+            if batched:  # the split is agreed here, in cross-replica context, before the replicas start
+                sizes = self._agreed_sizes(tensors.leading_dim(_first_local(self, batched[0])))
         if _compat.is_tf_function(fn):
-            wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function))
+            wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function, sizes))
         else:
-            wrapped = self._wrap_replica_fn(fn)
+            wrapped = self._wrap_replica_fn(fn, sizes)
         return super().run(wrapped, args=args, kwargs=kwargs, options=options)
 
-    def _wrap_replica_fn(self, fn):
+    def _wrap_replica_fn(self, fn, agreed_sizes=None):
         strategy = self
 
         def replica_fn(*call_args, **call_kwargs):
@@ -295,7 +321,7 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
             if not batched:
                 return fn(*call_args, **call_kwargs)
             global_batch_size = tensors.leading_dim(flat[batched[0]])
-            sizes = strategy._step_sizes(global_batch_size, replica_id, context)
+            sizes = strategy._local_step_sizes(global_batch_size) if agreed_sizes is None else agreed_sizes
             offset = tf.reduce_sum(sizes[:replica_id])
             batch_size = sizes[replica_id]
             start = None
@@ -317,47 +343,91 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
 
         return replica_fn
 
-    def _step_sizes(self, global_batch_size, replica_id: int, context):
-        """The split of this step's global batch (int32 [R]), the same on every worker."""
+    def _local_step_sizes(self, global_batch_size):
+        """Fixed or even split: the split of this global batch (int32 [R]) from ``B`` alone, the same everywhere."""
+        sizes = tf.numpy_function(self._local_sizes, [global_batch_size], tf.int64, name="hetero_cs_plan")
+        sizes.set_shape([self.num_replicas_in_sync])
+        return tf.cast(sizes, tf.int32)
+
+    def _agreed_sizes(self, global_batch_size):
+        """auto_balance: the split of this global batch (int32 [R]), agreed by every worker (cross-replica context).
+
+        Each worker asks its schedule first: within a hold the chief announced at the last agreement (the same
+        global batch size, steps left), every worker keeps that split and runs no collective; otherwise every local
+        replica adds its part of the agreement vector to one SUM all-reduce (``Strategy.reduce``, TensorFlow's own
+        collectives) and the worker adopts the chief's split and hold. The schedule follows from agreed values and
+        the global batch sizes, which every worker reads alike, so every worker takes the same branch of the
+        ``tf.cond`` in the same step, and both branches are traced everywhere (no worker retraces alone)."""
         R = self.num_replicas_in_sync
-        if not self._agreed:
-            sizes = tf.numpy_function(self._local_sizes, [global_batch_size], tf.int64, name="hetero_cs_plan")
-        else:
-            proposal = tf.numpy_function(
-                functools.partial(self._proposal, replica_id), [global_batch_size], tf.float64,
-                name="hetero_cs_plan_proposal",
-            )
-            proposal.set_shape([3 * R])
-            agreed = context.all_reduce(tf.distribute.ReduceOp.SUM, proposal)
-            sizes = tf.numpy_function(
-                functools.partial(self._adopt, replica_id), [agreed, global_batch_size], tf.int64,
-                name="hetero_cs_plan_adopt",
-            )
-        sizes.set_shape([R])
+        with self.scope():
+            agree, held = tf.numpy_function(
+                self._schedule, [global_batch_size], [tf.bool, tf.int64], name="hetero_cs_plan_schedule")
+            agree.set_shape([])
+            held.set_shape([R])
+
+            def agreement():
+                vectors = []
+                for k, device in enumerate(self.extended.worker_devices):
+                    with tf.device(device):
+                        vector = tf.numpy_function(
+                            functools.partial(self._proposal, self._first_replica + k), [global_batch_size],
+                            tf.float64, name="hetero_cs_plan_proposal")
+                        vector.set_shape([_AGREEMENT_FIELDS * R + 1])
+                        vectors.append(vector)
+                agreed = self.reduce(tf.distribute.ReduceOp.SUM, _compat.per_replica(vectors), axis=None)
+                sizes = tf.numpy_function(
+                    self._adopt, [agreed, global_batch_size], tf.int64, name="hetero_cs_plan_adopt")
+                sizes.set_shape([R])
+                return sizes
+
+            sizes = tf.cond(agree, agreement, lambda: tf.identity(held))
         return tf.cast(sizes, tf.int32)
 
     def _local_sizes(self, global_batch_size) -> np.ndarray:
         B = int(global_batch_size)
         self._ensure_time_scale(B)
-        return np.asarray(self._balancer.plan_for(B).per_replica_batch_sizes, dtype=np.int64)
+        sizes = self._balancer.plan_for(B).per_replica_batch_sizes
+        self._last_split = tuple(sizes)
+        return np.asarray(sizes, dtype=np.int64)
+
+    def _schedule(self, global_batch_size):
+        """(agree in this step?, the held split [R]): a hold announced by the chief covers the next steps of the
+        same global batch size."""
+        B = int(global_batch_size)
+        with self._lock:
+            hold = self._hold
+            if hold is not None and hold[0] == B and hold[2] > 0:
+                self._hold = (B, hold[1], hold[2] - 1)
+                self._steps[1] += 1
+                self._last_split = tuple(int(b) for b in hold[1])
+                return np.bool_(False), hold[1]
+            self._hold = None
+            self._steps[0] += 1
+        return np.bool_(True), np.zeros(self.num_replicas_in_sync, dtype=np.int64)
 
     def _proposal(self, replica_id: int, global_batch_size) -> np.ndarray:
-        """This replica's part of the agreement vector: [chief's split (R), step times (R), slice sizes (R)]."""
+        """One replica's part of the agreement vector: [chief's split (R), step times (R), slice sizes (R), hold].
+
+        Every replica writes the time and slice size of the last step it ran (a held step or the previous
+        agreement's: the same split either way); the chief (replica 0) also writes the split and how many of the
+        following steps hold it."""
         R = self.num_replicas_in_sync
         B = int(global_batch_size)
         self._ensure_time_scale(B)
-        vector = np.zeros(3 * R, dtype=np.float64)
+        vector = np.zeros(_AGREEMENT_FIELDS * R + 1, dtype=np.float64)
         if replica_id == 0:
             sizes, index = self._planner.sizes(B)
             self._served_index = index
             vector[:R] = sizes
+            vector[-1] = self._planner.hold_steps()
         with self._lock:
             last = self._last_step.pop(replica_id, None)
         if last is not None:
             vector[2 * R + replica_id], vector[R + replica_id] = last
         return vector
 
-    def _adopt(self, replica_id: int, agreed, global_batch_size) -> np.ndarray:
+    def _adopt(self, agreed, global_batch_size) -> np.ndarray:
+        """The worker adopts the chief's split and hold; the chief's planner gets every replica's last step."""
         R = self.num_replicas_in_sync
         sizes = np.rint(agreed[:R]).astype(np.int64)
         if int(sizes.sum()) != int(global_batch_size):
@@ -366,7 +436,12 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"examples but the chief split {int(sizes.sum())} ({sizes.tolist()}). Every worker must iterate the "
                 f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
             )
-        if replica_id == 0 and self._served_index > 0:
+        with self._lock:
+            self._hold = (int(global_batch_size), sizes, int(round(float(agreed[-1]))))
+            self._last_split = tuple(int(b) for b in sizes)
+        if self.is_chief and self._served_index > 0:
+            # Every step since the last agreement was served that agreement's split (the planner's step index
+            # counts agreements), so the times belong to it.
             times = [float(t) for t in agreed[R:2 * R]]
             self._planner.report(self._served_index - 1, times)
             if min(times) > 0.0:
@@ -483,6 +558,11 @@ def _is_batched(value) -> bool:
     if isinstance(value, tf.RaggedTensor):
         return True
     return tf.is_tensor(value) and value.shape.rank != 0
+
+
+def _first_local(strategy, value):
+    """A distributed value's first local component (the value itself when it is not distributed)."""
+    return strategy.experimental_local_results(value)[0]
 
 
 def _cut(value, offset, size):

@@ -392,9 +392,16 @@ class Balancer(MemoryRecovery):
         with self._lock:
             if not self.timing_needed:
                 return False
-            if self._guard.in_trial or self._monitor.num_samples < self._rebalance_policy.min_samples:
+            if self.samples_needed():
                 return True
             return self._served % self.timing_interval_steps() == 0
+
+    def samples_needed(self) -> bool:
+        """True while a decision waits for every step's times: a guard trial runs, or the monitor's window holds
+        fewer than the re-balancer's ``min_samples`` steps (and something uses timing at all)."""
+        with self._lock:
+            return self.timing_needed and (
+                self._guard.in_trial or self._monitor.num_samples < self._rebalance_policy.min_samples)
 
     def timing_interval_steps(self) -> int:
         """How many steps per timed step in steady state: the smallest N with TIMING_COST_S / N <= 1 % of the

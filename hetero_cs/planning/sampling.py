@@ -29,6 +29,16 @@ TIMING_BUDGET = 0.01
 MAX_TIMING_INTERVAL_STEPS = 64
 """Steady-state timing looks at least at one step in 64."""
 
+AGREEMENT_COST_S = 8e-3
+"""Time one plan agreement of the multi-worker strategy costs a step, seconds: the chief's proposal (0.9 ms), the
+agreement all-reduce (7.0 ms, waiting for the last worker to arrive included) and the adoption (0.3 ms), medians
+of 30 steps with 3 emulated workers on gRPC loopback on a 2-core CPU machine (``benchmarks/multiworker.py``, the
+chief instrumented). In steady state the workers agree once every N steps, the smallest N that keeps it under
+``TIMING_BUDGET`` of the step, at most ``MAX_AGREEMENT_INTERVAL_STEPS``."""
+
+MAX_AGREEMENT_INTERVAL_STEPS = 32
+"""Steady-state agreement happens at least once in 32 steps (the chief sees a timed step at least that often)."""
+
 
 def interval_steps(cost_s: float, makespan_s: float | None, maximum: int) -> int:
     """The smallest N >= 1 with cost_s / N <= TIMING_BUDGET * makespan_s, at most ``maximum``; 1 when the makespan

@@ -155,6 +155,9 @@ def main(argv=None) -> int:
     result["eval_loss"] = np.asarray(evaluated["loss"])
     result["predict"] = np.asarray(predicted)
     np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    if strategy is not None:  # how many steps ran the plan agreement, and how many kept the split held
+        with open(os.path.join(args.out, f"agreements_{name}.json"), "w") as f:
+            json.dump(list(strategy.agreement_counts), f)
     if name == "worker0":
         plans = [[history.history[f"replica_{i}_batch_size"][epoch] for i in range(strategy.num_replicas_in_sync)]
                  for epoch in range(len(history.history["loss"]))] if "replica_0_batch_size" in history.history else []

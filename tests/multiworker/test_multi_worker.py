@@ -68,6 +68,15 @@ def _assert_equal_to_reference(out: Path, workers: int, reference: dict) -> None
             np.testing.assert_allclose(result[key], expected, rtol=0, atol=TOLERANCE, err_msg=f"worker{index} {key}")
 
 
+def _assert_agreements_skipped_alike(out: Path, workers: int) -> None:
+    # Once the chief has decided, steps keep the agreed split without the agreement all-reduce (a hold): every
+    # worker must hold in the same steps (a collective run on one worker only would hang), and some steps held.
+    counts = [json.loads((out / f"agreements_worker{index}.json").read_text()) for index in range(workers)]
+    assert all(c == counts[0] for c in counts), counts
+    agreed, held = counts[0]
+    assert held > 0 and agreed > 0, counts
+
+
 @pytest.mark.slow  # the default suite keeps the 3-worker run below (uneven, partial batch, agreement) for time
 def test_two_workers_uneven_fixed_split_equal_one_device(tmp_path, reference):
     # Slices 12 | 4 of each global batch of 16, and 5 | 1 of the last batch of 6 (weighted by 6, not 16).
@@ -100,6 +109,7 @@ def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference)
     for key in ("makespan_ms", "replica_0_step_ms", "replica_2_step_ms", "guard_in_trial", "guard_reverts"):
         assert len(history[key]) == 6, (key, history)
     assert all(ms > 0 for ms in history["makespan_ms"][1:]), history  # every epoch after the first had timed steps
+    _assert_agreements_skipped_alike(tmp_path, 3)
     _assert_equal_to_reference(tmp_path, 3, reference(6))
 
 
@@ -119,6 +129,7 @@ def test_two_workers_of_two_emulated_replicas_each_auto_balance_equal_one_device
     assert plans[-1] == [7.0, 4.0, 3.0, 2.0] != plans[-2], plans
     history = json.loads((tmp_path / "history.json").read_text())
     assert all(len(history[f"replica_{i}_step_ms"]) == 6 for i in range(4)), history
+    _assert_agreements_skipped_alike(tmp_path, 2)
     _assert_equal_to_reference(tmp_path, 2, reference(6))
 
 
@@ -144,7 +155,8 @@ def test_a_drifting_worker_is_rebalanced_by_the_chief_and_every_worker_adopts_it
 
 
 @pytest.mark.slow
-def test_custom_loop_over_strategy_run_equals_one_device(tmp_path):
+@pytest.mark.parametrize("split", ["5,3", "auto"])  # auto: the agreement (and its holds) in a tf.function's cond
+def test_custom_loop_over_strategy_run_equals_one_device(tmp_path, split):
     # The documented custom loop: strategy.run inside tf.function, compute_average_loss with
     # current_global_batch_size(), the regulariser weighted by replica_weight(), strategy.reduce("SUM").
     reference_dir = tmp_path / "reference"
@@ -153,7 +165,7 @@ def test_custom_loop_over_strategy_run_equals_one_device(tmp_path):
                           env=_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = dict(np.load(reference_dir / "reference.npz"))
-    _launch(tmp_path, 2, "--split", "5,3", "--custom-loop")
+    _launch(tmp_path, 2, "--split", split, "--custom-loop")
     _assert_equal_to_reference(tmp_path, 2, reference)
 
 

@@ -114,6 +114,14 @@ def test_timing_is_due_every_step_while_deciding_then_sampled():
     assert quick.timing_interval_steps() > 1  # ~2.4 ms steps: time one in a few
 
 
+def test_samples_are_needed_during_a_trial_and_while_the_window_fills_only():
+    balancer = balanced()
+    assert balancer.guard.in_trial and balancer.samples_needed()
+    simulate_balancer(balancer, lambda step: TRUE, B, steps=40)
+    assert not balancer.guard.in_trial and not balancer.samples_needed()
+    assert not Balancer(3, shares=[2, 1, 1]).samples_needed()  # nothing is decided from times
+
+
 def test_fixed_shares_and_even_split_need_no_timing():
     fixed = Balancer(3, shares=[2, 1, 1])
     assert fixed.serve(B).per_replica_batch_sizes == (1024, 512, 512)

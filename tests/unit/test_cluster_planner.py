@@ -1,5 +1,6 @@
 """The chief's planner of the multi-worker strategy: probe splits, the fit, then the Balancer (no TensorFlow)."""
 
+import math
 import sys
 
 import pytest
@@ -8,6 +9,8 @@ from hypothesis import strategies as st
 
 from hetero_cs.engine.cluster_planner import PROBE_FACTORS, WARMUP_STEPS, ClusterPlanner
 from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.cost_model import LinearCostModel
+from hetero_cs.planning.sampling import AGREEMENT_COST_S, MAX_AGREEMENT_INTERVAL_STEPS, TIMING_BUDGET
 
 
 def _emulated_times(sizes, seconds_per_example=(1e-4, 4e-4, 2e-4), overhead_s=0.01):
@@ -97,3 +100,47 @@ def test_a_global_batch_too_small_to_probe_every_replica_keeps_the_even_split(B)
         assert sum(sizes) == B
         planner.report(index, _emulated_times(sizes, seconds_per_example=(1e-4,) * R))
     assert not planner.calibrating
+
+
+def test_every_step_agrees_while_calibrating_and_deciding_then_one_in_n():
+    # The chief's hold: 0 (agree next step too) through the warm-up, the probes and the guard's trial, while the
+    # monitor's window fills; then N - 1 with N the smallest interval whose agreement costs <= 1 % of the step.
+    R, B = 3, 600
+    balancer = Balancer(R, rebalance=True)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    holds = []
+    for _ in range(WARMUP_STEPS + 6 + 40):
+        sizes, index = planner.sizes(B)
+        holds.append(planner.hold_steps())
+        planner.report(index, _emulated_times(sizes))
+    assert holds[:WARMUP_STEPS + 6] == [0] * (WARMUP_STEPS + 6)  # calibrating
+    assert balancer.last_guard_decision is not None and not balancer.guard.in_trial
+    makespan = balancer.monitor.last_step().makespan_s  # 44 ms: 8 ms / 1 % of it -> one agreement in 19 steps
+    expected = math.ceil(AGREEMENT_COST_S / (TIMING_BUDGET * makespan)) - 1
+    assert 1 <= expected < MAX_AGREEMENT_INTERVAL_STEPS
+    assert holds[-1] == expected
+    first_hold = next(i for i, h in enumerate(holds) if h > 0)
+    assert first_hold > WARMUP_STEPS + 6 + 3  # the guard's trial (several steps) agreed every step
+    assert all(h > 0 for h in holds[first_hold:])
+
+
+def test_a_guard_trial_started_by_a_replan_makes_every_step_agree_again():
+    R, B = 3, 600
+    balancer = Balancer(R, rebalance=True)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    for _ in range(WARMUP_STEPS + 6 + 40):
+        sizes, index = planner.sizes(B)
+        planner.report(index, _emulated_times(sizes))
+    assert planner.hold_steps() > 0
+    # The chief's re-plan (here: new models as a re-plan would bring, tried by the guard) needs every step's times.
+    balancer.set_cost_models([LinearCostModel(0.01, c) for c in (4e-4, 1e-4, 2e-4)], trial=True)
+    planner.sizes(B)
+    assert balancer.guard.in_trial and planner.hold_steps() == 0
+
+
+def test_without_a_measured_step_every_step_agrees():
+    # A fixed split is never timed: no makespan is known, so nothing sizes a hold and every step agrees.
+    balancer = Balancer(2, shares=[3, 1])
+    planner = ClusterPlanner(balancer, calibrate=False)
+    assert planner.sizes(8)[0] == (6, 2)
+    assert not balancer.samples_needed() and planner.hold_steps() == 0
