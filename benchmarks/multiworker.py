@@ -1,6 +1,6 @@
 """Several emulated unlike workers on loopback: balanced vs even split under HeteroMultiWorkerMirroredStrategy.
 
-    python benchmarks/multiworker.py [--emulate A10,T4,P100] [--steps 80] [--global-batch-size 256] [--json F]
+    python benchmarks/multiworker.py [--emulate A10,T4,P100] [--steps 80] [--global-batch-size 256] [--control] [--json F]
     python benchmarks/multiworker.py --emulate A10+T4,P100+T4 ...     # 2 workers of 2 replicas each
 
 Runs the same Keras ``fit`` twice as N worker processes on 127.0.0.1 (``hetero_cs.launch``), each worker emulating
@@ -22,6 +22,16 @@ guard). Prints, from the chief:
 * ``measured_on_final_plan``: the share of the measured balanced steps that were served the final plan (below 1
   when the guard's trial, which serves the even split beside the candidate, or a re-plan reaches into the window:
   raise ``--steps``).
+* ``interleaved_speedup_vs_even``: side by side in the balanced run itself. After ``--steps``, the chief alternates
+  the even split and the plan auto_balance found in blocks of ``--interleave-block`` steps
+  (``balancer.set_batch_split``, agreed like any plan) for ``--interleave-steps`` steps; the ratio of the median
+  step on each (steps classified by the split they were cut with, so the steps a hold kept on the old split count
+  for it). The same processes, the same load, the same collectives: this is the figure to trust on a shared
+  machine, where separate runs drift by a few percent; ``interleaved_fraction_of_theoretical`` divides it by the
+  theoretical speedup.
+* With ``--control``, a third run with the balanced run's final split fixed (``batch_split``: no calibration,
+  guard or agreement): ``control_speedup_vs_even`` and ``auto_vs_control`` (control step / balanced step; 1.0 =
+  auto-balancing costs nothing beyond the split it finds).
 * ``agreed_steps_held_steps``: on the chief, the balanced run's steps that ran the plan agreement and those that
   kept the split agreed before (every step agrees while calibrating and deciding; then one in N).
 
@@ -53,7 +63,11 @@ def _worker(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("hetero_cs").setLevel(logging.INFO if args.verbose else logging.WARNING)
 
-    strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(auto_balance=args.mode == "auto")
+    if args.mode.startswith("fixed:"):  # the control: auto_balance's final split, fixed (no agreement, no probes)
+        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(
+            batch_split=[float(b) for b in args.mode[len("fixed:"):].split(",")])
+    else:
+        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(auto_balance=args.mode == "auto")
     import keras
     import numpy as np
     import tensorflow as tf
@@ -62,30 +76,55 @@ def _worker(args) -> int:
     rng = np.random.RandomState(0)
     x = rng.normal(size=(B, 784)).astype("float32")
     y = rng.randint(0, 10, size=(B,)).astype("int64")
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
+    interleaved = args.interleave_steps if args.mode == "auto" else 0
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps + interleaved)
     with strategy.scope():
         model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
                                   keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    ends, samples, splits = [], [], []
+    ends, samples, splits, agreed = [], [], [], []
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             ends.append(time.perf_counter())
             splits.append(strategy.last_split)
+            agreed.append(strategy.agreement_counts[0])
             sample = strategy.balancer.monitor.last_step()
             if sample is not None and (not samples or samples[-1].step != sample.step):
                 samples.append(sample)
 
-    model.fit(dataset, epochs=1, verbose=0, callbacks=[Clock()])
+    R = strategy.num_replicas_in_sync
+    found = {}  # the chief's: the plan auto_balance found, and the even split, as served in the interleaved steps
+
+    class Interleave(keras.callbacks.Callback):
+        """After args.steps, the chief alternates the even split and the found plan in blocks (side by side)."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            offset = batch - args.steps
+            if offset < 0 or offset % args.interleave_block:
+                return
+            if offset == 0:
+                found["plan"] = tuple(strategy.plan.per_replica_batch_sizes)
+            shares = [1.0] * R if (offset // args.interleave_block) % 2 == 0 else list(found["plan"])
+            strategy.balancer.set_batch_split(shares)
+            if shares == [1.0] * R:
+                found["even"] = strategy.plan.per_replica_batch_sizes
+
+    callbacks = [Clock()] + ([Interleave()] if interleaved and strategy.is_chief else [])
+    model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
     if not strategy.is_chief:
         return 0
     emulator = strategy.emulator
-    R = strategy.num_replicas_in_sync
-    measured = [b - a for a, b in zip(ends[-args.measure - 1:], ends[-args.measure:])]
-    plan = strategy.plan
-    sizes = list(plan.per_replica_batch_sizes)
+    step_s = [b - a for a, b in zip(ends, ends[1:])]  # step_s[j]: the duration of step j + 1
+    measured = step_s[args.steps - 1 - args.measure:args.steps - 1]  # the last args.measure steps before interleaving
+    final_splits = splits[args.steps - args.measure:args.steps]
+    sizes = list(found["plan"] if interleaved else strategy.plan.per_replica_batch_sizes)
     even = list(hetero_cs.even_batch_split(B, R))
+    side_by_side = {}
+    if interleaved:
+        for name, split in (("even", tuple(found["even"])), ("plan", tuple(sizes))):
+            times = [t for t, cut in zip(step_s[args.steps:], splits[args.steps + 1:]) if cut == split]
+            side_by_side[name] = times
 
     class Emulated:
         def __init__(self, i):
@@ -113,9 +152,14 @@ def _worker(args) -> int:
         "emulation_check": check,
         # Of the measured steps, how many were served the final plan (the rest: the guard's trial still serving
         # the even split beside it, or a re-plan). Below 1, the window includes the plan's search.
-        "measured_on_final_plan": sum(split == tuple(sizes) for split in splits[-args.measure:]) / args.measure,
+        "measured_on_final_plan": sum(split == tuple(sizes) for split in final_splits) / args.measure,
+        # The interleaved steps (auto only): every step's time, by the split it was cut with.
+        "interleaved_step_s": side_by_side,
         # Steps that ran the plan agreement / steps that kept the split agreed before (auto_balance only).
         "agreement_counts": list(strategy.agreement_counts),
+        # For a closer look (not printed): every step's wall time, and whether it ran the agreement.
+        "step_s": step_s,
+        "step_agreed": [b > a for a, b in zip(agreed, agreed[1:])],
     }
     Path(args.out).write_text(json.dumps(result))
     return 0
@@ -127,7 +171,8 @@ def _launch(args, mode: str, out: Path) -> dict:
     emulate = parse_emulate(args.emulate, len(args.emulate.split(",")))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--out", str(out),
                "--steps", str(args.steps), "--measure", str(args.measure),
-               "--global-batch-size", str(args.global_batch_size)] + (["--verbose"] if args.verbose else [])
+               "--global-batch-size", str(args.global_batch_size), "--interleave-steps", str(args.interleave_steps),
+               "--interleave-block", str(args.interleave_block)] + (["--verbose"] if args.verbose else [])
     with open(os.devnull, "w") as quiet:
         output = None if args.verbose else quiet
         status = Launch(command, num_workers=len(emulate), emulate=emulate, output=output).run()
@@ -144,7 +189,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--measure", type=int, default=30, help="steps at the end of each run that are measured")
     parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--interleave-steps", type=int, default=72,
+                        help="after --steps, the balanced run alternates the even split and its plan for this many "
+                             "steps (0: off)")
+    parser.add_argument("--interleave-block", type=int, default=12, help="steps per block of the interleaving")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--keep-steps", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--control", action="store_true",
+                        help="a third run with auto_balance's final split fixed (batch_split): what the agreement, "
+                             "calibration and guard cost beside the same split")
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="auto", help=argparse.SUPPRESS)
@@ -155,6 +208,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         even = _launch(args, "even", Path(tmp) / "even.json")
         auto = _launch(args, "auto", Path(tmp) / "auto.json")
+        if args.keep_steps:
+            Path(args.keep_steps).write_text(json.dumps({"even": even, "auto": auto}))
+        control = None
+        if args.control:
+            control = _launch(args, "fixed:" + ",".join(str(b) for b in auto["plan"]), Path(tmp) / "control.json")
     speedup = even["median_step_s"] / auto["median_step_s"]
     theoretical = auto["even_makespan_emulated_s"] / auto["optimal_makespan_emulated_s"]
     summary = {
@@ -177,6 +235,16 @@ def main(argv=None) -> int:
         "measured_on_final_plan": auto["measured_on_final_plan"],
         "agreed_steps_held_steps": auto["agreement_counts"],
     }
+    interleaved = auto["interleaved_step_s"]
+    if interleaved:
+        even_s, plan_s = interleaved["even"], interleaved["plan"]
+        summary["interleaved_steps_even_plan"] = [len(even_s), len(plan_s)]
+        if even_s and plan_s:
+            summary["interleaved_speedup_vs_even"] = statistics.median(even_s) / statistics.median(plan_s)
+            summary["interleaved_fraction_of_theoretical"] = summary["interleaved_speedup_vs_even"] / theoretical
+    if control is not None:
+        summary["control_speedup_vs_even"] = even["median_step_s"] / control["median_step_s"]
+        summary["auto_vs_control"] = control["median_step_s"] / auto["median_step_s"]
     workers = args.emulate.split(",")
     print(f"timings are EMULATED ({' | '.join(w.strip() for w in workers)}: {len(workers)} workers of "
           f"{len(auto['emulate']) // len(workers)} replica(s) each, on loopback)")

@@ -219,7 +219,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
 
     @property
     def agreed(self) -> bool:
-        """True when the chief decides the split of every step (auto_balance without a fixed batch_split, R > 1)."""
+        """True when the chief decides the split through the agreement (auto_balance without a fixed batch_split,
+        R > 1)."""
         return self._agreed
 
     @property
