@@ -1,12 +1,12 @@
 """Several emulated unlike workers on loopback: balanced vs even split under HeteroMultiWorkerMirroredStrategy.
 
-    python benchmarks/multiworker.py [--emulate A10,T4,P100] [--steps 80] [--global-batch-size 256] [--control] [--json F]
+    python benchmarks/multiworker.py [--emulate A10,T4,P100] [--steps 80] [--global-batch-size 2048] [--control]
     python benchmarks/multiworker.py --emulate A10+T4,P100+T4 ...     # 2 workers of 2 replicas each
 
 Runs the same Keras ``fit`` twice as N worker processes on 127.0.0.1 (``hetero_cs.launch``), each worker emulating
-its catalog devices, one replica each (real compute on this CPU plus the named device's modelled step time): once with an even
-split (``auto_balance=False``), once with ``auto_balance=True`` (calibration on probe steps, the chief's plan, the
-guard). Prints, from the chief:
+its catalog devices, one replica per device (real compute on this CPU plus the named device's modelled step
+time): once with an even split (``auto_balance=False``), once with ``auto_balance=True`` (calibration on probe
+steps, the chief's plan, the guard). Prints, from the chief:
 
 * ``speedup_vs_even``: median even-split step time / median balanced step time (the last ``--measure`` steps of
   each run, wall time between step ends), beside ``theoretical_speedup``: the emulated even-split makespan / the
@@ -23,10 +23,10 @@ guard). Prints, from the chief:
   when the guard's trial, which serves the even split beside the candidate, or a re-plan reaches into the window:
   raise ``--steps``).
 * ``interleaved_speedup_vs_even``: side by side in the balanced run itself. After ``--steps``, the chief alternates
-  the even split and the plan auto_balance found in blocks of ``--interleave-block`` steps
-  (``balancer.set_batch_split``, agreed like any plan) for ``--interleave-steps`` steps; the ratio of the median
-  step on each (steps classified by the split they were cut with, so the steps a hold kept on the old split count
-  for it). The same processes, the same load, the same collectives: this is the figure to trust on a shared
+  the even split and the plan auto_balance found for ``--interleave-steps`` steps (``balancer.set_batch_split``,
+  agreed like any plan; a block ends once ``--interleave-block`` steps were cut with its split); the ratio of the
+  median step on each (steps classified by the split they were cut with, so the steps a hold kept on the old split
+  count for it). The same processes, the same load, the same collectives: this is the figure to trust on a shared
   machine, where separate runs drift by a few percent; ``interleaved_fraction_of_theoretical`` divides it by the
   theoretical speedup.
 * With ``--control``, a third run with the balanced run's final split fixed (``batch_split``: no calibration,
@@ -97,18 +97,30 @@ def _worker(args) -> int:
     found = {}  # the chief's: the plan auto_balance found, and the even split, as served in the interleaved steps
 
     class Interleave(keras.callbacks.Callback):
-        """After args.steps, the chief alternates the even split and the found plan in blocks (side by side)."""
+        """After args.steps, the chief alternates the even split and the found plan (side by side): each block
+        lasts until args.interleave_block steps were cut with its split (a switch reaches the workers at the next
+        agreement, so a hold can keep the old split for a few steps)."""
+
+        def __init__(self):
+            super().__init__()
+            self.target, self.served = None, 0
 
         def on_train_batch_begin(self, batch, logs=None):
-            offset = batch - args.steps
-            if offset < 0 or offset % args.interleave_block:
+            if batch < args.steps:
                 return
-            if offset == 0:
+            if self.target is None:
                 found["plan"] = tuple(strategy.plan.per_replica_batch_sizes)
-            shares = [1.0] * R if (offset // args.interleave_block) % 2 == 0 else list(found["plan"])
+                self._switch([1.0] * R)
+                return
+            self.served += strategy.last_split == self.target
+            if self.served >= args.interleave_block:
+                self._switch([1.0] * R if self.target == found["plan"] else list(found["plan"]))
+
+        def _switch(self, shares):
             strategy.balancer.set_batch_split(shares)
+            self.target, self.served = tuple(strategy.plan.per_replica_batch_sizes), 0
             if shares == [1.0] * R:
-                found["even"] = strategy.plan.per_replica_batch_sizes
+                found["even"] = self.target
 
     callbacks = [Clock()] + ([Interleave()] if interleaved and strategy.is_chief else [])
     model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
@@ -148,6 +160,7 @@ def _worker(args) -> int:
         "median_step_s": statistics.median(measured),
         "even_makespan_emulated_s": even_makespan,
         "optimal_makespan_emulated_s": optimal.predicted_makespan_s,
+        "optimal_plan": list(optimal.per_replica_batch_sizes),
         "served_makespan_emulated_s": served_makespan,
         "emulation_check": check,
         # Of the measured steps, how many were served the final plan (the rest: the guard's trial still serving
@@ -182,18 +195,21 @@ def _launch(args, mode: str, out: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--emulate", default="A10,T4,P100",
                         help="each worker's catalog devices, comma-separated; several per worker joined by + "
                              "(2-3 workers advised)")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--measure", type=int, default=30, help="steps at the end of each run that are measured")
-    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=80, help="training steps of each run (one global batch each)")
+    parser.add_argument("--measure", type=int, default=30, help="the last of each run's --steps that are measured")
+    parser.add_argument("--global-batch-size", type=int, default=2048,
+                        help="B; at small B this model's emulated step is mostly fixed overhead and shows little gain")
     parser.add_argument("--interleave-steps", type=int, default=72,
                         help="after --steps, the balanced run alternates the even split and its plan for this many "
                              "steps (0: off)")
-    parser.add_argument("--interleave-block", type=int, default=12, help="steps per block of the interleaving")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--interleave-block", type=int, default=12,
+                        help="steps cut with one split before the interleaving switches to the other")
+    parser.add_argument("--json", default=None, help="also write the summary to this JSON file")
     parser.add_argument("--keep-steps", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--control", action="store_true",
                         help="a third run with auto_balance's final split fixed (batch_split): what the agreement, "
@@ -226,6 +242,8 @@ def main(argv=None) -> int:
         "fraction_of_theoretical": speedup / theoretical,
         "even_makespan_emulated_ms": auto["even_makespan_emulated_s"] * 1e3,
         "optimal_makespan_emulated_ms": auto["optimal_makespan_emulated_s"] * 1e3,
+        "optimal_plan_emulated": auto["optimal_plan"],
+        "served_makespan_emulated_ms": auto["served_makespan_emulated_s"] * 1e3,
         # What the split cannot shorten: the even run's step beyond its emulated makespan (all-reduces, agreement,
         # Keras), paid by both runs. With it, the most balancing can give is (even + fixed) / (optimal + fixed).
         "bound_with_even_runs_fixed_cost": (even["median_step_s"]) / (
@@ -242,6 +260,10 @@ def main(argv=None) -> int:
         if even_s and plan_s:
             summary["interleaved_speedup_vs_even"] = statistics.median(even_s) / statistics.median(plan_s)
             summary["interleaved_fraction_of_theoretical"] = summary["interleaved_speedup_vs_even"] / theoretical
+        else:
+            print(f"no interleaved figure: {len(even_s)} steps on the even split and {len(plan_s)} on the plan in "
+                  f"--interleave-steps {args.interleave_steps} (the holds between agreements are long at short steps: "
+                  f"raise --interleave-steps)")
     if control is not None:
         summary["control_speedup_vs_even"] = even["median_step_s"] / control["median_step_s"]
         summary["auto_vs_control"] = control["median_step_s"] / auto["median_step_s"]
