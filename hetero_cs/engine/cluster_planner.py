@@ -101,13 +101,18 @@ class ClusterPlanner:
             sample = self._balancer.monitor.last_step()
             return interval_steps(AGREEMENT_COST_S, sample and sample.makespan_s, MAX_AGREEMENT_INTERVAL_STEPS) - 1
 
-    def report(self, step_index: int, per_replica_step_times_s: Sequence[float]) -> None:
-        """The measured step time of every replica in the step ``step_index`` (0 or less: not timed)."""
+    def report(self, step_index: int, per_replica_step_times_s: Sequence[float],
+               slice_sizes: Sequence[int] | None = None) -> None:
+        """The measured step time of every replica in a step cut by the split served at ``step_index`` (a time of 0
+        or less: not timed). With ``slice_sizes`` (the slices that step was cut with), times of a step cut
+        otherwise (a held batch of another size) are dropped."""
         times = [float(t) for t in per_replica_step_times_s]
         with self._lock:
             probe = self._probe_sizes.pop(step_index, None)
             served = self._served_sizes.pop(step_index, None)
             if any(t <= 0.0 for t in times):
+                return
+            if slice_sizes is not None and tuple(int(b) for b in slice_sizes) != (probe or served):
                 return
             if probe is not None:
                 self._points.append((list(probe), times))

@@ -16,9 +16,9 @@ step time it measured in its last step. So every worker adopts the chief's plan 
 :class:`~hetero_cs.planning.balancer.Balancer` (via :class:`~hetero_cs.engine.cluster_planner.ClusterPlanner`)
 sees every replica's times. While calibrating and while the Balancer decides (a guard trial, a filling monitor
 window) every step agrees; in steady state one step in N, with N chosen so the agreement costs at most 1 % of the
-step (:data:`hetero_cs.planning.sampling.AGREEMENT_COST_S`). A different global batch size (a last partial batch)
-always agrees. The split is a tensor value, never a traced constant, and the choice to agree follows from agreed
-values and the batch sizes every worker reads alike: a plan change or a hold cannot retrace one worker and not
+step (:data:`hetero_cs.planning.sampling.AGREEMENT_COST_S`); a batch of another size within a hold (a last partial
+batch) is split in proportion to the held split. The split is a tensor value, never a traced constant, and the
+choice to agree follows from agreed values alone: a plan change or a hold cannot retrace one worker and not
 another, or run a collective on one worker only (either would mismatch the collectives and hang).
 """
 
@@ -40,7 +40,7 @@ from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.engine.cluster_planner import ClusterPlanner
 from hetero_cs.errors import ConfigError, HeteroCSError, InputError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, split_by_shares
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         self._lock = threading.Lock()
         self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
         self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
-        self._hold: tuple[int, np.ndarray, int] | None = None  # agreed (B, split, steps left) every worker keeps
+        self._hold: tuple[np.ndarray, int] | None = None  # the agreed split and the steps left that keep it
         self._steps = [0, 0]  # [steps that agreed, steps that kept a held split] on this worker
         self._last_split: tuple[int, ...] | None = None
         # The chief's, per timed step: [R] seconds (bounded: evaluate and predict report too, and nobody may read).
@@ -356,9 +356,9 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         Each worker asks its schedule first: within a hold the chief announced at the last agreement (the same
         global batch size, steps left), every worker keeps that split and runs no collective; otherwise every local
         replica adds its part of the agreement vector to one SUM all-reduce (``Strategy.reduce``, TensorFlow's own
-        collectives) and the worker adopts the chief's split and hold. The schedule follows from agreed values and
-        the global batch sizes, which every worker reads alike, so every worker takes the same branch of the
-        ``tf.cond`` in the same step, and both branches are traced everywhere (no worker retraces alone)."""
+        collectives) and the worker adopts the chief's split and hold. The schedule follows from agreed values
+        alone, so every worker takes the same branch of the ``tf.cond`` in the same step, and both branches are
+        traced everywhere (no worker retraces alone)."""
         R = self.num_replicas_in_sync
         with self.scope():
             agree, held = tf.numpy_function(
@@ -392,16 +392,28 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
         return np.asarray(sizes, dtype=np.int64)
 
     def _schedule(self, global_batch_size):
-        """(agree in this step?, the held split [R]): a hold announced by the chief covers the next steps of the
-        same global batch size."""
+        """(agree in this step?, the split of this step if held [R]).
+
+        A hold announced by the chief covers the next steps whatever their batch size: the choice depends on agreed
+        values only, so every worker makes it alike even when one reads other data than the rest (a choice made
+        from the batch size would send that worker alone into the agreement's collective, and the cluster would
+        hang; the agreement step after the hold catches the mismatch). A batch of another size than the held split's
+        (a last partial batch) is split in proportion to it."""
         B = int(global_batch_size)
+        if B < 1:
+            raise InputError(
+                f"An empty global batch reached HeteroMultiWorkerMirroredStrategy (global_batch_size={B}): a step "
+                f"needs at least one example. Drop empty batches from the dataset (e.g. Dataset.filter on the batch "
+                f"size)."
+            )
         with self._lock:
             hold = self._hold
-            if hold is not None and hold[0] == B and hold[2] > 0:
-                self._hold = (B, hold[1], hold[2] - 1)
+            if hold is not None and hold[1] > 0:
+                sizes = hold[0] if int(hold[0].sum()) == B else np.asarray(split_by_shares(B, hold[0]), np.int64)
+                self._hold = (hold[0], hold[1] - 1)
                 self._steps[1] += 1
-                self._last_split = tuple(int(b) for b in hold[1])
-                return np.bool_(False), hold[1]
+                self._last_split = tuple(int(b) for b in sizes)
+                return np.bool_(False), sizes
             self._hold = None
             self._steps[0] += 1
         return np.bool_(True), np.zeros(self.num_replicas_in_sync, dtype=np.int64)
@@ -438,13 +450,14 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
                 f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
             )
         with self._lock:
-            self._hold = (int(global_batch_size), sizes, int(round(float(agreed[-1]))))
+            self._hold = (sizes, int(round(float(agreed[-1]))))
             self._last_split = tuple(int(b) for b in sizes)
         if self.is_chief and self._served_index > 0:
-            # Every step since the last agreement was served that agreement's split (the planner's step index
-            # counts agreements), so the times belong to it.
+            # The times are those of the last step, cut by the last agreement's split (the planner's step index
+            # counts agreements) unless it was a held batch of another size: the planner pairs them by slice size.
             times = [float(t) for t in agreed[R:2 * R]]
-            self._planner.report(self._served_index - 1, times)
+            slice_sizes = [int(round(float(b))) for b in agreed[2 * R:3 * R]]
+            self._planner.report(self._served_index - 1, times, slice_sizes=slice_sizes)
             if min(times) > 0.0:
                 with self._lock:
                     self._reported_step_times.append(times)

@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--replan-split", default=None, help="... to these shares")
     parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
+    parser.add_argument("--mismatched-evaluate", action="store_true",
+                        help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
     args = parser.parse_args(argv)
 
     import keras
@@ -144,6 +146,18 @@ def main(argv=None) -> int:
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    if args.mismatched_evaluate:  # bad input: worker 1 reads other batch sizes than the others
+        sizes = [15, 17, 6] if name == "worker1" else [16, 16, 6]
+        bounds = np.cumsum([0] + sizes)
+        batches = [(x[a:b], y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        mismatched = tf.data.Dataset.from_generator(
+            lambda: iter(batches), output_signature=(tf.TensorSpec([None, 5], tf.float32),
+                                                     tf.TensorSpec([None], y.dtype)))
+        for _ in range(3):
+            model.evaluate(mismatched, verbose=0)
+        print("mismatched evaluate ended", name, strategy.agreement_counts, flush=True)
+        _barrier(strategy)
+        return 0
     evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
     predicted = model.predict(dataset, verbose=0)
     result = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}

@@ -133,6 +133,23 @@ def test_two_workers_of_two_emulated_replicas_each_auto_balance_equal_one_device
     _assert_equal_to_reference(tmp_path, 2, reference(6))
 
 
+def test_a_worker_reading_other_batch_sizes_fails_or_trains_on_but_never_hangs(tmp_path):
+    # Bad input: after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6. Whether a
+    # step agrees depends on agreed values only (never on the batch a worker reads), so every worker takes the same
+    # branch: a step that agrees catches the mismatch (InputError on worker 1, WorkerLostError on the others), a
+    # held step cuts worker 1's batch in proportion to the held split. Before, a held step sent worker 1 alone into
+    # the agreement's collective and the cluster hung.
+    command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--emulate", "A10,T4", "--",
+               sys.executable, str(JOB), str(tmp_path), "--split", "auto", "--epochs", "8", "--mismatched-evaluate"]
+    done = subprocess.run(command, env=_env(HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5"), capture_output=True,
+                          text=True, timeout=300)
+    output = done.stdout + done.stderr
+    if done.returncode == 0:
+        assert output.count("mismatched evaluate ended") == 2, output[-4000:]
+    else:
+        assert "InputError: The workers do not read the same data" in output, output[-4000:]
+
+
 @pytest.mark.slow
 def test_a_drifting_worker_is_rebalanced_by_the_chief_and_every_worker_adopts_it(tmp_path):
     # The A10 worker's emulated device turns 4x slower at its step 40 (drift in an Emulator every worker builds
@@ -320,12 +337,24 @@ def test_launch_rejects_an_emulate_list_of_the_wrong_length():
 
 
 def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_one():
-    code = "import hetero_cs; s = hetero_cs.HeteroMultiWorkerMirroredStrategy(); print(s.num_replicas_in_sync)"
+    # ... and steps_per_execution > 1, which fails inside Keras' multi-step loop on MWMS, is refused with the fix.
+    code = (
+        "import hetero_cs, keras, numpy as np\n"
+        "s = hetero_cs.HeteroMultiWorkerMirroredStrategy(); print(s.num_replicas_in_sync)\n"
+        "with s.scope():\n"
+        "    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "    m.compile(optimizer='sgd', loss='mse', steps_per_execution=2)\n"
+        "try:\n"
+        "    m.fit(np.zeros((8, 3), 'float32'), np.zeros((8, 2), 'float32'), batch_size=4, verbose=0)\n"
+        "except hetero_cs.ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
     env = _env()
     env.pop("TF_CONFIG", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.splitlines()[0] == "1", done.stderr[-3000:]
     assert "TF_CONFIG is not set, so this process is a cluster of one worker" in done.stderr, done.stderr[-3000:]
+    assert "steps_per_execution=2 is not supported under HeteroMultiWorkerMirroredStrategy" in done.stdout, done.stdout
 
 
 def test_a_bad_emulate_list_from_the_launcher_names_its_variable():

@@ -144,3 +144,16 @@ def test_without_a_measured_step_every_step_agrees():
     planner = ClusterPlanner(balancer, calibrate=False)
     assert planner.sizes(8)[0] == (6, 2)
     assert not balancer.samples_needed() and planner.hold_steps() == 0
+
+
+def test_times_of_a_step_cut_otherwise_than_served_are_dropped():
+    # Within a hold, a last partial batch is cut in proportion to the held split; its times reach the chief with
+    # the agreement after it, paired with the split that agreement served, and must not be read as that split's.
+    balancer = Balancer(2, auto_balance=False, rebalance=False)
+    planner = ClusterPlanner(balancer, calibrate=False)
+    sizes, index = planner.sizes(100)
+    planner.report(index, [0.05, 0.05], slice_sizes=[30, 29])  # a held batch of 59
+    assert balancer.monitor.num_samples == 0
+    sizes, index = planner.sizes(100)
+    planner.report(index, [0.05, 0.05], slice_sizes=sizes)
+    assert balancer.monitor.num_samples == 1

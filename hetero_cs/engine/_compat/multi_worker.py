@@ -190,6 +190,7 @@ def _patch_entry_points() -> None:
                 return original(self, *args, **kwargs)
             if original.__name__ == "fit":
                 _refuse_loss_scaling(self)
+            _refuse_steps_per_execution(self)
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
@@ -207,6 +208,21 @@ def _patch_entry_points() -> None:
     TensorFlowTrainer.fit = with_model(TensorFlowTrainer.fit)
     TensorFlowTrainer.evaluate = with_model(TensorFlowTrainer.evaluate)
     TensorFlowTrainer.predict = with_model(TensorFlowTrainer.predict)
+
+
+def _refuse_steps_per_execution(model) -> None:
+    # Keras runs steps_per_execution > 1 as a tf.while_loop over the iterator inside the train function; under
+    # MultiWorkerMirroredStrategy (our strategy, even a fixed split without the agreement) that loop fails with "You
+    # must feed a value for placeholder tensor 'while/body/.../while/cond/Placeholder_1'" (TF 2.21, 2 workers; not
+    # tracked down). Refuse it with the fix instead of that message.
+    from hetero_cs.errors import ConfigError
+
+    steps = getattr(model, "steps_per_execution", 1)
+    if steps is not None and int(steps) > 1:
+        raise ConfigError(
+            f"steps_per_execution={int(steps)} is not supported under HeteroMultiWorkerMirroredStrategy (Keras' "
+            f"multi-step loop fails there). Compile with steps_per_execution=1 (the default)."
+        )
 
 
 def _refuse_loss_scaling(model) -> None:
