@@ -7,6 +7,7 @@ TensorFlow. The oracle is single-device Keras training on the whole batch (``job
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -108,7 +109,10 @@ def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference)
     history = json.loads((tmp_path / "history.json").read_text())
     for key in ("makespan_ms", "replica_0_step_ms", "replica_2_step_ms", "guard_in_trial", "guard_reverts"):
         assert len(history[key]) == 6, (key, history)
-    assert all(ms > 0 for ms in history["makespan_ms"][1:]), history  # every epoch after the first had timed steps
+    # Epochs 2-3 calibrate (every step agrees, so the workers' times reach the chief); later epochs may hold
+    # through all their steps, and then report nothing (NaN), as documented.
+    assert all(ms > 0 for ms in history["makespan_ms"][1:3]), history
+    assert all(ms > 0 or math.isnan(ms) for ms in history["makespan_ms"]), history
     _assert_agreements_skipped_alike(tmp_path, 3)
     _assert_equal_to_reference(tmp_path, 3, reference(6))
 
