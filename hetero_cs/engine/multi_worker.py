@@ -353,8 +353,8 @@ class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrateg
     def _agreed_sizes(self, global_batch_size):
         """auto_balance: the split of this global batch (int32 [R]), agreed by every worker (cross-replica context).
 
-        Each worker asks its schedule first: within a hold the chief announced at the last agreement (the same
-        global batch size, steps left), every worker keeps that split and runs no collective; otherwise every local
+        Each worker asks its schedule first: within a hold the chief announced at the last agreement (steps left,
+        whatever their batch size), every worker keeps that split and runs no collective; otherwise every local
         replica adds its part of the agreement vector to one SUM all-reduce (``Strategy.reduce``, TensorFlow's own
         collectives) and the worker adopts the chief's split and hold. The schedule follows from agreed values
         alone, so every worker takes the same branch of the ``tf.cond`` in the same step, and both branches are
