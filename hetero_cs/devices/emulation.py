@@ -393,10 +393,12 @@ class Emulator:
         memory = self.memory_bytes(replica_id, step=step)
         return max_examples_in_memory(self.workload or self._require_workload(), memory)
 
-    def check_memory(self, replica_id: int, batch_size: int, *, step: int | None = None) -> None:
+    def check_memory(self, replica_id: int, batch_size: int, *, step: int | None = None,
+                     training: bool = True) -> None:
         """Raises if a slice of ``batch_size`` examples does not fit the replica's memory at a step.
 
-        What the slice needs is :func:`hetero_cs.devices.workload.slice_memory_bytes` of the Workload.
+        What the slice needs is :func:`hetero_cs.devices.workload.slice_memory_bytes` of the Workload, for a
+        training step or (``training=False``) an inference step.
 
         Raises:
             EmulatedOutOfMemoryError: It does not fit (a MemoryError; inside a TensorFlow step it becomes
@@ -406,15 +408,16 @@ class Emulator:
         """
         self._check_replica(replica_id)
         with self._lock:
-            self._check_memory_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
+            self._check_memory_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step,
+                                      training=training)
 
     def _memory_locked(self, replica_id: int, step: int) -> int:
         limits = [d.memory_bytes for d in self._drift
                   if d.replica_id == replica_id and d.memory_bytes is not None and d.applies(step)]
         return min([self._specs[replica_id].memory_bytes, *limits])
 
-    def _check_memory_locked(self, replica_id: int, batch_size: int, step: int) -> None:
-        needed = slice_memory_bytes(self._require_workload(), batch_size)
+    def _check_memory_locked(self, replica_id: int, batch_size: int, step: int, *, training: bool = True) -> None:
+        needed = slice_memory_bytes(self._require_workload(), batch_size, training=training)
         available = self._memory_locked(replica_id, step)
         if needed > available:
             raise EmulatedOutOfMemoryError(

@@ -66,10 +66,14 @@ class Workload:
         return 2 * self.parameter_bytes + self.non_trainable_bytes + self.optimizer_bytes
 
 
-def slice_memory_bytes(workload: Workload, batch_size: int) -> int:
+def slice_memory_bytes(workload: Workload, batch_size: int, *, training: bool = True) -> int:
     """Device memory one replica's step on ``batch_size`` examples needs, bytes.
 
-    ``fixed_memory_bytes + activation_bytes_per_example * batch_size``; a replica with 0 examples idles and needs 0.
+    A training step needs ``fixed_memory_bytes + activation_bytes_per_example * batch_size``. An inference step
+    (``training=False``: evaluate, predict) holds no gradients and no optimizer variables:
+    ``parameter_bytes + non_trainable_bytes + activation_bytes_per_example * batch_size``, which still counts every
+    layer's output as kept (a real forward pass frees them as it goes), so it errs on the safe side. A replica with
+    0 examples idles and needs 0.
 
     Raises:
         ConfigError: If ``batch_size`` is not an int >= 0.
@@ -82,7 +86,9 @@ def slice_memory_bytes(workload: Workload, batch_size: int) -> int:
         raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
     if batch_size == 0:
         return 0
-    return workload.fixed_memory_bytes + workload.activation_bytes_per_example * batch_size
+    fixed = (workload.fixed_memory_bytes if training
+             else workload.parameter_bytes + workload.non_trainable_bytes)
+    return fixed + workload.activation_bytes_per_example * batch_size
 
 
 def max_examples_in_memory(workload: Workload, memory_bytes: int) -> int | None:

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, training
+from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error
@@ -175,7 +176,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._fused_update = fused_update
         self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
-        self._source_dataset = None
+        self._source_dataset = None  # the last training input (calibration reads its first batch)
+        self._input_roles = InputRoles()  # which inputs feed training steps (fit, evaluate and predict set it)
         self._first_batches = _compat.FirstBatchReader()  # calibration's read-ahead, rewound for training
         self._calibration = None
         self._calibrated_fingerprint: str | None = None
@@ -303,10 +305,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             trying = f" (in force while the guard tries {list(candidate.per_replica_batch_sizes)})" if candidate else ""
             logger.info("hetero_cs batch plan%s:\n%s", trying, plan)
 
-    def _slice_sizes(self, *leading_dims) -> np.ndarray:
+    def _slice_sizes(self, *leading_dims, training: bool = True) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) with every component's leading dimension, for every
-        # global batch that the cached plan does not cover (hetero_cs.engine.input_slicing). An error here would
-        # reach the user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as is.
+        # global batch that the cached plan does not cover (hetero_cs.engine.input_slicing); `training` says whether
+        # the input feeds training steps (else its plans leave training's alone). An error here would reach the
+        # user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as is.
         try:
             sizes = sorted({int(d) for d in leading_dims})
             if len(sizes) > 1:
@@ -321,8 +324,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                     "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
                     "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
                 )
-            plan = self._balancer.serve(sizes[0])
-            if self._timing_switch is not None:
+            plan = self._balancer.serve(sizes[0], training=training)
+            if training and self._timing_switch is not None:
                 self._timing_switch.set(self._balancer.timing_due())
             if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
                 self._slicer.publish(plan)
@@ -354,16 +357,19 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             InputError: A component has no batch dimension, or is a ``tf.SparseTensor``.
         """
         arguments.warn_unused_input_options(options)
-        self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
+        return self._distribute(dataset)
 
-    def _start_new_input(self, dataset) -> None:
-        """A new input's first global batch sets the reference size of :attr:`plan` (it may differ from the last)."""
+    def _distribute(self, dataset):
+        """A new training input's first global batch sets the reference size of :attr:`plan` (it may differ from the
+        last); an evaluation or prediction input (:mod:`hetero_cs.engine.input_roles`) leaves training's plans alone."""
+        training = self._input_roles.claim_input()
         with self._lock:
-            self._source_dataset = dataset
             self._input_error = None
-            self._balancer.start_new_input()
-            self._slicer.publish(None)  # the new input's first batch sets the reference again
+            if training:
+                self._source_dataset = dataset
+                self._balancer.start_new_input()
+                self._slicer.publish(None)  # the new input's first batch sets the reference again
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset, training=training), source=dataset)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Like ``tf.distribute``'s, but ``dataset_fn``'s dataset yields global batches that are cut by the plan.
@@ -373,9 +379,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         """
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
         arguments.warn_unused_input_options(options)
-        dataset = dataset_fn(context)
-        self._start_new_input(dataset)
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
+        return self._distribute(dataset_fn(context))
 
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps

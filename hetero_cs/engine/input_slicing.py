@@ -22,6 +22,7 @@ components) still goes to Python, which validates it, solves its plan and raises
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -70,8 +71,8 @@ class PlanSlicer:
     Args:
         num_replicas: ``R`` >= 1.
         slice_sizes: The Python path, called from the pipeline with every component's leading dimension (numpy int64
-            scalars) of one global batch; returns the ``R`` per-replica batch sizes (int64, summing to the batch
-            size) or raises.
+            scalars) of one global batch and the keyword ``training`` (False for an evaluation or prediction input);
+            returns the ``R`` per-replica batch sizes (int64, summing to the batch size) or raises.
         device: Where the cached plan lives (the parameter device: host memory).
         cacheable: Whether the plan may be cached in the graph. False when the plan must be looked at for every
             batch (online re-balancing runs its check there).
@@ -124,13 +125,14 @@ class PlanSlicer:
                 self._cache.assign(value)
                 self._published = value
 
-    def pack(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+    def pack(self, dataset: tf.data.Dataset, *, training: bool = True) -> tf.data.Dataset:
         """Global batches -> the same global batches, every component packed as ``[R, (b_i), ...]`` by the plan.
 
         None and ``tf.experimental.Optional`` components stay as they are. With ``R = 1`` the components stay as
         they are (the plan is still looked up, so bad batches raise). The result ends in ``prefetch(1)``, so the size
         lookup (with online re-balancing, a Python call that also runs the re-balancing check) is done ahead of the
-        step, as stock's one-batch device buffer would be.
+        step, as stock's one-batch device buffer would be. ``training`` is passed on to the Python path
+        (``slice_sizes(*dims, training=...)``): False for an evaluation or prediction input.
 
         Raises:
             InputError: The elements are empty structures or hold only None, a component has no leading (batch)
@@ -172,7 +174,7 @@ class PlanSlicer:
         # structure) as one argument.
         is_tuple = type(spec) is tuple
         cache = self._cache
-        slice_sizes = self._slice_sizes
+        slice_sizes = functools.partial(self._slice_sizes, training=bool(training))
 
         def python_sizes(dims):
             sizes = tf.numpy_function(slice_sizes, dims, tf.int64, stateful=True)

@@ -54,6 +54,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             "the first strategy.run, call strategy.calibrate(model, dataset) once."
         )
 
+    # Traced inside evaluate or predict (fit's validation pass included): an inference step.
+    inferring = getattr(strategy, "_input_roles", None) is not None and strategy._input_roles.inferring_now
+
     def replica_fn(*call_args, **call_kwargs):
         context = tf.distribute.get_replica_context()
         replica_id = _compat.replica_id_in_sync_group(context)
@@ -84,7 +87,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             # loss or metric of the failed step is formed), as a GPU fails at its first large allocation.
             call_args, call_kwargs = emulated_memory_gate(
                 (call_args, call_kwargs), tensors.dense_part(batched), replica_id=replica_id,
-                batch_size=batch_size, emulator=strategy._emulator)
+                batch_size=batch_size, emulator=strategy._emulator, training=not inferring)
         with training.replica_step(step), naming_the_replica(replica_id):
             return fn(*call_args, **call_kwargs)
 

@@ -116,7 +116,7 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
 
 
 def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_size: Any,
-                         emulator: Emulator) -> Any:
+                         emulator: Emulator, training: bool = True) -> Any:
     """``structure`` (a replica's inputs) made to wait for a check that its slice fits the emulated device.
 
     A stateless ``tf.numpy_function`` (fed ``anchor``'s data, so it is not constant-folded) calls
@@ -131,6 +131,7 @@ def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_
         replica_id: The replica, in [0, R).
         batch_size: Examples in the slice (int scalar tensor).
         emulator: The emulator whose memory model applies.
+        training: Whether the step trains (False: an evaluate or predict step, which needs less memory).
 
     Returns:
         ``structure``, same values, tied to the check.
@@ -138,7 +139,7 @@ def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_
     replica_id = operator.index(replica_id)
 
     def _check(size: Any, _probe: Any) -> Any:
-        emulator.check_memory(replica_id, int(size))
+        emulator.check_memory(replica_id, int(size), training=training)
         return np.float64(0.0)
 
     passed = tf.numpy_function(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)], tf.float64,

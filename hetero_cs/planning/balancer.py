@@ -33,6 +33,7 @@ from hetero_cs.planning.cost_model import CostModel, check_cost_model
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split, ordered_values, split_by_shares
@@ -43,7 +44,7 @@ from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery):
+class Balancer(MemoryRecovery, InferencePlans):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -108,6 +109,7 @@ class Balancer(MemoryRecovery):
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
         self._memory = MemoryCaps(num_replicas, memory_policy)
+        self._inference_plans: tuple = (None, {})  # (what they were solved under, {B: plan}); plan_for_inference
 
     # ------------------------------------------------------------------------------------------------------------
     # State
@@ -347,17 +349,21 @@ class Balancer(MemoryRecovery):
                 self._commit(plan)
             return plan
 
-    def serve(self, global_batch_size: int) -> BatchPlan:
+    def serve(self, global_batch_size: int, *, training: bool = True) -> BatchPlan:
         """The plan to cut the next global batch of ``global_batch_size`` examples with.
 
-        Called once per global batch, ahead of its step (from the input pipeline). It first processes the steps
-        measured since the last call (guard trial, re-balancing), then returns the plan in force - or, during a
-        guard trial, the candidate or the incumbent by the trial's pattern.
+        Called once per global batch, ahead of its step (from the input pipeline). For a training batch it first
+        processes the steps measured since the last call (guard trial, re-balancing), then returns the plan in
+        force - or, during a guard trial, the candidate or the incumbent by the trial's pattern. An evaluation or
+        prediction batch (``training=False``) gets :meth:`plan_for_inference` and changes nothing of training's
+        plans.
 
         Raises:
             ConfigError: ``global_batch_size`` is not an integer >= 1.
             InfeasiblePlanError: From re-planning, if no split satisfies the caps.
         """
+        if not training:
+            return self.plan_for_inference(global_batch_size)
         b = _checked_global_batch_size(global_batch_size)
         with self._lock:
             self._served += 1

@@ -31,9 +31,10 @@ class CountingSizes:
         self.reference = 0
         self.publish_reference = publish_reference
 
-    def __call__(self, *dims):
+    def __call__(self, *dims, training=True):
         b = int(dims[0])
         self.calls.append(b)
+        self.training = training
         split = split_by_shares(b, self.shares)
         if self.publish_reference and b >= self.reference:
             self.reference = b

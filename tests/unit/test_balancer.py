@@ -100,6 +100,39 @@ def test_a_partial_last_batch_gets_its_own_plan_and_does_not_disturb_the_trial()
     assert balancer.guard.in_trial and balancer.plan.global_batch_size == B
 
 
+def test_an_inference_batch_larger_than_the_training_batch_leaves_training_plans_alone():
+    """Regression (fit's validation_data batched larger than training): the validation size became the reference size,
+    so training batches were then solved as partial batches, outside the guard's trial."""
+    balancer = balanced()
+    for _ in range(3):
+        assert balancer.serve(B).global_batch_size == B
+    candidate, incumbent = balancer.guard.candidate, balancer.plan
+    validation = balancer.serve(4 * B, training=False)
+    assert sum(validation.per_replica_batch_sizes) == 4 * B
+    assert balancer.reference_batch_size == B and balancer.plan is incumbent
+    assert balancer.guard.in_trial and balancer.guard.candidate is candidate
+    served = [balancer.serve(B).per_replica_batch_sizes for _ in range(3)]  # the trial's pattern goes on
+    assert set(served) <= {candidate.per_replica_batch_sizes, incumbent.per_replica_batch_sizes}
+    assert balancer.serve(B, training=False) is balancer.plan  # the reference size: the plan in force
+
+
+def test_an_inference_batch_is_split_without_the_training_caps_when_they_cannot_hold_it(caplog):
+    """Regression: evaluate/predict batches were solved within the caps of a training step (InfeasiblePlanError)."""
+    balancer = Balancer(3, rebalance=False, guard=False)
+    balancer.set_cost_models(TRUE, max_batch_sizes=[100, 100, 100], reference_batch_size=240)
+    within = balancer.serve(150, training=False)  # the caps hold it: within them
+    assert sum(within.per_replica_batch_sizes) == 150 and max(within.per_replica_batch_sizes) <= 100
+    with caplog.at_level("INFO", logger="hetero_cs"):
+        above = balancer.serve(600, training=False)
+    assert sum(above.per_replica_batch_sizes) == 600
+    assert above.per_replica_batch_sizes == solve_batch_split(TRUE, 600).per_replica_batch_sizes
+    assert any("without them" in r.getMessage() for r in caplog.records)
+    assert balancer.plan.global_batch_size == 240 and balancer.reference_batch_size == 240
+    assert balancer.serve(600, training=False) is above  # kept per size
+    balancer.set_batch_split([1, 1, 1])  # the shares changed: solved again, by the shares
+    assert balancer.serve(600, training=False).per_replica_batch_sizes == (200, 200, 200)
+
+
 def test_timing_is_due_every_step_while_deciding_then_sampled():
     balancer = balanced()
     assert balancer.timing_due()  # a trial is running

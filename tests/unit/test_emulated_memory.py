@@ -75,6 +75,15 @@ def test_what_a_slice_needs():
         slice_memory_bytes(WORKLOAD, -1)
 
 
+def test_an_inference_slice_needs_no_gradients_or_optimizer_variables():
+    assert slice_memory_bytes(WORKLOAD, 10, training=False) == 1_000 + 500 + 1_000  # weights, statistics, activations
+    assert slice_memory_bytes(WORKLOAD, 0, training=False) == 0
+    emulator = Emulator(["T4@6000B"], workload=WORKLOAD, time_scale=1.0)
+    emulator.check_memory(0, 40, training=False)  # 5500 bytes: an evaluate or predict slice fits
+    with pytest.raises(EmulatedOutOfMemoryError, match="needs 8500 bytes"):
+        emulator.check_memory(0, 40)  # the same slice in a training step does not
+
+
 def test_drift_memory_bytes_makes_factor_optional():
     drift = Drift(replica_id=1, from_step=20, memory_bytes=5_000)
     assert drift.factor == 1.0 and drift.describe() == "0.005 MB steps [20, end)"

@@ -34,8 +34,11 @@ def _patch_fit() -> None:
         callbacks = bound.arguments.get("callbacks")
         bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks)  # noqa: SLF001
         strategy._input_error = None  # noqa: SLF001
+        # fit distributes its training data first and validation data later (hetero_cs.engine.input_roles).
+        distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
         try:
-            return original_fit(*bound.args, **bound.kwargs)
+            with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
+                return original_fit(*bound.args, **bound.kwargs)
         except StopIteration as exc:
             # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
             from hetero_cs.errors import InputError
@@ -100,8 +103,8 @@ def _patch_make_train_function() -> None:
 def _patch_evaluate_and_predict() -> None:
     # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
     # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
-    # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). Other
-    # strategies are untouched.
+    # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). They also mark
+    # their inputs and steps as inference (hetero_cs.engine.input_roles). Other strategies are untouched.
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     def reraise_input_errors(original: Callable) -> Callable:
@@ -112,7 +115,8 @@ def _patch_evaluate_and_predict() -> None:
                 return original(self, *args, **kwargs)
             strategy._input_error = None  # noqa: SLF001
             try:
-                return original(self, *args, **kwargs)
+                with strategy._input_roles.inferring():  # noqa: SLF001 - its inputs and steps infer
+                    return original(self, *args, **kwargs)
             except tf.errors.OpError as exc:
                 input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
                 if input_error is None:
