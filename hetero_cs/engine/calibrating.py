@@ -187,14 +187,9 @@ def first_global_batch(strategy, data):
             raise
         raise error from exc
 
-    def whole(leaf):  # a packed global-batch leaf ([R, (b_i), ...]) -> the global batch it packs
+    def whole(leaf):  # a leaf of a distributed element (one component: the global batch) -> that batch
         parts = _compat.components(leaf)
-        if parts is None:
-            return leaf
-        packed = parts[0]
-        if strategy.num_replicas_in_sync == 1 or is_unbatched_marker(packed):
-            return packed
-        return packed.values
+        return leaf if parts is None else parts[0]
 
     return tf.nest.map_structure(whole, element)
 

@@ -187,7 +187,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
         self._slicer = PlanSlicer(
-            len(devices), self._slice_sizes, device=parameter_device,
+            len(devices), self._slice_sizes, check_batch=self._check_batch, device=parameter_device,
             cacheable=not (bool(auto_balance) and shares is None),
         )
         self._balancer = Balancer(
@@ -201,13 +201,10 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )
-        # Sampled timing on real devices when only the balancer needs the times; an emulated step must wait (and so
-        # be timed) every step, and HETERO_CS_TIMING=1 asks for every step.
-        self._timing_switch = None
-        if self._balancer.timing_needed and emulator is None and not arguments.env_flag("HETERO_CS_TIMING"):
-            from hetero_cs.engine.step_timing import TimingSwitch
-
-            self._timing_switch = TimingSwitch(parameter_device)
+        # Sampled timing on real devices when only the balancer needs the times (each step's plan says whether it is
+        # timed); an emulated step must wait (and so be timed) every step, and HETERO_CS_TIMING=1 asks for every step.
+        self._sampled_timing = bool(self._balancer.timing_needed and emulator is None
+                                    and not arguments.env_flag("HETERO_CS_TIMING"))
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
@@ -305,33 +302,40 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             trying = f" (in force while the guard tries {list(candidate.per_replica_batch_sizes)})" if candidate else ""
             logger.info("hetero_cs batch plan%s:\n%s", trying, plan)
 
-    def _slice_sizes(self, *leading_dims, training: bool = True) -> np.ndarray:
-        # Called from the tf.data pipeline (numpy_function) with every component's leading dimension, for every
-        # global batch that the cached plan does not cover (hetero_cs.engine.input_slicing); `training` says whether
-        # the input feeds training steps (else its plans leave training's alone). An error here would reach the
-        # user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as is.
+    def _check_batch(self, *leading_dims) -> np.ndarray:
+        # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
+        # hold 0 examples (hetero_cs.engine.input_slicing); raises the library's error for it. An error here would
+        # reach the user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as is.
         try:
-            sizes = sorted({int(d) for d in leading_dims})
-            if len(sizes) > 1:
+            sizes = [int(d) for d in leading_dims]
+            if len(set(sizes)) > 1:
                 raise InputError(
-                    f"The components of one dataset element have different leading (batch) dimensions "
-                    f"{[int(d) for d in leading_dims]}, so they cannot be cut into the same slices. Every "
-                    f"component of a global batch needs the same number of examples; if the dataset is not "
-                    f"batched yet, batch it: dataset.batch(global_batch_size)."
+                    f"The components of one dataset element have different leading (batch) dimensions {sizes}, so "
+                    f"they cannot be cut into the same slices. Every component of a global batch needs the same "
+                    f"number of examples; if the dataset is not batched yet, batch it: "
+                    f"dataset.batch(global_batch_size)."
                 )
-            if sizes[0] == 0:
-                raise InputError(
-                    "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
-                    "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
-                )
-            plan = self._balancer.serve(sizes[0], training=training)
-            if training and self._timing_switch is not None:
-                self._timing_switch.set(self._balancer.timing_due())
+            raise InputError(
+                "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
+                "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
+            )
+        except Exception as exc:
+            self._input_error = exc
+            raise
+
+    def _slice_sizes(self, global_batch_size, *, training: bool = True) -> np.ndarray:
+        # Called when a step starts (numpy_function in cross-replica context, before any replica runs) with the
+        # step's batch size, unless the cached plan covers it (hetero_cs.engine.input_slicing); `training` is False
+        # for an evaluation or prediction step (its plan leaves training's alone). Returns the sizes and whether to
+        # time this step. An error is kept on the strategy so that model.fit re-raises it as is.
+        try:
+            plan = self._balancer.serve(int(global_batch_size), training=training)
+            timed = not self._sampled_timing or (training and self._balancer.timing_due())
             if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
                 self._slicer.publish(plan)
             if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
-            return np.asarray(plan.per_replica_batch_sizes, dtype=np.int64)
+            return np.asarray([*plan.per_replica_batch_sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = exc
             raise
@@ -345,11 +349,12 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         Every element of ``dataset`` is one global batch (``B`` examples along the first axis of every component);
         replica ``i`` receives examples ``[sum(b_<i), sum(b_<=i))`` of it, so every example is used exactly once and
         ``predict`` outputs come back in order. A last partial batch is split by a plan solved for its own size.
-        A plan change takes effect a few batches later (the pipeline prefetches) and never retraces the step.
+        The cut is decided when the step starts, so a plan change applies to the very next step and never retraces
+        it.
 
         The global batch stays whole in host memory until ``strategy.run`` cuts it (one ``split`` op per component
         on the host); each replica's ops then copy only its own slice to its device. ``experimental_local_results``
-        of an element returns the ``R`` slices, as for stock per-replica values. ``options``
+        of an element returns the ``R`` slices by the plan in force, as for stock per-replica values. ``options``
         (``tf.distribute.InputOptions``) are accepted for compatibility; their device-placement and per-replica
         buffer settings do not apply to this host-side cut and are ignored with a warning.
 
@@ -369,7 +374,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
                 self._source_dataset = dataset
                 self._balancer.start_new_input()
                 self._slicer.publish(None)  # the new input's first batch sets the reference again
-        return _compat.distribute_on_host(self, self._slicer.pack(dataset, training=training), source=dataset)
+        return _compat.distribute_on_host(self, self._slicer.pack(dataset), source=dataset)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Like ``tf.distribute``'s, but ``dataset_fn``'s dataset yields global batches that are cut by the plan.
@@ -384,12 +389,12 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
-    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=()):
+    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), timed=None):
         """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time
         (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
         from hetero_cs.engine.replica_wrapping import wrap_replica_fn
 
-        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves)
+        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, timed)
 
     def _write_back_caps(self) -> None:
         from hetero_cs.engine.calibrating import write_back_caps

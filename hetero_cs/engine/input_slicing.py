@@ -1,23 +1,23 @@
-"""The input pipeline that cuts every global batch by the plan, and the unpacking of the cut inside the step.
+"""Global batches in the input pipeline, and their cut into replica slices at the start of each step.
 
-``PlanSlicer.pack(dataset)`` keeps one element per global batch but packs every component ``t`` (``B`` examples
-along axis 0) as a ``tf.RaggedTensor`` of ``R`` rows whose row lengths are the plan's per-replica batch sizes:
-``[R, (b_i), ...]``, with ``t`` itself as the values (no copy). The strategy hands that element to the replicas
-whole, on the host, and :func:`unpack` cuts it into replica ``i``'s slice (examples ``[sum(b_<i), sum(b_<=i))``)
-inside the step, with one ``split`` op.
+The pipeline (``PlanSlicer.pack``) only checks each global batch: it hands every component to the step whole, on the
+host, as it came (``B`` examples along axis 0). The step decides the cut when it starts (:meth:`PlanSlicer.step_sizes`,
+called by ``strategy.run`` in cross-replica context, before any replica runs) and cuts each component into replica
+``i``'s slice (examples ``[sum(b_<i), sum(b_<=i))``) with one ``split`` op (:func:`cut`).
 
-Why this shape. Stock ``CentralStorageStrategy`` re-batches each global batch into ``R`` pipeline elements and feeds
-them to the replicas one by one. Producing ``R`` elements of plan-dependent sizes in ``tf.data`` needs a
-``flat_map`` (one small dataset per batch), which costs about 0.2 ms of host CPU per batch more than stock's
-``rebatch``; one packed element per batch, read by a plain iterator on the host, costs less than stock
-(``benchmarks/overhead.py``).
+Why the cut is decided in the step. The plan is Python state of the strategy (solved, changed by calibration, by the
+guard and by online re-balancing). Decided in the input pipeline, it was decided ahead of the step: tf.data reads
+at least one batch ahead (its own prefetch, and tf.distribute's iterator asks for the next element while a step
+runs), so a plan change took effect one or two steps late, the guard's timing samples were switched for the wrong
+step, the solver ran for batches that never ran, and its Python ran on tf.data's threads beside the replicas'.
+Decided when the step starts, the plan applies to that very step; the step's replicas wait for the decision, so
+nothing else of the step runs while it is made (the calling thread waits for the step, as it does between steps).
 
-Where the slice sizes come from. The plan is Python state of the strategy (it is solved, changed by calibration and
-re-balanced online), so the pipeline asks Python for the sizes of a global batch through ``tf.numpy_function``.
-That call costs about 0.2 ms of host CPU. When the plan does not change online (re-balancing off), the slicer keeps
-the current plan in a small host variable, ``[B, b_0, ..., b_{R-1}]``, and a batch of exactly ``B`` examples reads
-its sizes from there inside the graph; any other batch (the first one, a last partial batch, mismatched
-components) still goes to Python, which validates it, solves its plan and raises the library's errors.
+Where the slice sizes come from. With online re-balancing, the guard or sampled timing, every step calls Python once
+(``tf.numpy_function``, about 0.2 ms of host CPU) for ``[b_0, ..., b_{R-1}, timed]``: the plan to serve and
+whether to time this step. When nothing changes the plan between steps (a fixed or even split), the plan in force
+is kept in a small host variable, ``[B, b_0, ..., b_{R-1}]``, and a batch of exactly ``B`` examples reads its sizes
+from there inside the graph; any other batch (the first one, a last partial batch) still goes to Python.
 """
 
 from __future__ import annotations
@@ -35,22 +35,22 @@ from hetero_cs.planning.plan import BatchPlan
 _UNSET = -1
 
 
-def unpack(packed, num_replicas: int) -> list:
-    """Replica slices of one packed component: ``[R, (b_i), ...]`` -> ``R`` tensors of ``[b_i, ...]``.
+def cut(component, sizes, num_replicas: int) -> list:
+    """Replica slices of one global-batch component: ``[B, ...]`` -> ``R`` tensors of ``[b_i, ...]``.
 
     Args:
-        packed: A component of an element of :meth:`PlanSlicer.pack`: a ``tf.RaggedTensor`` whose rows are the
-            replicas' slices (with ``R = 1``, the component as it is).
-        num_replicas: ``R``, the number of rows.
+        component: A tensor or ``tf.RaggedTensor`` with ``B`` examples along axis 0.
+        sizes: int64 tensor ``[R]``, the slice sizes (non-negative, summing to ``B``).
+        num_replicas: ``R``.
 
     Returns:
-        A list of ``R`` tensors (``tf.RaggedTensor`` where the dataset's own component is ragged).
+        A list of ``R`` slices (ragged where the component is), in replica order.
     """
-    if num_replicas == 1:
-        return [packed]
-    if isinstance(packed.values, tf.RaggedTensor):
-        return [packed[i] for i in range(num_replicas)]
-    return tf.split(packed.values, packed.row_lengths(), num=num_replicas)
+    if isinstance(component, tf.RaggedTensor):  # by row ranges: tf.split does not take ragged tensors
+        ends = tf.cumsum(tf.cast(sizes, component.row_splits.dtype))
+        starts = ends - tf.cast(sizes, component.row_splits.dtype)
+        return [component[starts[i]:ends[i]] for i in range(num_replicas)]
+    return tf.split(component, sizes, num=num_replicas)
 
 
 def is_unbatched_marker(spec_or_value) -> bool:
@@ -66,16 +66,19 @@ def is_unbatched_marker(spec_or_value) -> bool:
 
 
 class PlanSlicer:
-    """Cuts global batches into plan-sized slices for ``R`` replicas.
+    """Checks global batches in the pipeline, and decides each step's slice sizes when the step starts.
 
     Args:
         num_replicas: ``R`` >= 1.
-        slice_sizes: The Python path, called from the pipeline with every component's leading dimension (numpy int64
-            scalars) of one global batch and the keyword ``training`` (False for an evaluation or prediction input);
-            returns the ``R`` per-replica batch sizes (int64, summing to the batch size) or raises.
+        slice_sizes: The Python path, called at the start of a step with the batch size ``B`` (a numpy int64 scalar)
+            and the keyword ``training`` (False for an evaluation or prediction step); returns
+            ``[b_0, ..., b_{R-1}, timed]`` (int64: the slice sizes, summing to ``B``, and 1 if this step is to be
+            timed) or raises.
+        check_batch: Called from the pipeline with every component's leading dimension (numpy int64 scalars) of a
+            global batch whose components disagree or hold 0 examples; raises the library's error for it.
         device: Where the cached plan lives (the parameter device: host memory).
         cacheable: Whether the plan may be cached in the graph. False when the plan must be looked at for every
-            batch (online re-balancing runs its check there).
+            step (online re-balancing, the guard and sampled timing decide there).
     """
 
     def __init__(
@@ -83,20 +86,26 @@ class PlanSlicer:
         num_replicas: int,
         slice_sizes: Callable[..., np.ndarray],
         *,
+        check_batch: Callable[..., np.ndarray] | None = None,
         device: str,
         cacheable: bool,
     ):
         self._num_replicas = int(num_replicas)
         self._slice_sizes = slice_sizes
+        self._check_batch = check_batch
+        self._device = device
         self._lock = threading.Lock()
         self._published: tuple[int, ...] = (_UNSET,) * (self._num_replicas + 1)
         self._cache = None
-        if cacheable:
-            # Created outside any strategy scope and tf.function: a plain host variable, not a mirrored one.
-            with tf.init_scope(), tf.device(device):
+        # Created outside any strategy scope and tf.function: plain host variables, not mirrored ones.
+        with tf.init_scope(), tf.device(device):
+            if cacheable:
                 self._cache = tf.Variable(
                     self._published, dtype=tf.int64, trainable=False, name="hetero_cs_plan_cache"
                 )
+            # The sizes the last step started with (read after a failed step: which replica had how many examples).
+            self._last_sizes = tf.Variable([0] * self._num_replicas, dtype=tf.int64, trainable=False,
+                                           name="hetero_cs_last_step_sizes")
 
     @property
     def num_replicas(self) -> int:
@@ -108,11 +117,15 @@ class PlanSlicer:
         """Whether full global batches read their sizes from the cached plan instead of calling Python."""
         return self._cache is not None
 
+    def last_step_sizes(self) -> tuple[int, ...]:
+        """The slice sizes the last step (training, evaluation or prediction) started with, read on the host."""
+        return tuple(int(b) for b in self._last_sizes.numpy())
+
     def publish(self, plan: BatchPlan | None) -> None:
         """Makes ``plan`` the cached plan for batches of ``plan.global_batch_size`` examples (None: no cached plan).
 
-        Safe from any thread, including the pipeline's own (the caller serialises plan changes, so the last
-        published plan is the current one). Batches already prefetched keep the sizes they were cut with.
+        Safe from any thread (the caller serialises plan changes, so the last published plan is the current one).
+        The next step that starts reads it.
         """
         if self._cache is None:
             return
@@ -125,14 +138,41 @@ class PlanSlicer:
                 self._cache.assign(value)
                 self._published = value
 
-    def pack(self, dataset: tf.data.Dataset, *, training: bool = True) -> tf.data.Dataset:
-        """Global batches -> the same global batches, every component packed as ``[R, (b_i), ...]`` by the plan.
+    def step_sizes(self, global_batch_size, *, training: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
+        """This step's slice sizes and whether to time it, decided now (call it once per step, before the cut).
 
-        None and ``tf.experimental.Optional`` components stay as they are. With ``R = 1`` the components stay as
-        they are (the plan is still looked up, so bad batches raise). The result ends in ``prefetch(1)``, so the size
-        lookup (with online re-balancing, a Python call that also runs the re-balancing check) is done ahead of the
-        step, as stock's one-batch device buffer would be. ``training`` is passed on to the Python path
-        (``slice_sizes(*dims, training=...)``): False for an evaluation or prediction input.
+        Args:
+            global_batch_size: ``B``, an int scalar tensor (the step's batch).
+            training: False for an evaluation or prediction step (its plan leaves training's alone).
+
+        Returns:
+            ``(sizes, timed)``: an int64 tensor ``[R]`` summing to ``B``, and a bool scalar.
+        """
+        R = self._num_replicas
+        with tf.device(self._device):
+            B = tf.cast(global_batch_size, tf.int64)
+
+            def python_sizes():
+                decided = tf.numpy_function(functools.partial(self._slice_sizes, training=bool(training)), [B],
+                                            tf.int64, stateful=True, name="hetero_cs_step_plan")
+                return tf.reshape(decided, [R + 1])
+
+            if self._cache is None:
+                decided = python_sizes()
+            else:
+                cached = self._cache.read_value()
+                decided = tf.cond(tf.equal(cached[0], B),
+                                  lambda: tf.concat([cached[1:], tf.ones([1], tf.int64)], axis=0), python_sizes)
+            with tf.control_dependencies([self._last_sizes.assign(decided[:R])]):
+                sizes = tf.identity(decided[:R])
+            return sizes, decided[R] > 0
+
+    def pack(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """Global batches -> the same global batches, checked: every component has the same number of examples, > 0.
+
+        A batch that fails the check (found in the graph, without a Python call for good batches) goes to the
+        ``check_batch`` Python path, which raises the library's error for it. None and ``tf.experimental.Optional``
+        components are not checked. The cut happens in the step (:meth:`step_sizes`, :func:`cut`).
 
         Raises:
             InputError: The elements are empty structures or hold only None, a component has no leading (batch)
@@ -169,43 +209,26 @@ class PlanSlicer:
                 f"element_spec={spec}. Every component of a global batch needs the same number of examples; if "
                 f"the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
             )
-        R = self._num_replicas
+        if self._check_batch is None:
+            return dataset.prefetch(1)
         # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
         # structure) as one argument.
         is_tuple = type(spec) is tuple
-        cache = self._cache
-        slice_sizes = functools.partial(self._slice_sizes, training=bool(training))
-
-        def python_sizes(dims):
-            sizes = tf.numpy_function(slice_sizes, dims, tf.int64, stateful=True)
-            return tf.reshape(sizes, [R])
+        check_batch = self._check_batch
 
         def leading_dim(t):
             return t.nrows(out_type=tf.int64) if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
 
-        def pack_one(t, sizes):
-            if is_unbatched_marker(t):
-                return t
-            if R == 1:
-                return tf.identity(t)
-            if isinstance(t, tf.RaggedTensor):  # the outer row partition must use the component's own dtype
-                sizes = tf.cast(sizes, t.row_splits.dtype)
-            # validate=False: the sizes sum to the batch size (the Python path checked it, or the cached plan is for
-            # exactly this size), and the check would cost an assertion op per component per batch.
-            return tf.RaggedTensor.from_row_lengths(t, sizes, validate=False)
-
-        def to_packed(*args):
+        def checked(*args):
             element = args if is_tuple else args[0]
             flat = tf.nest.flatten(element, expand_composites=False)
-            dims = [leading_dim(t) for t in flat if not is_unbatched_marker(t)]
-            if cache is None:
-                sizes = python_sizes(dims)
-            else:
-                cached = cache.read_value()
-                hit = tf.reduce_all(tf.equal(tf.stack(dims), cached[0]))
-                sizes = tf.cond(hit, lambda: cached[1:], lambda: python_sizes(dims))
-            with tf.control_dependencies([sizes] if R == 1 else []):  # with R = 1 the lookup only validates
-                packed = [pack_one(t, sizes) for t in flat]
-            return tf.nest.pack_sequence_as(element, packed)
+            dims = tf.stack([leading_dim(t) for t in flat if not is_unbatched_marker(t)])
+            good = tf.logical_and(tf.reduce_all(tf.equal(dims, dims[0])), dims[0] > 0)
+            verdict = tf.cond(good, lambda: tf.constant(0, tf.int64), lambda: tf.reshape(tf.numpy_function(
+                check_batch, tf.unstack(dims), tf.int64, stateful=True), []))
+            with tf.control_dependencies([verdict]):
+                kept = [t if is_unbatched_marker(t) else tf.identity(t) for t in flat]
+            return tf.nest.pack_sequence_as(element, kept)
 
-        return dataset.map(to_packed).prefetch(1)
+        # The check does not depend on the plan, so the next batch may be read and checked while a step runs.
+        return dataset.map(checked).prefetch(1)

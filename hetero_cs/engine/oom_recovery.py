@@ -6,19 +6,15 @@ replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecov
 
 1. asks the :class:`~hetero_cs.planning.balancer.Balancer` to lower that replica's cap and re-solve the plan
    within the caps (:meth:`~hetero_cs.planning.balancer.Balancer.recover_from_oom`);
-2. re-cuts the *same* global batch by the new plan - the packed element already holds the whole batch on the
-   host, so only its row lengths change, and the element keeps its type spec: the step's ``tf.function`` is not
-   retraced;
-3. runs the same step again, at most ``MemoryRecoveryPolicy.max_retries`` times, then raises
+2. runs the same step again on the *same* global batch, which the step cuts when it starts by the plan in force
+   then (the element holds the whole batch on the host and keeps its type spec: the step's ``tf.function`` is not
+   retraced), at most ``MemoryRecoveryPolicy.max_retries`` times, then raises
    :class:`hetero_cs.errors.StepOOMError` naming the device, the caps tried and what to do.
 
 Every example of the batch is used exactly once: the batch that failed is the batch retried, and the data iterator
 is not advanced. Each cap change is logged (logger ``hetero_cs.engine.central_storage``, WARNING for a drop, INFO
 for growth), counted in the fit logs (:class:`hetero_cs.engine.callbacks.BalanceCallback`) and written back to
 the profile cache entry the calibration came from, so the next run starts from the lower cap.
-
-The pipeline prefetches one batch, which was cut by the plan before the recovery; such a batch is re-cut before its
-step when its slices exceed the new caps, so it does not run out of memory a second time.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from hetero_cs.engine import _compat
+from hetero_cs.engine.input_slicing import is_unbatched_marker
 from hetero_cs.engine.step_errors import REPLICA_ID_ATTRIBUTE
 from hetero_cs.errors import InfeasiblePlanError, StepOOMError
 
@@ -61,41 +58,16 @@ def failed_replica(exc: Exception, num_replicas: int) -> int | None:
     return replica_id if 0 <= replica_id < num_replicas else None
 
 
-def _packed_leaves(data: Any) -> list:
-    """The packed components (``[R, (b_i), ...]`` ragged tensors) of one distributed-dataset element."""
-    leaves = []
+def global_batch_size_of(data: Any) -> int | None:
+    """The number of examples of a distributed-dataset element held in hand (read on the host), or None."""
     for value in tf.nest.flatten(data, expand_composites=False):
         parts = _compat.components(value)
-        if parts and len(parts) == 1 and isinstance(parts[0], tf.RaggedTensor):
-            leaves.append(parts[0])
-    return leaves
-
-
-def slice_sizes(data: Any) -> tuple[int, ...] | None:
-    """The per-replica slice sizes an element was cut with (read on the host, no device sync), or None."""
-    leaves = _packed_leaves(data)
-    if not leaves:
-        return None
-    splits = leaves[0].row_splits.numpy()  # already on the host: no op runs
-    return tuple(int(b) for b in splits[1:] - splits[:-1])
-
-
-def recut(data: Any, sizes: Sequence[int]) -> Any:
-    """The same element with every packed component re-cut into slices of ``sizes`` (values shared, no copy).
-
-    The result has the element's type spec (a ``[R, (b_i), ...]`` ragged tensor per component), so a
-    ``tf.function`` traced for the element runs it without retracing.
-    """
-
-    def convert(value):
-        parts = _compat.components(value)
-        if not parts or len(parts) != 1 or not isinstance(parts[0], tf.RaggedTensor):
-            return value
-        packed = parts[0]
-        lengths = tf.constant(list(sizes), dtype=packed.row_splits.dtype)
-        return _compat.per_replica([tf.RaggedTensor.from_row_lengths(packed.values, lengths, validate=False)])
-
-    return tf.nest.map_structure(convert, data)
+        if parts and len(parts) == 1 and not is_unbatched_marker(parts[0]):
+            component = parts[0]
+            if isinstance(component, tf.RaggedTensor):
+                return int(component.nrows())
+            return int(component.shape[0])
+    return None
 
 
 class StepRecovery:
@@ -137,22 +109,18 @@ class StepRecovery:
             StepOOMError: Still out of memory after ``max_retries`` retries, or the caps cannot hold the batch.
             tf.errors.ResourceExhaustedError: The error names no replica (e.g. the host ran out of memory).
         """
-        balancer = self._strategy.balancer
-        sizes = slice_sizes(data)
-        if sizes is None:  # one replica: nothing to move elsewhere
+        strategy = self._strategy
+        balancer = strategy.balancer
+        global_batch_size = global_batch_size_of(data)
+        if global_batch_size is None or len(strategy.compute_devices) == 1:  # one replica: nothing to move elsewhere
             return step(data)
-        global_batch_size = sum(sizes)
-        caps = balancer.max_batch_sizes
-        if caps is not None and any(c is not None and b > c for b, c in zip(sizes, caps)):
-            # Cut (prefetched) before the last cap change: re-cut by the plan in force now.
-            sizes = balancer.plan_for(global_batch_size).per_replica_batch_sizes
-            data = recut(data, sizes)
         policy = balancer.memory_caps.policy
         tried: dict[int, list[int]] = {}
         for attempt in range(policy.max_retries + 1):
             try:
                 outputs = step(data)
             except tf.errors.ResourceExhaustedError as exc:
+                sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001 - the cut this attempt started with
                 replica_id = failed_replica(exc, len(sizes))
                 if replica_id is None or sizes[replica_id] == 0:
                     raise
@@ -169,10 +137,8 @@ class StepRecovery:
                 self.recoveries += 1
                 self.max_retries_used = max(self.max_retries_used, attempt + 1)
                 self._note(change, retry=list(plan.per_replica_batch_sizes))
-                sizes = plan.per_replica_batch_sizes
-                data = recut(data, sizes)
-                continue
-            for change in balancer.record_step_success(sizes):
+                continue  # the retried step cuts the batch by the plan in force now (the guard's trial is over)
+            for change in balancer.record_step_success(strategy._slicer.last_step_sizes()):  # noqa: SLF001
                 self._note(change)
             return outputs
         raise AssertionError("unreachable")  # the loop returns or raises

@@ -1,53 +1,74 @@
 """Elements of a distributed dataset as per-replica values: their slices, reductions and gathers.
 
-Every element of a distributed dataset is one packed global batch on the host (``[R, (b_i), ...]`` per component,
-see :mod:`hetero_cs.engine.input_slicing`). :class:`PackedBatchValues` is the part of the strategy that turns
-such an element into its ``R`` slices wherever tf.distribute expects per-replica values: ``strategy.run``'s
-arguments, ``experimental_local_results``, ``reduce`` and ``gather``.
+Every element of a distributed dataset is one global batch on the host, each leaf a per-replica value with a single
+component holding the whole batch (see :mod:`hetero_cs.engine.input_slicing`). :class:`PackedBatchValues` is the part
+of the strategy that turns such an element into its ``R`` slices wherever tf.distribute expects per-replica values:
+``strategy.run``'s arguments (cut by the plan the step decides when it starts), ``experimental_local_results``,
+``reduce`` and ``gather`` (cut by the plan in force).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, tensors
-from hetero_cs.engine.input_slicing import is_unbatched_marker, unpack as unpack_slices
-from hetero_cs.errors import InputError
+from hetero_cs.engine.input_slicing import cut, is_unbatched_marker
 
 
 class PackedBatchValues:
-    """Mixin for a ``tf.distribute.Strategy`` whose distributed datasets yield packed global batches."""
+    """Mixin for a ``tf.distribute.Strategy`` whose distributed datasets yield whole global batches."""
 
-    def _replica_slices(self, value) -> list | None:
-        """The ``R`` slices of one packed global-batch leaf from a distributed dataset, or None for other values."""
+    def _global_batch_component(self, value) -> tuple | None:
+        """``(component,)``: the global batch a leaf of a distributed-dataset element holds (None for a "no data"
+        leaf such as missing sample weights); None for other values.
+
+        With one replica every per-replica value has one component, and a batch is already replica 0's slice.
+        """
         if self.num_replicas_in_sync == 1:
-            return None  # one replica: the batch is not packed, it is already replica 0's slice
+            return None
         parts = _compat.components(value)
         if parts is None or len(parts) != 1:
             return None
-        packed = parts[0]
-        R = self.num_replicas_in_sync
-        if is_unbatched_marker(packed):  # None / Optional ("no sample weights"): the same for every replica
-            return [packed] * R
-        rows = packed.shape[0] if isinstance(packed, tf.RaggedTensor) else None
-        if not isinstance(packed, tf.RaggedTensor) or (rows is not None and rows != R):
-            made_for = f" (it was cut for {rows} replicas: another strategy's dataset?)" if rows is not None else ""
-            raise InputError(
-                f"Got a per-replica value with 1 component{made_for}, but this strategy has R={R} replicas. Pass "
-                f"elements of this strategy's experimental_distribute_dataset(...), or per-replica values made by "
-                f"its experimental_distribute_values_from_function."
-            )
-        with tf.device(self.extended.input_device):
-            return unpack_slices(packed, R)
+        return parts
 
-    def _unpack(self, structure, created=None):
-        """``structure`` with every packed global-batch leaf replaced by a per-replica value of its ``R`` slices.
+    def _replica_slices(self, value, sizes=None) -> list | None:
+        """The ``R`` slices of one global-batch leaf from a distributed dataset, or None for other values.
+
+        Args:
+            value: A leaf of a distributed dataset's element (other values give None).
+            sizes: int64 ``[R]``, this step's slice sizes; None outside a step: the plan in force for the batch's
+                size (it changes nothing of the plan lifecycle).
+        """
+        held = self._global_batch_component(value)
+        if held is None:
+            return None
+        component, R = held[0], self.num_replicas_in_sync
+        if is_unbatched_marker(component):  # None / Optional ("no sample weights"): the same for every replica
+            return [component] * R
+        if sizes is None:
+            sizes = self._inspection_sizes(tensors.leading_dim(component))
+        with tf.device(self.extended.input_device):
+            return cut(component, sizes, R)
+
+    def _inspection_sizes(self, global_batch_size):
+        """The plan in force for a batch of this size, outside a step (a Python call that advances nothing)."""
+        balancer = self._balancer
+
+        def sizes_of(b):
+            return np.asarray(balancer.plan_for_inference(int(b)).per_replica_batch_sizes, dtype=np.int64)
+
+        sizes = tf.numpy_function(sizes_of, [tf.cast(global_batch_size, tf.int64)], tf.int64, stateful=True)
+        return tf.reshape(sizes, [self.num_replicas_in_sync])
+
+    def _unpack(self, structure, created=None, sizes=None):
+        """``structure`` with every global-batch leaf replaced by a per-replica value of its ``R`` slices.
 
         The new per-replica values are appended to ``created`` (a list) when given.
         """
 
         def convert(value):
-            slices = self._replica_slices(value)
+            slices = self._replica_slices(value, sizes)
             if slices is None:
                 return value
             unpacked = _compat.per_replica(slices)
@@ -58,12 +79,25 @@ class PackedBatchValues:
         return tf.nest.map_structure(convert, structure)
 
     def _unpack_inputs(self, args, kwargs):
-        """``strategy.run``'s arguments with every packed global batch replaced by per-replica slices.
+        """``strategy.run``'s arguments with every global batch replaced by per-replica slices, cut by the plan this
+        step decides now (before any replica runs).
 
-        Returns ``(args, kwargs, batch_leaves)``; ``batch_leaves`` are the per-replica slices made here, in order.
+        Returns ``(args, kwargs, batch_leaves, timed)``; ``batch_leaves`` are the per-replica slices made here, in
+        order; ``timed`` is a bool scalar tensor (whether to time this step), or None when no global batch came.
         """
+        batches = [leaf for leaf in tf.nest.flatten((args, kwargs or {}))
+                   if isinstance(leaf, tf.distribute.DistributedValues)
+                   and len(_compat.components(leaf) or ()) == 1
+                   and not is_unbatched_marker(_compat.components(leaf)[0])]
+        if not batches:
+            return args, kwargs, [], None
+        training = not self._input_roles.inferring_now  # traced inside evaluate or predict: an inference step
+        sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
+                                               training=training)
+        if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
+            return args, kwargs, [], timed
         created: list = []
-        return self._unpack(args, created), self._unpack(kwargs or {}, created), created
+        return self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed
 
     def experimental_local_results(self, value):
         """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices.

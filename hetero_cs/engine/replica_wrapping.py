@@ -14,11 +14,12 @@ from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
-def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None):
     """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
 
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
     dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
+    ``timed`` (a bool scalar tensor, or None) is this step's plan's word on whether to time it (sampled timing).
     """
     flat = tf.nest.flatten((args, kwargs or {}))
     batch_ids = {id(v) for v in batch_leaves}
@@ -43,8 +44,8 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
                 # One clock start per step, when the step's input is there: every replica's step time runs
                 # from it (what a real device's does: input and parameters reach it after the step starts).
                 anchor = tensors.dense_part(components[0])  # data, so never constant-folded
-                if strategy._timing_switch is not None:  # read once here, so every replica of the step agrees
-                    step_start = sampled_wall_clock_stamp(anchor, strategy._timing_switch.read())
+                if strategy._sampled_timing and timed is not None:  # one decision per step: every replica agrees
+                    step_start = sampled_wall_clock_stamp(anchor, timed)
                 else:
                     step_start = wall_clock_stamp(anchor)
     if strategy._emulator is not None and not strategy._emulator_ready():
@@ -67,7 +68,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
             batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
         batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
-        start, sampled = step_start, step_start is not None and strategy._timing_switch is not None
+        start, sampled = step_start, step_start is not None and strategy._sampled_timing and timed is not None
         if start is None and strategy._timing_enabled and batched is not None:
             from hetero_cs.engine.step_timing import wall_clock_stamp
 

@@ -183,35 +183,6 @@ def tie_to_stamp(structure: Any, stamp: Any) -> Any:
     return tf.nest.map_structure(tie, structure)
 
 
-class TimingSwitch:
-    """A host boolean that training steps read once per step to decide whether to time it (sampled timing).
-
-    Timing a step costs host time (the clock reads and the per-replica reports, ~0.5 ms for R = 3); on short steps
-    the balancer times only one step in N (``Balancer.timing_due``). The step reads the switch once, in
-    cross-replica context, so every replica of a step agrees and the monitor's step pairing holds.
-
-    Args:
-        device: Where the variable lives (the parameter device, host memory).
-    """
-
-    def __init__(self, device: str):
-        # Created outside any strategy scope and tf.function: a plain host variable, not a mirrored one.
-        with tf.init_scope(), tf.device(device):
-            self._variable = tf.Variable(True, trainable=False, name="hetero_cs_timing_switch")
-        self._value = True
-
-    def read(self) -> tf.Tensor:
-        """The switch as a bool scalar tensor (read at run time, every step)."""
-        return self._variable.read_value()
-
-    def set(self, value: bool) -> None:
-        """Turns timing of the next steps on or off (an assign only when the value changes; any thread)."""
-        value = bool(value)
-        if value != self._value:
-            self._value = value
-            self._variable.assign(value)
-
-
 def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
     """``wall_clock_stamp(anchor)`` when ``timed`` (a bool scalar tensor), else -1.0 without reading the clock."""
     return tf.cond(timed, lambda: wall_clock_stamp(anchor), lambda: tf.constant(-1.0, tf.float64))

@@ -15,7 +15,7 @@
 * the memory caps in force, lowered after an out-of-memory step and grown back slowly (``recover_from_oom``,
   ``record_step_success``; :mod:`hetero_cs.planning.balancer_memory`).
 
-An engine calls ``serve(B)`` for every global batch it cuts (from its input pipeline, ahead of the step),
+An engine calls ``serve(B)`` for every global batch it cuts (when the step starts, before any replica runs),
 ``record_step_time`` from each replica's step, and reads ``plan``; ``on_plan`` tells it when the plan in force
 changes. Thread-safe: one lock serialises every call.
 
@@ -352,7 +352,7 @@ class Balancer(MemoryRecovery, InferencePlans):
     def serve(self, global_batch_size: int, *, training: bool = True) -> BatchPlan:
         """The plan to cut the next global batch of ``global_batch_size`` examples with.
 
-        Called once per global batch, ahead of its step (from the input pipeline). For a training batch it first
+        Called once per global batch, when its step starts. For a training batch it first
         processes the steps measured since the last call (guard trial, re-balancing), then returns the plan in
         force - or, during a guard trial, the candidate or the incumbent by the trial's pattern. An evaluation or
         prediction batch (``training=False``) gets :meth:`plan_for_inference` and changes nothing of training's

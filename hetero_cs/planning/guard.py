@@ -25,7 +25,7 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    ``max_backoff_steps`` after the previous back-off ended.
 
 Which plan a step ran with is read from the sizes the step reported (``StepSample.per_replica_batch_sizes``), not
-from what was served, so batches already cut before a switch (the input pipeline prefetches) are attributed right;
+from what was served, so batches cut before a switch (an engine that cuts ahead of the step) are attributed right;
 a step whose sizes match neither plan (a last partial batch) is ignored.
 
 This module is pure: it imports neither TensorFlow nor pynvml.

@@ -147,15 +147,17 @@ def simulate_balancer(
     global_batch_size: int,
     *,
     steps: int,
-    prefetch: int = 2,
+    prefetch: int = 0,
     relative_noise: float = 0.0,
     common_noise_sigma: float = 0.0,
     seed: int = 0,
 ) -> list[BalancedStep]:
     """Drives a :class:`~hetero_cs.planning.balancer.Balancer` as an engine would, with synthetic step times.
 
-    Each step, the input side asks ``balancer.serve(B)`` for the slices of a batch that runs ``prefetch`` steps
-    later (as a prefetching input pipeline does); when a batch runs, replica i reports
+    Each step, the engine asks ``balancer.serve(B)`` for the slices of a batch that runs ``prefetch`` steps later
+    (0, the default, is what the central-storage engine does: it decides each step's cut when the step starts; an
+    engine that cut ahead of the step, in a prefetching input pipeline, is ``prefetch >= 1``); when a batch runs,
+    replica i reports
     ``true_i(b_i) * c_k * u_ki``: c_k = exp(N(0, common_noise_sigma^2)) is shared by every replica of step k (the
     whole host got busier or quieter) and u_ki ~ U(1 - relative_noise, 1 + relative_noise) is the replica's own
     noise. Every step is timed.
@@ -165,7 +167,7 @@ def simulate_balancer(
         true_models_at_step: step -> the devices' true cost models at that step (length R).
         global_batch_size: B, the size of every batch.
         steps: >= 0, steps to simulate.
-        prefetch: >= 0, batches cut ahead of the step that runs them.
+        prefetch: >= 0, batches cut ahead of the step that runs them (0: when the step starts).
         relative_noise: In [0, 1), per-replica multiplicative noise half-width.
         common_noise_sigma: >= 0, sigma of the per-step common-mode lognormal factor.
         seed: numpy default_rng seed; equal arguments give equal results.

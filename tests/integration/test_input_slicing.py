@@ -1,7 +1,7 @@
-"""The plan-slicing input pipeline: slices match the plan, and the cached plan spares the Python call per batch.
+"""Global batches cut by the plan each step decides when it starts; the cached plan spares the Python call per step.
 
-The pipeline packs each global batch as ``[R, (b_i), ...]`` ragged components; ``unpack`` cuts them into the
-replicas' slices (what the strategy does inside ``strategy.run``).
+The pipeline checks each global batch and hands it whole to the step; ``PlanSlicer.step_sizes`` decides the step's
+slice sizes and ``cut`` cuts every component by them (what the strategy does inside ``strategy.run``).
 """
 
 import collections
@@ -16,7 +16,7 @@ import hetero_cs
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.errors import InputError
 from hetero_cs.engine import _compat
-from hetero_cs.engine.input_slicing import PlanSlicer, unpack
+from hetero_cs.engine.input_slicing import PlanSlicer, cut
 from hetero_cs.planning.plan import split_by_shares
 from hetero_cs.planning.solver import plan_from_split
 
@@ -31,15 +31,15 @@ class CountingSizes:
         self.reference = 0
         self.publish_reference = publish_reference
 
-    def __call__(self, *dims, training=True):
-        b = int(dims[0])
+    def __call__(self, global_batch_size, training=True):
+        b = int(global_batch_size)
         self.calls.append(b)
         self.training = training
         split = split_by_shares(b, self.shares)
         if self.publish_reference and b >= self.reference:
             self.reference = b
             self.slicer.publish(plan_from_split(split))
-        return np.asarray(split, dtype=np.int64)
+        return np.asarray([*split, 1], dtype=np.int64)
 
 
 def make_slicer(shares, *, cacheable=True, publish_reference=True):
@@ -48,7 +48,7 @@ def make_slicer(shares, *, cacheable=True, publish_reference=True):
     return sizes.slicer, sizes
 
 
-def cut(slicer, batch_sizes, width=3):
+def cut_batches(slicer, batch_sizes, width=3):
     """Slices of consecutive-integer batches of the given sizes, as lists of example ids per batch and replica."""
     total = sum(batch_sizes)
     x = np.arange(total * width, dtype=np.int64).reshape(total, width)
@@ -62,9 +62,11 @@ def cut(slicer, batch_sizes, width=3):
     R = slicer.num_replicas
     elements = list(slicer.pack(dataset))
     assert len(elements) == len(batch_sizes)  # one element per global batch
-    for x_packed, y_packed in elements:
+    for x_batch, y_batch in elements:
+        sizes, _ = slicer.step_sizes(tf.shape(y_batch)[0])  # what a step decides when it starts
+        assert slicer.last_step_sizes() == tuple(int(b) for b in sizes)
         per_replica = []
-        for xi, yi in zip(unpack(x_packed, R), unpack(y_packed, R)):
+        for xi, yi in zip(cut(x_batch, sizes, R), cut(y_batch, sizes, R)):
             np.testing.assert_array_equal(xi.numpy()[:, 0], yi.numpy())  # components cut alike
             per_replica.append(yi.numpy().tolist())
         out.append(per_replica)
@@ -73,31 +75,31 @@ def cut(slicer, batch_sizes, width=3):
 
 def test_full_batches_read_the_cached_plan_without_calling_python():
     slicer, sizes = make_slicer([5, 3, 2])
-    out, batches = cut(slicer, [10, 10, 10, 10, 7])
+    out, batches = cut_batches(slicer, [10, 10, 10, 10, 7])
     assert sizes.calls == [10, 7]  # the first full batch (cache empty) and the partial one
     for per_replica, (_, y) in zip(out, batches):
         assert [len(s) for s in per_replica] == list(split_by_shares(len(y), [5, 3, 2]))
         assert sum(per_replica, []) == y.tolist()  # every example once, in order
 
 
-def test_not_cacheable_calls_python_for_every_batch():
+def test_not_cacheable_calls_python_for_every_step():
     slicer, sizes = make_slicer([1, 1], cacheable=False)
     assert not slicer.cacheable
-    out, _ = cut(slicer, [6, 6, 6, 5])
+    out, _ = cut_batches(slicer, [6, 6, 6, 5])
     assert sizes.calls == [6, 6, 6, 5]
     assert [[len(s) for s in b] for b in out] == [[3, 3], [3, 3], [3, 3], [3, 2]]
 
 
-def test_a_published_plan_applies_to_the_next_batches_and_none_clears_it():
+def test_a_published_plan_applies_to_the_next_step_and_none_clears_it():
     slicer, sizes = make_slicer([1, 1], publish_reference=False)
     slicer.publish(plan_from_split([6, 2]))
-    out, _ = cut(slicer, [8, 8])
+    out, _ = cut_batches(slicer, [8, 8])
     assert sizes.calls == [] and [[len(s) for s in b] for b in out] == [[6, 2], [6, 2]]
     slicer.publish(plan_from_split([1, 7]))
-    out, _ = cut(slicer, [8])
+    out, _ = cut_batches(slicer, [8])
     assert [len(s) for s in out[0]] == [1, 7]
     slicer.publish(None)
-    out, _ = cut(slicer, [8])
+    out, _ = cut_batches(slicer, [8])
     assert sizes.calls == [8] and [len(s) for s in out[0]] == [4, 4]
 
 
@@ -110,7 +112,7 @@ def test_slices_always_equal_the_python_plan(shares, batch_sizes):
     # Whatever the order of batch sizes (cache hits, misses, a larger batch replacing the reference), every batch is
     # cut exactly as the slow path would cut it, and every example lands once, in order.
     slicer, _ = make_slicer(shares)
-    out, batches = cut(slicer, batch_sizes)
+    out, batches = cut_batches(slicer, batch_sizes)
     for per_replica, (_, y) in zip(out, batches):
         assert [len(s) for s in per_replica] == list(split_by_shares(len(y), shares))
         assert sum(per_replica, []) == y.tolist()
@@ -129,9 +131,9 @@ def test_mismatched_components_still_reach_the_python_check():
         output_signature=(tf.TensorSpec([None, 2], tf.float32), tf.TensorSpec([None], tf.int64)),
     )
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    next(iterator)  # the first batch sets the reference plan [2, 2] and caches it
+    next(iterator)
     with pytest.raises(tf.errors.OpError):
-        next(iterator)  # x has 4 examples (the cached batch size), y has 3: not a cache hit
+        next(iterator)  # x has 4 examples, y has 3: the pipeline's check goes to Python, which raises
     assert isinstance(strategy._input_error, InputError)  # noqa: SLF001 - what model.fit re-raises
 
 
@@ -167,7 +169,8 @@ def test_namedtuple_elements_keep_their_structure():
     assert isinstance(packed.element_spec, Example)
     (element,) = list(packed)
     assert isinstance(element, Example)
-    assert [t.numpy().tolist() for t in unpack(element.y, 2)] == [[0, 1, 2], [3, 4, 5]]
+    sizes, _ = slicer.step_sizes(6)
+    assert [t.numpy().tolist() for t in cut(element.y, sizes, 2)] == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_a_dataset_that_claims_to_be_infinite_may_still_end():
@@ -226,12 +229,11 @@ def test_sparse_components_are_refused_with_the_fix():
         strategy.experimental_distribute_dataset(dataset)
 
 
-def test_a_single_component_value_that_is_not_a_packed_batch_is_refused():
-    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
-                                            profile_cache=False)
-    lonely = _compat.per_replica([tf.constant([1.0, 2.0])])
-    with pytest.raises(InputError, match="1 component"):
-        strategy.run(lambda x: x, args=(lonely,))
+def test_a_single_component_value_is_taken_as_one_global_batch():
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], batch_split=[3, 1], profile_cache=False)
+    lonely = _compat.per_replica([tf.constant([1.0, 2.0, 3.0, 4.0])])
+    parts = strategy.run(lambda x: x, args=(lonely,))
+    assert [t.numpy().tolist() for t in strategy.experimental_local_results(parts)] == [[1.0, 2.0, 3.0], [4.0]]
 
 
 def test_local_results_of_a_nested_element_are_per_replica_structures():
@@ -248,13 +250,15 @@ def test_local_results_of_a_nested_element_are_per_replica_structures():
     assert [y.numpy().tolist() for _, y in local] == [[0, 10, 20, 30], [40, 50], [60, 70]]
 
 
-def test_an_element_cut_for_another_replica_count_is_refused():
+def test_an_element_of_another_strategy_is_cut_for_this_one():
+    # Elements are whole global batches until a step cuts them, so the replica count they are cut for is the
+    # step's strategy's.
     three = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False,
                                          profile_cache=False)
     two = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False, profile_cache=False)
     element = next(iter(three.experimental_distribute_dataset(tf.data.Dataset.range(6).batch(6))))
-    with pytest.raises(InputError, match="cut for 3 replicas"):
-        two.run(lambda x: x, args=(element,))
+    parts = two.run(lambda x: x, args=(element,))
+    assert [t.numpy().tolist() for t in two.experimental_local_results(parts)] == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_input_options_that_cannot_apply_are_ignored_with_a_warning(caplog):
@@ -311,3 +315,43 @@ def test_a_none_or_optional_first_component_does_not_decide_the_batch_size():
     element = next(iter(strategy.experimental_distribute_dataset(dataset)))
     weights = strategy.run(lambda d: hetero_cs.replica_weight(), args=(element,))
     assert [float(w) for w in strategy.experimental_local_results(weights)] == [0.75, 0.25]
+
+
+def test_a_plan_change_applies_to_the_very_next_step():
+    """Regression: the cut was decided in the input pipeline, which reads ahead, so a change came a step or two late."""
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, batch_split=[5, 3, 2], profile_cache=False
+    )
+    iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(200).batch(20)))
+
+    @tf.function
+    def step(element):
+        return strategy.run(lambda x: tf.shape(x)[0], args=(element,))
+
+    def sizes(element):
+        return [int(n) for n in strategy.experimental_local_results(step(element))]
+
+    assert sizes(next(iterator)) == [10, 6, 4]
+    strategy.set_batch_split([1, 1, 2])
+    assert sizes(next(iterator)) == [5, 5, 10]  # the element the pipeline read ahead is cut by the new split
+    strategy.set_batch_split(None)
+    assert sizes(next(iterator)) == [7, 7, 6]
+    assert step.experimental_get_tracing_count() == 1  # and the step was never retraced
+
+
+def test_the_plan_is_served_once_per_step_that_runs():
+    """Regression: the pipeline served plans for the batches it read ahead, which never ran."""
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], profile_cache=False, guard=False)
+    strategy.set_cost_models([hetero_cs.LinearCostModel(1e-3, 1e-5)] * 2)
+    served = []
+    original = strategy.balancer.serve
+    strategy.balancer.serve = lambda B, **kwargs: served.append(B) or original(B, **kwargs)
+    iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(100).batch(10)))
+
+    @tf.function
+    def step(element):
+        return strategy.run(lambda x: tf.reduce_sum(x), args=(element,))
+
+    for _ in range(3):
+        step(next(iterator))
+    assert served == [10, 10, 10]

@@ -84,8 +84,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         if lifted is not None:
             return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
-        args, kwargs, batch_leaves = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
-        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves)  # noqa: SLF001
+        args, kwargs, batch_leaves, timed = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed)  # noqa: SLF001
         return super()._call_for_each_replica(wrapped, args, kwargs)
 
     def _lifted_tf_function(self, fn):
