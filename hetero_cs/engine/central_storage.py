@@ -410,11 +410,14 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             emulator=self._emulator,
             record=self._record_step_time,
             sampled=step.sampled_timing,
+            keyed=step.shared_start,
         )
 
-    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
-        """Monitor callback (runs in a TensorFlow thread once per replica per step): records only."""
-        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s))
+    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
+                          step_key: float | None = None) -> None:
+        """Monitor callback (runs in a TensorFlow thread once per replica per step): records only. ``step_key``
+        is the step's clock start (seconds), shared by its replicas: steps pair by it, also after a failed step."""
+        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s), step_key=step_key)
 
     def _input_error_raised(self, exc: Exception) -> Exception | None:
         """The input pipeline's kept error if TensorFlow's ``exc`` is it, else None (a later, prefetched batch's

@@ -76,6 +76,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             global_batch_size=global_batch_size,
             start_stamp=start,
             sampled_timing=sampled,
+            shared_start=step_start is not None,
         )
         if strategy._emulator is not None and batched is not None:
             from hetero_cs.engine.step_timing import emulated_memory_gate

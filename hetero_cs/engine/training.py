@@ -58,6 +58,8 @@ class ReplicaStep:
         start_stamp: float64 scalar tensor, wall clock when the slice reached the device, or None when
             per-replica timing is off.
         sampled_timing: True when start_stamp is negative on steps that are not timed (sampled timing).
+        shared_start: True when start_stamp is the step's one clock start, the same tensor in every replica (taken
+            once per step from the batch); it then also identifies the step to the step-time monitor.
         barrier: Filled when the optimizer all-reduces the gradients: a token on the parameter device that exists
             only once every replica has computed its gradients. Writes that need no other replica (the
             optimizer's iteration counter) wait for it, so a step that fails in any replica changes nothing.
@@ -73,6 +75,7 @@ class ReplicaStep:
     global_batch_size: Any
     start_stamp: Any = None
     sampled_timing: bool = False
+    shared_start: bool = False
     barrier: list = dataclasses.field(default_factory=list)
     loss_terms: set = dataclasses.field(default_factory=set)
 
