@@ -14,11 +14,13 @@ from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
-def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), handoff=None):
     """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
 
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
     dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
+    ``handoff`` (a :class:`hetero_cs.engine.training.StepHandoff`, shared by the call's replicas) goes on every
+    replica's step.
     """
     flat = tf.nest.flatten((args, kwargs or {}))
     batch_ids = {id(v) for v in batch_leaves}
@@ -77,6 +79,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             start_stamp=start,
             sampled_timing=sampled,
             shared_start=step_start is not None,
+            handoff=handoff,
         )
         if strategy._emulator is not None and batched is not None:
             from hetero_cs.engine.step_timing import emulated_memory_gate
