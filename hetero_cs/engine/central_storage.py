@@ -389,12 +389,12 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
-    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), timed=None):
-        """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time
-        (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
+    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None):
+        """Wraps a replica function so it knows its slice size b_i, the global batch B, its start time and its
+        call's handoff (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
         from hetero_cs.engine.replica_wrapping import wrap_replica_fn
 
-        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, timed)
+        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, timed, handoff=handoff)
 
     def _write_back_caps(self) -> None:
         from hetero_cs.engine.calibrating import write_back_caps
@@ -419,11 +419,14 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             emulator=self._emulator,
             record=self._record_step_time,
             sampled=step.sampled_timing,
+            keyed=step.shared_start,
         )
 
-    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
-        """Monitor callback (runs in a TensorFlow thread once per replica per step): records only."""
-        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s))
+    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
+                          step_key: float | None = None) -> None:
+        """Monitor callback (runs in a TensorFlow thread once per replica per step): records only. ``step_key``
+        is the step's clock start (seconds), shared by its replicas: steps pair by it, also after a failed step."""
+        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s), step_key=step_key)
 
     def _input_error_raised(self, exc: Exception) -> Exception | None:
         """The input pipeline's kept error if TensorFlow's ``exc`` is it, else None (a later, prefetched batch's

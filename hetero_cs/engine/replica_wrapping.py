@@ -14,12 +14,14 @@ from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
-def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None):
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None):
     """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
 
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
     dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
     ``timed`` (a bool scalar tensor, or None) is this step's plan's word on whether to time it (sampled timing).
+    ``handoff`` (a :class:`hetero_cs.engine.training.StepHandoff`, shared by the call's replicas) goes on every
+    replica's step.
     """
     flat = tf.nest.flatten((args, kwargs or {}))
     batch_ids = {id(v) for v in batch_leaves}
@@ -80,6 +82,8 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None):
             global_batch_size=global_batch_size,
             start_stamp=start,
             sampled_timing=sampled,
+            shared_start=step_start is not None,
+            handoff=handoff,
         )
         if strategy._emulator is not None and batched is not None:
             from hetero_cs.engine.step_timing import emulated_memory_gate

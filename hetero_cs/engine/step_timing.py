@@ -56,14 +56,15 @@ def wall_clock_stamp(anchor: Any) -> tf.Tensor:
 
 def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,
                      emulator: Emulator | None = None,
-                     record: Callable[[int, int, float], None] | None = None,
-                     advance: bool = True) -> tf.Tensor:
+                     record: Callable[..., None] | None = None,
+                     advance: bool = True, keyed: bool = False) -> tf.Tensor:
     """Ends one replica's step: waits out the emulated device time, reports the step, returns the end stamp.
 
     One stateless ``tf.numpy_function`` that runs once ``anchor`` is ready. With an emulator it sleeps until
     ``start_stamp + emulator.delay_s(replica_id, b)``, so the replica's wall time from start to end matches the
     emulated device (the real compute counts toward it; if the real compute was longer, nothing is added). Then it
-    calls ``record(replica_id, b, elapsed_s)``. A slice that does not fit the emulated device's memory fails the
+    calls ``record(replica_id, b, elapsed_s)`` (with ``keyed``: ``record(replica_id, b, elapsed_s,
+    step_key=start_s)``). A slice that does not fit the emulated device's memory fails the
     step here with ``tf.errors.ResourceExhaustedError`` (see ``Emulator.check_memory``), after the real compute.
 
     Keep the result in the data path: ``grads = tie_to_stamp(grads, end)``. A control dependency alone is not
@@ -82,6 +83,9 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
         record: Called as ``record(replica_id, batch_size, elapsed_s)`` from a TF thread (must be thread-safe).
         advance: True for training steps (``emulator.delay_s``: drift at the replica's step counter, which then
             advances); False for probes that are not training steps (``emulator.step_time_s``: counter unchanged).
+        keyed: ``start_stamp`` is the step's one clock start, the same tensor in every replica of the step: it is
+            passed to ``record`` as ``step_key`` (seconds, float), so the reports pair by step even after a step
+            that failed in some replica (:class:`hetero_cs.planning.monitor.StepTimeMonitor`).
 
     Returns:
         A float64 scalar: the end stamp on the ``time.perf_counter`` clock.
@@ -102,7 +106,10 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
                 time.sleep(remaining_s)
         end_s = time.perf_counter()
         if record is not None:
-            record(replica_id, examples, end_s - start_s)
+            if keyed:
+                record(replica_id, examples, end_s - start_s, step_key=start_s)
+            else:
+                record(replica_id, examples, end_s - start_s)
         return np.float64(end_s)
 
     # With anchor=None the caller orders the op after the work with tf.control_dependencies around this call; the
@@ -190,8 +197,8 @@ def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
 
 def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
                         emulator: Emulator | None = None,
-                        record: Callable[[int, int, float], None] | None = None,
-                        sampled: bool = False) -> list:
+                        record: Callable[..., None] | None = None,
+                        sampled: bool = False, keyed: bool = False) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
 
     Runs :func:`end_replica_step` after every gradient (a control edge from each): it waits out the emulated device
@@ -202,7 +209,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
     Args:
         grads: The replica's gradients (tensors, ``tf.IndexedSlices`` or None), at least one not None.
         start_stamp: float64 scalar from :func:`wall_clock_stamp` when the replica's slice arrived.
-        replica_id, batch_size, emulator, record: As for :func:`end_replica_step`.
+        replica_id, batch_size, emulator, record, keyed: As for :func:`end_replica_step`.
         sampled: ``start_stamp`` came from :func:`sampled_wall_clock_stamp`: a negative stamp (an untimed step)
             skips the end stamp and the report (not allowed with an emulator, whose wait must run every step).
 
@@ -216,7 +223,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
     # gradient per replica per step).
     def end():
         return end_replica_step(start_stamp, None, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
-                                record=record)
+                                record=record, keyed=keyed)
 
     with tf.control_dependencies(tf.nest.flatten(present, expand_composites=True)):
         if sampled and emulator is None:

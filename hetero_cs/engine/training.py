@@ -28,7 +28,9 @@ on a last partial batch too::
     step_loss = strategy.reduce("SUM", per_replica_loss, axis=None)  # the full-batch mean loss
 
 The thread-local state here is set by the strategy around each replica's function (TensorFlow runs replica
-functions in one Python thread each while tracing).
+functions in one Python thread each while tracing). What the replica functions of one ``strategy.run`` hand the
+cross-replica merges of that same call (and back) lives on a :class:`StepHandoff` made for that call, never in
+module globals: two models tracing their steps in two threads cannot take each other's state.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class ReplicaStep:
         start_stamp: float64 scalar tensor, wall clock when the slice reached the device, or None when
             per-replica timing is off.
         sampled_timing: True when start_stamp is negative on steps that are not timed (sampled timing).
+        shared_start: True when start_stamp is the step's one clock start, the same tensor in every replica (taken
+            once per step from the batch); it then also identifies the step to the step-time monitor.
         barrier: Filled when the optimizer all-reduces the gradients: a token on the parameter device that exists
             only once every replica has computed its gradients. Writes that need no other replica (the
             optimizer's iteration counter) wait for it, so a step that fails in any replica changes nothing.
@@ -65,6 +69,8 @@ class ReplicaStep:
             replica's share of the global batch's loss (a Keras loss reduced under the strategy, a
             ``compute_loss`` result). Summed over replicas they give the single-device loss; any other scalar
             loss is taken as a mean over the replica's slice (see :mod:`hetero_cs.engine._compat.losses`).
+        handoff: The :class:`StepHandoff` of the ``strategy.run`` call this replica step belongs to (shared by
+            its replicas), or None.
     """
 
     replica_id: int
@@ -73,8 +79,54 @@ class ReplicaStep:
     global_batch_size: Any
     start_stamp: Any = None
     sampled_timing: bool = False
+    shared_start: bool = False
     barrier: list = dataclasses.field(default_factory=list)
     loss_terms: set = dataclasses.field(default_factory=set)
+    handoff: StepHandoff | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class StepHandoff:
+    """State one ``strategy.run`` call passes between its replica functions and its cross-replica merges.
+
+    TensorFlow runs each replica function in a thread of its own and the merges (``merge_call``) in the thread that
+    called ``strategy.run``; one handoff is made per call (per traced step inside ``tf.function``), so another
+    model tracing in another thread has its own. Set and read by :mod:`hetero_cs.engine._compat`.
+
+    Attributes:
+        barrier_token: The failure barrier of this step (see ``ReplicaStep.barrier``): an int32 scalar on the
+            parameter device, set once every replica's gradients exist; the optimizer's host update waits for it.
+        weight_decay: (optimizer, variables): decoupled weight decay a replica deferred to the update merge.
+        loss_scale_pending: (LossScaleOptimizer, graph or None): the replicas apply loss-scaled gradients through
+            its inner optimizer in this step.
+        loss_scale_finite: (inner optimizer, bool scalar tensor, graph or None): the update merge judged the step's
+            summed gradients finite (or not); the inner optimizer's iteration counter adds it instead of 1.
+    """
+
+    barrier_token: Any = None
+    weight_decay: tuple | None = None
+    loss_scale_pending: tuple | None = None
+    loss_scale_finite: tuple | None = None
+
+
+@contextmanager
+def step_handoff(handoff: StepHandoff) -> Iterator[StepHandoff]:
+    """Makes ``handoff`` this thread's for the block: the thread that runs ``strategy.run``, and so its merges."""
+    previous = getattr(_state, "handoff", None)
+    _state.handoff = handoff
+    try:
+        yield handoff
+    finally:
+        _state.handoff = previous
+
+
+def current_step_handoff() -> StepHandoff | None:
+    """The handoff of the ``strategy.run`` call this thread works for: as its replica (the replica step's), or as
+    the thread running its merges (set by :func:`step_handoff`); None outside both."""
+    step = current_replica_step()
+    if step is not None and step.handoff is not None:
+        return step.handoff
+    return getattr(_state, "handoff", None)
 
 
 @contextmanager

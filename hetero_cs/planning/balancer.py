@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from hetero_cs.errors import BatchSplitError, ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model
@@ -386,9 +386,10 @@ class Balancer(MemoryRecovery, InferencePlans):
                 return self._guard.plan_to_serve()
             return plan
 
-    def record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
-        """One replica's measured step (called from each replica's step; see StepTimeMonitor.record)."""
-        self._monitor.record(replica_id, batch_size, step_time_s)
+    def record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
+                         step_key: Hashable | None = None) -> None:
+        """One replica's measured step, keyed by its step when ``step_key`` is given (see StepTimeMonitor.record)."""
+        self._monitor.record(replica_id, batch_size, step_time_s, step_key=step_key)
 
     def timing_due(self) -> bool:
         """Whether the next steps should be timed: always while a trial or the re-balancer needs samples.

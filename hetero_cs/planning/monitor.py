@@ -1,8 +1,9 @@
 """Per-replica step timing: straggler statistics and robust per-replica speed estimates (pure).
 
 The strategy reports, for every training step, each replica's slice size and how long that replica took
-(``StepTimeMonitor.record``). The monitor pairs the k-th report of every replica into step k, keeps the last
-``window_steps`` complete steps, and derives from that window
+(``StepTimeMonitor.record``). The monitor pairs the reports of every replica into steps (by the step key the
+engine passes, else the k-th report of every replica into step k; see :mod:`hetero_cs.planning.step_pairing`),
+keeps the last ``window_steps`` complete steps, and derives from that window
 
 * what the last step cost: its makespan, which replica was the straggler and how long the others waited
   (``last_step``);
@@ -23,11 +24,12 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
+from hetero_cs.planning.step_pairing import StepPairing
 from hetero_cs.errors import CalibrationError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,8 @@ class StepSample:
     """One complete training step as the replicas reported it.
 
     Attributes:
-        step: 0-based index of the step (the k-th report of every replica belongs to step k).
+        step: 0-based index of the step, increasing in the order steps began (the k-th report of every replica
+            belongs to step k when reports carry no step key; see :mod:`hetero_cs.planning.step_pairing`).
         per_replica_batch_sizes: b_i, examples in each replica's slice, shape [R].
         per_replica_step_times_s: t_i, each replica's step time in seconds, shape [R], finite and >= 0.
         makespan_s: max_i t_i, the step's wall time as set by the slowest replica.
@@ -101,9 +104,12 @@ class StepTimeMonitor:
     """Collects per-replica step times and turns them into robust per-replica estimates.
 
     Thread-safe: ``record`` may be called concurrently from TF executor threads, one call per replica per training
-    step, replicas in any order. The k-th ``record`` of replica i belongs to step k; a step is complete when every
-    replica has recorded it. Every replica must record every step, also one whose slice is 0 examples (report its
-    time, or 0.0) - otherwise no step completes.
+    step, replicas in any order. A report with a ``step_key`` belongs to the step of that key; a report without one
+    belongs to step k when it is replica i's k-th. A step is complete when every replica has recorded it. Every
+    replica must record every step, also one whose slice is 0 examples (report its time, or 0.0) - otherwise no
+    step completes. With keys, a step that failed part-way (some replicas reported it, others never will) is
+    dropped once a replica that has not reported it reports a later step; without keys, call
+    :meth:`abandon_open_steps` after such a step, or later steps pair reports of different steps.
 
     A report whose time is NaN, infinite or negative is ignored with one logged warning per monitor: it still
     counts for step pairing and completes its step, but that step enters neither the window nor ``last_step``.
@@ -138,15 +144,12 @@ class StepTimeMonitor:
         self._window_steps = int(window_steps)
         self._lock = threading.Lock()
         self._warned_invalid = False  # Each warning is logged once per monitor, also across reset().
-        self._warned_dropped = False
+        # Incomplete steps kept beyond the window before the oldest is dropped (a replica that never reports).
+        self._pairing = StepPairing(self._num_replicas, max_pending=self._window_steps + _EXTRA_PENDING_STEPS)
         self._reset_locked()
 
     def _reset_locked(self) -> None:
-        num_replicas = self._num_replicas
-        self._next_step = [0] * num_replicas  # Per replica: the step its next report belongs to.
-        # step -> [batch sizes, times, number of reports, all times valid]; insertion (= step) order.
-        self._pending: dict[int, list] = {}
-        self._first_open_step = 0  # Reports for earlier (dropped) steps are discarded.
+        self._pairing.reset()
         self._completed_steps = 0
         self._window: collections.deque[StepSample] = collections.deque(maxlen=self._window_steps)
 
@@ -172,7 +175,8 @@ class StepTimeMonitor:
         with self._lock:
             return len(self._window)
 
-    def record(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+    def record(self, replica_id: int, batch_size: int, step_time_s: float, *,
+               step_key: Hashable | None = None) -> None:
         """Records one replica's step.
 
         Args:
@@ -180,9 +184,13 @@ class StepTimeMonitor:
             batch_size: b_i >= 0, examples in this replica's slice for this step.
             step_time_s: Seconds this replica took for its step; NaN, infinite or negative values are ignored
                 (one warning per monitor) but still pair into their step.
+            step_key: None to pair by order (the k-th report of each replica is step k), or a hashable value
+                that every replica of this step reports and no other step has (the engine passes the step's
+                clock start, in seconds); keyed steps stay paired across a step that failed part-way.
 
         Raises:
-            ConfigError: If replica_id is out of range or batch_size is negative or not an integer.
+            ConfigError: If replica_id is out of range, batch_size is negative or not an integer, or step_key is
+                not hashable.
         """
         if isinstance(replica_id, bool) or not isinstance(replica_id, (int, np.integer)) or not (
             0 <= replica_id < self._num_replicas
@@ -195,6 +203,14 @@ class StepTimeMonitor:
                 f"batch_size must be a non-negative integer (examples in the replica's slice). "
                 f"Received: batch_size={batch_size!r} for replica_id={replica_id}."
             )
+        if step_key is not None:
+            try:
+                hash(step_key)
+            except TypeError:
+                raise ConfigError(
+                    f"step_key must be hashable (a value every replica of the step shares). Received: "
+                    f"step_key={step_key!r} of type {type(step_key).__name__}."
+                ) from None
         try:
             step_time_s = float(step_time_s)
         except (TypeError, ValueError):
@@ -209,39 +225,11 @@ class StepTimeMonitor:
                     "reported.",
                     step_time_s, replica_id,
                 )
-            step = self._next_step[replica_id]
-            self._next_step[replica_id] = step + 1
-            if step < self._first_open_step:
-                return  # Its step was dropped as incomplete.
-            entry = self._pending.get(step)
-            if entry is None:
-                entry = [[0] * self._num_replicas, [0.0] * self._num_replicas, 0, True]
-                self._pending[step] = entry
-                self._drop_stale_pending_locked()
-            entry[0][replica_id] = int(batch_size)
-            entry[1][replica_id] = step_time_s
-            entry[2] += 1
-            entry[3] = entry[3] and valid
-            if entry[2] == self._num_replicas:
-                del self._pending[step]
+            done = self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)
+            if done is not None:
                 self._completed_steps += 1
-                if entry[3]:
-                    self._window.append(StepSample.from_times(step, entry[0], entry[1]))
-
-    def _drop_stale_pending_locked(self) -> None:
-        max_pending = self._window_steps + _EXTRA_PENDING_STEPS
-        while len(self._pending) > max_pending:
-            oldest = next(iter(self._pending))
-            del self._pending[oldest]
-            self._first_open_step = oldest + 1
-            if not self._warned_dropped:
-                self._warned_dropped = True
-                behind = [i for i in range(self._num_replicas) if self._next_step[i] <= oldest]
-                logger.warning(
-                    "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
-                    "ahead. Every replica must call record() once per step, also with a 0-example slice.",
-                    oldest, behind, max_pending,
-                )
+                if done.valid:
+                    self._window.append(StepSample.from_times(done.index, done.batch_sizes, done.step_times_s))
 
     def last_step(self) -> StepSample | None:
         """The most recent complete step with valid times, or None before there is one."""
@@ -257,13 +245,11 @@ class StepTimeMonitor:
         """Drops every incomplete step and lines the replicas up again, after a step that failed part-way.
 
         A replica that failed (e.g. out of memory) never reports that step while others may have: without this,
-        its next report would pair with the others' reports of the failed step. Complete steps are kept.
+        its next report without a step key would pair with the others' reports of the failed step (reports with
+        step keys need no call, see :meth:`record`). Complete steps are kept.
         """
         with self._lock:
-            nxt = max(self._next_step)
-            self._next_step = [nxt] * self._num_replicas
-            self._pending.clear()
-            self._first_open_step = nxt
+            self._pairing.abandon_open_steps()
 
     def reset(self) -> None:
         """Forgets every report, pending step and the window; step pairing restarts at step 0."""

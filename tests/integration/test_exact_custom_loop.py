@@ -231,3 +231,75 @@ def test_the_batch_leaf_sets_the_weights_wherever_it_is(strategy3):
     other = strategy3.experimental_distribute_values_from_function(lambda ctx: tf.constant([1.0]))
     sizes = strategy3.run(lambda o, xb, yb: hetero_cs.current_global_batch_size(), args=(other, *element))
     assert {int(b) for b in strategy3.experimental_local_results(sizes)} == {10}  # equal values may come back as one
+
+
+class InterleavingAdamW(keras.optimizers.AdamW):
+    """AdamW whose host update, in its merge, first runs ``interleave`` once (another model's whole step)."""
+
+    interleave = None
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        interleave, self.interleave = self.interleave, None
+        if interleave is not None:
+            interleave()
+        return super()._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
+
+
+def test_a_step_traced_in_another_thread_meanwhile_keeps_the_weight_decay(strategy3):
+    # Issue 30, bug 4: the barrier token and the deferred weight decay went from the replicas to the update merge
+    # through module globals. Another model tracing its step in another thread in between consumed them: this step's
+    # update ran without its weight decay (and without the failure barrier). Now each strategy.run call has its own.
+    import threading
+
+    x, y = data(n=10)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+
+    def make_step(model, optimizer):
+        @tf.function
+        def train_step(iterator):
+            def step_fn(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(
+                        loss_fn(yb, model(xb, training=True)), global_batch_size=hetero_cs.current_global_batch_size())
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+            strategy3.run(step_fn, args=next(iterator))
+
+        return train_step
+
+    def one_step(interleave=None):
+        with strategy3.scope():
+            model = make_model()
+            optimizer = InterleavingAdamW(0.1, weight_decay=0.5)
+            optimizer.build(model.trainable_variables)  # else tf.function traces twice: variables made in the first
+        optimizer.interleave = interleave
+        make_step(model, optimizer)(iter(strategy3.experimental_distribute_dataset(dataset)))
+        return model.get_weights()
+
+    expected = one_step()
+    with strategy3.scope():
+        other_model = make_model(seed=5)
+        other_optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+        other_optimizer.build(other_model.trainable_variables)
+    other_step = make_step(other_model, other_optimizer)
+    errors = []
+
+    def other_model_step_in_another_thread():
+        def run():
+            try:
+                other_step(iter(strategy3.experimental_distribute_dataset(dataset)))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(timeout=300)  # generous: only a deadlock would reach it
+        assert not thread.is_alive()
+
+    interleaved = one_step(interleave=other_model_step_in_another_thread)
+    assert not errors
+    assert int(other_optimizer.iterations.numpy()) == 1
+    for a, b in zip(expected, interleaved):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)

@@ -162,3 +162,92 @@ def test_a_nan_batch_does_not_poison_the_logged_loss_of_later_runs():
     assert np.isnan(model.evaluate(x_bad, y, batch_size=32, verbose=0))
     assert model.evaluate(x, y, batch_size=32, verbose=0) == pytest.approx(before, rel=1e-6)
     assert np.isfinite(model.fit(x, y, batch_size=32, verbose=0).history["loss"][-1])
+
+
+class FailsAfterTheOthersReported(keras.layers.Layer):
+    """Identity, except in a slice holding a NaN: there it waits until every other replica has reported its step
+    time, then fails. So the failed step leaves reports of some replicas only, every time (no race)."""
+
+    def __init__(self, others_reported, **kwargs):
+        super().__init__(**kwargs)
+        self.others_reported = others_reported
+
+    def call(self, x):
+        def gate(values):
+            if np.isnan(values).any():
+                if not self.others_reported.wait(120):  # generous: only a hang would reach it
+                    raise RuntimeError("the other replicas never reported")
+                raise ValueError("a failing replica, after the others reported")
+            return values
+
+        y = tf.numpy_function(gate, [x], tf.float32, stateful=False)
+        y.set_shape(x.shape)
+        return y
+
+
+@pytest.mark.parametrize("loop", ["fit", "custom"])
+def test_a_caught_failed_step_leaves_the_monitor_aligned(loop, monkeypatch):
+    # Issue 30, bug 3: replicas 0 and 2 report the failed step, replica 1 never does. Without step keys the next
+    # step's report of replica 1 paired with the failed step's reports of replicas 0 and 2: a step (4, 8, 2).
+    import threading
+
+    import hetero_cs
+
+    monkeypatch.setenv("HETERO_CS_TIMING", "1")  # time every step (no sampling, no emulator)
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[2, 2, 1], rebalance=False, profile_cache=False
+    )
+    others_reported = threading.Event()
+    reporters = set()
+    record = strategy._record_step_time  # noqa: SLF001
+
+    def record_and_note(replica_id, *args, **kwargs):
+        record(replica_id, *args, **kwargs)
+        if replica_id != 1:
+            reporters.add(replica_id)
+            if reporters == {0, 2}:
+                others_reported.set()
+
+    monkeypatch.setattr(strategy, "_record_step_time", record_and_note)  # read when the step is traced
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), FailsAfterTheOthersReported(others_reported),
+                                  keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.01)
+        model.compile(optimizer=optimizer, loss="mse")
+    loss_fn = keras.losses.MeanSquaredError(reduction=None)
+
+    @tf.function
+    def train_step(iterator):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    loss_fn(yb, model(xb, training=True)), global_batch_size=hetero_cs.current_global_batch_size())
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        strategy.run(step_fn, args=next(iterator))
+
+    def train(x, batch_size):
+        y = np.ones((len(x), 1), np.float32)
+        if loop == "fit":
+            model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        else:
+            dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+            train_step(iter(strategy.experimental_distribute_dataset(dataset)))
+
+    x = np.ones((10, 3), np.float32)
+    train(x, 10)  # one step cut [4, 4, 2]
+    reporters.clear()
+    others_reported.clear()
+    x_bad = x.copy()
+    x_bad[5] = np.nan  # in replica 1's slice [4, 8)
+    with pytest.raises((ReplicaStepError, tf.errors.OpError), match="after the others reported"):
+        train(x_bad, 10)
+    assert reporters == {0, 2}  # the failed step left a partial step behind
+    x20 = np.ones((20, 3), np.float32)
+    train(x20, 20)  # cut [8, 8, 4]
+    assert strategy.monitor.last_step().per_replica_batch_sizes == (8, 8, 4)
+    train(x20, 20)
+    window = strategy.monitor.window()
+    assert [s.per_replica_batch_sizes for s in window] == [(4, 4, 2), (8, 8, 4), (8, 8, 4)]
+    assert strategy.monitor.completed_steps == 3

@@ -329,3 +329,81 @@ def test_no_shift_is_seen_in_noise_of_under_15_percent():
         _record_step(monitor, [10, 10], [0.010, 0.010 * wobble])
     fast, slow = monitor.updated_cost_models([model, model])
     assert slow.factor / fast.factor == pytest.approx(1.0, rel=0.01)
+
+
+# Step pairing across a failed step (issue 30, bug 3): a step that failed part-way leaves reports of some replicas
+# only; with step keys (the engine passes the step's clock start) later steps still pair their own reports.
+
+
+def _record_keyed_step(monitor: StepTimeMonitor, key, sizes, times_s, replicas=None) -> None:
+    for replica_id in replicas if replicas is not None else range(len(sizes)):
+        monitor.record(replica_id, sizes[replica_id], times_s[replica_id], step_key=key)
+
+
+def test_a_step_that_failed_part_way_does_not_shift_the_pairing_of_later_steps():
+    monitor = StepTimeMonitor(3)
+    _record_keyed_step(monitor, 1.0, [8, 8, 4], [0.1, 0.2, 0.3])
+    # Step 2.0 fails in replica 1: replicas 0 and 2 reported it, replica 1 never will.
+    _record_keyed_step(monitor, 2.0, [4, 4, 2], [9.0, 9.0, 9.0], replicas=[0, 2])
+    _record_keyed_step(monitor, 3.0, [8, 8, 4], [0.1, 0.2, 0.3], replicas=[1, 0, 2])
+    last = monitor.last_step()
+    assert last.per_replica_batch_sizes == (8, 8, 4)  # by order it would have been (8, 4, 4): two steps mixed
+    assert last.per_replica_step_times_s == (0.1, 0.2, 0.3)
+    assert [s.step for s in monitor.window()] == [0, 2]  # the failed step keeps its index, not a sample
+    assert monitor.completed_steps == 2
+    _record_keyed_step(monitor, 4.0, [8, 8, 4], [0.1, 0.2, 0.3], replicas=[2, 1, 0])
+    assert [s.per_replica_batch_sizes for s in monitor.window()] == [(8, 8, 4)] * 3
+
+
+def test_a_late_report_of_a_failed_step_is_ignored():
+    monitor = StepTimeMonitor(2)
+    monitor.record(0, 4, 9.0, step_key="failed")
+    _record_keyed_step(monitor, "next", [6, 6], [0.1, 0.2], replicas=[1, 0])  # replica 1 never reported "failed"
+    monitor.record(1, 4, 9.0, step_key="failed")  # late: that step was dropped when replica 1 moved on
+    _record_keyed_step(monitor, "after", [6, 6], [0.3, 0.4])
+    assert [s.per_replica_step_times_s for s in monitor.window()] == [(0.1, 0.2), (0.3, 0.4)]
+
+
+def test_keyed_steps_complete_in_any_replica_order_and_keep_unkeyed_pairing_aligned():
+    monitor = StepTimeMonitor(2)
+    monitor.record(0, 1, 1.0)  # an unkeyed report whose step never completes (replica 1 failed)
+    _record_keyed_step(monitor, 10.0, [2, 2], [0.5, 0.5], replicas=[1, 0])
+    assert monitor.last_step().step == 1  # after every step begun so far
+    _record_step(monitor, [3, 3], [0.7, 0.8])  # unkeyed again: lined up behind the keyed step
+    last = monitor.last_step()
+    assert (last.step, last.per_replica_batch_sizes, last.per_replica_step_times_s) == (2, (3, 3), (0.7, 0.8))
+
+
+def test_abandon_open_steps_drops_partial_keyed_steps():
+    monitor = StepTimeMonitor(2)
+    monitor.record(0, 4, 9.0, step_key=1.0)
+    monitor.abandon_open_steps()
+    monitor.record(1, 4, 9.0, step_key=1.0)  # a report of the abandoned step
+    assert monitor.completed_steps == 0
+    _record_keyed_step(monitor, 2.0, [5, 5], [0.1, 0.1])
+    assert monitor.last_step().per_replica_batch_sizes == (5, 5)
+
+
+def test_a_second_report_of_one_replica_under_one_key_is_ignored_with_one_warning(caplog):
+    monitor = StepTimeMonitor(2)
+    with caplog.at_level(logging.WARNING, logger="hetero_cs.planning.monitor"):
+        for _ in range(3):
+            monitor.record(0, 4, 0.1, step_key=7)
+    assert sum("second report" in r.getMessage() for r in caplog.records) == 1
+    monitor.record(1, 4, 0.2, step_key=7)
+    assert monitor.last_step().per_replica_step_times_s == (0.1, 0.2)
+
+
+def test_keyed_steps_that_never_complete_are_dropped_to_bound_memory(caplog):
+    monitor = StepTimeMonitor(2, window_steps=1)
+    with caplog.at_level(logging.WARNING, logger="hetero_cs.planning.monitor"):
+        for k in range(200):
+            monitor.record(0, k, 0.1, step_key=k)  # replica 1 never reports (it reports no later step either)
+    assert sum("Dropping incomplete step" in r.getMessage() for r in caplog.records) == 1
+    monitor.record(1, 199, 0.2, step_key=199)
+    assert monitor.last_step().per_replica_batch_sizes == (199, 199)
+
+
+def test_an_unhashable_step_key_is_rejected():
+    with pytest.raises(ConfigError, match="step_key must be hashable"):
+        StepTimeMonitor(2).record(0, 4, 0.1, step_key=[1.0])

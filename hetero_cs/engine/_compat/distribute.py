@@ -85,8 +85,12 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
         args, kwargs, batch_leaves, timed = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
-        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed)  # noqa: SLF001
-        return super()._call_for_each_replica(wrapped, args, kwargs)
+        # One handoff per call: its replica threads and this thread, which runs its merges, share it (and no
+        # other call does: another model may trace its step in another thread at the same time).
+        handoff = training.StepHandoff()
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff)  # noqa: SLF001
+        with training.step_handoff(handoff):
+            return super()._call_for_each_replica(wrapped, args, kwargs)
 
     def _lifted_tf_function(self, fn):
         """For a ``tf.function`` passed to ``strategy.run``: a clone of it that runs the whole per-replica call.

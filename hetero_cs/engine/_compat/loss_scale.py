@@ -28,16 +28,16 @@ and regardless of the optimizer).
 from __future__ import annotations
 
 import functools
-import types
 
 import tensorflow as tf
 
+from hetero_cs.engine import training
 from hetero_cs.engine._compat.distribute import current_hetero_strategy
 
-# Shared by the replica threads and the thread that runs the merge (like variables._barrier_state): ``pending`` is
-# (loss-scale optimizer, graph) while a replica step applies gradients through it; ``finite`` is (inner optimizer,
-# bool tensor, graph) once the update merge has judged the step.
-_loss_scale_state = types.SimpleNamespace(pending=None, finite=None)
+# What the replica threads and the thread that runs the merge share lives on the step's training.StepHandoff (one
+# per strategy.run call, so a model tracing in another thread cannot take it): ``loss_scale_pending`` is
+# (loss-scale optimizer, graph) while a replica step applies gradients through it; ``loss_scale_finite`` is (inner
+# optimizer, bool tensor, graph) once the update merge has judged the step.
 
 
 def _current_graph():
@@ -47,7 +47,8 @@ def _current_graph():
 
 def pending_scaler(inner_optimizer):
     """The LossScaleOptimizer that is applying gradients through ``inner_optimizer`` in this step, else None."""
-    pending = _loss_scale_state.pending
+    handoff = training.current_step_handoff()
+    pending = None if handoff is None else handoff.loss_scale_pending
     if pending is None:
         return None
     scaler, graph = pending
@@ -59,7 +60,8 @@ def pending_scaler(inner_optimizer):
 def iterations_increment(variable, value):
     """``value`` times this step's finiteness when ``variable`` is the iteration counter of an inner optimizer
     whose step was judged by :func:`apply_or_skip` in this graph; ``value`` unchanged otherwise."""
-    judged = _loss_scale_state.finite
+    handoff = training.current_step_handoff()
+    judged = None if handoff is None else handoff.loss_scale_finite
     if judged is None:
         return value
     inner, finite, graph = judged
@@ -79,9 +81,10 @@ def _patch_loss_scale_optimizer() -> None:
 
     @functools.wraps(original_tf_apply)
     def _tf_apply(self, grads, trainable_variables=None):
-        if current_hetero_strategy() is None or tf.distribute.in_cross_replica_context():
+        handoff = training.current_step_handoff()
+        if current_hetero_strategy() is None or tf.distribute.in_cross_replica_context() or handoff is None:
             return original_tf_apply(self, grads, trainable_variables)
-        _loss_scale_state.pending = (self, _current_graph())
+        handoff.loss_scale_pending = (self, _current_graph())
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
         return None
 
@@ -121,7 +124,9 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
     Returns:
         The finiteness of the step, a bool scalar tensor on the parameter device.
     """
-    _loss_scale_state.pending = None  # consumed: this step's update is the one the replicas marked
+    handoff = training.current_step_handoff()
+    if handoff is not None:
+        handoff.loss_scale_pending = None  # consumed: this step's update is the one the replicas marked
     pairs = [(_first_value(distribution, g), v) for g, v in grads_and_vars]
     variables = [v for _, v in pairs]
     with tf.device(distribution.parameter_device):
@@ -136,7 +141,8 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
         return tf.constant(True)
 
     tf.cond(finite, apply_step, lambda: tf.constant(False))
-    _loss_scale_state.finite = (inner, finite, _current_graph())
+    if handoff is not None:
+        handoff.loss_scale_finite = (inner, finite, _current_graph())
     with tf.device(distribution.parameter_device):
         growth_steps = tf.cast(scaler.dynamic_growth_steps, counter.dtype)
         grow = tf.logical_and(finite, tf.equal(counter, growth_steps - 1))

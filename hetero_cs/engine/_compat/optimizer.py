@@ -17,7 +17,7 @@ from hetero_cs.engine._compat.distribute import (
     is_hetero_strategy,
 )
 from hetero_cs.engine._compat.multi_worker import current_multi_worker_strategy
-from hetero_cs.engine._compat.variables import _barrier_state, _clip_state
+from hetero_cs.engine._compat.variables import _clip_state
 
 def _patch_optimizer() -> None:
     # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,
@@ -62,8 +62,10 @@ def _patch_optimizer() -> None:
         local = [g for g, _ in grads_and_vars if g is not None]
         if local:
             token = tf.distribute.get_replica_context().merge_call(_all_replicas_done, args=(local,))
-            training.current_replica_step().barrier[:] = [token]
-            _barrier_state.token = token
+            step = training.current_replica_step()
+            step.barrier[:] = [token]
+            if step.handoff is not None:  # for this call's update merge (another call has its own handoff)
+                step.handoff.barrier_token = token
         reduced = original_all_reduce(self, grads_and_vars)
         if loss_scale.pending_scaler(self) is not None:
             return reduced  # loss-scaled: unscaled and clipped on the host, in the update (loss_scale.apply_or_skip)
@@ -85,16 +87,21 @@ def _patch_optimizer() -> None:
         # Decoupled weight decay (AdamW, or any optimizer given weight_decay) is applied before the gradients are
         # summed, so it would run even when a replica's step fails. Under our strategy it is deferred to the update
         # merge below, where it runs first (the same order as in one device's step), behind the barrier.
-        if self.weight_decay is not None and current_hetero_strategy() is not None:
-            _barrier_state.decay = (self, list(variables))
+        handoff = training.current_step_handoff()
+        if self.weight_decay is not None and current_hetero_strategy() is not None and handoff is not None:
+            handoff.weight_decay = (self, list(variables))
             return None
         return original_decay(self, variables)
 
     @functools.wraps(original_update_step)
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        # Cross-replica (merge_call), in the thread that runs the merge. The token is from this step's graph only.
-        token, decay = _barrier_state.token, _barrier_state.decay
-        _barrier_state.token = _barrier_state.decay = None
+        # Cross-replica (merge_call), in the thread that runs the merge: this call's handoff holds what its replicas
+        # left for it (consumed here). The token is from this step's graph only.
+        handoff = training.current_step_handoff()
+        token = decay = None
+        if handoff is not None:
+            token, decay = handoff.barrier_token, handoff.weight_decay
+            handoff.barrier_token = handoff.weight_decay = None
         if not is_hetero_strategy(distribution):
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
         current_graph = tf.compat.v1.get_default_graph()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import types
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -18,9 +17,8 @@ from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_h
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
 _clip_state = threading.local()
-# The barrier token of the step being traced, handed from the replica threads to the merge that applies the update.
-# Not thread-local: replicas run in their own threads, the merge in the thread that called strategy.run.
-_barrier_state = types.SimpleNamespace(token=None, decay=None)
+# The barrier token and the deferred weight decay of a step go from its replica threads to the merge that applies
+# the update on the step's training.StepHandoff (one per strategy.run call), not in module globals.
 
 
 

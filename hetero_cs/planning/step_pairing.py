@@ -1,0 +1,174 @@
+"""Pairing per-replica step reports into steps, also across a step that failed part-way (pure).
+
+Every replica reports each training step once: its slice size and its step time. :class:`StepPairing` groups
+those reports into steps for :class:`hetero_cs.planning.monitor.StepTimeMonitor` (which holds its lock around
+every call). Two ways to tell which step a report belongs to:
+
+* **by step key** (``step_key`` given): every replica of one step reports the same key, any hashable value the
+  step's replicas share and no other step has. The central-storage engine passes the step's clock start, one
+  stamp taken once per step and read by every replica. A step that failed in some replica leaves a partial
+  step behind; it is dropped as soon as a replica that has not reported it reports a later step (a replica
+  reports its steps in order, so it will never report that one), and a late report of a dropped or completed
+  step is ignored. Nothing the failure left behind is paired with another step's reports.
+* **by order** (no key): the k-th report of replica i belongs to step k, replicas in any order. Exact as long as
+  every replica reports every step; a step that failed after some replicas reported it shifts the pairing by
+  one step until :meth:`StepPairing.abandon_open_steps` (or a step reported with a key) lines the replicas up.
+
+Both kinds share one step index space, increasing in the order steps begin: a step reported with a key gets the
+next index after every step begun so far, and completing it lines the by-order counters up behind it.
+
+This module is pure: it imports neither TensorFlow nor pynvml.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Hashable
+
+# The monitor's logger: users filter one name for every message about step times.
+logger = logging.getLogger("hetero_cs.planning.monitor")
+
+
+class PendingStep:
+    """One step being reported: what its replicas sent so far (each list has shape [R]).
+
+    Attributes:
+        index: The step's index (see the module docstring), >= 0.
+        batch_sizes: b_i, examples in each replica's slice (0 where not yet reported).
+        step_times_s: t_i in seconds (0.0 where not yet reported; may hold an invalid time, see ``valid``).
+        reported: Whether each replica has reported.
+        count: How many replicas have reported, in [0, R].
+        valid: False once any report of the step carried an invalid time (NaN, infinite or negative).
+    """
+
+    __slots__ = ("index", "batch_sizes", "step_times_s", "reported", "count", "valid")
+
+    def __init__(self, index: int, num_replicas: int):
+        self.index = index
+        self.batch_sizes = [0] * num_replicas
+        self.step_times_s = [0.0] * num_replicas
+        self.reported = [False] * num_replicas
+        self.count = 0
+        self.valid = True
+
+    def add(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool) -> bool:
+        """Adds one replica's report; returns whether the step is now complete."""
+        self.batch_sizes[replica_id] = batch_size
+        self.step_times_s[replica_id] = step_time_s
+        self.reported[replica_id] = True
+        self.count += 1
+        self.valid = self.valid and valid
+        return self.count == len(self.reported)
+
+
+class StepPairing:
+    """Groups per-replica reports into steps (not thread-safe: the caller holds a lock around every call).
+
+    Args:
+        num_replicas: R >= 1 (validated by the caller).
+        max_pending: Incomplete steps of each kind kept before the oldest is dropped (a replica that never
+            reports), >= 1.
+    """
+
+    def __init__(self, num_replicas: int, *, max_pending: int):
+        self._num_replicas = num_replicas
+        self._max_pending = max_pending
+        self._warned_dropped = False  # logged once per pairing, also across reset()
+        self._warned_duplicate = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every report and pending step; indices restart at 0."""
+        self._next_step = [0] * self._num_replicas  # by order: per replica, the step its next report belongs to
+        self._pending: dict[int, PendingStep] = {}  # by order: step index -> step, in index order
+        self._first_open_step = 0  # by order: reports for earlier (dropped) steps are discarded
+        self._keyed: dict[Hashable, PendingStep] = {}  # by key: key -> step, in the order the steps began
+        # Keys of steps completed or dropped lately: a late report of one is ignored, not taken as a new step.
+        self._closed_keys: collections.deque = collections.deque(maxlen=2 * self._max_pending)
+        self._next_keyed_index = 0
+
+    def add(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool,
+            step_key: Hashable | None = None) -> PendingStep | None:
+        """Adds one report (arguments validated by the caller); returns the step it completed, if any."""
+        if step_key is None:
+            return self._add_by_order(replica_id, batch_size, step_time_s, valid)
+        return self._add_by_key(replica_id, batch_size, step_time_s, valid, step_key)
+
+    def abandon_open_steps(self) -> None:
+        """Drops every incomplete step and lines the by-order counters up (complete steps are not affected)."""
+        nxt = max(max(self._next_step), self._next_keyed_index)
+        self._next_step = [nxt] * self._num_replicas
+        self._pending.clear()
+        self._first_open_step = nxt
+        self._closed_keys.extend(self._keyed)
+        self._keyed.clear()
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _add_by_order(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool) -> PendingStep | None:
+        step = self._next_step[replica_id]
+        self._next_step[replica_id] = step + 1
+        if step < self._first_open_step:
+            return None  # its step was dropped as incomplete
+        entry = self._pending.get(step)
+        if entry is None:
+            entry = self._pending[step] = PendingStep(step, self._num_replicas)
+            while len(self._pending) > self._max_pending:
+                oldest = next(iter(self._pending))
+                del self._pending[oldest]
+                self._first_open_step = oldest + 1
+                self._warn_dropped(oldest, [i for i in range(self._num_replicas) if self._next_step[i] <= oldest])
+        if not entry.add(replica_id, batch_size, step_time_s, valid):
+            return None
+        del self._pending[step]
+        return entry
+
+    def _add_by_key(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool,
+                    key: Hashable) -> PendingStep | None:
+        if key in self._closed_keys:
+            return None  # a late report of a step already completed or dropped
+        # Earlier steps this replica has not reported failed in it (it reports its steps in order): drop them.
+        for older_key in list(self._keyed):
+            if older_key == key:
+                break
+            if not self._keyed[older_key].reported[replica_id]:
+                failed = self._keyed.pop(older_key)
+                self._closed_keys.append(older_key)
+                logger.debug("Dropping step %d: replica %d reported a later step without it (a failed step).",
+                             failed.index, replica_id)
+        entry = self._keyed.get(key)
+        if entry is None:
+            index = max(max(self._next_step), self._next_keyed_index)
+            self._next_keyed_index = index + 1
+            entry = self._keyed[key] = PendingStep(index, self._num_replicas)
+            while len(self._keyed) > self._max_pending:
+                oldest_key = next(iter(self._keyed))
+                oldest = self._keyed.pop(oldest_key)
+                self._closed_keys.append(oldest_key)
+                self._warn_dropped(oldest.index, [i for i, done in enumerate(oldest.reported) if not done])
+        elif entry.reported[replica_id]:
+            if not self._warned_duplicate:
+                self._warned_duplicate = True
+                logger.warning(
+                    "Ignoring a second report of replica %d for one step (step_key=%r): a step key must be "
+                    "shared by the replicas of one step and by no other step.", replica_id, key)
+            return None
+        if not entry.add(replica_id, batch_size, step_time_s, valid):
+            return None
+        del self._keyed[key]
+        self._closed_keys.append(key)
+        # Every replica has reported this step: reports without a key continue behind it, lined up.
+        nxt = max(max(self._next_step), entry.index + 1)
+        self._next_step = [nxt] * self._num_replicas
+        self._pending = {k: v for k, v in self._pending.items() if k >= nxt}
+        self._first_open_step = max(self._first_open_step, nxt)
+        return entry
+
+    def _warn_dropped(self, index: int, behind: list[int]) -> None:
+        if not self._warned_dropped:
+            self._warned_dropped = True
+            logger.warning(
+                "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
+                "ahead. Every replica must call record() once per step, also with a 0-example slice.",
+                index, behind, self._max_pending,
+            )
