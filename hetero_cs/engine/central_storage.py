@@ -380,12 +380,12 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
-    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=()):
+    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), hooks=None):
         """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time
         (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
         from hetero_cs.engine.replica_wrapping import wrap_replica_fn
 
-        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves)
+        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, hooks=hooks)
 
     def _write_back_caps(self) -> None:
         from hetero_cs.engine.calibrating import write_back_caps

@@ -14,11 +14,12 @@ from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
-def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), hooks=None):
     """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
 
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
     dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
+    ``hooks`` is the call's record of patched Keras hooks (``ReplicaStep.hooks``), shared by every replica.
     """
     flat = tf.nest.flatten((args, kwargs or {}))
     batch_ids = {id(v) for v in batch_leaves}
@@ -76,6 +77,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=()):
             global_batch_size=global_batch_size,
             start_stamp=start,
             sampled_timing=sampled,
+            hooks=hooks,
         )
         if strategy._emulator is not None and batched is not None:
             from hetero_cs.engine.step_timing import emulated_memory_gate

@@ -65,6 +65,9 @@ class ReplicaStep:
             replica's share of the global batch's loss (a Keras loss reduced under the strategy, a
             ``compute_loss`` result). Summed over replicas they give the single-device loss; any other scalar
             loss is taken as a mean over the replica's slice (see :mod:`hetero_cs.engine._compat.losses`).
+        hooks: The record of which patched Keras/TensorFlow hooks ran in this step and which it needs, shared by
+            every replica of one ``strategy.run`` call (:class:`hetero_cs.engine._compat.hooks.StepHooks`), or None
+            where nothing checks them (the multi-worker strategy).
     """
 
     replica_id: int
@@ -75,6 +78,7 @@ class ReplicaStep:
     sampled_timing: bool = False
     barrier: list = dataclasses.field(default_factory=list)
     loss_terms: set = dataclasses.field(default_factory=set)
+    hooks: Any = None
 
 
 @contextmanager
@@ -91,6 +95,27 @@ def replica_step(step: ReplicaStep) -> Iterator[ReplicaStep]:
 def current_replica_step() -> ReplicaStep | None:
     """Returns the replica step this thread is running, or None outside a HeteroCentralStorageStrategy replica."""
     return getattr(_state, "step", None)
+
+
+@contextmanager
+def calling_thread_hooks(record) -> Iterator[None]:
+    """Makes ``record`` the hook record of the ``strategy.run`` call this thread is making, for the duration of the
+    block: tf.distribute runs the cross-replica parts of a step (merge calls: the optimizer's host update) in the
+    calling thread, which runs no replica step."""
+    previous = getattr(_state, "hooks", None)
+    _state.hooks = record
+    try:
+        yield
+    finally:
+        _state.hooks = previous
+
+
+def current_hooks():
+    """The hook record of the step this thread works on: its replica step's, else its ``strategy.run`` call's."""
+    step = current_replica_step()
+    if step is not None:
+        return step.hooks
+    return getattr(_state, "hooks", None)
 
 
 def _require_step() -> ReplicaStep:

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import input_lib, parameter_server_strategy  # noqa: E402
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 
 
@@ -85,8 +86,16 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
         args, kwargs, batch_leaves = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
-        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves)  # noqa: SLF001
-        return super()._call_for_each_replica(wrapped, args, kwargs)
+        # The patched Keras hooks of this call (this traced step) record into one StepHooks: the replicas through
+        # their ReplicaStep, the merge calls (run in this thread) through calling_thread_hooks. Once traced, every
+        # hook the step needed must have run (hooks.verify), else Keras changed under us: UnsupportedVersionError.
+        record = hooks.StepHooks()
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, hooks=record)  # noqa: SLF001
+        with training.calling_thread_hooks(record):
+            result = super()._call_for_each_replica(wrapped, args, kwargs)
+        if not tf.executing_eagerly():
+            hooks.verify(record)
+        return result
 
     def _lifted_tf_function(self, fn):
         """For a ``tf.function`` passed to ``strategy.run``: a clone of it that runs the whole per-replica call.
