@@ -25,6 +25,7 @@ from hetero_cs.errors import (
     StepOOMError,
     UnknownEmulatedDeviceError,
     UnsupportedPrecisionError,
+    UnsupportedVersionError,
     WorkerLostError,
 )
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
@@ -94,6 +95,7 @@ __all__ = [
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
     "UnsupportedPrecisionError",
+    "UnsupportedVersionError",
     "WorkerLostError",
     "current_global_batch_size",
     "discover_devices",

@@ -24,6 +24,17 @@ class LossPatternError(ConfigError):
     """
 
 
+class UnsupportedVersionError(ConfigError):
+    """The installed TensorFlow / Keras no longer has, or no longer calls, a private part hetero_cs patches.
+
+    Raised when the patches are installed (a private symbol is gone) or at the end of the first traced step (a
+    patched Keras/TensorFlow hook that this step needed did not run, so clipping, weight decay, loss scaling or the
+    exact b_i / B weighting would silently be missing). The message names what is missing, the installed versions
+    and the supported range (``hetero_cs._supported``); the fix is to install a supported pair. A
+    :class:`ConfigError`, so ``except hetero_cs.ConfigError`` (or ``ValueError``) catches it too.
+    """
+
+
 class InvalidCostModelError(HeteroCSError, ValueError):
     """A cost model predicted NaN, a negative time, or a time that decreases with batch size."""
 

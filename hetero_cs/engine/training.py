@@ -101,12 +101,16 @@ class StepHandoff:
             its inner optimizer in this step.
         loss_scale_finite: (inner optimizer, bool scalar tensor, graph or None): the update merge judged the step's
             summed gradients finite (or not); the inner optimizer's iteration counter adds it instead of 1.
+        hooks: The record of which patched Keras/TensorFlow hooks ran in this step and which it needs
+            (:class:`hetero_cs.engine._compat.hooks.StepHooks`), or None where nothing checks them (the multi-worker
+            strategy).
     """
 
     barrier_token: Any = None
     weight_decay: tuple | None = None
     loss_scale_pending: tuple | None = None
     loss_scale_finite: tuple | None = None
+    hooks: Any = None
 
 
 @contextmanager
@@ -143,6 +147,12 @@ def replica_step(step: ReplicaStep) -> Iterator[ReplicaStep]:
 def current_replica_step() -> ReplicaStep | None:
     """Returns the replica step this thread is running, or None outside a HeteroCentralStorageStrategy replica."""
     return getattr(_state, "step", None)
+
+
+def current_hooks():
+    """The hook record of the step this thread works on (its ``strategy.run`` call's handoff's), or None."""
+    handoff = current_step_handoff()
+    return None if handoff is None else handoff.hooks
 
 
 def _require_step() -> ReplicaStep:

@@ -405,3 +405,85 @@ def test_plan_change_does_not_retrace_the_train_step():
 def test_replica_weight_outside_a_replica_raises():
     with pytest.raises(hetero_cs.HeteroCSError, match="inside a replica function"):
         hetero_cs.current_global_batch_size()
+
+
+# Patches that check themselves: a Keras that stops calling a patched hook, or lacks a private name, is a clear
+# UnsupportedVersionError naming it and the versions, never a silently different step or an AttributeError.
+
+def _keras_original(owner, name):
+    return getattr(owner, name).__wrapped__  # functools.wraps: the patch made a pass-through to Keras' own code
+
+
+@pytest.mark.parametrize("owner, name, compile_kwargs, missing", [
+    ("optimizer", "_all_reduce_sum_gradients", {"clipnorm": 1.0}, "TFOptimizer._all_reduce_sum_gradients"),
+    ("optimizer", "_apply_weight_decay", {"weight_decay": 0.1}, "TFOptimizer._apply_weight_decay"),
+    ("losses", "scale_loss_for_distribution", {}, "keras.src.losses.loss.scale_loss_for_distribution"),
+])
+def test_a_hook_keras_no_longer_calls_is_a_clear_error_at_the_first_traced_step(
+        monkeypatch, owner, name, compile_kwargs, missing):
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.losses import loss as loss_module
+
+    strategy = strategy_for(2, [3, 1])  # installs the patches
+    target = {"optimizer": TFOptimizer, "losses": loss_module}[owner]
+    monkeypatch.setattr(target, name, _keras_original(target, name))  # the hook never runs, so never records
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(optimizer=keras.optimizers.AdamW(0.1, **compile_kwargs), loss="mse", metrics=["mae"])
+    before = [w.copy() for w in model.get_weights()]
+    x, y = SEVEN_ONES_THREE_ZEROS
+    with pytest.raises(hetero_cs.UnsupportedVersionError) as info:
+        model.fit(x[:8], y[:8], batch_size=4, epochs=1, verbose=0)
+    message = str(info.value)
+    assert isinstance(info.value, hetero_cs.ConfigError)
+    assert missing in message.split("did not run", 1)[1].split("Installed:", 1)[0]  # named among the missing
+    assert f"tensorflow {tf.__version__}, keras {keras.__version__}" in message
+    assert "tensorflow>=2.16.2,<2.22 with keras>=3.8,<3.16" in message and "Install a supported pair" in message
+    for old, new in zip(before, model.get_weights()):  # the step never ran
+        np.testing.assert_array_equal(old, new)
+
+
+def test_every_hook_of_a_clipped_decayed_step_runs_on_the_installed_keras(monkeypatch):
+    from hetero_cs.engine._compat import hooks
+
+    checked = []
+    original_verify = hooks.verify
+
+    def verify(record):
+        checked.append(dict(record.expected))
+        return original_verify(record)
+
+    monkeypatch.setattr(hooks, "verify", verify)
+    strategy = strategy_for(2, [3, 1])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.AdamW(0.1, weight_decay=0.1, clipnorm=1.0), loss="mse",
+                      metrics=["mae"])
+    x, y = SEVEN_ONES_THREE_ZEROS
+    model.fit(x[:8], y[:8], batch_size=4, epochs=1, verbose=0)
+    assert checked, "no traced step was checked"
+    needed = set(checked[0])
+    assert {hooks.ALL_REDUCE, hooks.UPDATE, hooks.CLIP_SKIPPED, hooks.CLIP_SUMMED, hooks.DECAY_DEFERRED,
+            hooks.DECAY_APPLIED, hooks.VARIABLE_WRITE, hooks.LOSS_REDUCE, hooks.LOSS_SCALE,
+            hooks.LOSS_UNSCALE} <= needed
+
+
+def test_a_missing_private_symbol_is_a_clear_error_not_an_attribute_error(monkeypatch):
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    from hetero_cs.engine import _compat
+
+    strategy_for(2, [3, 1])  # installs the patches
+    _compat.check_private_symbols()  # the installed pair has every one
+    monkeypatch.delattr(TFOptimizer, "_distributed_tf_update_step")
+    name = "keras.src.backend.tensorflow.optimizer.TFOptimizer._distributed_tf_update_step"
+    with pytest.raises(hetero_cs.UnsupportedVersionError, match=name.replace(".", r"\.")) as info:
+        _compat.check_private_symbols()
+    assert f"tensorflow {tf.__version__}, keras {keras.__version__}" in str(info.value)
+    assert "tensorflow>=2.16.2,<2.22 with keras>=3.8,<3.16" in str(info.value)
+    # Installing the patches checks first, and patches nothing when a name is missing.
+    monkeypatch.setattr(_compat, "_installed", False)
+    clip = TFOptimizer._clip_gradients
+    with pytest.raises(hetero_cs.UnsupportedVersionError, match=name.replace(".", r"\.")):
+        _compat.install()
+    assert TFOptimizer._clip_gradients is clip and _compat._installed is False

@@ -38,7 +38,26 @@ def test_the_oldest_tox_pair_is_the_lower_bound_of_the_requirements():
 
 
 def test_keras_before_3_8_is_not_allowed():
-    assert _setup_requirements()["keras"] == ">=3.8"
+    assert _setup_requirements()["keras"].split(",")[0] == ">=3.8"
+
+
+def test_the_requirements_are_the_supported_range_with_upper_bounds():
+    from hetero_cs import _supported
+
+    requirements = _setup_requirements()
+    for name, (low, high) in _supported.SUPPORTED_VERSIONS.items():
+        assert name + requirements[name] == _supported.requirement(name) == f"{name}>={low},<{high}"
+    # The newest tested pair (what CI runs) sits inside the range: TensorFlow 2.21.x, Keras 3.15.x.
+    assert _supported.SUPPORTED_VERSIONS == {"tensorflow": ("2.16.2", "2.22"), "keras": ("3.8", "3.16")}
+
+
+def test_the_readme_quotes_the_supported_range():
+    from hetero_cs import _supported
+
+    section = README.split("## Versions", 1)[1].split("\n## ", 1)[0]
+    for name in _supported.SUPPORTED_VERSIONS:
+        assert f"`{_supported.requirement(name)}`" in section
+    assert "UnsupportedVersionError" in section and "UnsupportedVersionError" in README.split("## Versions")[0]
 
 
 def test_ci_runs_the_newest_pair_only():

@@ -37,6 +37,7 @@ EXPECTED_ALL = [
     "StepTimeMonitor",
     "UnknownEmulatedDeviceError",
     "UnsupportedPrecisionError",
+    "UnsupportedVersionError",
     "WorkerLostError",
     "current_global_batch_size",
     "discover_devices",

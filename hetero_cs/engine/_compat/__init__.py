@@ -15,6 +15,11 @@ The touches are grouped by what they touch: ``distribute`` (tf.distribute's exte
 ``trainer`` (fit, evaluate, predict and layer walks), ``graph_patterns`` (reading how a traced value was computed)
 and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a
 private TensorFlow or Keras name.
+
+The patches check themselves: ``symbols`` looks up every private name they need before any is installed, and
+``hooks`` checks at the end of each traced step that every patched hook the step needed ran. Either raises
+``UnsupportedVersionError`` naming what is missing, the installed versions and the supported range
+(``hetero_cs/_supported.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from hetero_cs.engine._compat.distribute import (
     per_replica,
     replica_id_in_sync_group,
 )
+from hetero_cs._supported import supported_range, unsupported_installed
 from hetero_cs.engine._compat.loss_scale import _patch_loss_scale_optimizer
+from hetero_cs.engine._compat.symbols import check_private_symbols
 from hetero_cs.engine._compat.optimizer import _patch_optimizer
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
@@ -76,6 +83,7 @@ __all__ = [
     "mark_distributed_dataset",
     "skip_partial_batch_agreement",
     "FirstBatchReader",
+    "check_private_symbols",
     "HeteroExtended",
     "all_sublayers",
     "components",
@@ -100,6 +108,15 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
+        # Every private name the patches below need, before any is touched: a clear error naming the installed
+        # and the supported versions instead of an AttributeError half-way through patching or mid-step.
+        check_private_symbols()
+        outside = unsupported_installed()
+        if outside:
+            logger.warning(
+                "hetero_cs: %s is outside the tested range %s; hetero_cs checks that every Keras hook it patches "
+                "still runs (UnsupportedVersionError if not), but results were not tested on this pair.",
+                " and ".join(outside), supported_range())
         _patch_loss_scaling()
         _patch_loss_reduction()
         _patch_compute_loss()

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import input_lib, parameter_server_strategy  # noqa: E402
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 
 
@@ -86,11 +87,16 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         strategy = self._container_strategy()
         args, kwargs, batch_leaves, timed = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
         # One handoff per call: its replica threads and this thread, which runs its merges, share it (and no
-        # other call does: another model may trace its step in another thread at the same time).
-        handoff = training.StepHandoff()
+        # other call does: another model may trace its step in another thread at the same time). The patched
+        # Keras hooks of this call record into its StepHooks; once traced, every hook the step needed must have run
+        # (hooks.verify), else Keras changed under us: UnsupportedVersionError.
+        handoff = training.StepHandoff(hooks=hooks.StepHooks())
         wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff)  # noqa: SLF001
         with training.step_handoff(handoff):
-            return super()._call_for_each_replica(wrapped, args, kwargs)
+            result = super()._call_for_each_replica(wrapped, args, kwargs)
+        if not tf.executing_eagerly():
+            hooks.verify(handoff.hooks)
+        return result
 
     def _lifted_tf_function(self, fn):
         """For a ``tf.function`` passed to ``strategy.run``: a clone of it that runs the whole per-replica call.

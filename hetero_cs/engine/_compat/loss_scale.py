@@ -32,6 +32,7 @@ import functools
 import tensorflow as tf
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.distribute import current_hetero_strategy
 
 # What the replica threads and the thread that runs the merge share lives on the step's training.StepHandoff (one
@@ -84,11 +85,22 @@ def _patch_loss_scale_optimizer() -> None:
         handoff = training.current_step_handoff()
         if current_hetero_strategy() is None or tf.distribute.in_cross_replica_context() or handoff is None:
             return original_tf_apply(self, grads, trainable_variables)
+        hooks.fired(hooks.LOSS_SCALE_APPLY)
         handoff.loss_scale_pending = (self, _current_graph())
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
         return None
 
+    original_apply = LossScaleOptimizer.apply
+
+    @functools.wraps(original_apply)
+    def apply(self, grads, trainable_variables=None):
+        # Public entry of every loss-scaled step: records that this step needs both halves above (hooks.verify).
+        if current_hetero_strategy() is not None and not tf.distribute.in_cross_replica_context():
+            hooks.expect(hooks.LOSS_SCALE_APPLY, hooks.LOSS_SCALE_HOST, by="LossScaleOptimizer.apply")
+        return original_apply(self, grads, trainable_variables)
+
     LossScaleOptimizer._tf_apply = _tf_apply  # noqa: SLF001
+    LossScaleOptimizer.apply = apply
 
 
 def _first_value(strategy, value):
@@ -127,6 +139,7 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
     handoff = training.current_step_handoff()
     if handoff is not None:
         handoff.loss_scale_pending = None  # consumed: this step's update is the one the replicas marked
+    hooks.fired(hooks.LOSS_SCALE_HOST)
     pairs = [(_first_value(distribution, g), v) for g, v in grads_and_vars]
     variables = [v for _, v in pairs]
     with tf.device(distribution.parameter_device):

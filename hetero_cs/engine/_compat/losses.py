@@ -33,9 +33,11 @@ import threading
 import tensorflow as tf
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.engine._compat.graph_patterns import divided_by, linear_terms, sums_over_batch
+from hetero_cs.engine._compat.variables import _central_in_replica_context
 from hetero_cs.errors import LossPatternError
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -88,12 +90,14 @@ def _patch_loss_scaling() -> None:
     def scale_loss_for_distribution(value):
         step = weighted_step()
         if step is not None:
+            hooks.fired(hooks.LOSS_SCALE)
             return _register(step, value * training.replica_weight(value.dtype))
         return original_scale(value)
 
     @functools.wraps(original_unscale)
     def unscale_loss_for_distribution(value):
         if weighted_step() is not None:
+            hooks.fired(hooks.LOSS_UNSCALE)
             # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
             return tf.math.divide_no_nan(value, training.replica_weight(value.dtype))
         return original_unscale(value)
@@ -114,6 +118,7 @@ def _patch_loss_reduction() -> None:
     def call(self, y_true, y_pred, sample_weight=None):
         if weighted_step() is None:
             return original_call(self, y_true, y_pred, sample_weight=sample_weight)
+        hooks.expect(hooks.LOSS_REDUCE, by=f"the loss {self.name!r} (Loss.__call__)")
         previous = getattr(_current_loss, "loss", None)
         _current_loss.loss = self
         try:
@@ -128,6 +133,7 @@ def _patch_loss_reduction() -> None:
             return original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
         from keras.src import ops
 
+        hooks.fired(hooks.LOSS_REDUCE)
         reduction = loss_module.standardize_reduction(reduction)
         values = ops.convert_to_tensor(values, dtype=dtype)  # as Keras' own: casts to the loss's dtype
         if values.shape.rank == 0:
@@ -136,6 +142,9 @@ def _patch_loss_reduction() -> None:
             mask is not None or (reduction == "mean_with_sample_weight" and sample_weight is not None)
         )
         if not global_normaliser:
+            if reduction in _MEAN_REDUCTIONS and not tf.executing_eagerly() and tuple(values.shape) != (0,):
+                # Keras' reduce_values weighs a mean through the module's scale_loss_for_distribution (patched).
+                hooks.expect(hooks.LOSS_SCALE, by=f"reduction={reduction!r} of a Keras loss")
             result = original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
             if reduction not in (None, "none") and result.shape.rank != 0:
                 # Keras returns losses of static shape (0,) unreduced (eagerly, a 0-example slice): their share is a
@@ -245,6 +254,8 @@ def _patch_compute_loss() -> None:
         step = weighted_step()
         if step is None:
             return original_private(self, *args, **kwargs)
+        # Keras' train_step and test_step log this loss through unscale_loss_for_distribution (patched).
+        hooks.expect(hooks.LOSS_UNSCALE, by="Trainer._compute_loss (the logged loss)")
         before = len(step.loss_terms)
         return _as_share(original_private(self, *args, **kwargs), step, before, type(self).__name__)
 
@@ -332,6 +343,9 @@ def _patch_mean_metric() -> None:
 
     @functools.wraps(original_update)
     def update_state(self, values, sample_weight=None):
+        if weighted_step() is not None and not _in_stateless_scope() and any(
+                _central_in_replica_context(v) is not None for v in self.variables):
+            hooks.expect(hooks.VARIABLE_WRITE, by=f"the metric {self.name!r} (Mean.update_state)")
         step = weighted_step() if sample_weight is None else None
         if step is None or _in_stateless_scope():
             return original_update(self, values, sample_weight=sample_weight)

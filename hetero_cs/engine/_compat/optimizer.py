@@ -10,14 +10,14 @@ import functools
 import tensorflow as tf
 
 from hetero_cs.engine import fused_update, training
-from hetero_cs.engine._compat import loss_scale
+from hetero_cs.engine._compat import hooks, loss_scale
 from hetero_cs.engine._compat.distribute import (
     current_hetero_strategy,
     current_weighting_strategy,
     is_hetero_strategy,
 )
 from hetero_cs.engine._compat.multi_worker import current_multi_worker_strategy
-from hetero_cs.engine._compat.variables import _clip_state
+from hetero_cs.engine._compat.variables import _central_in_replica_context, _clip_state
 
 def _patch_optimizer() -> None:
     # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,
@@ -35,6 +35,7 @@ def _patch_optimizer() -> None:
     @functools.wraps(original_clip)
     def _clip_gradients(self, grads):
         if current_weighting_strategy() is not None and not getattr(_clip_state, "active", False):
+            hooks.fired(hooks.CLIP_SKIPPED)
             return grads
         return original_clip(self, grads)
 
@@ -49,6 +50,7 @@ def _patch_optimizer() -> None:
         strategy = current_hetero_strategy()
         if strategy is None or tf.distribute.get_replica_context() is None:
             return original_all_reduce(self, grads_and_vars)
+        hooks.fired(hooks.ALL_REDUCE)
         grads_and_vars = list(grads_and_vars)
         grads = strategy._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
         grads_and_vars = list(zip(grads, [v for _, v in grads_and_vars]))
@@ -72,6 +74,7 @@ def _patch_optimizer() -> None:
         return _clip_reduced(self, reduced)
 
     def _clip_reduced(optimizer, reduced):
+        hooks.fired(hooks.CLIP_SUMMED)
         _clip_state.active = True
         try:
             clipped = original_clip(optimizer, [g for g, _ in reduced])
@@ -89,6 +92,7 @@ def _patch_optimizer() -> None:
         # merge below, where it runs first (the same order as in one device's step), behind the barrier.
         handoff = training.current_step_handoff()
         if self.weight_decay is not None and current_hetero_strategy() is not None and handoff is not None:
+            hooks.fired(hooks.DECAY_DEFERRED)
             handoff.weight_decay = (self, list(variables))
             return None
         return original_decay(self, variables)
@@ -104,11 +108,14 @@ def _patch_optimizer() -> None:
             handoff.barrier_token = handoff.weight_decay = None
         if not is_hetero_strategy(distribution):
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
+        hooks.fired(hooks.UPDATE)
         current_graph = tf.compat.v1.get_default_graph()
         # Eager steps have no graph (and run in order): nothing to wait for.
         barrier = [token] if getattr(token, "graph", None) is current_graph and not tf.executing_eagerly() else []
         decay = decay[1] if decay is not None and decay[0] is self else None
         scaler = loss_scale.pending_scaler(self)
+        if decay is not None:
+            hooks.fired(hooks.DECAY_APPLIED)
 
         def update(pairs):  # the host update: deferred weight decay first (one device's order), then Keras' own
             if decay is not None:
@@ -121,10 +128,24 @@ def _patch_optimizer() -> None:
             update = fused_update.compiled(update, distribution.parameter_device)
         with tf.control_dependencies(barrier):
             if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
+                hooks.fired(hooks.CLIP_SUMMED)
                 return loss_scale.apply_or_skip(
                     scaler, self, distribution, grads_and_vars, clip=functools.partial(original_clip, self),
                     update=update)
             return update(grads_and_vars)
+
+    original_apply = TFOptimizer.apply  # BaseOptimizer.apply (public), where every gradient application goes
+
+    @functools.wraps(original_apply)
+    def apply(self, grads, trainable_variables=None):
+        # Records what this optimizer step needs of the hooks above (hooks.verify checks them once traced): the
+        # all-reduce and the host update always, clipping and weight decay when configured.
+        if current_hetero_strategy() is not None and tf.distribute.get_replica_context() is not None:
+            grads = list(grads)
+            if any(g is not None for g in grads):
+                hooks.expect_optimizer_step(
+                    self, central_iterations=_central_in_replica_context(self.iterations) is not None)
+        return original_apply(self, grads, trainable_variables)
 
     original_apply_gradients = TFOptimizer.apply_gradients
 
@@ -142,6 +163,7 @@ def _patch_optimizer() -> None:
             )
         return original_apply_gradients(self, grads_and_vars)
 
+    TFOptimizer.apply = apply
     TFOptimizer.apply_gradients = apply_gradients
     TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001

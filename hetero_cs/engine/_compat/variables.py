@@ -13,6 +13,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
@@ -33,6 +34,7 @@ def _patch_variable_assign_add() -> None:
         def method(self, value):
             inner = _central_in_replica_context(self)
             if inner is not None:
+                hooks.fired(hooks.VARIABLE_WRITE)
                 if native_name == "assign_add":  # a loss-scaled step that was skipped counts no iteration
                     from hetero_cs.engine._compat.loss_scale import iterations_increment
 

@@ -1,0 +1,73 @@
+"""Every private Keras / TensorFlow name the patches need, checked before any is installed.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
+
+A release that renames or drops one of them would otherwise fail with an AttributeError (or ImportError) while
+the patches are installed or, worse, in the middle of a step. :func:`check_private_symbols` looks every one up
+first and raises :class:`~hetero_cs.errors.UnsupportedVersionError` naming all that are missing, the installed
+versions and the supported range. Names read from instances at run time (``_iterations``, ``_value``, a replica
+context's ``_replica_id_in_sync_group``, the extended object's ``_worker_device``) are not classes' attributes and
+are not listed; the multi-worker patches
+(``install_multi_worker``) and the module-level imports of ``distribute.py`` are not covered either.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# (module, class or None for the module itself, the attributes the patches read or replace)
+REQUIRED = (
+    ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", (
+        "apply", "apply_gradients", "_clip_gradients", "_all_reduce_sum_gradients", "_distributed_tf_update_step",
+        "_apply_weight_decay", "_use_weight_decay")),
+    ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", ("apply", "_tf_apply")),
+    ("keras.src.losses.loss", None, (
+        "scale_loss_for_distribution", "unscale_loss_for_distribution", "reduce_weighted_values",
+        "standardize_reduction", "squeeze_or_expand_to_same_rank")),
+    ("keras.src.losses.loss", "Loss", ("__call__",)),
+    ("keras.src.trainers.trainer", "Trainer", ("compile", "compute_loss", "_compute_loss")),
+    ("keras.src.metrics.reduction_metrics", "Mean", ("update_state",)),
+    ("keras.src.backend.common.stateless_scope", None, ("in_stateless_scope",)),
+    ("keras.src.backend.tensorflow.core", "Variable", ("assign", "assign_add", "assign_sub")),
+    ("keras.src.random.seed_generator", "SeedGenerator", ("next",)),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", (
+        "fit", "evaluate", "predict", "make_train_function", "_maybe_symbolic_build", "_symbolic_build")),
+    ("tensorflow.python.distribute.parameter_server_strategy", "ParameterServerStrategyExtended", (
+        "_create_variable", "_call_for_each_replica")),
+    ("tensorflow.python.distribute.input_lib", None, ("InputWorkers", "DistributedDatasetsFromFunction")),
+    ("tensorflow.python.distribute.values", None, ("PerReplica", "PerReplicaSpec")),
+    ("tensorflow.python.eager.def_function", "Function", ("_clone", "python_function")),
+)
+
+
+def missing_private_symbols() -> list[str]:
+    """The dotted names of :data:`REQUIRED` that the installed Keras / TensorFlow lacks."""
+    missing = []
+    for module_name, class_name, attributes in REQUIRED:
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        if class_name is not None:
+            owner = getattr(owner, class_name, None)
+            if owner is None:
+                missing.append(f"{module_name}.{class_name}")
+                continue
+        prefix = f"{module_name}.{class_name}" if class_name else module_name
+        missing.extend(f"{prefix}.{name}" for name in attributes if not hasattr(owner, name))
+    return missing
+
+
+def check_private_symbols() -> None:
+    """Raises UnsupportedVersionError naming every private name the patches need that is missing."""
+    missing = missing_private_symbols()
+    if not missing:
+        return
+    from hetero_cs._supported import version_advice
+    from hetero_cs.errors import UnsupportedVersionError
+
+    raise UnsupportedVersionError(
+        f"hetero_cs patches private parts of Keras and TensorFlow, and the installed versions lack "
+        f"{len(missing)} of them: {', '.join(missing)}. {version_advice()}"
+    )
