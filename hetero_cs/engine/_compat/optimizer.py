@@ -68,19 +68,28 @@ def _patch_optimizer() -> None:
             step.barrier[:] = [token]
             if step.handoff is not None:  # for this call's update merge (another call has its own handoff)
                 step.handoff.barrier_token = token
-        reduced = original_all_reduce(self, grads_and_vars)
-        if loss_scale.pending_scaler(self) is not None:
-            return reduced  # loss-scaled: unscaled and clipped on the host, in the update (loss_scale.apply_or_skip)
-        return _clip_reduced(self, reduced)
+        # Summed on the parameter device only, and clipped there: Keras' all_reduce would broadcast each sum back to
+        # every replica's device (the update then reads replica 0's copy), and clip on every replica. Loss-scaled
+        # gradients are unscaled and clipped on the host in the update instead (loss_scale.apply_or_skip).
+        clip = None if loss_scale.pending_scaler(self) is not None else functools.partial(_clip_on_host, self)
+        present = [g for g, _ in grads_and_vars if g is not None]
+        if not present:
+            return grads_and_vars
+        # The clip function goes in the merge function, not its arguments (which are regrouped per replica).
+        merge = functools.partial(_sum_on_parameter_device, clip=clip)
+        summed = iter(tf.distribute.get_replica_context().merge_call(merge, args=(present,)))
+        return [(None if g is None else next(summed), v) for g, v in grads_and_vars]
 
-    def _clip_reduced(optimizer, reduced):
+    def _clip_on_host(optimizer, grads):
         hooks.fired(hooks.CLIP_SUMMED)
         _clip_state.active = True
         try:
-            clipped = original_clip(optimizer, [g for g, _ in reduced])
+            return original_clip(optimizer, grads)
         finally:
             _clip_state.active = False
-        return list(zip(clipped, [v for _, v in reduced]))
+
+    def _clip_reduced(optimizer, reduced):  # the multi-worker strategy: every replica clips the same summed gradient
+        return list(zip(_clip_on_host(optimizer, [g for g, _ in reduced]), [v for _, v in reduced]))
 
     original_update_step = TFOptimizer._distributed_tf_update_step  # noqa: SLF001
     original_decay = TFOptimizer._apply_weight_decay  # noqa: SLF001
@@ -187,6 +196,22 @@ def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:
         if isinstance(variable, backend.Variable):
             variable = variable.value
         distribution.extended.update(variable, weight_decay_fn, group=False)
+
+
+def _sum_on_parameter_device(strategy, per_replica_grads, clip=None) -> list:
+    """Cross-replica: each gradient summed over the replicas on the parameter device (then ``clip``ped there).
+
+    Returns plain tensors on the parameter device, one per gradient; every replica receives these same tensors back
+    from the merge (no copy to its device), and the optimizer's update, on the parameter device too, reads them
+    where they are. ``tf.IndexedSlices`` (an Embedding's gradient) are summed as such.
+    """
+    device = strategy.parameter_device
+    reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(g, device) for g in per_replica_grads])
+    sums = [strategy.experimental_local_results(r)[0] for r in reduced]
+    if clip is None:
+        return sums
+    with tf.device(device):
+        return list(clip(sums))
 
 
 def _all_replicas_done(strategy, per_replica_grads):

@@ -1,0 +1,69 @@
+"""The replicas' gradients are summed, clipped and applied on the parameter device: nothing goes back to a replica."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetero_cs import HeteroCentralStorageStrategy
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+
+
+def _device_index(op):
+    spec = tf.DeviceSpec.from_string(op.device or "")
+    return spec.device_index if (spec.device_type or "").upper() == "CPU" else None
+
+
+def _traced_step(optimizer):
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[3, 2, 1], profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+        opt = optimizer()
+        opt.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    rng = np.random.default_rng(0)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (rng.normal(size=(48, 8)).astype(np.float32), rng.integers(0, 2, size=48))).batch(24)
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) / 24.0
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def step(element):
+        strategy.run(replica_step, args=element)
+
+    return step.get_concrete_function(element).graph
+
+
+@pytest.mark.parametrize("optimizer", [lambda: keras.optimizers.SGD(0.1),
+                                       lambda: keras.optimizers.Adam(1e-3, global_clipnorm=1.0)],
+                         ids=["sgd", "adam_clipnorm"])
+def test_no_summed_gradient_is_sent_back_to_a_replica(optimizer):
+    """Regression: Keras' all_reduce broadcast every summed gradient from the host to each replica's device, and the
+    update read replica 0's copy back (a parameter-sized round trip per step on GPUs)."""
+    graph = _traced_step(optimizer)
+    ops = graph.get_operations()
+    consumers = {}
+    for op in ops:
+        for tensor in op.inputs:
+            consumers.setdefault(tensor.op.name, []).append(op)
+    # The sums: ops on the parameter device (CPU:0) adding tensors computed on several replica devices.
+    sums = [op for op in ops if op.type in ("AddN", "AddV2") and _device_index(op) == 0
+            and len({_device_index(t.op) for t in op.inputs} - {0, None}) >= 2]
+    assert len(sums) == 4  # one per trainable variable
+    seen, frontier, reached = set(), list(sums), []
+    while frontier:
+        op = frontier.pop()
+        for consumer in consumers.get(op.name, []):
+            if consumer.name in seen:
+                continue
+            seen.add(consumer.name)
+            if _device_index(consumer) not in (0, None):
+                reached.append(f"{consumer.name} on {consumer.device}")
+            frontier.append(consumer)
+    assert not reached, reached
