@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -356,7 +355,9 @@ class DeviceProbe:
                                    emulator=self.emulator, advance=False)
             # A data dependency keeps the stateless end stamp (and its emulated wait) from being pruned; a control
             # dependency alone is not enough under Grappler (see hetero_cs.engine.step_timing.end_replica_step).
-            return tie_to_stamp(checksum, end)
+            # The step's time is end - start: the span the training monitor times too (from the input's arrival to
+            # the gradients' arrival on the parameter device), on the same clock.
+            return tie_to_stamp(checksum, end), end - start
 
     def batch(self, batch_size: int) -> Any:
         """The probe input of batch_size examples (the sample's first examples, repeated when larger), cached."""
@@ -374,7 +375,10 @@ class DeviceProbe:
         return self._batches[batch_size]
 
     def run_step(self, batch_size: int) -> float:
-        """Runs one step and returns its wall time in seconds, the result fetched to the host (device sync).
+        """Runs one step and returns its time in seconds: from the input's arrival to the gradients' arrival on the
+        parameter device, stamped inside the step on ``time.perf_counter``'s clock - the span and clock of the
+        training monitor's per-replica times (:func:`hetero_cs.engine.step_timing.finish_replica_step`), so that
+        calibrated and measured times compare. The result is fetched to the host (device sync).
 
         This moves BatchNormalization statistics and seed state like any training-mode call; time_step and fits
         restore them, or wrap calls in preserved_model_state.
@@ -383,9 +387,8 @@ class DeviceProbe:
             tf.errors.ResourceExhaustedError: If the device ran out of memory (the caller decides what to do).
         """
         inputs = self.batch(batch_size)
-        start_s = time.perf_counter()
-        self._step(inputs).numpy()
-        elapsed_s = time.perf_counter() - start_s
+        _, elapsed = self._step(inputs)
+        elapsed_s = float(elapsed.numpy())
         self._emulated_peak_size = max(getattr(self, "_emulated_peak_size", 0), int(batch_size))
         self._has_run = True
         return elapsed_s

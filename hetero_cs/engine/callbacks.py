@@ -78,9 +78,11 @@ class BalanceCallback(keras.callbacks.Callback):
             full = [s for s in self._samples if s.per_replica_batch_sizes == tuple(plan.per_replica_batch_sizes)]
             if full:
                 logger.info(
-                    "hetero_cs: plan %s predicted a makespan of %.1f ms; measured %.1f ms (%s).",
+                    "hetero_cs: plan %s predicted a makespan of %.1f ms for the replicas; measured %.1f ms, and "
+                    "%.1f ms with the host's gradient sum and update (%s).",
                     list(plan.per_replica_batch_sizes),
                     plan.predicted_makespan_s * 1e3,
+                    statistics.median(s.replica_makespan_s for s in full) * 1e3,
                     statistics.median(s.makespan_s for s in full) * 1e3,
                     "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps",
                 )

@@ -405,7 +405,8 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         return getattr(self._emulator, "workload", None) is not None
 
     def _on_replica_gradients(self, grads: list) -> list:
-        """Called in replica context when a replica's gradients are ready, just before they go to the host."""
+        """Called in replica context when a replica's gradients are ready: copies them to the host, where the
+        replica's step ends (:func:`hetero_cs.engine.step_timing.finish_replica_step`)."""
         step = training.current_replica_step()
         if step is None or step.start_stamp is None:
             return grads
@@ -420,6 +421,7 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
             record=self._record_step_time,
             sampled=step.sampled_timing,
             keyed=step.shared_start,
+            host_device=self._parameter_device,
         )
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
@@ -427,6 +429,11 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         """Monitor callback (runs in a TensorFlow thread once per replica per step): records only. ``step_key``
         is the step's clock start (seconds), shared by its replicas: steps pair by it, also after a failed step."""
         self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s), step_key=step_key)
+
+    def _record_step_end(self, start_s: float, step_time_s: float) -> None:
+        """Called from a TensorFlow thread when the host's work on a step ended (its update): the step's makespan
+        then includes the host tail (StepTimeMonitor.record_step_end)."""
+        self._balancer.monitor.record_step_end(start_s, step_time_s)
 
     def _input_error_raised(self, exc: Exception) -> Exception | None:
         """The input pipeline's kept error if TensorFlow's ``exc`` is it, else None (a later, prefetched batch's

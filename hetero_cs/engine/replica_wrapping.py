@@ -50,6 +50,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
                     step_start = sampled_wall_clock_stamp(anchor, timed)
                 else:
                     step_start = wall_clock_stamp(anchor)
+                if handoff is not None:  # the host's end of this step is timed from the same start
+                    handoff.start_stamp = step_start
+                    handoff.sampled_start = strategy._sampled_timing and timed is not None
     if strategy._emulator is not None and not strategy._emulator_ready():
         raise ConfigError(
             "Emulated devices need the model's size before the first step. model.fit does this for you; "

@@ -8,6 +8,7 @@ wait for comes from :class:`hetero_cs.emulation.Emulator`.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -122,6 +123,40 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
     return end
 
 
+def stamp_step_end(start_stamp: Any, after: Sequence[Any], *, record: Callable[[float, float], None],
+                   sampled: bool = False) -> None:
+    """Reports when the host's work on a step ended: ``record(start_s, elapsed_s)`` once every op of ``after`` ran.
+
+    Called in cross-replica context where the optimizer's update is built, with reads of the updated variables as
+    ``after`` (a read of a variable runs after the writes to it that were built before it). One stateful
+    ``tf.numpy_function`` on the host; on a sampled step that is not timed (a negative ``start_stamp``) it does not
+    run.
+
+    Args:
+        start_stamp: The step's float64 start stamp (:func:`wall_clock_stamp` or :func:`sampled_wall_clock_stamp`).
+        after: Tensors or ops that exist once the host's work on the step is done.
+        record: Called as ``record(start_s, elapsed_s)`` from a TF thread (``start_s`` keys the step).
+        sampled: Whether ``start_stamp`` is negative on untimed steps.
+    """
+
+    def _end(start: Any) -> Any:
+        start_s = float(start)
+        if start_s >= 0.0:
+            record(start_s, time.perf_counter() - start_s)
+        return np.float64(0.0)
+
+    def stamp():
+        done = tf.numpy_function(_end, [tf.cast(start_stamp, tf.float64)], tf.float64, stateful=True,
+                                 name="end_host_step")
+        return tf.reshape(done, [])
+
+    with tf.control_dependencies(list(after)):
+        if sampled:
+            tf.cond(start_stamp >= 0.0, stamp, lambda: tf.constant(0.0, tf.float64))
+        else:
+            stamp()
+
+
 def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_size: Any,
                          emulator: Emulator, training: bool = True) -> Any:
     """``structure`` (a replica's inputs) made to wait for a check that its slice fits the emulated device.
@@ -198,7 +233,7 @@ def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
 def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
                         emulator: Emulator | None = None,
                         record: Callable[..., None] | None = None,
-                        sampled: bool = False, keyed: bool = False) -> list:
+                        sampled: bool = False, host_device: str | None = None, keyed: bool = False) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
 
     Runs :func:`end_replica_step` after every gradient (a control edge from each): it waits out the emulated device
@@ -212,6 +247,9 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
         replica_id, batch_size, emulator, record, keyed: As for :func:`end_replica_step`.
         sampled: ``start_stamp`` came from :func:`sampled_wall_clock_stamp`: a negative stamp (an untimed step)
             skips the end stamp and the report (not allowed with an emulator, whose wait must run every step).
+        host_device: Where the gradients go (the parameter device): they are copied there first and the step ends
+            when the copies exist (kernel completion on a GPU); the copies are returned. None: the step ends when
+            the gradients exist on the replica's device, and they are returned where they are.
 
     Returns:
         The gradients, in order, one of them tied to the end of the step.
@@ -219,20 +257,31 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
     present = [g for g in grads if g is not None]
     if not present:
         return list(grads)
-    # A control edge from every gradient: no ops per gradient (an anchor summing one element of each cost 4 ops per
-    # gradient per replica per step).
-    def end():
-        return end_replica_step(start_stamp, None, replica_id=replica_id, batch_size=batch_size, emulator=emulator,
-                                record=record, keyed=keyed)
+    with contextlib.ExitStack() as placement:
+        if host_device is not None:
+            # The replica's step ends when its gradients are in host memory: a copy from a GPU is enqueued on the
+            # device's stream after the kernels that computed the gradient, and the host ops below consume the
+            # copies, so the end stamp runs only once those kernels have completed (on the host's clock, the clock
+            # calibration reads too). These copies are the transfer the host's gradient sum needs anyway.
+            placement.enter_context(tf.device(host_device))
+            grads = [None if g is None else tf.nest.map_structure(tf.identity, g, expand_composites=True)
+                     for g in grads]
+            present = [g for g in grads if g is not None]
 
-    with tf.control_dependencies(tf.nest.flatten(present, expand_composites=True)):
-        if sampled and emulator is None:
-            end = tf.cond(start_stamp >= 0.0, end, lambda: tf.constant(0.0, tf.float64))
-        else:
-            end = end()
-    sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
-    known = [(n, i) for i, n in enumerate(sizes) if n is not None]
-    index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
-    tied = list(grads)
-    tied[index] = tie_to_stamp(tied[index], end)
+        # A control edge from every gradient: no ops per gradient (an anchor summing one element of each cost 4 ops
+        # per gradient per replica per step).
+        def end():
+            return end_replica_step(start_stamp, None, replica_id=replica_id, batch_size=batch_size,
+                                    emulator=emulator, record=record, keyed=keyed)
+
+        with tf.control_dependencies(tf.nest.flatten(present, expand_composites=True)):
+            if sampled and emulator is None:
+                end = tf.cond(start_stamp >= 0.0, end, lambda: tf.constant(0.0, tf.float64))
+            else:
+                end = end()
+        sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
+        known = [(n, i) for i, n in enumerate(sizes) if n is not None]
+        index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
+        tied = list(grads)
+        tied[index] = tie_to_stamp(tied[index], end)
     return tied

@@ -101,6 +101,8 @@ class StepHandoff:
             its inner optimizer in this step.
         loss_scale_finite: (inner optimizer, bool scalar tensor, graph or None): the update merge judged the step's
             summed gradients finite (or not); the inner optimizer's iteration counter adds it instead of 1.
+        start_stamp: The step's float64 clock start, shared by its replicas (None when the step is not timed);
+            the host's end of the step is timed from it. ``sampled_start``: it is negative on untimed steps.
         hooks: The record of which patched Keras/TensorFlow hooks ran in this step and which it needs
             (:class:`hetero_cs.engine._compat.hooks.StepHooks`), or None where nothing checks them (the multi-worker
             strategy).
@@ -111,6 +113,8 @@ class StepHandoff:
     loss_scale_pending: tuple | None = None
     loss_scale_finite: tuple | None = None
     hooks: Any = None
+    start_stamp: Any = None
+    sampled_start: bool = False
 
 
 @contextmanager

@@ -61,13 +61,17 @@ class StepSample:
             belongs to step k when reports carry no step key; see :mod:`hetero_cs.planning.step_pairing`).
         per_replica_batch_sizes: b_i, examples in each replica's slice, shape [R].
         per_replica_step_times_s: t_i, each replica's step time in seconds, shape [R], finite and >= 0.
-        makespan_s: max_i t_i, the step's wall time as set by the slowest replica.
+        makespan_s: The step's time: ``replica_makespan_s`` (max_i t_i, set by the slowest replica) plus
+            ``host_tail_s``, what the guard judges and the fit logs show (``makespan_ms``).
         straggler_replica: argmax_i t_i (the lowest replica id on ties).
         straggler_wait_s: mean over all R replicas of (makespan_s - t_i): how long the average replica sat idle
             waiting for the straggler (the straggler itself counts with 0). 0 for a perfectly balanced step.
         total_idle_s: sum over replicas of (makespan_s - t_i) = R * straggler_wait_s, device-seconds wasted.
         balance_efficiency: mean_i t_i / max_i t_i in (0, 1]; 1 means every replica finished together.
             1.0 when every time is 0.
+        host_tail_s: Seconds from the last replica's gradients reaching the parameter device to the end of the
+            host's work on the step (the gradient sum and the optimizer update), >= 0; 0.0 until the engine
+            reports the step's end (:meth:`StepTimeMonitor.record_step_end`), and for steps it cannot pair.
 
     Example: times [0.10, 0.20, 0.30] s give makespan 0.30 s, straggler 2, waits [0.20, 0.10, 0] s,
     straggler_wait_s 0.10 s, total_idle_s 0.30 s, balance_efficiency 0.2 / 0.3 = 0.667.
@@ -81,6 +85,17 @@ class StepSample:
     straggler_wait_s: float
     total_idle_s: float
     balance_efficiency: float
+    host_tail_s: float = 0.0
+
+    @property
+    def replica_makespan_s(self) -> float:
+        """max_i t_i: when the slowest replica's gradients reached the parameter device, from the step's start."""
+        return max(self.per_replica_step_times_s)
+
+    def with_step_end(self, step_time_s: float) -> StepSample:
+        """This sample with the host tail of a whole step of ``step_time_s`` seconds (start to the update's end)."""
+        tail_s = max(0.0, float(step_time_s) - self.replica_makespan_s)
+        return dataclasses.replace(self, host_tail_s=tail_s, makespan_s=self.replica_makespan_s + tail_s)
 
     @classmethod
     def from_times(cls, step: int, batch_sizes: Sequence[int], step_times_s: Sequence[float]) -> StepSample:
@@ -149,6 +164,7 @@ class StepTimeMonitor:
         self._reset_locked()
 
     def _reset_locked(self) -> None:
+        self._step_of_key: collections.OrderedDict = collections.OrderedDict()  # key -> step, while in the window
         self._pairing.reset()
         self._completed_steps = 0
         self._window: collections.deque[StepSample] = collections.deque(maxlen=self._window_steps)
@@ -230,6 +246,37 @@ class StepTimeMonitor:
                 self._completed_steps += 1
                 if done.valid:
                     self._window.append(StepSample.from_times(done.index, done.batch_sizes, done.step_times_s))
+                    if step_key is not None:
+                        self._step_of_key[step_key] = done.index
+                        while len(self._step_of_key) > self._window_steps:
+                            self._step_of_key.popitem(last=False)
+
+    def record_step_end(self, step_key: Hashable, step_time_s: float) -> None:
+        """Records when the host's work on a step ended: its gradient sum and optimizer update.
+
+        The step's sample (the one whose replicas reported with this ``step_key``) then carries ``host_tail_s``
+        and a ``makespan_s`` that includes it. A key of no step in the window (a step not timed, one that failed,
+        one already gone from the window) or an invalid time is ignored.
+
+        Args:
+            step_key: The step's key, as its replicas reported it (:meth:`record`).
+            step_time_s: Seconds from the step's start to the end of its update, on the replicas' clock.
+        """
+        try:
+            step_time_s = float(step_time_s)
+        except (TypeError, ValueError):
+            return
+        if not (math.isfinite(step_time_s) and step_time_s >= 0.0):
+            return
+        with self._lock:
+            try:
+                index = self._step_of_key.pop(step_key)
+            except (KeyError, TypeError):
+                return
+            for position in range(len(self._window) - 1, -1, -1):
+                if self._window[position].step == index:
+                    self._window[position] = self._window[position].with_step_end(step_time_s)
+                    return
 
     def last_step(self) -> StepSample | None:
         """The most recent complete step with valid times, or None before there is one."""

@@ -15,8 +15,18 @@ def _device_index(op):
     return spec.device_index if (spec.device_type or "").upper() == "CPU" else None
 
 
-def _traced_step(optimizer):
-    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[3, 2, 1], profile_cache=False)
+def _origin_device(tensor):
+    op = tensor.op
+    while op.type == "Identity" and op.inputs:  # through the copies and ties to where the value was computed
+        op = op.inputs[0].op
+    return _device_index(op)
+
+
+def _traced_step(optimizer, timed):
+    if timed:  # auto-balanced: every step is timed, and each replica's gradients are copied to the host first
+        strategy = HeteroCentralStorageStrategy(DEVICES, profile_cache=False, guard=False, rebalance=False)
+    else:
+        strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[3, 2, 1], profile_cache=False)
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
         opt = optimizer()
@@ -40,13 +50,14 @@ def _traced_step(optimizer):
     return step.get_concrete_function(element).graph
 
 
+@pytest.mark.parametrize("timed", [False, True], ids=["untimed", "timed"])
 @pytest.mark.parametrize("optimizer", [lambda: keras.optimizers.SGD(0.1),
                                        lambda: keras.optimizers.Adam(1e-3, global_clipnorm=1.0)],
                          ids=["sgd", "adam_clipnorm"])
-def test_no_summed_gradient_is_sent_back_to_a_replica(optimizer):
+def test_no_summed_gradient_is_sent_back_to_a_replica(optimizer, timed):
     """Regression: Keras' all_reduce broadcast every summed gradient from the host to each replica's device, and the
     update read replica 0's copy back (a parameter-sized round trip per step on GPUs)."""
-    graph = _traced_step(optimizer)
+    graph = _traced_step(optimizer, timed)
     ops = graph.get_operations()
     consumers = {}
     for op in ops:
@@ -54,7 +65,7 @@ def test_no_summed_gradient_is_sent_back_to_a_replica(optimizer):
             consumers.setdefault(tensor.op.name, []).append(op)
     # The sums: ops on the parameter device (CPU:0) adding tensors computed on several replica devices.
     sums = [op for op in ops if op.type in ("AddN", "AddV2") and _device_index(op) == 0
-            and len({_device_index(t.op) for t in op.inputs} - {0, None}) >= 2]
+            and len({_origin_device(t) for t in op.inputs} - {0, None}) >= 2]
     assert len(sums) == 4  # one per trainable variable
     seen, frontier, reached = set(), list(sums), []
     while frontier:
@@ -67,3 +78,20 @@ def test_no_summed_gradient_is_sent_back_to_a_replica(optimizer):
                 reached.append(f"{consumer.name} on {consumer.device}")
             frontier.append(consumer)
     assert not reached, reached
+
+
+def test_the_makespan_includes_the_host_tail(monkeypatch):
+    """A step's makespan runs from its start to the end of the host's update, not only to the last replica's end."""
+    monkeypatch.setenv("HETERO_CS_TIMING", "1")  # time every step of this fixed split
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[2, 1, 1], profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 8)).astype(np.float32), rng.integers(0, 2, size=96)
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    samples = strategy.monitor.window()
+    assert samples
+    for sample in samples:  # the update runs after every replica's gradients reached the host: a tail > 0
+        assert sample.host_tail_s > 0.0
+        assert sample.makespan_s == pytest.approx(sample.replica_makespan_s + sample.host_tail_s)

@@ -407,3 +407,19 @@ def test_keyed_steps_that_never_complete_are_dropped_to_bound_memory(caplog):
 def test_an_unhashable_step_key_is_rejected():
     with pytest.raises(ConfigError, match="step_key must be hashable"):
         StepTimeMonitor(2).record(0, 4, 0.1, step_key=[1.0])
+
+
+def test_a_steps_end_adds_the_host_tail_to_its_makespan():
+    monitor = StepTimeMonitor(2, window_steps=4)
+    monitor.record(0, 8, 0.10, step_key=1.5)
+    monitor.record(1, 8, 0.30, step_key=1.5)
+    assert monitor.last_step().makespan_s == pytest.approx(0.30) and monitor.last_step().host_tail_s == 0.0
+    monitor.record_step_end(1.5, 0.34)  # the update ended 40 ms after the slowest replica's gradients arrived
+    sample = monitor.last_step()
+    assert sample.host_tail_s == pytest.approx(0.04) and sample.makespan_s == pytest.approx(0.34)
+    assert sample.replica_makespan_s == pytest.approx(0.30)
+    assert sample.straggler_wait_s == pytest.approx(0.10)  # waits are the replicas': the tail is nobody's
+    monitor.record_step_end(1.5, 0.50)  # a second end of the same step, and ends of unknown steps, change nothing
+    monitor.record_step_end(9.9, 0.50)
+    monitor.record_step_end(None, float("nan"))
+    assert monitor.last_step().makespan_s == pytest.approx(0.34)

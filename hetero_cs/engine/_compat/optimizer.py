@@ -111,9 +111,9 @@ def _patch_optimizer() -> None:
         # Cross-replica (merge_call), in the thread that runs the merge: this call's handoff holds what its replicas
         # left for it (consumed here). The token is from this step's graph only.
         handoff = training.current_step_handoff()
-        token = decay = None
+        token = decay = start = None
         if handoff is not None:
-            token, decay = handoff.barrier_token, handoff.weight_decay
+            token, decay, start = handoff.barrier_token, handoff.weight_decay, handoff.start_stamp
             handoff.barrier_token = handoff.weight_decay = None
         if not is_hetero_strategy(distribution):
             return original_update_step(self, distribution, grads_and_vars, learning_rate)
@@ -138,10 +138,20 @@ def _patch_optimizer() -> None:
         with tf.control_dependencies(barrier):
             if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
                 hooks.fired(hooks.CLIP_SUMMED)
-                return loss_scale.apply_or_skip(
+                result = loss_scale.apply_or_skip(
                     scaler, self, distribution, grads_and_vars, clip=functools.partial(original_clip, self),
                     update=update)
-            return update(grads_and_vars)
+            else:
+                result = update(grads_and_vars)
+        if getattr(start, "graph", None) is current_graph and not tf.executing_eagerly():
+            # The host tail: the step ends when the update has written every variable (reads come after writes).
+            from hetero_cs.engine.step_timing import stamp_step_end
+
+            with tf.device(distribution.parameter_device):
+                reads = [tf.identity(v) for _, v in grads_and_vars]  # tf variables here: a read each
+                stamp_step_end(start, reads, record=distribution._record_step_end,  # noqa: SLF001
+                               sampled=handoff.sampled_start)
+        return result
 
     original_apply = TFOptimizer.apply  # BaseOptimizer.apply (public), where every gradient application goes
 
