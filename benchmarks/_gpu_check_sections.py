@@ -42,7 +42,7 @@ class Context:
 
     @property
     def kind(self) -> str:
-        return "GPU" if self.gpu else "CPU (emulated names, real CPU compute)"
+        return "GPU" if self.gpu else "logical CPU devices, real CPU compute; (d) adds emulated memory"
 
 
 def mlp_shape(params: int, *, gpu: bool) -> tuple[int, int, int]:
@@ -150,8 +150,8 @@ def model_bytes(ctx: Context) -> dict[str, int]:
 def section_a(ctx: Context) -> tuple[str, str, dict]:
     """Host-to-device and device-to-host bytes per step, and the host tail."""
     expected = model_bytes(ctx)
-    log(f"   from the model: {expected['parameters'] / 1e6:.1f} M parameters ({expected['parameter_bytes'] / 2**20:.0f} "
-        f"MiB); per step H2D = {expected['replicas']} x parameters + input slices = "
+    log(f"   from the model: {expected['parameters'] / 1e6:.1f} M parameters "
+        f"({expected['parameter_bytes'] / 2**20:.0f} MiB); per step H2D = {expected['replicas']} x parameters + input slices = "
         f"{expected['h2d_bytes'] / 2**20:.1f} MiB, D2H = {expected['replicas']} x gradients = "
         f"{expected['d2h_bytes'] / 2**20:.1f} MiB")
     config = main_config(ctx)
@@ -263,7 +263,6 @@ class _Records(logging.Handler):
 def section_d(ctx: Context) -> tuple[str, str, dict]:
     """A forced out-of-memory step in model.fit: the error class, the replica blamed, the retry, training goes on."""
     import keras
-    import numpy as np
 
     from hetero_cs import HeteroCentralStorageStrategy, MemoryRecoveryPolicy
     from hetero_cs.emulation import estimate_workload, max_examples_in_memory, slice_memory_bytes
@@ -286,7 +285,8 @@ def section_d(ctx: Context) -> tuple[str, str, dict]:
         size = slice_memory_bytes(workload, slice_size * 3 // 8)
         emulate = ["A10"] * len(ctx.devices)
         emulate[ctx.small_replica] = f"T4@{size}B"
-        memory = f"emulated {emulate[ctx.small_replica]}"
+        memory = (f"emulated {emulate[ctx.small_replica]}, {size / 2**20:.1f} MiB: {slice_size * 3 // 8} examples by "
+                  "estimate_workload")
         env = {"HETERO_CS_EMULATION_TARGET_MAKESPAN_MS": "10"}
     batch = slice_size * len(ctx.devices)
     steps = 3

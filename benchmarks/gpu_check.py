@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model parameters, about (default 40,000,000 on GPUs: 37.8 M, 1,000,000 CPU-only)")
     parser.add_argument("--global-batch-size", type=int, default=None, help="B (default 1024 on GPUs, 256 CPU-only)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 20)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds in (c) (default 8 on GPUs, 10 CPU-only)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds in (c) (default 8 on GPUs, 10 CPU-only)")
     parser.add_argument("--small-gpu-mb", type=int, default=1024,
                         help="memory_limit of the small (memory-limited) logical GPU, MB (default 1024)")
     parser.add_argument("--large-gpu-mb", type=int, default=None,
