@@ -150,9 +150,9 @@ def model_bytes(ctx: Context) -> dict[str, int]:
 def section_a(ctx: Context) -> tuple[str, str, dict]:
     """Host-to-device and device-to-host bytes per step, and the host tail."""
     expected = model_bytes(ctx)
-    log(f"   from the model: {expected['parameters'] / 1e6:.1f} M parameters "
-        f"({expected['parameter_bytes'] / 2**20:.0f} MiB); per step H2D = {expected['replicas']} x parameters + input slices = "
-        f"{expected['h2d_bytes'] / 2**20:.1f} MiB, D2H = {expected['replicas']} x gradients = "
+    log(f"   from the model: {expected['parameters'] / 1e6:.2f} M parameters "
+        f"({expected['parameter_bytes'] / 2**20:.1f} MiB); per step H2D = {expected['replicas']} x parameters + "
+        f"input slices = {expected['h2d_bytes'] / 2**20:.1f} MiB, D2H = {expected['replicas']} x gradients = "
         f"{expected['d2h_bytes'] / 2**20:.1f} MiB")
     config = main_config(ctx)
     start = len(config.step_times_s)
@@ -232,6 +232,10 @@ def section_b(ctx: Context) -> tuple[str, str, dict]:
                         "times needs a GPU"), figures
     if summary.kernel_events == 0:
         return "FAIL", "no GPU kernel events in the trace (is CUPTI loaded? see the TF log)", figures
+    missing = [r["replica"] for r in rows if r["trace_end_s"] is None]
+    if missing:
+        return "FAIL", (f"no kernels attributed to replica(s) {missing} in the profiled steps (kernel events without "
+                        "op names? see _gpu_check_trace.read_trace)"), figures
     return ("PASS" if agree else "FAIL"), f"monitor vs kernel end times: {verdict}", figures
 
 

@@ -145,14 +145,15 @@ def setup_devices(args: argparse.Namespace, gpus: list) -> dict[str, Any]:
         setup = (f"one GPU split into two logical GPUs: GPU:0 memory_limit {large} MB, GPU:1 memory_limit {small} MB"
                  + (" (--no-memory-limit cannot apply: the split needs limits)" if args.no_memory_limit else ""))
     else:
-        for gpu in gpus[:len(SPLIT) - 1]:
-            tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpus[:len(SPLIT)], "GPU")  # the others stay free (no memory taken there)
+        tf.config.experimental.set_memory_growth(gpus[0], True)
         if small is None:
             tf.config.experimental.set_memory_growth(gpus[1], True)
-            setup = f"{len(gpus)} GPUs, GPU:0 and GPU:1 used, memory growth on, no memory_limit"
+            setup = f"{len(gpus)} GPUs, GPU:0 and GPU:1 used (the others hidden), memory growth, no memory_limit"
         else:
             tf.config.set_logical_device_configuration(gpus[1], [config(memory_limit=small)])
-            setup = f"{len(gpus)} GPUs, GPU:0 and GPU:1 used; GPU:1 memory_limit {small} MB (the small replica)"
+            setup = (f"{len(gpus)} GPUs, GPU:0 and GPU:1 used (the others hidden); GPU:1 memory_limit {small} MB "
+                     "(the small replica)")
     devices = [d.name for d in tf.config.list_logical_devices("GPU")][:len(SPLIT)]
     return {"devices": devices, "small_memory_mb": small, "setup": setup}
 
