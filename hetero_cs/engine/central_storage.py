@@ -434,13 +434,24 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         error, self._input_error = self._input_error, None
         return error if error is not None and raised_by_input_pipeline(exc, error) else None
 
-    def _replica_step_error(self, exc: Exception):
+    def _replica_step_error(self, exc: Exception, replica_scopes=()):
         """The input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-        update, else a ReplicaStepError naming the replica, or None."""
+        update, a StepOOMError for an out-of-memory error that names no replica, else a ReplicaStepError naming the
+        replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`), or None. ``replica_scopes``:
+        name scopes only replicas' ops run under (``fit`` passes the model's name)."""
         from hetero_cs.engine.fused_update import compile_error
+        from hetero_cs.engine.oom_errors import classify
+        from hetero_cs.engine.oom_recovery import unblamed_oom_error
 
-        return self._input_error_raised(exc) or compile_error(exc) or replica_step_error(
-            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan
+        known = self._input_error_raised(exc) or compile_error(exc)
+        if known is not None:
+            return known
+        oom = classify(exc, self._compute_devices, replica_scopes)
+        if oom is not None and oom.replica_id is None:
+            return unblamed_oom_error(oom, exc, parameter_device=self._parameter_device)
+        return replica_step_error(
+            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan,
+            replica_id=oom.replica_id if oom is not None else None,
         )
 
     # ----------------------------------------------------------------------------------------------------------
