@@ -80,9 +80,10 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
-        oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``)
-            gets a lower cap and the same global batch is retried with a plan solved within the caps, a bounded
-            number of times (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
+        oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``, or
+            another form a GPU raises it in: :mod:`hetero_cs.engine.oom_errors`) gets a lower cap and the same
+            global batch is retried with a plan solved within the caps, a bounded number of times
+            (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
             ``fit`` as before. A :class:`hetero_cs.planning.memory_caps.MemoryRecoveryPolicy` turns it on with
             that policy (back-off, retries, growth). Needs ``steps_per_execution=1`` (the default) and R >= 2.
             None (the default): on where a step can run out of memory - GPUs, and emulated devices whose least

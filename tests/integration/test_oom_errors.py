@@ -17,8 +17,9 @@ from hetero_cs.engine.step_errors import tag_replica
 
 GPUS = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]
 JOB = "/job:localhost/replica:0/task:0"
-HINT = ("\nHint: If you want to see a list of allocated tensors when OOM happens, add report_tensor_allocations_upon_oom"
-        " to RunOptions for current allocation info. This isn't available when running in Eager mode.\n")
+HINT = ("\nHint: If you want to see a list of allocated tensors when OOM happens, add "
+        "report_tensor_allocations_upon_oom to RunOptions for current allocation info. This isn't available when "
+        "running in Eager mode.\n")
 
 
 def graph_error(cls, text, node, op="__inference_one_step_on_data_2210"):
@@ -184,7 +185,7 @@ def raising(error):
     return step
 
 
-def test_step_recovery_lets_other_errors_through_unchanged_and_names_unblamed_oom(tmp_path):
+def test_step_recovery_lets_other_errors_through_unchanged_and_names_unblamed_oom():
     strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[1, 2, 1], profile_cache=False, oom_recovery=True)
     recovery = strategy._step_recovery  # noqa: SLF001
     shape_error = graph_error(tf.errors.InvalidArgumentError, "Incompatible shapes: [48,1] vs. [24,1]",
@@ -211,7 +212,8 @@ def test_step_recovery_lets_other_errors_through_unchanged_and_names_unblamed_oo
 def test_fit_error_mapping_blames_the_device_and_names_an_unblamed_oom():
     strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[1, 2, 1], profile_cache=False)
     copy = tf.errors.InternalError(None, None, f"Failed copying input tensor from {CPU_JOB}/device:CPU:0 to "
-                                   f"{CPU_JOB}/device:CPU:3 in order to run _EagerConst: Dst tensor is not initialized.")
+                                   f"{CPU_JOB}/device:CPU:3 in order to run _EagerConst: Dst tensor is not "
+                                   "initialized.")
     error = strategy._replica_step_error(copy)  # noqa: SLF001
     assert isinstance(error, ReplicaStepError) and (error.replica_id, error.device) == (2, "/device:CPU:3")
     unnamed = graph_error(tf.errors.ResourceExhaustedError, "OOM when allocating tensor", "adam/Mul")
