@@ -80,9 +80,10 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
-        oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``)
-            gets a lower cap and the same global batch is retried with a plan solved within the caps, a bounded
-            number of times (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
+        oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``, or
+            another form a GPU raises it in: :mod:`hetero_cs.engine.oom_errors`) gets a lower cap and the same
+            global batch is retried with a plan solved within the caps, a bounded number of times
+            (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
             ``fit`` as before. A :class:`hetero_cs.planning.memory_caps.MemoryRecoveryPolicy` turns it on with
             that policy (back-off, retries, growth). Needs ``steps_per_execution=1`` (the default) and R >= 2.
             None (the default): on where a step can run out of memory - GPUs, and emulated devices whose least
@@ -441,13 +442,24 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
         error, self._input_error = self._input_error, None
         return error if error is not None and raised_by_input_pipeline(exc, error) else None
 
-    def _replica_step_error(self, exc: Exception):
+    def _replica_step_error(self, exc: Exception, replica_scopes=()):
         """The input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-        update, else a ReplicaStepError naming the replica, or None."""
+        update, a StepOOMError for an out-of-memory error that names no replica, else a ReplicaStepError naming the
+        replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`), or None. ``replica_scopes``:
+        name scopes only replicas' ops run under (``fit`` passes the model's name)."""
         from hetero_cs.engine.fused_update import compile_error
+        from hetero_cs.engine.oom_errors import classify
+        from hetero_cs.engine.oom_recovery import unblamed_oom_error
 
-        return self._input_error_raised(exc) or compile_error(exc) or replica_step_error(
-            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan
+        known = self._input_error_raised(exc) or compile_error(exc)
+        if known is not None:
+            return known
+        oom = classify(exc, self._compute_devices, replica_scopes)
+        if oom is not None and oom.replica_id is None:
+            return unblamed_oom_error(oom, exc, parameter_device=self._parameter_device)
+        return replica_step_error(
+            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan,
+            replica_id=oom.replica_id if oom is not None else None,
         )
 
     # ----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Out-of-memory recovery inside a training step: re-plan within lower caps and retry the same global batch.
 
-When one replica's step raises ``tf.errors.ResourceExhaustedError`` (a GPU out of memory, or an emulated device
-whose memory the slice exceeds), nothing of that step has been applied: the optimizer's update waits for every
+When one replica's step runs out of memory (a GPU's ``tf.errors.ResourceExhaustedError``, or any other form a GPU
+raises it in - a failed host-to-device copy, cuBLAS or cuDNN failing to allocate -, or an emulated device whose memory
+the slice exceeds; :mod:`hetero_cs.engine.oom_errors` reads which and on which replica), nothing of that step has been
+applied: the optimizer's update waits for every
 replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecovery` then
 
 1. asks the :class:`~hetero_cs.planning.balancer.Balancer` to lower that replica's cap and re-solve the plan
@@ -10,6 +12,10 @@ replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecov
    then (the element holds the whole batch on the host and keeps its type spec: the step's ``tf.function`` is not
    retraced), at most ``MemoryRecoveryPolicy.max_retries`` times, then raises
    :class:`hetero_cs.errors.StepOOMError` naming the device, the caps tried and what to do.
+
+An out-of-memory error that names no replica (its device runs no replica, e.g. the parameter device, or it names
+no device and no replica's op) raises :class:`hetero_cs.errors.StepOOMError` with ``replica_id=None`` at once: no
+replica is blamed by default. Any other error passes through unchanged.
 
 Every example of the batch is used exactly once: the batch that failed is the batch retried, and the data iterator
 is not advanced. Each cap change is logged (logger ``hetero_cs.engine.central_storage``, WARNING for a drop, INFO
@@ -20,7 +26,6 @@ the profile cache entry the calibration came from, so the next run starts from t
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,34 +33,45 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat
 from hetero_cs.engine.input_slicing import is_unbatched_marker
-from hetero_cs.engine.step_errors import REPLICA_ID_ATTRIBUTE
+from hetero_cs.engine.oom_errors import OutOfMemory, blamed_replica, classify
 from hetero_cs.errors import InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
 
-def failed_replica(exc: Exception, num_replicas: int) -> int | None:
-    """The replica an out-of-memory error came from, or None when the error names none.
+def failed_replica(exc: Exception, compute_devices: Sequence[str], replica_scopes: Sequence[str] = ()) -> int | None:
+    """The replica an out-of-memory error came from, or None when the error names none (never replica 0 by default).
 
-    An eager replica's error is tagged with its replica id (:func:`hetero_cs.engine.step_errors.tag_replica`); an
-    emulated device's error says ``replica=<i>``; a TensorFlow op of replica i >= 1 is named ``replica_<i>/...``
-    (replica 0's ops carry no prefix, so an op error without one is taken as replica 0's).
+    The device the message names, an emulated device's ``replica=<i>``, an eager replica's tag, then the failed
+    op's name: see :mod:`hetero_cs.engine.oom_errors` for the rules.
     """
-    message = str(exc)
-    tagged = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly (run_eagerly=True)
-    if tagged is not None:
-        return int(tagged) if 0 <= int(tagged) < num_replicas else None
-    match = re.search(r"Emulated out of memory: replica=(\d+)", message)
-    if match is None:
-        node = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
-        if node is None or "Iterator" in node.group(1):
-            return None
-        name = node.group(1)
-        match = re.search(r"(?:^|/)replica_(\d+)/", name) or re.search(r"end_replica_step_(\d+)", name)
-        replica_id = int(match.group(1)) if match else 0
+    return blamed_replica(exc, compute_devices, replica_scopes)[0]
+
+
+def unblamed_oom_error(oom: OutOfMemory, exc: Exception, *, parameter_device: str | None = None,
+                       global_batch_size: int | None = None) -> StepOOMError:
+    """The StepOOMError for an out-of-memory error that names no replica (``replica_id`` None): what it named, why no
+    replica was blamed and what to do."""
+    if oom.device is not None:
+        where = (f"on {oom.device}, the parameter device (it holds the variables and applies the update), "
+                 if oom.device == parameter_device else f"on {oom.device}, which runs no replica, ")
+        why = f"It ran out of memory {where}so no replica's slice is to blame and no cap was lowered."
+        fix = ("Free that device's memory (another process may hold it), or choose another parameter_device (the "
+               "default host memory, '/device:CPU:0', holds the most)." if oom.device == parameter_device else
+               "Free that device's memory (another process may hold it).")
     else:
-        replica_id = int(match.group(1))
-    return replica_id if 0 <= replica_id < num_replicas else None
+        why = ("The error names no device and no replica's op, so hetero_cs cannot tell which replica's slice to "
+               "shrink and blames none (it does not guess replica 0).")
+        fix = ("Run once with TF_CPP_MIN_LOG_LEVEL=0: TensorFlow's allocator logs the device it ran out on ('Allocator "
+               "(GPU_<n>_bfc) ran out of memory ...'). Then free that device's memory (another process may hold it), "
+               "set memory growth (tf.config.experimental.set_memory_growth) so processes sharing a GPU do not "
+               "take it all, use a smaller global batch size or model, or leave the device out of compute_devices.")
+    return StepOOMError(
+        f"The training step ran out of memory ({oom.form}: {type(exc).__name__}) and could not be recovered. {why} "
+        f"No update of this step was applied: variables and optimizer state are as they were before it. {fix} The "
+        f"original error is chained below.",
+        replica_id=None, device=oom.device, global_batch_size=global_batch_size, last_error=exc,
+    )
 
 
 def global_batch_size_of(data: Any) -> int | None:
@@ -102,12 +118,15 @@ class StepRecovery:
             self._possible_by_size[global_batch_size] = possible
         return possible
 
-    def run(self, step: Callable[[Any], Any], data: Any) -> Any:
+    def run(self, step: Callable[[Any], Any], data: Any, *, replica_scopes: Sequence[str] = ()) -> Any:
         """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step.
 
+        ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name), for blame
+        by op name (:mod:`hetero_cs.engine.oom_errors`). Errors that are not out of memory pass through unchanged.
+
         Raises:
-            StepOOMError: Still out of memory after ``max_retries`` retries, or the caps cannot hold the batch.
-            tf.errors.ResourceExhaustedError: The error names no replica (e.g. the host ran out of memory).
+            StepOOMError: Still out of memory after ``max_retries`` retries, the caps cannot hold the batch, the
+                replica blamed had no example, or the error names no replica (``replica_id`` None).
         """
         strategy = self._strategy
         balancer = strategy.balancer
@@ -119,12 +138,20 @@ class StepRecovery:
         for attempt in range(policy.max_retries + 1):
             try:
                 outputs = step(data)
-            except tf.errors.ResourceExhaustedError as exc:
+            except tf.errors.OpError as exc:
+                oom = classify(exc, strategy.compute_devices, replica_scopes)
+                if oom is None:
+                    raise  # not out of memory: a shape error, a failed input pipeline, ... as it is
+                if oom.replica_id is None:
+                    raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
+                                             global_batch_size=global_batch_size) from exc
                 sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001 - the cut this attempt started with
-                replica_id = failed_replica(exc, len(sizes))
-                if replica_id is None or sizes[replica_id] == 0:
-                    raise
+                replica_id = oom.replica_id
                 tried.setdefault(replica_id, []).append(sizes[replica_id])
+                if sizes[replica_id] == 0:
+                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                                      "that replica had no example in this step, so a lower cap cannot help "
+                                      "(something else holds its memory)") from exc
                 if attempt == policy.max_retries:
                     raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
                                       f"it still ran out of memory after {policy.max_retries} retries") from exc

@@ -55,14 +55,17 @@ def naming_the_replica(replica_id):
         raise
 
 
-def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan):
+def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan, replica_id=None):
     """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
 
-    In a graph, TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no prefix.
-    Eagerly there is no op name: the replica function tagged the error (:func:`tag_replica`).
+    ``replica_id``: the replica already blamed (an out-of-memory error, by :mod:`hetero_cs.engine.oom_errors`).
+    Otherwise: in a graph, TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no
+    prefix, and an op error without one is taken as replica 0's (errors other than out of memory only). Eagerly
+    there is no op name: the replica function tagged the error (:func:`tag_replica`).
     """
     message = str(exc)
-    replica_id = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly
+    if replica_id is None:
+        replica_id = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly
     if replica_id is None:
         # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
         match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)

@@ -48,7 +48,7 @@ def _patch_fit() -> None:
                 "drops everything, or fewer examples than one batch with drop_remainder=True)."
             ) from exc
         except tf.errors.OpError as exc:
-            replica_error = strategy._replica_step_error(exc)  # noqa: SLF001
+            replica_error = strategy._replica_step_error(exc, replica_scopes=(self.name,))  # noqa: SLF001
             if replica_error is None:
                 raise
             raise replica_error from exc
@@ -91,7 +91,8 @@ def _patch_make_train_function() -> None:
                 data = iterator.get_next()  # eager: the batch stays in hand for a retry
             except tf.errors.OutOfRangeError:
                 raise StopIteration from None
-            return recovery.run(lambda batch: function([batch]), data)
+            # The model's name scopes its forward ops, which run in the replicas only (blame by op name).
+            return recovery.run(lambda batch: function([batch]), data, replica_scopes=(self.name,))
 
         train_function._hetero_recovering = True
         self.train_function = train_function
