@@ -28,15 +28,16 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
-from hetero_cs.errors import BatchSplitError, ConfigError
+from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
 from hetero_cs.planning.balancer_inference import InferencePlans
+from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
-from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split, ordered_values, split_by_shares
+from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
 from hetero_cs.planning.sampling import interval_steps
@@ -44,7 +45,7 @@ from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery, InferencePlans):
+class Balancer(MemoryRecovery, InferencePlans, FixedShares):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -263,55 +264,6 @@ class Balancer(MemoryRecovery, InferencePlans):
                 return
             self._trial_on_first_batch = False
             self._adopt(plan, trial=trial)
-
-    def set_batch_split(self, shares: Sequence[float] | None) -> None:
-        """Fixes the relative shares (one per replica) from now on; None returns to auto-balance / even.
-
-        Returning to auto-balance restores the plan that was in force before the shares were set (a plan the guard
-        kept or reverted to stays as it was) when the global batch is the same; otherwise the split is solved anew.
-        A failure (e.g. shares the split cannot use) leaves everything as it was.
-        """
-        if shares is not None:
-            split_by_shares(0, shares)  # BatchSplitError for values that are not shares
-            shares = list(ordered_values(shares))
-            if len(shares) != self._num_replicas:
-                raise BatchSplitError(f"shares must hold one share per replica ({self._num_replicas}). Received: "
-                                      f"{len(shares)} shares {shares!r}.")
-        with self._lock:
-            if shares is None and self._shares is None:
-                return  # already auto-balanced (or even): nothing changes, a running trial goes on
-            previous = (self._shares, self._auto_plan, dict(self._plans_by_batch), dict(self._in_force_by_size))
-            try:
-                self._set_batch_split(shares)
-            except Exception:
-                self._shares, self._auto_plan = previous[0], previous[1]
-                self._plans_by_batch, self._in_force_by_size = previous[2], previous[3]
-                raise
-
-    def _set_batch_split(self, shares: Sequence[float] | None) -> None:
-        if shares is not None and self._shares is None:
-            self._auto_plan = self._plan  # the plan to come back to
-        new_shares = None if shares is None else tuple(float(s) for s in shares)
-        B = self._reference_batch_size
-        restored = self._auto_plan if shares is None else None
-        if B is not None and not (restored is not None and restored.global_batch_size == B):
-            old, self._shares = self._shares, new_shares
-            try:
-                plan = self._solve(B)
-            finally:
-                self._shares = old
-        self._shares = new_shares
-        self._guard.abandon()
-        self._models_before_replan = None
-        self._plans_by_batch.clear()
-        self._in_force_by_size.clear()
-        if B is None:
-            return
-        if restored is not None and restored.global_batch_size == B:
-            self._auto_plan = None
-            self._commit(restored)
-            return
-        self._commit(plan)
 
     def start_new_input(self) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` again."""

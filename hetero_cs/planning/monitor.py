@@ -20,7 +20,6 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 import threading
@@ -29,7 +28,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
-from hetero_cs.planning.step_pairing import StepPairing
+from hetero_cs.planning.step_pairing import StepPairing, StepSample  # noqa: F401 - StepSample re-exported
 from hetero_cs.errors import CalibrationError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -50,69 +49,6 @@ _EXTRA_PENDING_STEPS = 64
 # its odds are about 4e-5 per replica per step - and the guard measures any re-plan it causes.
 SHIFT_STEPS = 4
 SHIFT_THRESHOLD = 0.15
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSample:
-    """One complete training step as the replicas reported it.
-
-    Attributes:
-        step: 0-based index of the step, increasing in the order steps began (the k-th report of every replica
-            belongs to step k when reports carry no step key; see :mod:`hetero_cs.planning.step_pairing`).
-        per_replica_batch_sizes: b_i, examples in each replica's slice, shape [R].
-        per_replica_step_times_s: t_i, each replica's step time in seconds, shape [R], finite and >= 0.
-        makespan_s: The step's time: ``replica_makespan_s`` (max_i t_i, set by the slowest replica) plus
-            ``host_tail_s``, what the guard judges and the fit logs show (``makespan_ms``).
-        straggler_replica: argmax_i t_i (the lowest replica id on ties).
-        straggler_wait_s: mean over all R replicas of (makespan_s - t_i): how long the average replica sat idle
-            waiting for the straggler (the straggler itself counts with 0). 0 for a perfectly balanced step.
-        total_idle_s: sum over replicas of (makespan_s - t_i) = R * straggler_wait_s, device-seconds wasted.
-        balance_efficiency: mean_i t_i / max_i t_i in (0, 1]; 1 means every replica finished together.
-            1.0 when every time is 0.
-        host_tail_s: Seconds from the last replica's gradients reaching the parameter device to the end of the
-            host's work on the step (the gradient sum and the optimizer update), >= 0; 0.0 until the engine
-            reports the step's end (:meth:`StepTimeMonitor.record_step_end`), and for steps it cannot pair.
-
-    Example: times [0.10, 0.20, 0.30] s give makespan 0.30 s, straggler 2, waits [0.20, 0.10, 0] s,
-    straggler_wait_s 0.10 s, total_idle_s 0.30 s, balance_efficiency 0.2 / 0.3 = 0.667.
-    """
-
-    step: int
-    per_replica_batch_sizes: tuple[int, ...]
-    per_replica_step_times_s: tuple[float, ...]
-    makespan_s: float
-    straggler_replica: int
-    straggler_wait_s: float
-    total_idle_s: float
-    balance_efficiency: float
-    host_tail_s: float = 0.0
-
-    @property
-    def replica_makespan_s(self) -> float:
-        """max_i t_i: when the slowest replica's gradients reached the parameter device, from the step's start."""
-        return max(self.per_replica_step_times_s)
-
-    def with_step_end(self, step_time_s: float) -> StepSample:
-        """This sample with the host tail of a whole step of ``step_time_s`` seconds (start to the update's end)."""
-        tail_s = max(0.0, float(step_time_s) - self.replica_makespan_s)
-        return dataclasses.replace(self, host_tail_s=tail_s, makespan_s=self.replica_makespan_s + tail_s)
-
-    @classmethod
-    def from_times(cls, step: int, batch_sizes: Sequence[int], step_times_s: Sequence[float]) -> StepSample:
-        """Builds a sample, computing the straggler statistics from the per-replica times (shape [R])."""
-        times = np.asarray(step_times_s, dtype=np.float64)
-        makespan_s = float(times.max())
-        waits_s = makespan_s - times
-        return cls(
-            step=int(step),
-            per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
-            per_replica_step_times_s=tuple(float(t) for t in times),
-            makespan_s=makespan_s,
-            straggler_replica=int(np.argmax(times)),
-            straggler_wait_s=float(waits_s.mean()),
-            total_idle_s=float(waits_s.sum()),
-            balance_efficiency=float(times.mean() / makespan_s) if makespan_s > 0 else 1.0,
-        )
 
 
 class StepTimeMonitor:
