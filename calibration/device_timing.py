@@ -59,18 +59,21 @@ class _DeviceCalibration:
     def prepare(self, sizes: Sequence[int], on_warm: Callable[[int], None] | None = None) -> None:
         """Warms every size up in increasing order, stopping at the first out-of-memory, then finds the cap."""
         import tensorflow as tf
+        from hetero_cs.engine.oom_errors import is_out_of_memory
 
         failed_size: int | None = None
         for batch_size in sizes:
             try:
                 self._warm(batch_size)
-            except tf.errors.ResourceExhaustedError:
+            except HeteroCSError:
+                raise
+            except tf.errors.OpError as exc:
+                if not is_out_of_memory(exc):  # every form a GPU raises it in (hetero_cs.engine.oom_errors)
+                    raise self._step_error(batch_size, exc) from exc
                 failed_size = batch_size
                 logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
                 break
-            except HeteroCSError:
-                raise
-            except (tf.errors.OpError, ValueError, TypeError) as exc:
+            except (ValueError, TypeError) as exc:
                 raise self._step_error(batch_size, exc) from exc
             self.sizes.append(batch_size)
             if on_warm is not None:
@@ -82,17 +85,18 @@ class _DeviceCalibration:
     def time_once(self, batch_size: int) -> None:
         """One timed step at batch_size (a size that fits), appended to its samples."""
         import tensorflow as tf
+        from hetero_cs.engine.oom_errors import is_out_of_memory
 
         try:  # the caller holds preserved_model_state around the whole calibration
             self.samples_s[batch_size].append(self.probe.run_step(batch_size))
-        except tf.errors.ResourceExhaustedError as exc:
+        except tf.errors.OpError as exc:
+            if not is_out_of_memory(exc):
+                raise self._step_error(batch_size, exc) from exc
             raise CalibrationError(
                 f"device={self.probe.device!r} ran batch_size={batch_size} during warm-up but ran out of memory "
                 "when timing it. Another process may be using the device's memory; pass max_batch_sizes=[...] to "
                 "cap it explicitly."
             ) from exc
-        except tf.errors.OpError as exc:
-            raise self._step_error(batch_size, exc) from exc
 
     def relative_noise(self) -> float:
         """Median over sizes of MAD / median of the timed samples (0.02 = 2 %); 0 before any sample."""
@@ -123,6 +127,7 @@ class _DeviceCalibration:
     def _find_cap(self, sizes: list[int], failed_size: int) -> None:
         """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
         import tensorflow as tf
+        from hetero_cs.engine.oom_errors import is_out_of_memory
 
         device = self.probe.device
         largest_fitting = self.sizes[-1] if self.sizes else None
@@ -145,7 +150,9 @@ class _DeviceCalibration:
         if not self.sizes or cap > self.sizes[-1]:
             try:
                 self._warm(cap)
-            except tf.errors.ResourceExhaustedError as exc:
+            except tf.errors.OpError as exc:
+                if not is_out_of_memory(exc):
+                    raise
                 raise CalibrationError(
                     f"device={device!r} fitted batch_size={cap} once but ran out of memory when timing it. Another "
                     "process may be using the device's memory; pass max_batch_sizes=[...] to cap it explicitly."

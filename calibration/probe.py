@@ -355,8 +355,6 @@ class DeviceProbe:
                                    emulator=self.emulator, advance=False)
             # A data dependency keeps the stateless end stamp (and its emulated wait) from being pruned; a control
             # dependency alone is not enough under Grappler (see hetero_cs.engine.step_timing.end_replica_step).
-            # The step's time is end - start: the span the training monitor times too (from the input's arrival to
-            # the gradients' arrival on the parameter device), on the same clock.
             return tie_to_stamp(checksum, end), end - start
 
     def batch(self, batch_size: int) -> Any:
@@ -375,26 +373,22 @@ class DeviceProbe:
         return self._batches[batch_size]
 
     def run_step(self, batch_size: int) -> float:
-        """Runs one step and returns its time in seconds: from the input's arrival to the gradients' arrival on the
-        parameter device, stamped inside the step on ``time.perf_counter``'s clock - the span and clock of the
-        training monitor's per-replica times (:func:`hetero_cs.engine.step_timing.finish_replica_step`), so that
-        calibrated and measured times compare. The result is fetched to the host (device sync).
+        """Runs one step; returns its seconds from the input's arrival to the gradients' arrival on the parameter
+        device, stamped in the step: the training monitor's span and clock (so calibrated and measured times compare).
 
         This moves BatchNormalization statistics and seed state like any training-mode call; time_step and fits
         restore them, or wrap calls in preserved_model_state.
 
         Raises:
-            tf.errors.ResourceExhaustedError: If the device ran out of memory (the caller decides what to do).
+            tf.errors.OpError: e.g. out of memory, in any form (the caller decides what to do).
         """
-        inputs = self.batch(batch_size)
-        _, elapsed = self._step(inputs)
-        elapsed_s = float(elapsed.numpy())
+        elapsed_s = float(self._step(self.batch(batch_size))[1].numpy())
         self._emulated_peak_size = max(getattr(self, "_emulated_peak_size", 0), int(batch_size))
         self._has_run = True
         return elapsed_s
 
     def time_step(self, batch_size: int, *, warmup_steps: int = 2, trials: int = 5) -> list[float]:
-        """Runs warmup_steps untimed steps, then returns the wall times of `trials` steps, seconds.
+        """Runs warmup_steps untimed steps, then returns the times of `trials` steps (``run_step``), seconds.
 
         The probe's very first step (which traces the tf.function) is always untimed, even with warmup_steps=0.
         """
@@ -413,10 +407,13 @@ class DeviceProbe:
         """Runs one step; False if the device ran out of memory, True otherwise."""
         import tensorflow as tf
 
+        from hetero_cs.engine.oom_errors import is_out_of_memory
         try:
             with preserved_model_state(self._model):
                 self.run_step(batch_size)
-        except tf.errors.ResourceExhaustedError:
+        except tf.errors.OpError as exc:
+            if not is_out_of_memory(exc):  # every form a GPU raises it in, not only ResourceExhaustedError
+                raise
             logger.info("%s: batch_size=%d does not fit in memory", self.device, batch_size)
             return False
         return True

@@ -19,10 +19,10 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, training
 from hetero_cs.engine.input_roles import InputRoles
-from hetero_cs.engine.input_slicing import PlanSlicer
+from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error
-from hetero_cs.errors import ConfigError, InputError
+from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -305,24 +305,10 @@ class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental
 
     def _check_batch(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
-        # hold 0 examples (hetero_cs.engine.input_slicing); raises the library's error for it. An error here would
-        # reach the user wrapped in TensorFlow's; it is kept on the strategy so that model.fit re-raises it as is.
-        try:
-            sizes = [int(d) for d in leading_dims]
-            if len(set(sizes)) > 1:
-                raise InputError(
-                    f"The components of one dataset element have different leading (batch) dimensions {sizes}, so "
-                    f"they cannot be cut into the same slices. Every component of a global batch needs the same "
-                    f"number of examples; if the dataset is not batched yet, batch it: "
-                    f"dataset.batch(global_batch_size)."
-                )
-            raise InputError(
-                "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
-                "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
-            )
-        except Exception as exc:
-            self._input_error = exc
-            raise
+        # hold 0 examples (hetero_cs.engine.input_slicing). The error would reach the user wrapped in TensorFlow's;
+        # it is kept on the strategy so that model.fit re-raises it as is.
+        self._input_error = bad_batch_error(leading_dims)
+        raise self._input_error
 
     def _slice_sizes(self, global_batch_size, *, training: bool = True) -> np.ndarray:
         # Called when a step starts (numpy_function in cross-replica context, before any replica runs) with the

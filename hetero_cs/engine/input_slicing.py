@@ -53,6 +53,21 @@ def cut(component, sizes, num_replicas: int) -> list:
     return tf.split(component, sizes, num=num_replicas)
 
 
+def bad_batch_error(leading_dims) -> InputError:
+    """The error for a global batch whose components hold different numbers of examples, or 0 examples."""
+    sizes = [int(d) for d in leading_dims]
+    if len(set(sizes)) > 1:
+        return InputError(
+            f"The components of one dataset element have different leading (batch) dimensions {sizes}, so they "
+            f"cannot be cut into the same slices. Every component of a global batch needs the same number of "
+            f"examples; if the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
+        )
+    return InputError(
+        "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
+        "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
+    )
+
+
 def is_unbatched_marker(spec_or_value) -> bool:
     """True for a component that stands for "no data" and is handed to every replica as it is.
 

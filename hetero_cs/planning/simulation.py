@@ -80,7 +80,8 @@ def simulate_training(
         ConfigError: If steps, relative_noise or lognormal_sigma is out of range.
 
     Example:
-        Replica 1 runs 2x slower from step 100; the switch comes once 9 of the 16 window steps are slow:
+        Replica 1 runs 2x slower from step 100; the switch comes once the shift is clear (SHIFT_STEPS, 4 slow
+        steps), not after the 9 slow steps a median over the 16-step window would need:
 
         >>> from hetero_cs.planning.cost_model import LinearCostModel, ScaledCostModel
         >>> from hetero_cs.planning.solver import plan_from_split
@@ -88,7 +89,7 @@ def simulate_training(
         >>> slow_from_100 = lambda step: [fast, ScaledCostModel(fast, 2.0) if step >= 100 else fast]
         >>> trace = simulate_training(slow_from_100, plan_from_split([32, 32]), steps=200, base_models=[fast, fast])
         >>> [(s.step, trace[s.step + 1].per_replica_batch_sizes) for s in trace if s.replanned]
-        [(108, (43, 21))]
+        [(103, (43, 21))]
     """
     if not _is_int(steps) or steps < 0:
         raise ConfigError(f"steps must be a non-negative integer. Received: steps={steps!r}.")
