@@ -33,7 +33,10 @@ def data(n=47, seed=0):
     return x, y
 
 
-def test_custom_loop_with_compute_average_loss_is_exact(strategy3):
+@pytest.mark.parametrize("global_batch_size", ["given", "left_out"])
+def test_custom_loop_with_compute_average_loss_is_exact(strategy3, global_batch_size):
+    """Also without global_batch_size: TensorFlow would take the slice size times R (each replica weighing 1/R
+    instead of b_i/B: regression); under the strategy it is the step's global batch, as on one device."""
     x, y = data()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)  # 4 full batches and a last batch of 7
@@ -55,9 +58,12 @@ def test_custom_loop_with_compute_average_loss_is_exact(strategy3):
         def step_fn(xb, yb):
             with tf.GradientTape() as tape:
                 per_example = loss_fn(yb, model(xb, training=True))
-                loss = tf.nn.compute_average_loss(
-                    per_example, global_batch_size=hetero_cs.current_global_batch_size()
-                )
+                if global_batch_size == "given":
+                    loss = tf.nn.compute_average_loss(
+                        per_example, global_batch_size=hetero_cs.current_global_batch_size()
+                    )
+                else:
+                    loss = tf.nn.compute_average_loss(per_example)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss

@@ -53,6 +53,7 @@ from hetero_cs.engine._compat.input_state import FirstBatchReader
 from hetero_cs.engine._compat.losses import (
     _patch_compute_loss,
     _patch_loss_reduction,
+    _patch_compute_average_loss,
     _patch_loss_scaling,
     _patch_mean_metric,
 )
@@ -118,6 +119,7 @@ def install() -> None:
                 "still runs (UnsupportedVersionError if not), but results were not tested on this pair.",
                 " and ".join(outside), supported_range())
         _patch_loss_scaling()
+        _patch_compute_average_loss()
         _patch_loss_reduction()
         _patch_compute_loss()
         _patch_mean_metric()

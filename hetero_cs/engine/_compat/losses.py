@@ -76,6 +76,30 @@ def _is_share(step, value) -> bool:
     return divided_by(value, step.global_batch_size)
 
 
+def _patch_compute_average_loss() -> None:
+    # tf.nn.compute_average_loss(per_example_loss) without global_batch_size takes the global batch to be the
+    # replica's slice size times the replica count, so every replica's mean weighs 1/R instead of b_i/B: wrong on
+    # any uneven split (and under stock strategies on a last batch that does not divide by R). Inside a replica step
+    # of our strategies, which knows the step's B, the step's B is passed: the single-device mean over the global
+    # batch, and a value divided by B, which the loss patches take as a share. Elsewhere TensorFlow's own runs.
+    # Public TensorFlow API, patched where tf.nn exports it and in its private home module (nn_impl_distribute;
+    # nn_impl in TensorFlow before 2.13 is not supported anyway), which other TensorFlow code calls.
+    from tensorflow.python.ops import nn_impl_distribute
+
+    original = nn_impl_distribute.compute_average_loss
+
+    @functools.wraps(original)
+    def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+        if global_batch_size is None:
+            step = weighted_step()
+            if step is not None:
+                global_batch_size = step.global_batch_size
+        return original(per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size)
+
+    nn_impl_distribute.compute_average_loss = compute_average_loss
+    tf.nn.compute_average_loss = compute_average_loss
+
+
 def _patch_loss_scaling() -> None:
     # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
     # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
