@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.errors import InputError
 from hetero_cs.planning.plan import BatchPlan
 
@@ -64,7 +65,7 @@ def is_unbatched_marker(spec_or_value) -> bool:
     )
 
 
-class PlanSlicer:
+class PlanSlicer(DeepcopiedWithNewLocks):
     """Cuts global batches into plan-sized slices for ``R`` replicas.
 
     Args:

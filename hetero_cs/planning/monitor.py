@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
 from hetero_cs.errors import CalibrationError, ConfigError
 
@@ -97,7 +98,7 @@ class StepSample:
         )
 
 
-class StepTimeMonitor:
+class StepTimeMonitor(DeepcopiedWithNewLocks):
     """Collects per-replica step times and turns them into robust per-replica estimates.
 
     Thread-safe: ``record`` may be called concurrently from TF executor threads, one call per replica per training

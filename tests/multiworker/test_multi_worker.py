@@ -380,3 +380,32 @@ def test_a_bad_emulate_list_from_the_launcher_names_its_variable():
     env.pop("HETERO_CS_EMULATE", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode != 0 and "emulate= is a flat list" in done.stderr, done.stderr[-3000:]
+
+
+def test_deepcopy_gives_an_independent_strategy_as_stock_strategies_do():
+    # Regression (issue 29): copy.deepcopy raised "TypeError: cannot pickle '_thread.lock' object" where stock
+    # MultiWorkerMirroredStrategy copies. A cluster of one worker (no TF_CONFIG), in its own process: it sets up
+    # collective ops for the whole process.
+    code = (
+        "import copy, keras, numpy as np, hetero_cs\n"
+        "strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(emulate=['A10'])\n"
+        "x, y = np.ones((20, 4), np.float32), np.ones((20, 1), np.float32)\n"
+        "def fit(s):\n"
+        "    with s.scope():\n"
+        "        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
+        "        model.compile('sgd', 'mse')\n"
+        "    model.fit(x, y, batch_size=10, epochs=1, verbose=0)\n"
+        "fit(strategy)\n"
+        "copied = copy.deepcopy(strategy)\n"
+        "assert type(copied) is type(strategy) and copied.extended is not strategy.extended\n"
+        "assert copied.extended._container_strategy() is copied\n"
+        "assert copied.balancer is not strategy.balancer and copied.emulator is not strategy.emulator\n"
+        "fit(copied)\n"
+        "fit(strategy)\n"
+        "print('copied and trained')\n"
+    )
+    env = _env()
+    env.pop("TF_CONFIG", None)
+    env.pop("HETERO_CS_EMULATE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "copied and trained" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]

@@ -24,6 +24,7 @@ import threading
 
 from hetero_cs.engine._compat.distribute import (
     STRATEGY_MARKER,
+    DeepcopiedStrategy,
     HeteroExtended,
     components,
     current_hetero_strategy,
@@ -75,6 +76,7 @@ __all__ = [
     "local_cpu_replicas",
     "mark_distributed_dataset",
     "skip_partial_batch_agreement",
+    "DeepcopiedStrategy",
     "FirstBatchReader",
     "HeteroExtended",
     "all_sublayers",
