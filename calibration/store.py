@@ -433,7 +433,7 @@ class ProfileStore:
         except OSError as exc:
             raise ProfileCacheError(
                 f"Cannot write the profile cache file path={str(path)!r}: {exc}. Set HETERO_CS_CACHE_DIR to a "
-                "writable directory or pass store=False."
+                "writable directory, or disable the cache (profile_cache=False, --no-cache)."
             ) from exc
         logger.debug("Profile cache saved: %s", path)
         return path

@@ -29,6 +29,7 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.devices.catalog import (
     DEFAULT_COMPUTE_EFFICIENCY,
     DEFAULT_LAUNCH_OVERHEAD_S,
@@ -106,7 +107,7 @@ def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(num_replicas)]
 
 
-class Emulator:
+class Emulator(DeepcopiedWithNewLocks):
     """Emulated step times for a set of replicas, one catalog device each; safe to call from several threads.
 
     The emulated step time of replica i on b examples at its step s is

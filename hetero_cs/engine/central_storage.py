@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 
 
-class HeteroCentralStorageStrategy(PackedBatchValues, tf.distribute.experimental.CentralStorageStrategy):
+class HeteroCentralStorageStrategy(
+    _compat.DeepcopiedStrategy, PackedBatchValues, tf.distribute.experimental.CentralStorageStrategy
+):
     """Central-storage data parallelism whose per-replica slices are sized by a plan, with exact weighting.
 
     Variables live once on the parameter device (host memory). Each step, every global batch of ``B`` examples is

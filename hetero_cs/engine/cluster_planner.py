@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.plan import split_by_shares
 from hetero_cs.planning.sampling import AGREEMENT_COST_S, MAX_AGREEMENT_INTERVAL_STEPS, interval_steps
@@ -31,7 +32,7 @@ DEFAULT_PROBE_STEPS = 6  # timed probes: each replica sees each factor twice
 WARMUP_STEPS = 1  # the first step traces and builds: served even, its times dropped
 
 
-class ClusterPlanner:
+class ClusterPlanner(DeepcopiedWithNewLocks):
     """Sizes for every global batch, as decided by the chief (thread-safe).
 
     Args:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.errors import InputError
 from hetero_cs.planning.plan import BatchPlan
 
@@ -80,7 +81,7 @@ def is_unbatched_marker(spec_or_value) -> bool:
     )
 
 
-class PlanSlicer:
+class PlanSlicer(DeepcopiedWithNewLocks):
     """Checks global batches in the pipeline, and decides each step's slice sizes when the step starts.
 
     Args:

@@ -49,7 +49,7 @@ _AGREEMENT_FIELDS = 3  # per replica in the agreement vector: the chief's split,
 _MAX_REPORTED_STEPS = 100_000
 
 
-class HeteroMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
 
     Variables are mirrored on every replica, as under MultiWorkerMirroredStrategy; the cluster comes from

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.memory_caps import CapChange, MemoryCaps
 from hetero_cs.planning.plan import BatchPlan, _is_int
 from hetero_cs.planning.rebalance import Rebalancer
 
 
-class MemoryRecovery:
+class MemoryRecovery(DeepcopiedWithNewLocks):
     """Methods of :class:`~hetero_cs.planning.balancer.Balancer` (which holds the state they use, under its lock).
 
     Example:

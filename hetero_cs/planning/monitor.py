@@ -27,6 +27,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
 from hetero_cs.planning.step_pairing import StepPairing, StepSample  # noqa: F401 - StepSample re-exported
 from hetero_cs.errors import CalibrationError, ConfigError
@@ -51,7 +52,7 @@ SHIFT_STEPS = 4
 SHIFT_THRESHOLD = 0.15
 
 
-class StepTimeMonitor:
+class StepTimeMonitor(DeepcopiedWithNewLocks):
     """Collects per-replica step times and turns them into robust per-replica estimates.
 
     Thread-safe: ``record`` may be called concurrently from TF executor threads, one call per replica per training

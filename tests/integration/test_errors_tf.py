@@ -535,3 +535,39 @@ def test_the_multi_worker_strategy_refuses_emulate_as_one_string():
     # launcher's --emulate form, not the argument's.
     with pytest.raises(ConfigError, match="takes catalog device names .* or a hetero_cs.emulation.Emulator, not str"):
         HeteroMultiWorkerMirroredStrategy(emulate="A10,T4")
+
+
+@pytest.mark.parametrize("emulate", [None, ["A10", "T4", "P100"]])
+def test_regression_a_model_created_outside_the_scope_and_fit_inside_it(emulate):
+    # Built and compiled outside strategy.scope(), fit inside it: with emulated devices the step said "call
+    # strategy.calibrate(model, dataset)", and after that TensorFlow failed with "Mixing different
+    # tf.distribute.Strategy objects" (without emulation too, once the optimizer made a slot variable).
+    under = strategy(DEVICES, emulate=emulate)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    for calibrated_first in (False, True):
+        if calibrated_first:
+            under.calibrate(model, (X, Y), progress=False)  # what the old advice led to
+
+        def fit():
+            with under.scope():
+                model.fit(X, Y, batch_size=6, epochs=1, verbose=0)
+
+        error = expect(fit, ConfigError, ValueError,
+                       r"This model \(Sequential\) was created outside `with strategy.scope\(\):`.*"
+                       r"inside the scope of a HeteroCentralStorageStrategy")
+        message = str(error)
+        assert "Create and compile the model inside the strategy's scope" in message, message
+        assert "with strategy.scope():\n        model = build_model()\n        model.compile(" in message, message
+        assert "strategy.calibrate" not in message, message
+    assert int(model.optimizer.iterations) == 0  # refused before any step
+
+
+def test_a_model_compiled_outside_the_scope_says_to_compile_inside_it():
+    under = strategy(DEVICES, auto_balance=False)
+    with under.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")  # Adam's slot variables would be made under the strategy
+    error = expect(lambda: model.fit(X, Y, batch_size=6, epochs=1, verbose=0), ConfigError, ValueError,
+                   r"optimizer was created outside `with strategy.scope\(\):`.*Create and compile the model inside")
+    assert isinstance(error.__cause__, RuntimeError) and "Mixing different" in str(error.__cause__)

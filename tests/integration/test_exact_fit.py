@@ -1,5 +1,7 @@
 """The oracle: one step on any split equals one single-device step on the whole batch (model.fit path)."""
 
+import copy
+
 import keras
 import numpy as np
 import pytest
@@ -46,6 +48,34 @@ def test_one_fit_step_on_uneven_split_equals_full_batch(shares):
     assert strategy.plan.per_replica_batch_sizes == tuple(shares)
     np.testing.assert_allclose(model.get_weights()[0], [[0.14]], atol=1e-6)
     np.testing.assert_allclose(history.history["loss"][0], 0.7, atol=1e-6)
+
+
+def test_deepcopy_gives_an_independent_strategy_as_stock_strategies_do():
+    # Regression (issue 29): copy.deepcopy(strategy) raised "TypeError: cannot pickle '_thread.lock' object" (the
+    # strategy, its Balancer, monitor and emulator hold locks) where stock strategies copy: Strategy.__deepcopy__
+    # deep-copies every attribute, the extended object included, and points the copy's extended at the copy.
+    stock = tf.distribute.experimental.CentralStorageStrategy(["/cpu:1", "/cpu:2"])
+    stock_copy = copy.deepcopy(stock)
+    assert stock_copy.extended is not stock.extended and stock_copy.extended._container_strategy() is stock_copy
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], emulate=["A10", "T4"], batch_split=[7, 3],
+                                            profile_cache=False)
+    with strategy.scope():
+        model = linear_model()
+    x, y = SEVEN_ONES_THREE_ZEROS
+    model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)  # after fit: plan, dataset, timing state
+    copied = copy.deepcopy(strategy)
+    assert type(copied) is HeteroCentralStorageStrategy and copied.extended is not strategy.extended
+    assert copied.extended._container_strategy() is copied  # noqa: SLF001 - as stock's copy
+    assert copied.balancer is not strategy.balancer and copied.emulator is not strategy.emulator
+    assert copied.plan == strategy.plan and copied.compute_devices == strategy.compute_devices
+    with copied.scope():  # the copy trains, exactly
+        other = linear_model()
+    other.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(other.get_weights()[0], [[0.14]], atol=1e-6)
+    copied.set_batch_split([1, 9])  # independent: the original keeps its split and trains on
+    assert copied.plan_for(10).per_replica_batch_sizes == (1, 9)
+    model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    assert strategy.plan.per_replica_batch_sizes == (7, 3)
 
 
 def dense_model(seed: int, *, optimizer: str, clip: dict | None = None, batchnorm: bool = False):

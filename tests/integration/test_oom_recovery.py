@@ -68,9 +68,10 @@ def fast_emulation(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_emulation):
+def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_emulation, modelled_step_times):
     # Replica 1 fits 40 examples; from its step 6 until its step 14 another process leaves it room for 9. The three
-    # devices are alike, so the plan gives replica 1 about a third of the batch (~32) whatever the timing noise.
+    # devices are alike and report their modelled times (a busy host's noise could skew the calibrated split), so
+    # the plan gives replica 1 a third of the batch (~32).
     emulator = Emulator(
         ["T4", f"T4@{memory_for(40)}B", "T4"], workload=WORKLOAD, time_scale=20.0,
         drift=[Drift(replica_id=1, from_step=6, until_step=14, memory_bytes=memory_for(9))],
@@ -105,9 +106,9 @@ def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_
     assert counter.calls == len(DEVICES)  # traced once (one call per replica): no retrace per recovery
 
 
-def test_calibration_finds_the_emulated_cap_and_a_lowered_cap_is_written_back(fast_emulation):
-    # Three alike devices, so the plan gives replica 1 about a third of the batch (its cap of 30 binds) whatever
-    # the timing noise: the drop to 12 examples certainly makes it run out of memory.
+def test_calibration_finds_the_emulated_cap_and_a_lowered_cap_is_written_back(fast_emulation, modelled_step_times):
+    # Three alike devices reporting their modelled times, so the plan gives replica 1 a third of the batch (its
+    # cap of 30 binds): the drop to 12 examples certainly makes it run out of memory.
     emulator = Emulator(
         ["T4", f"T4@{memory_for(30)}B", "T4"], workload=WORKLOAD, time_scale=20.0,
         drift=[Drift(replica_id=1, from_step=3, memory_bytes=memory_for(12))],

@@ -1,4 +1,8 @@
-"""Online re-balancing on emulated devices: work moves off a device that slows down, and back when it recovers."""
+"""Online re-balancing on emulated devices: work moves off a device that slows down, and back when it recovers.
+
+The tests about decisions (re-plans, guard trials) take the emulated devices' modelled step times
+(``modelled_step_times``): measured on a busy host, scheduling delays could hide the drift or fake one.
+"""
 
 import os
 
@@ -60,7 +64,7 @@ def compute_bound_emulator(drift):
     return emulator
 
 
-def test_plan_moves_work_off_a_slowed_device_and_back(fast_emulation):
+def test_plan_moves_work_off_a_slowed_device_and_back(fast_emulation, modelled_step_times):
     # The A10 (replica 0) carries most of the batch; it runs 3x slower for steps [40, 100).
     emulator = compute_bound_emulator([Drift(replica_id=0, factor=3.0, from_step=40, until_step=100)])
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator)
@@ -71,7 +75,7 @@ def test_plan_moves_work_off_a_slowed_device_and_back(fast_emulation):
     assert after > 1.2 * during, recorder.plans
 
 
-def test_rebalance_false_freezes_the_plan(fast_emulation):
+def test_rebalance_false_freezes_the_plan(fast_emulation, modelled_step_times):
     emulator = compute_bound_emulator([Drift(replica_id=0, factor=3.0, from_step=5)])
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False)
     recorder = PlanRecorder(strategy)

@@ -10,7 +10,10 @@ chief also writes ``OUT_DIR/plans.json``: the split in force at each epoch's end
 ``--replan-at-epoch E --replan-split 9,4,3`` changes the plan on the chief alone at the start of epoch E (the
 others must adopt it through the per-step agreement). ``--wide`` trains a 784-256-256-10 MLP on one global batch
 of 1024 per epoch instead (emulated compute then outweighs the fixed per-step costs), and ``--drift R:F:S``
-passes an Emulator whose replica R runs F times slower from its step S.
+passes an Emulator whose replica R runs F times slower from its step S. ``--modelled-times`` makes each replica
+report its emulated device's modelled step time instead of the host clock's (see ``modelled_step_times`` in
+tests/integration/conftest.py): what the chief's Balancer decides then follows from the emulated devices alone,
+however busy the host is.
 """
 
 from __future__ import annotations
@@ -60,6 +63,21 @@ def build(keras, wide=False):
     return model
 
 
+def use_modelled_step_times(strategy_class) -> None:
+    """Each replica's step reports its emulator's modelled time for that step (the step still runs and waits)."""
+    measured_record = strategy_class._record_step_time
+
+    def record(self, replica_id, batch_size, step_time_s):
+        emulator = self._emulator
+        if emulator is not None and emulator.workload is not None:
+            # The report follows the replica's step, which advanced its counter: its time is the previous step's.
+            step = max(emulator.steps_done[int(replica_id)] - 1, 0)
+            step_time_s = emulator.step_time_s(int(replica_id), int(batch_size), step=step)
+        measured_record(self, replica_id, batch_size, step_time_s)
+
+    strategy_class._record_step_time = record
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -75,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--replan-split", default=None, help="... to these shares")
     parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
+    parser.add_argument("--modelled-times", action="store_true",
+                        help="report the emulated devices' modelled step times, not the host clock's")
     parser.add_argument("--mismatched-evaluate", action="store_true",
                         help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
     args = parser.parse_args(argv)
@@ -108,6 +128,8 @@ def main(argv=None) -> int:
         if args.timeout_s is not None:
             kwargs["communication_options"] = tf.distribute.experimental.CommunicationOptions(
                 timeout_seconds=args.timeout_s)
+        if args.modelled_times:
+            use_modelled_step_times(hetero_cs.HeteroMultiWorkerMirroredStrategy)
         strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(**kwargs)
         name = f"worker{json.loads(os.environ['TF_CONFIG'])['task']['index']}"
     x, y = data(args.wide)  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises

@@ -95,14 +95,19 @@ def test_import_does_not_load_tensorflow():
 
 
 def test_planning_layer_imports_nothing_above_it():
-    """Every module of hetero_cs/planning imports only the standard library, NumPy, SciPy, errors and itself."""
+    """Every module of hetero_cs/planning imports only the standard library, NumPy, SciPy, errors, _copying (the
+    deepcopy helper, standard library only) and itself."""
     import ast
     import pathlib
 
     allowed_roots = {"numpy", "scipy", "hetero_cs"}
-    folder = pathlib.Path(hetero_cs.__file__).parent / "planning"
+    package = pathlib.Path(hetero_cs.__file__).parent
     stdlib = set(sys.stdlib_module_names)
-    for path in sorted(folder.glob("*.py")):
+    for node in ast.walk(ast.parse((package / "_copying.py").read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module]
+            assert all(name.split(".")[0] in stdlib for name in names), f"_copying.py imports {names}"
+    for path in sorted((package / "planning").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
@@ -113,7 +118,8 @@ def test_planning_layer_imports_nothing_above_it():
                 root = name.split(".")[0]
                 assert root in stdlib or root in allowed_roots, f"{path.name} imports {name}"
                 if root == "hetero_cs":
-                    assert name.startswith(("hetero_cs.planning", "hetero_cs.errors")), f"{path.name} imports {name}"
+                    assert name.startswith(("hetero_cs.planning", "hetero_cs.errors", "hetero_cs._copying")), (
+                        f"{path.name} imports {name}")
 
 
 def test_emulation_is_reachable_from_the_package():

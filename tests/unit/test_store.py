@@ -168,8 +168,12 @@ def test_malformed_key_is_a_config_error(tmp_path):
 def test_unwritable_directory_raises_profile_cache_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(ProfileCacheError, match="Cannot write"):
+    with pytest.raises(ProfileCacheError, match="Cannot write") as info:
         ProfileStore(blocker / "cache").save(_key(), _result())
+    # The advice names the arguments users pass (the strategy's and the CLI's), not calibrate()'s store=False.
+    message = str(info.value)
+    assert "HETERO_CS_CACHE_DIR" in message and "profile_cache=False" in message and "--no-cache" in message
+    assert "store=False" not in message
 
 
 def test_concurrent_writers_leave_a_valid_file(tmp_path):

@@ -29,6 +29,7 @@ import threading
 
 from hetero_cs.engine._compat.distribute import (
     STRATEGY_MARKER,
+    DeepcopiedStrategy,
     HeteroExtended,
     components,
     current_hetero_strategy,
@@ -83,6 +84,7 @@ __all__ = [
     "local_cpu_replicas",
     "mark_distributed_dataset",
     "skip_partial_batch_agreement",
+    "DeepcopiedStrategy",
     "FirstBatchReader",
     "check_private_symbols",
     "HeteroExtended",

@@ -26,6 +26,35 @@ logger = logging.getLogger(__name__)
 STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
 
 
+class DeepcopiedStrategy:
+    """Mixin for our strategies: ``copy.deepcopy`` copies as stock ``tf.distribute.Strategy.__deepcopy__`` does.
+
+    Stock deep-copies every attribute (the ``extended`` object with its devices included) and points the copy's
+    ``extended`` back at the copy. Ours hold locks (the strategy's, the Balancer's, the emulator's ...), which
+    ``copy.deepcopy`` cannot copy: each gets a new lock (:mod:`hetero_cs._copying`). A dataset the strategy
+    keeps (the one fit last iterated) is shared, not copied: a ``tf.data.Dataset`` is an immutable description
+    that cannot be deep-copied. The extended object's cache of lifted ``tf.function`` clones is not copied (they
+    call the original's extended object); the copy builds its own on first use.
+    """
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        from hetero_cs._copying import deepcopy_attributes
+
+        cls = type(self)
+        result = cls.__new__(cls)
+        memo[id(self)] = result
+        lifted = self._extended.__dict__.get("_hetero_lifted_functions")  # see HeteroExtended.lifted_function
+        if lifted is not None:
+            memo[id(lifted)] = weakref.WeakKeyDictionary()
+        for value in vars(self).values():
+            if isinstance(value, tf.data.Dataset):
+                memo[id(value)] = value
+        deepcopy_attributes(self, result, memo)
+        # Private: the back-reference stock's __deepcopy__ fixes up the same way (distribute_lib.Strategy).
+        result._extended._container_strategy_weakref = weakref.ref(result)  # noqa: SLF001
+        return result
+
+
 def is_hetero_strategy(strategy: Any) -> bool:
     """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
     return bool(getattr(strategy, STRATEGY_MARKER, False))

@@ -28,6 +28,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
+
 logger = logging.getLogger(__name__)
 
 # Private: tf.data's ExternalStatePolicy for iterator serialization. IGNORE: our own pipeline calls Python (the
@@ -43,7 +45,7 @@ def host_iterator_resource(distributed_iterator):
     return distributed_iterator._iterators[0]._iterator._iterator_resource  # noqa: SLF001
 
 
-class FirstBatchReader:
+class FirstBatchReader(DeepcopiedWithNewLocks):
     """Per strategy: first batches read ahead of training, and the iterator states to start training from."""
 
     def __init__(self):

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
-from hetero_cs.errors import StepOOMError
+from hetero_cs.errors import ConfigError, StepOOMError
 
 def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
@@ -26,7 +26,9 @@ def _patch_fit() -> None:
 
     @functools.wraps(original_fit)
     def fit(self, *args, **kwargs):
+        # Private: Keras keeps the strategy whose scope created the model in _distribute_strategy (None: none).
         strategy = getattr(self, "_distribute_strategy", None)
+        _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
             return original_fit(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
@@ -52,6 +54,12 @@ def _patch_fit() -> None:
             if replica_error is None:
                 raise
             raise replica_error from exc
+        except RuntimeError as exc:
+            if "Mixing different tf.distribute.Strategy objects" not in str(exc):
+                raise
+            raise ConfigError(_create_and_compile_in_scope(
+                "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
+                "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
         except StepOOMError as exc:
             # Keras' traceback filtering re-raises errors from inside fit "from None"; chain TensorFlow's again.
             if exc.__cause__ is None and exc.last_error is not None:
@@ -59,6 +67,33 @@ def _patch_fit() -> None:
             raise
 
     TensorFlowTrainer.fit = fit
+
+
+def _refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
+    """A ConfigError when fit runs inside one of our strategies' scope on a model created outside any scope.
+
+    Keras then trains under the strategy in scope, on variables that belong to none: TensorFlow fails inside the
+    step ("Mixing different tf.distribute.Strategy objects") once the optimizer makes a variable, and with
+    emulated devices our advice to call strategy.calibrate comes first and leads there.
+    """
+    current = tf.distribute.get_strategy()
+    if model_strategy is not None or not (is_hetero_strategy(current) or is_multi_worker_strategy(current)):
+        return
+    raise ConfigError(_create_and_compile_in_scope(
+        f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
+        f"belong to no strategy, but model.fit runs inside the scope of a {type(current).__name__}", current))
+
+
+def _create_and_compile_in_scope(what: str, strategy) -> str:
+    return (
+        f"{what}. TensorFlow cannot train variables of one strategy under another (it fails with 'Mixing different "
+        f"tf.distribute.Strategy objects'). Create and compile the model inside the strategy's scope, then fit:\n"
+        f"    strategy = {type(strategy).__name__}(...)\n"
+        f"    with strategy.scope():\n"
+        f"        model = build_model()\n"
+        f"        model.compile(optimizer=..., loss=...)\n"
+        f"    model.fit(...)"
+    )
 
 
 def _patch_make_train_function() -> None:

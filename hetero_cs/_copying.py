@@ -1,0 +1,42 @@
+"""``copy.deepcopy`` for objects that hold locks (pure: standard library only).
+
+A lock cannot be copied (``TypeError: cannot pickle '_thread.lock' object``) and must not be shared: two copies
+guarding their own state with one lock would block each other. The copy gets a new, unlocked lock of the same kind
+in its place; everything else is deep-copied as ``copy.deepcopy`` would. Stock ``tf.distribute`` strategies copy
+this way (``Strategy.__deepcopy__`` deep-copies the strategy's attributes, its ``extended`` object included).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+_LOCK = type(threading.Lock())
+_RLOCK = type(threading.RLock())
+
+
+def deepcopy_attributes(source: Any, result: Any, memo: dict) -> Any:
+    """Sets a deep copy of each of ``source``'s attributes on ``result``, a new lock for a lock; returns ``result``.
+
+    The caller puts ``result`` in ``memo`` first, so references back to ``source`` lead to ``result``.
+    """
+    for name, value in source.__dict__.items():
+        if isinstance(value, _RLOCK):
+            value = threading.RLock()
+        elif isinstance(value, _LOCK):
+            value = threading.Lock()
+        else:
+            value = copy.deepcopy(value, memo)
+        setattr(result, name, value)
+    return result
+
+
+class DeepcopiedWithNewLocks:
+    """Mixin: ``copy.deepcopy`` copies every attribute and gives the copy new locks (see the module docstring)."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        cls = type(self)
+        result = cls.__new__(cls)
+        memo[id(self)] = result
+        return deepcopy_attributes(self, result, memo)

@@ -1,0 +1,12 @@
+"""Settings for every test: Hypothesis checks no wall-clock time, so the default suite passes on a busy host.
+
+Hypothesis' per-example ``deadline`` and its ``too_slow`` health check (data generation that took too long) both
+read the clock. The property tests set ``deadline=None`` one by one; this profile makes it the default and turns
+the health check off, so a test that forgets it cannot fail because the host is busy. Explicit ``@settings``
+keep what they set and inherit the rest from here.
+"""
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("hetero_cs", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("hetero_cs")
