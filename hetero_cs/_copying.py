@@ -2,7 +2,8 @@
 
 A lock cannot be copied (``TypeError: cannot pickle '_thread.lock' object``) and must not be shared: two copies
 guarding their own state with one lock would block each other. The copy gets a new, unlocked lock of the same kind
-in its place; everything else is deep-copied as ``copy.deepcopy`` would. Stock ``tf.distribute`` strategies copy
+in its place, and a new, empty ``threading.local`` in place of one; everything else is deep-copied as
+``copy.deepcopy`` would. Stock ``tf.distribute`` strategies copy
 this way (``Strategy.__deepcopy__`` deep-copies the strategy's attributes, its ``extended`` object included).
 """
 
@@ -26,6 +27,8 @@ def deepcopy_attributes(source: Any, result: Any, memo: dict) -> Any:
             value = threading.RLock()
         elif isinstance(value, _LOCK):
             value = threading.Lock()
+        elif isinstance(value, threading.local):  # per-thread state (set while a thread runs fit): a fresh one
+            value = type(value)()
         else:
             value = copy.deepcopy(value, memo)
         setattr(result, name, value)

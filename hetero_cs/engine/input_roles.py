@@ -25,8 +25,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 
-class InputRoles:
+
+class InputRoles(DeepcopiedWithNewLocks):
     """Per-thread record of whether the Keras loop running in this thread trains or infers."""
 
     def __init__(self):

@@ -47,8 +47,9 @@ def test_sampled_timing_keeps_replicas_paired_and_times_fewer_steps(monkeypatch)
 
     monkeypatch.delenv("HETERO_CS_TIMING", raising=False)
     monkeypatch.setattr(HeteroCentralStorageStrategy, "_record_step_time",
-                        lambda self, replica_id, batch_size, _measured_s: self.balancer.record_step_time(
-                            int(replica_id), int(batch_size), STEP_S))
+                        lambda self, replica_id, batch_size, _measured_s, **key: self.balancer.record_step_time(
+                            int(replica_id), int(batch_size), STEP_S, **key))
+    monkeypatch.setattr(HeteroCentralStorageStrategy, "_record_step_end", lambda *args: None)  # no measured tail
     strategy = HeteroCentralStorageStrategy(DEVICES, auto_balance=True, rebalance=True, profile_cache=False)
     model = compiled(strategy)
     x, y = data()
