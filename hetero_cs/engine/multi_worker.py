@@ -1,8 +1,10 @@
 """HeteroMultiWorkerMirroredStrategy: several machines on MultiWorkerMirroredStrategy, balanced and exact.
 
 Every worker runs the same script on the same data, and ``batch_size`` is the *global* batch ``B``. Each worker's
-input pipeline yields every global batch whole; inside ``strategy.run`` every replica cuts its own contiguous slice
-``[sum(b_<i), sum(b_<=i))`` by the plan of this step, so every example is used exactly once over the cluster.
+input pipeline yields every global batch whole, once, on the worker's CPU; ``strategy.run`` cuts it there by the
+plan of this step and hands each local replica only its own contiguous slice ``[sum(b_<i), sum(b_<=i))``
+(:mod:`hetero_cs.engine.multi_worker_input`), so every example is used exactly once over the cluster and a replica's
+device receives ``b_i`` examples, not ``B``.
 Replica ``i``'s loss is weighted ``b_i / B`` (the shared Keras patches of :mod:`hetero_cs.engine._compat`) and the
 gradients are SUM-all-reduced by TensorFlow's own collectives: one step on any split equals one single-device step
 on the whole batch. A last partial batch ``B' < B`` is split by a plan for ``B'`` and weighted by ``B'``.
