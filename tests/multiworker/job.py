@@ -19,6 +19,7 @@ however busy the host is.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -95,6 +96,9 @@ def main(argv=None) -> int:
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
     parser.add_argument("--modelled-times", action="store_true",
                         help="report the emulated devices' modelled step times, not the host clock's")
+    parser.add_argument("--record-received", action="store_true",
+                        help="write received_worker<i>.json: [replica id, leading dimension] of every batch argument "
+                             "tf.distribute hands each replica function (before anything of hetero_cs runs in it)")
     parser.add_argument("--mismatched-evaluate", action="store_true",
                         help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
     args = parser.parse_args(argv)
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
             use_modelled_step_times(hetero_cs.HeteroMultiWorkerMirroredStrategy)
         strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(**kwargs)
         name = f"worker{json.loads(os.environ['TF_CONFIG'])['task']['index']}"
+        if args.record_received:
+            received = _record_received(tf)
     x, y = data(args.wide)  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(WIDE_BATCH if args.wide else GLOBAL_BATCH)
     callbacks = []
@@ -191,6 +197,9 @@ def main(argv=None) -> int:
     result["eval_loss"] = np.asarray(evaluated["loss"])
     result["predict"] = np.asarray(predicted)
     np.savez(os.path.join(args.out, f"{name}.npz"), **result)
+    if args.record_received:
+        with open(os.path.join(args.out, f"received_{name}.json"), "w") as f:
+            json.dump(received, f)
     if strategy is not None:  # how many steps ran the plan agreement, and how many kept the split held
         with open(os.path.join(args.out, f"agreements_{name}.json"), "w") as f:
             json.dump(list(strategy.agreement_counts), f)
@@ -204,6 +213,41 @@ def main(argv=None) -> int:
     _barrier(strategy)
     print("done", name, history.history["loss"], flush=True)
     return 0
+
+
+def _record_received(tf) -> list:
+    """Records what tf.distribute hands each replica function: MultiWorkerMirroredStrategy.run (which the strategy's
+    own run calls with its replica wrapper) is wrapped so that every replica first records [its replica id, the
+    leading dimension] of each rank >= 1 tensor argument it receives, when the step runs. Returns the (live) list."""
+    from tensorflow.python.eager import def_function  # the class mirrored_run checks to lift a tf.function
+
+    received = []
+    original = tf.distribute.MultiWorkerMirroredStrategy.run
+
+    def record(replica_id, size):
+        received.append([int(replica_id), int(size)])
+        return np.int64(0)
+
+    def recording(fn):
+        @functools.wraps(fn)
+        def replica_fn(*args, **kwargs):
+            replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+            for t in tf.nest.flatten((args, kwargs)):
+                if isinstance(t, tf.Tensor) and t.shape.rank != 0:
+                    tf.numpy_function(record, [replica_id, tf.shape(t)[0]], tf.int64, stateful=True)
+            return fn(*args, **kwargs)
+
+        return replica_fn
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        if isinstance(fn, def_function.Function):
+            fn = fn._clone(python_function=recording(fn.python_function))  # noqa: SLF001
+        else:
+            fn = recording(fn)
+        return original(self, fn, args=args, kwargs=kwargs, options=options)
+
+    tf.distribute.MultiWorkerMirroredStrategy.run = run
+    return received
 
 
 def _barrier(strategy) -> None:

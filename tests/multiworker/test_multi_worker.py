@@ -140,6 +140,21 @@ def test_two_workers_of_two_emulated_replicas_each_auto_balance_equal_one_device
     _assert_equal_to_reference(tmp_path, 2, reference(6))
 
 
+def test_each_local_replica_receives_only_its_own_slice(tmp_path, reference):
+    # 2 workers x 2 emulated replicas, fixed shares 3,1,2,2: slices 6,2 | 4,4 of each global batch of 16 and
+    # 2,1 | 2,1 of the last batch of 6. The global batch stays on each worker's host and is cut there, so what
+    # tf.distribute hands each replica function (recorded before any hetero_cs code runs in it) is b_i examples,
+    # not B: in fit, evaluate and predict alike. Before, every local replica received the whole global batch (one
+    # copy per replica on its device) and cut its slice itself. Every value still equals single-device training.
+    _launch(tmp_path, 2, "--split", "3,1,2,2", "--epochs", "1", "--record-received", emulate="A10+T4,P100+T4",
+            HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5")
+    expected = {0: {(0, 6), (1, 2), (0, 2), (1, 1)}, 1: {(2, 4), (3, 4), (2, 2), (3, 1)}}
+    for index in range(2):
+        received = {tuple(r) for r in json.loads((tmp_path / f"received_worker{index}.json").read_text())}
+        assert received == expected[index], (index, sorted(received))
+    _assert_equal_to_reference(tmp_path, 2, reference(1))
+
+
 def test_a_worker_reading_other_batch_sizes_fails_or_trains_on_but_never_hangs(tmp_path):
     # Bad input: after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6. Whether a
     # step agrees depends on agreed values only (never on the batch a worker reads), so every worker takes the same

@@ -204,14 +204,16 @@ class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
         return self._hetero_source_spec
 
 
-def distribute_on_host(strategy, dataset, *, source=None):
+def distribute_on_host(strategy, dataset, *, source=None, host=None):
     """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
 
     ``dataset`` yields packed global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the replicas'
     slices inside the step. Every leaf of an element arrives as a per-replica value with a single component,
     which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
     ``source`` is the user's dataset that ``dataset`` packs: an iterator over it started by calibration's read
-    (``strategy._first_batches``) is continued from there.
+    (``strategy._first_batches``) is continued from there. ``host`` is the device that iterates it (default:
+    ``strategy.extended.input_device``, the central-storage strategy's; the multi-worker strategy gives its worker's
+    CPU).
     """
     # Private: tf.distribute builds its distributed datasets from InputWorkers (input device -> fed devices) and
     # input_util; the public experimental_distribute_dataset would feed R devices with R elements. Here one input
@@ -221,7 +223,7 @@ def distribute_on_host(strategy, dataset, *, source=None):
     # cheaper than stock CentralStorageStrategy's rebatch (benchmarks/overhead.py).
     from tensorflow.python.distribute import values as values_lib
 
-    host = strategy.extended.input_device
+    host = strategy.extended.input_device if host is None else host
     workers = input_lib.InputWorkers([(host, (host,))])
     options = tf.distribute.InputOptions(
         experimental_fetch_to_device=False,
