@@ -92,7 +92,8 @@ def test_the_main_job_picks_the_card_by_the_emulator_else_the_cost_models_else_s
                            cost_models=[LinearCostModel(0.001, 2e-4), LinearCostModel(0.010, 1e-4)])
     index, why = train_digits.fastest_card(real, 1000)
     assert index == 1 and "calibrated cost models" in why
-    none = SimpleNamespace(num_replicas_in_sync=2, emulator=None, cost_models=None, compute_devices=("/gpu:0", "/gpu:1"))
+    none = SimpleNamespace(num_replicas_in_sync=2, emulator=None, cost_models=None,
+                           compute_devices=("/gpu:0", "/gpu:1"))
     index, why = train_digits.fastest_card(none, 1000)
     assert index == 0 and "the first device" in why
 
