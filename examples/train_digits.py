@@ -198,6 +198,23 @@ def fastest_alone_model(strategy, model, index: int, build):
     return twin
 
 
+def fits_alone(model, dataset) -> str | None:
+    """Runs two steps of `model` (the fastest card alone) on the whole global batch: None when they ran, else why
+    not (the whole batch can be more than one card's memory). Also traces its step before the timed rounds."""
+    from hetero_cs.engine.oom_errors import is_out_of_memory
+
+    try:
+        model.fit(dataset, epochs=1, steps_per_epoch=2, shuffle=False, verbose=0)
+    except Exception as exc:  # only out of memory is expected here; anything else is a bug to show
+        cause = exc  # the strategy wraps a replica's error (ReplicaStepError) and chains the original
+        while cause is not None and not is_out_of_memory(cause):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        return f"the whole global batch does not fit in its memory ({str(exc).splitlines()[0][:300]})"
+    return None
+
+
 def theoretical_speedup_vs_fastest(cost_models, plan_sizes, index: int, global_batch_size: int) -> float | None:
     """Sum of the cards' throughputs at their planned slices over the fastest card's throughput on the whole batch,
     from the cost models (None without them)."""
@@ -314,38 +331,46 @@ def main(argv=None) -> int:
     plan_is_even = final_plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R)
     if not plan_is_even:  # else (--no-auto-balance, one device, or devices alike) the plan is the even split
         measures["even"] = pinned([1] * R)
-    measures["fastest"] = lambda steps: median_step_s(twin, repeated, steps=steps)
+    alone_error = fits_alone(twin, repeated)
+    if alone_error is None:
+        measures["fastest"] = lambda steps: median_step_s(twin, repeated, steps=steps)
+    else:
+        print(f"the fastest card alone: not measured - {alone_error}")
     note = " (the plan in use is the even split)" if plan_is_even else ""
     print(f"== measuring examples/s: {' vs '.join(measures)}{note}, {args.timing_steps} steps each, in rotating "
           f"rounds ...")
     times_s = interleaved_step_times(measures, total_steps=args.timing_steps)
     strategy.set_batch_split(None)  # back to the auto-balanced plan that was in force
-    plan_times_s, fastest_times_s = times_s["plan"], times_s["fastest"]
+    plan_times_s, fastest_times_s = times_s["plan"], times_s.get("fastest")
     even_times_s = times_s.get("even", plan_times_s)
     plan_eps, even_eps = B / statistics.median(plan_times_s), B / statistics.median(even_times_s)
-    fastest_eps = B / statistics.median(fastest_times_s)
+    fastest_eps = B / statistics.median(fastest_times_s) if fastest_times_s else None
     # Each speedup is the median over rounds of that round's ratio: paired, so load that changes between rounds
     # cancels.
     speedup = statistics.median([e / p for p, e in zip(plan_times_s, even_times_s)])
-    vs_fastest_rounds = [f / p for p, f in zip(plan_times_s, fastest_times_s)]
-    speedup_vs_fastest = statistics.median(vs_fastest_rounds)
+    vs_fastest_rounds = [f / p for p, f in zip(plan_times_s, fastest_times_s or [])]
+    speedup_vs_fastest = statistics.median(vs_fastest_rounds) if vs_fastest_rounds else None
     plan = final_plan
     theoretical = plan.predicted_speedup_vs_even  # None without cost models (--no-auto-balance)
-    theoretical_vs_fastest = theoretical_speedup_vs_fastest(strategy.cost_models, plan_sizes, fastest, B)
+    theoretical_vs_fastest = None  # n/a when the fastest card cannot hold the whole batch
+    if alone_error is None:
+        theoretical_vs_fastest = theoretical_speedup_vs_fastest(strategy.cost_models, plan_sizes, fastest, B)
     label = "auto_balance" if not args.no_auto_balance else "even split (--no-auto-balance)"
     print("\n== throughput (from the median step time)")
     print(f"{label:>32}: {plan_eps:9.1f} examples/s")
     print(f"{'even split':>32}: {even_eps:9.1f} examples/s")
-    print(f"{f'{fastest_name} alone, whole batch':>32}: {fastest_eps:9.1f} examples/s")
+    if fastest_eps is not None:
+        print(f"{f'{fastest_name} alone, whole batch':>32}: {fastest_eps:9.1f} examples/s")
     predicted = f"{theoretical:.2f}x" if theoretical else "n/a without calibration"
     even_rounds = ", ".join(f"{e / p:.2f}" for p, e in zip(plan_times_s, even_times_s))
     print(f"{'speedup vs even':>32}: {speedup:9.2f}x (predicted by the plan: {predicted}; median of "
           f"{len(plan_times_s)} paired round(s): {even_rounds})")
     predicted = f"{theoretical_vs_fastest:.2f}x" if theoretical_vs_fastest else "n/a without calibration"
-    print(f"{'speedup vs the fastest alone':>32}: {speedup_vs_fastest:9.2f}x (all {R} cards vs {fastest_name} alone; "
-          f"theoretical from the cost models, the cards' throughputs at their slices over {fastest_name}'s at B: "
-          f"{predicted}; median of {len(plan_times_s)} paired round(s): "
-          f"{', '.join(f'{r:.2f}' for r in vs_fastest_rounds)})")
+    if speedup_vs_fastest is not None:
+        print(f"{'speedup vs the fastest alone':>32}: {speedup_vs_fastest:9.2f}x (all {R} cards vs {fastest_name} "
+              f"alone; theoretical from the cost models, the cards' throughputs at their slices over "
+              f"{fastest_name}'s at B: {predicted}; median of {len(plan_times_s)} paired round(s): "
+              f"{', '.join(f'{r:.2f}' for r in vs_fastest_rounds)})")
 
     calibration = strategy.calibration
     cached = calibration is not None and calibration.from_cache
@@ -354,10 +379,10 @@ def main(argv=None) -> int:
         "test_accuracy": f"{test_accuracy:.4f}",
         "speedup_vs_even": f"{speedup:.3f}",
         "predicted_speedup": f"{theoretical:.3f}" if theoretical else "n/a",
-        "speedup_vs_fastest": f"{speedup_vs_fastest:.3f}",
+        "speedup_vs_fastest": f"{speedup_vs_fastest:.3f}" if speedup_vs_fastest is not None else "n/a",
         "theoretical_speedup_vs_fastest": f"{theoretical_vs_fastest:.3f}" if theoretical_vs_fastest else "n/a",
         "fastest": fastest_name,
-        "fastest_examples_per_s": f"{fastest_eps:.1f}",
+        "fastest_examples_per_s": f"{fastest_eps:.1f}" if fastest_eps is not None else "n/a",
         "examples_per_s": f"{plan_eps:.1f}",
         "even_examples_per_s": f"{even_eps:.1f}",
         "plan": "/".join(str(b) for b in plan.per_replica_batch_sizes),
