@@ -1,15 +1,16 @@
 """Benchmark: balancing efficiency and speedup over the even split, on emulated heterogeneous devices.
 
 What it measures. For a device mix (default A10,T4,P100) and a model (MLP and small CNN, no Dropout/BatchNorm),
-three configurations are trained in one process on the same logical CPU devices, interleaved (rounds over the
+four configurations are trained in one process on the same logical CPU devices, interleaved (rounds over the
 configurations, order rotating, medians of the step times):
 
 * ``stock_even``: stock tf.distribute.experimental.CentralStorageStrategy (its even split) with the same emulated
   waits hetero_cs injects (added by the benchmark's training step);
 * ``hetero_even``: HeteroCentralStorageStrategy(auto_balance=False), an even split;
-* ``hetero_auto``: HeteroCentralStorageStrategy(auto_balance=True, rebalance=True), calibrated by the library.
+* ``hetero_auto``: HeteroCentralStorageStrategy(auto_balance=True, rebalance=True), calibrated by the library;
+* ``fastest_alone``: the fastest card alone on the whole batch, a one-device strategy (benchmarks/_fastest.py).
 
-All three run the same custom training loop (strategy.run in tf.function, Keras Adam). Timings are EMULATED: each
+All four run the same custom training loop (strategy.run in tf.function, Keras Adam). Timings are EMULATED: each
 replica computes for real on a logical CPU device and then waits until its step has taken as long as the named
 device would take (hetero_cs.emulation; the time scale stretches all devices alike so the waits dominate the real
 compute on this machine's few cores).
@@ -17,7 +18,9 @@ compute on this machine's few cores).
 Figures: ideal makespan = continuous lower bound from the TRUE emulated profiles (hetero_cs.planning.solver.ideal_makespan_s
 over the emulator's step_time_s); efficiency = ideal / measured hetero_auto step; speedup_vs_even = hetero_even step
 / hetero_auto step; theoretical_speedup = true even-split makespan / ideal makespan. Goals on a quiet machine:
-efficiency >= 0.97 and speedup_vs_even >= 0.97 x theoretical_speedup. A PNG shows each replica's busy and idle time in
+efficiency >= 0.97 and speedup_vs_even >= 0.97 x theoretical_speedup. speedup_vs_fastest = fastest_alone step /
+hetero_auto step, beside theoretical_speedup_vs_fastest (summed throughputs at the ideal split over the fastest
+card's at B); goals >= 1.0 always, >= 0.95 x theoretical quiet (``fastest_goals_met``). A PNG shows each replica's busy and idle time in
 a median step.
 
 ``--policy mixed_float16`` (or ``mixed_bfloat16``) trains under that Keras dtype policy: the emulated devices compute at
@@ -58,10 +61,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import _common  # noqa: E402
+from benchmarks import _common, _fastest  # noqa: E402
 from benchmarks._common import log, ms  # noqa: E402
 from benchmarks.noise import busy_neighbour  # noqa: E402
-from benchmarks.balance_report import draw_timeline, print_case  # noqa: E402
+from benchmarks.balance_report import draw_timeline, print_case, print_summary, sample_dict  # noqa: E402
 
 DEFAULT_MIX = "A10,T4,P100"
 ALL_MIXES = ("A10,T4,P100", "A10,T4", "A10,4xT4", "A100,P100,CPU")
@@ -156,14 +159,6 @@ class BenchmarkFailed(Exception):
 # ------------------------------------------------------------------------------------------------ one mix, one model
 
 
-def _sample_dict(sample: Any, wall_s: float) -> dict[str, Any] | None:
-    if sample is None:
-        return None
-    return {"step": sample.step, "batch_sizes": list(sample.per_replica_batch_sizes),
-            "step_times_s": list(sample.per_replica_step_times_s), "makespan_s": sample.makespan_s,
-            "straggler_wait_s": sample.straggler_wait_s, "wall_s": wall_s}
-
-
 def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Namespace, *,
              keep_alive: list | None = None) -> dict[str, Any]:
     """Measures the three configurations for one mix and one model; returns the result record.
@@ -208,6 +203,7 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
     with stock.scope():
         model = _common.build_model(kind, seed=args.seed)
         optimizer = keras.optimizers.Adam(1e-3)
+    initial_weights = model.get_weights()  # every configuration's model is built alike; fastest_alone copies these
     configs.append(_common.Config(
         "stock_even", CONFIG_LABELS["stock_even"],
         _common.make_train_step(stock, model, optimizer, global_batch_size=B,
@@ -240,6 +236,14 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
             _common.make_train_step(strategy, model, optimizer, global_batch_size=B),
             iter(strategy.experimental_distribute_dataset(dataset)), monitor=strategy.monitor, strategy=strategy))
 
+    fastest = _fastest.fastest_figures(reference, B, truth["ideal_makespan_s"])
+    config, emulators[_fastest.CONFIG_NAME] = _fastest.fastest_alone_config(
+        devices[fastest["fastest_replica"]], fastest["fastest"], workload=workload, time_scale=time_scale, kind=kind,
+        weights=initial_weights, dataset=dataset, args=args)
+    configs.append(config)
+    log(f"   fastest card alone: {fastest['fastest']} (highest true throughput at B), the whole batch on "
+        f"{devices[fastest['fastest_replica']]} -> {ms(fastest['fastest_alone_makespan_s'])} (emulated); theoretical "
+        f"speedup of all cards over it {fastest['theoretical_speedup_vs_fastest']:.3f}")
     log(f"   measuring: {args.warmup_steps} warm-up steps, then {args.rounds} rounds x {args.steps_per_round} "
         f"steps per configuration")
     _common.run_interleaved(configs, rounds=args.rounds, steps_per_round=args.steps_per_round,
@@ -272,7 +276,7 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
                                           if walls_minus_makespan else None),
             "emulation_overrun": _common.emulation_overrun(emulators[c.name], c.samples),
         }
-        record["timeline"][c.name] = _sample_dict(c.samples[median_index], c.step_times_s[median_index])
+        record["timeline"][c.name] = sample_dict(c.samples[median_index], c.step_times_s[median_index])
     auto_plan = by_name["hetero_auto"].strategy.plan
     record["configs"]["hetero_auto"]["final_plan"] = list(auto_plan.per_replica_batch_sizes)
     balancer = by_name["hetero_auto"].strategy.balancer
@@ -297,6 +301,7 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
     record["speedup_fraction_of_theoretical"] = record["speedup_vs_even"] / record["theoretical_speedup"]
     auto_rounds = by_name["hetero_auto"].round_medians_s
     even_rounds = by_name["hetero_even"].round_medians_s
+    _fastest.add_figures(record, fastest, noise=bool(args.noise))
     record["lost_to_even"] = bool(auto_s > even_s * (1.0 + LOSS_MARGIN)
                                   and all(a > e for a, e in zip(auto_rounds, even_rounds)))
     record["noise"] = bool(args.noise)
@@ -394,6 +399,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Top-level figures: the worst case over mixes and models (lowest efficiency; lowest speedup fraction)."""
     worst_efficiency = min(results, key=lambda r: r["efficiency"])
     worst_speedup = min(results, key=lambda r: r["speedup_fraction_of_theoretical"])
+    worst_fastest = min(results, key=lambda r: r["speedup_vs_fastest_fraction_of_theoretical"])
     noisy = any(r.get("noise") for r in results)
     policy = results[0].get("policy", "float32")
     efficiency_goal, speedup_goal = _quiet_goals(policy)
@@ -410,6 +416,13 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "theoretical_speedup": worst_speedup["theoretical_speedup"],
         "speedup_fraction_of_theoretical": worst_speedup["speedup_fraction_of_theoretical"],
         "speedup_case": f"{worst_speedup['mix']}/{worst_speedup['model']}",
+        "speedup_vs_fastest": worst_fastest["speedup_vs_fastest"],
+        "theoretical_speedup_vs_fastest": worst_fastest["theoretical_speedup_vs_fastest"],
+        "speedup_vs_fastest_fraction_of_theoretical": worst_fastest["speedup_vs_fastest_fraction_of_theoretical"],
+        "speedup_vs_fastest_case": f"{worst_fastest['mix']}/{worst_fastest['model']} (vs {worst_fastest['fastest']})",
+        "fastest_goals": {"speedup_vs_fastest": 1.0, **({} if noisy else {
+            "speedup_vs_fastest_fraction_of_theoretical": _fastest.FRACTION_GOAL})},
+        "fastest_goals_met": all(r["fastest_goals_met"] for r in results),
         "goals": ({"lost_to_even": 0, "speedup_fraction_of_theoretical": NOISY_SPEEDUP_FRACTION_GOAL} if noisy else
                   {"efficiency": efficiency_goal, "speedup_fraction_of_theoretical": speedup_goal}),
         "goals_met": all(r["goals_met"] for r in results),
@@ -469,21 +482,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         else:
             timeline = _common.OUT_DIR / "balance_timeline.png"
         draw_timeline(results, timeline)
-    log("== summary (timings EMULATED)")
-    log(f"   policy {args.policy}")
-    log(f"   {'mix':<16} {'model':<5} {'efficiency':>10} {'speedup vs even':>16} {'theoretical':>12} "
-        f"{'fraction':>9} {'vs stock':>9} {'lost':>5} {'guard':>9}")
-    for r in results:
-        guard = r["configs"]["hetero_auto"].get("guard") or {}
-        log(f"   {r['mix']:<16} {r['model']:<5} {r['efficiency']:>10.3f} {r['speedup_vs_even']:>16.3f} "
-            f"{r['theoretical_speedup']:>12.3f} {r['speedup_fraction_of_theoretical']:>9.3f} "
-            f"{r['speedup_vs_stock']:>9.3f} {str(r['lost_to_even']).lower():>5} {guard.get('outcome', '-'):>9}")
-    log(f"   worst efficiency {summary['efficiency']:.3f} ({summary['efficiency_case']}, goal >= "
-        f"{summary['goals'].get('efficiency', '-')}); worst speedup {summary['speedup_vs_even']:.3f} of theoretical "
-        f"{summary['theoretical_speedup']:.3f} = {summary['speedup_fraction_of_theoretical']:.3f} "
-        f"({summary['speedup_case']}, goal >= "
-        f"{summary['goals']['speedup_fraction_of_theoretical']}); lost to even: "
-        f"{summary['lost_to_even']} of {len(results)} (goal 0); goals met: {summary['goals_met']}")
+    print_summary(results, summary, policy=args.policy)
     if args.json is not None:
         log(f"   JSON: {args.json}")
     if timeline is not None:

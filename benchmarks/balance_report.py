@@ -9,6 +9,15 @@ from typing import Any
 from benchmarks._common import log, ms
 
 
+def sample_dict(sample: Any, wall_s: float) -> dict[str, Any] | None:
+    """A monitor StepSample and the step's wall time as a JSON-ready dict (None stays None)."""
+    if sample is None:
+        return None
+    return {"step": sample.step, "batch_sizes": list(sample.per_replica_batch_sizes),
+            "step_times_s": list(sample.per_replica_step_times_s), "makespan_s": sample.makespan_s,
+            "straggler_wait_s": sample.straggler_wait_s, "wall_s": wall_s}
+
+
 def print_case(record: dict[str, Any], *, goals: tuple[float, float]) -> None:
     """Logs one mix/model record's table and figures; ``goals`` = (efficiency, speedup fraction) on a quiet host."""
     log(f"   {'configuration':<46} {'split(s) used (steps)':<28} {'median step':>12} {'outside replicas':>17}")
@@ -28,11 +37,45 @@ def print_case(record: dict[str, Any], *, goals: tuple[float, float]) -> None:
     log(f"   speedup vs even    = {record['speedup_vs_even']:.3f}; theoretical max {record['theoretical_speedup']:.3f}"
         f" -> {record['speedup_fraction_of_theoretical']:.3f} of it   (goal >= {goals[1]})")
     log(f"   speedup vs stock   = {record['speedup_vs_stock']:.3f}  (stock CSS even split, same emulated waits)")
+    log(f"   speedup vs fastest = {record['fastest']} alone on the whole batch / auto step = "
+        f"{ms(record['configs']['fastest_alone']['median_step_s'])} / "
+        f"{ms(record['configs']['hetero_auto']['median_step_s'])} = {record['speedup_vs_fastest']:.3f}; theoretical "
+        f"{record['theoretical_speedup_vs_fastest']:.3f} (true {record['fastest']} step at B / ideal makespan) -> "
+        f"{record['speedup_vs_fastest_fraction_of_theoretical']:.3f} of it   (goal >= 1.0 always, >= 0.95 x "
+        f"theoretical quiet)")
     guard = record["configs"]["hetero_auto"]["guard"]
     if guard is not None:
         log(f"   guard: {guard['outcome']} {guard['candidate']} vs {guard['incumbent']} (candidate/incumbent "
             f"{guard['median_ratio']:.3f} over {guard['pairs']} pairs); re-plans during the run: "
             f"{record['configs']['hetero_auto']['replans']}; lost to even: {record['lost_to_even']}")
+
+
+def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], *, policy: str) -> None:
+    """Logs the summary table over mixes and models and the worst cases against the goals."""
+    log("== summary (timings EMULATED)")
+    log(f"   policy {policy}")
+    log(f"   {'mix':<16} {'model':<5} {'efficiency':>10} {'speedup vs even':>16} {'theoretical':>12} "
+        f"{'fraction':>9} {'vs stock':>9} {'vs fastest':>15} {'theoretical':>12} {'lost':>5} {'guard':>9}")
+    for r in results:
+        guard = r["configs"]["hetero_auto"].get("guard") or {}
+        vs_fastest = f"{r['speedup_vs_fastest']:.3f} ({r['fastest']})"
+        log(f"   {r['mix']:<16} {r['model']:<5} {r['efficiency']:>10.3f} {r['speedup_vs_even']:>16.3f} "
+            f"{r['theoretical_speedup']:>12.3f} {r['speedup_fraction_of_theoretical']:>9.3f} "
+            f"{r['speedup_vs_stock']:>9.3f} {vs_fastest:>15} {r['theoretical_speedup_vs_fastest']:>12.3f} "
+            f"{str(r['lost_to_even']).lower():>5} {guard.get('outcome', '-'):>9}")
+    log(f"   worst efficiency {summary['efficiency']:.3f} ({summary['efficiency_case']}, goal >= "
+        f"{summary['goals'].get('efficiency', '-')}); worst speedup {summary['speedup_vs_even']:.3f} of theoretical "
+        f"{summary['theoretical_speedup']:.3f} = {summary['speedup_fraction_of_theoretical']:.3f} "
+        f"({summary['speedup_case']}, goal >= "
+        f"{summary['goals']['speedup_fraction_of_theoretical']}); lost to even: "
+        f"{summary['lost_to_even']} of {len(results)} (goal 0); goals met: {summary['goals_met']}")
+    goals = summary["fastest_goals"]
+    fraction_goal = goals.get("speedup_vs_fastest_fraction_of_theoretical")
+    log(f"   vs the fastest card alone (worst of theoretical): {summary['speedup_vs_fastest']:.3f} of theoretical "
+        f"{summary['theoretical_speedup_vs_fastest']:.3f} = "
+        f"{summary['speedup_vs_fastest_fraction_of_theoretical']:.3f} ({summary['speedup_vs_fastest_case']}; goal "
+        f">= 1.0{f' and >= {fraction_goal} x theoretical' if fraction_goal else ' (with --noise)'}); goals met: "
+        f"{summary['fastest_goals_met']}")
 
 
 def draw_timeline(results: list[dict[str, Any]], path: Path) -> Path:

@@ -126,26 +126,112 @@ def median_step_s(model, dataset, *, steps: int) -> float:
     return statistics.median(timer.step_times_s[1:])
 
 
-def paired_step_times(strategy, model, dataset, *, plan_sizes, total_steps: int):
-    """Median step times (seconds) of the plan and of the even split, measured in alternating short rounds.
+def interleaved_step_times(measures, *, total_steps: int) -> dict[str, list[float]]:
+    """Median step times (seconds) of several configurations, measured side by side in rotating short rounds.
 
-    `total_steps` steps per split are cut into up to 6 rounds; each round measures both splits back to back (which
-    goes first alternates), so a change in the host's load between rounds hits both splits of a round alike.
-    Both splits are pinned as fixed shares while measured, so neither re-balancing nor the guard changes them.
+    `measures` maps a name to a function `measure(steps) -> median step time in seconds` (it pins what it measures,
+    e.g. a fixed split). `total_steps` steps per configuration are cut into up to 6 rounds of at least 5 steps; each
+    round measures every configuration back to back and the order rotates from round to round (with two
+    configurations: which goes first alternates), so a change in the host's load between rounds hits all the
+    configurations of a round alike.
 
     Returns:
-        (plan_times_s, even_times_s): one median step time per round for each split, in round order.
+        {name: one median step time per round, in round order}.
     """
-    R = strategy.num_replicas_in_sync
+    names = list(measures)
     rounds = max(1, min(6, total_steps // 5))
     steps = max(1, total_steps // rounds)
-    plan_times_s, even_times_s = [], []
+    times_s = {name: [] for name in names}
     for r in range(rounds):
-        order = (("plan", plan_sizes), ("even", [1] * R))
-        for name, shares in order if r % 2 == 0 else order[::-1]:
-            strategy.set_batch_split(list(shares))
-            (plan_times_s if name == "plan" else even_times_s).append(median_step_s(model, dataset, steps=steps))
-    return plan_times_s, even_times_s
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times_s[name].append(measures[name](steps))
+    return times_s
+
+
+def fastest_card(strategy, global_batch_size: int) -> tuple[int, str]:
+    """(replica index, why) of the card with the highest throughput on the whole global batch.
+
+    Emulated devices: the emulator's own figures (the catalog's modelled step time at B, what the logical device
+    waits for), which a busy host does not distort. Real devices: the calibrated cost models at B. Without either
+    (real devices and --no-auto-balance) the first device, and the reason says so.
+    """
+    B, R = global_batch_size, strategy.num_replicas_in_sync
+    emulator, cost_models = strategy.emulator, strategy.cost_models
+    if emulator is not None and emulator.workload is not None:
+        names = [spec.name for spec in emulator.specs]
+        times_s = [emulator.step_time_s(i, B) for i in range(R)]
+        source = "the emulated catalog figures"
+    elif cost_models is not None:
+        names = list(strategy.compute_devices)
+        times_s = [m.predict_step_time_s(B) for m in cost_models]
+        source = "the calibrated cost models"
+    else:
+        return 0, "no cost models to compare (real devices, --no-auto-balance): the first device"
+    index = min(range(R), key=lambda i: times_s[i])
+    figures = ", ".join(f"{n} {B / t:.0f}" for n, t in zip(names, times_s))
+    return index, f"highest throughput at B={B} by {source} (examples/s: {figures})"
+
+
+def fastest_alone_model(strategy, model, index: int, build):
+    """A model on the strategy's compute device `index` alone: a second HeteroCentralStorageStrategy in this
+    process over that one device (same parameter device; emulated: the same card with the main emulator's
+    workload and time scale, so the emulated times compare), `build()`'s architecture with `model`'s weights,
+    compiled as `compile_model` compiles the main one. No other replica is in its step."""
+    import warnings
+
+    import hetero_cs
+    from hetero_cs.emulation import Emulator
+
+    main = strategy.emulator
+    emulator = None
+    if main is not None:
+        emulator = Emulator([main.specs[index].name], workload=main.workload, time_scale=main.time_scale)
+    with warnings.catch_warnings():  # one compute device: "nothing to balance" is the point here
+        warnings.filterwarnings("ignore", message=".*nothing to balance.*")
+        alone = hetero_cs.HeteroCentralStorageStrategy(
+            [strategy.compute_devices[index]], strategy.parameter_device, emulate=emulator, auto_balance=False,
+            rebalance=False, profile_cache=False)
+    with alone.scope():
+        twin = build()
+        compile_model(twin)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def fits_alone(model, dataset) -> str | None:
+    """Runs two steps of `model` (the fastest card alone) on the whole global batch: None when they ran, else why
+    not (the whole batch can be more than one card's memory). Also traces its step before the timed rounds."""
+    from hetero_cs.engine.oom_errors import is_out_of_memory
+
+    try:
+        model.fit(dataset, epochs=1, steps_per_epoch=2, shuffle=False, verbose=0)
+    except Exception as exc:  # only out of memory is expected here; anything else is a bug to show
+        cause = exc  # the strategy wraps a replica's error (ReplicaStepError) and chains the original
+        while cause is not None and not is_out_of_memory(cause):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        return f"the whole global batch does not fit in its memory ({str(exc).splitlines()[0][:300]})"
+    return None
+
+
+def theoretical_speedup_vs_fastest(cost_models, plan_sizes, index: int, global_batch_size: int) -> float | None:
+    """Sum of the cards' throughputs at their planned slices over the fastest card's throughput on the whole batch,
+    from the cost models (None without them)."""
+    if cost_models is None:
+        return None
+    total = sum(b / m.predict_step_time_s(b) for m, b in zip(cost_models, plan_sizes) if b > 0)
+    return total / (global_batch_size / cost_models[index].predict_step_time_s(global_batch_size))
+
+
+def compile_model(model) -> None:
+    import keras
+
+    model.compile(
+        optimizer=keras.optimizers.Adam(3e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
 
 
 def guard_outcome(strategy) -> str:
@@ -194,11 +280,7 @@ def main(argv=None) -> int:
 
     with strategy.scope():
         model = build_cnn(num_classes, args.seed)
-        model.compile(
-            optimizer=keras.optimizers.Adam(3e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+        compile_model(model)
 
     B = args.global_batch_size
     train = (
@@ -226,34 +308,69 @@ def main(argv=None) -> int:
     _, test_accuracy = model.evaluate(x_test, y_test, batch_size=B, verbose=0)
     print(f"\n== test accuracy: {test_accuracy:.4f} on {len(x_test)} held-out examples")
 
-    # Throughput: the plan in use beside the even split, interleaved in one run (this machine is noisy).
+    # Throughput: the plan in use beside the even split and beside the fastest card alone on the whole batch,
+    # interleaved in one run (this machine is noisy). Full global batches only: examples/s = B / median step time.
     logging.getLogger("hetero_cs").setLevel(logging.WARNING)  # the plan flips on purpose below
-    repeated = train.repeat()
+    repeated = train.unbatch().repeat().batch(B, drop_remainder=True)
     R = strategy.num_replicas_in_sync
-    if final_plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R):
-        # The plan in use is the even split (--no-auto-balance, one device, or devices alike): one measurement.
-        print(f"\n== measuring examples/s ({args.timing_steps} steps; the plan in use is the even split) ...")
-        strategy.set_batch_split(list(final_plan.per_replica_batch_sizes))  # pinned: no re-plan while measuring
-        plan_times_s = even_times_s = [median_step_s(model, repeated, steps=args.timing_steps)]
+    plan_sizes = list(final_plan.per_replica_batch_sizes)
+    fastest, why_fastest = fastest_card(strategy, B)
+    fastest_name = emulate[fastest] if emulate else strategy.compute_devices[fastest]
+    print(f"\n== the fastest card alone: {fastest_name} ({strategy.compute_devices[fastest]}), {why_fastest}; it "
+          f"trains the whole global batch of {B} on its own, in a second strategy over that one device")
+    twin = fastest_alone_model(strategy, model, fastest, lambda: build_cnn(num_classes, args.seed))
+
+    def pinned(shares):
+        def measure(steps: int) -> float:
+            strategy.set_batch_split(list(shares))  # pinned: no re-plan or guard trial while measuring
+            return median_step_s(model, repeated, steps=steps)
+
+        return measure
+
+    measures = {"plan": pinned(plan_sizes)}
+    plan_is_even = final_plan.per_replica_batch_sizes == hetero_cs.even_batch_split(B, R)
+    if not plan_is_even:  # else (--no-auto-balance, one device, or devices alike) the plan is the even split
+        measures["even"] = pinned([1] * R)
+    alone_error = fits_alone(twin, repeated)
+    if alone_error is None:
+        measures["fastest"] = lambda steps: median_step_s(twin, repeated, steps=steps)
     else:
-        print(f"\n== measuring examples/s: the plan in use vs the even split, {args.timing_steps} steps each, in "
-              f"alternating rounds ...")
-        plan_times_s, even_times_s = paired_step_times(
-            strategy, model, repeated, plan_sizes=final_plan.per_replica_batch_sizes, total_steps=args.timing_steps)
+        print(f"the fastest card alone: not measured - {alone_error}")
+    note = " (the plan in use is the even split)" if plan_is_even else ""
+    print(f"== measuring examples/s: {' vs '.join(measures)}{note}, {args.timing_steps} steps each, in rotating "
+          f"rounds ...")
+    times_s = interleaved_step_times(measures, total_steps=args.timing_steps)
     strategy.set_batch_split(None)  # back to the auto-balanced plan that was in force
+    plan_times_s, fastest_times_s = times_s["plan"], times_s.get("fastest")
+    even_times_s = times_s.get("even", plan_times_s)
     plan_eps, even_eps = B / statistics.median(plan_times_s), B / statistics.median(even_times_s)
-    # The speedup is the median over rounds of each round's even/plan ratio: paired, so load that changes between
-    # rounds cancels.
+    fastest_eps = B / statistics.median(fastest_times_s) if fastest_times_s else None
+    # Each speedup is the median over rounds of that round's ratio: paired, so load that changes between rounds
+    # cancels.
     speedup = statistics.median([e / p for p, e in zip(plan_times_s, even_times_s)])
+    vs_fastest_rounds = [f / p for p, f in zip(plan_times_s, fastest_times_s or [])]
+    speedup_vs_fastest = statistics.median(vs_fastest_rounds) if vs_fastest_rounds else None
     plan = final_plan
     theoretical = plan.predicted_speedup_vs_even  # None without cost models (--no-auto-balance)
+    theoretical_vs_fastest = None  # n/a when the fastest card cannot hold the whole batch
+    if alone_error is None:
+        theoretical_vs_fastest = theoretical_speedup_vs_fastest(strategy.cost_models, plan_sizes, fastest, B)
     label = "auto_balance" if not args.no_auto_balance else "even split (--no-auto-balance)"
     print("\n== throughput (from the median step time)")
     print(f"{label:>32}: {plan_eps:9.1f} examples/s")
     print(f"{'even split':>32}: {even_eps:9.1f} examples/s")
+    if fastest_eps is not None:
+        print(f"{f'{fastest_name} alone, whole batch':>32}: {fastest_eps:9.1f} examples/s")
     predicted = f"{theoretical:.2f}x" if theoretical else "n/a without calibration"
+    even_rounds = ", ".join(f"{e / p:.2f}" for p, e in zip(plan_times_s, even_times_s))
     print(f"{'speedup vs even':>32}: {speedup:9.2f}x (predicted by the plan: {predicted}; median of "
-          f"{len(plan_times_s)} paired round(s): {', '.join(f'{e / p:.2f}' for p, e in zip(plan_times_s, even_times_s))})")
+          f"{len(plan_times_s)} paired round(s): {even_rounds})")
+    predicted = f"{theoretical_vs_fastest:.2f}x" if theoretical_vs_fastest else "n/a without calibration"
+    if speedup_vs_fastest is not None:
+        print(f"{'speedup vs the fastest alone':>32}: {speedup_vs_fastest:9.2f}x (all {R} cards vs {fastest_name} "
+              f"alone; theoretical from the cost models, the cards' throughputs at their slices over "
+              f"{fastest_name}'s at B: {predicted}; median of {len(plan_times_s)} paired round(s): "
+              f"{', '.join(f'{r:.2f}' for r in vs_fastest_rounds)})")
 
     calibration = strategy.calibration
     cached = calibration is not None and calibration.from_cache
@@ -262,6 +379,10 @@ def main(argv=None) -> int:
         "test_accuracy": f"{test_accuracy:.4f}",
         "speedup_vs_even": f"{speedup:.3f}",
         "predicted_speedup": f"{theoretical:.3f}" if theoretical else "n/a",
+        "speedup_vs_fastest": f"{speedup_vs_fastest:.3f}" if speedup_vs_fastest is not None else "n/a",
+        "theoretical_speedup_vs_fastest": f"{theoretical_vs_fastest:.3f}" if theoretical_vs_fastest else "n/a",
+        "fastest": fastest_name,
+        "fastest_examples_per_s": f"{fastest_eps:.1f}" if fastest_eps is not None else "n/a",
         "examples_per_s": f"{plan_eps:.1f}",
         "even_examples_per_s": f"{even_eps:.1f}",
         "plan": "/".join(str(b) for b in plan.per_replica_batch_sizes),
