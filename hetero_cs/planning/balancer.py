@@ -344,10 +344,10 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
         self._monitor.record(replica_id, batch_size, step_time_s, step_key=step_key)
 
     def timing_due(self) -> bool:
-        """Whether the next steps should be timed: always while a trial or the re-balancer needs samples.
+        """Whether the step just served should be timed: always while a trial or the re-balancer needs samples.
 
         In steady state, one served batch in :meth:`timing_interval_steps`; an engine reads this once per served
-        batch (its timing switch then applies to the next steps it runs)."""
+        batch, right after :meth:`serve`, for the step that batch runs in."""
         with self._lock:
             if not self.timing_needed:
                 return False

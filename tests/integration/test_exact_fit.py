@@ -78,11 +78,11 @@ def test_deepcopy_gives_an_independent_strategy_as_stock_strategies_do():
     assert strategy.plan.per_replica_batch_sizes == (7, 3)
 
 
-def dense_model(seed: int, *, optimizer: str, clip: dict | None = None, batchnorm: bool = False):
+def dense_model(seed: int, *, optimizer: str, clip: dict | None = None, batchnorm: bool | str = False):
     init = keras.initializers.GlorotUniform(seed=seed)
     layers = [keras.Input((3,)), keras.layers.Dense(4, activation="tanh", kernel_initializer=init)]
     if batchnorm:
-        layers.append(keras.layers.BatchNormalization(synchronized=True))
+        layers.append(keras.layers.BatchNormalization(synchronized=batchnorm != "default"))
     layers.append(keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1)))
     model = keras.Sequential(layers)
     opt_cls = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam, "adamw": keras.optimizers.AdamW}[optimizer]
@@ -217,6 +217,57 @@ def test_synchronized_batchnorm_gives_full_batch_moving_statistics():
     np.testing.assert_allclose(bn.moving_mean.numpy(), bn_ref.moving_mean.numpy(), atol=1e-5)
     np.testing.assert_allclose(bn.moving_variance.numpy(), bn_ref.moving_variance.numpy(), atol=1e-5)
     assert_same_state(reference, model)
+
+
+@pytest.mark.parametrize("batchnorm", ["default", "synchronized"])
+@pytest.mark.parametrize(
+    "shares,global_batch_size,n",
+    [([4, 9, 17], 30, 30), ([0, 5, 5], 10, 22), ([3, 2, 1], 6, 14)],
+    ids=["uneven", "zero-share-and-partial-batch", "last-batch-smaller-than-replicas"],
+)
+def test_batchnorm_normalises_by_the_global_batch(batchnorm, shares, global_batch_size, n):
+    """Regression: default BatchNormalization normalised each slice by its own statistics (not one device's step),
+    and a 0-example slice turned the weights and moving statistics into NaN after one step."""
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(n, 3)) * [1, 5, 0.1] + [0, 3, -2]).astype(np.float32)
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    reference, ref_hist, model, hist = reference_and_distributed(
+        shares, x=x, y=y, global_batch_size=global_batch_size, optimizer="adam", batchnorm=batchnorm
+    )
+    bn_ref, bn = reference.layers[1], model.layers[1]
+    assert np.all(np.isfinite(bn.moving_variance.numpy()))
+    np.testing.assert_allclose(bn.moving_mean.numpy(), bn_ref.moving_mean.numpy(), atol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), bn_ref.moving_variance.numpy(), atol=1e-5)
+    assert_same_state(reference, model)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_masked_batchnorm_normalises_by_the_global_batch():
+    """A masked BatchNormalization (after Embedding(mask_zero=True)) counts the whole batch's unmasked entries."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 6, size=(24, 5)).astype(np.int32)  # token 0 is padding (masked)
+    y = rng.normal(size=(24, 1)).astype(np.float32)
+
+    def build(seed=0):
+        model = keras.Sequential([
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(6, 4, mask_zero=True, embeddings_initializer=keras.initializers.RandomNormal(
+                seed=seed)),
+            keras.layers.BatchNormalization(),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1)),
+        ])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    reference = build()
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(3, [6, 5, 1])
+    with strategy.scope():
+        model = build()
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=1e-5)
 
 
 @pytest.mark.parametrize(

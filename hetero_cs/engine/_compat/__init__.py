@@ -50,6 +50,7 @@ from hetero_cs.engine._compat.trainer import (
     all_sublayers,
     layer_build_shapes,
 )
+from hetero_cs.engine._compat.batch_norm import _patch_batch_normalization
 from hetero_cs.engine._compat.input_state import FirstBatchReader
 from hetero_cs.engine._compat.losses import (
     _patch_compute_loss,
@@ -125,6 +126,7 @@ def install() -> None:
         _patch_loss_reduction()
         _patch_compute_loss()
         _patch_mean_metric()
+        _patch_batch_normalization()
         _patch_variable_assign_add()
         _patch_optimizer()
         _patch_loss_scale_optimizer()

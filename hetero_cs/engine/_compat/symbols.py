@@ -37,6 +37,7 @@ REQUIRED = (
     ("tensorflow.python.distribute.input_lib", None, ("InputWorkers", "DistributedDatasetsFromFunction")),
     ("tensorflow.python.distribute.values", None, ("PerReplica", "PerReplicaSpec")),
     ("tensorflow.python.ops.nn_impl_distribute", None, ("compute_average_loss",)),
+    ("keras.src.layers.normalization.batch_normalization", "BatchNormalization", ("_moments",)),
     ("tensorflow.python.eager.def_function", "Function", ("_clone", "python_function")),
 )
 
