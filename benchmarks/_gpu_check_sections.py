@@ -297,19 +297,20 @@ def section_d(ctx: Context) -> tuple[str, str, dict]:
     log(f"   replica {ctx.small_replica} ({ctx.devices[ctx.small_replica]}, {memory}) gets {slice_size} examples of "
         f"an even split of B={batch}; model.fit for {steps} steps, oom_recovery on")
     seen: list[tuple[str, int | None]] = []
-    original = oom_recovery.failed_replica
+    original = oom_recovery.classify  # what the fit's recovery asks of every failed step
 
-    def spy(exc: Exception, num_replicas: int) -> int | None:
-        replica = original(exc, num_replicas)
-        seen.append((type(exc).__name__, replica))
-        return replica
+    def spy(exc, *args, **kwargs):
+        found = original(exc, *args, **kwargs)
+        if found is not None:  # an out-of-memory error (any form), and the replica blamed for it
+            seen.append((type(exc).__name__, found.replica_id))
+        return found
 
     handler = _Records()
     engine_logger = logging.getLogger("hetero_cs.engine.central_storage")
     engine_logger.addHandler(handler)
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    oom_recovery.failed_replica = spy
+    oom_recovery.classify = spy
     try:
         strategy = HeteroCentralStorageStrategy(ctx.devices, batch_split=[1] * len(ctx.devices), emulate=emulate,
                                                 profile_cache=False, oom_recovery=MemoryRecoveryPolicy(max_retries=4))
@@ -322,7 +323,7 @@ def section_d(ctx: Context) -> tuple[str, str, dict]:
         history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         fit_s = time.perf_counter() - start_s
     finally:
-        oom_recovery.failed_replica = original
+        oom_recovery.classify = original
         engine_logger.removeHandler(handler)
         for key, value in saved_env.items():
             if value is None:

@@ -80,6 +80,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not chosen:
         parser.error(f"--sections takes letters from {','.join(SECTIONS)}; got {args.sections!r}")
     args.sections = [s for s in SECTIONS if s in chosen]
+    for name in ("params", "global_batch_size", "steps", "rounds", "small_gpu_mb", "large_gpu_mb"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {value}")
+    for name in ("budget_s", "tests_timeout_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be a number of seconds > 0; got {getattr(args, name)}")
+    if args.json is not None:  # found out now, not after the sections ran
+        folder = args.json.resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            parser.error(f"--json {args.json}: cannot write in {folder} (no such folder, or not writable)")
     return args
 
 

@@ -219,6 +219,25 @@ def memory_policy(oom_recovery):
     )
 
 
+def validate_flags(**flags) -> None:
+    """Raises ConfigError unless every flag is a bool (``auto_balance="no"`` would otherwise count as True)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False. Received: {name}={value!r} "
+                              f"({type(value).__name__}).")
+
+
+def validate_compute_devices(compute_devices) -> list:
+    """``compute_devices`` as a list of device names (a single name is one device); ConfigError otherwise."""
+    if isinstance(compute_devices, str):
+        return [compute_devices]
+    if not isinstance(compute_devices, (list, tuple)):  # each name is checked by canonical_device
+        raise ConfigError(
+            f"compute_devices must be a list of device names, e.g. ['/gpu:0', '/gpu:1'], or None for every GPU. "
+            f"Received: compute_devices={compute_devices!r}.")
+    return list(compute_devices)
+
+
 def validate_fused_update(fused_update) -> None:
     """Raises ConfigError unless ``fused_update`` is None, True or False."""
     if fused_update is None or isinstance(fused_update, bool):

@@ -122,6 +122,7 @@ class HeteroCentralStorageStrategy(
         oom_recovery: "bool | Any | None" = None,
         fused_update: bool | None = None,
     ):
+        arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
         emulator, emulate = arguments.emulation_names(emulate)
         if emulate is not None and compute_devices is None:
             from hetero_cs import emulation
@@ -130,8 +131,7 @@ class HeteroCentralStorageStrategy(
         parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
         if compute_devices is None:
             compute_devices = arguments.default_compute_devices(parameter_device)
-        if isinstance(compute_devices, str):
-            compute_devices = [compute_devices]
+        compute_devices = arguments.validate_compute_devices(compute_devices)
         devices = [arguments.canonical_device(d) for d in compute_devices]
         arguments.validate_devices(devices, parameter_device)
         if emulate is not None and len(emulate) != len(devices):

@@ -109,6 +109,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         profile_cache: Any = None,
         communication_options: Any = None,
     ):
+        arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance)
         if profile_cache not in (None, False):
             raise ConfigError(
                 f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "

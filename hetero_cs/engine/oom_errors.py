@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from hetero_cs.engine.step_errors import REPLICA_ID_ATTRIBUTE
+from hetero_cs.errors import EmulatedOutOfMemoryError
 
 # (name, pattern) of each out-of-memory form an Internal/Unknown/InvalidArgument error may carry; the first match
 # names the form. A ResourceExhaustedError is out of memory whatever its text.
@@ -102,6 +103,8 @@ class OutOfMemory:
 
 def oom_form(exc: BaseException) -> str | None:
     """The out-of-memory form ``exc`` shows (a name from :data:`OOM_FORMS`, or "resource exhausted"), or None."""
+    if isinstance(exc, EmulatedOutOfMemoryError):  # an emulated device's, raised as itself by an eager step
+        return "emulated"
     if not isinstance(exc, tf.errors.OpError):
         return None
     message = str(exc)

@@ -34,7 +34,7 @@ import tensorflow as tf
 from hetero_cs.engine import _compat
 from hetero_cs.engine.input_slicing import is_unbatched_marker
 from hetero_cs.engine.oom_errors import OutOfMemory, blamed_replica, classify
-from hetero_cs.errors import InfeasiblePlanError, StepOOMError
+from hetero_cs.errors import EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -138,7 +138,7 @@ class StepRecovery:
         for attempt in range(policy.max_retries + 1):
             try:
                 outputs = step(data)
-            except tf.errors.OpError as exc:
+            except (tf.errors.OpError, EmulatedOutOfMemoryError) as exc:  # the latter from an eager step
                 oom = classify(exc, strategy.compute_devices, replica_scopes)
                 if oom is None:
                     raise  # not out of memory: a shape error, a failed input pipeline, ... as it is

@@ -115,6 +115,14 @@ CONSTRUCTOR_CASES = [
     ("emulate_plain_string", dict(compute_devices=DEVICES, emulate="A10"), ConfigError, ValueError,
      r"emulate='A10'. Example: emulate=\['A10', 'T4', 'P100'\]"),
     ("emulate_empty", dict(compute_devices=DEVICES, emulate=[]), ConfigError, ValueError, r"emulate=\[\]"),
+    # Regression: "no" and None counted as True (balancing stayed on), an int gave an untyped TypeError.
+    ("auto_balance_string", dict(compute_devices=DEVICES, auto_balance="no"), ConfigError, ValueError,
+     r"auto_balance must be True or False. Received: auto_balance='no' \(str\)"),
+    ("rebalance_none", dict(compute_devices=DEVICES, rebalance=None), ConfigError, ValueError,
+     r"rebalance must be True or False. Received: rebalance=None"),
+    ("guard_int", dict(compute_devices=DEVICES, guard=2), ConfigError, ValueError, r"guard=2 \(int\)"),
+    ("compute_devices_int", dict(compute_devices=5), ConfigError, ValueError,
+     r"compute_devices must be a list of device names.*Received: compute_devices=5"),
 ]
 
 
@@ -571,3 +579,26 @@ def test_a_model_compiled_outside_the_scope_says_to_compile_inside_it():
     error = expect(lambda: model.fit(X, Y, batch_size=6, epochs=1, verbose=0), ConfigError, ValueError,
                    r"optimizer was created outside `with strategy.scope\(\):`.*Create and compile the model inside")
     assert isinstance(error.__cause__, RuntimeError) and "Mixing different" in str(error.__cause__)
+
+
+def test_jit_compile_true_is_refused_up_front_with_the_fix():
+    """Regression: it failed inside the first step as a ReplicaStepError blaming replica 0."""
+    s = strategy(compute_devices=DEVICES, batch_split=[1, 1, 1])
+    with s.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    x = np.ones((6, 2), np.float32)
+    for call in (lambda: model.fit(x, x[:, :1], batch_size=6, verbose=0), lambda: model.predict(x, verbose=0)):
+        expect(call, ConfigError, ValueError, r"jit_compile=True\) is not supported.*Compile with jit_compile=False")
+
+
+def test_evaluate_and_predict_of_an_empty_dataset_raise_input_error():
+    s = strategy(compute_devices=DEVICES, batch_split=[1, 1, 1])
+    with s.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    empty = tf.data.Dataset.from_tensor_slices((np.ones((4, 2), np.float32), np.ones((4, 1), np.float32))).take(0)
+    expect(lambda: model.evaluate(empty.batch(2), verbose=0), InputError, ValueError,
+           r"model.evaluate got no batches: the dataset is empty")
+    expect(lambda: model.predict(empty.map(lambda x, y: x).batch(2), verbose=0), InputError, ValueError,
+           r"model.predict got no batches: the dataset is empty")

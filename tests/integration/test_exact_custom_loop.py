@@ -309,3 +309,28 @@ def test_a_step_traced_in_another_thread_meanwhile_keeps_the_weight_decay(strate
     assert int(other_optimizer.iterations.numpy()) == 1
     for a, b in zip(expected, interleaved):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_library_errors_raised_while_tracing_keep_their_type():
+    """Regression: a hetero_cs error raised while tf.function traced a custom loop's step reached the user as
+    TensorFlow's StagingError, so `except hetero_cs.ConfigError` did not catch it."""
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], emulate=["A10", "T4"], batch_split=[1, 1],
+                                            profile_cache=False)
+    with strategy.scope():
+        model = make_model()
+    x, y = data(8)
+    element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))))
+
+    @tf.function
+    def step(element):
+        return strategy.run(lambda xb, yb: model(xb), args=element)
+
+    with pytest.raises(hetero_cs.ConfigError, match="strategy.calibrate"):  # emulated devices need the model's size
+        step(element)
+
+    @tf.function
+    def weight_outside_a_replica():
+        return hetero_cs.replica_weight()
+
+    with pytest.raises(hetero_cs.NotInReplicaStepError):
+        weight_outside_a_replica()

@@ -131,6 +131,27 @@ def test_calibration_finds_the_emulated_cap_and_a_lowered_cap_is_written_back(fa
     assert strategy.balancer.memory_caps.history[0].old_cap == 30
 
 
+def test_an_eager_step_that_runs_out_of_memory_is_recovered_too(fast_emulation, modelled_step_times):
+    """Regression: with run_eagerly=True an emulated device's error arrives as itself (a MemoryError), not as a
+    TensorFlow error, and recovery let it end fit."""
+    emulator = Emulator(["T4", f"T4@{memory_for(40)}B", "T4"], workload=WORKLOAD, time_scale=20.0,
+                        drift=[Drift(replica_id=1, from_step=2, memory_bytes=memory_for(9))])
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, batch_split=[1, 1, 1], oom_recovery=True)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse", run_eagerly=True)
+    initial = model.get_weights()
+    x, y = data()
+    model.fit(x[:4 * B], y[:4 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    ref = mlp()
+    ref.set_weights(initial)
+    ref.compile(optimizer="adam", loss="mse")
+    ref.fit(x[:4 * B], y[:4 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert strategy._step_recovery.recoveries >= 1  # noqa: SLF001
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_out_of_memory_on_every_retry_raises_a_clear_error_and_changes_nothing(fast_emulation):
     emulator = Emulator(
         ["A10", "T4", "P100"], workload=WORKLOAD, time_scale=20.0,

@@ -31,6 +31,7 @@ def _patch_fit() -> None:
         _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
             return original_fit(self, *args, **kwargs)
+        _refuse_jit_compile(self)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
@@ -149,10 +150,22 @@ def _patch_evaluate_and_predict() -> None:
             strategy = getattr(self, "_distribute_strategy", None)
             if not is_hetero_strategy(strategy):
                 return original(self, *args, **kwargs)
+            _refuse_jit_compile(self)
             strategy._input_error = None  # noqa: SLF001
             try:
                 with strategy._input_roles.inferring():  # noqa: SLF001 - its inputs and steps infer
                     return original(self, *args, **kwargs)
+            except (StopIteration, UnboundLocalError) as exc:
+                # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop
+                # ends before its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
+                if isinstance(exc, UnboundLocalError) and "batch_outputs" not in str(exc):
+                    raise
+                from hetero_cs.errors import InputError
+
+                raise InputError(
+                    f"model.{original.__name__} got no batches: the dataset is empty. Check the data (e.g. a take(0), "
+                    f"a filter that drops everything, or fewer examples than one batch with drop_remainder=True)."
+                ) from exc
             except tf.errors.OpError as exc:
                 input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
                 if input_error is None:
@@ -163,6 +176,21 @@ def _patch_evaluate_and_predict() -> None:
 
     TensorFlowTrainer.evaluate = reraise_input_errors(TensorFlowTrainer.evaluate)
     TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
+
+
+def _refuse_jit_compile(model) -> None:
+    # Keras resolves compile(jit_compile="auto") to False under any distribution strategy; True asks XLA to compile the
+    # whole distributed step, whose per-replica cut, clock stamps and host callbacks XLA cannot compile (it failed as
+    # a ReplicaStepError blaming replica 0). Refused up front, with the fix.
+    if getattr(model, "jit_compile", False) is True:
+        from hetero_cs.errors import ConfigError
+
+        raise ConfigError(
+            "compile(jit_compile=True) is not supported under hetero_cs's strategies yet: XLA cannot compile the "
+            "distributed step (its per-replica cut and timing run on the host). Compile with jit_compile=False, or "
+            "'auto' (Keras turns XLA off under any tf.distribute strategy). The optimizer's update on the host is "
+            "compiled with XLA already (fused_update)."
+        )
 
 
 def _patch_symbolic_build() -> None:
