@@ -118,14 +118,19 @@ class StepHandoff:
 
 
 @contextmanager
-def step_handoff(handoff: StepHandoff) -> Iterator[StepHandoff]:
-    """Makes ``handoff`` this thread's for the block: the thread that runs ``strategy.run``, and so its merges."""
-    previous = getattr(_state, "handoff", None)
-    _state.handoff = handoff
+def _this_threads(name: str, value: Any) -> Iterator[Any]:
+    """Sets ``name`` of this thread's state to ``value`` for the block, then restores what it was."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
     try:
-        yield handoff
+        yield value
     finally:
-        _state.handoff = previous
+        setattr(_state, name, previous)
+
+
+def step_handoff(handoff: StepHandoff):
+    """Makes ``handoff`` this thread's for the block: the thread that runs ``strategy.run``, and so its merges."""
+    return _this_threads("handoff", handoff)
 
 
 def current_step_handoff() -> StepHandoff | None:
@@ -137,15 +142,9 @@ def current_step_handoff() -> StepHandoff | None:
     return getattr(_state, "handoff", None)
 
 
-@contextmanager
-def replica_step(step: ReplicaStep) -> Iterator[ReplicaStep]:
+def replica_step(step: ReplicaStep):
     """Makes ``step`` the current replica step of this thread for the duration of the block."""
-    previous = getattr(_state, "step", None)
-    _state.step = step
-    try:
-        yield step
-    finally:
-        _state.step = previous
+    return _this_threads("step", step)
 
 
 def current_replica_step() -> ReplicaStep | None:
