@@ -602,3 +602,22 @@ def test_evaluate_and_predict_of_an_empty_dataset_raise_input_error():
            r"model.evaluate got no batches: the dataset is empty")
     expect(lambda: model.predict(empty.map(lambda x, y: x).batch(2), verbose=0), InputError, ValueError,
            r"model.predict got no batches: the dataset is empty")
+
+
+def test_an_optimizer_that_overrides_a_hooked_method_is_refused():
+    """Regression: a subclass overriding _clip_gradients clipped each replica's slice (weights off by 1.5e-3)."""
+
+    class OwnClipping(keras.optimizers.SGD):
+        def _clip_gradients(self, grads):
+            return [tf.clip_by_norm(g, 0.1) for g in grads]
+
+    s = strategy(compute_devices=DEVICES, batch_split=[2, 1, 1])
+    with s.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=OwnClipping(0.1), loss="mse")
+    before = model.get_weights()
+    x = np.ones((8, 2), np.float32)
+    expect(lambda: model.fit(x, x[:, :1], batch_size=8, verbose=0), ConfigError, ValueError,
+           r"OwnClipping overrides _clip_gradients .*summed gradient.*Use an optimizer that does not override it")
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)

@@ -160,6 +160,7 @@ def _patch_optimizer() -> None:
         # Records what this optimizer step needs of the hooks above (hooks.verify checks them once traced): the
         # all-reduce and the host update always, clipping and weight decay when configured.
         if current_hetero_strategy() is not None and tf.distribute.get_replica_context() is not None:
+            _refuse_overridden_hooks(self, TFOptimizer)
             grads = list(grads)
             if any(g is not None for g in grads):
                 hooks.expect_optimizer_step(
@@ -188,6 +189,29 @@ def _patch_optimizer() -> None:
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
     TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
+
+
+_HOOKED = {
+    "_clip_gradients": "clipping, which must apply to the summed gradient, not to each replica's slice",
+    "_all_reduce_sum_gradients": "the sum of the replicas' gradients on the host",
+    "_apply_weight_decay": "decoupled weight decay, which must run once, in the host update, behind the barrier",
+    "_distributed_tf_update_step": "the host update",
+}
+
+
+def _refuse_overridden_hooks(optimizer, base) -> None:
+    # An optimizer class that overrides a method patched above (a user's subclass, or Keras' Muon for weight decay)
+    # bypasses the patch: clipping per slice or weight decay per replica would be silently wrong. Refused, naming it.
+    for name, role in _HOOKED.items():
+        if getattr(type(optimizer), name, None) is not getattr(base, name, None):
+            owner = next((c for c in type(optimizer).__mro__ if name in vars(c)), type(optimizer))
+            from hetero_cs.errors import ConfigError
+
+            raise ConfigError(
+                f"The optimizer {type(optimizer).__name__} overrides {name} (in {owner.__module__}.{owner.__qualname__}"
+                f"), which hetero_cs replaces for {role}; with the override the step would not equal one device's. "
+                f"Use an optimizer that does not override it, or move the custom logic into update_step."
+            )
 
 
 def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:
