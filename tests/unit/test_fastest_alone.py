@@ -7,7 +7,6 @@ The measurements themselves need TensorFlow and time; run `python examples/train
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,11 +14,9 @@ import pytest
 
 from hetero_cs.planning.cost_model import LinearCostModel
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import _fastest  # the repository's benchmarks: importable through tests/conftest.py
 
-from benchmarks import _fastest  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_train_digits():
