@@ -113,6 +113,8 @@ def verify(record: StepHooks | None) -> None:
                        for hook, by in missing)
     raise UnsupportedVersionError(
         f"hetero_cs: a patched Keras/TensorFlow hook did not run in this traced step under "
-        f"HeteroCentralStorageStrategy, so the installed Keras/TensorFlow no longer calls what hetero_cs patches. "
-        f"Missing ({len(missing)}): {listed}. Nothing of this step was run. {version_advice()}"
+        f"HeteroCentralStorageStrategy: the installed Keras/TensorFlow no longer calls what hetero_cs patches, or the "
+        f"optimizer's class overrides the hook without calling super(). Missing ({len(missing)}): {listed}. Nothing of "
+        f"this step was run. If the optimizer is your own subclass, call super() in the override; else "
+        f"{version_advice()}"
     )

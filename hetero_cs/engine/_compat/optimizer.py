@@ -191,17 +191,18 @@ def _patch_optimizer() -> None:
     TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
 
 
+# Methods whose override changes what runs per replica even when it calls super(): clipping or weight decay of its
+# own would apply to each replica's slice. (An override of the all-reduce or of the host update that calls super()
+# is fine; one that does not leaves a hook unrun, which hooks.verify reports.)
 _HOOKED = {
     "_clip_gradients": "clipping, which must apply to the summed gradient, not to each replica's slice",
-    "_all_reduce_sum_gradients": "the sum of the replicas' gradients on the host",
     "_apply_weight_decay": "decoupled weight decay, which must run once, in the host update, behind the barrier",
-    "_distributed_tf_update_step": "the host update",
 }
 
 
 def _refuse_overridden_hooks(optimizer, base) -> None:
-    # An optimizer class that overrides a method patched above (a user's subclass, or Keras' Muon for weight decay)
-    # bypasses the patch: clipping per slice or weight decay per replica would be silently wrong. Refused, naming it.
+    # An optimizer class that overrides one of _HOOKED (a user's subclass, or Keras' Muon for weight decay) bypasses
+    # the patch: clipping per slice or weight decay per replica would be silently wrong. Refused, naming it.
     for name, role in _HOOKED.items():
         if getattr(type(optimizer), name, None) is not getattr(base, name, None):
             owner = next((c for c in type(optimizer).__mro__ if name in vars(c)), type(optimizer))
