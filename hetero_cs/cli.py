@@ -18,7 +18,30 @@ from collections.abc import Sequence
 from hetero_cs.errors import ConfigError, HeteroCSError
 
 
+def _start_tensorflow_quietly() -> None:
+    """Imports TensorFlow and lists its devices with the process's stderr (file descriptor 2) on /dev/null.
+
+    TensorFlow's C++ start-up lines (the absl note, oneDNN, "Could not find cuda drivers", CPU instruction notes and,
+    on a machine without GPUs, an ``E0000 ... failed call to cuInit`` that reads like a failure) would otherwise
+    come before the command's own output; ``TF_CPP_MIN_LOG_LEVEL`` does not silence all of them. ``--verbose``
+    keeps them. Listing physical devices does not start the runtime, so logical devices can still be set up.
+    """
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _devices(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        _start_tensorflow_quietly()
     from hetero_cs.devices import discover_devices, format_device_table
 
     print(format_device_table(discover_devices()))
@@ -27,7 +50,12 @@ def _devices(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from calibration.__main__ import run_calibrate
+    from calibration.store import check_output_path
 
+    if args.output is not None:
+        check_output_path(args.output)  # a bad --output is refused before TensorFlow loads
+    if not args.verbose:
+        _start_tensorflow_quietly()
     return run_calibrate(args)
 
 
@@ -67,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     from calibration.__main__ import add_calibrate_arguments, add_plan_arguments
 
     parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at DEBUG, and show TensorFlow's own start-up lines")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch}")
     devices = verbs.add_parser("devices", help="list compute devices (TensorFlow joined with NVML facts)")
     devices.set_defaults(run=_devices)
