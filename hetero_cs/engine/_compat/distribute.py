@@ -94,7 +94,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
        AggregatingVariable in Replica Context" on their first update with more than one replica. Integer state
        (seed counters) gets ONLY_FIRST_REPLICA (MEAN would break integer state); floating-point state gets MEAN.
     2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing), and a
-       packed global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
+       global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
     """
 
     def _create_variable(self, next_creator, **kwargs):
@@ -207,10 +207,10 @@ class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
 def distribute_on_host(strategy, dataset, *, source=None, host=None):
     """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
 
-    ``dataset`` yields packed global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the replicas'
-    slices inside the step. Every leaf of an element arrives as a per-replica value with a single component,
-    which is how the strategy recognises a packed batch (any other per-replica value has one per replica).
-    ``source`` is the user's dataset that ``dataset`` packs: an iterator over it started by calibration's read
+    ``dataset`` yields checked global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the
+    replicas' slices when the step starts. Every leaf of an element arrives as a per-replica value with a single
+    component, which is how the strategy recognises a global batch (any other per-replica value has one per replica).
+    ``source`` is the user's dataset that ``dataset`` checks: an iterator over it started by calibration's read
     (``strategy._first_batches``) is continued from there. ``host`` is the device that iterates it (default:
     ``strategy.extended.input_device``, the central-storage strategy's; the multi-worker strategy gives its worker's
     CPU).
@@ -253,7 +253,7 @@ def distribute_on_host(strategy, dataset, *, source=None, host=None):
 
 
 def components(value) -> tuple | None:
-    """The components of a per-replica value (one per replica, or one for a packed global batch leaf), else None."""
+    """The components of a per-replica value (one per replica, or one for a global batch's leaf), else None."""
     # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
     # to return the unpacked slices, so it cannot be used here.
     if not isinstance(value, tf.distribute.DistributedValues):
