@@ -44,12 +44,7 @@ def _patch_fit() -> None:
                 return original_fit(*bound.args, **bound.kwargs)
         except StopIteration as exc:
             # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
-            from hetero_cs.errors import InputError
-
-            raise InputError(
-                "model.fit got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that "
-                "drops everything, or fewer examples than one batch with drop_remainder=True)."
-            ) from exc
+            raise _empty_input_error("fit") from exc
         except tf.errors.OpError as exc:
             replica_error = strategy._replica_step_error(exc, replica_scopes=(self.name,))  # noqa: SLF001
             if replica_error is None:
@@ -160,12 +155,7 @@ def _patch_evaluate_and_predict() -> None:
                 # ends before its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
                 if isinstance(exc, UnboundLocalError) and "batch_outputs" not in str(exc):
                     raise
-                from hetero_cs.errors import InputError
-
-                raise InputError(
-                    f"model.{original.__name__} got no batches: the dataset is empty. Check the data (e.g. a take(0), "
-                    f"a filter that drops everything, or fewer examples than one batch with drop_remainder=True)."
-                ) from exc
+                raise _empty_input_error(original.__name__) from exc
             except tf.errors.OpError as exc:
                 input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
                 if input_error is None:
@@ -178,13 +168,21 @@ def _patch_evaluate_and_predict() -> None:
     TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
 
 
+def _empty_input_error(verb: str):
+    """The InputError of fit, evaluate or predict given a dataset with no batch."""
+    from hetero_cs.errors import InputError
+
+    return InputError(
+        f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
+        f"everything, or fewer examples than one batch with drop_remainder=True)."
+    )
+
+
 def _refuse_jit_compile(model) -> None:
     # Keras resolves compile(jit_compile="auto") to False under any distribution strategy; True asks XLA to compile the
     # whole distributed step, whose per-replica cut, clock stamps and host callbacks XLA cannot compile (it failed as
     # a ReplicaStepError blaming replica 0). Refused up front, with the fix.
     if getattr(model, "jit_compile", False) is True:
-        from hetero_cs.errors import ConfigError
-
         raise ConfigError(
             "compile(jit_compile=True) is not supported under hetero_cs's strategies yet: XLA cannot compile the "
             "distributed step (its per-replica cut and timing run on the host). Compile with jit_compile=False, or "
