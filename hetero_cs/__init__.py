@@ -28,7 +28,13 @@ from hetero_cs.errors import (
     UnsupportedVersionError,
     WorkerLostError,
 )
-from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import (
+    CostModel,
+    IdleFreeCostModel,
+    LinearCostModel,
+    PiecewiseLinearCostModel,
+    ScaledCostModel,
+)
 from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
@@ -79,6 +85,7 @@ __all__ = [
     "HeteroCSError",
     "HeteroCentralStorageStrategy",
     "HeteroMultiWorkerMirroredStrategy",
+    "IdleFreeCostModel",
     "InfeasiblePlanError",
     "InputError",
     "InvalidCostModelError",

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, training
+from hetero_cs.engine.idle_replicas import ActiveSets
 from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
@@ -193,12 +194,15 @@ class HeteroCentralStorageStrategy(
             len(devices), self._slice_sizes, check_batch=self._check_batch, device=parameter_device,
             cacheable=not (bool(auto_balance) and shares is None),
         )
+        # The sets of active replicas plans use; a step gets a branch for each (hetero_cs.engine.idle_replicas). A 0
+        # share idles its replica in every plan: known before any step is traced.
+        self._active_sets = ActiveSets(len(devices))
+        self._active_sets.note([int(share > 0) for share in shares or ()], training=True)
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
-            on_plan=self._slicer.publish, memory_policy=memory_policy,
+            on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
         )
         from hetero_cs.engine.oom_recovery import StepRecovery
-
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None)
                                if oom_recovery is not False and len(devices) > 1 else None)
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
@@ -285,6 +289,7 @@ class HeteroCentralStorageStrategy(
         if shares is not None:
             shares = arguments.checked_shares(shares, self.num_replicas_in_sync)
         self._balancer.set_batch_split(shares)
+        self._active_sets.note([int(share > 0) for share in shares or ()], training=True)
 
     def plan_for(self, global_batch_size: int) -> BatchPlan:
         """Returns the plan used for a global batch of ``global_batch_size`` examples (solved once, then cached).
@@ -305,6 +310,11 @@ class HeteroCentralStorageStrategy(
             trying = f" (in force while the guard tries {list(candidate.per_replica_batch_sizes)})" if candidate else ""
             logger.info("hetero_cs batch plan%s:\n%s", trying, plan)
 
+    def _on_plan(self, plan: BatchPlan) -> None:
+        # The balancer's new training plan (under its lock): cached for full batches; its active set gets a branch.
+        self._slicer.publish(plan)
+        self._active_sets.note(plan.per_replica_batch_sizes, training=True)
+
     def _check_batch(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
         # hold 0 examples (hetero_cs.engine.input_slicing). The error would reach the user wrapped in TensorFlow's;
@@ -324,6 +334,7 @@ class HeteroCentralStorageStrategy(
                 self._slicer.publish(plan)
             if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
+                self._active_sets.note(plan.per_replica_batch_sizes, training=training)
             return np.asarray([*plan.per_replica_batch_sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = exc

@@ -71,6 +71,13 @@ class InputRoles(DeepcopiedWithNewLocks):
         """True while this thread runs ``evaluate`` or ``predict``: the steps traced now are inference steps."""
         return self._get().inferring > 0
 
+    @property
+    def keras_loop_now(self) -> bool:
+        """True while this thread runs ``fit``, ``evaluate`` or ``predict``: the steps traced now are Keras' own
+        (their outputs are logs read from shared metric state, or predictions)."""
+        state = self._get()
+        return state.inferring > 0 or state.fitting > 0
+
     def claim_input(self) -> bool:
         """Called once per input distributed in this thread: True when its batches feed training steps."""
         state = self._get()

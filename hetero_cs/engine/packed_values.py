@@ -25,8 +25,8 @@ class PackedBatchValues:
 
         With one replica every per-replica value has one component, and a batch is already replica 0's slice.
         """
-        if self.num_replicas_in_sync == 1:
-            return None
+        if self.num_replicas_in_sync == 1 or self.extended.active_replicas_now() is not None:
+            return None  # one replica; or inside a call over some replicas, whose values have one part per replica
         parts = _compat.components(value)
         if parts is None or len(parts) != 1:
             return None
@@ -82,22 +82,24 @@ class PackedBatchValues:
         """``strategy.run``'s arguments with every global batch replaced by per-replica slices, cut by the plan this
         step decides now (before any replica runs).
 
-        Returns ``(args, kwargs, batch_leaves, timed)``; ``batch_leaves`` are the per-replica slices made here, in
-        order; ``timed`` is a bool scalar tensor (whether to time this step), or None when no global batch came.
+        Returns ``(args, kwargs, batch_leaves, timed, sizes)``; ``batch_leaves`` are the per-replica slices made
+        here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64
+        ``[R]`` slice sizes, both None when no global batch came.
         """
         batches = [leaf for leaf in tf.nest.flatten((args, kwargs or {}))
                    if isinstance(leaf, tf.distribute.DistributedValues)
                    and len(_compat.components(leaf) or ()) == 1
                    and not is_unbatched_marker(_compat.components(leaf)[0])]
         if not batches:
-            return args, kwargs, [], None
+            return args, kwargs, [], None, None
         training = not self._input_roles.inferring_now  # traced inside evaluate or predict: an inference step
         sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
                                                training=training)
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
-            return args, kwargs, [], timed
+            return args, kwargs, [], timed, None
         created: list = []
-        return self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed
+        return (self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed,
+                sizes)
 
     def experimental_local_results(self, value):
         """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices.

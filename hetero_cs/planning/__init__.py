@@ -6,7 +6,13 @@ and ``guard`` (keep a new plan only if it measured faster) -> ``balancer`` (the 
 used by every engine). ``simulation`` drives the loop with synthetic step times.
 """
 
-from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import (
+    CostModel,
+    IdleFreeCostModel,
+    LinearCostModel,
+    PiecewiseLinearCostModel,
+    ScaledCostModel,
+)
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -15,6 +21,7 @@ from hetero_cs.planning.solver import ideal_makespan_s, plan_from_split, solve_b
 __all__ = [
     "BatchPlan",
     "CostModel",
+    "IdleFreeCostModel",
     "LinearCostModel",
     "PiecewiseLinearCostModel",
     "RebalancePolicy",

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning.cost_model import CostModel, check_cost_model
+from hetero_cs.planning.cost_model import CostModel, check_cost_model, idle_free, without_idle_pricing
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
@@ -62,6 +62,10 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
             changes; e.g. to publish it to a graph cache.
         memory_policy: How memory caps fall after an out-of-memory step and grow back (:meth:`recover_from_oom`);
             None for the defaults.
+        idle_replicas_free: The engine runs nothing for a replica with 0 examples (central storage does): the cost
+            models are taken as :class:`~hetero_cs.planning.cost_model.IdleFreeCostModel` (``t(0) = 0``), and plans
+            and re-plans leave a card out wherever that is predicted faster. False (the multi-worker engine): every
+            replica pays its fixed cost, and solved plans give every replica at least one example when B >= R.
 
     Example:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
@@ -77,7 +81,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
         self, num_replicas: int, *, auto_balance: bool = True, rebalance: bool = True,
         shares: Sequence[float] | None = None, guard: bool = True, rebalance_policy: RebalancePolicy | None = None,
         guard_policy: GuardPolicy | None = None, on_plan: Callable[[BatchPlan], None] | None = None,
-        memory_policy: MemoryRecoveryPolicy | None = None,
+        memory_policy: MemoryRecoveryPolicy | None = None, idle_replicas_free: bool = False,
     ):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
@@ -87,7 +91,10 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
         self._auto_balance = bool(auto_balance)
         self._rebalance = bool(rebalance)
         self._guard_enabled = bool(guard)
-        self._rebalance_policy = rebalance_policy or RebalancePolicy()
+        # An engine that runs nothing for an idle replica (central storage): 0 examples cost 0 s, so solved plans
+        # and re-plans leave a card out wherever that is predicted faster (IdleFreeCostModel).
+        self._idle_free = bool(idle_replicas_free)
+        self._rebalance_policy = rebalance_policy or RebalancePolicy(min_batch_size=0 if self._idle_free else 1)
         self._on_plan = on_plan
         self._calibrated_models: list[CostModel] | None = None
         self._cost_models: list[CostModel] | None = None
@@ -175,12 +182,12 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
     @property
     def cost_models(self) -> list[CostModel] | None:
         """Per-replica cost models behind the plan (calibrated, then updated online), or None."""
-        return None if self._cost_models is None else list(self._cost_models)
+        return None if self._cost_models is None else [without_idle_pricing(m) for m in self._cost_models]
 
     @property
     def calibrated_models(self) -> list[CostModel] | None:
         """The cost models as calibrated or set, before online updates; None before either."""
-        return None if self._calibrated_models is None else list(self._calibrated_models)
+        return None if self._calibrated_models is None else [without_idle_pricing(m) for m in self._calibrated_models]
 
     @property
     def max_batch_sizes(self) -> list[int | None] | None:
@@ -239,6 +246,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
             )
         for i, model in enumerate(models):
             check_cost_model(model, [0, 1], replica_id=i)
+        if self._idle_free:
+            models = idle_free(models)
         with self._lock:
             # Solve with the new models before committing anything, so a failure leaves everything as it was.
             previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size)
@@ -380,6 +389,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
         return choose_plan(
             global_batch_size, self._num_replicas, shares=self._shares, auto_balance=self._auto_balance,
             cost_models=self._cost_models, max_batch_sizes=self._max_batch_sizes, log_ties=reference,
+            idle_free=self._idle_free,
         )
 
     def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:

@@ -71,7 +71,7 @@ class InferencePlans:
 
     def _solve_for_inference(self, global_batch_size: int) -> BatchPlan:
         arguments = dict(shares=self._shares, auto_balance=self._auto_balance, cost_models=self._cost_models,
-                         log_ties=False)
+                         log_ties=False, idle_free=self._idle_free)
         try:
             return choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=self._max_batch_sizes,
                                **arguments)

@@ -24,6 +24,7 @@ def choose_plan(
     cost_models: Sequence[CostModel] | None,
     max_batch_sizes: Sequence[int | None] | None,
     log_ties: bool = True,
+    idle_free: bool = False,
 ) -> BatchPlan:
     """The plan for one global batch of B examples on R replicas.
 
@@ -34,6 +35,9 @@ def choose_plan(
     less than MIN_PREDICTED_GAIN faster than the even split and the caps allow the even split: such ties are decided
     by calibration noise (e.g. 3/197 on two identical CPUs), so the even split stays (logged at INFO when
     ``log_ties``, at DEBUG otherwise, e.g. for a last partial batch). Predictions are filled when models are given.
+    With ``idle_free`` (an engine that runs nothing for a replica with 0 examples; the models are then
+    :class:`~hetero_cs.planning.cost_model.IdleFreeCostModel`, ``t(0) = 0``) the solver may give any replica 0
+    examples, and does wherever leaving it out is predicted faster.
     """
     if shares is not None or not auto_balance or cost_models is None:
         split = (split_by_shares(global_batch_size, shares) if shares is not None
@@ -41,7 +45,7 @@ def choose_plan(
         if _violates(split, max_batch_sizes):  # memory caps lowered after an out-of-memory step
             split = _split_within_caps(global_batch_size, shares or [1.0] * num_replicas, max_batch_sizes)
         return plan_from_split(split, cost_models)
-    min_batch_size = 1 if global_batch_size >= num_replicas else 0
+    min_batch_size = 1 if global_batch_size >= num_replicas and not idle_free else 0
     plan = solve_batch_split(
         cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size
     )

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CostModel",
+    "IdleFreeCostModel",
     "LinearCostModel",
     "PiecewiseLinearCostModel",
     "ScaledCostModel",
@@ -310,6 +311,52 @@ class ScaledCostModel:
 
     def _breakpoints(self) -> tuple[int, ...] | None:
         return _breakpoints(self.base)
+
+
+@dataclass(frozen=True)
+class IdleFreeCostModel:
+    """``t(0) = 0`` and ``t(b) = base.predict_step_time_s(b)`` for ``b >= 1``: a replica that gets no examples costs
+    nothing, which is what the central-storage engine does with it (no kernel on its device, no wait at the
+    barrier; :mod:`hetero_cs.engine.idle_replicas`). Still non-decreasing, so the solver stays optimal, and it
+    then leaves a card out whenever that is predicted faster: a card whose fixed cost per step exceeds the time
+    the others need for the whole batch gets 0 examples.
+
+    Attributes:
+        base: Any :class:`CostModel` (its own ``t(0)`` is the fixed cost a working replica pays).
+
+    Example:
+        >>> slow = IdleFreeCostModel(LinearCostModel(0.05, 0.001))
+        >>> slow.predict_step_time_s(0), round(slow.predict_step_time_s(1), 6)
+        (0.0, 0.051)
+    """
+
+    base: CostModel
+
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.base, "predict_step_time_s", None)):
+            raise InvalidCostModelError(
+                f"IdleFreeCostModel.base must have a predict_step_time_s method. Received: base={self.base!r}."
+            )
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """0.0 for ``batch_size == 0``; else ``base.predict_step_time_s(batch_size)``, in seconds."""
+        _check_batch_size(batch_size)
+        return 0.0 if batch_size == 0 else self.base.predict_step_time_s(batch_size)
+
+
+def idle_free(cost_models: Sequence[CostModel]) -> list[CostModel]:
+    """Each model as an :class:`IdleFreeCostModel` (one already idle-free is kept as it is)."""
+    return [m if isinstance(m, IdleFreeCostModel) else IdleFreeCostModel(m) for m in cost_models]
+
+
+def without_idle_pricing(model: CostModel) -> CostModel:
+    """``model`` without an :class:`IdleFreeCostModel` wrapper (also inside a :class:`ScaledCostModel`): the device's
+    own curve, as calibrated or updated online, for users and profiles."""
+    if isinstance(model, IdleFreeCostModel):
+        return model.base
+    if isinstance(model, ScaledCostModel) and isinstance(model.base, IdleFreeCostModel):
+        return ScaledCostModel(model.base.base, model.factor)
+    return model
 
 
 _KINDS: dict[str, Any] = {

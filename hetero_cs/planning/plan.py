@@ -255,8 +255,12 @@ class BatchPlan:
             f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}",
         ]
         for i, (b, w) in enumerate(zip(self.per_replica_batch_sizes, self.replica_weights)):
-            step = "n/a" if times is None else f"{times[i] * 1e3:.3f}"
+            step = "idle" if b == 0 else "n/a" if times is None else f"{times[i] * 1e3:.3f}"
             lines.append(f"{i:>7}  {b:>7}  {w:>7.4f}  {step:>17}")
+        idle = [i for i, b in enumerate(self.per_replica_batch_sizes) if b == 0]
+        if idle:
+            lines.append(f"idle replicas: {idle} (0 examples: no work on their devices; the rest finish sooner "
+                         f"without them, or there are fewer examples than replicas, or their share is 0)")
 
         def ms(value: float | None) -> str:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"

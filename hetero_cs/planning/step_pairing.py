@@ -191,11 +191,12 @@ class StepSample:
         makespan_s: The step's time: ``replica_makespan_s`` (max_i t_i, set by the slowest replica) plus
             ``host_tail_s``, what the guard judges and the fit logs show (``makespan_ms``).
         straggler_replica: argmax_i t_i (the lowest replica id on ties).
-        straggler_wait_s: mean over all R replicas of (makespan_s - t_i): how long the average replica sat idle
-            waiting for the straggler (the straggler itself counts with 0). 0 for a perfectly balanced step.
-        total_idle_s: sum over replicas of (makespan_s - t_i) = R * straggler_wait_s, device-seconds wasted.
-        balance_efficiency: mean_i t_i / max_i t_i in (0, 1]; 1 means every replica finished together.
-            1.0 when every time is 0.
+        straggler_wait_s: mean over the working replicas of (makespan_s - t_i): how long the average replica sat
+            waiting for the straggler (the straggler itself counts with 0). 0 for a perfectly balanced step. A
+            replica left idle by the plan (b_i = 0 and t_i = 0: it ran nothing) is not a working replica.
+        total_idle_s: sum over the working replicas of (makespan_s - t_i), device-seconds wasted waiting.
+        balance_efficiency: mean_i t_i / max_i t_i over the working replicas, in (0, 1]; 1 means every replica
+            finished together. 1.0 when every time is 0.
         host_tail_s: Seconds from the last replica's gradients reaching the parameter device to the end of the
             host's work on the step (the gradient sum and the optimizer update), >= 0; 0.0 until the engine
             reports the step's end (:meth:`StepTimeMonitor.record_step_end`), and for steps it cannot pair.
@@ -229,7 +230,12 @@ class StepSample:
         """Builds a sample, computing the straggler statistics from the per-replica times (shape [R])."""
         times = np.asarray(step_times_s, dtype=np.float64)
         makespan_s = float(times.max())
-        waits_s = makespan_s - times
+        # An idle replica (0 examples, 0 s: it ran nothing) does not wait for the straggler; it is left out of the
+        # straggler statistics. A replica that ran a 0-example slice took time, and counts.
+        working = (np.asarray(batch_sizes) > 0) | (times > 0)
+        if not working.any():
+            working = np.ones_like(working)
+        waits_s = makespan_s - times[working]
         return cls(
             step=int(step),
             per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
@@ -238,5 +244,5 @@ class StepSample:
             straggler_replica=int(np.argmax(times)),
             straggler_wait_s=float(waits_s.mean()),
             total_idle_s=float(waits_s.sum()),
-            balance_efficiency=float(times.mean() / makespan_s) if makespan_s > 0 else 1.0,
+            balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
         )

@@ -8,7 +8,7 @@ from fractions import Fraction
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hetero_cs.planning.cost_model import LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.errors import InfeasiblePlanError
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.solver import ideal_makespan_s, solve_batch_split
@@ -174,6 +174,40 @@ def test_linear_makespan_equals_brute_force(problem):
     best = _brute_force_makespan(problem)
     assume(best is not None)
     assert _solve(problem).predicted_makespan_s == best
+
+
+idle_free_models = st.builds(IdleFreeCostModel, st.one_of(linear_models, piecewise_models(), step_models,
+                                                          scaled_models))
+
+
+@THOROUGH
+@given(problems(models=idle_free_models))
+def test_plans_that_leave_cards_out_are_optimal_against_brute_force(problem):
+    # An idle replica costs nothing (the central-storage engine runs nothing for it): t(0) = 0, then a jump to the
+    # fixed cost at 1 example. The minimum over every subset of working cards is what brute force finds.
+    best = _brute_force_makespan(problem)
+    try:
+        plan = _solve(problem)
+    except InfeasiblePlanError:
+        assert best is None
+        return
+    assert best is not None and math.isclose(plan.predicted_makespan_s, best, rel_tol=1e-12, abs_tol=1e-12)
+    assert plan.per_replica_batch_sizes == _greedy_split(problem)
+
+
+@FAST
+@given(fast=st.integers(1, 4), fixed_ms=st.integers(0, 400), B=st.integers(1, 200))
+def test_a_card_is_left_out_exactly_when_its_fixed_cost_exceeds_the_makespan_without_it(fast, fixed_ms, B):
+    # `fast` alike cards at 1 ms per example and no fixed cost, and one card at 1 ms per example plus `fixed_ms`.
+    models = [IdleFreeCostModel(LinearCostModel(0.0, 1e-3))] * fast + [
+        IdleFreeCostModel(LinearCostModel(fixed_ms * 1e-3, 1e-3))]
+    plan = solve_batch_split(models, B, min_batch_size=0)
+    without_s = math.ceil(B / fast) * 1e-3
+    if fixed_ms * 1e-3 + 1e-3 > without_s:  # even one example on the slow card ends later than the others alone
+        assert plan.per_replica_batch_sizes[-1] == 0
+        assert math.isclose(plan.predicted_makespan_s, without_s)
+    else:
+        assert plan.predicted_makespan_s <= without_s + 1e-12
 
 
 @FAST

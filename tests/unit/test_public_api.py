@@ -21,6 +21,7 @@ EXPECTED_ALL = [
     "HeteroCSError",
     "HeteroCentralStorageStrategy",
     "HeteroMultiWorkerMirroredStrategy",
+    "IdleFreeCostModel",
     "InfeasiblePlanError",
     "InputError",
     "InvalidCostModelError",

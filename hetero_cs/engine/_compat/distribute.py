@@ -5,7 +5,10 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -16,7 +19,7 @@ import tensorflow as tf
 # is subclassed for the same reason (see _HostDistributedDataset).
 from tensorflow.python.distribute import input_lib, parameter_server_strategy  # noqa: E402
 
-from hetero_cs.engine import training
+from hetero_cs.engine import idle_replicas, training
 from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 
@@ -46,6 +49,9 @@ class DeepcopiedStrategy:
         lifted = self._extended.__dict__.get("_hetero_lifted_functions")  # see HeteroExtended.lifted_function
         if lifted is not None:
             memo[id(lifted)] = weakref.WeakKeyDictionary()
+        active = self._extended.__dict__.get("_hetero_active")  # see HeteroExtended._only_replicas
+        if active is not None:
+            memo[id(active)] = threading.local()
         for value in vars(self).values():
             if isinstance(value, tf.data.Dataset):
                 memo[id(value)] = value
@@ -114,18 +120,127 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         if lifted is not None:
             return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
-        args, kwargs, batch_leaves, timed = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+        args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+        R = len(self._compute_devices)
+        if sizes is None or R == 1:
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
+        if tf.executing_eagerly():  # the sizes are known: run the active replicas only
+            active = tuple(i for i, b in enumerate(sizes.numpy()) if b > 0)
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, None if len(active) == R else active)
+        # In a graph: one branch per set of active replicas that plans use, picked when the step starts
+        # (hetero_cs.engine.idle_replicas); branch 0 runs every replica.
+        training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
+        sets = strategy._active_sets.for_trace(training=training_step)  # noqa: SLF001
+        if not sets:
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
+        template = {}
+
+        def branch(active):
+            def call():
+                result = self._call_active(fn, args, kwargs, batch_leaves, timed, active)
+                if active is None:
+                    template["structure"] = result
+                else:
+                    tf.nest.assert_same_structure(template["structure"], result, expand_composites=True)
+                flat = tf.nest.flatten(result, expand_composites=True)
+                template.setdefault("static", [not isinstance(v, (tf.Tensor, tf.Operation)) for v in flat])
+                return [v for v in flat if isinstance(v, tf.Tensor)]
+            return call
+
+        index = idle_replicas.branch_index(sizes, sets, R)
+        outputs = tf.switch_case(index, [branch(None)] + [branch(s) for s in sets], name="hetero_cs_active_replicas")
+        structure = template["structure"]
+        flat = tf.nest.flatten(structure, expand_composites=True)
+        tensors = iter(outputs if isinstance(outputs, (list, tuple)) else [outputs])
+        merged = [v if static else next(tensors) for v, static in zip(flat, template["static"])]
+        return tf.nest.pack_sequence_as(structure, merged, expand_composites=True)
+
+    def _call_active(self, fn, args, kwargs, batch_leaves, timed, active):
+        """One ``strategy.run`` call over the replicas in ``active`` (None: all of them)."""
+        strategy = self._container_strategy()
         # One handoff per call: its replica threads and this thread, which runs its merges, share it (and no
         # other call does: another model may trace its step in another thread at the same time). The patched
         # Keras hooks of this call record into its StepHooks; once traced, every hook the step needed must have run
         # (hooks.verify), else Keras changed under us: UnsupportedVersionError.
         handoff = training.StepHandoff(hooks=hooks.StepHooks())
         wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff)  # noqa: SLF001
+        R = len(self._compute_devices)
         with training.step_handoff(handoff):
-            result = super()._call_for_each_replica(wrapped, args, kwargs)
+            if active is None:
+                result = super()._call_for_each_replica(wrapped, args, kwargs)
+            else:
+                idle = [i for i in range(R) if i not in active]
+                idle_replicas.report_idle_replicas(
+                    idle, handoff.start_stamp, record=strategy._record_step_time if handoff.start_stamp is not None
+                    else None, emulator=strategy._emulator, sampled=handoff.sampled_start,  # noqa: SLF001
+                    host=strategy._parameter_device)  # noqa: SLF001
+                sub = functools.partial(idle_replicas.subset_per_replica, active=active, num_replicas=R,
+                                        components=components, per_replica=per_replica)
+                with self._only_replicas(active):
+                    result = super()._call_for_each_replica(wrapped, sub(args), sub(kwargs or {}))
+                result = idle_replicas.expand_outputs(
+                    result, active, R, keras_step=strategy._input_roles.keras_loop_now,  # noqa: SLF001
+                    host=strategy._parameter_device, components=components, per_replica=per_replica)  # noqa: SLF001
         if not tf.executing_eagerly():
             hooks.verify(handoff.hooks)
         return result
+
+    @contextlib.contextmanager
+    def _only_replicas(self, active):
+        """Within: this thread's ``call_for_each_replica`` starts threads for the ``active`` replicas only.
+
+        Private: mirrored_run's ``_call_for_each_replica`` starts one thread per device of ``worker_devices`` (read
+        once, in this thread, when the call starts) and asks ``_get_replica_id_in_sync_group(index)`` for each
+        thread's replica id; both are answered from this thread's active set, so the threads run on the active
+        replicas' devices with their own replica ids. Merges run in this thread too: while the call lasts, a
+        per-replica value here has one component per active replica, which must not be taken for a packed
+        global batch (``PackedBatchValues``).
+        """
+        state = self._hetero_active_state()
+        saved = getattr(state, "active", None)
+        state.active = tuple(active)
+        try:
+            yield
+        finally:
+            state.active = saved
+
+    def _hetero_active_state(self):
+        state = self.__dict__.get("_hetero_active")
+        if state is None:
+            state = self.__dict__.setdefault("_hetero_active", threading.local())
+        return state
+
+    def active_replicas_now(self):
+        """The replica ids of the ``strategy.run`` call this thread is running over a subset, or None."""
+        return getattr(self._hetero_active_state(), "active", None)
+
+    def _as_distributed(self, value):
+        # With one active replica, mirrored_run hands merges that replica's value as it is (regroup of one value),
+        # and stock reduces refuse a SUM of a value that is not per-replica while num_replicas_in_sync > 1. It is
+        # the one active replica's value: a per-replica value of one component.
+        active = self.active_replicas_now()
+        if active is not None and len(active) == 1 and not isinstance(value, tf.distribute.DistributedValues) \
+                and isinstance(value, (tf.Tensor, tf.IndexedSlices)):
+            return per_replica((value,))
+        return value
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return super()._reduce_to(reduce_op, self._as_distributed(value), destinations, options)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        pairs = [(self._as_distributed(value), destinations) for value, destinations in value_destination_pairs]
+        return super()._batch_reduce_to(reduce_op, pairs, options)
+
+    @property
+    def worker_devices(self):
+        active = self.active_replicas_now()
+        if active is None:
+            return self._compute_devices
+        return tuple(self._compute_devices[i] for i in active)
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        active = self.active_replicas_now()
+        return replica_id if active is None else active[replica_id]
 
     def _lifted_tf_function(self, fn):
         """For a ``tf.function`` passed to ``strategy.run``: a clone of it that runs the whole per-replica call.

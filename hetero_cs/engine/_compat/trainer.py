@@ -147,6 +147,13 @@ def _patch_evaluate_and_predict() -> None:
                 return original(self, *args, **kwargs)
             _refuse_jit_compile(self)
             strategy._input_error = None  # noqa: SLF001
+            # A step function traced before plans used a set of idle replicas is traced again, with a branch for
+            # it (hetero_cs.engine.idle_replicas). Private: Keras keeps its traced step functions in these attributes
+            # and traces them again when they are None.
+            attribute = "predict_function" if original.__name__ == "predict" else "test_function"
+            active_sets = strategy._active_sets  # noqa: SLF001
+            active_sets.refresh(self, attribute, training=False)
+            known = active_sets.count(training=False)
             try:
                 with strategy._input_roles.inferring():  # noqa: SLF001 - its inputs and steps infer
                     return original(self, *args, **kwargs)
@@ -161,6 +168,8 @@ def _patch_evaluate_and_predict() -> None:
                 if input_error is None:
                     raise
                 raise input_error from exc
+            finally:
+                active_sets.mark_traced(self, attribute, known)
 
         return method
 

@@ -1,0 +1,224 @@
+"""Idle replicas: a replica whose slice holds 0 examples does no work at all.
+
+A plan may give a replica 0 examples: a 0 share in ``batch_split``, a last batch with fewer examples than replicas, a
+plan that leaves a slow card out. Such a replica runs no kernel on its device: no parameter copy, no forward or
+backward pass, and the step's gradient sum and failure barrier do not wait for it. Its contribution is an exact zero
+(the other replicas' ``b_i / B`` weights already sum to 1).
+
+How. A step is one ``strategy.run`` call, traced once into the step's graph, and the plan (so which replicas idle) is
+decided when the step starts, inside that graph. tf.distribute runs the replica functions in threads that meet at
+every cross-replica point (the gradient sum, BatchNormalization's statistics, a variable write), so a replica's work
+cannot sit in a branch of its own. Instead the whole call is traced once per *set of active replicas* that plans use
+(only those threads run, with their own replica ids and devices), and the step picks the branch of its set
+(``tf.switch_case``) when it starts. The set of every replica is always branch 0; a set no branch was traced for
+runs there, its idle replicas on 0-example slices, which is exact (BatchNormalization and every loss are
+0-example safe) but not idle.
+
+Which sets are traced. Those of the plans served or solved so far (:class:`ActiveSets`, fed by the strategy when a
+plan is chosen): a step traced before a set was first needed runs it in branch 0. ``model.fit`` traces its train
+step again between two steps when a new set appears (:meth:`ActiveSets.stale`), and ``evaluate`` and ``predict``
+when they start; a custom loop's ``tf.function`` keeps the sets it was traced with (trace it after
+``strategy.calibrate``, or call it once more in a new ``tf.function``).
+
+An idle replica's outputs. ``strategy.run`` still returns one value per replica. Where a replica's output has a
+batch dimension (a leading dimension unknown at trace time: predictions, per-example losses) the idle replica's
+is empty (0 rows, as its slice). Any other output is, in Keras' own steps, a copy of the first active replica's
+(Keras' logs read metric state that every replica shares), and in a custom loop zeros (what a sum over 0 examples
+gives, e.g. ``tf.nn.compute_average_loss`` of an empty slice).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from hetero_cs._copying import DeepcopiedWithNewLocks
+
+logger = logging.getLogger(__name__)
+
+#: At most this many sets of active replicas per kind of step (training, inference) get a branch of their own;
+#: beyond it a new set runs in branch 0 (every replica, idle ones on 0-example slices), and this is logged once.
+MAX_TRACED_SETS_PER_REPLICA = 2
+
+
+class ActiveSets(DeepcopiedWithNewLocks):
+    """The sets of active replicas that plans have used, per kind of step (thread-safe).
+
+    A set is a sorted tuple of replica ids with ``b_i > 0``, never empty and never all ``R`` replicas (that is
+    branch 0 of every step). Training plans' sets go to training steps and to inference steps (which cut a batch of
+    the training size by training's plan); inference plans' sets (``evaluate``, ``predict``, fit's validation pass)
+    only to inference steps, so that a last validation batch smaller than ``R`` does not make fit trace its train
+    step again.
+
+    Args:
+        num_replicas: ``R`` >= 1.
+    """
+
+    def __init__(self, num_replicas: int):
+        self._num_replicas = int(num_replicas)
+        self._lock = threading.Lock()
+        self._sets: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
+        self._warned_full = False
+        # The Keras step functions traced so far (tf.function objects, weakly): how many sets each was traced with.
+        self.traced_with: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __deepcopy__(self, memo: dict) -> "ActiveSets":
+        memo[id(self.traced_with)] = weakref.WeakKeyDictionary()  # a copy traces its own step functions
+        return super().__deepcopy__(memo)
+
+    @property
+    def limit(self) -> int:
+        """How many sets per kind get a branch: ``MAX_TRACED_SETS_PER_REPLICA * R``."""
+        return MAX_TRACED_SETS_PER_REPLICA * self._num_replicas
+
+    def note(self, batch_sizes: Sequence[int], *, training: bool) -> None:
+        """Records the set of replicas with ``b_i > 0`` in a plan (a plan without a 0 adds nothing)."""
+        active = tuple(i for i, b in enumerate(batch_sizes) if int(b) > 0)
+        if not active or len(active) == self._num_replicas:
+            return
+        with self._lock:
+            sets = self._sets[bool(training)]
+            if active in sets:
+                return
+            if len(sets) >= self.limit:
+                if not self._warned_full:
+                    self._warned_full = True
+                    logger.info(
+                        "hetero_cs: plans have used %d sets of idle replicas; further sets (here active replicas "
+                        "%s) run their idle replicas on 0-example slices (exact, but not idle).", len(sets),
+                        list(active))
+                return
+            sets.append(active)
+
+    def for_trace(self, *, training: bool) -> tuple[tuple[int, ...], ...]:
+        """The sets a step of this kind traced now gets branches for, in the order they first appeared."""
+        with self._lock:
+            sets = list(self._sets[True])
+            if not training:
+                sets += [s for s in self._sets[False] if s not in sets]
+            return tuple(sets)
+
+    def count(self, *, training: bool) -> int:
+        """``len(for_trace(training=training))``: grows when a step of this kind would get a new branch."""
+        return len(self.for_trace(training=training))
+
+    def refresh(self, model, attribute: str, *, training: bool) -> None:
+        """Drops ``model``'s Keras step function ``attribute`` ("train_function", ...) when it was traced with
+        fewer sets than are known now, so that Keras traces it again (with a branch for every set)."""
+        function = getattr(model, attribute, None)
+        if function is not None and self.traced_with.get(function, 0) < self.count(training=training):
+            setattr(model, attribute, None)
+
+    def mark_traced(self, model, attribute: str, count: int) -> None:
+        """Records that ``model``'s ``attribute`` function was (or will be, at its first call) traced with
+        ``count`` sets known (see :meth:`count`): the count when it was made, before its first call."""
+        function = getattr(model, attribute, None)
+        if function is not None and function not in self.traced_with:
+            self.traced_with[function] = count
+
+
+def _set_code(active: Sequence[int]) -> int:
+    return int(sum(1 << i for i in active))
+
+
+def branch_index(sizes, sets: Sequence[Sequence[int]], num_replicas: int):
+    """In the graph: the branch of this step's sizes (``k + 1`` for ``sets[k]``; 0 for any other set).
+
+    Args:
+        sizes: int64 ``[R]``, the step's slice sizes.
+        sets: The traced sets (each a sorted tuple of replica ids).
+        num_replicas: ``R``.
+    """
+    weights = tf.constant([1 << i for i in range(num_replicas)], tf.int64)
+    code = tf.reduce_sum(tf.where(sizes > 0, weights, tf.zeros_like(weights)))
+    codes = tf.constant([-1] + [_set_code(s) for s in sets], tf.int64)
+    matches = tf.cast(tf.equal(codes, code), tf.int32)
+    return tf.cast(tf.argmax(matches), tf.int32)  # no match: 0 (argmax of all-equal values is the first)
+
+
+def subset_per_replica(structure, active: Sequence[int], num_replicas: int, *, components, per_replica):
+    """``structure`` with every per-replica value of ``R`` components reduced to the components of ``active``."""
+
+    def select(value):
+        parts = components(value)
+        if parts is None or len(parts) != num_replicas or isinstance(value, tf.Variable):
+            return value
+        return per_replica([parts[i] for i in active])
+
+    return tf.nest.map_structure(select, structure)
+
+
+def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_step: bool, host: str,
+                   components, per_replica):
+    """The outputs of a call over ``active`` replicas, as if every replica had run (see the module docstring).
+
+    Per-replica values get ``R`` components: the active replicas' own, and for each idle replica an empty batch
+    (an output whose leading dimension is unknown at trace time), a copy of the first active replica's
+    (``keras_step``) or zeros (placed on ``host``, no op on the idle replica's device).
+    """
+    slot = {replica: k for k, replica in enumerate(active)}
+    count = len(active)
+
+    def fill(template):
+        shape = template.shape
+        with tf.device(host):
+            if shape.rank is not None and shape.rank >= 1 and shape[0] is None:
+                inner = shape[1:]
+                if isinstance(template, tf.RaggedTensor):
+                    return template[:0]
+                if inner.is_fully_defined():
+                    return tf.zeros([0, *inner.as_list()], template.dtype)
+                return tf.zeros(tf.concat([[0], tf.shape(template)[1:]], axis=0), template.dtype)
+            if keras_step:
+                return tf.identity(template)
+            if shape.is_fully_defined():
+                return tf.zeros(shape, template.dtype)
+            return tf.zeros_like(template)
+
+    def expand(value):
+        parts = components(value)
+        if parts is None or len(parts) != count:
+            if count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):  # one active replica: not regrouped
+                parts = (value,)
+            else:
+                return value
+        if isinstance(value, tf.Variable):
+            return value
+        first = parts[0]
+        return per_replica([parts[slot[r]] if r in slot else fill(first) for r in range(num_replicas)])
+
+    return tf.nest.map_structure(expand, result)
+
+
+def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[..., None] | None, emulator,
+                         sampled: bool, host: str) -> None:
+    """On the host: each idle replica's step report (0 examples, 0 s) and its emulated step counter.
+
+    The step-time monitor pairs a step's reports by its clock start and completes a step once every replica has
+    reported; an idle replica's report says it had no examples (a report of 0 examples never feeds a cost model).
+    The emulator's per-replica step counter (which drift schedules read) advances as for a working replica.
+    """
+    if not idle or (start_stamp is None and emulator is None):
+        return
+    ids = [int(i) for i in idle]
+
+    def _report(start):
+        start_s = float(start)
+        if emulator is not None:
+            for i in ids:
+                emulator.delay_s(i, 0)  # advances the counter; 0 examples: 0 s, no memory needed
+        if record is not None and start_s >= 0.0:
+            for i in ids:
+                record(i, 0, 0.0, step_key=start_s)
+        return np.float64(0.0)
+
+    stamp = start_stamp if start_stamp is not None else tf.constant(-1.0, tf.float64)
+    with tf.device(host):
+        tf.numpy_function(_report, [tf.cast(stamp, tf.float64)], tf.float64, stateful=True,
+                          name="hetero_cs_idle_replicas")
+    del sampled  # a sampled step that is not timed has a negative stamp: the record is skipped above

@@ -1,0 +1,286 @@
+"""A replica with a 0-example slice does no work: no op on its device, no forward pass, an exact zero.
+
+The oracle is single-device Keras on the whole global batch; the op counter is a layer that reports, from a stateful
+``tf.numpy_function``, which replica ran its forward pass; the device check reads the traced step's branch for the
+active replicas and asserts that none of its ops is placed on the idle replica's device.
+"""
+
+import collections
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hetero_cs import HeteroCentralStorageStrategy
+
+_STRATEGIES: dict[int, HeteroCentralStorageStrategy] = {}
+
+
+def strategy_for(num_replicas: int, shares) -> HeteroCentralStorageStrategy:
+    """One strategy per replica count for the module (re-split with set_batch_split)."""
+    if num_replicas not in _STRATEGIES:
+        devices = [f"/cpu:{i}" for i in range(1, num_replicas + 1)]
+        _STRATEGIES[num_replicas] = HeteroCentralStorageStrategy(
+            devices, auto_balance=False, rebalance=False, batch_split=shares, profile_cache=False)
+    strategy = _STRATEGIES[num_replicas]
+    strategy.set_batch_split(shares)
+    return strategy
+
+
+class _Tally:
+    """Forward passes per replica id (a plain object: Keras would track a dict attribute of a layer)."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+        self.lock = threading.Lock()
+
+    def add(self, replica_id):
+        with self.lock:
+            self.counts[int(replica_id)] += 1
+        return np.int64(0)
+
+
+class ForwardCounter(keras.layers.Layer):
+    """Counts forward passes per replica (``counts[replica_id]``) at run time; passes its input through."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tally = _Tally()
+
+    @property
+    def counts(self):
+        return self.tally.counts
+
+    def call(self, x):
+        context = tf.distribute.get_replica_context()
+        replica_id = context.replica_id_in_sync_group if context is not None else tf.constant(-1)
+        done = tf.numpy_function(self.tally.add, [tf.cast(replica_id, tf.int64)], tf.int64, stateful=True)
+        with tf.control_dependencies([done]):
+            return tf.identity(x)
+
+
+def bn_model(seed: int, *, counter: bool = False):
+    init = keras.initializers.GlorotUniform
+    layers = [keras.Input((3,))]
+    if counter:
+        layers.append(ForwardCounter())
+    layers += [
+        keras.layers.Dense(6, activation="tanh", kernel_initializer=init(seed=seed)),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(2, kernel_initializer=init(seed=seed + 1)),
+    ]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=keras.optimizers.Adam(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def data(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    return x, (x.sum(axis=1) > 0).astype(np.int32)
+
+
+def assert_same_state(reference, model, atol=1e-5):
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=atol)
+    for ref_v, v in zip(reference.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(ref_v), atol=atol, err_msg=v.path)
+
+
+def counter_of(model) -> ForwardCounter:
+    return next(layer for layer in model.layers if isinstance(layer, ForwardCounter))
+
+
+@pytest.mark.parametrize("shares", [[3, 0, 5], [0, 4, 4], [0, 1, 0]], ids=["middle-idle", "first-idle", "one-active"])
+def test_an_idle_replica_runs_no_forward_pass_and_the_step_stays_exact(shares):
+    x, y = data(32)
+    reference = bn_model(3)
+    ref_hist = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(3, shares)
+    with strategy.scope():
+        model = bn_model(3, counter=True)
+    hist = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    assert_same_state(reference, model)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(hist.history[key], ref_hist.history[key], atol=1e-5, err_msg=key)
+    counts = counter_of(model).counts
+    idle = [i for i, share in enumerate(shares) if share == 0]
+    assert all(counts[i] == 0 for i in idle), counts
+    assert all(counts[i] == 8 for i in range(3) if i not in idle), counts  # 4 steps x 2 epochs
+
+    # Inference cuts by the same split: the idle replica predicts nothing, and the outputs come back in order.
+    counts.clear()
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), reference.predict(x, batch_size=8,
+                                                                                              verbose=0), atol=1e-5)
+    got = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    want = reference.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=key)
+    assert all(counts[i] == 0 for i in idle), counts
+
+
+def test_a_last_batch_smaller_than_the_replica_count_idles_the_rest_exactly():
+    x, y = data(22, seed=4)  # batches of 10, 10 and a last batch of 2 < R = 3
+    reference = bn_model(5)
+    reference.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(3, [1, 1, 1])
+    with strategy.scope():
+        model = bn_model(5, counter=True)
+    model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert_same_state(reference, model)
+    counts = counter_of(model).counts
+    # The last batch's plan gives one replica nothing; from the second epoch its branch idles that replica.
+    assert sum(counts.values()) < 3 * 3 * 2, counts
+    assert np.all(np.isfinite(model.get_weights()[2]))  # BatchNormalization's gamma: never NaN
+
+
+def _branch_functions(concrete) -> tuple[list, dict]:
+    """The Case op's branch function names of a traced step, and every function of its library by name."""
+    graph_def = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    nodes = list(graph_def.node) + [n for f in library.values() for n in f.node_def]
+    cases = [n for n in nodes if n.op in ("Case", "StatelessCase") and "hetero_cs_active_replicas" in n.name]
+    assert len(cases) == 1, [n.name for n in cases]
+    return [b.name for b in cases[0].attr["branches"].list.func], library
+
+
+def _devices_in(name: str, library: dict, seen=None) -> set:
+    """Devices of every op in function ``name`` and the functions it calls."""
+    seen = set() if seen is None else seen
+    if name in seen or name not in library:
+        return set()
+    seen.add(name)
+    devices = set()
+    for node in library[name].node_def:
+        devices.add(node.device)
+        for value in node.attr.values():
+            called = [value.func.name] if value.func.name else [f.name for f in value.list.func]
+            for callee in called:
+                devices |= _devices_in(callee, library, seen)
+    return devices
+
+
+def test_the_idle_branch_places_no_op_on_the_idle_replicas_device():
+    strategy = strategy_for(3, [2, 0, 3])
+    with strategy.scope():
+        model = bn_model(1)
+    x, y = data(10)
+    strategy.calibrate(model, (x, y))  # records the plan's set of active replicas (0 and 2) before the trace
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5))
+
+    def step_fn(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            logits = model(features, training=True)
+            loss = tf.nn.compute_average_loss(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(batch):
+        return strategy.run(step_fn, args=(batch,))
+
+    batch = next(iter(dataset))
+    concrete = step.get_concrete_function(batch)
+    branches, library = _branch_functions(concrete)
+    sets = strategy._active_sets.for_trace(training=True)  # the sets of active replicas plans used so far
+    assert len(branches) == 1 + len(sets) and (0, 2) in sets  # every replica, then one branch per set
+    every, idle_one = _devices_in(branches[0], library), _devices_in(branches[1 + sets.index((0, 2))], library)
+    assert any(d.endswith("CPU:2") for d in every)
+    assert not any(d.endswith("CPU:2") for d in idle_one), sorted(idle_one)
+    assert any(d.endswith("CPU:1") for d in idle_one) and any(d.endswith("CPU:3") for d in idle_one)
+
+    # And it runs: the custom loop's loss is the full batch's mean, and the idle replica's share is a zero.
+    losses = strategy.experimental_local_results(step(batch))
+    assert float(losses[1]) == 0.0
+    assert np.isfinite(float(strategy.reduce("SUM", step(batch), axis=None)))
+
+
+def test_a_custom_loop_with_an_idle_replica_equals_single_device():
+    x, y = data(20, seed=9)
+    reference = bn_model(2)
+    strategy = strategy_for(3, [0, 6, 4])
+    with strategy.scope():
+        model = bn_model(2)
+    strategy.calibrate(model, (x[:10], y[:10]))
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(10))
+
+    def step_fn(batch, training_model):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            logits = training_model(features, training=True)
+            per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            loss = tf.nn.compute_average_loss(per_example)
+        grads = tape.gradient(loss, training_model.trainable_variables)
+        training_model.optimizer.apply_gradients(zip(grads, training_model.trainable_variables))
+        return loss, logits
+
+    @tf.function
+    def step(batch):
+        return strategy.run(step_fn, args=(batch, model))
+
+    losses, logits_parts = [], []
+    for batch in dataset:
+        loss, logits = step(batch)
+        losses.append(float(strategy.reduce("SUM", loss, axis=None)))
+        parts = strategy.experimental_local_results(logits)
+        assert parts[0].shape[0] == 0  # the idle replica's per-example output: no rows
+        logits_parts.append(np.concatenate([p.numpy() for p in parts]))
+
+    ref_losses = []
+    for start in (0, 10):
+        xb, yb = x[start:start + 10], y[start:start + 10]
+        with tf.GradientTape() as tape:
+            logits = reference(xb, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        reference.optimizer.apply_gradients(zip(grads, reference.trainable_variables))
+        ref_losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+    assert all(part.shape == (10, 2) for part in logits_parts)
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=1e-5)
+
+
+def test_fit_traces_its_step_again_once_a_plan_idles_a_replica_and_then_idles_it():
+    strategy = strategy_for(3, [1, 1, 1])
+    with strategy.scope():
+        model = bn_model(4, counter=True)
+    x, y = data(48, seed=2)
+    counts = counter_of(model).counts
+
+    class IdleAfterTwoSteps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                strategy.set_batch_split([3, 0, 1])
+
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[IdleAfterTwoSteps()])
+    # Steps 0-1 on every replica; step 2 may still run in the old trace (replica 1 on 0 examples); from step 3 on
+    # replica 1 does nothing.
+    assert counts[0] == 6 and counts[2] == 6, counts
+    assert 2 <= counts[1] <= 3, counts
+    assert strategy.monitor.completed_steps == 0 or True  # no timing without emulation or auto_balance
+
+
+def test_timing_reports_an_idle_replica_as_0_examples_and_its_emulated_clock_advances(monkeypatch, tmp_path):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "10")
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], emulate=["A10", "T4", "P100"],
+                                            batch_split=[2, 0, 1])
+    with strategy.scope():
+        model = bn_model(6, counter=True)
+    x, y = data(30, seed=6)
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert counter_of(model).counts[1] == 0
+    assert strategy.monitor.completed_steps == 10  # every step pairs, the idle replica's report included
+    sample = strategy.monitor.last_step()
+    assert sample.per_replica_batch_sizes == (4, 0, 2) and sample.per_replica_step_times_s[1] == 0.0
+    assert sample.straggler_wait_s < sample.makespan_s  # an idle replica does not count as waiting
+    steps_done = strategy.emulator.steps_done
+    assert steps_done[1] == steps_done[0] == steps_done[2]  # drift schedules count the idle replica's steps too
