@@ -339,15 +339,19 @@ def true_profiles(emulator: Any, *, step: int = 0) -> list[TrueProfile]:
 
 
 def true_figures(emulator: Any, global_batch_size: int, *, step: int = 0) -> dict[str, Any]:
-    """Ideal (continuous), optimal integer and even-split makespans of the true emulated profiles, seconds."""
+    """Ideal (continuous), optimal integer and even-split makespans of the true emulated profiles, seconds.
+
+    The central-storage engine runs nothing for a replica with 0 examples, and an emulated device takes 0 s for 0
+    examples: the optimum and the ideal range over every subset of cards (min_batch_size=0), as the library's
+    solver does."""
     from hetero_cs.planning.plan import even_batch_split
     from hetero_cs.planning.solver import ideal_makespan_s, solve_batch_split
 
     models = true_profiles(emulator, step=step)
-    optimal = solve_batch_split(models, global_batch_size)
+    optimal = solve_batch_split(models, global_batch_size, min_batch_size=0)
     even = even_batch_split(global_batch_size, len(models))
     return {
-        "ideal_makespan_s": ideal_makespan_s(models, global_batch_size, min_batch_size=1),
+        "ideal_makespan_s": ideal_makespan_s(models, global_batch_size, min_batch_size=0),
         "optimal_makespan_s": optimal.predicted_makespan_s,
         "optimal_split": list(optimal.per_replica_batch_sizes),
         "even_split": list(even),

@@ -116,11 +116,13 @@ def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:
 
 
 def log_empty_slices(plan) -> None:
-    """Warns that ``plan`` (a BatchPlan) leaves some replicas 0 examples, and what that can break."""
+    """Logs (INFO) that ``plan`` (a BatchPlan) leaves some replicas 0 examples: they idle, and where they might not."""
     empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
-    logger.warning(
-        "hetero_cs: a global batch of %d examples is cut %s, so replica(s) %s get 0 examples in that step "
-        "(exact: their loss weight is 0; R = %d replicas). %s",
+    logger.info(
+        "hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do no work in that "
+        "step (R = %d replicas). A step traced before this set of idle replicas was first used (the first epoch's "
+        "last batch, a custom loop traced before strategy.calibrate) runs them on 0-example slices instead, which "
+        "is exact, but: %s",
         plan.global_batch_size, list(plan.per_replica_batch_sizes), empty, len(plan.per_replica_batch_sizes),
         EMPTY_SLICE_ADVICE,
     )

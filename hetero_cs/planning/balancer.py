@@ -33,6 +33,7 @@ from hetero_cs.planning.cost_model import CostModel, check_cost_model, idle_free
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
@@ -45,7 +46,7 @@ from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery, InferencePlans, FixedShares):
+class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -109,6 +110,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
         self._rebalancer = Rebalancer(self._rebalance_policy)
         self._guard = PlanGuard(guard_policy)
         self._served = 0  # global batches served: steady-state timing picks every N-th
+        self._init_probes()
         self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
@@ -345,6 +347,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
                     self._commit(candidate)
                     return candidate
                 return self._guard.plan_to_serve()
+            if b == self._reference_batch_size and plan is self._plan:
+                return self._maybe_probe(plan)  # now and then one example on a card the plan leaves idle
             return plan
 
     def record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
@@ -360,7 +364,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares):
         with self._lock:
             if not self.timing_needed:
                 return False
-            if self.samples_needed():
+            if self.samples_needed() or self._take_probe_due():
                 return True
             return self._served % self.timing_interval_steps() == 0
 

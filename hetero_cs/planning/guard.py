@@ -67,6 +67,9 @@ class GuardPolicy:
         max_backoff_steps: >= backoff_steps. The back-off's ceiling.
         max_trial_steps: >= 1. A trial that has not decided after this many recorded steps (its plans' sizes were
             never observed, e.g. only partial batches) reverts.
+        decisive_ratio: > 1. Pairs in which one plan took more than this many times the other's makespan decide
+            at once, from the first pair on (no host hiccup is that large, and each further pair would repeat a step
+            this slow: a card that drifted 50x slower, left out by the candidate).
 
     Raises:
         ConfigError: If a field is out of range.
@@ -81,6 +84,7 @@ class GuardPolicy:
     backoff_steps: int = 50
     max_backoff_steps: int = 800
     max_trial_steps: int = 200
+    decisive_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         p = self.pattern
@@ -102,6 +106,9 @@ class GuardPolicy:
                 raise ConfigError(
                     f"{name} must be an integer >= {low_name}={low}. Received: {name}={value!r}."
                 )
+        ratio = self.decisive_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 1:
+            raise ConfigError(f"decisive_ratio must be a finite number > 1. Received: decisive_ratio={ratio!r}.")
         if 2.0 ** -(2 * self.max_pairs) >= self.significance:
             raise ConfigError(
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
@@ -315,6 +322,10 @@ class PlanGuard:
         ratios = np.asarray(self._ratios, dtype=np.float64)
         n = len(ratios)
         median = float(np.median(ratios)) if n else math.nan
+        if n and np.all(ratios < 1.0 / policy.decisive_ratio):
+            return self._decision(step, KEPT, median, None, f"over {policy.decisive_ratio:g}x faster in every pair")
+        if n and np.all(ratios > policy.decisive_ratio):
+            return self._decision(step, REVERTED, median, None, f"over {policy.decisive_ratio:g}x slower in every pair")
         if n >= policy.min_pairs:
             if np.all(ratios < 1.0 - policy.early_gain):
                 return self._decision(step, KEPT, median, None, f"faster in every one of {n} pairs")

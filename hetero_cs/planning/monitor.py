@@ -105,6 +105,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         self._pairing.reset()
         self._completed_steps = 0
         self._window: collections.deque[StepSample] = collections.deque(maxlen=self._window_steps)
+        # Per replica, (base model, factor) of its last correction from samples: a replica the plan leaves idle has
+        # no samples in the window, and keeps the speed last measured instead of falling back to its base model.
+        self._last_correction: dict[int, tuple[CostModel, CostModel]] = {}
 
     @property
     def num_replicas(self) -> int:
@@ -280,7 +283,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         its slice sizes span at least a factor 2 and the fit has a >= 0 and c > 0; otherwise the proportional
         model ``LinearCostModel(0, median(t_i / b_i))``.
 
-        A replica with no step with b_i > 0 in the window keeps its base model. Without base models its speed
+        A replica with no step with b_i > 0 in the window (one the plan left idle) keeps its last correction of
+        the same base model, else its base model. Without base models its speed
         is unknown; it then gets the model of the slowest known replica (the one predicting the largest time at
         the window's median positive slice), a conservative guess that gives it some work to measure.
 
@@ -302,7 +306,15 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             )
         if base_models is not None:
             relative, common = self._relative_levels(base_models)
-            return [self._scaled_model(base_models[i], relative[:, i], common) for i in range(self._num_replicas)]
+            models = []
+            for i, base in enumerate(base_models):
+                model = self._scaled_model(base, relative[:, i], common)
+                if model is not base:
+                    self._last_correction[i] = (base, model)
+                elif np.isnan(relative[:, i]).all() and self._last_correction.get(i, (None,))[0] is base:
+                    model = self._last_correction[i][1]  # no sample in the window (an idle replica): as last seen
+                models.append(model)
+            return models
         sizes, times_s = self._window_arrays()
         fitted: list[CostModel | None] = [
             _fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)
