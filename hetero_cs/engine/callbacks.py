@@ -56,23 +56,6 @@ class BalanceCallback(keras.callbacks.Callback):
             # fit(verbose=0) keeps calibration quiet too; its progress bars otherwise show while fit starts.
             strategy.calibrate(self.model, data, progress=self.params.get("verbose", 1) != 0)
         strategy._log_plan_if_new()  # noqa: SLF001
-        self._refresh_train_function()
-
-    def _refresh_train_function(self):
-        # A train step traced before a plan used its set of idle replicas runs them on 0-example slices; it is
-        # traced again (the next step) with a branch in which they do no work (hetero_cs.engine.idle_replicas).
-        # Private: Keras' fit calls model.train_function anew for every step.
-        active_sets = self._strategy._active_sets  # noqa: SLF001
-        model = self.model
-        if getattr(model, "train_function", None) is None:
-            return
-        known = active_sets.count(training=True)
-        if active_sets.traced_with.get(model.train_function, known) < known:
-            logger.info("hetero_cs: tracing the train step again: plans now leave replicas idle (%s).",
-                        [sorted(set(range(self._strategy.num_replicas_in_sync)) - set(s))
-                         for s in active_sets.for_trace(training=True)])
-            model.make_train_function(force=True)
-        active_sets.mark_traced(model, "train_function", known)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._samples = []
@@ -80,7 +63,6 @@ class BalanceCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 0:
             self._strategy._log_plan_if_new()  # noqa: SLF001 - a plan first solved for the first batch
-        self._refresh_train_function()
         sample = self._strategy.monitor.last_step()
         if sample is None or sample.step == self._last_step_seen:
             return

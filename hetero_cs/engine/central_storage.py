@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, training
-from hetero_cs.engine.idle_replicas import ActiveSets
+from hetero_cs.engine.idle_replicas import ActiveSets, defer_untraced
 from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
@@ -188,6 +188,7 @@ class HeteroCentralStorageStrategy(
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
+        self._served_sizes: dict[bool, tuple] = {}  # the last sizes served to a training / an inference step
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
         self._slicer = PlanSlicer(
@@ -201,7 +202,7 @@ class HeteroCentralStorageStrategy(
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
             on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
-        )
+            on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
         from hetero_cs.engine.oom_recovery import StepRecovery
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None)
                                if oom_recovery is not False and len(devices) > 1 else None)
@@ -233,10 +234,7 @@ class HeteroCentralStorageStrategy(
         """The plan lifecycle (:class:`hetero_cs.planning.balancer.Balancer`): monitor, re-balancer, guard."""
         return self._balancer
 
-    @property
-    def compute_devices(self) -> tuple[str, ...]:
-        """The replicas' devices, in replica-id order."""
-        return self._compute_devices
+    compute_devices = property(lambda self: self._compute_devices, doc="The replicas' devices, in replica-id order.")
 
     @property
     def parameter_device(self) -> str:
@@ -322,20 +320,21 @@ class HeteroCentralStorageStrategy(
         self._input_error = bad_batch_error(leading_dims)
         raise self._input_error
 
-    def _slice_sizes(self, global_batch_size, *, training: bool = True) -> np.ndarray:
-        # Called when a step starts (numpy_function in cross-replica context, before any replica runs) with the
-        # step's batch size, unless the cached plan covers it (hetero_cs.engine.input_slicing); `training` is False
-        # for an evaluation or prediction step (its plan leaves training's alone). Returns the sizes and whether to
-        # time this step. An error is kept on the strategy so that model.fit re-raises it as is.
+    def _slice_sizes(self, global_batch_size, *, training: bool = True, traced=None) -> np.ndarray:
+        # Called when a step starts (numpy_function, before any replica runs) unless the cached plan covers it
+        # (hetero_cs.engine.input_slicing); `training` False: evaluate/predict; `traced`: the step's sets of active
+        # replicas. Returns the sizes and whether to time the step. An error is kept for model.fit to re-raise.
         try:
             plan = self._balancer.serve(int(global_batch_size), training=training)
             timed = not self._sampled_timing or (training and self._balancer.timing_due())
             if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
                 self._slicer.publish(plan)
-            if 0 in plan.per_replica_batch_sizes:
+            if 0 in (sizes := plan.per_replica_batch_sizes):
                 self._empty_slices.note(plan)
-                self._active_sets.note(plan.per_replica_batch_sizes, training=training)
-            return np.asarray([*plan.per_replica_batch_sizes, int(timed)], dtype=np.int64)
+                self._active_sets.note(sizes, training=training)
+                sizes = defer_untraced(sizes, traced, self._served_sizes.get(training))
+            self._served_sizes[training] = sizes
+            return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = exc
             raise
@@ -389,12 +388,13 @@ class HeteroCentralStorageStrategy(
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
-    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None):
+    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None, scope_replica=False):
         """Wraps a replica function so it knows its slice size b_i, the global batch B, its start time and its
         call's handoff (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
         from hetero_cs.engine.replica_wrapping import wrap_replica_fn
 
-        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, timed, handoff=handoff)
+        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, timed, handoff=handoff,
+                               scope_replica=scope_replica)
 
     def _write_back_caps(self) -> None:
         from hetero_cs.engine.calibrating import write_back_caps

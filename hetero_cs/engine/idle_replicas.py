@@ -41,19 +41,23 @@ from hetero_cs._copying import DeepcopiedWithNewLocks
 
 logger = logging.getLogger(__name__)
 
-#: At most this many sets of active replicas per kind of step (training, inference) get a branch of their own;
-#: beyond it a new set runs in branch 0 (every replica, idle ones on 0-example slices), and this is logged once.
-MAX_TRACED_SETS_PER_REPLICA = 2
+#: The most recently used sets of active replicas of each kind of step (training, inference) that get a branch; a
+#: set used again after others pushed it out runs in branch 0 until the step is traced again.
+MAX_TRACED_SETS = 3
 
 
 class ActiveSets(DeepcopiedWithNewLocks):
-    """The sets of active replicas that plans have used, per kind of step (thread-safe).
+    """The sets of active replicas that plans have used lately, per kind of step (thread-safe).
 
     A set is a sorted tuple of replica ids with ``b_i > 0``, never empty and never all ``R`` replicas (that is
-    branch 0 of every step). Training plans' sets go to training steps and to inference steps (which cut a batch of
-    the training size by training's plan); inference plans' sets (``evaluate``, ``predict``, fit's validation pass)
-    only to inference steps, so that a last validation batch smaller than ``R`` does not make fit trace its train
-    step again.
+    branch 0 of every step). Each kind keeps its ``MAX_TRACED_SETS`` most recently used sets: each branch is one
+    more trace of the whole step (its active replicas' share of it), so a step never carries many. Training plans'
+    sets go to training steps and to inference steps (which cut a batch of the training size by training's plan);
+    inference plans' sets (``evaluate``, ``predict``, fit's validation pass) only to inference steps, so that a last
+    validation batch smaller than ``R`` does not make fit trace its train step again.
+
+    :meth:`version` grows whenever the sets a step of that kind would get change: a Keras step function traced at an
+    older version (``traced_with``) is traced again before its next call.
 
     Args:
         num_replicas: ``R`` >= 1.
@@ -62,64 +66,109 @@ class ActiveSets(DeepcopiedWithNewLocks):
     def __init__(self, num_replicas: int):
         self._num_replicas = int(num_replicas)
         self._lock = threading.Lock()
-        self._sets: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
-        self._warned_full = False
-        # The Keras step functions traced so far (tf.function objects, weakly): how many sets each was traced with.
+        self._sets: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}  # least recently used first
+        self._versions: dict[bool, int] = {True: 0, False: 0}
+        # The Keras step functions traced so far (tf.function objects, weakly): the version each was traced at.
         self.traced_with: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __deepcopy__(self, memo: dict) -> "ActiveSets":
         memo[id(self.traced_with)] = weakref.WeakKeyDictionary()  # a copy traces its own step functions
         return super().__deepcopy__(memo)
 
-    @property
-    def limit(self) -> int:
-        """How many sets per kind get a branch: ``MAX_TRACED_SETS_PER_REPLICA * R``."""
-        return MAX_TRACED_SETS_PER_REPLICA * self._num_replicas
-
     def note(self, batch_sizes: Sequence[int], *, training: bool) -> None:
-        """Records the set of replicas with ``b_i > 0`` in a plan (a plan without a 0 adds nothing)."""
+        """Records the set of replicas with ``b_i > 0`` in a plan as the most recently used (a plan without a 0 adds
+        nothing)."""
         active = tuple(i for i, b in enumerate(batch_sizes) if int(b) > 0)
         if not active or len(active) == self._num_replicas:
             return
         with self._lock:
             sets = self._sets[bool(training)]
             if active in sets:
-                return
-            if len(sets) >= self.limit:
-                if not self._warned_full:
-                    self._warned_full = True
-                    logger.info(
-                        "hetero_cs: plans have used %d sets of idle replicas; further sets (here active replicas "
-                        "%s) run their idle replicas on 0-example slices (exact, but not idle).", len(sets),
-                        list(active))
+                sets.remove(active)
+                sets.append(active)  # its branch stays; only its recency changes
                 return
             sets.append(active)
+            if len(sets) > MAX_TRACED_SETS:
+                dropped = sets.pop(0)
+                logger.debug("hetero_cs: the set of active replicas %s loses its branch at the next trace (more "
+                             "recent sets: %s).", list(dropped), sets)
+            self._versions[bool(training)] += 1
 
     def for_trace(self, *, training: bool) -> tuple[tuple[int, ...], ...]:
-        """The sets a step of this kind traced now gets branches for, in the order they first appeared."""
+        """The sets a step of this kind traced now gets branches for."""
         with self._lock:
             sets = list(self._sets[True])
             if not training:
                 sets += [s for s in self._sets[False] if s not in sets]
-            return tuple(sets)
+            return tuple(sorted(sets))
 
-    def count(self, *, training: bool) -> int:
-        """``len(for_trace(training=training))``: grows when a step of this kind would get a new branch."""
-        return len(self.for_trace(training=training))
+    def version(self, *, training: bool) -> int:
+        """Grows whenever :meth:`for_trace` of this kind changes."""
+        with self._lock:
+            return self._versions[True] + (0 if training else self._versions[False])
 
     def refresh(self, model, attribute: str, *, training: bool) -> None:
-        """Drops ``model``'s Keras step function ``attribute`` ("train_function", ...) when it was traced with
-        fewer sets than are known now, so that Keras traces it again (with a branch for every set)."""
+        """Drops ``model``'s Keras step function ``attribute`` ("test_function", ...) when it was traced at an older
+        :meth:`version`, so that Keras traces it again (with a branch for every set)."""
         function = getattr(model, attribute, None)
-        if function is not None and self.traced_with.get(function, 0) < self.count(training=training):
+        if function is not None and self.traced_with.get(function, 0) < self.version(training=training):
             setattr(model, attribute, None)
 
-    def mark_traced(self, model, attribute: str, count: int) -> None:
-        """Records that ``model``'s ``attribute`` function was (or will be, at its first call) traced with
-        ``count`` sets known (see :meth:`count`): the count when it was made, before its first call."""
-        function = getattr(model, attribute, None)
+    def mark_traced_function(self, function, version: int) -> None:
+        """Records that the Keras step ``function`` is (or will be, at its first call) traced at ``version``."""
         if function is not None and function not in self.traced_with:
-            self.traced_with[function] = count
+            self.traced_with[function] = version
+
+    def mark_traced(self, model, attribute: str, version: int) -> None:
+        """:meth:`mark_traced_function` for ``model``'s step function ``attribute`` (made during a call that started
+        at ``version``)."""
+        self.mark_traced_function(getattr(model, attribute, None), version)
+
+
+def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | None) -> None:
+    """Notes, for inference steps, the set of active replicas of a pass's last batch when it is smaller than ``R``.
+
+    ``evaluate`` or ``predict`` over ``num_examples`` arrays in batches of ``batch_size`` ends on a batch of
+    ``N % B`` examples; when that is less than ``R`` some replicas idle. Its plan (``plan_for_inference``, which
+    changes nothing of training's plans) is known before the pass, so its set gets a branch in the first trace
+    instead of running its idle replicas on 0-example slices (some kernels fail there: Conv2D with oneDNN on a CPU).
+    Datasets, whose last batch is unknown before it comes, are not anticipated; nor are training steps (fit traces
+    again after the first epoch).
+    """
+    from hetero_cs.errors import HeteroCSError
+
+    if not num_examples or not batch_size or not 0 < num_examples % batch_size < strategy.num_replicas_in_sync:
+        return
+    try:
+        plan = strategy._balancer.plan_for_inference(num_examples % batch_size)  # noqa: SLF001
+    except HeteroCSError:
+        return  # no plan for this size (caps): its step fails or runs with its own error, as before
+    strategy._active_sets.note(plan.per_replica_batch_sizes, training=False)  # noqa: SLF001
+
+
+def defer_untraced(sizes: Sequence[int], traced, last: Sequence[int] | None) -> tuple[int, ...]:
+    """The sizes to cut a step with, given the plan's ``sizes`` (with a 0) and the sets the step was traced with.
+
+    A plan can change while a step starts (the re-planner proposes, the guard starts a trial, inside the call that
+    serves the step). If its set of active replicas has no branch in the running step (``traced``: the step's
+    traced sets, None when unknown), that step would run its idle replicas on 0-example slices, where some kernels
+    fail (Conv2D with oneDNN on a CPU). Such a step keeps the previous step's sizes when they cut the same global
+    batch and have a branch (the previous step ran with them); ``model.fit`` traces its step again before the next
+    one, which then runs the new plan idle. Otherwise the plan's sizes stand.
+    """
+    sizes = tuple(int(b) for b in sizes)
+    if traced is None:
+        return sizes
+
+    def has_branch(split):
+        active = tuple(i for i, b in enumerate(split) if b > 0)
+        return len(active) == len(split) or active in traced
+
+    if has_branch(sizes) or last is None or sum(last) != sum(sizes) or not has_branch(last):
+        return sizes
+    logger.debug("hetero_cs: split %s starts one step later (its set of idle replicas is traced next step); this "
+                 "step keeps %s.", list(sizes), list(last))
+    return tuple(int(b) for b in last)
 
 
 def _set_code(active: Sequence[int]) -> int:
@@ -154,20 +203,29 @@ def subset_per_replica(structure, active: Sequence[int], num_replicas: int, *, c
 
 
 def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_step: bool, host: str,
-                   components, per_replica):
+                   components, per_replica, sizes=None):
     """The outputs of a call over ``active`` replicas, as if every replica had run (see the module docstring).
 
     Per-replica values get ``R`` components: the active replicas' own, and for each idle replica an empty batch
-    (an output whose leading dimension is unknown at trace time), a copy of the first active replica's
-    (``keras_step``) or zeros (placed on ``host``, no op on the idle replica's device).
+    (an output with a batch dimension: in a graph, a leading dimension unknown at trace time; eagerly, with
+    ``sizes`` the step's slice sizes, a leading dimension equal to each active replica's slice size), a copy of the
+    first active replica's (``keras_step``) or zeros (placed on ``host``, no op on the idle replica's device).
     """
     slot = {replica: k for k, replica in enumerate(active)}
     count = len(active)
 
-    def fill(template):
+    def batched(parts) -> bool:
+        shape = parts[0].shape
+        if shape.rank is None or shape.rank < 1:
+            return False
+        if sizes is None:
+            return shape[0] is None
+        return all(p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active))
+
+    def fill(template, is_batch):
         shape = template.shape
         with tf.device(host):
-            if shape.rank is not None and shape.rank >= 1 and shape[0] is None:
+            if is_batch:
                 inner = shape[1:]
                 if isinstance(template, tf.RaggedTensor):
                     return template[:0]
@@ -189,8 +247,8 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
                 return value
         if isinstance(value, tf.Variable):
             return value
-        first = parts[0]
-        return per_replica([parts[slot[r]] if r in slot else fill(first) for r in range(num_replicas)])
+        first, is_batch = parts[0], batched(parts)
+        return per_replica([parts[slot[r]] if r in slot else fill(first, is_batch) for r in range(num_replicas)])
 
     return tf.nest.map_structure(expand, result)
 

@@ -154,12 +154,14 @@ class PlanSlicer(DeepcopiedWithNewLocks):
                 self._cache.assign(value)
                 self._published = value
 
-    def step_sizes(self, global_batch_size, *, training: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
+    def step_sizes(self, global_batch_size, *, training: bool = True, traced=None) -> tuple[tf.Tensor, tf.Tensor]:
         """This step's slice sizes and whether to time it, decided now (call it once per step, before the cut).
 
         Args:
             global_batch_size: ``B``, an int scalar tensor (the step's batch).
             training: False for an evaluation or prediction step (its plan leaves training's alone).
+            traced: The sets of active replicas the step has branches for (passed on to ``slice_sizes`` as the
+                keyword ``traced``), or None.
 
         Returns:
             ``(sizes, timed)``: an int64 tensor ``[R]`` summing to ``B``, and a bool scalar.
@@ -169,7 +171,8 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             B = tf.cast(global_batch_size, tf.int64)
 
             def python_sizes():
-                decided = tf.numpy_function(functools.partial(self._slice_sizes, training=bool(training)), [B],
+                extra = {} if traced is None else {"traced": frozenset(traced)}
+                decided = tf.numpy_function(functools.partial(self._slice_sizes, training=bool(training), **extra), [B],
                                             tf.int64, stateful=True, name="hetero_cs_step_plan")
                 return tf.reshape(decided, [R + 1])
 

@@ -152,7 +152,8 @@ def op_name_replica(message: str, num_replicas: int, replica_scopes: Sequence[st
     if node is None or "Iterator" in node.group(1):
         return None  # no op named, or the input pipeline's
     name = node.group(1)
-    match = re.search(r"(?:^|/)replica_(\d+)/", name) or re.search(r"end_replica_step_(\d+)", name)
+    match = (re.search(r"(?:^|/)hetero_replica_(\d+)/", name) or re.search(r"(?:^|/)replica_(\d+)/", name)
+             or re.search(r"end_replica_step_(\d+)", name))
     if match:
         replica_id = int(match.group(1))
         return replica_id if 0 <= replica_id < num_replicas else None

@@ -78,9 +78,12 @@ class PackedBatchValues:
 
         return tf.nest.map_structure(convert, structure)
 
-    def _unpack_inputs(self, args, kwargs):
+    def _unpack_inputs(self, args, kwargs, traced=None):
         """``strategy.run``'s arguments with every global batch replaced by per-replica slices, cut by the plan this
         step decides now (before any replica runs).
+
+        ``traced``: the sets of active replicas the step has branches for (see
+        :func:`hetero_cs.engine.idle_replicas.defer_untraced`), or None.
 
         Returns ``(args, kwargs, batch_leaves, timed, sizes)``; ``batch_leaves`` are the per-replica slices made
         here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64
@@ -94,7 +97,7 @@ class PackedBatchValues:
             return args, kwargs, [], None, None
         training = not self._input_roles.inferring_now  # traced inside evaluate or predict: an inference step
         sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
-                                               training=training)
+                                               training=training, traced=traced)
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
             return args, kwargs, [], timed, None
         created: list = []

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, tensors, training
@@ -14,14 +16,16 @@ from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
-def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None):
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None, scope_replica=False):
     """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
 
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
     dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
     ``timed`` (a bool scalar tensor, or None) is this step's plan's word on whether to time it (sampled timing).
     ``handoff`` (a :class:`hetero_cs.engine.training.StepHandoff`, shared by the call's replicas) goes on every
-    replica's step.
+    replica's step. ``scope_replica``: the call runs some replicas only (the others idle), whose threads
+    tf.distribute numbers 0, 1, ... in its op names ("replica_<k>/"): each replica's ops then also go under
+    "hetero_replica_<replica id>/", so that an op error names the right replica.
     """
     flat = tf.nest.flatten((args, kwargs or {}))
     batch_ids = {id(v) for v in batch_leaves}
@@ -96,7 +100,8 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             call_args, call_kwargs = emulated_memory_gate(
                 (call_args, call_kwargs), tensors.dense_part(batched), replica_id=replica_id,
                 batch_size=batch_size, emulator=strategy._emulator, training=not inferring)
-        with training.replica_step(step), naming_the_replica(replica_id):
+        scope = tf.name_scope(f"hetero_replica_{replica_id}") if scope_replica else contextlib.nullcontext()
+        with training.replica_step(step), naming_the_replica(replica_id), scope:
             return fn(*call_args, **call_kwargs)
 
     return replica_fn

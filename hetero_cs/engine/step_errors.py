@@ -72,7 +72,10 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
         if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
             return None  # the input pipeline failed (e.g. a generator), not a replica's step
         # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
-        scope = re.search(r"(?:^|/)replica_(\d+)/", match.group(1))
+        # A step over some replicas (idle ones left out) numbers its threads, not its replicas: there each
+        # replica's ops also sit under "hetero_replica_<id>/" (hetero_cs.engine.replica_wrapping), read first.
+        scope = (re.search(r"(?:^|/)hetero_replica_(\d+)/", match.group(1))
+                 or re.search(r"(?:^|/)replica_(\d+)/", match.group(1)))
         replica_id = int(scope.group(1)) if scope else 0
     if replica_id >= len(compute_devices):
         return None

@@ -67,6 +67,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
             models are taken as :class:`~hetero_cs.planning.cost_model.IdleFreeCostModel` (``t(0) = 0``), and plans
             and re-plans leave a card out wherever that is predicted faster. False (the multi-worker engine): every
             replica pays its fixed cost, and solved plans give every replica at least one example when B >= R.
+        on_trial: Called with the candidate (under the lock) when a guard trial starts, before it is served.
 
     Example:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
@@ -83,6 +84,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
         shares: Sequence[float] | None = None, guard: bool = True, rebalance_policy: RebalancePolicy | None = None,
         guard_policy: GuardPolicy | None = None, on_plan: Callable[[BatchPlan], None] | None = None,
         memory_policy: MemoryRecoveryPolicy | None = None, idle_replicas_free: bool = False,
+        on_trial: Callable[[BatchPlan], None] | None = None,
     ):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
@@ -97,6 +99,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
         self._idle_free = bool(idle_replicas_free)
         self._rebalance_policy = rebalance_policy or RebalancePolicy(min_batch_size=0 if self._idle_free else 1)
         self._on_plan = on_plan
+        self._on_trial = on_trial
         self._calibrated_models: list[CostModel] | None = None
         self._cost_models: list[CostModel] | None = None
         self._max_batch_sizes: list[int | None] | None = None
@@ -409,6 +412,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
             # Steps measured before the trial belong to neither side of it.
             self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
             self._guard.start(incumbent, plan, step=self._monitor.completed_steps)
+            if self._on_trial is not None:
+                self._on_trial(plan)
             return
         self._commit(plan)
 

@@ -61,13 +61,14 @@ class ForwardCounter(keras.layers.Layer):
             return tf.identity(x)
 
 
-def bn_model(seed: int, *, counter: bool = False):
+def bn_model(seed: int, *, counter: bool = False, l2: float = 0.0):
     init = keras.initializers.GlorotUniform
     layers = [keras.Input((3,))]
     if counter:
         layers.append(ForwardCounter())
     layers += [
-        keras.layers.Dense(6, activation="tanh", kernel_initializer=init(seed=seed)),
+        keras.layers.Dense(6, activation="tanh", kernel_initializer=init(seed=seed),
+                           kernel_regularizer=keras.regularizers.L2(l2) if l2 else None),
         keras.layers.BatchNormalization(),
         keras.layers.Dense(2, kernel_initializer=init(seed=seed + 1)),
     ]
@@ -202,12 +203,15 @@ def test_the_idle_branch_places_no_op_on_the_idle_replicas_device():
     assert np.isfinite(float(strategy.reduce("SUM", step(batch), axis=None)))
 
 
-def test_a_custom_loop_with_an_idle_replica_equals_single_device():
+@pytest.mark.parametrize("l2", [0.0, 0.5], ids=["plain", "regularized"])
+def test_a_custom_loop_with_an_idle_replica_equals_single_device(l2):
+    # TensorFlow's custom-loop tutorial: compute_average_loss without global_batch_size, and a regularization term
+    # added by every replica through scale_regularization_loss (which must count once although replica 0 adds none).
     x, y = data(20, seed=9)
-    reference = bn_model(2)
+    reference = bn_model(2, l2=l2)
     strategy = strategy_for(3, [0, 6, 4])
     with strategy.scope():
-        model = bn_model(2)
+        model = bn_model(2, l2=l2)
     strategy.calibrate(model, (x[:10], y[:10]))
     dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(10))
 
@@ -217,6 +221,8 @@ def test_a_custom_loop_with_an_idle_replica_equals_single_device():
             logits = training_model(features, training=True)
             per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
             loss = tf.nn.compute_average_loss(per_example)
+            if training_model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(training_model.losses))
         grads = tape.gradient(loss, training_model.trainable_variables)
         training_model.optimizer.apply_gradients(zip(grads, training_model.trainable_variables))
         return loss, logits
@@ -239,6 +245,8 @@ def test_a_custom_loop_with_an_idle_replica_equals_single_device():
         with tf.GradientTape() as tape:
             logits = reference(xb, training=True)
             loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
+            if reference.losses:
+                loss += tf.add_n(reference.losses)
         grads = tape.gradient(loss, reference.trainable_variables)
         reference.optimizer.apply_gradients(zip(grads, reference.trainable_variables))
         ref_losses.append(float(loss))
@@ -248,24 +256,89 @@ def test_a_custom_loop_with_an_idle_replica_equals_single_device():
         np.testing.assert_allclose(w, ref_w, atol=1e-5)
 
 
-def test_fit_traces_its_step_again_once_a_plan_idles_a_replica_and_then_idles_it():
-    strategy = strategy_for(3, [1, 1, 1])
+@pytest.mark.parametrize("when", ["batch_end", "batch_begin"])
+def test_fit_traces_its_step_again_before_the_first_step_that_idles_a_replica(when):
+    # A Conv2D model: oneDNN's Conv2D on a CPU fails on a 0-example slice, so a step that ran the idle replica in the
+    # old trace would fail; the train function is traced again right before that step instead.
+    def cnn(seed):
+        init = keras.initializers.GlorotUniform
+        model = keras.Sequential([keras.Input((4, 4, 1)), ForwardCounter(),
+                                  keras.layers.Conv2D(2, 3, padding="same", kernel_initializer=init(seed=seed)),
+                                  keras.layers.Flatten(), keras.layers.Dense(2, kernel_initializer=init(seed=seed + 1))])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
     with strategy.scope():
-        model = bn_model(4, counter=True)
-    x, y = data(48, seed=2)
-    counts = counter_of(model).counts
+        model = cnn(3)
+    reference = cnn(3)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(24, 4, 4, 1)).astype(np.float32)
+    y = rng.integers(0, 2, size=24).astype(np.int32)
 
-    class IdleAfterTwoSteps(keras.callbacks.Callback):
+    class IdleFromTheSecondStep(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                strategy.set_batch_split([3, 0, 1])
+            if when == "batch_end" and batch == 0:
+                strategy.set_batch_split([2, 0, 1])
 
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[IdleAfterTwoSteps()])
-    # Steps 0-1 on every replica; step 2 may still run in the old trace (replica 1 on 0 examples); from step 3 on
-    # replica 1 does nothing.
-    assert counts[0] == 6 and counts[2] == 6, counts
-    assert 2 <= counts[1] <= 3, counts
-    assert strategy.monitor.completed_steps == 0 or True  # no timing without emulation or auto_balance
+        def on_train_batch_begin(self, batch, logs=None):
+            if when == "batch_begin" and batch == 1:
+                strategy.set_batch_split([2, 0, 1])
+
+    reference.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0, callbacks=[IdleFromTheSecondStep()])
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=1e-5)
+    counts = counter_of(model).counts
+    assert counts[0] == counts[2] == 4 and counts[1] == 1, counts  # replica 1 worked in the first step only
+
+
+def test_predict_and_strategy_run_eagerly_give_an_idle_replica_an_empty_batch():
+    strategy = strategy_for(3, [2, 0, 1])
+    x, y = data(6, seed=3)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(loss="mse", run_eagerly=True)
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    reference.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(x, batch_size=6, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
+    element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(6))))
+    outputs = strategy.run(lambda batch: batch * 2.0, args=(element,))
+    assert [p.shape[0] for p in strategy.experimental_local_results(outputs)] == [4, 0, 2]
+    np.testing.assert_allclose(strategy.gather(outputs, axis=0), x * 2.0)
+
+
+class FailsOnReplica2(keras.layers.Layer):
+    def call(self, x):
+        def fail_on_2(replica_id):
+            if int(replica_id) == 2:
+                raise ValueError("replica 2 fails here")
+            return np.int32(0)
+
+        context = tf.distribute.get_replica_context()
+        if context is None:  # building the model (cross-replica context)
+            return x
+        replica_id = context.replica_id_in_sync_group
+        ok = tf.numpy_function(fail_on_2, [replica_id], tf.int32, stateful=True)
+        with tf.control_dependencies([ok]):
+            return tf.identity(x)
+
+
+@pytest.mark.parametrize("shares", [[0, 1, 1], [0, 0, 1]])
+def test_an_error_in_a_step_with_idle_replicas_names_the_replica_that_raised_it(shares):
+    # tf.distribute numbers the threads of a call in its op names; with replica 0 idle, thread 0 is replica 1 or 2.
+    from hetero_cs import ReplicaStepError
+
+    strategy = strategy_for(3, shares)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), FailsOnReplica2(), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(12)
+    with pytest.raises(ReplicaStepError) as raised:
+        model.fit(x, y, batch_size=6, epochs=1, verbose=0, shuffle=False)
+    assert raised.value.replica_id == 2 and raised.value.device.endswith("CPU:3")
 
 
 def test_timing_reports_an_idle_replica_as_0_examples_and_its_emulated_clock_advances(monkeypatch, tmp_path):
@@ -284,3 +357,36 @@ def test_timing_reports_an_idle_replica_as_0_examples_and_its_emulated_clock_adv
     assert sample.straggler_wait_s < sample.makespan_s  # an idle replica does not count as waiting
     steps_done = strategy.emulator.steps_done
     assert steps_done[1] == steps_done[0] == steps_done[2]  # drift schedules count the idle replica's steps too
+
+
+def test_the_first_evaluate_and_predict_idle_the_replicas_of_a_last_batch_smaller_than_r():
+    # Their plans for batches below R are known before the pass: the first trace has their branches, so no replica
+    # runs a 0-example slice - which oneDNN's Conv2D on a CPU fails on (before, the first call raised).
+    def cnn(seed):
+        init = keras.initializers.GlorotUniform
+        model = keras.Sequential([
+            keras.Input((6, 6, 2)), ForwardCounter(),
+            keras.layers.Conv2D(3, 3, use_bias=False, kernel_initializer=init(seed=seed)),
+            keras.layers.BatchNormalization(), keras.layers.Flatten(),
+            keras.layers.Dense(2, kernel_initializer=init(seed=seed + 1)),
+        ])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(17, 6, 6, 2)).astype(np.float32)  # batches of 8, 8 and 1 < R = 3
+    y = rng.integers(0, 2, size=17).astype(np.int32)
+    reference = cnn(11)
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
+    with strategy.scope():
+        model = cnn(11)
+    got = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    want = reference.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), reference.predict(x, batch_size=8,
+                                                                                              verbose=0), atol=1e-5)
+    counts = counter_of(model).counts
+    assert counts[0] == 6 and counts[1] == counts[2] == 4, counts  # the last batch of 1 ran on replica 0 alone

@@ -120,17 +120,20 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         if lifted is not None:
             return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
-        args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
         R = len(self._compute_devices)
+        # In a graph: one branch per set of active replicas that plans use, picked when the step starts
+        # (hetero_cs.engine.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
+        sets = None
+        if not tf.executing_eagerly() and R > 1:
+            training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
+            sets = strategy._active_sets.for_trace(training=training_step)  # noqa: SLF001
+        args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs, traced=sets)  # noqa: SLF001
         if sizes is None or R == 1:
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
         if tf.executing_eagerly():  # the sizes are known: run the active replicas only
             active = tuple(i for i, b in enumerate(sizes.numpy()) if b > 0)
-            return self._call_active(fn, args, kwargs, batch_leaves, timed, None if len(active) == R else active)
-        # In a graph: one branch per set of active replicas that plans use, picked when the step starts
-        # (hetero_cs.engine.idle_replicas); branch 0 runs every replica.
-        training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
-        sets = strategy._active_sets.for_trace(training=training_step)  # noqa: SLF001
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, None if len(active) == R else active,
+                                     sizes=sizes.numpy())
         if not sets:
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
         template = {}
@@ -155,7 +158,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         merged = [v if static else next(tensors) for v, static in zip(flat, template["static"])]
         return tf.nest.pack_sequence_as(structure, merged, expand_composites=True)
 
-    def _call_active(self, fn, args, kwargs, batch_leaves, timed, active):
+    def _call_active(self, fn, args, kwargs, batch_leaves, timed, active, sizes=None):
         """One ``strategy.run`` call over the replicas in ``active`` (None: all of them)."""
         strategy = self._container_strategy()
         # One handoff per call: its replica threads and this thread, which runs its merges, share it (and no
@@ -163,7 +166,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         # Keras hooks of this call record into its StepHooks; once traced, every hook the step needed must have run
         # (hooks.verify), else Keras changed under us: UnsupportedVersionError.
         handoff = training.StepHandoff(hooks=hooks.StepHooks())
-        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff)  # noqa: SLF001
+        wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff,  # noqa: SLF001
+                                            scope_replica=active is not None)
         R = len(self._compute_devices)
         with training.step_handoff(handoff):
             if active is None:
@@ -180,7 +184,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
                     result = super()._call_for_each_replica(wrapped, sub(args), sub(kwargs or {}))
                 result = idle_replicas.expand_outputs(
                     result, active, R, keras_step=strategy._input_roles.keras_loop_now,  # noqa: SLF001
-                    host=strategy._parameter_device, components=components, per_replica=per_replica)  # noqa: SLF001
+                    host=strategy._parameter_device, components=components, per_replica=per_replica,  # noqa: SLF001
+                    sizes=sizes)
         if not tf.executing_eagerly():
             hooks.verify(handoff.hooks)
         return result

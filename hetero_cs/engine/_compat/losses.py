@@ -99,6 +99,24 @@ def _patch_compute_average_loss() -> None:
     nn_impl_distribute.compute_average_loss = compute_average_loss
     tf.nn.compute_average_loss = compute_average_loss
 
+    # tf.nn.scale_regularization_loss divides a term every replica adds by the replica count. A replica with 0
+    # examples runs nothing under our central-storage strategy (hetero_cs.engine.idle_replicas), so only the active
+    # replicas add it and 1/R would undercount it. Inside a replica step of our strategies it weighs b_i / B
+    # instead, which sums to 1 over the replicas that hold the batch, idle ones or not.
+    original_scale = nn_impl_distribute.scale_regularization_loss
+
+    @functools.wraps(original_scale)
+    def scale_regularization_loss(regularization_loss):
+        step = weighted_step()
+        if step is None:
+            return original_scale(regularization_loss)
+        total = tf.reduce_sum(regularization_loss)
+        share = tf.cast(step.batch_size, total.dtype) / tf.cast(step.global_batch_size, total.dtype)
+        return total * share
+
+    nn_impl_distribute.scale_regularization_loss = scale_regularization_loss
+    tf.nn.scale_regularization_loss = scale_regularization_loss
+
 
 def _patch_loss_scaling() -> None:
     # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas

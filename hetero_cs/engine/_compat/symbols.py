@@ -36,7 +36,7 @@ REQUIRED = (
         "_create_variable", "_call_for_each_replica")),
     ("tensorflow.python.distribute.input_lib", None, ("InputWorkers", "DistributedDatasetsFromFunction")),
     ("tensorflow.python.distribute.values", None, ("PerReplica", "PerReplicaSpec")),
-    ("tensorflow.python.ops.nn_impl_distribute", None, ("compute_average_loss",)),
+    ("tensorflow.python.ops.nn_impl_distribute", None, ("compute_average_loss", "scale_regularization_loss")),
     ("keras.src.layers.normalization.batch_normalization", "BatchNormalization", ("_moments",)),
     ("tensorflow.python.eager.def_function", "Function", ("_clone", "python_function")),
 )

@@ -6,14 +6,18 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 from __future__ import annotations
 
 import functools
+import logging
 import inspect
 from collections.abc import Callable
 
 import tensorflow as tf
 
+from hetero_cs.engine import idle_replicas
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.errors import ConfigError, StepOOMError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")
 
 def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
@@ -102,6 +106,10 @@ def _patch_make_train_function() -> None:
     # steps_per_execution and train_on_batch (a generator) take Keras' path unchanged.
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+    # Under our strategy the train function is also traced again, right before a step, when plans have used a set
+    # of idle replicas since it was traced (hetero_cs.engine.idle_replicas): the step then has a branch in which
+    # those replicas do no work. Private: Keras keeps the traced step in model.train_function and calls it anew
+    # for every step; make_train_function(force=True) builds a new one.
     original = TensorFlowTrainer.make_train_function
 
     @functools.wraps(original)
@@ -109,23 +117,35 @@ def _patch_make_train_function() -> None:
         result = original(self, force=force)
         strategy = getattr(self, "_distribute_strategy", None)
         function = self.train_function
-        recovery = getattr(strategy, "_step_recovery", None)
-        if not is_hetero_strategy(strategy) or recovery is None or function is None or getattr(
-                function, "_hetero_recovering", False):
+        if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
             return result
+        active_sets = strategy._active_sets  # noqa: SLF001
+        active_sets.mark_traced_function(function, active_sets.version(training=True))
+        recovery = getattr(strategy, "_step_recovery", None)
+        current = [function]
 
         def train_function(iterator):
-            if (self.steps_per_execution != 1 or not isinstance(iterator, tf.distribute.DistributedIterator)
-                    or not recovery.armed()):
-                return function(iterator)
+            if active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True):
+                logger.info("hetero_cs: tracing the train step again: plans now leave replicas idle (active sets "
+                            "%s).", list(active_sets.for_trace(training=True)))
+                known = active_sets.version(training=True)
+                original(self, force=True)
+                current[0] = self.train_function
+                active_sets.mark_traced_function(current[0], known)
+                self.train_function = train_function
+            step = current[0]
+            if (recovery is None or self.steps_per_execution != 1
+                    or not isinstance(iterator, tf.distribute.DistributedIterator) or not recovery.armed()):
+                return step(iterator)
             try:
                 data = iterator.get_next()  # eager: the batch stays in hand for a retry
             except tf.errors.OutOfRangeError:
                 raise StopIteration from None
-            # The model's name scopes its forward ops, which run in the replicas only (blame by op name).
-            return recovery.run(lambda batch: function([batch]), data, replica_scopes=(self.name,))
+            # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A retry
+            # whose new plan idles a replica first traces the step again (above).
+            return recovery.run(lambda batch: train_function([batch]), data, replica_scopes=(self.name,))
 
-        train_function._hetero_recovering = True
+        train_function._hetero_wrapped = True
         self.train_function = train_function
         return result
 
@@ -152,8 +172,10 @@ def _patch_evaluate_and_predict() -> None:
             # and traces them again when they are None.
             attribute = "predict_function" if original.__name__ == "predict" else "test_function"
             active_sets = strategy._active_sets  # noqa: SLF001
+            idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(
+                args, kwargs, batch_size_position=1 if original.__name__ == "predict" else 2))
             active_sets.refresh(self, attribute, training=False)
-            known = active_sets.count(training=False)
+            known = active_sets.version(training=False)
             try:
                 with strategy._input_roles.inferring():  # noqa: SLF001 - its inputs and steps infer
                     return original(self, *args, **kwargs)
@@ -175,6 +197,22 @@ def _patch_evaluate_and_predict() -> None:
 
     TensorFlowTrainer.evaluate = reraise_input_errors(TensorFlowTrainer.evaluate)
     TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
+
+
+def _examples_and_batch_size(args, kwargs, *, batch_size_position: int) -> tuple[int | None, int | None]:
+    """``(N, B)`` of an evaluate or predict call on arrays (Keras' default batch size 32), else ``(None, None)``."""
+    x = kwargs.get("x", args[0] if args else None)
+    if kwargs.get("steps") is not None or x is None or isinstance(x, (tf.data.Dataset,
+                                                                      tf.distribute.DistributedDataset)):
+        return None, None
+    leaves = tf.nest.flatten(x)
+    first = leaves[0] if leaves else None
+    shape = getattr(first, "shape", None)
+    if shape is None or len(shape) == 0 or shape[0] is None:
+        return None, None
+    positional = args[batch_size_position] if len(args) > batch_size_position else None
+    batch_size = kwargs.get("batch_size", positional if isinstance(positional, int) else None)
+    return int(shape[0]), int(batch_size or 32)
 
 
 def _empty_input_error(verb: str):
