@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, training
-from hetero_cs.engine.idle_replicas import ActiveSets, defer_untraced
+from hetero_cs.engine.idle_replicas import ActiveSets, ServedSizes
 from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
@@ -188,7 +188,7 @@ class HeteroCentralStorageStrategy(
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
-        self._served_sizes: dict[bool, tuple] = {}  # the last sizes served to a training / an inference step
+        self._served_sizes = ServedSizes()  # the last sizes each kind of step was cut with
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
         self._slicer = PlanSlicer(
@@ -329,11 +329,10 @@ class HeteroCentralStorageStrategy(
             timed = not self._sampled_timing or (training and self._balancer.timing_due())
             if plan is self._balancer.plan:  # the plan in force: later full batches may read it from the graph
                 self._slicer.publish(plan)
-            if 0 in (sizes := plan.per_replica_batch_sizes):
+            if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
-                self._active_sets.note(sizes, training=training)
-                sizes = defer_untraced(sizes, traced, self._served_sizes.get(training))
-            self._served_sizes[training] = sizes
+                self._active_sets.note(plan.per_replica_batch_sizes, training=training)
+            sizes = self._served_sizes.decide(plan.per_replica_batch_sizes, traced, training=training)
             return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = exc

@@ -146,29 +146,44 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
     strategy._active_sets.note(plan.per_replica_batch_sizes, training=False)  # noqa: SLF001
 
 
-def defer_untraced(sizes: Sequence[int], traced, last: Sequence[int] | None) -> tuple[int, ...]:
-    """The sizes to cut a step with, given the plan's ``sizes`` (with a 0) and the sets the step was traced with.
+class ServedSizes(DeepcopiedWithNewLocks):
+    """The sizes each kind of step (training, inference) was last cut with, and the one-step deferral of a split
+    whose set of idle replicas has no branch in the running step (thread-safe)."""
 
-    A plan can change while a step starts (the re-planner proposes, the guard starts a trial, inside the call that
-    serves the step). If its set of active replicas has no branch in the running step (``traced``: the step's
-    traced sets, None when unknown), that step would run its idle replicas on 0-example slices, where some kernels
-    fail (Conv2D with oneDNN on a CPU). Such a step keeps the previous step's sizes when they cut the same global
-    batch and have a branch (the previous step ran with them); ``model.fit`` traces its step again before the next
-    one, which then runs the new plan idle. Otherwise the plan's sizes stand.
-    """
-    sizes = tuple(int(b) for b in sizes)
-    if traced is None:
-        return sizes
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict[bool, tuple[int, ...]] = {}
+        self._deferred: dict[bool, bool] = {}
 
-    def has_branch(split):
-        active = tuple(i for i, b in enumerate(split) if b > 0)
-        return len(active) == len(split) or active in traced
+    def decide(self, sizes: Sequence[int], traced, *, training: bool) -> tuple[int, ...]:
+        """The sizes to cut this step with, given the plan's ``sizes`` and the sets the step was traced with.
 
-    if has_branch(sizes) or last is None or sum(last) != sum(sizes) or not has_branch(last):
-        return sizes
-    logger.debug("hetero_cs: split %s starts one step later (its set of idle replicas is traced next step); this "
-                 "step keeps %s.", list(sizes), list(last))
-    return tuple(int(b) for b in last)
+        A plan can change while a step starts (the re-planner proposes, the guard starts a trial, inside the call
+        that serves the step). If its set of active replicas has no branch in the running step (``traced``: the
+        step's traced sets, given for Keras' own loops, which trace again; None otherwise), that step would run its
+        idle replicas on 0-example slices, where some kernels fail (Conv2D with oneDNN on a CPU). Such a step keeps
+        the previous step's sizes when they cut the same global batch and have a branch (the previous step ran
+        with them), once; ``model.fit`` traces its step again before the next one, which then runs the new plan
+        idle. Otherwise the plan's sizes stand.
+        """
+        sizes = tuple(int(b) for b in sizes)
+        kind = bool(training)
+
+        def has_branch(split):
+            active = tuple(i for i, b in enumerate(split) if b > 0)
+            return len(active) == len(split) or active in traced
+
+        with self._lock:
+            last = self._last.get(kind)
+            defer = (traced is not None and not has_branch(sizes) and last is not None and sum(last) == sum(sizes)
+                     and has_branch(last) and not self._deferred.get(kind, False))
+            self._deferred[kind] = defer
+            if defer:
+                logger.debug("hetero_cs: split %s starts one step later (its set of idle replicas gets a branch "
+                             "when the step is traced again); this step keeps %s.", list(sizes), list(last))
+                return last
+            self._last[kind] = sizes
+            return sizes
 
 
 def _set_code(active: Sequence[int]) -> int:
