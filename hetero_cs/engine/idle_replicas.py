@@ -14,11 +14,12 @@ cannot sit in a branch of its own. Instead the whole call is traced once per *se
 runs there, its idle replicas on 0-example slices, which is exact (BatchNormalization and every loss are
 0-example safe) but not idle.
 
-Which sets are traced. Those of the plans served or solved so far (:class:`ActiveSets`, fed by the strategy when a
-plan is chosen): a step traced before a set was first needed runs it in branch 0. ``model.fit`` traces its train
-step again between two steps when a new set appears (:meth:`ActiveSets.stale`), and ``evaluate`` and ``predict``
-when they start; a custom loop's ``tf.function`` keeps the sets it was traced with (trace it after
-``strategy.calibrate``, or call it once more in a new ``tf.function``).
+Which sets are traced. The most recent ones of the plans served, solved or tried so far (:class:`ActiveSets`, fed by
+the strategy when a plan is chosen, a guard trial starts or ``batch_split`` is set): a step traced before a set was
+first needed runs it in branch 0. ``model.fit`` traces its train step again right before a step when a new set
+appeared (:meth:`ActiveSets.version`), and ``evaluate`` and ``predict`` when they start; a plan that changes while
+a step starts waits one step for that trace (:class:`ServedSizes`). A custom loop's ``tf.function`` keeps the sets
+it was traced with (trace it after ``strategy.calibrate``, or call it once more in a new ``tf.function``).
 
 An idle replica's outputs. ``strategy.run`` still returns one value per replica. Where a replica's output has a
 batch dimension (a leading dimension unknown at trace time: predictions, per-example losses) the idle replica's
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 #: The most recently used sets of active replicas of each kind of step (training, inference) that get a branch; a
 #: set used again after others pushed it out runs in branch 0 until the step is traced again.
-MAX_TRACED_SETS = 3
+MAX_TRACED_SETS = 2
 
 
 class ActiveSets(DeepcopiedWithNewLocks):

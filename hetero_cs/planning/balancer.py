@@ -33,10 +33,10 @@ from hetero_cs.planning.cost_model import CostModel, check_cost_model, idle_free
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
-from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
+from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -367,7 +367,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
         with self._lock:
             if not self.timing_needed:
                 return False
-            if self.samples_needed() or self._take_probe_due():
+            probe = self._take_probe_due()  # the step just served gives a left-out card one example
+            if self.samples_needed() or probe:
                 return True
             return self._served % self.timing_interval_steps() == 0
 

@@ -105,8 +105,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         self._pairing.reset()
         self._completed_steps = 0
         self._window: collections.deque[StepSample] = collections.deque(maxlen=self._window_steps)
-        # Per replica, (base model, factor) of its last correction from samples: a replica the plan leaves idle has
-        # no samples in the window, and keeps the speed last measured instead of falling back to its base model.
+        # Per replica, (base model, corrected model) of its last correction from samples: a replica the plan leaves
+        # idle has no samples in the window, and keeps the speed last measured instead of its base model.
         self._last_correction: dict[int, tuple[CostModel, CostModel]] = {}
 
     @property

@@ -101,6 +101,9 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
        (seed counters) gets ONLY_FIRST_REPLICA (MEAN would break integer state); floating-point state gets MEAN.
     2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing), and a
        global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
+    3. A step runs only the replicas its cut gives examples: one branch per set of active replicas that plans use,
+       picked when the step starts (:mod:`hetero_cs.engine.idle_replicas`); ``worker_devices``,
+       ``_get_replica_id_in_sync_group`` and the reductions answer for the active replicas while such a call runs.
     """
 
     def _create_variable(self, next_creator, **kwargs):

@@ -6,8 +6,8 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 from __future__ import annotations
 
 import functools
-import logging
 import inspect
+import logging
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -18,6 +18,7 @@ from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.errors import ConfigError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
+
 
 def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
