@@ -270,7 +270,7 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
 
 
 def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[..., None] | None, emulator,
-                         sampled: bool, host: str) -> None:
+                         host: str) -> None:
     """On the host: each idle replica's step report (0 examples, 0 s) and its emulated step counter.
 
     The step-time monitor pairs a step's reports by its clock start and completes a step once every replica has
@@ -286,7 +286,7 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
         if emulator is not None:
             for i in ids:
                 emulator.delay_s(i, 0)  # advances the counter; 0 examples: 0 s, no memory needed
-        if record is not None and start_s >= 0.0:
+        if record is not None and start_s >= 0.0:  # a sampled step that is not timed has a negative stamp
             for i in ids:
                 record(i, 0, 0.0, step_key=start_s)
         return np.float64(0.0)
@@ -295,4 +295,3 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
     with tf.device(host):
         tf.numpy_function(_report, [tf.cast(stamp, tf.float64)], tf.float64, stateful=True,
                           name="hetero_cs_idle_replicas")
-    del sampled  # a sampled step that is not timed has a negative stamp: the record is skipped above

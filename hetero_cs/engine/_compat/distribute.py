@@ -183,8 +183,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
                 idle = [i for i in range(R) if i not in active]
                 idle_replicas.report_idle_replicas(
                     idle, handoff.start_stamp, record=strategy._record_step_time if handoff.start_stamp is not None
-                    else None, emulator=strategy._emulator, sampled=handoff.sampled_start,  # noqa: SLF001
-                    host=strategy._parameter_device)  # noqa: SLF001
+                    else None, emulator=strategy._emulator, host=strategy._parameter_device)  # noqa: SLF001
                 sub = functools.partial(idle_replicas.subset_per_replica, active=active, num_replicas=R,
                                         components=components, per_replica=per_replica)
                 with self._only_replicas(active):
