@@ -134,7 +134,10 @@ def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPl
                                  max_batch_sizes=[p.max_batch_size for p in profiles],
                                  min_batch_size=1 if global_batch_size >= len(profiles) else 0)  # B < R: some idle
     except InfeasiblePlanError as exc:
-        warnings.warn(f"Calibration finished but no plan fits: {exc}", stacklevel=3)
+        # The strategies train such a batch as micro-batches (sub-steps within the caps); say so, not "failed".
+        warnings.warn(f"Calibration finished, but no plan fits the whole global batch in one step: {exc} "
+                      f"HeteroCentralStorageStrategy trains such batches as micro-batches (sub-steps within the "
+                      f"caps) unless micro_batches=False.", stacklevel=3)
         return None
 
 

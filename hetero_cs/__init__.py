@@ -19,6 +19,7 @@ from hetero_cs.errors import (
     InfeasiblePlanError,
     InputError,
     InvalidCostModelError,
+    MicroBatchError,
     NotInReplicaStepError,
     ProfileCacheError,
     ReplicaStepError,
@@ -36,6 +37,7 @@ from hetero_cs.planning.cost_model import (
     ScaledCostModel,
 )
 from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
+from hetero_cs.planning.micro_batches import MicroBatchPlan
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -89,6 +91,8 @@ __all__ = [
     "InfeasiblePlanError",
     "InputError",
     "InvalidCostModelError",
+    "MicroBatchError",
+    "MicroBatchPlan",
     "LinearCostModel",
     "MemoryRecoveryPolicy",
     "NotInReplicaStepError",

@@ -24,6 +24,14 @@ class LossPatternError(ConfigError):
     """
 
 
+class MicroBatchError(ConfigError):
+    """A global batch cannot be micro-batched: no replica can hold one example, or the model's step cannot stay
+    exact over micro-batches and one step does not fit (see :mod:`hetero_cs.engine.micro_batches`).
+
+    A :class:`ConfigError`, so ``except hetero_cs.ConfigError`` (or ``ValueError``) catches it too.
+    """
+
+
 class UnsupportedVersionError(ConfigError):
     """The installed TensorFlow / Keras no longer has, or no longer calls, a private part hetero_cs patches.
 

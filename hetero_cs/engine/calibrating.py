@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import tensorflow as tf
 
@@ -77,16 +78,19 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             f"e.g. x only, with a loss from add_loss). Pass batch_split=[...] (fixed shares) or "
             f"auto_balance=False to train on such data."
         )
-    result = run_calibration(
-        model,
-        batch,
-        devices=list(strategy._compute_devices),
-        parameter_device=strategy._parameter_device,
-        global_batch_size=global_batch_size,
-        emulator=strategy._emulator,
-        store=_store(strategy),
-        progress=progress,
-    )
+    with warnings.catch_warnings():
+        if strategy._micro_batching.enabled:  # a batch that does not fit in one step trains as micro-batches
+            warnings.filterwarnings("ignore", message="Calibration finished, but no plan fits")
+        result = run_calibration(
+            model,
+            batch,
+            devices=list(strategy._compute_devices),
+            parameter_device=strategy._parameter_device,
+            global_batch_size=global_batch_size,
+            emulator=strategy._emulator,
+            store=_store(strategy),
+            progress=progress,
+        )
     return _use(strategy, result, fingerprint, global_batch_size, "")
 
 
@@ -99,7 +103,9 @@ def _use(strategy, result, fingerprint: str, global_batch_size: int, source: str
         list(result.cost_models),
         max_batch_sizes=list(result.max_batch_sizes),
         trial=True,
-        reference_batch_size=global_batch_size,
+        # Micro-batched (memory caps bind): the balancer plans the sub-steps, the size it serves.
+        reference_batch_size=strategy._micro_batching.reference_batch_size(
+            global_batch_size, result.cost_models, result.max_batch_sizes),
     )
     return result
 

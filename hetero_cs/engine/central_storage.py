@@ -22,7 +22,7 @@ from hetero_cs.engine.idle_replicas import ActiveSets, ServedSizes
 from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline, replica_step_error
+from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
@@ -97,6 +97,10 @@ class HeteroCentralStorageStrategy(
             about 40 % less time for an MLP's Adam on a CPU host. None (the default): for Keras' own optimizers
             with dense gradients; True: for any optimizer (one whose update XLA cannot compile then fails at its
             first step); False: never. Never for eager steps (``run_eagerly=True``).
+        micro_batches: Where memory caps bind, ``model.fit`` trains each global batch as sub-steps
+            (micro-batches), exactly (:mod:`hetero_cs.engine.micro_batches`). None (the default): where that is exact
+            and predicted faster, or the batch does not fit in one step; True: also for BatchNormalization in training
+            (per-micro-batch statistics, logged); False: never (today's caps bound each replica's slice).
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -104,7 +108,7 @@ class HeteroCentralStorageStrategy(
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
         ConfigError: ``emulate`` of the wrong length; a ``profile`` of other devices, or with batch_split or
-            auto_balance=False; ``fused_update`` not None or a bool.
+            auto_balance=False; ``fused_update`` or ``micro_batches`` not None or a bool.
         ProfileCacheError: ``profile`` cannot be read or is not a profile.
     """
 
@@ -122,6 +126,7 @@ class HeteroCentralStorageStrategy(
         profile: Any = None,
         oom_recovery: "bool | Any | None" = None,
         fused_update: bool | None = None,
+        micro_batches: bool | None = None,
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
         emulator, emulate = arguments.emulation_names(emulate)
@@ -143,6 +148,9 @@ class HeteroCentralStorageStrategy(
         arguments.validate_profile_cache(profile_cache)
         memory_policy = arguments.memory_policy(oom_recovery)
         arguments.validate_fused_update(fused_update)
+        from hetero_cs.engine.micro_batches import MicroBatching, validate_setting
+
+        validate_setting(micro_batches)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
             from hetero_cs.engine.calibrating import load_profile
@@ -178,6 +186,7 @@ class HeteroCentralStorageStrategy(
             )
         self._profile_cache = profile_cache
         self._fused_update = fused_update
+        self._micro_batching = MicroBatching(self, micro_batches)  # sub-steps where memory caps bind
         self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
         self._source_dataset = None  # the last training input (calibration reads its first batch)
@@ -228,6 +237,11 @@ class HeteroCentralStorageStrategy(
     def fused_update(self) -> bool | None:
         """The ``fused_update`` setting: None (Keras' own optimizers, dense gradients), True or False."""
         return self._fused_update
+
+    @property
+    def micro_batching(self):
+        """Micro-batching (:class:`hetero_cs.engine.micro_batches.MicroBatching`): ``last_plan``, step counts."""
+        return self._micro_batching
 
     @property
     def balancer(self) -> Balancer:
@@ -396,9 +410,7 @@ class HeteroCentralStorageStrategy(
                                scope_replica=scope_replica)
 
     def _write_back_caps(self) -> None:
-        from hetero_cs.engine.calibrating import write_back_caps
-
-        write_back_caps(self)
+        __import__("hetero_cs.engine.calibrating").engine.calibrating.write_back_caps(self)
 
     def _emulator_ready(self) -> bool:
         return getattr(self._emulator, "workload", None) is not None
@@ -441,24 +453,11 @@ class HeteroCentralStorageStrategy(
         return error if error is not None and raised_by_input_pipeline(exc, error) else None
 
     def _replica_step_error(self, exc: Exception, replica_scopes=()):
-        """The input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-        update, a StepOOMError for an out-of-memory error that names no replica, else a ReplicaStepError naming the
-        replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`), or None. ``replica_scopes``:
-        name scopes only replicas' ops run under (``fit`` passes the model's name)."""
-        from hetero_cs.engine.fused_update import compile_error
-        from hetero_cs.engine.oom_errors import classify
-        from hetero_cs.engine.oom_recovery import unblamed_oom_error
+        """The library's error for TensorFlow's ``exc`` from a step, or None
+        (:func:`hetero_cs.engine.step_errors.strategy_step_error`)."""
+        from hetero_cs.engine.step_errors import strategy_step_error
 
-        known = self._input_error_raised(exc) or compile_error(exc)
-        if known is not None:
-            return known
-        oom = classify(exc, self._compute_devices, replica_scopes)
-        if oom is not None and oom.replica_id is None:
-            return unblamed_oom_error(oom, exc, parameter_device=self._parameter_device)
-        return replica_step_error(
-            exc, compute_devices=self._compute_devices, plan=self.plan, empty_slice_plan=self._empty_slices.last_plan,
-            replica_id=oom.replica_id if oom is not None else None,
-        )
+        return strategy_step_error(self, exc, replica_scopes)
 
     # ----------------------------------------------------------------------------------------------------------
     # Calibration

@@ -44,6 +44,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         components = strategy.experimental_local_results(flat[batch_index])
         with tf.device(strategy._parameter_device):
             global_batch_size = tf.add_n([tensors.leading_dim(c) for c in components])
+            micro = getattr(strategy, "_micro_batching", None)
+            if micro is not None:  # a sub-step of a micro-batched step weighs by the whole step's B
+                global_batch_size = micro.full_batch_size(global_batch_size)
             if strategy._timing_enabled:
                 from hetero_cs.engine.step_timing import sampled_wall_clock_stamp, wall_clock_stamp
 

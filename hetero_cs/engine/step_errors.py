@@ -143,3 +143,28 @@ class EmptySliceNotes:
         if plan.global_batch_size not in self._warned_sizes:
             self._warned_sizes.add(plan.global_batch_size)
             log_empty_slices(plan)
+
+
+def strategy_step_error(strategy, exc: Exception, replica_scopes=()):
+    """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
+
+    That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
+    update, a StepOOMError for an out-of-memory error that names no replica, else a ReplicaStepError naming the
+    replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`). ``replica_scopes``: name scopes only
+    replicas' ops run under (``fit`` passes the model's name).
+    """
+    from hetero_cs.engine.fused_update import compile_error
+    from hetero_cs.engine.oom_errors import classify
+    from hetero_cs.engine.oom_recovery import unblamed_oom_error
+
+    known = strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
+    if known is not None:
+        return known
+    oom = classify(exc, strategy.compute_devices, replica_scopes)
+    if oom is not None and oom.replica_id is None:
+        return unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device)
+    return replica_step_error(
+        exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
+        empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
+        replica_id=oom.replica_id if oom is not None else None,
+    )

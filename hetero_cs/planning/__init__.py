@@ -13,6 +13,7 @@ from hetero_cs.planning.cost_model import (
     PiecewiseLinearCostModel,
     ScaledCostModel,
 )
+from hetero_cs.planning.micro_batches import MicroBatchPlan, plan_micro_batches
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -23,6 +24,7 @@ __all__ = [
     "CostModel",
     "IdleFreeCostModel",
     "LinearCostModel",
+    "MicroBatchPlan",
     "PiecewiseLinearCostModel",
     "RebalancePolicy",
     "Rebalancer",
@@ -30,6 +32,7 @@ __all__ = [
     "StepTimeMonitor",
     "even_batch_split",
     "ideal_makespan_s",
+    "plan_micro_batches",
     "plan_from_split",
     "solve_batch_split",
     "split_by_shares",

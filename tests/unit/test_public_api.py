@@ -27,6 +27,8 @@ EXPECTED_ALL = [
     "InvalidCostModelError",
     "LinearCostModel",
     "MemoryRecoveryPolicy",
+    "MicroBatchError",
+    "MicroBatchPlan",
     "NotInReplicaStepError",
     "PiecewiseLinearCostModel",
     "ProfileCacheError",

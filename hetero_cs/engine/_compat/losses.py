@@ -237,6 +237,13 @@ def _scalar_share(value, sample_weight, mask, reduction):
     return _weigh(value)
 
 
+def _note_for_micro_batches(finding: str) -> None:
+    """Tells the strategy's micro-batching (while a step is traced) what it could not keep exact."""
+    micro = getattr(current_weighting_strategy(), "_micro_batching", None)
+    if micro is not None:
+        micro.note(finding)
+
+
 def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module):
     """Keras' reduce_weighted_values with the normaliser of the whole global batch (summed over the replicas).
 
@@ -245,6 +252,7 @@ def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_mod
     Keras divides by the slice's own count or sum; here the count or sum is all-reduced, so each replica's value
     is its share and the shares add up to the single-device loss (0 for a 0-example slice).
     """
+    _note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
     squeeze = loss_module.squeeze_or_expand_to_same_rank
     if sample_weight is not None:
         sample_weight = tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)

@@ -71,7 +71,10 @@ def _patch_optimizer() -> None:
         # Summed on the parameter device only, and clipped there: Keras' all_reduce would broadcast each sum back to
         # every replica's device (the update then reads replica 0's copy), and clip on every replica. Loss-scaled
         # gradients are unscaled and clipped on the host in the update instead (loss_scale.apply_or_skip).
-        clip = None if loss_scale.pending_scaler(self) is not None else functools.partial(_clip_on_host, self)
+        # Under micro-batching (a trace that may run as a sub-step) the sum is clipped in the host update, once per
+        # whole step, on the sum of the sub-steps' gradients (_micro_batched_update).
+        deferred = loss_scale.pending_scaler(self) is not None or _micro_armed(strategy)
+        clip = None if deferred else functools.partial(_clip_on_host, self)
         present = [g for g, _ in grads_and_vars if g is not None]
         if not present:
             return grads_and_vars
@@ -135,14 +138,25 @@ def _patch_optimizer() -> None:
         summed = [t for g, _ in grads_and_vars if g is not None for t in distribution.experimental_local_results(g)]
         if fused_update.applies(distribution.fused_update, self, summed):
             update = fused_update.compiled(update, distribution.parameter_device)
-        with tf.control_dependencies(barrier):
+        def run_update(pairs, *, clip: bool = False):
             if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
                 hooks.fired(hooks.CLIP_SUMMED)
-                result = loss_scale.apply_or_skip(
-                    scaler, self, distribution, grads_and_vars, clip=functools.partial(original_clip, self),
-                    update=update)
+                return loss_scale.apply_or_skip(
+                    scaler, self, distribution, pairs, clip=functools.partial(original_clip, self), update=update)
+            if clip:
+                kept = [g for g, _ in pairs if g is not None]
+                with tf.device(distribution.parameter_device):
+                    clipped = iter(_clip_on_host(self, kept))
+                pairs = [(None if g is None else next(clipped), v) for g, v in pairs]
+            return update(pairs)
+
+        with tf.control_dependencies(barrier):
+            micro = getattr(distribution, "_micro_batching", None)
+            branch = micro.update_branch() if micro is not None else None
+            if branch is None:
+                result = run_update(grads_and_vars)
             else:
-                result = update(grads_and_vars)
+                result = _micro_batched_update(self, distribution, micro, branch, grads_and_vars, run_update)
         if getattr(start, "graph", None) is current_graph and not tf.executing_eagerly():
             # The host tail: the step ends when the update has written every variable (reads come after writes).
             from hetero_cs.engine.step_timing import stamp_step_end
@@ -189,6 +203,56 @@ def _patch_optimizer() -> None:
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
     TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
+
+
+def _micro_armed(strategy) -> bool:
+    micro = getattr(strategy, "_micro_batching", None)
+    return micro is not None and micro.armed
+
+
+def _micro_batched_update(optimizer, distribution, micro, branch, grads_and_vars, run_update):
+    """The host update of a step traced for micro-batching (:mod:`hetero_cs.engine.micro_batches`), by ``branch``:
+
+    0, an ordinary step: the update on its summed gradients, clipped here. 1, a sub-step that is not the last: its
+    summed gradients go into the host accumulators and nothing is applied (the iteration count that Keras adds
+    after this update is taken back, so a whole step counts once). 2, the last sub-step: the update on the
+    accumulated sum plus its own, clipped here (or judged, unscaled and clipped under loss scaling), then the
+    accumulators are zeroed.
+    """
+    if getattr(optimizer, "use_ema", False):
+        from hetero_cs.errors import MicroBatchError
+
+        raise MicroBatchError(
+            "An optimizer with use_ema=True cannot be micro-batched: its moving average would be updated once per "
+            "micro-batch. Pass micro_batches=False to the strategy, or train without use_ema.")
+    pairs = list(grads_and_vars)
+    present = [(g, v) for g, v in pairs if g is not None]
+    device = distribution.parameter_device
+
+    def ordinary():
+        run_update(pairs, clip=True)
+        return tf.constant(True)
+
+    def accumulate():
+        sums = micro.accumulators([v for _, v in present])
+        with tf.device(device):
+            writes = [s.assign_add(tf.convert_to_tensor(g)) for (g, _), s in zip(present, sums)]
+            writes.append(optimizer.iterations.assign_sub(1))
+        with tf.control_dependencies(writes):
+            return tf.constant(True)
+
+    def last():
+        sums = micro.accumulators([v for _, v in present])
+        with tf.device(device):
+            totals = iter([tf.convert_to_tensor(g) + s.read_value() for (g, _), s in zip(present, sums)])
+            total_pairs = [(None if g is None else next(totals), v) for g, v in pairs]
+        run_update(total_pairs, clip=True)
+        with tf.device(device), tf.control_dependencies([g for g, _ in total_pairs if g is not None]):
+            zeroed = [s.assign(tf.zeros_like(s)) for s in sums]
+        with tf.control_dependencies(zeroed):
+            return tf.constant(True)
+
+    return tf.switch_case(branch, [ordinary, accumulate, last])
 
 
 # Methods whose override changes what runs per replica even when it calls super(): clipping or weight decay of its

@@ -125,26 +125,48 @@ def _patch_make_train_function() -> None:
         recovery = getattr(strategy, "_step_recovery", None)
         current = [function]
 
+        micro = strategy._micro_batching  # noqa: SLF001
+
         def train_function(iterator):
-            if active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True):
-                logger.info("hetero_cs: tracing the train step again: plans now leave replicas idle (active sets "
-                            "%s).", list(active_sets.for_trace(training=True)))
+            idle_sets_new = active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True)
+            # A step traced before micro-batching was armed does not read its host state: traced again once.
+            micro_new = micro.armed and not getattr(current[0], "_hetero_micro", False)
+            if idle_sets_new or micro_new:
+                logger.info("hetero_cs: tracing the train step again: %s.", "plans now leave replicas idle (active "
+                            f"sets {list(active_sets.for_trace(training=True))})" if idle_sets_new
+                            else "global batches now run as micro-batches")
                 known = active_sets.version(training=True)
                 original(self, force=True)
                 current[0] = self.train_function
+                current[0]._hetero_micro = micro.armed
                 active_sets.mark_traced_function(current[0], known)
                 self.train_function = train_function
             step = current[0]
-            if (recovery is None or self.steps_per_execution != 1
-                    or not isinstance(iterator, tf.distribute.DistributedIterator) or not recovery.armed()):
+            in_hand = self.steps_per_execution == 1 and isinstance(iterator, tf.distribute.DistributedIterator)
+            recovering = recovery is not None and in_hand and recovery.armed()
+            micro_batching = in_hand and micro.may_apply()
+            if not (recovering or micro_batching):
                 return step(iterator)
             try:
-                data = iterator.get_next()  # eager: the batch stays in hand for a retry
+                data = iterator.get_next()  # eager: the batch stays in hand for a retry or its sub-steps
             except tf.errors.OutOfRangeError:
                 raise StopIteration from None
-            # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A retry
-            # whose new plan idles a replica first traces the step again (above).
-            return recovery.run(lambda batch: train_function([batch]), data, replica_scopes=(self.name,))
+
+            def one_step(batch):
+                if not recovering:
+                    return train_function([batch])
+                # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A
+                # retry whose new plan idles a replica first traces the step again (above).
+                return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,))
+
+            if micro_batching:
+                from hetero_cs.engine.oom_recovery import global_batch_size_of
+
+                plan = micro.plan_for(global_batch_size_of(data))
+                if plan.num_sub_steps > 1:
+                    micro.arm()  # the next call traces the step again, reading the sub-step state
+                    return micro.run(self, one_step, data, plan)
+            return one_step(data)
 
         train_function._hetero_wrapped = True
         self.train_function = train_function

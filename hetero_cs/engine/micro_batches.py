@@ -1,0 +1,326 @@
+"""Micro-batched training steps: a global batch larger than the cards hold trains as sub-steps, exactly.
+
+When memory caps bind, ``model.fit`` runs each global batch of ``B`` examples as ``K`` sub-steps
+(:mod:`hetero_cs.planning.micro_batches` chooses ``K`` and each sub-step's cut). Each sub-step is an ordinary step of
+the traced train function on ``B_j`` examples of the batch, with two differences, read by the step from a small host
+variable (``[B, accumulate]``) that this module sets before each call:
+
+* **Weights.** Every replica's loss weighs ``b_ij / B`` of the *whole* batch, not of the sub-step: the global batch
+  size a replica step sees (:func:`hetero_cs.current_global_batch_size`, Keras' loss scaling, the logged loss and
+  metrics) is ``B``. Over the ``K`` sub-steps the weights sum to 1, as over the replicas of one step.
+* **One update.** The host sums each sub-step's summed gradient into accumulators (one host variable per trained
+  variable) and applies nothing; the last sub-step adds its own gradient and runs the optimizer's update once, on
+  the sum (clipping, weight decay, loss-scale judgement and the iteration count included), then zeroes them.
+
+So one micro-batched step equals one single-device step on the whole batch, with three exceptions, which are never
+silent (:meth:`MicroBatching.run`):
+
+* BatchNormalization in training normalises each sub-step by that sub-step's statistics, and updates its moving
+  statistics once per sub-step. By default such a model is not micro-batched: where one step fits, it keeps the
+  capped plan (logged once); where it cannot fit, a :class:`~hetero_cs.errors.MicroBatchError` says so.
+  ``micro_batches=True`` accepts the approximation (logged once).
+* A loss whose normaliser is the batch's (a masked loss, reduction ``"mean_with_sample_weight"``) would divide by
+  each sub-step's count: refused the same way, even with ``micro_batches=True``.
+* Randomness (Dropout) draws per sub-step; as on any split, its masks are not one device's.
+
+What a sub-step costs: the replicas' per-step fixed cost again (parameters to the cards, gradients back), and on the
+host a gradient sum into the accumulators. The calibrated cost models hold the first; the second is small beside it.
+A failed sub-step applies nothing and the accumulators are zeroed, so a failed step leaves the model and optimizer
+as they were. An out-of-memory sub-step is recovered by :mod:`hetero_cs.engine.oom_recovery` like any step; a
+sub-step that no longer fits the lowered caps is cut into smaller sub-steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from hetero_cs.engine import _compat
+from hetero_cs.engine.input_slicing import is_unbatched_marker
+from hetero_cs.errors import ConfigError, InfeasiblePlanError, MicroBatchError, StepOOMError
+from hetero_cs.planning.choice import choose_plan
+from hetero_cs.planning.micro_batches import MicroBatchPlan, capacity_of, plan_micro_batches
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")
+
+BATCH_NORM = "batch_norm"
+NORMALISED_LOSS = "normalised_loss"
+_WHY = {
+    BATCH_NORM: "BatchNormalization in training normalises each micro-batch by its own statistics (one device "
+                "normalises by the whole batch's) and updates its moving statistics once per micro-batch",
+    NORMALISED_LOSS: "a loss normalised by the batch (a mask, or reduction='mean_with_sample_weight') would divide "
+                     "each micro-batch by its own count",
+}
+
+
+def validate_setting(micro_batches) -> None:
+    """Raises ConfigError unless ``micro_batches`` is None, True or False."""
+    if micro_batches is not None and not isinstance(micro_batches, bool):
+        raise ConfigError(
+            f"micro_batches must be None (micro-batch where it is exact and helps), True (also accept "
+            f"BatchNormalization's per-micro-batch statistics) or False (never). Received: "
+            f"micro_batches={micro_batches!r}.")
+
+
+class MicroBatching:
+    """A strategy's micro-batching: the plans, the host state its traced steps read, and the sub-step loop.
+
+    Args:
+        strategy: The :class:`hetero_cs.HeteroCentralStorageStrategy`.
+        setting: ``micro_batches``: None, True or False (see the strategy).
+    """
+
+    def __init__(self, strategy, setting: bool | None):
+        validate_setting(setting)
+        self._strategy = strategy
+        self.setting = setting
+        self._lock = threading.Lock()
+        self._state = None  # int64 [2] host variable [B, accumulate]: [0, 0] outside micro-batched steps
+        self._accumulators: dict = {}  # variable ref -> host variable holding the sum of the sub-steps' gradients
+        self._armed = False
+        self._found: set[str] = set()  # what traces found that micro-batching cannot keep exact (BATCH_NORM, ...)
+        self._checked = False  # a micro-batched step ran with the findings of its trace known
+        self._plans: dict = {}
+        self._logged: set = set()
+        self.last_plan: MicroBatchPlan | None = None
+        self.micro_batched_steps = 0
+        self.sub_steps = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Plans
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """Whether fit may micro-batch at all (``micro_batches`` is not False)."""
+        return self.setting is not False
+
+    def may_apply(self) -> bool:
+        """Whether some replica has a memory cap (only then can a step need or gain from sub-steps)."""
+        caps = self._strategy.balancer.max_batch_sizes
+        return self.enabled and caps is not None and any(cap is not None for cap in caps)
+
+    def plan_for(self, global_batch_size: int, *, cost_models=None, max_batch_sizes=None) -> MicroBatchPlan:
+        """The sub-steps for a global batch of this size under the balancer's models and caps (or those given).
+
+        Raises:
+            MicroBatchError: No replica can hold one example.
+        """
+        balancer = self._strategy.balancer
+        models = cost_models if cost_models is not None else balancer._cost_models  # noqa: SLF001 - idle-free ones
+        caps = max_batch_sizes if max_batch_sizes is not None else balancer.max_batch_sizes
+        key = (int(global_batch_size), None if models is None else tuple(id(m) for m in models),
+               None if caps is None else tuple(caps), balancer.shares)
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        R = balancer.num_replicas
+
+        def solve(b: int):
+            return choose_plan(b, R, shares=balancer.shares, auto_balance=balancer.auto_balance, cost_models=models,
+                               max_batch_sizes=caps, log_ties=False, idle_free=True)
+
+        try:
+            plan = plan_micro_batches(int(global_batch_size), solve, capacity=capacity_of(caps))
+        except InfeasiblePlanError as exc:
+            raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
+        with self._lock:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def reference_batch_size(self, global_batch_size: int, cost_models, max_batch_sizes) -> int:
+        """The step size the balancer plans for when calibration gives these models and caps: ``B`` itself, or the
+        largest sub-step when ``B`` is micro-batched."""
+        if not self.enabled or capacity_of(max_batch_sizes) is None:
+            return global_batch_size
+        from hetero_cs.planning.cost_model import idle_free
+
+        plan = self.plan_for(global_batch_size, cost_models=idle_free(list(cost_models)),
+                             max_batch_sizes=list(max_batch_sizes))
+        return max(plan.sub_step_sizes)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # What traced steps read
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def armed(self) -> bool:
+        """True once a micro-batched step was prepared: steps traced from then on read the host state."""
+        return self._armed
+
+    def arm(self) -> None:
+        """Creates the host state (once); steps traced afterwards can run as sub-steps."""
+        with self._lock:
+            if self._state is None:
+                with tf.init_scope(), tf.device(self._strategy.parameter_device):
+                    self._state = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
+                                              name="hetero_cs_micro_batch_state")
+            self._armed = True
+
+    def full_batch_size(self, step_batch_size):
+        """In a traced step: ``B`` of the whole micro-batched step, else the step's own (``step_batch_size``)."""
+        if not self._armed:
+            return step_batch_size
+        full = tf.cast(self._state[0], step_batch_size.dtype)
+        return tf.where(full > 0, full, step_batch_size)
+
+    def update_branch(self):
+        """In a traced step's host update: an int32 scalar, 0 for an ordinary step, 1 for a sub-step that only
+        accumulates, 2 for the last sub-step (which applies the sum); None when not armed."""
+        if not self._armed:
+            return None
+        state = self._state.read_value()
+        return tf.cast(tf.where(state[0] > 0, 2 - state[1], 0), tf.int32)
+
+    def accumulators(self, variables) -> list:
+        """One host variable per trained variable (zeros of its shape and dtype), created once."""
+        found = []
+        for variable in variables:
+            key = variable.ref() if hasattr(variable, "ref") else id(variable)
+            accumulator = self._accumulators.get(key)
+            if accumulator is None:
+                with tf.init_scope(), tf.device(self._strategy.parameter_device):
+                    accumulator = tf.Variable(tf.zeros(variable.shape, variable.dtype), trainable=False,
+                                              name="hetero_cs_gradient_sum")
+                self._accumulators[key] = accumulator
+            found.append(accumulator)
+        return found
+
+    def note(self, finding: str) -> None:
+        """Called while a step is traced: ``finding`` (BATCH_NORM, NORMALISED_LOSS) is in this model's step."""
+        self._found.add(finding)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The sub-step loop
+    # ------------------------------------------------------------------------------------------------------------
+    def run(self, model, step, data, plan: MicroBatchPlan):
+        """Runs one global batch as ``plan``'s sub-steps; returns the last sub-step's outputs (the step's logs).
+
+        Args:
+            model: The Keras model being fit.
+            step: ``step(batch)`` runs one step of the traced train function on a distributed element (with
+                out-of-memory recovery where it is on).
+            data: The global batch, a distributed element (whole per leaf).
+            plan: From :meth:`plan_for`, with ``K >= 2`` sub-steps.
+
+        Raises:
+            MicroBatchError: The model cannot be micro-batched exactly (see the module docstring) and one step
+                cannot hold the batch.
+        """
+        refusal = self._refusal()
+        if refusal is not None:
+            return self._one_step_instead(step, data, plan, refusal)
+        B = plan.global_batch_size
+        checking = not self._checked
+        saved = _saved_state(model) if checking else None
+        sizes = list(plan.sub_step_sizes)
+        self._log_plan(plan)
+        start, j = 0, 0
+        try:
+            while j < len(sizes):
+                size = sizes[j]
+                capacity = capacity_of(self._strategy.balancer.max_batch_sizes)
+                if capacity is not None and size > capacity:  # caps fell (an out-of-memory sub-step): cut finer
+                    if capacity == 0:
+                        raise MicroBatchError(
+                            f"No replica can hold one example any more (memory caps "
+                            f"{self._strategy.balancer.max_batch_sizes}); the step of {B} examples cannot go on.")
+                    sizes[j:j + 1] = _equal(size, math.ceil(size / capacity))
+                    continue
+                last = j == len(sizes) - 1
+                self._state.assign([B, 0 if last else 1])
+                try:
+                    outputs = step(_rows(data, start, start + size))
+                except StepOOMError:
+                    now = capacity_of(self._strategy.balancer.max_batch_sizes)
+                    if now is None or now >= size:
+                        raise
+                    continue  # the lowered caps cannot hold this sub-step: cut it finer, above
+                self.sub_steps += 1
+                if checking:
+                    checking = False
+                    self._checked = True
+                    refusal = self._refusal()
+                    if refusal is not None:  # found while the first sub-step was traced: undo it, one step instead
+                        self._zero()
+                        _restore(saved)
+                        self._state.assign([0, 0])
+                        return self._one_step_instead(step, data, plan, refusal)
+                start += size
+                j += 1
+        except BaseException:
+            self._zero()
+            raise
+        finally:
+            self._state.assign([0, 0])
+        self.micro_batched_steps += 1
+        return outputs
+
+    def _refusal(self) -> str | None:
+        found = set(self._found)
+        if self.setting is True:
+            found.discard(BATCH_NORM)
+            if BATCH_NORM in self._found and "approximation" not in self._logged:
+                self._logged.add("approximation")
+                logger.warning("hetero_cs: micro_batches=True: %s; this model's micro-batched steps approximate one "
+                               "device's step there (everything else stays exact).", _WHY[BATCH_NORM])
+        return "; ".join(_WHY[f] for f in sorted(found)) or None
+
+    def _one_step_instead(self, step, data, plan: MicroBatchPlan, refusal: str):
+        if plan.single_step_makespan_s is None and capacity_of(self._strategy.balancer.max_batch_sizes) is not None \
+                and plan.global_batch_size > capacity_of(self._strategy.balancer.max_batch_sizes):
+            raise MicroBatchError(
+                f"A global batch of {plan.global_batch_size} examples does not fit the devices' memory in one step "
+                f"(memory caps {self._strategy.balancer.max_batch_sizes} examples per replica, "
+                f"{capacity_of(self._strategy.balancer.max_batch_sizes)} in all), and micro-batches cannot keep "
+                f"this model's step exact: {refusal}. Use a global batch of at most "
+                f"{capacity_of(self._strategy.balancer.max_batch_sizes)}"
+                + ("" if NORMALISED_LOSS in self._found else ", or accept the approximation with "
+                   "HeteroCentralStorageStrategy(..., micro_batches=True)") + ".")
+        if ("kept", plan.global_batch_size) not in self._logged:
+            self._logged.add(("kept", plan.global_batch_size))
+            logger.info("hetero_cs: not micro-batching this model (%s): batches of %d examples keep one step within "
+                        "the memory caps.", refusal, plan.global_batch_size)
+        return step(data)
+
+    def _zero(self) -> None:
+        for accumulator in self._accumulators.values():
+            accumulator.assign(tf.zeros_like(accumulator))
+
+    def _log_plan(self, plan: MicroBatchPlan) -> None:
+        if plan != self.last_plan:
+            self.last_plan = plan
+            logger.info("hetero_cs micro-batched plan:\n%s", plan)
+
+
+def _equal(size: int, parts: int) -> list[int]:
+    q, r = divmod(size, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def _rows(data, start: int, end: int):
+    """Examples ``[start, end)`` of a distributed element holding whole global batches (None leaves kept)."""
+
+    def cut(leaf):
+        parts = _compat.components(leaf)
+        if parts is None or len(parts) != 1 or is_unbatched_marker(parts[0]):
+            return leaf
+        return _compat.per_replica([parts[0][start:end]])
+
+    return tf.nest.map_structure(cut, data, expand_composites=False)
+
+
+def _saved_state(model) -> list:
+    """The values of the model's non-trained and metric variables, which a sub-step changes."""
+    variables = {id(v): v for v in list(model.non_trainable_variables) + list(model.metrics_variables)}
+    return [(v, np.array(v.numpy())) for v in variables.values()]
+
+
+def _restore(saved) -> None:
+    for variable, value in saved or ():
+        variable.assign(value)

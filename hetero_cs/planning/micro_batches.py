@@ -1,0 +1,246 @@
+"""Micro-batched plans: one global batch trained as ``K`` sub-steps, so memory never caps a card's compute (pure).
+
+A card's memory caps how many examples it holds at once (``max_batch_sizes``), not how many it may process per
+optimizer step. When the caps bind, hetero_cs runs the global batch of ``B`` examples as ``K`` sub-steps of
+``B_1..B_K`` examples (sizes differing by at most one): each sub-step is an ordinary step cut by a plan within the
+caps, its gradients are summed on the host without an update, and the last sub-step applies the sum once. Every
+example weighs ``1 / B`` of the whole batch, so the update equals one single-device step on all ``B`` examples
+(:mod:`hetero_cs.engine.micro_batches`).
+
+Replica ``i`` thus runs ``k_i`` micro-batches (the sub-steps that give it examples) of at most ``m_i`` examples
+(``m_i`` within its cap), ``b_i`` examples in all. Its cost per step is ``sum_j t_i(b_ij)``: every micro-batch pays
+the card's per-step fixed cost again (parameters to the card, gradients back), which the calibrated cost models
+measure; nothing is guessed. The sub-steps run one after another and every replica waits for the slowest in each,
+so the step's makespan is ``sum_j max_i t_i(b_ij)``.
+
+How ``K`` is chosen (:func:`plan_micro_batches`): at least ``K_min = ceil(B / sum(caps))`` (a batch larger than all
+cards hold together); within the search, the ``K`` with the least predicted makespan, each sub-step solved by the
+minimum-makespan solver within the caps. More sub-steps than ``K_min`` pay off where a fast card with little memory
+would otherwise idle part of the step: it gets ``m_i`` examples in every sub-step. A micro-batched plan replaces the
+single step (``K = 1``, where it fits) only if predicted ``MIN_PREDICTED_GAIN`` (2 %) faster: closer calls are
+decided by calibration noise.
+
+What the search guarantees: for every ``K`` it tries, the plan is the best one whose sub-steps differ by at most one
+example, each cut optimally within the caps. It tries ``K_min`` to ``K_min + MAX_EXTRA_SUB_STEPS`` and stops
+early once ``K`` times the cost of the smallest sub-step exceeds the best makespan found (no larger ``K`` can do
+better, since a sub-step costs at least that).
+
+Pure Python: no TensorFlow, no NVML.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetero_cs.errors import ConfigError, InfeasiblePlanError
+from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
+from hetero_cs.planning.plan import BatchPlan
+
+__all__ = ["MAX_EXTRA_SUB_STEPS", "MicroBatchPlan", "capacity_of", "plan_micro_batches"]
+
+MAX_EXTRA_SUB_STEPS = 64
+"""How many sub-steps beyond ``K_min`` the search tries (each costs at most two solver calls, once per B)."""
+
+
+def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
+    """How many examples all replicas hold together: ``sum(caps)``, or None when some replica is uncapped."""
+    if max_batch_sizes is None or any(cap is None for cap in max_batch_sizes):
+        return None
+    return int(sum(max_batch_sizes))
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """A global batch trained as ``K`` sub-steps, each an ordinary plan within the memory caps.
+
+    Attributes:
+        sub_step_plans: The ``K >= 1`` sub-steps' plans, in the order they run; their global batch sizes sum to
+            ``global_batch_size`` and differ by at most one.
+        single_step_makespan_s: The predicted makespan of the batch in one step within the caps (seconds), or
+            None when the caps cannot hold it in one step or nothing is predicted.
+
+    Raises:
+        ConfigError: No sub-step, or sub-steps of different replica counts.
+
+    Example:
+        >>> steps = (BatchPlan((16, 24, 24), 64), BatchPlan((16, 24, 24), 64))
+        >>> plan = MicroBatchPlan(steps)
+        >>> plan.per_replica_batch_sizes, plan.micro_batch_sizes, plan.micro_batch_counts
+        ((32, 48, 48), (16, 24, 24), (2, 2, 2))
+    """
+
+    sub_step_plans: tuple[BatchPlan, ...]
+    single_step_makespan_s: float | None = None
+
+    def __post_init__(self) -> None:
+        plans = tuple(self.sub_step_plans)
+        if not plans or not all(isinstance(p, BatchPlan) for p in plans):
+            raise ConfigError(f"MicroBatchPlan needs one or more BatchPlan sub-steps. Received: {self.sub_step_plans!r}.")
+        if len({p.num_replicas for p in plans}) != 1:
+            raise ConfigError(f"MicroBatchPlan's sub-steps must cut for the same replicas; got replica counts "
+                              f"{[p.num_replicas for p in plans]}.")
+        object.__setattr__(self, "sub_step_plans", plans)
+
+    @property
+    def num_sub_steps(self) -> int:
+        """``K``, the sub-steps per global batch (1: an ordinary step)."""
+        return len(self.sub_step_plans)
+
+    @property
+    def global_batch_size(self) -> int:
+        """``B``, the examples of the whole optimizer step."""
+        return sum(p.global_batch_size for p in self.sub_step_plans)
+
+    @property
+    def sub_step_sizes(self) -> tuple[int, ...]:
+        """``B_1..B_K``, the examples per sub-step."""
+        return tuple(p.global_batch_size for p in self.sub_step_plans)
+
+    @property
+    def per_replica_batch_sizes(self) -> tuple[int, ...]:
+        """``b_i``, replica ``i``'s examples over the whole step, shape [R]."""
+        return tuple(sum(column) for column in zip(*(p.per_replica_batch_sizes for p in self.sub_step_plans)))
+
+    @property
+    def micro_batch_sizes(self) -> tuple[int, ...]:
+        """``m_i``, replica ``i``'s largest micro-batch (what its memory must hold), shape [R]."""
+        return tuple(max(column) for column in zip(*(p.per_replica_batch_sizes for p in self.sub_step_plans)))
+
+    @property
+    def micro_batch_counts(self) -> tuple[int, ...]:
+        """``k_i``, how many micro-batches replica ``i`` runs per step (0: idle all step), shape [R]."""
+        return tuple(sum(1 for b in column if b > 0)
+                     for column in zip(*(p.per_replica_batch_sizes for p in self.sub_step_plans)))
+
+    @property
+    def predicted_makespan_s(self) -> float | None:
+        """``sum_j max_i t_i(b_ij)`` in seconds (the sub-steps run one after another), or None if unknown."""
+        times = [p.predicted_makespan_s for p in self.sub_step_plans]
+        return None if any(t is None for t in times) else float(sum(times))
+
+    @property
+    def predicted_speedup_vs_single_step(self) -> float | None:
+        """``single_step_makespan_s / predicted_makespan_s``, or None when either is unknown."""
+        if self.single_step_makespan_s is None or not self.predicted_makespan_s:
+            return None
+        return self.single_step_makespan_s / self.predicted_makespan_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; inverse of :meth:`from_dict`."""
+        return {"sub_step_plans": [p.to_dict() for p in self.sub_step_plans],
+                "single_step_makespan_s": self.single_step_makespan_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
+        """Rebuilds a plan from :meth:`to_dict` output.
+
+        Raises:
+            ConfigError: Not a mapping, or a sub-step is not a valid plan.
+        """
+        if not isinstance(data, Mapping) or "sub_step_plans" not in data:
+            raise ConfigError(f"MicroBatchPlan.from_dict needs the mapping MicroBatchPlan.to_dict() writes, with "
+                              f"'sub_step_plans'. Received: {data!r}.")
+        return cls(tuple(BatchPlan.from_dict(p) for p in data["sub_step_plans"]),
+                   single_step_makespan_s=data.get("single_step_makespan_s"))
+
+    def __str__(self) -> str:
+        K = self.num_sub_steps
+        lines = [f"MicroBatchPlan: global_batch_size={self.global_batch_size} in {K} sub-step{'' if K == 1 else 's'} "
+                 f"of {_sizes_text(self.sub_step_sizes)} examples",
+                 f"{'replica':>7}  {'examples':>8}  {'micro-batch':>11}  {'count':>5}"]
+        for i, (b, m, k) in enumerate(zip(self.per_replica_batch_sizes, self.micro_batch_sizes,
+                                          self.micro_batch_counts)):
+            lines.append(f"{i:>7}  {b:>8}  {m if k else 'idle':>11}  {k:>5}")
+
+        def ms(value: float | None) -> str:
+            return "n/a" if value is None else f"{value * 1e3:.3f} ms"
+
+        speedup = self.predicted_speedup_vs_single_step
+        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} (the sub-steps' sum)",
+                  f"in one step within the caps: "
+                  f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else 'does not fit'}"]
+        if speedup is not None:
+            lines.append(f"predicted speedup vs one step: {speedup:.3f}x")
+        return "\n".join(lines)
+
+
+def _sizes_text(sizes: Sequence[int]) -> str:
+    distinct = sorted(set(sizes), reverse=True)
+    return " and ".join(f"{size} ({sizes.count(size)}x)" if len(distinct) > 1 else str(size) for size in distinct)
+
+
+def _equal_sizes(global_batch_size: int, num_sub_steps: int) -> list[int]:
+    q, r = divmod(global_batch_size, num_sub_steps)
+    return [q + 1] * r + [q] * (num_sub_steps - r)
+
+
+def plan_micro_batches(
+    global_batch_size: int,
+    solve: Callable[[int], BatchPlan],
+    *,
+    capacity: int | None,
+    min_gain: float = MIN_PREDICTED_GAIN,
+    max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
+) -> MicroBatchPlan:
+    """The sub-steps to train one global batch of ``B`` examples in (see the module docstring).
+
+    Args:
+        global_batch_size: ``B >= 1``.
+        solve: ``solve(b)`` -> the plan of a sub-step of ``b`` examples within the caps (e.g.
+            :func:`hetero_cs.planning.choice.choose_plan`); called at most twice per ``K`` tried, each size once.
+        capacity: ``sum(caps)`` (:func:`capacity_of`), or None when some replica is uncapped.
+        min_gain: A micro-batched plan replaces one step that fits only if predicted this much faster (a fraction).
+        max_extra_sub_steps: How many ``K`` beyond ``K_min`` to try (>= 0).
+
+    Returns:
+        The :class:`MicroBatchPlan`; ``K = 1`` when one step within the caps is best (or nothing is predicted and
+        the batch fits), ``K = K_min`` when nothing is predicted and it does not.
+
+    Raises:
+        ConfigError: ``B`` not an integer >= 1, ``capacity`` not None or an integer >= 0.
+        InfeasiblePlanError: ``capacity`` is 0: no replica can hold one example.
+    """
+    B = global_batch_size
+    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: global_batch_size={B!r}.")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ConfigError(f"capacity must be None or an integer >= 0 (examples). Received: capacity={capacity!r}.")
+    if capacity == 0:
+        raise InfeasiblePlanError(
+            "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
+            "memory (another process may hold it), use a smaller model, or train on other devices.")
+    k_min = 1 if capacity is None or B <= capacity else math.ceil(B / capacity)
+    plans: dict[int, BatchPlan] = {}
+
+    def plan_of(size: int) -> BatchPlan:
+        if size not in plans:
+            plans[size] = solve(size)
+        return plans[size]
+
+    def makespan(K: int) -> float | None:
+        times = [plan_of(size).predicted_makespan_s for size in set(_equal_sizes(B, K))]
+        if any(t is None for t in times):
+            return None
+        sizes = _equal_sizes(B, K)
+        return float(sum(plan_of(size).predicted_makespan_s for size in sizes))
+
+    def built(K: int, single: float | None) -> MicroBatchPlan:
+        return MicroBatchPlan(tuple(plan_of(size) for size in _equal_sizes(B, K)), single_step_makespan_s=single)
+
+    single = makespan(1) if k_min == 1 else None
+    best_k, best = k_min, makespan(k_min)
+    if best is None:  # nothing predicted: the fewest sub-steps that fit
+        return built(k_min, None)
+    smallest = plan_of(1).predicted_makespan_s or 0.0  # no sub-step costs less than one example's
+    for K in range(k_min + 1, min(B, k_min + max_extra_sub_steps) + 1):
+        if smallest > 0 and K * smallest >= best:
+            break
+        value = makespan(K)
+        if value is not None and value < best:
+            best_k, best = K, value
+    if single is not None and best_k != 1 and best * (1.0 + min_gain) > single:
+        best_k = 1  # not clearly faster than the one step that fits
+    return built(best_k, single)

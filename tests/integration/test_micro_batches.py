@@ -1,0 +1,210 @@
+"""Micro-batched steps through model.fit on emulated cards with little memory, against single-device Keras.
+
+The cards hold 16, 64 and 64 examples (144 in all). A global batch larger than that trains as sub-steps whose
+gradients are summed on the host and applied once: weights, optimizer state, logged loss and metrics must equal one
+device's training on the same batches, partial last batch included. What cannot stay exact is refused.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+from hetero_cs import (
+    ConfigError,
+    HeteroCentralStorageStrategy,
+    InfeasiblePlanError,
+    MemoryRecoveryPolicy,
+    MicroBatchError,
+    StepOOMError,
+)
+from hetero_cs.emulation import Drift, Emulator, Workload
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+ACTIVATION_BYTES = 10_000
+WORKLOAD = Workload(flops_per_example=2e7, parameter_bytes=10_000, activation_bytes_per_example=ACTIVATION_BYTES)
+CAPS = (16, 64, 64)
+CAPACITY = sum(CAPS)
+
+
+def memory_for(examples):
+    return WORKLOAD.fixed_memory_bytes + examples * ACTIVATION_BYTES
+
+
+def emulator(drift=()):
+    names = [f"{name}@{memory_for(cap)}B" for name, cap in zip(["A10", "T4", "P100"], CAPS)]
+    return Emulator(names, workload=WORKLOAD, time_scale=20.0, drift=list(drift))
+
+
+@pytest.fixture(autouse=True)
+def fast_emulation(monkeypatch, tmp_path):
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "10")
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
+
+
+def classifier():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", kernel_regularizer="l2"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01, clipnorm=0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], weighted_metrics=["accuracy"])
+    return model
+
+
+def labelled(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
+    return x, y, rng.uniform(0.5, 2.0, size=n).astype(np.float32)
+
+
+def assert_same_training(model, history, reference, reference_history, atol=1e-5):
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=atol)
+    for key, want in reference_history.history.items():
+        np.testing.assert_allclose(history.history[key], want, atol=atol, err_msg=key)
+
+
+def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
+    # B = 16 x 144: at least 16 sub-steps per batch; two full batches and a partial one (sample weights, clipping,
+    # an L2 regulariser, plain and weighted metrics).
+    B = 16 * CAPACITY
+    x, y, w = labelled(2 * B + B // 3)
+    reference = classifier()
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
+
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
+
+    assert_same_training(model, history, reference, reference_history)
+    micro = strategy.micro_batching
+    assert micro.micro_batched_steps == 3
+    full = micro.plan_for(B)
+    assert full.num_sub_steps >= 16 and full.global_batch_size == B
+    assert all(m <= cap for m, cap in zip(full.micro_batch_sizes, CAPS))
+    assert sum(full.per_replica_batch_sizes) == B
+    assert "micro-batch" in str(full)
+
+
+def test_micro_batched_mixed_precision_equals_one_device():
+    from test_mixed_precision import FP16_ATOL  # the tolerance of the other float16 oracle tests
+
+    B = 3 * CAPACITY + 20
+    x, y, _ = labelled(2 * B)
+
+    def regressor():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference = regressor()
+        reference_history = reference.fit(x, x[:, :1], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+        with strategy.scope():
+            model = regressor()
+        history = model.fit(x, x[:, :1], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert strategy.micro_batching.micro_batched_steps == 2
+    assert_same_training(model, history, reference, reference_history, atol=FP16_ATOL)
+
+
+def batch_norm_model():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_batch_norm_is_not_micro_batched_silently_and_a_refused_step_changes_nothing():
+    B = 3 * CAPACITY
+    x, _, _ = labelled(2 * B)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = batch_norm_model()
+    before = [np.array(v) for v in model.get_weights()]
+    with pytest.raises(MicroBatchError, match=r"BatchNormalization.*at most 144.*micro_batches=True"):
+        model.fit(x, x[:, :1], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+    for got, want in zip(model.get_weights(), before):  # moving statistics included
+        np.testing.assert_array_equal(got, want)
+
+
+def test_batch_norm_trains_with_the_opt_in_and_says_so(caplog):
+    B = 3 * CAPACITY
+    x, _, _ = labelled(2 * B)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False,
+                                            micro_batches=True)
+    with strategy.scope():
+        model = batch_norm_model()
+    with caplog.at_level(logging.WARNING, logger="hetero_cs"):
+        history = model.fit(x, x[:, :1], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 2 and np.isfinite(history.history["loss"]).all()
+    assert strategy.micro_batching.micro_batched_steps == 2
+    assert any("micro_batches=True" in r.getMessage() and "BatchNormalization" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_masked_loss_is_refused_even_with_the_opt_in():
+    B = 2 * CAPACITY
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 10, size=(B, 5)).astype(np.int32)
+    targets = rng.normal(size=(B, 5, 1)).astype(np.float32)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False,
+                                            micro_batches=True)
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(10, 4, mask_zero=True),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+    before = model.get_weights()
+    with pytest.raises(MicroBatchError, match="normalised by the batch") as raised:
+        model.fit(tokens, targets, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert "micro_batches=True" not in str(raised.value)  # no opt-in offered: it would be wrong
+    assert int(model.optimizer.iterations) == 0
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_micro_batches_false_keeps_the_caps_error():
+    B = 2 * CAPACITY
+    x, y, _ = labelled(B)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, micro_batches=False)
+    with strategy.scope():
+        model = classifier()
+    with pytest.raises((InfeasiblePlanError, StepOOMError), match="144"):
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert strategy.micro_batching.micro_batched_steps == 0
+
+
+def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_step():
+    # From its 6th step, replica 1 holds 20 examples instead of 64: a sub-step runs out of memory, is retried
+    # within a lower cap, and later sub-steps are cut finer; the whole step still equals one device's.
+    B = 2 * CAPACITY
+    x, y, w = labelled(4 * B)
+    reference = classifier()
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    drift = [Drift(replica_id=1, from_step=6, memory_bytes=memory_for(20))]
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
+                                            oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+    assert strategy._step_recovery.recoveries >= 1  # noqa: SLF001
+    assert strategy.balancer.max_batch_sizes[1] <= 20
+
+
+def test_a_bad_micro_batches_setting_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"micro_batches must be None .* Received: micro_batches='yes'"):
+        HeteroCentralStorageStrategy(DEVICES, micro_batches="yes")
