@@ -32,9 +32,12 @@ sub-step that no longer fits the lowered caps is cut into smaller sub-steps.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import statistics
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -89,6 +92,9 @@ class MicroBatching:
         self.last_plan: MicroBatchPlan | None = None
         self.micro_batched_steps = 0
         self.sub_steps = 0
+        # Measured per sub-step: wall time minus the replicas' predicted makespan (dispatch, the plan's Python call,
+        # the host's gradient sum). The planner counts it once per sub-step (plan_micro_batches).
+        self._overheads: collections.deque = collections.deque(maxlen=32)
 
     # ------------------------------------------------------------------------------------------------------------
     # Plans
@@ -112,8 +118,9 @@ class MicroBatching:
         balancer = self._strategy.balancer
         models = cost_models if cost_models is not None else balancer._cost_models  # noqa: SLF001 - idle-free ones
         caps = max_batch_sizes if max_batch_sizes is not None else balancer.max_batch_sizes
+        overhead = self.sub_step_overhead_s()
         key = (int(global_batch_size), None if models is None else tuple(id(m) for m in models),
-               None if caps is None else tuple(caps), balancer.shares)
+               None if caps is None else tuple(caps), balancer.shares, overhead)
         with self._lock:
             plan = self._plans.get(key)
         if plan is not None:
@@ -125,7 +132,8 @@ class MicroBatching:
                                max_batch_sizes=caps, log_ties=False, idle_free=True)
 
         try:
-            plan = plan_micro_batches(int(global_batch_size), solve, capacity=capacity_of(caps))
+            plan = plan_micro_batches(int(global_batch_size), solve, capacity=capacity_of(caps),
+                                      sub_step_overhead_s=overhead)
         except InfeasiblePlanError as exc:
             raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
         with self._lock:
@@ -133,6 +141,15 @@ class MicroBatching:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    def sub_step_overhead_s(self) -> float:
+        """The host's measured time per sub-step beyond the replicas' predicted makespan (median of the last 32
+        sub-steps, rounded to 0.5 ms; 0 until 5 were measured), in seconds."""
+        with self._lock:
+            samples = list(self._overheads)
+        if len(samples) < 5:
+            return 0.0
+        return round(statistics.median(samples) * 2000) / 2000
 
     def reference_batch_size(self, global_batch_size: int, cost_models, max_batch_sizes) -> int:
         """The step size the balancer plans for when calibration gives these models and caps: ``B`` itself, or the
@@ -234,6 +251,7 @@ class MicroBatching:
                     continue
                 last = j == len(sizes) - 1
                 self._state.assign([B, 0 if last else 1])
+                started = time.perf_counter()
                 try:
                     outputs = step(_rows(data, start, start + size))
                 except StepOOMError:
@@ -242,6 +260,10 @@ class MicroBatching:
                         raise
                     continue  # the lowered caps cannot hold this sub-step: cut it finer, above
                 self.sub_steps += 1
+                predicted = plan.sub_step_plans[j].predicted_makespan_s if j < plan.num_sub_steps else None
+                if self.micro_batched_steps > 0 and predicted is not None and size == plan.sub_step_sizes[j]:
+                    with self._lock:  # not the first micro-batched step, which traces
+                        self._overheads.append(max(0.0, time.perf_counter() - started - predicted))
                 if checking:
                     checking = False
                     self._checked = True

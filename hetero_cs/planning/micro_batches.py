@@ -61,6 +61,8 @@ class MicroBatchPlan:
             ``global_batch_size`` and differ by at most one.
         single_step_makespan_s: The predicted makespan of the batch in one step within the caps (seconds), or
             None when the caps cannot hold it in one step or nothing is predicted.
+        sub_step_overhead_s: The host's measured time per step beyond the replicas' (dispatch, the plan's Python
+            call, the gradient sum), seconds >= 0; counted once per sub-step in the predictions.
 
     Raises:
         ConfigError: No sub-step, or sub-steps of different replica counts.
@@ -74,6 +76,7 @@ class MicroBatchPlan:
 
     sub_step_plans: tuple[BatchPlan, ...]
     single_step_makespan_s: float | None = None
+    sub_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         plans = tuple(self.sub_step_plans)
@@ -117,9 +120,12 @@ class MicroBatchPlan:
 
     @property
     def predicted_makespan_s(self) -> float | None:
-        """``sum_j max_i t_i(b_ij)`` in seconds (the sub-steps run one after another), or None if unknown."""
+        """``sum_j max_i t_i(b_ij)`` plus the host's overhead per sub-step, in seconds (the sub-steps run one after
+        another), or None if unknown."""
         times = [p.predicted_makespan_s for p in self.sub_step_plans]
-        return None if any(t is None for t in times) else float(sum(times))
+        if any(t is None for t in times):
+            return None
+        return float(sum(times)) + self.num_sub_steps * self.sub_step_overhead_s
 
     @property
     def predicted_speedup_vs_single_step(self) -> float | None:
@@ -131,7 +137,8 @@ class MicroBatchPlan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; inverse of :meth:`from_dict`."""
         return {"sub_step_plans": [p.to_dict() for p in self.sub_step_plans],
-                "single_step_makespan_s": self.single_step_makespan_s}
+                "single_step_makespan_s": self.single_step_makespan_s,
+                "sub_step_overhead_s": self.sub_step_overhead_s}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
@@ -144,7 +151,8 @@ class MicroBatchPlan:
             raise ConfigError(f"MicroBatchPlan.from_dict needs the mapping MicroBatchPlan.to_dict() writes, with "
                               f"'sub_step_plans'. Received: {data!r}.")
         return cls(tuple(BatchPlan.from_dict(p) for p in data["sub_step_plans"]),
-                   single_step_makespan_s=data.get("single_step_makespan_s"))
+                   single_step_makespan_s=data.get("single_step_makespan_s"),
+                   sub_step_overhead_s=data.get("sub_step_overhead_s", 0.0))
 
     def __str__(self) -> str:
         K = self.num_sub_steps
@@ -159,7 +167,8 @@ class MicroBatchPlan:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"
 
         speedup = self.predicted_speedup_vs_single_step
-        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} (the sub-steps' sum)",
+        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} (the sub-steps' sum, with "
+                  f"{self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step)",
                   f"in one step within the caps: "
                   f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else 'does not fit'}"]
         if speedup is not None:
@@ -184,6 +193,7 @@ def plan_micro_batches(
     capacity: int | None,
     min_gain: float = MIN_PREDICTED_GAIN,
     max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
+    sub_step_overhead_s: float = 0.0,
 ) -> MicroBatchPlan:
     """The sub-steps to train one global batch of ``B`` examples in (see the module docstring).
 
@@ -194,6 +204,8 @@ def plan_micro_batches(
         capacity: ``sum(caps)`` (:func:`capacity_of`), or None when some replica is uncapped.
         min_gain: A micro-batched plan replaces one step that fits only if predicted this much faster (a fraction).
         max_extra_sub_steps: How many ``K`` beyond ``K_min`` to try (>= 0).
+        sub_step_overhead_s: The host's time per step beyond the replicas' (seconds >= 0, measured by the
+            engine): each sub-step pays it once.
 
     Returns:
         The :class:`MicroBatchPlan`; ``K = 1`` when one step within the caps is best (or nothing is predicted and
@@ -212,6 +224,10 @@ def plan_micro_batches(
         raise InfeasiblePlanError(
             "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
             "memory (another process may hold it), use a smaller model, or train on other devices.")
+    overhead = float(sub_step_overhead_s)
+    if not math.isfinite(overhead) or overhead < 0:
+        raise ConfigError(f"sub_step_overhead_s must be a finite number of seconds >= 0. Received: "
+                          f"sub_step_overhead_s={sub_step_overhead_s!r}.")
     k_min = 1 if capacity is None or B <= capacity else math.ceil(B / capacity)
     plans: dict[int, BatchPlan] = {}
 
@@ -225,16 +241,17 @@ def plan_micro_batches(
         if any(t is None for t in times):
             return None
         sizes = _equal_sizes(B, K)
-        return float(sum(plan_of(size).predicted_makespan_s for size in sizes))
+        return float(sum(plan_of(size).predicted_makespan_s for size in sizes)) + K * overhead
 
     def built(K: int, single: float | None) -> MicroBatchPlan:
-        return MicroBatchPlan(tuple(plan_of(size) for size in _equal_sizes(B, K)), single_step_makespan_s=single)
+        return MicroBatchPlan(tuple(plan_of(size) for size in _equal_sizes(B, K)), single_step_makespan_s=single,
+                              sub_step_overhead_s=overhead)
 
     single = makespan(1) if k_min == 1 else None
     best_k, best = k_min, makespan(k_min)
     if best is None:  # nothing predicted: the fewest sub-steps that fit
         return built(k_min, None)
-    smallest = plan_of(1).predicted_makespan_s or 0.0  # no sub-step costs less than one example's
+    smallest = (plan_of(1).predicted_makespan_s or 0.0) + overhead  # no sub-step costs less than one example's
     for K in range(k_min + 1, min(B, k_min + max_extra_sub_steps) + 1):
         if smallest > 0 and K * smallest >= best:
             break

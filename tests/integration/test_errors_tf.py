@@ -522,20 +522,6 @@ def test_evaluate_and_predict_raise_the_input_error_of_a_bad_batch():
         model.predict(dataset, verbose=0)
 
 
-def test_gradient_accumulation_is_refused_with_the_alternative():
-    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
-                                            profile_cache=False)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse",
-                      run_eagerly=True)
-    before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 is not supported.*global batch"):
-        model.fit(X, Y, batch_size=4, epochs=1, verbose=0)
-    for old, new in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(old, new)
-
-
 def test_the_multi_worker_strategy_refuses_emulate_as_one_string():
     from hetero_cs import HeteroMultiWorkerMirroredStrategy
 

@@ -205,6 +205,32 @@ def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_ste
     assert strategy.balancer.max_batch_sizes[1] <= 20
 
 
+def accumulating_classifier(run_eagerly=False):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.AdamW(0.01, global_clipnorm=0.3, gradient_accumulation_steps=3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  run_eagerly=run_eagerly)
+    return model
+
+
+@pytest.mark.parametrize("global_batch_size, run_eagerly", [(96, False), (2 * CAPACITY + 12, False), (40, True)])
+def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(global_batch_size, run_eagerly):
+    # Keras applies every 3rd optimizer step, on the average of the 3 steps' gradients (clipped, decayed once);
+    # 7 batches and a partial one: two updates and a pending sum. Micro-batched (B > 144) or not, and eagerly.
+    B = global_batch_size
+    x, y, _ = labelled(7 * B + B // 3)
+    reference = accumulating_classifier(run_eagerly)
+    reference_history = reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = accumulating_classifier(run_eagerly)
+    history = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+    assert int(model.optimizer._iterations) == int(reference.optimizer._iterations) == 8  # noqa: SLF001
+    assert (strategy.micro_batching.micro_batched_steps > 0) == (B > CAPACITY)
+
+
 def test_a_bad_micro_batches_setting_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"micro_batches must be None .* Received: micro_batches='yes'"):
         HeteroCentralStorageStrategy(DEVICES, micro_batches="yes")

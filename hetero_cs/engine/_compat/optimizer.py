@@ -71,9 +71,10 @@ def _patch_optimizer() -> None:
         # Summed on the parameter device only, and clipped there: Keras' all_reduce would broadcast each sum back to
         # every replica's device (the update then reads replica 0's copy), and clip on every replica. Loss-scaled
         # gradients are unscaled and clipped on the host in the update instead (loss_scale.apply_or_skip).
-        # Under micro-batching (a trace that may run as a sub-step) the sum is clipped in the host update, once per
-        # whole step, on the sum of the sub-steps' gradients (_micro_batched_update).
-        deferred = loss_scale.pending_scaler(self) is not None or _micro_armed(strategy)
+        # Under micro-batching (a trace that may run as a sub-step) or Keras' gradient_accumulation_steps the sum is
+        # clipped in the host update, once per update, on the sum it applies (_accumulating_update).
+        deferred = (loss_scale.pending_scaler(self) is not None or _micro_armed(strategy)
+                    or bool(getattr(self, "gradient_accumulation_steps", None)))
         clip = None if deferred else functools.partial(_clip_on_host, self)
         present = [g for g, _ in grads_and_vars if g is not None]
         if not present:
@@ -152,11 +153,9 @@ def _patch_optimizer() -> None:
 
         with tf.control_dependencies(barrier):
             micro = getattr(distribution, "_micro_batching", None)
-            branch = micro.update_branch() if micro is not None else None
-            if branch is None:
+            result = _accumulating_update(self, distribution, micro, grads_and_vars, run_update)
+            if result is None:  # no micro-batching armed, no gradient_accumulation_steps
                 result = run_update(grads_and_vars)
-            else:
-                result = _micro_batched_update(self, distribution, micro, branch, grads_and_vars, run_update)
         if getattr(start, "graph", None) is current_graph and not tf.executing_eagerly():
             # The host tail: the step ends when the update has written every variable (reads come after writes).
             from hetero_cs.engine.step_timing import stamp_step_end
@@ -181,24 +180,26 @@ def _patch_optimizer() -> None:
                     self, central_iterations=_central_in_replica_context(self.iterations) is not None)
         return original_apply(self, grads, trainable_variables)
 
-    original_apply_gradients = TFOptimizer.apply_gradients
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    @functools.wraps(original_apply_gradients)
-    def apply_gradients(self, grads_and_vars):
-        # Keras' gradient accumulation keeps one accumulator per variable and adds to it inside a cond; under a
-        # central-storage strategy that fails in graph mode and, eagerly, adds each replica's unreduced gradient.
-        if getattr(self, "gradient_accumulation_steps", None) and is_hetero_strategy(tf.distribute.get_strategy()):
-            from hetero_cs.errors import ConfigError
+    original_backend_apply = BaseOptimizer._backend_apply_gradients  # noqa: SLF001
 
-            raise ConfigError(
-                f"Optimizer gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported under "
-                f"HeteroCentralStorageStrategy. Use a global batch that many times larger instead, where the devices' "
-                f"memory allows it."
-            )
-        return original_apply_gradients(self, grads_and_vars)
+    @functools.wraps(original_backend_apply)
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Keras' gradient accumulation keeps one accumulator per variable and adds to it inside a cond: under a
+        # central-storage strategy that fails in graph mode (a merge call inside the cond) and, eagerly, adds each
+        # replica's unreduced gradient. Under our strategy the step takes Keras' plain path (clipping and weight decay
+        # are deferred to the host anyway), and the host update sums and applies every n-th step
+        # (_accumulating_update): Keras' own rule, on the exact summed gradient.
+        if (getattr(self, "gradient_accumulation_steps", None) and current_hetero_strategy() is not None
+                and tf.distribute.get_replica_context() is not None):
+            grads = self._clip_gradients(grads)
+            self._apply_weight_decay(trainable_variables)
+            return self._backend_update_step(grads, trainable_variables, self.learning_rate)
+        return original_backend_apply(self, grads, trainable_variables)
 
+    BaseOptimizer._backend_apply_gradients = _backend_apply_gradients  # noqa: SLF001
     TFOptimizer.apply = apply
-    TFOptimizer.apply_gradients = apply_gradients
     TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
@@ -210,16 +211,26 @@ def _micro_armed(strategy) -> bool:
     return micro is not None and micro.armed
 
 
-def _micro_batched_update(optimizer, distribution, micro, branch, grads_and_vars, run_update):
-    """The host update of a step traced for micro-batching (:mod:`hetero_cs.engine.micro_batches`), by ``branch``:
+def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_update):
+    """The host update of a step that may sum gradients over calls before applying them, or None when none does.
 
-    0, an ordinary step: the update on its summed gradients, clipped here. 1, a sub-step that is not the last: its
-    summed gradients go into the host accumulators and nothing is applied (the iteration count that Keras adds
-    after this update is taken back, so a whole step counts once). 2, the last sub-step: the update on the
-    accumulated sum plus its own, clipped here (or judged, unscaled and clipped under loss scaling), then the
-    accumulators are zeroed.
+    Two things sum gradients on the host (in :meth:`MicroBatching.accumulators`, one host variable per trained
+    variable): micro-batching (:mod:`hetero_cs.engine.micro_batches`, whose host state says which sub-step this is)
+    and Keras' ``gradient_accumulation_steps=n`` (applied every n-th optimizer step, on the average of the n steps'
+    summed gradients, as Keras does on one device). The update then takes one of four branches:
+
+    0. An ordinary step: the update on its summed gradients, clipped here.
+    1. A sub-step that is not its step's last: its gradients go into the sums; nothing is applied, and the iteration
+       count that Keras adds after this update is taken back (a whole step counts once).
+    2. The last sub-step (or an ordinary step) of a step Keras' accumulation does not apply yet: into the sums.
+    3. The last sub-step, or Keras' n-th step: the update on (sums + its own) / n (n = 1 without Keras'
+       accumulation), clipped here (or judged, unscaled and clipped under loss scaling); the sums are zeroed.
     """
-    if getattr(optimizer, "use_ema", False):
+    armed = micro is not None and micro.armed
+    n = getattr(optimizer, "gradient_accumulation_steps", None) or None
+    if not armed and n is None:
+        return None
+    if getattr(optimizer, "use_ema", False) and armed:
         from hetero_cs.errors import MicroBatchError
 
         raise MicroBatchError(
@@ -228,23 +239,34 @@ def _micro_batched_update(optimizer, distribution, micro, branch, grads_and_vars
     pairs = list(grads_and_vars)
     present = [(g, v) for g, v in pairs if g is not None]
     device = distribution.parameter_device
+    with tf.device(device):
+        sub_step = micro.update_branch() if armed else tf.constant(0, tf.int32)  # 0 ordinary, 1 not last, 2 last
+        if n is None:
+            keras_applies = tf.constant(True)
+        else:  # Keras' rule, read before apply() counts this step: (iterations + 1) % n == 0
+            # Private: Keras' iteration counter (the public `iterations` divides it by n under accumulation).
+            keras_applies = tf.equal((optimizer._iterations + 1) % n, 0)  # noqa: SLF001
+        branch = tf.where(tf.equal(sub_step, 1), 1, tf.where(
+            tf.logical_not(keras_applies), 2, tf.where(tf.logical_or(tf.equal(sub_step, 2), n is not None), 3, 0)))
+    sums = micro_sums(optimizer, distribution, [v for _, v in present])
 
     def ordinary():
         run_update(pairs, clip=True)
         return tf.constant(True)
 
-    def accumulate():
-        sums = micro.accumulators([v for _, v in present])
+    def add(uncount: bool):
         with tf.device(device):
             writes = [s.assign_add(tf.convert_to_tensor(g)) for (g, _), s in zip(present, sums)]
-            writes.append(optimizer.iterations.assign_sub(1))
+            if uncount:
+                writes.append(optimizer._iterations.assign_sub(1))  # noqa: SLF001 - the counter itself
         with tf.control_dependencies(writes):
             return tf.constant(True)
 
-    def last():
-        sums = micro.accumulators([v for _, v in present])
+    def apply_sums():
         with tf.device(device):
-            totals = iter([tf.convert_to_tensor(g) + s.read_value() for (g, _), s in zip(present, sums)])
+            scale = 1.0 / (n or 1)
+            totals = iter([(tf.convert_to_tensor(g) + s.read_value()) * tf.cast(scale, s.dtype)
+                           for (g, _), s in zip(present, sums)])
             total_pairs = [(None if g is None else next(totals), v) for g, v in pairs]
         run_update(total_pairs, clip=True)
         with tf.device(device), tf.control_dependencies([g for g, _ in total_pairs if g is not None]):
@@ -252,7 +274,12 @@ def _micro_batched_update(optimizer, distribution, micro, branch, grads_and_vars
         with tf.control_dependencies(zeroed):
             return tf.constant(True)
 
-    return tf.switch_case(branch, [ordinary, accumulate, last])
+    return tf.switch_case(branch, [ordinary, lambda: add(True), lambda: add(False), apply_sums])
+
+
+def micro_sums(optimizer, distribution, variables) -> list:
+    """The host variables that sum gradients for ``variables`` (the strategy's micro-batching keeps them)."""
+    return distribution._micro_batching.accumulators(variables)  # noqa: SLF001
 
 
 # Methods whose override changes what runs per replica even when it calls super(): clipping or weight decay of its

@@ -21,6 +21,7 @@ REQUIRED = (
         "apply", "apply_gradients", "_clip_gradients", "_all_reduce_sum_gradients", "_distributed_tf_update_step",
         "_apply_weight_decay", "_use_weight_decay")),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", ("apply", "_tf_apply")),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer", ("_backend_apply_gradients", "_backend_update_step")),
     ("keras.src.losses.loss", None, (
         "scale_loss_for_distribution", "unscale_loss_for_distribution", "reduce_weighted_values",
         "standardize_reduction", "squeeze_or_expand_to_same_rank")),

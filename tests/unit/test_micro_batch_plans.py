@@ -1,0 +1,124 @@
+"""Micro-batched plans (pure): how many sub-steps, each cut within the caps, against brute force."""
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero_cs import BatchPlan, ConfigError, InfeasiblePlanError, LinearCostModel, MicroBatchPlan
+from hetero_cs.planning.choice import choose_plan
+from hetero_cs.planning.cost_model import idle_free
+from hetero_cs.planning.micro_batches import MAX_EXTRA_SUB_STEPS, capacity_of, plan_micro_batches
+
+
+def solver(models, caps):
+    models = idle_free(models)
+
+    def solve(b):
+        return choose_plan(b, len(models), shares=None, auto_balance=True, cost_models=models, max_batch_sizes=caps,
+                           log_ties=False, idle_free=True)
+
+    return solve
+
+
+def test_a_plan_reports_each_replicas_examples_micro_batch_and_count_and_round_trips():
+    plan = MicroBatchPlan((BatchPlan((16, 24, 24), 64, predicted_makespan_s=0.02),
+                           BatchPlan((16, 23, 24), 63, predicted_makespan_s=0.02),
+                           BatchPlan((0, 10, 0), 10, predicted_makespan_s=0.01)), single_step_makespan_s=0.1)
+    assert plan.global_batch_size == 137 and plan.num_sub_steps == 3
+    assert plan.per_replica_batch_sizes == (32, 57, 48)
+    assert plan.micro_batch_sizes == (16, 24, 24) and plan.micro_batch_counts == (2, 3, 2)
+    assert plan.predicted_makespan_s == pytest.approx(0.05)
+    assert plan.predicted_speedup_vs_single_step == pytest.approx(2.0)
+    assert MicroBatchPlan.from_dict(plan.to_dict()) == plan
+    text = str(plan)
+    assert "3 sub-steps" in text and "micro-batch" in text and "2.000x" in text
+
+
+def test_bad_plans_and_arguments_are_clear_errors():
+    with pytest.raises(ConfigError, match="one or more BatchPlan"):
+        MicroBatchPlan(())
+    with pytest.raises(ConfigError, match="replica counts"):
+        MicroBatchPlan((BatchPlan((1, 1), 2), BatchPlan((1, 1, 1), 3)))
+    with pytest.raises(ConfigError, match="sub_step_plans"):
+        MicroBatchPlan.from_dict({"plans": []})
+    solve = solver([LinearCostModel(0.001, 0.001)] * 2, [4, 4])
+    with pytest.raises(ConfigError, match="global_batch_size must be an integer >= 1"):
+        plan_micro_batches(0, solve, capacity=8)
+    with pytest.raises(ConfigError, match="capacity must be None or an integer"):
+        plan_micro_batches(8, solve, capacity=-1)
+    with pytest.raises(InfeasiblePlanError, match="No replica can hold one example"):
+        plan_micro_batches(8, solve, capacity=0)
+
+
+def test_a_batch_that_fits_with_room_stays_one_step():
+    models = [LinearCostModel(0.010, 0.001), LinearCostModel(0.010, 0.002)]
+    plan = plan_micro_batches(64, solver(models, [1000, 1000]), capacity=2000)
+    assert plan.num_sub_steps == 1 and plan.per_replica_batch_sizes == plan.micro_batch_sizes
+    assert capacity_of([1000, None]) is None and capacity_of(None) is None and capacity_of([3, 4]) == 7
+
+
+def test_a_batch_larger_than_all_caps_takes_at_least_the_fewest_sub_steps_that_fit():
+    models = [LinearCostModel(0.010, 0.001)] * 3
+    caps = [16, 64, 64]
+    plan = plan_micro_batches(16 * 144, solver(models, caps), capacity=144)
+    assert plan.num_sub_steps >= 16
+    assert all(m <= c for m, c in zip(plan.micro_batch_sizes, caps))
+    assert max(plan.sub_step_sizes) - min(plan.sub_step_sizes) <= 1
+
+
+def test_a_fast_card_with_little_memory_gets_its_compute_back_through_sub_steps():
+    # The issue's mix: the fastest card holds 16 examples, the others 64. With a small per-step fixed cost the
+    # capped single step [16, 52, 60] wastes the A10; sub-steps give it 16 examples in each.
+    models = [LinearCostModel(0.0005, 0.000109), LinearCostModel(0.0005, 0.000423), LinearCostModel(0.0005, 0.000369)]
+    plan = plan_micro_batches(128, solver(models, [16, 64, 64]), capacity=144)
+    assert plan.num_sub_steps > 1
+    assert plan.per_replica_batch_sizes[0] > 16  # more than its cap over the step
+    assert plan.predicted_speedup_vs_single_step > 1.5
+    # ... and with a large fixed cost per step the single step stays.
+    heavy = [LinearCostModel(0.010, m.seconds_per_example) for m in models]
+    assert plan_micro_batches(128, solver(heavy, [16, 64, 64]), capacity=144).num_sub_steps == 1
+
+
+def test_without_predictions_the_fewest_sub_steps_that_fit():
+    def solve(b):
+        return BatchPlan((b,), b)
+
+    plan = plan_micro_batches(100, solve, capacity=30)
+    assert plan.num_sub_steps == 4 and plan.sub_step_sizes == (25, 25, 25, 25)
+
+
+def brute_force_equal_sub_steps(models, caps, B):
+    """The best plan of near-equal sub-steps over every K the search may try, each sub-step cut by brute force."""
+    capacity = sum(caps)
+    k_min = math.ceil(B / capacity)
+    best = math.inf
+    for K in range(k_min, min(B, k_min + MAX_EXTRA_SUB_STEPS) + 1):
+        q, r = divmod(B, K)
+        total = 0.0
+        for size, count in ((q + 1, r), (q, K - r)):
+            if count == 0:
+                continue
+            cut = min(
+                max((m.predict_step_time_s(b) if b else 0.0) for m, b in zip(models, split))
+                for split in itertools.product(*(range(c + 1) for c in caps)) if sum(split) == size)
+            total += count * cut
+        best = min(best, total)
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 0.01), st.floats(1e-4, 5e-3)), min_size=2, max_size=3),
+    st.lists(st.integers(1, 6), min_size=3, max_size=3),
+    st.integers(1, 40),
+)
+def test_the_search_finds_the_best_near_equal_sub_steps(params, caps, B):
+    models = [LinearCostModel(a, c) for a, c in params]
+    caps = caps[:len(models)]
+    plan = plan_micro_batches(B, solver(models, caps), capacity=sum(caps), min_gain=0.0)
+    assert plan.global_batch_size == B
+    assert all(m <= c for m, c in zip(plan.micro_batch_sizes, caps))
+    assert plan.predicted_makespan_s == pytest.approx(brute_force_equal_sub_steps(models, caps, B), rel=1e-9)
