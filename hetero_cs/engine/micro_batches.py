@@ -208,6 +208,17 @@ class MicroBatching:
             found.append(accumulator)
         return found
 
+    def sparse_accumulator(self, variable, gradient) -> SparseSum:
+        """The :class:`SparseSum` of a variable whose gradient is a ``tf.IndexedSlices``, created once."""
+        key = ("sparse", variable.ref() if hasattr(variable, "ref") else id(variable))
+        accumulator = self._accumulators.get(key)
+        if accumulator is None:
+            with tf.init_scope(), tf.device(self._strategy.parameter_device):
+                accumulator = SparseSum(gradient.values.shape[1:], gradient.values.dtype, gradient.indices.dtype,
+                                        gradient.dense_shape)
+            self._accumulators[key] = accumulator
+        return accumulator
+
     def note(self, finding: str) -> None:
         """Called while a step is traced: ``finding`` (BATCH_NORM, NORMALISED_LOSS) is in this model's step."""
         self._found.add(finding)
@@ -312,12 +323,47 @@ class MicroBatching:
 
     def _zero(self) -> None:
         for accumulator in self._accumulators.values():
-            accumulator.assign(tf.zeros_like(accumulator))
+            if isinstance(accumulator, SparseSum):
+                accumulator.clear()
+            else:
+                accumulator.assign(tf.zeros_like(accumulator))
 
     def _log_plan(self, plan: MicroBatchPlan) -> None:
         if plan != self.last_plan:
             self.last_plan = plan
             logger.info("hetero_cs micro-batched plan:\n%s", plan)
+
+
+class SparseSum:
+    """The sum of sparse gradients (``tf.IndexedSlices``) over sub-steps, kept as their concatenated rows.
+
+    Host variables of unknown leading dimension hold the rows' values and indices so far; :meth:`total` appends a
+    last gradient's, in order, giving the IndexedSlices one device computes for the whole batch (duplicate rows
+    included, which an update such as Adam's treats one by one).
+    """
+
+    def __init__(self, row_shape, dtype, index_dtype, dense_shape):
+        row_shape = tf.TensorShape(row_shape)
+        self._dense_shape = dense_shape
+        self.values = tf.Variable(tf.zeros([0, *row_shape.as_list()], dtype), shape=tf.TensorShape([None, *row_shape]),
+                                  trainable=False, name="hetero_cs_sparse_gradient_rows")
+        self.indices = tf.Variable(tf.zeros([0], index_dtype), shape=tf.TensorShape([None]), trainable=False,
+                                   name="hetero_cs_sparse_gradient_indices")
+
+    def add(self, gradient):
+        """Appends ``gradient``'s rows; returns the write."""
+        return tf.group(self.values.assign(tf.concat([self.values.read_value(), gradient.values], 0)),
+                        self.indices.assign(tf.concat([self.indices.read_value(), gradient.indices], 0)))
+
+    def total(self, gradient) -> tf.IndexedSlices:
+        """The rows so far followed by ``gradient``'s, as one ``tf.IndexedSlices``."""
+        return tf.IndexedSlices(tf.concat([self.values.read_value(), gradient.values], 0),
+                                tf.concat([self.indices.read_value(), gradient.indices], 0), gradient.dense_shape)
+
+    def clear(self):
+        """Forgets every row; returns the write."""
+        return tf.group(self.values.assign(self.values.read_value()[:0]),
+                        self.indices.assign(self.indices.read_value()[:0]))
 
 
 def _equal(size: int, parts: int) -> list[int]:

@@ -118,6 +118,32 @@ def test_micro_batched_mixed_precision_equals_one_device():
     assert_same_training(model, history, reference, reference_history, atol=FP16_ATOL)
 
 
+def test_an_embeddings_sparse_gradient_stays_sparse_over_sub_steps():
+    # Adam squares each row of an IndexedSlices gradient: the sub-steps' rows must reach it as one device's
+    # IndexedSlices (duplicates included), not as a dense sum.
+    B = 2 * CAPACITY + 5
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 20, size=(2 * B, 6)).astype(np.int32)
+    labels = rng.integers(0, 2, size=2 * B)
+
+    def embedder():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 16)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(pooled))
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
+        return model
+
+    reference = embedder()
+    reference_history = reference.fit(tokens, labels, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = embedder()
+    history = model.fit(tokens, labels, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert strategy.micro_batching.micro_batched_steps == 2
+    assert_same_training(model, history, reference, reference_history)
+
+
 def batch_norm_model():
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),

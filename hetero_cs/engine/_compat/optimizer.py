@@ -248,7 +248,14 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
             keras_applies = tf.equal((optimizer._iterations + 1) % n, 0)  # noqa: SLF001
         branch = tf.where(tf.equal(sub_step, 1), 1, tf.where(
             tf.logical_not(keras_applies), 2, tf.where(tf.logical_or(tf.equal(sub_step, 2), n is not None), 3, 0)))
-    sums = micro_sums(optimizer, distribution, [v for _, v in present])
+    # A sparse gradient (an Embedding's tf.IndexedSlices) stays sparse over sub-steps: its rows are concatenated, as
+    # the sum over replicas concatenates them, so the update sees one device's IndexedSlices (Adam squares each row
+    # entry, so a densified sum would not be the same step). Keras' accumulation sums densely, as it does itself.
+    from hetero_cs.engine.micro_batches import SparseSum  # here: that module imports this package
+
+    micro_state = distribution._micro_batching  # noqa: SLF001
+    sums = [micro_state.sparse_accumulator(v, g) if isinstance(g, tf.IndexedSlices) and n is None
+            else micro_state.accumulators([v])[0] for g, v in present]
 
     def ordinary():
         run_update(pairs, clip=True)
@@ -256,7 +263,8 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
 
     def add(uncount: bool):
         with tf.device(device):
-            writes = [s.assign_add(tf.convert_to_tensor(g)) for (g, _), s in zip(present, sums)]
+            writes = [s.add(g) if isinstance(s, SparseSum) else s.assign_add(tf.convert_to_tensor(g))
+                      for (g, _), s in zip(present, sums)]
             if uncount:
                 writes.append(optimizer._iterations.assign_sub(1))  # noqa: SLF001 - the counter itself
         with tf.control_dependencies(writes):
@@ -265,21 +273,18 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     def apply_sums():
         with tf.device(device):
             scale = 1.0 / (n or 1)
-            totals = iter([(tf.convert_to_tensor(g) + s.read_value()) * tf.cast(scale, s.dtype)
+            totals = iter([s.total(g) if isinstance(s, SparseSum)
+                           else (tf.convert_to_tensor(g) + s.read_value()) * tf.cast(scale, s.dtype)
                            for (g, _), s in zip(present, sums)])
             total_pairs = [(None if g is None else next(totals), v) for g, v in pairs]
         run_update(total_pairs, clip=True)
-        with tf.device(device), tf.control_dependencies([g for g, _ in total_pairs if g is not None]):
-            zeroed = [s.assign(tf.zeros_like(s)) for s in sums]
+        done = tf.nest.flatten([g for g, _ in total_pairs if g is not None], expand_composites=True)
+        with tf.device(device), tf.control_dependencies(done):
+            zeroed = [s.clear() if isinstance(s, SparseSum) else s.assign(tf.zeros_like(s)) for s in sums]
         with tf.control_dependencies(zeroed):
             return tf.constant(True)
 
     return tf.switch_case(branch, [ordinary, lambda: add(True), lambda: add(False), apply_sums])
-
-
-def micro_sums(optimizer, distribution, variables) -> list:
-    """The host variables that sum gradients for ``variables`` (the strategy's micro-batching keeps them)."""
-    return distribution._micro_batching.accumulators(variables)  # noqa: SLF001
 
 
 # Methods whose override changes what runs per replica even when it calls super(): clipping or weight decay of its
