@@ -294,6 +294,42 @@ class MicroBatching:
         self.micro_batched_steps += 1
         return outputs
 
+    def run_inference(self, step, data, *, predicting: bool):
+        """Runs an evaluation or prediction batch larger than the training caps hold as sub-steps within them.
+
+        An inference step keeps no activations for a backward pass, so the training caps are a safe bound for it.
+        Evaluation weighs every sub-step's loss by ``b_ij / B`` of the whole batch (its metrics add up, as over
+        replicas); prediction concatenates the sub-steps' outputs in order. Returns the last sub-step's logs, or the
+        whole batch's predictions.
+
+        Raises:
+            MicroBatchError: An evaluation whose loss is normalised by the batch (see the module docstring).
+        """
+        from hetero_cs.engine.oom_recovery import global_batch_size_of
+
+        B = global_batch_size_of(data)
+        caps = self._strategy.balancer.max_batch_sizes
+        capacity = capacity_of(caps)
+        if capacity == 0:
+            raise MicroBatchError(f"No replica can hold one example (memory caps {caps}).")
+        sizes = _equal(B, math.ceil(B / capacity))
+        outputs, start = [], 0
+        try:
+            for size in sizes:
+                self._state.assign([B, 0])
+                outputs.append(step(_rows(data, start, start + size)))
+                if not predicting and NORMALISED_LOSS in self._found:
+                    raise MicroBatchError(
+                        f"An evaluation batch of {B} examples does not fit the training memory caps {caps} in one "
+                        f"step, and in sub-steps its loss would not be exact: {_WHY[NORMALISED_LOSS]}. Evaluate with "
+                        f"batch_size={capacity} or less (fit: validation_batch_size=).")
+                start += size
+        finally:
+            self._state.assign([0, 0])
+        if not predicting:
+            return outputs[-1]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
+
     def _refusal(self) -> str | None:
         found = set(self._found)
         if self.setting is True:

@@ -91,6 +91,24 @@ def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
     assert "micro-batch" in str(full)
 
 
+def test_validation_evaluate_and_predict_on_batches_larger_than_the_caps_run_as_sub_steps():
+    # An inference batch the training caps cannot hold used to be split without them (and ran out of memory on the
+    # 16-example card); it now runs as sub-steps within them: the same figures as one device's.
+    B = 2 * CAPACITY + 12
+    x, y, w = labelled(3 * B + 7)
+    reference = classifier()
+    reference_history = reference.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, validation_split=0.3)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0, validation_split=0.3)
+    assert_same_training(model, history, reference, reference_history)
+    np.testing.assert_allclose(model.evaluate(x, y, sample_weight=w, batch_size=B, verbose=0),
+                               reference.evaluate(x, y, sample_weight=w, batch_size=B, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=B, verbose=0), reference.predict(x, batch_size=B, verbose=0),
+                               atol=1e-5)
+
+
 def test_micro_batched_mixed_precision_equals_one_device():
     from test_mixed_precision import FP16_ATOL  # the tolerance of the other float16 oracle tests
 

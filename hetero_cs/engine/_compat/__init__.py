@@ -44,6 +44,7 @@ from hetero_cs.engine._compat.symbols import check_private_symbols
 from hetero_cs.engine._compat.optimizer import _patch_optimizer
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
+    _patch_inference_functions,
     _patch_fit,
     _patch_make_train_function,
     _patch_symbolic_build,
@@ -146,6 +147,7 @@ def install() -> None:
         _patch_fit()
         _patch_make_train_function()
         _patch_evaluate_and_predict()
+        _patch_inference_functions()
         _patch_symbolic_build()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

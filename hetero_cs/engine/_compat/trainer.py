@@ -175,6 +175,67 @@ def _patch_make_train_function() -> None:
     TensorFlowTrainer.make_train_function = make_train_function
 
 
+def _patch_inference_functions() -> None:
+    # An evaluation or prediction batch larger than what the training memory caps hold runs as sub-steps within
+    # them (hetero_cs.engine.micro_batches.MicroBatching.run_inference); a step traced before micro-batching was
+    # armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
+    # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    for maker, attribute in (("make_test_function", "test_function"), ("make_predict_function", "predict_function")):
+        setattr(TensorFlowTrainer, maker, _wrapping_inference(getattr(TensorFlowTrainer, maker), attribute))
+
+
+def _wrapping_inference(original: Callable, attribute: str) -> Callable:
+    predicting = attribute == "predict_function"
+
+    @functools.wraps(original)
+    def make(self, force=False):
+        result = original(self, force=force)
+        strategy = getattr(self, "_distribute_strategy", None)
+        function = getattr(self, attribute)
+        if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
+            return result
+        micro = strategy._micro_batching  # noqa: SLF001
+        function._hetero_micro = micro.armed
+        current = [function]
+
+        def wrapped(data):
+            if micro.armed and not getattr(current[0], "_hetero_micro", False):
+                original(self, force=True)
+                current[0] = getattr(self, attribute)
+                current[0]._hetero_micro = True
+                setattr(self, attribute, wrapped)
+            step = current[0]
+            if self.steps_per_execution != 1 or not micro.may_apply():
+                return step(data)
+            if predicting:  # Keras' predict loop reads the batch itself and passes [element]
+                element = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None
+            elif isinstance(data, tf.distribute.DistributedIterator):
+                try:
+                    element = data.get_next()
+                except tf.errors.OutOfRangeError:
+                    raise StopIteration from None
+            else:
+                return step(data)
+            if element is None:
+                return step(data)
+            from hetero_cs.engine.oom_recovery import global_batch_size_of
+            from hetero_cs.planning.micro_batches import capacity_of
+
+            size, capacity = global_batch_size_of(element), capacity_of(strategy.balancer.max_batch_sizes)
+            if size is None or capacity is None or size <= capacity:
+                return step([element])
+            micro.arm()  # the next call traces the step again, reading the sub-step state
+            return micro.run_inference(lambda batch: wrapped([batch]), element, predicting=predicting)
+
+        wrapped._hetero_wrapped = True
+        setattr(self, attribute, wrapped)
+        return result
+
+    return make
+
+
 def _patch_evaluate_and_predict() -> None:
     # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
     # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
