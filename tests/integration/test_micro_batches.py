@@ -69,10 +69,10 @@ def assert_same_training(model, history, reference, reference_history, atol=1e-5
 
 
 def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
-    # B = 16 x 144: at least 16 sub-steps per batch; two full batches and a partial one (sample weights, clipping,
-    # an L2 regulariser, plain and weighted metrics).
+    # B = 16 x 144: at least 16 sub-steps per batch; a full batch and a partial one (sample weights, clipping, an
+    # L2 regulariser, plain and weighted metrics).
     B = 16 * CAPACITY
-    x, y, w = labelled(2 * B + B // 3)
+    x, y, w = labelled(B + B // 3)
     reference = classifier()
     reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
 
@@ -83,7 +83,7 @@ def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
 
     assert_same_training(model, history, reference, reference_history)
     micro = strategy.micro_batching
-    assert micro.micro_batched_steps == 3
+    assert micro.micro_batched_steps == 2
     full = micro.plan_for(B)
     assert full.num_sub_steps >= 16 and full.global_batch_size == B
     assert all(m <= cap for m, cap in zip(full.micro_batch_sizes, CAPS))
@@ -220,6 +220,7 @@ def test_a_masked_loss_is_refused_even_with_the_opt_in():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.filterwarnings("ignore:Calibration finished, but no plan fits")
 def test_micro_batches_false_keeps_the_caps_error():
     B = 2 * CAPACITY
     x, y, _ = labelled(B)
@@ -232,13 +233,13 @@ def test_micro_batches_false_keeps_the_caps_error():
 
 
 def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_step():
-    # From its 6th step, replica 1 holds 20 examples instead of 64: a sub-step runs out of memory, is retried
+    # From its 4th step, replica 1 holds 20 examples instead of 64: a sub-step runs out of memory, is retried
     # within a lower cap, and later sub-steps are cut finer; the whole step still equals one device's.
     B = 2 * CAPACITY
-    x, y, w = labelled(4 * B)
+    x, y, w = labelled(3 * B)
     reference = classifier()
     reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    drift = [Drift(replica_id=1, from_step=6, memory_bytes=memory_for(20))]
+    drift = [Drift(replica_id=1, from_step=4, memory_bytes=memory_for(20))]
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
                                             oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
     with strategy.scope():
