@@ -42,6 +42,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.engine import _compat
 from hetero_cs.engine.input_slicing import is_unbatched_marker
 from hetero_cs.errors import ConfigError, InfeasiblePlanError, MicroBatchError, StepOOMError
@@ -69,7 +70,7 @@ def validate_setting(micro_batches) -> None:
             f"micro_batches={micro_batches!r}.")
 
 
-class MicroBatching:
+class MicroBatching(DeepcopiedWithNewLocks):
     """A strategy's micro-batching: the plans, the host state its traced steps read, and the sub-step loop.
 
     Args:
