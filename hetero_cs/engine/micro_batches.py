@@ -89,6 +89,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._found: set[str] = set()  # what traces found that micro-batching cannot keep exact (BATCH_NORM, ...)
         self._checked = False  # a micro-batched step ran with the findings of its trace known
         self._plans: dict = {}
+        self._in_use: dict[int, int] = {}  # global batch size -> the K its steps run with
         self._logged: set = set()
         self.last_plan: MicroBatchPlan | None = None
         self.micro_batched_steps = 0
@@ -132,15 +133,19 @@ class MicroBatching(DeepcopiedWithNewLocks):
             return choose_plan(b, R, shares=balancer.shares, auto_balance=balancer.auto_balance, cost_models=models,
                                max_batch_sizes=caps, log_ties=False, idle_free=True)
 
+        with self._lock:
+            incumbent = self._in_use.get(int(global_batch_size))
         try:
             plan = plan_micro_batches(int(global_batch_size), solve, capacity=capacity_of(caps),
-                                      sub_step_overhead_s=overhead)
+                                      sub_step_overhead_s=overhead, incumbent_sub_steps=incumbent)
         except InfeasiblePlanError as exc:
             raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
             self._plans[key] = plan
+            if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
+                self._in_use[int(global_batch_size)] = plan.num_sub_steps
         return plan
 
     def sub_step_overhead_s(self) -> float:

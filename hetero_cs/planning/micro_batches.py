@@ -194,6 +194,7 @@ def plan_micro_batches(
     min_gain: float = MIN_PREDICTED_GAIN,
     max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
     sub_step_overhead_s: float = 0.0,
+    incumbent_sub_steps: int | None = None,
 ) -> MicroBatchPlan:
     """The sub-steps to train one global batch of ``B`` examples in (see the module docstring).
 
@@ -206,6 +207,9 @@ def plan_micro_batches(
         max_extra_sub_steps: How many ``K`` beyond ``K_min`` to try (>= 0).
         sub_step_overhead_s: The host's time per step beyond the replicas' (seconds >= 0, measured by the
             engine): each sub-step pays it once.
+        incumbent_sub_steps: The ``K`` in use for this batch size, if any: another ``K`` replaces it only if
+            predicted ``min_gain`` faster (the measured overhead varies a little from step to step; each new ``K``
+            cuts new sub-step sizes, which a traced step may have to be traced again for).
 
     Returns:
         The :class:`MicroBatchPlan`; ``K = 1`` when one step within the caps is best (or nothing is predicted and
@@ -259,5 +263,9 @@ def plan_micro_batches(
         if value is not None and value < best:
             best_k, best = K, value
     if single is not None and best_k != 1 and best * (1.0 + min_gain) > single:
-        best_k = 1  # not clearly faster than the one step that fits
+        best_k, best = 1, single  # not clearly faster than the one step that fits
+    if incumbent_sub_steps is not None and incumbent_sub_steps != best_k and k_min <= incumbent_sub_steps <= B:
+        kept = makespan(incumbent_sub_steps)
+        if kept is not None and best * (1.0 + min_gain) > kept:
+            best_k = incumbent_sub_steps  # not clearly faster than the K in use
     return built(best_k, single)

@@ -86,6 +86,18 @@ def test_a_fast_card_with_little_memory_gets_its_compute_back_through_sub_steps(
     assert plan_micro_batches(128, solver(heavy, [16, 64, 64]), capacity=144).num_sub_steps == 1
 
 
+def test_the_sub_steps_in_use_stay_unless_another_count_is_clearly_faster():
+    models = [LinearCostModel(0.0005, 0.000109), LinearCostModel(0.0005, 0.000423), LinearCostModel(0.0005, 0.000369)]
+    solve = solver(models, [16, 64, 64])
+    best = plan_micro_batches(128, solve, capacity=144)
+    near = best.num_sub_steps - 1
+    kept = plan_micro_batches(128, solve, capacity=144, incumbent_sub_steps=near)
+    assert kept.predicted_makespan_s < best.predicted_makespan_s * 1.02  # 1.3 % slower than the best ...
+    assert kept.num_sub_steps == near  # ... so the count in use stays
+    far = plan_micro_batches(128, solve, capacity=144, incumbent_sub_steps=30)
+    assert far.num_sub_steps == best.num_sub_steps  # clearly slower: replaced
+
+
 def test_without_predictions_the_fewest_sub_steps_that_fit():
     def solve(b):
         return BatchPlan((b,), b)
