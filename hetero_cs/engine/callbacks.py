@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 
 import keras
 
 from hetero_cs.engine import calibrating
+from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -23,29 +25,44 @@ class BalanceCallback(keras.callbacks.Callback):
       predicted makespan beside the measured one.
     * Every batch: ``straggler_wait_ms`` (mean idle time of the replicas waiting for the slowest one in the last
       completed step, milliseconds) joins the logs while per-replica timing is on.
-    * Every epoch: ``makespan_ms`` and ``straggler_wait_ms`` (epoch medians), ``replica_<i>_step_ms`` (median step
-      time of replica i) and ``replica_<i>_batch_size`` (its slice in the plan in force) join the epoch logs, so
-      they reach ``History`` and TensorBoard's scalars. With auto_balance also the guard's state:
-      ``guard_kept`` (1.0 when its last decision kept the tried plan, 0.0 when it reverted; absent before the
-      first decision), ``guard_in_trial`` (1.0 while a plan is being tried) and ``guard_reverts`` (how many
-      tried plans were reverted so far). The guard's decisions are also logged at INFO by
-      ``hetero_cs.planning.guard``. With out-of-memory recovery on: ``oom_recoveries`` (retries after an
-      out-of-memory step so far) and ``replica_<i>_memory_cap`` (the cap in force, in examples, for each capped
-      replica; each cap change is also logged by ``hetero_cs.engine.central_storage``).
+    * Every epoch, two figures join the epoch logs (so the progress bar looks like Keras' with two more entries, and
+      they reach ``History``): ``makespan_ms`` and ``straggler_wait_ms`` (epoch medians). The others go to
+      :attr:`HeteroCentralStorageStrategy.stats` (a :class:`FitStats`, one value per epoch) and, when ``fit`` has a
+      ``keras.callbacks.TensorBoard``, to TensorBoard scalars (``epoch_<name>`` in ``<log_dir>/hetero_cs``):
+      ``replica_<i>_step_ms`` (median step time of replica i), ``replica_<i>_batch_size`` (its slice in the plan in
+      force); with auto_balance the guard's state: ``guard_kept`` (1.0 when its last decision kept the tried plan,
+      0.0 when it reverted; NaN before the first decision), ``guard_in_trial`` (1.0 while a plan is being tried)
+      and ``guard_reverts`` (how many tried plans were reverted so far; decisions are also logged at INFO by
+      ``hetero_cs.planning.guard``); with out-of-memory recovery on, ``oom_recoveries`` (retries after an
+      out-of-memory step so far) and ``replica_<i>_memory_cap`` (the cap in force in examples, NaN: none; each
+      change is also logged by ``hetero_cs.engine.central_storage``). ``log_everything=True`` puts them all in the
+      epoch logs too (the progress bar, ``History``), as before.
 
     Args:
         strategy: The HeteroCentralStorageStrategy the model was built under.
+        log_everything: Put every figure in the epoch logs, not only ``makespan_ms`` and ``straggler_wait_ms``.
+        tensorboard_dirs: Log directories of ``fit``'s TensorBoard callbacks (``fit`` passes them); the figures
+            that are not in the logs are written under ``<dir>/hetero_cs``.
     """
 
-    def __init__(self, strategy):
+    IN_LOGS = ("makespan_ms", "straggler_wait_ms")
+    """The figures the epoch logs (and so the progress bar) carry by default."""
+
+    def __init__(self, strategy, *, log_everything: bool = False, tensorboard_dirs=()):
         super().__init__()
+        if not isinstance(log_everything, bool):
+            raise ConfigError(f"log_everything must be True or False. Received: log_everything={log_everything!r}.")
         self._strategy = strategy
+        self._log_everything = log_everything
+        self._tensorboard_dirs = tuple(str(d) for d in tensorboard_dirs)
+        self._writers: dict = {}
         self._samples = []
         self._last_step_seen = -1
         self._guard_logged = False
 
     def on_train_begin(self, logs=None):
         strategy = self._strategy
+        strategy._fit_stats = FitStats()  # noqa: SLF001 - this fit's figures (strategy.stats)
         calibrating.check_policy_support(strategy, self.model)  # mixed_bfloat16 on a GPU without bf16: refused
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
         # A fixed or even split without emulation needs nothing before the first batch: no batch is read then.
@@ -86,31 +103,96 @@ class BalanceCallback(keras.callbacks.Callback):
                     statistics.median(s.makespan_s for s in full) * 1e3,
                     "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps",
                 )
-        if logs is None:
-            return
+        figures = self._figures(plan)
+        stats = getattr(self._strategy, "_fit_stats", None)
+        if stats is not None:
+            stats.record(figures)
+        if logs is not None:
+            logs.update(figures if self._log_everything else {k: v for k, v in figures.items() if k in self.IN_LOGS})
+        self._write_tensorboard(epoch, {k: v for k, v in figures.items()
+                                        if self._log_everything is False and k not in self.IN_LOGS})
+
+    def _figures(self, plan) -> dict:
+        """Every figure of the epoch (see the class docstring), keys in a stable order."""
+        figures: dict = {}
         if plan is not None:
             for i, b in enumerate(plan.per_replica_batch_sizes):
-                logs[f"replica_{i}_batch_size"] = float(b)
+                figures[f"replica_{i}_batch_size"] = float(b)
         balancer = self._strategy.balancer
         recovery = self._strategy._step_recovery  # noqa: SLF001
         if recovery is not None:
-            logs["oom_recoveries"] = float(recovery.recoveries)
+            figures["oom_recoveries"] = float(recovery.recoveries)
             caps = balancer.max_batch_sizes or []
-            # Every epoch carries every key (NaN: no cap), so History's lists stay aligned with the epochs.
             for i in range(self._strategy.num_replicas_in_sync):
                 cap = caps[i] if i < len(caps) else None
-                logs[f"replica_{i}_memory_cap"] = math.nan if cap is None else float(cap)
-        self._guard_logged = add_guard_logs(logs, balancer, self._guard_logged)
+                figures[f"replica_{i}_memory_cap"] = math.nan if cap is None else float(cap)
+        self._guard_logged = add_guard_logs(figures, balancer, self._guard_logged)
         if not self._samples:
             if self._strategy._timing_enabled:  # noqa: SLF001 - no step timed this epoch: NaN keeps History aligned
-                logs["makespan_ms"] = logs["straggler_wait_ms"] = math.nan
+                figures["makespan_ms"] = figures["straggler_wait_ms"] = math.nan
                 for i in range(self._strategy.num_replicas_in_sync):
-                    logs[f"replica_{i}_step_ms"] = math.nan
-            return
-        logs["makespan_ms"] = statistics.median(s.makespan_s for s in self._samples) * 1e3
-        logs["straggler_wait_ms"] = statistics.median(s.straggler_wait_s for s in self._samples) * 1e3
+                    figures[f"replica_{i}_step_ms"] = math.nan
+            return figures
+        figures["makespan_ms"] = statistics.median(s.makespan_s for s in self._samples) * 1e3
+        figures["straggler_wait_ms"] = statistics.median(s.straggler_wait_s for s in self._samples) * 1e3
         for i in range(len(self._samples[0].per_replica_step_times_s)):
-            logs[f"replica_{i}_step_ms"] = statistics.median(s.per_replica_step_times_s[i] for s in self._samples) * 1e3
+            figures[f"replica_{i}_step_ms"] = statistics.median(
+                s.per_replica_step_times_s[i] for s in self._samples) * 1e3
+        return figures
+
+    def _write_tensorboard(self, epoch: int, figures: dict) -> None:
+        if not figures:
+            return
+        import tensorflow as tf
+
+        for directory in self._tensorboard_dirs:
+            writer = self._writers.get(directory)
+            if writer is None:
+                writer = self._writers[directory] = tf.summary.create_file_writer(os.path.join(directory, "hetero_cs"))
+            with writer.as_default():
+                for key, value in figures.items():
+                    tf.summary.scalar(f"epoch_{key}", value, step=epoch)
+            writer.flush()
+
+
+def with_balance_callback(strategy, callbacks) -> list:
+    """``fit``'s callbacks with a :class:`BalanceCallback` first (unless the user added one), told where fit's
+    TensorBoard callbacks write."""
+    callbacks = list(callbacks or [])
+    if not any(isinstance(c, BalanceCallback) for c in callbacks):
+        boards = [c.log_dir for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
+        callbacks.insert(0, BalanceCallback(strategy, tensorboard_dirs=boards))
+    return callbacks
+
+
+class FitStats:
+    """hetero_cs's per-epoch figures of the last ``fit`` (:attr:`HeteroCentralStorageStrategy.stats`).
+
+    ``history`` maps each figure's name (see :class:`BalanceCallback`) to one float per epoch, like Keras'
+    ``History.history``; a figure missing in an epoch is NaN there, so every list has one value per epoch.
+
+    Example:
+        >>> stats = FitStats()
+        >>> stats.record({"makespan_ms": 30.0}); stats.record({"makespan_ms": 29.0, "oom_recoveries": 1.0})
+        >>> stats.history["oom_recoveries"], stats.latest()["makespan_ms"]
+        ([nan, 1.0], 29.0)
+    """
+
+    def __init__(self):
+        self.history: dict[str, list[float]] = {}
+        self.epochs = 0
+
+    def record(self, figures: dict) -> None:
+        """Appends one epoch's figures (NaN for a known figure missing from them)."""
+        for key in figures:
+            self.history.setdefault(key, [math.nan] * self.epochs)
+        for key, values in self.history.items():
+            values.append(float(figures.get(key, math.nan)))
+        self.epochs += 1
+
+    def latest(self) -> dict[str, float]:
+        """The last epoch's figures (empty before the first epoch ends)."""
+        return {key: values[-1] for key, values in self.history.items() if values}
 
 
 def add_guard_logs(logs: dict, balancer, logged_before: bool) -> bool:

@@ -187,6 +187,7 @@ class HeteroCentralStorageStrategy(
         self._profile_cache = profile_cache
         self._fused_update = fused_update
         self._micro_batching = MicroBatching(self, micro_batches)  # sub-steps where memory caps bind
+        self._fit_stats = None  # the last fit's figures (BalanceCallback)
         self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
         self._source_dataset = None  # the last training input (calibration reads its first batch)
@@ -233,10 +234,13 @@ class HeteroCentralStorageStrategy(
         While the guard tries a new plan this is still the plan it would replace (see :attr:`balancer`)."""
         return self._balancer.plan
 
+    fused_update = property(lambda self: self._fused_update,
+                            doc="The ``fused_update`` setting: None (Keras' optimizers, dense gradients), True, False.")
+
     @property
-    def fused_update(self) -> bool | None:
-        """The ``fused_update`` setting: None (Keras' own optimizers, dense gradients), True or False."""
-        return self._fused_update
+    def stats(self):
+        """The last fit's per-epoch figures (:class:`hetero_cs.engine.callbacks.FitStats`), or None before one."""
+        return self._fit_stats
 
     @property
     def micro_batching(self):
@@ -490,9 +494,6 @@ class HeteroCentralStorageStrategy(
         return calibrating.calibrate(self, model, data, force=force, progress=progress)
 
     def _fit_callbacks(self, model, callbacks):
-        from hetero_cs.engine.callbacks import BalanceCallback
+        from hetero_cs.engine.callbacks import with_balance_callback
 
-        callbacks = list(callbacks or [])
-        if not any(isinstance(c, BalanceCallback) for c in callbacks):
-            callbacks.insert(0, BalanceCallback(self))
-        return callbacks
+        return with_balance_callback(self, callbacks)

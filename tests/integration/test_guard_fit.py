@@ -99,10 +99,12 @@ def test_guard_reverts_a_plan_that_measures_slower_in_fit(caplog, modelled_step_
     assert decision is not None and decision.outcome == "reverted"
     assert decision.median_ratio == pytest.approx(modelled_ratio(strategy.emulator, decision))  # ~2: 64 vs 32 on a T4
     assert strategy.plan.per_replica_batch_sizes == (32, 32, 32)
-    assert history.history["guard_kept"][-1] == 0.0 and history.history["guard_reverts"][-1] == 1.0
-    # Every key is logged every epoch (NaN before the first decision), so History's lists line up with the epochs.
+    stats = strategy.stats.history
+    assert stats["guard_kept"][-1] == 0.0 and stats["guard_reverts"][-1] == 1.0
+    # Every key is recorded every epoch (NaN before the first decision), so the lists line up with the epochs.
+    assert {key: len(values) for key, values in stats.items()} == {key: 8 for key in stats}
     assert {key: len(values) for key, values in history.history.items()} == {key: 8 for key in history.history}
-    assert [history.history[f"replica_{i}_batch_size"][-1] for i in range(3)] == [32.0, 32.0, 32.0]
+    assert [stats[f"replica_{i}_batch_size"][-1] for i in range(3)] == [32.0, 32.0, 32.0]
     assert any("guard: reverted" in r.getMessage() for r in caplog.records)
 
 
@@ -125,7 +127,7 @@ def test_guard_keeps_a_plan_that_measures_faster_in_fit(request, clock):
     assert decision is not None and decision.kept
     assert strategy.plan.per_replica_batch_sizes == decision.candidate_per_replica_batch_sizes
     assert strategy.plan.per_replica_batch_sizes[0] > strategy.plan.per_replica_batch_sizes[1]
-    assert history.history["guard_kept"][-1] == 1.0 and history.history["guard_in_trial"][-1] == 0.0
+    assert strategy.stats.history["guard_kept"][-1] == 1.0 and strategy.stats.history["guard_in_trial"][-1] == 0.0
     if clock == "modelled":  # the emulated A10 takes about half the batch: clearly faster in every pair
         assert decision.median_ratio == pytest.approx(modelled_ratio(emulator, decision))
         assert decision.median_ratio < 1 - strategy.balancer.guard.policy.early_gain
@@ -158,7 +160,7 @@ def test_guard_keys_stay_in_every_epoch_after_a_batch_split_is_set_in_training()
 
     history = model.fit(dataset, epochs=3, steps_per_epoch=4, verbose=0, callbacks=[FixTheSplit()])
     for key in ("guard_kept", "guard_in_trial", "guard_reverts"):
-        values = history.history[key]
+        values = strategy.stats.history[key]
         assert len(values) == 3, (key, values)
         assert key == "guard_kept" or np.isfinite(values[0]), (key, values)  # guard_kept: NaN until a decision
         assert np.isnan(values[1:]).all(), (key, values)  # NaN once the guard is off: History stays aligned

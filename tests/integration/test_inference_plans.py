@@ -36,7 +36,7 @@ def test_a_validation_batch_larger_than_the_training_batch_does_not_become_the_p
     history = model.fit(train, validation_data=validation, epochs=2, verbose=0)
     assert strategy.plan.per_replica_batch_sizes == (24, 12, 12)
     assert strategy.balancer.reference_batch_size == 48
-    assert [history.history[f"replica_{i}_batch_size"][-1] for i in range(3)] == [24.0, 12.0, 12.0]
+    assert [strategy.stats.history[f"replica_{i}_batch_size"][-1] for i in range(3)] == [24.0, 12.0, 12.0]
     model.evaluate(validation, verbose=0)  # standalone, after fit: the same
     model.predict(vx, batch_size=192, verbose=0)
     assert strategy.plan.per_replica_batch_sizes == (24, 12, 12)

@@ -287,4 +287,4 @@ def test_fit_recovers_from_a_failed_host_to_device_copy_on_the_device_that_raise
     drops = [c for c in strategy.balancer.memory_caps.history if c.reason == "out_of_memory"]
     assert [(c.replica_id, c.new_cap) for c in drops] == [(1, 24)]  # half of the 48 that failed
     assert strategy.balancer.max_batch_sizes == [None, 24, None]
-    assert history.history["oom_recoveries"][-1] == strategy._step_recovery.recoveries == 1  # noqa: SLF001
+    assert strategy.stats.history["oom_recoveries"][-1] == strategy._step_recovery.recoveries == 1  # noqa: SLF001

@@ -99,7 +99,7 @@ def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_
     assert drops and all(c.replica_id == 1 for c in drops)
     assert recovery.max_retries_used <= 3  # recovered within 3 retries of the same batch
     assert min(c.new_cap for c in drops) <= 9  # a cap that fits the drop was reached
-    assert history.history["oom_recoveries"][-1] == recovery.recoveries >= 1
+    assert strategy.stats.history["oom_recoveries"][-1] == recovery.recoveries >= 1
     # The memory came back at step 14: the cap grew back (8 -> 16 -> 32 -> lifted) to the calibrated cap of 40.
     assert any(c.reason == "grow" for c in strategy.balancer.memory_caps.history)
     assert strategy.balancer.max_batch_sizes[1] == 40

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import hetero_cs
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.emulation import Drift, Emulator, Workload
 
@@ -87,14 +88,27 @@ def test_fit_logs_and_tensorboard_show_replica_timing_and_plan(fast_emulation, t
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4", "P100"])
     log_dir = tmp_path / "tb"
     history = train(strategy, epochs=2, steps_per_epoch=6, callbacks=[keras.callbacks.TensorBoard(str(log_dir))])
+    # Two figures join Keras' logs (the progress bar, History); the rest go to strategy.stats and TensorBoard.
     logs = history.history
-    for key in ("straggler_wait_ms", "makespan_ms", "replica_0_step_ms", "replica_2_batch_size"):
-        assert key in logs, sorted(logs)
-    assert logs["makespan_ms"][-1] >= logs["replica_1_step_ms"][-1] > 0
-    assert logs["replica_0_batch_size"][-1] == strategy.plan.per_replica_batch_sizes[0]
+    assert {key for key in logs if key not in ("loss", "accuracy")} == {"straggler_wait_ms", "makespan_ms"}, logs
+    stats = strategy.stats.history
+    assert stats["makespan_ms"] == logs["makespan_ms"] and len(stats["replica_0_step_ms"]) == 2
+    assert stats["makespan_ms"][-1] >= stats["replica_1_step_ms"][-1] > 0
+    assert stats["replica_0_batch_size"][-1] == strategy.plan.per_replica_batch_sizes[0]
     tags = set()
     for root, _, files in os.walk(log_dir):
         for name in files:
             for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
                 tags.update(value.tag for value in event.summary.value)
     assert {"epoch_straggler_wait_ms", "epoch_replica_0_step_ms"} <= tags, sorted(tags)
+
+
+def test_log_everything_puts_every_figure_in_the_logs_as_before(fast_emulation):
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4", "P100"])
+    history = train(strategy, epochs=1, steps_per_epoch=3,
+                    callbacks=[hetero_cs.BalanceCallback(strategy, log_everything=True)])
+    assert {"replica_0_step_ms", "replica_2_batch_size", "guard_in_trial", "makespan_ms"} <= set(history.history)
+    assert strategy.stats.history["replica_2_batch_size"] == history.history["replica_2_batch_size"]
+    with pytest.raises(hetero_cs.ConfigError, match="log_everything must be True or False"):
+        hetero_cs.BalanceCallback(strategy, log_everything="yes")
+
