@@ -200,6 +200,11 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
     # Public state
     # ----------------------------------------------------------------------------------------------------------
     @property
+    def stats(self):
+        """The last fit's per-epoch figures on the chief (:class:`hetero_cs.engine.callbacks.FitStats`), or None."""
+        return getattr(self, "_fit_stats", None)
+
+    @property
     def plan(self) -> BatchPlan | None:
         """The plan in force for the full global batch, None before the first global batch.
 

@@ -204,12 +204,14 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, f"agreements_{name}.json"), "w") as f:
             json.dump(list(strategy.agreement_counts), f)
     if name == "worker0":
-        plans = [[history.history[f"replica_{i}_batch_size"][epoch] for i in range(strategy.num_replicas_in_sync)]
-                 for epoch in range(len(history.history["loss"]))] if "replica_0_batch_size" in history.history else []
+        stats = getattr(strategy, "stats", None)  # the figures beyond the logs' (chief only)
+        figures = {**history.history, **(stats.history if stats is not None else {})}
+        plans = [[figures[f"replica_{i}_batch_size"][epoch] for i in range(strategy.num_replicas_in_sync)]
+                 for epoch in range(len(history.history["loss"]))] if "replica_0_batch_size" in figures else []
         with open(os.path.join(args.out, "plans.json"), "w") as f:
             json.dump(plans, f)
         with open(os.path.join(args.out, "history.json"), "w") as f:  # NaN is written as NaN (json's default)
-            json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f)
+            json.dump({k: [float(v) for v in vs] for k, vs in figures.items()}, f)
     _barrier(strategy)
     print("done", name, history.history["loss"], flush=True)
     return 0
