@@ -127,12 +127,14 @@ def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int,
 
 
 def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPlan | None:
+    from hetero_cs.planning.cost_model import idle_free
     from hetero_cs.planning.solver import solve_batch_split
 
     try:
-        return solve_batch_split([p.cost_model for p in profiles], global_batch_size,
-                                 max_batch_sizes=[p.max_batch_size for p in profiles],
-                                 min_batch_size=1 if global_batch_size >= len(profiles) else 0)  # B < R: some idle
+        # As the strategies plan: a replica with 0 examples runs nothing (t(0) = 0), so a card may be left out
+        # where that is faster (hetero_cs.engine.idle_replicas).
+        return solve_batch_split(idle_free([p.cost_model for p in profiles]), global_batch_size,
+                                 max_batch_sizes=[p.max_batch_size for p in profiles], min_batch_size=0)
     except InfeasiblePlanError as exc:
         # The strategies train such a batch as micro-batches (sub-steps within the caps); say so, not "failed".
         warnings.warn(f"Calibration finished, but no plan fits the whole global batch in one step: {exc} "
