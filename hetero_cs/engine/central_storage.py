@@ -353,8 +353,8 @@ class HeteroCentralStorageStrategy(
             sizes = self._served_sizes.decide(plan.per_replica_batch_sizes, traced, training=training)
             return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
-            self._input_error = exc
-            raise
+            self._input_error = self._micro_batching.explained(exc, training=training)  # exc, or one saying why
+            raise self._input_error from (None if self._input_error is exc else exc)
 
     # ----------------------------------------------------------------------------------------------------------
     # Input

@@ -157,6 +157,17 @@ class MicroBatching(DeepcopiedWithNewLocks):
             return 0.0
         return round(statistics.median(samples) * 2000) / 2000
 
+    def explained(self, exc: Exception, *, training: bool) -> Exception:
+        """``exc`` from cutting a training step, or a MicroBatchError saying why a batch the caps cannot hold ran as
+        one step (micro-batches run only in fit with steps_per_execution=1)."""
+        if not (training and self.enabled and isinstance(exc, InfeasiblePlanError)) or isinstance(exc, MicroBatchError):
+            return exc
+        return MicroBatchError(
+            f"{str(exc).strip()} Micro-batches would train this batch, but this step runs it as one step: they run "
+            f"in model.fit, evaluate and predict with steps_per_execution=1 (the default), not in custom loops, "
+            f"train_on_batch or with steps_per_execution > 1. Compile with steps_per_execution=1, or use a smaller "
+            f"global batch.")
+
     def reference_batch_size(self, global_batch_size: int, cost_models, max_batch_sizes) -> int:
         """The step size the balancer plans for when calibration gives these models and caps: ``B`` itself, or the
         largest sub-step when ``B`` is micro-batched."""

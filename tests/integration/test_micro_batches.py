@@ -232,6 +232,19 @@ def test_micro_batches_false_keeps_the_caps_error():
     assert strategy.micro_batching.micro_batched_steps == 0
 
 
+def test_a_batch_that_runs_as_one_step_says_why_it_was_not_micro_batched():
+    B = 2 * CAPACITY
+    x, y, _ = labelled(2 * B)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = classifier()
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=2)
+    with pytest.raises(MicroBatchError, match=r"exceeds the total capacity.*steps_per_execution=1"):
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+
+
 def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_step():
     # From its 4th step, replica 1 holds 20 examples instead of 64: a sub-step runs out of memory, is retried
     # within a lower cap, and later sub-steps are cut finer; the whole step still equals one device's.
