@@ -81,7 +81,8 @@ class MicroBatchPlan:
     def __post_init__(self) -> None:
         plans = tuple(self.sub_step_plans)
         if not plans or not all(isinstance(p, BatchPlan) for p in plans):
-            raise ConfigError(f"MicroBatchPlan needs one or more BatchPlan sub-steps. Received: {self.sub_step_plans!r}.")
+            raise ConfigError(f"MicroBatchPlan needs one or more BatchPlan sub-steps. Received: "
+                              f"{self.sub_step_plans!r}.")
         if len({p.num_replicas for p in plans}) != 1:
             raise ConfigError(f"MicroBatchPlan's sub-steps must cut for the same replicas; got replica counts "
                               f"{[p.num_replicas for p in plans]}.")

@@ -32,7 +32,8 @@ REQUIRED = (
     ("keras.src.backend.tensorflow.core", "Variable", ("assign", "assign_add", "assign_sub")),
     ("keras.src.random.seed_generator", "SeedGenerator", ("next",)),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", (
-        "fit", "evaluate", "predict", "make_train_function", "make_test_function", "make_predict_function", "_maybe_symbolic_build", "_symbolic_build")),
+        "fit", "evaluate", "predict", "make_train_function", "make_test_function", "make_predict_function",
+        "_maybe_symbolic_build", "_symbolic_build")),
     ("tensorflow.python.distribute.parameter_server_strategy", "ParameterServerStrategyExtended", (
         "_create_variable", "_call_for_each_replica")),
     ("tensorflow.python.distribute.input_lib", None, ("InputWorkers", "DistributedDatasetsFromFunction")),
