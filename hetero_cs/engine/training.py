@@ -71,6 +71,8 @@ class ReplicaStep:
             loss is taken as a mean over the replica's slice (see :mod:`hetero_cs.engine._compat.losses`).
         handoff: The :class:`StepHandoff` of the ``strategy.run`` call this replica step belongs to (shared by
             its replicas), or None.
+        layer_losses: ``add_loss`` values (activity regularizers included) of this replica's call of each layer,
+            by ``id(layer)``: kept per replica, since the replicas call the same layer objects at once.
     """
 
     replica_id: int
@@ -83,6 +85,7 @@ class ReplicaStep:
     barrier: list = dataclasses.field(default_factory=list)
     loss_terms: set = dataclasses.field(default_factory=set)
     handoff: StepHandoff | None = None
+    layer_losses: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)

@@ -192,6 +192,25 @@ def check_fit_and_evaluate(build, x, y, *, shares=SHARES, sample_weight=None, ba
     return model
 
 
+def test_an_activity_regularizer_after_batch_normalization_logs_one_devices_loss():
+    # The replicas call the same layer objects at once; BatchNormalization's statistics all-reduce lines them up,
+    # and every replica's compute_loss used to read all replicas' activity losses from the layer's one list (the
+    # logged loss 7 % high, the weights right). Each replica now keeps its own.
+    x, y = regression_data(n=24, features=6)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+            keras.layers.Dense(4, activation="relu", activity_regularizer=keras.regularizers.L2(0.1)),
+            keras.layers.Dense(1)])
+        # SGD: the bias before BatchNormalization has a gradient of 0 up to rounding, which Adam turns into steps.
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    check_fit_and_evaluate(build, x, y, shares=[3, 1, 2], batch_size=12)
+
+
 def compiled(model, loss="mse", run_eagerly=False, **kwargs):
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss, run_eagerly=run_eagerly, **kwargs)
     return model

@@ -55,6 +55,7 @@ from hetero_cs.engine._compat.batch_norm import _patch_batch_normalization
 from hetero_cs.engine._compat.input_state import FirstBatchReader
 from hetero_cs.engine._compat.losses import (
     _patch_compute_loss,
+    _patch_layer_losses,
     _patch_loss_reduction,
     _patch_compute_average_loss,
     _patch_loss_scaling,
@@ -137,6 +138,7 @@ def install() -> None:
         _patch_loss_scaling()
         _patch_compute_average_loss()
         _patch_loss_reduction()
+        _patch_layer_losses()
         _patch_compute_loss()
         _patch_mean_metric()
         _patch_batch_normalization()

@@ -426,3 +426,52 @@ def _in_stateless_scope() -> bool:
     from keras.src.backend.common.stateless_scope import in_stateless_scope
 
     return in_stateless_scope()
+
+
+def _patch_layer_losses() -> None:
+    # A Keras layer keeps the losses its call adds (add_loss, activity regularizers) in one list on the layer object,
+    # cleared when a top-level call starts. The replicas call the same layer objects at once, in threads of their
+    # own: a replica could read another's terms (measured: after a BatchNormalization, whose statistics all-reduce
+    # lines the replicas up, every replica's compute_loss summed all three replicas' activity losses; the logged
+    # loss was 7 % too high, the gradients right, since each tape sees its own thread only). Inside a replica step of
+    # our strategies each replica keeps its own list, on its ReplicaStep; elsewhere Keras' own list is used.
+    from keras.src import backend
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.layers.layer import Layer
+
+    original_add, original_own, original_clear = Layer.add_loss, Layer._get_own_losses, Layer._clear_losses  # noqa: SLF001
+
+    def replica_list(layer):
+        step = training.current_replica_step()
+        if step is None or in_stateless_scope():
+            return None
+        return step.layer_losses.setdefault(id(layer), [])
+
+    @functools.wraps(original_add)
+    def add_loss(self, loss):
+        own = replica_list(self)
+        values = tf.nest.flatten(loss)
+        if own is None or not all(backend.is_tensor(value) for value in values):
+            return original_add(self, loss)  # Keras' list, or Keras' error for a value that is not a tensor
+        own.extend(values)
+        return None
+
+    @functools.wraps(original_own)
+    def _get_own_losses(self):
+        own = replica_list(self)
+        return original_own(self) if own is None else list(own)
+
+    @functools.wraps(original_clear)
+    def _clear_losses(self):
+        own = replica_list(self)
+        if own is None:
+            return original_clear(self)
+        own.clear()
+        for layer in getattr(self, "_layers", ()):  # Keras' own recursion (private: its tracked sublayers)
+            layer._clear_losses()  # noqa: SLF001
+        return None
+
+    Layer.add_loss = add_loss
+    Layer._get_own_losses = _get_own_losses  # noqa: SLF001
+    Layer._clear_losses = _clear_losses  # noqa: SLF001
+

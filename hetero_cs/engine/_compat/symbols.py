@@ -40,6 +40,7 @@ REQUIRED = (
     ("tensorflow.python.distribute.values", None, ("PerReplica", "PerReplicaSpec")),
     ("tensorflow.python.ops.nn_impl_distribute", None, ("compute_average_loss", "scale_regularization_loss")),
     ("keras.src.layers.normalization.batch_normalization", "BatchNormalization", ("_moments",)),
+    ("keras.src.layers.layer", "Layer", ("add_loss", "_get_own_losses", "_clear_losses")),
     ("tensorflow.python.eager.def_function", "Function", ("_clone", "python_function")),
 )
 
