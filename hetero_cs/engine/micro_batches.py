@@ -236,6 +236,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
             self._accumulators[key] = accumulator
         return accumulator
 
+    def forget_findings(self) -> None:
+        """A train step is about to be traced anew (another model, or a retrace): what it cannot keep exact is found
+        again while it is traced, and its first micro-batched step checks it again."""
+        self._found = set()
+        self._checked = False
+
     def note(self, finding: str) -> None:
         """Called while a step is traced: ``finding`` (BATCH_NORM, NORMALISED_LOSS) is in this model's step."""
         self._found.add(finding)

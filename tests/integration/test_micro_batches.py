@@ -184,6 +184,23 @@ def test_batch_norm_is_not_micro_batched_silently_and_a_refused_step_changes_not
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_second_model_on_the_same_strategy_is_checked_again():
+    # A first model without BatchNormalization micro-batches; a second one with it, under the same strategy, must
+    # still be refused (what a step cannot keep exact is found again when its step is traced).
+    B = 2 * CAPACITY
+    x, y, _ = labelled(B)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        first = classifier()
+    first.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert strategy.micro_batching.micro_batched_steps == 1
+    with strategy.scope():
+        second = batch_norm_model()
+    with pytest.raises(MicroBatchError, match="BatchNormalization"):
+        second.fit(x, x[:, :1], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert int(second.optimizer.iterations) == 0
+
+
 def test_batch_norm_trains_with_the_opt_in_and_says_so(caplog):
     B = 3 * CAPACITY
     x, _, _ = labelled(2 * B)

@@ -122,6 +122,7 @@ def _patch_make_train_function() -> None:
             return result
         active_sets = strategy._active_sets  # noqa: SLF001
         active_sets.mark_traced_function(function, active_sets.version(training=True))
+        strategy._micro_batching.forget_findings()  # noqa: SLF001 - this model's step is traced at its first call
         recovery = getattr(strategy, "_step_recovery", None)
         current = [function]
 
@@ -137,6 +138,7 @@ def _patch_make_train_function() -> None:
                             else "global batches now run as micro-batches")
                 known = active_sets.version(training=True)
                 original(self, force=True)
+                micro.forget_findings()  # found again while the new step is traced
                 current[0] = self.train_function
                 current[0]._hetero_micro = micro.armed
                 active_sets.mark_traced_function(current[0], known)
