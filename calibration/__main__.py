@@ -128,10 +128,18 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the options of `hetero-cs plan` to parser."""
-    parser.add_argument("--profile", required=True, metavar="FILE",
-                        help="profile written by `python -m calibration --output FILE`")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="profile written by `python -m calibration --output FILE` (or give --devices)")
+    parser.add_argument("--devices", type=_name_list, metavar="A10,T4,P100",
+                        help="what-if, without the hardware or a profile: catalog cards (NAME or NAME@MEMORY), "
+                             "planned from their published figures (hetero_cs.devices.what_if)")
+    parser.add_argument("--add", action="append", default=[], metavar="NAME", help="with --devices: add a card")
+    parser.add_argument("--drop", action="append", default=[], metavar="NAME", help="with --devices: drop a card")
+    parser.add_argument("--model", type=model_spec, default=None, metavar="MODEL",
+                        help="with --devices: the workload of this model (as for calibrate: package.module:function "
+                             "or a reference model name); default: ResNet-50 at 224x224 with Adam")
     parser.add_argument("--global-batch-size", type=_positive_int, default=None, metavar="B",
-                        help="examples per optimizer step (default: the profile's plan's)")
+                        help="examples per optimizer step (default: the profile's plan's; needed with --devices)")
     parser.add_argument("--multiple-of", type=_positive_int, default=1,
                         help="every slice a multiple of this (default: 1)")
     parser.add_argument("--min-batch-size", type=_non_negative_int, default=1,
@@ -209,10 +217,19 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Loads a profile and prints the plan solved for the requested global batch size; returns 0."""
+    """Loads a profile and prints the plan solved for the requested global batch size, or (``--devices``) the
+    what-if plan of catalog cards; returns 0."""
     from calibration.store import load_result_file
     from hetero_cs.planning.solver import solve_batch_split
 
+    if (args.profile is None) == (getattr(args, "devices", None) is None):
+        raise ConfigError("hetero-cs plan needs exactly one of --profile FILE (a calibrated profile) or --devices "
+                          "A10,T4,P100 (a what-if from catalog figures).")
+    if args.devices is not None:
+        return _run_what_if(args)
+    if args.add or args.drop or args.model is not None:
+        raise ConfigError("--add, --drop and --model go with --devices (a what-if); a profile's cards and model are "
+                          "fixed by its calibration.")
     result = load_result_file(args.profile)
     batch = args.global_batch_size
     if batch is None:
@@ -228,6 +245,25 @@ def run_plan(args: argparse.Namespace) -> int:
         print(result.format_table())
         print(f"\nplan for global batch size {batch}:")
         print(plan)
+    return 0
+
+
+def _run_what_if(args: argparse.Namespace) -> int:
+    import json
+
+    from hetero_cs.devices.what_if import DEFAULT_WORKLOAD, format_what_if, mix, what_if
+
+    if args.global_batch_size is None:
+        raise ConfigError("hetero-cs plan --devices needs --global-batch-size B (examples per optimizer step).")
+    workload = DEFAULT_WORKLOAD
+    if args.model is not None:
+        from calibration.user_model import build_calibration_model
+        from hetero_cs.devices.workload import estimate_workload
+
+        model, _ = build_calibration_model(args.model, global_batch_size=args.global_batch_size)
+        workload = estimate_workload(model)
+    result = what_if(mix(args.devices, add=args.add, drop=args.drop), args.global_batch_size, workload)
+    print(json.dumps(result) if args.json else format_what_if(result))
     return 0
 
 

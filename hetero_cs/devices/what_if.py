@@ -1,0 +1,157 @@
+"""What-if planning from catalog figures: which split, micro-batches and speedup a mix of cards would give (pure).
+
+``hetero-cs plan --devices A10,T4,P100 [--add V100] [--drop P100] --global-batch-size B`` answers without the
+hardware and without a profile. Each card's step time is the emulation model's
+(:func:`hetero_cs.devices.emulation.emulated_step_time_s`: the catalog's peak FLOP/s at the default efficiency, its
+PCIe link, a fixed launch cost), its memory cap the examples its catalog memory holds
+(:func:`hetero_cs.devices.workload.max_examples_in_memory`, or a ``NAME@SIZE`` override); the plan is what the
+strategies would solve from such models (idle-free: a card may be left out; micro-batched where the caps bind). The
+figures are predictions from published peak figures, not measurements: calibration on the real cards replaces them.
+
+Pure Python: no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from hetero_cs.devices.catalog import DeviceSpec, get_device_spec
+from hetero_cs.devices.emulation import emulated_step_time_s
+from hetero_cs.devices.workload import Workload, max_examples_in_memory
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.cost_model import idle_free
+from hetero_cs.planning.micro_batches import MicroBatchPlan, capacity_of, plan_micro_batches
+from hetero_cs.planning.plan import even_batch_split
+from hetero_cs.planning.solver import solve_batch_split
+
+DEFAULT_WORKLOAD = Workload(
+    flops_per_example=7_715_946_496,
+    parameter_bytes=102_334_368,
+    optimizer_bytes=2 * 102_334_368,
+    activation_bytes_per_example=148_480_848,
+    non_trainable_bytes=212_480,
+)
+"""ResNet-50 on 224x224x3 images in float32, trained with Adam: the figures
+``hetero_cs.devices.workload.estimate_workload(keras.applications.ResNet50(weights=None))`` gives (Keras 3.15; 7.7
+GFLOP per example forward, two per multiply-add, as He et al. 2016 count 3.8e9 multiply-adds; 25.6 M parameters),
+plus Adam's two slots per parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogCostModel:
+    """A card's step time from its catalog figures (a cost model: ``predict_step_time_s(b)`` in seconds)."""
+
+    spec: DeviceSpec
+    workload: Workload
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        return emulated_step_time_s(self.spec, int(batch_size), self.workload)
+
+
+def mix(devices: Sequence[str], *, add: Sequence[str] = (), drop: Sequence[str] = ()) -> list[str]:
+    """``devices`` plus ``add``, minus one card per ``drop`` name (the last one of that name).
+
+    Raises:
+        ConfigError: A ``drop`` name is not in the mix, or nothing is left.
+    """
+    names = list(devices) + list(add)
+    for name in drop:
+        matches = [i for i, n in enumerate(names) if n.upper() == name.upper()]
+        if not matches:
+            raise ConfigError(f"--drop {name}: no such card in the mix {names}. Drop one of the names listed.")
+        del names[matches[-1]]
+    if not names:
+        raise ConfigError("The mix is empty after --drop; keep at least one card.")
+    return names
+
+
+def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload = DEFAULT_WORKLOAD) -> dict[str, Any]:
+    """The plan a mix of catalog cards would run for a global batch, with its speedups (see the module docstring).
+
+    Args:
+        devices: Catalog names, one per card (``"A10"``, ``"T4@8GB"``, ...).
+        global_batch_size: ``B >= 1``.
+        workload: The model's figures (default: :data:`DEFAULT_WORKLOAD`).
+
+    Returns:
+        A JSON-ready dict: ``devices``, ``global_batch_size``, ``predicted_step_s``, ``examples_per_s``,
+        ``per_replica_batch_sizes``, ``micro_batch_sizes``, ``micro_batch_counts``, ``sub_steps``,
+        ``memory_caps`` (examples per card), ``idle`` (indices of cards left out), ``even_split_step_s`` (None when
+        the even split does not fit the cards' memory), ``speedup_vs_even`` (None then too), ``fastest_card``,
+        ``fastest_card_step_s`` and ``speedup_vs_fastest`` (all cards against the fastest card alone on the whole
+        batch, micro-batched where its memory requires), and ``emulated: true`` (predictions, not measurements).
+
+    Raises:
+        UnknownEmulatedDeviceError: A name is not in the catalog.
+        ConfigError: ``B`` is not an integer >= 1.
+        MicroBatchError: No card can hold one example.
+    """
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: {global_batch_size!r}.")
+    specs = [get_device_spec(name) for name in devices]
+    models = idle_free([CatalogCostModel(spec, workload) for spec in specs])
+    caps = [max_examples_in_memory(workload, spec.memory_bytes) for spec in specs]
+    plan = _micro_plan(models, caps, global_batch_size)
+    B, R = global_batch_size, len(specs)
+    even = even_batch_split(B, R)
+    even_fits = all(cap is None or b <= cap for b, cap in zip(even, caps))
+    even_s = max(model.predict_step_time_s(b) for model, b in zip(models, even)) if even_fits else None
+    alone = {i: _micro_plan([models[i]], [caps[i]], B).predicted_makespan_s for i in range(R)
+             if caps[i] is None or caps[i] > 0}
+    fastest = min(alone, key=alone.get)
+    step_s = plan.predicted_makespan_s
+    return {
+        "devices": [spec.name for spec in specs],
+        "global_batch_size": B,
+        "predicted_step_s": step_s,
+        "examples_per_s": B / step_s,
+        "per_replica_batch_sizes": list(plan.per_replica_batch_sizes),
+        "micro_batch_sizes": list(plan.micro_batch_sizes),
+        "micro_batch_counts": list(plan.micro_batch_counts),
+        "sub_steps": plan.num_sub_steps,
+        "memory_caps": caps,
+        "idle": [i for i, k in enumerate(plan.micro_batch_counts) if k == 0],
+        "even_split_step_s": even_s,
+        "speedup_vs_even": None if even_s is None else even_s / step_s,
+        "fastest_card": specs[fastest].name,
+        "fastest_card_step_s": alone[fastest],
+        "speedup_vs_fastest": alone[fastest] / step_s,
+        "emulated": True,
+    }
+
+
+def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:
+    from hetero_cs.errors import InfeasiblePlanError, MicroBatchError
+
+    def solve(b: int):
+        return solve_batch_split(models, b, max_batch_sizes=caps, min_batch_size=0)
+
+    try:
+        return plan_micro_batches(global_batch_size, solve, capacity=capacity_of(caps))
+    except InfeasiblePlanError as exc:
+        raise MicroBatchError(f"{exc} Memory caps: {caps} examples per card.") from exc
+
+
+def format_what_if(result: dict[str, Any]) -> str:
+    """A table of :func:`what_if`'s result, one line per card, then the step and the speedups."""
+    lines = [f"What-if plan (PREDICTED from catalog figures, not measured) for {', '.join(result['devices'])}, "
+             f"global batch {result['global_batch_size']}:",
+             f"{'card':>4}  {'device':<16} {'examples':>8}  {'micro-batch':>11}  {'count':>5}  {'memory cap':>10}"]
+    for i, name in enumerate(result["devices"]):
+        count = result["micro_batch_counts"][i]
+        micro = "idle" if count == 0 else str(result["micro_batch_sizes"][i])
+        cap = result["memory_caps"][i]
+        lines.append(f"{i:>4}  {name:<16} {result['per_replica_batch_sizes'][i]:>8}  {micro:>11}  {count:>5}  "
+                     f"{'none' if cap is None else cap:>10}")
+    even = result["speedup_vs_even"]
+    lines += [
+        f"predicted step: {result['predicted_step_s'] * 1e3:.2f} ms in {result['sub_steps']} sub-step(s), "
+        f"{result['examples_per_s']:.0f} examples/s",
+        f"speedup vs the even split: {'n/a (it does not fit the memory)' if even is None else f'{even:.3f}x'}",
+        f"speedup vs the fastest card alone ({result['fastest_card']}): {result['speedup_vs_fastest']:.3f}x",
+    ]
+    if result["idle"]:
+        lines.append(f"left out (idle): cards {result['idle']}; the others finish sooner without them")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""What-if planning from catalog figures (pure), and `hetero-cs plan --devices` (in-process, no TensorFlow)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetero_cs import ConfigError, UnknownEmulatedDeviceError
+from hetero_cs.devices.catalog import get_device_spec
+from hetero_cs.devices.emulation import emulated_step_time_s
+from hetero_cs.devices.what_if import DEFAULT_WORKLOAD, format_what_if, mix, what_if
+from hetero_cs.devices.workload import Workload
+
+
+def test_the_mix_adds_and_drops_cards():
+    assert mix(["A10", "T4", "T4"], add=["V100"], drop=["t4"]) == ["A10", "T4", "V100"]
+    with pytest.raises(ConfigError, match=r"--drop P100: no such card in the mix \['A10'\]"):
+        mix(["A10"], drop=["P100"])
+    with pytest.raises(ConfigError, match="empty"):
+        mix(["A10"], drop=["A10"])
+
+
+def test_a_what_if_plan_is_consistent_with_the_catalog_models():
+    result = what_if(["A10", "T4", "P100"], 256)
+    assert sum(result["per_replica_batch_sizes"]) == 256 and result["emulated"] is True
+    assert all(m <= cap for m, cap in zip(result["micro_batch_sizes"], result["memory_caps"]))
+    assert result["examples_per_s"] == pytest.approx(256 / result["predicted_step_s"])
+    # The fastest card alone: the A10 (the highest fp32 peak of the three), on the whole batch in micro-batches.
+    assert result["fastest_card"] == "A10"
+    assert result["speedup_vs_fastest"] == pytest.approx(result["fastest_card_step_s"] / result["predicted_step_s"])
+    assert 1.0 < result["speedup_vs_fastest"] and 1.0 < result["speedup_vs_even"]
+    json.dumps(result)  # JSON-ready
+    assert "PREDICTED" in format_what_if(result)
+
+
+def test_a_card_that_only_slows_the_step_is_left_out():
+    # One example of this workload takes a CPU far longer than the whole batch on an A10: the CPU sits idle.
+    heavy = Workload(flops_per_example=5e10, parameter_bytes=4_000_000)
+    result = what_if(["A10", "CPU"], 16, heavy)
+    assert result["idle"] == [1] and result["per_replica_batch_sizes"] == [16, 0]
+    assert result["speedup_vs_fastest"] == pytest.approx(1.0)
+    single = emulated_step_time_s(get_device_spec("A10"), 16, heavy)
+    assert result["predicted_step_s"] == pytest.approx(single)
+
+
+def test_a_batch_larger_than_the_cards_hold_is_micro_batched_and_the_even_split_does_not_fit():
+    result = what_if(["T4", "T4"], 1024)
+    assert result["sub_steps"] >= 1024 // sum(result["memory_caps"])
+    assert result["even_split_step_s"] is None and result["speedup_vs_even"] is None
+    assert "does not fit" in format_what_if(result)
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(UnknownEmulatedDeviceError):
+        what_if(["A10", "GTX9000"], 64)
+    with pytest.raises(ConfigError, match="global_batch_size must be an integer >= 1"):
+        what_if(["A10"], 0)
+
+
+def test_the_command_line_answers_without_a_profile(capsys):
+    from hetero_cs.cli import main
+
+    assert main(["plan", "--devices", "A10,T4,P100", "--drop", "P100", "--global-batch-size", "256", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["devices"] == ["A10", "T4"]
+    assert {"speedup_vs_even", "speedup_vs_fastest", "per_replica_batch_sizes"} <= set(result)
+    assert result == what_if(["A10", "T4"], 256, DEFAULT_WORKLOAD)
+    assert main(["plan", "--devices", "A10,T4", "--global-batch-size", "64"]) == 0
+    assert "What-if plan" in capsys.readouterr().out
+    assert main(["plan", "--devices", "A10"]) == 2
+    assert "needs --global-batch-size" in capsys.readouterr().err
+    assert main(["plan", "--global-batch-size", "8"]) == 2
+    assert "exactly one of --profile FILE" in capsys.readouterr().err
+
+
+def test_the_what_if_needs_no_tensorflow():
+    code = ("import contextlib, io, sys\nfrom hetero_cs.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['plan', '--devices', 'A10,T4', '--global-batch-size', '64', '--json'])\n"
+            "print('tensorflow' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", (done.stdout, done.stderr)
