@@ -124,9 +124,9 @@ class MicroBatching(DeepcopiedWithNewLocks):
         key = (int(global_batch_size), None if models is None else tuple(id(m) for m in models),
                None if caps is None else tuple(caps), balancer.shares, overhead)
         with self._lock:
-            plan = self._plans.get(key)
-        if plan is not None:
-            return plan
+            cached = self._plans.get(key)
+        if cached is not None:
+            return cached[1]
         R = balancer.num_replicas
 
         def solve(b: int):
@@ -143,7 +143,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = plan
+            self._plans[key] = (models, plan)  # the models stay referenced: their ids in the key stay theirs
             if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
                 self._in_use[int(global_batch_size)] = plan.num_sub_steps
         return plan
@@ -366,14 +366,13 @@ class MicroBatching(DeepcopiedWithNewLocks):
         return "; ".join(_WHY[f] for f in sorted(found)) or None
 
     def _one_step_instead(self, step, data, plan: MicroBatchPlan, refusal: str):
-        if plan.single_step_makespan_s is None and capacity_of(self._strategy.balancer.max_batch_sizes) is not None \
-                and plan.global_batch_size > capacity_of(self._strategy.balancer.max_batch_sizes):
+        caps = self._strategy.balancer.max_batch_sizes
+        capacity = capacity_of(caps)
+        if capacity is not None and plan.global_batch_size > capacity:
             raise MicroBatchError(
                 f"A global batch of {plan.global_batch_size} examples does not fit the devices' memory in one step "
-                f"(memory caps {self._strategy.balancer.max_batch_sizes} examples per replica, "
-                f"{capacity_of(self._strategy.balancer.max_batch_sizes)} in all), and micro-batches cannot keep "
-                f"this model's step exact: {refusal}. Use a global batch of at most "
-                f"{capacity_of(self._strategy.balancer.max_batch_sizes)}"
+                f"(memory caps {caps} examples per replica, {capacity} in all), and micro-batches cannot keep "
+                f"this model's step exact: {refusal}. Use a global batch of at most {capacity}"
                 + ("" if NORMALISED_LOSS in self._found else ", or accept the approximation with "
                    "HeteroCentralStorageStrategy(..., micro_batches=True)") + ".")
         if ("kept", plan.global_batch_size) not in self._logged:
