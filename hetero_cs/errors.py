@@ -128,6 +128,22 @@ class EmulatedOutOfMemoryError(HeteroCSError, MemoryError):
         self.memory_bytes = memory_bytes
 
 
+class EmulatedDeviceError(HeteroCSError, RuntimeError):
+    """An emulated replica's device failed (a :class:`~hetero_cs.emulation.Drift` with ``fails=True``).
+
+    Raised inside the step, where TensorFlow reports it as ``tf.errors.UnknownError`` around its text, which holds
+    CUDA's ``CUDA_ERROR_ECC_UNCORRECTABLE`` and the device, as a real card's fault does. Attributes: ``replica_id``,
+    ``device_name`` (the catalog name) and ``step`` (the replica's step that failed).
+    """
+
+    def __init__(self, message: str, *, replica_id: int | None = None, device_name: str | None = None,
+                 step: int | None = None):
+        super().__init__(message)
+        self.replica_id = replica_id
+        self.device_name = device_name
+        self.step = step
+
+
 class ProfileCacheError(HeteroCSError, ValueError):
     """A profile cache file is corrupt, has unknown keys, or belongs to another model or device."""
 
@@ -147,6 +163,22 @@ class ReplicaStepError(HeteroCSError, RuntimeError):
         super().__init__(message)
         self.replica_id = replica_id
         self.device = device
+
+
+class DeviceFaultError(ReplicaStepError):
+    """A replica's device failed (a device error, not out of memory) and training could not go on without it.
+
+    Raised with ``on_device_error="raise"``, or when no card is left to set the failing one aside for (see
+    :mod:`hetero_cs.engine.failover`). No update of the failed step was applied. Attributes: ``replica_id``,
+    ``device``, ``excluded`` (the replicas set aside before, in order) and ``last_error`` (TensorFlow's error, also
+    chained as ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, replica_id: int | None = None, device: str | None = None,
+                 excluded: tuple = (), last_error: BaseException | None = None):
+        super().__init__(message, replica_id=replica_id, device=device)
+        self.excluded = tuple(excluded)
+        self.last_error = last_error
 
 
 class WorkerLostError(HeteroCSError, RuntimeError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -43,7 +44,7 @@ from hetero_cs.devices.catalog import (
 )
 from hetero_cs.devices.drift import Drift
 from hetero_cs.devices.workload import Workload, estimate_workload, slice_memory_bytes
-from hetero_cs.errors import ConfigError, EmulatedOutOfMemoryError, EmulationError
+from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
 
 __all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s", "estimate_workload"]
 
@@ -338,11 +339,39 @@ class Emulator(DeepcopiedWithNewLocks):
         with self._lock:
             return self._step_time_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
 
+    @property
+    def may_fail(self) -> bool:
+        """Whether a :class:`Drift` makes some replica's steps fail or its card lost (``fails`` or ``lost``)."""
+        return any(d.fails or d.lost for d in self._drift)
+
+    def _check_health_locked(self, replica_id: int, step: int) -> None:
+        """Raises (``fails``) or aborts the process (``lost``) when a drift says the card fails at ``step``."""
+        for item in self._drift:
+            if item.replica_id != replica_id:
+                continue
+            name = self._specs[replica_id].name
+            if item.lost and step >= item.from_step:
+                # What a sticky CUDA error does: TensorFlow logs the driver's error, then the process aborts.
+                sys.stderr.write(
+                    f"hetero_cs emulation: lost replica={replica_id} ({name}) at its step {step}: "
+                    f"CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered (emulated sticky CUDA "
+                    f"error); the process aborts\n")
+                sys.stderr.flush()
+                os.abort()
+            if item.fails and item.applies(step):
+                self._steps[replica_id] = step + 1  # a failed attempt counts: a fault over one step is survived
+                raise EmulatedDeviceError(
+                    f"CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered: emulated device fault on "
+                    f"replica={replica_id} ({name}) at its step {step} (a Drift with fails=True).",
+                    replica_id=replica_id, device_name=name, step=step)
+
     def delay_s(self, replica_id: int, batch_size: int) -> float:
         """Emulated time of the replica's next step (drift at its step counter); then advances that counter.
 
-        The step's memory is checked first (see :meth:`check_memory`); a step that runs out of memory raises
-        without advancing the counter (the replica did not complete it; its retry is the same step).
+        A card that a :class:`Drift` makes fail at this step raises :class:`EmulatedDeviceError` (the counter
+        advances: the attempt counts), and one it makes lost aborts the process. The step's memory is checked next
+        (see :meth:`check_memory`); a step that runs out of memory raises without advancing the counter (the
+        replica did not complete it; its retry is the same step).
 
         Args:
             replica_id: In [0, R).
@@ -352,11 +381,14 @@ class Emulator(DeepcopiedWithNewLocks):
             Seconds the replica's step should take in all (real compute included).
 
         Raises:
+            EmulatedDeviceError: The card fails at this step (a Drift with ``fails=True``).
             EmulatedOutOfMemoryError: The slice needs more memory than the device has at this step.
         """
         self._check_replica(replica_id)
         with self._lock:
             step = self._steps[replica_id]
+            if batch_size > 0:
+                self._check_health_locked(replica_id, step)
             self._check_memory_locked(replica_id, batch_size, step)
             value = self._step_time_locked(replica_id, batch_size, step)
             self._steps[replica_id] = step + 1

@@ -35,7 +35,9 @@ class BalanceCallback(keras.callbacks.Callback):
       and ``guard_reverts`` (how many tried plans were reverted so far; decisions are also logged at INFO by
       ``hetero_cs.planning.guard``); with out-of-memory recovery on, ``oom_recoveries`` (retries after an
       out-of-memory step so far) and ``replica_<i>_memory_cap`` (the cap in force in examples, NaN: none; each
-      change is also logged by ``hetero_cs.engine.central_storage``). ``log_everything=True`` puts them all in the
+      change is also logged by ``hetero_cs.engine.central_storage``); where a card may fail (GPUs, or an emulated
+      ``Drift(fails=True)``) with ``on_device_error="exclude"``, ``device_error_retries`` (steps retried after a
+      device error so far) and ``excluded_replicas`` (cards set aside). ``log_everything=True`` puts them all in the
       epoch logs too (the progress bar, ``History``), as before.
 
     Args:
@@ -120,7 +122,10 @@ class BalanceCallback(keras.callbacks.Callback):
                 figures[f"replica_{i}_batch_size"] = float(b)
         balancer = self._strategy.balancer
         recovery = self._strategy._step_recovery  # noqa: SLF001
-        if recovery is not None:
+        if recovery is not None and recovery.failover.possible():
+            figures["device_error_retries"] = float(recovery.failover.retries)
+            figures["excluded_replicas"] = float(len(recovery.failover.exclusions))
+        if recovery is not None and recovery.memory_recovery:
             figures["oom_recoveries"] = float(recovery.recoveries)
             caps = balancer.max_batch_sizes or []
             for i in range(self._strategy.num_replicas_in_sync):

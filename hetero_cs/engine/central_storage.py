@@ -23,10 +23,10 @@ from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline
+from hetero_cs.engine.strategy_state import StrategyState
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
-from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 
 
 class HeteroCentralStorageStrategy(
-    _compat.DeepcopiedStrategy, PackedBatchValues, tf.distribute.experimental.CentralStorageStrategy
+    _compat.DeepcopiedStrategy, PackedBatchValues, StrategyState, tf.distribute.experimental.CentralStorageStrategy
 ):
     """Central-storage data parallelism whose per-replica slices are sized by a plan, with exact weighting.
 
@@ -101,6 +101,11 @@ class HeteroCentralStorageStrategy(
             (micro-batches), exactly (:mod:`hetero_cs.engine.micro_batches`). None (the default): where that is exact
             and predicted faster, or the batch does not fit in one step; True: also for BatchNormalization in training
             (per-micro-batch statistics, logged); False: never (today's caps bound each replica's slice).
+        on_device_error: In ``model.fit``, what a device error (a failing card: an ECC error, an illegal address, a
+            card off the bus; not out of memory, not a program error) does: ``"exclude"`` (the default) retries the
+            same global batch once, then sets that card aside (0 examples from then on) and retries it on the
+            others, exactly; ``"raise"`` ends ``fit`` with :class:`hetero_cs.errors.DeviceFaultError`. The rule
+            that tells the two apart: :mod:`hetero_cs.engine.failover`.
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -108,7 +113,8 @@ class HeteroCentralStorageStrategy(
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
         ConfigError: ``emulate`` of the wrong length; a ``profile`` of other devices, or with batch_split or
-            auto_balance=False; ``fused_update`` or ``micro_batches`` not None or a bool.
+            auto_balance=False; ``fused_update`` or ``micro_batches`` not None or a bool; ``on_device_error`` not
+            ``"exclude"`` or ``"raise"``.
         ProfileCacheError: ``profile`` cannot be read or is not a profile.
     """
 
@@ -127,6 +133,7 @@ class HeteroCentralStorageStrategy(
         oom_recovery: "bool | Any | None" = None,
         fused_update: bool | None = None,
         micro_batches: bool | None = None,
+        on_device_error: str = "exclude",
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
         emulator, emulate = arguments.emulation_names(emulate)
@@ -151,6 +158,9 @@ class HeteroCentralStorageStrategy(
         from hetero_cs.engine.micro_batches import MicroBatching, validate_setting
 
         validate_setting(micro_batches)
+        from hetero_cs.engine.failover import check_setting
+
+        check_setting(on_device_error)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
             from hetero_cs.engine.calibrating import load_profile
@@ -214,8 +224,8 @@ class HeteroCentralStorageStrategy(
             on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
             on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
         from hetero_cs.engine.oom_recovery import StepRecovery
-        self._step_recovery = (StepRecovery(self, always=oom_recovery is not None)
-                               if oom_recovery is not False and len(devices) > 1 else None)
+        self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
+                                            on_device_error=on_device_error) if len(devices) > 1 else None)
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
             "HETERO_CS_TIMING"
         )
@@ -227,58 +237,6 @@ class HeteroCentralStorageStrategy(
     # ----------------------------------------------------------------------------------------------------------
     # Public state
     # ----------------------------------------------------------------------------------------------------------
-    @property
-    def plan(self) -> BatchPlan | None:
-        """The plan in force for the full global batch (None before the first global batch is seen).
-
-        While the guard tries a new plan this is still the plan it would replace (see :attr:`balancer`)."""
-        return self._balancer.plan
-
-    fused_update = property(lambda self: self._fused_update,
-                            doc="The ``fused_update`` setting: None (Keras' optimizers, dense gradients), True, False.")
-
-    @property
-    def stats(self):
-        """The last fit's per-epoch figures (:class:`hetero_cs.engine.callbacks.FitStats`), or None before one."""
-        return self._fit_stats
-
-    @property
-    def micro_batching(self):
-        """Micro-batching (:class:`hetero_cs.engine.micro_batches.MicroBatching`): ``last_plan``, step counts."""
-        return self._micro_batching
-
-    @property
-    def balancer(self) -> Balancer:
-        """The plan lifecycle (:class:`hetero_cs.planning.balancer.Balancer`): monitor, re-balancer, guard."""
-        return self._balancer
-
-    compute_devices = property(lambda self: self._compute_devices, doc="The replicas' devices, in replica-id order.")
-
-    @property
-    def parameter_device(self) -> str:
-        """Where the central variables live."""
-        return self._parameter_device
-
-    @property
-    def emulator(self):
-        """The :class:`hetero_cs.emulation.Emulator` adding emulated device time, or None on real devices."""
-        return self._emulator
-
-    @property
-    def monitor(self) -> StepTimeMonitor:
-        """Per-replica step-time statistics (filled while timing is on: auto_balance, emulation, HETERO_CS_TIMING=1)."""
-        return self._balancer.monitor
-
-    @property
-    def calibration(self):
-        """The last ``calibration.CalibrationResult`` used for the plan, or None."""
-        return self._calibration
-
-    @property
-    def cost_models(self) -> list[CostModel] | None:
-        """Per-replica cost models behind the plan (calibrated, then updated online), or None."""
-        return self._balancer.cost_models
-
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None
     ) -> None:

@@ -39,13 +39,13 @@ import statistics
 import threading
 import time
 
-import numpy as np
 import tensorflow as tf
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.engine import _compat
 from hetero_cs.engine.input_slicing import is_unbatched_marker
-from hetero_cs.errors import ConfigError, InfeasiblePlanError, MicroBatchError, StepOOMError
+from hetero_cs.engine.model_state import restore, saved_state
+from hetero_cs.errors import ConfigError, DeviceFaultError, InfeasiblePlanError, MicroBatchError, StepOOMError
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.micro_batches import MicroBatchPlan, capacity_of, plan_micro_batches
 
@@ -268,7 +268,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
             return self._one_step_instead(step, data, plan, refusal)
         B = plan.global_batch_size
         checking = not self._checked
-        saved = _saved_state(model) if checking else None
+        saved = saved_state(model) if checking else None
         sizes = list(plan.sub_step_sizes)
         if not checking:
             self._log_plan(plan)
@@ -289,7 +289,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
                 started = time.perf_counter()
                 try:
                     outputs = step(_rows(data, start, start + size))
-                except StepOOMError:
+                except (StepOOMError, DeviceFaultError):  # a card set aside too: its share moved to the others
                     now = capacity_of(self._strategy.balancer.max_batch_sizes)
                     if now is None or now >= size:
                         raise
@@ -305,7 +305,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
                     refusal = self._refusal()
                     if refusal is not None:  # found while the first sub-step was traced: undo it, one step instead
                         self._zero()
-                        _restore(saved)
+                        restore(saved)
                         self._state.assign([0, 0])
                         return self._one_step_instead(step, data, plan, refusal)
                     self._log_plan(plan)
@@ -445,14 +445,3 @@ def _rows(data, start: int, end: int):
         return _compat.per_replica([parts[0][start:end]])
 
     return tf.nest.map_structure(cut, data, expand_composites=False)
-
-
-def _saved_state(model) -> list:
-    """The values of the model's non-trained and metric variables, which a sub-step changes."""
-    variables = {id(v): v for v in list(model.non_trainable_variables) + list(model.metrics_variables)}
-    return [(v, np.array(v.numpy())) for v in variables.values()]
-
-
-def _restore(saved) -> None:
-    for variable, value in saved or ():
-        variable.assign(value)

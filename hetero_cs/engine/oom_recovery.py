@@ -15,7 +15,8 @@ replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecov
 
 An out-of-memory error that names no replica (its device runs no replica, e.g. the parameter device, or it names
 no device and no replica's op) raises :class:`hetero_cs.errors.StepOOMError` with ``replica_id=None`` at once: no
-replica is blamed by default. Any other error passes through unchanged.
+replica is blamed by default. A device error (a failing card, not out of memory) is retried once and its card then
+set aside (:mod:`hetero_cs.engine.failover`). Any other error passes through unchanged.
 
 Every example of the batch is used exactly once: the batch that failed is the batch retried, and the data iterator
 is not advanced. Each cap change is logged (logger ``hetero_cs.engine.central_storage``, WARNING for a drop, INFO
@@ -34,7 +35,9 @@ import tensorflow as tf
 from hetero_cs.engine import _compat
 from hetero_cs.engine.input_slicing import is_unbatched_marker
 from hetero_cs.engine.oom_errors import OutOfMemory, blamed_replica, classify
-from hetero_cs.errors import EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
+from hetero_cs.engine.failover import device_fault
+from hetero_cs.engine.model_state import restore, saved_state
+from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -93,9 +96,14 @@ class StepRecovery:
         strategy: The HeteroCentralStorageStrategy (its balancer, devices and profile cache).
     """
 
-    def __init__(self, strategy, *, always: bool = False) -> None:
+    def __init__(self, strategy, *, always: bool = False, memory: bool = True,
+                 on_device_error: str = "exclude") -> None:
+        from hetero_cs.engine.failover import DeviceFailover
+
         self._strategy = strategy
         self._always = bool(always)
+        self.memory_recovery = bool(memory)  # False: out-of-memory errors pass through (oom_recovery=False)
+        self.failover = DeviceFailover(strategy, on_device_error)  # failing cards (hetero_cs.engine.failover)
         self._possible_by_size: dict[int | None, bool] = {}
         self.recoveries = 0  # retries after an out-of-memory step, since construction
         self.cap_changes = 0  # cap drops and growths since construction
@@ -106,8 +114,13 @@ class StepRecovery:
 
         Always with ``oom_recovery=True`` or a policy; by default only where a step can run out of memory: on a GPU,
         or on an emulated device whose least memory (its size, a ``NAME@SIZE`` override or a ``Drift``'s
-        ``memory_bytes``) cannot hold a slice of the whole global batch. Decided once per global batch size.
+        ``memory_bytes``) cannot hold a slice of the whole global batch. Decided once per global batch size. Also
+        where a card may fail and ``on_device_error="exclude"`` (:meth:`DeviceFailover.possible`).
         """
+        if self.failover.possible():
+            return True
+        if not self.memory_recovery:
+            return False
         if self._always:
             return True
         strategy = self._strategy
@@ -118,11 +131,16 @@ class StepRecovery:
             self._possible_by_size[global_batch_size] = possible
         return possible
 
-    def run(self, step: Callable[[Any], Any], data: Any, *, replica_scopes: Sequence[str] = ()) -> Any:
-        """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step.
+    def run(self, step: Callable[[Any], Any], data: Any, *, replica_scopes: Sequence[str] = (),
+            model: Any = None) -> Any:
+        """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step
+        or a device error (:mod:`hetero_cs.engine.failover`).
 
         ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name), for blame
-        by op name (:mod:`hetero_cs.engine.oom_errors`). Errors that are not out of memory pass through unchanged.
+        by op name (:mod:`hetero_cs.engine.oom_errors`). ``model``: the Keras model being fit; its non-trained and
+        metric variables, which the replicas of a failed attempt may have updated before one of them failed (a
+        BatchNormalization's moving statistics, the loss tracker), are put back before each retry. Other errors
+        pass through unchanged.
 
         Raises:
             StepOOMError: Still out of memory after ``max_retries`` retries, the caps cannot hold the batch, the
@@ -135,11 +153,20 @@ class StepRecovery:
             return step(data)
         policy = balancer.memory_caps.policy
         tried: dict[int, list[int]] = {}
-        for attempt in range(policy.max_retries + 1):
+        faults: dict[int, int] = {}  # device errors per replica in this batch (hetero_cs.engine.failover)
+        attempt = 0
+        saved = saved_state(model) if model is not None else None
+        while True:
             try:
                 outputs = step(data)
-            except (tf.errors.OpError, EmulatedOutOfMemoryError) as exc:  # the latter from an eager step
-                oom = classify(exc, strategy.compute_devices, replica_scopes)
+            except (tf.errors.OpError, EmulatedOutOfMemoryError, EmulatedDeviceError) as exc:  # eager: as themselves
+                restore(saved)  # whatever follows (a retry, sub-steps, the error) starts from the state before
+                fault = device_fault(exc, strategy.compute_devices, replica_scopes)
+                if fault is not None and fault.replica_id is not None:
+                    sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001
+                    self.failover.handle(fault, exc, faults, sizes[fault.replica_id], global_batch_size)
+                    continue  # the same batch, on the same plan once, then on the others
+                oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
                 if oom is None:
                     raise  # not out of memory: a shape error, a failed input pipeline, ... as it is
                 if oom.replica_id is None:
@@ -162,13 +189,13 @@ class StepRecovery:
                                       f"the caps {balancer.max_batch_sizes} cannot hold the batch: {infeasible}"
                                       ) from exc
                 self.recoveries += 1
-                self.max_retries_used = max(self.max_retries_used, attempt + 1)
+                attempt += 1
+                self.max_retries_used = max(self.max_retries_used, attempt)
                 self._note(change, retry=list(plan.per_replica_batch_sizes))
                 continue  # the retried step cuts the batch by the plan in force now (the guard's trial is over)
             for change in balancer.record_step_success(strategy._slicer.last_step_sizes()):  # noqa: SLF001
                 self._note(change)
             return outputs
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _note(self, change, retry: list[int] | None = None) -> None:
         self.cap_changes += 1

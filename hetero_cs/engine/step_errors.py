@@ -149,7 +149,8 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=()):
     """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
 
     That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-    update, a StepOOMError for an out-of-memory error that names no replica, else a ReplicaStepError naming the
+    update, a StepOOMError for an out-of-memory error that names no replica, a DeviceFaultError for a device error
+    (:mod:`hetero_cs.engine.failover`) that names one, else a ReplicaStepError naming the
     replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`). ``replica_scopes``: name scopes only
     replicas' ops run under (``fit`` passes the model's name).
     """
@@ -163,6 +164,16 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=()):
     oom = classify(exc, strategy.compute_devices, replica_scopes)
     if oom is not None and oom.replica_id is None:
         return unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device)
+    from hetero_cs.engine.failover import DeviceFailover, device_fault
+
+    fault = device_fault(exc, strategy.compute_devices, replica_scopes)
+    if fault is not None and fault.replica_id is not None:  # a failing card, not retried here: a DeviceFaultError
+        recovery = getattr(strategy, "_step_recovery", None)
+        failover = recovery.failover if recovery is not None else DeviceFailover(strategy, "raise")
+        why = ("on_device_error='raise'" if failover.on_device_error == "raise" else
+               "this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
+               "steps_per_execution > 1 or one replica), so it was not retried")
+        return failover.error(fault.replica_id, exc, why)
     return replica_step_error(
         exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
         empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001

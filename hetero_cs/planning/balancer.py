@@ -244,6 +244,9 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
                     f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
                 )
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
+        excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
+        if excluded:
+            caps = [0 if i in excluded else cap for i, cap in enumerate(caps or [None] * R)]
         if reference_batch_size is not None and (not _is_int(reference_batch_size) or reference_batch_size < 1):
             raise ConfigError(
                 f"reference_batch_size must be an integer >= 1 (the full global batch) or None. Received: "

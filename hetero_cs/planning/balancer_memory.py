@@ -59,6 +59,27 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
             self._apply_memory_caps()
             return self.plan_for(global_batch_size), change
 
+    def exclude_replica(self, replica_id: int, failed_batch_size: int,
+                        global_batch_size: int) -> tuple[BatchPlan, CapChange]:
+        """After a replica's device failed: sets it aside for good (cap 0) and re-solves the plan without it.
+
+        The plan for ``global_batch_size`` (the batch to retry) is solved from the other replicas' cost models and
+        put in force at once, as after an out-of-memory step. The replica's cap stays 0 through new cost models.
+
+        Returns:
+            (the plan to retry the batch with, the cap change).
+
+        Raises:
+            ConfigError: ``replica_id`` out of range, or a batch size not an int >= 1.
+            InfeasiblePlanError: The other replicas' caps cannot hold ``global_batch_size`` examples (or none is
+                left); the replica stays excluded.
+        """
+        with self._lock:
+            change = self._memory.exclude(replica_id, failed_batch_size)
+            self._monitor.abandon_open_steps()
+            self._apply_memory_caps()
+            return self.plan_for(global_batch_size), change
+
     def record_step_success(self, per_replica_batch_sizes: Sequence[int]) -> list[CapChange]:
         """Notes a step that completed with these slices; a lowered cap may grow back (the plan is re-solved)."""
         with self._lock:

@@ -84,8 +84,9 @@ class CapChange:
         replica_id: The replica.
         old_cap: Its cap before, in examples (None: uncapped).
         new_cap: Its cap after (None: uncapped again).
-        reason: ``"out_of_memory"`` (a step failed with a slice of ``batch_size`` examples) or ``"grow"``.
-        batch_size: The slice that failed (out_of_memory), or the largest recent success (grow).
+        reason: ``"out_of_memory"`` (a step failed with a slice of ``batch_size`` examples), ``"grow"``, or
+            ``"excluded"`` (its device failed: the cap stays 0, see :meth:`MemoryCaps.exclude`).
+        batch_size: The slice that failed (out_of_memory, excluded), or the largest recent success (grow).
     """
 
     replica_id: int
@@ -96,6 +97,9 @@ class CapChange:
 
     def describe(self) -> str:
         """One line, e.g. ``"replica 1: cap 40 -> 20 (out of memory at 40 examples)"``."""
+        if self.reason == "excluded":
+            return (f"replica {self.replica_id}: cap {self.old_cap} -> 0 (excluded: its device failed with a slice of "
+                    f"{self.batch_size} examples)")
         why = (f"out of memory at {self.batch_size} examples" if self.reason == "out_of_memory"
                else f"grown after successful steps; largest recent slice {self.batch_size}")
         return f"replica {self.replica_id}: cap {self.old_cap} -> {self.new_cap} ({why})"
@@ -124,6 +128,7 @@ class MemoryCaps:
             raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
         self._num_replicas = num_replicas
         self.policy = policy or MemoryRecoveryPolicy()
+        self._excluded: list[int] = []  # kept by reset: a failed card does not come back with new cost models
         self.reset(None)
 
     def reset(self, base_caps: Sequence[int | None] | None) -> None:
@@ -147,7 +152,33 @@ class MemoryCaps:
         """True while some replica's cap is below its calibrated cap."""
         return any(c is not None for c in self._lowered)
 
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The replicas set aside for good because their device failed, in the order they were (cap 0)."""
+        return tuple(self._excluded)
+
+    def exclude(self, replica_id: int, batch_size: int = 0) -> CapChange:
+        """Sets ``replica_id`` aside for good: its cap becomes 0 and never grows back (its device failed).
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: Its slice in the step that failed, in examples (for the record).
+
+        Raises:
+            ConfigError: If ``replica_id`` is out of range.
+        """
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
+            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
+        old = self._cap(replica_id)
+        if replica_id not in self._excluded:
+            self._excluded.append(replica_id)
+        change = CapChange(replica_id, old, 0, "excluded", int(batch_size))
+        self.history.append(change)
+        return change
+
     def _cap(self, replica_id: int) -> int | None:
+        if replica_id in self._excluded:
+            return 0
         base, lowered = self._base[replica_id], self._lowered[replica_id]
         if lowered is None:
             return base
@@ -195,7 +226,7 @@ class MemoryCaps:
         for i, b in enumerate(per_replica_batch_sizes):
             if b > 0:
                 self._recent[i].append(int(b))
-            if self._lowered[i] is None:
+            if self._lowered[i] is None or i in self._excluded:
                 continue
             self._since_change[i] += 1
             if self._since_change[i] < self._grow_after[i]:

@@ -370,3 +370,46 @@ def test_cli_emulation_options_are_bounded(capsys, argv, match):
         cli_main(["calibrate", *argv])
     assert info.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [({"replica_id": 0, "fails": True, "lost": True}, "both fails=True and lost=True"),
+     ({"replica_id": 0, "lost": True, "from_step": 2, "until_step": 4}, "leave until_step=None"),
+     ({"replica_id": 0, "fails": 1}, r"fails=1 must be True or False"),
+     ({"replica_id": 0}, "changes nothing.*fails=True")],
+)
+def test_drift_faults_are_validated(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        Drift(**kwargs)
+
+
+def test_a_failing_card_raises_a_device_error_and_each_attempt_counts_as_a_step():
+    from hetero_cs.errors import EmulatedDeviceError
+
+    emulator = Emulator(["A10", "T4"], workload=Workload(4e5, 800_000), time_scale=1.0,
+                        drift=[Drift(replica_id=1, from_step=1, until_step=3, fails=True)])
+    assert emulator.may_fail and not Emulator(["A10"]).may_fail
+    emulator.delay_s(1, 8)  # step 0 is fine
+    for step in (1, 2):
+        with pytest.raises(EmulatedDeviceError, match=rf"CUDA_ERROR_ECC_UNCORRECTABLE.*replica=1 \(T4\) at its step "
+                                                      rf"{step}") as info:
+            emulator.delay_s(1, 8)
+        assert (info.value.replica_id, info.value.device_name, info.value.step) == (1, "T4", step)
+    assert emulator.delay_s(1, 8) > 0  # the fault is over at step 3
+    assert emulator.delay_s(1, 0) == 0.0  # an idle replica never fails
+    assert "fails steps [1, 3)" in "\n".join(emulator.describe())
+
+
+def test_a_lost_card_names_itself_and_aborts_the_process():
+    import subprocess
+    import sys
+
+    code = ("from hetero_cs.emulation import Drift, Emulator, Workload\n"
+            "e = Emulator(['A10', 'P100'], workload=Workload(4e5, 800_000), time_scale=1.0,"
+            " drift=[Drift(replica_id=1, from_step=1, lost=True)])\n"
+            "e.delay_s(1, 4)\nprint('step 0 done', flush=True)\ne.delay_s(1, 4)\nprint('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -6  # SIGABRT, as after a sticky CUDA error
+    assert "step 0 done" in done.stdout and "not reached" not in done.stdout
+    assert "hetero_cs emulation: lost replica=1 (P100) at its step 1: CUDA_ERROR_ECC_UNCORRECTABLE" in done.stderr

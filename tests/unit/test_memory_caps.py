@@ -229,3 +229,20 @@ def test_monitor_abandon_open_steps_keeps_complete_steps_and_realigns_replicas()
     monitor.record(0, 6, 0.1)
     assert monitor.completed_steps == 2
     assert monitor.last_step().per_replica_batch_sizes == (6, 2)
+
+
+def test_an_excluded_replica_keeps_a_cap_of_0_through_successes_and_new_cost_models():
+    balancer = Balancer(3, rebalance=False, guard=False, idle_replicas_free=True)
+    balancer.set_cost_models([LinearCostModel(1e-3, 1e-3)] * 3, reference_batch_size=90)
+    plan, change = balancer.exclude_replica(1, 30, 90)
+    assert plan.per_replica_batch_sizes == (45, 0, 45)
+    assert (change.reason, change.old_cap, change.new_cap) == ("excluded", None, 0)
+    assert "excluded: its device failed" in change.describe()
+    for _ in range(200):  # a lowered cap would grow back after 50 successes; an excluded one never does
+        assert balancer.record_step_success(plan.per_replica_batch_sizes) == []
+    balancer.set_cost_models([LinearCostModel(1e-3, 1e-3)] * 3, max_batch_sizes=[None, 64, None])
+    assert balancer.plan_for(90).per_replica_batch_sizes[1] == 0 and balancer.plan_for(7).per_replica_batch_sizes[1] == 0
+    assert balancer.memory_caps.excluded == (1,)
+    balancer.exclude_replica(0, 45, 90)
+    with pytest.raises(InfeasiblePlanError):  # none left
+        balancer.exclude_replica(2, 90, 90)

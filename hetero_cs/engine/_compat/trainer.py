@@ -15,7 +15,7 @@ import tensorflow as tf
 from hetero_cs.engine import idle_replicas
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
-from hetero_cs.errors import ConfigError, StepOOMError
+from hetero_cs.errors import ConfigError, DeviceFaultError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
@@ -55,6 +55,10 @@ def _patch_fit() -> None:
             if replica_error is None:
                 raise
             raise replica_error from exc
+        except DeviceFaultError as exc:  # a RuntimeError: before the clause below
+            if exc.__cause__ is None and exc.last_error is not None:  # re-chained, as a StepOOMError below
+                raise exc from exc.last_error
+            raise
         except RuntimeError as exc:
             if "Mixing different tf.distribute.Strategy objects" not in str(exc):
                 raise
@@ -159,7 +163,7 @@ def _patch_make_train_function() -> None:
                     return train_function([batch])
                 # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A
                 # retry whose new plan idles a replica first traces the step again (above).
-                return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,))
+                return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,), model=self)
 
             if micro_batching:
                 from hetero_cs.engine.oom_recovery import global_batch_size_of
@@ -168,7 +172,19 @@ def _patch_make_train_function() -> None:
                 if plan.num_sub_steps > 1:
                     micro.arm()  # the next call traces the step again, reading the sub-step state
                     return micro.run(self, one_step, data, plan)
-            return one_step(data)
+            try:
+                return one_step(data)
+            except DeviceFaultError:
+                # A card was set aside and the others cannot hold the batch in one step: sub-steps, where allowed.
+                if not micro_batching:
+                    raise
+                from hetero_cs.engine.oom_recovery import global_batch_size_of
+
+                plan = micro.plan_for(global_batch_size_of(data))
+                if plan.num_sub_steps == 1 or recovery is None or not recovery.failover.exclusions:
+                    raise
+                micro.arm()
+                return micro.run(self, one_step, data, plan)
 
         train_function._hetero_wrapped = True
         self.train_function = train_function

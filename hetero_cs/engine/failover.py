@@ -1,0 +1,212 @@
+"""Failing cards in a training step: a device error is told from a program error, retried once, then set aside.
+
+Old cards fail: an uncorrectable ECC error, a thermal trip, a card that falls off the bus. TensorFlow reports such a
+fault in the step that met it, as ``tf.errors.InternalError`` or ``tf.errors.UnknownError`` around the driver's
+text, and nothing of that step has been applied (the host's update waits for every replica's gradient; see
+:mod:`hetero_cs.engine.step_errors`). With ``on_device_error="exclude"`` (the default), ``model.fit``
+(:class:`hetero_cs.engine.oom_recovery.StepRecovery`) then
+
+1. retries the same global batch once on the same plan: a transient fault costs one step;
+2. if the same replica fails again, sets it aside for good: its memory cap becomes 0
+   (:meth:`hetero_cs.planning.balancer.Balancer.exclude_replica`), so every later plan gives it 0 examples and an
+   idle replica runs nothing on its device; the plan is solved again from the other cards' cost models, the
+   exclusion is logged (WARNING, naming the card), and the same global batch is retried on the others.
+
+No example is lost or applied twice: the batch that failed is the batch retried. With ``on_device_error="raise"``
+the first device error ends the step with :class:`hetero_cs.errors.DeviceFaultError`, as does a fault when no other
+card is left.
+
+**The rule that tells a device error from a program error** (:func:`device_fault`). An error is a device error when
+
+* it is not out of memory (that is :mod:`hetero_cs.engine.oom_recovery`'s);
+* TensorFlow raised it as ``InternalError`` or ``UnknownError`` (an emulated fault, a Python exception inside the
+  step, arrives as ``UnknownError``), or it is an :class:`~hetero_cs.errors.EmulatedDeviceError` raised eagerly;
+* its text shows one of :data:`DEVICE_FAULT_FORMS`: a CUDA driver or runtime error code (``CUDA_ERROR_*``,
+  ``cudaError*``) other than out of memory and a device-side assert, an illegal memory access, an unspecified
+  launch failure, an uncorrectable ECC error, a GPU that is lost or fell off the bus, ``GPU sync failed``, or cuBLAS
+  or cuDNN failing to execute;
+* and it names a replica: the device its text names, else the op that failed (the rules of
+  :mod:`hetero_cs.engine.oom_errors`). A fault on the parameter device names no replica and is never set aside.
+
+Everything else is a program error and is never taken for a failing card: a shape or dtype error
+(``InvalidArgumentError``), a NaN check, an unimplemented op, a device-side assert (an index out of range in a
+kernel), an ``InternalError`` without a driver's fault text, any Python error. It ends the step as a
+:class:`~hetero_cs.errors.ReplicaStepError` naming the replica, as before. A fault that moves from card to card
+after each exclusion is not the cards': when the last card fails too, the error says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from hetero_cs.engine.oom_errors import blamed_replica, is_out_of_memory
+from hetero_cs.errors import ConfigError, DeviceFaultError, EmulatedDeviceError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
+
+ON_DEVICE_ERROR_CHOICES = ("exclude", "raise")
+
+# (name, pattern) of each device-fault form; the first match names the form.
+DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
+    (name, re.compile(pattern, flags))
+    for name, pattern, flags in (
+        ("ecc", r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable", re.IGNORECASE),
+        ("illegal address", r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress", 0),
+        ("launch failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure", 0),
+        ("lost", r"GPU is lost|fallen off the bus|CUDA_ERROR_DEVICE_UNAVAILABLE|cudaErrorDevicesUnavailable", 0),
+        ("sync", r"GPU sync failed", 0),
+        ("cublas", r"CUBLAS_STATUS_EXECUTION_FAILED", 0),
+        ("cudnn", r"CUDNN_STATUS_EXECUTION_FAILED", 0),
+        ("cuda", r"\bCUDA_ERROR_(?!OUT_OF_MEMORY\b|ASSERT\b)[A-Z_]+", 0),
+        ("cuda", r"\bcudaError(?!MemoryAllocation\b|Assert\b)[A-Z][A-Za-z]+", 0),
+    )
+)
+_FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFault:
+    """A device error read from TensorFlow's error: its form, and the replica and device it names (or None)."""
+
+    form: str
+    replica_id: int | None
+    device: str | None
+
+
+def check_setting(on_device_error: object) -> str:
+    """``on_device_error`` as given, if it is ``"exclude"`` or ``"raise"``; else a ConfigError."""
+    if on_device_error not in ON_DEVICE_ERROR_CHOICES or not isinstance(on_device_error, str):
+        raise ConfigError(
+            f"on_device_error must be 'exclude' (the default: a card whose step fails twice with a device error is "
+            f"set aside and the step retried on the others) or 'raise' (the error ends fit). Received: "
+            f"on_device_error={on_device_error!r}.")
+    return on_device_error
+
+
+def fault_form(exc: BaseException) -> str | None:
+    """The device-fault form ``exc`` shows (a name from :data:`DEVICE_FAULT_FORMS`), or None: see the module rule."""
+    if isinstance(exc, EmulatedDeviceError):  # an emulated fault raised as itself by an eager step
+        return "ecc"
+    if not isinstance(exc, _FAULT_CLASSES) or is_out_of_memory(exc):
+        return None
+    message = str(exc)
+    return next((name for name, pattern in DEVICE_FAULT_FORMS if pattern.search(message)), None)
+
+
+def device_fault(exc: BaseException, compute_devices: Sequence[str],
+                 replica_scopes: Sequence[str] = ()) -> DeviceFault | None:
+    """A :class:`DeviceFault` when ``exc`` is a device error (the module's rule), with the replica it names; else
+    None (a program error, or out of memory)."""
+    form = fault_form(exc)
+    if form is None:
+        return None
+    replica_id = getattr(exc, "replica_id", None) if isinstance(exc, EmulatedDeviceError) else None
+    emulated = re.search(r"emulated device fault on replica=(\d+)", str(exc))
+    if replica_id is None and emulated and int(emulated.group(1)) < len(compute_devices):
+        replica_id = int(emulated.group(1))
+    if replica_id is not None:
+        return DeviceFault(form, replica_id, compute_devices[replica_id])
+    replica_id, device, _ = blamed_replica(exc, compute_devices, replica_scopes)
+    return DeviceFault(form, replica_id, device)
+
+
+def first_line(exc: BaseException) -> str:
+    """The line of TensorFlow's error that holds the fault's text, for log lines and messages (at most 200 chars)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = next((line for line in lines if any(p.search(line) for _, p in DEVICE_FAULT_FORMS)),
+                lines[0] if lines else type(exc).__name__)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class DeviceFailover:
+    """The failing-card policy of one strategy's ``fit`` steps: counts faults per batch, retries, excludes.
+
+    Args:
+        strategy: The HeteroCentralStorageStrategy (its balancer, devices and emulator).
+        on_device_error: ``"exclude"`` or ``"raise"``.
+    """
+
+    def __init__(self, strategy, on_device_error: str = "exclude") -> None:
+        self._strategy = strategy
+        self.on_device_error = check_setting(on_device_error)
+        self.retries = 0  # retries after a device error, since construction
+        self.exclusions: list[int] = []  # replicas set aside, in order
+
+    def possible(self) -> bool:
+        """Whether a step may meet a failing card worth keeping the batch in hand for: on a GPU, or on emulated
+        devices whose drift makes a card fail (``Drift(fails=True)``); never with ``"raise"``."""
+        if self.on_device_error != "exclude":
+            return False
+        strategy = self._strategy
+        if any("GPU" in device.upper() for device in strategy.compute_devices):
+            return True
+        return bool(getattr(strategy.emulator, "may_fail", False))
+
+    def card(self, replica_id: int) -> str:
+        """``"/device:CPU:2 (emulated T4)"`` or ``"/device:GPU:1"``: the card, as log lines name it."""
+        strategy = self._strategy
+        device = strategy.compute_devices[replica_id]
+        emulator = strategy.emulator
+        return f"{device} (emulated {emulator.specs[replica_id].name})" if emulator is not None else device
+
+    def handle(self, fault: DeviceFault, exc: BaseException, faults: dict[int, int], failed_batch_size: int,
+               global_batch_size: int):
+        """Decides what follows a device error in one global batch's step: returns the plan to retry with (None:
+        the same plan), or raises :class:`DeviceFaultError`.
+
+        Args:
+            fault: From :func:`device_fault`, with a replica.
+            exc: TensorFlow's error.
+            faults: Device errors per replica so far in this global batch (updated here).
+            failed_batch_size: The replica's slice in the step that failed.
+            global_batch_size: The batch to retry.
+        """
+        from hetero_cs.errors import InfeasiblePlanError
+
+        replica_id = fault.replica_id
+        balancer = self._strategy.balancer
+        card = self.card(replica_id)
+        if self.on_device_error == "raise":
+            raise self.error(replica_id, exc, "on_device_error='raise'") from exc
+        faults[replica_id] = faults.get(replica_id, 0) + 1
+        if faults[replica_id] == 1:
+            self.retries += 1
+            logger.warning("hetero_cs: device error on replica %d, %s (%s); retrying the same global batch once.",
+                           replica_id, card, first_line(exc))
+            return None
+        left = [i for i, cap in enumerate(balancer.memory_caps.caps) if cap != 0 and i != replica_id]
+        if not left:
+            raise self.error(replica_id, exc, "no other card is left to train on" + (
+                " (every card failed in turn: a fault that follows the step from card to card is more likely the "
+                "model's or TensorFlow's than the cards')" if self.exclusions else "")) from exc
+        try:
+            plan, _ = balancer.exclude_replica(replica_id, max(1, int(failed_batch_size)), global_batch_size)
+        except InfeasiblePlanError as infeasible:
+            self.exclusions.append(replica_id)
+            raise self.error(replica_id, exc, f"the other cards' memory caps {balancer.max_batch_sizes} cannot "
+                             f"hold the batch of {global_batch_size} examples in one step ({infeasible})") from exc
+        self.exclusions.append(replica_id)
+        logger.warning(
+            "hetero_cs: replica %d, %s, failed twice with a device error (%s): it is excluded from training (0 "
+            "examples from now on, nothing runs on it). Retrying the same global batch cut %s on the other cards.",
+            replica_id, card, first_line(exc), list(plan.per_replica_batch_sizes))
+        return plan
+
+    def error(self, replica_id: int, exc: BaseException, why: str) -> DeviceFaultError:
+        """The DeviceFaultError for a device error on ``replica_id`` that training does not go on from."""
+        card = self.card(replica_id)
+        excluded = [self.card(i) for i in self.exclusions]
+        return DeviceFaultError(
+            f"The training step failed with a device error on replica {replica_id}, {card} ({type(exc).__name__}: "
+            f"{first_line(exc)}), and training cannot go on without it: {why}. Excluded before: "
+            f"{excluded or 'none'}. No update of this step was applied: variables and optimizer state are as they "
+            f"were before it. Check the card (nvidia-smi -q shows ECC errors and Xid events), leave it out of "
+            f"compute_devices (or CUDA_VISIBLE_DEVICES), or run the script under `hetero-cs run` to restart it "
+            f"without the card. The original error is chained below.",
+            replica_id=replica_id, device=self._strategy.compute_devices[replica_id],
+            excluded=tuple(self.exclusions), last_error=exc)
