@@ -1,10 +1,11 @@
-"""The `hetero-cs` command: devices, calibrate, plan, bench, launch.
+"""The `hetero-cs` command: devices, calibrate, plan, bench, launch, run.
 
     hetero-cs devices                                   # TF devices joined with NVML facts
     hetero-cs calibrate --emulate A10,T4,P100 --output profile.json
     hetero-cs plan --profile profile.json --global-batch-size 512
     hetero-cs bench [benchmark options]                 # benchmarks/balance.py, from a source checkout
     hetero-cs launch --workers 2 --emulate A10,T4 -- python train.py   # N workers with TF_CONFIG on loopback
+    hetero-cs run --max-restarts 3 -- python train.py   # restarted without a lost card, resumed from fit's backup
 """
 
 from __future__ import annotations
@@ -91,13 +92,19 @@ def _launch(args: argparse.Namespace) -> int:
     return run_launch(args)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from hetero_cs.supervisor import run_supervised
+
+    return run_supervised(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from calibration.__main__ import add_calibrate_arguments, add_plan_arguments
 
     parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at DEBUG, and show TensorFlow's own start-up lines")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch,run}")
     devices = verbs.add_parser("devices", help="list compute devices (TensorFlow joined with NVML facts)")
     devices.set_defaults(run=_devices)
     calibrate = verbs.add_parser("calibrate", help="time each device on a reference model and write a profile")
@@ -116,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch = verbs.add_parser("launch", help="run a command as N MultiWorkerMirroredStrategy workers on 127.0.0.1")
     add_launch_arguments(launch)
     launch.set_defaults(run=_launch)
+    from hetero_cs.supervisor import add_run_arguments
+
+    run = verbs.add_parser("run", help="run a training script, restarting it without a card it lost (resumes from "
+                                       "fit's backup)")
+    add_run_arguments(run)
+    run.set_defaults(run=_run)
     return parser
 
 

@@ -23,6 +23,7 @@ All times produced here are emulated, not measured; every human-readable output 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -338,6 +339,27 @@ class Emulator(DeepcopiedWithNewLocks):
             raise ConfigError(f"step={step!r} must be None or an int >= 0.")
         with self._lock:
             return self._step_time_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
+
+    def without(self, replicas: Sequence[int]) -> "Emulator":
+        """A new Emulator without the cards at positions ``replicas`` (a restart without a lost card).
+
+        The others keep their order, their workload and a time scale fixed by an argument or the environment; their
+        drifts follow them (replica ids renumbered); the drifts of the cards left out are dropped.
+
+        Raises:
+            ConfigError: A position out of range, or every card left out.
+        """
+        drop = set(replicas)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self._specs) for i in drop):
+            raise ConfigError(f"Positions to leave out must be ints in [0, {len(self._specs)}). Received: "
+                              f"{sorted(drop, key=str)!r}.")
+        keep = [i for i in range(len(self._specs)) if i not in drop]
+        if not keep:
+            raise ConfigError(f"Leaving out {sorted(drop)} leaves no card of {[s.name for s in self._specs]}.")
+        drift = [dataclasses.replace(d, replica_id=keep.index(d.replica_id)) for d in self._drift
+                 if d.replica_id in keep]
+        return Emulator([self._specs[i].name for i in keep], workload=self._workload,
+                        time_scale=self._time_scale if self._time_scale_source == "time_scale" else None, drift=drift)
 
     @property
     def may_fail(self) -> bool:

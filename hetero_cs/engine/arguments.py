@@ -42,6 +42,48 @@ def emulation_names(emulate) -> tuple:
     return None, names
 
 
+def leave_out_excluded(emulator, names, compute_devices, batch_split):
+    """``(emulator, names, compute_devices, batch_split)`` without the cards ``HETERO_CS_EXCLUDED_DEVICES`` names.
+
+    ``hetero-cs run`` (:mod:`hetero_cs.supervisor`) sets it to the positions in ``emulate=`` of emulated cards the
+    script lost (e.g. ``"1"`` or ``"0,2"``) when it restarts the script; the strategy then leaves them out of
+    ``emulate=`` and, when given with one entry per card, of ``compute_devices`` and ``batch_split``. Unset or
+    empty: unchanged. (A lost real GPU is left out by ``CUDA_VISIBLE_DEVICES`` instead.)
+
+    Raises:
+        ConfigError: The variable is not a comma-separated list of positions in ``emulate=``, or leaves no card.
+    """
+    from hetero_cs.supervisor import EXCLUDED_ENV_VAR
+
+    text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
+    if not text or names is None:
+        return emulator, names, compute_devices, batch_split
+    try:
+        positions = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        positions = None
+    if positions is None or any(not 0 <= i < len(names) for i in positions) or len(positions) >= len(names):
+        raise ConfigError(
+            f"{EXCLUDED_ENV_VAR}={text!r} must list positions in emulate={names} (0..{len(names) - 1}, comma-"
+            f"separated) and leave at least one card; `hetero-cs run` sets it when it restarts a script without a "
+            f"lost card. Unset it to use every card.")
+    if compute_devices is not None and (not isinstance(compute_devices, (list, tuple))
+                                        or len(compute_devices) != len(names)):
+        return emulator, names, compute_devices, batch_split  # the checks that follow explain what is wrong
+    logger.warning("hetero_cs: restarted without the lost emulated card(s) %s (%s=%s): emulating %s.",
+                   [names[i] for i in positions], EXCLUDED_ENV_VAR, text,
+                   [n for i, n in enumerate(names) if i not in positions])
+    keep = [i for i in range(len(names)) if i not in positions]
+    if emulator is not None:
+        emulator = emulator.without(positions)
+    names = [names[i] for i in keep]
+    if compute_devices is not None:
+        compute_devices = [list(compute_devices)[i] for i in keep]
+    if isinstance(batch_split, (list, tuple)) and len(batch_split) == len(positions) + len(keep):
+        batch_split = [batch_split[i] for i in keep]
+    return emulator, names, compute_devices, batch_split
+
+
 def canonical_device(name: str) -> str:
     """'/cpu:1', 'CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
     if not isinstance(name, str) or not name.strip():

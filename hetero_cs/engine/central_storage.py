@@ -137,6 +137,9 @@ class HeteroCentralStorageStrategy(
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
         emulator, emulate = arguments.emulation_names(emulate)
+        # Restarted by `hetero-cs run` without a lost emulated card (HETERO_CS_EXCLUDED_DEVICES).
+        emulator, emulate, compute_devices, batch_split = arguments.leave_out_excluded(
+            emulator, emulate, compute_devices, batch_split)
         if emulate is not None and compute_devices is None:
             from hetero_cs import emulation
 
@@ -200,6 +203,7 @@ class HeteroCentralStorageStrategy(
         self._fit_stats = None  # the last fit's figures (BalanceCallback)
         self._profile = profile  # a calibration.CalibrationResult used instead of calibrating, or None
         self._lock = threading.RLock()
+        self._resume_skip = 0  # batches of the resumed epoch already applied before a restart (engine.backup)
         self._source_dataset = None  # the last training input (calibration reads its first batch)
         self._input_roles = InputRoles()  # which inputs feed training steps (fit, evaluate and predict set it)
         self._first_batches = _compat.FirstBatchReader()  # calibration's read-ahead, rewound for training
@@ -414,12 +418,12 @@ class HeteroCentralStorageStrategy(
         error, self._input_error = self._input_error, None
         return error if error is not None and raised_by_input_pipeline(exc, error) else None
 
-    def _replica_step_error(self, exc: Exception, replica_scopes=()):
+    def _replica_step_error(self, exc: Exception, replica_scopes=(), kind: str = "training"):
         """The library's error for TensorFlow's ``exc`` from a step, or None
         (:func:`hetero_cs.engine.step_errors.strategy_step_error`)."""
         from hetero_cs.engine.step_errors import strategy_step_error
 
-        return strategy_step_error(self, exc, replica_scopes)
+        return strategy_step_error(self, exc, replica_scopes, kind)
 
     # ----------------------------------------------------------------------------------------------------------
     # Calibration
@@ -452,6 +456,7 @@ class HeteroCentralStorageStrategy(
         return calibrating.calibrate(self, model, data, force=force, progress=progress)
 
     def _fit_callbacks(self, model, callbacks):
+        from hetero_cs.engine.backup import with_backup
         from hetero_cs.engine.callbacks import with_balance_callback
 
-        return with_balance_callback(self, callbacks)
+        return with_backup(self, with_balance_callback(self, callbacks))

@@ -197,10 +197,57 @@ class StepRecovery:
                 self._note(change)
             return outputs
 
+    def run_inference(self, attempt: Callable[[Any], Any], element: Any, *, replica_scopes: Sequence[str] = (),
+                      model: Any = None) -> Any:
+        """``attempt(element)`` for an evaluation or prediction batch, retried after an out-of-memory step.
+
+        The replica blamed gets a lower cap (:meth:`~hetero_cs.planning.balancer.Balancer.lower_cap`, shared with
+        training: an inference slice that does not fit would not fit a training step either), and the whole batch
+        runs again: cut within the new caps, or as sub-steps within them when they cannot hold it in one step
+        (``attempt`` decides; :meth:`hetero_cs.engine.micro_batches.MicroBatching.run_inference`). The metrics of
+        ``model`` are put back first, so an evaluation counts each example once.
+
+        Raises:
+            StepOOMError: As :meth:`run`; errors that are not out of memory pass through unchanged.
+        """
+        strategy = self._strategy
+        global_batch_size = global_batch_size_of(element)
+        policy = strategy.balancer.memory_caps.policy
+        saved = saved_state(model) if model is not None else None
+        tried: dict[int, list[int]] = {}
+        for retry in range(policy.max_retries + 1):
+            try:
+                return attempt(element)
+            except (tf.errors.OpError, EmulatedOutOfMemoryError) as exc:
+                restore(saved)
+                oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
+                if oom is None:
+                    raise
+                if oom.replica_id is None:
+                    raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
+                                             global_batch_size=global_batch_size) from exc
+                replica_id, size = oom.replica_id, strategy._slicer.last_step_sizes()[oom.replica_id]  # noqa: SLF001
+                tried.setdefault(replica_id, []).append(size)
+                if size == 0:
+                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                                      "that replica had no example in this step, so a lower cap cannot help "
+                                      "(something else holds its memory)", step="evaluation or prediction") from exc
+                if retry == policy.max_retries:
+                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                                      f"it still ran out of memory after {policy.max_retries} retries",
+                                      step="evaluation or prediction") from exc
+                change = strategy.balancer.lower_cap(replica_id, size)
+                self.recoveries += 1
+                self._note(change, retry=[])
+        raise AssertionError("unreachable")  # the loop returns or raises
+
     def _note(self, change, retry: list[int] | None = None) -> None:
         self.cap_changes += 1
         device = self._strategy.compute_devices[change.replica_id]
-        if retry is not None:
+        if retry == []:  # an inference batch: cut again when it runs
+            logger.warning("hetero_cs: out of memory on %s in an evaluation or prediction step: %s; retrying the same "
+                           "batch within the new caps.", device, change.describe())
+        elif retry is not None:
             logger.warning("hetero_cs: out of memory on %s: %s; retrying the same global batch cut %s.",
                            device, change.describe(), retry)
         else:
@@ -208,15 +255,18 @@ class StepRecovery:
         self._strategy._write_back_caps()  # noqa: SLF001 - the profile cache entry the plan came from
 
     def _error(self, replica_id: int, caps_tried: list[int], global_batch_size: int, exc: Exception,
-               why: str) -> StepOOMError:
+               why: str, step: str = "training") -> StepOOMError:
         device = self._strategy.compute_devices[replica_id]
         return StepOOMError(
-            f"The training step ran out of memory on replica {replica_id} ({device}) and could not be recovered: "
+            f"The {step} step ran out of memory on replica {replica_id} ({device}) and could not be recovered: "
             f"{why}. Slices tried on that replica: caps_tried={caps_tried} examples, global_batch_size="
-            f"{global_batch_size}, caps now {self._strategy.balancer.max_batch_sizes}. No update of this step was "
-            f"applied: variables and optimizer state are as they were before it. Free that device's memory (another "
-            f"process may hold it), use a smaller global batch size or model, or leave the device out of "
-            f"compute_devices. The original error is chained below.",
+            f"{global_batch_size}, caps now {self._strategy.balancer.max_batch_sizes}. "
+            + ("No update of this step was applied: variables and optimizer state are as they were before it. "
+               if step == "training" else "The metrics are as they were before this batch. ")
+            + "Free that device's memory (another process may hold it), use a smaller "
+            + ("global batch size" if step == "training" else
+               "batch_size in evaluate or predict (in fit: validation_batch_size)")
+            + " or model, or leave the device out of compute_devices. The original error is chained below.",
             replica_id=replica_id, device=device, caps_tried=tuple(caps_tried),
             global_batch_size=global_batch_size, last_error=exc,
         )

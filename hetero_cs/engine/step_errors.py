@@ -55,7 +55,8 @@ def naming_the_replica(replica_id):
         raise
 
 
-def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan, replica_id=None):
+def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan, replica_id=None,
+                       kind: str = "training"):
     """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
 
     ``replica_id``: the replica already blamed (an out-of-memory error, by :mod:`hetero_cs.engine.oom_errors`).
@@ -99,9 +100,10 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     else:
         advice = f"Check that replica's slice of the batch (plan: {plan}) and the device."
     return ReplicaStepError(
-        f"The training step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
-        f"No update of this step was applied: variables and optimizer state are as they were before it. "
-        f"{advice} The original error is chained below.",
+        f"The {kind} step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
+        + ("No update of this step was applied: variables and optimizer state are as they were before it. "
+           if kind == "training" else "")
+        + f"{advice} The original error is chained below.",
         replica_id=replica_id,
         device=device,
     )
@@ -145,7 +147,7 @@ class EmptySliceNotes:
             log_empty_slices(plan)
 
 
-def strategy_step_error(strategy, exc: Exception, replica_scopes=()):
+def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str = "training"):
     """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
 
     That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
@@ -177,5 +179,5 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=()):
     return replica_step_error(
         exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
         empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
-        replica_id=oom.replica_id if oom is not None else None,
+        replica_id=oom.replica_id if oom is not None else None, kind=kind,
     )

@@ -76,7 +76,10 @@ class InferencePlans:
             return choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=self._max_batch_sizes,
                                **arguments)
         except InfeasiblePlanError:
-            plan = choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=None, **arguments)
+            # A card set aside for a device error (cap 0) stays out; the other caps are lifted.
+            excluded = set(self._memory.excluded)
+            caps = [0 if i in excluded else None for i in range(self._num_replicas)] if excluded else None
+            plan = choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=caps, **arguments)
             logger.info(
                 "hetero_cs: an evaluation/prediction batch of %d examples is more than the training memory caps %s "
                 "hold; it is split %s without them (an inference step keeps no activations for a backward pass).",

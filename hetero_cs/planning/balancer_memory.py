@@ -59,6 +59,28 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
             self._apply_memory_caps()
             return self.plan_for(global_batch_size), change
 
+    def lower_cap(self, replica_id: int, failed_batch_size: int) -> CapChange:
+        """After an evaluation or prediction step ran out of memory on one replica: lowers its cap.
+
+        Training's plan for the reference size is solved again within the new caps where they hold it (else the
+        next training step finds out, as after any cap change); nothing else of training's plan lifecycle moves.
+        Inference plans are solved anew (they are kept per caps).
+
+        Raises:
+            ConfigError: ``replica_id`` out of range, or ``failed_batch_size`` not an int >= 1.
+        """
+        from hetero_cs.errors import InfeasiblePlanError
+
+        with self._lock:
+            change = self._memory.record_out_of_memory(replica_id, failed_batch_size)
+            self._apply_memory_caps()
+            if self._reference_batch_size is not None:
+                try:
+                    self.plan_for(self._reference_batch_size)
+                except InfeasiblePlanError:
+                    pass  # training's next step meets it (sub-steps, or its own StepOOMError)
+            return change
+
     def exclude_replica(self, replica_id: int, failed_batch_size: int,
                         global_batch_size: int) -> tuple[BatchPlan, CapChange]:
         """After a replica's device failed: sets it aside for good (cap 0) and re-solves the plan without it.

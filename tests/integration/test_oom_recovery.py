@@ -288,3 +288,46 @@ def test_plain_cpu_devices_read_the_batch_in_the_graph_unless_recovery_is_asked_
     x, y = data()
     model.fit(x[: 2 * B], y[: 2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
     assert strategy._step_recovery.armed() is armed  # noqa: SLF001
+
+
+def inference_memory_for(examples):
+    """Emulated device memory that holds exactly ``examples`` examples of WORKLOAD in an inference step."""
+    return WORKLOAD.parameter_bytes + WORKLOAD.non_trainable_bytes + examples * ACTIVATION_BYTES
+
+
+@pytest.mark.parametrize("kind", ["evaluate", "predict"])
+def test_evaluate_and_predict_that_run_out_of_memory_lower_the_cap_and_run_the_batch_again(
+        kind, fast_emulation, caplog):
+    # Replica 1 holds 20 examples in an inference step; the even split gives it 32 of 96.
+    caplog.set_level("WARNING", logger="hetero_cs.engine.central_storage")
+    emulator = Emulator(["T4", f"T4@{inference_memory_for(20)}B", "T4"], workload=WORKLOAD, time_scale=1.0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, batch_split=[1, 1, 1])
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    single = mlp()
+    single.set_weights(model.get_weights())
+    single.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data()
+    if kind == "evaluate":
+        got, want = (m.evaluate(x, y, batch_size=B, verbose=0) for m in (model, single))
+    else:
+        got, want = (m.predict(x, batch_size=B, verbose=0) for m in (model, single))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # every example counted once
+    assert strategy._step_recovery.recoveries >= 1  # noqa: SLF001
+    assert 0 < strategy.balancer.max_batch_sizes[1] <= 20
+    assert any("in an evaluation or prediction step" in r.getMessage() for r in caplog.records)
+
+
+def test_evaluate_out_of_memory_without_recovery_is_the_librarys_error_not_tensorflows(fast_emulation):
+    from hetero_cs import ReplicaStepError
+
+    emulator = Emulator(["T4", f"T4@{inference_memory_for(20)}B", "T4"], workload=WORKLOAD, time_scale=1.0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, batch_split=[1, 1, 1], oom_recovery=False)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    with pytest.raises(ReplicaStepError, match=r"The evaluation step failed in replica 1") as info:
+        model.evaluate(x, y, batch_size=B, verbose=0)
+    assert isinstance(info.value.__cause__, tf.errors.ResourceExhaustedError)

@@ -89,7 +89,7 @@ def test_drift_memory_bytes_makes_factor_optional():
     assert drift.factor == 1.0 and drift.describe() == "0.005 MB steps [20, end)"
     assert Drift(0, 2.0, 1, 9, memory_bytes=48_000_000).describe() == "x2 48 MB steps [1, 9)"
     assert Drift(1, 2.0, 200).factor == 2.0  # positional, as before
-    with pytest.raises(ConfigError, match=r"changes nothing: give factor= .* or memory_bytes="):
+    with pytest.raises(ConfigError, match=r"changes nothing: give factor= .*, memory_bytes= .*, fails=True"):
         Drift(replica_id=1, from_step=3)
     with pytest.raises(ConfigError, match="memory_bytes=0 must be None or an int >= 1"):
         Drift(replica_id=1, memory_bytes=0)

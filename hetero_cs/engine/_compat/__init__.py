@@ -50,6 +50,7 @@ from hetero_cs.engine._compat.trainer import (
     _patch_symbolic_build,
     all_sublayers,
     layer_build_shapes,
+    set_initial_epoch,
 )
 from hetero_cs.engine._compat.batch_norm import _patch_batch_normalization
 from hetero_cs.engine._compat.input_state import FirstBatchReader
@@ -100,6 +101,7 @@ __all__ = [
     "layer_build_shapes",
     "per_replica",
     "replica_id_in_sync_group",
+    "set_initial_epoch",
 ]
 
 logger = logging.getLogger(__name__)

@@ -133,6 +133,8 @@ def _patch_make_train_function() -> None:
         micro = strategy._micro_batching  # noqa: SLF001
 
         def train_function(iterator):
+            if strategy._resume_skip > 0 and isinstance(iterator, tf.distribute.DistributedIterator):  # noqa: SLF001
+                return skip_applied_batches(self, strategy, iterator)
             idle_sets_new = active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True)
             # A step traced before micro-batching was armed does not read its host state: traced again once.
             micro_new = micro.armed and not getattr(current[0], "_hetero_micro", False)
@@ -193,10 +195,32 @@ def _patch_make_train_function() -> None:
     TensorFlowTrainer.make_train_function = make_train_function
 
 
+def skip_applied_batches(model, strategy, iterator) -> dict:
+    """Reads and drops the next ``steps_per_execution`` batches: a resumed epoch's batches that were applied before
+    the restart (hetero_cs.engine.backup). Returns the logs of the metrics as restored (empty before they exist)."""
+    for _ in range(model.steps_per_execution):
+        try:
+            iterator.get_next()
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+        strategy._resume_skip -= 1  # noqa: SLF001
+    try:
+        return model.get_metrics_result()
+    except (ValueError, AttributeError, TypeError):  # compiled metrics not built before the first real step
+        return {}
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes the next ``fit`` start at ``epoch`` (None: as fit's own ``initial_epoch`` says). Private: Keras' fit
+    reads ``model._initial_epoch`` after ``on_train_begin``, as its own BackupAndRestore sets it."""
+    model._initial_epoch = epoch
+
+
 def _patch_inference_functions() -> None:
     # An evaluation or prediction batch larger than what the training memory caps hold runs as sub-steps within
-    # them (hetero_cs.engine.micro_batches.MicroBatching.run_inference); a step traced before micro-batching was
-    # armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
+    # them (hetero_cs.engine.micro_batches.MicroBatching.run_inference), and one that runs out of memory lowers the
+    # cap and runs again (hetero_cs.engine.oom_recovery.StepRecovery.run_inference); a step traced before
+    # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -218,14 +242,17 @@ def _wrapping_inference(original: Callable, attribute: str) -> Callable:
         function._hetero_micro = micro.armed
         current = [function]
 
-        def wrapped(data):
+        recovery = getattr(strategy, "_step_recovery", None)
+
+        def wrapped(data, nested=False):
             if micro.armed and not getattr(current[0], "_hetero_micro", False):
                 original(self, force=True)
                 current[0] = getattr(self, attribute)
                 current[0]._hetero_micro = True
                 setattr(self, attribute, wrapped)
             step = current[0]
-            if self.steps_per_execution != 1 or not micro.may_apply():
+            recovering = not nested and recovery is not None and recovery.memory_recovery and recovery.armed()
+            if self.steps_per_execution != 1 or not (micro.may_apply() or recovering):
                 return step(data)
             if predicting:  # Keras' predict loop reads the batch itself and passes [element]
                 element = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None
@@ -241,11 +268,18 @@ def _wrapping_inference(original: Callable, attribute: str) -> Callable:
             from hetero_cs.engine.oom_recovery import global_batch_size_of
             from hetero_cs.planning.micro_batches import capacity_of
 
-            size, capacity = global_batch_size_of(element), capacity_of(strategy.balancer.max_batch_sizes)
-            if size is None or capacity is None or size <= capacity:
-                return step([element])
-            micro.arm()  # the next call traces the step again, reading the sub-step state
-            return micro.run_inference(lambda batch: wrapped([batch]), element, predicting=predicting)
+            def attempt(element):
+                size, capacity = global_batch_size_of(element), capacity_of(strategy.balancer.max_batch_sizes)
+                if nested or not micro.may_apply() or size is None or capacity is None or size <= capacity:
+                    return step([element])
+                micro.arm()  # the next call traces the step again, reading the sub-step state
+                return micro.run_inference(lambda batch: wrapped([batch], nested=True), element,
+                                           predicting=predicting)
+
+            if not recovering:
+                return attempt(element)
+            # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.oom_recovery).
+            return recovery.run_inference(attempt, element, replica_scopes=(self.name,), model=self)
 
         wrapped._hetero_wrapped = True
         setattr(self, attribute, wrapped)
@@ -289,9 +323,24 @@ def _patch_evaluate_and_predict() -> None:
                 raise _empty_input_error(original.__name__) from exc
             except tf.errors.OpError as exc:
                 input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
-                if input_error is None:
+                if input_error is not None:
+                    raise input_error from exc
+                from hetero_cs.engine.oom_errors import is_out_of_memory
+
+                if not is_out_of_memory(exc):
                     raise
-                raise input_error from exc
+                # Out of memory, not recovered (recovery off, or not armed): the library's error naming the replica.
+                kind = "evaluation" if attribute == "test_function" else "prediction"
+                replica_error = strategy._replica_step_error(  # noqa: SLF001
+                    exc, replica_scopes=(self.name,), kind=kind)
+                if replica_error is None:
+                    raise
+                raise replica_error from exc
+            except StepOOMError as exc:
+                # Keras' traceback filtering re-raises errors from inside "from None"; chain TensorFlow's again.
+                if exc.__cause__ is None and exc.last_error is not None:
+                    raise exc from exc.last_error
+                raise
             finally:
                 active_sets.mark_traced(self, attribute, known)
 

@@ -1,0 +1,200 @@
+"""Backups of a supervised ``model.fit``, and the exact resume after a restart (``hetero-cs run``).
+
+Under :mod:`hetero_cs.supervisor` (``HETERO_CS_BACKUP_DIR`` is set), ``fit`` under a hetero_cs strategy gets a
+:class:`SupervisedBackup` callback (unless the user passes Keras' own ``BackupAndRestore``, which then does the
+job, with Keras' rule: a mid-epoch restore replays its epoch from the first batch). It writes
+
+* the model's variables, the optimizer's (its iteration count, moments, a loss scale) and the metrics';
+* the epoch, the batches of that epoch already applied, and the optimizer step;
+
+after a training step, whenever the time since the last backup is at least 100 times what the last backup took,
+so backups cost at most 1 % of training time (the first is taken after the first step, to measure that cost), and
+once more when ``fit`` ends (marked complete). Each backup is written atomically: the arrays to a new ``.npz``
+file, then the JSON record naming it replaces the old record (``os.replace``), then the old arrays are removed.
+
+When the restarted script calls ``fit`` again (the k-th ``fit`` of the process finds ``fit_<k>.json``), the
+callback puts every variable back, starts at the backup's epoch (Keras' ``initial_epoch``), puts the metrics of
+that epoch back after Keras resets them, and has the first batches of that epoch, the ones already applied, read and
+skipped rather than trained on: the run goes on at the exact step of the backup and applies no batch twice. A
+``fit`` whose backup is complete is skipped whole (its final variables are restored), so a script of several
+``fit`` calls resumes inside the one that was running. This holds for data in a fixed order (unshuffled, or
+shuffled with a seed that repeats each epoch's order): with ``shuffle=True`` on arrays, the restarted epoch's order is
+new, and the skipped batches are other examples than those applied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import pathlib
+import tempfile
+import threading
+import time
+
+import keras
+import numpy as np
+
+from hetero_cs.errors import ConfigError
+
+logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
+
+BACKUP_COST_SHARE = 0.01
+"""Largest share of training time spent writing backups (after the first)."""
+
+_FIT_ORDINALS = itertools.count()  # the k-th supervised fit of this process: its backup is fit_<k>
+_ORDINAL_LOCK = threading.Lock()
+
+
+def backup_dir() -> pathlib.Path | None:
+    """The directory ``hetero-cs run`` gave this process for backups, or None outside the supervisor."""
+    from hetero_cs.supervisor import BACKUP_DIR_ENV_VAR
+
+    text = os.environ.get(BACKUP_DIR_ENV_VAR, "").strip()
+    return pathlib.Path(text) if text else None
+
+
+def with_backup(strategy, callbacks: list) -> list:
+    """``fit``'s callbacks with a :class:`SupervisedBackup` last when ``hetero-cs run`` supervises this process,
+    unless the user passed Keras' ``BackupAndRestore`` (it then backs up and restores, by Keras' rule)."""
+    directory = backup_dir()
+    if directory is None:
+        return callbacks
+    if any(isinstance(c, (keras.callbacks.BackupAndRestore, SupervisedBackup)) for c in callbacks):
+        logger.info("hetero_cs: fit has its own BackupAndRestore; hetero-cs run's backups are left to it.")
+        return callbacks
+    return [*callbacks, SupervisedBackup(strategy, directory)]
+
+
+def _variable_groups(model) -> dict[str, list]:
+    optimizer = getattr(model, "optimizer", None)
+    return {"model": list(model.weights), "optimizer": list(optimizer.variables) if optimizer is not None else [],
+            "metrics": list(model.metrics_variables)}
+
+
+def _write_atomically(path: pathlib.Path, write) -> None:
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            write(stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        pathlib.Path(temp).unlink(missing_ok=True)
+        raise
+
+
+class SupervisedBackup(keras.callbacks.Callback):
+    """Backs a supervised ``fit`` up, and resumes it exactly from its last backup (see the module docstring).
+
+    Args:
+        strategy: The hetero_cs strategy ``fit`` runs under (its emulator's step counters follow a resume).
+        directory: Where the backups live (created if missing).
+    """
+
+    def __init__(self, strategy, directory: pathlib.Path) -> None:
+        super().__init__()
+        self._strategy = strategy
+        self._dir = pathlib.Path(directory)
+        with _ORDINAL_LOCK:
+            self._ordinal = next(_FIT_ORDINALS)
+        self._record_path = self._dir / f"fit_{self._ordinal}.json"
+        self._epoch = 0
+        self._batches = 0  # batches of the current epoch applied
+        self._resume_metrics: list | None = None  # metric values to put back when the resumed epoch begins
+        self._resume_epoch: int | None = None
+        self._last_end = 0.0
+        self._last_cost_s: float | None = None
+        self._sequence = 0
+        self.backups = 0
+        self.backup_time_s = 0.0
+        self.resumed_from: dict | None = None  # the record resumed from, or None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        from hetero_cs.engine import _compat
+
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._last_end = time.perf_counter()
+        if not self._record_path.exists():
+            return
+        record = json.loads(self._record_path.read_text())
+        with np.load(self._dir / record["arrays"]) as arrays:
+            groups = _variable_groups(self.model)
+            optimizer = getattr(self.model, "optimizer", None)
+            if optimizer is not None and not optimizer.built and record["counts"]["optimizer"]:
+                optimizer.build(self.model.trainable_variables)  # its variables exist before they are restored
+                groups = _variable_groups(self.model)
+            for name, variables in groups.items():
+                if len(variables) != record["counts"][name] or any(
+                        tuple(v.shape) != arrays[f"{name}_{i}"].shape for i, v in enumerate(variables)):
+                    raise ConfigError(
+                        f"The backup {self._record_path} does not match this model: it holds {record['counts'][name]} "
+                        f"{name} variables, the model has {len(variables)} (or their shapes differ). The script "
+                        f"changed since it was backed up; remove {self._dir} to start over.")
+            for name in ("model", "optimizer"):
+                for i, variable in enumerate(groups[name]):
+                    variable.assign(arrays[f"{name}_{i}"])
+            self._resume_metrics = [arrays[f"metrics_{i}"] for i in range(record["counts"]["metrics"])]
+        self._epoch, self._batches = int(record["epoch"]), int(record["batches"])
+        self._resume_epoch = self._epoch
+        self.resumed_from = record
+        _compat.set_initial_epoch(self.model, int(record["epochs"]) if record["complete"] else self._epoch)
+        if not record["complete"]:
+            self._strategy._resume_skip = self._batches  # noqa: SLF001 - read by fit's train function
+        emulator = self._strategy.emulator
+        if emulator is not None:
+            emulator.advance_to(int(record["step"]))  # drift schedules go on from the step resumed at
+        logger.warning(
+            "hetero_cs: resuming fit from its backup (%s): epoch %d, %d batch(es) of it already applied and skipped "
+            "now, optimizer step %d.", self._record_path, self._epoch + 1, self._batches, int(record["step"]))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if epoch == self._resume_epoch and self._resume_metrics is not None:
+            for variable, value in zip(self.model.metrics_variables, self._resume_metrics):
+                variable.assign(value)  # Keras reset them as the epoch began
+        else:
+            self._batches = 0
+        self._resume_metrics = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches = int(batch) + 1
+        now = time.perf_counter()
+        if self._last_cost_s is None or now - self._last_end >= self._last_cost_s / BACKUP_COST_SHARE:
+            self._save(complete=False)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch, self._batches = epoch + 1, 0
+
+    def on_train_end(self, logs=None):
+        from hetero_cs.engine import _compat
+
+        _compat.set_initial_epoch(self.model, None)
+        self._strategy._resume_skip = 0  # noqa: SLF001
+        self._save(complete=True)  # fit returned (an error in a step ends it without this call)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _save(self, *, complete: bool) -> None:
+        started = time.perf_counter()
+        groups = _variable_groups(self.model)
+        arrays = {f"{name}_{i}": np.asarray(v.numpy()) for name, variables in groups.items()
+                  for i, v in enumerate(variables)}
+        self._sequence += 1
+        name = f"fit_{self._ordinal}-{os.getpid()}-{self._sequence}.npz"
+        _write_atomically(self._dir / name, lambda stream: np.savez(stream, **arrays))
+        optimizer = getattr(self.model, "optimizer", None)
+        record = {"epoch": self._epoch, "batches": self._batches, "complete": complete,
+                  "epochs": int(self.params.get("epochs") or 0) if self.params else 0,
+                  "step": int(optimizer.iterations.numpy()) if optimizer is not None else 0,
+                  "arrays": name, "counts": {k: len(v) for k, v in groups.items()}, "written": time.time()}
+        previous = json.loads(self._record_path.read_text())["arrays"] if self._record_path.exists() else None
+        _write_atomically(self._record_path, lambda stream: stream.write(json.dumps(record).encode()))
+        if previous is not None and previous != name:
+            (self._dir / previous).unlink(missing_ok=True)
+        self._last_end = time.perf_counter()
+        self._last_cost_s = self._last_end - started
+        self.backups += 1
+        self.backup_time_s += self._last_cost_s

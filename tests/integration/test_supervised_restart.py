@@ -1,0 +1,179 @@
+"""A lost card costs a restart, never the run: fit's backups under `hetero-cs run`, and the exact resume.
+
+The oracle: an uninterrupted single-device fit over the same unshuffled data. A fit that dies mid-epoch and is
+resumed from its backup (in this process, or restarted by the supervisor without the lost card) must end with
+the same weights within 1e-5, and the same optimizer step count: no batch lost, none applied twice.
+"""
+
+import itertools
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+from hetero_cs import HeteroCentralStorageStrategy
+from hetero_cs.emulation import Emulator, Workload
+from hetero_cs.engine import backup
+
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+WORKLOAD = Workload(flops_per_example=2e7, parameter_bytes=10_000, activation_bytes_per_example=10_000)
+B = 48
+NUM_BATCHES = 6
+EPOCHS = 3
+
+
+def mlp():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(12, activation="relu"), keras.layers.Dense(1)])
+
+
+def data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(B * NUM_BATCHES, 6)).astype(np.float32)
+    return x, (x[:, :1] * 0.5 - x[:, 1:2]).astype(np.float32)
+
+
+def reference():
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data()
+    history = model.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model, history
+
+
+class Crash(keras.callbacks.Callback):
+    """Ends fit at one step, as a lost card ends the process (nothing after that step is backed up)."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self._at = (epoch, batch)
+        self._epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self._at:
+            raise SystemError("the card is lost")
+
+
+@pytest.fixture
+def supervised(monkeypatch, tmp_path):
+    """This process looks supervised: backups go to a temporary directory; each 'process' counts fits from 0."""
+    monkeypatch.setenv("HETERO_CS_BACKUP_DIR", str(tmp_path / "backups"))
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backup, "BACKUP_COST_SHARE", 1e9)  # a backup after every step: the crash redoes none
+
+    def new_process():
+        monkeypatch.setattr(backup, "_FIT_ORDINALS", itertools.count())
+
+    return new_process
+
+
+def fit_under_hetero(callbacks=()):
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=Emulator(["A10", "T4", "T4"], workload=WORKLOAD,
+                                                                      time_scale=1.0), batch_split=[2, 1, 1])
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data()
+    history = model.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return strategy, model, history
+
+
+@pytest.mark.parametrize("share", [1e9, 0.01])
+def test_a_fit_that_dies_mid_epoch_resumes_at_its_backup_and_applies_no_batch_twice(supervised, monkeypatch, share):
+    monkeypatch.setattr(backup, "BACKUP_COST_SHARE", share)  # every step, or the default 1 % of training time
+    supervised()
+    with pytest.raises(SystemError):
+        fit_under_hetero([Crash(epoch=1, batch=3)])
+    supervised()  # the restarted process
+    strategy, model, history = fit_under_hetero()
+    ref, ref_history = reference()
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == EPOCHS * NUM_BATCHES
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # The epochs after the resumed one are logged as an uninterrupted run logs them; the resumed one too, when the
+    # backup was taken inside it (its metrics were backed up with it).
+    np.testing.assert_allclose(history.history["loss"][-1], ref_history.history["loss"][-1], atol=1e-5)
+    if share > 1:
+        np.testing.assert_allclose(history.history["mae"], ref_history.history["mae"][1:], atol=1e-5)
+
+
+def test_a_completed_fit_is_not_run_again_after_a_restart(supervised):
+    supervised()
+    _, first, _ = fit_under_hetero()
+    supervised()
+    _, again, history = fit_under_hetero()
+    assert history.history == {} or all(len(v) == 0 for v in history.history.values())  # no epoch ran
+    for got, want in zip(again.get_weights(), first.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert int(again.optimizer.iterations) == EPOCHS * NUM_BATCHES
+
+
+def test_a_backup_of_another_model_is_refused_with_the_fix(supervised, tmp_path):
+    from hetero_cs import ConfigError
+
+    supervised()
+    fit_under_hetero()
+    supervised()
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[1, 1, 1])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data()
+    with pytest.raises(ConfigError, match=r"does not match this model.*remove .*backups to start over"):
+        model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np, tensorflow as tf, keras
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 4)
+    tf.config.threading.set_inter_op_parallelism_threads(8)
+    import hetero_cs
+    from hetero_cs.emulation import Drift, Emulator, Workload
+    sys.path.insert(0, {tests!r})
+    from test_supervised_restart import B, EPOCHS, WORKLOAD, data, mlp
+    emulator = Emulator(["A10", "T4", "T4"], workload=WORKLOAD, time_scale=1.0,
+                        drift=[Drift(replica_id=1, from_step=int(sys.argv[2]), lost=True)])
+    strategy = hetero_cs.HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], emulate=emulator,
+                                                      batch_split=[1, 1, 1])
+    print("restart", os.environ["HETERO_CS_RESTART"], "devices", list(strategy.compute_devices), flush=True)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data()
+    model.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+    np.savez(sys.argv[1], *model.get_weights(), iterations=int(model.optimizer.iterations))
+""")
+
+
+def test_hetero_cs_run_restarts_a_script_without_the_card_it_lost_and_the_run_is_exact(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(pathlib.Path(__file__).parent)))
+    out = tmp_path / "weights.npz"
+    env = dict(os.environ, HETERO_CS_CACHE_DIR=str(tmp_path / "cache"))
+    backups = tmp_path / "backups"
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero_cs.cli", "run", "--max-restarts", "2", "--backup-dir", str(backups), "--",
+         sys.executable, str(script), str(out), "8"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restart 0 devices ['/device:CPU:1', '/device:CPU:2', '/device:CPU:3']" in done.stdout
+    assert "restart 1 devices ['/device:CPU:1', '/device:CPU:3']" in done.stdout  # without the lost T4
+    assert "hetero_cs emulation: lost replica=1 (T4) at its step 8" in done.stderr
+    assert "restarting it without that card" in done.stderr and "resuming fit from its backup" in done.stderr
+    assert not backups.exists()  # removed once the script succeeded
+    ref, _ = reference()
+    with np.load(out) as got:
+        assert int(got["iterations"]) == int(ref.optimizer.iterations) == EPOCHS * NUM_BATCHES
+        for i, want in enumerate(ref.get_weights()):
+            np.testing.assert_allclose(got[f"arr_{i}"], want, atol=1e-5)

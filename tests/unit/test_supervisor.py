@@ -1,0 +1,115 @@
+"""`hetero-cs run`: which card a dead script names, the restart without it, and the exit statuses (no TensorFlow).
+
+The scripts here stand in for a training script: they print what a lost card prints and abort, as a process does
+after a sticky CUDA error, so the supervisor's rules run in a fraction of a second.
+"""
+
+import io
+import sys
+import textwrap
+
+import pytest
+
+from hetero_cs import ConfigError
+from hetero_cs.cli import main
+from hetero_cs.supervisor import Supervisor, lost_card_in, nth_remaining
+
+
+@pytest.mark.parametrize("line, card", [
+    ("hetero_cs emulation: lost replica=2 (P100) at its step 7: CUDA_ERROR_ECC_UNCORRECTABLE ...", ("emulated", 2)),
+    ("2026-12-01 E external/xla/stream_executor/cuda/cuda_driver.cc: failed to synchronize: CUDA_ERROR_ILLEGAL_ADDRESS"
+     " on /job:localhost/replica:0/task:0/device:GPU:1", ("gpu", 1)),
+    ("F gpu_util.cc] GPU_3_bfc: uncorrectable ECC error encountered", ("gpu", 3)),
+    ("Xid 79: GPU has fallen off the bus, device ordinal 2", ("gpu", 2)),
+])
+def test_a_line_that_names_a_lost_card(line, card):
+    found = lost_card_in(line)
+    assert found is not None and (found.kind, found.index) == card
+
+
+@pytest.mark.parametrize("line", [
+    "Epoch 1/3", "CUDA_ERROR_ILLEGAL_ADDRESS without a device named",  # which GPU? none is blamed
+    "OOM when allocating tensor on /device:GPU:1", "Traceback ... ValueError: shapes (3,) and (4,) on GPU:0",
+])
+def test_a_line_that_names_no_lost_card(line):
+    assert lost_card_in(line) is None
+
+
+def test_positions_left_after_exclusions():
+    assert [nth_remaining(i, []) for i in range(3)] == [0, 1, 2]
+    assert [nth_remaining(i, [1]) for i in range(3)] == [0, 2, 3]
+    assert [nth_remaining(i, [0, 2]) for i in range(2)] == [1, 3]
+
+
+def script(tmp_path, body):
+    path = tmp_path / "fake_train.py"
+    path.write_text("import os, sys\nrestart = int(os.environ['HETERO_CS_RESTART'])\n"
+                    "excluded = os.environ.get('HETERO_CS_EXCLUDED_DEVICES', '')\n" + textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+def lose(replica, name="T4"):
+    return (f"sys.stderr.write('hetero_cs emulation: lost replica={replica} ({name}) at its step 3: "
+            f"CUDA_ERROR_ECC_UNCORRECTABLE\\n'); sys.stderr.flush(); os.abort()")
+
+
+def test_a_lost_card_is_left_out_and_the_restarted_script_succeeds(tmp_path):
+    command = script(tmp_path, f"""
+        print('run', restart, repr(excluded), os.environ['HETERO_CS_BACKUP_DIR'].endswith('b'), flush=True)
+        if restart == 0:
+            {lose(1)}
+        if restart == 1:
+            assert excluded == '1', excluded
+            {lose(1, 'P100')}  # the script's replica 1 is now the third card
+        assert excluded == '1,2', excluded
+    """)
+    output = io.StringIO()
+    supervisor = Supervisor(command, max_restarts=3, backup_dir=tmp_path / "b", output=output)
+    assert supervisor.run() == 0
+    assert supervisor.restarts == 2 and supervisor.excluded_emulated == [1, 2]
+    assert "restarting it without that card (restart 1 of at most 3)" in output.getvalue()
+    assert "succeeded after 2 restart(s)" in output.getvalue()
+
+
+def test_a_card_lost_again_after_the_last_restart_gives_up_with_the_scripts_status(tmp_path):
+    command = script(tmp_path, lose(0) + "\n")
+    output = io.StringIO()
+    supervisor = Supervisor(command, max_restarts=1, backup_dir=tmp_path / "b", output=output)
+    assert supervisor.run() == 134  # SIGABRT, passed on as a shell reports it
+    assert supervisor.restarts == 1 and supervisor.excluded_emulated == [0, 1]
+    assert "the most --max-restarts=1 allows: giving up with its status 134" in output.getvalue()
+
+
+def test_a_script_that_fails_for_another_reason_is_not_restarted(tmp_path):
+    command = script(tmp_path, "sys.stderr.write('ValueError: a bug\\n'); sys.exit(3)\n")
+    output = io.StringIO()
+    supervisor = Supervisor(command, backup_dir=tmp_path / "b", output=output)
+    assert supervisor.run() == 3 and supervisor.restarts == 0
+    assert "exited with status 3 and no lost card was named: not restarting" in output.getvalue()
+
+
+def test_backups_are_removed_once_the_script_succeeds(tmp_path):
+    backups = tmp_path / "b"
+    command = script(tmp_path, """
+        os.makedirs(os.environ['HETERO_CS_BACKUP_DIR'], exist_ok=True)
+        open(os.path.join(os.environ['HETERO_CS_BACKUP_DIR'], 'fit_0.json'), 'w').write('{}')
+        if restart == 0:
+            """ + lose(2) + "\n")
+    assert Supervisor(command, backup_dir=backups, output=io.StringIO()).run() == 0
+    assert not backups.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--max-restarts", "-1", "--", sys.executable, "-c", "pass"], "--max-restarts must be an int in"),
+    (["run", "--", "no-such-program-hetero"], "cannot run 'no-such-program-hetero'"),
+])
+def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys, tmp_path):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_backup_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        Supervisor([sys.executable, "-c", "pass"], backup_dir=path)
