@@ -9,9 +9,11 @@ outside: it runs the script, and when the script dies of a lost card it starts i
   :class:`hetero_cs.emulation.Drift`), or a sticky CUDA error on a line that names a GPU (``/device:GPU:<i>``,
   ``GPU_<i>_bfc``, ``device ordinal <i>``). On real GPUs, NVML is asked too (when ``nvidia-ml-py`` is installed):
   a GPU that NVML reports lost, or whose count of uncorrected ECC errors grew while the script ran.
-* **Without it.** The restarted script gets ``CUDA_VISIBLE_DEVICES`` without that GPU; on emulated devices it gets
-  ``HETERO_CS_EXCLUDED_DEVICES`` (positions in the ``emulate=`` list, e.g. ``"1"``) and the strategy leaves those
-  cards out of ``emulate=`` (and of ``compute_devices``). ``HETERO_CS_RESTART`` holds the number of restarts so far
+* **Without it.** The restarted script gets ``HETERO_CS_EXCLUDED_DEVICES``, the positions of the cards lost in its
+  first device list (e.g. ``"1"``), and on GPUs ``CUDA_VISIBLE_DEVICES`` without them. On emulated devices the
+  strategy leaves those cards out of ``emulate=`` (and of ``compute_devices`` and ``batch_split`` given for every
+  card); on GPUs it leaves their shares out of a ``batch_split`` given for every first GPU. It plans from the
+  profiles calibrated before the restart (kept with the backups), without calibrating again. ``HETERO_CS_RESTART`` holds the number of restarts so far
   (0 at first).
 * **Resumed, not replayed.** Under the supervisor (``HETERO_CS_BACKUP_DIR`` is set) ``model.fit`` backs training
   up by itself (:mod:`hetero_cs.engine.backup`): the model, the optimizer, the metrics, the epoch and the step,
@@ -177,9 +179,9 @@ class Supervisor:
             raise ConfigError(f"--backup-dir {str(self.backup_dir)!r} exists and is not a directory; give a "
                               f"directory (it is created if missing).")
         self._output = output or sys.stderr
-        self.excluded_emulated: list[int] = []  # original positions in emulate=
+        self.excluded: list[int] = []  # positions in the script's first device list (emulate=, or visible GPUs)
         self._visible = _visible_gpus()
-        self.excluded_gpus: list[int] = []  # physical ids
+        self.excluded_gpus: list[int] = []  # physical ids of the GPUs among them
         self.lost: list[LostCard] = []
         self.restarts = 0
         self._found: LostCard | None = None
@@ -198,10 +200,11 @@ class Supervisor:
         env[RESTART_ENV_VAR] = str(self.restarts)
         env[BACKUP_DIR_ENV_VAR] = str(self.backup_dir)
         env["PYTHONUNBUFFERED"] = "1"
-        if self.excluded_emulated:
-            env[EXCLUDED_ENV_VAR] = ",".join(str(i) for i in sorted(self.excluded_emulated))
+        if self.excluded:
+            env[EXCLUDED_ENV_VAR] = ",".join(str(i) for i in sorted(self.excluded))
         if self.excluded_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self._visible if g not in self.excluded_gpus)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(g) for i, g in enumerate(self._visible) if i not in self.excluded)
         return env
 
     def _pump(self, stream) -> None:
@@ -247,18 +250,17 @@ class Supervisor:
         if found is None and self._visible:
             physical = watch.lost()
             if physical is not None:
-                remaining = [g for g in self._visible if g not in self.excluded_gpus]
+                remaining = [g for i, g in enumerate(self._visible) if i not in self.excluded]
                 found = LostCard("gpu", remaining.index(physical), f"NVML reports GPU {physical} lost or with new "
                                                                    f"uncorrected ECC errors")
         return found
 
     def _exclude(self, card: LostCard) -> str:
+        position = nth_remaining(card.index, self.excluded)
+        self.excluded.append(position)
         if card.kind == "emulated":
-            position = nth_remaining(card.index, self.excluded_emulated)
-            self.excluded_emulated.append(position)
             return f"emulated card {position} of emulate= ({card.line})"
-        remaining = [g for g in self._visible if g not in self.excluded_gpus]
-        physical = remaining[card.index] if card.index < len(remaining) else card.index
+        physical = self._visible[position] if position < len(self._visible) else position
         self.excluded_gpus.append(physical)
         return f"GPU {physical} ({card.line})"
 
@@ -273,7 +275,7 @@ class Supervisor:
             if any(self.backup_dir.glob("fit_*.json")):
                 self._note(f"resuming from the backups in {self.backup_dir} (remove that directory to start over)")
             while True:
-                watch = _NvmlWatch([g for g in self._visible if g not in self.excluded_gpus])
+                watch = _NvmlWatch([g for i, g in enumerate(self._visible) if i not in self.excluded])
                 started = time.monotonic()
                 status = self._run_once()
                 if status == 0:

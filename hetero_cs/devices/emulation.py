@@ -340,6 +340,17 @@ class Emulator(DeepcopiedWithNewLocks):
         with self._lock:
             return self._step_time_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
 
+    def fix_time_scale(self, value: float, source: str) -> None:
+        """Fixes ``time_scale`` to ``value`` (``calibrate_time_scale`` then keeps it), e.g. the scale the profiles
+        of a run before a restart were timed at; ``source`` names it in messages.
+
+        Raises:
+            ConfigError: ``value`` is not a number in (0, MAX_TIME_SCALE].
+        """
+        value = self._check_scale(value, source)
+        with self._lock:
+            self._time_scale, self._time_scale_fixed, self._time_scale_source = value, True, source
+
     def without(self, replicas: Sequence[int]) -> "Emulator":
         """A new Emulator without the cards at positions ``replicas`` (a restart without a lost card).
 

@@ -56,7 +56,7 @@ def leave_out_excluded(emulator, names, compute_devices, batch_split):
     from hetero_cs.supervisor import EXCLUDED_ENV_VAR
 
     text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
-    if not text or names is None:
+    if not text or names is None:  # real GPUs: CUDA_VISIBLE_DEVICES left them out (shares_without_lost_gpus)
         return emulator, names, compute_devices, batch_split
     try:
         positions = sorted({int(part) for part in text.split(",") if part.strip()})
@@ -82,6 +82,28 @@ def leave_out_excluded(emulator, names, compute_devices, batch_split):
     if isinstance(batch_split, (list, tuple)) and len(batch_split) == len(positions) + len(keep):
         batch_split = [batch_split[i] for i in keep]
     return emulator, names, compute_devices, batch_split
+
+
+def excluded_positions() -> list[int]:
+    """The positions of the cards ``hetero-cs run`` restarted the script without (``HETERO_CS_EXCLUDED_DEVICES``),
+    in the script's first device list; [] outside the supervisor or before any card was lost."""
+    from hetero_cs.supervisor import EXCLUDED_ENV_VAR
+
+    text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        return []
+
+
+def shares_without_lost_gpus(batch_split, num_replicas: int, emulated: bool):
+    """``batch_split`` given for the script's first GPUs, without the shares of those ``hetero-cs run`` restarted it
+    without (``CUDA_VISIBLE_DEVICES`` hid them, so R fell): cut when it has one share per first GPU."""
+    positions = [] if emulated else excluded_positions()
+    if not positions or not isinstance(batch_split, (list, tuple)) or len(batch_split) != num_replicas + len(
+            positions) or any(p >= len(batch_split) for p in positions):
+        return batch_split
+    return [share for i, share in enumerate(batch_split) if i not in positions]
 
 
 def canonical_device(name: str) -> str:

@@ -56,6 +56,11 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
             "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
         )
+    restarted = None
+    if strategy._balancer.auto_balance and strategy._profile is None:  # a restart without a lost card
+        from hetero_cs.engine.restart_profiles import profiles_before_restart
+
+        restarted = profiles_before_restart(strategy, model_fingerprint(model), global_batch_size)
     if emulation_pending:
         from hetero_cs.emulation import estimate_workload
 
@@ -70,6 +75,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
         return strategy._calibration
     if strategy._profile is not None:  # a profile file stands in for calibration
         return _use(strategy, strategy._profile, fingerprint, global_batch_size, "from the profile file")
+    if restarted is not None:
+        return _use(strategy, restarted, fingerprint, global_batch_size, "from the profiles before the restart")
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or batch[1] is None:
         raise ConfigError(
             f"auto_balance calibrates each device on the model's training step with (x, y) or "
@@ -91,6 +98,9 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             store=_store(strategy),
             progress=progress,
         )
+    from hetero_cs.engine.restart_profiles import keep_for_restart
+
+    keep_for_restart(strategy, result, fingerprint, global_batch_size)  # under `hetero-cs run` only
     return _use(strategy, result, fingerprint, global_batch_size, "")
 
 

@@ -164,6 +164,7 @@ class HeteroCentralStorageStrategy(
         from hetero_cs.engine.failover import check_setting
 
         check_setting(on_device_error)
+        batch_split = arguments.shares_without_lost_gpus(batch_split, len(devices), emulate is not None)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
             from hetero_cs.engine.calibrating import load_profile

@@ -145,7 +145,7 @@ SCRIPT = textwrap.dedent("""
     emulator = Emulator(["A10", "T4", "T4"], workload=WORKLOAD, time_scale=1.0,
                         drift=[Drift(replica_id=1, from_step=int(sys.argv[2]), lost=True)])
     strategy = hetero_cs.HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], emulate=emulator,
-                                                      batch_split=[1, 1, 1])
+                                                      rebalance=False, guard=False)
     print("restart", os.environ["HETERO_CS_RESTART"], "devices", list(strategy.compute_devices), flush=True)
     with strategy.scope():
         model = mlp()
@@ -171,6 +171,8 @@ def test_hetero_cs_run_restarts_a_script_without_the_card_it_lost_and_the_run_is
     assert "restart 1 devices ['/device:CPU:1', '/device:CPU:3']" in done.stdout  # without the lost T4
     assert "hetero_cs emulation: lost replica=1 (T4) at its step 8" in done.stderr
     assert "restarting it without that card" in done.stderr and "resuming fit from its backup" in done.stderr
+    assert "planning from the profiles calibrated before the restart" in done.stderr  # no second calibration
+    assert done.stderr.count("Calibration profile cache miss") <= 1
     assert not backups.exists()  # removed once the script succeeded
     ref, _ = reference()
     with np.load(out) as got:

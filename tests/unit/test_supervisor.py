@@ -66,7 +66,7 @@ def test_a_lost_card_is_left_out_and_the_restarted_script_succeeds(tmp_path):
     output = io.StringIO()
     supervisor = Supervisor(command, max_restarts=3, backup_dir=tmp_path / "b", output=output)
     assert supervisor.run() == 0
-    assert supervisor.restarts == 2 and supervisor.excluded_emulated == [1, 2]
+    assert supervisor.restarts == 2 and supervisor.excluded == [1, 2]
     assert "restarting it without that card (restart 1 of at most 3)" in output.getvalue()
     assert "succeeded after 2 restart(s)" in output.getvalue()
 
@@ -76,7 +76,7 @@ def test_a_card_lost_again_after_the_last_restart_gives_up_with_the_scripts_stat
     output = io.StringIO()
     supervisor = Supervisor(command, max_restarts=1, backup_dir=tmp_path / "b", output=output)
     assert supervisor.run() == 134  # SIGABRT, passed on as a shell reports it
-    assert supervisor.restarts == 1 and supervisor.excluded_emulated == [0, 1]
+    assert supervisor.restarts == 1 and supervisor.excluded == [0, 1]
     assert "the most --max-restarts=1 allows: giving up with its status 134" in output.getvalue()
 
 
