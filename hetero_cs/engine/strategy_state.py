@@ -64,3 +64,9 @@ class StrategyState:
     def cost_models(self) -> list[CostModel] | None:
         """Per-replica cost models behind the plan (calibrated, then updated online), or None."""
         return self._balancer.cost_models
+
+    @property
+    def backup(self):
+        """The last supervised fit's :class:`hetero_cs.engine.backup.SupervisedBackup` (``backups``,
+        ``backup_time_s``, ``resumed_from``), or None outside ``hetero-cs run``."""
+        return getattr(self, "_backup", None)
