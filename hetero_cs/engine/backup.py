@@ -114,6 +114,12 @@ class SupervisedBackup(keras.callbacks.Callback):
         self.backup_time_s = 0.0
         self.resumed_from: dict | None = None  # the record resumed from, or None
 
+    @property
+    def interval_s(self) -> float | None:
+        """The training time between two backups now in force, seconds (the last backup's cost over
+        BACKUP_COST_SHARE); None before the first."""
+        return None if self._last_cost_s is None else self._last_cost_s / BACKUP_COST_SHARE
+
     # ------------------------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         from hetero_cs.engine import _compat
@@ -165,7 +171,7 @@ class SupervisedBackup(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._batches = int(batch) + 1
         now = time.perf_counter()
-        if self._last_cost_s is None or now - self._last_end >= self._last_cost_s / BACKUP_COST_SHARE:
+        if self.interval_s is None or now - self._last_end >= self.interval_s:
             self._save(complete=False)
 
     def on_epoch_end(self, epoch, logs=None):
