@@ -128,16 +128,27 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._last_end = time.perf_counter()
         if not self._record_path.exists():
             return
-        record = json.loads(self._record_path.read_text())
-        with np.load(self._dir / record["arrays"]) as arrays:
+        try:
+            record = json.loads(self._record_path.read_text())
+            arrays_path = self._dir / record["arrays"]
+            arrays = np.load(arrays_path)
+            for key in ("epoch", "batches", "complete", "epochs", "step", "counts"):
+                record[key]  # noqa: B018 - a record without it is corrupt
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"The backup {self._record_path} cannot be read ({type(exc).__name__}: {exc}). Backups are written "
+                f"atomically, so something else changed or truncated it; remove {self._dir} to start over (training "
+                f"then starts from its first step).") from exc
+        with arrays:
             groups = _variable_groups(self.model)
             optimizer = getattr(self.model, "optimizer", None)
             if optimizer is not None and not optimizer.built and record["counts"]["optimizer"]:
                 optimizer.build(self.model.trainable_variables)  # its variables exist before they are restored
                 groups = _variable_groups(self.model)
             for name, variables in groups.items():
-                if len(variables) != record["counts"][name] or any(
-                        tuple(v.shape) != arrays[f"{name}_{i}"].shape for i, v in enumerate(variables)):
+                if len(variables) != record["counts"].get(name) or any(
+                        f"{name}_{i}" not in arrays.files or tuple(v.shape) != arrays[f"{name}_{i}"].shape
+                        for i, v in enumerate(variables)):
                     raise ConfigError(
                         f"The backup {self._record_path} does not match this model: it holds {record['counts'][name]} "
                         f"{name} variables, the model has {len(variables)} (or their shapes differ). The script "

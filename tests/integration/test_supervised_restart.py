@@ -179,3 +179,20 @@ def test_hetero_cs_run_restarts_a_script_without_the_card_it_lost_and_the_run_is
         assert int(got["iterations"]) == int(ref.optimizer.iterations) == EPOCHS * NUM_BATCHES
         for i, want in enumerate(ref.get_weights()):
             np.testing.assert_allclose(got[f"arr_{i}"], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["record", "arrays"])
+def test_a_damaged_backup_is_refused_with_the_fix(supervised, tmp_path, damage):
+    from hetero_cs import ConfigError
+
+    supervised()
+    fit_under_hetero()
+    directory = tmp_path / "backups"
+    if damage == "record":
+        (directory / "fit_0.json").write_text("{not json")
+    else:
+        for path in directory.glob("*.npz"):
+            path.write_bytes(b"truncated")
+    supervised()
+    with pytest.raises(ConfigError, match=r"cannot be read.*remove .*backups to start over"):
+        fit_under_hetero()
