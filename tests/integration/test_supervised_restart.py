@@ -196,3 +196,20 @@ def test_a_damaged_backup_is_refused_with_the_fix(supervised, tmp_path, damage):
     supervised()
     with pytest.raises(ConfigError, match=r"cannot be read.*remove .*backups to start over"):
         fit_under_hetero()
+
+
+def test_a_users_own_backup_and_restore_resumes_under_hetero_cs_as_keras_does(supervised, tmp_path):
+    # Keras' rule (save_freq="epoch"): the restarted fit starts again at the first epoch not finished. hetero_cs leaves
+    # the backups to it and adds none of its own.
+    own = str(tmp_path / "keras_backup")
+    supervised()
+    with pytest.raises(SystemError):
+        fit_under_hetero([keras.callbacks.BackupAndRestore(own), Crash(epoch=1, batch=3)])
+    assert not (tmp_path / "backups").exists() or not any((tmp_path / "backups").glob("fit_*.json"))
+    supervised()
+    strategy, model, _ = fit_under_hetero([keras.callbacks.BackupAndRestore(own)])
+    ref, _ = reference()
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations)
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert strategy.backup is None
