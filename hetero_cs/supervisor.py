@@ -19,7 +19,8 @@ outside: it runs the script, and when the script dies of a lost card it starts i
   up by itself (:mod:`hetero_cs.engine.backup`): the model, the optimizer, the metrics, the epoch and the step,
   often enough to redo little and rarely enough to cost under 1 % of training time. The restarted ``fit`` resumes at
   the exact step of the last backup and skips the batches already applied (none is applied twice).
-* **Exit status.** 0 when the script succeeds (its backups are then removed). A script that fails for another reason
+* **Exit status.** 0 when the script succeeds (its backup files are then removed, and the directory if that leaves
+  it empty; other files in it are kept). A script that fails for another reason
   is not restarted: its status is passed on (128 + N for signal N). A card lost again after ``--max-restarts``
   restarts ends the run with the script's status and a message naming every card lost. Bad arguments: 2.
 
@@ -61,18 +62,20 @@ _GPU_NAMED = re.compile(r"/device:GPU:(\d+)|\bGPU_(\d+)_bfc|device ordinal (\d+)
 @dataclasses.dataclass(frozen=True)
 class LostCard:
     """A card the script died of: ``kind`` ``"emulated"`` or ``"gpu"``, its ``index`` as the script saw it (the
-    replica in ``emulate=`` order, or TensorFlow's GPU number), and the ``line`` that named it."""
+    replica in ``emulate=`` order, or TensorFlow's GPU number), the ``line`` that named it, and the emulated card's
+    catalog ``name`` (None for a GPU)."""
 
     kind: str
     index: int
     line: str
+    name: str | None = None
 
 
 def lost_card_in(line: str) -> LostCard | None:
     """The lost card a line of the script's standard error names, or None (the rules of the module docstring)."""
     match = _EMULATED_LOST.search(line)
     if match:
-        return LostCard("emulated", int(match.group(1)), line.strip())
+        return LostCard("emulated", int(match.group(1)), line.strip(), match.group(2))
     if _STICKY.search(line):
         gpu = _GPU_NAMED.search(line)
         if gpu:
@@ -183,6 +186,7 @@ class Supervisor:
         self._visible = _visible_gpus()
         self.excluded_gpus: list[int] = []  # physical ids of the GPUs among them
         self.lost: list[LostCard] = []
+        self.lost_names: list[str] = []  # as the supervisor's lines name them
         self.restarts = 0
         self._found: LostCard | None = None
         self._child: subprocess.Popen | None = None
@@ -259,10 +263,29 @@ class Supervisor:
         position = nth_remaining(card.index, self.excluded)
         self.excluded.append(position)
         if card.kind == "emulated":
-            return f"emulated card {position} of emulate= ({card.line})"
-        physical = self._visible[position] if position < len(self._visible) else position
-        self.excluded_gpus.append(physical)
-        return f"GPU {physical} ({card.line})"
+            what = f"the emulated {card.name} at position {position} of emulate="
+        else:
+            physical = self._visible[position] if position < len(self._visible) else position
+            self.excluded_gpus.append(physical)
+            what = f"GPU {physical}"
+        self.lost_names.append(what)
+        return what
+
+    def _remove_backups(self) -> None:
+        """Removes the backups of fit and the kept profiles (only those files), then the directory if that left it
+        empty: a --backup-dir that holds other files keeps them."""
+        from hetero_cs.engine.backup import BACKUP_PATTERNS
+
+        for pattern in BACKUP_PATTERNS:
+            for path in self.backup_dir.glob(pattern):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+        try:
+            self.backup_dir.rmdir()  # only when empty
+        except OSError:
+            pass
 
     def run(self) -> int:
         """Runs the script until it succeeds, fails for another reason, or runs out of restarts; returns the exit
@@ -279,10 +302,10 @@ class Supervisor:
                 started = time.monotonic()
                 status = self._run_once()
                 if status == 0:
-                    shutil.rmtree(self.backup_dir, ignore_errors=True)
+                    self._remove_backups()
                     if self.lost:
-                        self._note(f"the script succeeded after {self.restarts} restart(s), without: "
-                                   f"{', '.join(c.line for c in self.lost)}")
+                        self._note(f"the script succeeded after {self.restarts} restart(s), without "
+                                   f"{'; '.join(self.lost_names)}")
                     return 0
                 if self._stop_signal is not None:
                     self._note(f"stopped by signal {self._stop_signal}; not restarting (backups kept in "
@@ -298,12 +321,12 @@ class Supervisor:
                 if self.restarts >= self._max_restarts:
                     self._note(f"the script lost {what} after {self.restarts} restart(s), the most --max-restarts="
                                f"{self._max_restarts} allows: giving up with its status {status}. Cards lost: "
-                               f"{[c.line for c in self.lost]}")
+                               f"{'; '.join(self.lost_names)}. Backups kept in {self.backup_dir}")
                     return status
                 self.restarts += 1
-                self._note(f"the script died after {time.monotonic() - started:.1f} s of a lost card, {what}; "
-                           f"restarting it without that card (restart {self.restarts} of at most "
-                           f"{self._max_restarts}), resuming from its last backup")
+                self._note(f"the script died of a lost card after {time.monotonic() - started:.1f} s: {what} (its "
+                           f"line: {card.line[:200]}). Restarting it without that card (restart {self.restarts} of "
+                           f"at most {self._max_restarts}); fit resumes from its last backup")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -44,6 +44,10 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages u
 BACKUP_COST_SHARE = 0.005
 """Share of training time spent writing backups after the first (half the 1 % budget, which the first shares)."""
 
+BACKUP_PATTERNS = ("fit_*.json", "fit_*.npz", ".fit_*.tmp", "profiles.json", "profiles.meta.json",
+                   ".profiles*.tmp")
+"""The files hetero_cs writes in a backup directory (``hetero-cs run`` removes only these once the script succeeds)."""
+
 _FIT_ORDINALS = itertools.count()  # the k-th supervised fit of this process: its backup is fit_<k>
 _ORDINAL_LOCK = threading.Lock()
 

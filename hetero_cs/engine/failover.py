@@ -120,6 +120,8 @@ def first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = next((line for line in lines if any(p.search(line) for _, p in DEVICE_FAULT_FORMS)),
                 lines[0] if lines else type(exc).__name__)
+    # TensorFlow prefixes a replica's error with "(0) UNKNOWN:" and a Python exception's class name.
+    text = re.sub(r"^(?:\(\d+\)\s+[A-Z_]+:\s*)?(?:[A-Za-z]*Error:\s*)?", "", text) or text
     return text if len(text) <= 200 else text[:197] + "..."
 
 

@@ -260,7 +260,8 @@ class BatchPlan:
         idle = [i for i, b in enumerate(self.per_replica_batch_sizes) if b == 0]
         if idle:
             lines.append(f"idle replicas: {idle} (0 examples: no work on their devices; the rest finish sooner "
-                         f"without them, or there are fewer examples than replicas, or their share is 0)")
+                         f"without them, or there are fewer examples than replicas, or their share or memory cap is "
+                         f"0 - a card set aside after a device error has a cap of 0)")
 
         def ms(value: float | None) -> str:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"

@@ -170,7 +170,7 @@ def test_hetero_cs_run_restarts_a_script_without_the_card_it_lost_and_the_run_is
     assert "restart 0 devices ['/device:CPU:1', '/device:CPU:2', '/device:CPU:3']" in done.stdout
     assert "restart 1 devices ['/device:CPU:1', '/device:CPU:3']" in done.stdout  # without the lost T4
     assert "hetero_cs emulation: lost replica=1 (T4) at its step 8" in done.stderr
-    assert "restarting it without that card" in done.stderr and "resuming fit from its backup" in done.stderr
+    assert "Restarting it without that card" in done.stderr and "resuming fit from its backup" in done.stderr
     assert "planning from the profiles calibrated before the restart" in done.stderr  # no second calibration
     assert done.stderr.count("Calibration profile cache miss") <= 1
     assert not backups.exists()  # removed once the script succeeded

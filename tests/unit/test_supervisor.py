@@ -67,7 +67,8 @@ def test_a_lost_card_is_left_out_and_the_restarted_script_succeeds(tmp_path):
     supervisor = Supervisor(command, max_restarts=3, backup_dir=tmp_path / "b", output=output)
     assert supervisor.run() == 0
     assert supervisor.restarts == 2 and supervisor.excluded == [1, 2]
-    assert "restarting it without that card (restart 1 of at most 3)" in output.getvalue()
+    assert "the emulated T4 at position 1 of emulate=" in output.getvalue()
+    assert "Restarting it without that card (restart 1 of at most 3)" in output.getvalue()
     assert "succeeded after 2 restart(s)" in output.getvalue()
 
 
@@ -113,3 +114,15 @@ def test_a_backup_dir_that_is_a_file_is_refused(tmp_path):
     path.write_text("x")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         Supervisor([sys.executable, "-c", "pass"], backup_dir=path)
+
+
+def test_a_backup_dir_of_the_users_keeps_its_other_files(tmp_path):
+    backups = tmp_path / "ckpts"
+    backups.mkdir()
+    (backups / "my_model.keras").write_text("the user's")
+    command = script(tmp_path, """
+        open(os.path.join(os.environ['HETERO_CS_BACKUP_DIR'], 'fit_0.json'), 'w').write('{}')
+        open(os.path.join(os.environ['HETERO_CS_BACKUP_DIR'], 'fit_0-1-1.npz'), 'w').write('')
+    """)
+    assert Supervisor(command, backup_dir=backups, output=io.StringIO()).run() == 0
+    assert sorted(p.name for p in backups.iterdir()) == ["my_model.keras"]
