@@ -4,8 +4,9 @@ A card that is lost (an uncorrectable ECC error, a card off the bus) takes the p
 CUDA's errors are sticky, and TensorFlow aborts. Nothing inside that process survives it, so the supervisor stands
 outside: it runs the script, and when the script dies of a lost card it starts it again without that card.
 
-* **Which card.** The script's standard error passes through the supervisor (and on to its own), which reads it
-  for a lost card: an emulated card's line (``hetero_cs emulation: lost replica=<i> (<name>) ...``, see
+* **Which card.** The script's standard error passes through the supervisor (and on to its own). When the script
+  dies of a fatal signal (SIGABRT after a sticky CUDA error, SIGSEGV, ...; not SIGKILL, SIGTERM, SIGINT or SIGHUP,
+  which come from outside), the supervisor looks among its last 200 lines for a lost card: an emulated card's line (``hetero_cs emulation: lost replica=<i> (<name>) ...``, see
   :class:`hetero_cs.emulation.Drift`), or a sticky CUDA error on a line that names a GPU (``/device:GPU:<i>``,
   ``GPU_<i>_bfc``, ``device ordinal <i>``). On real GPUs, NVML is asked too (when ``nvidia-ml-py`` is installed):
   a GPU that NVML reports lost, or whose count of uncorrected ECC errors grew while the script ran.
@@ -51,6 +52,7 @@ EXCLUDED_ENV_VAR = "HETERO_CS_EXCLUDED_DEVICES"
 DEFAULT_MAX_RESTARTS = 3
 MAX_RESTARTS = 1000
 _MAX_LINE_BYTES = 1 << 16
+_RECENT_LINES = 200  # a lost card's line is among the script's last lines on standard error
 
 _EMULATED_LOST = re.compile(r"hetero_cs emulation: lost replica=(\d+) \(([^)]*)\)")
 _STICKY = re.compile(r"CUDA_ERROR_(?:ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|LAUNCH_FAILED|DEVICE_UNAVAILABLE|HARDWARE_STACK"
@@ -177,6 +179,9 @@ class Supervisor:
                               f"Received: {max_restarts!r}.")
         self._command = list(command)
         self._max_restarts = max_restarts
+        if backup_dir is not None and not str(backup_dir).strip():
+            raise ConfigError("--backup-dir is empty; give a directory for fit's backups (created if missing), or "
+                              "leave it out for the default under the cache directory.")
         self.backup_dir = pathlib.Path(backup_dir) if backup_dir is not None else default_backup_dir(command)
         if self.backup_dir.exists() and not self.backup_dir.is_dir():
             raise ConfigError(f"--backup-dir {str(self.backup_dir)!r} exists and is not a directory; give a "
@@ -211,12 +216,16 @@ class Supervisor:
                 str(g) for i, g in enumerate(self._visible) if i not in self.excluded)
         return env
 
-    def _pump(self, stream) -> None:
+    def _pump(self, stream, found: list) -> None:
+        """Passes the script's standard error on; keeps in ``found`` the last lost-card line and the number of
+        lines after it."""
         for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
             line = raw.decode(errors="replace")
-            found = lost_card_in(line)
-            if found is not None and self._found is None:
-                self._found = found
+            card = lost_card_in(line)
+            if card is not None:
+                found[:] = [card, 0]
+            elif found:
+                found[1] += 1
             try:
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -234,6 +243,7 @@ class Supervisor:
                 pass
 
     def _run_once(self) -> int:
+        found: list = []
         self._found = None
         try:
             child = subprocess.Popen(self._command, env=self._environment(), stderr=subprocess.PIPE,
@@ -243,10 +253,20 @@ class Supervisor:
                 f"cannot run {self._command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script needs a "
                 f"first line #!/path/to/interpreter, or run it through one (-- python script.py).") from None
         self._child = child
-        pump = threading.Thread(target=self._pump, args=(child.stderr,), daemon=True)
+        pump = threading.Thread(target=self._pump, args=(child.stderr, found), daemon=True)
         pump.start()
         code = child.wait()
+        try:  # what the script left behind in its process group (it leads one): its pipe would keep the pump waiting
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         pump.join(timeout=10.0)
+        # A lost card ends the process abnormally (SIGABRT after a sticky CUDA error, or another fatal signal), and
+        # its line is among the last the script wrote: an earlier line of a fault the script survived, or one
+        # before an ordinary failure, names no lost card.
+        fatal = code < 0 and -code not in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        if fatal and found and found[1] <= _RECENT_LINES:
+            self._found = found[0]
         return 128 - code if code < 0 else code
 
     def _card_lost(self, watch: _NvmlWatch) -> LostCard | None:
@@ -259,7 +279,11 @@ class Supervisor:
                                                                    f"uncorrected ECC errors")
         return found
 
-    def _exclude(self, card: LostCard) -> str:
+    def _exclude(self, card: LostCard) -> str | None:
+        """Records ``card`` as lost; returns how the lines name it, or None when a GPU cannot be left out (which
+        GPUs the script sees is not known)."""
+        if card.kind == "gpu" and not self._visible:
+            return None
         position = nth_remaining(card.index, self.excluded)
         self.excluded.append(position)
         if card.kind == "emulated":
@@ -316,8 +340,14 @@ class Supervisor:
                     self._note(f"the script exited with status {status} and no lost card was named: not restarting "
                                f"(a failure of the script itself is passed on)")
                     return status
-                self.lost.append(card)
                 what = self._exclude(card)
+                if what is None:
+                    self._note(f"the script died of a lost GPU ({card.line[:200]}), but which GPUs it sees is not "
+                               f"known (CUDA_VISIBLE_DEVICES is unset and NVML, from nvidia-ml-py, is not "
+                               f"available), so it cannot be restarted without that GPU: not restarting. Set "
+                               f"CUDA_VISIBLE_DEVICES (e.g. 0,1,2) or install nvidia-ml-py. Status {status}")
+                    return status
+                self.lost.append(card)
                 if self.restarts >= self._max_restarts:
                     self._note(f"the script lost {what} after {self.restarts} restart(s), the most --max-restarts="
                                f"{self._max_restarts} allows: giving up with its status {status}. Cards lost: "

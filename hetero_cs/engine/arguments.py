@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
@@ -56,13 +57,10 @@ def leave_out_excluded(emulator, names, compute_devices, batch_split):
     from hetero_cs.supervisor import EXCLUDED_ENV_VAR
 
     text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
+    positions = excluded_positions()  # checked: a ConfigError for a malformed value
     if not text or names is None:  # real GPUs: CUDA_VISIBLE_DEVICES left them out (shares_without_lost_gpus)
         return emulator, names, compute_devices, batch_split
-    try:
-        positions = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        positions = None
-    if positions is None or any(not 0 <= i < len(names) for i in positions) or len(positions) >= len(names):
+    if any(not 0 <= i < len(names) for i in positions) or len(positions) >= len(names):
         raise ConfigError(
             f"{EXCLUDED_ENV_VAR}={text!r} must list positions in emulate={names} (0..{len(names) - 1}, comma-"
             f"separated) and leave at least one card; `hetero-cs run` sets it when it restarts a script without a "
@@ -90,10 +88,15 @@ def excluded_positions() -> list[int]:
     from hetero_cs.supervisor import EXCLUDED_ENV_VAR
 
     text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
-    try:
-        return sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
+    if not text:
         return []
+    parts = text.split(",")
+    if not all(re.fullmatch(r"[0-9]+", part.strip()) for part in parts) or len(set(map(int, parts))) != len(parts):
+        raise ConfigError(
+            f"{EXCLUDED_ENV_VAR}={text!r} must list distinct positions in the script's first device list, as "
+            f"comma-separated non-negative integers (e.g. '1' or '0,2'); `hetero-cs run` sets it when it restarts a "
+            f"script without a lost card. Unset it to use every card.")
+    return sorted(int(part) for part in parts)
 
 
 def shares_without_lost_gpus(batch_split, num_replicas: int, emulated: bool):

@@ -33,6 +33,7 @@ import pathlib
 import tempfile
 import threading
 import time
+import zipfile
 
 import keras
 import numpy as np
@@ -111,6 +112,7 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._batches = 0  # batches of the current epoch applied
         self._resume_metrics: list | None = None  # metric values to put back when the resumed epoch begins
         self._resume_epoch: int | None = None
+        self._history: list[dict] = []  # each finished epoch's logs (fit's History), kept in every backup
         self._last_end = 0.0
         self._last_cost_s: float | None = None
         self._sequence = 0
@@ -132,47 +134,71 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._last_end = time.perf_counter()
         if not self._record_path.exists():
             return
+        record, arrays = self._read()
+        groups = _variable_groups(self.model)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and not optimizer.built and record["counts"]["optimizer"]:
+            optimizer.build(self.model.trainable_variables)  # its variables exist before they are restored
+            groups = _variable_groups(self.model)
+        for name, variables in groups.items():
+            if len(variables) != record["counts"][name] or any(
+                    f"{name}_{i}" not in arrays or tuple(v.shape) != arrays[f"{name}_{i}"].shape
+                    for i, v in enumerate(variables)):
+                raise ConfigError(
+                    f"The backup {self._record_path} does not match this model: it holds {record['counts'][name]} "
+                    f"{name} variables, the model has {len(variables)} (or their shapes differ). The script "
+                    f"changed since it was backed up; remove {self._dir} to start over.")
+        steps = (self.params or {}).get("steps")
+        if not record["complete"] and steps is not None and record["batches"] > steps:
+            raise ConfigError(
+                f"The backup {self._record_path} says {record['batches']} batches of epoch {record['epoch'] + 1} were "
+                f"applied, but an epoch of this fit has {steps}: the data changed since it was backed up. Remove "
+                f"{self._dir} to start over.")
+        for name in ("model", "optimizer"):
+            for i, variable in enumerate(groups[name]):
+                variable.assign(arrays[f"{name}_{i}"])
+        self._resume_metrics = [arrays[f"metrics_{i}"] for i in range(record["counts"]["metrics"])]
+        self._epoch, self._batches = record["epoch"], record["batches"]
+        self._history = record["history"]
+        self._resume_epoch = self._epoch
+        self.resumed_from = record
+        _compat.set_initial_epoch(self.model, record["epochs"] if record["complete"] else self._epoch)
+        emulator = self._strategy.emulator
+        if emulator is not None:
+            emulator.advance_to(record["step"])  # drift schedules go on from the step resumed at
+        if record["complete"]:
+            logger.warning("hetero_cs: this fit had finished before the restart (%s): it is skipped, with its final "
+                           "variables restored (optimizer step %d).", self._record_path, record["step"])
+            return
+        self._strategy._resume_skip = self._batches  # noqa: SLF001 - read by fit's train function
+        logger.warning(
+            "hetero_cs: resuming fit from its backup (%s): epoch %d, %d batch(es) of it already applied and skipped "
+            "now, optimizer step %d.", self._record_path, self._epoch + 1, self._batches, record["step"])
+
+    def _read(self) -> tuple[dict, dict]:
+        """The record and every array of the backup, checked; a ConfigError when either cannot be read."""
         try:
             record = json.loads(self._record_path.read_text())
-            arrays_path = self._dir / record["arrays"]
-            arrays = np.load(arrays_path)
-            for key in ("epoch", "batches", "complete", "epochs", "step", "counts"):
-                record[key]  # noqa: B018 - a record without it is corrupt
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            for key, kind in (("epoch", int), ("batches", int), ("epochs", int), ("step", int), ("complete", bool),
+                              ("arrays", str), ("counts", dict), ("history", list)):
+                if not isinstance(record.get(key), kind) or (kind is int and isinstance(record[key], bool)) or (
+                        kind is int and record[key] < 0):
+                    raise ValueError(f"{key}={record.get(key)!r} is not a {kind.__name__}"
+                                     + (" >= 0" if kind is int else ""))
+            for name in ("model", "optimizer", "metrics"):
+                count = record["counts"].get(name)
+                if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                    raise ValueError(f"counts[{name!r}]={count!r} is not an int >= 0")
+            if "/" in record["arrays"] or "\\" in record["arrays"]:
+                raise ValueError(f"arrays={record['arrays']!r} names a file outside the backup directory")
+            with np.load(self._dir / record["arrays"]) as stored:
+                arrays = {key: stored[key] for key in stored.files}  # reads (and CRC-checks) every array now
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
             raise ConfigError(
                 f"The backup {self._record_path} cannot be read ({type(exc).__name__}: {exc}). Backups are written "
                 f"atomically, so something else changed or truncated it; remove {self._dir} to start over (training "
                 f"then starts from its first step).") from exc
-        with arrays:
-            groups = _variable_groups(self.model)
-            optimizer = getattr(self.model, "optimizer", None)
-            if optimizer is not None and not optimizer.built and record["counts"]["optimizer"]:
-                optimizer.build(self.model.trainable_variables)  # its variables exist before they are restored
-                groups = _variable_groups(self.model)
-            for name, variables in groups.items():
-                if len(variables) != record["counts"].get(name) or any(
-                        f"{name}_{i}" not in arrays.files or tuple(v.shape) != arrays[f"{name}_{i}"].shape
-                        for i, v in enumerate(variables)):
-                    raise ConfigError(
-                        f"The backup {self._record_path} does not match this model: it holds {record['counts'][name]} "
-                        f"{name} variables, the model has {len(variables)} (or their shapes differ). The script "
-                        f"changed since it was backed up; remove {self._dir} to start over.")
-            for name in ("model", "optimizer"):
-                for i, variable in enumerate(groups[name]):
-                    variable.assign(arrays[f"{name}_{i}"])
-            self._resume_metrics = [arrays[f"metrics_{i}"] for i in range(record["counts"]["metrics"])]
-        self._epoch, self._batches = int(record["epoch"]), int(record["batches"])
-        self._resume_epoch = self._epoch
-        self.resumed_from = record
-        _compat.set_initial_epoch(self.model, int(record["epochs"]) if record["complete"] else self._epoch)
-        if not record["complete"]:
-            self._strategy._resume_skip = self._batches  # noqa: SLF001 - read by fit's train function
-        emulator = self._strategy.emulator
-        if emulator is not None:
-            emulator.advance_to(int(record["step"]))  # drift schedules go on from the step resumed at
-        logger.warning(
-            "hetero_cs: resuming fit from its backup (%s): epoch %d, %d batch(es) of it already applied and skipped "
-            "now, optimizer step %d.", self._record_path, self._epoch + 1, self._batches, int(record["step"]))
+        return record, arrays
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -191,13 +217,36 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._batches = epoch + 1, 0
+        self._history.append({k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0})
 
     def on_train_end(self, logs=None):
         from hetero_cs.engine import _compat
 
         _compat.set_initial_epoch(self.model, None)
+        self._restore_history()
         self._strategy._resume_skip = 0  # noqa: SLF001
         self._save(complete=True)  # fit returned (an error in a step ends it without this call)
+
+    def _restore_history(self) -> None:
+        """Puts the epochs finished before the restart in front of fit's History (``model.history``), so the
+        History a resumed fit returns holds every epoch, as an uninterrupted fit's does."""
+        if self.resumed_from is None:
+            return
+        before = self.resumed_from["history"][:self._resume_epoch if not self.resumed_from["complete"] else None]
+        if not before:
+            return
+        history = getattr(self.model, "history", None)
+        if self.resumed_from["complete"] or not isinstance(history, keras.callbacks.History):
+            # No epoch ran, so Keras' History never set model.history (fit returns it): a History of its own.
+            history = keras.callbacks.History()
+            history.set_model(self.model)
+            history.on_train_begin()
+            self.model.history = history
+        keys = {key for epoch in before for key in epoch} | set(history.history)
+        ran = len(getattr(history, "epoch", []))
+        history.history = {key: [epoch.get(key, float("nan")) for epoch in before] + history.history.get(
+            key, [float("nan")] * ran) for key in keys}
+        history.epoch = list(range(len(before))) + list(getattr(history, "epoch", []))
 
     # ------------------------------------------------------------------------------------------------------------
     def _save(self, *, complete: bool) -> None:
@@ -209,7 +258,7 @@ class SupervisedBackup(keras.callbacks.Callback):
         name = f"fit_{self._ordinal}-{os.getpid()}-{self._sequence}.npz"
         _write_atomically(self._dir / name, lambda stream: np.savez(stream, **arrays))
         optimizer = getattr(self.model, "optimizer", None)
-        record = {"epoch": self._epoch, "batches": self._batches, "complete": complete,
+        record = {"epoch": self._epoch, "batches": self._batches, "complete": complete, "history": self._history,
                   "epochs": int(self.params.get("epochs") or 0) if self.params else 0,
                   "step": int(optimizer.iterations.numpy()) if optimizer is not None else 0,
                   "arrays": name, "counts": {k: len(v) for k, v in groups.items()}, "written": time.time()}

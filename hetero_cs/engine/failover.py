@@ -21,10 +21,12 @@ card is left.
 * it is not out of memory (that is :mod:`hetero_cs.engine.oom_recovery`'s);
 * TensorFlow raised it as ``InternalError`` or ``UnknownError`` (an emulated fault, a Python exception inside the
   step, arrives as ``UnknownError``), or it is an :class:`~hetero_cs.errors.EmulatedDeviceError` raised eagerly;
-* its text shows one of :data:`DEVICE_FAULT_FORMS`: a CUDA driver or runtime error code (``CUDA_ERROR_*``,
-  ``cudaError*``) other than out of memory and a device-side assert, an illegal memory access, an unspecified
-  launch failure, an uncorrectable ECC error, a GPU that is lost or fell off the bus, ``GPU sync failed``, or cuBLAS
-  or cuDNN failing to execute;
+* its text shows one of :data:`DEVICE_FAULT_FORMS`, the hardware's faults: an uncorrectable ECC error, an illegal
+  memory access, an unspecified launch failure, a hardware stack error, a GPU that is lost or fell off the bus,
+  ``GPU sync failed``, or cuBLAS or cuDNN failing to execute (an allow-list: CUDA codes that a program or a build
+  causes, such as no kernel image for the card or an invalid PTX, are not among them);
+* its text shows no device-side assert (a kernel's index out of range: everything CUDA reports after it is the
+  program's too) and no Python traceback (a Python error raised inside the step, except the emulator's fault);
 * and it names a replica: the device its text names, else the op that failed (the rules of
   :mod:`hetero_cs.engine.oom_errors`). A fault on the parameter device names no replica and is never set aside.
 
@@ -51,21 +53,28 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages u
 
 ON_DEVICE_ERROR_CHOICES = ("exclude", "raise")
 
-# (name, pattern) of each device-fault form; the first match names the form.
+# (name, pattern) of each device-fault form: the hardware's faults only (an allow-list). A code that a program or a
+# build causes - no kernel image for the card, an invalid PTX, an invalid value or configuration, too many resources
+# for a launch, a misaligned address, a device in exclusive mode - is not among them. The first match names the form.
 DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
     (name, re.compile(pattern, flags))
     for name, pattern, flags in (
         ("ecc", r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable", re.IGNORECASE),
         ("illegal address", r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress", 0),
         ("launch failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure", 0),
-        ("lost", r"GPU is lost|fallen off the bus|CUDA_ERROR_DEVICE_UNAVAILABLE|cudaErrorDevicesUnavailable", 0),
+        ("hardware stack", r"CUDA_ERROR_HARDWARE_STACK_ERROR|cudaErrorHardwareStackError", 0),
+        ("lost", r"GPU is lost|fallen off the bus", re.IGNORECASE),
         ("sync", r"GPU sync failed", 0),
         ("cublas", r"CUBLAS_STATUS_EXECUTION_FAILED", 0),
         ("cudnn", r"CUDNN_STATUS_EXECUTION_FAILED", 0),
-        ("cuda", r"\bCUDA_ERROR_(?!OUT_OF_MEMORY\b|ASSERT\b)[A-Z_]+", 0),
-        ("cuda", r"\bcudaError(?!MemoryAllocation\b|Assert\b)[A-Z][A-Za-z]+", 0),
     )
 )
+# A device-side assert (an index out of range in a kernel) is the program's, and so is everything CUDA reports after
+# it (its errors are sticky: a launch failure, an illegal address, a failed sync follow it).
+_PROGRAM_ASSERT = re.compile(r"device-side assert|CUDA_ERROR_ASSERT|cudaErrorAssert", re.IGNORECASE)
+# TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
+# with its traceback: a program error, unless it is the emulator's fault.
+_PYTHON_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 _FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
 
 
@@ -95,6 +104,10 @@ def fault_form(exc: BaseException) -> str | None:
     if not isinstance(exc, _FAULT_CLASSES) or is_out_of_memory(exc):
         return None
     message = str(exc)
+    if _PROGRAM_ASSERT.search(message):
+        return None
+    if _PYTHON_TRACEBACK.search(message):  # a Python error inside the step: the program's, or the emulator's fault
+        return "ecc" if "EmulatedDeviceError" in message else None
     return next((name for name, pattern in DEVICE_FAULT_FORMS if pattern.search(message)), None)
 
 
@@ -140,10 +153,9 @@ class DeviceFailover:
         self.exclusions: list[int] = []  # replicas set aside, in order
 
     def possible(self) -> bool:
-        """Whether a step may meet a failing card worth keeping the batch in hand for: on a GPU, or on emulated
-        devices whose drift makes a card fail (``Drift(fails=True)``); never with ``"raise"``."""
-        if self.on_device_error != "exclude":
-            return False
+        """Whether a step may meet a failing card, so that ``fit`` keeps the batch in hand (to retry it, or, with
+        ``"raise"``, to put the model's statistics and metrics back before raising): on a GPU, or on emulated
+        devices whose drift makes a card fail (``Drift(fails=True)``)."""
         strategy = self._strategy
         if any("GPU" in device.upper() for device in strategy.compute_devices):
             return True
@@ -199,15 +211,20 @@ class DeviceFailover:
             replica_id, card, first_line(exc), list(plan.per_replica_batch_sizes))
         return plan
 
-    def error(self, replica_id: int, exc: BaseException, why: str) -> DeviceFaultError:
-        """The DeviceFaultError for a device error on ``replica_id`` that training does not go on from."""
+    def error(self, replica_id: int, exc: BaseException, why: str, *, restored: bool = True) -> DeviceFaultError:
+        """The DeviceFaultError for a device error on ``replica_id`` that training does not go on from.
+
+        ``restored``: the model's non-trained and metric variables were put back (``fit`` with the batch in hand);
+        otherwise the message says that those may hold the failed step's other replicas' updates."""
         card = self.card(replica_id)
         excluded = [self.card(i) for i in self.exclusions]
+        state = ("variables and optimizer state are as they were before it" if restored else
+                 "the trained variables and the optimizer state are as they were before it, but BatchNormalization's "
+                 "moving statistics and the metrics may hold the other replicas' part of the failed step")
         return DeviceFaultError(
             f"The training step failed with a device error on replica {replica_id}, {card} ({type(exc).__name__}: "
             f"{first_line(exc)}), and training cannot go on without it: {why}. Excluded before: "
-            f"{excluded or 'none'}. No update of this step was applied: variables and optimizer state are as they "
-            f"were before it. Check the card (nvidia-smi -q shows ECC errors and Xid events), leave it out of "
+            f"{excluded or 'none'}. No update of this step was applied: {state}. Check the card (nvidia-smi -q shows ECC errors and Xid events), leave it out of "
             f"compute_devices (or CUDA_VISIBLE_DEVICES), or run the script under `hetero-cs run` to restart it "
             f"without the card. The original error is chained below.",
             replica_id=replica_id, device=self._strategy.compute_devices[replica_id],

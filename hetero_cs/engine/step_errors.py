@@ -172,10 +172,9 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     if fault is not None and fault.replica_id is not None:  # a failing card, not retried here: a DeviceFaultError
         recovery = getattr(strategy, "_step_recovery", None)
         failover = recovery.failover if recovery is not None else DeviceFailover(strategy, "raise")
-        why = ("on_device_error='raise'" if failover.on_device_error == "raise" else
-               "this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
+        why = ("this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
                "steps_per_execution > 1 or one replica), so it was not retried")
-        return failover.error(fault.replica_id, exc, why)
+        return failover.error(fault.replica_id, exc, why, restored=False)
     return replica_step_error(
         exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
         empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001

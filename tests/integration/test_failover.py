@@ -107,9 +107,11 @@ def test_on_device_error_raise_ends_fit_with_a_device_fault_error_and_applies_no
                         drift=[Drift(replica_id=2, from_step=1, fails=True)])
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, batch_split=[1, 1, 1],
                                             on_device_error="raise")
-    with strategy.scope():
-        model = mlp()
-        model.compile(optimizer="adam", loss="mse")
+    with strategy.scope():  # the moving statistics, updated by the other replicas of the failed step, are put back
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(12), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     x, y = data()
     model.fit(x[:B], y[:B], batch_size=B, epochs=1, shuffle=False, verbose=0)
     before = [w.copy() for w in model.get_weights()]
@@ -184,7 +186,9 @@ NODE = "\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"
                             "/job:localhost/replica:0/task:0/device:CPU:3"), "ecc", 2),
     (tf.errors.InternalError(None, None, "cuBLAS call failed status = CUBLAS_STATUS_EXECUTION_FAILED" + NODE),
      "cublas", 1),
-    (tf.errors.InternalError(None, None, "Failed to launch kernel: CUDA_ERROR_LAUNCH_TIMEOUT" + NODE), "cuda", 1),
+    (tf.errors.InternalError(None, None, "CUDA_ERROR_HARDWARE_STACK_ERROR" + NODE), "hardware stack", 1),
+    (tf.errors.UnknownError(None, None, "Traceback (most recent call last):\n  ...\nEmulatedDeviceError: "
+                            "CUDA_ERROR_ECC_UNCORRECTABLE: emulated device fault on replica=2 (T4)"), "ecc", 2),
 ])
 def test_the_rule_takes_driver_faults_for_a_failing_card(error, form, replica):
     from hetero_cs.engine.failover import device_fault
@@ -200,6 +204,16 @@ def test_the_rule_takes_driver_faults_for_a_failing_card(error, form, replica):
     tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor: CUDA_ERROR_OUT_OF_MEMORY" + NODE),
     tf.errors.InvalidArgumentError(None, None, "CUDA_ERROR_ECC_UNCORRECTABLE, in a user's check" + NODE),
     ValueError("CUDA_ERROR_ECC_UNCORRECTABLE"),  # not TensorFlow's
+    # Codes a program or a build causes, not the hardware:
+    tf.errors.InternalError(None, None, "CUDA_ERROR_NO_BINARY_FOR_GPU: no kernel image" + NODE),
+    tf.errors.InternalError(None, None, "cudaErrorNoKernelImageForDevice" + NODE),
+    tf.errors.InternalError(None, None, "CUDA_ERROR_INVALID_PTX" + NODE),
+    tf.errors.InternalError(None, None, "cudaErrorDevicesUnavailable: exclusive compute mode" + NODE),
+    # What CUDA reports after a device-side assert is the assert's:
+    tf.errors.InternalError(None, None, "device-side assert triggered\nGPU sync failed" + NODE),
+    # A Python error inside the step, whatever its text:
+    tf.errors.UnknownError(None, None, "Traceback (most recent call last):\n  File x\nRuntimeError: my check "
+                           "mentions CUDA_ERROR_ECC_UNCORRECTABLE" + NODE),
 ])
 def test_the_rule_never_takes_a_program_error_or_out_of_memory_for_a_failing_card(error):
     from hetero_cs.engine.failover import device_fault
