@@ -232,7 +232,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         if accumulator is None:
             with tf.init_scope(), tf.device(self._strategy.parameter_device):
                 accumulator = SparseSum(gradient.values.shape[1:], gradient.values.dtype, gradient.indices.dtype,
-                                        gradient.dense_shape)
+                                        gradient.dense_shape, rows=gradient.indices.shape[0])
             self._accumulators[key] = accumulator
         return accumulator
 
@@ -399,33 +399,45 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
 
 class SparseSum:
-    """The sum of sparse gradients (``tf.IndexedSlices``) over sub-steps, kept as their concatenated rows.
+    """The sum of sparse gradients (``tf.IndexedSlices``) over sub-steps, as one device's gradient of the whole batch.
 
-    Host variables of unknown leading dimension hold the rows' values and indices so far; :meth:`total` appends a
-    last gradient's, in order, giving the IndexedSlices one device computes for the whole batch (duplicate rows
-    included, which an update such as Adam's treats one by one).
+    A lookup of the batch (a row per example): host variables of unknown leading dimension hold the rows' values and
+    indices so far, and :meth:`total` appends a last gradient's, in order, giving the IndexedSlices one device
+    computes for the whole batch (duplicate rows included, which an update such as Adam's treats one by one). A
+    lookup that does not depend on the batch (``rows`` known while tracing: a Transformer's positions) has the same
+    rows in every sub-step, summed over it: their values are added row by row, as one device sums them over the batch.
     """
 
-    def __init__(self, row_shape, dtype, index_dtype, dense_shape):
+    def __init__(self, row_shape, dtype, index_dtype, dense_shape, rows: int | None = None):
         row_shape = tf.TensorShape(row_shape)
         self._dense_shape = dense_shape
-        self.values = tf.Variable(tf.zeros([0, *row_shape.as_list()], dtype), shape=tf.TensorShape([None, *row_shape]),
-                                  trainable=False, name="hetero_cs_sparse_gradient_rows")
-        self.indices = tf.Variable(tf.zeros([0], index_dtype), shape=tf.TensorShape([None]), trainable=False,
+        self.shared = rows is not None
+        leading = rows if self.shared else 0
+        self.values = tf.Variable(tf.zeros([leading, *row_shape.as_list()], dtype),
+                                  shape=tf.TensorShape([rows, *row_shape]), trainable=False,
+                                  name="hetero_cs_sparse_gradient_rows")
+        self.indices = tf.Variable(tf.zeros([leading], index_dtype), shape=tf.TensorShape([rows]), trainable=False,
                                    name="hetero_cs_sparse_gradient_indices")
 
     def add(self, gradient):
-        """Appends ``gradient``'s rows; returns the write."""
+        """Adds ``gradient``'s rows; returns the write."""
+        if self.shared:
+            return tf.group(self.values.assign_add(gradient.values), self.indices.assign(gradient.indices))
         return tf.group(self.values.assign(tf.concat([self.values.read_value(), gradient.values], 0)),
                         self.indices.assign(tf.concat([self.indices.read_value(), gradient.indices], 0)))
 
     def total(self, gradient) -> tf.IndexedSlices:
-        """The rows so far followed by ``gradient``'s, as one ``tf.IndexedSlices``."""
+        """The rows so far with ``gradient``'s, as one ``tf.IndexedSlices``."""
+        if self.shared:
+            return tf.IndexedSlices(self.values.read_value() + gradient.values, gradient.indices,
+                                    gradient.dense_shape)
         return tf.IndexedSlices(tf.concat([self.values.read_value(), gradient.values], 0),
                                 tf.concat([self.indices.read_value(), gradient.indices], 0), gradient.dense_shape)
 
     def clear(self):
         """Forgets every row; returns the write."""
+        if self.shared:
+            return self.values.assign(tf.zeros_like(self.values))
         return tf.group(self.values.assign(self.values.read_value()[:0]),
                         self.indices.assign(self.indices.read_value()[:0]))
 

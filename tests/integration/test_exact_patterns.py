@@ -460,3 +460,42 @@ def test_keras_losses_in_a_custom_loop_are_exact(kind):
     np.testing.assert_allclose(losses, ref_losses, atol=ATOL)
     for ref_w, w in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(w, ref_w, atol=ATOL)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# An Embedding looked up without the batch: a Transformer's positions, Embedding(T, D)(arange(T))
+# ------------------------------------------------------------------------------------------------------------------
+class PositionalEmbedding(keras.layers.Layer):
+    """Token embeddings plus position embeddings looked up for arange(T) (Keras' text-classification example)."""
+
+    def __init__(self, length, vocabulary, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocabulary, dim, embeddings_initializer=keras.initializers.RandomNormal(seed=1))
+        self.positions = keras.layers.Embedding(length, dim,
+                                                embeddings_initializer=keras.initializers.RandomNormal(seed=2))
+        self.length = length
+
+    def call(self, x):
+        return self.tokens(x) + self.positions(keras.ops.arange(self.length))
+
+
+@pytest.mark.parametrize("shares", [[3, 1, 2], [1, 0, 1]])
+def test_an_embedding_looked_up_without_the_batch_sums_its_rows_as_one_device_does(shares):
+    # One device's gradient of Embedding(T, D)(arange(T)) has T rows, each summed over the batch; Adam squares each
+    # row. The replicas' rows for the same positions must be added, not concatenated (Adam would square the parts).
+    def build():
+        model = keras.Sequential([keras.Input((6,), dtype="int32"), PositionalEmbedding(6, 11, 4),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        return model
+
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 11, size=(24, 6)).astype(np.int32), rng.normal(size=(24, 1)).astype(np.float32)
+    keras.utils.set_random_seed(4)
+    reference = build()
+    with strategy_for(shares).scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert_same_state(reference, model)
