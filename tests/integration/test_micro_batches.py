@@ -136,18 +136,30 @@ def test_micro_batched_mixed_precision_equals_one_device():
     assert_same_training(model, history, reference, reference_history, atol=FP16_ATOL)
 
 
-def test_an_embeddings_sparse_gradient_stays_sparse_over_sub_steps():
+@pytest.mark.parametrize("positions", [False, True])
+def test_an_embeddings_sparse_gradient_stays_sparse_over_sub_steps(positions):
     # Adam squares each row of an IndexedSlices gradient: the sub-steps' rows must reach it as one device's
-    # IndexedSlices (duplicates included), not as a dense sum.
+    # IndexedSlices (duplicates included), not as a dense sum. With positions, a second Embedding is looked up
+    # without the batch (arange(6), as a Transformer's positions): one device has one row per position, summed over
+    # the batch, so the sub-steps' rows are added row by row.
     B = 2 * CAPACITY + 5
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 20, size=(2 * B, 6)).astype(np.int32)
     labels = rng.integers(0, 2, size=2 * B)
 
+    class WithPositions(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.positions = keras.layers.Embedding(6, 16)
+
+        def call(self, x):
+            return x + self.positions(keras.ops.arange(6))
+
     def embedder():
         keras.utils.set_random_seed(1)
         inputs = keras.Input((6,))
-        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 16)(inputs))
+        embedded = keras.layers.Embedding(20, 16)(inputs)
+        pooled = keras.layers.GlobalAveragePooling1D()(WithPositions()(embedded) if positions else embedded)
         model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(pooled))
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
         return model
