@@ -531,7 +531,7 @@ def test_the_multi_worker_strategy_refuses_emulate_as_one_string():
         HeteroMultiWorkerMirroredStrategy(emulate="A10,T4")
 
 
-@pytest.mark.parametrize("emulate", [None, ["A10", "T4", "P100"]])
+@pytest.mark.parametrize("emulate", [None, pytest.param(["A10", "T4", "P100"], marks=pytest.mark.slow)])
 def test_regression_a_model_created_outside_the_scope_and_fit_inside_it(emulate):
     # Built and compiled outside strategy.scope(), fit inside it: with emulated devices the step said "call
     # strategy.calibrate(model, dataset)", and after that TensorFlow failed with "Mixing different

@@ -112,7 +112,8 @@ def assert_same_state(model, reference):
         np.testing.assert_allclose(np.asarray(v), np.asarray(ref), atol=FP16_ATOL)
 
 
-@pytest.mark.parametrize("shares, inner", [([5, 3, 2], "adam"), ([6, 0, 4], "adam"), ([2, 5, 3], "adamw")])
+@pytest.mark.parametrize("shares, inner", [([5, 3, 2], "adam"), ([6, 0, 4], "adam"),
+                                           pytest.param([2, 5, 3], "adamw", marks=pytest.mark.slow)])
 def test_fit_loss_scaling_matches_one_device_with_an_overflow_in_each_replica(shares, inner):
     overflow_at = overflows_in_each_replica(shares)
     x, y = data_with_overflows(overflow_at)

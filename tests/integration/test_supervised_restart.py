@@ -86,7 +86,7 @@ def fit_under_hetero(callbacks=()):
     return strategy, model, history
 
 
-@pytest.mark.parametrize("share", [1e9, 0.01])
+@pytest.mark.parametrize("share", [1e9, pytest.param(0.01, marks=pytest.mark.slow)])  # slow: the default 1 %
 def test_a_fit_that_dies_mid_epoch_resumes_at_its_backup_and_applies_no_batch_twice(supervised, monkeypatch, share):
     monkeypatch.setattr(backup, "BACKUP_COST_SHARE", share)  # every step, or the default 1 % of training time
     supervised()
