@@ -379,7 +379,6 @@ def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_on
     assert "steps_per_execution=2 is not supported under HeteroMultiWorkerMirroredStrategy" in done.stdout, done.stdout
 
 
-@pytest.mark.slow  # four TensorFlow processes; check_emulate's messages are tested without them
 def test_a_bad_emulate_list_from_the_launcher_names_its_variable():
     code = "import hetero_cs; hetero_cs.HeteroMultiWorkerMirroredStrategy()"
     # Two workers in TF_CONFIG (nothing connects: the names are checked before the cluster is formed).
