@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument("--replan-split", default=None, help="... to these shares")
     parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
+    parser.add_argument("--fail", default=None, help="R:S, replica R's card fails (a device error) from its step S")
+    parser.add_argument("--linger-s", type=float, default=0.0,
+                        help="worker 1, when its fit fails, prints the error and waits this long before it exits")
     parser.add_argument("--modelled-times", action="store_true",
                         help="report the emulated devices' modelled step times, not the host clock's")
     parser.add_argument("--record-received", action="store_true",
@@ -122,13 +126,18 @@ def main(argv=None) -> int:
             kwargs["auto_balance"] = False
         else:
             kwargs["batch_split"] = [float(s) for s in args.split.split(",")]
-        if args.drift is not None:
+        if args.drift is not None or args.fail is not None:
             from hetero_cs.emulation import Drift, Emulator
 
-            replica, factor, from_step = args.drift.split(":")
+            drift = []
+            if args.drift is not None:
+                replica, factor, from_step = args.drift.split(":")
+                drift.append(Drift(replica_id=int(replica), factor=float(factor), from_step=int(from_step)))
+            if args.fail is not None:
+                replica, from_step = args.fail.split(":")
+                drift.append(Drift(replica_id=int(replica), from_step=int(from_step), fails=True))
             names = [name for entry in os.environ["HETERO_CS_EMULATE"].split(",") for name in entry.split("+")]
-            kwargs["emulate"] = Emulator(names, drift=[
-                Drift(replica_id=int(replica), factor=float(factor), from_step=int(from_step))])
+            kwargs["emulate"] = Emulator(names, drift=drift)
         if args.timeout_s is not None:
             kwargs["communication_options"] = tf.distribute.experimental.CommunicationOptions(
                 timeout_seconds=args.timeout_s)
@@ -173,7 +182,14 @@ def main(argv=None) -> int:
             model = build(keras, args.wide)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
-    history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    try:
+        history = model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    except Exception as exc:
+        if not args.linger_s or name != "worker1":
+            raise
+        print(f"fit failed: {type(exc).__name__}: {exc}", flush=True)
+        time.sleep(args.linger_s)  # a process that lingers after its error (the others must not wait for it)
+        return 3
     if args.mismatched_evaluate:  # bad input: worker 1 reads other batch sizes than the others
         sizes = [15, 17, 6] if name == "worker1" else [16, 16, 6]
         bounds = np.cumsum([0] + sizes)

@@ -427,3 +427,33 @@ def test_deepcopy_gives_an_independent_strategy_as_stock_strategies_do():
     env.pop("HETERO_CS_EMULATE", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and "copied and trained" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_a_device_error_on_one_worker_is_its_device_fault_error_and_the_others_stop_at_once(tmp_path):
+    # Worker 1's card fails at its step 2 (an emulated ECC error). Worker 1's fit raises DeviceFaultError, naming its
+    # device, and lingers 120 s after it; worker 0 must stop within seconds with a WorkerLostError that names worker 1
+    # and the device error, without waiting for worker 1's process to exit (nor for the 200 s collective timeout).
+    from hetero_cs.launch import free_ports, tf_config
+
+    ports = free_ports(2)
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), str(tmp_path), "--split", "1,1", "--fail", "1:2", "--timeout-s", "200",
+             "--linger-s", "120"],
+            env=_env(TF_CONFIG=tf_config(ports, index), HETERO_CS_EMULATE="A10,T4"), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        for index in range(2)
+    ]
+    try:
+        output0 = processes[0].communicate(timeout=110)[0]  # well before worker 1 stops lingering
+        assert processes[1].poll() is None  # worker 1 still lingers: worker 0 did not wait for its exit
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+        output1 = processes[1].communicate()[0]
+    assert processes[0].returncode != 0
+    assert re.search(r"WorkerLostError: model.fit stopped on worker 0: worker 1 stopped with a device error on "
+                     r"\S+task:1/device:CPU:0 \(CUDA_ERROR_ECC_UNCORRECTABLE", output0), output0[-3000:]
+    assert re.search(r"fit failed: DeviceFaultError: model.fit failed on worker 1 with a device error on "
+                     r"\S+task:1/device:CPU:0 \(UnknownError: CUDA_ERROR_ECC_UNCORRECTABLE", output1), output1[-3000:]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 import threading
 from typing import Any
@@ -37,6 +38,8 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import training
+
+logger = logging.getLogger("hetero_cs.engine.multi_worker")
 
 MULTI_WORKER_MARKER = "_is_hetero_multi_worker_strategy"
 _current_model = threading.local()  # the model whose fit/evaluate/predict runs in this thread
@@ -200,6 +203,11 @@ def _patch_entry_points() -> None:
                 return original(*bound.args, **bound.kwargs)
             except _PEER_FAILURES as exc:
                 raise _worker_lost(strategy, original.__name__, exc) from exc
+            except (tf.errors.InternalError, tf.errors.UnknownError) as exc:
+                fault = _device_fault_here(strategy, original.__name__, exc, (self.name,))
+                if fault is None:
+                    raise
+                raise fault from exc
             finally:
                 _current_model.model = previous
 
@@ -254,6 +262,50 @@ _PEER_FAILURES = (
 )
 
 
+def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
+    """A DeviceFaultError for a device error on one of this worker's replicas (the rule of
+    :mod:`hetero_cs.engine.failover`), after telling every other worker, or None for any other error.
+
+    The other workers wait for this worker's gradients in the collective. They learn of the failure at once through
+    TensorFlow's coordination service: private ``context.report_error_to_cluster`` (TFE_ReportErrorToCluster)
+    hands them this error, naming this worker's task, so their ``fit`` ends with a WorkerLostError within seconds,
+    even while this process lingers (a script that catches the error, a slow exit); otherwise they would wait until
+    this process exits or the collective times out.
+    """
+    from tensorflow.python.eager import context
+
+    from hetero_cs.engine.failover import device_fault, first_line
+    from hetero_cs.errors import DeviceFaultError
+
+    local = list(strategy.extended.worker_devices)
+    fault = device_fault(exc, local, replica_scopes)
+    if fault is None:
+        return None
+    local_id = fault.replica_id
+    emulated = re.search(r"emulated device fault on replica=(\d+)", str(exc))
+    if emulated is not None:  # the emulator numbers the replicas of the whole cluster
+        offset = int(emulated.group(1)) - getattr(strategy, "_first_replica", 0)
+        local_id = offset if 0 <= offset < len(local) else None
+    worker = id_in_cluster(strategy)
+    task = f"/job:worker/replica:0/task:{worker}"
+    device = local[local_id] if local_id is not None else "one of its devices"
+    message = (f"hetero_cs: worker {worker} ({task}) stopped: a device error on {device} ({first_line(exc)}); "
+               f"the other workers cannot go on without it.")
+    try:
+        context.context().report_error_to_cluster(tf.errors.UNAVAILABLE, message)
+    except Exception as report_error:  # noqa: BLE001 - no coordination service (a cluster of one): nothing to tell
+        logger.debug("hetero_cs: could not report the device error to the cluster: %s", report_error)
+    return DeviceFaultError(
+        f"model.{verb} failed on worker {worker} with a device error on {device} ({type(exc).__name__}: "
+        f"{first_line(exc)}). On several machines a failing card is not set aside: every worker runs the same steps "
+        f"in lockstep, so the job stops (the other workers were told and stop too, with a WorkerLostError). No update "
+        f"of this step was applied. Check the card (nvidia-smi -q: ECC errors, Xid events), then restart the job "
+        f"without it (leave it out of CUDA_VISIBLE_DEVICES on this worker); with keras.callbacks.BackupAndRestore the "
+        f"rerun resumes from the last backup. The original error is chained below.",
+        replica_id=None if local_id is None else getattr(strategy, "_first_replica", 0) + local_id,
+        device=None if local_id is None else device, last_error=exc)
+
+
 def _worker_lost(strategy, verb: str, exc: Exception):
     from hetero_cs.errors import WorkerLostError
 
@@ -268,6 +320,14 @@ def _worker_lost(strategy, verb: str, exc: Exception):
                    if re.search(r"heartbeat|unavailable|deadline|timed? ?out|connect|task:\d", line, re.I)),
                   text.splitlines()[0] if text else type(exc).__name__)
     who = (f"worker {lost[0]}" if len(lost) == 1 else f"workers {lost}") if lost else "another worker of the cluster"
+    reported = re.search(r"hetero_cs: worker (\d+) \([^)]*\) stopped: (a device error on .*?); the other workers", text,
+                         re.S)
+    if reported is not None:  # a device error another worker told the cluster of (_device_fault_here)
+        return WorkerLostError(
+            f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped with "
+            f"{reported.group(2)}. Every worker runs the same steps in lockstep, so the job cannot go on without it. "
+            f"Check that worker's card, then restart all workers without it; with keras.callbacks.BackupAndRestore "
+            f"the rerun resumes from the last backup.")
     return WorkerLostError(
         f"model.{verb} stopped on worker {id_in_cluster(strategy)}: {who} is gone or not answering "
         f"({type(exc).__name__}: {detail[:300]}). Every worker runs the same steps in lockstep, so the "
