@@ -12,12 +12,25 @@ worker fails, or on Ctrl-C (SIGINT), SIGTERM or SIGHUP, every worker still runni
 terminal sends: Python raises KeyboardInterrupt, and TensorFlow, which catches SIGTERM for its preemption notifier
 and goes on training, stops), SIGTERM after half of ``grace_s`` and SIGKILL after ``grace_s`` seconds, each worker's
 whole process group included, so nothing is left running; a worker that had to be killed is named.
+
+With ``max_restarts`` (``--max-restarts N``) the launcher relaunches the cluster after a failure, at most N times,
+each worker's environment holding ``HETERO_CS_RESTART`` (the relaunches so far):
+
+* **without a worker whose card failed**: its own ``DeviceFaultError``, another worker's ``WorkerLostError`` naming
+  its device error, or a lost card's line (:func:`hetero_cs.supervisor.lost_card_in`) among the last 200 lines of a
+  worker. The relaunched cluster has one worker fewer, and its ``--emulate`` entry is left out;
+* **with every worker** after a worker killed by a signal without a failed card (a transient death).
+
+Any other failure is the script's own and is not relaunched. With ``keras.callbacks.BackupAndRestore`` in the script
+the relaunched job resumes from its last backup.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +48,7 @@ EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
 _MAX_LINE_BYTES = 1 << 16
+_TAIL_LINES = 200  # each worker's last lines kept to tell why it failed
 _DRAIN_S = 1.0  # after the workers exited: how long their output may still arrive before leftover children die
 _EXAMPLE_NAMES = ("A10", "T4", "P100")
 
@@ -144,13 +158,15 @@ class Launch:
             worker: that many local replicas each); or None.
         grace_s: Seconds from the first signal (SIGINT) to SIGKILL when stopping workers, > 0.
         output: Where the prefixed lines go (default: this process's stdout).
+        max_restarts: Relaunches after a failure that a relaunch can get past (see the module docstring), an int in
+            [0, 1000]; 0 (the default): none.
 
     Raises:
-        ConfigError: An empty command, N < 1, or grace_s <= 0.
+        ConfigError: An empty command, N < 1, grace_s <= 0, or max_restarts out of range.
     """
 
     def __init__(self, command: Sequence[str], *, num_workers: int, emulate: Sequence[str] | None = None,
-                 grace_s: float = DEFAULT_GRACE_S, output: TextIO | None = None):
+                 grace_s: float = DEFAULT_GRACE_S, output: TextIO | None = None, max_restarts: int = 0):
         if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
             raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
                               f"{command!r}.")
@@ -166,6 +182,13 @@ class Launch:
             raise ConfigError(f"cannot run {command[0]!r}: {what}. Received the command {list(command)!r}.")
         if emulate is not None:
             emulate = check_emulate(emulate, num_workers)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 1000:
+            raise ConfigError(f"--max-restarts must be an int in [0, 1000] (relaunches of the cluster after a worker "
+                              f"failed). Received: {max_restarts!r}.")
+        self._max_restarts = max_restarts
+        self.restarts = 0
+        self._tails: list[collections.deque] = []  # each worker's last lines, to tell why it failed
+        self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
         self._command = list(command)
         self._num_workers = num_workers
         self._emulate = None if emulate is None else list(emulate)
@@ -182,6 +205,7 @@ class Launch:
         env = dict(os.environ)
         env["TF_CONFIG"] = tf_config(ports, index)
         env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
+        env["HETERO_CS_RESTART"] = str(self.restarts)
         if self._emulate is not None:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
         return env
@@ -190,8 +214,11 @@ class Launch:
         prefix = f"[worker {index}] "
         # Drained to the end, so a worker never blocks on a full pipe; a line longer than _MAX_LINE_BYTES is
         # printed in pieces (each prefixed), so one endless line cannot fill the launcher's memory.
+        tail = self._tails[index]
         for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
-            self._write(prefix + raw.decode(errors="replace").rstrip("\n") + "\n")
+            line = raw.decode(errors="replace").rstrip("\n")
+            tail.append(line)
+            self._write(prefix + line + "\n")
         stream.close()
 
     def _write(self, text: str) -> None:
@@ -225,7 +252,65 @@ class Launch:
             os.close(devnull)
 
     def run(self) -> int:
-        """Starts the workers, waits for them, and returns the exit status (see the module docstring)."""
+        """Starts the workers, waits for them, and returns the exit status (see the module docstring); with
+        ``max_restarts``, relaunches the cluster after a failure that a relaunch can get past (:meth:`_relaunch`)."""
+        while True:
+            status = self._run_cluster()
+            if status == 0 or self._stop.is_set() or self._failed is None or self.restarts >= self._max_restarts:
+                if status != 0 and self._max_restarts and self.restarts >= self._max_restarts and \
+                        not self._stop.is_set():
+                    self._note(f"not relaunching: --max-restarts={self._max_restarts} relaunch(es) used")
+                return status
+            if not self._relaunch(status):
+                return status
+
+    def _relaunch(self, status: int) -> bool:
+        """Prepares the next launch after a worker failed: without the worker whose card failed (a device error
+        it raised or another worker was told of, a lost card), or with every worker after a process killed by a
+        signal (a transient death). Returns False (no relaunch) for any other failure: the script's own."""
+        worker, code = self._failed
+        card = self._worker_whose_card_failed()
+        if card is not None:
+            if self._num_workers == 1:
+                self._note(f"worker {card}'s card failed and no other worker is left: not relaunching")
+                return False
+            dropped = self._emulate.pop(card) if self._emulate is not None else None
+            self._num_workers -= 1
+            what = f"without worker {card}" + (f" (emulating {dropped})" if dropped else "")
+            why = f"worker {card}'s card failed"
+        elif code < 0:
+            what, why = "with every worker", f"worker {worker} was killed by signal {-code} (a transient death)"
+        else:
+            self._note(f"worker {worker} failed with status {status} and no card of it failed: not relaunching (the "
+                       f"script's own failure)")
+            return False
+        self.restarts += 1
+        self._note(f"{why}: relaunching {self._num_workers} worker(s) {what} (relaunch {self.restarts} of at most "
+                   f"{self._max_restarts}, HETERO_CS_RESTART={self.restarts}); with keras.callbacks.BackupAndRestore "
+                   f"the job resumes from its last backup")
+        return True
+
+    def _worker_whose_card_failed(self) -> int | None:
+        """The worker whose device error (DeviceFaultError) or lost card its own or another worker's last lines
+        name, or None."""
+        from hetero_cs.supervisor import lost_card_in
+
+        for index, tail in enumerate(self._tails):
+            for line in tail:
+                own = re.search(r"DeviceFaultError: model\.\w+ failed on worker (\d+) with a device error", line)
+                told = re.search(r"worker (\d+) stopped with a device error", line)
+                for match in (own, told):
+                    if match and int(match.group(1)) < self._num_workers:
+                        return int(match.group(1))
+                if lost_card_in(line) is not None:
+                    return index
+        return None
+
+    def _run_cluster(self) -> int:
+        """One launch of the N workers: starts them, waits, and returns the exit status."""
+        self._processes = []
+        self._failed = None
+        self._tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(self._num_workers)]
         ports = free_ports(self._num_workers)
         pumps = []
         previous = {}
@@ -284,6 +369,7 @@ class Launch:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed and status == 0:
                 index, code = failed[0]
+                self._failed = (index, code)
                 status = _exit_status(code)
                 self._note(f"worker {index} exited with status {status}; stopping the others")
                 self._stop_all()
@@ -363,6 +449,9 @@ def add_launch_arguments(parser) -> None:
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds from SIGINT (SIGTERM at half) to SIGKILL when stopping workers (default "
                              f"{DEFAULT_GRACE_S:g})")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="relaunch the cluster after a failure at most this often (default 0): without a worker "
+                             "whose card failed, or with every worker after a worker killed by a signal")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 
 
@@ -373,4 +462,5 @@ def run_launch(args) -> int:
         command = command[1:]
     check_workers(args.workers)  # before the --emulate list is measured against it
     emulate = parse_emulate(args.emulate, args.workers)
-    return Launch(command, num_workers=args.workers, emulate=emulate, grace_s=args.grace_s).run()
+    return Launch(command, num_workers=args.workers, emulate=emulate, grace_s=args.grace_s,
+                  max_restarts=args.max_restarts).run()

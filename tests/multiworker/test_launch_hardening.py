@@ -184,3 +184,55 @@ def test_launch_arguments_are_checked_with_clear_errors():
     done = subprocess.run(_launch("--workers", "0", "--emulate", "A10", "--", "true"), env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--workers must be an int" in done.stderr, done.stderr
+
+
+FAKE_WORKER = """
+import json, os, signal, sys
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+restart = int(os.environ["HETERO_CS_RESTART"])
+workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+print(f"worker {index} of {workers}, restart {restart}, emulate {os.environ.get('HETERO_CS_EMULATE')}", flush=True)
+if restart == 0 and index == 1:
+    {failure}
+"""
+
+
+def _relaunch_run(tmp_path, failure: str, *extra: str):
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_WORKER.replace("{failure}", failure))
+    return subprocess.run(_launch("--workers", "2", "--emulate", "A10,T4", "--max-restarts", "1", *extra, "--",
+                                  sys.executable, str(script)), env=_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_launch_relaunches_every_worker_after_a_transient_death():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), "os.kill(os.getpid(), signal.SIGKILL)")
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "worker 1 was killed by signal 9 (a transient death): relaunching 2 worker(s) with every worker" in \
+        done.stdout
+    assert "worker 1 of 2, restart 1, emulate A10,T4" in done.stdout
+
+
+def test_launch_relaunches_without_a_worker_that_lost_its_card():
+    import tempfile
+
+    lost = ("sys.stderr.write('hetero_cs emulation: lost replica=1 (T4) at its step 3: CUDA_ERROR_ECC_UNCORRECTABLE"
+            "\\\\n'); sys.stderr.flush(); os.abort()")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), lost)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "worker 1's card failed: relaunching 1 worker(s) without worker 1 (emulating T4)" in done.stdout
+    assert "worker 0 of 1, restart 1, emulate A10" in done.stdout
+
+
+def test_launch_does_not_relaunch_a_scripts_own_failure():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), "sys.exit(5)")
+    assert done.returncode == 5
+    assert "worker 1 failed with status 5 and no card of it failed: not relaunching" in done.stdout
+    assert "restart 1" not in done.stdout

@@ -32,10 +32,12 @@ def _env(**extra) -> dict:
 
 
 def _launch(out: Path, workers: int, *job_args: str, emulate: str | None = None, timeout_s: float = 240,
-            **env) -> str:
+            max_restarts: int = 0, **env) -> str:
     command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", str(workers)]
     if emulate:
         command += ["--emulate", emulate]
+    if max_restarts:
+        command += ["--max-restarts", str(max_restarts)]
     command += ["--", sys.executable, str(JOB), str(out), *job_args]
     done = subprocess.run(command, env=_env(**env), capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
@@ -457,3 +459,24 @@ def test_a_device_error_on_one_worker_is_its_device_fault_error_and_the_others_s
                      r"\S+task:1/device:CPU:0 \(CUDA_ERROR_ECC_UNCORRECTABLE", output0), output0[-3000:]
     assert re.search(r"fit failed: DeviceFaultError: model.fit failed on worker 1 with a device error on "
                      r"\S+task:1/device:CPU:0 \(UnknownError: CUDA_ERROR_ECC_UNCORRECTABLE", output1), output1[-3000:]
+
+
+@pytest.mark.slow
+def test_launch_relaunches_without_the_worker_whose_card_failed_and_the_job_resumes_exactly(tmp_path, reference):
+    # Worker 1's card fails in the second epoch (its step 4), after the first epoch's BackupAndRestore backup.
+    # `hetero-cs launch --max-restarts 1` relaunches the job on worker 0 alone, which resumes from that backup and
+    # ends where uninterrupted single-device training ends.
+    expected = reference(3)
+    backup = tmp_path / "backup"
+    output = _launch(tmp_path, 2, "--split", "even", "--epochs", "3", "--backup", str(backup), "--fail", "1:4",
+                     "--timeout-s", "200", emulate="A10,T4", max_restarts=1)
+    assert re.search(r"worker 1's card failed: relaunching 1 worker\(s\) without worker 1 \(emulating T4\)", output), \
+        output[-3000:]
+    result = np.load(tmp_path / "worker0.npz")
+    assert int(result["epochs_run"]) == 2  # epochs 2 and 3: the first came from the backup
+    for key, value in expected.items():
+        if key in ("loss", "accuracy"):
+            value = value[1:]
+        if key == "epochs_run":
+            continue
+        np.testing.assert_allclose(result[key], value, rtol=0, atol=TOLERANCE, err_msg=key)
