@@ -8,7 +8,9 @@ for two replicas per worker) so that the strategy emulates unlike devices on a C
 
 Every line a worker prints (stdout and stderr together) is printed with a ``[worker i]`` prefix. The launcher's
 exit status is the first failing worker's (a worker killed by signal ``s`` counts as ``128 + s``), else 0. When a
-worker fails, or on Ctrl-C (SIGINT), SIGTERM or SIGHUP, every worker still running is sent SIGINT (what Ctrl-C in a
+worker fails, the others get up to 10 s (at most ``grace_s``) to end on their own: they learn of it from TensorFlow
+within seconds and end with a clean ``WorkerLostError``. Then, or at once on Ctrl-C (SIGINT), SIGTERM or SIGHUP,
+every worker still running is sent SIGINT (what Ctrl-C in a
 terminal sends: Python raises KeyboardInterrupt, and TensorFlow, which catches SIGTERM for its preemption notifier
 and goes on training, stops), SIGTERM after half of ``grace_s`` and SIGKILL after ``grace_s`` seconds, each worker's
 whole process group included, so nothing is left running; a worker that had to be killed is named.
@@ -48,6 +50,7 @@ EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
 _MAX_LINE_BYTES = 1 << 16
+_SELF_STOP_S = 10.0  # after a worker failed: how long the others may take to end on their own before SIGINT
 _TAIL_LINES = 200  # each worker's last lines kept to tell why it failed
 _DRAIN_S = 1.0  # after the workers exited: how long their output may still arrive before leftover children die
 _EXAMPLE_NAMES = ("A10", "T4", "P100")
@@ -371,7 +374,12 @@ class Launch:
                 index, code = failed[0]
                 self._failed = (index, code)
                 status = _exit_status(code)
-                self._note(f"worker {index} exited with status {status}; stopping the others")
+                # The others find out themselves within seconds (a WorkerLostError naming the worker, from
+                # TensorFlow's collectives and coordination service) and end with a clean error; a SIGINT in the
+                # middle of that would end them in a raw KeyboardInterrupt trace from inside TensorFlow instead.
+                waited = self._let_others_end(_SELF_STOP_S)
+                self._note(f"worker {index} exited with status {status}; "
+                           + ("the others ended on their own" if waited else "stopping the others"))
                 self._stop_all()
                 return status
             if self._stop.is_set():
@@ -382,6 +390,15 @@ class Launch:
             if all(c is not None for c in codes):
                 return 0
             time.sleep(_POLL_S)
+
+    def _let_others_end(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` (cut short by a stop signal) for every worker to exit; True when they did."""
+        deadline = time.monotonic() + min(timeout_s, self._grace_s)
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if all(p.poll() is not None for p in self._processes):
+                return True
+            time.sleep(_POLL_S)
+        return all(p.poll() is not None for p in self._processes)
 
     def _note(self, message: str) -> None:
         self._write(f"[launch] {message}\n")
