@@ -74,8 +74,6 @@ def test_a_card_that_fails_for_good_is_set_aside_and_training_stays_exact(fast_e
     assert strategy.balancer.max_batch_sizes[1] == 0
     assert strategy.plan.per_replica_batch_sizes[1] == 0  # the fixed shares of the others: [24, 0, 24]
     assert strategy.plan.per_replica_batch_sizes == (24, 0, 24)
-    # The failed step ran three times on replica 0: twice with replica 1, then without it.
-    assert strategy.emulator.steps_done[0] == 2 * NUM_BATCHES + 2
     sample = strategy.monitor.last_step()  # an idle replica reports 0 examples in 0 s: nothing ran on it
     assert sample.per_replica_batch_sizes == (24, 0, 24) and sample.per_replica_step_times_s[1] == 0.0
     messages = [r.getMessage() for r in caplog.records]
