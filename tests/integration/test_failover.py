@@ -10,23 +10,14 @@ import pytest
 import tensorflow as tf
 
 from hetero_cs import DeviceFaultError, HeteroCentralStorageStrategy, ReplicaStepError
-from hetero_cs.emulation import Drift, Emulator, Workload
+from hetero_cs.emulation import Drift, Emulator
+from tiny_regression import B, DEVICES, WORKLOAD, mlp, regression_data
 
-DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
-WORKLOAD = Workload(flops_per_example=2e7, parameter_bytes=10_000, activation_bytes_per_example=10_000)
-B = 48
 NUM_BATCHES = 8
 
 
-def mlp():
-    keras.utils.set_random_seed(5)
-    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(12, activation="relu"), keras.layers.Dense(1)])
-
-
 def data():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(B * NUM_BATCHES, 6)).astype(np.float32)
-    return x, (x[:, :1] * 0.5 - x[:, 1:2]).astype(np.float32)
+    return regression_data(NUM_BATCHES)
 
 
 def reference(initial_weights, epochs):
