@@ -1,4 +1,4 @@
-"""Benchmark: a failing card costs a step, a lost card a restart - on emulated devices (``Drift(fails=True|lost=True)``).
+"""Benchmark: a failing card costs a step, a lost card a restart, on emulated devices (``Drift(fails|lost=True)``).
 
 What it measures (timings are EMULATED: real compute on logical CPU devices plus waits for the named devices'
 times):

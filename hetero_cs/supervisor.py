@@ -6,16 +6,17 @@ outside: it runs the script, and when the script dies of a lost card it starts i
 
 * **Which card.** The script's standard error passes through the supervisor (and on to its own). When the script
   dies of a fatal signal (SIGABRT after a sticky CUDA error, SIGSEGV, ...; not SIGKILL, SIGTERM, SIGINT or SIGHUP,
-  which come from outside), the supervisor looks among its last 200 lines for a lost card: an emulated card's line (``hetero_cs emulation: lost replica=<i> (<name>) ...``, see
-  :class:`hetero_cs.emulation.Drift`), or a sticky CUDA error on a line that names a GPU (``/device:GPU:<i>``,
+  which come from outside), the supervisor looks among its last 200 lines for a lost card: an emulated card's
+  line (``hetero_cs emulation: lost replica=<i> (<name>) ...``; see :class:`hetero_cs.emulation.Drift`),
+  or a sticky CUDA error on a line that names a GPU (``/device:GPU:<i>``,
   ``GPU_<i>_bfc``, ``device ordinal <i>``). On real GPUs, NVML is asked too (when ``nvidia-ml-py`` is installed):
   a GPU that NVML reports lost, or whose count of uncorrected ECC errors grew while the script ran.
 * **Without it.** The restarted script gets ``HETERO_CS_EXCLUDED_DEVICES``, the positions of the cards lost in its
   first device list (e.g. ``"1"``), and on GPUs ``CUDA_VISIBLE_DEVICES`` without them. On emulated devices the
   strategy leaves those cards out of ``emulate=`` (and of ``compute_devices`` and ``batch_split`` given for every
   card); on GPUs it leaves their shares out of a ``batch_split`` given for every first GPU. It plans from the
-  profiles calibrated before the restart (kept with the backups), without calibrating again. ``HETERO_CS_RESTART`` holds the number of restarts so far
-  (0 at first).
+  profiles calibrated before the restart (kept with the backups), without calibrating again.
+  ``HETERO_CS_RESTART`` holds the number of restarts so far (0 at first).
 * **Resumed, not replayed.** Under the supervisor (``HETERO_CS_BACKUP_DIR`` is set) ``model.fit`` backs training
   up by itself (:mod:`hetero_cs.engine.backup`): the model, the optimizer, the metrics, the epoch and the step,
   often enough to redo little and rarely enough to cost under 1 % of training time. The restarted ``fit`` resumes at

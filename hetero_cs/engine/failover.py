@@ -224,8 +224,8 @@ class DeviceFailover:
         return DeviceFaultError(
             f"The training step failed with a device error on replica {replica_id}, {card} ({type(exc).__name__}: "
             f"{first_line(exc)}), and training cannot go on without it: {why}. Excluded before: "
-            f"{excluded or 'none'}. No update of this step was applied: {state}. Check the card (nvidia-smi -q shows ECC errors and Xid events), leave it out of "
-            f"compute_devices (or CUDA_VISIBLE_DEVICES), or run the script under `hetero-cs run` to restart it "
-            f"without the card. The original error is chained below.",
+            f"{excluded or 'none'}. No update of this step was applied: {state}. Check the card (nvidia-smi -q shows "
+            f"ECC errors and Xid events), leave it out of compute_devices (or CUDA_VISIBLE_DEVICES), or run the "
+            f"script under `hetero-cs run` to restart it without the card. The original error is chained below.",
             replica_id=replica_id, device=self._strategy.compute_devices[replica_id],
             excluded=tuple(self.exclusions), last_error=exc)

@@ -470,7 +470,8 @@ class PositionalEmbedding(keras.layers.Layer):
 
     def __init__(self, length, vocabulary, dim, **kwargs):
         super().__init__(**kwargs)
-        self.tokens = keras.layers.Embedding(vocabulary, dim, embeddings_initializer=keras.initializers.RandomNormal(seed=1))
+        self.tokens = keras.layers.Embedding(vocabulary, dim,
+                                             embeddings_initializer=keras.initializers.RandomNormal(seed=1))
         self.positions = keras.layers.Embedding(length, dim,
                                                 embeddings_initializer=keras.initializers.RandomNormal(seed=2))
         self.length = length

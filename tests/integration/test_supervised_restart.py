@@ -189,7 +189,8 @@ def test_a_damaged_backup_is_refused_with_the_fix(supervised, tmp_path, damage):
     if damage == "record":
         (directory / "fit_0.json").write_text("{not json")
     elif damage == "fields":
-        (directory / "fit_0.json").write_text((directory / "fit_0.json").read_text().replace('"epoch": 3', '"epoch": "x"'))
+        record = directory / "fit_0.json"
+        record.write_text(record.read_text().replace('"epoch": 3', '"epoch": "x"'))
     else:
         for path in directory.glob("*.npz"):
             path.write_bytes(b"truncated")

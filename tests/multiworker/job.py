@@ -133,7 +133,8 @@ def main(argv=None) -> int:
             if args.drift is not None:
                 replica, factor, from_step = args.drift.split(":")
                 drift.append(Drift(replica_id=int(replica), factor=float(factor), from_step=int(from_step)))
-            if args.fail is not None and os.environ.get("HETERO_CS_RESTART", "0") == "0":  # relaunched: the card is gone
+            relaunched = os.environ.get("HETERO_CS_RESTART", "0") != "0"  # relaunched: the failed card is gone
+            if args.fail is not None and not relaunched:
                 replica, from_step = args.fail.split(":")
                 drift.append(Drift(replica_id=int(replica), from_step=int(from_step), fails=True))
             names = [name for entry in os.environ["HETERO_CS_EMULATE"].split(",") for name in entry.split("+")]

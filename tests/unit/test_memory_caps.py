@@ -241,7 +241,8 @@ def test_an_excluded_replica_keeps_a_cap_of_0_through_successes_and_new_cost_mod
     for _ in range(200):  # a lowered cap would grow back after 50 successes; an excluded one never does
         assert balancer.record_step_success(plan.per_replica_batch_sizes) == []
     balancer.set_cost_models([LinearCostModel(1e-3, 1e-3)] * 3, max_batch_sizes=[None, 64, None])
-    assert balancer.plan_for(90).per_replica_batch_sizes[1] == 0 and balancer.plan_for(7).per_replica_batch_sizes[1] == 0
+    assert balancer.plan_for(90).per_replica_batch_sizes[1] == 0
+    assert balancer.plan_for(7).per_replica_batch_sizes[1] == 0
     assert balancer.memory_caps.excluded == (1,)
     balancer.exclude_replica(0, 45, 90)
     with pytest.raises(InfeasiblePlanError):  # none left
