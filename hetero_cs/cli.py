@@ -125,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=_launch)
     from hetero_cs.supervisor import add_run_arguments
 
-    run = verbs.add_parser("run", help="run a training script, restarting it without a card it lost (resumes from "
-                                       "fit's backup)")
+    run_help = "run a training script, restarting it without a card it lost (resumes from fit's backup)"
+    run = verbs.add_parser("run", help=run_help,
+                           description=run_help[0].upper() + run_help[1:] + ": see docs/failover.md.")
     add_run_arguments(run)
     run.set_defaults(run=_run)
     return parser
