@@ -10,7 +10,8 @@ Every use of a private name is commented with why it is needed and what it relie
 checked against are TensorFlow 2.21 and Keras 3.15.
 
 The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
-``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
+``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking), ``tape``
+(``tf.GradientTape.gradient`` of a loss the user reduced),
 ``optimizer`` (Keras' TensorFlow optimizer), ``loss_scale`` (its LossScaleOptimizer: mixed_float16),
 ``trainer`` (fit, evaluate, predict and layer walks), ``graph_patterns`` (reading how a traced value was computed)
 and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a
@@ -74,6 +75,7 @@ from hetero_cs.engine._compat.multi_worker import (
     mark_distributed_dataset,
     skip_partial_batch_agreement,
 )
+from hetero_cs.engine._compat.tape import _patch_gradient_tape
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 
 __all__ = [
@@ -143,6 +145,7 @@ def install() -> None:
         _patch_layer_losses()
         _patch_compute_loss()
         _patch_mean_metric()
+        _patch_gradient_tape()
         _patch_batch_normalization()
         _patch_variable_assign_add()
         _patch_optimizer()
