@@ -21,10 +21,12 @@ EMPTY_SLICE_ADVICE = (
     "global batch hold at least R examples: drop a last partial batch smaller than R (dataset.batch(B, "
     "drop_remainder=True), or fit on the first N - N % B examples), choose a global batch size B whose remainder "
     "N % B is 0 or at least R, and give no replica a 0 share in batch_split; or set TF_ENABLE_ONEDNN_OPTS=0 before "
-    "TensorFlow is imported. An unsynchronized BatchNormalization would also average NaN moments from the empty "
-    "slice into its moving statistics: use BatchNormalization(synchronized=True)."
+    "TensorFlow is imported."
 )
 
+
+CROSS_REPLICA_SCOPE = "hetero_cross_replica"
+"""The name scope of the reductions over the replicas (the merge calls' sums on the parameter device)."""
 
 REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
 """Set on an op error raised by a replica function that ran eagerly: eager errors name no op, so no replica scope."""
@@ -62,9 +64,11 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     ``replica_id``: the replica already blamed (an out-of-memory error, by :mod:`hetero_cs.engine.oom_errors`).
     Otherwise: in a graph, TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no
     prefix, and an op error without one is taken as replica 0's (errors other than out of memory only). Eagerly
-    there is no op name: the replica function tagged the error (:func:`tag_replica`).
+    there is no op name: the replica function tagged the error (:func:`tag_replica`). A sum over the replicas
+    (under :data:`CROSS_REPLICA_SCOPE`) is blamed on a replica that got 0 examples, else on none.
     """
     message = str(exc)
+    cross_replica = False
     if replica_id is None:
         replica_id = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly
     if replica_id is None:
@@ -72,25 +76,25 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
         match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
         if match is None or "Iterator" in match.group(1) or "IteratorGetNext" in message:
             return None  # the input pipeline failed (e.g. a generator), not a replica's step
+        cross_replica = f"{CROSS_REPLICA_SCOPE}/" in match.group(1)
         # The replica's scope may follow other scopes, e.g. "gradient_tape/replica_1/...".
         # A step over some replicas (idle ones left out) numbers its threads, not its replicas: there each
         # replica's ops also sit under "hetero_replica_<id>/" (hetero_cs.engine.replica_wrapping), read first.
         scope = (re.search(r"(?:^|/)hetero_replica_(\d+)/", match.group(1))
                  or re.search(r"(?:^|/)replica_(\d+)/", match.group(1)))
         replica_id = int(scope.group(1)) if scope else 0
+    empty = empty_slice_plan
+    zeros = [] if empty is None else [i for i, b in enumerate(empty.per_replica_batch_sizes) if b == 0]
+    if cross_replica:
+        # A sum over the replicas failed on the parameter device (BatchNormalization's statistics, the gradients):
+        # one replica's value did not fit the others'. A 0-example slice is the likely cause: some kernels give an
+        # empty input's output a wrong shape (oneDNN's Conv2D). Without one, the replica is not known.
+        return _cross_replica_error(exc, message, compute_devices, plan, empty, zeros, kind)
     if replica_id >= len(compute_devices):
         return None
     device = compute_devices[replica_id]
-    lines = [line.strip() for line in message.splitlines()]
-    # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
-    marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
-    if marker is not None:
-        before = [line for line in lines[:marker] if line]
-    else:  # eagerly: the op's own line ends in "[Op:NAME]" (Keras may wrap it in "Exception encountered ...")
-        before = [line for line in lines if "[Op:" in line][:1] or [line for line in lines if line][:1]
-    cause = before[-1] if before else type(exc).__name__
+    cause = _op_message(message, exc)
     plan = list(plan.per_replica_batch_sizes) if plan else None
-    empty = empty_slice_plan
     if empty is not None and empty.per_replica_batch_sizes[replica_id] == 0:
         advice = (
             f"That replica gets 0 examples of a global batch of {empty.global_batch_size} (cut "
@@ -107,6 +111,39 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
         replica_id=replica_id,
         device=device,
     )
+
+
+def _op_message(message: str, exc: Exception) -> str:
+    """The failing op's own line of TensorFlow's error message."""
+    lines = [line.strip() for line in message.splitlines()]
+    # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
+    marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
+    if marker is not None:
+        before = [line for line in lines[:marker] if line]
+    else:  # eagerly: the op's own line ends in "[Op:NAME]" (Keras may wrap it in "Exception encountered ...")
+        before = [line for line in lines if "[Op:" in line][:1] or [line for line in lines if line][:1]
+    return (before[-1] if before else type(exc).__name__).strip()
+
+
+def _cross_replica_error(exc, message, compute_devices, plan, empty, zeros, kind):
+    """The ReplicaStepError of a failed sum over the replicas: it names a 0-example replica, the likely cause."""
+    cause = _op_message(message, exc)
+    plan = list(plan.per_replica_batch_sizes) if plan else None
+    applied = ("No update of this step was applied: variables and optimizer state are as they were before it. "
+               if kind == "training" else "")
+    where = (f"The {kind} step failed in a sum over the replicas on the parameter device ({type(exc).__name__}: "
+             f"{cause}): the replicas' values did not agree.")
+    if zeros:
+        replica_id = zeros[0]
+        return ReplicaStepError(
+            f"{where} Replica {replica_id} on {compute_devices[replica_id]} fed it from a slice of 0 examples of a "
+            f"global batch of {empty.global_batch_size} (cut {list(empty.per_replica_batch_sizes)}; full batches: "
+            f"{plan}), which is likely this step. {applied}{EMPTY_SLICE_ADVICE} The original error is chained below.",
+            replica_id=replica_id, device=compute_devices[replica_id])
+    return ReplicaStepError(
+        f"{where} Which replica's value was wrong cannot be told from the error. {applied}Check the replicas' "
+        f"slices of the batch (plan: {plan}): a layer whose output shape depends on the examples, or a value "
+        f"returned by one replica only, fails this way. The original error is chained below.")
 
 
 def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:

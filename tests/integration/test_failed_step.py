@@ -119,6 +119,42 @@ def test_a_partial_batch_smaller_than_r_warns_and_a_failure_it_causes_is_explain
     assert len(warnings) == 1 and "cut [1, 0, 0]: replica(s) [1, 2] get 0 examples and do no work" in warnings[0]
 
 
+def test_a_failed_sum_over_the_replicas_names_the_replica_with_an_empty_slice_not_replica_0():
+    # A sum over the replicas runs on the parameter device under the first replica's name scope, where replica 0's
+    # ops sit too: its error used to blame replica 0 ("plan: [2, 2, 2]"), whatever fed it. Here oneDNN gives the
+    # empty slice's Conv2D output a wrong shape, and BatchNormalization's statistics sum fails on the host.
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], auto_balance=False, rebalance=False, profile_cache=False
+    )
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(),
+                                  keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(14, 8, 8, 3)).astype(np.float32)
+    y = rng.integers(0, 2, size=(14,)).astype(np.int64)
+    try:
+        model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)  # 6, 6, 2: the last batch cut [1, 1, 0]
+    except ReplicaStepError as error:
+        assert (error.replica_id, error.device) == (2, "/device:CPU:3")
+        assert "failed in a sum over the replicas" in str(error)
+        assert "0 examples of a global batch of 2 (cut [1, 1, 0]" in str(error) and "drop_remainder" in str(error)
+    else:
+        pytest.skip("this TensorFlow build runs Conv2D on an empty slice; nothing failed")
+
+
+def test_a_failed_sum_over_the_replicas_without_an_empty_slice_names_no_replica():
+    strategy = HeteroCentralStorageStrategy(
+        ["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[4, 4, 2], rebalance=False, profile_cache=False
+    )
+    strategy.plan_for(10)
+    message = ("Graph execution error:\n\nInputs to operation AddN of type AddN must have the same size and shape.  "
+               "Input 0: [4] != input 1: [3]\n\t [[{{node sequential/dense/hetero_cross_replica/AddN}}]]")
+    error = strategy._replica_step_error(tf.errors.InvalidArgumentError(None, None, message))  # noqa: SLF001
+    assert isinstance(error, ReplicaStepError) and error.replica_id is None
+    assert "sum over the replicas" in str(error) and "plan: [4, 4, 2]" in str(error)
+
+
 @pytest.mark.parametrize("trial", range(2))
 def test_a_replica_failing_in_its_backward_pass_applies_no_update(trial):
     strategy = HeteroCentralStorageStrategy(

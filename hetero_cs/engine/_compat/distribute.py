@@ -22,6 +22,7 @@ from tensorflow.python.distribute import input_lib, parameter_server_strategy  #
 from hetero_cs.engine import idle_replicas, training
 from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
+from hetero_cs.engine.step_errors import CROSS_REPLICA_SCOPE
 
 
 logger = logging.getLogger(__name__)
@@ -235,12 +236,18 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             return per_replica((value,))
         return value
 
+    # The reductions run in the merge call, under the name scope of the first replica's thread: replica 0's ops
+    # carry no replica prefix either, so an error in a reduction (the replicas' values disagree in shape, say) would
+    # be blamed on replica 0. Their ops sit under CROSS_REPLICA_SCOPE, which the step's error reads
+    # (hetero_cs.engine.step_errors).
     def _reduce_to(self, reduce_op, value, destinations, options):
-        return super()._reduce_to(reduce_op, self._as_distributed(value), destinations, options)
+        with tf.name_scope(CROSS_REPLICA_SCOPE):
+            return super()._reduce_to(reduce_op, self._as_distributed(value), destinations, options)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = [(self._as_distributed(value), destinations) for value, destinations in value_destination_pairs]
-        return super()._batch_reduce_to(reduce_op, pairs, options)
+        with tf.name_scope(CROSS_REPLICA_SCOPE):
+            return super()._batch_reduce_to(reduce_op, pairs, options)
 
     @property
     def worker_devices(self):
