@@ -32,8 +32,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as `python benchmarks/x.py` from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
-"""Default folder for JSON and PNG outputs (git-ignored)."""
+IN_CHECKOUT = (REPO_ROOT / "setup.cfg").is_file()
+"""True when run from a source checkout; False when installed from the wheel (``hetero-cs bench``)."""
+
+OUT_DIR = Path(__file__).resolve().parent / "out" if IN_CHECKOUT else Path.cwd() / "hetero_cs_bench_out"
+"""Default folder for JSON and PNG outputs: ``benchmarks/out`` in a checkout (git-ignored), else
+``./hetero_cs_bench_out`` (an installed package's folder may not be writable)."""
 
 MODELS = ("mlp", "cnn")
 MODEL_DESCRIPTIONS = {

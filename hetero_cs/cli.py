@@ -3,7 +3,7 @@
     hetero-cs devices                                   # TF devices joined with NVML facts
     hetero-cs calibrate --emulate A10,T4,P100 --output profile.json
     hetero-cs plan --profile profile.json --global-batch-size 512
-    hetero-cs bench [benchmark options]                 # benchmarks/balance.py, from a source checkout
+    hetero-cs bench [benchmark options]                 # benchmarks/balance.py (shipped in the wheel)
     hetero-cs launch --workers 2 --emulate A10,T4 -- python train.py   # N workers with TF_CONFIG on loopback
     hetero-cs run --max-restarts 3 -- python train.py   # restarted without a lost card, resumed from fit's backup
 """
@@ -71,17 +71,17 @@ def _bench(args: argparse.Namespace) -> int:
 
     # The source checkout: the working directory, or where an editable install of hetero_cs lives.
     for checkout in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        if (checkout / "benchmarks" / "balance.py").is_file():
+        if (checkout / "benchmarks" / "balance.py").is_file() and (checkout / "hetero_cs").is_dir():
             if str(checkout) not in sys.path:
                 sys.path.insert(0, str(checkout))
             break
     try:
         from benchmarks.balance import main as balance_main
-    except ImportError as exc:
+    except ImportError as exc:  # the wheel ships the benchmarks package: an install that lost it
         raise ConfigError(
-            "`hetero-cs bench` runs benchmarks/balance.py, which ships with the source checkout, not the wheel. "
-            "Run it from the root of a source checkout (the folder that holds benchmarks/ and setup.cfg) or call "
-            "`python benchmarks/balance.py` there."
+            f"`hetero-cs bench` runs the benchmarks package (benchmarks/balance.py), which the hetero_cs wheel "
+            f"installs beside hetero_cs, but it could not be imported ({exc}). Reinstall hetero_cs "
+            f"(pip install --force-reinstall hetero_cs), or run `python benchmarks/balance.py` in a source checkout."
         ) from exc
     return int(balance_main(args.bench_args) or 0)
 

@@ -540,8 +540,25 @@ def test_cli_bad_arguments_exit_2_before_any_work(capsys, argv, match):
     assert re.search(match, err), err
 
 
-def test_cli_bench_outside_a_source_checkout(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "benchmarks", None)  # as in an installed wheel: no benchmarks/
+def test_cli_bench_when_the_benchmarks_package_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "benchmarks", None)  # an install that lost the benchmarks package
     status, out, err = _cli(["bench"], capsys)
     assert status == 2
-    assert re.search(r"hetero-cs bench: error: `hetero-cs bench` runs benchmarks/balance\.py.*source checkout", err)
+    assert re.search(r"hetero-cs bench: error: `hetero-cs bench` runs the benchmarks package.*could not be "
+                     r"imported.*Reinstall hetero_cs", err)
+
+
+def test_the_wheel_ships_the_benchmarks_package_that_bench_runs():
+    # `hetero-cs bench` must work after a plain `pip install .`: the packages setuptools finds with setup.cfg's
+    # include list (what goes into the wheel) hold benchmarks.balance's package.
+    import configparser
+    import pathlib
+
+    setuptools = pytest.importorskip("setuptools")
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    include = config["options.packages.find"]["include"].split()
+    found = setuptools.find_packages(where=str(root), include=include)
+    assert "benchmarks" in found and "hetero_cs" in found and "calibration" in found
