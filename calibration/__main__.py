@@ -145,6 +145,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--min-batch-size", type=_non_negative_int, default=1,
                         help="smallest slice per replica; 0 lets a replica sit idle (default: 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="with --devices: also draw the plan (each card's busy and waiting time per step, and "
+                             "examples/s against the even split and the fastest card alone); needs matplotlib")
     return parser
 
 
@@ -227,9 +230,9 @@ def run_plan(args: argparse.Namespace) -> int:
                           "A10,T4,P100 (a what-if from catalog figures).")
     if args.devices is not None:
         return _run_what_if(args)
-    if args.add or args.drop or args.model is not None:
-        raise ConfigError("--add, --drop and --model go with --devices (a what-if); a profile's cards and model are "
-                          "fixed by its calibration.")
+    if args.add or args.drop or args.model is not None or args.plot is not None:
+        raise ConfigError("--add, --drop, --model and --plot go with --devices (a what-if); a profile's cards and "
+                          "model are fixed by its calibration.")
     result = load_result_file(args.profile)
     batch = args.global_batch_size
     if batch is None:
@@ -262,8 +265,18 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
         model, _ = build_calibration_model(args.model, global_batch_size=args.global_batch_size)
         workload = estimate_workload(model)
+    if args.plot is not None:
+        from hetero_cs.devices.what_if_plot import check_plot_path
+
+        check_plot_path(args.plot)  # before the work: a missing matplotlib or folder fails at once
     result = what_if(mix(args.devices, add=args.add, drop=args.drop), args.global_batch_size, workload)
     print(json.dumps(result) if args.json else format_what_if(result))
+    if args.plot is not None:
+        from hetero_cs.devices.what_if_plot import plot_what_if
+
+        path = plot_what_if(result, args.plot)
+        if not args.json:
+            print(f"plot: {path}")
     return 0
 
 

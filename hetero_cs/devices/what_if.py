@@ -78,7 +78,10 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
     Returns:
         A JSON-ready dict: ``devices``, ``global_batch_size``, ``predicted_step_s``, ``examples_per_s``,
         ``per_replica_batch_sizes``, ``micro_batch_sizes``, ``micro_batch_counts``, ``sub_steps``,
-        ``memory_caps`` (examples per card), ``idle`` (indices of cards left out), ``even_split_step_s`` (None when
+        ``memory_caps`` (examples per card), ``idle`` (indices of cards left out), ``sub_step_batch_sizes`` (each
+        sub-step's cut, shape [K][R]), ``sub_step_busy_s`` (each card's predicted time in each sub-step, seconds,
+        shape [K][R]: a sub-step lasts its row's maximum, the others wait), ``predicted_busy_s`` (their sum per
+        card, shape [R]), ``even_split_step_s`` (None when
         the even split does not fit the cards' memory), ``speedup_vs_even`` (None then too), ``fastest_card``,
         ``fastest_card_step_s`` and ``speedup_vs_fastest`` (all cards against the fastest card alone on the whole
         batch, micro-batched where its memory requires), and ``emulated: true`` (predictions, not measurements).
@@ -102,6 +105,8 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
              if caps[i] is None or caps[i] > 0}
     fastest = min(alone, key=alone.get)
     step_s = plan.predicted_makespan_s
+    busy = [[model.predict_step_time_s(b) for model, b in zip(models, p.per_replica_batch_sizes)]
+            for p in plan.sub_step_plans]
     return {
         "devices": [spec.name for spec in specs],
         "global_batch_size": B,
@@ -113,6 +118,9 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         "sub_steps": plan.num_sub_steps,
         "memory_caps": caps,
         "idle": [i for i, k in enumerate(plan.micro_batch_counts) if k == 0],
+        "sub_step_batch_sizes": [list(p.per_replica_batch_sizes) for p in plan.sub_step_plans],
+        "sub_step_busy_s": busy,
+        "predicted_busy_s": [sum(row[i] for row in busy) for i in range(R)],
         "even_split_step_s": even_s,
         "speedup_vs_even": None if even_s is None else even_s / step_s,
         "fastest_card": specs[fastest].name,

@@ -81,3 +81,46 @@ def test_the_what_if_needs_no_tensorflow():
             "print('tensorflow' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", (done.stdout, done.stderr)
+
+
+def test_the_sub_steps_times_add_up_to_the_predicted_step():
+    result = what_if(["A10@1GB", "T4", "P100"], 256)  # the A10's memory binds: micro-batches, a barrier each
+    assert result["sub_steps"] == len(result["sub_step_batch_sizes"]) == len(result["sub_step_busy_s"]) >= 2
+    assert sum(max(row) for row in result["sub_step_busy_s"]) == pytest.approx(result["predicted_step_s"])
+    assert [sum(cut[i] for cut in result["sub_step_batch_sizes"]) for i in range(3)] == \
+        result["per_replica_batch_sizes"]
+    assert result["predicted_busy_s"] == pytest.approx([sum(row[i] for row in result["sub_step_busy_s"])
+                                                        for i in range(3)])
+
+
+def test_plot_draws_the_plan_into_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from hetero_cs.cli import main
+
+    path = tmp_path / "plan.png"
+    assert main(["plan", "--devices", "A10,T4,P100,CPU", "--global-batch-size", "256", "--plot", str(path)]) == 0
+    assert f"plot: {path}" in capsys.readouterr().out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.png"]  # written atomically: no temporary left
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--devices", "A10", "--global-batch-size", "8", "--plot", "plan.svg"], "name ending in .png"),
+    (["--devices", "A10", "--global-batch-size", "8", "--plot", "no/such/folder/plan.png"], "does not exist"),
+    (["--profile", "p.json", "--plot", "plan.png"], "--plot go with --devices"),
+])
+def test_plot_bad_arguments_are_clear_errors_before_any_work(argv, match, capsys, tmp_path, monkeypatch):
+    from hetero_cs.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", *argv]) == 2
+    assert match in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    from hetero_cs.devices.what_if_plot import check_plot_path
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match="pip install matplotlib"):
+        check_plot_path(tmp_path / "plan.png")

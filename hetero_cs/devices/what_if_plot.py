@@ -1,0 +1,130 @@
+"""A picture of a what-if plan (``hetero-cs plan --devices ... --plot FILE.png``), drawn with matplotlib.
+
+Two panels, from :func:`hetero_cs.devices.what_if.what_if`'s result (predictions from catalog figures, not
+measurements):
+
+* **Per card, one step.** A horizontal bar per card along the step's time: in each sub-step its predicted compute
+  (labelled with its examples), then the time it waits for that sub-step's slowest card (light). A card left out
+  is marked idle.
+* **Throughput.** Examples per second of the plan, of the even split (when it fits the cards' memory) and of the
+  fastest card alone on the whole batch, with the speedups.
+
+matplotlib is an optional dependency (``pip install "hetero_cs[examples]"`` or ``pip install matplotlib``); the
+figure is drawn without pyplot (no display, no global state) and written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hetero_cs.errors import ConfigError
+
+_BUSY, _WAIT, _OTHER = "#2b6cb0", "#e2e8f0", "#a0aec0"
+
+
+def check_plot_path(path) -> Path:
+    """The plot's path, checked before any work: matplotlib importable, a ``.png`` name, an existing folder.
+
+    Raises:
+        ConfigError: matplotlib is not installed, the name does not end in ``.png``, or its folder does not exist.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"--plot writes a PNG file; give a name ending in .png. Received: {str(path)!r}.")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--plot {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first.")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib, which is not installed: pip install matplotlib (or "
+                          "pip install \"hetero_cs[examples]\").") from exc
+    return path
+
+
+def plot_what_if(result: dict[str, Any], path) -> Path:
+    """Draws ``result`` (from :func:`~hetero_cs.devices.what_if.what_if`) into the PNG file ``path``; returns it.
+
+    Raises:
+        ConfigError: See :func:`check_plot_path`.
+    """
+    path = check_plot_path(path)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [f"{i}: {name}" for i, name in enumerate(result["devices"])]
+    R = len(names)
+    figure = Figure(figsize=(11, 1.2 + 0.6 * R), layout="constrained")
+    FigureCanvasAgg(figure)
+    timeline, throughput = figure.subplots(1, 2, width_ratios=[2.2, 1])
+    _draw_step(timeline, result, names)
+    _draw_throughput(throughput, result)
+    figure.suptitle(f"What-if plan for {', '.join(result['devices'])}, global batch {result['global_batch_size']} "
+                    f"(PREDICTED from catalog figures, not measured)", fontsize=10)
+    descriptor, temporary = tempfile.mkstemp(suffix=".png", dir=path.parent, prefix=f".{path.stem}.")
+    os.close(descriptor)
+    try:
+        figure.savefig(temporary, dpi=110)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
+    step_ms = result["predicted_step_s"] * 1e3
+    busy = [[t * 1e3 for t in row] for row in result["sub_step_busy_s"]]
+    cuts = result["sub_step_batch_sizes"]
+    R = len(names)
+    start = 0.0
+    for j, row in enumerate(busy):  # sub-step j lasts its slowest card's time; the others wait for it
+        length = max(row)
+        for i in range(R):
+            y = R - 1 - i
+            if row[i] > 0:
+                axes.barh(y, row[i], left=start, color=_BUSY, edgecolor="white", alpha=1.0 if j % 2 == 0 else 0.75)
+                if row[i] > step_ms * 0.06:
+                    axes.text(start + row[i] / 2, y, str(cuts[j][i]), ha="center", va="center", fontsize=7,
+                              color="white")
+            if length > row[i]:
+                axes.barh(y, length - row[i], left=start + row[i], color=_WAIT, edgecolor="none")
+        start += length
+    for i in range(R):
+        y = R - 1 - i
+        if i in result["idle"]:
+            axes.text(0, y, "  idle: left out (the others finish sooner without it)", va="center", fontsize=8,
+                      color=_OTHER)
+            continue
+        count = result["micro_batch_counts"][i]
+        detail = f"{result['per_replica_batch_sizes'][i]} ex" + (
+            f" = {count} x <= {result['micro_batch_sizes'][i]}" if count > 1 else "")
+        axes.text(start, y, f"  {detail}", va="center", fontsize=8)
+    axes.axvline(start, color="black", linewidth=0.8)
+    axes.set_yticks(range(R), list(reversed(names)))
+    axes.set_xlim(0, max(start, step_ms) * 1.35)
+    axes.set_xlabel("predicted time per step (ms): each sub-step's compute (its examples), then waiting (light)")
+    axes.set_title(f"{result['sub_steps']} sub-step(s), predicted step {step_ms:.1f} ms", fontsize=9)
+
+
+def _draw_throughput(axes, result: dict[str, Any]) -> None:
+    B = result["global_batch_size"]
+    labels, values, colors = ["this plan"], [result["examples_per_s"]], [_BUSY]
+    if result["even_split_step_s"] is not None:
+        labels.append("even split")
+        values.append(B / result["even_split_step_s"])
+        colors.append(_OTHER)
+    labels.append(f"{result['fastest_card']} alone")
+    values.append(B / result["fastest_card_step_s"])
+    colors.append(_OTHER)
+    bars = axes.bar(range(len(values)), values, color=colors)
+    axes.set_xticks(range(len(values)), labels, fontsize=8)
+    for bar, value in zip(bars, values):
+        axes.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom", fontsize=8)
+    even = result["speedup_vs_even"]
+    axes.set_title(f"examples/s: {result['speedup_vs_fastest']:.2f}x the fastest card alone"
+                   + ("" if even is None else f", {even:.2f}x the even split"), fontsize=9)
+    axes.set_ylabel("examples per second (predicted)")
+    axes.set_ylim(0, max(values) * 1.15)
