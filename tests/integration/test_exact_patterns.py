@@ -593,3 +593,31 @@ def test_a_custom_loop_loss_reduced_by_hand_is_exact(kind):
         train_step(element)
     for ref_w, w in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(w, ref_w, atol=ATOL)
+
+
+def test_a_loss_computed_in_a_nested_tf_function_is_refused_not_guessed():
+    # Its inside cannot be read: a slice mean (to weigh b_i / B) and a share (to keep) look the same from outside.
+    strategy = strategy_for(SHARES)
+    with strategy.scope():
+        model, optimizer = dense(), keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def mean_squared_error(yb, pred):
+        return tf.reduce_mean(tf.square(pred - yb))
+
+    @tf.function
+    def train_step(element):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = mean_squared_error(yb, model(xb, training=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        strategy.run(step_fn, args=element)
+
+    x, y = regression_data(6)
+    before = model.get_weights()
+    element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(6))))
+    with pytest.raises(hetero_cs.errors.LossPatternError, match="nested tf.function"):
+        train_step(element)
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)

@@ -24,7 +24,8 @@ The gradient is then taken of that weighted combination (the tape's own ``output
 op is added to the forward pass. Left as TensorFlow computes it: a target that is not a scalar (its gradient is the
 gradient of its sum, which the replicas add up exactly), a gradient with respect to tensors rather than variables
 (a gradient penalty's inner tape, say), a call that passes ``output_gradients``, and eager values, which have no
-graph to read (``run_eagerly=True``: documented).
+graph to read (``run_eagerly=True``: documented). A term computed inside a nested ``tf.function``, a ``tf.cond`` or a
+``tf.py_function`` cannot be read either, and is refused with :class:`~hetero_cs.errors.LossPatternError`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ import tensorflow as tf
 from hetero_cs.engine import training
 from hetero_cs.engine._compat.graph_patterns import linear_terms, sums_over_batch
 from hetero_cs.engine._compat.losses import _is_share, weighted_step
+from hetero_cs.errors import LossPatternError
 
+# Ops whose output hetero_cs cannot see into (function calls, control flow, Python): a loss term they return could be
+# a slice mean or a share. They are refused rather than guessed.
+_OPAQUE_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While",
+                         "StatelessWhile", "Case", "StatelessCase", "PyFunc", "PyFuncStateless", "EagerPyFunc"})
 _MAX_SCALAR_OPS = 64  # bound on the scalar ops searched for a weighted term (a loss scale is one product away)
 
 
@@ -86,6 +92,16 @@ def weighted_terms(step, target):
     own = [(coeff, t) for coeff, t in terms if not _kept_as_is(step, t)]
     if not own:
         return None
+    opaque = [t for _, t in own if t.op.type in _OPAQUE_OPS]
+    if opaque:
+        raise LossPatternError(
+            f"The loss differentiated in this replica step is computed inside a {opaque[0].op.type} op (a nested "
+            f"tf.function, tf.cond or tf.py_function around the loss), whose inside hetero_cs cannot read. Under "
+            f"the strategy each replica's gradient must be its share of the batch's: a mean over the replica's "
+            f"slice is weighed b_i / B, while a share or a sum over the batch is not, and this value could be "
+            f"either. Compute the loss directly in the step (call the loss function without its own "
+            f"@tf.function: the step is traced already), or return per-example losses and reduce them with "
+            f"tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size()).")
     weight = training.replica_weight(target.dtype)
     # A 0-example replica's own mean of nothing is NaN; tf.where gives it a coefficient of 0 and a gradient of 0.
     tensors, coefficients = [], []
