@@ -7,8 +7,9 @@ default test run catches a broken link, a page missing from the navigation or a 
 Snippets: every ```python snippet of the README, the pages and benchmarks/README.md is compiled here. Those that need
 no TensorFlow are run here: the `hetero-cs plan` what-if commands (no python snippet uses only the pure layer).
 `test_self_contained_snippets_run` (slow) runs each python snippet that stands on its own, on emulated devices. The
-others are compiled only, for the reason `_why_not_run` gives: a `[...]` placeholder, names the page defines in
-prose (`model`, `dataset`, `build_model`, ...), or a strategy built without `emulate=`, which needs real GPUs.
+others are compiled only, for the reason `_why_not_run` gives: a `[...]` placeholder, names the snippet does not
+define (`model`, `dataset`, `build_model`, ...: the page's prose or an earlier snippet does), or a strategy built
+without `emulate=`, which needs real GPUs.
 """
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ def _why_not_run(code: str) -> str | None:
         return "has a [...] placeholder"
     free = _free_names(code) - {"hetero_cs"}
     if free:
-        return f"uses names the page defines in prose: {sorted(free)}"
+        return f"uses names it does not define (the page's prose or an earlier snippet does): {sorted(free)}"
     if "Strategy(" in code and "emulate=" not in code:
         return "builds a strategy on the machine's GPUs"
     return None
