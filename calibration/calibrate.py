@@ -209,7 +209,7 @@ def calibrate(
         CalibrationOOMError: If a device runs out of memory even at batch size 1.
         CalibrationError: If the model has no loss, or a step fails.
 
-    Example:
+    Examples:
         >>> names = setup_logical_devices(["A10", "T4", "P100"])  # before TF initialises
         >>> emulator = Emulator(["A10", "T4", "P100"])
         >>> result = calibrate(model, (x, y), devices=names, emulator=emulator, store=False)

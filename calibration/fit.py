@@ -89,7 +89,7 @@ def fit_cost_model(
     Raises:
         ConfigError: If the inputs have different lengths, are empty, or hold invalid values.
 
-    Example:
+    Examples:
         >>> result = fit_cost_model([1, 4, 16, 64], [0.0102, 0.0108, 0.0132, 0.0228])
         >>> result.kind, round(result.cost_model.predict_step_time_s(32), 4)
         ('linear', 0.0164)

@@ -37,7 +37,7 @@ def build_model(name: str, *, input_shape: Sequence[int], num_classes: int, drop
     Raises:
         ConfigError: For an unknown name or an invalid shape, class count or rate.
 
-    Example:
+    Examples:
         >>> model = build_model("digits_cnn", input_shape=(8, 8, 1), num_classes=10)
         >>> model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     """

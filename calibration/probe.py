@@ -156,7 +156,7 @@ def search_memory_cap(
     Raises:
         ConfigError: If the bounds are inconsistent.
 
-    Example:
+    Examples:
         >>> search_memory_cap(lambda b: b <= 300, largest_fitting=256, smallest_failing=512, relative_precision=0)
         300
     """
@@ -281,7 +281,7 @@ def _split_batch(sample_batch: Any) -> tuple[Any, Any, Any]:
 class DeviceProbe:
     """Times one replica's step (broadcast, forward, loss, backward, gradient return) on one device.
 
-    Example:
+    Examples:
         >>> probe = DeviceProbe(model, (x, y), device="/device:CPU:1")
         >>> samples_s = probe.time_step(64, warmup_steps=2, trials=5)  # model unchanged afterwards
     """

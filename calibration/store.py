@@ -336,7 +336,7 @@ def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
 class ProfileStore:
     """A directory of cached CalibrationResults, one JSON file per profile_key.
 
-    Example:
+    Examples:
         >>> store = ProfileStore("/tmp/hetero_cs_cache")
         >>> key = profile_key(device_ids=["/device:GPU:0"], model_fingerprint="f", input_signature="s",
         ...                   tf_version="2.21.0")

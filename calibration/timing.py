@@ -76,7 +76,7 @@ def summarize_trials(samples_s: Sequence[float], *, outlier_mads: float = 5.0) -
     Raises:
         ConfigError: If samples_s is empty or holds a negative or non-finite value, or outlier_mads <= 0.
 
-    Example:
+    Examples:
         >>> stats = summarize_trials([0.010, 0.011, 0.010, 0.012, 0.250])  # 0.250 s: a stall
         >>> round(stats.median_s, 6), stats.n, stats.n_outliers
         (0.0105, 4, 1)
@@ -125,7 +125,7 @@ def probe_batch_sizes(max_batch_size: int, *, num: int = 5, min_batch_size: int 
     Raises:
         ConfigError: If an argument is out of range.
 
-    Example:
+    Examples:
         >>> probe_batch_sizes(256)
         (1, 4, 16, 64, 256)
     """

@@ -2,7 +2,7 @@
 
 hetero_cs patches private Keras and TensorFlow internals (``hetero_cs/engine/_compat``), so it works only with the
 versions it was tested on. The range below is what ``setup.cfg``'s ``install_requires`` pins (a unit test keeps
-them equal, and the README's "Versions" section quotes it) and what a version error names. Lower bounds: the
+them equal, and docs/versions.md quotes it) and what a version error names. Lower bounds: the
 oldest pair ``tox -e oldest`` runs; upper bounds: just above the newest tested pair (TensorFlow 2.21.x,
 Keras 3.15.x). Pure: importing this module loads neither TensorFlow nor Keras.
 """

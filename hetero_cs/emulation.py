@@ -1,7 +1,7 @@
 """Emulated accelerators (the public path of :mod:`hetero_cs.devices.emulation` and its catalog).
 
 ``hetero_cs.emulation.setup_logical_devices([...])``, ``Emulator``, ``Drift``, ``get_device_spec`` and the
-``CATALOG`` of published device figures, as the README shows them; emulated memory (``"T4@48MB"``,
+``CATALOG`` of published device figures, as docs/emulation.md shows them; emulated memory (``"T4@48MB"``,
 ``Drift(memory_bytes=...)``, ``slice_memory_bytes``). Importing this module does not load TensorFlow.
 """
 

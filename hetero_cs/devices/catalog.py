@@ -119,7 +119,7 @@ class DeviceSpec:
             UnsupportedPrecisionError: If the device has no bfloat16 arithmetic (``bf16_tflops`` is None).
             ConfigError: If ``compute_dtype`` is none of these.
 
-        Example:
+        Examples:
             >>> get_device_spec("T4").peak_tflops("float16")
             65.0
         """
@@ -285,7 +285,7 @@ def parse_memory_bytes(text: str) -> int:
     Raises:
         ConfigError: If ``text`` is not a number followed by one of these units, or is under 1 byte.
 
-    Example:
+    Examples:
         >>> parse_memory_bytes("48MB"), parse_memory_bytes("1GiB")
         (48000000, 1073741824)
     """
@@ -314,7 +314,7 @@ def get_device_spec(name: str) -> DeviceSpec:
         UnknownEmulatedDeviceError: If the catalog key is not in the catalog (the message lists the known names).
         ConfigError: If the memory override is not a size.
 
-    Example:
+    Examples:
         >>> get_device_spec("t4").fp32_tflops, get_device_spec("T4@48MB").memory_bytes
         (8.1, 48000000)
     """

@@ -331,7 +331,7 @@ def discover_devices() -> list[DeviceInfo]:
             refused some facts (e.g. NVMLError_NoPermission on memory; those fields are None). Without a GPU an
             unavailable NVML is only logged (INFO).
 
-    Example:
+    Examples:
         >>> for device in discover_devices():
         ...     print(device.name, device.description, device.memory_free_bytes)
     """

@@ -81,7 +81,7 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
         ConfigError: If an argument is out of range.
         UnsupportedPrecisionError: If ``spec`` has no arithmetic in the workload's compute dtype (bf16 on a T4).
 
-    Example:
+    Examples:
         T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes: 0.5 ms + 2 x 0.052 ms (PCIe gen3 x16)
         + 3 x 406,528 x 256 / (8.1e12 x 0.35) = 0.110 ms, in all ~0.71 ms.
     """
@@ -132,7 +132,7 @@ class Emulator(DeepcopiedWithNewLocks):
             not a number in (0, MAX_TIME_SCALE], ``drift`` is not a sequence of Drift, or a drift names a replica
             >= R.
 
-    Example:
+    Examples:
         >>> emulator = Emulator(["A10", "T4"], workload=Workload(4e5, 800_000))
         >>> scale = emulator.calibrate_time_scale(256)  # the slower T4 at 128 examples -> ~0.05 s
         >>> emulator.delay_s(0, 128) < emulator.delay_s(1, 128)

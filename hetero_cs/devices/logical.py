@@ -38,7 +38,7 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
         ConfigError: If ``names`` is empty.
         EmulationError: If TF is already initialised with fewer than R + 1 logical CPU devices.
 
-    Example:
+    Examples:
         >>> setup_logical_devices(["A10", "T4", "T4"])  # first thing in main() or a conftest
         ['/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
     """

@@ -32,7 +32,7 @@ def check_policy_support(policy: str, devices: Sequence[tuple[str, tuple[int, in
             capability and the fix).
         ConfigError: An unknown policy name.
 
-    Example:
+    Examples:
         >>> check_policy_support("mixed_float16", [("/device:GPU:0", (7, 5))])  # a T4: fine
         >>> check_policy_support("mixed_bfloat16", [("/device:GPU:0", (7, 5))])
         Traceback (most recent call last):

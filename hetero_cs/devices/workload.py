@@ -78,7 +78,7 @@ def slice_memory_bytes(workload: Workload, batch_size: int, *, training: bool = 
     Raises:
         ConfigError: If ``batch_size`` is not an int >= 0.
 
-    Example:
+    Examples:
         >>> slice_memory_bytes(Workload(0.0, 1000, optimizer_bytes=2000, activation_bytes_per_example=50), 10)
         4500
     """
@@ -94,7 +94,7 @@ def slice_memory_bytes(workload: Workload, batch_size: int, *, training: bool = 
 def max_examples_in_memory(workload: Workload, memory_bytes: int) -> int | None:
     """The largest slice that fits in ``memory_bytes`` (0 when not even the weights fit); None if unbounded.
 
-    Example:
+    Examples:
         >>> max_examples_in_memory(Workload(0.0, 1000, activation_bytes_per_example=50), 4500)
         50
     """
@@ -205,7 +205,7 @@ def estimate_workload(model: Any) -> Workload:
     Raises:
         ConfigError: If the model has not been built (it has no weights yet).
 
-    Example:
+    Examples:
         Dense(784 -> 256) + Dense(256 -> 10): flops_per_example = 2*784*256 + 2*256*10 = 406,528;
         activation_bytes_per_example = 4 * (784 + 256 + 10) = 4,200.
     """

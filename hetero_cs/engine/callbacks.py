@@ -176,7 +176,7 @@ class FitStats:
     ``history`` maps each figure's name (see :class:`BalanceCallback`) to one float per epoch, like Keras'
     ``History.history``; a figure missing in an epoch is NaN there, so every list has one value per epoch.
 
-    Example:
+    Examples:
         >>> stats = FitStats()
         >>> stats.record({"makespan_ms": 30.0}); stats.record({"makespan_ms": 29.0, "oom_recoveries": 1.0})
         >>> stats.history["oom_recoveries"], stats.latest()["makespan_ms"]

@@ -56,7 +56,7 @@ class HeteroCentralStorageStrategy(
       * ``rebalance=True`` (default, with auto_balance): per-replica step times are measured during training and
         the plan is re-solved when a device drifts (deadband and cooldown in :class:`~hetero_cs.RebalancePolicy`).
 
-    Example:
+    Examples:
         >>> strategy = hetero_cs.HeteroCentralStorageStrategy(auto_balance=True)  # doctest: +SKIP
         >>> with strategy.scope():  # doctest: +SKIP
         ...     model = keras.Sequential([...])

@@ -69,7 +69,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
             replica pays its fixed cost, and solved plans give every replica at least one example when B >= R.
         on_trial: Called with the candidate (under the lock) when a guard trial starts, before it is served.
 
-    Example:
+    Examples:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
         >>> balancer = Balancer(2, auto_balance=True, rebalance=False, guard=False)
         >>> balancer.serve(100).per_replica_batch_sizes            # no cost models yet: even

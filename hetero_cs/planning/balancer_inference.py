@@ -30,7 +30,7 @@ logger = logging.getLogger("hetero_cs.planning.balancer")  # the messages users 
 class InferencePlans:
     """Methods of :class:`~hetero_cs.planning.balancer.Balancer` (which holds the state they use, under its lock).
 
-    Example:
+    Examples:
         >>> from hetero_cs.planning.balancer import Balancer
         >>> from hetero_cs.planning.cost_model import LinearCostModel
         >>> balancer = Balancer(2, rebalance=False, guard=False)

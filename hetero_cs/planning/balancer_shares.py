@@ -15,7 +15,7 @@ from hetero_cs.planning.plan import ordered_values, split_by_shares
 class FixedShares:
     """Methods of :class:`~hetero_cs.planning.balancer.Balancer` (which holds the state they use, under its lock).
 
-    Example:
+    Examples:
         >>> from hetero_cs.planning.balancer import Balancer
         >>> balancer = Balancer(3, rebalance=False, guard=False)
         >>> balancer.plan_for(12).per_replica_batch_sizes

@@ -103,7 +103,7 @@ class LinearCostModel:
     Raises:
         InvalidCostModelError: If a field is not a finite real number >= 0.
 
-    Example:
+    Examples:
         >>> model = LinearCostModel(fixed_overhead_s=0.005, seconds_per_example=1e-4)
         >>> round(model.predict_step_time_s(100), 6), model.throughput_examples_per_s
         (0.015, 10000.0)
@@ -164,7 +164,7 @@ class PiecewiseLinearCostModel:
         InvalidCostModelError: If the lengths differ, a batch size is not an integer >= 0 or not strictly
             increasing, or a time is NaN, negative or decreasing (the message names the offending points).
 
-    Example:
+    Examples:
         >>> model = PiecewiseLinearCostModel((16, 64, 128), (0.010, 0.010, 0.018))
         >>> [round(model.predict_step_time_s(b), 4) for b in (1, 64, 96, 256)]
         [0.01, 0.01, 0.014, 0.034]
@@ -265,7 +265,7 @@ class ScaledCostModel:
     Raises:
         InvalidCostModelError: If base has no ``predict_step_time_s`` or factor is not a finite number > 0.
 
-    Example:
+    Examples:
         >>> ScaledCostModel(LinearCostModel(0.01, 0.001), 2.0).predict_step_time_s(10)
         0.04
     """
@@ -324,7 +324,7 @@ class IdleFreeCostModel:
     Attributes:
         base: Any :class:`CostModel` (its own ``t(0)`` is the fixed cost a working replica pays).
 
-    Example:
+    Examples:
         >>> slow = IdleFreeCostModel(LinearCostModel(0.05, 0.001))
         >>> slow.predict_step_time_s(0), round(slow.predict_step_time_s(1), 6)
         (0.0, 0.051)
@@ -379,7 +379,7 @@ def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
         InvalidCostModelError: If data is not a mapping, the kind is missing or unknown, a key is unknown or
             missing, or a value is invalid.
 
-    Example:
+    Examples:
         >>> cost_model_from_dict({"kind": "linear", "fixed_overhead_s": 0.002, "seconds_per_example": 1e-4})
         LinearCostModel(fixed_overhead_s=0.002, seconds_per_example=0.0001)
     """

@@ -171,7 +171,7 @@ class PlanGuard:
     Args:
         policy: The trial's pattern, decision thresholds and back-off; None for the defaults.
 
-    Example:
+    Examples:
         >>> from hetero_cs.planning.plan import BatchPlan
         >>> guard = PlanGuard()
         >>> even, solved = BatchPlan((50, 50), 100), BatchPlan((70, 30), 100)

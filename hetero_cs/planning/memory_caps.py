@@ -112,7 +112,7 @@ class MemoryCaps:
         num_replicas: R >= 1.
         policy: The policy; None for the defaults.
 
-    Example:
+    Examples:
         >>> caps = MemoryCaps(2)
         >>> caps.reset([None, 64])
         >>> caps.record_success((30, 30))

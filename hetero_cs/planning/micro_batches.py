@@ -67,7 +67,7 @@ class MicroBatchPlan:
     Raises:
         ConfigError: No sub-step, or sub-steps of different replica counts.
 
-    Example:
+    Examples:
         >>> steps = (BatchPlan((16, 24, 24), 64), BatchPlan((16, 24, 24), 64))
         >>> plan = MicroBatchPlan(steps)
         >>> plan.per_replica_batch_sizes, plan.micro_batch_sizes, plan.micro_batch_counts

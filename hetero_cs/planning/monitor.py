@@ -80,7 +80,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
     Raises:
         ConfigError: If num_replicas or window_steps is not a positive integer.
 
-    Example:
+    Examples:
         >>> monitor = StepTimeMonitor(2, window_steps=8)
         >>> monitor.record(1, 16, 0.75)
         >>> monitor.record(0, 16, 0.25)

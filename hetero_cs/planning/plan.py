@@ -113,7 +113,7 @@ class BatchPlan:
         ConfigError: If a slice is not an integer >= 0, the slices do not sum to global_batch_size, B <= 0, a
             figure is negative, NaN or infinite, or predicted_step_times_s has the wrong length.
 
-    Example:
+    Examples:
         >>> plan = BatchPlan((160, 48, 48), 256, predicted_makespan_s=0.010, even_split_makespan_s=0.0155)
         >>> plan.replica_weights, round(plan.predicted_speedup_vs_even, 2)
         ((0.625, 0.1875, 0.1875), 1.55)
@@ -301,7 +301,7 @@ def even_batch_split(global_batch_size: int, num_replicas: int) -> tuple[int, ..
     Raises:
         ConfigError: If B < 0 or R < 1 or either is not an integer.
 
-    Example:
+    Examples:
         >>> even_batch_split(10, 4)
         (3, 3, 2, 2)
     """
@@ -335,7 +335,7 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
             a value that is not a finite number >= 0 (an int too large for a float is not finite), is all zero, or
             sums to more than a float holds.
 
-    Example:
+    Examples:
         >>> split_by_shares(10, [2, 1, 1])
         (5, 3, 2)
     """

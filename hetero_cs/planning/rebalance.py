@@ -177,7 +177,7 @@ class Rebalancer:
     Raises:
         ConfigError: If policy is not a RebalancePolicy or a cap is negative.
 
-    Example:
+    Examples:
         Calibration found two alike replicas; in training, replica 1 runs 1.2x slower:
 
         >>> from hetero_cs.planning.cost_model import LinearCostModel

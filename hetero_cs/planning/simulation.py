@@ -79,7 +79,7 @@ def simulate_training(
     Raises:
         ConfigError: If steps, relative_noise or lognormal_sigma is out of range.
 
-    Example:
+    Examples:
         Replica 1 runs 2x slower from step 100; the switch comes once the shift is clear (SHIFT_STEPS, 4 slow
         steps), not after the 9 slow steps a median over the 16-step window would need:
 

@@ -112,7 +112,7 @@ def solve_batch_split(
             time, or a time that decreases with batch size (the message names the replica, sizes and values;
             monotonicity is checked at the batch sizes the solver evaluates).
 
-    Example:
+    Examples:
         Three cards with illustrative linear costs: 5 ms fixed per step, and seconds per example proportional to
         1 / fp32 TFLOPS (NVIDIA datasheets: A10 31.2, T4 8.1, Tesla P100 PCIe 9.3 TFLOPS):
 
@@ -203,7 +203,7 @@ def ideal_makespan_s(
     Raises:
         ConfigError, InfeasiblePlanError, InvalidCostModelError: As :func:`solve_batch_split`.
 
-    Example:
+    Examples:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
         >>> models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.003)]
         >>> round(ideal_makespan_s(models, 6, min_batch_size=0), 12)  # x = (4.5, 1.5)
@@ -249,7 +249,7 @@ def plan_from_split(
         ConfigError: If the slices are invalid or cost_models has the wrong length.
         InvalidCostModelError: If a model predicts NaN, a negative time, or a time that decreases with batch size.
 
-    Example:
+    Examples:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
         >>> models = [LinearCostModel(0.0, 0.001), LinearCostModel(0.0, 0.003)]
         >>> plan = plan_from_split((3, 1), models)

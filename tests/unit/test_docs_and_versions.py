@@ -1,4 +1,7 @@
-"""The README and the packaging agree with what is tested (pure: reads files only)."""
+"""The docs and the packaging agree with what is tested (pure: reads files only).
+
+The README is the entrance; the sections it held are pages under docs/ (tests/unit/test_docs_site.py checks the
+site itself: navigation, links, snippets)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+VERSIONS = (ROOT / "docs" / "versions.md").read_text(encoding="utf-8")
+ERRORS = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+
+
+def _page(name: str) -> str:
+    return (ROOT / "docs" / name).read_text(encoding="utf-8")
 
 
 def _setup_requirements() -> dict[str, str]:
@@ -51,13 +60,13 @@ def test_the_requirements_are_the_supported_range_with_upper_bounds():
     assert _supported.SUPPORTED_VERSIONS == {"tensorflow": ("2.16.2", "2.22"), "keras": ("3.8", "3.16")}
 
 
-def test_the_readme_quotes_the_supported_range():
+def test_the_docs_quote_the_supported_range():
     from hetero_cs import _supported
 
-    section = README.split("## Versions", 1)[1].split("\n## ", 1)[0]
     for name in _supported.SUPPORTED_VERSIONS:
-        assert f"`{_supported.requirement(name)}`" in section
-    assert "UnsupportedVersionError" in section and "UnsupportedVersionError" in README.split("## Versions")[0]
+        assert f"`{_supported.requirement(name)}`" in VERSIONS
+        assert _supported.requirement(name) in ERRORS   # what to do about an UnsupportedVersionError
+    assert "UnsupportedVersionError" in VERSIONS and "`UnsupportedVersionError`" in ERRORS
 
 
 def test_ci_runs_the_newest_pair_only():
@@ -65,22 +74,19 @@ def test_ci_runs_the_newest_pair_only():
     assert "tox -e py" in ci and "oldest" not in ci
 
 
-def test_the_readme_says_which_pairs_are_tested():
-    section = README.split("## Versions", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_say_which_pairs_are_tested():
     pins = _oldest_pins()
-    assert f"| {pins['tensorflow']} | {pins['keras']} |" in section
-    assert "tox -e oldest" in section
+    assert f"| {pins['tensorflow']} | {pins['keras']} |" in VERSIONS
+    assert "tox -e oldest" in VERSIONS
 
 
-@pytest.mark.parametrize("topic", ["When not to use it", "MirroredStrategy", "saturates PCIe", "600 MB",
-                                   "set_logical_device_configuration", "quiet machine", "profile=",
-                                   "--model package.module:function"])
+@pytest.mark.parametrize("topic", ["When not to use it", "MirroredStrategy", "saturates PCIe", "600 MB"])
 def test_the_readme_covers_what_a_newcomer_asks(topic):
     assert topic in README
 
 
-def test_the_readme_python_snippets_are_valid_python():
-    snippets = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(snippets) >= 4
-    for snippet in snippets:
-        compile(snippet.replace("[...]", "[]"), "README.md", "exec")
+@pytest.mark.parametrize("page,topic", [("real_gpus.md", "set_logical_device_configuration"),
+                                        ("main_job.md", "quiet machine"), ("command_line.md", "profile="),
+                                        ("command_line.md", "--model package.module:function")])
+def test_the_docs_cover_what_a_newcomer_asks(page, topic):
+    assert topic in _page(page)

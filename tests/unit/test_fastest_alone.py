@@ -1,7 +1,7 @@
 """The fastest-card-alone figures of the main job and of benchmarks/balance.py (pure: fake emulators and strategies).
 
 The measurements themselves need TensorFlow and time; run `python examples/train_digits.py` and
-`python benchmarks/balance.py` (README, benchmarks/README.md).
+`python benchmarks/balance.py` (docs/main_job.md, benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py starts without TensorFlow: `--help` and a bad `--sections` answer at once (a subprocess).
 
-The checks themselves need TensorFlow and, for most figures, a GPU: run the script (see README, "Real GPUs").
+The checks themselves need TensorFlow and, for most figures, a GPU: run the script (see docs/real_gpus.md).
 """
 
 from __future__ import annotations

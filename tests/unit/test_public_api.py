@@ -128,7 +128,7 @@ def test_planning_layer_imports_nothing_above_it():
 
 
 def test_emulation_is_reachable_from_the_package():
-    """``import hetero_cs; hetero_cs.emulation.setup_logical_devices`` works as the README writes it."""
+    """``import hetero_cs; hetero_cs.emulation.setup_logical_devices`` works as the docs write it."""
     code = "import sys, hetero_cs; print(callable(hetero_cs.emulation.setup_logical_devices), 'tensorflow' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -1,7 +1,7 @@
 """The one place that touches private TensorFlow and Keras internals.
 
-Stock ``CentralStorageStrategy`` under Keras 3 is wrong or crashes in several places (see the README's "What
-hetero_cs fixes"). Each fix below is reached only through objects that belong to a
+Stock ``CentralStorageStrategy`` under Keras 3 is wrong or crashes in several places (see docs/stock_fixes.md,
+"What hetero_cs fixes"). Each fix below is reached only through objects that belong to a
 :class:`~hetero_cs.HeteroCentralStorageStrategy`: a patched Keras function first checks that the current strategy
 (or the variable's strategy) is one of ours and otherwise calls the original unchanged, so plain Keras and every
 other strategy behave exactly as before. Patches are installed once, when the first strategy is constructed.
