@@ -267,6 +267,8 @@ def compute_dtype_of(policy: str) -> str:
 
 
 MEMORY_OVERRIDE_SEPARATOR = "@"
+LINK_OVERRIDE_SEPARATOR = "~"
+_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x(\d+)\s*$", re.IGNORECASE)
 """Separates a catalog name from a memory override in an emulated device name: ``"T4@48MB"``."""
 
 _MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({
@@ -300,34 +302,73 @@ def parse_memory_bytes(text: str) -> int:
 
 
 def get_device_spec(name: str) -> DeviceSpec:
-    """Looks up a catalog device, case-insensitively; ``NAME@SIZE`` overrides its memory.
+    """Looks up a catalog device, case-insensitively; ``NAME@SIZE`` overrides its memory, ``NAME~LINK`` its PCIe link.
 
     Args:
         name: A catalog key such as "A10", "t4" or "cpu", optionally followed by ``@`` and a memory size
             (``"T4@48MB"``: a T4 with 48e6 bytes of memory, e.g. to emulate a small card or another process
-            holding most of it; see :func:`parse_memory_bytes` for the units).
+            holding most of it; see :func:`parse_memory_bytes` for the units), then optionally by ``~`` and a host
+            link, ``xLANES`` or ``genGxLANES`` (``"P100~x1"``: a P100 on a one-lane riser; ``"T4@8GB~gen2x4"``),
+            lanes 1-32 and generation 1-5 (the catalog's generation when left out).
 
     Returns:
-        The device's DeviceSpec (with ``memory_bytes`` replaced when the name carries an override).
+        The device's DeviceSpec (with ``memory_bytes``, ``pcie_generation`` and ``pcie_lanes`` replaced when the name
+        carries overrides).
 
     Raises:
         UnknownEmulatedDeviceError: If the catalog key is not in the catalog (the message lists the known names).
-        ConfigError: If the memory override is not a size.
+        ConfigError: If the memory override is not a size, or the link override is not a link or names one for the
+            host CPU (which has none).
 
     Examples:
         >>> get_device_spec("t4").fp32_tflops, get_device_spec("T4@48MB").memory_bytes
         (8.1, 48000000)
+        >>> spec = get_device_spec("P100~x1")
+        >>> spec.name, spec.pcie_generation, spec.pcie_lanes
+        ('P100~x1', 3, 1)
     """
     if isinstance(name, str):
-        key_text, separator, memory_text = name.partition(MEMORY_OVERRIDE_SEPARATOR)
+        head, link_separator, link_text = name.partition(LINK_OVERRIDE_SEPARATOR)
+        key_text, separator, memory_text = head.partition(MEMORY_OVERRIDE_SEPARATOR)
         for key, spec in CATALOG.items():
             if key.lower() == key_text.strip().lower():
                 if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
                     # The name keeps the override: banners show it, a re-lookup by name (an Emulator passed on
                     # as names) keeps the memory, and profile cache keys tell the two memories apart.
-                    return dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text),
+                    spec = dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text),
                                                name=f"{spec.name}{MEMORY_OVERRIDE_SEPARATOR}{memory_text.strip()}")
+                if link_separator:
+                    spec = _with_link(spec, link_text, name)
                 return spec
     raise UnknownEmulatedDeviceError(
         f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "
         f"Use one of these names (case does not matter).")
+
+
+def _with_link(spec: DeviceSpec, link_text: str, name: str) -> DeviceSpec:
+    """``spec`` on the host link ``link_text`` (``x1``, ``gen2x4``), its name keeping the override."""
+    match = _LINK_PATTERN.match(link_text)
+    if spec.pcie_generation is None:
+        raise ConfigError(f"{name!r}: the host CPU has no PCIe link to override; drop the '~{link_text}'.")
+    lanes = int(match.group(2)) if match else 0
+    if match is None or not 1 <= lanes <= 32:
+        raise ConfigError(
+            f"{name!r}: a link override comes last, 'NAME[@MEMORY]~xLANES' or '~genGxLANES', with 1-32 lanes and "
+            f"generation 1-5, e.g. 'P100~x1' (a one-lane riser) or 'T4@8GB~gen2x4'. Received: {link_text!r}.")
+    generation = int(match.group(1)) if match.group(1) else spec.pcie_generation
+    return dataclasses.replace(spec, pcie_generation=generation, pcie_lanes=lanes,
+                               name=f"{spec.name}{LINK_OVERRIDE_SEPARATOR}{link_text.strip()}")
+
+
+def emulated_identity(name) -> tuple | None:
+    """(catalog device, memory bytes, PCIe generation, PCIe lanes) of an emulated name, so "T4@48MB", "t4@48mb" and
+    "T4@48000000B" match, and a profile calibrated with a memory or link override (its caps, its fixed cost) matches
+    only the same one; None for None (not emulated). A name the catalog does not know is compared as written."""
+    if name is None:
+        return None
+    try:
+        spec = get_device_spec(name)
+    except (UnknownEmulatedDeviceError, ConfigError):
+        return (str(name).upper(), None)
+    return (spec.name.partition(LINK_OVERRIDE_SEPARATOR)[0].partition(MEMORY_OVERRIDE_SEPARATOR)[0].upper(),
+            spec.memory_bytes, spec.pcie_generation, spec.pcie_lanes)

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, tensors
 from hetero_cs.engine.input_slicing import is_unbatched_marker
-from hetero_cs.errors import ConfigError, HeteroCSError, InputError
+from hetero_cs.devices.catalog import emulated_identity
+from hetero_cs.errors import ConfigError, InputError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -152,8 +153,8 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
     profiled = [arguments.canonical_device(d) for d in result.devices]
     profiled_as = [p.emulated_as if p.emulated_as else None for p in result.profiles]
     wanted_as = list(emulate) if emulate is not None else [None] * len(devices)
-    if profiled != list(devices) or [_emulated_identity(n) for n in profiled_as] != [
-            _emulated_identity(n) for n in wanted_as]:
+    if profiled != list(devices) or [emulated_identity(n) for n in profiled_as] != [
+            emulated_identity(n) for n in wanted_as]:
         def describe(names, emulated):
             return f"{names}" + (f" emulating {emulated}" if any(emulated) else " (not emulated)")
 
@@ -163,20 +164,6 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
             f"--devices ... or --emulate ... --output PATH), or build the strategy on the profile's devices."
         )
     return result
-
-
-def _emulated_identity(name):
-    """(catalog device, memory bytes) of an emulated name, so "T4@48MB", "t4@48mb" and "T4@48000000B" match, and a
-    profile calibrated with a memory override (its caps) matches only the same memory; None when not emulated."""
-    if name is None:
-        return None
-    from hetero_cs.devices.catalog import get_device_spec
-
-    try:
-        spec = get_device_spec(name)
-    except HeteroCSError:
-        return (str(name).upper(), None)  # a name this catalog does not know: compared as written
-    return (spec.name.partition("@")[0].upper(), spec.memory_bytes)
 
 
 def first_global_batch(strategy, data):

@@ -413,3 +413,33 @@ def test_a_lost_card_names_itself_and_aborts_the_process():
     assert done.returncode == -6  # SIGABRT, as after a sticky CUDA error
     assert "step 0 done" in done.stdout and "not reached" not in done.stdout
     assert "hetero_cs emulation: lost replica=1 (P100) at its step 1: CUDA_ERROR_ECC_UNCORRECTABLE" in done.stderr
+
+
+@pytest.mark.parametrize("name,generation,lanes,memory", [
+    ("P100~x1", 3, 1, 16e9), ("t4@8GB~GEN2x4", 2, 4, 8e9), ("A10~x8", 4, 8, 24e9)])
+def test_a_link_override_changes_the_host_link_and_keeps_the_rest(name, generation, lanes, memory):
+    spec = get_device_spec(name)
+    base = get_device_spec(name.partition("~")[0])
+    assert (spec.pcie_generation, spec.pcie_lanes, spec.memory_bytes) == (generation, lanes, memory)
+    assert spec.fp32_tflops == base.fp32_tflops and spec.name.endswith(name.partition("~")[2])
+    workload = Workload(flops_per_example=1e6, parameter_bytes=100_000_000)
+    # The link costs twice per step (parameters out, gradients back): the one-lane riser's fixed cost dominates.
+    extra = emulated_step_time_s(spec, 1, workload) - emulated_step_time_s(base, 1, workload)
+    expected = 2 * workload.parameter_bytes * (1 / spec.pcie_bandwidth_bytes_per_s - 1 / base.pcie_bandwidth_bytes_per_s)
+    assert extra == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("CPU~x1", "host CPU has no PCIe link"), ("P100~x0", "1-32 lanes"), ("P100~gen6x1", "generation 1-5"),
+    ("P100~fast", "comes last"), ("P100~x1@8GB", "comes last"), ("P100~", "Received: ''")])
+def test_a_bad_link_override_is_a_clear_error(name, match):
+    with pytest.raises(ConfigError, match=match):
+        get_device_spec(name)
+
+
+def test_a_profile_calibrated_on_another_link_is_another_device():
+    from hetero_cs.devices.catalog import emulated_identity
+
+    assert emulated_identity("p100~x1") == emulated_identity("P100~X1") != emulated_identity("P100")
+    assert emulated_identity("T4@8GB") != emulated_identity("T4@8GB~x1")
+    assert emulated_identity("T4@48MB") == emulated_identity("t4@48000000B")
