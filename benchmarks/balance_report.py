@@ -43,6 +43,11 @@ def print_case(record: dict[str, Any], *, goals: tuple[float, float]) -> None:
         f"{record['theoretical_speedup_vs_fastest']:.3f} (true {record['fastest']} step at B / ideal makespan) -> "
         f"{record['speedup_vs_fastest_fraction_of_theoretical']:.3f} of it   (goal >= 1.0 always, >= 0.95 x "
         f"theoretical quiet)")
+    left_out = record.get("left_out")
+    if left_out is not None:
+        log(f"   left out: cards {left_out['hetero_auto']} by hetero_auto, {left_out['optimal']} by the true optimum "
+            f"-> {'as optimal' if left_out['as_optimal'] else 'NOT as optimal'}   (goal: as optimal, and the "
+            f"efficiency goal: as fast as the best subset)")
     guard = record["configs"]["hetero_auto"]["guard"]
     if guard is not None:
         log(f"   guard: {guard['outcome']} {guard['candidate']} vs {guard['incumbent']} (candidate/incumbent "
