@@ -20,3 +20,24 @@ if _REPOSITORY not in sys.path:
 
 settings.register_profile("hetero_cs", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("hetero_cs")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python's full garbage collections in a long TensorFlow test run. Every traced function, graph and model stays
+# reachable for a while (strategies cached per module, Keras' and TensorFlow's own caches), so the heap grows to
+# millions of objects, and each full collection walks all of them: measured in the default run, single pauses of
+# 7-11 s inside tests that take 1-2 s alone, and one test at 61 s. After each test module, its garbage is collected
+# and what survives is frozen (gc.freeze: later collections skip it), so a collection walks only the objects of the
+# module that runs. Nothing a test asserts depends on it.
+# ---------------------------------------------------------------------------------------------------------------
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's fixtures are finalised first
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+        gc.freeze()
