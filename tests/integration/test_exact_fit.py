@@ -1,6 +1,7 @@
 """The oracle: one step on any split equals one single-device step on the whole batch (model.fit path)."""
 
 import copy
+import sys
 
 import keras
 import numpy as np
@@ -580,3 +581,28 @@ def test_a_missing_private_symbol_is_a_clear_error_not_an_attribute_error(monkey
     with pytest.raises(hetero_cs.UnsupportedVersionError, match=name.replace(".", r"\.")):
         _compat.install()
     assert TFOptimizer._clip_gradients is clip and _compat._installed is False
+
+
+def test_private_names_are_found_at_their_home_after_kerass_backend_refactor(monkeypatch):
+    # keras-nightly 3.16.0.dev (the pluggable-backend refactor) moved keras.src.backend.tensorflow.core to
+    # ...tensorflow.ops.core and renamed Trainer -> BaseTrainer, TensorFlowTrainer -> Trainer: each is found at
+    # whichever home the installed Keras has (fake modules).
+    import types
+
+    from hetero_cs.engine._compat import symbols
+
+    old_home = types.ModuleType("fake_keras_core")
+    new_home = types.ModuleType("fake_keras_ops_core")
+    new_home.Variable = type("Variable", (), {})
+    renamed = types.ModuleType("fake_keras_trainer")
+    renamed.BaseTrainer = type("BaseTrainer", (), {})
+    monkeypatch.setitem(sys.modules, "fake_keras_ops_core", new_home)
+    monkeypatch.setitem(sys.modules, "fake_keras_trainer", renamed)
+    monkeypatch.setitem(symbols.MOVED_MODULES, "fake_keras_core", "fake_keras_ops_core")
+    monkeypatch.setitem(symbols.RENAMED_CLASSES, ("fake_keras_trainer", "Trainer"), "BaseTrainer")
+    assert symbols.resolve("fake_keras_core") is new_home  # the old home does not exist (not importable)
+    assert symbols.resolve("fake_keras_core", "Variable") is new_home.Variable
+    assert symbols.resolve("fake_keras_trainer", "Trainer") is renamed.BaseTrainer
+    assert symbols.resolve("fake_keras_trainer", "Nothing") is None
+    monkeypatch.setitem(sys.modules, "fake_keras_core", old_home)
+    assert symbols.resolve("fake_keras_core") is old_home  # the supported releases' home comes first

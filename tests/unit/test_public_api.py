@@ -133,3 +133,4 @@ def test_emulation_is_reachable_from_the_package():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True False"
+

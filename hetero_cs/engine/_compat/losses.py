@@ -33,7 +33,7 @@ import threading
 import tensorflow as tf
 
 from hetero_cs.engine import training
-from hetero_cs.engine._compat import hooks
+from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.engine._compat.graph_patterns import divided_by, linear_terms, sums_over_batch
@@ -285,7 +285,7 @@ def _patch_compute_loss() -> None:
     # terms; its result is remembered as a share. Trainer._compute_loss is what Keras' train_step and test_step
     # call, and compute_loss overrides of models compiled under our strategy are wrapped at compile: an override's
     # result is turned into a share there (_as_share). Other strategies call the originals.
-    from keras.src.trainers.trainer import Trainer
+    Trainer = symbols.require("keras.src.trainers.trainer", "Trainer")
 
     original_compute_loss = Trainer.compute_loss
     original_private = Trainer._compute_loss  # noqa: SLF001

@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import training
+from hetero_cs.engine._compat.symbols import require
 
 logger = logging.getLogger("hetero_cs.engine.multi_worker")
 
@@ -181,7 +182,7 @@ def _patch_entry_points() -> None:
     # the strategy's callback (emulated device sizes before the first step, plan and timing in the logs).
     import inspect
 
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    TensorFlowTrainer = require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     def with_model(original):
         signature = inspect.signature(original)

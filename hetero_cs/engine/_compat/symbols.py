@@ -15,6 +15,15 @@ from __future__ import annotations
 
 import importlib
 
+# Keras' pluggable-backend refactor (keras#23397, in keras-nightly 3.16.0.dev since 2026-10) moved these homes. Each
+# is looked up where the supported releases keep it first, then where the refactor put it (resolve), so the
+# patches reach the same classes on both.
+MOVED_MODULES = {"keras.src.backend.tensorflow.core": "keras.src.backend.tensorflow.ops.core"}
+RENAMED_CLASSES = {
+    ("keras.src.trainers.trainer", "Trainer"): "BaseTrainer",
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"): "Trainer",
+}
+
 # (module, class or None for the module itself, the attributes the patches read or replace)
 REQUIRED = (
     ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", (
@@ -45,20 +54,42 @@ REQUIRED = (
 )
 
 
+def resolve(module_name: str, class_name: str | None = None):
+    """The module ``module_name`` (or its class ``class_name``) at its home in the installed Keras, moved or renamed
+    (:data:`MOVED_MODULES`, :data:`RENAMED_CLASSES`); None when neither home has it."""
+    for module in (module_name, MOVED_MODULES.get(module_name)):
+        if module is None:
+            continue
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            continue
+        if class_name is None:
+            return owner
+        for name in (class_name, RENAMED_CLASSES.get((module_name, class_name))):
+            found = getattr(owner, name, None) if name is not None else None
+            if found is not None:
+                return found
+    return None
+
+
+def require(module_name: str, class_name: str | None = None):
+    """:func:`resolve`, for the patches: the name must exist (``install`` checked it already)."""
+    found = resolve(module_name, class_name)
+    if found is None:  # not reached after check_private_symbols; a clear error all the same
+        check_private_symbols()
+        raise ImportError(f"{module_name}.{class_name}")
+    return found
+
+
 def missing_private_symbols() -> list[str]:
     """The dotted names of :data:`REQUIRED` that the installed Keras / TensorFlow lacks."""
     missing = []
     for module_name, class_name, attributes in REQUIRED:
-        try:
-            owner = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(module_name)
+        owner = resolve(module_name, class_name)
+        if owner is None:
+            missing.append(f"{module_name}.{class_name}" if class_name else module_name)
             continue
-        if class_name is not None:
-            owner = getattr(owner, class_name, None)
-            if owner is None:
-                missing.append(f"{module_name}.{class_name}")
-                continue
         prefix = f"{module_name}.{class_name}" if class_name else module_name
         missing.extend(f"{prefix}.{name}" for name in attributes if not hasattr(owner, name))
     return missing

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hetero_cs.engine import idle_replicas
+from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.errors import ConfigError, DeviceFaultError, StepOOMError
@@ -24,7 +25,7 @@ def _patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
     # callback that calibrates on the first global batch (auto_balance), and reports per-replica step times, the
     # straggler wait and the plan in the logs. Other strategies are untouched.
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     original_fit = TensorFlowTrainer.fit
     signature = inspect.signature(original_fit)
@@ -109,7 +110,7 @@ def _patch_make_train_function() -> None:
     # (`function([data])` -> one_step_on_data(data), the same reduce_retracing tf.function), so a retry re-runs the
     # same traced step on the same batch, re-cut by a new plan, without retracing. Other strategies, other
     # steps_per_execution and train_on_batch (a generator) take Keras' path unchanged.
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     # Under our strategy the train function is also traced again, right before a step, when plans have used a set
     # of idle replicas since it was traced (hetero_cs.engine.idle_replicas): the step then has a branch in which
@@ -222,7 +223,7 @@ def _patch_inference_functions() -> None:
     # cap and runs again (hetero_cs.engine.oom_recovery.StepRecovery.run_inference); a step traced before
     # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     for maker, attribute in (("make_test_function", "test_function"), ("make_predict_function", "predict_function")):
         setattr(TensorFlowTrainer, maker, _wrapping_inference(getattr(TensorFlowTrainer, maker), attribute))
@@ -293,7 +294,7 @@ def _patch_evaluate_and_predict() -> None:
     # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
     # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). They also mark
     # their inputs and steps as inference (hetero_cs.engine.input_roles). Other strategies are untouched.
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     def reraise_input_errors(original: Callable) -> Callable:
         @functools.wraps(original)
@@ -397,7 +398,7 @@ def _patch_symbolic_build() -> None:
     # strategies it takes them from the user dataset's element spec instead, and reads nothing. Under the
     # multi-worker strategy this also avoids the original's strategy.reduce("MEAN", batch) over the cluster
     # (keras-team/keras#20585).
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     original = TensorFlowTrainer._maybe_symbolic_build  # noqa: SLF001
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from hetero_cs.engine import training
-from hetero_cs.engine._compat import hooks
+from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
@@ -27,7 +27,7 @@ def _patch_variable_assign_add() -> None:
     # Keras' Variable.assign_add(v) is assign(self + v). On a SUM-aggregated central variable in replica context,
     # each replica's `old + d_i` is then summed: new = N*old + sum(d_i), so metrics and the logged loss drift from
     # step 2 on. tf.Variable's native assign_add aggregates the deltas instead: new = old + sum(d_i).
-    from keras.src.backend.tensorflow import core
+    core = symbols.require("keras.src.backend.tensorflow.core")
 
     def _route(original: Callable, native_name: str):
         @functools.wraps(original)
