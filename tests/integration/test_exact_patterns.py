@@ -621,3 +621,27 @@ def test_a_loss_computed_in_a_nested_tf_function_is_refused_not_guessed():
         train_step(element)
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(old, new)
+
+
+def test_nadam_is_exact():
+    # Nadam writes its own state (_u_product) through Keras' TFOptimizer.assign inside the replica step; that raised
+    # TensorFlow's "You must specify an aggregation method" at the first step.
+    x, y = regression_data()
+    check_fit_and_evaluate(lambda: _compiled_with(keras.optimizers.Nadam(0.05)), x, y)
+
+
+def _compiled_with(optimizer):
+    model = dense()
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def test_an_optimizer_with_use_ema_is_refused_with_the_fix_and_changes_nothing():
+    x, y = regression_data()
+    with strategy_for(SHARES).scope():
+        model = _compiled_with(keras.optimizers.Adam(0.05, use_ema=True))
+    before = model.get_weights()
+    with pytest.raises(hetero_cs.ConfigError, match="use_ema=True.*Train with use_ema=False"):
+        model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)

@@ -546,7 +546,6 @@ def customer_data(n=50, seed=5):
 CUSTOMER_OPTIMIZERS = {
     "rmsprop": lambda: keras.optimizers.RMSprop(5e-3, momentum=0.5, centered=True),
     "nadam": lambda: keras.optimizers.Nadam(5e-3),
-    "adam_with_ema": lambda: keras.optimizers.Adam(5e-3, use_ema=True, ema_overwrite_frequency=3),
 }
 
 
@@ -584,15 +583,7 @@ def customer_model(numeric_sample, optimizer="rmsprop"):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [
     "rmsprop",
-    pytest.param("nadam", marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-        "Nadam assigns its _u_product in _backend_update_step, which runs in the replica context under hetero_cs: "
-        "TensorFlow's ValueError 'You must specify an aggregation method to update a AggregatingVariable in "
-        "Replica Context' at the first step instead of an exact step or a hetero_cs error (stock "
-        "CentralStorageStrategy fails the same way; MirroredStrategy trains it)"))),
-    pytest.param("adam_with_ema", marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "use_ema=True: Keras updates the moving average inside a cond that contains a merge_call; TensorFlow's "
-        "RuntimeError 'merge_call called while defining a new graph' at the first step instead of an exact step "
-        "or a hetero_cs error (stock MirroredStrategy fails the same way)"))),
+    "nadam",  # Nadam writes its _u_product through Keras' TFOptimizer.assign in the replica step
 ])
 def test_dict_inputs_and_outputs_with_per_output_sample_weights_match_one_device(optimizer):
     """A model of three named inputs (numbers through an adapted Normalization, a category through an Embedding,

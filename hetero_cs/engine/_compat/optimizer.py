@@ -174,6 +174,7 @@ def _patch_optimizer() -> None:
         # all-reduce and the host update always, clipping and weight decay when configured.
         if current_hetero_strategy() is not None and tf.distribute.get_replica_context() is not None:
             _refuse_overridden_hooks(self, TFOptimizer)
+            _refuse_ema(self)
             grads = list(grads)
             if any(g is not None for g in grads):
                 hooks.expect_optimizer_step(
@@ -311,6 +312,20 @@ def _refuse_overridden_hooks(optimizer, base) -> None:
                 f"), which hetero_cs replaces for {role}; with the override the step would not equal one device's. "
                 f"Use an optimizer that does not override it, or move the custom logic into update_step."
             )
+
+
+def _refuse_ema(optimizer) -> None:
+    # Keras updates the moving average of use_ema=True inside a cond whose branch makes a merge call (the variables'
+    # writes); TensorFlow refuses that in a replica step ("merge_call called while defining a new graph"), under
+    # stock MirroredStrategy too. Refused before it, with the fix.
+    if getattr(optimizer, "use_ema", False):
+        from hetero_cs.errors import ConfigError
+
+        raise ConfigError(
+            f"The optimizer {type(optimizer).__name__} has use_ema=True, which TensorFlow cannot run in a replica "
+            f"step under a central-storage strategy (Keras updates the moving average inside a condition that "
+            f"writes the variables; stock MirroredStrategy fails the same way). Train with use_ema=False; to average "
+            f"the weights, keep your own copy in a callback (on_train_batch_end), or average checkpoints.")
 
 
 def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:

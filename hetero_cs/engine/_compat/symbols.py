@@ -27,7 +27,8 @@ RENAMED_CLASSES = {
 # (module, class or None for the module itself, the attributes the patches read or replace)
 REQUIRED = (
     ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", (
-        "apply", "apply_gradients", "_clip_gradients", "_all_reduce_sum_gradients", "_distributed_tf_update_step",
+        "apply", "apply_gradients", "assign", "_clip_gradients", "_all_reduce_sum_gradients",
+        "_distributed_tf_update_step",
         "_apply_weight_decay", "_use_weight_decay")),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", ("apply", "_tf_apply")),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer", ("_backend_apply_gradients", "_backend_update_step")),

@@ -74,6 +74,23 @@ def _patch_variable_assign_add() -> None:
 
     core.Variable.assign = assign
 
+    # Keras' TFOptimizer.assign writes the tf.Variable behind a Keras variable directly (variable.value.assign),
+    # past the reroute above. Nadam does that in replica context (its _u_product, every step), where the central
+    # AggregatingVariable (aggregation NONE) raises "You must specify an aggregation method"; every replica computes
+    # the same value from the same central state, so it goes through the Keras variable's assign: replica 0's
+    # value, written once, behind the failure barrier.
+    optimizer_class = symbols.require("keras.src.backend.tensorflow.optimizer", "TFOptimizer")
+    original_optimizer_assign = optimizer_class.assign
+
+    @functools.wraps(original_optimizer_assign)
+    def optimizer_assign(self, variable, value):
+        if (isinstance(variable, core.Variable) and not isinstance(value, tf.IndexedSlices)
+                and _central_in_replica_context(variable) is not None):
+            return variable.assign(value)
+        return original_optimizer_assign(self, variable, value)
+
+    optimizer_class.assign = optimizer_assign
+
 
 def _central_in_replica_context(variable):
     """The central variable behind Keras ``variable`` when it is one of our strategy's, written in replica context
