@@ -93,8 +93,9 @@ CONFIG_LABELS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/balance.py", description=__doc__.split("\n\n")[0],
-        epilog="Timings are emulated (see the module docstring). Outputs go to benchmarks/out/ by default.")
+        prog="benchmarks/balance.py" if _common.IN_CHECKOUT else "hetero-cs bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Timings are emulated (see the module docstring). Outputs go to {_common.OUT_DIR} by default.")
     parser.add_argument("--mix", action="append", default=None,
                         help=f"device mix, e.g. 'A10,T4,P100' or 'A10+4xT4' (default {DEFAULT_MIX}); repeatable")
     parser.add_argument("--all-mixes", action="store_true",
@@ -116,8 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps, shorter emulated steps")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     parser.add_argument("--timeline", default=None,
-                        help="PNG path of the busy/idle timeline ('none' to skip); default next to --json, else "
-                             "benchmarks/out/balance_timeline.png")
+                        help=f"PNG path of the busy/idle timeline ('none' to skip); default next to --json, else "
+                             f"{_common.OUT_DIR / 'balance_timeline.png'}")
     parser.add_argument("--noise", action="store_true",
                         help="run a CPU-burning neighbour process beside training (started and stopped by the "
                              "benchmark, also on failure or Ctrl-C; it stops by itself after an hour) and report "

@@ -14,6 +14,7 @@ Pure Python: no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,8 +82,9 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         ``memory_caps`` (examples per card), ``idle`` (indices of cards left out), ``sub_step_batch_sizes`` (each
         sub-step's cut, shape [K][R]), ``sub_step_busy_s`` (each card's predicted time in each sub-step, seconds,
         shape [K][R]: a sub-step lasts its row's maximum, the others wait), ``predicted_busy_s`` (their sum per
-        card, shape [R]), ``even_split_step_s`` (None when
-        the even split does not fit the cards' memory), ``speedup_vs_even`` (None then too), ``fastest_card``,
+        card, shape [R]), ``even_split_step_s`` (the even split
+        over every card, in as few equal sub-steps as the smallest card's memory needs; None when a card holds no
+        example), ``speedup_vs_even`` (None then too), ``fastest_card``,
         ``fastest_card_step_s`` and ``speedup_vs_fastest`` (all cards against the fastest card alone on the whole
         batch, micro-batched where its memory requires), and ``emulated: true`` (predictions, not measurements).
 
@@ -98,9 +100,7 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
     caps = [max_examples_in_memory(workload, spec.memory_bytes) for spec in specs]
     plan = _micro_plan(models, caps, global_batch_size)
     B, R = global_batch_size, len(specs)
-    even = even_batch_split(B, R)
-    even_fits = all(cap is None or b <= cap for b, cap in zip(even, caps))
-    even_s = max(model.predict_step_time_s(b) for model, b in zip(models, even)) if even_fits else None
+    even_s = _even_split_s(models, caps, B)
     alone = {i: _micro_plan([models[i]], [caps[i]], B).predicted_makespan_s for i in range(R)
              if caps[i] is None or caps[i] > 0}
     fastest = min(alone, key=alone.get)
@@ -130,6 +130,20 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
     }
 
 
+def _even_split_s(models, caps, global_batch_size: int) -> float | None:
+    """The step of the even split over every card, in as few equal sub-steps as the smallest card's memory needs
+    (each sub-step cut evenly: what stock central storage would run, micro-batched); None when a card holds
+    nothing."""
+    R = len(models)
+    smallest = min((cap for cap in caps if cap is not None), default=None)
+    if smallest == 0:
+        return None
+    sub_steps = 1 if smallest is None else max(1, math.ceil(global_batch_size / (R * smallest)))
+    sizes = [global_batch_size // sub_steps + (1 if j < global_batch_size % sub_steps else 0) for j in range(sub_steps)]
+    return sum(max(model.predict_step_time_s(b) for model, b in zip(models, even_batch_split(size, R)))
+               for size in sizes)
+
+
 def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:
     from hetero_cs.errors import InfeasiblePlanError, MicroBatchError
 
@@ -157,7 +171,7 @@ def format_what_if(result: dict[str, Any]) -> str:
     lines += [
         f"predicted step: {result['predicted_step_s'] * 1e3:.2f} ms in {result['sub_steps']} sub-step(s), "
         f"{result['examples_per_s']:.0f} examples/s",
-        f"speedup vs the even split: {'n/a (it does not fit the memory)' if even is None else f'{even:.3f}x'}",
+        f"speedup vs the even split: {'n/a (a card holds no example)' if even is None else f'{even:.3f}x'}",
         f"speedup vs the fastest card alone ({result['fastest_card']}): {result['speedup_vs_fastest']:.3f}x",
     ]
     if result["idle"]:

@@ -54,19 +54,24 @@ def plot_what_if(result: dict[str, Any], path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    names = [f"{i}: {name}" for i, name in enumerate(result["devices"])]
+    caps = result["memory_caps"]
+    names = [f"{i}: {name}" + ("" if caps[i] is None else f"\n(holds {caps[i]})") for i, name in
+             enumerate(result["devices"])]
     R = len(names)
-    figure = Figure(figsize=(11, 1.2 + 0.6 * R), layout="constrained")
+    figure = Figure(figsize=(12, 1.8 + 0.7 * R), layout="constrained")
     FigureCanvasAgg(figure)
     timeline, throughput = figure.subplots(1, 2, width_ratios=[2.2, 1])
     _draw_step(timeline, result, names)
     _draw_throughput(throughput, result)
-    figure.suptitle(f"What-if plan for {', '.join(result['devices'])}, global batch {result['global_batch_size']} "
+    figure.suptitle(f"What-if plan for {', '.join(result['devices'])}, global batch {result['global_batch_size']}\n"
                     f"(PREDICTED from catalog figures, not measured)", fontsize=10)
     descriptor, temporary = tempfile.mkstemp(suffix=".png", dir=path.parent, prefix=f".{path.stem}.")
     os.close(descriptor)
     try:
         figure.savefig(temporary, dpi=110)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp's 0600, as a plain file would be created
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -79,18 +84,22 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     busy = [[t * 1e3 for t in row] for row in result["sub_step_busy_s"]]
     cuts = result["sub_step_batch_sizes"]
     R = len(names)
-    start = 0.0
+    start, waited = 0.0, False
+    first_busy = next(i for i in range(R) if busy[0][i] > 0)
     for j, row in enumerate(busy):  # sub-step j lasts its slowest card's time; the others wait for it
         length = max(row)
         for i in range(R):
             y = R - 1 - i
             if row[i] > 0:
-                axes.barh(y, row[i], left=start, color=_BUSY, edgecolor="white", alpha=1.0 if j % 2 == 0 else 0.75)
+                axes.barh(y, row[i], left=start, color=_BUSY, edgecolor="white",
+                          label="compute (examples in the sub-step)" if (i, j) == (first_busy, 0) else None)
                 if row[i] > step_ms * 0.06:
                     axes.text(start + row[i] / 2, y, str(cuts[j][i]), ha="center", va="center", fontsize=7,
                               color="white")
-            if length > row[i]:
-                axes.barh(y, length - row[i], left=start + row[i], color=_WAIT, edgecolor="none")
+            if length > row[i] and i not in result["idle"]:
+                axes.barh(y, length - row[i], left=start + row[i], color=_WAIT, edgecolor="none",
+                          label=None if waited else "waiting for the sub-step's slowest card")
+                waited = True
         start += length
     for i in range(R):
         y = R - 1 - i
@@ -99,14 +108,16 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
                       color=_OTHER)
             continue
         count = result["micro_batch_counts"][i]
-        detail = f"{result['per_replica_batch_sizes'][i]} ex" + (
-            f" = {count} x <= {result['micro_batch_sizes'][i]}" if count > 1 else "")
+        detail = f"{result['per_replica_batch_sizes'][i]} examples" + (
+            f"\nin {count} micro-batches of <= {result['micro_batch_sizes'][i]}" if count > 1 else "")
         axes.text(start, y, f"  {detail}", va="center", fontsize=8)
     axes.axvline(start, color="black", linewidth=0.8)
     axes.set_yticks(range(R), list(reversed(names)))
+    axes.set_ylim(-0.6, R - 0.4)  # an idle card's row has no bar to size it by
     axes.set_xlim(0, max(start, step_ms) * 1.35)
-    axes.set_xlabel("predicted time per step (ms): each sub-step's compute (its examples), then waiting (light)")
+    axes.set_xlabel("predicted time per step (ms)")
     axes.set_title(f"{result['sub_steps']} sub-step(s), predicted step {step_ms:.1f} ms", fontsize=9)
+    axes.legend(loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=2, fontsize=7, frameon=False)
 
 
 def _draw_throughput(axes, result: dict[str, Any]) -> None:
@@ -124,7 +135,7 @@ def _draw_throughput(axes, result: dict[str, Any]) -> None:
     for bar, value in zip(bars, values):
         axes.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom", fontsize=8)
     even = result["speedup_vs_even"]
-    axes.set_title(f"examples/s: {result['speedup_vs_fastest']:.2f}x the fastest card alone"
-                   + ("" if even is None else f", {even:.2f}x the even split"), fontsize=9)
-    axes.set_ylabel("examples per second (predicted)")
+    axes.set_title(f"{result['speedup_vs_fastest']:.2f}x the fastest card alone"
+                   + ("" if even is None else f"\n{even:.2f}x the even split"), fontsize=9)
+    axes.set_ylabel("examples/s (predicted)")
     axes.set_ylim(0, max(values) * 1.15)
