@@ -435,7 +435,7 @@ def _patch_layer_losses() -> None:
     # lines the replicas up, every replica's compute_loss summed all three replicas' activity losses; the logged
     # loss was 7 % too high, the gradients right, since each tape sees its own thread only). Inside a replica step of
     # our strategies each replica keeps its own list, on its ReplicaStep; elsewhere Keras' own list is used.
-    from keras.src import backend
+    from keras import ops  # public: keras.src.backend.is_tensor is gone in keras-nightly 3.16.0.dev
     from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.layers.layer import Layer
 
@@ -451,7 +451,7 @@ def _patch_layer_losses() -> None:
     def add_loss(self, loss):
         own = replica_list(self)
         values = tf.nest.flatten(loss)
-        if own is None or not all(backend.is_tensor(value) for value in values):
+        if own is None or not all(ops.is_tensor(value) for value in values):
             return original_add(self, loss)  # Keras' list, or Keras' error for a value that is not a tensor
         own.extend(values)
         return None
