@@ -27,6 +27,7 @@ is one too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -293,7 +294,8 @@ def _patch_compute_loss() -> None:
 
     @functools.wraps(original_compute_loss)
     def compute_loss(self, *args, **kwargs):
-        result = original_compute_loss(self, *args, **kwargs)
+        with _library_errors_unwrapped():
+            result = original_compute_loss(self, *args, **kwargs)
         step = weighted_step()
         if step is not None and result is not None:
             _register(step, result)
@@ -307,7 +309,9 @@ def _patch_compute_loss() -> None:
         # Keras' train_step and test_step log this loss through unscale_loss_for_distribution (patched).
         hooks.expect(hooks.LOSS_UNSCALE, by="Trainer._compute_loss (the logged loss)")
         before = len(step.loss_terms)
-        return _as_share(original_private(self, *args, **kwargs), step, before, type(self).__name__)
+        with _library_errors_unwrapped():
+            result = original_private(self, *args, **kwargs)
+        return _as_share(result, step, before, type(self).__name__)
 
     @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):
@@ -320,6 +324,24 @@ def _patch_compute_loss() -> None:
     Trainer.compute_loss = compute_loss
     Trainer._compute_loss = _compute_loss  # noqa: SLF001
     Trainer.compile = compile
+
+
+@contextlib.contextmanager
+def _library_errors_unwrapped():
+    """Re-raises a hetero_cs error that Keras wrapped in a ValueError while computing a loss as itself.
+
+    Keras after 3.15 (keras-nightly 3.16.0.dev, CompileLoss._call_loss) catches a ValueError from a loss and raises a
+    new ValueError ("Error when computing loss for output ...") from it; a LossPatternError is a ValueError, and
+    ``except hetero_cs.LossPatternError`` would no longer catch it.
+    """
+    try:
+        yield
+    except ValueError as exc:
+        from hetero_cs.errors import HeteroCSError
+
+        if isinstance(exc.__cause__, HeteroCSError) and not isinstance(exc, HeteroCSError):
+            raise exc.__cause__ from None
+        raise
 
 
 def _wrap_compute_loss_overrides(model_class, trainer_class) -> None:
