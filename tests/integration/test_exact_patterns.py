@@ -563,10 +563,19 @@ def own_loss_step(kind, model, xb, yb, global_batch=6):
     pred = model(xb, training=True)
     if kind == "sum_over_a_constant":  # TensorFlow's older idiom: the sum over the slice / the global batch size
         return tf.reduce_sum(tf.square(pred - yb)) / global_batch
+    if kind == "weights_in_variables":  # loss weights kept in variables (annealed), around a mean and a sum
+        if not LOSS_WEIGHTS:
+            with tf.init_scope():
+                LOSS_WEIGHTS.extend([tf.Variable(0.7, trainable=False), tf.Variable(0.3, trainable=False)])
+        return (LOSS_WEIGHTS[0] * tf.reduce_mean(tf.square(pred - yb))
+                + LOSS_WEIGHTS[1] * tf.reduce_sum(tf.abs(pred - yb)) / global_batch)
     return tf.reduce_mean(tf.square(pred - yb)) + 0.01 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_weights])
 
 
-@pytest.mark.parametrize("kind", ["mean_plus_l2", "sum_over_a_constant", "gradient_penalty"])
+LOSS_WEIGHTS: list = []  # two tf.Variable loss weights, made at first use (after the logical devices exist)
+
+
+@pytest.mark.parametrize("kind", ["mean_plus_l2", "sum_over_a_constant", "gradient_penalty", "weights_in_variables"])
 def test_a_custom_loop_loss_reduced_by_hand_is_exact(kind):
     x, y = regression_data(17)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)  # 6, 6, 5
@@ -645,3 +654,27 @@ def test_an_optimizer_with_use_ema_is_refused_with_the_fix_and_changes_nothing()
         model.fit(x, y, batch_size=6, epochs=1, verbose=0)
     for old, new in zip(before, model.get_weights()):
         np.testing.assert_array_equal(old, new)
+
+
+@pytest.mark.parametrize("form", ["l2_loss", "norm"])
+def test_a_loss_reduced_in_a_form_that_could_be_a_mean_or_a_sum_is_refused(form):
+    # tf.nn.l2_loss and tf.norm sum over the batch without saying so in the graph as reduce_sum does: weighed as a
+    # mean they would be silently wrong, kept as a sum wrong for a mean. Refused, naming the op and the forms read.
+    strategy = strategy_for(SHARES)
+    with strategy.scope():
+        model, optimizer = dense(), keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def train_step(element):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                residual = model(xb, training=True) - yb
+                loss = tf.nn.l2_loss(residual) if form == "l2_loss" else tf.square(tf.norm(residual))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        strategy.run(step_fn, args=element)
+
+    x, y = regression_data(6)
+    element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(6))))
+    with pytest.raises(hetero_cs.errors.LossPatternError, match="cannot tell to be a mean or a sum.*tf.reduce_mean"):
+        train_step(element)
