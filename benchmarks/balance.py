@@ -51,6 +51,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -129,14 +130,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # set for the subprocesses
     args = parser.parse_args(argv)
     quick = args.quick
-    args.rounds = args.rounds or (3 if quick else 5)
-    args.steps_per_round = args.steps_per_round or (6 if quick else 10)
+    # None (not given) takes the default; a given 0 is checked below, not replaced.
+    args.rounds = args.rounds if args.rounds is not None else (3 if quick else 5)
+    args.steps_per_round = args.steps_per_round if args.steps_per_round is not None else (6 if quick else 10)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (3 if quick else 5)
-    args.target_ideal_ms = args.target_ideal_ms or (100.0 if quick else 200.0)
+    args.target_ideal_ms = args.target_ideal_ms if args.target_ideal_ms is not None else (100.0 if quick else 200.0)
+    if args.json is not None and (not str(args.json).strip() or args.json.is_dir()):
+        parser.error(f"--json needs a file name; received {str(args.json)!r}, a folder")
     if min(args.rounds, args.steps_per_round, args.global_batch_size) < 1 or args.warmup_steps < 0:
         parser.error("--rounds, --steps-per-round and --global-batch-size must be >= 1, --warmup-steps >= 0")
-    if args.target_ideal_ms <= 0:
-        parser.error("--target-ideal-ms must be > 0")
+    if not math.isfinite(args.target_ideal_ms) or args.target_ideal_ms <= 0:
+        parser.error(f"--target-ideal-ms must be a finite number > 0; received {args.target_ideal_ms}")
     mixes = list(ALL_MIXES) if args.all_mixes else (args.mix or [DEFAULT_MIX])
     try:
         args.mixes = [_common.parse_mix(m) for m in mixes]

@@ -131,7 +131,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--profile", metavar="FILE",
                         help="profile written by `python -m calibration --output FILE` (or give --devices)")
     parser.add_argument("--devices", type=_name_list, metavar="A10,T4,P100",
-                        help="what-if, without the hardware or a profile: catalog cards (NAME or NAME@MEMORY), "
+                        help="what-if, without the hardware or a profile: catalog cards (NAME, NAME@MEMORY, "
+                             "NAME~LINK such as P100~x1, or NAME@MEMORY~LINK), "
                              "planned from their published figures (hetero_cs.devices.what_if)")
     parser.add_argument("--add", action="append", default=[], metavar="NAME", help="with --devices: add a card")
     parser.add_argument("--drop", action="append", default=[], metavar="NAME", help="with --devices: drop a card")
@@ -258,6 +259,9 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
     if args.global_batch_size is None:
         raise ConfigError("hetero-cs plan --devices needs --global-batch-size B (examples per optimizer step).")
+    if args.multiple_of != 1 or args.min_batch_size != 1:
+        raise ConfigError("--multiple-of and --min-batch-size go with --profile; the what-if plans as the strategies "
+                          "do (any slice size, a card may be left out).")
     workload = DEFAULT_WORKLOAD
     if args.model is not None:
         from calibration.user_model import build_calibration_model

@@ -268,7 +268,7 @@ def compute_dtype_of(policy: str) -> str:
 
 MEMORY_OVERRIDE_SEPARATOR = "@"
 LINK_OVERRIDE_SEPARATOR = "~"
-_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x(\d+)\s*$", re.IGNORECASE)
+_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x([0-9]+)\s*$", re.IGNORECASE | re.ASCII)
 """Separates a catalog name from a memory override in an emulated device name: ``"T4@48MB"``."""
 
 _MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({

@@ -23,6 +23,7 @@ from typing import Any
 from hetero_cs.errors import ConfigError
 
 _BUSY, _WAIT, _OTHER = "#2b6cb0", "#e2e8f0", "#a0aec0"
+_MAX_DRAWN_SUB_STEPS = 48
 
 
 def check_plot_path(path) -> Path:
@@ -34,6 +35,8 @@ def check_plot_path(path) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ConfigError(f"--plot writes a PNG file; give a name ending in .png. Received: {str(path)!r}.")
+    if path.is_dir():
+        raise ConfigError(f"--plot {str(path)!r} is a folder; give a file name ending in .png.")
     if not path.parent.is_dir():
         raise ConfigError(f"--plot {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first.")
     try:
@@ -83,6 +86,8 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     step_ms = result["predicted_step_s"] * 1e3
     busy = [[t * 1e3 for t in row] for row in result["sub_step_busy_s"]]
     cuts = result["sub_step_batch_sizes"]
+    if len(busy) > _MAX_DRAWN_SUB_STEPS:  # one bar per sub-step would be unreadable (and slow): groups of them
+        busy, cuts = _grouped(busy, _MAX_DRAWN_SUB_STEPS), _grouped(cuts, _MAX_DRAWN_SUB_STEPS)
     R = len(names)
     start, waited = 0.0, False
     first_busy = next(i for i in range(R) if busy[0][i] > 0)
@@ -116,8 +121,16 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     axes.set_ylim(-0.6, R - 0.4)  # an idle card's row has no bar to size it by
     axes.set_xlim(0, max(start, step_ms) * 1.35)
     axes.set_xlabel("predicted time per step (ms)")
-    axes.set_title(f"{result['sub_steps']} sub-step(s), predicted step {step_ms:.1f} ms", fontsize=9)
+    grouped = "" if result["sub_steps"] <= _MAX_DRAWN_SUB_STEPS else f" (drawn in {len(busy)} groups)"
+    axes.set_title(f"{result['sub_steps']} sub-step(s){grouped}, predicted step {step_ms:.1f} ms", fontsize=9)
     axes.legend(loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=2, fontsize=7, frameon=False)
+
+
+def _grouped(rows: list, groups: int) -> list:
+    """``rows`` (one per sub-step) summed into ``groups`` consecutive groups, card by card. A group's length is then
+    the sum of its sub-steps' slowest cards only approximately (drawn as the slowest card's sum)."""
+    size = -(-len(rows) // groups)
+    return [[sum(column) for column in zip(*rows[start:start + size])] for start in range(0, len(rows), size)]
 
 
 def _draw_throughput(axes, result: dict[str, Any]) -> None:

@@ -431,7 +431,8 @@ def test_a_link_override_changes_the_host_link_and_keeps_the_rest(name, generati
 
 @pytest.mark.parametrize("name,match", [
     ("CPU~x1", "host CPU has no PCIe link"), ("P100~x0", "1-32 lanes"), ("P100~gen6x1", "generation 1-5"),
-    ("P100~fast", "comes last"), ("P100~x1@8GB", "comes last"), ("P100~", "Received: ''")])
+    ("P100~fast", "comes last"), ("P100~x1@8GB", "comes last"), ("P100~", "Received: ''"),
+    ("P100~x\u0661", "comes last")])  # an Arabic-Indic digit one is not a lane count
 def test_a_bad_link_override_is_a_clear_error(name, match):
     with pytest.raises(ConfigError, match=match):
         get_device_spec(name)

@@ -106,12 +106,19 @@ def test_plot_draws_the_plan_into_a_png(tmp_path, capsys):
     assert f"plot: {path}" in capsys.readouterr().out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert [p.name for p in tmp_path.iterdir()] == ["plan.png"]  # written atomically: no temporary left
+    (tmp_path / "folder.png").mkdir()
+    assert main(["plan", "--devices", "A10", "--global-batch-size", "8", "--plot", str(tmp_path / "folder.png")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    many = tmp_path / "many.png"  # thousands of sub-steps are drawn in groups, at once
+    assert main(["plan", "--devices", "A10,T4", "--global-batch-size", "1000000", "--plot", str(many)]) == 0
+    assert many.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("argv,match", [
     (["--devices", "A10", "--global-batch-size", "8", "--plot", "plan.svg"], "name ending in .png"),
     (["--devices", "A10", "--global-batch-size", "8", "--plot", "no/such/folder/plan.png"], "does not exist"),
     (["--profile", "p.json", "--plot", "plan.png"], "--plot go with --devices"),
+    (["--devices", "A10", "--global-batch-size", "8", "--multiple-of", "8"], "go with --profile"),
 ])
 def test_plot_bad_arguments_are_clear_errors_before_any_work(argv, match, capsys, tmp_path, monkeypatch):
     from hetero_cs.cli import main
