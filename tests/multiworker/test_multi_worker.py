@@ -87,6 +87,7 @@ def test_two_workers_uneven_fixed_split_equal_one_device(tmp_path, reference):
     _assert_equal_to_reference(tmp_path, 2, reference(4))
 
 
+@pytest.mark.slow  # 23 s; the default run keeps test_two_workers_of_two_emulated_replicas_each_auto_balance_...
 def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference):
     # auto_balance over 18 steps (6 epochs of 3, the last batch of each partial): a warm-up step, 6 probe splits
     # (uneven, changing every step; only full batches of 16 probe, so they end in epoch 3), the chief's fit of the
@@ -382,24 +383,40 @@ def test_a_script_started_without_tf_config_is_warned_that_it_is_a_cluster_of_on
 
 
 def test_a_bad_emulate_list_from_the_launcher_names_its_variable():
-    code = "import hetero_cs; hetero_cs.HeteroMultiWorkerMirroredStrategy()"
-    # Two workers in TF_CONFIG (nothing connects: the names are checked before the cluster is formed).
+    # Two workers in TF_CONFIG (nothing connects: the names are checked before the cluster is formed). One process
+    # for every case (TensorFlow starts once): each case sets HETERO_CS_EMULATE, or passes emulate=, and records the
+    # error the constructor raised.
+    cases = [("A10,XYZ", None), ("A10,T4,P100", None), ("A10+T4+P100,T4", None),
+             (None, ["A10+T4", "P100+T4"])]  # in a script, emulate= is a flat list: the launcher's form is refused
+    code = (
+        "import json, os, sys, hetero_cs\n"
+        "errors = []\n"
+        "for value, emulate in json.loads(sys.argv[1]):\n"
+        "    os.environ.pop('HETERO_CS_EMULATE', None)\n"
+        "    if value is not None:\n"
+        "        os.environ['HETERO_CS_EMULATE'] = value\n"
+        "    try:\n"
+        "        hetero_cs.HeteroMultiWorkerMirroredStrategy(**({} if emulate is None else {'emulate': emulate}))\n"
+        "    except Exception as exc:\n"
+        "        errors.append(str(exc))\n"
+        "    else:\n"
+        "        errors.append(None)\n"
+        "print('ERRORS ' + json.dumps(errors))\n")
     two_workers = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker",
                                                                                            "index": 0}})
-    for value, match in (("A10,XYZ", "Unknown emulated device"),
-                         ("A10,T4,P100", "names 3 emulated devices for 2 workers.*multiple of 2"),
-                         ("A10+T4+P100,T4", r"2 worker entries of \[3, 1\] devices.*same number of devices")):
-        env = {**_env(), "HETERO_CS_EMULATE": value, "TF_CONFIG": two_workers}
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-        assert done.returncode != 0
-        assert f"HETERO_CS_EMULATE='{value}' (set by hetero-cs launch --emulate" in done.stderr, done.stderr[-3000:]
-        assert re.search(match, done.stderr, re.S), done.stderr[-3000:]
-    # In a script, emulate= is a flat list; the launcher's A10+T4 form is refused with the flat form to use.
-    code = "import hetero_cs; hetero_cs.HeteroMultiWorkerMirroredStrategy(emulate=['A10+T4', 'P100+T4'])"
     env = {**_env(), "TF_CONFIG": two_workers}
     env.pop("HETERO_CS_EMULATE", None)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode != 0 and "emulate= is a flat list" in done.stderr, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
+                          timeout=180)
+    line = next((row for row in done.stdout.splitlines() if row.startswith("ERRORS ")), None)
+    assert done.returncode == 0 and line is not None, done.stderr[-3000:]
+    errors = json.loads(line[len("ERRORS "):])
+    for (value, _), error, match in zip(cases[:3], errors, (
+            "Unknown emulated device", "names 3 emulated devices for 2 workers.*multiple of 2",
+            r"2 worker entries of \[3, 1\] devices.*same number of devices")):
+        assert error is not None and f"HETERO_CS_EMULATE='{value}' (set by hetero-cs launch --emulate" in error, error
+        assert re.search(match, error, re.S), error
+    assert errors[3] is not None and "emulate= is a flat list" in errors[3], errors[3]
 
 
 def test_deepcopy_gives_an_independent_strategy_as_stock_strategies_do():
