@@ -572,6 +572,22 @@ def own_loss_step(kind, model, xb, yb, global_batch=6):
     return tf.reduce_mean(tf.square(pred - yb)) + 0.01 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_weights])
 
 
+def custom_loop_step(strategy, model, optimizer, loss_of):
+    """A custom loop's step: ``strategy.run`` in a tf.function, each replica applying the gradient of
+    ``loss_of(model, xb, yb)`` with a Keras optimizer."""
+
+    @tf.function
+    def train_step(element):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_of(model, xb, yb)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        strategy.run(step_fn, args=element)
+
+    return train_step
+
+
 LOSS_WEIGHTS: list = []  # two tf.Variable loss weights, made at first use (after the logical devices exist)
 
 
@@ -589,15 +605,7 @@ def test_a_custom_loop_loss_reduced_by_hand_is_exact(kind):
     with strategy.scope():
         model, optimizer = dense(), keras.optimizers.SGD(0.1)
 
-    @tf.function
-    def train_step(element):
-        def step_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = own_loss_step(kind, model, xb, yb)
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-        strategy.run(step_fn, args=element)
-
+    train_step = custom_loop_step(strategy, model, optimizer, lambda m, xb, yb: own_loss_step(kind, m, xb, yb))
     for element in strategy.experimental_distribute_dataset(dataset):
         train_step(element)
     for ref_w, w in zip(reference.get_weights(), model.get_weights()):
@@ -614,14 +622,8 @@ def test_a_loss_computed_in_a_nested_tf_function_is_refused_not_guessed():
     def mean_squared_error(yb, pred):
         return tf.reduce_mean(tf.square(pred - yb))
 
-    @tf.function
-    def train_step(element):
-        def step_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = mean_squared_error(yb, model(xb, training=True))
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-        strategy.run(step_fn, args=element)
+    train_step = custom_loop_step(strategy, model, optimizer,
+                                  lambda m, xb, yb: mean_squared_error(yb, m(xb, training=True)))
 
     x, y = regression_data(6)
     before = model.get_weights()
@@ -664,15 +666,11 @@ def test_a_loss_reduced_in_a_form_that_could_be_a_mean_or_a_sum_is_refused(form)
     with strategy.scope():
         model, optimizer = dense(), keras.optimizers.SGD(0.1)
 
-    @tf.function
-    def train_step(element):
-        def step_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                residual = model(xb, training=True) - yb
-                loss = tf.nn.l2_loss(residual) if form == "l2_loss" else tf.square(tf.norm(residual))
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    def loss_of(m, xb, yb):
+        residual = m(xb, training=True) - yb
+        return tf.nn.l2_loss(residual) if form == "l2_loss" else tf.square(tf.norm(residual))
 
-        strategy.run(step_fn, args=element)
+    train_step = custom_loop_step(strategy, model, optimizer, loss_of)
 
     x, y = regression_data(6)
     element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(6))))

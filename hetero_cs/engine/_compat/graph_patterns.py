@@ -138,20 +138,30 @@ def sums_over_batch(value) -> bool:
     Under the strategy every replica's slice has an unknown leading dimension, and model weights have static
     shapes, so a sum of a weight (a hand-written regularizer) is not one. Eagerly (no graph) this is False.
     """
+    return _reduces_over_batch(value, "Sum")
+
+
+def means_over_batch(value) -> bool:
+    """True when graph tensor ``value`` is visibly a mean over a batch: ``reduce_mean`` along the unknown leading
+    (batch) dimension, as :func:`sums_over_batch` for sums."""
+    return _reduces_over_batch(value, "Mean")
+
+
+def _reduces_over_batch(value, op_type: str) -> bool:
     if not hasattr(value, "op") or tf.executing_eagerly():
         return False
     op = value.op
     while op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
-    if op.type != "Sum" or len(op.inputs) != 2:
+    if op.type != op_type or len(op.inputs) != 2:
         return False
-    summed = op.inputs[0]
-    if summed.shape.rank is None or summed.shape.rank == 0 or summed.shape[0] is not None:
+    reduced = op.inputs[0]
+    if reduced.shape.rank is None or reduced.shape.rank == 0 or reduced.shape[0] is not None:
         return False
     axis = tf.get_static_value(op.inputs[1])
     if axis is None:
         return False
-    rank = summed.shape.rank
+    rank = reduced.shape.rank
     return 0 in {int(a) % rank for a in np.ravel(axis)}
 
 

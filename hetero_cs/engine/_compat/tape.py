@@ -41,11 +41,10 @@ import functools
 import logging
 import threading
 
-import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import training
-from hetero_cs.engine._compat.graph_patterns import linear_terms, sums_over_batch
+from hetero_cs.engine._compat.graph_patterns import linear_terms, means_over_batch, sums_over_batch
 from hetero_cs.engine._compat.losses import _is_share, weighted_step
 from hetero_cs.errors import LossPatternError
 
@@ -211,7 +210,7 @@ def _kind(step, term) -> str:
     "opaque" (computed by an op hetero_cs cannot see into) or "unknown"."""
     if _is_share(step, term) or _from_a_share(step, term) or sums_over_batch(term):
         return "keep"
-    if _means_over_batch(term) or _independent_of_the_batch(term):
+    if means_over_batch(term) or _independent_of_the_batch(term):
         return "weigh"
     return "opaque" if _producer(term).type in _OPAQUE_OPS else "unknown"
 
@@ -221,21 +220,6 @@ def _producer(tensor):
     while op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
     return op
-
-
-def _means_over_batch(value) -> bool:
-    """True when ``value`` is ``reduce_mean`` of a tensor of unknown leading (batch) dimension along that dimension
-    (through casts and identities), as :func:`~hetero_cs.engine._compat.graph_patterns.sums_over_batch` for sums."""
-    op = _producer(value)
-    if op.type != "Mean" or len(op.inputs) != 2:
-        return False
-    reduced = op.inputs[0]
-    if reduced.shape.rank is None or reduced.shape.rank == 0 or reduced.shape[0] is not None:
-        return False
-    axis = tf.get_static_value(op.inputs[1])
-    if axis is None:
-        return False
-    return 0 in {int(a) % reduced.shape.rank for a in np.ravel(axis)}
 
 
 def _independent_of_the_batch(value) -> bool:
