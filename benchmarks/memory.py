@@ -6,7 +6,8 @@ the named devices' times; the library calibrates and only sees measured wall tim
 (a) A mix whose fastest card has the least memory (default ``A10`` holding 16 examples beside a ``T4`` and a
     ``P100`` holding 64 each) at a global batch that fits in one step but where the A10's cap binds (default 128).
     ``model.fit`` with ``micro_batches=False`` (the capped plan) and with the default (micro-batched) run in
-    alternating rounds; each round times ``--steps`` steps (wall clock, host work included). Beside them, the
+    alternating rounds; each round times ``--steps`` steps in steady state (wall clock from the end of the first
+    step to the end of the last: every step's host work and Keras' loop included, fit's one-off setup not). Beside them, the
     theoretical maximum: the best any split can do when each card runs its examples in micro-batches of at most its
     cap, one after another, each paying the card's TRUE emulated step time (its per-step fixed cost again per
     micro-batch), with no wait between micro-batches. Goal: micro-batched / theoretical >= 0.95.
@@ -87,11 +88,20 @@ class _Trainer:
         self.model.fit(*_data(global_batch_size * warmup), batch_size=self.B, epochs=1, shuffle=False, verbose=0)
 
     def run(self, steps: int) -> float:
-        """Seconds per step (wall clock) over ``steps`` steps."""
+        """Seconds per step in steady state over ``steps >= 2`` fit steps: wall clock from the end of the first step
+        to the end of the last, over ``steps - 1`` (every step's host work and Keras' loop included; fit's setup of
+        the dataset and iterator, once per call, is not a per-step cost)."""
+        import keras
+
+        ends: list[float] = []
+
+        class _StepEnds(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                ends.append(time.perf_counter())
+
         x, y = _data(self.B * steps)
-        start = time.perf_counter()
-        self.model.fit(x, y, batch_size=self.B, epochs=1, shuffle=False, verbose=0)
-        return (time.perf_counter() - start) / steps
+        self.model.fit(x, y, batch_size=self.B, epochs=1, shuffle=False, verbose=0, callbacks=[_StepEnds()])
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
 def _theoretical_s(emulator, global_batch_size: int) -> float:
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     capacity = sum(CAPS)
     huge = _Trainer(devices, 16 * capacity, None)
     fits = _Trainer(devices, capacity, False)
-    huge_s = statistics.median(huge.run(max(2, args.steps // 8)) for _ in range(args.rounds))
+    huge_s = statistics.median(huge.run(max(3, args.steps // 8)) for _ in range(args.rounds))
     fits_s = statistics.median(fits.run(args.steps) for _ in range(args.rounds))
     b = {"global_batch_size": 16 * capacity, "examples_per_s": 16 * capacity / huge_s,
          "largest_fitting_batch": capacity, "largest_fitting_examples_per_s": capacity / fits_s,

@@ -396,7 +396,9 @@ class HeteroCentralStorageStrategy(
             replica_id=step.replica_id,
             batch_size=step.batch_size,
             emulator=self._emulator,
-            record=self._record_step_time,
+            # A micro-batch of an overlapped call is not a step the monitor could pair with the others' (each
+            # replica runs a different number of them): timed and emulated, not reported.
+            record=self._record_step_time if step.sub_step is None else None,
             sampled=step.sampled_timing,
             keyed=step.shared_start,
             host_device=self._parameter_device,

@@ -33,11 +33,15 @@ sub-step that no longer fits the lowered caps is cut into smaller sub-steps.
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import logging
 import math
 import statistics
 import threading
 import time
+
+from typing import Any
 
 import tensorflow as tf
 
@@ -47,7 +51,12 @@ from hetero_cs.engine.input_slicing import is_unbatched_marker
 from hetero_cs.engine.model_state import restore, saved_state
 from hetero_cs.errors import ConfigError, DeviceFaultError, InfeasiblePlanError, MicroBatchError, StepOOMError
 from hetero_cs.planning.choice import choose_plan
-from hetero_cs.planning.micro_batches import MicroBatchPlan, capacity_of, plan_micro_batches
+from hetero_cs.planning.micro_batches import (
+    MicroBatchPlan,
+    capacity_of,
+    plan_micro_batches,
+    plan_overlapped_micro_batches,
+)
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
@@ -59,6 +68,55 @@ _WHY = {
     NORMALISED_LOSS: "a loss normalised by the batch (a mask, or reduction='mean_with_sample_weight') would divide "
                      "each micro-batch by its own count",
 }
+
+
+@dataclasses.dataclass
+class SubStepTrace:
+    """One sub-step of an overlapped micro-batched call while it is traced (symbolic tensors).
+
+    An overlapped call (:meth:`MicroBatching.run`) traces its ``K`` sub-steps into one graph; the step engine reads
+    this while it traces each one, instead of deciding a plan, reading the host state, or waiting at a barrier:
+
+    Attributes:
+        index: ``j`` in [0, K).
+        count: ``K``.
+        global_batch_size: int32 scalar, ``B`` of the whole step (every replica's loss weighs ``b_ij / B``).
+        sizes: int64 ``[R]``, this sub-step's slice sizes ``b_ij``.
+        active: The replicas with ``b_ij > 0`` (sorted), or None when all are: only their threads run.
+        ends: Replica id -> its previous micro-batch's gradients on the host, shared by the call's sub-steps: a
+            replica's next micro-batch starts once they exist (one micro-batch at a time in its memory), and it
+            waits for nothing else, no other replica's work and no host update.
+    """
+
+    index: int
+    count: int
+    global_batch_size: Any
+    sizes: Any
+    active: tuple[int, ...] | None
+    ends: dict
+
+    @property
+    def last(self) -> bool:
+        """Whether this sub-step applies the summed gradient (the call's last)."""
+        return self.index == self.count - 1
+
+
+_tracing = threading.local()
+
+
+def current_sub_step() -> SubStepTrace | None:
+    """The overlapped sub-step this thread is tracing (the thread that runs ``strategy.run``), or None."""
+    return getattr(_tracing, "sub_step", None)
+
+
+@contextlib.contextmanager
+def _tracing_sub_step(sub_step: SubStepTrace):
+    previous = current_sub_step()
+    _tracing.sub_step = sub_step
+    try:
+        yield sub_step
+    finally:
+        _tracing.sub_step = previous
 
 
 def validate_setting(micro_batches) -> None:
@@ -97,6 +155,11 @@ class MicroBatching(DeepcopiedWithNewLocks):
         # Measured per sub-step: wall time minus the replicas' predicted makespan (dispatch, the plan's Python call,
         # the host's gradient sum). The planner counts it once per sub-step (plan_micro_batches).
         self._overheads: collections.deque = collections.deque(maxlen=32)
+        # Measured per overlapped call: wall time minus the cards' predicted makespan (counted once per step).
+        self._step_overheads: collections.deque = collections.deque(maxlen=32)
+        self._overlapped_functions: dict = {}  # (id(model), K, active sets) -> (model ref, the traced call)
+        self.overlapped_steps = 0
+        self.fallbacks = 0
 
     # ------------------------------------------------------------------------------------------------------------
     # Plans
@@ -111,8 +174,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
         caps = self._strategy.balancer.max_batch_sizes
         return self.enabled and caps is not None and any(cap is not None for cap in caps)
 
-    def plan_for(self, global_batch_size: int, *, cost_models=None, max_batch_sizes=None) -> MicroBatchPlan:
+    def plan_for(self, global_batch_size: int, *, cost_models=None, max_batch_sizes=None,
+                 overlapped: bool = True) -> MicroBatchPlan:
         """The sub-steps for a global batch of this size under the balancer's models and caps (or those given).
+
+        ``overlapped=False``: only sub-steps with a barrier each (an eager step, ``run_eagerly=True``, has no traced
+        call to overlap them in).
 
         Raises:
             MicroBatchError: No replica can hold one example.
@@ -122,7 +189,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         caps = max_batch_sizes if max_batch_sizes is not None else balancer.max_batch_sizes
         overhead = self.sub_step_overhead_s()
         key = (int(global_batch_size), None if models is None else tuple(id(m) for m in models),
-               None if caps is None else tuple(caps), balancer.shares, overhead)
+               None if caps is None else tuple(caps), balancer.shares, overhead, self.step_overhead_s(), overlapped)
         with self._lock:
             cached = self._plans.get(key)
         if cached is not None:
@@ -138,8 +205,11 @@ class MicroBatching(DeepcopiedWithNewLocks):
         try:
             plan = plan_micro_batches(int(global_batch_size), solve, capacity=capacity_of(caps),
                                       sub_step_overhead_s=overhead, incumbent_sub_steps=incumbent)
+            overlapped = self._overlapped_plan(int(global_batch_size), models, caps, plan) if overlapped else None
         except InfeasiblePlanError as exc:
             raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
+        if overlapped is not None:
+            plan = overlapped
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
@@ -147,6 +217,39 @@ class MicroBatching(DeepcopiedWithNewLocks):
             if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
                 self._in_use[int(global_batch_size)] = plan.num_sub_steps
         return plan
+
+    def _overlapped_plan(self, global_batch_size: int, models, caps, barrier_plan: MicroBatchPlan):
+        """The overlapped plan for this batch when it is predicted faster than ``barrier_plan`` (the sub-steps with a
+        barrier each, or the one step that fits) by ``MIN_PREDICTED_GAIN``, else None.
+
+        Needs the calibrated models and balancing (fixed shares or an even split keep sub-steps cut by the shares),
+        and some card with a cap (an uncapped card runs its share in one micro-batch)."""
+        from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
+
+        balancer = self._strategy.balancer
+        if (models is None or caps is None or balancer.shares is not None or not balancer.auto_balance
+                or balancer.num_replicas < 2 or all(cap is None for cap in caps)):
+            return None
+        single = barrier_plan.single_step_makespan_s
+        if barrier_plan.num_sub_steps == 1:
+            single = barrier_plan.predicted_makespan_s
+        plan = plan_overlapped_micro_batches(global_batch_size, models, caps, single_step_makespan_s=single,
+                                             host_overhead_s=self.step_overhead_s())
+        if plan is None or plan.num_sub_steps < 2:
+            return None
+        ours, theirs = plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
+        if ours is None or (theirs is not None and ours * (1.0 + MIN_PREDICTED_GAIN) > theirs):
+            return None
+        return plan
+
+    def step_overhead_s(self) -> float:
+        """The host's measured time per overlapped call beyond the cards' predicted makespan (median of the last
+        32 calls, rounded to 0.5 ms; 0 until 5 were measured), in seconds."""
+        with self._lock:
+            samples = list(self._step_overheads)
+        if len(samples) < 5:
+            return 0.0
+        return round(statistics.median(samples) * 2000) / 2000
 
     def sub_step_overhead_s(self) -> float:
         """The host's measured time per sub-step beyond the replicas' predicted makespan (median of the last 32
@@ -198,6 +301,9 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
     def full_batch_size(self, step_batch_size):
         """In a traced step: ``B`` of the whole micro-batched step, else the step's own (``step_batch_size``)."""
+        sub_step = current_sub_step()
+        if sub_step is not None:
+            return tf.cast(sub_step.global_batch_size, step_batch_size.dtype)
         if not self._armed:
             return step_batch_size
         full = tf.cast(self._state[0], step_batch_size.dtype)
@@ -205,7 +311,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
     def update_branch(self):
         """In a traced step's host update: an int32 scalar, 0 for an ordinary step, 1 for a sub-step that only
-        accumulates, 2 for the last sub-step (which applies the sum); None when not armed."""
+        accumulates, 2 for the last sub-step (which applies the sum); None when not armed. In an overlapped call's
+        sub-step, the Python int 1 or 2 (known while tracing: its update takes no branch, so nothing of it looks
+        like a write of the weights that the next sub-step's reads would wait for)."""
+        sub_step = current_sub_step()
+        if sub_step is not None:
+            return 2 if sub_step.last else 1
         if not self._armed:
             return None
         state = self._state.read_value()
@@ -238,9 +349,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
     def forget_findings(self) -> None:
         """A train step is about to be traced anew (another model, or a retrace): what it cannot keep exact is found
-        again while it is traced, and its first micro-batched step checks it again."""
+        again while it is traced, and its first micro-batched step checks it again; overlapped calls are traced
+        again too."""
         self._found = set()
         self._checked = False
+        with self._lock:
+            self._overlapped_functions.clear()
 
     def note(self, finding: str) -> None:
         """Called while a step is traced: ``finding`` (BATCH_NORM, NORMALISED_LOSS) is in this model's step."""
@@ -266,6 +380,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
         refusal = self._refusal()
         if refusal is not None:
             return self._one_step_instead(step, data, plan, refusal)
+        if plan.overlapped:
+            return self._run_overlapped(model, step, data, plan)
+        return self._run_sub_steps(model, step, data, plan)
+
+    def _run_sub_steps(self, model, step, data, plan: MicroBatchPlan):
+        """Runs ``plan``'s sub-steps one call each (a barrier at the end of each); see :meth:`run`."""
         B = plan.global_batch_size
         checking = not self._checked
         saved = saved_state(model) if checking else None
@@ -318,6 +438,118 @@ class MicroBatching(DeepcopiedWithNewLocks):
             self._state.assign([0, 0])
         self.micro_batched_steps += 1
         return outputs
+
+    def _run_overlapped(self, model, step, data, plan: MicroBatchPlan):
+        """Runs ``plan``'s sub-steps in one traced call, each card's micro-batches back to back.
+
+        The call traces Keras' train step once per sub-step into one graph (:class:`SubStepTrace`): sub-step ``j``
+        cuts ``plan``'s ``j``-th slice sizes, runs only its active replicas, weighs every loss by ``b_ij / B``, and
+        adds its summed gradient to the host's sums, except the last, which applies them. A card's next
+        micro-batch waits for its previous one only, so no card waits for another between its micro-batches, and
+        the host adds each sub-step's gradients while the cards go on.
+
+        When anything in the call fails (out of memory, a failing card, any error), everything it changed is put
+        back (the non-trained and metric variables, the optimizer's iteration count, the gradient sums), and the
+        batch runs again as sub-steps with a barrier each, one call per sub-step, where out-of-memory recovery and
+        failover handle each sub-step (:meth:`_run_sub_steps`); an error there is raised as it is.
+        """
+        import numpy as np
+
+        from hetero_cs.engine.model_state import saved_state as save
+
+        B = plan.global_batch_size
+        function = self._overlapped_function(model, plan)
+        cuts = tf.constant(np.asarray([p.per_replica_batch_sizes for p in plan.sub_step_plans], np.int64))
+        if not self._checked:
+            function.get_concrete_function(data, cuts)  # traced: what the step cannot keep exact is found now
+            self._checked = True
+            refusal = self._refusal()
+            if refusal is not None:
+                return self._one_step_instead(step, data, plan, refusal)
+        self._log_plan(plan)
+        iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+        saved = save(model) + ([] if iterations is None else [(iterations, tf.identity(iterations))])
+        slicer = self._strategy._slicer  # noqa: SLF001 - an error's blame reads the cut the step started with
+        slicer._last_sizes.assign(list(plan.micro_batch_sizes))  # noqa: SLF001
+        started = time.perf_counter()
+        try:
+            outputs = function(data, cuts)
+            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, outputs)  # ran to the end
+        except Exception as exc:  # noqa: BLE001 - every failure is undone, then the barrier path decides
+            self._zero()
+            restore(saved)
+            self.fallbacks += 1
+            logger.info("hetero_cs: the overlapped micro-batched step failed (%s: %s); running this batch of %d "
+                        "examples as sub-steps with a barrier each.", type(exc).__name__,
+                        str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "", B)
+            barrier = plan_micro_batches(
+                B, lambda b: self.plan_for_sub_step(b), capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
+                sub_step_overhead_s=self.sub_step_overhead_s())
+            if barrier.num_sub_steps == 1:
+                return step(data)
+            return self._run_sub_steps(model, step, data, barrier)
+        except BaseException:
+            self._zero()
+            restore(saved)
+            raise
+        predicted = plan.predicted_makespan_s
+        if self.overlapped_steps > 0 and predicted is not None:  # not the first call, which traces
+            with self._lock:
+                self._step_overheads.append(max(0.0, time.perf_counter() - started
+                                                - (predicted - plan.sub_step_overhead_s)))
+        self.overlapped_steps += 1
+        self.micro_batched_steps += 1
+        self.sub_steps += plan.num_sub_steps
+        return outputs
+
+    def plan_for_sub_step(self, size: int):
+        """The plan of one sub-step of ``size`` examples within the caps (the barrier path's)."""
+        balancer = self._strategy.balancer
+        return choose_plan(size, balancer.num_replicas, shares=balancer.shares, auto_balance=balancer.auto_balance,
+                           cost_models=balancer._cost_models, max_batch_sizes=balancer.max_batch_sizes,  # noqa: SLF001
+                           log_ties=False, idle_free=True)
+
+    def _overlapped_function(self, model, plan: MicroBatchPlan):
+        """The traced overlapped call for ``model`` and ``plan``'s shape (K and each sub-step's active replicas)."""
+        R = self._strategy.balancer.num_replicas
+        actives = tuple(
+            None if all(b > 0 for b in p.per_replica_batch_sizes)
+            else tuple(i for i, b in enumerate(p.per_replica_batch_sizes) if b > 0)
+            for p in plan.sub_step_plans)
+        key = (id(model), plan.num_sub_steps, actives)
+        with self._lock:
+            found = self._overlapped_functions.get(key)
+            if found is not None and found[0]() is model:
+                return found[1]
+        import weakref
+
+        strategy = self._strategy
+        K = plan.num_sub_steps
+
+        def overlapped_step(data, cuts):
+            leaves = [leaf for leaf in tf.nest.flatten(data)
+                      if _compat.components(leaf) and not is_unbatched_marker(_compat.components(leaf)[0])]
+            from hetero_cs.engine import tensors
+
+            B = tf.cast(tensors.leading_dim(_compat.components(leaves[0])[0]), tf.int32)
+            ends: dict = {}
+            start = tf.constant(0, tf.int64)
+            outputs = None
+            for j in range(K):
+                size = tf.reduce_sum(cuts[j])
+                rows = _rows(data, start, start + size)
+                start = start + size
+                with _tracing_sub_step(SubStepTrace(j, K, B, tf.reshape(cuts[j], [R]), actives[j], ends)):
+                    outputs = strategy.run(model.train_step, args=(rows,))
+                    outputs = _compat.reduced_step_outputs(outputs, strategy)
+            return outputs
+
+        function = tf.function(overlapped_step, autograph=False, reduce_retracing=True)
+        with self._lock:
+            if len(self._overlapped_functions) > 8:
+                self._overlapped_functions.clear()
+            self._overlapped_functions[key] = (weakref.ref(model), function)
+        return function
 
     def run_inference(self, step, data, *, predicting: bool):
         """Runs an evaluation or prediction batch larger than the training caps hold as sub-steps within them.

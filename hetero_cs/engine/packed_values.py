@@ -96,8 +96,14 @@ class PackedBatchValues:
         if not batches:
             return args, kwargs, [], None, None
         training = not self._input_roles.inferring_now  # traced inside evaluate or predict: an inference step
-        sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
-                                               training=training, traced=traced)
+        from hetero_cs.engine.micro_batches import current_sub_step
+
+        sub_step = current_sub_step()
+        if sub_step is not None:  # an overlapped micro-batched call's sub-step: its cut was planned before the call
+            sizes, timed = sub_step.sizes, tf.constant(True)
+        else:
+            sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
+                                                   training=training, traced=traced)
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
             return args, kwargs, [], timed, None
         created: list = []

@@ -35,6 +35,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in strategy.experimental_local_results(v)
         )
 
+    from hetero_cs.engine.micro_batches import current_sub_step
+
+    sub_step = current_sub_step()  # a sub-step of an overlapped micro-batched call (traced in this thread)
     batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
     if batch_index is None:
         batch_index = next((i for i, v in enumerate(flat) if is_batched_per_replica(v)), None)
@@ -47,7 +50,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             micro = getattr(strategy, "_micro_batching", None)
             if micro is not None:  # a sub-step of a micro-batched step weighs by the whole step's B
                 global_batch_size = micro.full_batch_size(global_batch_size)
-            if strategy._timing_enabled:
+            # In an overlapped call each replica's micro-batch starts when its previous one ends, not when the
+            # step starts: its clock starts in the replica (below), and the call has no shared start.
+            if strategy._timing_enabled and sub_step is None:
                 from hetero_cs.engine.step_timing import sampled_wall_clock_stamp, wall_clock_stamp
 
                 # One clock start per step, when the step's input is there: every replica's step time runs
@@ -73,6 +78,14 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
     def replica_fn(*call_args, **call_kwargs):
         context = tf.distribute.get_replica_context()
         replica_id = _compat.replica_id_in_sync_group(context)
+        previous = sub_step.ends.get(replica_id) if sub_step is not None else None
+        if previous:
+            # One micro-batch at a time on this card: this one starts once the replica's previous one has its
+            # gradients on the host. Nothing else gates it (no other replica, no host update).
+            with tf.control_dependencies(previous):
+                call_args, call_kwargs = tf.nest.map_structure(
+                    lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, (call_args, call_kwargs),
+                    expand_composites=True)
         call_flat = tf.nest.flatten((call_args, call_kwargs))
         if batch_index is not None and batch_index < len(call_flat):
             batched = call_flat[batch_index]  # this replica's component of the batch leaf
@@ -94,6 +107,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             sampled_timing=sampled,
             shared_start=step_start is not None,
             handoff=handoff,
+            sub_step=sub_step,
         )
         if strategy._emulator is not None and batched is not None:
             from hetero_cs.engine.step_timing import emulated_memory_gate

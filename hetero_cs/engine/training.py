@@ -73,6 +73,8 @@ class ReplicaStep:
             its replicas), or None.
         layer_losses: ``add_loss`` values (activity regularizers included) of this replica's call of each layer,
             by ``id(layer)``: kept per replica, since the replicas call the same layer objects at once.
+        sub_step: The :class:`hetero_cs.engine.micro_batches.SubStepTrace` when this replica step is a sub-step of
+            an overlapped micro-batched call, else None.
     """
 
     replica_id: int
@@ -86,6 +88,7 @@ class ReplicaStep:
     loss_terms: set = dataclasses.field(default_factory=set)
     handoff: StepHandoff | None = None
     layer_losses: dict = dataclasses.field(default_factory=dict)
+    sub_step: Any = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -35,6 +35,7 @@ __all__ = [
     "CostModel",
     "IdleFreeCostModel",
     "LinearCostModel",
+    "MicroBatchedCostModel",
     "PiecewiseLinearCostModel",
     "ScaledCostModel",
     "check_cost_model",
@@ -342,6 +343,84 @@ class IdleFreeCostModel:
         """0.0 for ``batch_size == 0``; else ``base.predict_step_time_s(batch_size)``, in seconds."""
         _check_batch_size(batch_size)
         return 0.0 if batch_size == 0 else self.base.predict_step_time_s(batch_size)
+
+
+@dataclass(frozen=True)
+class MicroBatchedCostModel:
+    """A replica's time for ``b`` examples run as micro-batches of at most ``max_micro_batch_size`` each, one after
+    another on its card within one optimizer step (:mod:`hetero_cs.engine.micro_batches`).
+
+    ``b`` goes in ``k = ceil(b / max_micro_batch_size)`` micro-batches of near-equal size (``q + 1`` examples in
+    ``r`` of them and ``q`` in the rest, ``b = k q + r``), each paying ``base``'s full step time, its per-step fixed
+    cost included (parameters to the card, gradients back): ``r t(q + 1) + (k - r) t(q)``. No micro-batch waits for
+    another card's. Made non-decreasing in ``b`` (the running maximum), so the minimum-makespan solver stays exact
+    over it; for a linear ``base`` it is already. ``b = 0`` costs ``base``'s ``t(0)`` (0 for an
+    :class:`IdleFreeCostModel`).
+
+    Attributes:
+        base: The replica's per-step :class:`CostModel` (one micro-batch is one of its steps).
+        max_micro_batch_size: ``m_max >= 1``, the examples its memory holds at once (its memory cap).
+
+    Raises:
+        InvalidCostModelError: ``base`` has no ``predict_step_time_s``, or ``max_micro_batch_size`` is not an
+            integer >= 1.
+
+    Examples:
+        >>> model = MicroBatchedCostModel(LinearCostModel(0.010, 0.001), 16)
+        >>> round(model.predict_step_time_s(16) * 1e3, 3), round(model.predict_step_time_s(17) * 1e3, 3)
+        (26.0, 37.0)
+    """
+
+    base: CostModel
+    max_micro_batch_size: int
+    _running_max: list = field(default_factory=lambda: [], init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.base, "predict_step_time_s", None)):
+            raise InvalidCostModelError(
+                f"MicroBatchedCostModel.base must have a predict_step_time_s method. Received: base={self.base!r}.")
+        if not _is_int(self.max_micro_batch_size) or self.max_micro_batch_size < 1:
+            raise InvalidCostModelError(
+                f"MicroBatchedCostModel.max_micro_batch_size must be an integer >= 1 (the examples the card holds at "
+                f"once). Received: max_micro_batch_size={self.max_micro_batch_size!r}.")
+
+    def micro_batches(self, batch_size: int) -> list[int]:
+        """The micro-batch sizes ``b`` examples run as, largest first (``[]`` for 0)."""
+        _check_batch_size(batch_size)
+        if batch_size == 0:
+            return []
+        k = -(-int(batch_size) // self.max_micro_batch_size)
+        q, r = divmod(int(batch_size), k)
+        return [q + 1] * r + [q] * (k - r)
+
+    def _raw_s(self, batch_size: int) -> float:
+        if batch_size == 0:
+            return float(self.base.predict_step_time_s(0))
+        parts = self.micro_batches(batch_size)
+        q = parts[-1]
+        r = sum(1 for p in parts if p > q)
+        upper = float(self.base.predict_step_time_s(q + 1)) if r else 0.0
+        return r * upper + (len(parts) - r) * float(self.base.predict_step_time_s(q))
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """``max_{b' <= b}`` of the micro-batches' summed step times, in seconds."""
+        _check_batch_size(batch_size)
+        b = int(batch_size)
+        if _linear(self.base):  # k a + c b: non-decreasing as it is
+            return self._raw_s(b)
+        known = self._running_max
+        while len(known) <= b:
+            value = self._raw_s(len(known))
+            known.append(value if not known else max(value, known[-1]))
+        return known[b]
+
+
+def _linear(model: Any) -> bool:
+    """Whether ``model`` is a :class:`LinearCostModel`, maybe scaled or idle-free (wrappers that keep it linear in
+    ``b >= 1``)."""
+    while isinstance(model, (IdleFreeCostModel, ScaledCostModel)):
+        model = model.base
+    return type(model) is LinearCostModel
 
 
 def idle_free(cost_models: Sequence[CostModel]) -> list[CostModel]:

@@ -39,10 +39,16 @@ from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
 from hetero_cs.planning.plan import BatchPlan
 
-__all__ = ["MAX_EXTRA_SUB_STEPS", "MicroBatchPlan", "capacity_of", "plan_micro_batches"]
+__all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "MicroBatchPlan", "capacity_of", "plan_micro_batches",
+           "plan_overlapped_micro_batches"]
 
 MAX_EXTRA_SUB_STEPS = 64
 """How many sub-steps beyond ``K_min`` the search tries (each costs at most two solver calls, once per B)."""
+
+
+MAX_OVERLAPPED_SUB_STEPS = 16
+"""The most sub-steps an overlapped plan has: the engine traces them all into one call (each one more copy of the
+train step in the graph), so a plan needing more runs as sub-steps with a barrier each instead."""
 
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
@@ -62,7 +68,12 @@ class MicroBatchPlan:
         single_step_makespan_s: The predicted makespan of the batch in one step within the caps (seconds), or
             None when the caps cannot hold it in one step or nothing is predicted.
         sub_step_overhead_s: The host's measured time per step beyond the replicas' (dispatch, the plan's Python
-            call, the gradient sum), seconds >= 0; counted once per sub-step in the predictions.
+            call, the gradient sum), seconds >= 0; counted once per sub-step in the predictions (once per step when
+            ``overlapped``).
+        overlapped: The sub-steps run in one traced call, each card's micro-batches back to back with no barrier
+            between sub-steps (:func:`plan_overlapped_micro_batches`): replica ``i`` takes part in its first
+            ``k_i`` sub-steps only, and the makespan is ``max_i sum_j t_i(b_ij)``. False: one call per sub-step,
+            each ending at a barrier (``sum_j max_i t_i(b_ij)``).
 
     Raises:
         ConfigError: No sub-step, or sub-steps of different replica counts.
@@ -77,6 +88,7 @@ class MicroBatchPlan:
     sub_step_plans: tuple[BatchPlan, ...]
     single_step_makespan_s: float | None = None
     sub_step_overhead_s: float = 0.0
+    overlapped: bool = False
 
     def __post_init__(self) -> None:
         plans = tuple(self.sub_step_plans)
@@ -121,8 +133,14 @@ class MicroBatchPlan:
 
     @property
     def predicted_makespan_s(self) -> float | None:
-        """``sum_j max_i t_i(b_ij)`` plus the host's overhead per sub-step, in seconds (the sub-steps run one after
-        another), or None if unknown."""
+        """In seconds, or None if unknown: ``sum_j max_i t_i(b_ij)`` plus the host's overhead per sub-step (the
+        sub-steps run one after another, each ending at a barrier); when ``overlapped``, ``max_i sum_j t_i(b_ij)``
+        plus the host's overhead once (each card runs its micro-batches back to back)."""
+        if self.overlapped:
+            columns = [p.predicted_step_times_s for p in self.sub_step_plans]
+            if any(c is None for c in columns):
+                return None
+            return max(float(sum(column)) for column in zip(*columns)) + self.sub_step_overhead_s
         times = [p.predicted_makespan_s for p in self.sub_step_plans]
         if any(t is None for t in times):
             return None
@@ -139,7 +157,7 @@ class MicroBatchPlan:
         """A JSON-serialisable dict; inverse of :meth:`from_dict`."""
         return {"sub_step_plans": [p.to_dict() for p in self.sub_step_plans],
                 "single_step_makespan_s": self.single_step_makespan_s,
-                "sub_step_overhead_s": self.sub_step_overhead_s}
+                "sub_step_overhead_s": self.sub_step_overhead_s, "overlapped": self.overlapped}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
@@ -153,7 +171,8 @@ class MicroBatchPlan:
                               f"'sub_step_plans'. Received: {data!r}.")
         return cls(tuple(BatchPlan.from_dict(p) for p in data["sub_step_plans"]),
                    single_step_makespan_s=data.get("single_step_makespan_s"),
-                   sub_step_overhead_s=data.get("sub_step_overhead_s", 0.0))
+                   sub_step_overhead_s=data.get("sub_step_overhead_s", 0.0),
+                   overlapped=bool(data.get("overlapped", False)))
 
     def __str__(self) -> str:
         K = self.num_sub_steps
@@ -168,8 +187,10 @@ class MicroBatchPlan:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"
 
         speedup = self.predicted_speedup_vs_single_step
-        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} (the sub-steps' sum, with "
-                  f"{self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step)",
+        how = (f"each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time "
+               f"per step" if self.overlapped else
+               f"the sub-steps' sum, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
+        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} ({how})",
                   f"in one step within the caps: "
                   f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else 'does not fit'}"]
         if speedup is not None:
@@ -270,3 +291,79 @@ def plan_micro_batches(
         if kept is not None and best * (1.0 + min_gain) > kept:
             best_k = incumbent_sub_steps  # not clearly faster than the K in use
     return built(best_k, single)
+
+
+def plan_overlapped_micro_batches(
+    global_batch_size: int,
+    cost_models: Sequence[Any],
+    max_batch_sizes: Sequence[int | None],
+    *,
+    host_overhead_s: float = 0.0,
+    single_step_makespan_s: float | None = None,
+    max_sub_steps: int = MAX_OVERLAPPED_SUB_STEPS,
+) -> MicroBatchPlan | None:
+    """The fastest overlapped plan: each card runs its ``b_i`` examples as micro-batches within its cap, back to back.
+
+    Minimises ``max_i T_i(b_i)`` over integer splits of ``B``, where ``T_i`` is
+    :class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel` over replica ``i``'s model and cap (``k_i =
+    ceil(b_i / cap_i)`` near-equal micro-batches, each paying the card's per-step fixed cost again), exactly, with
+    the minimum-makespan solver (these curves are non-decreasing). An uncapped replica runs its share in one
+    micro-batch; one whose cap is 0 gets nothing. Sub-step ``j`` then gives replica ``i`` its ``j``-th micro-batch
+    (largest first) while ``j < k_i``, and 0 examples after: ``K = max_i k_i`` sub-steps, which the engine runs in
+    one traced call with no barrier between them (:mod:`hetero_cs.engine.micro_batches`).
+
+    Args:
+        global_batch_size: ``B >= 1``.
+        cost_models: One per replica, ``R >= 1``: each card's per-step model (:class:`CostModel`), idle-free where
+            the engine runs nothing for an idle replica (``t(0) = 0``).
+        max_batch_sizes: Memory caps in examples, shape [R] (None: uncapped).
+        host_overhead_s: The host's measured time per overlapped step beyond the cards' (seconds >= 0).
+        single_step_makespan_s: The predicted makespan of one step within the caps, recorded in the plan (or None).
+        max_sub_steps: Plans needing more sub-steps return None (see :data:`MAX_OVERLAPPED_SUB_STEPS`).
+
+    Returns:
+        The :class:`MicroBatchPlan` with ``overlapped=True`` (``K = 1`` when no card needs a second micro-batch),
+        or None when it would need more than ``max_sub_steps`` sub-steps.
+
+    Raises:
+        ConfigError: ``B`` not an integer >= 1, or the caps' length is not R.
+        InfeasiblePlanError: No replica can hold one example.
+        InvalidCostModelError: From the models.
+
+    Examples:
+        >>> from hetero_cs.planning.cost_model import LinearCostModel
+        >>> fast = LinearCostModel(0.002, 0.001)       # little memory: 16 examples at once
+        >>> slow = LinearCostModel(0.002, 0.004)
+        >>> plan = plan_overlapped_micro_batches(96, [fast, slow], [16, 64])
+        >>> plan.per_replica_batch_sizes, plan.micro_batch_sizes, plan.micro_batch_counts
+        ((75, 21), (15, 21), (5, 1))
+    """
+    from hetero_cs.planning.cost_model import MicroBatchedCostModel
+    from hetero_cs.planning.solver import solve_batch_split
+
+    B = global_batch_size
+    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: global_batch_size={B!r}.")
+    models, caps = list(cost_models), list(max_batch_sizes)
+    if len(caps) != len(models):
+        raise ConfigError(f"max_batch_sizes needs one entry per replica ({len(models)}). Received: {caps!r}.")
+    if all(cap is not None and cap < 1 for cap in caps):
+        raise InfeasiblePlanError(
+            "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
+            "memory (another process may hold it), use a smaller model, or train on other devices.")
+    curves = [model if cap is None or cap < 1 else MicroBatchedCostModel(model, int(cap))
+              for model, cap in zip(models, caps)]
+    solved = solve_batch_split(curves, B, max_batch_sizes=[0 if cap is not None and cap < 1 else None for cap in caps],
+                               min_batch_size=0)
+    parts = [curve.micro_batches(b) if isinstance(curve, MicroBatchedCostModel) else ([b] if b else [])
+             for curve, b in zip(curves, solved.per_replica_batch_sizes)]
+    K = max(len(p) for p in parts)
+    if K > max_sub_steps:
+        return None
+    sub_steps = []
+    for j in range(K):
+        sizes = tuple(p[j] if j < len(p) else 0 for p in parts)
+        times = tuple(float(models[i].predict_step_time_s(b)) if b else 0.0 for i, b in enumerate(sizes))
+        sub_steps.append(BatchPlan(sizes, sum(sizes), predicted_makespan_s=max(times), predicted_step_times_s=times))
+    return MicroBatchPlan(tuple(sub_steps), single_step_makespan_s=single_step_makespan_s,
+                          sub_step_overhead_s=float(host_overhead_s), overlapped=True)

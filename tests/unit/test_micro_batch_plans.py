@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 from hetero_cs import BatchPlan, ConfigError, InfeasiblePlanError, LinearCostModel, MicroBatchPlan, solve_batch_split
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.cost_model import idle_free
-from hetero_cs.planning.micro_batches import MAX_EXTRA_SUB_STEPS, capacity_of, plan_micro_batches
+from hetero_cs.planning.micro_batches import (
+    MAX_EXTRA_SUB_STEPS,
+    capacity_of,
+    plan_micro_batches,
+    plan_overlapped_micro_batches,
+)
 
 
 def solver(models, caps, *, keep_even_on_ties=True):
@@ -138,3 +143,82 @@ def test_the_search_finds_the_best_near_equal_sub_steps(params, caps, B):
     assert plan.global_batch_size == B
     assert all(m <= c for m, c in zip(plan.micro_batch_sizes, caps))
     assert plan.predicted_makespan_s == pytest.approx(brute_force_equal_sub_steps(models, caps, B), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Overlapped plans: each card runs its micro-batches back to back, with no barrier between sub-steps.
+# ----------------------------------------------------------------------------------------------------------------
+def _overlapped_time(model, cap, b):
+    """Brute force: b examples in ceil(b / cap) near-equal micro-batches, each one full step of ``model``."""
+    if b == 0:
+        return 0.0
+    k = math.ceil(b / cap) if cap is not None else 1
+    q, r = divmod(b, k)
+    return r * model.predict_step_time_s(q + 1) + (k - r) * model.predict_step_time_s(q)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 60),
+    replicas=st.lists(st.tuples(st.floats(0.0, 0.01), st.floats(1e-4, 5e-3), st.one_of(st.none(), st.integers(0, 12))),
+                      min_size=2, max_size=3).filter(lambda r: any(c is None or c > 0 for _, _, c in r)),
+)
+def test_an_overlapped_plan_is_the_least_makespan_over_every_split(B, replicas):
+    # Against every split of B: max_i of each card's micro-batches back to back, each within its cap.
+    models = [LinearCostModel(a, c) for a, c, _ in replicas]
+    caps = [cap for _, _, cap in replicas]
+    plan = plan_overlapped_micro_batches(B, idle_free(models), caps, max_sub_steps=10_000)
+    best = min(max(_overlapped_time(m, cap, b) for m, cap, b in zip(models, caps, split))
+               for split in itertools.product(range(B + 1), repeat=len(models)) if sum(split) == B
+               and all(cap is None or cap > 0 or b == 0 for cap, b in zip(caps, split)))
+    assert plan.overlapped and plan.global_batch_size == B
+    assert plan.predicted_makespan_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    # Each card's micro-batches: within its cap, in its first k_i sub-steps (largest first), summing to its share.
+    for i, cap in enumerate(caps):
+        column = [p.per_replica_batch_sizes[i] for p in plan.sub_step_plans]
+        k = plan.micro_batch_counts[i]
+        assert all(b > 0 for b in column[:k]) and all(b == 0 for b in column[k:])
+        assert column[:k] == sorted(column[:k], reverse=True) and max(column[:k], default=0) - min(
+            column[:k], default=0) <= 1
+        assert cap is None or all(b <= cap for b in column)
+
+
+def test_an_overlapped_plan_gives_the_fast_card_with_little_memory_its_share():
+    fast, slow = LinearCostModel(0.002, 0.001), LinearCostModel(0.002, 0.004)
+    plan = plan_overlapped_micro_batches(96, [fast, slow], [16, 64])
+    assert plan.per_replica_batch_sizes == (75, 21)
+    assert plan.micro_batch_sizes == (15, 21) and plan.micro_batch_counts == (5, 1)
+    assert [p.per_replica_batch_sizes for p in plan.sub_step_plans] == [(15, 21)] + [(15, 0)] * 4
+    # max(5 micro-batches of 15 on the fast card, 21 examples in one step on the slow one) + the host's time
+    assert plan.predicted_makespan_s == pytest.approx(max(5 * 0.017, 0.002 + 21 * 0.004))
+    assert MicroBatchPlan.from_dict(plan.to_dict()) == plan
+    assert "back to back" in str(plan)
+    timed = plan_overlapped_micro_batches(96, [fast, slow], [16, 64], host_overhead_s=0.003)
+    assert timed.predicted_makespan_s == pytest.approx(plan.predicted_makespan_s + 0.003)
+    # More sub-steps than the engine traces into one call: None (the barrier path's plan is used).
+    assert plan_overlapped_micro_batches(96, [fast, slow], [16, 64], max_sub_steps=4) is None
+
+
+def test_overlapped_plans_refuse_bad_input():
+    fast = LinearCostModel(0.002, 0.001)
+    with pytest.raises(ConfigError, match="global_batch_size must be an integer >= 1"):
+        plan_overlapped_micro_batches(0, [fast, fast], [4, 4])
+    with pytest.raises(ConfigError, match="one entry per replica"):
+        plan_overlapped_micro_batches(8, [fast, fast], [4])
+    with pytest.raises(InfeasiblePlanError, match="No replica can hold one example"):
+        plan_overlapped_micro_batches(8, [fast, fast], [0, 0])
+
+
+def test_a_micro_batched_cost_model_is_exact_for_lines_and_non_decreasing_for_any_curve():
+    from hetero_cs.planning.cost_model import MicroBatchedCostModel, PiecewiseLinearCostModel
+
+    line = MicroBatchedCostModel(LinearCostModel(0.010, 0.001), 16)
+    assert line.predict_step_time_s(16) == pytest.approx(0.026)
+    assert line.predict_step_time_s(17) == pytest.approx(2 * 0.010 + 17 * 0.001)
+    assert line.micro_batches(35) == [12, 12, 11] and line.micro_batches(0) == []
+    # A convex curve: two half micro-batches cost less than one full one; the model stays non-decreasing.
+    convex = MicroBatchedCostModel(PiecewiseLinearCostModel((1, 8, 16), (0.001, 0.002, 0.050)), 16)
+    times = [convex.predict_step_time_s(b) for b in range(0, 80)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    with pytest.raises(Exception, match="max_micro_batch_size must be an integer >= 1"):
+        MicroBatchedCostModel(LinearCostModel(0.01, 0.001), 0)

@@ -51,6 +51,7 @@ from hetero_cs.engine._compat.trainer import (
     _patch_symbolic_build,
     all_sublayers,
     layer_build_shapes,
+    reduced_step_outputs,
     set_initial_epoch,
 )
 from hetero_cs.engine._compat.batch_norm import _patch_batch_normalization
@@ -102,6 +103,7 @@ __all__ = [
     "is_hetero_strategy",
     "layer_build_shapes",
     "per_replica",
+    "reduced_step_outputs",
     "replica_id_in_sync_group",
     "set_initial_epoch",
 ]

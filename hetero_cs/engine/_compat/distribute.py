@@ -138,6 +138,11 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             args, kwargs, traced=deferrable)
         if sizes is None or R == 1:
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
+        from hetero_cs.engine.micro_batches import current_sub_step
+
+        sub_step = current_sub_step()
+        if sub_step is not None:  # an overlapped call's sub-step: its active replicas are known while it is traced
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, sub_step.active)
         if tf.executing_eagerly():  # the sizes are known: run the active replicas only
             active = tuple(i for i, b in enumerate(sizes.numpy()) if b > 0)
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None if len(active) == R else active,

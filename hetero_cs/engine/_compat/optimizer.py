@@ -62,10 +62,16 @@ def _patch_optimizer() -> None:
         # The variable updates (cross-replica, in _distributed_tf_update_step) wait for it too: an update needs
         # only its own summed gradient, which may exist before another replica's backward pass fails.
         local = [g for g, _ in grads_and_vars if g is not None]
+        step = training.current_replica_step()
+        if step is not None and step.sub_step is not None:
+            # An overlapped micro-batched call: this replica's next micro-batch starts once these gradients are on
+            # the host (hetero_cs.engine.replica_wrapping). Writes that need no other replica do not wait for this
+            # sub-step's barrier: the call is undone as a whole when any part of it fails (MicroBatching.run).
+            step.sub_step.ends[step.replica_id] = tf.nest.flatten(local, expand_composites=True)
         if local:
             token = tf.distribute.get_replica_context().merge_call(_all_replicas_done, args=(local,))
-            step = training.current_replica_step()
-            step.barrier[:] = [token]
+            if step is None or step.sub_step is None:
+                step.barrier[:] = [token]
             if step.handoff is not None:  # for this call's update merge (another call has its own handoff)
                 step.handoff.barrier_token = token
         # Summed on the parameter device only, and clipped there: Keras' all_reduce would broadcast each sum back to
@@ -242,6 +248,9 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     device = distribution.parameter_device
     with tf.device(device):
         sub_step = micro.update_branch() if armed else tf.constant(0, tf.int32)  # 0 ordinary, 1 not last, 2 last
+        static = isinstance(sub_step, int)  # an overlapped call's sub-step: the branch is known while tracing
+        if static:
+            sub_step = tf.constant(sub_step, tf.int32)
         if n is None:
             keras_applies = tf.constant(True)
         else:  # Keras' rule, read before apply() counts this step: (iterations + 1) % n == 0
@@ -287,6 +296,19 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
         with tf.control_dependencies(zeroed):
             return tf.constant(True)
 
+    if static:
+        # No switch_case: a Case op's resource inputs are those of every branch, the weights that apply_sums writes
+        # included, so TensorFlow's automatic control dependencies would make the next sub-step's reads of the
+        # weights (its forward pass, on every card) wait for this update: a barrier between sub-steps.
+        if int(tf.get_static_value(sub_step)) == 1:
+            # Clipping and the loss-scale judgement happen once, in the call's last sub-step, on the whole sum this
+            # one adds to (traced there: that sub-step's own hook record checks them).
+            hooks.fired(hooks.CLIP_SUMMED)
+            hooks.fired(hooks.LOSS_SCALE_HOST)
+            return add(True)
+        if n is None:
+            return apply_sums()
+        return tf.cond(keras_applies, apply_sums, lambda: add(False))  # the call's last: nothing runs after it
     return tf.switch_case(branch, [ordinary, lambda: add(True), lambda: add(False), apply_sums])
 
 

@@ -44,6 +44,7 @@ REQUIRED = (
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", (
         "fit", "evaluate", "predict", "make_train_function", "make_test_function", "make_predict_function",
         "_maybe_symbolic_build", "_symbolic_build")),
+    ("keras.src.backend.tensorflow.trainer", None, ("reduce_per_replica",)),
     ("tensorflow.python.distribute.parameter_server_strategy", "ParameterServerStrategyExtended", (
         "_create_variable", "_call_for_each_replica")),
     ("tensorflow.python.distribute.input_lib", None, ("InputWorkers", "DistributedDatasetsFromFunction")),

@@ -171,7 +171,7 @@ def _patch_make_train_function() -> None:
             if micro_batching:
                 from hetero_cs.engine.oom_recovery import global_batch_size_of
 
-                plan = micro.plan_for(global_batch_size_of(data))
+                plan = micro.plan_for(global_batch_size_of(data), overlapped=not self.run_eagerly)
                 if plan.num_sub_steps > 1:
                     micro.arm()  # the next call traces the step again, reading the sub-step state
                     return micro.run(self, one_step, data, plan)
@@ -183,7 +183,7 @@ def _patch_make_train_function() -> None:
                     raise
                 from hetero_cs.engine.oom_recovery import global_batch_size_of
 
-                plan = micro.plan_for(global_batch_size_of(data))
+                plan = micro.plan_for(global_batch_size_of(data), overlapped=not self.run_eagerly)
                 if plan.num_sub_steps == 1 or recovery is None or not recovery.failover.exclusions:
                     raise
                 micro.arm()
@@ -194,6 +194,15 @@ def _patch_make_train_function() -> None:
         return result
 
     TensorFlowTrainer.make_train_function = make_train_function
+
+
+def reduced_step_outputs(outputs, strategy):
+    """A train step's per-replica outputs reduced as Keras' own train function reduces them (its logs)."""
+    # Private: Keras' train function reduces the replicas' outputs with reduce_per_replica(..., reduction="auto")
+    # (keras.src.backend.tensorflow.trainer); an overlapped micro-batched call runs Keras' train_step in a function
+    # of its own and must return the same logs.
+    keras_trainer = symbols.require("keras.src.backend.tensorflow.trainer")
+    return keras_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
 
 
 def skip_applied_batches(model, strategy, iterator) -> dict:
