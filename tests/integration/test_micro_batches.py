@@ -91,6 +91,70 @@ def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
     assert "micro-batch" in str(full)
 
 
+def _ancestors(op):
+    """Every op ``op`` waits for: its inputs' ops and control inputs, transitively."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return seen
+
+
+def test_a_fast_card_with_little_memory_runs_its_micro_batches_back_to_back_exactly():
+    # B = 128 fits in one step, but there the A10 (cap 16) idles most of it. Overlapped: the A10 runs several
+    # micro-batches in one call while the T4 and the P100 run one step each; no card waits for another between its
+    # micro-batches. Two epochs with a partial last batch, sample weights, clipping, an L2 term, two metrics.
+    B = 128
+    x, y, w = labelled(3 * B + 37)
+    reference = classifier()
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+
+    micro = strategy.micro_batching
+    assert micro.overlapped_steps > 0 and micro.fallbacks == 0
+    plan = micro.last_plan
+    assert plan.overlapped and plan.micro_batch_counts[0] >= 2 and plan.micro_batch_counts[1:] == (1, 1)
+    assert all(m <= cap for m, cap in zip(plan.micro_batch_sizes, CAPS))
+    # No barrier: in the traced call, the A10's second micro-batch waits for its first one only, not for the
+    # other cards' work (each replica's step ends in its end_replica_step op, after its gradients exist).
+    function = next(iter(micro._overlapped_functions.values()))[1]  # noqa: SLF001
+    graph = function._list_all_concrete_functions()[0].graph  # noqa: SLF001
+    ends = [op for op in graph.get_operations() if op.type == "PyFuncStateless" and "end_replica_step_" in op.name]
+    first = {int(op.name[-1]): op for op in ends[:3]}  # sub-step 0: every replica
+    second_a10 = ends[3]
+    assert second_a10.name.endswith("end_replica_step_0")
+    waits_for = _ancestors(second_a10)
+    assert first[0].name in waits_for
+    assert first[1].name not in waits_for and first[2].name not in waits_for
+
+
+def test_an_overlapped_step_that_fails_is_undone_and_runs_as_sub_steps():
+    # From its 5th micro-batch (3rd step) the A10 holds 6 examples instead of 16: an overlapped call runs out of memory. It is
+    # undone (metrics, iteration count, gradient sums) and the batch runs as sub-steps with a barrier each, where
+    # out-of-memory recovery lowers the cap; later batches are planned within it. Still one device's training.
+    B = 128
+    x, y, w = labelled(4 * B)
+    reference = classifier()
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    drift = [Drift(replica_id=0, from_step=4, memory_bytes=memory_for(6))]
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
+                                            oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+    micro = strategy.micro_batching
+    assert micro.fallbacks >= 1 and strategy._step_recovery.recoveries >= 1  # noqa: SLF001
+    assert strategy.balancer.max_batch_sizes[0] <= 6
+
+
 def test_validation_evaluate_and_predict_on_batches_larger_than_the_caps_run_as_sub_steps():
     # An inference batch the training caps cannot hold used to be split without them (and ran out of memory on the
     # 16-example card); it now runs as sub-steps within them: the same figures as one device's.
