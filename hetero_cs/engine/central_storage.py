@@ -399,6 +399,9 @@ class HeteroCentralStorageStrategy(
             # A micro-batch of an overlapped call is not a step the monitor could pair with the others' (each
             # replica runs a different number of them): timed and emulated, not reported.
             record=self._record_step_time if step.sub_step is None else None,
+            # Its next micro-batch's clock starts where this one's stops (replica_wrapping): back to back, as a
+            # card runs them, so the emulated waits of a card's micro-batches add up to its micro-batched time.
+            end_stamps=None if step.sub_step is None else step.sub_step.end_stamps.setdefault(step.replica_id, []),
             sampled=step.sampled_timing,
             keyed=step.shared_start,
             host_device=self._parameter_device,

@@ -23,6 +23,12 @@ silent (:meth:`MicroBatching.run`):
   each sub-step's count: refused the same way, even with ``micro_batches=True``.
 * Randomness (Dropout) draws per sub-step; as on any split, its masks are not one device's.
 
+How the sub-steps run. With an overlapped plan (:func:`hetero_cs.planning.plan_overlapped_micro_batches`) all ``K``
+sub-steps are traced into one call (:class:`SubStepTrace`), and each card runs its micro-batches back to back: its
+next one waits for its previous one only, the host sums each sub-step's gradients while the cards go on, and the
+update branch of each sub-step is fixed while tracing. Otherwise each sub-step is one call of the traced train step,
+ending at a barrier, with the host state saying which sub-step it is.
+
 What a sub-step costs: the replicas' per-step fixed cost again (parameters to the cards, gradients back), and on the
 host a gradient sum into the accumulators. The calibrated cost models hold the first; the second is small beside it.
 A failed sub-step applies nothing and the accumulators are zeroed, so a failed step leaves the model and optimizer
@@ -86,6 +92,8 @@ class SubStepTrace:
         ends: Replica id -> its previous micro-batch's gradients on the host, shared by the call's sub-steps: a
             replica's next micro-batch starts once they exist (one micro-batch at a time in its memory), and it
             waits for nothing else, no other replica's work and no host update.
+        end_stamps: Replica id -> the end stamps (float64 scalars) of its micro-batches so far, shared likewise: a
+            replica's next micro-batch's clock starts at the last one (a card runs them back to back).
     """
 
     index: int
@@ -94,6 +102,7 @@ class SubStepTrace:
     sizes: Any
     active: tuple[int, ...] | None
     ends: dict
+    end_stamps: dict = dataclasses.field(default_factory=dict)
 
     @property
     def last(self) -> bool:
@@ -160,6 +169,20 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._overlapped_functions: dict = {}  # (id(model), K, active sets) -> (model ref, the traced call)
         self.overlapped_steps = 0
         self.fallbacks = 0
+        self._cuts: dict = {}  # plan -> its cut as an int64 [K, R] tensor (made once per plan)
+        self._barrier_steps = 0
+        import weakref
+
+        self._warm_functions: weakref.WeakSet = weakref.WeakSet()  # overlapped calls traced and run once
+
+    def __deepcopy__(self, memo: dict) -> "MicroBatching":
+        import weakref
+
+        # A copy traces its own overlapped calls (a traced function and its tensors are not copied).
+        memo[id(self._overlapped_functions)] = {}
+        memo[id(self._warm_functions)] = weakref.WeakSet()
+        memo[id(self._cuts)] = {}
+        return super().__deepcopy__(memo)
 
     # ------------------------------------------------------------------------------------------------------------
     # Plans
@@ -237,9 +260,16 @@ class MicroBatching(DeepcopiedWithNewLocks):
                                              host_overhead_s=self.step_overhead_s())
         if plan is None or plan.num_sub_steps < 2:
             return None
+        # Compared on the cards' time alone: the host's time per call is measured only for the path that runs, and
+        # a barrier plan pays at least an overlapped call's host time in each of its sub-steps.
         ours, theirs = plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
-        if ours is None or (theirs is not None and ours * (1.0 + MIN_PREDICTED_GAIN) > theirs):
+        if ours is None:
             return None
+        ours -= plan.sub_step_overhead_s
+        if theirs is not None:
+            theirs -= barrier_plan.num_sub_steps * barrier_plan.sub_step_overhead_s
+            if ours * (1.0 + MIN_PREDICTED_GAIN) > theirs:
+                return None
         return plan
 
     def step_overhead_s(self) -> float:
@@ -388,6 +418,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         """Runs ``plan``'s sub-steps one call each (a barrier at the end of each); see :meth:`run`."""
         B = plan.global_batch_size
         checking = not self._checked
+        warm = self._barrier_steps > 0  # the first such step traces: its time is not the host's time per sub-step
         saved = saved_state(model) if checking else None
         sizes = list(plan.sub_step_sizes)
         if not checking:
@@ -416,7 +447,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
                     continue  # the lowered caps cannot hold this sub-step: cut it finer, above
                 self.sub_steps += 1
                 predicted = plan.sub_step_plans[j].predicted_makespan_s if j < plan.num_sub_steps else None
-                if self.micro_batched_steps > 0 and predicted is not None and size == plan.sub_step_sizes[j]:
+                if warm and predicted is not None and size == plan.sub_step_sizes[j]:
                     with self._lock:  # not the first micro-batched step, which traces
                         self._overheads.append(max(0.0, time.perf_counter() - started - predicted))
                 if checking:
@@ -437,6 +468,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         finally:
             self._state.assign([0, 0])
         self.micro_batched_steps += 1
+        self._barrier_steps += 1
         return outputs
 
     def _run_overlapped(self, model, step, data, plan: MicroBatchPlan):
@@ -459,7 +491,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
         B = plan.global_batch_size
         function = self._overlapped_function(model, plan)
-        cuts = tf.constant(np.asarray([p.per_replica_batch_sizes for p in plan.sub_step_plans], np.int64))
+        cuts = self._cuts.get(plan)
+        if cuts is None:
+            cuts = tf.constant(np.asarray([p.per_replica_batch_sizes for p in plan.sub_step_plans], np.int64))
+            if len(self._cuts) > 64:
+                self._cuts.clear()
+            self._cuts[plan] = cuts
         if not self._checked:
             function.get_concrete_function(data, cuts)  # traced: what the step cannot keep exact is found now
             self._checked = True
@@ -468,13 +505,10 @@ class MicroBatching(DeepcopiedWithNewLocks):
                 return self._one_step_instead(step, data, plan, refusal)
         self._log_plan(plan)
         iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
-        saved = save(model) + ([] if iterations is None else [(iterations, tf.identity(iterations))])
-        slicer = self._strategy._slicer  # noqa: SLF001 - an error's blame reads the cut the step started with
-        slicer._last_sizes.assign(list(plan.micro_batch_sizes))  # noqa: SLF001
+        saved = save(model, extra=() if iterations is None else (iterations,))
         started = time.perf_counter()
         try:
-            outputs = function(data, cuts)
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, outputs)  # ran to the end
+            outputs = function(data, cuts)  # returns once the call ran to its end (or raises)
         except Exception as exc:  # noqa: BLE001 - every failure is undone, then the barrier path decides
             self._zero()
             restore(saved)
@@ -493,7 +527,9 @@ class MicroBatching(DeepcopiedWithNewLocks):
             restore(saved)
             raise
         predicted = plan.predicted_makespan_s
-        if self.overlapped_steps > 0 and predicted is not None:  # not the first call, which traces
+        warm = function in self._warm_functions
+        self._warm_functions.add(function)
+        if warm and predicted is not None:  # not a function's first call, which traces
             with self._lock:
                 self._step_overheads.append(max(0.0, time.perf_counter() - started
                                                 - (predicted - plan.sub_step_overhead_s)))
@@ -533,13 +569,14 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
             B = tf.cast(tensors.leading_dim(_compat.components(leaves[0])[0]), tf.int32)
             ends: dict = {}
+            stamps: dict = {}
             start = tf.constant(0, tf.int64)
             outputs = None
             for j in range(K):
                 size = tf.reduce_sum(cuts[j])
                 rows = _rows(data, start, start + size)
                 start = start + size
-                with _tracing_sub_step(SubStepTrace(j, K, B, tf.reshape(cuts[j], [R]), actives[j], ends)):
+                with _tracing_sub_step(SubStepTrace(j, K, B, tf.reshape(cuts[j], [R]), actives[j], ends, stamps)):
                     outputs = strategy.run(model.train_step, args=(rows,))
                     outputs = _compat.reduced_step_outputs(outputs, strategy)
             return outputs

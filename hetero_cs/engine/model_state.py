@@ -23,9 +23,12 @@ def _variables(model) -> list:
     return list({id(v): v for v in list(model.non_trainable_variables) + list(model.metrics_variables)}.values())
 
 
-def saved_state(model) -> list:
-    """``(variable, value)`` of the model's non-trained and metric variables (values copied, not aliased)."""
+def saved_state(model, extra=()) -> list:
+    """``(variable, value)`` of the model's non-trained and metric variables and of ``extra`` (values copied, not
+    aliased), in one call."""
     variables = _variables(model)
+    known = {id(v) for v in variables}
+    variables += [v for v in extra if id(v) not in known]
     if not variables:
         return []
     key = tuple(id(v) for v in variables)

@@ -94,6 +94,8 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
         batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
         start, sampled = step_start, step_start is not None and strategy._sampled_timing and timed is not None
+        if sub_step is not None and sub_step.end_stamps.get(replica_id):
+            start = sub_step.end_stamps[replica_id][-1]  # back to back: where its previous micro-batch stopped
         if start is None and strategy._timing_enabled and batched is not None:
             from hetero_cs.engine.step_timing import wall_clock_stamp
 

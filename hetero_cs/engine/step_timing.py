@@ -233,7 +233,8 @@ def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
 def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
                         emulator: Emulator | None = None,
                         record: Callable[..., None] | None = None,
-                        sampled: bool = False, host_device: str | None = None, keyed: bool = False) -> list:
+                        sampled: bool = False, host_device: str | None = None, keyed: bool = False,
+                        end_stamps: list | None = None) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.
 
     Runs :func:`end_replica_step` after every gradient (a control edge from each): it waits out the emulated device
@@ -250,6 +251,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
         host_device: Where the gradients go (the parameter device): they are copied there first and the step ends
             when the copies exist (kernel completion on a GPU); the copies are returned. None: the step ends when
             the gradients exist on the replica's device, and they are returned where they are.
+        end_stamps: A list the end stamp (float64 scalar tensor) is appended to, or None.
 
     Returns:
         The gradients, in order, one of them tied to the end of the step.
@@ -284,4 +286,6 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
         index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
         tied = list(grads)
         tied[index] = tie_to_stamp(tied[index], end)
+        if end_stamps is not None:
+            end_stamps.append(end)
     return tied

@@ -25,6 +25,12 @@ example, each cut optimally within the caps. It tries ``K_min`` to ``K_min + MAX
 early once ``K`` times the cost of the smallest sub-step exceeds the best makespan found (no larger ``K`` can do
 better, since a sub-step costs at least that).
 
+Overlapped plans (:func:`plan_overlapped_micro_batches`). Where the engine runs all sub-steps in one traced call, a
+card's micro-batches run back to back and no card waits for another between them, so the makespan is
+``max_i sum_j t_i(b_ij)``. The best such plan is solved directly, exactly: the minimum-makespan split under each
+card's micro-batched curve (:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel`), each card's share then cut
+into ``k_i`` near-equal micro-batches within its cap, run in its first ``k_i`` sub-steps.
+
 Pure Python: no TensorFlow, no NVML.
 """
 
