@@ -16,7 +16,9 @@ import weakref
 
 import tensorflow as tf
 
-_SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (variable ids, tf.function)
+# model -> {variable ids: tf.function}: a retried step and an overlapped micro-batched step (which also saves the
+# optimizer's iteration count) each keep their own, so neither is traced again when the two alternate.
+_SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _variables(model) -> list:
@@ -32,11 +34,13 @@ def saved_state(model, extra=()) -> list:
     if not variables:
         return []
     key = tuple(id(v) for v in variables)
-    cached = _SNAPSHOTS.get(model)
-    if cached is None or cached[0] != key:
-        cached = (key, tf.function(lambda: [tf.identity(v.value) for v in variables], autograph=False))
-        _SNAPSHOTS[model] = cached
-    return list(zip(variables, cached[1]()))
+    functions = _SNAPSHOTS.setdefault(model, {})
+    function = functions.get(key)
+    if function is None:
+        if len(functions) >= 4:  # the model's variables changed (a new metric, a rebuilt optimizer)
+            functions.clear()
+        function = functions[key] = tf.function(lambda: [tf.identity(v.value) for v in variables], autograph=False)
+    return list(zip(variables, function()))
 
 
 def restore(saved) -> None:

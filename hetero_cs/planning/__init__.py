@@ -10,10 +10,11 @@ from hetero_cs.planning.cost_model import (
     CostModel,
     IdleFreeCostModel,
     LinearCostModel,
+    MicroBatchedCostModel,
     PiecewiseLinearCostModel,
     ScaledCostModel,
 )
-from hetero_cs.planning.micro_batches import MicroBatchPlan, plan_micro_batches
+from hetero_cs.planning.micro_batches import MicroBatchPlan, plan_micro_batches, plan_overlapped_micro_batches
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -25,6 +26,7 @@ __all__ = [
     "IdleFreeCostModel",
     "LinearCostModel",
     "MicroBatchPlan",
+    "MicroBatchedCostModel",
     "PiecewiseLinearCostModel",
     "RebalancePolicy",
     "Rebalancer",
@@ -33,6 +35,7 @@ __all__ = [
     "even_batch_split",
     "ideal_makespan_s",
     "plan_micro_batches",
+    "plan_overlapped_micro_batches",
     "plan_from_split",
     "solve_batch_split",
     "split_by_shares",

@@ -64,8 +64,8 @@ def _patch_optimizer() -> None:
         local = [g for g, _ in grads_and_vars if g is not None]
         step = training.current_replica_step()
         if step is not None and step.sub_step is not None:
-            # An overlapped micro-batched call: this replica's next micro-batch starts once these gradients are on
-            # the host (hetero_cs.engine.replica_wrapping). Writes that need no other replica do not wait for this
+            # An overlapped micro-batched call: this replica's next micro-batch starts once these gradients exist
+            # (hetero_cs.engine.replica_wrapping). Writes that need no other replica do not wait for this
             # sub-step's barrier: the call is undone as a whole when any part of it fails (MicroBatching.run).
             step.sub_step.ends[step.replica_id] = tf.nest.flatten(local, expand_composites=True)
         if local:
