@@ -94,6 +94,8 @@ class SubStepTrace:
             waits for nothing else, no other replica's work and no host update.
         end_stamps: Replica id -> the end stamps (float64 scalars) of its micro-batches so far, shared likewise: a
             replica's next micro-batch's clock starts at the last one (a card runs them back to back).
+        applies: Whether this call is the step's last (a step of more than ``SUB_STEPS_PER_CALL`` sub-steps runs
+            as several calls; only the last one's last sub-step applies the sums).
     """
 
     index: int
@@ -104,10 +106,12 @@ class SubStepTrace:
     ends: dict
     end_stamps: dict = dataclasses.field(default_factory=dict)
 
+    applies: bool = True
+
     @property
     def last(self) -> bool:
-        """Whether this sub-step applies the summed gradient (the call's last)."""
-        return self.index == self.count - 1
+        """Whether this sub-step applies the summed gradient (the last of the step's last call)."""
+        return self.applies and self.index == self.count - 1
 
 
 _tracing = threading.local()
@@ -169,7 +173,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._overlapped_functions: dict = {}  # (id(model), K, active sets) -> (model ref, the traced call)
         self.overlapped_steps = 0
         self.fallbacks = 0
-        self._cuts: dict = {}  # plan -> its cut as an int64 [K, R] tensor (made once per plan)
+        self._call_cache: dict = {}  # (plan, model) -> its overlapped calls; B -> its int32 tensor
         self._barrier_steps = 0
         import weakref
 
@@ -181,7 +185,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         # A copy traces its own overlapped calls (a traced function and its tensors are not copied).
         memo[id(self._overlapped_functions)] = {}
         memo[id(self._warm_functions)] = weakref.WeakSet()
-        memo[id(self._cuts)] = {}
+        memo[id(self._call_cache)] = {}
         return super().__deepcopy__(memo)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -265,7 +269,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         ours, theirs = plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
         if ours is None:
             return None
-        ours -= plan.sub_step_overhead_s
+        ours -= plan.num_calls * plan.sub_step_overhead_s
         if theirs is not None:
             theirs -= barrier_plan.num_sub_steps * barrier_plan.sub_step_overhead_s
             if ours * (1.0 + MIN_PREDICTED_GAIN) > theirs:
@@ -385,6 +389,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._checked = False
         with self._lock:
             self._overlapped_functions.clear()
+            self._call_cache.clear()
 
     def note(self, finding: str) -> None:
         """Called while a step is traced: ``finding`` (BATCH_NORM, NORMALISED_LOSS) is in this model's step."""
@@ -472,33 +477,27 @@ class MicroBatching(DeepcopiedWithNewLocks):
         return outputs
 
     def _run_overlapped(self, model, step, data, plan: MicroBatchPlan):
-        """Runs ``plan``'s sub-steps in one traced call, each card's micro-batches back to back.
+        """Runs ``plan``'s sub-steps in traced calls of up to ``SUB_STEPS_PER_CALL``, each card's micro-batches back
+        to back within a call.
 
-        The call traces Keras' train step once per sub-step into one graph (:class:`SubStepTrace`): sub-step ``j``
+        A call traces Keras' train step once per sub-step into one graph (:class:`SubStepTrace`): sub-step ``j``
         cuts ``plan``'s ``j``-th slice sizes, runs only its active replicas, weighs every loss by ``b_ij / B``, and
-        adds its summed gradient to the host's sums, except the last, which applies them. A card's next
+        adds its summed gradient to the host's sums, except the step's last, which applies them. A card's next
         micro-batch waits for its previous one only, so no card waits for another between its micro-batches, and
-        the host adds each sub-step's gradients while the cards go on.
+        the host adds each sub-step's gradients while the cards go on; a call ends at a barrier.
 
-        When anything in the call fails (out of memory, a failing card, any error), everything it changed is put
+        When anything in a call fails (out of memory, a failing card, any error), everything the step changed is put
         back (the non-trained and metric variables, the optimizer's iteration count, the gradient sums), and the
         batch runs again as sub-steps with a barrier each, one call per sub-step, where out-of-memory recovery and
         failover handle each sub-step (:meth:`_run_sub_steps`); an error there is raised as it is.
         """
-        import numpy as np
-
         from hetero_cs.engine.model_state import saved_state as save
 
         B = plan.global_batch_size
-        function = self._overlapped_function(model, plan)
-        cuts = self._cuts.get(plan)
-        if cuts is None:
-            cuts = tf.constant(np.asarray([p.per_replica_batch_sizes for p in plan.sub_step_plans], np.int64))
-            if len(self._cuts) > 64:
-                self._cuts.clear()
-            self._cuts[plan] = cuts
+        calls = self._overlapped_calls(model, plan)
         if not self._checked:
-            function.get_concrete_function(data, cuts)  # traced: what the step cannot keep exact is found now
+            function, rows, cuts, _ = calls[0]
+            function.get_concrete_function(rows(data), cuts, self._batch_size_tensor(B))  # found while tracing
             self._checked = True
             refusal = self._refusal()
             if refusal is not None:
@@ -507,8 +506,11 @@ class MicroBatching(DeepcopiedWithNewLocks):
         iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
         saved = save(model, extra=() if iterations is None else (iterations,))
         started = time.perf_counter()
+        warm = all(function in self._warm_functions for function, *_ in calls)
         try:
-            outputs = function(data, cuts)  # returns once the call ran to its end (or raises)
+            for function, rows, cuts, _ in calls:
+                outputs = function(rows(data), cuts, self._batch_size_tensor(B))  # returns once the call ran
+                self._warm_functions.add(function)
         except Exception as exc:  # noqa: BLE001 - every failure is undone, then the barrier path decides
             self._zero()
             restore(saved)
@@ -527,16 +529,43 @@ class MicroBatching(DeepcopiedWithNewLocks):
             restore(saved)
             raise
         predicted = plan.predicted_makespan_s
-        warm = function in self._warm_functions
-        self._warm_functions.add(function)
-        if warm and predicted is not None:  # not a function's first call, which traces
+        if warm and predicted is not None:  # a call's first run traces: its time is not the host's
             with self._lock:
-                self._step_overheads.append(max(0.0, time.perf_counter() - started
-                                                - (predicted - plan.sub_step_overhead_s)))
+                self._step_overheads.append(max(0.0, (time.perf_counter() - started - predicted) / len(calls)
+                                                + plan.sub_step_overhead_s))
         self.overlapped_steps += 1
         self.micro_batched_steps += 1
         self.sub_steps += plan.num_sub_steps
         return outputs
+
+    def _batch_size_tensor(self, global_batch_size: int):
+        value = self._call_cache.get(("B", global_batch_size))
+        if value is None:
+            value = self._call_cache[("B", global_batch_size)] = tf.constant(global_batch_size, tf.int32)
+        return value
+
+    def _overlapped_calls(self, model, plan: MicroBatchPlan) -> list:
+        """``(traced call, rows of the batch it takes, its cut [k, R], sub-steps)`` per call of ``plan``'s step."""
+        import numpy as np
+
+        key = ("calls", plan, id(model))
+        found = self._call_cache.get(key)
+        if found is not None:
+            return found
+        calls, start = [], 0
+        parts = plan.calls
+        for index, part in enumerate(parts):
+            size = sum(p.global_batch_size for p in part)
+            function = self._overlapped_function(model, part, applies=index == len(parts) - 1)
+            cuts = tf.constant(np.asarray([p.per_replica_batch_sizes for p in part], np.int64))
+            whole = len(parts) == 1
+            rows = (lambda data: data) if whole else (lambda data, a=start, b=start + size: _rows(data, a, b))
+            calls.append((function, rows, cuts, part))
+            start += size
+        if len(self._call_cache) > 64:
+            self._call_cache.clear()
+        self._call_cache[key] = calls
+        return calls
 
     def plan_for_sub_step(self, size: int):
         """The plan of one sub-step of ``size`` examples within the caps (the barrier path's)."""
@@ -545,14 +574,15 @@ class MicroBatching(DeepcopiedWithNewLocks):
                            cost_models=balancer._cost_models, max_batch_sizes=balancer.max_batch_sizes,  # noqa: SLF001
                            log_ties=False, idle_free=True)
 
-    def _overlapped_function(self, model, plan: MicroBatchPlan):
-        """The traced overlapped call for ``model`` and ``plan``'s shape (K and each sub-step's active replicas)."""
+    def _overlapped_function(self, model, sub_step_plans, *, applies: bool):
+        """The traced overlapped call for ``model`` and these sub-steps' shape (how many, each one's active replicas,
+        whether the call applies the sums); called as ``function(rows, cuts, B)``."""
         R = self._strategy.balancer.num_replicas
         actives = tuple(
             None if all(b > 0 for b in p.per_replica_batch_sizes)
             else tuple(i for i, b in enumerate(p.per_replica_batch_sizes) if b > 0)
-            for p in plan.sub_step_plans)
-        key = (id(model), plan.num_sub_steps, actives)
+            for p in sub_step_plans)
+        key = (id(model), actives, applies)
         with self._lock:
             found = self._overlapped_functions.get(key)
             if found is not None and found[0]() is model:
@@ -560,14 +590,9 @@ class MicroBatching(DeepcopiedWithNewLocks):
         import weakref
 
         strategy = self._strategy
-        K = plan.num_sub_steps
+        K = len(actives)
 
-        def overlapped_step(data, cuts):
-            leaves = [leaf for leaf in tf.nest.flatten(data)
-                      if _compat.components(leaf) and not is_unbatched_marker(_compat.components(leaf)[0])]
-            from hetero_cs.engine import tensors
-
-            B = tf.cast(tensors.leading_dim(_compat.components(leaves[0])[0]), tf.int32)
+        def overlapped_call(data, cuts, global_batch_size):
             ends: dict = {}
             stamps: dict = {}
             start = tf.constant(0, tf.int64)
@@ -576,12 +601,14 @@ class MicroBatching(DeepcopiedWithNewLocks):
                 size = tf.reduce_sum(cuts[j])
                 rows = _rows(data, start, start + size)
                 start = start + size
-                with _tracing_sub_step(SubStepTrace(j, K, B, tf.reshape(cuts[j], [R]), actives[j], ends, stamps)):
+                sub_step = SubStepTrace(j, K, global_batch_size, tf.reshape(cuts[j], [R]), actives[j], ends, stamps,
+                                        applies=applies)
+                with _tracing_sub_step(sub_step):
                     outputs = strategy.run(model.train_step, args=(rows,))
                     outputs = _compat.reduced_step_outputs(outputs, strategy)
             return outputs
 
-        function = tf.function(overlapped_step, autograph=False, reduce_retracing=True)
+        function = tf.function(overlapped_call, autograph=False, reduce_retracing=True)
         with self._lock:
             if len(self._overlapped_functions) > 8:
                 self._overlapped_functions.clear()

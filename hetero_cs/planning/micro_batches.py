@@ -25,9 +25,9 @@ example, each cut optimally within the caps. It tries ``K_min`` to ``K_min + MAX
 early once ``K`` times the cost of the smallest sub-step exceeds the best makespan found (no larger ``K`` can do
 better, since a sub-step costs at least that).
 
-Overlapped plans (:func:`plan_overlapped_micro_batches`). Where the engine runs all sub-steps in one traced call, a
-card's micro-batches run back to back and no card waits for another between them, so the makespan is
-``max_i sum_j t_i(b_ij)``. The best such plan is solved directly, exactly: the minimum-makespan split under each
+Overlapped plans (:func:`plan_overlapped_micro_batches`). Where the engine runs the sub-steps in one traced call (up
+to :data:`SUB_STEPS_PER_CALL`; more as several calls), a card's micro-batches run back to back and no card waits for
+another between them, so the makespan is ``max_i sum_j t_i(b_ij)`` per call. The best such plan is solved directly, exactly: the minimum-makespan split under each
 card's micro-batched curve (:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel`), each card's share then cut
 into ``k_i`` near-equal micro-batches within its cap, run in its first ``k_i`` sub-steps.
 
@@ -45,16 +45,19 @@ from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
 from hetero_cs.planning.plan import BatchPlan
 
-__all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "MicroBatchPlan", "capacity_of", "plan_micro_batches",
-           "plan_overlapped_micro_batches"]
+__all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
+           "plan_micro_batches", "plan_overlapped_micro_batches"]
 
 MAX_EXTRA_SUB_STEPS = 64
 """How many sub-steps beyond ``K_min`` the search tries (each costs at most two solver calls, once per B)."""
 
 
-MAX_OVERLAPPED_SUB_STEPS = 16
-"""The most sub-steps an overlapped plan has: the engine traces them all into one call (each one more copy of the
-train step in the graph), so a plan needing more runs as sub-steps with a barrier each instead."""
+SUB_STEPS_PER_CALL = 16
+"""The most sub-steps the engine traces into one overlapped call (each one more copy of the train step in the graph).
+An overlapped plan with more runs as several calls of at most this many, each ending at a barrier."""
+
+MAX_OVERLAPPED_SUB_STEPS = 256
+"""The most sub-steps an overlapped plan has (16 calls); a plan needing more runs as sub-steps with a barrier each."""
 
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
@@ -75,11 +78,13 @@ class MicroBatchPlan:
             None when the caps cannot hold it in one step or nothing is predicted.
         sub_step_overhead_s: The host's measured time per step beyond the replicas' (dispatch, the plan's Python
             call, the gradient sum), seconds >= 0; counted once per sub-step in the predictions (once per step when
-            ``overlapped``).
-        overlapped: The sub-steps run in one traced call, each card's micro-batches back to back with no barrier
-            between sub-steps (:func:`plan_overlapped_micro_batches`): replica ``i`` takes part in its first
-            ``k_i`` sub-steps only, and the makespan is ``max_i sum_j t_i(b_ij)``. False: one call per sub-step,
-            each ending at a barrier (``sum_j max_i t_i(b_ij)``).
+            ``overlapped``, once per call).
+        overlapped: The sub-steps run in traced calls of up to :data:`SUB_STEPS_PER_CALL` each, each card's
+            micro-batches back to back within a call (:func:`plan_overlapped_micro_batches`): replica ``i`` takes part
+            in its first ``k_i`` sub-steps only, and the makespan is ``max_i sum_j t_i(b_ij)`` per call, summed over
+            the calls. False: one call per sub-step, each ending at a barrier (``sum_j max_i t_i(b_ij)``).
+        call_sub_steps: When ``overlapped``: the sub-steps of each call, in order (they sum to ``K``, each at most
+            :data:`SUB_STEPS_PER_CALL`); empty for one call of all ``K``.
 
     Raises:
         ConfigError: No sub-step, or sub-steps of different replica counts.
@@ -95,6 +100,7 @@ class MicroBatchPlan:
     single_step_makespan_s: float | None = None
     sub_step_overhead_s: float = 0.0
     overlapped: bool = False
+    call_sub_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         plans = tuple(self.sub_step_plans)
@@ -105,11 +111,33 @@ class MicroBatchPlan:
             raise ConfigError(f"MicroBatchPlan's sub-steps must cut for the same replicas; got replica counts "
                               f"{[p.num_replicas for p in plans]}.")
         object.__setattr__(self, "sub_step_plans", plans)
+        calls = tuple(int(n) for n in self.call_sub_steps)
+        if calls and (sum(calls) != len(plans) or min(calls) < 1 or not self.overlapped):
+            raise ConfigError(f"MicroBatchPlan.call_sub_steps must be sub-step counts >= 1 summing to the "
+                              f"{len(plans)} sub-steps of an overlapped plan. Received: call_sub_steps={calls!r}, "
+                              f"overlapped={self.overlapped!r}.")
+        object.__setattr__(self, "call_sub_steps", calls)
 
     @property
     def num_sub_steps(self) -> int:
         """``K``, the sub-steps per global batch (1: an ordinary step)."""
         return len(self.sub_step_plans)
+
+    @property
+    def calls(self) -> tuple[tuple[BatchPlan, ...], ...]:
+        """The sub-steps of each traced call, in order: one per call when ``overlapped``, else one each."""
+        if not self.overlapped:
+            return tuple((p,) for p in self.sub_step_plans)
+        sizes, start, calls = self.call_sub_steps or (self.num_sub_steps,), 0, []
+        for n in sizes:
+            calls.append(self.sub_step_plans[start:start + n])
+            start += n
+        return tuple(calls)
+
+    @property
+    def num_calls(self) -> int:
+        """How many traced calls the step makes (``K`` unless ``overlapped``)."""
+        return len(self.calls)
 
     @property
     def global_batch_size(self) -> int:
@@ -141,12 +169,14 @@ class MicroBatchPlan:
     def predicted_makespan_s(self) -> float | None:
         """In seconds, or None if unknown: ``sum_j max_i t_i(b_ij)`` plus the host's overhead per sub-step (the
         sub-steps run one after another, each ending at a barrier); when ``overlapped``, ``max_i sum_j t_i(b_ij)``
-        plus the host's overhead once (each card runs its micro-batches back to back)."""
+        plus the host's overhead once per call of up to :data:`SUB_STEPS_PER_CALL` sub-steps (each card runs its
+        micro-batches back to back), summed over the calls."""
         if self.overlapped:
             columns = [p.predicted_step_times_s for p in self.sub_step_plans]
             if any(c is None for c in columns):
                 return None
-            return max(float(sum(column)) for column in zip(*columns)) + self.sub_step_overhead_s
+            return sum(max(float(sum(column)) for column in zip(*(p.predicted_step_times_s for p in call)))
+                       + self.sub_step_overhead_s for call in self.calls)
         times = [p.predicted_makespan_s for p in self.sub_step_plans]
         if any(t is None for t in times):
             return None
@@ -163,7 +193,8 @@ class MicroBatchPlan:
         """A JSON-serialisable dict; inverse of :meth:`from_dict`."""
         return {"sub_step_plans": [p.to_dict() for p in self.sub_step_plans],
                 "single_step_makespan_s": self.single_step_makespan_s,
-                "sub_step_overhead_s": self.sub_step_overhead_s, "overlapped": self.overlapped}
+                "sub_step_overhead_s": self.sub_step_overhead_s, "overlapped": self.overlapped,
+                "call_sub_steps": list(self.call_sub_steps)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
@@ -178,7 +209,8 @@ class MicroBatchPlan:
         return cls(tuple(BatchPlan.from_dict(p) for p in data["sub_step_plans"]),
                    single_step_makespan_s=data.get("single_step_makespan_s"),
                    sub_step_overhead_s=data.get("sub_step_overhead_s", 0.0),
-                   overlapped=bool(data.get("overlapped", False)))
+                   overlapped=bool(data.get("overlapped", False)),
+                   call_sub_steps=tuple(data.get("call_sub_steps", ())))
 
     def __str__(self) -> str:
         K = self.num_sub_steps
@@ -193,8 +225,9 @@ class MicroBatchPlan:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"
 
         speedup = self.predicted_speedup_vs_single_step
-        how = (f"each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time "
-               f"per step" if self.overlapped else
+        calls = "" if self.num_calls == 1 else f"in {self.num_calls} calls of up to {SUB_STEPS_PER_CALL} sub-steps, "
+        how = (f"{calls}each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host "
+               f"time per {'call' if calls else 'step'}" if self.overlapped else
                f"the sub-steps' sum, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
         lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} ({how})",
                   f"in one step within the caps: "
@@ -325,7 +358,9 @@ def plan_overlapped_micro_batches(
         max_batch_sizes: Memory caps in examples, shape [R] (None: uncapped).
         host_overhead_s: The host's measured time per overlapped step beyond the cards' (seconds >= 0).
         single_step_makespan_s: The predicted makespan of one step within the caps, recorded in the plan (or None).
-        max_sub_steps: Plans needing more sub-steps return None (see :data:`MAX_OVERLAPPED_SUB_STEPS`).
+        max_sub_steps: Plans needing more sub-steps return None (see :data:`MAX_OVERLAPPED_SUB_STEPS`). The
+            sub-steps run in calls of up to :data:`SUB_STEPS_PER_CALL`, whose barriers the prediction counts; the
+            split itself is the best one without them.
 
     Returns:
         The :class:`MicroBatchPlan` with ``overlapped=True`` (``K = 1`` when no card needs a second micro-batch),
@@ -366,10 +401,26 @@ def plan_overlapped_micro_batches(
     K = max(len(p) for p in parts)
     if K > max_sub_steps:
         return None
-    sub_steps = []
-    for j in range(K):
-        sizes = tuple(p[j] if j < len(p) else 0 for p in parts)
-        times = tuple(float(models[i].predict_step_time_s(b)) if b else 0.0 for i, b in enumerate(sizes))
-        sub_steps.append(BatchPlan(sizes, sum(sizes), predicted_makespan_s=max(times), predicted_step_times_s=times))
+    # More sub-steps than one call holds: n calls, each card's micro-batches spread evenly over them (so each call is
+    # about 1/n of the whole step, and no card waits long at a call's end); within a call, largest first.
+    n = -(-K // SUB_STEPS_PER_CALL)
+    groups = [[_equal_sizes_of(p, g, n) for p in parts] for g in range(n)]
+    sub_steps, call_sub_steps = [], []
+    for group in groups:
+        depth = max(len(p) for p in group)
+        call_sub_steps.append(depth)
+        for j in range(depth):
+            sizes = tuple(p[j] if j < len(p) else 0 for p in group)
+            times = tuple(float(models[i].predict_step_time_s(b)) if b else 0.0 for i, b in enumerate(sizes))
+            sub_steps.append(BatchPlan(sizes, sum(sizes), predicted_makespan_s=max(times),
+                                       predicted_step_times_s=times))
     return MicroBatchPlan(tuple(sub_steps), single_step_makespan_s=single_step_makespan_s,
-                          sub_step_overhead_s=float(host_overhead_s), overlapped=True)
+                          sub_step_overhead_s=float(host_overhead_s), overlapped=True,
+                          call_sub_steps=tuple(call_sub_steps) if n > 1 else ())
+
+
+def _equal_sizes_of(items: list, group: int, groups: int) -> list:
+    """The ``group``-th of ``groups`` near-equal consecutive parts of ``items`` (earlier parts one longer)."""
+    q, r = divmod(len(items), groups)
+    start = group * q + min(group, r)
+    return items[start:start + q + (1 if group < r else 0)]

@@ -86,6 +86,8 @@ def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
     assert micro.micro_batched_steps == 2
     full = micro.plan_for(B)
     assert full.num_sub_steps >= 16 and full.global_batch_size == B
+    # More sub-steps than one traced call holds: several overlapped calls, each card back to back within each.
+    assert micro.overlapped_steps == 2 and micro.fallbacks == 0 and full.overlapped and full.num_calls >= 2
     assert all(m <= cap for m, cap in zip(full.micro_batch_sizes, CAPS))
     assert sum(full.per_replica_batch_sizes) == B
     assert "micro-batch" in str(full)
@@ -133,26 +135,6 @@ def test_a_fast_card_with_little_memory_runs_its_micro_batches_back_to_back_exac
     waits_for = _ancestors(second_a10)
     assert first[0].name in waits_for
     assert first[1].name not in waits_for and first[2].name not in waits_for
-
-
-def test_an_overlapped_step_that_fails_is_undone_and_runs_as_sub_steps():
-    # From its 5th micro-batch (3rd step) the A10 holds 6 examples instead of 16: an overlapped call runs out of memory. It is
-    # undone (metrics, iteration count, gradient sums) and the batch runs as sub-steps with a barrier each, where
-    # out-of-memory recovery lowers the cap; later batches are planned within it. Still one device's training.
-    B = 128
-    x, y, w = labelled(4 * B)
-    reference = classifier()
-    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    drift = [Drift(replica_id=0, from_step=4, memory_bytes=memory_for(6))]
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
-                                            oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
-    with strategy.scope():
-        model = classifier()
-    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    assert_same_training(model, history, reference, reference_history)
-    micro = strategy.micro_batching
-    assert micro.fallbacks >= 1 and strategy._step_recovery.recoveries >= 1  # noqa: SLF001
-    assert strategy.balancer.max_batch_sizes[0] <= 6
 
 
 def test_validation_evaluate_and_predict_on_batches_larger_than_the_caps_run_as_sub_steps():
@@ -338,14 +320,19 @@ def test_a_batch_that_runs_as_one_step_says_why_it_was_not_micro_batched():
     assert int(model.optimizer.iterations) == 0
 
 
-def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_step():
-    # From its 4th step, replica 1 holds 20 examples instead of 64: a sub-step runs out of memory, is retried
-    # within a lower cap, and later sub-steps are cut finer; the whole step still equals one device's.
-    B = 2 * CAPACITY
-    x, y, w = labelled(3 * B)
+@pytest.mark.parametrize("global_batch_size, replica_id, holds, batches, overlapped",
+                         [(2 * CAPACITY, 1, 20, 3, False), (128, 0, 6, 4, True)])
+def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_step(global_batch_size, replica_id,
+                                                                                   holds, batches, overlapped):
+    # From its 5th micro-batch a card holds fewer examples: the step runs out of memory. An overlapped call is undone
+    # (metrics, iteration count, gradient sums) and the batch runs as sub-steps with a barrier each, where a sub-step
+    # that runs out of memory is retried within a lower cap and later sub-steps are cut finer; later batches are
+    # planned within it. The whole training still equals one device's.
+    B = global_batch_size
+    x, y, w = labelled(batches * B)
     reference = classifier()
     reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    drift = [Drift(replica_id=1, from_step=4, memory_bytes=memory_for(20))]
+    drift = [Drift(replica_id=replica_id, from_step=4, memory_bytes=memory_for(holds))]
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
                                             oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
     with strategy.scope():
@@ -353,7 +340,9 @@ def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_ste
     history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
     assert_same_training(model, history, reference, reference_history)
     assert strategy._step_recovery.recoveries >= 1  # noqa: SLF001
-    assert strategy.balancer.max_batch_sizes[1] <= 20
+    assert strategy.balancer.max_batch_sizes[replica_id] <= holds
+    if overlapped:  # the A10's micro-batches ran back to back until one of them ran out of memory
+        assert strategy.micro_batching.fallbacks >= 1
 
 
 def accumulating_classifier(run_eagerly=False):

@@ -15,6 +15,7 @@ from hetero_cs.planning.micro_batches import (
     capacity_of,
     plan_micro_batches,
     plan_overlapped_micro_batches,
+    SUB_STEPS_PER_CALL,
 )
 
 
@@ -172,15 +173,21 @@ def test_an_overlapped_plan_is_the_least_makespan_over_every_split(B, replicas):
                for split in itertools.product(range(B + 1), repeat=len(models)) if sum(split) == B
                and all(cap is None or cap > 0 or b == 0 for cap, b in zip(caps, split)))
     assert plan.overlapped and plan.global_batch_size == B
-    assert plan.predicted_makespan_s == pytest.approx(best, rel=1e-9, abs=1e-12)
-    # Each card's micro-batches: within its cap, in its first k_i sub-steps (largest first), summing to its share.
+    if plan.num_calls == 1:
+        assert plan.predicted_makespan_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    else:  # the calls' barriers cost something; each call holds about 1/n of every card's micro-batches
+        assert plan.predicted_makespan_s >= best - 1e-12
+        assert all(1 <= len(call) <= SUB_STEPS_PER_CALL for call in plan.calls)
+    # Each card's micro-batches: within its cap, in the first sub-steps of each call (largest first), near-equal.
     for i, cap in enumerate(caps):
-        column = [p.per_replica_batch_sizes[i] for p in plan.sub_step_plans]
-        k = plan.micro_batch_counts[i]
-        assert all(b > 0 for b in column[:k]) and all(b == 0 for b in column[k:])
-        assert column[:k] == sorted(column[:k], reverse=True) and max(column[:k], default=0) - min(
-            column[:k], default=0) <= 1
-        assert cap is None or all(b <= cap for b in column)
+        everything = [p.per_replica_batch_sizes[i] for p in plan.sub_step_plans]
+        used = [b for b in everything if b]
+        assert max(used, default=0) - min(used, default=0) <= 1
+        assert cap is None or all(b <= cap for b in everything)
+        for call in plan.calls:
+            column = [p.per_replica_batch_sizes[i] for p in call]
+            k = sum(1 for b in column if b)
+            assert all(b > 0 for b in column[:k]) and column[:k] == sorted(column[:k], reverse=True)
 
 
 def test_an_overlapped_plan_gives_the_fast_card_with_little_memory_its_share():
@@ -195,8 +202,17 @@ def test_an_overlapped_plan_gives_the_fast_card_with_little_memory_its_share():
     assert "back to back" in str(plan)
     timed = plan_overlapped_micro_batches(96, [fast, slow], [16, 64], host_overhead_s=0.003)
     assert timed.predicted_makespan_s == pytest.approx(plan.predicted_makespan_s + 0.003)
-    # More sub-steps than the engine traces into one call: None (the barrier path's plan is used).
+    # More sub-steps than the engine allows: None (the barrier path's plan is used).
     assert plan_overlapped_micro_batches(96, [fast, slow], [16, 64], max_sub_steps=4) is None
+    # More than one call holds: the calls split every card's micro-batches near-evenly.
+    big = plan_overlapped_micro_batches(2000, [fast, slow], [16, 64])
+    assert big.num_calls == len(big.call_sub_steps) >= 2 and sum(big.call_sub_steps) == big.num_sub_steps
+    for call in big.calls:
+        assert sum(1 for p in call if p.per_replica_batch_sizes[1]) in (
+            big.micro_batch_counts[1] // big.num_calls, -(-big.micro_batch_counts[1] // big.num_calls))
+    assert MicroBatchPlan.from_dict(big.to_dict()) == big and f"in {big.num_calls} calls" in str(big)
+    with pytest.raises(ConfigError, match="call_sub_steps"):
+        MicroBatchPlan(big.sub_step_plans, overlapped=True, call_sub_steps=(1,))
 
 
 def test_overlapped_plans_refuse_bad_input():
