@@ -23,8 +23,9 @@ silent (:meth:`MicroBatching.run`):
   each sub-step's count: refused the same way, even with ``micro_batches=True``.
 * Randomness (Dropout) draws per sub-step; as on any split, its masks are not one device's.
 
-How the sub-steps run. With an overlapped plan (:func:`hetero_cs.planning.plan_overlapped_micro_batches`) all ``K``
-sub-steps are traced into one call (:class:`SubStepTrace`), and each card runs its micro-batches back to back: its
+How the sub-steps run. With an overlapped plan (:func:`hetero_cs.planning.plan_overlapped_micro_batches`) the
+sub-steps are traced into one call (or a few, ``MicroBatchPlan.calls``; :class:`SubStepTrace`), and within a call each
+card runs its micro-batches back to back: its
 next one waits for its previous one only, the host sums each sub-step's gradients while the cards go on, and the
 update branch of each sub-step is fixed while tracing. Otherwise each sub-step is one call of the traced train step,
 ending at a barrier, with the host state saying which sub-step it is.
@@ -80,7 +81,7 @@ _WHY = {
 class SubStepTrace:
     """One sub-step of an overlapped micro-batched call while it is traced (symbolic tensors).
 
-    An overlapped call (:meth:`MicroBatching.run`) traces its ``K`` sub-steps into one graph; the step engine reads
+    An overlapped call (:meth:`MicroBatching.run`) traces its sub-steps into one graph; the step engine reads
     this while it traces each one, instead of deciding a plan, reading the host state, or waiting at a barrier:
 
     Attributes:

@@ -349,7 +349,9 @@ def plan_overlapped_micro_batches(
     the minimum-makespan solver (these curves are non-decreasing). An uncapped replica runs its share in one
     micro-batch; one whose cap is 0 gets nothing. Sub-step ``j`` then gives replica ``i`` its ``j``-th micro-batch
     (largest first) while ``j < k_i``, and 0 examples after: ``K = max_i k_i`` sub-steps, which the engine runs in
-    one traced call with no barrier between them (:mod:`hetero_cs.engine.micro_batches`).
+    one traced call with no barrier between them (:mod:`hetero_cs.engine.micro_batches`). When ``K`` exceeds
+    :data:`SUB_STEPS_PER_CALL`, the step runs as ``n = ceil(K / SUB_STEPS_PER_CALL)`` calls, each card's
+    micro-batches spread near-evenly over them (``call_sub_steps``), each call ending at a barrier.
 
     Args:
         global_batch_size: ``B >= 1``.
