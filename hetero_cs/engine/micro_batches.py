@@ -504,7 +504,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
             if refusal is not None:
                 return self._one_step_instead(step, data, plan, refusal)
         self._log_plan(plan)
-        iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+        optimizer = getattr(model, "optimizer", None)
+        iterations = None if optimizer is None else _compat.iteration_counter(optimizer)
         saved = save(model, extra=() if iterations is None else (iterations,))
         started = time.perf_counter()
         warm = all(function in self._warm_functions for function, *_ in calls)
@@ -537,6 +538,11 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self.overlapped_steps += 1
         self.micro_batched_steps += 1
         self.sub_steps += plan.num_sub_steps
+        # Each card's micro-batches fitted: a lowered memory cap may grow back, as after any step that fitted.
+        recovery = getattr(self._strategy, "_step_recovery", None)
+        for change in self._strategy.balancer.record_step_success(plan.micro_batch_sizes):
+            if recovery is not None:
+                recovery._note(change)  # noqa: SLF001 - logged and written back as the recovery's own changes
         return outputs
 
     def _batch_size_tensor(self, global_batch_size: int):

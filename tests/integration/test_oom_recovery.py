@@ -79,7 +79,10 @@ def test_a_card_whose_memory_drops_mid_fit_recovers_exactly_and_grows_back(fast_
     # Growth every 2 successful steps, x2, without waiting longer after a failed probe: the test's 24 steps see
     # the cap probe during the drop and come back after it.
     policy = MemoryRecoveryPolicy(grow_after_steps=2, max_grow_after_steps=2, growth_factor=2.0)
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False, oom_recovery=policy)
+    # One step per batch (micro_batches=False): this test is about the retried step and the cap growing back without
+    # a retrace; with micro-batches the lowered cap would give replica 1 micro-batches, traced as calls of their own.
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False, oom_recovery=policy,
+                                            micro_batches=False)
     with strategy.scope():
         model = mlp()
         model.compile(optimizer="adam", loss="mse")

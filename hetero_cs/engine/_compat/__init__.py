@@ -42,7 +42,7 @@ from hetero_cs.engine._compat.distribute import (
 from hetero_cs._supported import supported_range, unsupported_installed
 from hetero_cs.engine._compat.loss_scale import _patch_loss_scale_optimizer
 from hetero_cs.engine._compat.symbols import check_private_symbols
-from hetero_cs.engine._compat.optimizer import _patch_optimizer
+from hetero_cs.engine._compat.optimizer import _patch_optimizer, iteration_counter
 from hetero_cs.engine._compat.trainer import (
     _patch_evaluate_and_predict,
     _patch_inference_functions,
@@ -101,6 +101,7 @@ __all__ = [
     "distribute_on_host",
     "install",
     "is_hetero_strategy",
+    "iteration_counter",
     "layer_build_shapes",
     "per_replica",
     "reduced_step_outputs",

@@ -213,6 +213,14 @@ def _patch_optimizer() -> None:
     TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
 
 
+def iteration_counter(optimizer):
+    """The optimizer's iteration counter variable (None without an optimizer), which a step may have to put back."""
+    # Private: Keras keeps the count of optimizer steps in _iterations; the public `iterations` is that variable,
+    # except under gradient_accumulation_steps, where it is the count divided by the steps (a tensor).
+    counter = getattr(optimizer, "_iterations", None)
+    return counter if counter is not None else getattr(optimizer, "iterations", None)
+
+
 def _micro_armed(strategy) -> bool:
     micro = getattr(strategy, "_micro_batching", None)
     return micro is not None and micro.armed
