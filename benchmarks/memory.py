@@ -138,7 +138,7 @@ def _exactness(trainer: _Trainer, batches: int) -> float:
     reference = _model()
     reference.set_weights(trainer.model.get_weights())
     reference.optimizer.build(reference.trainable_variables)
-    start = [np.array(v) for v in trainer.model.optimizer.variables]
+    start = [np.asarray(v.numpy()) for v in trainer.model.optimizer.variables]
     for variable, value in zip(reference.optimizer.variables, start):
         variable.assign(value)
     x, y = _data(trainer.B * batches)

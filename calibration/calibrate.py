@@ -138,8 +138,8 @@ def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPl
     except InfeasiblePlanError as exc:
         # The strategies train such a batch as micro-batches (sub-steps within the caps); say so, not "failed".
         warnings.warn(f"Calibration finished, but no plan fits the whole global batch in one step: {exc} "
-                      f"HeteroCentralStorageStrategy trains such batches as micro-batches (sub-steps within the "
-                      f"caps) unless micro_batches=False.", stacklevel=3)
+                      f"HeteroCentralStorageStrategy trains such batches as micro-batches within the caps by "
+                      f"default; with micro_batches=False, fit stops at them with InfeasiblePlanError.", stacklevel=3)
         return None
 
 

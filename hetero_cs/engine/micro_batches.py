@@ -315,6 +315,9 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
         plan = self.plan_for(global_batch_size, cost_models=idle_free(list(cost_models)),
                              max_batch_sizes=list(max_batch_sizes))
+        capacity = capacity_of(max_batch_sizes)
+        if plan.overlapped and (capacity is None or global_batch_size <= capacity):
+            return global_batch_size  # its sub-steps are not steps anything else runs; the batch fits one step
         return max(plan.sub_step_sizes)
 
     # ------------------------------------------------------------------------------------------------------------
