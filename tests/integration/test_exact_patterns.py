@@ -313,19 +313,37 @@ class SummedSquaredError(keras.losses.Loss):
         return tf.reduce_sum(tf.square(y_true - y_pred))
 
 
-@pytest.mark.parametrize("where", ["loss_function", "compute_loss"])
-def test_a_scalar_sum_over_the_batch_is_refused(where):
+def test_a_scalar_sum_over_the_batch_from_a_loss_function_is_refused():
     x, y = regression_data()
     strategy = strategy_for(SHARES)
     with strategy.scope():
-        if where == "loss_function":
-            model = compiled(dense(), SummedSquaredError(name="summed"))
-        else:
-            model = compiled(regularized(SumOverride), "mse")
-    match = "'summed' returns the sum of its values over the batch" if where == "loss_function" else (
-        "compute_loss of SumOverride returns a term that sums over the batch")
-    with pytest.raises(hetero_cs.errors.LossPatternError, match=match):
+        model = compiled(dense(), SummedSquaredError(name="summed"))
+    with pytest.raises(hetero_cs.errors.LossPatternError, match="'summed' returns the sum of its values over the batch"):
         model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+
+
+class SummedActivity(keras.layers.Layer):
+    """A layer adding a penalty summed over the batch (one device adds the whole batch's sum)."""
+
+    def call(self, inputs):
+        self.add_loss(0.01 * tf.reduce_sum(inputs ** 2))
+        return inputs
+
+
+def test_sums_over_the_batch_in_compute_loss_and_add_loss_are_kept_exactly():
+    # A compute_loss override returning ops.sum of per-example losses, and a layer's add_loss of a tf.reduce_sum over
+    # its inputs: each replica's part of the sum, unweighted, adds up to one device's (before, they were weighed as
+    # means, off by 0.1 in the weights, or refused).
+    x, y = regression_data()
+    check_fit_and_evaluate(lambda: compiled(regularized(SumOverride), "mse"), x, y)
+
+    def with_penalty():
+        init = keras.initializers.GlorotUniform(0)
+        return compiled(keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh",
+                                                                                kernel_initializer=init),
+                                          SummedActivity(), keras.layers.Dense(1, kernel_initializer=init)]), "mse")
+
+    check_fit_and_evaluate(with_penalty, x, y)
 
 
 # 2. Masked losses and mean_with_sample_weight ---------------------------------------------------------------------

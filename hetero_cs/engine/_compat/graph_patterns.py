@@ -78,6 +78,8 @@ def linear_terms(value, is_term: Callable[[object], bool]) -> list | None:
             stack.append((other, coeff * factor))
         elif kind == "Sum" and len(inputs) == 2 and inputs[0].op.type == "Pack" and _sums_whole_stack(op):
             stack.extend((t, coeff) for t in inputs[0].op.inputs)  # keras.ops.sum([a, b, ...])
+        elif kind in ("Sum", "Mean") and len(inputs) == 2 and inputs[0].shape.rank == 0:
+            stack.append((inputs[0], coeff))  # a reduction of a scalar is the scalar (Keras sums each add_loss value)
         else:
             terms.append((coeff, tensor))
     return terms

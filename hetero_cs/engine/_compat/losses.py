@@ -12,9 +12,10 @@ is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places,
   reduction ``"sum"`` or None, or with sample weights or a mask, it cannot be weighed: ``LossPatternError``.
 * A mask (``mask_zero=True``, ``Masking``), and reduction ``"mean_with_sample_weight"``: the normaliser (unmasked
   count, sum of sample weights) is the whole batch's, all-reduced over the replicas, not the slice's.
-* ``compute_loss``: a result that is Keras' own is already a share; an override's own scalar terms (``ops.mean``
-  of the batch, ``ops.sum(self.losses)``) are slice means and weigh ``w_i``, found through the graph
-  (:func:`hetero_cs.engine._compat.graph_patterns.linear_terms`).
+* ``compute_loss``: a result that is Keras' own is already a share; an override's own scalar terms and the layers'
+  ``add_loss`` values (``ops.mean`` of the batch, ``ops.sum(self.losses)``) are slice means and weigh ``w_i``, except
+  terms visibly summed over the batch (``tf.reduce_sum`` along it), which are kept as they are; found through the
+  graph (:func:`hetero_cs.engine._compat.graph_patterns.linear_terms`).
 * ``keras.metrics.Mean`` given one scalar per step without a sample weight (the loss tracker of Keras' guide, a
   per-output loss metric): a share counts as ``share / w_i`` with weight ``w_i``, any other scalar (a slice mean)
   with weight ``w_i``; over the replicas that is one value per step, as on one device.
@@ -325,6 +326,34 @@ def _patch_compute_loss() -> None:
     Trainer._compute_loss = _compute_loss  # noqa: SLF001
     Trainer.compile = compile
 
+    # Keras' TensorFlow trainer scales each add_loss value (activity regularizers, a layer's own penalty) for the
+    # distribution as a mean over the replica's slice: w_i under our strategy (scale_loss_for_distribution). A term of
+    # it visibly summed over the batch (0.01 * tf.reduce_sum(x ** 2)) is not a mean: one device adds the whole batch's
+    # sum, so each replica keeps its part unweighted (weighed, the weights were off by 0.1 in an adversarial test).
+    # Optional: a Keras without this hook (older releases) keeps its own handling of add_loss values.
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+    original_aggregate = TensorFlowTrainer.__dict__.get("_aggregate_additional_loss")
+    if original_aggregate is None or not hasattr(Trainer, "_aggregate_additional_loss"):
+        return
+
+    @functools.wraps(original_aggregate)
+    def _aggregate_additional_loss(self, loss):
+        step = weighted_step()
+        if step is None or tf.executing_eagerly():
+            return original_aggregate(self, loss)
+        value = Trainer._aggregate_additional_loss(self, loss)  # noqa: SLF001 - Keras' own cast and sum, unscaled
+        terms = linear_terms(value, lambda t: _is_share(step, t)) or []
+        sums = [coeff * tf.cast(t, value.dtype) for coeff, t in terms if sums_over_batch(t)]
+        if not sums:
+            return original_aggregate(self, loss)
+        from keras.src.losses import loss as loss_module
+
+        rest = [coeff * tf.cast(t, value.dtype) for coeff, t in terms if not sums_over_batch(t)]
+        parts = sums + ([loss_module.scale_loss_for_distribution(tf.add_n(rest))] if rest else [])
+        return _register(step, tf.add_n(parts))
+
+    TensorFlowTrainer._aggregate_additional_loss = _aggregate_additional_loss  # noqa: SLF001
+
 
 @contextlib.contextmanager
 def _library_errors_unwrapped():
@@ -390,18 +419,14 @@ def _as_share(result, step, before: int, owner: str):
     own = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t)]
     if not own:
         return _register(step, result)
-    if any(sums_over_batch(t) for _, t in terms if not _is_share(step, t)):
-        raise LossPatternError(
-            f"compute_loss of {owner} returns a term that sums over the batch (a tf.reduce_sum / ops.sum of "
-            f"per-example values). Under HeteroCentralStorageStrategy the override's own scalar terms are taken as "
-            f"means over the replica's slice and weighed b_i / B, which a sum is not (one device would sum over "
-            f"the whole batch). Return the mean over the batch (tf.reduce_mean) instead, or compute the sum with a "
-            f"Keras loss of reduction='sum' (e.g. keras.losses.MeanSquaredError(reduction='sum')), whose value "
-            f"hetero_cs weighs itself."
-        )
-    # result = shares + own, exactly (linear_terms); the share of `own` (a mean over the slice) is own * w_i.
+    # result = shares + sums + own, exactly (linear_terms). A term visibly summed over the batch (an add_loss of
+    # tf.reduce_sum over the examples, an override returning ops.sum of per-example losses) is this replica's part of
+    # one device's sum as it is: the replicas' parts add up. The rest is taken as a mean over the slice (a compiled
+    # loss's mean, a regularization term of the weights, an activity regularizer divided by the batch size): own * w_i.
+    sums = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t) and sums_over_batch(t)]
+    own = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t) and not sums_over_batch(t)]
     shares = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if _is_share(step, t)]
-    return _register(step, tf.add_n([*shares, _weigh(tf.add_n(own), weight)]))
+    return _register(step, tf.add_n([*shares, *sums, *([_weigh(tf.add_n(own), weight)] if own else [])]))
 
 
 def _patch_mean_metric() -> None:
