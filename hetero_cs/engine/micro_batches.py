@@ -69,9 +69,12 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")
 
 BATCH_NORM = "batch_norm"
 NORMALISED_LOSS = "normalised_loss"
+LAYER_STATE = "layer_state"
 _WHY = {
     BATCH_NORM: "BatchNormalization in training normalises each micro-batch by its own statistics (one device "
                 "normalises by the whole batch's) and updates its moving statistics once per micro-batch",
+    LAYER_STATE: "a layer sets its own non-trainable state in training ({paths}), which micro-batches would each "
+                 "set from their own examples, once per micro-batch",
     NORMALISED_LOSS: "a loss normalised by the batch (a mask, or reduction='mean_with_sample_weight') would divide "
                      "each micro-batch by its own count",
 }
@@ -159,6 +162,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._accumulators: dict = {}  # variable ref -> host variable holding the sum of the sub-steps' gradients
         self._armed = False
         self._found: set[str] = set()  # what traces found that micro-batching cannot keep exact (BATCH_NORM, ...)
+        self._state_paths: set[str] = set()  # the layer state variables behind LAYER_STATE
         self._checked = False  # a micro-batched step ran with the findings of its trace known
         self._plans: dict = {}
         self._in_use: dict[int, int] = {}  # global batch size -> the K its steps run with
@@ -390,6 +394,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         again while it is traced, and its first micro-batched step checks it again; overlapped calls are traced
         again too."""
         self._found = set()
+        self._state_paths = set()
         self._checked = False
         with self._lock:
             self._overlapped_functions.clear()
@@ -398,6 +403,14 @@ class MicroBatching(DeepcopiedWithNewLocks):
     def note(self, finding: str) -> None:
         """Called while a step is traced: ``finding`` (BATCH_NORM, NORMALISED_LOSS) is in this model's step."""
         self._found.add(finding)
+
+    def note_layer_state(self, path: str) -> None:
+        """Called while a step is traced: a layer sets its non-trainable variable ``path`` in a replica step
+        (BatchNormalization's moving statistics are BATCH_NORM's)."""
+        if str(path).endswith(("moving_mean", "moving_variance")):
+            return
+        self._found.add(LAYER_STATE)
+        self._state_paths.add(str(path))
 
     # ------------------------------------------------------------------------------------------------------------
     # The sub-step loop
@@ -661,15 +674,20 @@ class MicroBatching(DeepcopiedWithNewLocks):
             return outputs[-1]
         return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
 
+    def _why(self, finding: str) -> str:
+        return _WHY[finding].format(paths=", ".join(sorted(self._state_paths)[:4]))
+
     def _refusal(self) -> str | None:
         found = set(self._found)
         if self.setting is True:
-            found.discard(BATCH_NORM)
-            if BATCH_NORM in self._found and "approximation" not in self._logged:
-                self._logged.add("approximation")
+            accepted = sorted(found & {BATCH_NORM, LAYER_STATE})
+            found -= {BATCH_NORM, LAYER_STATE}
+            if accepted and ("approximation", tuple(accepted)) not in self._logged:
+                self._logged.add(("approximation", tuple(accepted)))
                 logger.warning("hetero_cs: micro_batches=True: %s; this model's micro-batched steps approximate one "
-                               "device's step there (everything else stays exact).", _WHY[BATCH_NORM])
-        return "; ".join(_WHY[f] for f in sorted(found)) or None
+                               "device's step there (everything else stays exact).",
+                               "; ".join(self._why(f) for f in accepted))
+        return "; ".join(self._why(f) for f in sorted(found)) or None
 
     def _one_step_instead(self, step, data, plan: MicroBatchPlan, refusal: str):
         caps = self._strategy.balancer.max_batch_sizes

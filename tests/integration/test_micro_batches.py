@@ -228,14 +228,39 @@ def batch_norm_model():
     return model
 
 
-def test_batch_norm_is_not_micro_batched_silently_and_a_refused_step_changes_nothing():
+class RunningMean(keras.layers.Layer):
+    """A layer keeping a moving average of its inputs' mean in training, as BatchNormalization does its statistics."""
+
+    def build(self, input_shape):
+        self.moving = self.add_weight(shape=(input_shape[-1],), initializer="zeros", trainable=False, name="moving")
+
+    def call(self, inputs, training=False):
+        if training:
+            self.moving.assign(0.9 * self.moving + 0.1 * keras.ops.mean(inputs, axis=0))
+        return inputs - self.moving
+
+
+def running_mean_model():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), RunningMean(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("build, match", [
+    (batch_norm_model, r"BatchNormalization.*at most 144.*micro_batches=True"),
+    (running_mean_model, r"sets its own non-trainable state in training \(.*moving\).*at most 144.*micro_batches=True"),
+])
+def test_batch_norm_is_not_micro_batched_silently_and_a_refused_step_changes_nothing(build, match):
+    # Nor is any layer that sets its own state in training (a moving average of its inputs).
     B = 3 * CAPACITY
     x, _, _ = labelled(2 * B)
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
     with strategy.scope():
-        model = batch_norm_model()
+        model = build()
     before = [np.array(v) for v in model.get_weights()]
-    with pytest.raises(MicroBatchError, match=r"BatchNormalization.*at most 144.*micro_batches=True"):
+    with pytest.raises(MicroBatchError, match=match):
         model.fit(x, x[:, :1], batch_size=B, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations) == 0
     for got, want in zip(model.get_weights(), before):  # moving statistics included

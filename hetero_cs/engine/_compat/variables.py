@@ -70,6 +70,12 @@ def _patch_variable_assign_add() -> None:
             # aggregation method"; here replica 0's value is written once, behind the failure barrier.
             value = _behind_barrier(value, inner.dtype)
             return tf.distribute.get_replica_context().merge_call(_assign_first_replica, args=(inner, value))
+        if aggregation == tf.VariableAggregation.MEAN:
+            # A layer's own floating-point state set in a training step (a moving average of its inputs): micro-
+            # batches would each set it from their own examples (hetero_cs.engine.micro_batches).
+            micro = getattr(current_weighting_strategy(), "_micro_batching", None)
+            if micro is not None:
+                micro.note_layer_state(getattr(self, "path", None) or getattr(self, "name", "?"))
         return original_assign(self, value)
 
     core.Variable.assign = assign
