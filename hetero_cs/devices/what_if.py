@@ -23,7 +23,13 @@ from hetero_cs.devices.emulation import emulated_step_time_s
 from hetero_cs.devices.workload import Workload, max_examples_in_memory
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import idle_free
-from hetero_cs.planning.micro_batches import MicroBatchPlan, capacity_of, plan_micro_batches
+from hetero_cs.planning.micro_batches import (
+    MicroBatchPlan,
+    capacity_of,
+    plan_micro_batches,
+    plan_overlapped_micro_batches,
+    prefer_overlapped,
+)
 from hetero_cs.planning.plan import even_batch_split
 from hetero_cs.planning.solver import solve_batch_split
 
@@ -82,7 +88,9 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         ``memory_caps`` (examples per card), ``idle`` (indices of cards left out), ``sub_step_batch_sizes`` (each
         sub-step's cut, shape [K][R]), ``sub_step_busy_s`` (each card's predicted time in each sub-step, seconds,
         shape [K][R]: a sub-step lasts its row's maximum, the others wait), ``predicted_busy_s`` (their sum per
-        card, shape [R]), ``even_split_step_s`` (the even split
+        card, shape [R]), ``overlapped`` (each card's micro-batches back to back within a call, as the engine runs
+        an overlapped plan: then a call, not a sub-step, lasts its slowest card's sum) and ``call_sub_steps`` (the
+        sub-steps of each such call, or None), ``even_split_step_s`` (the even split
         over every card, in as few equal sub-steps as the smallest card's memory needs; None when a card holds no
         example), ``speedup_vs_even`` (None then too), ``fastest_card``,
         ``fastest_card_step_s`` and ``speedup_vs_fastest`` (all cards against the fastest card alone on the whole
@@ -121,6 +129,8 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         "sub_step_batch_sizes": [list(p.per_replica_batch_sizes) for p in plan.sub_step_plans],
         "sub_step_busy_s": busy,
         "predicted_busy_s": [sum(row[i] for row in busy) for i in range(R)],
+        "overlapped": plan.overlapped,
+        "call_sub_steps": [len(call) for call in plan.calls] if plan.overlapped else None,
         "even_split_step_s": even_s,
         "speedup_vs_even": None if even_s is None else even_s / step_s,
         "fastest_card": specs[fastest].name,
@@ -145,13 +155,20 @@ def _even_split_s(models, caps, global_batch_size: int) -> float | None:
 
 
 def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:
+    """The plan the engine would choose: sub-steps with a barrier each (or one step), or, with two or more cards,
+    the overlapped plan where it is predicted faster (:func:`~hetero_cs.planning.micro_batches.prefer_overlapped`)."""
     from hetero_cs.errors import InfeasiblePlanError, MicroBatchError
 
     def solve(b: int):
         return solve_batch_split(models, b, max_batch_sizes=caps, min_batch_size=0)
 
     try:
-        return plan_micro_batches(global_batch_size, solve, capacity=capacity_of(caps))
+        barrier = plan_micro_batches(global_batch_size, solve, capacity=capacity_of(caps))
+        if len(models) < 2 or all(cap is None for cap in caps):
+            return barrier
+        single = barrier.predicted_makespan_s if barrier.num_sub_steps == 1 else barrier.single_step_makespan_s
+        overlapped = plan_overlapped_micro_batches(global_batch_size, models, caps, single_step_makespan_s=single)
+        return prefer_overlapped(barrier, overlapped)
     except InfeasiblePlanError as exc:
         raise MicroBatchError(f"{exc} Memory caps: {caps} examples per card.") from exc
 

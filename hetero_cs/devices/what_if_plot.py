@@ -4,7 +4,8 @@ Two panels, from :func:`hetero_cs.devices.what_if.what_if`'s result (predictions
 measurements):
 
 * **Per card, one step.** A horizontal bar per card along the step's time: in each sub-step its predicted compute
-  (labelled with its examples), then the time it waits for that sub-step's slowest card (light). A card left out
+  (labelled with its examples), then the time it waits for that sub-step's slowest card (light); for an overlapped
+  plan, in each call its micro-batches back to back, then its wait for the call's slowest card. A card left out
   is marked idle.
 * **Throughput.** Examples per second of the plan, of the even split (when it fits the cards' memory) and of the
   fastest card alone on the whole batch, with the speedups.
@@ -86,6 +87,9 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     step_ms = result["predicted_step_s"] * 1e3
     busy = [[t * 1e3 for t in row] for row in result["sub_step_busy_s"]]
     cuts = result["sub_step_batch_sizes"]
+    calls = result.get("call_sub_steps") if result.get("overlapped") else None
+    if calls:  # each card runs its micro-batches back to back within a call: a call is one bar, waits at its end
+        busy, cuts = _by_calls(busy, calls), _by_calls(cuts, calls)
     if len(busy) > _MAX_DRAWN_SUB_STEPS:  # one bar per sub-step would be unreadable (and slow): groups of them
         busy, cuts = _grouped(busy, _MAX_DRAWN_SUB_STEPS), _grouped(cuts, _MAX_DRAWN_SUB_STEPS)
     R = len(names)
@@ -103,7 +107,7 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
                               color="white")
             if length > row[i] and i not in result["idle"]:
                 axes.barh(y, length - row[i], left=start + row[i], color=_WAIT, edgecolor="none",
-                          label=None if waited else "waiting for the sub-step's slowest card")
+                          label=None if waited else f"waiting for the {'call' if calls else 'sub-step'}'s slowest card")
                 waited = True
         start += length
     for i in range(R):
@@ -121,9 +125,19 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     axes.set_ylim(-0.6, R - 0.4)  # an idle card's row has no bar to size it by
     axes.set_xlim(0, max(start, step_ms) * 1.35)
     axes.set_xlabel("predicted time per step (ms)")
-    grouped = "" if result["sub_steps"] <= _MAX_DRAWN_SUB_STEPS else f" (drawn in {len(busy)} groups)"
-    axes.set_title(f"{result['sub_steps']} sub-step(s){grouped}, predicted step {step_ms:.1f} ms", fontsize=9)
+    grouped = "" if len(busy) == result["sub_steps"] or calls else f" (drawn in {len(busy)} groups)"
+    how = f" in {len(calls)} call(s), each card's micro-batches back to back" if calls else ""
+    axes.set_title(f"{result['sub_steps']} sub-step(s){how}{grouped}, predicted step {step_ms:.1f} ms", fontsize=9)
     axes.legend(loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=2, fontsize=7, frameon=False)
+
+
+def _by_calls(rows: list, calls: list) -> list:
+    """``rows`` (one per sub-step) summed card by card over each call's sub-steps."""
+    summed, start = [], 0
+    for n in calls:
+        summed.append([sum(column) for column in zip(*rows[start:start + n])])
+        start += n
+    return summed
 
 
 def _grouped(rows: list, groups: int) -> list:

@@ -63,6 +63,7 @@ from hetero_cs.planning.micro_batches import (
     capacity_of,
     plan_micro_batches,
     plan_overlapped_micro_batches,
+    prefer_overlapped,
 )
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -256,8 +257,6 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
         Needs the calibrated models and balancing (fixed shares or an even split keep sub-steps cut by the shares),
         and some card with a cap (an uncapped card runs its share in one micro-batch)."""
-        from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
-
         balancer = self._strategy.balancer
         if (models is None or caps is None or balancer.shares is not None or not balancer.auto_balance
                 or balancer.num_replicas < 2 or all(cap is None for cap in caps)):
@@ -267,19 +266,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
             single = barrier_plan.predicted_makespan_s
         plan = plan_overlapped_micro_batches(global_batch_size, models, caps, single_step_makespan_s=single,
                                              host_overhead_s=self.step_overhead_s())
-        if plan is None or plan.num_sub_steps < 2:
-            return None
-        # Compared on the cards' time alone: the host's time per call is measured only for the path that runs, and
-        # a barrier plan pays at least an overlapped call's host time in each of its sub-steps.
-        ours, theirs = plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
-        if ours is None:
-            return None
-        ours -= plan.num_calls * plan.sub_step_overhead_s
-        if theirs is not None:
-            theirs -= barrier_plan.num_sub_steps * barrier_plan.sub_step_overhead_s
-            if ours * (1.0 + MIN_PREDICTED_GAIN) > theirs:
-                return None
-        return plan
+        chosen = prefer_overlapped(barrier_plan, plan)
+        return chosen if chosen is plan else None
 
     def step_overhead_s(self) -> float:
         """The host's measured time per overlapped call beyond the cards' predicted makespan (median of the last

@@ -46,7 +46,7 @@ from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
 from hetero_cs.planning.plan import BatchPlan
 
 __all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
-           "plan_micro_batches", "plan_overlapped_micro_batches"]
+           "plan_micro_batches", "plan_overlapped_micro_batches", "prefer_overlapped"]
 
 MAX_EXTRA_SUB_STEPS = 64
 """How many sub-steps beyond ``K_min`` the search tries (each costs at most two solver calls, once per B)."""
@@ -56,8 +56,9 @@ SUB_STEPS_PER_CALL = 16
 """The most sub-steps the engine traces into one overlapped call (each one more copy of the train step in the graph).
 An overlapped plan with more runs as several calls of at most this many, each ending at a barrier."""
 
-MAX_OVERLAPPED_SUB_STEPS = 256
-"""The most sub-steps an overlapped plan has (16 calls); a plan needing more runs as sub-steps with a barrier each."""
+MAX_OVERLAPPED_SUB_STEPS = 4096
+"""The most sub-steps an overlapped plan has (256 calls; calls of the same shape share one trace); a plan needing more
+runs as sub-steps with a barrier each."""
 
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
@@ -350,8 +351,9 @@ def plan_overlapped_micro_batches(
     micro-batch; one whose cap is 0 gets nothing. Sub-step ``j`` then gives replica ``i`` its ``j``-th micro-batch
     (largest first) while ``j < k_i``, and 0 examples after: ``K = max_i k_i`` sub-steps, which the engine runs in
     one traced call with no barrier between them (:mod:`hetero_cs.engine.micro_batches`). When ``K`` exceeds
-    :data:`SUB_STEPS_PER_CALL`, the step runs as ``n = ceil(K / SUB_STEPS_PER_CALL)`` calls, each card's
-    micro-batches spread near-evenly over them (``call_sub_steps``), each call ending at a barrier.
+    :data:`SUB_STEPS_PER_CALL`, the step runs as several calls, each ending at a barrier (``call_sub_steps``): the
+    faster of this split with each card's micro-batches spread evenly over ``n = ceil(K / SUB_STEPS_PER_CALL)``
+    calls, and ``n`` to ``n + 8`` calls of near-equal examples, each planned as its own overlapped step.
 
     Args:
         global_batch_size: ``B >= 1``.
@@ -403,11 +405,34 @@ def plan_overlapped_micro_batches(
     K = max(len(p) for p in parts)
     if K > max_sub_steps:
         return None
-    # More sub-steps than one call holds: n calls, each card's micro-batches spread evenly over them (so each call is
-    # about 1/n of the whole step, and no card waits long at a call's end); within a call, largest first.
+    if K <= SUB_STEPS_PER_CALL:
+        return _spread(parts, 1, models, single_step_makespan_s, host_overhead_s)
+    # More sub-steps than one call holds. Two ways to cut the step into calls, the faster kept: (a) this split with
+    # each card's micro-batches spread evenly over n calls; (b) n calls of about B / n examples, each its own
+    # overlapped plan (balanced within the call, so no card waits long at a call's end, whatever its micro-batch).
     n = -(-K // SUB_STEPS_PER_CALL)
+    best = _spread(parts, n, models, single_step_makespan_s, host_overhead_s)
+    for calls in range(n, min(n + 8, B) + 1):
+        sizes = _equal_sizes(B, calls)
+        per_size = {size: plan_overlapped_micro_batches(size, models, caps, host_overhead_s=host_overhead_s,
+                                                        max_sub_steps=SUB_STEPS_PER_CALL) for size in set(sizes)}
+        if any(plan is None for plan in per_size.values()):
+            continue
+        steps = [q for size in sizes for q in per_size[size].sub_step_plans]
+        candidate = MicroBatchPlan(tuple(steps), single_step_makespan_s=single_step_makespan_s,
+                                   sub_step_overhead_s=float(host_overhead_s), overlapped=True,
+                                   call_sub_steps=tuple(per_size[size].num_sub_steps for size in sizes))
+        if candidate.predicted_makespan_s < best.predicted_makespan_s:
+            best = candidate
+    return best
+
+
+def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:
+    """Each card's micro-batches (``parts[i]``, largest first) spread evenly over ``n`` calls; within a call, sub-step
+    ``j`` gives each card its ``j``-th micro-batch there."""
     groups = [[_equal_sizes_of(p, g, n) for p in parts] for g in range(n)]
     sub_steps, call_sub_steps = [], []
+    groups = [group for group in groups if any(group)]
     for group in groups:
         depth = max(len(p) for p in group)
         call_sub_steps.append(depth)
@@ -418,7 +443,7 @@ def plan_overlapped_micro_batches(
                                        predicted_step_times_s=times))
     return MicroBatchPlan(tuple(sub_steps), single_step_makespan_s=single_step_makespan_s,
                           sub_step_overhead_s=float(host_overhead_s), overlapped=True,
-                          call_sub_steps=tuple(call_sub_steps) if n > 1 else ())
+                          call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
 
 
 def _equal_sizes_of(items: list, group: int, groups: int) -> list:
@@ -426,3 +451,24 @@ def _equal_sizes_of(items: list, group: int, groups: int) -> list:
     q, r = divmod(len(items), groups)
     start = group * q + min(group, r)
     return items[start:start + q + (1 if group < r else 0)]
+
+
+def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchPlan | None, *,
+                      min_gain: float = MIN_PREDICTED_GAIN) -> MicroBatchPlan:
+    """``overlapped_plan`` where it has 2 or more sub-steps and is predicted ``min_gain`` faster than
+    ``barrier_plan`` (sub-steps with a barrier each, or the one step that fits), else ``barrier_plan``.
+
+    Compared on the cards' time alone (each plan's host time per call taken out): the host's time is measured only
+    for the path that runs, and a barrier plan pays at least an overlapped call's in each of its sub-steps.
+    """
+    if overlapped_plan is None or overlapped_plan.num_sub_steps < 2:
+        return barrier_plan
+    ours, theirs = overlapped_plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
+    if ours is None:
+        return barrier_plan
+    ours -= overlapped_plan.num_calls * overlapped_plan.sub_step_overhead_s
+    if theirs is not None:
+        theirs -= barrier_plan.num_sub_steps * barrier_plan.sub_step_overhead_s
+        if ours * (1.0 + min_gain) > theirs:
+            return barrier_plan
+    return overlapped_plan
