@@ -68,6 +68,10 @@ from hetero_cs.planning.micro_batches import (
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
+#: How many traced overlapped calls (shapes of calls: each sub-step's active replicas) a strategy keeps; a step made
+#: of more distinct calls than this would trace some again at every step.
+_MAX_TRACED_CALLS = 64
+
 BATCH_NORM = "batch_norm"
 NORMALISED_LOSS = "normalised_loss"
 LAYER_STATE = "layer_state"
@@ -176,7 +180,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._overheads: collections.deque = collections.deque(maxlen=32)
         # Measured per overlapped call: wall time minus the cards' predicted makespan (counted once per step).
         self._step_overheads: collections.deque = collections.deque(maxlen=32)
-        self._overlapped_functions: dict = {}  # (id(model), K, active sets) -> (model ref, the traced call)
+        # (id(model), each sub-step's active replicas, applies) -> (model ref, the traced call), least recent first
+        self._overlapped_functions: collections.OrderedDict = collections.OrderedDict()
         self.overlapped_steps = 0
         self.fallbacks = 0
         self._call_cache: dict = {}  # (plan, model) -> its overlapped calls; B -> its int32 tensor
@@ -189,7 +194,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         import weakref
 
         # A copy traces its own overlapped calls (a traced function and its tensors are not copied).
-        memo[id(self._overlapped_functions)] = {}
+        memo[id(self._overlapped_functions)] = collections.OrderedDict()
         memo[id(self._warm_functions)] = weakref.WeakSet()
         memo[id(self._call_cache)] = {}
         return super().__deepcopy__(memo)
@@ -597,6 +602,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         with self._lock:
             found = self._overlapped_functions.get(key)
             if found is not None and found[0]() is model:
+                self._overlapped_functions.move_to_end(key)
                 return found[1]
         import weakref
 
@@ -621,8 +627,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
         function = tf.function(overlapped_call, autograph=False, reduce_retracing=True)
         with self._lock:
-            if len(self._overlapped_functions) > 8:
-                self._overlapped_functions.clear()
+            while len(self._overlapped_functions) >= _MAX_TRACED_CALLS:  # the least recently used goes
+                self._overlapped_functions.popitem(last=False)
             self._overlapped_functions[key] = (weakref.ref(model), function)
         return function
 
