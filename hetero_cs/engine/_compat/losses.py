@@ -19,7 +19,9 @@ is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places,
 * ``keras.metrics.Mean`` given one scalar per step without a sample weight (the loss tracker of Keras' guide, a
   per-output loss metric): a share counts as ``share / w_i`` with weight ``w_i``, any other scalar (a slice mean)
   with weight ``w_i``; over the replicas that is one value per step, as on one device.
-* A scalar that is visibly a sum over the batch cannot be a slice mean: ``LossPatternError``.
+* A loss function's scalar that is visibly a sum over the batch cannot be a slice mean: ``LossPatternError``. A
+  ``compute_loss`` term or an ``add_loss`` value visibly summed over the batch is kept as the replica's part of the
+  sum (:func:`_as_share`, ``_aggregate_additional_loss``).
 
 Shares are remembered per replica step (:attr:`hetero_cs.engine.training.ReplicaStep.loss_terms`); a value visibly
 divided by the step's ``B`` (``tf.nn.compute_average_loss(..., global_batch_size=current_global_batch_size())``)
