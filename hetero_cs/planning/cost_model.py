@@ -396,11 +396,10 @@ class MicroBatchedCostModel:
     def _raw_s(self, batch_size: int) -> float:
         if batch_size == 0:
             return float(self.base.predict_step_time_s(0))
-        parts = self.micro_batches(batch_size)
-        q = parts[-1]
-        r = sum(1 for p in parts if p > q)
+        k = -(-int(batch_size) // self.max_micro_batch_size)
+        q, r = divmod(int(batch_size), k)
         upper = float(self.base.predict_step_time_s(q + 1)) if r else 0.0
-        return r * upper + (len(parts) - r) * float(self.base.predict_step_time_s(q))
+        return r * upper + (k - r) * float(self.base.predict_step_time_s(q))
 
     def predict_step_time_s(self, batch_size: int) -> float:
         """``max_{b' <= b}`` of the micro-batches' summed step times, in seconds."""

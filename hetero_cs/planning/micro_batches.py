@@ -56,9 +56,9 @@ SUB_STEPS_PER_CALL = 16
 """The most sub-steps the engine traces into one overlapped call (each one more copy of the train step in the graph).
 An overlapped plan with more runs as several calls of at most this many, each ending at a barrier."""
 
-MAX_OVERLAPPED_SUB_STEPS = 4096
-"""The most sub-steps an overlapped plan has (256 calls; calls of the same shape share one trace); a plan needing more
-runs as sub-steps with a barrier each."""
+MAX_OVERLAPPED_SUB_STEPS = 65536
+"""The most sub-steps an overlapped plan has (4096 calls; calls of the same shape share one trace, and each costs the
+host about a millisecond); a plan needing more runs as sub-steps with a barrier each."""
 
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
@@ -398,10 +398,12 @@ def plan_overlapped_micro_batches(
             "memory (another process may hold it), use a smaller model, or train on other devices.")
     curves = [model if cap is None or cap < 1 else MicroBatchedCostModel(model, int(cap))
               for model, cap in zip(models, caps)]
-    solved = solve_batch_split(curves, B, max_batch_sizes=[0 if cap is not None and cap < 1 else None for cap in caps],
-                               min_batch_size=0)
+    split = _linear_split(models, caps, B)
+    if split is None:  # not all lines: the minimum-makespan solver, exact for any non-decreasing curve
+        split = solve_batch_split(curves, B, max_batch_sizes=[0 if cap is not None and cap < 1 else None
+                                                              for cap in caps], min_batch_size=0).per_replica_batch_sizes
     parts = [curve.micro_batches(b) if isinstance(curve, MicroBatchedCostModel) else ([b] if b else [])
-             for curve, b in zip(curves, solved.per_replica_batch_sizes)]
+             for curve, b in zip(curves, split)]
     K = max(len(p) for p in parts)
     if K > max_sub_steps:
         return None
@@ -425,6 +427,76 @@ def plan_overlapped_micro_batches(
         if candidate.predicted_makespan_s < best.predicted_makespan_s:
             best = candidate
     return best
+
+
+def _line_of(model) -> tuple[float, float, bool] | None:
+    """``(a, c, idle_free)`` when ``model`` is ``t(b) = a + c b`` (maybe scaled, maybe with ``t(0) = 0``), else None."""
+    from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, ScaledCostModel
+
+    factor, idle = 1.0, False
+    while True:
+        if isinstance(model, IdleFreeCostModel):
+            idle, model = True, model.base
+        elif isinstance(model, ScaledCostModel):
+            factor, model = factor * model.factor, model.base
+        else:
+            break
+    if type(model) is not LinearCostModel:
+        return None
+    return factor * model.fixed_overhead_s, factor * model.seconds_per_example, idle
+
+
+def _linear_split(models, caps, B: int) -> tuple[int, ...] | None:
+    """The minimum-makespan split of ``B`` under micro-batched lines, in closed form (None unless every model is a
+    line with a positive slope and ``t(0) = 0``): the least ``T`` at which the cards hold ``B`` examples in all,
+    by bisection over the cards' own step times, each card's most examples within ``T`` exact."""
+    lines = [_line_of(m) for m in models]
+    if any(line is None or line[1] <= 0 or not line[2] for line in lines):
+        return None
+
+    def time_of(i: int, b: int) -> float:
+        if b == 0:
+            return 0.0
+        a, c, _ = lines[i]
+        cap = caps[i]
+        return (1 if cap is None else -(-b // cap)) * a + c * b
+
+    def most_within(i: int, T: float) -> int:
+        a, c, _ = lines[i]
+        cap = caps[i]
+        if cap is not None and cap < 1:
+            return 0
+        if cap is None:
+            return max(0, math.floor((T - a) / c + 1e-9)) if T >= a + c else 0
+        best, k_star = 0, T / (a + c * cap) if a + c * cap > 0 else 0.0
+        for k in {max(1, math.floor(k_star)), max(1, math.ceil(k_star)), max(1, math.ceil(k_star) + 1)}:
+            b = min(k * cap, math.floor((T - k * a) / c + 1e-9))
+            if b > (k - 1) * cap:  # k micro-batches hold more than k - 1 do
+                best = max(best, b)
+        while best > 0 and time_of(i, best) > T:  # guard the float floor
+            best -= 1
+        return best
+
+    R = len(models)
+    low, high = 0.0, max(time_of(i, B) for i in range(R) if caps[i] is None or caps[i] >= 1)
+    for _ in range(200):
+        if high - low <= 1e-12 * max(1.0, high):
+            break
+        middle = (low + high) / 2
+        if sum(most_within(i, middle) for i in range(R)) >= B:
+            high = middle
+        else:
+            low = middle
+    # The makespan is one card's time at some slice: the least such time that holds B (exact, not the bisection's).
+    candidates = sorted({time_of(i, most_within(i, high)) for i in range(R)})
+    T = next(t for t in candidates if sum(most_within(i, t) for i in range(R)) >= B)
+    split = [most_within(i, T) for i in range(R)]
+    excess = sum(split) - B
+    for i in reversed(range(R)):  # fewer examples never take longer: trim the excess from the last cards
+        cut = min(excess, split[i])
+        split[i] -= cut
+        excess -= cut
+    return tuple(split)
 
 
 def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:

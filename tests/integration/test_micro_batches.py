@@ -137,6 +137,7 @@ def test_a_fast_card_with_little_memory_runs_its_micro_batches_back_to_back_exac
     assert first[1].name not in waits_for and first[2].name not in waits_for
 
 
+@pytest.mark.slow  # the default run keeps the suite near 10 minutes; tox -e slow runs it
 def test_validation_evaluate_and_predict_on_batches_larger_than_the_caps_run_as_sub_steps():
     # An inference batch the training caps cannot hold used to be split without them (and ran out of memory on the
     # 16-example card); it now runs as sub-steps within them: the same figures as one device's.
@@ -155,6 +156,7 @@ def test_validation_evaluate_and_predict_on_batches_larger_than_the_caps_run_as_
                                atol=1e-5)
 
 
+@pytest.mark.slow  # the default run keeps the suite near 10 minutes; tox -e slow runs it
 def test_micro_batched_mixed_precision_equals_one_device():
     from test_mixed_precision import FP16_ATOL  # the tolerance of the other float16 oracle tests
 
@@ -182,7 +184,7 @@ def test_micro_batched_mixed_precision_equals_one_device():
     assert_same_training(model, history, reference, reference_history, atol=FP16_ATOL)
 
 
-@pytest.mark.parametrize("positions", [False, True])
+@pytest.mark.parametrize("positions", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_an_embeddings_sparse_gradient_stays_sparse_over_sub_steps(positions):
     # Adam squares each row of an IndexedSlices gradient: the sub-steps' rows must reach it as one device's
     # IndexedSlices (duplicates included), not as a dense sum. With positions, a second Embedding is looked up
@@ -267,6 +269,7 @@ def test_batch_norm_is_not_micro_batched_silently_and_a_refused_step_changes_not
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # the default run keeps the suite near 10 minutes; tox -e slow runs it
 def test_a_second_model_on_the_same_strategy_is_checked_again():
     # A first model without BatchNormalization micro-batches; a second one with it, under the same strategy, must
     # still be refused (what a step cannot keep exact is found again when its step is traced).
@@ -284,6 +287,7 @@ def test_a_second_model_on_the_same_strategy_is_checked_again():
     assert int(second.optimizer.iterations) == 0
 
 
+@pytest.mark.slow  # the default run keeps the suite near 10 minutes; tox -e slow runs it
 def test_batch_norm_trains_with_the_opt_in_and_says_so(caplog):
     B = 3 * CAPACITY
     x, _, _ = labelled(2 * B)
@@ -299,6 +303,7 @@ def test_batch_norm_trains_with_the_opt_in_and_says_so(caplog):
                for r in caplog.records)
 
 
+@pytest.mark.slow  # the default run keeps the suite near 10 minutes; tox -e slow runs it
 def test_a_masked_loss_is_refused_even_with_the_opt_in():
     B = 2 * CAPACITY
     rng = np.random.default_rng(0)
@@ -346,7 +351,7 @@ def test_a_batch_that_runs_as_one_step_says_why_it_was_not_micro_batched():
 
 
 @pytest.mark.parametrize("global_batch_size, replica_id, holds, batches, overlapped",
-                         [(2 * CAPACITY, 1, 20, 3, False), (128, 0, 6, 4, True)])
+                         [pytest.param(2 * CAPACITY, 1, 20, 3, False, marks=pytest.mark.slow), (128, 0, 6, 4, True)])
 def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_step(global_batch_size, replica_id,
                                                                                    holds, batches, overlapped):
     # From its 5th micro-batch a card holds fewer examples: the step runs out of memory. An overlapped call is undone
@@ -379,7 +384,8 @@ def accumulating_classifier(run_eagerly=False):
     return model
 
 
-@pytest.mark.parametrize("global_batch_size, run_eagerly", [(96, False), (2 * CAPACITY + 12, False), (40, True)])
+@pytest.mark.parametrize("global_batch_size, run_eagerly", [
+    (96, False), pytest.param(2 * CAPACITY + 12, False, marks=pytest.mark.slow), (40, True)])
 def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(global_batch_size, run_eagerly):
     # Keras applies every 3rd optimizer step, on the average of the 3 steps' gradients (clipped, decayed once);
     # 7 batches and a partial one: two updates and a pending sum. Micro-batched (B > 144) or not, and eagerly.

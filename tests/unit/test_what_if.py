@@ -88,9 +88,20 @@ def test_the_what_if_needs_no_tensorflow():
 
 
 def test_the_sub_steps_times_add_up_to_the_predicted_step():
-    result = what_if(["A10@1GB", "T4", "P100"], 256)  # the A10's memory binds: micro-batches, a barrier each
+    result = what_if(["A10@1GB", "T4", "P100"], 256)  # the A10's memory binds: micro-batches, overlapped
     assert result["sub_steps"] == len(result["sub_step_batch_sizes"]) == len(result["sub_step_busy_s"]) >= 2
-    assert sum(max(row) for row in result["sub_step_busy_s"]) == pytest.approx(result["predicted_step_s"])
+    # Each card runs its micro-batches back to back within a call; a call lasts its slowest card's sum.
+    assert result["overlapped"] and sum(result["call_sub_steps"]) == result["sub_steps"]
+    step, start = 0.0, 0
+    for n in result["call_sub_steps"]:
+        rows = result["sub_step_busy_s"][start:start + n]
+        step += max(sum(row[i] for row in rows) for i in range(3))
+        start += n
+    assert step == pytest.approx(result["predicted_step_s"])
+    # A one-card batch larger than its memory runs as sub-steps with a barrier each: a sub-step lasts its slowest card.
+    alone = what_if(["A10@1GB"], 256)
+    assert not alone["overlapped"] and alone["call_sub_steps"] is None
+    assert sum(max(row) for row in alone["sub_step_busy_s"]) == pytest.approx(alone["predicted_step_s"])
     assert [sum(cut[i] for cut in result["sub_step_batch_sizes"]) for i in range(3)] == \
         result["per_replica_batch_sizes"]
     assert result["predicted_busy_s"] == pytest.approx([sum(row[i] for row in result["sub_step_busy_s"])
