@@ -68,20 +68,27 @@ def assert_same_training(model, history, reference, reference_history, atol=1e-5
         np.testing.assert_allclose(history.history[key], want, atol=atol, err_msg=key)
 
 
+def trained_like_one_device(global_batch_size, examples, *, epochs=1, drift=(), **strategy_options):
+    """The classifier fit on ``examples`` (sample-weighted) under the strategy and on one device; asserts they train
+    alike and returns the strategy."""
+    x, y, w = labelled(examples)
+    reference = classifier()
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=global_batch_size, epochs=epochs,
+                                      shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
+                                            **strategy_options)
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, sample_weight=w, batch_size=global_batch_size, epochs=epochs, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+    return strategy
+
+
 def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
     # B = 16 x 144: at least 16 sub-steps per batch; a full batch and a partial one (sample weights, clipping, an
     # L2 regulariser, plain and weighted metrics).
     B = 16 * CAPACITY
-    x, y, w = labelled(B + B // 3)
-    reference = classifier()
-    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
-    with strategy.scope():
-        model = classifier()
-    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-
-    assert_same_training(model, history, reference, reference_history)
+    strategy = trained_like_one_device(B, B + B // 3)
     micro = strategy.micro_batching
     assert micro.micro_batched_steps == 2
     full = micro.plan_for(B)
@@ -109,16 +116,7 @@ def test_a_fast_card_with_little_memory_runs_its_micro_batches_back_to_back_exac
     # B = 128 fits in one step, but there the A10 (cap 16) idles most of it. Overlapped: the A10 runs several
     # micro-batches in one call while the T4 and the P100 run one step each; no card waits for another between its
     # micro-batches. Two epochs with a partial last batch, sample weights, clipping, an L2 term, two metrics.
-    B = 128
-    x, y, w = labelled(3 * B + 37)
-    reference = classifier()
-    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=2, shuffle=False, verbose=0)
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
-    with strategy.scope():
-        model = classifier()
-    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=2, shuffle=False, verbose=0)
-    assert_same_training(model, history, reference, reference_history)
-
+    strategy = trained_like_one_device(128, 3 * 128 + 37, epochs=2)
     micro = strategy.micro_batching
     assert micro.overlapped_steps > 0 and micro.fallbacks == 0
     plan = micro.last_plan
@@ -358,17 +356,9 @@ def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_ste
     # (metrics, iteration count, gradient sums) and the batch runs as sub-steps with a barrier each, where a sub-step
     # that runs out of memory is retried within a lower cap and later sub-steps are cut finer; later batches are
     # planned within it. The whole training still equals one device's.
-    B = global_batch_size
-    x, y, w = labelled(batches * B)
-    reference = classifier()
-    reference_history = reference.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
     drift = [Drift(replica_id=replica_id, from_step=4, memory_bytes=memory_for(holds))]
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
-                                            oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
-    with strategy.scope():
-        model = classifier()
-    history = model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    assert_same_training(model, history, reference, reference_history)
+    strategy = trained_like_one_device(global_batch_size, batches * global_batch_size, drift=drift,
+                                       oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
     assert strategy._step_recovery.recoveries >= 1  # noqa: SLF001
     assert strategy.balancer.max_batch_sizes[replica_id] <= holds
     if overlapped:  # the A10's micro-batches ran back to back until one of them ran out of memory
