@@ -10,23 +10,9 @@ import pytest
 import tensorflow as tf
 
 import hetero_cs
-from hetero_cs import HeteroCentralStorageStrategy
+from fixed_splits import strategy_for
 
 ATOL = 1e-5
-_STRATEGIES: dict[int, HeteroCentralStorageStrategy] = {}
-
-
-def strategy_for(shares) -> HeteroCentralStorageStrategy:
-    """One strategy per replica count for the whole module (re-split with set_batch_split)."""
-    num_replicas = len(shares)
-    if num_replicas not in _STRATEGIES:
-        devices = [f"/cpu:{i}" for i in range(1, num_replicas + 1)]
-        _STRATEGIES[num_replicas] = HeteroCentralStorageStrategy(
-            devices, auto_balance=False, rebalance=False, batch_split=shares, profile_cache=False
-        )
-    strategy = _STRATEGIES[num_replicas]
-    strategy.set_batch_split(shares)
-    return strategy
 
 
 def assert_same_state(reference, model, atol=ATOL):

@@ -29,23 +29,10 @@ import pytest
 import tensorflow as tf
 
 import hetero_cs
-from hetero_cs import HeteroCentralStorageStrategy
+from fixed_splits import strategy_for
 
 ATOL = 1e-5  # float32: the slices' sums run in another order than the whole batch's
 SEED = 7
-_STRATEGIES: dict[int, HeteroCentralStorageStrategy] = {}
-
-
-def strategy_for(shares) -> HeteroCentralStorageStrategy:
-    """One strategy per replica count for the whole module, re-split with ``set_batch_split``."""
-    num_replicas = len(shares)
-    if num_replicas not in _STRATEGIES:
-        devices = [f"/cpu:{i}" for i in range(1, num_replicas + 1)]
-        _STRATEGIES[num_replicas] = HeteroCentralStorageStrategy(
-            devices, auto_balance=False, rebalance=False, batch_split=list(shares), profile_cache=False)
-    strategy = _STRATEGIES[num_replicas]
-    strategy.set_batch_split(list(shares))
-    return strategy
 
 
 # ------------------------------------------------------------------------------------------------------------------
