@@ -232,11 +232,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
             cached = self._plans.get(key)
         if cached is not None:
             return cached[1]
-        R = balancer.num_replicas
-
         def solve(b: int):
-            return choose_plan(b, R, shares=balancer.shares, auto_balance=balancer.auto_balance, cost_models=models,
-                               max_batch_sizes=caps, log_ties=False, idle_free=True)
+            return self.plan_for_sub_step(b, cost_models=models, max_batch_sizes=caps)
 
         with self._lock:
             incumbent = self._in_use.get(int(global_batch_size))
@@ -530,7 +527,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
                         "examples as sub-steps with a barrier each.", type(exc).__name__,
                         str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "", B)
             barrier = plan_micro_batches(
-                B, lambda b: self.plan_for_sub_step(b), capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
+                B, self.plan_for_sub_step, capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
                 sub_step_overhead_s=self.sub_step_overhead_s())
             if barrier.num_sub_steps == 1:
                 return step(data)
@@ -583,12 +580,14 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._call_cache[key] = calls
         return calls
 
-    def plan_for_sub_step(self, size: int):
-        """The plan of one sub-step of ``size`` examples within the caps (the barrier path's)."""
+    def plan_for_sub_step(self, size: int, *, cost_models=None, max_batch_sizes=None):
+        """The plan of one sub-step of ``size`` examples within the caps (the barrier path's), under the balancer's
+        models and caps or those given."""
         balancer = self._strategy.balancer
+        models = cost_models if cost_models is not None else balancer._cost_models  # noqa: SLF001 - idle-free ones
+        caps = max_batch_sizes if max_batch_sizes is not None else balancer.max_batch_sizes
         return choose_plan(size, balancer.num_replicas, shares=balancer.shares, auto_balance=balancer.auto_balance,
-                           cost_models=balancer._cost_models, max_batch_sizes=balancer.max_batch_sizes,  # noqa: SLF001
-                           log_ties=False, idle_free=True)
+                           cost_models=models, max_batch_sizes=caps, log_ties=False, idle_free=True)
 
     def _overlapped_function(self, model, sub_step_plans, *, applies: bool):
         """The traced overlapped call for ``model`` and these sub-steps' shape (how many, each one's active replicas,

@@ -418,8 +418,7 @@ def _as_share(result, step, before: int, owner: str):
             f"apart. Compile without run_eagerly=True, or return either Keras' loss alone or only your own scalar "
             f"(a mean over the batch, which hetero_cs weighs by b_i / B)."
         )
-    own = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t)]
-    if not own:
+    if all(_is_share(step, t) for _, t in terms):
         return _register(step, result)
     # result = shares + sums + own, exactly (linear_terms). A term visibly summed over the batch (an add_loss of
     # tf.reduce_sum over the examples, an override returning ops.sum of per-example losses) is this replica's part of
