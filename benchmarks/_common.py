@@ -297,18 +297,31 @@ class Config:
         return order[(len(order) - 1) // 2]
 
 
+MAX_SETTLING_STEPS = 120
+"""Untimed steps after the warm-up at most, while a configuration's guard is still trying a plan."""
+
+
 def run_interleaved(configs: Sequence[Config], *, rounds: int, steps_per_round: int, warmup_steps: int,
                     progress_every: int = 1) -> None:
     """Warm-up steps per configuration (tracing, prefetch), then rounds of timed steps, order rotating each round.
 
-    Prints the warm-up times and, every ``progress_every`` rounds (and after the last), each configuration's median
-    step time over the rounds since the previous print.
+    A configuration whose guard is still trying a plan after its warm-up steps (the first move off the even split,
+    then the check against the fastest card alone) runs on, untimed, until the guard decides (at most
+    ``MAX_SETTLING_STEPS`` more): the rounds measure the plan it settles on. Prints the warm-up times and, every
+    ``progress_every`` rounds (and after the last), each configuration's median step time over the rounds since the
+    previous print.
     """
     for config in configs:
         start_s = time.perf_counter()
         for _ in range(warmup_steps):
             config.run_step()
-        log(f"    warm-up {config.name:<17} {warmup_steps} steps, {time.perf_counter() - start_s:6.1f} s")
+        settling = 0
+        balancer = getattr(config.strategy, "balancer", None)
+        while balancer is not None and balancer.guard.in_trial and settling < MAX_SETTLING_STEPS:
+            config.run_step()
+            settling += 1
+        more = f" + {settling} while the guard decided" if settling else ""
+        log(f"    warm-up {config.name:<17} {warmup_steps} steps{more}, {time.perf_counter() - start_s:6.1f} s")
     printed = 0
     for r in range(rounds):
         order = [configs[(r + k) % len(configs)] for k in range(len(configs))]

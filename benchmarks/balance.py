@@ -288,11 +288,17 @@ def run_case(names: list[str], devices: list[str], kind: str, args: argparse.Nam
     auto_plan = by_name["hetero_auto"].strategy.plan
     record["configs"]["hetero_auto"]["final_plan"] = list(auto_plan.per_replica_batch_sizes)
     balancer = by_name["hetero_auto"].strategy.balancer
-    decision = balancer.last_guard_decision
-    record["configs"]["hetero_auto"]["guard"] = None if decision is None else {
-        "outcome": decision.outcome, "candidate": list(decision.candidate_per_replica_batch_sizes),
-        "incumbent": list(decision.incumbent_per_replica_batch_sizes), "median_ratio": decision.median_ratio,
-        "pairs": decision.num_pairs, "reverts": balancer.guard.num_reverts}
+    def decision_dict(decision):
+        return None if decision is None else {
+            "outcome": decision.outcome, "candidate": list(decision.candidate_per_replica_batch_sizes),
+            "incumbent": list(decision.incumbent_per_replica_batch_sizes), "median_ratio": decision.median_ratio,
+            "pairs": decision.num_pairs, "reverts": balancer.guard.num_reverts}
+
+    # The guard's last decision on a proposed plan, and its last check of the plan against the fastest card alone.
+    proposed = [d for d in balancer.guard.decisions if not d.against_alone]
+    checks = [d for d in balancer.guard.decisions if d.against_alone]
+    record["configs"]["hetero_auto"]["guard"] = decision_dict(proposed[-1] if proposed else None)
+    record["configs"]["hetero_auto"]["alone_check"] = decision_dict(checks[-1] if checks else None)
     record["configs"]["hetero_auto"]["replans"] = len(balancer.rebalancer.switches)
     record["emulation_overrun"] = max(c["emulation_overrun"] for c in record["configs"].values())
 

@@ -53,6 +53,10 @@ def print_case(record: dict[str, Any], *, goals: tuple[float, float]) -> None:
         log(f"   guard: {guard['outcome']} {guard['candidate']} vs {guard['incumbent']} (candidate/incumbent "
             f"{guard['median_ratio']:.3f} over {guard['pairs']} pairs); re-plans during the run: "
             f"{record['configs']['hetero_auto']['replans']}; lost to even: {record['lost_to_even']}")
+    check = record["configs"]["hetero_auto"].get("alone_check")
+    if check is not None:
+        log(f"   guard's check against the fastest card alone: {check['outcome']} {check['candidate']} vs "
+            f"{check['incumbent']} (alone/plan {check['median_ratio']:.3f} over {check['pairs']} pairs)")
 
 
 def print_summary(results: list[dict[str, Any]], summary: dict[str, Any], *, policy: str) -> None:

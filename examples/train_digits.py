@@ -234,13 +234,14 @@ def compile_model(model) -> None:
     )
 
 
-def guard_outcome(strategy) -> str:
-    """'kept' or 'reverted' (the guard's last decision), 'trying' mid-trial, 'none' when it never decided."""
-    balancer = strategy.balancer
-    if balancer.guard.in_trial:
+def guard_outcome(strategy, *, against_alone: bool = False) -> str:
+    """'kept' or 'reverted' (the guard's last decision on a proposed plan, or with ``against_alone`` its last check
+    of the plan against the fastest card alone), 'trying' mid-trial, 'none' when it never decided."""
+    guard = strategy.balancer.guard
+    if guard.in_trial and guard.against_alone == against_alone:
         return "trying"
-    decision = balancer.last_guard_decision
-    return "none" if decision is None else decision.outcome
+    decisions = [d for d in guard.decisions if d.against_alone == against_alone]
+    return decisions[-1].outcome if decisions else "none"
 
 
 def main(argv=None) -> int:
@@ -299,9 +300,10 @@ def main(argv=None) -> int:
     print("\n== batch plan in use at the end of training")
     print(final_plan)
     guard = guard_outcome(strategy)
-    decision = strategy.balancer.last_guard_decision
-    if decision is not None:
-        print(f"guard: {decision.outcome} {list(decision.candidate_per_replica_batch_sizes)} against "
+    alone_check = guard_outcome(strategy, against_alone=True)
+    for decision in strategy.balancer.guard.decisions:
+        alone = " (the fastest card alone)" if decision.against_alone else ""
+        print(f"guard: {decision.outcome} {list(decision.candidate_per_replica_batch_sizes)}{alone} against "
               f"{list(decision.incumbent_per_replica_batch_sizes)} (candidate/incumbent makespan "
               f"{decision.median_ratio:.3f} over {decision.num_pairs} paired steps: {decision.reason})")
 
@@ -387,6 +389,7 @@ def main(argv=None) -> int:
         "even_examples_per_s": f"{even_eps:.1f}",
         "plan": "/".join(str(b) for b in plan.per_replica_batch_sizes),
         "guard": guard,
+        "alone_check": alone_check,
         "devices": ",".join(emulate) if emulate else ",".join(strategy.compute_devices),
         "emulated": str(bool(emulate)).lower(),
         "calibration_s": f"{calibration_s:.2f}",  # time spent calibrating in this run

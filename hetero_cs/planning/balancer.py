@@ -37,6 +37,7 @@ from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.balancer_probe import IdleProbes
+from hetero_cs.planning.balancer_alone import AloneCheck
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -46,7 +47,7 @@ from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
+class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -114,6 +115,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
         self._guard = PlanGuard(guard_policy)
         self._served = 0  # global batches served: steady-state timing picks every N-th
         self._init_probes()
+        self._init_alone_check()
         self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
@@ -273,6 +275,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
             self._rebalancer = rebalancer
             self._memory.reset(caps)
             self._guard.abandon()
+            self._forget_alone_checks()
             self._models_before_replan = None
             self._plans_by_batch.clear()
             self._in_force_by_size.clear()
@@ -412,14 +415,18 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
             and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)
         ):
             self._commit(incumbent)
-            self._trial_served = 0
-            # Steps measured before the trial belong to neither side of it.
-            self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
-            self._guard.start(incumbent, plan, step=self._monitor.completed_steps)
-            if self._on_trial is not None:
-                self._on_trial(plan)
+            self._start_trial(incumbent, plan)
             return
         self._commit(plan)
+
+    def _start_trial(self, incumbent: BatchPlan, candidate: BatchPlan, *, against_alone: bool = False) -> None:
+        """Starts a guard trial of ``candidate`` against ``incumbent``, the plan in force."""
+        self._trial_served = 0
+        # Steps measured before the trial belong to neither side of it.
+        self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
+        self._guard.start(incumbent, candidate, step=self._monitor.completed_steps, against_alone=against_alone)
+        if self._on_trial is not None:
+            self._on_trial(candidate)
 
     def _incumbent_for(self, plan: BatchPlan) -> BatchPlan | None:
         """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
@@ -464,6 +471,9 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes):
                         self._plans_by_batch.clear()
                         self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
                                                      max_batch_sizes=self._max_batch_sizes))
+                    if decision.kept and not decision.against_alone:
+                        self._forget_alone_checks()  # a kept re-plan's measured models are new models
+                    self._maybe_check_alone()  # the plan now in force, against the fastest card alone
                     break
             return
         if not self.rebalance_enabled or self._plan is None or self._cost_models is None:

@@ -9,7 +9,10 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    everywhere but the last batch of each repetition, which goes to the incumbent (default ``"CCI"``). Each
    incumbent step is paired with the candidate step just before it, so a load change on the host hits both sides of
    a pair alike and cancels in their ratio. Both sides are measured over the same number of steps (the pairs); the
-   extra candidate steps are steps in force, so a good candidate is in use from the trial's first step.
+   extra candidate steps are steps in force, so a good candidate is in use from the trial's first step. The
+   candidate's first measured step is not used: the first step at new slice sizes pays one-time costs (kernel
+   selection and autotuning for new shapes, a step traced again for a new set of idle replicas) that are no part
+   of the plan's speed - one such step measured the fastest card alone 5x slower than it runs.
 2. **Decision.** With paired makespan ratios ``r_k = candidate_k / incumbent_k``:
 
    * early keep, from ``min_pairs`` pairs on: every ``r_k < 1 - early_gain`` (clearly faster in every pair);
@@ -23,6 +26,12 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
 3. **Back-off.** After a revert no new trial starts for ``backoff_steps`` steps, doubling with every consecutive
    revert up to ``max_backoff_steps``; a keep resets it, and so does a revert that comes more than
    ``max_backoff_steps`` after the previous back-off ended.
+4. **The fastest card alone.** A plan that spreads the batch over several cards is also a prediction that they
+   beat the fastest of them alone. Where the plan in force is predicted less than ``alone_check_below`` times
+   faster than the fastest card alone (a gain a mis-calibrated or drifting card could erase), the owner runs one
+   more trial with the same rules: the fastest card alone as the candidate, the plan in force as the incumbent
+   (``start(..., against_alone=True)``). Kept, the other cards sit idle; reverted, the plan stays and no back-off
+   follows (the check refuted nothing that was proposed).
 
 Which plan a step ran with is read from the sizes the step reported (``StepSample.per_replica_batch_sizes``), not
 from what was served, so batches cut before a switch (an engine that cuts ahead of the step) are attributed right;
@@ -70,6 +79,9 @@ class GuardPolicy:
         decisive_ratio: > 1. Pairs in which one plan took more than this many times the other's makespan decide
             at once, from the first pair on (no host hiccup is that large, and each further pair would repeat a step
             this slow: a card that drifted 50x slower, left out by the candidate).
+        alone_check_below: >= 1 (``math.inf`` allowed). A plan in force predicted less than this many times faster
+            than the fastest card alone (within that card's memory) is measured against it once (see item 4 above);
+            1.0 never measures it, ``math.inf`` always does. Default 1.25.
 
     Raises:
         ConfigError: If a field is out of range.
@@ -85,6 +97,7 @@ class GuardPolicy:
     max_backoff_steps: int = 800
     max_trial_steps: int = 200
     decisive_ratio: float = 4.0
+    alone_check_below: float = 1.25
 
     def __post_init__(self) -> None:
         p = self.pattern
@@ -109,6 +122,12 @@ class GuardPolicy:
         ratio = self.decisive_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 1:
             raise ConfigError(f"decisive_ratio must be a finite number > 1. Received: decisive_ratio={ratio!r}.")
+        below = self.alone_check_below
+        if isinstance(below, bool) or not isinstance(below, (int, float)) or math.isnan(below) or below < 1:
+            raise ConfigError(
+                f"alone_check_below must be a number >= 1 (1 never measures the fastest card alone, math.inf always "
+                f"does). Received: alone_check_below={below!r}."
+            )
         if 2.0 ** -(2 * self.max_pairs) >= self.significance:
             raise ConfigError(
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
@@ -146,6 +165,8 @@ class GuardDecision:
             NaN when there were no pairs.
         p_value: The one-sided Wilcoxon p-value when the test decided, else None (an early decision or no pairs).
         reason: One line for the log.
+        against_alone: True when the candidate was the fastest card alone, measured against the plan in force
+            (a check of the plan, not a proposal: its revert causes no back-off).
     """
 
     step: int
@@ -156,6 +177,7 @@ class GuardDecision:
     median_ratio: float
     p_value: float | None
     reason: str
+    against_alone: bool = False
 
     @property
     def kept(self) -> bool:
@@ -199,6 +221,9 @@ class PlanGuard:
         self._consecutive_reverts = 0
         self._num_reverts = 0
         self._blocked_until_step = -1
+        self._against_alone = False
+        self._candidate_warm = False
+        self._decisions: list[GuardDecision] = []
 
     @property
     def policy(self) -> GuardPolicy:
@@ -226,6 +251,16 @@ class PlanGuard:
         return self._last_decision
 
     @property
+    def decisions(self) -> tuple[GuardDecision, ...]:
+        """Every decision so far, oldest first."""
+        return tuple(self._decisions)
+
+    @property
+    def against_alone(self) -> bool:
+        """True while the running trial measures the fastest card alone against the plan in force."""
+        return self._candidate is not None and self._against_alone
+
+    @property
     def observed_steps(self) -> int:
         """Measured steps the running trial has taken so far (0 outside a trial)."""
         return self._trial_steps if self._candidate is not None else 0
@@ -239,8 +274,11 @@ class PlanGuard:
         """True when no trial runs and the back-off after the last revert has passed at ``step``."""
         return self._candidate is None and step >= self._blocked_until_step
 
-    def start(self, incumbent: BatchPlan, candidate: BatchPlan, *, step: int) -> None:
+    def start(self, incumbent: BatchPlan, candidate: BatchPlan, *, step: int, against_alone: bool = False) -> None:
         """Begins a trial of ``candidate`` against ``incumbent`` (same global batch size, different slices).
+
+        ``against_alone=True`` marks ``candidate`` as the fastest card alone, checked against the plan in force:
+        the decision says so, and a revert starts no back-off.
 
         Raises:
             ConfigError: If the plans are for different global batch sizes or replica counts, or have equal slices.
@@ -259,13 +297,16 @@ class PlanGuard:
                 f"{list(incumbent.per_replica_batch_sizes)}, candidate={list(candidate.per_replica_batch_sizes)}."
             )
         self._incumbent, self._candidate = incumbent, candidate
+        self._against_alone = bool(against_alone)
         self._served = 0
         self._trial_steps = 0
         self._pending_candidate_s = None
+        self._candidate_warm = False  # its first measured step is a warm-up, not a sample
         self._ratios = []
         logger.info(
-            "guard: trying %s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
-            "significant)", list(candidate.per_replica_batch_sizes), list(incumbent.per_replica_batch_sizes), step,
+            "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
+            "significant)", list(candidate.per_replica_batch_sizes),
+            " (the fastest card alone)" if against_alone else "", list(incumbent.per_replica_batch_sizes), step,
             self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs,
         )
 
@@ -302,7 +343,9 @@ class PlanGuard:
         self._trial_steps += 1
         usable = math.isfinite(makespan_s) and makespan_s > 0
         if usable and sizes == self._candidate.per_replica_batch_sizes:
-            self._pending_candidate_s = float(makespan_s)
+            if self._candidate_warm:
+                self._pending_candidate_s = float(makespan_s)
+            self._candidate_warm = True
         elif usable and sizes == self._incumbent.per_replica_batch_sizes and self._pending_candidate_s is not None:
             self._ratios.append(self._pending_candidate_s / float(makespan_s))
             self._pending_candidate_s = None
@@ -314,6 +357,7 @@ class PlanGuard:
     def abandon(self) -> None:
         """Ends a trial without a decision (the plans it compared are obsolete, e.g. new cost models)."""
         self._incumbent = self._candidate = None
+        self._against_alone = False
         self._pending_candidate_s = None
         self._ratios = []
 
@@ -352,12 +396,15 @@ class PlanGuard:
             median_ratio=median,
             p_value=p_value,
             reason=why,
+            against_alone=self._against_alone,
         )
 
     def _finish(self, decision: GuardDecision) -> None:
         policy = self._policy
         if decision.kept:
             self._consecutive_reverts = 0
+        elif decision.against_alone:
+            pass  # the plan in force measured faster than the fastest card alone: nothing was refuted
         else:
             if decision.step - self._blocked_until_step > policy.max_backoff_steps:
                 self._consecutive_reverts = 0  # the last revert is long past: start the back-off from the bottom
@@ -366,13 +413,18 @@ class PlanGuard:
             self._num_reverts += 1
             self._blocked_until_step = decision.step + backoff
         self._last_decision = decision
+        self._decisions.append(decision)
         p_text = "" if decision.p_value is None else f", p={decision.p_value:.3g}"
+        if decision.kept or decision.against_alone:
+            after = ""
+        else:
+            after = f"; no new trial before step {self._blocked_until_step}"
         logger.info(
-            "guard: %s %s (vs %s): candidate/incumbent makespan %.3f over %d pairs%s - %s%s",
+            "guard: %s %s%s (vs %s): candidate/incumbent makespan %.3f over %d pairs%s - %s%s",
             decision.outcome, list(decision.candidate_per_replica_batch_sizes),
+            " (the fastest card alone)" if decision.against_alone else "",
             list(decision.incumbent_per_replica_batch_sizes), decision.median_ratio, decision.num_pairs, p_text,
-            decision.reason,
-            "" if decision.kept else f"; no new trial before step {self._blocked_until_step}",
+            decision.reason, after,
         )
         self.abandon()
 

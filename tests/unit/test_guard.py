@@ -87,11 +87,20 @@ def test_steps_of_other_sizes_and_unpaired_incumbent_steps_are_ignored():
     assert guard.observe((10, 10), 0.01, step=0) is None  # a partial last batch
     assert guard.observe((50, 50), 0.10, step=1) is None  # an incumbent step without a candidate step before it
     assert guard.observe((70, 30), math.nan, step=2) is None  # an unusable measurement
-    assert guard.observe((50, 50), 0.10, step=3) is None
+    assert guard.observe((70, 30), 0.50, step=2) is None  # the candidate's first measured step: a warm-up
+    assert guard.observe((50, 50), 0.10, step=3) is None  # so this incumbent step has no pair either
     for k in range(3):
         guard.observe((70, 30), 0.07, step=4 + 2 * k)
         decision = guard.observe((50, 50), 0.10, step=5 + 2 * k)
     assert decision.kept and decision.num_pairs == 3
+
+
+def test_the_candidates_first_step_is_a_warm_up_and_decides_nothing():
+    """The first step at new slice sizes pays one-time costs (new kernels, a new trace): 10x here."""
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 1.0 if k == 0 else 0.07, lambda k: 0.10)
+    assert decision.kept and decision.num_pairs == 3 and decision.median_ratio == pytest.approx(0.7)
 
 
 def test_back_off_doubles_after_consecutive_reverts_and_resets_after_a_keep():

@@ -1,0 +1,103 @@
+"""The guard's check of a plan against the fastest card alone, with injected step times (no TensorFlow)."""
+
+import math
+
+import pytest
+
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel
+from hetero_cs.planning.guard import GuardPolicy
+from hetero_cs.planning.simulation import simulate_balancer
+
+B = 1000
+# As calibrated: an A10-like card and a card 5x slower per example; the two together are predicted 1.19x faster than
+# the A10 alone (0.0883 s against 0.105 s), under the default alone_check_below of 1.25.
+CALIBRATED = [LinearCostModel(0.005, 1e-4), LinearCostModel(0.005, 5e-4)]
+
+
+def balancer_for(models=CALIBRATED, **kwargs):
+    balancer = Balancer(2, rebalance=False, idle_replicas_free=True, **kwargs)
+    balancer.set_cost_models(models, trial=True, reference_batch_size=B)
+    return balancer
+
+
+def truth(extra_fixed_s):
+    """The cards' true times: as calibrated, plus `extra_fixed_s` per step on the second card (a slow link that
+    calibration did not see); an idle card costs nothing."""
+    return [IdleFreeCostModel(CALIBRATED[0]), IdleFreeCostModel(LinearCostModel(0.005 + extra_fixed_s, 5e-4))]
+
+
+def test_a_plan_slower_than_the_fastest_card_alone_in_truth_is_replaced_by_it():
+    balancer = balancer_for()
+    trace = simulate_balancer(balancer, lambda step: truth(0.1), B, steps=40, relative_noise=0.02)
+    first, check = balancer.guard.decisions
+    # The calibrated plan beats the even split (the first trial), but not the A10 alone (the check).
+    assert first.kept and not first.against_alone and first.candidate_per_replica_batch_sizes == (834, 166)
+    assert check.kept and check.against_alone
+    assert check.incumbent_per_replica_batch_sizes == (834, 166)
+    assert check.candidate_per_replica_batch_sizes == (1000, 0)
+    assert balancer.plan.per_replica_batch_sizes == (1000, 0)
+    assert all(s.per_replica_batch_sizes == (1000, 0) for s in trace[check.step + 1:])
+    assert "idle replicas: [1]" in str(balancer.plan)
+
+
+def test_a_plan_that_beats_the_fastest_card_alone_stays_and_the_check_costs_no_back_off():
+    balancer = balancer_for()
+    simulate_balancer(balancer, lambda step: truth(0.0), B, steps=60, relative_noise=0.02)
+    first, check = balancer.guard.decisions  # one check only: the plan in force did not change
+    assert first.kept and check.against_alone and check.outcome == "reverted"
+    assert check.median_ratio > 1.1  # the A10 alone measured slower: 0.105 s against 0.088 s
+    assert balancer.plan.per_replica_batch_sizes == (834, 166)
+    assert balancer.guard.num_reverts == 0 and balancer.guard.may_start(check.step)
+
+
+def test_a_plan_predicted_well_above_the_threshold_is_not_checked():
+    models = [LinearCostModel(0.005, 1e-4), LinearCostModel(0.005, 1.2e-4)]  # predicted 1.8x over the first alone
+    balancer = balancer_for(models)
+    simulate_balancer(balancer, lambda step: [IdleFreeCostModel(m) for m in models], B, steps=30)
+    assert [d.against_alone for d in balancer.guard.decisions] == [False]
+    # alone_check_below=inf checks any plan that uses two cards or more; 1.0 never does.
+    always = balancer_for(models, guard_policy=GuardPolicy(alone_check_below=math.inf))
+    simulate_balancer(always, lambda step: [IdleFreeCostModel(m) for m in models], B, steps=60)
+    assert [d.against_alone for d in always.guard.decisions] == [False, True]
+    assert always.guard.decisions[1].outcome == "reverted"
+    never = balancer_for(guard_policy=GuardPolicy(alone_check_below=1.0))
+    simulate_balancer(never, lambda step: truth(0.1), B, steps=30)
+    assert [d.against_alone for d in never.guard.decisions] == [False]
+    assert never.plan.per_replica_batch_sizes == (834, 166)
+
+
+def test_the_fastest_card_alone_is_one_whose_memory_holds_the_whole_batch():
+    models = [LinearCostModel(0.0, 1e-4), LinearCostModel(0.0, 2e-4), LinearCostModel(0.0, 3e-4)]
+    balancer = Balancer(3, rebalance=False, guard=False, idle_replicas_free=True)
+    balancer.set_cost_models(models, reference_batch_size=B)
+    assert balancer.fastest_alone_plan(B).per_replica_batch_sizes == (B, 0, 0)
+    balancer.set_cost_models(models, max_batch_sizes=[400, None, None], reference_batch_size=B)
+    alone = balancer.fastest_alone_plan(B)
+    assert alone.per_replica_batch_sizes == (0, B, 0)
+    assert alone.predicted_makespan_s == pytest.approx(0.2)
+    balancer.set_cost_models(models, max_batch_sizes=[400, 500, 600], reference_batch_size=1500)
+    assert balancer.fastest_alone_plan(B) is None
+    assert Balancer(3).fastest_alone_plan(B) is None  # no cost models yet
+
+
+def test_fixed_shares_are_never_checked_against_one_card():
+    balancer = balancer_for()
+    balancer.set_batch_split([1, 1])
+    simulate_balancer(balancer, lambda step: truth(0.1), B, steps=20)
+    assert balancer.plan.per_replica_batch_sizes == (500, 500)
+    assert not any(d.against_alone for d in balancer.guard.decisions)
+
+
+@pytest.mark.parametrize("bad", [0.5, -1, math.nan, "2", True, None])
+def test_alone_check_below_must_be_a_number_of_at_least_one(bad):
+    with pytest.raises(ConfigError, match="alone_check_below must be a number >= 1"):
+        GuardPolicy(alone_check_below=bad)
+
+
+def test_an_engine_whose_idle_replicas_still_run_a_step_is_never_checked_against_one_card():
+    balancer = Balancer(2, rebalance=False)  # multi-worker: every replica steps, so leaving one out gains nothing
+    balancer.set_cost_models(CALIBRATED, trial=True, reference_batch_size=B)
+    simulate_balancer(balancer, lambda step: truth(0.1), B, steps=30)
+    assert [d.against_alone for d in balancer.guard.decisions] == [False]
