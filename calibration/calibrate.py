@@ -31,6 +31,7 @@ from calibration.device_timing import _DeviceCalibration, _time_interleaved
 from calibration.store import ProfileStore, profile_key
 from hetero_cs.errors import (
     CalibrationError,
+    CalibrationOOMError,
     ConfigError,
     DeviceError,
     InfeasiblePlanError,
@@ -206,7 +207,8 @@ def calibrate(
     Raises:
         DeviceError: If a device name cannot be parsed, is unknown to TensorFlow or is repeated.
         ConfigError: If an argument is out of range or the emulator's replica count differs from len(devices).
-        CalibrationOOMError: If a device runs out of memory even at batch size 1.
+        CalibrationOOMError: If every device runs out of memory even at batch size 1 (one that does sits idle:
+            its profile's cap is 0).
         CalibrationError: If the model has no loss, or a step fails.
 
     Examples:
@@ -333,6 +335,15 @@ def calibrate(
                                              warmup_steps=warmup_steps)
             calibration.prepare(sizes, on_warm=lambda b: warm_bar.add(1, [("batch_size", b)]))
             calibrations.append(calibration)
+        if all(c.cap == 0 for c in calibrations):
+            raise CalibrationOOMError(
+                "No device can hold one example of this model: " + "; ".join(
+                    f"device={c.probe.device!r} ran out of memory at every batch size tried: batch_sizes="
+                    f"{c.out_of_memory_at}, probe_batch_sizes={list(sizes)}"
+                    for c, sizes in zip(calibrations, sizes_per_device))
+                + ". Use a smaller model (or mixed precision), or devices with more memory. (A global batch larger "
+                "than the devices hold trains as micro-batches; one example per device is the least that can run.)"
+            )
         warmed = sum(len(c.sizes) for c in calibrations)
         if warmed < warm_bar.target:  # an out-of-memory cut the warm-up short
             warm_bar.update(warm_bar.target, finalize=True)

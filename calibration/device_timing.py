@@ -14,7 +14,8 @@ from calibration import fit as fit_lib
 from calibration import probe as probe_lib
 from calibration import timing
 from calibration.result import DeviceProfile
-from hetero_cs.errors import CalibrationError, CalibrationOOMError, HeteroCSError
+from hetero_cs.planning.cost_model import OutOfMemoryCostModel
+from hetero_cs.errors import CalibrationError, HeteroCSError
 
 logger = logging.getLogger("calibration.calibrate")  # the messages users filter on
 
@@ -36,6 +37,7 @@ class _DeviceCalibration:
         self.sizes: list[int] = []  # the probe sizes that fit, increasing
         self.samples_s: dict[int, list[float]] = {}
         self.peaks_bytes: list[tuple[int, int]] = []
+        self.out_of_memory_at: list[int] = []  # the sizes tried when not even one example fits (cap 0)
 
     def _step_error(self, batch_size: int, exc: Exception) -> CalibrationError:
         import tensorflow as tf
@@ -110,6 +112,10 @@ class _DeviceCalibration:
 
     def profile(self, *, emulated_as: str | None) -> DeviceProfile:
         """Summarises the samples, fits the cost model and returns the device's profile."""
+        if self.cap == 0:  # nothing fitted, nothing timed: the device sits idle
+            return DeviceProfile(device=self.probe.device, cost_model=OutOfMemoryCostModel(), max_batch_size=0,
+                                 fit_error=0.0, probe_batch_sizes=(), median_step_times_s=(), mad_s=(),
+                                 emulated_as=emulated_as)
         stats = [timing.summarize_trials(self.samples_s[b]) for b in self.sizes]
         result = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats])
         return DeviceProfile(
@@ -135,12 +141,15 @@ class _DeviceCalibration:
             if failed_size > 1 and self.probe.fits(1):
                 largest_fitting = 1
             else:
-                tried = sorted({1, failed_size})
-                raise CalibrationOOMError(
-                    f"device={device!r} ran out of memory at every batch size tried: batch_sizes={tried}, "
-                    f"probe_batch_sizes={sizes}. Use a smaller global batch size or a smaller model, or leave this "
-                    "device out of the compute devices."
-                )
+                # Not even one example fits: the device sits idle (cap 0) and the others train. calibrate() raises
+                # CalibrationOOMError when this is true of every device.
+                self.cap = 0
+                self.out_of_memory_at = sorted({1, failed_size})
+                logger.warning(
+                    "%s cannot hold one example of this model (out of memory at batch_sizes=%s): it sits idle (memory "
+                    "cap 0) while the other devices train. A smaller model or mixed precision may let it take part.",
+                    device, self.out_of_memory_at)
+                return
         guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
         cap = probe_lib.search_memory_cap(
             self.probe.fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess

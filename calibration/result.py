@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from hetero_cs.planning.cost_model import CostModel, cost_model_from_dict
+from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, cost_model_from_dict
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.plan import BatchPlan
 
@@ -55,8 +55,9 @@ class DeviceProfile:
         device: TensorFlow device name, e.g. "/device:GPU:0" or "/device:CPU:1".
         cost_model: Step time t(b) in seconds for a slice of b examples (broadcast, forward, backward, gradient
             return), non-decreasing in b.
-        max_batch_size: Largest slice that fits in the device's memory, in examples, >= 1; None when unbounded
-            (CPU devices without a user cap, or a GPU that held the whole global batch).
+        max_batch_size: Largest slice that fits in the device's memory, in examples, >= 0; None when unbounded
+            (CPU devices without a user cap, or a GPU that held the whole global batch). 0: the device cannot hold
+            one example and sits idle; its profile then has no probed sizes and an ``OutOfMemoryCostModel``.
         fit_error: Largest relative error of cost_model at the measured points, >= 0.
         probe_batch_sizes: Probed sizes, strictly increasing, shape [P].
         median_step_times_s: Median step time at each probed size, seconds, shape [P].
@@ -111,13 +112,22 @@ class DeviceProfile:
                 f"DeviceProfile.cost_model needs predict_step_time_s. Received: {type(self.cost_model).__name__}."
             )
         if self.max_batch_size is not None and (
-            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1
+            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 0
         ):
             raise ProfileCacheError(
-                f"DeviceProfile.max_batch_size must be None or an int >= 1. Received: {self.max_batch_size!r}."
+                f"DeviceProfile.max_batch_size must be None or an int >= 0. Received: {self.max_batch_size!r}."
             )
         _finite_non_negative("DeviceProfile", "fit_error", self.fit_error)
         sizes, medians, mads = self.probe_batch_sizes, self.median_step_times_s, self.mad_s
+        if self.holds_no_example:
+            if sizes or medians or mads or not isinstance(self.cost_model, OutOfMemoryCostModel):
+                raise ProfileCacheError(
+                    "A DeviceProfile with max_batch_size=0 (the device cannot hold one example) has no probed sizes "
+                    f"and an OutOfMemoryCostModel. Received: probe_batch_sizes={list(sizes)}, cost_model="
+                    f"{self.cost_model!r}. Recalibrate to replace it."
+                )
+            _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)
+            return
         if not sizes or len(medians) != len(sizes) or len(mads) != len(sizes):
             raise ProfileCacheError(
                 "DeviceProfile needs one median and one MAD per probed size, at least one size. Received: "
@@ -175,12 +185,20 @@ class DeviceProfile:
                 f"DeviceProfile data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
             ) from exc
 
+    @property
+    def holds_no_example(self) -> bool:
+        """True when the device cannot hold one example (``max_batch_size == 0``): it sits idle, untimed."""
+        return self.max_batch_size == 0
+
     def describe_cost_model(self) -> str:
         """The model in one form whatever was fitted: "a=1.200 ms c=0.0400 ms/ex" (t(b) = a + c*b).
 
         A linear model prints its own a and c. Any other model prints the line through its values at the smallest
-        and largest probed sizes (for a piecewise-linear fit, its end knots), marked "(piecewise, k knots)".
+        and largest probed sizes (for a piecewise-linear fit, its end knots), marked "(piecewise, k knots)". A
+        device that cannot hold one example prints "idle: out of memory at 1 example".
         """
+        if self.holds_no_example:
+            return "idle: out of memory at 1 example"
         return describe_cost_model(self.cost_model, self.probe_batch_sizes[0], self.probe_batch_sizes[-1])
 
 

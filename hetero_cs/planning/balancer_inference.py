@@ -76,9 +76,11 @@ class InferencePlans:
             return choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=self._max_batch_sizes,
                                **arguments)
         except InfeasiblePlanError:
-            # A card set aside for a device error (cap 0) stays out; the other caps are lifted.
-            excluded = set(self._memory.excluded)
-            caps = [0 if i in excluded else None for i in range(self._num_replicas)] if excluded else None
+            # A card with a cap of 0 stays out (set aside for a device error, or unable to hold one training
+            # example: inference may not fit either); the other caps are lifted.
+            in_force = self._max_batch_sizes or [None] * self._num_replicas
+            out = set(self._memory.excluded) | {i for i, cap in enumerate(in_force) if cap == 0}
+            caps = [0 if i in out else None for i in range(self._num_replicas)] if out else None
             plan = choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=caps, **arguments)
             logger.info(
                 "hetero_cs: an evaluation/prediction batch of %d examples is more than the training memory caps %s "

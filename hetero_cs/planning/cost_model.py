@@ -345,6 +345,41 @@ class IdleFreeCostModel:
         return 0.0 if batch_size == 0 else self.base.predict_step_time_s(batch_size)
 
 
+OUT_OF_MEMORY_SECONDS_PER_EXAMPLE = 86_400.0
+""":class:`OutOfMemoryCostModel`'s step time per example: one day, a time no plan takes."""
+
+
+@dataclass(frozen=True)
+class OutOfMemoryCostModel:
+    """The cost model of a device that cannot hold one example (calibration ran out of memory at a batch of 1).
+
+    Nothing could be timed there, so there is no step time to report: ``t(0) = 0`` (it does no work) and
+    ``t(b) = OUT_OF_MEMORY_SECONDS_PER_EXAMPLE * b`` for ``b >= 1``, a time no plan takes. Its profile's memory cap
+    of 0 keeps the device out of every training plan; the prohibitive time keeps it out of a plan solved without
+    the caps too (an evaluation batch larger than the training caps hold).
+
+    Examples:
+        >>> model = OutOfMemoryCostModel()
+        >>> model.predict_step_time_s(0), model.predict_step_time_s(2)
+        (0.0, 172800.0)
+    """
+
+    def predict_step_time_s(self, batch_size: int) -> float:
+        """0.0 for ``batch_size == 0``, else ``OUT_OF_MEMORY_SECONDS_PER_EXAMPLE * batch_size`` seconds."""
+        _check_batch_size(batch_size)
+        return OUT_OF_MEMORY_SECONDS_PER_EXAMPLE * batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns ``{"kind": "out_of_memory"}``."""
+        return {"kind": "out_of_memory"}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OutOfMemoryCostModel:
+        """Inverse of :meth:`to_dict`. Unknown keys raise."""
+        _check_keys("out_of_memory", data, set())
+        return cls()
+
+
 @dataclass(frozen=True)
 class MicroBatchedCostModel:
     """A replica's time for ``b`` examples run as micro-batches of at most ``max_micro_batch_size`` each, one after
@@ -441,6 +476,7 @@ _KINDS: dict[str, Any] = {
     "linear": LinearCostModel,
     "piecewise_linear": PiecewiseLinearCostModel,
     "scaled": ScaledCostModel,
+    "out_of_memory": OutOfMemoryCostModel,
 }
 
 
@@ -448,7 +484,8 @@ def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
     """Rebuilds a cost model from its ``to_dict()`` output, dispatching on ``data["kind"]``.
 
     Args:
-        data: A mapping with ``"kind"`` in ``{"linear", "piecewise_linear", "scaled"}`` and that kind's fields.
+        data: A mapping with ``"kind"`` in ``{"linear", "piecewise_linear", "scaled", "out_of_memory"}`` and that
+            kind's fields.
 
     Returns:
         The cost model.

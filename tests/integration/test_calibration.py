@@ -218,7 +218,7 @@ def test_out_of_memory_at_every_size_names_device_and_fix(monkeypatch, strategy)
 
     monkeypatch.setattr(DeviceProbe, "run_step", run_step)
     batch = (np.ones((64, 16), np.float32), np.zeros((64,), np.int64))
-    with pytest.raises(CalibrationOOMError, match=r"device='/device:CPU:1'.*batch_sizes=\[1\].*smaller global batch"):
+    with pytest.raises(CalibrationOOMError, match=r"device='/device:CPU:1'.*batch_sizes=\[1\].*smaller model"):
         calibrate(model, batch, devices=DEVICES[:1], store=False, progress=False)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hetero_cs import (
+    CalibrationOOMError,
     ConfigError,
     HeteroCentralStorageStrategy,
     InfeasiblePlanError,
@@ -32,8 +33,8 @@ def memory_for(examples):
     return WORKLOAD.fixed_memory_bytes + examples * ACTIVATION_BYTES
 
 
-def emulator(drift=()):
-    names = [f"{name}@{memory_for(cap)}B" for name, cap in zip(["A10", "T4", "P100"], CAPS)]
+def emulator(drift=(), caps=CAPS):
+    names = [f"{name}@{memory_for(cap)}B" for name, cap in zip(["A10", "T4", "P100"], caps)]
     return Emulator(names, workload=WORKLOAD, time_scale=20.0, drift=list(drift))
 
 
@@ -68,15 +69,15 @@ def assert_same_training(model, history, reference, reference_history, atol=1e-5
         np.testing.assert_allclose(history.history[key], want, atol=atol, err_msg=key)
 
 
-def trained_like_one_device(global_batch_size, examples, *, epochs=1, drift=(), **strategy_options):
-    """The classifier fit on ``examples`` (sample-weighted) under the strategy and on one device; asserts they train
-    alike and returns the strategy."""
+def trained_like_one_device(global_batch_size, examples, *, epochs=1, drift=(), caps=CAPS, **strategy_options):
+    """The classifier fit on ``examples`` (sample-weighted) under the strategy and on one device, on emulated cards
+    holding ``caps`` examples; asserts they train alike and returns the strategy."""
     x, y, w = labelled(examples)
     reference = classifier()
     reference_history = reference.fit(x, y, sample_weight=w, batch_size=global_batch_size, epochs=epochs,
                                       shuffle=False, verbose=0)
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift), profile_cache=False, rebalance=False,
-                                            **strategy_options)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift, caps), profile_cache=False,
+                                            rebalance=False, **strategy_options)
     with strategy.scope():
         model = classifier()
     history = model.fit(x, y, sample_weight=w, batch_size=global_batch_size, epochs=epochs, shuffle=False, verbose=0)
@@ -98,6 +99,31 @@ def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
     assert all(m <= cap for m, cap in zip(full.micro_batch_sizes, CAPS))
     assert sum(full.per_replica_batch_sizes) == B
     assert "micro-batch" in str(full)
+
+
+def test_a_card_that_cannot_hold_one_example_sits_idle_and_the_others_train_exactly(caplog):
+    # The P100's memory holds the model but not one example's activations: calibration leaves it idle (cap 0)
+    # instead of failing, within the others' caps (B = 64) and micro-batched past them (B = 200).
+    with caplog.at_level(logging.WARNING, logger="calibration.calibrate"):
+        strategy = trained_like_one_device(64, 150, caps=(16, 64, 0))
+    assert "cannot hold one example of this model" in caplog.text
+    profile = strategy.calibration.profiles[2]
+    assert profile.max_batch_size == 0 and profile.holds_no_example and profile.probe_batch_sizes == ()
+    assert "idle: out of memory at 1 example" in strategy.calibration.format_table()
+    assert strategy.plan.per_replica_batch_sizes[2] == 0
+    micro = trained_like_one_device(200, 300, caps=(16, 64, 0)).micro_batching
+    assert micro.micro_batched_steps == 2 and micro.plan_for(200).per_replica_batch_sizes[2] == 0
+
+
+def test_no_card_that_can_hold_one_example_is_a_clear_error():
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(caps=(0, 0, 0)), profile_cache=False)
+    with strategy.scope():
+        model = classifier()
+    x, y, _ = labelled(64)
+    with pytest.raises(CalibrationOOMError, match=r"No device can hold one example of this model: "
+                       r"device='/device:CPU:1' ran out of memory at every batch size tried: batch_sizes=\[1\].*"
+                       r"Use a smaller model"):
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
 
 
 def _ancestors(op):

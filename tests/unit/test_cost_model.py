@@ -172,7 +172,7 @@ def test_from_dict_without_kind_is_accepted_by_the_class():
 
 
 @pytest.mark.parametrize("data,match", [
-    ({"kind": "cubic"}, r"needs 'kind' in \['linear', 'piecewise_linear', 'scaled'\].*kind='cubic'"),
+    ({"kind": "cubic"}, r"needs 'kind' in \['linear', 'out_of_memory', 'piecewise_linear', 'scaled'\].*kind='cubic'"),
     ({"fixed_overhead_s": 1.0}, "kind=None"),
     ([1, 2], "kind=None"),
     ({"kind": "linear", "fixed_overhead_s": 1.0, "seconds_per_example": 1.0, "extra": 1},

@@ -273,3 +273,38 @@ def test_from_cache_is_a_bool_and_is_not_stored():
     assert not CalibrationResult.from_dict(cached.to_dict()).from_cache
     with pytest.raises(ProfileCacheError, match="from_cache must be a bool. Received: 'no'"):
         dataclasses.replace(result, from_cache="no")
+
+
+def test_a_device_that_cannot_hold_one_example_round_trips_as_an_idle_profile(tmp_path):
+    from hetero_cs.planning.cost_model import OutOfMemoryCostModel
+
+    idle = DeviceProfile(device="/device:CPU:3", cost_model=OutOfMemoryCostModel(), max_batch_size=0, fit_error=0.0,
+                         probe_batch_sizes=(), median_step_times_s=(), mad_s=(), emulated_as="P100")
+    base = _result()
+    profiles = (*base.profiles, idle)
+    plan = solve_batch_split([p.cost_model for p in profiles], 256, max_batch_sizes=[256, 200, 0], min_batch_size=0)
+    assert plan.per_replica_batch_sizes[2] == 0
+    result = CalibrationResult(profiles=profiles, wall_time_s=1.0, emulated=True, plan=plan)
+    store = ProfileStore(tmp_path / "cache")
+    store.save(_key(devices=("/device:CPU:1", "/device:CPU:2", "/device:CPU:3")), result)
+    loaded = store.load(_key(devices=("/device:CPU:1", "/device:CPU:2", "/device:CPU:3")))
+    assert loaded == result and loaded.profiles[2].holds_no_example and loaded.max_batch_sizes[2] == 0
+    row = [line for line in result.format_table().splitlines() if line.startswith("2 ")][0]
+    assert "idle: out of memory at 1 example" in row
+    # Its model keeps it out of a plan solved without the caps too.
+    assert OutOfMemoryCostModel().predict_step_time_s(1) >= 86_400.0
+
+
+@pytest.mark.parametrize("change", [
+    dict(probe_batch_sizes=(1,), median_step_times_s=(0.01,), mad_s=(0.0,)),  # a cap of 0 was never timed
+    dict(cost_model=LinearCostModel(0.01, 1e-4)),  # nor fitted
+])
+def test_a_profile_with_a_cap_of_zero_has_no_samples_and_no_fitted_model(change):
+    from hetero_cs.planning.cost_model import OutOfMemoryCostModel
+
+    fields = dict(device="/device:CPU:3", cost_model=OutOfMemoryCostModel(), max_batch_size=0, fit_error=0.0,
+                  probe_batch_sizes=(), median_step_times_s=(), mad_s=())
+    with pytest.raises(ProfileCacheError, match="max_batch_size=0 .* has no probed sizes and an OutOfMemoryCostModel"):
+        DeviceProfile(**{**fields, **change})
+    with pytest.raises(ProfileCacheError, match="max_batch_size must be None or an int >= 0"):
+        DeviceProfile(**{**fields, "max_batch_size": -1})
