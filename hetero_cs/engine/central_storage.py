@@ -8,6 +8,7 @@ private TensorFlow/Keras touches in :mod:`hetero_cs.engine._compat`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -390,18 +391,32 @@ class HeteroCentralStorageStrategy(
             return grads
         from hetero_cs.engine.step_timing import finish_replica_step
 
+        sub_step, record, batch_size = step.sub_step, self._record_step_time, step.batch_size
+        if sub_step is not None:
+            # A micro-batch of an overlapped call is not a step the monitor could pair with the others' (each
+            # replica runs a different number of them): its time goes to the call's report, which the engine
+            # hands to the monitor as one step after the call (MicroBatching). Emulated cards end (and report)
+            # each micro-batch, whose waits need it; on real devices a card's chain ends at its last micro-batch.
+            replica = step.replica_id
+            if self._emulator is None:
+                if sub_step.index != sub_step.last_of.get(replica):
+                    return grads  # a middle micro-batch: no clock
+                batch_size, count = sub_step.chain_sizes[replica], sub_step.counts[replica]
+            else:
+                count = 1
+            record = None if sub_step.record is None else functools.partial(
+                _micro_batch_report, sub_step.record, count=count)
+
         return finish_replica_step(
             grads,
             step.start_stamp,
             replica_id=step.replica_id,
-            batch_size=step.batch_size,
+            batch_size=batch_size,
             emulator=self._emulator,
-            # A micro-batch of an overlapped call is not a step the monitor could pair with the others' (each
-            # replica runs a different number of them): timed and emulated, not reported.
-            record=self._record_step_time if step.sub_step is None else None,
+            record=record,
             # Its next micro-batch's clock starts where this one's stops (replica_wrapping): back to back, as a
             # card runs them, so the emulated waits of a card's micro-batches add up to its micro-batched time.
-            end_stamps=None if step.sub_step is None else step.sub_step.end_stamps.setdefault(step.replica_id, []),
+            end_stamps=None if sub_step is None else sub_step.end_stamps.setdefault(step.replica_id, []),
             sampled=step.sampled_timing,
             keyed=step.shared_start,
             host_device=self._parameter_device,
@@ -466,3 +481,8 @@ class HeteroCentralStorageStrategy(
         from hetero_cs.engine.callbacks import with_balance_callback
 
         return with_backup(self, with_balance_callback(self, callbacks))
+
+
+def _micro_batch_report(record, replica_id: int, examples: int, seconds: float, *, count: int) -> None:
+    """``finish_replica_step``'s report of an overlapped call's micro-batch(es), passed on with their count."""
+    record(replica_id, examples, seconds, count)

@@ -105,6 +105,15 @@ class SubStepTrace:
             replica's next micro-batch's clock starts at the last one (a card runs them back to back).
         applies: Whether this call is the step's last (a step of more than ``SUB_STEPS_PER_CALL`` sub-steps runs
             as several calls; only the last one's last sub-step applies the sums).
+        last_of: Replica id -> the index of its last micro-batch's sub-step in this call (only the replicas with
+            one).
+        counts: Replica id -> how many micro-batches it runs in this call.
+        chain_sizes: Replica id -> int scalar, the examples of all its micro-batches in this call.
+        chain_starts: Replica id -> the clock start of its first micro-batch in this call (real devices, timed:
+            a card's micro-batches are timed as one chain, with no clock between them), shared likewise.
+        record: ``record(replica_id, examples, seconds, count)``, called from a TensorFlow thread as a card's
+            micro-batch (emulated: each one) or chain of micro-batches (real devices: the call's) ends; None when
+            the call is not timed.
     """
 
     index: int
@@ -116,6 +125,11 @@ class SubStepTrace:
     end_stamps: dict = dataclasses.field(default_factory=dict)
 
     applies: bool = True
+    last_of: dict = dataclasses.field(default_factory=dict)
+    counts: dict = dataclasses.field(default_factory=dict)
+    chain_sizes: dict = dataclasses.field(default_factory=dict)
+    chain_starts: dict = dataclasses.field(default_factory=dict)
+    record: Any = None
 
     @property
     def last(self) -> bool:
@@ -186,6 +200,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self.fallbacks = 0
         self._call_cache: dict = {}  # (plan, model) -> its overlapped calls; B -> its int32 tensor
         self._barrier_steps = 0
+        self._micro_times: list = []  # (replica, examples, seconds, micro-batches) reported during an overlapped call
         import weakref
 
         self._warm_functions: weakref.WeakSet = weakref.WeakSet()  # overlapped calls traced and run once
@@ -513,6 +528,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
         optimizer = getattr(model, "optimizer", None)
         iterations = None if optimizer is None else _compat.iteration_counter(optimizer)
         saved = save(model, extra=() if iterations is None else (iterations,))
+        with self._lock:
+            self._micro_times = []
         started = time.perf_counter()
         warm = all(function in self._warm_functions for function, *_ in calls)
         try:
@@ -544,12 +561,35 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self.overlapped_steps += 1
         self.micro_batched_steps += 1
         self.sub_steps += plan.num_sub_steps
+        self._report_micro_batch_times(plan)  # the monitor's step; a card that drifted is planned again
         # Each card's micro-batches fitted: a lowered memory cap may grow back, as after any step that fitted.
         recovery = getattr(self._strategy, "_step_recovery", None)
         for change in self._strategy.balancer.record_step_success(plan.micro_batch_sizes):
             if recovery is not None:
                 recovery._note(change)  # noqa: SLF001 - logged and written back as the recovery's own changes
         return outputs
+
+    def _record_micro_batches(self, replica_id: int, examples: int, seconds: float, count: int) -> None:
+        """Called from TensorFlow threads during an overlapped call: ``count`` micro-batches of ``replica_id`` ran
+        ``examples`` examples in ``seconds`` (see :class:`SubStepTrace`)."""
+        with self._lock:
+            self._micro_times.append((int(replica_id), int(examples), float(seconds), int(count)))
+
+    def _report_micro_batch_times(self, plan: MicroBatchPlan) -> None:
+        """Hands the step's per-card times (kept by :meth:`_record_micro_batches`) to the balancer as one step."""
+        with self._lock:
+            reports, self._micro_times = self._micro_times, []
+        if not reports:
+            return
+        R = self._strategy.balancer.num_replicas
+        sizes, times, counts = [0] * R, [0.0] * R, [0] * R
+        for replica, examples, seconds, count in reports:
+            sizes[replica] += examples
+            times[replica] += seconds
+            counts[replica] += count
+        if sizes != list(plan.per_replica_batch_sizes):  # a report missing (a sampled step): nothing to pair
+            return
+        self._strategy.balancer.record_micro_batched_step(sizes, times, counts)
 
     def _batch_size_tensor(self, global_batch_size: int):
         value = self._call_cache.get(("B", global_batch_size))
@@ -607,10 +647,18 @@ class MicroBatching(DeepcopiedWithNewLocks):
 
         strategy = self._strategy
         K = len(actives)
+        # Each card's micro-batches in this call: which sub-steps it is active in (fixed by the traced shape).
+        active_in = {i: [j for j in range(K) if actives[j] is None or i in actives[j]] for i in range(R)}
+        last_of = {i: js[-1] for i, js in active_in.items() if js}
+        counts = {i: len(js) for i, js in active_in.items() if js}
+        record = self._record_micro_batches if strategy._timing_enabled else None  # noqa: SLF001
 
         def overlapped_call(data, cuts, global_batch_size):
             ends: dict = {}
             stamps: dict = {}
+            chain_starts: dict = {}
+            with tf.device(strategy._parameter_device):  # noqa: SLF001 - host scalars, read by the host's clock
+                chain_sizes = {i: tf.reduce_sum(tf.reshape(cuts, [K, R])[:, i]) for i in last_of}
             start = tf.constant(0, tf.int64)
             outputs = None
             for j in range(K):
@@ -618,7 +666,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
                 rows = _rows(data, start, start + size)
                 start = start + size
                 sub_step = SubStepTrace(j, K, global_batch_size, tf.reshape(cuts[j], [R]), actives[j], ends, stamps,
-                                        applies=applies)
+                                        applies=applies, last_of=last_of, counts=counts, chain_sizes=chain_sizes,
+                                        chain_starts=chain_starts, record=record)
                 with _tracing_sub_step(sub_step):
                     outputs = strategy.run(model.train_step, args=(rows,))
                     outputs = _compat.reduced_step_outputs(outputs, strategy)

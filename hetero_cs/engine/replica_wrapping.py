@@ -97,13 +97,19 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         start, sampled = step_start, step_start is not None and strategy._sampled_timing and timed is not None
         if sub_step is not None and sub_step.end_stamps.get(replica_id):
             start = sub_step.end_stamps[replica_id][-1]  # back to back: where its previous micro-batch stopped
-        # The micro-batches of an overlapped call are not reported to the monitor: on real devices their clock would
-        # only add host callbacks between a card's micro-batches; emulated cards need it for their waits.
-        timed_here = strategy._timing_enabled and (sub_step is None or strategy._emulator is not None)
+        # On real devices the micro-batches of an overlapped call are timed as one chain per card, from its first
+        # micro-batch's start (below) to its last one's end: a clock between them would only add host callbacks
+        # between a card's micro-batches. Emulated cards time each one (their waits need it).
+        chained = sub_step is not None and strategy._emulator is None
+        if chained and replica_id in sub_step.chain_starts:
+            start = sub_step.chain_starts[replica_id]
+        timed_here = strategy._timing_enabled
         if start is None and timed_here and batched is not None:
             from hetero_cs.engine.step_timing import wall_clock_stamp
 
             start = wall_clock_stamp(tensors.dense_part(batched))
+            if chained:
+                sub_step.chain_starts[replica_id] = start
         step = training.ReplicaStep(
             replica_id=replica_id,
             device=strategy._compute_devices[replica_id],

@@ -38,6 +38,7 @@ from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.balancer_alone import AloneCheck
+from hetero_cs.planning.balancer_micro import MicroBatchedSteps
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -47,7 +48,7 @@ from hetero_cs.planning.solver import _checked_caps, plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck):
+class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -116,6 +117,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         self._served = 0  # global batches served: steady-state timing picks every N-th
         self._init_probes()
         self._init_alone_check()
+        self._init_micro_batched_steps()
         self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0

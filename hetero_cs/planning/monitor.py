@@ -191,6 +191,48 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                         while len(self._step_of_key) > self._window_steps:
                             self._step_of_key.popitem(last=False)
 
+    def record_micro_batched_step(self, batch_sizes: Sequence[int], step_times_s: Sequence[float],
+                                  micro_batches: Sequence[int]) -> None:
+        """Records a whole micro-batched step at once: replica i ran ``b_i`` examples as ``k_i`` micro-batches, one
+        after another, in ``t_i`` seconds in all.
+
+        The step's figures (makespan, straggler wait) are those of the whole step; its speed estimates use each
+        replica's mean micro-batch, ``b_i / k_i`` examples in ``t_i / k_i`` seconds, one step of the replica's cost
+        model (a micro-batch pays the per-step fixed cost again).
+
+        Args:
+            batch_sizes: b_i >= 0 per replica, shape [R].
+            step_times_s: t_i >= 0 per replica, seconds, shape [R] (0 for a replica with no micro-batch).
+            micro_batches: k_i >= 1 for b_i > 0 (0 or 1 where b_i = 0), shape [R].
+
+        Raises:
+            ConfigError: If a sequence's length is not R, or a value is out of range.
+        """
+        R = self._num_replicas
+        try:
+            sizes, times, counts = (list(batch_sizes), [float(t) for t in step_times_s], list(micro_batches))
+        except (TypeError, ValueError):
+            sizes = times = counts = None
+        if (
+            sizes is None or not len(sizes) == len(times) == len(counts) == R
+            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in sizes + counts)
+            or any(b > 0 and k < 1 for b, k in zip(sizes, counts))
+            or not all(math.isfinite(t) and t >= 0 for t in times)
+        ):
+            raise ConfigError(
+                f"A micro-batched step needs, per replica (R={R}), its examples b_i >= 0, its time t_i >= 0 in "
+                f"seconds and its micro-batch count k_i >= 1 where b_i > 0. Received: batch_sizes={batch_sizes!r}, "
+                f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}."
+            )
+        key = object()  # this step's own key: its reports pair with nothing else
+        with self._lock:
+            done = None
+            for i in range(R):
+                done = self._pairing.add(i, int(sizes[i]), times[i], True, key) or done
+            self._completed_steps += 1
+            self._window.append(StepSample.from_times(
+                done.index, done.batch_sizes, done.step_times_s, micro_batches=[max(1, int(k)) for k in counts]))
+
     def record_step_end(self, step_key: Hashable, step_time_s: float) -> None:
         """Records when the host's work on a step ended: its gradient sum and optimizer update.
 
@@ -244,12 +286,19 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             self._reset_locked()
 
     def _window_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Batch sizes and times of the window, each of shape [S, R] (S = samples in the window)."""
+        """Batch sizes and times of the window, each of shape [S, R] (S = samples in the window), per step of the
+        replicas' cost models: a micro-batched step counts with each replica's mean micro-batch (b/k, t/k)."""
         with self._lock:
             samples = tuple(self._window)
         sizes = np.array([s.per_replica_batch_sizes for s in samples], dtype=np.float64)
         times_s = np.array([s.per_replica_step_times_s for s in samples], dtype=np.float64)
-        return sizes.reshape(len(samples), self._num_replicas), times_s.reshape(len(samples), self._num_replicas)
+        counts = np.array([s.per_replica_micro_batches or (1,) * self._num_replicas for s in samples],
+                          dtype=np.float64)
+        shape = (len(samples), self._num_replicas)
+        sizes, times_s, counts = sizes.reshape(shape), times_s.reshape(shape), counts.reshape(shape)
+        # A mean micro-batch of b/k examples is not an integer in general; the models are evaluated at its
+        # rounded size (micro-batches of near-equal sizes differ by one example at most).
+        return np.rint(sizes / counts), times_s / counts
 
     def per_replica_throughput_examples_per_s(self) -> np.ndarray:
         """Each replica's median of b_i / t_i over the window's steps where it had b_i > 0 and t_i > 0.

@@ -200,6 +200,8 @@ class StepSample:
         host_tail_s: Seconds from the last replica's gradients reaching the parameter device to the end of the
             host's work on the step (the gradient sum and the optimizer update), >= 0; 0.0 until the engine
             reports the step's end (:meth:`StepTimeMonitor.record_step_end`), and for steps it cannot pair.
+        per_replica_micro_batches: k_i, how many micro-batches replica i ran its b_i examples in, one after
+            another (t_i is their total), shape [R]; None when every replica ran one step (the usual case).
 
     Example: times [0.10, 0.20, 0.30] s give makespan 0.30 s, straggler 2, waits [0.20, 0.10, 0] s,
     straggler_wait_s 0.10 s, total_idle_s 0.30 s, balance_efficiency 0.2 / 0.3 = 0.667.
@@ -214,6 +216,7 @@ class StepSample:
     total_idle_s: float
     balance_efficiency: float
     host_tail_s: float = 0.0
+    per_replica_micro_batches: tuple[int, ...] | None = None
 
     @property
     def replica_makespan_s(self) -> float:
@@ -226,7 +229,8 @@ class StepSample:
         return dataclasses.replace(self, host_tail_s=tail_s, makespan_s=self.replica_makespan_s + tail_s)
 
     @classmethod
-    def from_times(cls, step: int, batch_sizes: Sequence[int], step_times_s: Sequence[float]) -> StepSample:
+    def from_times(cls, step: int, batch_sizes: Sequence[int], step_times_s: Sequence[float],
+                   micro_batches: Sequence[int] | None = None) -> StepSample:
         """Builds a sample, computing the straggler statistics from the per-replica times (shape [R])."""
         times = np.asarray(step_times_s, dtype=np.float64)
         makespan_s = float(times.max())
@@ -245,4 +249,5 @@ class StepSample:
             straggler_wait_s=float(waits_s.mean()),
             total_idle_s=float(waits_s.sum()),
             balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
+            per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches),
         )

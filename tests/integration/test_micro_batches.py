@@ -21,6 +21,7 @@ from hetero_cs import (
     StepOOMError,
 )
 from hetero_cs.emulation import Drift, Emulator, Workload
+from hetero_cs.planning.cost_model import idle_free
 
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 ACTIVATION_BYTES = 10_000
@@ -76,8 +77,9 @@ def trained_like_one_device(global_batch_size, examples, *, epochs=1, drift=(), 
     reference = classifier()
     reference_history = reference.fit(x, y, sample_weight=w, batch_size=global_batch_size, epochs=epochs,
                                       shuffle=False, verbose=0)
+    strategy_options.setdefault("rebalance", False)
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(drift, caps), profile_cache=False,
-                                            rebalance=False, **strategy_options)
+                                            **strategy_options)
     with strategy.scope():
         model = classifier()
     history = model.fit(x, y, sample_weight=w, batch_size=global_batch_size, epochs=epochs, shuffle=False, verbose=0)
@@ -113,6 +115,51 @@ def test_a_card_that_cannot_hold_one_example_sits_idle_and_the_others_train_exac
     assert strategy.plan.per_replica_batch_sizes[2] == 0
     micro = trained_like_one_device(200, 300, caps=(16, 64, 0)).micro_batching
     assert micro.micro_batched_steps == 2 and micro.plan_for(200).per_replica_batch_sizes[2] == 0
+
+
+def test_a_card_that_slows_down_under_micro_batches_is_measured_and_planned_again():
+    # The A10 (6 micro-batches a step at B = 128) runs 4x slower from its 30th micro-batch on. Its overlapped steps
+    # report each card's time to the monitor as one step, and the re-balance policy moves examples off it.
+    B = 128
+    strategy = trained_like_one_device(B, 40 * B, drift=[Drift(replica_id=0, factor=4.0, from_step=30)],
+                                       rebalance=True, guard=False)
+    micro, balancer, calibration = strategy.micro_batching, strategy.balancer, strategy.calibration
+    assert micro.overlapped_steps >= 10 and micro.fallbacks == 0 and balancer.micro_batched_replans >= 1
+    # Measured from the micro-batched steps: the A10 about 4x slower than calibrated, the others as calibrated.
+    factors = [now.predict_step_time_s(8) / then.predict_step_time_s(8)
+               for now, then in zip(balancer.cost_models, calibration.cost_models)]
+    assert factors[0] > 3.0 and all(0.8 < f < 1.25 for f in factors[1:])
+    calibrated = micro.plan_for(B, cost_models=idle_free(list(calibration.cost_models)),
+                                max_batch_sizes=list(calibration.max_batch_sizes))
+    assert calibrated.per_replica_batch_sizes[0] > CAPS[0]  # micro-batched on the A10, as planned at first
+    assert micro.plan_for(B).per_replica_batch_sizes[0] <= CAPS[0]  # now: at most one micro-batch's worth
+
+
+def test_on_devices_that_are_not_emulated_each_cards_micro_batches_are_timed_as_one_chain():
+    # Plain logical CPUs (no emulated waits), with models and caps set by hand: replica 0 is said to be 4x faster
+    # and to hold 16 examples, so B = 128 runs it micro-batched in overlapped calls. Its micro-batches are timed
+    # from the first one's start to the last one's end, without a clock between them, and reach the monitor as one
+    # step with their count.
+    from hetero_cs.planning.cost_model import LinearCostModel
+
+    x, y, w = labelled(128 * 6)
+    reference = classifier()
+    reference.fit(x[:128], y[:128], sample_weight=w[:128], batch_size=128, epochs=1, shuffle=False, verbose=0)
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=128, epochs=1, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, profile_cache=False, rebalance=True, guard=False)
+    with strategy.scope():
+        model = classifier()
+    model.fit(x[:128], y[:128], sample_weight=w[:128], batch_size=128, epochs=1, shuffle=False, verbose=0)
+    # Calibrated by that fit (CPUs alike, no caps); now the models and caps of an A10 beside two slower cards.
+    strategy.set_cost_models([LinearCostModel(2e-4, 1e-5), LinearCostModel(2e-4, 4e-5),
+                              LinearCostModel(2e-4, 4e-5)], max_batch_sizes=[16, 64, 64])
+    history = model.fit(x, y, sample_weight=w, batch_size=128, epochs=1, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+    assert strategy.micro_batching.overlapped_steps >= 4
+    chained = [s for s in strategy.monitor.window() if s.per_replica_micro_batches is not None]
+    assert chained and all(s.per_replica_micro_batches[0] >= 2 and min(s.per_replica_step_times_s) > 0
+                           for s in chained)
+    assert all(sum(s.per_replica_batch_sizes) == 128 for s in chained)
 
 
 def test_no_card_that_can_hold_one_example_is_a_clear_error():

@@ -1,0 +1,100 @@
+"""The Balancer's watch over micro-batched steps: their times reach the monitor, and drift re-plans them (pure).
+
+Part of :class:`hetero_cs.planning.balancer.Balancer` (a base class of it, in its own module for size). A global
+batch that the memory caps cannot hold in one step (or that runs faster as micro-batches) is run by the engine as
+one traced call in which each card runs its micro-batches back to back (:mod:`hetero_cs.engine.micro_batches`).
+Such a step is not cut through :meth:`~hetero_cs.planning.balancer.Balancer.serve`, so without this module its
+times would reach nobody: a card that slowed down would keep its share for the rest of the run.
+
+After each such step the engine reports every card's examples, time and micro-batch count
+(:meth:`MicroBatchedSteps.record_micro_batched_step`). The monitor takes it as one step (its makespan is the
+step's), and estimates each card's speed from its mean micro-batch, one step of the card's cost model. Every
+``look interval`` steps the re-balance policy (deadband, noise margin, cooldown; :mod:`hetero_cs.planning.rebalance`)
+compares the split in use with the split solved under the monitor's models, both priced as micro-batches
+(:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel` within each card's cap). When it would re-plan, the
+balancer adopts the monitor's models; the engine's micro-batch plans, solved from the balancer's models, follow at
+the next step. There is no guard trial here: the micro-batched split is not served through the guard's pattern,
+and the policy's noise margin stands in for it.
+
+This module imports neither TensorFlow nor pynvml.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hetero_cs.planning.cost_model import MicroBatchedCostModel, OutOfMemoryCostModel
+from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.rebalance import Rebalancer
+
+logger = logging.getLogger("hetero_cs.planning.balancer")
+
+
+class MicroBatchedSteps:
+    """Methods of :class:`~hetero_cs.planning.balancer.Balancer` (which holds the state they use, under its lock)."""
+
+    def _init_micro_batched_steps(self) -> None:
+        self._micro_rebalancer: Rebalancer | None = None
+        self._micro_rebalancer_caps: tuple | None = None
+        self._micro_last_look_step = -(10**9)
+        self._micro_replans = 0
+
+    @property
+    def micro_batched_replans(self) -> int:
+        """How many times the models behind micro-batched steps were replaced from measured step times."""
+        return self._micro_replans
+
+    def record_micro_batched_step(self, batch_sizes: Sequence[int], step_times_s: Sequence[float],
+                                  micro_batches: Sequence[int]) -> bool:
+        """Records a micro-batched step (replica i: ``b_i`` examples in ``k_i`` micro-batches, ``t_i`` seconds in
+        all) and re-plans from the monitor when the re-balance policy says so (see the module docstring).
+
+        Returns:
+            True when the cost models were replaced (the engine's micro-batch plans are solved again from them).
+
+        Raises:
+            ConfigError: As :meth:`StepTimeMonitor.record_micro_batched_step`.
+        """
+        with self._lock:
+            self._monitor.record_micro_batched_step(batch_sizes, step_times_s, micro_batches)
+            if not self.rebalance_enabled or self._shares is not None or self._cost_models is None:
+                return False
+            completed = self._monitor.completed_steps
+            if completed - self._micro_last_look_step < self._look_interval_steps():
+                return False
+            self._micro_last_look_step = completed
+            caps = list(self._max_batch_sizes or [None] * self._num_replicas)
+            key = tuple(cap == 0 for cap in caps)
+            if self._micro_rebalancer is None or self._micro_rebalancer_caps != key:
+                # Micro-batched slices are not capped (each micro-batch is); a card with a cap of 0 stays out.
+                self._micro_rebalancer = Rebalancer(
+                    self._rebalance_policy, max_batch_sizes=[0 if out else None for out in key])
+                self._micro_rebalancer_caps = key
+
+            def micro_batched(models):
+                return [OutOfMemoryCostModel() if cap == 0 else model if cap is None
+                        else MicroBatchedCostModel(model, cap) for model, cap in zip(models, caps)]
+
+            B = int(sum(int(b) for b in batch_sizes))
+            current = BatchPlan(tuple(int(b) for b in batch_sizes), B)
+            measured = self._monitor.updated_cost_models(self._calibrated_models)
+            proposal = self._micro_rebalancer.propose(
+                completed, current, micro_batched(measured), num_samples=self._monitor.num_samples,
+                relative_standard_errors=self._monitor.relative_standard_errors(measured))
+            if proposal is None:
+                return False
+            logger.info(
+                "hetero_cs: micro-batched steps measured the cards' speeds off their models: their micro-batches "
+                "are planned again from the measured times (%s -> %s examples per replica predicted).",
+                list(current.per_replica_batch_sizes), list(proposal.per_replica_batch_sizes))
+            self._cost_models = measured
+            self._micro_replans += 1
+            self._guard.abandon()
+            self._models_before_replan = None
+            self._plans_by_batch.clear()
+            self._in_force_by_size.clear()
+            reference = self._reference_batch_size
+            if reference is not None:
+                self._commit(self._solve(reference))
+            return True
