@@ -45,6 +45,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
         fingerprint = model_fingerprint(model)
         if strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
             return strategy._calibration  # calibrated already: no batch is read
+        if _kept_user_models(strategy):
+            return strategy._calibration
     batch = first_global_batch(strategy, data)
     batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
     if not batched:
@@ -73,6 +75,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
         return None
     fingerprint = model_fingerprint(model)
     if not force and strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
+        return strategy._calibration
+    if not force and _kept_user_models(strategy):
         return strategy._calibration
     if strategy._profile is not None:  # a profile file stands in for calibration
         return _use(strategy, strategy._profile, fingerprint, global_batch_size, "from the profile file")
@@ -105,8 +109,20 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
     return _use(strategy, result, fingerprint, global_batch_size, "")
 
 
+def _kept_user_models(strategy) -> bool:
+    """True (logged once) when cost models set with ``set_cost_models`` stand in for calibration."""
+    if not getattr(strategy, "_models_set_by_user", False) or strategy._balancer.cost_models is None:
+        return False
+    if not getattr(strategy, "_user_models_logged", False):
+        strategy._user_models_logged = True
+        logger.info("hetero_cs: the cost models set with set_cost_models are kept; no calibration runs "
+                    "(strategy.calibrate(model, data, force=True) measures the devices and replaces them).")
+    return True
+
+
 def _use(strategy, result, fingerprint: str, global_batch_size: int, source: str):
     """Hands a calibration result's cost models and caps to the balancer (the plan is tried by the guard)."""
+    strategy._models_set_by_user = False  # measured models replace any set by hand
     strategy._calibration = result
     strategy._calibrated_fingerprint = fingerprint
     logger.info("hetero_cs calibration%s:\n%s", f" {source}" if source else "", result.format_table())

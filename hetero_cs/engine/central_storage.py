@@ -211,6 +211,7 @@ class HeteroCentralStorageStrategy(
         self._first_batches = _compat.FirstBatchReader()  # calibration's read-ahead, rewound for training
         self._calibration = None
         self._calibrated_fingerprint: str | None = None
+        self._models_set_by_user = False  # set_cost_models: calibration keeps those models unless forced
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
@@ -248,6 +249,9 @@ class HeteroCentralStorageStrategy(
     ) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan, at once (no guard trial).
 
+        Models set here are kept: ``model.fit`` then does not calibrate over them (``calibrate(..., force=True)``
+        measures the devices and replaces them). The re-planner still corrects them from measured step times.
+
         Args:
             cost_models: One per replica, in replica-id order.
             max_batch_sizes: Per-replica caps in examples (None entries: uncapped).
@@ -256,6 +260,7 @@ class HeteroCentralStorageStrategy(
             ConfigError: Wrong number of cost models or caps.
         """
         self._balancer.set_cost_models(cost_models, max_batch_sizes=max_batch_sizes)
+        self._models_set_by_user = True  # fit's calibration keeps them (hetero_cs.engine.calibrating)
 
     def set_batch_split(self, shares: Sequence[float] | None) -> None:
         """Fixes the relative shares per replica from now on (None: back to auto_balance / even split).
@@ -461,7 +466,8 @@ class HeteroCentralStorageStrategy(
             data: A ``tf.data.Dataset`` of global batches (its first element is used; the next iteration over
                 this dataset object still starts with it, in its own shuffle order), or one global batch
                 ``(x, y)`` / ``(x, y, sample_weight)``.
-            force: Calibrate even if this model was already calibrated (the profile cache is still used).
+            force: Calibrate even if this model was already calibrated, or cost models were set with
+                :meth:`set_cost_models` (the profile cache is still used).
             progress: Show Keras' progress bar while calibrating.
 
         Returns:
