@@ -45,7 +45,7 @@ def data(wide=False):
     return x, y
 
 
-def build(keras, wide=False):
+def build(keras, wide=False, accumulate=None):
     rng = np.random.RandomState(0)
     if wide:
         layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
@@ -58,7 +58,8 @@ def build(keras, wide=False):
     model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
     model.compile(
         # global_clipnorm: clipping must apply to the summed gradient of all replicas, as on one device.
-        optimizer=keras.optimizers.Adam(learning_rate=0.05, global_clipnorm=0.5),
+        optimizer=keras.optimizers.Adam(learning_rate=0.05, global_clipnorm=0.5,
+                                        gradient_accumulation_steps=accumulate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     parser.add_argument("--record-received", action="store_true",
                         help="write received_worker<i>.json: [replica id, leading dimension] of every batch argument "
                              "tf.distribute hands each replica function (before anything of hetero_cs runs in it)")
+    parser.add_argument("--accumulate", type=int, default=None,
+                        help="Keras' gradient_accumulation_steps of the optimizer (the reference's too)")
     parser.add_argument("--mismatched-evaluate", action="store_true",
                         help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
     args = parser.parse_args(argv)
@@ -177,10 +180,10 @@ def main(argv=None) -> int:
         # folder (the mirrored weights are the same on every worker, so each backup is whole).
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
-        model = build(keras, args.wide)
+        model = build(keras, args.wide, args.accumulate)
     else:
         with strategy.scope():
-            model = build(keras, args.wide)
+            model = build(keras, args.wide, args.accumulate)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     try:

@@ -175,6 +175,19 @@ def test_a_worker_reading_other_batch_sizes_fails_or_trains_on_but_never_hangs(t
         assert "InputError: The workers do not read the same data" in output, output[-4000:]
 
 
+def test_keras_gradient_accumulation_is_refused_with_the_ways_that_work(tmp_path):
+    # Keras applies accumulated gradients inside a tf.cond that all-reduces (a merge call): tf.distribute fails to
+    # trace it with "merge_call called while defining a new graph". Refused on every worker, naming what works.
+    command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--", sys.executable, str(JOB),
+               str(tmp_path), "--split", "3,1", "--accumulate", "2"]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("ConfigError: gradient_accumulation_steps=2 is not supported under "
+                        "HeteroMultiWorkerMirroredStrategy") == 2, output[-4000:]
+    assert "HeteroCentralStorageStrategy on one machine, which supports it exactly" in output
+
+
 @pytest.mark.slow
 def test_a_drifting_worker_is_rebalanced_by_the_chief_and_every_worker_adopts_it(tmp_path):
     # The A10 worker's emulated device turns 4x slower at its step 40 (drift in an Emulator every worker builds

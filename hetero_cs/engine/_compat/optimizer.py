@@ -198,6 +198,18 @@ def _patch_optimizer() -> None:
         # replica's unreduced gradient. Under our strategy the step takes Keras' plain path (clipping and weight decay
         # are deferred to the host anyway), and the host update sums and applies every n-th step
         # (_accumulating_update): Keras' own rule, on the exact summed gradient.
+        if getattr(self, "gradient_accumulation_steps", None) and current_multi_worker_strategy() is not None:
+            # Keras applies an accumulated step inside a cond whose branch all-reduces the gradients (a merge call),
+            # which MultiWorkerMirroredStrategy cannot trace: TensorFlow's RuntimeError says only "merge_call called
+            # while defining a new graph". Refused up front, with the ways that work.
+            from hetero_cs.errors import ConfigError
+
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported under "
+                "HeteroMultiWorkerMirroredStrategy: Keras applies the accumulated gradients inside a tf.cond that "
+                "would all-reduce across workers, which tf.distribute cannot trace. Train with a global batch "
+                "gradient_accumulation_steps times larger instead (the same update, up to the optimizer's step "
+                "count), or use HeteroCentralStorageStrategy on one machine, which supports it exactly.")
         if (getattr(self, "gradient_accumulation_steps", None) and current_hetero_strategy() is not None
                 and tf.distribute.get_replica_context() is not None):
             grads = self._clip_gradients(grads)
