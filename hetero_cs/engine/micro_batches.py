@@ -55,6 +55,7 @@ import tensorflow as tf
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.engine import _compat
 from hetero_cs.engine.input_slicing import is_unbatched_marker
+from hetero_cs.engine.micro_batch_trials import OverlapTrials
 from hetero_cs.engine.model_state import restore, saved_state
 from hetero_cs.errors import ConfigError, DeviceFaultError, InfeasiblePlanError, MicroBatchError, StepOOMError
 from hetero_cs.planning.choice import choose_plan
@@ -201,6 +202,9 @@ class MicroBatching(DeepcopiedWithNewLocks):
         self._call_cache: dict = {}  # (plan, model) -> its overlapped calls; B -> its int32 tensor
         self._barrier_steps = 0
         self._micro_times: list = []  # (replica, examples, seconds, micro-batches) reported during an overlapped call
+        self._barrier_of: dict = {}  # id(overlapped plan) -> (it, the plan it replaced)
+        self._trials = OverlapTrials()
+        self.last_run_as_planned = True  # whether the last step ran as its plan said (no fallback, no refusal)
         import weakref
 
         self._warm_functions: weakref.WeakSet = weakref.WeakSet()  # overlapped calls traced and run once
@@ -212,6 +216,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
         memo[id(self._overlapped_functions)] = collections.OrderedDict()
         memo[id(self._warm_functions)] = weakref.WeakSet()
         memo[id(self._call_cache)] = {}
+        memo[id(self._barrier_of)] = {}
+        memo[id(self._trials)] = OverlapTrials()
         return super().__deepcopy__(memo)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -258,15 +264,42 @@ class MicroBatching(DeepcopiedWithNewLocks):
             overlapped = self._overlapped_plan(int(global_batch_size), models, caps, plan) if overlapped else None
         except InfeasiblePlanError as exc:
             raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
-        if overlapped is not None:
-            plan = overlapped
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
+                self._barrier_of.clear()
+            if overlapped is not None:  # what it replaces, for the guard's side-by-side trial (plan_to_run)
+                self._barrier_of[id(overlapped)] = (overlapped, plan)
+                plan = overlapped
             self._plans[key] = (models, plan)  # the models stay referenced: their ids in the key stay theirs
             if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
                 self._in_use[int(global_batch_size)] = plan.num_sub_steps
         return plan
+
+    def plan_to_run(self, global_batch_size: int, *, overlapped: bool = True) -> MicroBatchPlan:
+        """The plan ``model.fit``'s next step of this size runs: :meth:`plan_for`'s, except while the guard tries
+        an overlapped plan against the plan it replaces, side by side, or after it reverted one
+        (:mod:`hetero_cs.engine.micro_batch_trials`). Report the step with :meth:`observe_run`."""
+        plan = self.plan_for(global_batch_size, overlapped=overlapped)
+        balancer = self._strategy.balancer
+        if not plan.overlapped or not balancer.guard_enabled:
+            return plan
+        with self._lock:
+            entry = self._barrier_of.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            return plan
+        models, caps = balancer._cost_models, balancer.max_batch_sizes  # noqa: SLF001 - those plan_for used
+        key = (int(global_batch_size), tuple(id(m) for m in models or ()), None if caps is None else tuple(caps))
+        return self._trials.choose(key, plan, entry[1], balancer.guard.policy, pin=models)
+
+    def observe_run(self, plan: MicroBatchPlan, seconds: float) -> None:
+        """A step that :meth:`plan_to_run` served took ``seconds`` of wall clock (host work included)."""
+        self._trials.observe(plan, seconds, as_planned=self.last_run_as_planned)
+
+    @property
+    def trial_decisions(self) -> list:
+        """The guard's decisions on overlapped plans tried side by side, oldest first (GuardDecision)."""
+        return list(self._trials.decisions)
 
     def _overlapped_plan(self, global_batch_size: int, models, caps, barrier_plan: MicroBatchPlan):
         """The overlapped plan for this batch when it is predicted faster than ``barrier_plan`` (the sub-steps with a
@@ -434,6 +467,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
             MicroBatchError: The model cannot be micro-batched exactly (see the module docstring) and one step
                 cannot hold the batch.
         """
+        self.last_run_as_planned = True  # until a refusal or a fallback says otherwise
         refusal = self._refusal()
         if refusal is not None:
             return self._one_step_instead(step, data, plan, refusal)
@@ -540,6 +574,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
             self._zero()
             restore(saved)
             self.fallbacks += 1
+            self.last_run_as_planned = False
             logger.info("hetero_cs: the overlapped micro-batched step failed (%s: %s); running this batch of %d "
                         "examples as sub-steps with a barrier each.", type(exc).__name__,
                         str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "", B)
@@ -732,6 +767,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         return "; ".join(self._why(f) for f in sorted(found)) or None
 
     def _one_step_instead(self, step, data, plan: MicroBatchPlan, refusal: str):
+        self.last_run_as_planned = False
         caps = self._strategy.balancer.max_batch_sizes
         capacity = capacity_of(caps)
         if capacity is not None and plan.global_batch_size > capacity:

@@ -192,6 +192,7 @@ class PlanGuard:
 
     Args:
         policy: The trial's pattern, decision thresholds and back-off; None for the defaults.
+        quiet: Log nothing (an owner that logs its trials in its own words).
 
     Examples:
         >>> from hetero_cs.planning.plan import BatchPlan
@@ -206,11 +207,12 @@ class PlanGuard:
         ('kept', 3, 0.7)
     """
 
-    def __init__(self, policy: GuardPolicy | None = None):
+    def __init__(self, policy: GuardPolicy | None = None, *, quiet: bool = False):
         policy = GuardPolicy() if policy is None else policy
         if not isinstance(policy, GuardPolicy):
             raise ConfigError(f"policy must be a GuardPolicy. Received: policy={policy!r}.")
         self._policy = policy
+        self._quiet = bool(quiet)
         self._incumbent: BatchPlan | None = None
         self._candidate: BatchPlan | None = None
         self._served = 0
@@ -303,7 +305,7 @@ class PlanGuard:
         self._pending_candidate_s = None
         self._candidate_warm = False  # its first measured step is a warm-up, not a sample
         self._ratios = []
-        logger.info(
+        (logger.debug if self._quiet else logger.info)(
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
             "significant)", list(candidate.per_replica_batch_sizes),
             " (the fastest card alone)" if against_alone else "", list(incumbent.per_replica_batch_sizes), step,
@@ -419,7 +421,7 @@ class PlanGuard:
             after = ""
         else:
             after = f"; no new trial before step {self._blocked_until_step}"
-        logger.info(
+        (logger.debug if self._quiet else logger.info)(
             "guard: %s %s%s (vs %s): candidate/incumbent makespan %.3f over %d pairs%s - %s%s",
             decision.outcome, list(decision.candidate_per_replica_batch_sizes),
             " (the fastest card alone)" if decision.against_alone else "",

@@ -161,6 +161,33 @@ def test_on_devices_that_are_not_emulated_each_cards_micro_batches_are_timed_as_
     assert all(sum(s.per_replica_batch_sizes) == 128 for s in chained)
 
 
+def test_the_guard_keeps_a_micro_batched_plan_only_if_it_measured_faster_than_the_one_step_it_replaces():
+    # Calibrated: the A10's micro-batches back to back beat one step within the caps, measured side by side.
+    strategy = trained_like_one_device(128, 30 * 128)
+    (decision,) = strategy.micro_batching.trial_decisions
+    assert decision.kept and decision.median_ratio < 0.95
+    # Models set by hand that misjudge the A10 (no fixed cost per step, 100x faster than it is): the planner puts
+    # 126 examples on it in 8 micro-batches, predicted 155x faster than one step. The emulated A10 pays its fixed
+    # cost per micro-batch: the trial measures that plan slower and reverts to the one step within the caps.
+    from hetero_cs.planning.cost_model import LinearCostModel
+
+    x, y, w = labelled(128 * 30)
+    reference = classifier()
+    reference_history = reference.fit(x, y, sample_weight=w, batch_size=128, epochs=1, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    strategy.set_cost_models([LinearCostModel(0.0, 1e-6), LinearCostModel(0.0, 1e-4), LinearCostModel(0.0, 1e-4)],
+                             max_batch_sizes=list(CAPS))
+    with strategy.scope():
+        model = classifier()
+    history = model.fit(x, y, sample_weight=w, batch_size=128, epochs=1, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)  # every step of either plan is exact
+    micro = strategy.micro_batching
+    (decision,) = micro.trial_decisions
+    assert not decision.kept and decision.median_ratio > 1.5
+    assert decision.candidate_per_replica_batch_sizes[0] > CAPS[0]
+    assert micro.overlapped_steps <= (decision.step * 2) // 3 + 1  # none after the revert
+
+
 def test_no_card_that_can_hold_one_example_is_a_clear_error():
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(caps=(0, 0, 0)), profile_cache=False)
     with strategy.scope():
@@ -429,8 +456,9 @@ def test_a_card_losing_memory_mid_step_is_recovered_inside_the_micro_batched_ste
     # that runs out of memory is retried within a lower cap and later sub-steps are cut finer; later batches are
     # planned within it. The whole training still equals one device's.
     drift = [Drift(replica_id=replica_id, from_step=4, memory_bytes=memory_for(holds))]
+    # guard=False: every step runs the micro-batched plan (no side-by-side trial of it against the capped one).
     strategy = trained_like_one_device(global_batch_size, batches * global_batch_size, drift=drift,
-                                       oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000))
+                                       oom_recovery=MemoryRecoveryPolicy(grow_after_steps=1000), guard=False)
     assert strategy._step_recovery.recoveries >= 1  # noqa: SLF001
     assert strategy.balancer.max_batch_sizes[replica_id] <= holds
     if overlapped:  # the A10's micro-batches ran back to back until one of them ran out of memory

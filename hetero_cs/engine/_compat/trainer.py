@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -154,6 +155,7 @@ def _patch_make_train_function() -> None:
             in_hand = self.steps_per_execution == 1 and isinstance(iterator, tf.distribute.DistributedIterator)
             recovering = recovery is not None and in_hand and recovery.armed()
             micro_batching = in_hand and micro.may_apply()
+            single = None  # the one-step plan a micro-batching step was served, to time it for a guard trial
             if not (recovering or micro_batching):
                 return step(iterator)
             try:
@@ -171,12 +173,21 @@ def _patch_make_train_function() -> None:
             if micro_batching:
                 from hetero_cs.engine.oom_recovery import global_batch_size_of
 
-                plan = micro.plan_for(global_batch_size_of(data), overlapped=not self.run_eagerly)
+                # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
+                plan = micro.plan_to_run(global_batch_size_of(data), overlapped=not self.run_eagerly)
+                started = time.perf_counter()
                 if plan.num_sub_steps > 1:
                     micro.arm()  # the next call traces the step again, reading the sub-step state
-                    return micro.run(self, one_step, data, plan)
+                    outputs = micro.run(self, one_step, data, plan)
+                    micro.observe_run(plan, time.perf_counter() - started)
+                    return outputs
+                single = plan
             try:
-                return one_step(data)
+                outputs = one_step(data)
+                if single is not None:
+                    micro.last_run_as_planned = True
+                    micro.observe_run(single, time.perf_counter() - started)
+                return outputs
             except DeviceFaultError:
                 # A card was set aside and the others cannot hold the batch in one step: sub-steps, where allowed.
                 if not micro_batching:
