@@ -581,8 +581,8 @@ class MicroBatching(DeepcopiedWithNewLocks):
             barrier = plan_micro_batches(
                 B, self.plan_for_sub_step, capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
                 sub_step_overhead_s=self.sub_step_overhead_s())
-            if barrier.num_sub_steps == 1:
-                return step(data)
+            # Even one sub-step runs through the sub-step loop: one that runs out of memory again, beyond what the
+            # lowered caps hold, is cut finer there instead of failing the step.
             return self._run_sub_steps(model, step, data, barrier)
         except BaseException:
             self._zero()

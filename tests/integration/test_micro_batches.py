@@ -188,6 +188,15 @@ def test_the_guard_keeps_a_micro_batched_plan_only_if_it_measured_faster_than_th
     assert micro.overlapped_steps <= (decision.step * 2) // 3 + 1  # none after the revert
 
 
+def test_a_card_that_loses_memory_until_the_caps_cannot_hold_the_batch_goes_on_in_sub_steps():
+    # B = 64 fits the A10 and the T4 (16 + 64; the P100 holds nothing) in one step, until the T4 holds 20: its cap
+    # falls to about 32 and the caps hold 48. The failed step changed nothing; it and the rest run as sub-steps.
+    drift = [Drift(replica_id=1, from_step=2, memory_bytes=memory_for(20))]
+    strategy = trained_like_one_device(64, 6 * 64, caps=(16, 64, 0), drift=drift)
+    assert sum(cap or 0 for cap in strategy.balancer.max_batch_sizes) < 64
+    assert strategy.micro_batching.micro_batched_steps >= 1
+
+
 def test_no_card_that_can_hold_one_example_is_a_clear_error():
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(caps=(0, 0, 0)), profile_cache=False)
     with strategy.scope():

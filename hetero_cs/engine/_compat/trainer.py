@@ -188,15 +188,20 @@ def _patch_make_train_function() -> None:
                     micro.last_run_as_planned = True
                     micro.observe_run(single, time.perf_counter() - started)
                 return outputs
-            except DeviceFaultError:
-                # A card was set aside and the others cannot hold the batch in one step: sub-steps, where allowed.
+            except (DeviceFaultError, StepOOMError) as exc:
+                # A card was set aside, or lost memory, and the cards cannot hold the batch in one step any more:
+                # sub-steps, where allowed (the failed step changed nothing).
                 if not micro_batching:
                     raise
                 from hetero_cs.engine.oom_recovery import global_batch_size_of
 
                 plan = micro.plan_for(global_batch_size_of(data), overlapped=not self.run_eagerly)
-                if plan.num_sub_steps == 1 or recovery is None or not recovery.failover.exclusions:
+                if plan.num_sub_steps == 1 or recovery is None or (
+                        isinstance(exc, DeviceFaultError) and not recovery.failover.exclusions):
                     raise
+                logger.info("hetero_cs: the memory caps %s no longer hold a global batch of %d examples in one "
+                            "step; it runs as %d sub-steps.", self._distribute_strategy.balancer.max_batch_sizes,
+                            plan.global_batch_size, plan.num_sub_steps)
                 micro.arm()
                 return micro.run(self, one_step, data, plan)
 
