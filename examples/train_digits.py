@@ -236,12 +236,20 @@ def compile_model(model) -> None:
 
 def guard_outcome(strategy, *, against_alone: bool = False) -> str:
     """'kept' or 'reverted' (the guard's last decision on a proposed plan, or with ``against_alone`` its last check
-    of the plan against the fastest card alone), 'trying' mid-trial, 'none' when it never decided."""
+    of the plan against the fastest card alone), 'trying' mid-trial, 'none' when it never decided; for the check,
+    'replanned' when the card alone was kept but a later re-plan brought other cards back."""
     guard = strategy.balancer.guard
     if guard.in_trial and guard.against_alone == against_alone:
         return "trying"
     decisions = [d for d in guard.decisions if d.against_alone == against_alone]
-    return decisions[-1].outcome if decisions else "none"
+    if not decisions:
+        return "none"
+    last = decisions[-1]
+    plan = strategy.balancer.plan
+    if against_alone and last.kept and plan is not None and (
+            tuple(plan.per_replica_batch_sizes) != last.candidate_per_replica_batch_sizes):
+        return "replanned"
+    return last.outcome
 
 
 def main(argv=None) -> int:

@@ -38,6 +38,7 @@ from hetero_cs.planning.cost_model import (
     PiecewiseLinearCostModel,
     ScaledCostModel,
 )
+from hetero_cs.planning.guard import GuardPolicy
 from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
 from hetero_cs.planning.micro_batches import MicroBatchPlan
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -98,6 +99,7 @@ __all__ = [
     "MicroBatchError",
     "MicroBatchPlan",
     "LinearCostModel",
+    "GuardPolicy",
     "MemoryRecoveryPolicy",
     "NotInReplicaStepError",
     "PiecewiseLinearCostModel",

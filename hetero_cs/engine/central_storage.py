@@ -80,7 +80,10 @@ class HeteroCentralStorageStrategy(
             ``~/.cache/hetero_cs``), a directory path, a ``calibration.ProfileStore``, or False for no cache.
         guard: With auto_balance, keep a calibrated or re-planned split only after it measured faster than the
             split it replaces, side by side over the same steps (:mod:`hetero_cs.planning.guard`); else revert and
-            back off. False trusts the prediction.
+            back off. It also measures a plan against the fastest card alone where it is predicted less than 1.25x
+            faster, and an overlapped micro-batched plan against the plan it replaces. False trusts the
+            prediction; a :class:`hetero_cs.GuardPolicy` turns it on with its own thresholds (e.g.
+            ``GuardPolicy(alone_check_below=1.5)``).
         profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
@@ -129,13 +132,17 @@ class HeteroCentralStorageStrategy(
         batch_split: Sequence[float] | None = None,
         emulate: "Sequence[str] | Any | None" = None,
         profile_cache: Any = None,
-        guard: bool = True,
+        guard: "bool | Any" = True,
         profile: Any = None,
         oom_recovery: "bool | Any | None" = None,
         fused_update: bool | None = None,
         micro_batches: bool | None = None,
         on_device_error: str = "exclude",
     ):
+        from hetero_cs.planning.guard import GuardPolicy
+
+        guard_policy = guard if isinstance(guard, GuardPolicy) else None  # on, with its own thresholds
+        guard = True if guard_policy is not None else guard
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
         emulator, emulate = arguments.emulation_names(emulate)
         # Restarted by `hetero-cs run` without a lost emulated card (HETERO_CS_EXCLUDED_DEVICES).
@@ -228,7 +235,7 @@ class HeteroCentralStorageStrategy(
         self._active_sets.note([int(share > 0) for share in shares or ()], training=True)
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
-            on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
+            guard_policy=guard_policy, on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
             on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
         from hetero_cs.engine.oom_recovery import StepRecovery
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,

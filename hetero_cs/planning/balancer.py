@@ -473,10 +473,15 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                         self._plans_by_batch.clear()
                         self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
                                                      max_batch_sizes=self._max_batch_sizes))
-                    if decision.kept and not decision.against_alone:
+                    if decision.against_alone:  # checked, kept or not: not checked again under these models
+                        self._alone_checked.add(decision.incumbent_per_replica_batch_sizes)
+                    elif decision.kept:
                         self._forget_alone_checks()  # a kept re-plan's measured models are new models
                     self._maybe_check_alone()  # the plan now in force, against the fastest card alone
                     break
+            return
+        self._maybe_check_alone()  # a plan not yet checked (one whose check was interrupted, say)
+        if self._guard.in_trial:
             return
         if not self.rebalance_enabled or self._plan is None or self._cost_models is None:
             return

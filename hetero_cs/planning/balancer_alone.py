@@ -10,8 +10,11 @@ measures the two side by side in one more trial (:mod:`hetero_cs.planning.guard`
 runs the whole batch and the others sit idle (the idle probes and the re-planner bring them back when they help);
 reverted, the plan stays, with no back-off.
 
-Each plan in force is checked once per set of cost models: a re-plan that the guard keeps is checked again, a
-reverted one is not (the plan in force did not change). This module imports neither TensorFlow nor pynvml.
+Each plan in force is checked once per set of cost models (a check that was interrupted, by fixed shares set
+mid-trial for example, runs again later): a re-plan that the guard keeps is checked again, a reverted one is not
+(the plan in force did not change). No check runs where the models predict the plan in force slower than the
+fastest card alone (a measurement overruled them: a reverted trial), nor right after the guard measured that very
+split slower. This module imports neither TensorFlow nor pynvml.
 """
 
 from __future__ import annotations
@@ -68,15 +71,24 @@ class AloneCheck:
         sizes = plan.per_replica_batch_sizes
         if sum(1 for b in sizes if b > 0) < 2 or sizes in self._alone_checked:
             return
-        self._alone_checked.add(sizes)
         alone = self.fastest_alone_plan(plan.global_batch_size)
-        if alone is None or alone.per_replica_batch_sizes == sizes:
-            return
-        plan_s, alone_s = plan.predicted_makespan_s, alone.predicted_makespan_s
-        if plan_s is None or alone_s is None or not plan_s > 0:
+        plan_s = plan.predicted_makespan_s
+        alone_s = None if alone is None else alone.predicted_makespan_s
+        last = self._guard.last_decision
+        if (
+            alone is None or alone.per_replica_batch_sizes == sizes or plan_s is None or alone_s is None
+            or not plan_s > 0
+            # The guard has just measured that very split slower: no second trial of it (its back-off stands).
+            or (last is not None and not last.kept
+                and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)
+        ):
+            self._alone_checked.add(sizes)  # nothing to check for this plan under these models
             return
         predicted_speedup = alone_s / plan_s
-        if not predicted_speedup < self._guard.policy.alone_check_below:
+        # Below 1 the models prefer the card alone, yet the plan in force is another: a measurement overruled them
+        # (a reverted trial), and the models are not evidence for another trial.
+        if not 1.0 <= predicted_speedup < self._guard.policy.alone_check_below:
+            self._alone_checked.add(sizes)
             return
         logger.info(
             "hetero_cs guard: %s is predicted %.3fx faster than the fastest card alone (replica %d); measuring "

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -111,19 +112,19 @@ class GuardPolicy:
             )
         for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
         for name, low_name in (("max_pairs", "min_pairs"), ("max_backoff_steps", "backoff_steps")):
             value, low = getattr(self, name), getattr(self, low_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ConfigError(
                     f"{name} must be an integer >= {low_name}={low}. Received: {name}={value!r}."
                 )
         ratio = self.decisive_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 1:
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio) or ratio <= 1:
             raise ConfigError(f"decisive_ratio must be a finite number > 1. Received: decisive_ratio={ratio!r}.")
         below = self.alone_check_below
-        if isinstance(below, bool) or not isinstance(below, (int, float)) or math.isnan(below) or below < 1:
+        if isinstance(below, bool) or not isinstance(below, numbers.Real) or math.isnan(below) or below < 1:
             raise ConfigError(
                 f"alone_check_below must be a number >= 1 (1 never measures the fastest card alone, math.inf always "
                 f"does). Received: alone_check_below={below!r}."
@@ -144,7 +145,7 @@ class GuardPolicy:
             ("early_gain", 0.0, 1.0, True), ("min_gain", 0.0, 1.0, False), ("significance", 0.0, 1.0, True)
         ):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             ok = ok and (lo < value if lo_open else lo <= value) and value < hi
             if not ok:
                 bracket = "(" if lo_open else "["

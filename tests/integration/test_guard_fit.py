@@ -165,3 +165,12 @@ def test_guard_keys_stay_in_every_epoch_after_a_batch_split_is_set_in_training()
         assert key == "guard_kept" or np.isfinite(values[0]), (key, values)  # guard_kept: NaN until a decision
         assert np.isnan(values[1:]).all(), (key, values)  # NaN once the guard is off: History stays aligned
     assert strategy.plan.per_replica_batch_sizes == (48, 24, 24)
+
+
+def test_a_guard_policy_turns_the_guard_on_with_its_own_thresholds():
+    from hetero_cs import GuardPolicy
+
+    policy = GuardPolicy(alone_check_below=1.5, min_pairs=4)
+    strategy = HeteroCentralStorageStrategy(DEVICES, profile_cache=False, guard=policy)
+    assert strategy.balancer.guard_enabled and strategy.balancer.guard.policy is policy
+    assert not HeteroCentralStorageStrategy(DEVICES, profile_cache=False, guard=False).balancer.guard_enabled

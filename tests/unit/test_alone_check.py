@@ -101,3 +101,29 @@ def test_an_engine_whose_idle_replicas_still_run_a_step_is_never_checked_against
     balancer.set_cost_models(CALIBRATED, trial=True, reference_batch_size=B)
     simulate_balancer(balancer, lambda step: truth(0.1), B, steps=30)
     assert [d.against_alone for d in balancer.guard.decisions] == [False]
+
+
+@pytest.mark.parametrize("below", [1.25, 1.0])
+def test_a_reverted_plan_of_the_card_alone_is_not_tried_again_as_the_check(below):
+    # Calibration saw the second card as hopeless, so the solved plan is the first card alone; in truth they are
+    # alike. The guard reverts it to the even split, which the models predict slower than the card alone: that is
+    # a measurement overruling the models, not a reason to try the card alone again (with 1.0: never a check).
+    calibrated = [LinearCostModel(0.005, 1e-4), LinearCostModel(0.2, 5e-4)]
+    alike = [IdleFreeCostModel(LinearCostModel(0.005, 1e-4))] * 2
+    balancer = balancer_for(calibrated, guard_policy=GuardPolicy(alone_check_below=below))
+    simulate_balancer(balancer, lambda step: alike, B, steps=80, relative_noise=0.02)
+    (decision,) = balancer.guard.decisions
+    assert not decision.kept and decision.candidate_per_replica_batch_sizes == (B, 0)
+    assert balancer.plan.per_replica_batch_sizes == (500, 500)
+
+
+def test_a_check_cut_short_by_fixed_shares_runs_again_once_balancing_is_back():
+    balancer = balancer_for()
+    simulate_balancer(balancer, lambda step: truth(0.1), B, steps=12, relative_noise=0.02)
+    assert balancer.guard.in_trial and balancer.guard.against_alone  # the check runs
+    balancer.set_batch_split([1, 1])
+    balancer.set_batch_split(None)
+    assert not balancer.guard.in_trial
+    simulate_balancer(balancer, lambda step: truth(0.1), B, steps=40, relative_noise=0.02)
+    check = balancer.guard.decisions[-1]
+    assert check.against_alone and check.kept and balancer.plan.per_replica_batch_sizes == (B, 0)

@@ -110,3 +110,23 @@ def test_the_main_job_measures_every_configuration_in_each_round_in_a_rotating_o
     firsts = [calls[3 * r][0] for r in range(6)]
     assert firsts == ["plan", "even", "fastest", "plan", "even", "fastest"]
     assert all(steps == 5 for _, steps in calls)
+
+
+def test_the_summary_says_replanned_when_the_card_alone_was_kept_and_later_cards_came_back():
+    from hetero_cs.planning.guard import GuardDecision
+
+    def decision(candidate, outcome, against_alone):
+        return GuardDecision(step=1, outcome=outcome, incumbent_per_replica_batch_sizes=(600, 400),
+                             candidate_per_replica_batch_sizes=candidate, num_pairs=3, median_ratio=0.5,
+                             p_value=None, reason="", against_alone=against_alone)
+
+    def strategy(plan, decisions):
+        guard = SimpleNamespace(in_trial=False, against_alone=False, decisions=decisions)
+        return SimpleNamespace(balancer=SimpleNamespace(guard=guard, plan=SimpleNamespace(
+            per_replica_batch_sizes=plan)))
+
+    kept_alone = [decision((600, 400), "kept", False), decision((1000, 0), "kept", True)]
+    assert train_digits.guard_outcome(strategy((1000, 0), kept_alone), against_alone=True) == "kept"
+    assert train_digits.guard_outcome(strategy((601, 399), kept_alone), against_alone=True) == "replanned"
+    assert train_digits.guard_outcome(strategy((601, 399), kept_alone)) == "kept"
+    assert train_digits.guard_outcome(strategy((600, 400), kept_alone[:1]), against_alone=True) == "none"

@@ -20,6 +20,7 @@ EXPECTED_ALL = [
     "EmulatedDeviceError",
     "EmulatedOutOfMemoryError",
     "EmulationError",
+    "GuardPolicy",
     "HeteroCSError",
     "HeteroCentralStorageStrategy",
     "HeteroMultiWorkerMirroredStrategy",
