@@ -143,8 +143,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="examples per optimizer step (default: the profile's plan's; needed with --devices)")
     parser.add_argument("--multiple-of", type=_positive_int, default=1,
                         help="every slice a multiple of this (default: 1)")
-    parser.add_argument("--min-batch-size", type=_non_negative_int, default=1,
-                        help="smallest slice per replica; 0 lets a replica sit idle (default: 1)")
+    parser.add_argument("--min-batch-size", type=_non_negative_int, default=None,
+                        help="smallest slice per replica; 0 lets a replica sit idle (default: 1, or 0 when the "
+                             "profile has a device that cannot hold one example)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="with --devices: also draw the plan (each card's busy and waiting time per step, and "
@@ -240,8 +241,11 @@ def run_plan(args: argparse.Namespace) -> int:
         if result.plan is None:
             raise ConfigError(f"The profile path={args.profile!r} holds no plan; pass --global-batch-size B.")
         batch = result.plan.global_batch_size
+    min_batch_size = args.min_batch_size
+    if min_batch_size is None:  # a device that holds no example (cap 0) sits idle; the others get at least one
+        min_batch_size = 0 if any(p.holds_no_example for p in result.profiles) else 1
     plan = solve_batch_split(result.cost_models, batch, max_batch_sizes=result.max_batch_sizes,
-                             min_batch_size=args.min_batch_size, multiple_of=args.multiple_of)
+                             min_batch_size=min_batch_size, multiple_of=args.multiple_of)
     if args.json:
         print(plan.to_json())
     else:
@@ -259,7 +263,7 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
     if args.global_batch_size is None:
         raise ConfigError("hetero-cs plan --devices needs --global-batch-size B (examples per optimizer step).")
-    if args.multiple_of != 1 or args.min_batch_size != 1:
+    if args.multiple_of != 1 or args.min_batch_size is not None:
         raise ConfigError("--multiple-of and --min-batch-size go with --profile; the what-if plans as the strategies "
                           "do (any slice size, a card may be left out).")
     workload = DEFAULT_WORKLOAD

@@ -338,8 +338,8 @@ def calibrate(
         if all(c.cap == 0 for c in calibrations):
             raise CalibrationOOMError(
                 "No device can hold one example of this model: " + "; ".join(
-                    f"device={c.probe.device!r} ran out of memory at every batch size tried: batch_sizes="
-                    f"{c.out_of_memory_at}, probe_batch_sizes={list(sizes)}"
+                    f"device={c.probe.device!r} ran out of memory at batch_sizes={c.out_of_memory_at}, the "
+                    f"smallest tried (probe_batch_sizes={list(sizes)})"
                     for c, sizes in zip(calibrations, sizes_per_device))
                 + ". Use a smaller model (or mixed precision), or devices with more memory. (A global batch larger "
                 "than the devices hold trains as micro-batches; one example per device is the least that can run.)"

@@ -146,8 +146,8 @@ class _DeviceCalibration:
                 self.cap = 0
                 self.out_of_memory_at = sorted({1, failed_size})
                 logger.warning(
-                    "%s cannot hold one example of this model (out of memory at batch_sizes=%s): it sits idle (memory "
-                    "cap 0) while the other devices train. A smaller model or mixed precision may let it take part.",
+                    "%s cannot hold one example of this model (out of memory at batch_sizes=%s): it gets no examples "
+                    "(memory cap 0). A smaller model or mixed precision may let it take part.",
                     device, self.out_of_memory_at)
                 return
         guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)

@@ -116,7 +116,8 @@ def _kept_user_models(strategy) -> bool:
     if not getattr(strategy, "_user_models_logged", False):
         strategy._user_models_logged = True
         logger.info("hetero_cs: the cost models set with set_cost_models are kept; no calibration runs "
-                    "(strategy.calibrate(model, data, force=True) measures the devices and replaces them).")
+                    "(strategy.calibrate(model, data, force=True) calibrates, or loads this model's cached "
+                    "calibration on these devices, and replaces them).")
     return True
 
 
@@ -221,12 +222,17 @@ def write_back_caps(strategy) -> None:
     """
     result, caps = strategy._calibration, strategy._balancer.max_batch_sizes
     store = _store(strategy)
-    if result is None or result.cache_key is None or store is False or caps is None or 0 in caps:
-        return  # (a cap of 0 - not even one example fits - is not a profile's cap: the device stays calibrated)
+    if result is None or result.cache_key is None or store is False or caps is None:
+        return
     import dataclasses
 
     from hetero_cs.errors import ProfileCacheError
 
+    # A cap of 0 in force that calibration did not find (a card set aside after a device error) is no property
+    # of the card: its profile keeps its own cap. A card calibrated at 0 (it holds no example) stays at 0.
+    caps = [p.max_batch_size if c == 0 and not p.holds_no_example else c for p, c in zip(result.profiles, caps)]
+    if caps == [p.max_batch_size for p in result.profiles]:
+        return  # nothing new to write
     profiles = tuple(dataclasses.replace(p, max_batch_size=c) for p, c in zip(result.profiles, caps))
     updated = dataclasses.replace(result, profiles=profiles)
     try:

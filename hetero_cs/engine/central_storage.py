@@ -257,7 +257,9 @@ class HeteroCentralStorageStrategy(
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan, at once (no guard trial).
 
         Models set here are kept: ``model.fit`` then does not calibrate over them (``calibrate(..., force=True)``
-        measures the devices and replaces them). The re-planner still corrects them from measured step times.
+        calibrates, or loads this model's cached calibration on these devices, and replaces them). The re-planner
+        still corrects them from measured step times. :attr:`calibration` is None from here on: no calibration
+        describes these models.
 
         Args:
             cost_models: One per replica, in replica-id order.
@@ -268,6 +270,7 @@ class HeteroCentralStorageStrategy(
         """
         self._balancer.set_cost_models(cost_models, max_batch_sizes=max_batch_sizes)
         self._models_set_by_user = True  # fit's calibration keeps them (hetero_cs.engine.calibrating)
+        self._calibration = None  # a calibration no longer describes the models in force
 
     def set_batch_split(self, shares: Sequence[float] | None) -> None:
         """Fixes the relative shares per replica from now on (None: back to auto_balance / even split).

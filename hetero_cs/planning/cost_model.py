@@ -380,6 +380,17 @@ class OutOfMemoryCostModel:
         return cls()
 
 
+def holds_no_example(model: Any) -> bool:
+    """True when ``model`` is (or wraps, through ``base``) an :class:`OutOfMemoryCostModel`: its device takes no
+    example, so a split that gives it some (the even split, for comparison) cannot run."""
+    seen = 0
+    while model is not None and seen < 16:
+        if isinstance(model, OutOfMemoryCostModel):
+            return True
+        model, seen = getattr(model, "base", None), seen + 1
+    return False
+
+
 @dataclass(frozen=True)
 class MicroBatchedCostModel:
     """A replica's time for ``b`` examples run as micro-batches of at most ``max_micro_batch_size`` each, one after

@@ -104,7 +104,8 @@ class BatchPlan:
         global_batch_size: B = sum(b) > 0, examples per optimizer step.
         predicted_makespan_s: max_i t_i(b_i) in seconds under the cost models, or None.
         even_split_makespan_s: The makespan of :func:`even_batch_split` (B, R) under the same models, in seconds,
-            or None. It ignores memory caps: it is what the stock, evenly splitting strategy would run.
+            or None. It ignores memory caps: it is what the stock, evenly splitting strategy would run. None also
+            when a device holds no example (an ``OutOfMemoryCostModel``): no even split can run there.
         ideal_makespan_s: The continuous lower bound in seconds (examples infinitely divisible; see
             :func:`hetero_cs.planning.solver.ideal_makespan_s`), or None.
         predicted_step_times_s: t_i(b_i) in seconds, shape [R], or None.
@@ -261,7 +262,7 @@ class BatchPlan:
         if idle:
             lines.append(f"idle replicas: {idle} (0 examples: no work on their devices; the rest finish sooner "
                          f"without them, or there are fewer examples than replicas, or their share or memory cap is "
-                         f"0 - a card set aside after a device error has a cap of 0)")
+                         f"0: a card that cannot hold one example, or one set aside after a device error)")
 
         def ms(value: float | None) -> str:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"

@@ -59,7 +59,7 @@ from hetero_cs.planning._curves import (
     _is_int,
 )
 from hetero_cs.planning._knots import _closed_form_ideal, _fill, _ideal_tables, _knot_tables, _lowest_level
-from hetero_cs.planning.cost_model import CostModel, _breakpoints, check_cost_model
+from hetero_cs.planning.cost_model import CostModel, _breakpoints, check_cost_model, holds_no_example
 from hetero_cs.planning.plan import BatchPlan, _as_tuple, even_batch_split
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,8 @@ def solve_batch_split(
 
     sizes = tuple(lo + c * k for lo, c in zip(grid.lo, counts))
     even_s = max(curves.time(i, b) for i, b in enumerate(even_batch_split(B, R)))
+    if any(holds_no_example(m) for m in models) and B >= R:
+        even_s = None  # a device that holds no example cannot take an even share: no even split to compare with
     makespan_s = max(step_times)
     logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k, path,
                  curves.evaluations, sizes)
@@ -274,6 +276,8 @@ def plan_from_split(
     times = tuple(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, sizes)))
     even = even_batch_split(total, len(sizes))
     even_s = max(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, even)))
+    if any(holds_no_example(m) and b > 0 for m, b in zip(models, even)):
+        even_s = None  # a device that holds no example cannot take an even share: no even split to compare with
     makespan_s = max(times)
     ideal_s = ideal_makespan_s(models, total, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
     return BatchPlan(

@@ -583,3 +583,31 @@ def test_regression_an_unreadable_cache_entry_is_one_warning_a_fresh_calibration
         warnings.simplefilter("error")
         assert load_result_file(entry) == second  # replaced by a good entry
     assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # and nothing else left behind
+
+
+def test_caps_lowered_at_run_time_are_written_back_beside_a_card_calibrated_at_zero(tmp_path):
+    # A card calibrated at 0 (it holds no example) keeps 0; another's lowered cap is written; a 0 in force that
+    # calibration did not find (a card set aside after a device error) leaves that card's profile cap as it was.
+    from types import SimpleNamespace
+
+    from calibration.result import CalibrationResult, DeviceProfile
+    from calibration.store import ProfileStore
+    from hetero_cs.engine.calibrating import write_back_caps
+    from hetero_cs.planning.cost_model import LinearCostModel, OutOfMemoryCostModel
+
+    def timed(device, cap):
+        return DeviceProfile(device=device, cost_model=LinearCostModel(0.01, 1e-4), max_batch_size=cap,
+                             fit_error=0.0, probe_batch_sizes=(1, 8), median_step_times_s=(0.01, 0.0108),
+                             mad_s=(0.0, 0.0))
+
+    idle = DeviceProfile(device="/device:CPU:3", cost_model=OutOfMemoryCostModel(), max_batch_size=0,
+                         fit_error=0.0, probe_batch_sizes=(), median_step_times_s=(), mad_s=())
+    store = ProfileStore(tmp_path)
+    result = CalibrationResult(profiles=(timed("/device:CPU:1", None), timed("/device:CPU:2", None), idle),
+                               wall_time_s=1.0, emulated=False, plan=None, cache_key="a" * 64)
+    store.save(result.cache_key, result)
+    strategy = SimpleNamespace(_calibration=result, _balancer=SimpleNamespace(max_batch_sizes=[0, 6, 0]),
+                               _profile_cache=str(tmp_path))
+    write_back_caps(strategy)
+    assert store.load(result.cache_key).max_batch_sizes == (None, 6, 0)
+    assert strategy._calibration.max_batch_sizes == (None, 6, 0)

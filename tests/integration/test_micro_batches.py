@@ -203,7 +203,7 @@ def test_no_card_that_can_hold_one_example_is_a_clear_error():
         model = classifier()
     x, y, _ = labelled(64)
     with pytest.raises(CalibrationOOMError, match=r"No device can hold one example of this model: "
-                       r"device='/device:CPU:1' ran out of memory at every batch size tried: batch_sizes=\[1\].*"
+                       r"device='/device:CPU:1' ran out of memory at batch_sizes=\[1\], the smallest tried.*"
                        r"Use a smaller model"):
         model.fit(x, y, batch_size=64, epochs=1, verbose=0)
 
