@@ -280,8 +280,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
         """The plan ``model.fit``'s next step of this size runs: :meth:`plan_for`'s, except while the guard tries
         an overlapped plan against the plan it replaces, side by side, or after it reverted one
         (:mod:`hetero_cs.engine.micro_batch_trials`). Report the step with :meth:`observe_run`."""
-        plan = self.plan_for(global_batch_size, overlapped=overlapped)
         balancer = self._strategy.balancer
+        if overlapped and self.setting is not False:
+            # A card held at its cap whose models went stale (it drifted, then recovered): measured models may
+            # bring its micro-batches back (hetero_cs.planning.balancer_micro).
+            balancer.consider_micro_batched_models(int(global_batch_size))
+        plan = self.plan_for(global_batch_size, overlapped=overlapped)
         if not plan.overlapped or not balancer.guard_enabled:
             return plan
         with self._lock:

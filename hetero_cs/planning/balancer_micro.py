@@ -16,6 +16,15 @@ balancer adopts the monitor's models; the engine's micro-batch plans, solved fro
 the next step. There is no guard trial here: the micro-batched split is not served through the guard's pattern,
 and the policy's noise margin stands in for it.
 
+The other way round: while steps run as one step within the caps with a card held at its cap (a card that drifted
+slower was planned out of its micro-batches), the engine asks before each step
+(:meth:`MicroBatchedSteps.consider_micro_batched_models`). Every look interval, when the monitor's models differ
+from those in force by more than the deadband at the slices in use, and a split priced as micro-batches under the
+monitor's models beats the step in use by more than the deadband, the balancer takes the monitor's models: the
+engine then plans micro-batches again (and the guard tries them side by side before keeping them). So a card that
+recovers gets its micro-batches back; the re-planner of one-step plans cannot see that, since the cap holds its
+slice where it is.
+
 This module imports neither TensorFlow nor pynvml.
 """
 
@@ -88,13 +97,59 @@ class MicroBatchedSteps:
                 "hetero_cs: micro-batched steps measured the cards' speeds off their models: their micro-batches "
                 "are planned again from the measured times (%s -> %s examples per replica predicted).",
                 list(current.per_replica_batch_sizes), list(proposal.per_replica_batch_sizes))
-            self._cost_models = measured
-            self._micro_replans += 1
-            self._guard.abandon()
-            self._models_before_replan = None
-            self._plans_by_batch.clear()
-            self._in_force_by_size.clear()
-            reference = self._reference_batch_size
-            if reference is not None:
-                self._commit(self._solve(reference))
+            self._take_measured_models(measured)
             return True
+
+    def consider_micro_batched_models(self, global_batch_size: int) -> bool:
+        """Before a step of ``global_batch_size`` that would run as one step within the caps: takes the monitor's
+        models when micro-batches priced by them would beat that step (see the module docstring).
+
+        Returns:
+            True when the cost models were replaced (the engine's plans are solved again from them).
+        """
+        with self._lock:
+            plan, caps = self._plan, self._max_batch_sizes
+            if (not self.rebalance_enabled or self._shares is not None or self._cost_models is None or caps is None
+                    or plan is None or plan.global_batch_size != int(global_batch_size)
+                    or self._monitor.num_samples < self._rebalance_policy.min_samples):
+                return False
+            sizes = plan.per_replica_batch_sizes
+            if not any(cap is not None and 0 < cap <= b for b, cap in zip(sizes, caps)):
+                return False  # no card is held at its cap: the one-step re-planner sees everything
+            completed = self._monitor.completed_steps
+            if completed - self._micro_last_look_step < self._look_interval_steps():
+                return False
+            self._micro_last_look_step = completed
+            measured = self._monitor.updated_cost_models(self._calibrated_models)
+            deadband = float(self._rebalance_policy.deadband)
+            moved = max(abs(float(new.predict_step_time_s(b)) / float(old.predict_step_time_s(b)) - 1.0)
+                        for new, old, b in zip(measured, self._cost_models, sizes)
+                        if b > 0 and float(old.predict_step_time_s(b)) > 0)
+            if not moved > deadband:
+                return False  # the models in force still describe the cards
+            micro = [OutOfMemoryCostModel() if cap == 0 else model if cap is None
+                     else MicroBatchedCostModel(model, cap) for model, cap in zip(measured, caps)]
+            from hetero_cs.planning.solver import solve_batch_split
+
+            current_s = max(float(m.predict_step_time_s(b)) for m, b in zip(measured, sizes))
+            best = solve_batch_split(micro, int(global_batch_size), min_batch_size=0)
+            if not best.predicted_makespan_s < (1.0 - deadband) * current_s:
+                return False
+            logger.info(
+                "hetero_cs: the cards measured off their models while a card is held at its cap: micro-batches "
+                "planned from the measured times are predicted %.3f of the step in use (%s -> %s examples per "
+                "replica); they are planned again, and tried against it.",
+                best.predicted_makespan_s / current_s, list(sizes), list(best.per_replica_batch_sizes))
+            self._take_measured_models(measured)
+            return True
+
+    def _take_measured_models(self, measured) -> None:
+        self._cost_models = measured
+        self._micro_replans += 1
+        self._guard.abandon()
+        self._models_before_replan = None
+        self._plans_by_batch.clear()
+        self._in_force_by_size.clear()
+        reference = self._reference_batch_size
+        if reference is not None:
+            self._commit(self._solve(reference))

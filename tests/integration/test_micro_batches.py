@@ -135,6 +135,18 @@ def test_a_card_that_slows_down_under_micro_batches_is_measured_and_planned_agai
     assert micro.plan_for(B).per_replica_batch_sizes[0] <= CAPS[0]  # now: at most one micro-batch's worth
 
 
+def test_a_card_that_slows_down_and_recovers_gets_its_micro_batches_back():
+    # The A10 runs 2.5x slower for a while (its micro-batches 30 to 69): planned back to one step within its cap,
+    # where the one-step re-planner cannot see it recover; the measured models bring its micro-batches back.
+    B = 128
+    strategy = trained_like_one_device(B, 40 * B, epochs=2, rebalance=True,
+                                       drift=[Drift(replica_id=0, factor=2.5, from_step=30, until_step=70)])
+    micro, balancer = strategy.micro_batching, strategy.balancer
+    assert balancer.micro_batched_replans >= 2  # out of its micro-batches, then back
+    assert micro.plan_for(B).per_replica_batch_sizes[0] > CAPS[0]
+    assert micro.trial_decisions[-1].kept  # and the guard measured them faster again
+
+
 def test_on_devices_that_are_not_emulated_each_cards_micro_batches_are_timed_as_one_chain():
     # Plain logical CPUs (no emulated waits), with models and caps set by hand: replica 0 is said to be 4x faster
     # and to hold 16 examples, so B = 128 runs it micro-batched in overlapped calls. Its micro-batches are timed

@@ -81,3 +81,23 @@ def test_no_re_plan_without_re_balancing_or_with_fixed_shares():
             times, counts = zip(*[chain_s(i, b, 3.0 if i == 0 else 1.0) for i, b in enumerate(split)])
             assert not balancer.record_micro_batched_step(split, times, counts)
         assert balancer.monitor.last_step().per_replica_micro_batches == (4, 1, 1)
+
+
+def test_a_card_held_at_its_cap_that_measures_faster_than_its_model_gets_micro_batches_again():
+    # The models in force say the first card is 3x slower than it is (it drifted, then recovered): the one-step
+    # plan holds it at its cap of 16, where the one-step re-planner gains nothing by moving it.
+    stale = [LinearCostModel(0.006, 3e-4), MODELS[1], MODELS[2]]
+    balancer = Balancer(3, idle_replicas_free=True)
+    balancer.set_cost_models(MODELS, max_batch_sizes=CAPS, reference_batch_size=B)
+    balancer._cost_models = stale  # as a re-plan while it drifted left them
+    balancer._commit(balancer._solve(B))
+    sizes = balancer.plan.per_replica_batch_sizes
+    assert sizes[0] == CAPS[0]
+    assert not balancer.consider_micro_batched_models(B)  # no samples yet
+    for step in range(8):
+        for i, b in enumerate(sizes):
+            balancer.record_step_time(i, b, MODELS[i].predict_step_time_s(b), step_key=step)
+    assert balancer.consider_micro_batched_models(B)
+    assert balancer.micro_batched_replans == 1
+    assert balancer.cost_models[0].predict_step_time_s(16) == pytest.approx(MODELS[0].predict_step_time_s(16))
+    assert not balancer.consider_micro_batched_models(B)  # the models now describe the cards: nothing more
