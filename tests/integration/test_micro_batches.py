@@ -117,6 +117,7 @@ def test_a_card_that_cannot_hold_one_example_sits_idle_and_the_others_train_exac
     assert micro.micro_batched_steps == 2 and micro.plan_for(200).per_replica_batch_sizes[2] == 0
 
 
+@pytest.mark.slow  # the default run keeps the slow-down-and-recover test below, which re-plans both ways
 def test_a_card_that_slows_down_under_micro_batches_is_measured_and_planned_again():
     # The A10 (6 micro-batches a step at B = 128) runs 4x slower from its 30th micro-batch on. Its overlapped steps
     # report each card's time to the monitor as one step, and the re-balance policy moves examples off it.
@@ -174,11 +175,7 @@ def test_on_devices_that_are_not_emulated_each_cards_micro_batches_are_timed_as_
 
 
 def test_the_guard_keeps_a_micro_batched_plan_only_if_it_measured_faster_than_the_one_step_it_replaces():
-    # Calibrated: the A10's micro-batches back to back beat one step within the caps, measured side by side.
-    strategy = trained_like_one_device(128, 30 * 128)
-    (decision,) = strategy.micro_batching.trial_decisions
-    assert decision.kept and decision.median_ratio < 0.95
-    # Models set by hand that misjudge the A10 (no fixed cost per step, 100x faster than it is): the planner puts
+    # (A kept trial: the slow-down-and-recover test above.) Models set by hand that misjudge the A10 (no fixed cost per step, 100x faster than it is): the planner puts
     # 126 examples on it in 8 micro-batches, predicted 155x faster than one step. The emulated A10 pays its fixed
     # cost per micro-batch: the trial measures that plan slower and reverts to the one step within the caps.
     from hetero_cs.planning.cost_model import LinearCostModel
@@ -370,7 +367,9 @@ def running_mean_model():
 
 @pytest.mark.parametrize("build, match", [
     (batch_norm_model, r"BatchNormalization.*at most 144.*micro_batches=True"),
-    (running_mean_model, r"sets its own non-trainable state in training \(.*moving\).*at most 144.*micro_batches=True"),
+    pytest.param(running_mean_model,
+                 r"sets its own non-trainable state in training \(.*moving\).*at most 144.*micro_batches=True",
+                 marks=pytest.mark.slow),  # 16 s; the same refusal path as BatchNormalization's
 ])
 def test_batch_norm_is_not_micro_batched_silently_and_a_refused_step_changes_nothing(build, match):
     # Nor is any layer that sets its own state in training (a moving average of its inputs).
