@@ -145,7 +145,8 @@ def test_a_card_that_slows_down_and_recovers_gets_its_micro_batches_back():
     micro, balancer = strategy.micro_batching, strategy.balancer
     assert balancer.micro_batched_replans >= 2  # out of its micro-batches, then back
     assert micro.plan_for(B).per_replica_batch_sizes[0] > CAPS[0]
-    assert micro.trial_decisions[-1].kept  # and the guard measured them faster again
+    # (Whether the guard's side-by-side trial keeps them is a wall-clock comparison of a 13 % gain: not asserted
+    # here, where a busy host could decide it; the clear case is the test below.)
 
 
 def test_on_devices_that_are_not_emulated_each_cards_micro_batches_are_timed_as_one_chain():
