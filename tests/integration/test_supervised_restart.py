@@ -154,6 +154,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 27 s: a whole script run twice under the supervisor; the other tests here cover its parts
 def test_hetero_cs_run_restarts_a_script_without_the_card_it_lost_and_the_run_is_exact(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(pathlib.Path(__file__).parent)))

@@ -143,6 +143,7 @@ def test_two_workers_of_two_emulated_replicas_each_auto_balance_equal_one_device
     _assert_equal_to_reference(tmp_path, 2, reference(6))
 
 
+@pytest.mark.slow  # 18 s; the default run keeps two workers of two emulated replicas each, auto-balanced, exact
 def test_each_local_replica_receives_only_its_own_slice(tmp_path, reference):
     # 2 workers x 2 emulated replicas, fixed shares 3,1,2,2: slices 6,2 | 4,4 of each global batch of 16 and
     # 2,1 | 2,1 of the last batch of 6. The global batch stays on each worker's host and is cut there, so what
