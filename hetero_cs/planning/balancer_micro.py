@@ -33,9 +33,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hetero_cs.planning.cost_model import MicroBatchedCostModel, OutOfMemoryCostModel
+from hetero_cs.planning.micro_batches import micro_batched_curves, zero_caps
 from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.rebalance import Rebalancer
+from hetero_cs.planning.solver import solve_batch_split
 
 logger = logging.getLogger("hetero_cs.planning.balancer")
 
@@ -77,19 +78,14 @@ class MicroBatchedSteps:
             key = tuple(cap == 0 for cap in caps)
             if self._micro_rebalancer is None or self._micro_rebalancer_caps != key:
                 # Micro-batched slices are not capped (each micro-batch is); a card with a cap of 0 stays out.
-                self._micro_rebalancer = Rebalancer(
-                    self._rebalance_policy, max_batch_sizes=[0 if out else None for out in key])
+                self._micro_rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=zero_caps(caps))
                 self._micro_rebalancer_caps = key
-
-            def micro_batched(models):
-                return [OutOfMemoryCostModel() if cap == 0 else model if cap is None
-                        else MicroBatchedCostModel(model, cap) for model, cap in zip(models, caps)]
 
             B = int(sum(int(b) for b in batch_sizes))
             current = BatchPlan(tuple(int(b) for b in batch_sizes), B)
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             proposal = self._micro_rebalancer.propose(
-                completed, current, micro_batched(measured), num_samples=self._monitor.num_samples,
+                completed, current, micro_batched_curves(measured, caps), num_samples=self._monitor.num_samples,
                 relative_standard_errors=self._monitor.relative_standard_errors(measured))
             if proposal is None:
                 return False
@@ -127,12 +123,9 @@ class MicroBatchedSteps:
                         if b > 0 and float(old.predict_step_time_s(b)) > 0)
             if not moved > deadband:
                 return False  # the models in force still describe the cards
-            micro = [OutOfMemoryCostModel() if cap == 0 else model if cap is None
-                     else MicroBatchedCostModel(model, cap) for model, cap in zip(measured, caps)]
-            from hetero_cs.planning.solver import solve_batch_split
-
             current_s = max(float(m.predict_step_time_s(b)) for m, b in zip(measured, sizes))
-            best = solve_batch_split(micro, int(global_batch_size), min_batch_size=0)
+            best = solve_batch_split(micro_batched_curves(measured, caps), int(global_batch_size),
+                                    max_batch_sizes=zero_caps(caps), min_batch_size=0)
             if not best.predicted_makespan_s < (1.0 - deadband) * current_s:
                 return False
             logger.info(
@@ -153,3 +146,4 @@ class MicroBatchedSteps:
         reference = self._reference_batch_size
         if reference is not None:
             self._commit(self._solve(reference))
+

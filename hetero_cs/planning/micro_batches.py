@@ -333,6 +333,21 @@ def plan_micro_batches(
     return built(best_k, single)
 
 
+def micro_batched_curves(cost_models, max_batch_sizes) -> list:
+    """Each replica's time for ``b`` examples run as micro-batches within its cap, back to back
+    (:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel`); an uncapped replica's model as it is, and a cap
+    of 0 left to :func:`zero_caps` (such a replica takes no example)."""
+    from hetero_cs.planning.cost_model import MicroBatchedCostModel
+
+    return [model if cap is None or cap < 1 else MicroBatchedCostModel(model, int(cap))
+            for model, cap in zip(cost_models, max_batch_sizes)]
+
+
+def zero_caps(max_batch_sizes) -> list:
+    """The caps a solver over :func:`micro_batched_curves` needs: 0 where a replica holds no example, else none."""
+    return [0 if cap is not None and cap < 1 else None for cap in max_batch_sizes]
+
+
 def plan_overlapped_micro_batches(
     global_batch_size: int,
     cost_models: Sequence[Any],
@@ -396,12 +411,10 @@ def plan_overlapped_micro_batches(
         raise InfeasiblePlanError(
             "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
             "memory (another process may hold it), use a smaller model, or train on other devices.")
-    curves = [model if cap is None or cap < 1 else MicroBatchedCostModel(model, int(cap))
-              for model, cap in zip(models, caps)]
+    curves = micro_batched_curves(models, caps)
     split = _linear_split(models, caps, B)
     if split is None:  # not all lines: the minimum-makespan solver, exact for any non-decreasing curve
-        split = solve_batch_split(curves, B, max_batch_sizes=[0 if cap is not None and cap < 1 else None
-                                                              for cap in caps], min_batch_size=0).per_replica_batch_sizes
+        split = solve_batch_split(curves, B, max_batch_sizes=zero_caps(caps), min_batch_size=0).per_replica_batch_sizes
     parts = [curve.micro_batches(b) if isinstance(curve, MicroBatchedCostModel) else ([b] if b else [])
              for curve, b in zip(curves, split)]
     K = max(len(p) for p in parts)
