@@ -12,12 +12,19 @@ identical devices (3 logical CPU compute devices, CPU:0 holds the variables), tr
 * ``stock_step`` and ``hetero_step``: stock and hetero_cs (even, timing off) fed fixed per-replica values of the
   same even split instead of a distributed dataset: the step alone, without the input pipeline, to locate an
   overhead in the step or in the input pipeline;
+* ``keras_stock``, ``keras_hetero`` and ``keras_hetero_xla``: Keras' own ``model.train_step`` (what ``model.fit``
+  runs in each replica) instead of the custom loop's step, under stock CentralStorageStrategy, under hetero_cs
+  (even, timing off) compiled with ``jit_compile=False``, and the same compiled with ``jit_compile=True``: each
+  replica's forward and backward pass then runs as one XLA function on its device
+  (:mod:`hetero_cs.engine.replica_xla`); ``keras_one`` and ``keras_one_xla``: the same step on one device (the
+  default strategy, the whole batch) without and with XLA, to tell XLA's own effect on this CPU from hetero_cs's;
 * ``stock_again``: a second, identical stock strategy: the A/A control. Its ratio to ``stock`` is what the method
   reads when there is no difference at all (the noise floor of the ratios above).
 
 Ratios are paired per round (each round's median step time of a configuration over the same round's median of its
 reference), then the median over rounds is reported, which cancels slow drifts of the shared machine's load.
-Goals: hetero_even / stock <= 1.03; timing on vs off costs < 2 % of the step time.
+Goals: hetero_even / stock <= 1.03; timing on vs off costs < 2 % of the step time. The XLA figure
+(keras_hetero_xla / keras_hetero) is reported, not a goal: what XLA fuses on a CPU is not what it fuses on a GPU.
 
     python benchmarks/overhead.py [--rounds 60] [--steps-per-round 8] [--json F] [--quick]
 """
@@ -50,6 +57,11 @@ LABELS = {
     "hetero_auto": "hetero_cs auto_balance (+rebalance)",
     "stock_step": "stock CSS, step only (no input pipeline)",
     "hetero_step": "hetero_cs even, step only (no input pipeline)",
+    "keras_stock": "stock CSS, Keras train_step",
+    "keras_hetero": "hetero_cs even, Keras train_step, no XLA",
+    "keras_hetero_xla": "hetero_cs even, Keras train_step, XLA",
+    "keras_one": "one device, Keras train_step, no XLA",
+    "keras_one_xla": "one device, Keras train_step, XLA",
     "stock_again": "stock CentralStorageStrategy again (A/A control)",
 }
 
@@ -91,6 +103,18 @@ def timing_env(enabled: bool) -> Iterator[None]:
             os.environ.pop(TIMING_ENV_VAR, None)
         else:
             os.environ[TIMING_ENV_VAR] = previous
+
+
+def make_keras_train_step(strategy: Any, model: Any):
+    """``train_step(iterator) -> loss``: Keras' own ``model.train_step`` in each replica, as ``model.fit`` runs it."""
+    import tensorflow as tf
+
+    @tf.function
+    def train_step(iterator):
+        logs = strategy.run(model.train_step, args=(next(iterator),))
+        return strategy.experimental_local_results(logs["loss"])[0]  # the loss tracker's mean, every update run
+
+    return train_step
 
 
 def paired_ratio(config: _common.Config, reference: _common.Config) -> float:
@@ -153,6 +177,26 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     with timing_env(False):
         configs.append(new_config("hetero_step", HeteroCentralStorageStrategy(
             devices, auto_balance=False, rebalance=False, profile_cache=False), step_only=True))
+
+    def keras_config(name: str, strategy: Any, *, jit_compile: bool) -> _common.Config:
+        keras.utils.set_random_seed(args.seed)
+        with strategy.scope():
+            model = _common.build_model("mlp", seed=args.seed)
+            model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=_common.loss_function(),
+                          jit_compile=jit_compile)
+            model.optimizer.build(model.trainable_variables)
+        source = iter(strategy.experimental_distribute_dataset(dataset))
+        return _common.Config(name, LABELS[name], make_keras_train_step(strategy, model), source, strategy=strategy)
+
+    configs.append(keras_config("keras_stock", tf.distribute.experimental.CentralStorageStrategy(
+        devices, parameter_device="/device:CPU:0"), jit_compile=False))
+    with timing_env(False):
+        configs.append(keras_config("keras_hetero", HeteroCentralStorageStrategy(
+            devices, auto_balance=False, rebalance=False, profile_cache=False), jit_compile=False))
+        configs.append(keras_config("keras_hetero_xla", HeteroCentralStorageStrategy(
+            devices, auto_balance=False, rebalance=False, profile_cache=False), jit_compile=True))
+    configs.append(keras_config("keras_one", tf.distribute.get_strategy(), jit_compile=False))
+    configs.append(keras_config("keras_one_xla", tf.distribute.get_strategy(), jit_compile=True))
     configs.append(new_config("stock_again", tf.distribute.experimental.CentralStorageStrategy(
         devices, parameter_device="/device:CPU:0")))
     by_name = {c.name: c for c in configs}
@@ -180,6 +224,10 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         "timing_ratio": paired_ratio(by_name["hetero_even_timed"], by_name["hetero_even"]),
         "step_only_ratio": paired_ratio(by_name["hetero_step"], by_name["stock_step"]),
         "control_ratio": paired_ratio(by_name["stock_again"], by_name["stock"]),
+        "keras_step_ratio": paired_ratio(by_name["keras_hetero"], by_name["keras_stock"]),
+        "xla_ratio": paired_ratio(by_name["keras_hetero_xla"], by_name["keras_hetero"]),
+        "xla_vs_stock_ratio": paired_ratio(by_name["keras_hetero_xla"], by_name["keras_stock"]),
+        "one_device_xla_ratio": paired_ratio(by_name["keras_one_xla"], by_name["keras_one"]),
     }
     results["timing_overhead"] = results["timing_ratio"] - 1.0
     results["timing_overhead_s"] = results["timing_overhead"] * by_name["hetero_even"].median_step_s
@@ -196,6 +244,9 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     log(f"   hetero_cs auto_balance / stock = {results['auto_balance_ratio']:.3f}   (plan "
         f"{results['hetero_auto_plan']}; includes per-replica timing)")
     log(f"   step only (no input pipeline): hetero_cs even / stock = {results['step_only_ratio']:.3f}")
+    log(f"   Keras train_step: hetero_cs even / stock = {results['keras_step_ratio']:.3f}; with XLA per replica / "
+        f"without = {results['xla_ratio']:.3f}; with XLA / stock = {results['xla_vs_stock_ratio']:.3f}; one "
+        f"device with XLA / without = {results['one_device_xla_ratio']:.3f}")
     log(f"   A/A control: stock again / stock = {results['control_ratio']:.3f}   (no difference reads as this)")
     log(f"   per-replica timing on vs off  = {results['timing_overhead'] * 100:+.2f} % of the step "
         f"({results['timing_overhead_s'] * 1e3:+.3f} ms)   (goal < {TIMING_GOAL * 100:.0f} %)")

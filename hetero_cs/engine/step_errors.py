@@ -188,16 +188,18 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
 
     That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-    update, a StepOOMError for an out-of-memory error that names no replica, a DeviceFaultError for a device error
+    update or a replica's forward and backward pass, a StepOOMError for an out-of-memory error that names no replica, a DeviceFaultError for a device error
     (:mod:`hetero_cs.engine.failover`) that names one, else a ReplicaStepError naming the
     replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`). ``replica_scopes``: name scopes only
     replicas' ops run under (``fit`` passes the model's name).
     """
+    from hetero_cs.engine import replica_xla
     from hetero_cs.engine.fused_update import compile_error
     from hetero_cs.engine.oom_errors import classify
     from hetero_cs.engine.oom_recovery import unblamed_oom_error
 
-    known = strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
+    known = (strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
+             or replica_xla.compile_error(exc))
     if known is not None:
         return known
     oom = classify(exc, strategy.compute_devices, replica_scopes)

@@ -569,17 +569,6 @@ def test_a_model_compiled_outside_the_scope_says_to_compile_inside_it():
     assert isinstance(error.__cause__, RuntimeError) and "Mixing different" in str(error.__cause__)
 
 
-def test_jit_compile_true_is_refused_up_front_with_the_fix():
-    """Regression: it failed inside the first step as a ReplicaStepError blaming replica 0."""
-    s = strategy(compute_devices=DEVICES, batch_split=[1, 1, 1])
-    with s.scope():
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    x = np.ones((6, 2), np.float32)
-    for call in (lambda: model.fit(x, x[:, :1], batch_size=6, verbose=0), lambda: model.predict(x, verbose=0)):
-        expect(call, ConfigError, ValueError, r"jit_compile=True\) is not supported.*Compile with jit_compile=False")
-
-
 def test_evaluate_and_predict_of_an_empty_dataset_raise_input_error():
     s = strategy(compute_devices=DEVICES, batch_split=[1, 1, 1])
     with s.scope():

@@ -273,17 +273,13 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         all-reduce, ``replica_context.all_reduce``) are merge calls of one graph. Our replica wrapper (slice
         sizes, timing) replaces ``fn`` by a plain closure, which would lose that: each replica thread would then
         trace its own nested function and fail with "merge_call called while defining a new graph or a
-        tf.function". So the lifting happens here first, with the same rule and the same cache per function.
+        tf.function". So the lifting happens here first, with the same cache per function.
         """
         # Private: tf.function's class and its _clone(python_function=...), exactly as mirrored_run uses them (a
         # clone keeps the user's tf.function options: input_signature, reduce_retracing, jit_compile, ...).
         from tensorflow.python.eager import def_function
 
         if not isinstance(fn, def_function.Function):
-            return None
-        if fn._jit_compile and all(  # noqa: SLF001 - mirrored_run's rule: XLA on GPUs only keeps fn as is
-            tf.DeviceSpec.from_string(d).device_type == "GPU" for d in self.worker_devices
-        ):
             return None
         cache = self.__dict__.setdefault("_hetero_lifted_functions", weakref.WeakKeyDictionary())
         lifted = cache.get(fn)
@@ -295,6 +291,15 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
                 return extended._call_for_each_replica(python_function, args, kwargs)  # noqa: SLF001
 
             lifted = fn._clone(python_function=call_every_replica)  # noqa: SLF001
+            if fn._jit_compile:  # noqa: SLF001
+                # A replica function compiled with XLA as a whole (a custom loop's tf.function(jit_compile=True))
+                # would read the variables on the parameter device, which XLA cannot, and its optimizer all-reduces
+                # in a merge call, which XLA cannot hold (mirrored_run keeps such a function per replica only on
+                # GPUs, with mirrored variables). The clone runs without XLA, with a warning (Keras' fit compiles
+                # each replica's forward and backward pass: hetero_cs.engine.replica_xla). Private: _jit_compile
+                # is the option _clone copies.
+                lifted._jit_compile = None  # noqa: SLF001
+                _note_uncompiled()
             cache[fn] = lifted
         return lifted
 
@@ -304,6 +309,21 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         # Private: _worker_device is where CentralStorageStrategy itself places its input iterators (this host's
         # CPU); there is no public name for it.
         return self._worker_device
+
+
+def _note_uncompiled() -> None:
+    """Warns once that a custom loop's ``tf.function(jit_compile=True)`` replica function runs without XLA."""
+    if _warned_uncompiled:
+        return
+    _warned_uncompiled.append(True)
+    logger.warning(
+        "hetero_cs: strategy.run of a tf.function(jit_compile=True) runs its replica function without XLA under "
+        "HeteroCentralStorageStrategy: XLA cannot read the variables on the parameter device, nor hold the "
+        "optimizer's all-reduce. model.fit with compile(jit_compile=True) compiles each replica's forward and "
+        "backward pass; the optimizer's update is compiled already (fused_update).")
+
+
+_warned_uncompiled: list = []
 
 
 class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):

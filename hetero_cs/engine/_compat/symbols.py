@@ -36,13 +36,15 @@ REQUIRED = (
         "scale_loss_for_distribution", "unscale_loss_for_distribution", "reduce_weighted_values",
         "standardize_reduction", "squeeze_or_expand_to_same_rank")),
     ("keras.src.losses.loss", "Loss", ("__call__",)),
-    ("keras.src.trainers.trainer", "Trainer", ("compile", "compute_loss", "_compute_loss")),
+    ("keras.src.trainers.trainer", "Trainer", ("compile", "compute_loss", "_compute_loss",
+                                               "_resolve_auto_jit_compile")),
     ("keras.src.metrics.reduction_metrics", "Mean", ("update_state",)),
-    ("keras.src.backend.common.stateless_scope", None, ("in_stateless_scope",)),
+    ("keras.src.backend.common.stateless_scope", None, ("in_stateless_scope", "StatelessScope")),
+    ("keras.src.trainers.data_adapters", "data_adapter_utils", ("unpack_x_y_sample_weight",)),
     ("keras.src.backend.tensorflow.core", "Variable", ("assign", "assign_add", "assign_sub")),
     ("keras.src.random.seed_generator", "SeedGenerator", ("next",)),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", (
-        "fit", "evaluate", "predict", "make_train_function", "make_test_function", "make_predict_function",
+        "fit", "evaluate", "predict", "train_step", "make_train_function", "make_test_function", "make_predict_function",
         "_maybe_symbolic_build", "_symbolic_build")),
     ("keras.src.backend.tensorflow.trainer", None, ("reduce_per_replica",)),
     ("tensorflow.python.distribute.parameter_server_strategy", "ParameterServerStrategyExtended", (

@@ -38,7 +38,10 @@ def _patch_fit() -> None:
         _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
             return original_fit(self, *args, **kwargs)
-        _refuse_jit_compile(self)
+        from hetero_cs.engine import replica_xla
+        from hetero_cs.engine._compat.xla import keras_train_step
+
+        replica_xla.warn_at_fit(self, keras_train_step())  # compile(jit_compile=True): XLA per replica, or why not
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
@@ -117,7 +120,7 @@ def _patch_make_train_function() -> None:
     # of idle replicas since it was traced (hetero_cs.engine.idle_replicas): the step then has a branch in which
     # those replicas do no work. Private: Keras keeps the traced step in model.train_function and calls it anew
     # for every step; make_train_function(force=True) builds a new one.
-    original = TensorFlowTrainer.make_train_function
+    original = _without_whole_step_xla(TensorFlowTrainer.make_train_function)
 
     @functools.wraps(original)
     def make_train_function(self, force=False):
@@ -251,7 +254,33 @@ def _patch_inference_functions() -> None:
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     for maker, attribute in (("make_test_function", "test_function"), ("make_predict_function", "predict_function")):
-        setattr(TensorFlowTrainer, maker, _wrapping_inference(getattr(TensorFlowTrainer, maker), attribute))
+        setattr(TensorFlowTrainer, maker, _wrapping_inference(
+            _without_whole_step_xla(getattr(TensorFlowTrainer, maker)), attribute))
+
+
+def _without_whole_step_xla(original: Callable) -> Callable:
+    """Keras' ``make_*_function``, building under our central-storage strategy a step that XLA does not compile whole.
+
+    With ``jit_compile=True`` Keras wraps its whole distributed step (``strategy.run`` and the reduction of its
+    outputs) in one ``tf.function(jit_compile=True)``. Under central storage XLA cannot compile it: the replicas read
+    the variables on the parameter device, and the per-replica cut, timing and all-reduces run on the host. Keras'
+    train_step compiles each replica's forward and backward pass instead (hetero_cs.engine.replica_xla). Private:
+    Trainer._jit_compile is what the ``jit_compile`` property reads while Keras builds the step; it is restored
+    right after, so ``model.jit_compile`` stays what the user compiled with.
+    """
+
+    @functools.wraps(original)
+    def make(self, force=False):
+        if not is_hetero_strategy(getattr(self, "_distribute_strategy", None)) or \
+                getattr(self, "_jit_compile", None) is not True:
+            return original(self, force=force)
+        self._jit_compile = False  # noqa: SLF001
+        try:
+            return original(self, force=force)
+        finally:
+            self._jit_compile = True  # noqa: SLF001
+
+    return make
 
 
 def _wrapping_inference(original: Callable, attribute: str) -> Callable:
@@ -327,7 +356,6 @@ def _patch_evaluate_and_predict() -> None:
             strategy = getattr(self, "_distribute_strategy", None)
             if not is_hetero_strategy(strategy):
                 return original(self, *args, **kwargs)
-            _refuse_jit_compile(self)
             strategy._input_error = None  # noqa: SLF001
             # A step function traced before plans used a set of idle replicas is traced again, with a branch for
             # it (hetero_cs.engine.idle_replicas). Private: Keras keeps its traced step functions in these attributes
@@ -400,19 +428,6 @@ def _empty_input_error(verb: str):
         f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
         f"everything, or fewer examples than one batch with drop_remainder=True)."
     )
-
-
-def _refuse_jit_compile(model) -> None:
-    # Keras resolves compile(jit_compile="auto") to False under any distribution strategy; True asks XLA to compile the
-    # whole distributed step, whose per-replica cut, clock stamps and host callbacks XLA cannot compile (it failed as
-    # a ReplicaStepError blaming replica 0). Refused up front, with the fix.
-    if getattr(model, "jit_compile", False) is True:
-        raise ConfigError(
-            "compile(jit_compile=True) is not supported under hetero_cs's strategies yet: XLA cannot compile the "
-            "distributed step (its per-replica cut and timing run on the host). Compile with jit_compile=False, or "
-            "'auto' (Keras turns XLA off under any tf.distribute strategy). The optimizer's update on the host is "
-            "compiled with XLA already (fused_update)."
-        )
 
 
 def _patch_symbolic_build() -> None:

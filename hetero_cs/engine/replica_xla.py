@@ -1,0 +1,130 @@
+"""XLA per replica: ``compile(jit_compile=True)`` compiles each replica's forward and backward pass on its device.
+
+One device's ``model.fit`` compiles its whole training step with XLA when ``jit_compile=True`` (and by default on a
+GPU); Keras turns XLA off under every ``tf.distribute`` strategy. Under :class:`~hetero_cs.HeteroCentralStorageStrategy`
+each replica's part of Keras' ``train_step`` (the forward pass, the loss and the gradient of the loss with respect
+to the weights) is one XLA function placed on the replica's device, and the optimizer's update on the parameter
+device is another (``fused_update``, :mod:`hetero_cs.engine.fused_update`). Between them nothing changes: the
+replicas' gradients are weighted ``b_i / B`` and summed on the host, so one step still equals one single-device
+step on the whole global batch (the oracle tests compare against one device with ``jit_compile=True``).
+
+Why not the whole step, as on one device: the weights live once, on the parameter device, and XLA cannot read a
+variable placed on another device (TensorFlow's known issue "tf.Variable on a different device"). Each replica
+therefore reads the weights it needs (a copy to its device, as every central-storage step does) and hands them to
+its compiled function as inputs (Keras' stateless call); the optimizer's update, the metrics and the per-replica
+timing stay outside.
+
+When it applies (:func:`applies`):
+
+* ``compile(jit_compile=True)``, or ``"auto"`` where Keras would compile on one device: a GPU is present and every
+  layer supports XLA (``layer.supports_jit``). On a CPU-only machine ``"auto"`` stays off, as it does on one device.
+* Keras' own ``train_step`` (also when a ``train_step`` override calls ``super().train_step``). An override that
+  computes its own step runs without XLA, with a warning: its forward pass, tape and optimizer call are one
+  Python function hetero_cs cannot cut.
+* No ``BatchNormalization`` layer in training. hetero_cs normalises a training batch by the statistics of the whole
+  global batch (:mod:`hetero_cs.engine._compat.batch_norm`), an all-reduce across replicas inside the forward pass,
+  which no per-replica compiled function can hold. Such a model trains without XLA, with a warning naming the layer;
+  a frozen BatchNormalization (``trainable=False``, inference statistics) does not count.
+* ``evaluate`` and ``predict`` run each replica's forward pass without XLA.
+
+What it costs: XLA compiles each replica's function once per slice size it meets (a new plan, a last partial
+batch, micro-batches of another size): a fraction of a second for small models, seconds for large ones, as one
+device pays once per batch shape. A model XLA cannot compile (an op without an XLA kernel: ``tf.py_function``,
+string ops) fails at its first step with a :class:`~hetero_cs.errors.ConfigError` naming the op and the fix,
+``jit_compile=False``; nothing of that step was applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import weakref
+
+from hetero_cs.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# The name TensorFlow's errors quote for a replica's compiled function (see compile_error).
+FUNCTION_NAME = "hetero_cs_replica_forward_backward"
+
+_warned: weakref.WeakSet = weakref.WeakSet()
+
+
+def requested(model) -> bool:
+    """True when ``model`` was compiled with ``jit_compile=True`` (or ``"auto"`` resolved to True) and runs traced."""
+    return getattr(model, "jit_compile", False) is True and not getattr(model, "run_eagerly", False)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why XLA per replica cannot compile Keras' ``train_step`` for ``model``, or None when it can.
+
+    Returns:
+        A sentence naming the layers, for the warning of :func:`warn_at_fit`.
+    """
+    batch_norms = [layer for layer in _layers(model)
+                   if type(layer).__name__ == "BatchNormalization" and getattr(layer, "trainable", False)]
+    if batch_norms:
+        names = ", ".join(repr(layer.name) for layer in batch_norms[:3]) + (" ..." if len(batch_norms) > 3 else "")
+        return (f"BatchNormalization layer {names} normalises a training batch by the whole global batch's "
+                f"statistics, an all-reduce across replicas inside the forward pass that a per-replica XLA function "
+                f"cannot hold")
+    return None
+
+
+def applies(model) -> bool:
+    """Whether Keras' ``train_step`` of ``model`` compiles each replica's forward and backward pass with XLA."""
+    return requested(model) and unsupported_reason(model) is None
+
+
+def warn_at_fit(model, keras_train_step) -> None:
+    """Before ``fit`` traces its step: warns once per model when XLA was asked for and cannot apply, naming why.
+
+    Args:
+        model: The compiled Keras model about to train.
+        keras_train_step: Keras' ``train_step`` as the model class would inherit it, to tell an override.
+    """
+    if not requested(model) or model in _warned:
+        return
+    reason = unsupported_reason(model)
+    if reason is None and getattr(type(model), "train_step", None) is not keras_train_step:
+        reason = (f"{type(model).__name__} overrides train_step, and only Keras' own train_step (also when the "
+                  f"override calls super().train_step) is cut into a compiled forward and backward pass per replica; "
+                  f"the override's own operations run without XLA")
+    if reason is None:
+        return
+    _warned.add(model)
+    logger.warning("hetero_cs: compile(jit_compile=True) asked for XLA, but %s. It trains exactly, as with "
+                   "jit_compile=False; compile with jit_compile=False to silence this.", reason)
+
+
+def compile_error(exc: Exception) -> ConfigError | None:
+    """A ConfigError with the fix when TensorFlow's ``exc`` says XLA could not compile a replica's forward and
+    backward pass, else None.
+
+    That happens with a layer or loss whose ops XLA has no kernel for (``tf.py_function``, string ops), or one that
+    reads a variable the model does not track (XLA cannot read it on the parameter device).
+    """
+    import tensorflow as tf
+
+    if not isinstance(exc, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
+        return None
+    message = str(exc)
+    if FUNCTION_NAME not in message and "tfvariable_on_a_different_device" not in message:
+        return None
+    if not re.search(r"XLA|compile|jit|located in device", message, re.IGNORECASE):
+        return None
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    reason = next((line for line in lines if "unsupported operations" in line or "located in device" in line),
+                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)),
+                       type(exc).__name__))
+    reason = reason[:500].rstrip(".") + "."
+    return ConfigError(
+        f"XLA could not compile a replica's forward and backward pass (compile(jit_compile=True)): {reason} "
+        f"Compile the model with jit_compile=False to train without XLA; nothing of this step was applied."
+    )
+
+
+def _layers(model) -> list:
+    from hetero_cs.engine._compat import all_sublayers
+
+    return all_sublayers(model)
