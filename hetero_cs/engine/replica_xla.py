@@ -7,6 +7,8 @@ to the weights) is one XLA function placed on the replica's device, and the opti
 device is another (``fused_update``, :mod:`hetero_cs.engine.fused_update`). Between them nothing changes: the
 replicas' gradients are weighted ``b_i / B`` and summed on the host, so one step still equals one single-device
 step on the whole global batch (the oracle tests compare against one device with ``jit_compile=True``).
+:class:`~hetero_cs.HeteroMultiWorkerMirroredStrategy` compiles its replicas' passes the same way, each fed its own
+mirrored copy of the weights.
 
 Why not the whole step, as on one device: the weights live once, on the parameter device, and XLA cannot read a
 variable placed on another device (TensorFlow's known issue "tf.Variable on a different device"). Each replica
@@ -25,6 +27,10 @@ When it applies (:func:`applies`):
   global batch (:mod:`hetero_cs.engine._compat.batch_norm`), an all-reduce across replicas inside the forward pass,
   which no per-replica compiled function can hold. Such a model trains without XLA, with a warning naming the layer;
   a frozen BatchNormalization (``trainable=False``, inference statistics) does not count.
+* No all-reduce across replicas in the forward pass or the loss. A masked loss, or one reduced with
+  ``"mean_with_sample_weight"``, is normalised by the whole global batch's mask or weights, an all-reduce; so is a
+  layer of the user's own that synchronises replicas. Found while the step is traced: the model then trains without
+  XLA, with a warning.
 * ``evaluate`` and ``predict`` run each replica's forward pass without XLA.
 
 What it costs: XLA compiles each replica's function once per slice size it meets (a new plan, a last partial
@@ -48,6 +54,7 @@ logger = logging.getLogger(__name__)
 FUNCTION_NAME = "hetero_cs_replica_forward_backward"
 
 _warned: weakref.WeakSet = weakref.WeakSet()
+_fell_back: weakref.WeakSet = weakref.WeakSet()
 
 
 def requested(model) -> bool:
@@ -73,7 +80,17 @@ def unsupported_reason(model) -> str | None:
 
 def applies(model) -> bool:
     """Whether Keras' ``train_step`` of ``model`` compiles each replica's forward and backward pass with XLA."""
-    return requested(model) and unsupported_reason(model) is None
+    return requested(model) and model not in _fell_back and unsupported_reason(model) is None
+
+
+def fall_back(model, reason: str) -> None:
+    """Found while tracing ``model``'s step: it cannot compile per replica because of ``reason``. It trains
+    without XLA from now on (this trace included), and a warning says why, once per model."""
+    _fell_back.add(model)
+    if model not in _warned:
+        _warned.add(model)
+        logger.warning("hetero_cs: compile(jit_compile=True) asked for XLA, but %s. It trains exactly, as with "
+                       "jit_compile=False; compile with jit_compile=False to silence this.", reason)
 
 
 def warn_at_fit(model, keras_train_step) -> None:

@@ -89,6 +89,45 @@ def test_uneven_splits_with_an_idle_replica_and_a_partial_batch_equal_one_device
     assert {0, 2} <= set(compiled_steps)  # (the first trace also has the branch in which every replica steps)
 
 
+def test_two_outputs_with_loss_weights_and_per_output_metrics_equal_one_device_with_xla(compiled_steps):
+    # Keras updates each output's loss tracker inside _compute_loss, in the compiled function: their sums come out
+    # of it and are added to the central trackers (regression: XLA read them on the parameter device and failed).
+    def build():
+        keras.utils.set_random_seed(6)
+        inputs = {"a": keras.Input((8,), name="a"), "b": keras.Input((2,), name="b")}
+        hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([inputs["a"], inputs["b"]]))
+        model = keras.Model(inputs, {"cls": keras.layers.Dense(3, name="cls")(hidden),
+                                     "reg": keras.layers.Dense(1, name="reg")(hidden)})
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+                      loss_weights={"cls": 1.0, "reg": 0.5}, metrics={"cls": ["accuracy"], "reg": ["mae"]},
+                      jit_compile=True)
+        return model
+
+    x, y, _ = classification_data(50)
+    features = {"a": x, "b": x[:, :2] * 2.0}
+    compare(build, features, {"cls": y, "reg": x[:, :1]}, [3, 1, 2], batch_size=16)
+    assert compiled_steps
+
+
+def test_a_loss_normalised_across_replicas_trains_without_xla_with_a_warning(compiled_steps, caplog):
+    # reduction="mean_with_sample_weight" divides by the whole global batch's sample weights: an all-reduce inside
+    # the loss, which a per-replica function cannot hold. Found while tracing; the step runs Keras' own.
+    def build():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+                      jit_compile=True)
+        return model
+
+    x, _, sample_weight = classification_data(30)
+    with caplog.at_level(logging.WARNING, logger="hetero_cs"):
+        compare(build, x, x[:, :1], [2, 1], batch_size=10, epochs=1, sample_weight=sample_weight)
+    assert compiled_steps  # tried, then fell back
+    warnings = [r.getMessage() for r in caplog.records if "all-reduces across replicas" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
 def test_a_layer_xla_cannot_compile_fails_with_the_fix_and_changes_nothing(compiled_steps):
     def doubled_in_python(t):
         out = tf.py_function(lambda a: a * 2.0, [t], tf.float32)

@@ -45,7 +45,7 @@ def data(wide=False):
     return x, y
 
 
-def build(keras, wide=False, accumulate=None):
+def build(keras, wide=False, accumulate=None, jit_compile=False):
     rng = np.random.RandomState(0)
     if wide:
         layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
@@ -62,6 +62,7 @@ def build(keras, wide=False, accumulate=None):
                                         gradient_accumulation_steps=accumulate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        jit_compile=jit_compile,
     )
     return model
 
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
                         help="Keras' gradient_accumulation_steps of the optimizer (the reference's too)")
     parser.add_argument("--mismatched-evaluate", action="store_true",
                         help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
+    parser.add_argument("--jit", action="store_true", help="compile(jit_compile=True): XLA per replica")
     args = parser.parse_args(argv)
 
     import keras
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
 
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         logging.getLogger("hetero_cs").setLevel(logging.INFO)
+        if args.jit:  # each replica says that its step is compiled
+            logging.getLogger("hetero_cs.engine._compat.xla").setLevel(logging.DEBUG)
         kwargs = {}
         if args.split == "auto":
             kwargs["auto_balance"] = True
@@ -180,10 +184,10 @@ def main(argv=None) -> int:
         # folder (the mirrored weights are the same on every worker, so each backup is whole).
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
-        model = build(keras, args.wide, args.accumulate)
+        model = build(keras, args.wide, args.accumulate, args.jit)
     else:
         with strategy.scope():
-            model = build(keras, args.wide, args.accumulate)
+            model = build(keras, args.wide, args.accumulate, args.jit)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     try:

@@ -87,6 +87,20 @@ def test_two_workers_uneven_fixed_split_equal_one_device(tmp_path, reference):
     _assert_equal_to_reference(tmp_path, 2, reference(4))
 
 
+@pytest.mark.slow  # 20 s; the central-storage strategy's XLA per replica is in the default run
+def test_two_workers_uneven_with_xla_per_replica_equal_one_device_with_xla(tmp_path):
+    out = tmp_path / "reference"
+    out.mkdir()
+    done = subprocess.run([sys.executable, str(JOB), str(out), "--reference", "--epochs", "2", "--jit"],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    stdout = _launch(tmp_path, 2, "--split", "3,1", "--epochs", "2", "--jit")
+    for worker in (0, 1):
+        assert (f"[worker {worker}] hetero_cs.engine._compat.xla: hetero_cs: replica {worker}'s forward pass, loss "
+                f"and gradient are compiled with XLA") in stdout, stdout
+    _assert_equal_to_reference(tmp_path, 2, dict(np.load(out / "reference.npz")))
+
+
 @pytest.mark.slow  # 23 s; the default run keeps test_two_workers_of_two_emulated_replicas_each_auto_balance_...
 def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference):
     # auto_balance over 18 steps (6 epochs of 3, the last batch of each partial): a warm-up step, 6 probe splits

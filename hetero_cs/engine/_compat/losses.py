@@ -445,7 +445,7 @@ def _patch_mean_metric() -> None:
                 _central_in_replica_context(v) is not None for v in self.variables):
             hooks.expect(hooks.VARIABLE_WRITE, by=f"the metric {self.name!r} (Mean.update_state)")
         step = weighted_step() if sample_weight is None else None
-        if step is None or _in_stateless_scope():
+        if step is None or (_in_stateless_scope() and not getattr(_compiled, "replica_step", False)):
             return original_update(self, values, sample_weight=sample_weight)
         tensor = values if isinstance(values, tf.Tensor) else tf.convert_to_tensor(values)
         if tensor.shape.rank != 0:
@@ -468,6 +468,25 @@ def _patch_mean_metric() -> None:
         return original_update(self, tensor, sample_weight=weight)
 
     Mean.update_state = update_state
+
+
+_compiled = threading.local()  # .replica_step: a replica's compiled forward pass is being traced (see below)
+
+
+@contextlib.contextmanager
+def weighing_in_compiled_replica_step():
+    """Within: a Mean updated in Keras' stateless scope still counts a scalar ``w_i`` (as in the plain step).
+
+    XLA per replica (:mod:`hetero_cs.engine._compat.xla`) traces the forward pass and the loss in a stateless scope
+    whose recorded metric sums it adds to the central variables after; Keras' per-output loss trackers are updated in
+    there, and must be weighed as in the plain step. Keras' own stateless API elsewhere is left as it is.
+    """
+    previous = getattr(_compiled, "replica_step", False)
+    _compiled.replica_step = True
+    try:
+        yield
+    finally:
+        _compiled.replica_step = previous
 
 
 def _in_stateless_scope() -> bool:

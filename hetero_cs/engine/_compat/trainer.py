@@ -38,10 +38,6 @@ def _patch_fit() -> None:
         _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
             return original_fit(self, *args, **kwargs)
-        from hetero_cs.engine import replica_xla
-        from hetero_cs.engine._compat.xla import keras_train_step
-
-        replica_xla.warn_at_fit(self, keras_train_step())  # compile(jit_compile=True): XLA per replica, or why not
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
@@ -259,11 +255,12 @@ def _patch_inference_functions() -> None:
 
 
 def _without_whole_step_xla(original: Callable) -> Callable:
-    """Keras' ``make_*_function``, building under our central-storage strategy a step that XLA does not compile whole.
+    """Keras' ``make_*_function``, building under our strategies a step that XLA does not compile whole.
 
     With ``jit_compile=True`` Keras wraps its whole distributed step (``strategy.run`` and the reduction of its
-    outputs) in one ``tf.function(jit_compile=True)``. Under central storage XLA cannot compile it: the replicas read
-    the variables on the parameter device, and the per-replica cut, timing and all-reduces run on the host. Keras'
+    outputs) in one ``tf.function(jit_compile=True)``. XLA cannot compile ours: the per-replica cut and timing run on
+    the host, through Python (``tf.numpy_function``), and under central storage the replicas read the variables on
+    the parameter device. Keras'
     train_step compiles each replica's forward and backward pass instead (hetero_cs.engine.replica_xla). Private:
     Trainer._jit_compile is what the ``jit_compile`` property reads while Keras builds the step; it is restored
     right after, so ``model.jit_compile`` stays what the user compiled with.
@@ -271,9 +268,15 @@ def _without_whole_step_xla(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def make(self, force=False):
-        if not is_hetero_strategy(getattr(self, "_distribute_strategy", None)) or \
-                getattr(self, "_jit_compile", None) is not True:
+        strategy = getattr(self, "_distribute_strategy", None)
+        ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+        if not ours or getattr(self, "_jit_compile", None) is not True:
             return original(self, force=force)
+        if original.__name__ == "make_train_function":
+            from hetero_cs.engine import replica_xla
+            from hetero_cs.engine._compat.xla import keras_train_step
+
+            replica_xla.warn_at_fit(self, keras_train_step())  # XLA per replica, or a warning saying why not
         self._jit_compile = False  # noqa: SLF001
         try:
             return original(self, force=force)

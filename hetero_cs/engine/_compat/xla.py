@@ -14,6 +14,7 @@ import tensorflow as tf
 from hetero_cs.engine import replica_xla, training
 from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
+from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def keras_train_step():
 
 def _patch_train_step() -> None:
     # Keras' TensorFlow train_step runs the forward pass, the loss, the tape and the optimizer in one Python
-    # function. Under our central-storage strategy, inside a replica step of a model compiled with XLA per replica
+    # function. Under our strategies, inside a replica step of a model compiled with XLA per replica
     # (hetero_cs.engine.replica_xla.applies), the same step runs with its forward pass, loss and gradient in one
     # tf.function(jit_compile=True) on the replica's device (_compiled_step); elsewhere Keras' own runs.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
@@ -35,15 +36,16 @@ def _patch_train_step() -> None:
     def train_step(self, data):
         step = training.current_replica_step()
         strategy = getattr(self, "_distribute_strategy", None)
-        if (step is None or step.global_batch_size is None or not is_hetero_strategy(strategy)
+        if (step is None or step.global_batch_size is None or not _ours(strategy)
                 or not self.trainable_weights or not replica_xla.applies(self)):
             return original(self, data)
-        return _compiled_step(self, data, step)
+        outputs = _compiled_step(self, data, step)
+        return original(self, data) if outputs is None else outputs
 
     TensorFlowTrainer.train_step = train_step
 
-    # Keras resolves compile(jit_compile="auto") to False under every tf.distribute strategy. Under our central-
-    # storage strategy it resolves as it would for one device (Keras' own rule: a device other than the CPU is
+    # Keras resolves compile(jit_compile="auto") to False under every tf.distribute strategy. Under our strategies
+    # it resolves as it would for one device (Keras' own rule: a device other than the CPU is
     # present and every layer supports XLA). Private: Trainer._resolve_auto_jit_compile is that rule; it reads
     # self._distribute_strategy, which the model has, so the strategy is hidden from it for the call.
     Trainer = symbols.require("keras.src.trainers.trainer", "Trainer")
@@ -52,7 +54,7 @@ def _patch_train_step() -> None:
     @functools.wraps(original_resolve)
     def _resolve_auto_jit_compile(self):
         strategy = getattr(self, "_distribute_strategy", None)
-        if not is_hetero_strategy(strategy):
+        if not _ours(strategy):
             return original_resolve(self)
         self._distribute_strategy = None  # noqa: SLF001
         try:
@@ -63,14 +65,20 @@ def _patch_train_step() -> None:
     Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile  # noqa: SLF001
 
 
+def _ours(strategy) -> bool:
+    return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+
+
 def _compiled_step(model, data, step):
-    """Keras' ``train_step`` for one replica, its forward pass, loss and gradient compiled with XLA.
+    """Keras' ``train_step`` for one replica, its forward pass, loss and gradient compiled with XLA; None when the
+    model turned out not to compile per replica (then the caller runs Keras' own, and a warning said why).
 
     The same operations in the same order as Keras' TensorFlow ``train_step``: the forward pass, ``_compute_loss``
     (weighted ``b_i / B`` by hetero_cs's patches), the logged loss, ``optimizer.scale_loss``, the gradient of the
     scaled loss, ``apply_gradients``, ``compute_metrics``. The first three and the gradient run in the compiled
     function; it takes every weight as an input, read here on the replica's device, because XLA cannot read a
-    variable on the parameter device. State the forward pass writes (a seed generator's state, a layer's moving
+    variable on the parameter device (under the multi-worker strategy the read is the replica's own mirrored copy).
+    State the forward pass writes (a seed generator's state, a layer's moving
     statistics) is written back after it, in replica context, as the uncompiled step writes it.
     """
     # Private: Keras' own helpers of its train_step (unpacking, the loss tracker, the logged loss's unscaling,
@@ -81,11 +89,18 @@ def _compiled_step(model, data, step):
     from keras.src.losses import loss as loss_module
     from keras.src.trainers.data_adapters import data_adapter_utils
 
-    from hetero_cs.engine._compat.losses import _register
+    from hetero_cs.engine._compat.losses import _register, weighing_in_compiled_replica_step
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
+    # Keras' loss trackers (per-output losses) are updated inside _compute_loss. They are sums (Mean, Sum: total and
+    # count only ever grow by assign_add), so they go in as zeros and what the function adds comes out exactly, to be
+    # added to the variables after it, as the uncompiled step adds it (aggregated across replicas).
+    known = {id(v) for v in trainable + non_trainable}
+    metric_state = [v for v in model.metrics_variables if id(v) not in known]
+    additive = {id(v) for metric in model.metrics if isinstance(metric, _additive_metrics())
+                for v in metric.variables}
     optimizer = model.optimizer
     # optimizer.scale_loss multiplies by the loss scale (a variable on the parameter device) under
     # LossScaleOptimizer and returns the loss itself otherwise: the scale goes in as an input too.
@@ -93,10 +108,13 @@ def _compiled_step(model, data, step):
     scale = None if optimizer is None else optimizer.scale_loss(unit)
     scale = None if scale is unit else tf.convert_to_tensor(scale)
     written: list[int] = []
+    added: list[int] = []
 
     def hetero_cs_replica_forward_backward(weights, state, scale, x, y, sample_weight):
-        mapping = list(zip(trainable, weights)) + list(zip(non_trainable, state))
-        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        zeros = [tf.zeros(v.shape, v.dtype) for v in metric_state]
+        mapping = list(zip(trainable, weights)) + list(zip(non_trainable, state)) + list(zip(metric_state, zeros))
+        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
+                weighing_in_compiled_replica_step():
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred = model(x, training=True) if model._call_has_training_arg else model(x)  # noqa: SLF001
@@ -105,19 +123,50 @@ def _compiled_step(model, data, step):
                 scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
             gradients = tape.gradient(scaled, weights)
             new_state = [scope.get_current_value(variable) for variable in non_trainable]
-        written[:] = [i for i, value in enumerate(new_state) if value is not None]
-        return y_pred, loss, gradients, [new_state[i] for i in written]
+            sums = [scope.get_current_value(variable) for variable in metric_state]
+        # The scope answers a variable's mapped value until something assigns it a new one.
+        written[:] = [i for i, (value, given) in enumerate(zip(new_state, state)) if value is not given]
+        added[:] = [i for i, (value, given) in enumerate(zip(sums, zeros)) if value is not given]
+        return y_pred, loss, gradients, [new_state[i] for i in written], [sums[i] for i in added]
 
     compiled = tf.function(hetero_cs_replica_forward_backward, jit_compile=True, autograph=False)
     # One function per replica and trace: its captures (this replica's b_i, B) are this replica's own.
     weights = [tf.convert_to_tensor(variable) for variable in trainable]
     state = [tf.convert_to_tensor(variable) for variable in non_trainable]
-    y_pred, loss, gradients, new_state = compiled(weights, state, scale, x, y, sample_weight)
+    try:
+        compiled.get_concrete_function(weights, state, scale, x, y, sample_weight)  # traced here, called below
+    except RuntimeError as exc:
+        if "merge_call" not in str(exc):
+            raise
+        # An all-reduce across replicas inside the forward pass or the loss: a masked loss, or one reduced with
+        # "mean_with_sample_weight", normalised by the whole global batch (hetero_cs.engine._compat.losses); a
+        # layer of the user's own that all-reduces. A compiled function per replica cannot hold it.
+        replica_xla.fall_back(model, "the forward pass or the loss all-reduces across replicas (a loss normalised "
+                                     "by the whole global batch's mask or sample weights, or a layer that "
+                                     "synchronises replicas), which a per-replica XLA function cannot hold")
+        return None
+    other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
+    if other:
+        replica_xla.fall_back(model, f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
+        return None
+    logger.debug("hetero_cs: replica %d's forward pass, loss and gradient are compiled with XLA on %s.",
+                 step.replica_id, step.device)
+    y_pred, loss, gradients, new_state, sums = compiled(weights, state, scale, x, y, sample_weight)
     _register(step, loss)  # a b_i / B share, as _compute_loss's own result is
     for i, value in zip(written, new_state):
         non_trainable[i].assign(value)
+    for i, value in zip(added, sums):
+        metric_state[i].assign_add(value)
     model._loss_tracker.update_state(  # noqa: SLF001
         loss_module.unscale_loss_for_distribution(loss),
         sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
     model.optimizer.apply_gradients(zip(gradients, trainable))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _additive_metrics() -> tuple:
+    # Private: keras.src.metrics.reduction_metrics holds Keras' Sum and Mean (loss trackers and every
+    # MeanMetricWrapper included), whose update_state only adds to their state (assign_add).
+    from keras.src.metrics.reduction_metrics import Mean, Sum
+
+    return (Sum, Mean)
