@@ -28,7 +28,10 @@ steps, the chief's plan, the guard). Prints, from the chief:
   median step on each (steps classified by the split they were cut with, so the steps a hold kept on the old split
   count for it). The same processes, the same load, the same collectives: this is the figure to trust on a shared
   machine, where separate runs drift by a few percent; ``interleaved_fraction_of_theoretical`` divides it by the
-  theoretical speedup.
+  theoretical speedup. The cycle also runs the fastest card alone (the whole batch on the replica with the shortest
+  emulated step at B, every other replica idle: it skips its pass and joins the all-reduce with zeros), giving
+  ``speedup_vs_fastest`` (median step alone / median step on the plan, side by side) beside
+  ``theoretical_speedup_vs_fastest`` (the emulated fastest-alone makespan / the emulated optimal makespan).
 * With ``--control``, a third run with the balanced run's final split fixed (``batch_split``: no calibration,
   guard or agreement): ``control_speedup_vs_even`` and ``auto_vs_control`` (control step / balanced step; 1.0 =
   auto-balancing costs nothing beyond the split it finds).
@@ -97,30 +100,34 @@ def _worker(args) -> int:
     found = {}  # the chief's: the plan auto_balance found, and the even split, as served in the interleaved steps
 
     class Interleave(keras.callbacks.Callback):
-        """After args.steps, the chief alternates the even split and the found plan (side by side): each block
-        lasts until args.interleave_block steps were cut with its split (a switch reaches the workers at the next
-        agreement, so a hold can keep the old split for a few steps)."""
+        """After args.steps, the chief cycles through the even split, the found plan and the fastest card alone
+        (the whole batch on it, every other replica idle): each block lasts until args.interleave_block steps were
+        cut with its split (a switch reaches the workers at the next agreement, so a hold can keep the old split
+        for a few steps)."""
 
         def __init__(self):
             super().__init__()
-            self.target, self.served = None, 0
+            self.target, self.served, self.order = None, 0, ["even", "plan", "alone"]
 
         def on_train_batch_begin(self, batch, logs=None):
             if batch < args.steps:
                 return
             if self.target is None:
                 found["plan"] = tuple(strategy.plan.per_replica_batch_sizes)
-                self._switch([1.0] * R)
+                fastest = min(range(R), key=lambda i: strategy.emulator.step_time_s(i, B, step=0))
+                found["fastest_replica"] = fastest
+                self.shares = {"even": [1.0] * R, "plan": list(found["plan"]),
+                               "alone": [1.0 if i == fastest else 0.0 for i in range(R)]}
+                self._switch("even")
                 return
             self.served += strategy.last_split == self.target
             if self.served >= args.interleave_block:
-                self._switch([1.0] * R if self.target == found["plan"] else list(found["plan"]))
+                self._switch(self.order[(self.order.index(self.name) + 1) % len(self.order)])
 
-        def _switch(self, shares):
-            strategy.balancer.set_batch_split(shares)
-            self.target, self.served = tuple(strategy.plan.per_replica_batch_sizes), 0
-            if shares == [1.0] * R:
-                found["even"] = self.target
+        def _switch(self, name):
+            strategy.balancer.set_batch_split(self.shares[name])
+            self.name, self.target, self.served = name, tuple(strategy.plan.per_replica_batch_sizes), 0
+            found[name] = self.target
 
     callbacks = [Clock()] + ([Interleave()] if interleaved and strategy.is_chief else [])
     model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
@@ -134,9 +141,10 @@ def _worker(args) -> int:
     even = list(hetero_cs.even_batch_split(B, R))
     side_by_side = {}
     if interleaved:
-        for name, split in (("even", tuple(found["even"])), ("plan", tuple(sizes))):
-            times = [t for t, cut in zip(step_s[args.steps:], splits[args.steps + 1:]) if cut == split]
-            side_by_side[name] = times
+        for name in ("even", "plan", "alone"):
+            split = found.get(name)
+            side_by_side[name] = [] if split is None else [
+                t for t, cut in zip(step_s[args.steps:], splits[args.steps + 1:]) if cut == tuple(split)]
 
     class Emulated:
         def __init__(self, i):
@@ -162,6 +170,9 @@ def _worker(args) -> int:
         "optimal_makespan_emulated_s": optimal.predicted_makespan_s,
         "optimal_plan": list(optimal.per_replica_batch_sizes),
         "served_makespan_emulated_s": served_makespan,
+        "fastest_replica": found.get("fastest_replica"),
+        "fastest_alone_makespan_emulated_s": (Emulated(found["fastest_replica"]).predict_step_time_s(B)
+                                              if "fastest_replica" in found else None),
         "emulation_check": check,
         # Of the measured steps, how many were served the final plan (the rest: the guard's trial still serving
         # the even split beside it, or a re-plan). Below 1, the window includes the plan's search.
@@ -204,8 +215,9 @@ def main(argv=None) -> int:
     parser.add_argument("--measure", type=int, default=30, help="the last of each run's --steps that are measured")
     parser.add_argument("--global-batch-size", type=int, default=2048,
                         help="B; at small B this model's emulated step is mostly fixed overhead and shows little gain")
-    parser.add_argument("--interleave-steps", type=int, default=72,
-                        help="after --steps, the balanced run alternates the even split and its plan for this many "
+    parser.add_argument("--interleave-steps", type=int, default=108,
+                        help="after --steps, the balanced run cycles through the even split, its plan and the fastest "
+                             "card alone for this many "
                              "steps (0: off)")
     parser.add_argument("--interleave-block", type=int, default=12,
                         help="steps cut with one split before the interleaving switches to the other")
@@ -260,7 +272,15 @@ def main(argv=None) -> int:
         if even_s and plan_s:
             summary["interleaved_speedup_vs_even"] = statistics.median(even_s) / statistics.median(plan_s)
             summary["interleaved_fraction_of_theoretical"] = summary["interleaved_speedup_vs_even"] / theoretical
-        else:
+        alone_s = interleaved.get("alone", [])
+        summary["interleaved_steps_alone"] = len(alone_s)
+        if alone_s and plan_s and auto["fastest_alone_makespan_emulated_s"]:
+            theoretical_fastest = auto["fastest_alone_makespan_emulated_s"] / auto["optimal_makespan_emulated_s"]
+            summary["fastest_card"] = auto["emulate"][auto["fastest_replica"]]
+            summary["speedup_vs_fastest"] = statistics.median(alone_s) / statistics.median(plan_s)
+            summary["theoretical_speedup_vs_fastest"] = theoretical_fastest
+            summary["speedup_vs_fastest_fraction_of_theoretical"] = summary["speedup_vs_fastest"] / theoretical_fastest
+        if not (even_s and plan_s):
             print(f"no interleaved figure: {len(even_s)} steps on the even split and {len(plan_s)} on the plan in "
                   f"--interleave-steps {args.interleave_steps} (the holds between agreements are long at short steps: "
                   f"raise --interleave-steps)")

@@ -26,6 +26,15 @@ batch dimension (a leading dimension unknown at trace time: predictions, per-exa
 is empty (0 rows, as its slice). Any other output is, in Keras' own steps, a copy of the first active replica's
 (Keras' logs read metric state that every replica shares), and in a custom loop zeros (what a sum over 0 examples
 gives, e.g. ``tf.nn.compute_average_loss`` of an empty slice).
+
+Under the multi-worker strategy. Every replica of every worker must join each collective (the gradient all-reduce,
+BatchNormalization's statistics), so a replica's step cannot be left out. Instead, in Keras' own ``train_step``, a
+replica with 0 examples skips its forward pass, loss and gradient (a ``tf.cond`` around that part of the step,
+:mod:`hetero_cs.engine._compat.replica_pass`) and hands exact zeros to the all-reduce; a worker whose replicas are all
+idle still joins every collective. Where that cannot be (:func:`multi_worker_skips`: a trainable BatchNormalization,
+a loss normalised across replicas, a ``train_step`` override, a custom loop), the idle replica runs its pass on a
+0-example slice, exact as before, and plans price its fixed cost (the chief's Balancer is told which:
+``Balancer.set_idle_replicas_free``).
 """
 
 from __future__ import annotations
@@ -295,3 +304,29 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
     with tf.device(host):
         tf.numpy_function(_report, [tf.cast(stamp, tf.float64)], tf.float64, stateful=True,
                           name="hetero_cs_idle_replicas")
+
+
+_multi_worker_fell_back: weakref.WeakSet = weakref.WeakSet()
+
+
+def multi_worker_skips(model) -> bool:
+    """Under the multi-worker strategy: whether a replica of ``model`` with 0 examples skips its forward and
+    backward pass in Keras' own ``train_step`` (no trainable BatchNormalization, whose statistics all-reduce inside
+    the forward pass, and no such all-reduce found while tracing)."""
+    from hetero_cs.engine.replica_xla import batch_norms_in_training
+
+    return model not in _multi_worker_fell_back and not batch_norms_in_training(model)
+
+
+def multi_worker_fall_back(model, reason: str) -> None:
+    """Found while tracing ``model``'s step: its idle replicas cannot skip their pass because of ``reason``; they run
+    it on 0-example slices (exact) from now on, and the chief's plans price their fixed cost."""
+    if model in _multi_worker_fell_back:
+        return
+    _multi_worker_fell_back.add(model)
+    logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).",
+                reason)
+    strategy = getattr(model, "_distribute_strategy", None)
+    balancer = getattr(strategy, "_balancer", None)
+    if balancer is not None:
+        balancer.set_idle_replicas_free(False)

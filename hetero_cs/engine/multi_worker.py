@@ -263,6 +263,15 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
 
         self._emulator.set_workload(estimate_workload(model))
 
+    def _prepare_idle_replicas(self, model, keras_train_step) -> None:
+        """Before ``fit``: plans may leave a card out where a replica of ``model`` with 0 examples skips its
+        forward and backward pass (Keras' own ``train_step``, :func:`hetero_cs.engine.idle_replicas.
+        multi_worker_skips`); elsewhere an idle replica still pays its fixed cost, and plans price it."""
+        from hetero_cs.engine import idle_replicas
+
+        skips = getattr(type(model), "train_step", None) is keras_train_step and idle_replicas.multi_worker_skips(model)
+        self._balancer.set_idle_replicas_free(skips)
+
     def _agreed_sizes(self, global_batch_size):
         """auto_balance: the split of this global batch (int32 [R]), agreed by every worker (cross-replica context).
 

@@ -68,8 +68,7 @@ def unsupported_reason(model) -> str | None:
     Returns:
         A sentence naming the layers, for the warning of :func:`warn_at_fit`.
     """
-    batch_norms = [layer for layer in _layers(model)
-                   if type(layer).__name__ == "BatchNormalization" and getattr(layer, "trainable", False)]
+    batch_norms = batch_norms_in_training(model)
     if batch_norms:
         names = ", ".join(repr(layer.name) for layer in batch_norms[:3]) + (" ..." if len(batch_norms) > 3 else "")
         return (f"BatchNormalization layer {names} normalises a training batch by the whole global batch's "
@@ -139,6 +138,13 @@ def compile_error(exc: Exception) -> ConfigError | None:
         f"XLA could not compile a replica's forward and backward pass (compile(jit_compile=True)): {reason} "
         f"Compile the model with jit_compile=False to train without XLA; nothing of this step was applied."
     )
+
+
+def batch_norms_in_training(model) -> list:
+    """``model``'s trainable BatchNormalization layers: each all-reduces its batch statistics across replicas inside
+    the forward pass (:mod:`hetero_cs.engine._compat.batch_norm`)."""
+    return [layer for layer in _layers(model)
+            if type(layer).__name__ == "BatchNormalization" and getattr(layer, "trainable", False)]
 
 
 def _layers(model) -> list:

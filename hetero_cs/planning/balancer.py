@@ -24,6 +24,7 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -100,6 +101,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         # and re-plans leave a card out wherever that is predicted faster (IdleFreeCostModel).
         self._idle_free = bool(idle_replicas_free)
         self._rebalance_policy = rebalance_policy or RebalancePolicy(min_batch_size=0 if self._idle_free else 1)
+        self._rebalance_policy_given = rebalance_policy is not None
         self._on_plan = on_plan
         self._on_trial = on_trial
         self._calibrated_models: list[CostModel] | None = None
@@ -211,6 +213,35 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
     # ------------------------------------------------------------------------------------------------------------
     # Changing the models or the split
     # ------------------------------------------------------------------------------------------------------------
+    @property
+    def idle_replicas_free(self) -> bool:
+        """True when the engine runs nothing for a replica with 0 examples, so plans may leave cards out."""
+        return self._idle_free
+
+    def set_idle_replicas_free(self, free: bool) -> None:
+        """Tells the Balancer whether the engine now runs nothing for a replica with 0 examples.
+
+        The multi-worker engine knows it only once it has the model (a replica skips its forward and backward pass
+        where the model allows it: :mod:`hetero_cs.engine.idle_replicas`). Cost models set already are priced
+        again (0 examples cost 0 s, or their fixed cost) and the plan is solved again at once; the
+        default re-balance policy's smallest slice follows (0, or 1).
+
+        Raises:
+            ConfigError: As :meth:`set_cost_models`, when the models set cannot be priced again.
+        """
+        free = bool(free)
+        with self._lock:
+            if free == self._idle_free:
+                return
+            self._idle_free = free
+            if not self._rebalance_policy_given:
+                self._rebalance_policy = dataclasses.replace(self._rebalance_policy, min_batch_size=0 if free else 1)
+                self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=self._max_batch_sizes)
+            if self._cost_models is not None:  # priced again and solved again, at once (no guard trial)
+                self.set_cost_models([without_idle_pricing(m) for m in self._cost_models],
+                                     max_batch_sizes=self._max_batch_sizes,
+                                     reference_batch_size=self._reference_batch_size, trial=False)
+
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
         trial: bool = False, reference_batch_size: int | None = None,

@@ -2,7 +2,7 @@
 
 The oracle is the same model fit on one device with ``jit_compile=True`` (Keras compiles its whole step there).
 Under the strategy each replica's forward pass, loss and gradient are one XLA function on its device; that the step
-went that way is counted where hetero_cs builds it (``_compiled_step``), and a layer XLA cannot compile proves that
+went that way is counted where hetero_cs builds it (``_cut_step``), and a layer XLA cannot compile proves that
 the function really is compiled.
 """
 
@@ -17,7 +17,7 @@ from fixed_splits import strategy_for
 from test_mixed_precision import global_policy
 
 from hetero_cs import HeteroCentralStorageStrategy
-from hetero_cs.engine._compat import xla as xla_compat
+from hetero_cs.engine._compat import replica_pass
 from hetero_cs.errors import ConfigError
 
 ATOL = 1e-5
@@ -27,13 +27,14 @@ ATOL = 1e-5
 def compiled_steps(monkeypatch):
     """Counts the replica train steps traced with a compiled forward and backward pass."""
     calls = []
-    original = xla_compat._compiled_step
+    original = replica_pass._cut_step
 
-    def counting(model, data, step):
-        calls.append(step.replica_id)
-        return original(model, data, step)
+    def counting(model, data, step, *, jit, skip_when_empty):
+        if jit:
+            calls.append(step.replica_id)
+        return original(model, data, step, jit=jit, skip_when_empty=skip_when_empty)
 
-    monkeypatch.setattr(xla_compat, "_compiled_step", counting)
+    monkeypatch.setattr(replica_pass, "_cut_step", counting)
     return calls
 
 

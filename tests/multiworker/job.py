@@ -45,13 +45,29 @@ def data(wide=False):
     return x, y
 
 
-def build(keras, wide=False, accumulate=None, jit_compile=False):
+_FORWARD_ROWS: list = []  # --count-forward: the rows of every forward pass this process ran in training
+
+
+def _counted(x):
+    """Identity; records the rows of each training forward pass that runs (a Python call per pass)."""
+    import tensorflow as tf
+
+    def record(rows):
+        _FORWARD_ROWS.append(int(rows))
+        return rows
+
+    done = tf.py_function(record, [tf.shape(x)[0]], tf.int32)
+    with tf.control_dependencies([done]):
+        return tf.identity(x)
+
+
+def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=False):
     rng = np.random.RandomState(0)
     if wide:
         layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
                   keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
     else:
-        layers = [keras.Input((5,)),
+        layers = [keras.Input((5,)), *([keras.layers.Lambda(_counted)] if count_forward else []),
                   keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
                   keras.layers.Dense(3)]
     model = keras.Sequential(layers)
@@ -110,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mismatched-evaluate", action="store_true",
                         help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
     parser.add_argument("--jit", action="store_true", help="compile(jit_compile=True): XLA per replica")
+    parser.add_argument("--count-forward", action="store_true",
+                        help="write OUT/forward_rows_<worker>.json: the rows of each forward pass fit ran here")
     args = parser.parse_args(argv)
 
     import keras
@@ -125,7 +143,7 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         logging.getLogger("hetero_cs").setLevel(logging.INFO)
         if args.jit:  # each replica says that its step is compiled
-            logging.getLogger("hetero_cs.engine._compat.xla").setLevel(logging.DEBUG)
+            logging.getLogger("hetero_cs.engine._compat.replica_pass").setLevel(logging.DEBUG)
         kwargs = {}
         if args.split == "auto":
             kwargs["auto_balance"] = True
@@ -184,10 +202,10 @@ def main(argv=None) -> int:
         # folder (the mirrored weights are the same on every worker, so each backup is whole).
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
-        model = build(keras, args.wide, args.accumulate, args.jit)
+        model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward)
     else:
         with strategy.scope():
-            model = build(keras, args.wide, args.accumulate, args.jit)
+            model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     try:
@@ -210,6 +228,9 @@ def main(argv=None) -> int:
         print("mismatched evaluate ended", name, strategy.agreement_counts, flush=True)
         _barrier(strategy)
         return 0
+    if args.count_forward:
+        with open(os.path.join(args.out, f"forward_rows_{name}.json"), "w") as f:
+            json.dump(_FORWARD_ROWS, f)
     evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
     predicted = model.predict(dataset, verbose=0)
     result = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}

@@ -45,6 +45,21 @@ def test_a_card_with_a_large_fixed_cost_is_left_out_and_the_plan_says_so():
     assert min(every.plan.per_replica_batch_sizes) >= 1
 
 
+def test_an_engine_that_learns_late_that_idle_replicas_are_free_plans_with_it_both_ways():
+    # The multi-worker engine knows only once it has the model whether an idle replica skips its pass.
+    models = [LinearCostModel(0.0, 1e-4), LinearCostModel(0.0, 1e-4), LinearCostModel(0.5, 1e-5)]
+    balancer = Balancer(3, rebalance=False, guard=False)
+    balancer.set_cost_models(models, reference_batch_size=1000)
+    assert min(balancer.plan_for(1000).per_replica_batch_sizes) >= 1 and not balancer.idle_replicas_free
+    balancer.set_idle_replicas_free(True)
+    assert balancer.plan_for(1000).per_replica_batch_sizes == (500, 500, 0)
+    assert balancer.cost_models == models  # still the cards' own curves
+    assert balancer.rebalancer.policy.min_batch_size == 0
+    balancer.set_idle_replicas_free(False)  # a model whose idle replicas must run (an all-reduce in its forward)
+    assert min(balancer.plan_for(1000).per_replica_batch_sizes) >= 1
+    assert balancer.rebalancer.policy.min_batch_size == 1
+
+
 def run_severe_drift(steps=260, seed=0):
     balancer = Balancer(3, idle_replicas_free=True)
     balancer.set_cost_models(BASE, reference_batch_size=B)

@@ -13,8 +13,8 @@ The touches are grouped by what they touch: ``distribute`` (tf.distribute's exte
 ``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking), ``tape``
 (``tf.GradientTape.gradient`` of a loss the user reduced),
 ``optimizer`` (Keras' TensorFlow optimizer), ``loss_scale`` (its LossScaleOptimizer: mixed_float16),
-``trainer`` (fit, evaluate, predict and layer walks), ``xla`` (Keras' train step with each replica's forward and
-backward pass compiled), ``graph_patterns`` (reading how a traced value was computed)
+``trainer`` (fit, evaluate, predict and layer walks), ``replica_pass`` (Keras' train step cut at each replica's forward
+and backward pass), ``graph_patterns`` (reading how a traced value was computed)
 and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a
 private TensorFlow or Keras name.
 
@@ -79,7 +79,7 @@ from hetero_cs.engine._compat.multi_worker import (
 )
 from hetero_cs.engine._compat.tape import _patch_gradient_tape
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
-from hetero_cs.engine._compat.xla import _patch_train_step
+from hetero_cs.engine._compat.replica_pass import _patch_train_step
 
 __all__ = [
     "MULTI_WORKER_MARKER",

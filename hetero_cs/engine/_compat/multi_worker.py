@@ -194,6 +194,9 @@ def _patch_entry_points() -> None:
                 return original(self, *args, **kwargs)
             if original.__name__ == "fit":
                 _refuse_loss_scaling(self)
+                from hetero_cs.engine._compat.replica_pass import keras_train_step
+
+                strategy._prepare_idle_replicas(self, keras_train_step())  # noqa: SLF001
             _refuse_steps_per_execution(self)
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()

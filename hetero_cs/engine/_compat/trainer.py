@@ -274,7 +274,7 @@ def _without_whole_step_xla(original: Callable) -> Callable:
             return original(self, force=force)
         if original.__name__ == "make_train_function":
             from hetero_cs.engine import replica_xla
-            from hetero_cs.engine._compat.xla import keras_train_step
+            from hetero_cs.engine._compat.replica_pass import keras_train_step
 
             replica_xla.warn_at_fit(self, keras_train_step())  # XLA per replica, or a warning saying why not
         self._jit_compile = False  # noqa: SLF001
