@@ -31,7 +31,8 @@ DEFAULT_EMULATION = "A10,T4,P100"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
-    parser.add_argument("--global-batch-size", type=int, default=256, help="examples per optimizer step (B)")
+    parser.add_argument("--global-batch-size", type=int, default=256,
+                        help="examples per optimizer step (B; default 256)")
     parser.add_argument(
         "--emulate",
         default=None,
@@ -43,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--traceback", action="store_true", help="on a hetero_cs error, show the full traceback")
     parser.add_argument("--data", default=None, help="optional .npz with x (N, 8, 8[, 1]) and y (N,)")
     parser.add_argument(
-        "--timing-steps", type=int, default=30, help="steps per configuration for the examples/s comparison"
+        "--timing-steps", type=int, default=30,
+        help="steps per configuration for the examples/s comparison (default 30)"
     )
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.global_batch_size < 1 or args.timing_steps < 1:
@@ -216,12 +218,14 @@ def fits_alone(model, dataset) -> str | None:
 
 
 def theoretical_speedup_vs_fastest(cost_models, plan_sizes, index: int, global_batch_size: int) -> float | None:
-    """Sum of the cards' throughputs at their planned slices over the fastest card's throughput on the whole batch,
-    from the cost models (None without them)."""
+    """The fastest card's predicted step on the whole batch over the plan's predicted makespan (its slowest card's
+    step), from the cost models (None without them). At a balanced plan, where every card finishes together, that is
+    the sum of the cards' throughputs over the fastest card's; a plan that is not balanced (the even split, while
+    the guard still tries the solved one) reads what the models predict for it, below 1.0 where it is slower."""
     if cost_models is None:
         return None
-    total = sum(b / m.predict_step_time_s(b) for m, b in zip(cost_models, plan_sizes) if b > 0)
-    return total / (global_batch_size / cost_models[index].predict_step_time_s(global_batch_size))
+    makespan_s = max(m.predict_step_time_s(b) for m, b in zip(cost_models, plan_sizes) if b > 0)
+    return cost_models[index].predict_step_time_s(global_batch_size) / makespan_s
 
 
 def compile_model(model) -> None:
@@ -378,8 +382,8 @@ def main(argv=None) -> int:
     predicted = f"{theoretical_vs_fastest:.2f}x" if theoretical_vs_fastest else "n/a without calibration"
     if speedup_vs_fastest is not None:
         print(f"{'speedup vs the fastest alone':>32}: {speedup_vs_fastest:9.2f}x (all {R} cards vs {fastest_name} "
-              f"alone; theoretical from the cost models, the cards' throughputs at their slices over "
-              f"{fastest_name}'s at B: {predicted}; median of {len(plan_times_s)} paired round(s): "
+              f"alone; theoretical from the cost models, {fastest_name}'s step at B over the plan's makespan: "
+              f"{predicted}; median of {len(plan_times_s)} paired round(s): "
               f"{', '.join(f'{r:.2f}' for r in vs_fastest_rounds)})")
 
     calibration = strategy.calibration

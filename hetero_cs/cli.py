@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = verbs.add_parser("calibrate", help="time each device on a reference model and write a profile")
     add_calibrate_arguments(calibrate)
     calibrate.set_defaults(run=_calibrate)
-    plan = verbs.add_parser("plan", help="solve and print the batch plan of a profile for a global batch size")
+    plan = verbs.add_parser("plan", help="solve and print the batch plan of a profile for a global batch size",
+                            description="Solve and print the batch plan of a calibrated profile (or of catalog "
+                                        "devices) for a global batch size.")
     add_plan_arguments(plan)
     plan.set_defaults(run=_plan)
     bench = verbs.add_parser(

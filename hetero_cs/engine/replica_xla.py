@@ -55,6 +55,7 @@ FUNCTION_NAME = "hetero_cs_replica_forward_backward"
 
 _warned: weakref.WeakSet = weakref.WeakSet()
 _fell_back: weakref.WeakSet = weakref.WeakSet()
+_said_compiled: weakref.WeakSet = weakref.WeakSet()
 
 
 def requested(model) -> bool:
@@ -80,6 +81,15 @@ def unsupported_reason(model) -> str | None:
 def applies(model) -> bool:
     """Whether Keras' ``train_step`` of ``model`` compiles each replica's forward and backward pass with XLA."""
     return requested(model) and model not in _fell_back and unsupported_reason(model) is None
+
+
+def note_compiled(model) -> None:
+    """Says once per model (INFO) that its replicas' forward and backward passes are compiled with XLA."""
+    if model in _said_compiled:
+        return
+    _said_compiled.add(model)
+    logger.info("hetero_cs: compile(jit_compile=True): each replica's forward pass, loss and gradient are compiled "
+                "with XLA on its device; XLA compiles again for every new slice size.")
 
 
 def fall_back(model, reason: str) -> None:

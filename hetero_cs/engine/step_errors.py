@@ -158,16 +158,12 @@ def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:
 
 
 def log_empty_slices(plan) -> None:
-    """Logs (INFO) that ``plan`` (a BatchPlan) leaves some replicas 0 examples: they idle, and where they might not."""
+    """Logs (INFO) that ``plan`` (a BatchPlan) leaves some replicas 0 examples: they idle."""
     empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
-    logger.info(
-        "hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do no work in that "
-        "step (R = %d replicas). A step traced before this set of idle replicas was first used (the first epoch's "
-        "last batch, a custom loop traced before strategy.calibrate) runs them on 0-example slices instead, which "
-        "is exact, but: %s",
-        plan.global_batch_size, list(plan.per_replica_batch_sizes), empty, len(plan.per_replica_batch_sizes),
-        EMPTY_SLICE_ADVICE,
-    )
+    # The advice for kernels that fail on 0-example inputs goes with the error of a step that fails (above), not
+    # here: an idle replica runs nothing, and only a step traced before its set was first used runs empty slices.
+    logger.info("hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do no work in "
+                "that step.", plan.global_batch_size, list(plan.per_replica_batch_sizes), empty)
 
 
 class EmptySliceNotes:
@@ -188,10 +184,10 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
 
     That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-    update or a replica's forward and backward pass, a StepOOMError for an out-of-memory error that names no replica, a DeviceFaultError for a device error
-    (:mod:`hetero_cs.engine.failover`) that names one, else a ReplicaStepError naming the
-    replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`). ``replica_scopes``: name scopes only
-    replicas' ops run under (``fit`` passes the model's name).
+    update or a replica's forward and backward pass, a StepOOMError for an out-of-memory error that names no
+    replica, a DeviceFaultError for a device error (:mod:`hetero_cs.engine.failover`) that names one, else a
+    ReplicaStepError naming the replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`).
+    ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name).
     """
     from hetero_cs.engine import replica_xla
     from hetero_cs.engine.fused_update import compile_error

@@ -457,7 +457,10 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         self._trial_served = 0
         # Steps measured before the trial belong to neither side of it.
         self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
-        self._guard.start(incumbent, candidate, step=self._monitor.completed_steps, against_alone=against_alone)
+        recent = [sample.makespan_s for sample in self._monitor.window()
+                  if tuple(sample.per_replica_batch_sizes) == incumbent.per_replica_batch_sizes][-5:]
+        self._guard.start(incumbent, candidate, step=self._monitor.completed_steps, against_alone=against_alone,
+                          incumbent_recent_s=sorted(recent)[len(recent) // 2] if recent else None)
         if self._on_trial is not None:
             self._on_trial(candidate)
 

@@ -226,6 +226,8 @@ class PlanGuard:
         self._blocked_until_step = -1
         self._against_alone = False
         self._candidate_warm = False
+        self._incumbent_warm = False
+        self._incumbent_recent_s: float | None = None
         self._decisions: list[GuardDecision] = []
 
     @property
@@ -277,11 +279,14 @@ class PlanGuard:
         """True when no trial runs and the back-off after the last revert has passed at ``step``."""
         return self._candidate is None and step >= self._blocked_until_step
 
-    def start(self, incumbent: BatchPlan, candidate: BatchPlan, *, step: int, against_alone: bool = False) -> None:
+    def start(self, incumbent: BatchPlan, candidate: BatchPlan, *, step: int, against_alone: bool = False,
+              incumbent_recent_s: float | None = None) -> None:
         """Begins a trial of ``candidate`` against ``incumbent`` (same global batch size, different slices).
 
         ``against_alone=True`` marks ``candidate`` as the fastest card alone, checked against the plan in force:
-        the decision says so, and a revert starts no back-off.
+        the decision says so, and a revert starts no back-off. ``incumbent_recent_s``: the incumbent's makespan
+        measured just before the trial (seconds), or None; the incumbent's first step in the trial is a warm-up
+        when it is more than ``decisive_ratio`` times that.
 
         Raises:
             ConfigError: If the plans are for different global batch sizes or replica counts, or have equal slices.
@@ -304,7 +309,14 @@ class PlanGuard:
         self._served = 0
         self._trial_steps = 0
         self._pending_candidate_s = None
-        self._candidate_warm = False  # its first measured step is a warm-up, not a sample
+        # The candidate's first measured step is a warm-up, not a sample: a new set of idle replicas traces the step
+        # again, and the first run of each split pays for it (graph set-up; with XLA per replica, the compilation of
+        # each new slice size, measured at 24x a step). So does the incumbent's first step after that trace: it is
+        # one when it is far slower than the incumbent's steps just before the trial (a plan in force that turned
+        # slow is slow before the trial too).
+        self._candidate_warm = False
+        self._incumbent_warm = False
+        self._incumbent_recent_s = None if incumbent_recent_s is None else float(incumbent_recent_s)
         self._ratios = []
         (logger.debug if self._quiet else logger.info)(
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
@@ -349,7 +361,12 @@ class PlanGuard:
             if self._candidate_warm:
                 self._pending_candidate_s = float(makespan_s)
             self._candidate_warm = True
+        elif usable and sizes == self._incumbent.per_replica_batch_sizes and not self._incumbent_warm and (
+                self._incumbent_recent_s is not None
+                and makespan_s > self._policy.decisive_ratio * self._incumbent_recent_s):
+            self._incumbent_warm = True  # a warm-up: dropped, once
         elif usable and sizes == self._incumbent.per_replica_batch_sizes and self._pending_candidate_s is not None:
+            self._incumbent_warm = True
             self._ratios.append(self._pending_candidate_s / float(makespan_s))
             self._pending_candidate_s = None
         decision = self._decide(step)

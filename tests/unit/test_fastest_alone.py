@@ -72,11 +72,14 @@ def test_the_measured_figures_and_the_goals(alone_s, noise, met):
     assert record["fastest"] == "A10"
 
 
-def test_the_main_job_theoretical_value_sums_the_throughputs_at_the_planned_slices():
+def test_the_main_job_theoretical_value_is_the_fastest_cards_step_over_the_plans_makespan():
     models = [LinearCostModel(0.010, 1e-4), LinearCostModel(0.001, 2e-4), LinearCostModel(0.002, 5e-4)]
-    plan = [700, 300, 0]  # an idle card adds no throughput
-    expected = (700 / 0.080 + 300 / 0.061) / (1000 / 0.110)
-    assert train_digits.theoretical_speedup_vs_fastest(models, plan, 0, 1000) == pytest.approx(expected)
+    plan = [700, 300, 0]  # an idle card sets no step time
+    assert train_digits.theoretical_speedup_vs_fastest(models, plan, 0, 1000) == pytest.approx(0.110 / 0.080)
+    # An unbalanced plan (the even split while the guard still tries another) reads below 1.0 where the models
+    # predict it slower than the card alone; the sum of throughputs (1.61 here) would call it faster.
+    even = [334, 333, 333]
+    assert train_digits.theoretical_speedup_vs_fastest(models, even, 0, 1000) == pytest.approx(0.110 / 0.1685)
     assert train_digits.theoretical_speedup_vs_fastest(None, plan, 0, 1000) is None
 
 

@@ -103,6 +103,34 @@ def test_the_candidates_first_step_is_a_warm_up_and_decides_nothing():
     assert decision.kept and decision.num_pairs == 3 and decision.median_ratio == pytest.approx(0.7)
 
 
+def test_the_incumbents_first_step_far_slower_than_before_the_trial_is_a_warm_up():
+    """The trial's new set of idle replicas traces the step again: with XLA per replica the incumbent's first step
+    then compiled its slices, measured at 24x a step; that pair once kept a plan on a 0.04 ratio."""
+    def incumbent_steps(first_s, then_s):
+        served = []
+
+        def seconds(k):
+            served.append(k)
+            return first_s if len(served) == 1 else then_s
+
+        return seconds
+
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0, incumbent_recent_s=0.10)
+    decision = run_trial(guard, lambda k: 0.09, incumbent_steps(2.4, 0.10))
+    assert "over" not in decision.reason and decision.median_ratio == pytest.approx(0.9), decision
+    # Without the measurement before the trial, the same first step decides at once: what the warm-up prevents.
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 0.09, incumbent_steps(2.4, 0.10))
+    assert decision.kept and decision.num_pairs == 1 and "over" in decision.reason
+    # A plan in force that turned slow before the trial is slow in it too: its first step counts.
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0, incumbent_recent_s=2.0)
+    decision = run_trial(guard, lambda k: 0.09, incumbent_steps(2.4, 2.0))
+    assert decision.kept and decision.num_pairs == 1
+
+
 def test_back_off_doubles_after_consecutive_reverts_and_resets_after_a_keep():
     policy = GuardPolicy(backoff_steps=10, max_backoff_steps=25)
     guard = PlanGuard(policy)

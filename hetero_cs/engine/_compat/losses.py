@@ -477,9 +477,10 @@ _compiled = threading.local()  # .replica_step: a replica's compiled forward pas
 def weighing_in_compiled_replica_step():
     """Within: a Mean updated in Keras' stateless scope still counts a scalar ``w_i`` (as in the plain step).
 
-    The cut train step (:mod:`hetero_cs.engine._compat.replica_pass`) traces the forward pass and the loss in a stateless scope
-    whose recorded metric sums it adds to the central variables after; Keras' per-output loss trackers are updated in
-    there, and must be weighed as in the plain step. Keras' own stateless API elsewhere is left as it is.
+    The cut train step (:mod:`hetero_cs.engine._compat.replica_pass`) traces the forward pass and the loss in a
+    stateless scope whose recorded metric sums it adds to the central variables after; Keras' per-output loss
+    trackers are updated in there, and must be weighed as in the plain step. Keras' own stateless API elsewhere is
+    left as it is.
     """
     previous = getattr(_compiled, "replica_step", False)
     _compiled.replica_step = True

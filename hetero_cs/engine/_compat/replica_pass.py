@@ -176,6 +176,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
         if not jit:
             return None
     if jit:
+        replica_xla.note_compiled(model)
         logger.debug("hetero_cs: replica %d's forward pass, loss and gradient are compiled with XLA on %s.",
                      step.replica_id, step.device)
     if skip_when_empty:

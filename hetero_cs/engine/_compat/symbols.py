@@ -45,7 +45,8 @@ REQUIRED = (
     ("keras.src.backend.tensorflow.core", "Variable", ("assign", "assign_add", "assign_sub")),
     ("keras.src.random.seed_generator", "SeedGenerator", ("next",)),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", (
-        "fit", "evaluate", "predict", "train_step", "make_train_function", "make_test_function", "make_predict_function",
+        "fit", "evaluate", "predict", "train_step", "make_train_function", "make_test_function",
+        "make_predict_function",
         "_maybe_symbolic_build", "_symbolic_build")),
     ("keras.src.backend.tensorflow.trainer", None, ("reduce_per_replica",)),
     ("tensorflow.python.distribute.parameter_server_strategy", "ParameterServerStrategyExtended", (
