@@ -44,6 +44,15 @@ def _launch(out: Path, workers: int, *job_args: str, emulate: str | None = None,
     return done.stdout
 
 
+def _run_reference(out: Path, *job_args: str) -> dict:
+    """Single-device training of the job with ``job_args``: its results (weights, optimizer state, logs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, str(JOB), str(out), "--reference", *job_args],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(np.load(out / "reference.npz"))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-device training: {epochs: results}, each run once per module."""
@@ -51,11 +60,7 @@ def reference(tmp_path_factory):
 
     def run(epochs: int = 2) -> dict:
         if epochs not in runs:
-            out = tmp_path_factory.mktemp(f"reference{epochs}")
-            done = subprocess.run([sys.executable, str(JOB), str(out), "--reference", "--epochs", str(epochs)],
-                                  env=_env(), capture_output=True, text=True, timeout=240)
-            assert done.returncode == 0, done.stderr[-4000:]
-            runs[epochs] = dict(np.load(out / "reference.npz"))
+            runs[epochs] = _run_reference(tmp_path_factory.mktemp(f"reference{epochs}"), "--epochs", str(epochs))
         return runs[epochs]
 
     return run
@@ -91,30 +96,22 @@ def test_an_idle_worker_runs_no_forward_pass_and_still_joins_every_all_reduce(tm
     # Shares 1, 0: worker 1's replica holds 0 examples of every batch. It skips its forward and backward pass (a
     # py_function in the model counts the passes that ran) and adds zeros to the gradient all-reduce, which worker 0
     # waits for: the job ends, and every value equals single-device training.
-    out = tmp_path / "reference"
-    out.mkdir()
-    done = subprocess.run([sys.executable, str(JOB), str(out), "--reference", "--epochs", "2", "--count-forward"],
-                          env=_env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--count-forward")
     _launch(tmp_path, 2, "--split", "1,0", "--epochs", "2", "--count-forward")
     rows = [json.loads((tmp_path / f"forward_rows_worker{i}.json").read_text()) for i in (0, 1)]
     assert rows[0] == [16, 16, 6] * 2, rows  # every example on worker 0
     assert rows[1] == [], rows  # no pass at all on worker 1
-    _assert_equal_to_reference(tmp_path, 2, dict(np.load(out / "reference.npz")))
+    _assert_equal_to_reference(tmp_path, 2, expected)
 
 
 @pytest.mark.slow  # 20 s; the central-storage strategy's XLA per replica is in the default run
 def test_two_workers_uneven_with_xla_per_replica_equal_one_device_with_xla(tmp_path):
-    out = tmp_path / "reference"
-    out.mkdir()
-    done = subprocess.run([sys.executable, str(JOB), str(out), "--reference", "--epochs", "2", "--jit"],
-                          env=_env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--jit")
     stdout = _launch(tmp_path, 2, "--split", "3,1", "--epochs", "2", "--jit")
     for worker in (0, 1):
-        assert (f"[worker {worker}] hetero_cs.engine._compat.replica_pass: hetero_cs: replica {worker}'s forward pass, loss "
-                f"and gradient are compiled with XLA") in stdout, stdout
-    _assert_equal_to_reference(tmp_path, 2, dict(np.load(out / "reference.npz")))
+        assert (f"[worker {worker}] hetero_cs.engine._compat.replica_pass: hetero_cs: replica {worker}'s forward "
+                f"pass, loss and gradient are compiled with XLA") in stdout, stdout
+    _assert_equal_to_reference(tmp_path, 2, expected)
 
 
 @pytest.mark.slow  # 23 s; the default run keeps test_two_workers_of_two_emulated_replicas_each_auto_balance_...
