@@ -58,6 +58,20 @@ _fell_back: weakref.WeakSet = weakref.WeakSet()
 _said_compiled: weakref.WeakSet = weakref.WeakSet()
 
 
+def check_setting(model) -> None:
+    """Raises ConfigError unless ``model``'s ``jit_compile`` is True or False (``"auto"`` resolved at compile).
+
+    Keras' ``compile`` takes any value; any other true value would ask XLA for the whole distributed step.
+    """
+    value = getattr(model, "_jit_compile", None)  # private: what compile stored, before Keras resolves None
+    if value is None or isinstance(value, bool):
+        return
+    raise ConfigError(
+        f"compile(jit_compile=...) must be True, False or \"auto\". Received: jit_compile={value!r}. Compile with "
+        f"jit_compile=True to compile each replica's forward and backward pass with XLA, or False for none."
+    )
+
+
 def requested(model) -> bool:
     """True when ``model`` was compiled with ``jit_compile=True`` (or ``"auto"`` resolved to True) and runs traced."""
     return getattr(model, "jit_compile", False) is True and not getattr(model, "run_eagerly", False)

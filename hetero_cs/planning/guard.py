@@ -200,7 +200,7 @@ class PlanGuard:
         >>> guard = PlanGuard()
         >>> even, solved = BatchPlan((50, 50), 100), BatchPlan((70, 30), 100)
         >>> guard.start(even, solved, step=0)
-        >>> for k in range(9):  # steps as the input pipeline serves them: C C I C C I ...
+        >>> for k in range(12):  # steps as served: C C I C C I ...; each plan's first step is a warm-up
         ...     plan = guard.plan_to_serve()
         ...     makespan_s = 0.07 if plan is solved else 0.10
         ...     decision = guard.observe(plan.per_replica_batch_sizes, makespan_s, step=k)
@@ -286,7 +286,7 @@ class PlanGuard:
         ``against_alone=True`` marks ``candidate`` as the fastest card alone, checked against the plan in force:
         the decision says so, and a revert starts no back-off. ``incumbent_recent_s``: the incumbent's makespan
         measured just before the trial (seconds), or None; the incumbent's first step in the trial is a warm-up
-        when it is more than ``decisive_ratio`` times that.
+        when it is more than ``decisive_ratio`` times that, or when it is None.
 
         Raises:
             ConfigError: If the plans are for different global batch sizes or replica counts, or have equal slices.
@@ -313,7 +313,7 @@ class PlanGuard:
         # again, and the first run of each split pays for it (graph set-up; with XLA per replica, the compilation of
         # each new slice size, measured at 24x a step). So does the incumbent's first step after that trace: it is
         # one when it is far slower than the incumbent's steps just before the trial (a plan in force that turned
-        # slow is slow before the trial too).
+        # slow is slow before the trial too), or when none was measured before it (a trial right after calibration).
         self._candidate_warm = False
         self._incumbent_warm = False
         self._incumbent_recent_s = None if incumbent_recent_s is None else float(incumbent_recent_s)
@@ -362,8 +362,8 @@ class PlanGuard:
                 self._pending_candidate_s = float(makespan_s)
             self._candidate_warm = True
         elif usable and sizes == self._incumbent.per_replica_batch_sizes and not self._incumbent_warm and (
-                self._incumbent_recent_s is not None
-                and makespan_s > self._policy.decisive_ratio * self._incumbent_recent_s):
+                self._incumbent_recent_s is None
+                or makespan_s > self._policy.decisive_ratio * self._incumbent_recent_s):
             self._incumbent_warm = True  # a warm-up: dropped, once
         elif usable and sizes == self._incumbent.per_replica_batch_sizes and self._pending_candidate_s is not None:
             self._incumbent_warm = True

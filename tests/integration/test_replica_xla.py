@@ -197,6 +197,16 @@ def test_a_train_step_override_trains_without_xla_with_a_warning(compiled_steps,
     assert any("OwnStep overrides train_step" in r.getMessage() for r in caplog.records)
 
 
+def test_a_jit_compile_setting_that_is_not_a_bool_is_refused_with_the_values_that_work():
+    with strategy_for([1, 1]).scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile="yes")  # Keras stores what it is given
+    x = np.ones((4, 2), np.float32)
+    for call in (lambda: model.fit(x, x[:, :1], verbose=0), lambda: model.predict(x, verbose=0)):
+        with pytest.raises(ConfigError, match=r"must be True, False or \"auto\"\. Received: jit_compile='yes'"):
+            call()
+
+
 def test_auto_turns_xla_on_where_keras_would_on_one_device(monkeypatch):
     def build():
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

@@ -92,6 +92,7 @@ def test_two_workers_uneven_fixed_split_equal_one_device(tmp_path, reference):
     _assert_equal_to_reference(tmp_path, 2, reference(4))
 
 
+@pytest.mark.slow  # 19 s; the default run keeps the central-storage strategy's idle-replica tests
 def test_an_idle_worker_runs_no_forward_pass_and_still_joins_every_all_reduce(tmp_path):
     # Shares 1, 0: worker 1's replica holds 0 examples of every batch. It skips its forward and backward pass (a
     # py_function in the model counts the passes that ran) and adds zeros to the gradient all-reduce, which worker 0
@@ -203,6 +204,7 @@ def test_a_worker_reading_other_batch_sizes_fails_or_trains_on_but_never_hangs(t
         assert "InputError: The workers do not read the same data" in output, output[-4000:]
 
 
+@pytest.mark.slow  # 11 s, a refusal; kept out of the default run for time
 def test_keras_gradient_accumulation_is_refused_with_the_ways_that_work(tmp_path):
     # Keras applies accumulated gradients inside a tf.cond that all-reduces (a merge call): tf.distribute fails to
     # trace it with "merge_call called while defining a new graph". Refused on every worker, naming what works.

@@ -119,7 +119,7 @@ def test_a_reverted_plan_of_the_card_alone_is_not_tried_again_as_the_check(below
 
 def test_a_check_cut_short_by_fixed_shares_runs_again_once_balancing_is_back():
     balancer = balancer_for()
-    simulate_balancer(balancer, lambda step: truth(0.1), B, steps=12, relative_noise=0.02)
+    simulate_balancer(balancer, lambda step: truth(0.1), B, steps=15, relative_noise=0.02)
     assert balancer.guard.in_trial and balancer.guard.against_alone  # the check runs
     balancer.set_batch_split([1, 1])
     balancer.set_batch_split(None)

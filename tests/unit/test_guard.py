@@ -119,11 +119,12 @@ def test_the_incumbents_first_step_far_slower_than_before_the_trial_is_a_warm_up
     guard.start(EVEN, SOLVED, step=0, incumbent_recent_s=0.10)
     decision = run_trial(guard, lambda k: 0.09, incumbent_steps(2.4, 0.10))
     assert "over" not in decision.reason and decision.median_ratio == pytest.approx(0.9), decision
-    # Without the measurement before the trial, the same first step decides at once: what the warm-up prevents.
+    # Nothing measured before the trial (one right after calibration): the first incumbent step is a warm-up too
+    # (regression: with XLA it once kept a plan, "over 4x faster", that measured 12 % slower).
     guard = PlanGuard()
     guard.start(EVEN, SOLVED, step=0)
     decision = run_trial(guard, lambda k: 0.09, incumbent_steps(2.4, 0.10))
-    assert decision.kept and decision.num_pairs == 1 and "over" in decision.reason
+    assert "over" not in decision.reason and decision.median_ratio == pytest.approx(0.9), decision
     # A plan in force that turned slow before the trial is slow in it too: its first step counts.
     guard = PlanGuard()
     guard.start(EVEN, SOLVED, step=0, incumbent_recent_s=2.0)

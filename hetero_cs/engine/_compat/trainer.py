@@ -270,10 +270,13 @@ def _without_whole_step_xla(original: Callable) -> Callable:
     def make(self, force=False):
         strategy = getattr(self, "_distribute_strategy", None)
         ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+        if ours:
+            from hetero_cs.engine import replica_xla
+
+            replica_xla.check_setting(self)  # jit_compile="yes" would ask XLA for the whole step
         if not ours or getattr(self, "_jit_compile", None) is not True:
             return original(self, force=force)
         if original.__name__ == "make_train_function":
-            from hetero_cs.engine import replica_xla
             from hetero_cs.engine._compat.replica_pass import keras_train_step
 
             replica_xla.warn_at_fit(self, keras_train_step())  # XLA per replica, or a warning saying why not
