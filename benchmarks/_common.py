@@ -206,16 +206,23 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_s
     from hetero_cs.engine.step_timing import finish_replica_step, wall_clock_stamp
 
     import hetero_cs
+    from hetero_cs.errors import NotInReplicaStepError
 
     loss_fn = loss_function(reduction=None)
-    # Under hetero_cs the step's B as the library gives it: a loss divided by it is a share it can read, also where
-    # the slices' shapes are static (the step-only configurations' fixed values); stock strategies take the constant.
-    hetero = isinstance(strategy, hetero_cs.HeteroCentralStorageStrategy)
+
+    def step_batch_size():
+        # Under hetero_cs the step's B as the library gives it: a loss divided by it is a share it can read, also
+        # where the slices' shapes are static (the step-only configurations' fixed values). Stock strategies, and a
+        # one-device strategy whose inputs are not cut (the fastest card alone), take the constant.
+        try:
+            return hetero_cs.current_global_batch_size()
+        except NotInReplicaStepError:
+            return global_batch_size
 
     def replica_fn(x, y, start):
         with tf.GradientTape() as tape:
             logits = model(x, training=True)
-            batch = hetero_cs.current_global_batch_size() if hetero else global_batch_size
+            batch = step_batch_size()
             loss = tf.nn.compute_average_loss(loss_fn(y, logits), global_batch_size=batch)
             scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's dynamic scale (mixed_float16); else loss
         grads = tape.gradient(scaled, model.trainable_variables)
