@@ -260,10 +260,9 @@ def _without_whole_step_xla(original: Callable) -> Callable:
     With ``jit_compile=True`` Keras wraps its whole distributed step (``strategy.run`` and the reduction of its
     outputs) in one ``tf.function(jit_compile=True)``. XLA cannot compile ours: the per-replica cut and timing run on
     the host, through Python (``tf.numpy_function``), and under central storage the replicas read the variables on
-    the parameter device. Keras'
-    train_step compiles each replica's forward and backward pass instead (hetero_cs.engine.replica_xla). Private:
-    Trainer._jit_compile is what the ``jit_compile`` property reads while Keras builds the step; it is restored
-    right after, so ``model.jit_compile`` stays what the user compiled with.
+    the parameter device. Keras' train_step compiles each replica's forward and backward pass instead
+    (hetero_cs.engine.replica_xla). Private: Trainer._jit_compile is what the ``jit_compile`` property reads while
+    Keras builds the step; it is restored right after, so ``model.jit_compile`` stays what the user compiled with.
     """
 
     @functools.wraps(original)
