@@ -33,11 +33,12 @@ When it applies (:func:`applies`):
   XLA, with a warning.
 * ``evaluate`` and ``predict`` run each replica's forward pass without XLA.
 
-What it costs: XLA compiles each replica's function once per slice size it meets (a new plan, a last partial
-batch, micro-batches of another size): a fraction of a second for small models, seconds for large ones, as one
-device pays once per batch shape. A model XLA cannot compile (an op without an XLA kernel: ``tf.py_function``,
-string ops) fails at its first step with a :class:`~hetero_cs.errors.ConfigError` naming the op and the fix,
-``jit_compile=False``; nothing of that step was applied.
+What it costs: XLA compiles each replica's function once per slice size it meets (a new plan, a last partial batch,
+micro-batches of another size): a fraction of a second for small models, seconds for large ones, as one device pays
+once per batch shape; a step traced again (a new set of idle replicas) compiles anew. A model XLA cannot compile (an
+op without an XLA kernel: ``tf.py_function``, string ops) fails at its first step with a
+:class:`~hetero_cs.errors.ConfigError` naming the op and the fix, ``jit_compile=False``; nothing of that step was
+applied.
 """
 
 from __future__ import annotations
@@ -110,10 +111,7 @@ def fall_back(model, reason: str) -> None:
     """Found while tracing ``model``'s step: it cannot compile per replica because of ``reason``. It trains
     without XLA from now on (this trace included), and a warning says why, once per model."""
     _fell_back.add(model)
-    if model not in _warned:
-        _warned.add(model)
-        logger.warning("hetero_cs: compile(jit_compile=True) asked for XLA, but %s. It trains exactly, as with "
-                       "jit_compile=False; compile with jit_compile=False to silence this.", reason)
+    _warn_once(model, reason)
 
 
 def warn_at_fit(model, keras_train_step) -> None:
@@ -130,7 +128,12 @@ def warn_at_fit(model, keras_train_step) -> None:
         reason = (f"{type(model).__name__} overrides train_step, and only Keras' own train_step (also when the "
                   f"override calls super().train_step) is cut into a compiled forward and backward pass per replica; "
                   f"the override's own operations run without XLA")
-    if reason is None:
+    if reason is not None:
+        _warn_once(model, reason)
+
+
+def _warn_once(model, reason: str) -> None:
+    if model in _warned:
         return
     _warned.add(model)
     logger.warning("hetero_cs: compile(jit_compile=True) asked for XLA, but %s. It trains exactly, as with "
