@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.choice import _split_within_caps, _violates
 from hetero_cs.planning.plan import split_by_shares
 from hetero_cs.planning.sampling import AGREEMENT_COST_S, MAX_AGREEMENT_INTERVAL_STEPS, interval_steps
 
@@ -56,6 +57,28 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         self._step_index = 0  # steps served (all sizes), to pair reports with what was served
         self._served_sizes: dict[int, tuple[int, ...]] = {}
         self.calibration_points: list[tuple[int, ...]] | None = None
+        self._caps: list[int | None] | None = None  # per-replica memory caps in examples, None: uncapped
+        self._micro_batched = False  # slices past a cap run as micro-batches (else the caps bound the slices)
+
+    def set_memory_caps(self, max_batch_sizes: Sequence[int | None] | None, *, micro_batched: bool) -> None:
+        """The replicas' memory caps (examples per step or per micro-batch), the same on every worker.
+
+        ``micro_batched``: each replica runs a slice past its cap as near-equal micro-batches within it
+        (:func:`hetero_cs.planning.cost_model.near_equal_micro_batches`), so only a cap of 0 binds a split, and the
+        plans price each slice as its micro-batches back to back
+        (:func:`hetero_cs.planning.micro_batches.micro_batched_curves`); probes time each replica's mean
+        micro-batch. Otherwise the caps bound every slice, probes included.
+
+        Raises:
+            ConfigError: From :meth:`Balancer.set_max_batch_sizes`.
+        """
+        from hetero_cs.planning.micro_batches import zero_caps
+
+        caps = None if max_batch_sizes is None else list(max_batch_sizes)
+        self._balancer.set_max_batch_sizes(
+            None if caps is None else (zero_caps(caps) if micro_batched else caps))
+        with self._lock:
+            self._caps, self._micro_batched = caps, bool(micro_batched) and caps is not None
 
     @property
     def calibrating(self) -> bool:
@@ -83,6 +106,9 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
                         R = self._balancer.num_replicas
                         shares = [PROBE_FACTORS[(i + probe) % len(PROBE_FACTORS)] for i in range(R)]
                         sizes = tuple(int(b) for b in split_by_shares(B, shares))
+                        caps = self._balancer.max_batch_sizes
+                        if _violates(sizes, caps):  # no probe past a memory cap (or on a card that holds none)
+                            sizes = tuple(int(b) for b in _split_within_caps(B, shares, caps))
                         self._probe_sizes[index] = sizes
                         return sizes, index
             sizes = tuple(int(b) for b in self._balancer.serve(B).per_replica_batch_sizes)
@@ -129,11 +155,25 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         from calibration.fit import fit_cost_model
         from calibration.result import describe_cost_model
 
+        from hetero_cs.planning.cost_model import near_equal_micro_batches
+        from hetero_cs.planning.micro_batches import micro_batched_curves
+
         R = self._balancer.num_replicas
+        caps = self._caps or [None] * R
         models, descriptions = [], []
         for i in range(R):
-            # A replica's probes with 0 examples (a global batch below 2R) say nothing about its speed.
-            points = [(probe[i], step_times[i]) for probe, step_times in self._points if probe[i] > 0]
+            # A replica's probes with 0 examples (a global batch below 2R) say nothing about its speed. A slice run
+            # as k near-equal micro-batches is k steps of the card's model: its mean micro-batch is the point (the
+            # examples rounded: they differ by at most one between its micro-batches).
+            points = []
+            for probe, step_times in self._points:
+                k = len(near_equal_micro_batches(probe[i], caps[i] if self._micro_batched else None))
+                if k:
+                    points.append((max(1, round(probe[i] / k)), step_times[i] / k))
+            if not points and caps[i] == 0:  # a card that holds no example takes none: any model will do
+                models.append(None)
+                descriptions.append("holds no example (memory cap 0)")
+                continue
             if not points:
                 self._calibrating = False
                 logger.warning(
@@ -143,6 +183,8 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
             sizes = [b for b, _ in points]
             models.append(fit_cost_model(sizes, [t for _, t in points]).cost_model)
             descriptions.append(describe_cost_model(models[-1], min(sizes), max(sizes)))
+        known = [m for m in models if m is not None]
+        models = [m if m is not None else max(known, key=lambda k: k.predict_step_time_s(1)) for m in models]
         self._calibrating = False
         self.calibration_points = [tuple(p) for p, _ in self._points]
         logger.info(
@@ -150,4 +192,13 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
             len(self._points),
             "; ".join(f"replica {i}: {d}" for i, d in enumerate(descriptions)),
         )
-        self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference)
+        if self._caps is None:
+            self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference)
+        elif self._micro_batched:
+            from hetero_cs.planning.micro_batches import zero_caps
+
+            self._balancer.set_cost_models(micro_batched_curves(models, self._caps), trial=True,
+                                           max_batch_sizes=zero_caps(self._caps), reference_batch_size=self._reference)
+        else:
+            self._balancer.set_cost_models(models, trial=True, max_batch_sizes=self._caps,
+                                           reference_batch_size=self._reference)

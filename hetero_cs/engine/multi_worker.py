@@ -89,11 +89,19 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         communication_options: ``tf.distribute.experimental.CommunicationOptions``; its ``timeout_seconds`` bounds
             how long a collective waits for a worker that died (then every other worker fails with an error instead
             of hanging).
+        micro_batches: Where a replica's slice exceeds its memory cap, ``model.fit`` runs it as micro-batches within
+            the cap inside the replica's step, exactly (:mod:`hetero_cs.engine.multi_worker_micro`). None (the
+            default): where that is exact; True: also where a layer sets its own state per micro-batch (logged);
+            False: the caps bound each slice.
+        max_batch_sizes: Each replica's memory cap, the examples its card holds at once (None entries: uncapped),
+            for all replicas of the cluster in task-index then local order, the same list on every worker. None:
+            from the emulated devices' memory when emulating, else no caps (real cards: give them here).
 
     Raises:
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
         ConfigError: ``emulate`` of the wrong length (not a multiple of the workers, or not one name per replica
-            of a GPU cluster), or a profile_cache other than None/False.
+            of a GPU cluster), a profile_cache other than None/False, ``micro_batches`` not None or a bool, or
+            ``max_batch_sizes`` not one integer >= 0 or None per replica.
         EmulationError: Several emulated replicas per worker, but TensorFlow was initialised before the strategy
             was built (it cannot create their logical CPU devices any more).
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
@@ -108,8 +116,13 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         emulate: Sequence[str] | None = None,
         profile_cache: Any = None,
         communication_options: Any = None,
+        micro_batches: bool | None = None,
+        max_batch_sizes: Sequence[int | None] | None = None,
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance)
+        from hetero_cs.engine.micro_batches import validate_setting
+
+        validate_setting(micro_batches)
         if profile_cache not in (None, False):
             raise ConfigError(
                 f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "
@@ -195,6 +208,9 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         # The chief's, per timed step: [R] seconds (bounded: evaluate and predict report too, and nobody may read).
         self._reported_step_times: collections.deque = collections.deque(maxlen=_MAX_REPORTED_STEPS)
         self._time_scale_set = False
+        from hetero_cs.engine.multi_worker_micro import MultiWorkerMicroBatches, checked_caps
+
+        self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R))
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
@@ -216,6 +232,13 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
     def balancer(self) -> Balancer:
         """This worker's :class:`~hetero_cs.planning.balancer.Balancer` (the chief's is the one that decides)."""
         return self._balancer
+
+    @property
+    def micro_batching(self):
+        """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker_micro.MultiWorkerMicroBatches`):
+        ``max_batch_sizes`` (the caps in force), ``active`` and ``last_plan`` (each replica's micro-batch size and
+        count in the last step)."""
+        return self._micro_slices
 
     @property
     def is_chief(self) -> bool:
@@ -271,6 +294,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
 
         skips = getattr(type(model), "train_step", None) is keras_train_step and idle_replicas.multi_worker_skips(model)
         self._balancer.set_idle_replicas_free(skips)
+        self._micro_slices.prepare(model, keras_train_step)
 
     def _agreed_sizes(self, global_batch_size):
         """auto_balance: the split of this global batch (int32 [R]), agreed by every worker (cross-replica context).
@@ -308,6 +332,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
 
     def _local_sizes(self, global_batch_size) -> np.ndarray:
         B = int(global_batch_size)
+        self._micro_slices.check_batch(B)
         self._ensure_time_scale(B)
         sizes = self._balancer.plan_for(B).per_replica_batch_sizes
         self._last_split = tuple(sizes)
@@ -328,6 +353,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
                 f"needs at least one example. Drop empty batches from the dataset (e.g. Dataset.filter on the batch "
                 f"size)."
             )
+        self._micro_slices.check_batch(B)  # every worker alike, before any collective of the step
         with self._lock:
             hold = self._hold
             if hold is not None and hold[1] > 0:
@@ -418,7 +444,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
 
         return finish_replica_step(
             grads, step.start_stamp, replica_id=step.replica_id, batch_size=step.batch_size,
-            emulator=self._emulator, record=self._record_step_time,
+            emulator=None if step.waited_per_micro_batch else self._emulator, record=self._record_step_time,
         )
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:

@@ -75,6 +75,9 @@ class ReplicaStep:
             by ``id(layer)``: kept per replica, since the replicas call the same layer objects at once.
         sub_step: The :class:`hetero_cs.engine.micro_batches.SubStepTrace` when this replica step is a sub-step of
             an overlapped micro-batched call, else None.
+        waited_per_micro_batch: True when the replica ran its slice as micro-batches and waited out each one's
+            emulated device time already (the multi-worker strategy's micro-batched slices): the step's end then
+            only times it.
     """
 
     replica_id: int
@@ -89,6 +92,7 @@ class ReplicaStep:
     handoff: StepHandoff | None = None
     layer_losses: dict = dataclasses.field(default_factory=dict)
     sub_step: Any = None
+    waited_per_micro_batch: bool = False
 
 
 @dataclasses.dataclass(eq=False)

@@ -242,6 +242,30 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                                      max_batch_sizes=self._max_batch_sizes,
                                      reference_batch_size=self._reference_batch_size, trial=False)
 
+    def set_max_batch_sizes(self, max_batch_sizes: Sequence[int | None] | None) -> None:
+        """Sets the per-replica memory caps (examples per step, None entries: uncapped) without new cost models.
+
+        For an engine that learns the caps before it has cost models (the multi-worker strategy, which calibrates
+        during training): the even split, fixed shares and probe splits are moved within them from the next plan
+        on. With cost models set, they are solved again under the caps at once (no guard trial).
+
+        Raises:
+            ConfigError: Not one cap per replica, or a cap that is not an integer >= 0 or None.
+            InfeasiblePlanError: With cost models set, the caps cannot hold the reference global batch.
+        """
+        R = self._num_replicas
+        caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), R, 0)
+        with self._lock:
+            if self._cost_models is not None:
+                self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=caps,
+                                     reference_batch_size=self._reference_batch_size, trial=False)
+                return
+            self._max_batch_sizes = caps
+            self._memory.reset(caps)
+            self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
+            self._plans_by_batch.clear()
+            self._in_force_by_size.clear()
+
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
         trial: bool = False, reference_batch_size: int | None = None,

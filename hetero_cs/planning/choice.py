@@ -45,7 +45,8 @@ def choose_plan(
         if _violates(split, max_batch_sizes):  # memory caps lowered after an out-of-memory step
             split = _split_within_caps(global_batch_size, shares or [1.0] * num_replicas, max_batch_sizes)
         return plan_from_split(split, cost_models)
-    min_batch_size = 1 if global_batch_size >= num_replicas and not idle_free else 0
+    holds_none = max_batch_sizes is not None and any(cap == 0 for cap in max_batch_sizes)  # that card takes none
+    min_batch_size = 1 if global_batch_size >= num_replicas and not idle_free and not holds_none else 0
     plan = solve_batch_split(
         cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size
     )

@@ -433,11 +433,7 @@ class MicroBatchedCostModel:
     def micro_batches(self, batch_size: int) -> list[int]:
         """The micro-batch sizes ``b`` examples run as, largest first (``[]`` for 0)."""
         _check_batch_size(batch_size)
-        if batch_size == 0:
-            return []
-        k = -(-int(batch_size) // self.max_micro_batch_size)
-        q, r = divmod(int(batch_size), k)
-        return [q + 1] * r + [q] * (k - r)
+        return near_equal_micro_batches(int(batch_size), self.max_micro_batch_size)
 
     def _raw_s(self, batch_size: int) -> float:
         if batch_size == 0:
@@ -458,6 +454,25 @@ class MicroBatchedCostModel:
             value = self._raw_s(len(known))
             known.append(value if not known else max(value, known[-1]))
         return known[b]
+
+
+def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) -> list[int]:
+    """The micro-batches a slice of ``batch_size`` examples runs as within a cap: ``k = ceil(b / cap)`` of near-equal
+    size (``q + 1`` examples in ``r`` of them, then ``q`` in the rest, ``b = k q + r``), largest first; ``[]`` for 0
+    examples, ``[b]`` without a cap (None). The rule every engine and :class:`MicroBatchedCostModel` share.
+
+    Examples:
+        >>> near_equal_micro_batches(10, 4), near_equal_micro_batches(10, None), near_equal_micro_batches(0, 4)
+        ([4, 3, 3], [10], [])
+    """
+    b = int(batch_size)
+    if b <= 0:
+        return []
+    if max_micro_batch_size is None:
+        return [b]
+    k = -(-b // int(max_micro_batch_size))
+    q, r = divmod(b, k)
+    return [q + 1] * r + [q] * (k - r)
 
 
 def _linear(model: Any) -> bool:

@@ -213,6 +213,39 @@ class MicroBatchPlan:
                    overlapped=bool(data.get("overlapped", False)),
                    call_sub_steps=tuple(data.get("call_sub_steps", ())))
 
+    @classmethod
+    def of_slices(cls, plan: BatchPlan, max_batch_sizes: Sequence[int | None],
+                  cost_models: Sequence[Any] | None = None) -> MicroBatchPlan:
+        """How an engine that micro-batches within each replica's step runs ``plan``: replica ``i``'s ``b_i``
+        examples as :func:`~hetero_cs.planning.cost_model.near_equal_micro_batches` within its cap, back to back
+        (``overlapped``, one call). Sub-step ``j`` holds each replica's ``j``-th micro-batch (0 once its are done).
+
+        Args:
+            plan: The split of the step (``b_i`` per replica).
+            max_batch_sizes: Per-replica caps in examples (None entries: uncapped), shape [R]; a cap of 0 only for a
+                replica that takes no example.
+            cost_models: Per-replica step-time models (one micro-batch is one step of them), for the predictions;
+                None: no predictions.
+
+        Raises:
+            ConfigError: Not one cap per replica, or a replica with examples and a cap of 0.
+        """
+        from hetero_cs.planning.cost_model import idle_free, near_equal_micro_batches
+        from hetero_cs.planning.solver import plan_from_split
+
+        sizes = plan.per_replica_batch_sizes
+        caps = list(max_batch_sizes)
+        if len(caps) != len(sizes) or any(c is not None and c < 1 and b > 0 for b, c in zip(sizes, caps)):
+            raise ConfigError(f"MicroBatchPlan.of_slices needs one cap per replica, >= 1 where the replica has "
+                              f"examples. Received: split {list(sizes)}, max_batch_sizes={caps!r}.")
+        chains = [near_equal_micro_batches(b, c) for b, c in zip(sizes, caps)]
+        K = max(1, max(len(chain) for chain in chains))
+        if cost_models is not None:  # a replica whose micro-batches are done runs nothing in the later sub-steps
+            cost_models = idle_free(list(cost_models))
+        steps = tuple(plan_from_split([chain[j] if j < len(chain) else 0 for chain in chains], cost_models)
+                      for j in range(K))
+        return cls(steps, overlapped=True, call_sub_steps=(K,))
+
     def __str__(self) -> str:
         K = self.num_sub_steps
         lines = [f"MicroBatchPlan: global_batch_size={self.global_batch_size} in {K} sub-step{'' if K == 1 else 's'} "

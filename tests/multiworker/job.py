@@ -61,7 +61,7 @@ def _counted(x):
         return tf.identity(x)
 
 
-def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=False):
+def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=False, batch_norm=False):
     rng = np.random.RandomState(0)
     if wide:
         layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
@@ -69,6 +69,7 @@ def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=F
     else:
         layers = [keras.Input((5,)), *([keras.layers.Lambda(_counted)] if count_forward else []),
                   keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+                  *([keras.layers.BatchNormalization()] if batch_norm else []),
                   keras.layers.Dense(3)]
     model = keras.Sequential(layers)
     model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
@@ -126,6 +127,12 @@ def main(argv=None) -> int:
     parser.add_argument("--mismatched-evaluate", action="store_true",
                         help="after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6")
     parser.add_argument("--jit", action="store_true", help="compile(jit_compile=True): XLA per replica")
+    parser.add_argument("--max-batch-sizes", default=None,
+                        help="the strategy's max_batch_sizes, e.g. 4,n (n: uncapped); OUT/micro_<worker>.json says "
+                             "how the last step's slices ran")
+    parser.add_argument("--micro-batches", default="none", choices=["none", "true", "false"])
+    parser.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="the global batch size")
+    parser.add_argument("--batch-norm", action="store_true", help="a BatchNormalization after the first layer")
     parser.add_argument("--count-forward", action="store_true",
                         help="write OUT/forward_rows_<worker>.json: the rows of each forward pass fit ran here")
     args = parser.parse_args(argv)
@@ -164,6 +171,9 @@ def main(argv=None) -> int:
                 drift.append(Drift(replica_id=int(replica), from_step=int(from_step), fails=True))
             names = [name for entry in os.environ["HETERO_CS_EMULATE"].split(",") for name in entry.split("+")]
             kwargs["emulate"] = Emulator(names, drift=drift)
+        if args.max_batch_sizes is not None:
+            kwargs["max_batch_sizes"] = [None if c == "n" else int(c) for c in args.max_batch_sizes.split(",")]
+        kwargs["micro_batches"] = {"none": None, "true": True, "false": False}[args.micro_batches]
         if args.timeout_s is not None:
             kwargs["communication_options"] = tf.distribute.experimental.CommunicationOptions(
                 timeout_seconds=args.timeout_s)
@@ -174,7 +184,7 @@ def main(argv=None) -> int:
         if args.record_received:
             received = _record_received(tf)
     x, y = data(args.wide)  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(WIDE_BATCH if args.wide else GLOBAL_BATCH)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(WIDE_BATCH if args.wide else args.batch)
     callbacks = []
     if args.replan_at_epoch is not None and name == "worker0":
         class Replan(keras.callbacks.Callback):
@@ -202,10 +212,10 @@ def main(argv=None) -> int:
         # folder (the mirrored weights are the same on every worker, so each backup is whole).
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
-        model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward)
+        model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm)
     else:
         with strategy.scope():
-            model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward)
+            model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     try:
@@ -228,6 +238,13 @@ def main(argv=None) -> int:
         print("mismatched evaluate ended", name, strategy.agreement_counts, flush=True)
         _barrier(strategy)
         return 0
+    if args.max_batch_sizes is not None and strategy is not None:
+        micro = strategy.micro_batching
+        plan = micro.last_plan
+        with open(os.path.join(args.out, f"micro_{name}.json"), "w") as f:
+            json.dump({"active": micro.active, "caps": micro.max_batch_sizes, "traces": micro.micro_batched_traces,
+                       "sizes": None if plan is None else list(plan.micro_batch_sizes),
+                       "counts": None if plan is None else list(plan.micro_batch_counts)}, f)
     if args.count_forward:
         with open(os.path.join(args.out, f"forward_rows_{name}.json"), "w") as f:
             json.dump(_FORWARD_ROWS, f)

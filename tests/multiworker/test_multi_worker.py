@@ -205,17 +205,57 @@ def test_a_worker_reading_other_batch_sizes_fails_or_trains_on_but_never_hangs(t
 
 
 @pytest.mark.slow  # 11 s, a refusal; kept out of the default run for time
-def test_keras_gradient_accumulation_is_refused_with_the_ways_that_work(tmp_path):
-    # Keras applies accumulated gradients inside a tf.cond that all-reduces (a merge call): tf.distribute fails to
-    # trace it with "merge_call called while defining a new graph". Refused on every worker, naming what works.
+def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(tmp_path):
+    # Keras applies the accumulated gradients every 2nd step inside a tf.cond whose branch would all-reduce; here the
+    # gradients are all-reduced every step and the cond runs in cross-replica context. Weights, Adam's moments, the
+    # accumulators, the iteration count and the logged loss equal one device with gradient_accumulation_steps=2
+    # (global_clipnorm too: clipped once, on the average applied).
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--accumulate", "2")
+    _launch(tmp_path, 2, "--split", "3,1", "--epochs", "2", "--accumulate", "2")
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
+def test_slices_past_a_cap_run_as_micro_batches_within_it_and_equal_one_device(tmp_path):
+    # max_batch_sizes [None, 4]: worker 1's card holds 4 examples; its 12 of each global batch of 16 run as 3
+    # micro-batches of 4 (counted by a py_function in the model), its 4 of the last batch of 6 as one.
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--count-forward")
+    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--count-forward", "--max-batch-sizes", "n,4")
+    rows = [json.loads((tmp_path / f"forward_rows_worker{i}.json").read_text()) for i in (0, 1)]
+    assert rows[0] == [4, 4, 2] * 2, rows
+    assert rows[1] == [4, 4, 4, 4, 4, 4, 4] * 2, rows
+    micro = json.loads((tmp_path / "micro_worker1.json").read_text())
+    assert micro["active"] and micro["caps"] == [None, 4] and micro["traces"] >= 1, micro
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
+@pytest.mark.slow  # 30 s
+def test_a_global_batch_16x_what_the_cards_hold_trains_auto_balanced_with_accumulation(tmp_path):
+    # Two emulated cards that hold 1 example each train global batches of 32 (16x) and a last one of 6, calibrated
+    # and planned on micro-batches, with gradient_accumulation_steps=2: equal to one device.
+    expected = _run_reference(tmp_path / "reference", "--epochs", "8", "--batch", "32", "--accumulate", "2")
+    stdout = _launch(tmp_path, 2, "--split", "auto", "--epochs", "8", "--batch", "32", "--accumulate", "2",
+                     "--max-batch-sizes", "1,1", emulate="A10,T4")
+    assert "hetero_cs multi-worker calibration from 6 training steps" in stdout, stdout[-4000:]
+    micro = json.loads((tmp_path / "micro_worker0.json").read_text())
+    assert micro["sizes"] == [1, 1] and sum(micro["counts"]) == 6, micro  # the last batch: 6 micro-batches of 1
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
+def test_a_batch_norm_model_keeps_its_slices_within_the_caps_and_a_batch_they_cannot_hold_is_refused(tmp_path):
+    # A trainable BatchNormalization all-reduces its statistics inside the forward pass: no micro-batch can hold it.
+    # By default its slices stay within the caps (logged), and a global batch of 16 on caps [4, 4] fails on every
+    # worker at its first step, before any collective, naming why and the largest batch that fits.
     command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--", sys.executable, str(JOB),
-               str(tmp_path), "--split", "3,1", "--accumulate", "2"]
+               str(tmp_path), "--split", "even", "--batch-norm", "--max-batch-sizes", "4,4"]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=240)
     output = done.stdout + done.stderr
     assert done.returncode != 0
-    assert output.count("ConfigError: gradient_accumulation_steps=2 is not supported under "
-                        "HeteroMultiWorkerMirroredStrategy") == 2, output[-4000:]
-    assert "HeteroCentralStorageStrategy on one machine, which supports it exactly" in output
+    for worker in (0, 1):
+        assert (f"[worker {worker}] hetero_cs.errors.MicroBatchError: A global batch of 16 examples does not fit the "
+                f"replicas' memory in one step (memory caps [4, 4] examples per replica, 8 in all)") in output, \
+            output[-4000:]
+    assert "BatchNormalization all-reduces its batch statistics" in output
+    assert "Use a global batch of at most 8" in output
 
 
 @pytest.mark.slow

@@ -157,3 +157,63 @@ def test_times_of_a_step_cut_otherwise_than_served_are_dropped():
     sizes, index = planner.sizes(100)
     planner.report(index, [0.05, 0.05], slice_sizes=sizes)
     assert balancer.monitor.num_samples == 1
+
+
+def _micro_batched_times(sizes, caps, per_step_s=(0.004, 0.002), per_example_s=(1e-4, 4e-4)):
+    """Each replica's slice as near-equal micro-batches within its cap, each one step of its line, back to back."""
+    from hetero_cs.planning.cost_model import near_equal_micro_batches
+
+    return [sum(a + c * m for m in near_equal_micro_batches(b, cap))
+            for b, cap, a, c in zip(sizes, caps, per_step_s, per_example_s)]
+
+
+def test_micro_batched_probes_fit_each_cards_own_line_and_plans_price_micro_batches():
+    # Replica 0 is 4x faster per example but holds 8 examples at once. Its probes run 2-6 micro-batches; the fit takes
+    # each probe's mean micro-batch, so it finds the card's own line (a per-step fixed cost, then a slope), and the
+    # plans give it more than its cap, priced as micro-batches back to back.
+    from hetero_cs.planning.cost_model import MicroBatchedCostModel
+
+    R, B, caps = 2, 64, [8, None]
+    balancer = Balancer(R, guard=False, rebalance=False)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    planner.set_memory_caps(caps, micro_batched=True)
+    assert balancer.max_batch_sizes == [None, None]  # only a cap of 0 would bind a split
+    for _ in range(WARMUP_STEPS + 6 + 1):
+        sizes, index = planner.sizes(B)
+        planner.report(index, _micro_batched_times(sizes, caps))
+    models = balancer.calibrated_models
+    assert isinstance(models[0], MicroBatchedCostModel) and models[0].max_micro_batch_size == 8
+    assert models[0].base.predict_step_time_s(8) == pytest.approx(0.004 + 8e-4, rel=0.05)
+    assert not isinstance(models[1], MicroBatchedCostModel)
+    first = balancer.plan.per_replica_batch_sizes[0]
+    assert first > 8  # past its cap: micro-batched
+    best = min(range(B + 1), key=lambda b: max(_micro_batched_times([b, B - b], caps)))
+    assert max(_micro_batched_times([first, B - first], caps)) == pytest.approx(
+        max(_micro_batched_times([best, B - best], caps)), rel=0.05)
+
+
+def test_capped_probes_stay_within_the_caps_and_a_card_that_holds_none_takes_none():
+    R, B, caps = 3, 60, [0, 25, None]
+    balancer = Balancer(R, guard=False, rebalance=False)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    planner.set_memory_caps(caps, micro_batched=False)
+    for _ in range(WARMUP_STEPS + 6 + 1):
+        sizes, index = planner.sizes(B)
+        assert sum(sizes) == B and sizes[0] == 0 and sizes[1] <= 25, sizes
+        planner.report(index, _emulated_times(sizes))
+    assert not planner.calibrating and balancer.max_batch_sizes == caps
+    assert balancer.plan.per_replica_batch_sizes[0] == 0
+
+
+def test_micro_batched_caps_of_zero_keep_that_card_out():
+    R, B, caps = 2, 40, [0, 4]
+    balancer = Balancer(R, guard=False, rebalance=False)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    planner.set_memory_caps(caps, micro_batched=True)
+    for _ in range(WARMUP_STEPS + 6 + 1):
+        sizes, index = planner.sizes(B)
+        assert sizes == (0, 40), sizes
+        idle_s = 1e-4  # a replica with no micro-batch still reports its (short) step
+        planner.report(index, [t or idle_s for t in _micro_batched_times(sizes, [1, 4])])
+    assert not planner.calibrating
+    assert balancer.plan.per_replica_batch_sizes == (0, 40)

@@ -6,6 +6,7 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 from __future__ import annotations
 
 import functools
+import threading
 
 import tensorflow as tf
 
@@ -42,6 +43,8 @@ def _patch_optimizer() -> None:
     @functools.wraps(original_all_reduce)
     def _all_reduce_sum_gradients(self, grads_and_vars):
         multi_worker = current_multi_worker_strategy()
+        if getattr(_reduced_already, "active", False):  # an accumulated update under the multi-worker strategy
+            return list(grads_and_vars)
         if multi_worker is not None and tf.distribute.get_replica_context() is not None:
             grads_and_vars = list(grads_and_vars)
             grads = multi_worker._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
@@ -198,18 +201,11 @@ def _patch_optimizer() -> None:
         # replica's unreduced gradient. Under our strategy the step takes Keras' plain path (clipping and weight decay
         # are deferred to the host anyway), and the host update sums and applies every n-th step
         # (_accumulating_update): Keras' own rule, on the exact summed gradient.
-        if getattr(self, "gradient_accumulation_steps", None) and current_multi_worker_strategy() is not None:
-            # Keras applies an accumulated step inside a cond whose branch all-reduces the gradients (a merge call),
-            # which MultiWorkerMirroredStrategy cannot trace: TensorFlow's RuntimeError says only "merge_call called
-            # while defining a new graph". Refused up front, with the ways that work.
-            from hetero_cs.errors import ConfigError
-
-            raise ConfigError(
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported under "
-                "HeteroMultiWorkerMirroredStrategy: Keras applies the accumulated gradients inside a tf.cond that "
-                "would all-reduce across workers, which tf.distribute cannot trace. Train with a global batch "
-                "gradient_accumulation_steps times larger instead (the same update, up to the optimizer's step "
-                "count), or use HeteroCentralStorageStrategy on one machine, which supports it exactly.")
+        multi_worker = current_multi_worker_strategy()
+        if (getattr(self, "gradient_accumulation_steps", None) and multi_worker is not None
+                and tf.distribute.get_replica_context() is not None):
+            return _accumulate_across_workers(self, multi_worker, grads, trainable_variables,
+                                              functools.partial(original_clip_of(self), self))
         if (getattr(self, "gradient_accumulation_steps", None) and current_hetero_strategy() is not None
                 and tf.distribute.get_replica_context() is not None):
             grads = self._clip_gradients(grads)
@@ -223,6 +219,71 @@ def _patch_optimizer() -> None:
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
     TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
+
+
+_reduced_already = threading.local()  # .active: the gradients of this update were all-reduced before the cond
+
+
+def original_clip_of(optimizer):
+    """Keras' own ``_clip_gradients`` (the class's, unpatched)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer._clip_gradients.__wrapped__  # noqa: SLF001 - functools.wraps keeps Keras' own
+
+
+def _accumulate_across_workers(optimizer, strategy, grads, trainable_variables, clip):
+    """Keras' ``gradient_accumulation_steps`` under the multi-worker strategy, in replica context.
+
+    Keras decides in a ``tf.cond`` whether this step applies the accumulated gradients, and its apply branch
+    all-reduces them (a merge call), which tf.distribute cannot trace inside a replica's cond ("merge_call called
+    while defining a new graph"). Here the gradients are all-reduced first, every step (the SUM of every replica's
+    ``b_i / B``-weighted gradient: the exact gradient of the global batch), and the cond runs in cross-replica
+    context, each branch running Keras' own pieces back in replica context (``call_for_each_replica``), as Keras 2's
+    LossScaleOptimizer applied its conditional step: the apply branch averages the accumulated sums and this step's
+    (Keras' rule: ``(g + acc) / n``), clips that once, applies weight decay and the update, and zeroes the
+    accumulators; the other adds this step's sum to them. Every worker takes the same branch (the iteration count is
+    mirrored), and neither branch runs a collective. The iteration count advances after, in Keras' ``apply``.
+    """
+    n = optimizer.gradient_accumulation_steps
+    # As the strategy's _all_reduce_sum_gradients, without its clipping: clipping belongs to the update here (once,
+    # on the average it applies).
+    local = strategy._on_replica_gradients(list(grads))  # noqa: SLF001 - the replica's clock stops, then SUM
+    context = tf.distribute.get_replica_context()
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in local if g is not None])
+    summed = iter(summed)
+    summed = [None if g is None else next(summed) for g in local]
+    variables = list(trainable_variables)
+    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)]  # noqa: SLF001
+                    for v in variables]
+
+    def apply_step(step_grads):
+        averaged = [None if g is None else (g + a) / n for g, a in zip(step_grads, accumulators)]
+        averaged = clip(averaged)
+        optimizer._apply_weight_decay(variables)  # noqa: SLF001
+        _reduced_already.active = True
+        try:
+            optimizer._backend_update_step(averaged, variables, optimizer.learning_rate)  # noqa: SLF001
+        finally:
+            _reduced_already.active = False
+        optimizer._backend_reset_gradient_accumulators()  # noqa: SLF001
+
+    def accumulate_step(step_grads):
+        optimizer._backend_increment_gradient_accumulators(step_grads, accumulators)  # noqa: SLF001
+
+    def cross_replica(distribution, step_grads):
+        is_update_step = (optimizer._iterations + 1) % n == 0  # noqa: SLF001
+
+        def apply_branch():
+            distribution.extended.call_for_each_replica(apply_step, args=(step_grads,))
+            return tf.constant(True)
+
+        def accumulate_branch():
+            distribution.extended.call_for_each_replica(accumulate_step, args=(step_grads,))
+            return tf.constant(False)
+
+        return tf.cond(is_update_step, apply_branch, accumulate_branch)
+
+    context.merge_call(cross_replica, args=(summed,))
 
 
 def iteration_counter(optimizer):

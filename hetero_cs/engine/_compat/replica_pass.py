@@ -15,12 +15,13 @@ forward pass, the loss and the gradient, becomes one function of the weights, wh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import tensorflow as tf
 
-from hetero_cs.engine import idle_replicas, replica_xla, training
+from hetero_cs.engine import idle_replicas, multi_worker_micro, replica_xla, training
 from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.distribute import is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
@@ -48,10 +49,12 @@ def _patch_train_step() -> None:
         if step is None or step.global_batch_size is None or not _ours(strategy) or not self.trainable_weights:
             return original(self, data)
         jit = replica_xla.applies(self)
-        skip = is_multi_worker_strategy(strategy) and idle_replicas.multi_worker_skips(self)
-        if not (jit or skip):
+        multi_worker = is_multi_worker_strategy(strategy)
+        skip = multi_worker and idle_replicas.multi_worker_skips(self)
+        cap = strategy.micro_batching.cap_of(step.replica_id) if multi_worker else None
+        if not (jit or skip or cap is not None):
             return original(self, data)
-        outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip)
+        outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap)
         return original(self, data) if outputs is None else outputs
 
     TensorFlowTrainer.train_step = train_step
@@ -81,7 +84,7 @@ def _ours(strategy) -> bool:
     return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
 
 
-def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
+def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap: int | None = None):
     """Keras' ``train_step`` for one replica, its forward pass, loss and gradient one function of the weights; None
     when the model turned out not to allow it (then the caller runs Keras' own; a message said why).
 
@@ -97,6 +100,10 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
         jit: Compile the function with XLA.
         skip_when_empty: Run it only when this replica's slice holds examples; an empty slice gives zero gradients,
             a zero loss share, empty predictions and no state written.
+        micro_cap: Under the multi-worker strategy's micro-batching (:mod:`hetero_cs.engine.multi_worker_micro`):
+            the examples this replica's card holds at once. The slice then runs as near-equal micro-batches within
+            it, one after another in a ``tf.while_loop`` (each micro-batch's loss weighs ``m_ij / B``, the state
+            it writes goes on to the next), and their summed gradients go to the one all-reduce of the step.
     """
     # Private: Keras' own helpers of its train_step (unpacking, the loss tracker, the logged loss's unscaling,
     # _call_has_training_arg, _compute_loss) and its StatelessScope, the scope Keras' stateless_call uses to run a
@@ -127,11 +134,13 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
     written: list[int] = []
     added: list[int] = []
 
-    def hetero_cs_replica_forward_backward(weights, state, scale, x, y, sample_weight):
+    def hetero_cs_replica_forward_backward(weights, state, scale, x, y, sample_weight, examples):
         zeros = [tf.zeros(v.shape, v.dtype) for v in metric_state]
         mapping = list(zip(trainable, weights)) + list(zip(non_trainable, state)) + list(zip(metric_state, zeros))
+        # The examples this pass holds (the slice's b_i, or a micro-batch's m_ij) weigh its share of the global batch.
         with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
-                weighing_in_compiled_replica_step():
+                weighing_in_compiled_replica_step(), \
+                training.replica_step(dataclasses.replace(step, batch_size=examples)):
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred = model(x, training=True) if model._call_has_training_arg else model(x)  # noqa: SLF001
@@ -150,7 +159,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
     # One function per replica and trace: its captures (this replica's b_i, B) are this replica's own.
     weights = [tf.convert_to_tensor(variable) for variable in trainable]
     state = [tf.convert_to_tensor(variable) for variable in non_trainable]
-    arguments = (weights, state, scale, x, y, sample_weight)
+    arguments = (weights, state, scale, x, y, sample_weight, step.batch_size)
     try:
         concrete = function.get_concrete_function(*arguments)  # traced here, called below
     except RuntimeError as exc:
@@ -159,15 +168,28 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
         # An all-reduce across replicas inside the forward pass or the loss: a masked loss, or one reduced with
         # "mean_with_sample_weight", normalised by the whole global batch (hetero_cs.engine._compat.losses); a
         # layer of the user's own that all-reduces. No per-replica function can hold it.
-        _fall_back(model, jit, skip_when_empty,
-                   "the forward pass or the loss all-reduces across replicas (a loss normalised by the whole global "
-                   "batch's mask or sample weights, or a layer that synchronises replicas)")
+        reason = ("the forward pass or the loss all-reduces across replicas (a loss normalised by the whole global "
+                  "batch's mask or sample weights, or a layer that synchronises replicas)")
+        _fall_back(model, jit, skip_when_empty, reason)
+        if micro_cap is not None:
+            _strategy(model).micro_batching.refuse(model, multi_worker_micro.NORMALISED_LOSS)
         return None
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
     if other:
         _fall_back(model, jit, skip_when_empty,
                    f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
+        if micro_cap is not None:
+            _strategy(model).micro_batching.refuse(model, multi_worker_micro.METRIC_STATE)
         return None
+    if micro_cap is not None:
+        layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
+        if layer_state and not _strategy(model).micro_batching.accepts_layer_state(model, layer_state):
+            micro_cap = None  # refused (logged): this slice runs in one pass, within the caps the plans now keep
+            if not (jit or skip_when_empty):
+                return None
+    if micro_cap is not None:
+        return _micro_batched(model, step, concrete, function, arguments, trainable, non_trainable, metric_state,
+                              written, added, micro_cap, x, y, sample_weight)
     empty = _empty_outputs(concrete.structured_outputs, weights, state, written) if skip_when_empty else None
     if skip_when_empty and empty is None:
         idle_replicas.multi_worker_fall_back(model, "a prediction's shape beyond the batch dimension is not known "
@@ -194,6 +216,116 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool):
         sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
     model.optimizer.apply_gradients(zip(gradients, trainable))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _micro_batched(model, step, concrete, function, arguments, trainable, non_trainable, metric_state, written, added,
+                   cap: int, x, y, sample_weight):
+    """The rest of :func:`_cut_step` when the slice runs as micro-batches of at most ``cap`` examples.
+
+    ``k = ceil(b_i / cap)`` near-equal micro-batches (:func:`hetero_cs.planning.cost_model.near_equal_micro_batches`:
+    the rule the chief's plans price) run one after another (``parallel_iterations=1``: one micro-batch's
+    activations in the card's memory at a time). Each is the replica's pass on its rows, weighted ``m_ij / B``; the
+    state it writes (moving statistics, a seed generator's state) is the next one's input, as on one device over
+    consecutive steps. Gradients, the loss share and the metric sums add up; predictions are put back together in
+    order. On an emulated card each micro-batch waits out its own emulated time (and its memory is checked) before
+    the next starts; the step's end then times the chain. ``b_i = 0`` runs no micro-batch.
+    """
+    from hetero_cs.engine.step_timing import _probe_scalar, end_replica_step, tie_to_stamp
+    from hetero_cs.engine._compat.losses import _register
+    from keras.src import tree
+    from keras.src.losses import loss as loss_module
+
+    weights, state, scale = arguments[0], arguments[1], arguments[2]
+    y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
+    strategy = _strategy(model)
+    emulator = strategy.emulator
+    stamp = step.start_stamp if emulator is not None else None
+    rows = tf.cast(step.batch_size, tf.int32)
+    count = (rows + (cap - 1)) // cap  # k_i: 0 for an empty slice
+    quotient = rows // tf.maximum(count, 1)
+    remainder = rows - count * quotient
+
+    predictions = [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
+                   for t in tf.nest.flatten(y_pred_spec)]
+    dense = [i for i, g in enumerate(gradient_spec) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    sparse = [i for i, g in enumerate(gradient_spec) if isinstance(g, tf.IndexedSlices)]
+    sparse_parts = [(tf.TensorArray(gradient_spec[i].values.dtype, size=count, infer_shape=False,
+                                    element_shape=[None, *gradient_spec[i].values.shape[1:]]),
+                     tf.TensorArray(gradient_spec[i].indices.dtype, size=count, infer_shape=False,
+                                    element_shape=[None])) for i in sparse]
+
+    def body(j, chain, loss, dense_sums, sparse_parts, metric_sums, written_state, predictions):
+        if chain is not None:  # the next micro-batch starts when the last one's emulated time is over
+            j = tie_to_stamp(j, chain)
+        begin = j * quotient + tf.minimum(j, remainder)
+        size = quotient + tf.cast(j < remainder, tf.int32)
+
+        def rows_of(value):
+            return None if value is None else value[begin:begin + size]
+
+        current = list(state)
+        for i, value in zip(written, written_state):
+            current[i] = value
+        pred, part_loss, grads, new_state, sums = function(
+            weights, current, scale, tree.map_structure(rows_of, x), tree.map_structure(rows_of, y),
+            tree.map_structure(rows_of, sample_weight), size)
+        if chain is not None:
+            anchor = next(g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None)
+            chain = end_replica_step(chain, _probe_scalar(anchor), replica_id=step.replica_id, batch_size=size,
+                                     emulator=emulator)
+        dense_sums = [total + grads[i] for total, i in zip(dense_sums, dense)]
+        sparse_parts = [(values.write(j, grads[i].values), indices.write(j, grads[i].indices))
+                        for (values, indices), i in zip(sparse_parts, sparse)]
+        metric_sums = [total + value for total, value in zip(metric_sums, sums)]
+        predictions = [array.write(j, value) for array, value in zip(predictions, tf.nest.flatten(pred))]
+        return j + 1, chain, loss + part_loss, dense_sums, sparse_parts, metric_sums, list(new_state), predictions
+
+    start = (tf.constant(0, tf.int32), stamp, tf.zeros([], loss_spec.dtype),
+             [tf.zeros(weights[i].shape, gradient_spec[i].dtype) for i in dense], sparse_parts,
+             [tf.zeros(t.shape, t.dtype) for t in sums_spec], [state[i] for i in written], predictions)
+    if stamp is None:
+        def loop_body(j, loss, *rest):
+            out = body(j, None, loss, *rest)
+            return (out[0], *out[2:])
+
+        _, loss, dense_sums, sparse_parts, sums, new_state, predictions = tf.while_loop(
+            lambda j, *_: j < count, loop_body, (start[0], *start[2:]), parallel_iterations=1)
+        chain = None
+    else:
+        _, chain, loss, dense_sums, sparse_parts, sums, new_state, predictions = tf.while_loop(
+            lambda j, *_: j < count, body, start, parallel_iterations=1)
+
+    gradients = list(gradient_spec)
+    for i, total in zip(dense, dense_sums):
+        gradients[i] = total
+    for i, (values, indices) in zip(sparse, sparse_parts):
+        gradients[i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(weights[i]))
+    if chain is not None:  # the step's gradients leave only after the last micro-batch's emulated time
+        gradients = tie_to_stamp(gradients, chain)
+    y_pred = tf.nest.pack_sequence_as(y_pred_spec, [array.concat() for array in predictions])
+    strategy.micro_batching.note_micro_batched(model)
+    _register(step, loss)  # a b_i / B share: the sum of the micro-batches' m_ij / B shares
+    for i, value in zip(written, new_state):
+        non_trainable[i].assign(value)
+    for i, value in zip(added, sums):
+        metric_state[i].assign_add(value)
+    model._loss_tracker.update_state(  # noqa: SLF001
+        loss_module.unscale_loss_for_distribution(loss),
+        sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+    with training.replica_step(dataclasses.replace(step, waited_per_micro_batch=chain is not None)):
+        model.optimizer.apply_gradients(zip(gradients, trainable))
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _strategy(model):
+    return getattr(model, "_distribute_strategy", None)
+
+
+def _is_layer_state(variable) -> bool:
+    """A non-trainable variable a layer sets from its examples in training (not BatchNormalization's moving
+    statistics, which the strategy judges up front, nor a seed generator's state, which only counts draws)."""
+    path = str(getattr(variable, "path", ""))
+    return not path.endswith(("moving_mean", "moving_variance", "seed_generator_state"))
 
 
 def _empty_outputs(outputs, weights, state, written):

@@ -1,0 +1,263 @@
+"""Micro-batched slices under :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy`: memory never caps a card's share.
+
+Each replica's memory cap (the examples its card holds at once) comes from ``max_batch_sizes=`` given to the
+strategy (the same list on every worker, one entry per replica of the cluster), or, on emulated devices, from each
+device's emulated memory and the model's size (:func:`hetero_cs.devices.workload.max_examples_in_memory`, what the
+emulated card's out-of-memory check uses). Every worker therefore knows every replica's cap, and nothing about them
+travels between workers.
+
+Where caps are known and micro-batching applies, a replica whose slice ``b_i`` exceeds its cap runs it inside its
+own replica step as ``k_i = ceil(b_i / cap_i)`` near-equal micro-batches, one after another on its card
+(:func:`hetero_cs.engine._compat.replica_pass._micro_batched`), each weighted ``m_ij / B``; the summed gradient then
+joins the one all-reduce of the step. So the step still equals one single-device step on the whole global batch, and
+``k_i`` follows from ``b_i`` and the cap alone: the split the chief agrees is all the cluster needs. The chief's
+plans price each slice as its micro-batches back to back (:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel`
+over the per-step model that calibration fits from each replica's mean micro-batch): a fast card with little memory
+keeps its share, and a global batch many times what the cards hold trains.
+
+Where micro-batching would change the math it is not done silently, as under the central-storage strategy
+(:mod:`hetero_cs.engine.micro_batches`): the caps then bound each slice (one step per batch), logged once, and a
+global batch they cannot hold is a :class:`~hetero_cs.errors.MicroBatchError` on every worker at its first step. That
+covers a trainable BatchNormalization (its statistics are all-reduced across replicas inside the forward pass,
+which no micro-batch can hold, so ``micro_batches=True`` is refused too), a loss normalised by the global batch (a
+mask, ``"mean_with_sample_weight"``), a ``train_step`` override, an optimizer with ``use_ema``, metric state the loss
+writes that is not a sum, and (unless ``micro_batches=True`` accepts it) a layer that sets its own non-trainable
+state in training. The trace-time findings are made while each worker traces the same step, before any step runs,
+so every worker, the chief included, switches alike.
+
+Micro-batching runs in ``model.fit`` with Keras' own ``train_step``; custom loops keep one step per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from hetero_cs._copying import DeepcopiedWithNewLocks
+from hetero_cs.errors import ConfigError, MicroBatchError
+
+logger = logging.getLogger("hetero_cs.engine.multi_worker")
+
+BATCH_NORM = "batch_norm"
+NORMALISED_LOSS = "normalised_loss"
+LAYER_STATE = "layer_state"
+METRIC_STATE = "metric_state"
+TRAIN_STEP = "train_step"
+EMA = "ema"
+_WHY = {
+    BATCH_NORM: "a trainable BatchNormalization all-reduces its batch statistics across replicas inside the forward "
+                "pass, which micro-batches cannot hold",
+    NORMALISED_LOSS: "a loss normalised by the global batch (a mask, or reduction='mean_with_sample_weight') "
+                     "all-reduces its normaliser inside the loss, which micro-batches cannot hold",
+    LAYER_STATE: "a layer sets its own non-trainable state in training ({paths}), which micro-batches would each set "
+                 "from their own examples",
+    METRIC_STATE: "the loss updates metric state that is not a sum",
+    TRAIN_STEP: "the model overrides train_step (micro-batches cut Keras' own)",
+    EMA: "the optimizer keeps an exponential moving average of the weights (use_ema=True)",
+}
+
+
+def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
+    """``max_batch_sizes`` as a list of one cap per replica (ints >= 0 or None), or None.
+
+    Raises:
+        ConfigError: Not a sequence of ``num_replicas`` entries, or an entry that is not an integer >= 0 or None.
+    """
+    if max_batch_sizes is None:
+        return None
+    if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, Sequence):
+        raise ConfigError(
+            f"max_batch_sizes must be a list of one memory cap per replica of the cluster (examples its card holds "
+            f"at once; None: no cap), in task-index then local order. Received: max_batch_sizes={max_batch_sizes!r}.")
+    caps = list(max_batch_sizes)
+    bad = [c for c in caps if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0)]
+    if len(caps) != num_replicas or bad:
+        raise ConfigError(
+            f"max_batch_sizes needs one entry per replica of the cluster (num_replicas_in_sync={num_replicas}), each "
+            f"an integer >= 0 or None. Received: max_batch_sizes={caps!r}"
+            + (f" ({len(caps)} entries)" if len(caps) != num_replicas else f" (not allowed: {bad!r})") + ".")
+    return caps
+
+
+class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
+    """A multi-worker strategy's micro-batching: the caps, whether this model's slices run as micro-batches, and
+    the last step's micro-batches (``strategy.micro_batching``).
+
+    Args:
+        strategy: The :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy`.
+        setting: ``micro_batches``: None (where exact), True (also accept a layer's own state set per micro-batch)
+            or False (the caps bound each slice).
+        max_batch_sizes: Per-replica caps of the whole cluster, checked by :func:`checked_caps`, or None.
+    """
+
+    def __init__(self, strategy, setting: bool | None, max_batch_sizes: list[int | None] | None):
+        self._strategy = strategy
+        self.setting = setting
+        self._given = max_batch_sizes
+        self._caps: list[int | None] | None = None  # in force for the model being fit
+        self._active = False  # this model's slices past a cap run as micro-batches
+        self._model_id: int | None = None
+        self._refused: set[str] = set()  # found while tracing this model's step
+        self._found: set[str] = set()  # everything that keeps this model's slices within the caps
+        self._logged: set = set()
+        self._lock = threading.Lock()
+        self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
+
+    @property
+    def max_batch_sizes(self) -> list[int | None] | None:
+        """The per-replica caps in force (examples a card holds at once; None entries: uncapped), None without."""
+        return None if self._caps is None else list(self._caps)
+
+    @property
+    def active(self) -> bool:
+        """True when slices past a cap run as micro-batches for the model being fit."""
+        return self._active
+
+    @property
+    def last_plan(self):
+        """How the last step's slices ran, as a :class:`~hetero_cs.planning.MicroBatchPlan` (each replica's
+        micro-batch size and count, and their predicted times on the chief), or None before a step or without
+        micro-batching."""
+        from hetero_cs.planning.micro_batches import MicroBatchPlan
+        from hetero_cs.planning.plan import BatchPlan
+
+        split = self._strategy.last_split
+        if not self._active or split is None:
+            return None
+        models = self._strategy.balancer.calibrated_models
+        if models is not None:
+            models = [getattr(m, "base", m) for m in models]  # one micro-batch is one step of the card's own model
+        return MicroBatchPlan.of_slices(BatchPlan(tuple(split), sum(split)), self._caps, models)
+
+    def cap_of(self, replica_id: int) -> int | None:
+        """In a replica step: the cap its slice is micro-batched within, or None (one pass)."""
+        if not self._active or self._caps is None:
+            return None
+        cap = self._caps[int(replica_id)]
+        return None if cap is None or cap < 1 else int(cap)
+
+    def prepare(self, model, keras_train_step) -> None:
+        """Before ``fit``: the caps for ``model`` and whether its slices run as micro-batches; tells the planner.
+
+        Raises:
+            MicroBatchError: No replica can hold one example, or ``micro_batches=True`` for a model whose step
+                cannot be micro-batched exactly (a trainable BatchNormalization, ``use_ema``).
+        """
+        caps = self._given if self._given is not None else self._emulated_caps(model)
+        with self._lock:
+            if id(model) != self._model_id:
+                self._model_id, self._refused = id(model), set()
+        if caps is None or all(c is None for c in caps):
+            self._set(None, False)
+            return
+        if all(c is not None and c < 1 for c in caps):
+            raise MicroBatchError(
+                f"No replica can hold one example of this model: memory caps {caps} examples per replica. Give the "
+                f"cards more memory, a smaller model, or other max_batch_sizes.")
+        from hetero_cs.engine import replica_xla
+
+        found = set()
+        if replica_xla.batch_norms_in_training(model):
+            found.add(BATCH_NORM)
+        if getattr(type(model), "train_step", None) is not keras_train_step:
+            found.add(TRAIN_STEP)
+        if getattr(getattr(model, "optimizer", None), "use_ema", False):
+            found.add(EMA)
+        if self.setting is True and found:
+            raise MicroBatchError(
+                f"micro_batches=True, but this model's step cannot be micro-batched on "
+                f"HeteroMultiWorkerMirroredStrategy: {self._why(found)}. Use micro_batches=None (the caps then bound "
+                f"each slice) or a global batch the caps {caps} hold in one step.")
+        with self._lock:
+            self._found = found | self._refused
+            found = set(self._found)
+        self._set(caps, self.setting is not False and not found)
+        if found and self.setting is None:
+            self._log_once(("kept", tuple(sorted(found))), logging.INFO,
+                           "hetero_cs: not micro-batching this model (%s): each replica's slice stays within its "
+                           "memory cap %s.", self._why(found), caps)
+
+    def refuse(self, model, finding: str) -> None:
+        """While a replica step is traced: ``finding`` keeps this model's slices within the caps (every worker
+        finds it while tracing the same step, so every chief's plan follows before a step runs)."""
+        with self._lock:
+            if finding in self._refused:
+                return
+            self._refused.add(finding)
+            self._found.add(finding)
+        self._set(self._caps, False)
+        self._log_once(("refused", finding), logging.WARNING,
+                       "hetero_cs: not micro-batching this model: %s; each replica's slice stays within its memory "
+                       "cap %s%s.", self._why({finding}), self._caps,
+                       "" if self.setting is False else " (micro_batches=False says so without this warning)")
+
+    def accepts_layer_state(self, model, paths: Sequence[str]) -> bool:
+        """While a replica step is traced: whether micro-batches may set layer state ``paths`` once each."""
+        paths = sorted(str(p) for p in paths)
+        if self.setting is True:
+            self._log_once(("approximation", tuple(paths)), logging.WARNING,
+                           "hetero_cs: micro_batches=True: %s; this model's micro-batched slices approximate one "
+                           "device's step there (everything else stays exact).",
+                           _WHY[LAYER_STATE].format(paths=", ".join(paths[:4])))
+            return True
+        with self._lock:
+            self._paths = paths
+        self.refuse(model, LAYER_STATE)
+        return False
+
+    def note_micro_batched(self, model) -> None:
+        """While a replica step is traced with micro-batched slices (a counter for tests and logs)."""
+        with self._lock:
+            self.micro_batched_traces += 1
+        self._log_once(("on", id(model)), logging.INFO,
+                       "hetero_cs: slices past a memory cap run as micro-batches within it (caps %s examples per "
+                       "replica); every step stays one single-device step on the whole global batch.", self._caps)
+
+    def check_batch(self, global_batch_size: int) -> None:
+        """At every step, on every worker alike: a global batch the caps cannot hold without micro-batches is a
+        MicroBatchError here (before any collective), naming why micro-batches are off."""
+        caps = self._caps
+        if caps is None or self._active or any(c is None for c in caps):
+            return
+        capacity = sum(caps)
+        if int(global_batch_size) > capacity:
+            with self._lock:
+                found = set(self._found)
+            why = self._why(found) if found and self.setting is not False else "micro_batches=False"
+            raise MicroBatchError(
+                f"A global batch of {int(global_batch_size)} examples does not fit the replicas' memory in one step "
+                f"(memory caps {caps} examples per replica, {capacity} in all), and its slices are not micro-batched: "
+                f"{why}. Use a global batch of at most {capacity}"
+                + (", or micro_batches=None" if self.setting is False else "") + ".")
+
+    # --------------------------------------------------------------------------------------------------------------
+    def _set(self, caps, active: bool) -> None:
+        with self._lock:
+            changed = (caps, active) != (self._caps, self._active)
+            self._caps, self._active = (None if caps is None else list(caps)), bool(active and caps is not None)
+        if changed:
+            self._strategy._planner.set_memory_caps(caps, micro_batched=self._active)  # noqa: SLF001
+
+    def _emulated_caps(self, model) -> list[int | None] | None:
+        emulator = self._strategy.emulator
+        if emulator is None:
+            return None
+        self._strategy.prepare_emulation(model)
+        from hetero_cs.devices.workload import max_examples_in_memory
+
+        # The least memory each emulated card ever has (its catalog size or NAME@SIZE override, or a Drift's lower
+        # limit): a cap that holds then holds at every step.
+        return [max_examples_in_memory(emulator.workload, emulator.lowest_memory_bytes(i))
+                for i in range(emulator.num_replicas)]
+
+    def _why(self, found) -> str:
+        paths = getattr(self, "_paths", [])
+        return "; ".join(_WHY[f].format(paths=", ".join(paths[:4])) for f in sorted(found))
+
+    def _log_once(self, key, level: int, message: str, *args) -> None:
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        logger.log(level, message, *args)

@@ -1,0 +1,81 @@
+"""The multi-worker strategy's micro-batched slices, pure parts: caps, the micro-batch rule, the plan shown."""
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero_cs.errors import ConfigError
+from hetero_cs.planning.balancer import Balancer
+from hetero_cs.planning.cost_model import LinearCostModel, MicroBatchedCostModel, near_equal_micro_batches
+from hetero_cs.planning.micro_batches import MicroBatchPlan
+from hetero_cs.planning.plan import BatchPlan
+
+
+def test_the_module_imports_without_tensorflow():
+    import subprocess
+
+    code = ("import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None\n"
+            "import hetero_cs.engine.multi_worker_micro; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@given(b=st.integers(min_value=0, max_value=5000), cap=st.integers(min_value=1, max_value=300))
+@settings(max_examples=200, deadline=None)
+def test_micro_batches_are_near_equal_within_the_cap_and_the_cost_model_prices_the_same_ones(b, cap):
+    parts = near_equal_micro_batches(b, cap)
+    assert sum(parts) == b and len(parts) == -(-b // cap)
+    assert all(1 <= m <= cap for m in parts) and (not parts or max(parts) - min(parts) <= 1)
+    assert parts == sorted(parts, reverse=True)
+    assert parts == MicroBatchedCostModel(LinearCostModel(0.01, 0.001), cap).micro_batches(b)
+
+
+def test_no_cap_is_one_pass():
+    assert near_equal_micro_batches(7, None) == [7] and near_equal_micro_batches(0, None) == []
+
+
+def test_the_plan_of_slices_shows_each_replicas_micro_batches_and_their_predicted_chain():
+    models = [LinearCostModel(0.002, 0.001), LinearCostModel(0.001, 0.004)]
+    plan = MicroBatchPlan.of_slices(BatchPlan((10, 3), 13), [4, None], models)
+    assert plan.per_replica_batch_sizes == (10, 3)
+    assert plan.micro_batch_sizes == (4, 3) and plan.micro_batch_counts == (3, 1)
+    assert [p.per_replica_batch_sizes for p in plan.sub_step_plans] == [(4, 3), (3, 0), (3, 0)]
+    # Replica 0: 3 steps of its line (4, 3, 3 examples); replica 1: one step of 3. The chain, not the sum of maxima.
+    assert plan.predicted_makespan_s == pytest.approx(max(3 * 0.002 + 0.010, 0.001 + 0.012))
+    assert "micro-batch" in str(plan)
+
+
+def test_the_plan_of_slices_refuses_examples_on_a_card_that_holds_none():
+    with pytest.raises(ConfigError, match="max_batch_sizes"):
+        MicroBatchPlan.of_slices(BatchPlan((2, 3), 5), [0, None])
+
+
+@pytest.mark.parametrize("caps, match", [
+    ("4,4", "one memory cap per replica"),
+    ([4], "num_replicas_in_sync=2"),
+    ([4, -1], "not allowed"),
+    ([4, 2.5], "not allowed"),
+    ([True, 4], "not allowed"),
+])
+def test_max_batch_sizes_that_are_not_one_cap_per_replica_are_config_errors(caps, match):
+    from hetero_cs.engine.multi_worker_micro import checked_caps
+
+    with pytest.raises(ConfigError, match=match):
+        checked_caps(caps, 2)
+
+
+def test_checked_caps_keeps_none_entries():
+    from hetero_cs.engine.multi_worker_micro import checked_caps
+
+    assert checked_caps([None, 0, 7], 3) == [None, 0, 7] and checked_caps(None, 3) is None
+
+
+def test_balancer_caps_without_models_move_the_even_split_within_them():
+    balancer = Balancer(3)
+    balancer.set_max_batch_sizes([2, None, 10])
+    sizes = balancer.plan_for(30).per_replica_batch_sizes
+    assert sizes[0] <= 2 and sizes[2] <= 10 and sum(sizes) == 30
+    with pytest.raises(ConfigError):
+        balancer.set_max_batch_sizes([1, 2])
