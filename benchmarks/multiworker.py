@@ -37,6 +37,11 @@ steps, the chief's plan, the guard). Prints, from the chief:
   auto-balancing costs nothing beyond the split it finds).
 * ``agreed_steps_held_steps``: on the chief, the balanced run's steps that ran the plan agreement and those that
   kept the split agreed before (every step agrees while calibrating and deciding; then one in N).
+* With ``--max-batch-sizes`` (each replica's memory cap, as ``max_batch_sizes=`` on real cards): slices past a cap
+  run as micro-batches within it in every run. The emulated makespans then price them so (each micro-batch one
+  emulated step), and the interleaving also serves the best split within the caps (no micro-batch anywhere), giving
+  ``speedup_vs_capped`` (median capped step / median step on the plan, side by side) beside
+  ``theoretical_speedup_vs_capped`` (the emulated capped optimum / the emulated micro-batched optimum).
 
 Timings are EMULATED; this machine's CPU cores are shared by all workers. Not a test: it prints ratios.
 """
@@ -66,11 +71,13 @@ def _worker(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("hetero_cs").setLevel(logging.INFO if args.verbose else logging.WARNING)
 
+    caps = _caps(args.max_batch_sizes)
     if args.mode.startswith("fixed:"):  # the control: auto_balance's final split, fixed (no agreement, no probes)
         strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(
-            batch_split=[float(b) for b in args.mode[len("fixed:"):].split(",")])
+            batch_split=[float(b) for b in args.mode[len("fixed:"):].split(",")], max_batch_sizes=caps)
     else:
-        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(auto_balance=args.mode == "auto")
+        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(auto_balance=args.mode == "auto",
+                                                               max_batch_sizes=caps)
     import keras
     import numpy as np
     import tensorflow as tf
@@ -97,6 +104,16 @@ def _worker(args) -> int:
                 samples.append(sample)
 
     R = strategy.num_replicas_in_sync
+    emulator = strategy.emulator
+    from hetero_cs.planning.micro_batches import micro_batched_curves
+
+    class Emulated:  # a replica's emulated step (one pass of b examples), from the emulator's own model
+        def __init__(self, i):
+            self.i = i
+
+        def predict_step_time_s(self, b):
+            return emulator.step_time_s(self.i, int(b), step=0) if b > 0 else 0.0
+
     found = {}  # the chief's: the plan auto_balance found, and the even split, as served in the interleaved steps
 
     class Interleave(keras.callbacks.Callback):
@@ -107,7 +124,8 @@ def _worker(args) -> int:
 
         def __init__(self):
             super().__init__()
-            self.target, self.served, self.order = None, 0, ["even", "plan", "alone"]
+            self.target, self.served = None, 0
+            self.order = ["even", "plan", "alone"] + (["capped"] if caps is not None else [])
 
         def on_train_batch_begin(self, batch, logs=None):
             if batch < args.steps:
@@ -118,6 +136,9 @@ def _worker(args) -> int:
                 found["fastest_replica"] = fastest
                 self.shares = {"even": [1.0] * R, "plan": list(found["plan"]),
                                "alone": [1.0 if i == fastest else 0.0 for i in range(R)]}
+                if caps is not None:  # the best split within the caps: one pass per slice, no micro-batch
+                    within = hetero_cs.solve_batch_split([Emulated(i) for i in range(R)], B, max_batch_sizes=caps)
+                    self.shares["capped"] = list(within.per_replica_batch_sizes)
                 self._switch("even")
                 return
             self.served += strategy.last_split == self.target
@@ -133,7 +154,6 @@ def _worker(args) -> int:
     model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
     if not strategy.is_chief:
         return 0
-    emulator = strategy.emulator
     step_s = [b - a for a, b in zip(ends, ends[1:])]  # step_s[j]: the duration of step j + 1
     measured = step_s[args.steps - 1 - args.measure:args.steps - 1]  # the last args.measure steps before interleaving
     final_splits = splits[args.steps - args.measure:args.steps]
@@ -141,26 +161,24 @@ def _worker(args) -> int:
     even = list(hetero_cs.even_batch_split(B, R))
     side_by_side = {}
     if interleaved:
-        for name in ("even", "plan", "alone"):
+        for name in ("even", "plan", "alone", "capped"):
             split = found.get(name)
             side_by_side[name] = [] if split is None else [
                 t for t, cut in zip(step_s[args.steps:], splits[args.steps + 1:]) if cut == tuple(split)]
 
-    class Emulated:
-        def __init__(self, i):
-            self.i = i
-
-        def predict_step_time_s(self, b):
-            return emulator.step_time_s(self.i, int(b), step=0) if b > 0 else 0.0
-
-    optimal = hetero_cs.solve_batch_split([Emulated(i) for i in range(R)], B)
-    even_makespan = max(Emulated(i).predict_step_time_s(b) for i, b in enumerate(even))
-    served_makespan = max(Emulated(i).predict_step_time_s(b) for i, b in enumerate(sizes))
+    # With caps, a slice past one runs as micro-batches, each one emulated step.
+    curves = [Emulated(i) for i in range(R)] if caps is None else micro_batched_curves(
+        [Emulated(i) for i in range(R)], caps)
+    optimal = hetero_cs.solve_batch_split(curves, B)
+    capped = None if caps is None else hetero_cs.solve_batch_split([Emulated(i) for i in range(R)], B,
+                                                                   max_batch_sizes=caps)
+    even_makespan = max(curves[i].predict_step_time_s(b) for i, b in enumerate(even))
+    served_makespan = max(curves[i].predict_step_time_s(b) for i, b in enumerate(sizes))
     recent = [s for s in samples[-args.measure:] if list(s.per_replica_batch_sizes) == sizes]
     check = []
     for i in range(R):
         times = [s.per_replica_step_times_s[i] for s in recent]
-        check.append(statistics.median(times) / Emulated(i).predict_step_time_s(sizes[i]) if times else None)
+        check.append(statistics.median(times) / curves[i].predict_step_time_s(sizes[i]) if times else None)
     result = {
         "mode": args.mode,
         "emulate": [spec.name for spec in emulator.specs],
@@ -171,8 +189,10 @@ def _worker(args) -> int:
         "optimal_plan": list(optimal.per_replica_batch_sizes),
         "served_makespan_emulated_s": served_makespan,
         "fastest_replica": found.get("fastest_replica"),
-        "fastest_alone_makespan_emulated_s": (Emulated(found["fastest_replica"]).predict_step_time_s(B)
+        "fastest_alone_makespan_emulated_s": (curves[found["fastest_replica"]].predict_step_time_s(B)
                                               if "fastest_replica" in found else None),
+        "capped_makespan_emulated_s": None if capped is None else capped.predicted_makespan_s,
+        "caps": caps,
         "emulation_check": check,
         # Of the measured steps, how many were served the final plan (the rest: the guard's trial still serving
         # the even split beside it, or a re-plan). Below 1, the window includes the plan's search.
@@ -189,6 +209,13 @@ def _worker(args) -> int:
     return 0
 
 
+def _caps(text):
+    """``--max-batch-sizes`` as a list (None: no caps)."""
+    if not text:
+        return None
+    return [None if c.strip() == "n" else int(c) for c in text.split(",")]
+
+
 def _launch(args, mode: str, out: Path) -> dict:
     from hetero_cs.launch import Launch, parse_emulate
 
@@ -196,7 +223,8 @@ def _launch(args, mode: str, out: Path) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--out", str(out),
                "--steps", str(args.steps), "--measure", str(args.measure),
                "--global-batch-size", str(args.global_batch_size), "--interleave-steps", str(args.interleave_steps),
-               "--interleave-block", str(args.interleave_block)] + (["--verbose"] if args.verbose else [])
+               "--interleave-block", str(args.interleave_block)] + (["--verbose"] if args.verbose else []) + (
+                  ["--max-batch-sizes", args.max_batch_sizes] if args.max_batch_sizes else [])
     with open(os.devnull, "w") as quiet:
         output = None if args.verbose else quiet
         status = Launch(command, num_workers=len(emulate), emulate=emulate, output=output).run()
@@ -221,6 +249,9 @@ def main(argv=None) -> int:
                              "steps (0: off)")
     parser.add_argument("--interleave-block", type=int, default=12,
                         help="steps cut with one split before the interleaving switches to the other")
+    parser.add_argument("--max-batch-sizes", default=None,
+                        help="each replica's memory cap in examples, comma-separated (n: none), e.g. 256,n,n: slices "
+                             "past a cap run as micro-batches; the interleaving adds the best split within the caps")
     parser.add_argument("--json", default=None, help="also write the summary to this JSON file")
     parser.add_argument("--keep-steps", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--control", action="store_true",
@@ -280,6 +311,15 @@ def main(argv=None) -> int:
             summary["speedup_vs_fastest"] = statistics.median(alone_s) / statistics.median(plan_s)
             summary["theoretical_speedup_vs_fastest"] = theoretical_fastest
             summary["speedup_vs_fastest_fraction_of_theoretical"] = summary["speedup_vs_fastest"] / theoretical_fastest
+        capped_s = interleaved.get("capped", [])
+        if capped_s and plan_s and auto["capped_makespan_emulated_s"]:
+            summary["caps"] = auto["caps"]
+            summary["interleaved_steps_capped"] = len(capped_s)
+            summary["speedup_vs_capped"] = statistics.median(capped_s) / statistics.median(plan_s)
+            summary["theoretical_speedup_vs_capped"] = (auto["capped_makespan_emulated_s"]
+                                                       / auto["optimal_makespan_emulated_s"])
+            summary["speedup_vs_capped_fraction_of_theoretical"] = (summary["speedup_vs_capped"]
+                                                                   / summary["theoretical_speedup_vs_capped"])
         if not (even_s and plan_s):
             print(f"no interleaved figure: {len(even_s)} steps on the even split and {len(plan_s)} on the plan in "
                   f"--interleave-steps {args.interleave_steps} (the holds between agreements are long at short steps: "

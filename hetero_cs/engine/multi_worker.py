@@ -289,7 +289,9 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
     def _prepare_idle_replicas(self, model, keras_train_step) -> None:
         """Before ``fit``: plans may leave a card out where a replica of ``model`` with 0 examples skips its
         forward and backward pass (Keras' own ``train_step``, :func:`hetero_cs.engine.idle_replicas.
-        multi_worker_skips`); elsewhere an idle replica still pays its fixed cost, and plans price it."""
+        multi_worker_skips`); elsewhere an idle replica still pays its fixed cost, and plans price it. Then the
+        memory caps for ``model`` and whether its slices run as micro-batches (:mod:`hetero_cs.engine.
+        multi_worker_micro`)."""
         from hetero_cs.engine import idle_replicas
 
         skips = getattr(type(model), "train_step", None) is keras_train_step and idle_replicas.multi_worker_skips(model)

@@ -258,6 +258,18 @@ def test_a_batch_norm_model_keeps_its_slices_within_the_caps_and_a_batch_they_ca
     assert "Use a global batch of at most 8" in output
 
 
+@pytest.mark.slow  # 6 s
+def test_caps_where_no_card_holds_one_example_are_a_micro_batch_error_at_fit_on_every_worker(tmp_path):
+    command = [sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--", sys.executable, str(JOB),
+               str(tmp_path), "--split", "even", "--max-batch-sizes", "0,0"]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    for worker in (0, 1):
+        assert (f"[worker {worker}] hetero_cs.errors.MicroBatchError: No replica can hold one example of this model: "
+                f"memory caps [0, 0] examples per replica") in output, output[-4000:]
+
+
 @pytest.mark.slow
 def test_a_drifting_worker_is_rebalanced_by_the_chief_and_every_worker_adopts_it(tmp_path):
     # The A10 worker's emulated device turns 4x slower at its step 40 (drift in an Emulator every worker builds
