@@ -37,7 +37,9 @@ steps, the chief's plan, the guard). Prints, from the chief:
   auto-balancing costs nothing beyond the split it finds).
 * ``agreed_steps_held_steps``: on the chief, the balanced run's steps that ran the plan agreement and those that
   kept the split agreed before (every step agrees while calibrating and deciding; then one in N).
-* With ``--max-batch-sizes`` (each replica's memory cap, as ``max_batch_sizes=`` on real cards): slices past a cap
+* With ``--max-batch-sizes`` (each replica's memory cap, as ``max_batch_sizes=`` on real cards), or ``--memory-mix``
+  (benchmarks/memory.py's cards and compute-heavy workload: an A10 whose emulated memory holds 16 examples beside a
+  T4 and a P100 holding 64, caps from the emulated memory; use ``--global-batch-size 128``): slices past a cap
   run as micro-batches within it in every run. The emulated makespans then price them so (each micro-batch one
   emulated step), and the interleaving also serves the best split within the caps (no micro-batch anywhere), giving
   ``speedup_vs_capped`` (median capped step / median step on the plan, side by side) beside
@@ -72,12 +74,18 @@ def _worker(args) -> int:
     logging.getLogger("hetero_cs").setLevel(logging.INFO if args.verbose else logging.WARNING)
 
     caps = _caps(args.max_batch_sizes)
+    emulate = None
+    if args.memory_mix:  # benchmarks/memory.py's emulated cards: caps from their emulated memory
+        from benchmarks.memory import _emulator
+
+        emulate = _emulator()
     if args.mode.startswith("fixed:"):  # the control: auto_balance's final split, fixed (no agreement, no probes)
         strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(
-            batch_split=[float(b) for b in args.mode[len("fixed:"):].split(",")], max_batch_sizes=caps)
+            batch_split=[float(b) for b in args.mode[len("fixed:"):].split(",")], max_batch_sizes=caps,
+            emulate=emulate)
     else:
         strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(auto_balance=args.mode == "auto",
-                                                               max_batch_sizes=caps)
+                                                               max_batch_sizes=caps, emulate=emulate)
     import keras
     import numpy as np
     import tensorflow as tf
@@ -114,6 +122,9 @@ def _worker(args) -> int:
         def predict_step_time_s(self, b):
             return emulator.step_time_s(self.i, int(b), step=0) if b > 0 else 0.0
 
+    def in_force():  # the caps in force (given, or from the emulated memory once fit started)
+        return strategy.micro_batching.max_batch_sizes
+
     found = {}  # the chief's: the plan auto_balance found, and the even split, as served in the interleaved steps
 
     class Interleave(keras.callbacks.Callback):
@@ -125,7 +136,7 @@ def _worker(args) -> int:
         def __init__(self):
             super().__init__()
             self.target, self.served = None, 0
-            self.order = ["even", "plan", "alone"] + (["capped"] if caps is not None else [])
+            self.order = ["even", "plan", "alone"]
 
         def on_train_batch_begin(self, batch, logs=None):
             if batch < args.steps:
@@ -136,8 +147,10 @@ def _worker(args) -> int:
                 found["fastest_replica"] = fastest
                 self.shares = {"even": [1.0] * R, "plan": list(found["plan"]),
                                "alone": [1.0 if i == fastest else 0.0 for i in range(R)]}
-                if caps is not None:  # the best split within the caps: one pass per slice, no micro-batch
-                    within = hetero_cs.solve_batch_split([Emulated(i) for i in range(R)], B, max_batch_sizes=caps)
+                if in_force() is not None:  # the best split within the caps: one pass per slice, no micro-batch
+                    self.order.append("capped")
+                    within = hetero_cs.solve_batch_split([Emulated(i) for i in range(R)], B,
+                                                         max_batch_sizes=in_force())
                     self.shares["capped"] = list(within.per_replica_batch_sizes)
                 self._switch("even")
                 return
@@ -167,6 +180,7 @@ def _worker(args) -> int:
                 t for t, cut in zip(step_s[args.steps:], splits[args.steps + 1:]) if cut == tuple(split)]
 
     # With caps, a slice past one runs as micro-batches, each one emulated step.
+    caps = in_force()
     curves = [Emulated(i) for i in range(R)] if caps is None else micro_batched_curves(
         [Emulated(i) for i in range(R)], caps)
     optimal = hetero_cs.solve_batch_split(curves, B)
@@ -224,7 +238,8 @@ def _launch(args, mode: str, out: Path) -> dict:
                "--steps", str(args.steps), "--measure", str(args.measure),
                "--global-batch-size", str(args.global_batch_size), "--interleave-steps", str(args.interleave_steps),
                "--interleave-block", str(args.interleave_block)] + (["--verbose"] if args.verbose else []) + (
-                  ["--max-batch-sizes", args.max_batch_sizes] if args.max_batch_sizes else [])
+                  ["--max-batch-sizes", args.max_batch_sizes] if args.max_batch_sizes else []) + (
+                  ["--memory-mix"] if args.memory_mix else [])
     with open(os.devnull, "w") as quiet:
         output = None if args.verbose else quiet
         status = Launch(command, num_workers=len(emulate), emulate=emulate, output=output).run()
@@ -252,6 +267,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-sizes", default=None,
                         help="each replica's memory cap in examples, comma-separated (n: none), e.g. 256,n,n: slices "
                              "past a cap run as micro-batches; the interleaving adds the best split within the caps")
+    parser.add_argument("--memory-mix", action="store_true",
+                        help="benchmarks/memory.py's emulated cards and compute-heavy workload (caps from emulated "
+                             "memory: A10 16, T4 64, P100 64 examples); pair with --global-batch-size 128")
     parser.add_argument("--json", default=None, help="also write the summary to this JSON file")
     parser.add_argument("--keep-steps", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--control", action="store_true",
