@@ -101,7 +101,10 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._refused: set[str] = set()  # found while tracing this model's step
         self._found: set[str] = set()  # everything that keeps this model's slices within the caps
         self._logged: set = set()
+        self._paths: list[str] = []  # the layer state behind LAYER_STATE
+        self._pending = None  # (model, keras_train_step) whose emulated caps wait for the model to be built
         self._lock = threading.Lock()
+        self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
 
     @property
@@ -132,6 +135,11 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
 
     def cap_of(self, replica_id: int) -> int | None:
         """In a replica step: the cap its slice is micro-batched within, or None (one pass)."""
+        if self._pending is not None:  # fit's first trace: the model is built now
+            with self._prepare_lock:
+                pending, self._pending = self._pending, None
+                if pending is not None:
+                    self.prepare(*pending)
         if not self._active or self._caps is None:
             return None
         cap = self._caps[int(replica_id)]
@@ -144,6 +152,11 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             MicroBatchError: No replica can hold one example, or ``micro_batches=True`` for a model whose step
                 cannot be micro-batched exactly (a trainable BatchNormalization, ``use_ema``).
         """
+        if self._given is None and self._strategy.emulator is not None and not getattr(model, "built", True):
+            # Emulated caps need the model's size: decided when fit traces its first step (before any step runs).
+            self._set(None, False)
+            self._pending = (model, keras_train_step)
+            return
         caps = self._given if self._given is not None else self._emulated_caps(model)
         with self._lock:
             if id(model) != self._model_id:
@@ -252,7 +265,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
                 for i in range(emulator.num_replicas)]
 
     def _why(self, found) -> str:
-        paths = getattr(self, "_paths", [])
+        paths = self._paths
         return "; ".join(_WHY[f].format(paths=", ".join(paths[:4])) for f in sorted(found))
 
     def _log_once(self, key, level: int, message: str, *args) -> None:
