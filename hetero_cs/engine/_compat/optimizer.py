@@ -205,7 +205,7 @@ def _patch_optimizer() -> None:
         if (getattr(self, "gradient_accumulation_steps", None) and multi_worker is not None
                 and tf.distribute.get_replica_context() is not None):
             return _accumulate_across_workers(self, multi_worker, grads, trainable_variables,
-                                              functools.partial(original_clip_of(self), self))
+                                              functools.partial(_keras_clip_gradients(), self))
         if (getattr(self, "gradient_accumulation_steps", None) and current_hetero_strategy() is not None
                 and tf.distribute.get_replica_context() is not None):
             grads = self._clip_gradients(grads)
@@ -224,8 +224,8 @@ def _patch_optimizer() -> None:
 _reduced_already = threading.local()  # .active: the gradients of this update were all-reduced before the cond
 
 
-def original_clip_of(optimizer):
-    """Keras' own ``_clip_gradients`` (the class's, unpatched)."""
+def _keras_clip_gradients():
+    """Keras' own ``TFOptimizer._clip_gradients`` (unpatched)."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     return TFOptimizer._clip_gradients.__wrapped__  # noqa: SLF001 - functools.wraps keeps Keras' own
