@@ -216,15 +216,16 @@ def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(tmp
 
 
 def test_slices_past_a_cap_run_as_micro_batches_within_it_and_equal_one_device(tmp_path):
-    # max_batch_sizes [None, 4]: worker 1's card holds 4 examples; its 12 of each global batch of 16 run as 3
-    # micro-batches of 4 (counted by a py_function in the model), its 4 of the last batch of 6 as one.
+    # max_batch_sizes [3e9, 4]: worker 1's card holds 4 examples; its 12 of each global batch of 16 run as 3
+    # micro-batches of 4 (counted by a py_function in the model), its 4 of the last batch of 6 as one. Worker 0's cap
+    # is past int32 (a roomy card and a tiny model): its slices run whole, once (an int32 count wrapped and ran none).
     expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--count-forward")
-    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--count-forward", "--max-batch-sizes", "n,4")
+    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--count-forward", "--max-batch-sizes", "3000000000,4")
     rows = [json.loads((tmp_path / f"forward_rows_worker{i}.json").read_text()) for i in (0, 1)]
     assert rows[0] == [4, 4, 2] * 2, rows
     assert rows[1] == [4, 4, 4, 4, 4, 4, 4] * 2, rows
     micro = json.loads((tmp_path / "micro_worker1.json").read_text())
-    assert micro["active"] and micro["caps"] == [None, 4] and micro["traces"] >= 1, micro
+    assert micro["active"] and micro["caps"] == [3000000000, 4] and micro["traces"] >= 1, micro
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 

@@ -240,10 +240,13 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     strategy = _strategy(model)
     emulator = strategy.emulator
     stamp = step.start_stamp if emulator is not None else None
-    rows = tf.cast(step.batch_size, tf.int32)
+    # In int64: a cap from a roomy card's memory and a tiny model can exceed int32 (rows + cap - 1 would wrap to a
+    # negative count, and the slice would run no micro-batch at all). The results fit int32 (at most the rows).
+    rows = tf.cast(step.batch_size, tf.int64)
     count = (rows + (cap - 1)) // cap  # k_i: 0 for an empty slice
-    quotient = rows // tf.maximum(count, 1)
-    remainder = rows - count * quotient
+    quotient = tf.cast(rows // tf.maximum(count, 1), tf.int32)
+    remainder = tf.cast(rows - count * tf.cast(quotient, tf.int64), tf.int32)
+    count = tf.cast(count, tf.int32)
 
     predictions = [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
                    for t in tf.nest.flatten(y_pred_spec)]
