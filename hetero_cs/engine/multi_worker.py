@@ -332,7 +332,27 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
             sizes = tf.cond(agree, agreement, lambda: tf.identity(held))
         return tf.cast(sizes, tf.int32)
 
+    def _kept_plan_error(self, exc) -> Exception | None:
+        """The library's error a plan function of a step raised, if TensorFlow's ``exc`` carries it, else None; the
+        kept error is dropped either way (``exc=None``: only dropped)."""
+        with self._lock:
+            error, self._plan_error = getattr(self, "_plan_error", None), None
+        if error is None or exc is None or str(error).splitlines()[0][:80] not in str(exc):
+            return None
+        return error
+
+    def _keep(self, error: Exception) -> Exception:
+        with self._lock:
+            self._plan_error = error
+        return error
+
     def _local_sizes(self, global_batch_size) -> np.ndarray:
+        try:
+            return self._local_sizes_unchecked(global_batch_size)
+        except HeteroCSError as exc:
+            raise self._keep(exc)
+
+    def _local_sizes_unchecked(self, global_batch_size) -> np.ndarray:
         B = int(global_batch_size)
         self._micro_slices.check_batch(B)
         self._ensure_time_scale(B)
@@ -341,6 +361,12 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         return np.asarray(sizes, dtype=np.int64)
 
     def _schedule(self, global_batch_size):
+        try:
+            return self._schedule_unchecked(global_batch_size)
+        except HeteroCSError as exc:
+            raise self._keep(exc)
+
+    def _schedule_unchecked(self, global_batch_size):
         """(agree in this step?, the split of this step if held [R]).
 
         A hold announced by the chief covers the next steps whatever their batch size: the choice depends on agreed
@@ -390,6 +416,12 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         return vector
 
     def _adopt(self, agreed, global_batch_size) -> np.ndarray:
+        try:
+            return self._adopt_unchecked(agreed, global_batch_size)
+        except HeteroCSError as exc:
+            raise self._keep(exc)
+
+    def _adopt_unchecked(self, agreed, global_batch_size) -> np.ndarray:
         """The worker adopts the chief's split and hold; the chief's planner gets every replica's last step."""
         R = self.num_replicas_in_sync
         sizes = np.rint(agreed[:R]).astype(np.int64)

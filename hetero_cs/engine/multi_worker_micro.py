@@ -46,8 +46,9 @@ METRIC_STATE = "metric_state"
 TRAIN_STEP = "train_step"
 EMA = "ema"
 _WHY = {
-    BATCH_NORM: "a trainable BatchNormalization all-reduces its batch statistics across replicas inside the forward "
-                "pass, which micro-batches cannot hold",
+    BATCH_NORM: "a trainable BatchNormalization normalises by the statistics of the examples it sees in training (a "
+                "synchronized one all-reduces them across replicas inside the forward pass), which micro-batches "
+                "cannot keep",
     NORMALISED_LOSS: "a loss normalised by the global batch (a mask, or reduction='mean_with_sample_weight') "
                      "all-reduces its normaliser inside the loss, which micro-batches cannot hold",
     LAYER_STATE: "a layer sets its own non-trainable state in training ({paths}), which micro-batches would each set "
@@ -102,7 +103,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._found: set[str] = set()  # everything that keeps this model's slices within the caps
         self._logged: set = set()
         self._paths: list[str] = []  # the layer state behind LAYER_STATE
-        self._pending = None  # (model, keras_train_step) whose emulated caps wait for the model to be built
+        self._pending = None  # (model, keras_train_step) whose emulated caps wait for fit's first trace
+        self._deciding_at_trace = False
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
@@ -133,13 +135,21 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             models = [getattr(m, "base", m) for m in models]  # one micro-batch is one step of the card's own model
         return MicroBatchPlan.of_slices(BatchPlan(tuple(split), sum(split)), self._caps, models)
 
+    def _pending_ready(self, model) -> bool:
+        """Whether emulated caps for ``model`` can be read now: called from :meth:`cap_of` at the first trace."""
+        return self._strategy.emulator.workload is not None and self._deciding_at_trace
+
     def cap_of(self, replica_id: int) -> int | None:
         """In a replica step: the cap its slice is micro-batched within, or None (one pass)."""
         if self._pending is not None:  # fit's first trace: the model is built now
             with self._prepare_lock:
                 pending, self._pending = self._pending, None
                 if pending is not None:
-                    self.prepare(*pending)
+                    self._deciding_at_trace = True
+                    try:
+                        self.prepare(*pending)
+                    finally:
+                        self._deciding_at_trace = False
         if not self._active or self._caps is None:
             return None
         cap = self._caps[int(replica_id)]
@@ -152,8 +162,9 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             MicroBatchError: No replica can hold one example, or ``micro_batches=True`` for a model whose step
                 cannot be micro-batched exactly (a trainable BatchNormalization, ``use_ema``).
         """
-        if self._given is None and self._strategy.emulator is not None and not getattr(model, "built", True):
-            # Emulated caps need the model's size: decided when fit traces its first step (before any step runs).
+        if self._given is None and self._strategy.emulator is not None and not self._pending_ready(model):
+            # Emulated caps need the model's size with its optimizer built (the workload the emulated memory check
+            # uses, set by fit before its first step): decided when fit traces its first step, before any step runs.
             self._set(None, False)
             self._pending = (model, keras_train_step)
             return
@@ -167,7 +178,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if all(c is not None and c < 1 for c in caps):
             raise MicroBatchError(
                 f"No replica can hold one example of this model: memory caps {caps} examples per replica. Give the "
-                f"cards more memory, a smaller model, or other max_batch_sizes.")
+                f"cards more memory (an emulated card: NAME@SIZE), a smaller model, or other max_batch_sizes.")
         from hetero_cs.engine import replica_xla
 
         found = set()

@@ -262,13 +262,14 @@ class MicroBatchPlan:
             return "n/a" if value is None else f"{value * 1e3:.3f} ms"
 
         speedup = self.predicted_speedup_vs_single_step
+        single = "does not fit" if self.predicted_makespan_s is not None else "n/a"  # n/a: nothing predicted
         calls = "" if self.num_calls == 1 else f"in {self.num_calls} calls of up to {SUB_STEPS_PER_CALL} sub-steps, "
         how = (f"{calls}each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host "
                f"time per {'call' if calls else 'step'}" if self.overlapped else
                f"the sub-steps' sum, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
         lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} ({how})",
                   f"in one step within the caps: "
-                  f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else 'does not fit'}"]
+                  f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
         if speedup is not None:
             lines.append(f"predicted speedup vs one step: {speedup:.3f}x")
         return "\n".join(lines)

@@ -252,10 +252,11 @@ def test_a_batch_norm_model_keeps_its_slices_within_the_caps_and_a_batch_they_ca
     output = done.stdout + done.stderr
     assert done.returncode != 0
     for worker in (0, 1):
+        assert f"[worker {worker}] fit raised hetero_cs.errors.MicroBatchError" in output, output[-4000:]
         assert (f"[worker {worker}] hetero_cs.errors.MicroBatchError: A global batch of 16 examples does not fit the "
                 f"replicas' memory in one step (memory caps [4, 4] examples per replica, 8 in all)") in output, \
             output[-4000:]
-    assert "BatchNormalization all-reduces its batch statistics" in output
+    assert "a trainable BatchNormalization normalises by the statistics of the examples it sees" in output
     assert "Use a global batch of at most 8" in output
 
 
@@ -267,6 +268,7 @@ def test_caps_where_no_card_holds_one_example_are_a_micro_batch_error_at_fit_on_
     output = done.stdout + done.stderr
     assert done.returncode != 0
     for worker in (0, 1):
+        assert f"[worker {worker}] fit raised hetero_cs.errors.MicroBatchError" in output, output[-4000:]
         assert (f"[worker {worker}] hetero_cs.errors.MicroBatchError: No replica can hold one example of this model: "
                 f"memory caps [0, 0] examples per replica") in output, output[-4000:]
 

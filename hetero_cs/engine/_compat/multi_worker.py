@@ -203,8 +203,16 @@ def _patch_entry_points() -> None:
             bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
             previous = getattr(_current_model, "model", None)
             _current_model.model = self
+            strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
             try:
                 return original(*bound.args, **bound.kwargs)
+            except tf.errors.InvalidArgumentError as exc:
+                # The library's own error, raised where a step decides its split (a numpy_function, which TensorFlow
+                # reports as InvalidArgumentError): raised as itself, TensorFlow's chained.
+                kept = strategy._kept_plan_error(exc)  # noqa: SLF001
+                if kept is None:
+                    raise
+                raise kept from exc
             except _PEER_FAILURES as exc:
                 raise _worker_lost(strategy, original.__name__, exc) from exc
             except (tf.errors.InternalError, tf.errors.UnknownError) as exc:
