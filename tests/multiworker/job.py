@@ -61,17 +61,48 @@ def _counted(x):
         return tf.identity(x)
 
 
-def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=False, batch_norm=False):
+def _embedded(x):
+    """Each feature as an index in [0, 20) for an Embedding (whose gradient is sparse: tf.IndexedSlices)."""
+    import tensorflow as tf
+
+    return tf.cast(tf.clip_by_value(tf.abs(x) * 6.0, 0.0, 19.0), tf.int32)
+
+
+def _overridden(keras):
+    """A Sequential whose train_step follows Keras' guide: its logs nest the compiled metrics in a dict."""
+    import tensorflow as tf
+
+    class Overridden(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    return Overridden
+
+
+def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=False, batch_norm=False,
+          embedding=False, override=False):
     rng = np.random.RandomState(0)
     if wide:
         layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
                   keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
     else:
         layers = [keras.Input((5,)), *([keras.layers.Lambda(_counted)] if count_forward else []),
+                  *([keras.layers.Lambda(_embedded), keras.layers.Embedding(20, 2), keras.layers.Flatten()]
+                    if embedding else []),
                   keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
                   *([keras.layers.BatchNormalization()] if batch_norm else []),
                   keras.layers.Dense(3)]
-    model = keras.Sequential(layers)
+    model = (_overridden(keras) if override else keras.Sequential)(layers)
     model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
     model.compile(
         # global_clipnorm: clipping must apply to the summed gradient of all replicas, as on one device.
@@ -133,6 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", default="none", choices=["none", "true", "false"])
     parser.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="the global batch size")
     parser.add_argument("--batch-norm", action="store_true", help="a BatchNormalization after the first layer")
+    parser.add_argument("--embedding", action="store_true", help="an Embedding first (a sparse gradient)")
+    parser.add_argument("--override-train-step", action="store_true",
+                        help="a train_step of Keras' guide (its logs nest the compiled metrics)")
     parser.add_argument("--count-forward", action="store_true",
                         help="write OUT/forward_rows_<worker>.json: the rows of each forward pass fit ran here")
     args = parser.parse_args(argv)
@@ -212,10 +246,12 @@ def main(argv=None) -> int:
         # folder (the mirrored weights are the same on every worker, so each backup is whole).
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
-        model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm)
+        model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm, args.embedding,
+                          args.override_train_step)
     else:
         with strategy.scope():
-            model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm)
+            model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm, args.embedding,
+                          args.override_train_step)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     try:

@@ -209,9 +209,18 @@ def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(tmp
     # Keras applies the accumulated gradients every 2nd step inside a tf.cond whose branch would all-reduce; here the
     # gradients are all-reduced every step and the cond runs in cross-replica context. Weights, Adam's moments, the
     # accumulators, the iteration count and the logged loss equal one device with gradient_accumulation_steps=2
-    # (global_clipnorm too: clipped once, on the average applied).
-    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--accumulate", "2")
-    _launch(tmp_path, 2, "--split", "3,1", "--epochs", "2", "--accumulate", "2")
+    # (global_clipnorm too: clipped once, on the average applied). An Embedding's sparse gradient is accumulated too,
+    # and an idle-ready replica's empty sparse gradient is built (it failed to trace once).
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--accumulate", "2", "--embedding")
+    _launch(tmp_path, 2, "--split", "3,1", "--epochs", "2", "--accumulate", "2", "--embedding")
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
+def test_a_train_step_override_with_nested_logs_logs_the_clusters_metrics(tmp_path):
+    # Keras' guide returns {m.name: m.result()}: the compiled metrics nest in a dict. Every worker must log the
+    # cluster's accuracy (it once logged its own replica's), and train exactly.
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--override-train-step")
+    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--override-train-step")
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 

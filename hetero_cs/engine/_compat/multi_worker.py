@@ -120,6 +120,8 @@ def _patch_reduce_per_replica() -> None:
             results = summed_metric_results(model, strategy)
 
         def reduce(key, value):
+            if isinstance(value, dict):  # nested logs: a train_step override returning {"compile_metrics": {...}}
+                return {inner: reduce(inner, item) for inner, item in value.items()}
             if key in results:
                 return results[key]
             if isinstance(value, tf.distribute.DistributedValues):

@@ -348,7 +348,7 @@ def _empty_outputs(outputs, weights, state, written):
         if isinstance(gradient, tf.IndexedSlices):
             dense_shape = gradient.dense_shape.dtype if gradient.dense_shape is not None else tf.int32
             return tf.IndexedSlices(tf.zeros([0, *weight.shape[1:]], gradient.values.dtype),
-                                    tf.zeros([0], gradient.indices.dtype), tf.constant(weight.shape, dense_shape))
+                                    tf.zeros([0], gradient.indices.dtype), tf.shape(weight, out_type=dense_shape))
         return tf.zeros(weight.shape, gradient.dtype)
 
     def empty():
