@@ -87,6 +87,8 @@ class MultiWorkerInput:
             InputError: A ``tf.SparseTensor`` argument, or a per-replica argument whose number of components is
                 neither 1 nor the worker's local replicas.
         """
+        if not _compat.in_keras_entry_point():
+            self._micro_slices.note_custom_loop()
         args, kwargs, step = self._cut_inputs(args, kwargs or {})
         if _compat.is_tf_function(fn):
             wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function, step))

@@ -230,6 +230,14 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self.refuse(model, LAYER_STATE)
         return False
 
+    def note_custom_loop(self) -> None:
+        """``strategy.run`` outside ``fit``: caps given as ``max_batch_sizes`` do not apply there (said once)."""
+        if self._given is not None and any(c is not None for c in self._given):
+            self._log_once(("custom loop",), logging.WARNING,
+                           "hetero_cs: max_batch_sizes=%s applies in model.fit only: a custom loop's strategy.run cuts "
+                           "each slice whole, past any cap (no micro-batches). Size its global batch for the caps, "
+                           "or train with model.fit.", self._given)
+
     def note_micro_batched(self, model) -> None:
         """While a replica step is traced with micro-batched slices (a counter for tests and logs)."""
         with self._lock:

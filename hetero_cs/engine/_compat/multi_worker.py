@@ -59,6 +59,12 @@ def current_multi_worker_strategy():
     return strategy if is_multi_worker_strategy(strategy) else None
 
 
+def in_keras_entry_point() -> bool:
+    """True inside a Keras ``fit``, ``evaluate`` or ``predict`` of a model under the multi-worker strategy (this
+    thread), False in a custom loop."""
+    return getattr(_current_model, "model", None) is not None
+
+
 def id_in_cluster(strategy) -> int:
     # Private: CollectiveAllReduceExtended._id_in_cluster is the worker's rank (the chief first), the number TF's
     # own replica ids are built from (_get_replica_id_in_sync_group); there is no public accessor.
