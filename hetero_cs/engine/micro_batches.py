@@ -161,8 +161,8 @@ def validate_setting(micro_batches) -> None:
     if micro_batches is not None and not isinstance(micro_batches, bool):
         raise ConfigError(
             f"micro_batches must be None (micro-batch where it is exact and helps), True (also accept "
-            f"BatchNormalization's per-micro-batch statistics) or False (never). Received: "
-            f"micro_batches={micro_batches!r}.")
+            f"per-micro-batch statistics: BatchNormalization's on one machine, a layer's own state on both "
+            f"strategies) or False (never). Received: micro_batches={micro_batches!r}.")
 
 
 class MicroBatching(DeepcopiedWithNewLocks):

@@ -31,6 +31,7 @@ Micro-batching runs in ``model.fit`` with Keras' own ``train_step``; custom loop
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from collections.abc import Sequence
 
@@ -67,11 +68,14 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
     """
     if max_batch_sizes is None:
         return None
+    if hasattr(max_batch_sizes, "tolist") and not isinstance(max_batch_sizes, (str, bytes)):
+        max_batch_sizes = max_batch_sizes.tolist()  # a numpy array of caps
     if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, Sequence):
         raise ConfigError(
             f"max_batch_sizes must be a list of one memory cap per replica of the cluster (examples its card holds "
             f"at once; None: no cap), in task-index then local order. Received: max_batch_sizes={max_batch_sizes!r}.")
-    caps = list(max_batch_sizes)
+    caps = [c if c is None or isinstance(c, bool) or not isinstance(c, numbers.Integral) else int(c)
+            for c in max_batch_sizes]
     bad = [c for c in caps if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0)]
     if len(caps) != num_replicas or bad:
         raise ConfigError(
@@ -79,6 +83,9 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
             f"an integer >= 0 or None. Received: max_batch_sizes={caps!r}"
             + (f" ({len(caps)} entries)" if len(caps) != num_replicas else f" (not allowed: {bad!r})") + ".")
     return caps
+
+
+_LARGEST_SLICE = 2**31 - 1
 
 
 class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
@@ -100,6 +107,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._active = False  # this model's slices past a cap run as micro-batches
         self._model_id: int | None = None
         self._refused: set[str] = set()  # found while tracing this model's step
+        self._refused_by_model: dict[int, set[str]] = {}  # id(model) -> what its traced step found
         self._found: set[str] = set()  # everything that keeps this model's slices within the caps
         self._logged: set = set()
         self._paths: list[str] = []  # the layer state behind LAYER_STATE
@@ -153,7 +161,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if not self._active or self._caps is None:
             return None
         cap = self._caps[int(replica_id)]
-        return None if cap is None or cap < 1 else int(cap)
+        # A slice holds at most 2**31 - 1 examples (int32 sizes): a larger cap (a roomy card, a tiny model) is that.
+        return None if cap is None or cap < 1 else min(int(cap), _LARGEST_SLICE)
 
     def prepare(self, model, keras_train_step) -> None:
         """Before ``fit``: the caps for ``model`` and whether its slices run as micro-batches; tells the planner.
@@ -170,8 +179,10 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             return
         caps = self._given if self._given is not None else self._emulated_caps(model)
         with self._lock:
-            if id(model) != self._model_id:
-                self._model_id, self._refused = id(model), set()
+            # What a model's traced step found stays found: Keras keeps the step traced, and a later fit of the
+            # same model does not trace (or find) it again.
+            self._model_id = id(model)
+            self._refused = self._refused_by_model.setdefault(id(model), set())
         if caps is None or all(c is None for c in caps):
             self._set(None, False)
             return

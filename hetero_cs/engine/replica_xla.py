@@ -170,8 +170,10 @@ def compile_error(exc: Exception) -> ConfigError | None:
 def batch_norms_in_training(model) -> list:
     """``model``'s trainable BatchNormalization layers: each all-reduces its batch statistics across replicas inside
     the forward pass (:mod:`hetero_cs.engine._compat.batch_norm`)."""
+    import keras
+
     return [layer for layer in _layers(model)
-            if type(layer).__name__ == "BatchNormalization" and getattr(layer, "trainable", False)]
+            if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "trainable", False)]
 
 
 def _layers(model) -> list:

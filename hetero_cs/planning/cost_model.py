@@ -466,6 +466,10 @@ def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) 
         ([4, 3, 3], [10], [])
     """
     b = int(batch_size)
+    if max_micro_batch_size is not None and (not _is_int(max_micro_batch_size) or max_micro_batch_size < 1):
+        raise InvalidCostModelError(
+            f"A micro-batch cap must be an integer >= 1 (the examples a card holds at once) or None. Received: "
+            f"max_micro_batch_size={max_micro_batch_size!r}.")
     if b <= 0:
         return []
     if max_micro_batch_size is None:

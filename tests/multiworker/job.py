@@ -68,6 +68,19 @@ def _embedded(x):
     return tf.cast(tf.clip_by_value(tf.abs(x) * 6.0, 0.0, 19.0), tf.int32)
 
 
+def _positions(keras):
+    """Adds a learned position embedding, Embedding(5, 2)(arange(5)): a lookup that does not depend on the batch."""
+    class AddPositions(keras.layers.Layer):
+        def build(self, input_shape):
+            self.positions = keras.layers.Embedding(5, 2)
+            self.positions.build((5,))
+
+        def call(self, h):
+            return h + self.positions(keras.ops.arange(5))[None]
+
+    return AddPositions()
+
+
 def _overridden(keras):
     """A Sequential whose train_step follows Keras' guide: its logs nest the compiled metrics in a dict."""
     import tensorflow as tf
@@ -97,8 +110,8 @@ def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=F
                   keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]
     else:
         layers = [keras.Input((5,)), *([keras.layers.Lambda(_counted)] if count_forward else []),
-                  *([keras.layers.Lambda(_embedded), keras.layers.Embedding(20, 2), keras.layers.Flatten()]
-                    if embedding else []),
+                  *([keras.layers.Lambda(_embedded), keras.layers.Embedding(20, 2), _positions(keras),
+                     keras.layers.Flatten()] if embedding else []),
                   keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
                   *([keras.layers.BatchNormalization()] if batch_norm else []),
                   keras.layers.Dense(3)]
@@ -164,7 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", default="none", choices=["none", "true", "false"])
     parser.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="the global batch size")
     parser.add_argument("--batch-norm", action="store_true", help="a BatchNormalization after the first layer")
-    parser.add_argument("--embedding", action="store_true", help="an Embedding first (a sparse gradient)")
+    parser.add_argument("--embedding", action="store_true",
+                        help="an Embedding first and a position embedding (sparse gradients)")
     parser.add_argument("--override-train-step", action="store_true",
                         help="a train_step of Keras' guide (its logs nest the compiled metrics)")
     parser.add_argument("--count-forward", action="store_true",

@@ -210,7 +210,8 @@ def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(tmp
     # gradients are all-reduced every step and the cond runs in cross-replica context. Weights, Adam's moments, the
     # accumulators, the iteration count and the logged loss equal one device with gradient_accumulation_steps=2
     # (global_clipnorm too: clipped once, on the average applied). An Embedding's sparse gradient is accumulated too,
-    # and an idle-ready replica's empty sparse gradient is built (it failed to trace once).
+    # and an idle-ready replica's empty sparse gradient is built (it failed to trace once); a position embedding's
+    # rows add up row by row over the workers (concatenated, Adam squared each part apart: 7e-2 off).
     expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--accumulate", "2", "--embedding")
     _launch(tmp_path, 2, "--split", "3,1", "--epochs", "2", "--accumulate", "2", "--embedding")
     _assert_equal_to_reference(tmp_path, 2, expected)
@@ -219,8 +220,10 @@ def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(tmp
 def test_a_train_step_override_with_nested_logs_logs_the_clusters_metrics(tmp_path):
     # Keras' guide returns {m.name: m.result()}: the compiled metrics nest in a dict. Every worker must log the
     # cluster's accuracy (it once logged its own replica's), and train exactly.
-    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--override-train-step")
-    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--override-train-step")
+    # With an Embedding and a position embedding: the latter's rows add up over the workers row by row (concatenated
+    # by TensorFlow's all-reduce, Adam squared each worker's part apart: 7e-2 off one device).
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--override-train-step", "--embedding")
+    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--override-train-step", "--embedding")
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 
@@ -228,8 +231,11 @@ def test_slices_past_a_cap_run_as_micro_batches_within_it_and_equal_one_device(t
     # max_batch_sizes [3e9, 4]: worker 1's card holds 4 examples; its 12 of each global batch of 16 run as 3
     # micro-batches of 4 (counted by a py_function in the model), its 4 of the last batch of 6 as one. Worker 0's cap
     # is past int32 (a roomy card and a tiny model): its slices run whole, once (an int32 count wrapped and ran none).
-    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--count-forward")
-    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--count-forward", "--max-batch-sizes", "3000000000,4")
+    # The model embeds its inputs and adds a position embedding, whose rows add up row by row over the micro-batches
+    # (end to end, Adam squared each part apart).
+    expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--count-forward", "--embedding")
+    _launch(tmp_path, 2, "--split", "1,3", "--epochs", "2", "--count-forward", "--max-batch-sizes", "3000000000,4",
+            "--embedding")
     rows = [json.loads((tmp_path / f"forward_rows_worker{i}.json").read_text()) for i in (0, 1)]
     assert rows[0] == [4, 4, 2] * 2, rows
     assert rows[1] == [4, 4, 4, 4, 4, 4, 4] * 2, rows

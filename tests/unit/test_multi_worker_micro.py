@@ -79,3 +79,20 @@ def test_balancer_caps_without_models_move_the_even_split_within_them():
     assert sizes[0] <= 2 and sizes[2] <= 10 and sum(sizes) == 30
     with pytest.raises(ConfigError):
         balancer.set_max_batch_sizes([1, 2])
+
+
+@pytest.mark.parametrize("cap", [0, -3, 2.5, "4"])
+def test_a_micro_batch_cap_below_one_is_an_error_not_a_division_by_zero(cap):
+    from hetero_cs.errors import InvalidCostModelError
+
+    with pytest.raises(InvalidCostModelError, match="integer >= 1"):
+        near_equal_micro_batches(10, cap)
+
+
+def test_numpy_caps_are_taken_as_ints():
+    import numpy as np
+
+    from hetero_cs.engine.multi_worker_micro import checked_caps
+
+    assert checked_caps(np.array([4, 8]), 2) == [4, 8]
+    assert checked_caps([np.int64(4), None], 2) == [4, None]

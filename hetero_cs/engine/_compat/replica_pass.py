@@ -114,6 +114,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     from hetero_cs.engine._compat.losses import _register, weighing_in_compiled_replica_step
+    from hetero_cs.engine._compat.optimizer import shared_rows_dense
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     trainable = list(model.trainable_variables)
@@ -147,7 +148,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
                 loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,  # noqa: SLF001
                                            training=True)
                 scaled = loss if scale is None else loss * tf.cast(scale, loss.dtype)
-            gradients = tape.gradient(scaled, weights)
+            gradients = [shared_rows_dense(g) for g in tape.gradient(scaled, weights)]  # rows added row by row
             new_state = [scope.get_current_value(variable) for variable in non_trainable]
             sums = [scope.get_current_value(variable) for variable in metric_state]
         # The scope answers a variable's mapped value until something assigns it a new one.
