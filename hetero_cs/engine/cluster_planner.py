@@ -167,7 +167,7 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
             # examples rounded: they differ by at most one between its micro-batches).
             points = []
             for probe, step_times in self._points:
-                k = len(near_equal_micro_batches(probe[i], caps[i] if self._micro_batched else None))
+                k = len(near_equal_micro_batches(probe[i], caps[i] if self._micro_batched and caps[i] else None))
                 if k:
                     points.append((max(1, round(probe[i] / k)), step_times[i] / k))
             if not points and caps[i] == 0:  # a card that holds no example takes none: any model will do

@@ -29,10 +29,10 @@ def compiled_steps(monkeypatch):
     calls = []
     original = replica_pass._cut_step
 
-    def counting(model, data, step, *, jit, skip_when_empty):
+    def counting(model, data, step, *, jit, skip_when_empty, **kwargs):
         if jit:
             calls.append(step.replica_id)
-        return original(model, data, step, jit=jit, skip_when_empty=skip_when_empty)
+        return original(model, data, step, jit=jit, skip_when_empty=skip_when_empty, **kwargs)
 
     monkeypatch.setattr(replica_pass, "_cut_step", counting)
     return calls

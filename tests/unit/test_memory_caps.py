@@ -210,10 +210,12 @@ def test_property_the_recovered_plan_is_an_optimal_split_within_the_new_caps(
     assert sum(sizes) == global_batch_size
     assert sizes[failing] <= change.new_cap < failed
     caps = b.max_batch_sizes
-    # Brute force over every split within the caps with >= 1 example each (the solver's min_batch_size).
+    # Brute force over every split within the caps with >= 1 example each (the solver's min_batch_size), but none on
+    # a card whose cap fell to 0 (it sits out).
     best = min(
         max(m.predict_step_time_s(x) for m, x in zip(models, split))
-        for split in itertools.product(*(range(1, (c if c is not None else global_batch_size) + 1) for c in caps))
+        for split in itertools.product(*(range(0 if c == 0 else 1, (c if c is not None else global_batch_size) + 1)
+                                         for c in caps))
         if sum(split) == global_batch_size
     )
     assert plan.predicted_makespan_s <= best * 1.02 + 1e-12
