@@ -105,7 +105,9 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
                     if 0 <= probe < self._probe_steps:
                         R = self._balancer.num_replicas
                         shares = [PROBE_FACTORS[(i + probe) % len(PROBE_FACTORS)] for i in range(R)]
-                        sizes = tuple(int(b) for b in split_by_shares(B, shares))
+                        sizes = self._around_caps(B, shares) if self._micro_batched else None
+                        if sizes is None:
+                            sizes = tuple(int(b) for b in split_by_shares(B, shares))
                         caps = self._balancer.max_batch_sizes
                         if _violates(sizes, caps):  # no probe past a memory cap (or on a card that holds none)
                             sizes = tuple(int(b) for b in _split_within_caps(B, shares, caps))
@@ -114,6 +116,29 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
             sizes = tuple(int(b) for b in self._balancer.serve(B).per_replica_batch_sizes)
             self._served_sizes[index] = sizes
             return sizes, index
+
+    def _around_caps(self, B: int, factors: list[float]) -> tuple[int, ...] | None:
+        """A micro-batched probe split: each card whose cap is below its even share takes its factor times its cap
+        (0.5, 1 or 1.5 of it: micro-batches of 0.5, 1 and 0.75 times the cap), the others the rest by their factors;
+        None when no card is such, or they would take the whole batch.
+
+        Probed at 0.5-1.5 times its even share, such a card would run micro-batches of about its cap every time,
+        and one size cannot tell its per-step fixed cost (paid again by each micro-batch) from its per-example cost.
+        """
+        R = len(factors)
+        small = {i: max(1, round(f * cap)) for i, (f, cap) in enumerate(zip(factors, self._caps))
+                 if cap and cap * R < B}
+        rest = B - sum(small.values())
+        others = [i for i in range(R) if i not in small and self._caps[i] != 0]
+        if not small or not others or rest < len(others):
+            return None
+        split = split_by_shares(rest, [factors[i] for i in others])
+        sizes = [0] * R
+        for i, b in small.items():
+            sizes[i] = b
+        for i, b in zip(others, split):
+            sizes[i] = int(b)
+        return tuple(sizes)
 
     def hold_steps(self) -> int:
         """How many steps after the one just served keep its split without agreeing (>= 0).

@@ -217,3 +217,38 @@ def test_micro_batched_caps_of_zero_keep_that_card_out():
         planner.report(index, [t or idle_s for t in _micro_batched_times(sizes, [1, 4])])
     assert not planner.calibrating
     assert balancer.plan.per_replica_batch_sizes == (0, 40)
+
+
+def test_a_card_capped_far_below_its_share_is_probed_around_its_cap_to_find_its_fixed_cost():
+    # Cap 4 against an even share of 16: probes at 0.5-1.5x the share would all run micro-batches of about 4, and the
+    # fit could not tell the per-micro-batch fixed cost (40 ms here) from the per-example cost. Probes around the cap
+    # give micro-batches of distinct sizes, and the fit finds both.
+    R, B, caps = 2, 32, [4, None]
+    balancer = Balancer(R, guard=False, rebalance=False)
+    planner = ClusterPlanner(balancer, calibrate=True)
+    planner.set_memory_caps(caps, micro_batched=True)
+    served = []
+    for _ in range(WARMUP_STEPS + 6 + 1):
+        sizes, index = planner.sizes(B)
+        served.append(sizes)
+        planner.report(index, _micro_batched_times(sizes, caps, per_step_s=(0.040, 0.040),
+                                                   per_example_s=(0.001, 0.004)))
+    probes = served[WARMUP_STEPS:WARMUP_STEPS + 6]
+    assert {p[0] for p in probes} <= set(range(1, 8)), probes  # about 0.5, 1 and 1.5 times the cap
+    base = balancer.calibrated_models[0].base
+    assert base.predict_step_time_s(0) == pytest.approx(0.040, rel=0.05)  # the fixed cost a micro-batch pays
+    assert base.predict_step_time_s(4) == pytest.approx(0.044, rel=0.05)
+
+
+@given(B=st.integers(min_value=1, max_value=2048),
+       caps=st.lists(st.one_of(st.none(), st.integers(min_value=0, max_value=300)), min_size=2, max_size=5))
+@settings(max_examples=120, deadline=None)
+def test_micro_batched_probe_splits_sum_to_the_batch_and_leave_cards_that_hold_none_out(B, caps):
+    if all(cap == 0 for cap in caps):
+        return
+    planner = ClusterPlanner(Balancer(len(caps), guard=False), calibrate=True)
+    planner.set_memory_caps(caps, micro_batched=True)
+    for _ in range(WARMUP_STEPS + 6):
+        sizes, _ = planner.sizes(B)
+        assert sum(sizes) == B and min(sizes) >= 0, (sizes, caps)
+        assert all(b == 0 for b, cap in zip(sizes, caps) if cap == 0), (sizes, caps)
