@@ -108,12 +108,10 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     # Private: Keras' own helpers of its train_step (unpacking, the loss tracker, the logged loss's unscaling,
     # _call_has_training_arg, _compute_loss) and its StatelessScope, the scope Keras' stateless_call uses to run a
     # model on given weight values and record the state it writes instead of writing it.
-    from keras.src import tree
     from keras.src.backend.common.stateless_scope import StatelessScope
-    from keras.src.losses import loss as loss_module
     from keras.src.trainers.data_adapters import data_adapter_utils
 
-    from hetero_cs.engine._compat.losses import _register, weighing_in_compiled_replica_step
+    from hetero_cs.engine._compat.losses import weighing_in_compiled_replica_step
     from hetero_cs.engine._compat.optimizer import shared_rows_dense
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -207,16 +205,8 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
             step.batch_size > 0, lambda: function(*arguments), empty)
     else:
         y_pred, loss, gradients, new_state, sums = function(*arguments)
-    _register(step, loss)  # a b_i / B share, as _compute_loss's own result is
-    for i, value in zip(written, new_state):
-        non_trainable[i].assign(value)
-    for i, value in zip(added, sums):
-        metric_state[i].assign_add(value)
-    model._loss_tracker.update_state(  # noqa: SLF001
-        loss_module.unscale_loss_for_distribution(loss),
-        sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
-    model.optimizer.apply_gradients(zip(gradients, trainable))
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return _finish(model, step, (x, y, sample_weight), y_pred, loss, gradients, trainable, zip(written, new_state),
+                   zip(added, sums), non_trainable, metric_state)
 
 
 def _micro_batched(model, step, concrete, function, arguments, trainable, non_trainable, metric_state, written, added,
@@ -231,10 +221,9 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     order. On an emulated card each micro-batch waits out its own emulated time (and its memory is checked) before
     the next starts; the step's end then times the chain. ``b_i = 0`` runs no micro-batch.
     """
-    from hetero_cs.engine.step_timing import _probe_scalar, end_replica_step, tie_to_stamp
-    from hetero_cs.engine._compat.losses import _register
     from keras.src import tree
-    from keras.src.losses import loss as loss_module
+
+    from hetero_cs.engine.step_timing import _probe_scalar, end_replica_step, tie_to_stamp
 
     weights, state, scale = arguments[0], arguments[1], arguments[2]
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
@@ -308,15 +297,33 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
         gradients = tie_to_stamp(gradients, chain)
     y_pred = tf.nest.pack_sequence_as(y_pred_spec, [array.concat() for array in predictions])
     strategy.micro_batching.note_micro_batched(model)
-    _register(step, loss)  # a b_i / B share: the sum of the micro-batches' m_ij / B shares
-    for i, value in zip(written, new_state):
+    # The loss is a b_i / B share: the sum of the micro-batches' m_ij / B shares.
+    step = dataclasses.replace(step, waited_per_micro_batch=chain is not None)
+    return _finish(model, step, (x, y, sample_weight), y_pred, loss, gradients, trainable,
+                   zip(written, new_state), zip(added, sums), non_trainable, metric_state)
+
+
+def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written, sums_added, non_trainable,
+            metric_state):
+    """The end of the cut train step, as Keras' ``train_step`` ends: the loss share registered (weighted
+    ``b_i / B``, as ``_compute_loss``'s own result is), the state and metric sums the pass wrote put in their
+    variables, the loss tracker, ``apply_gradients`` (the all-reduce) and ``compute_metrics``. ``data`` is
+    ``(x, y, sample_weight)``."""
+    from keras.src import tree
+    from keras.src.losses import loss as loss_module
+
+    from hetero_cs.engine._compat.losses import _register
+
+    x, y, sample_weight = data
+    _register(step, loss)
+    for i, value in state_written:
         non_trainable[i].assign(value)
-    for i, value in zip(added, sums):
+    for i, value in sums_added:
         metric_state[i].assign_add(value)
     model._loss_tracker.update_state(  # noqa: SLF001
         loss_module.unscale_loss_for_distribution(loss),
         sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
-    with training.replica_step(dataclasses.replace(step, waited_per_micro_batch=chain is not None)):
+    with training.replica_step(step):
         model.optimizer.apply_gradients(zip(gradients, trainable))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
