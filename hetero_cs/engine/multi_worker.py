@@ -52,6 +52,21 @@ _AGREEMENT_FIELDS = 3  # per replica in the agreement vector: the chief's split,
 _MAX_REPORTED_STEPS = 100_000
 
 
+def _keeping_errors(method):
+    """A plan function of a step (run by ``tf.numpy_function``, whose errors TensorFlow reports as
+    ``InvalidArgumentError``) that keeps the library's error it raises, so that ``fit`` raises it as itself."""
+    @functools.wraps(method)
+    def keeping(self, *args):
+        try:
+            return method(self, *args)
+        except HeteroCSError as exc:
+            with self._lock:
+                self._plan_error = exc
+            raise
+
+    return keeping
+
+
 class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerInput,
                                         tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
@@ -208,6 +223,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         # The chief's, per timed step: [R] seconds (bounded: evaluate and predict report too, and nobody may read).
         self._reported_step_times: collections.deque = collections.deque(maxlen=_MAX_REPORTED_STEPS)
         self._time_scale_set = False
+        self._plan_error: Exception | None = None  # the library's error a step's plan function raised (fit re-raises)
         from hetero_cs.engine.multi_worker_micro import MultiWorkerMicroBatches, checked_caps
 
         self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R))
@@ -333,26 +349,16 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         return tf.cast(sizes, tf.int32)
 
     def _kept_plan_error(self, exc) -> Exception | None:
-        """The library's error a plan function of a step raised, if TensorFlow's ``exc`` carries it, else None; the
-        kept error is dropped either way (``exc=None``: only dropped)."""
+        """The library's error a plan function of a step raised (:func:`_keeping_errors`), if TensorFlow's ``exc``
+        carries it, else None; the kept error is dropped either way (``exc=None``: only dropped)."""
         with self._lock:
-            error, self._plan_error = getattr(self, "_plan_error", None), None
+            error, self._plan_error = self._plan_error, None
         if error is None or exc is None or str(error).splitlines()[0][:80] not in str(exc):
             return None
         return error
 
-    def _keep(self, error: Exception) -> Exception:
-        with self._lock:
-            self._plan_error = error
-        return error
-
+    @_keeping_errors
     def _local_sizes(self, global_batch_size) -> np.ndarray:
-        try:
-            return self._local_sizes_unchecked(global_batch_size)
-        except HeteroCSError as exc:
-            raise self._keep(exc)
-
-    def _local_sizes_unchecked(self, global_batch_size) -> np.ndarray:
         B = int(global_batch_size)
         self._micro_slices.check_batch(B)
         self._ensure_time_scale(B)
@@ -360,13 +366,8 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         self._last_split = tuple(sizes)
         return np.asarray(sizes, dtype=np.int64)
 
+    @_keeping_errors
     def _schedule(self, global_batch_size):
-        try:
-            return self._schedule_unchecked(global_batch_size)
-        except HeteroCSError as exc:
-            raise self._keep(exc)
-
-    def _schedule_unchecked(self, global_batch_size):
         """(agree in this step?, the split of this step if held [R]).
 
         A hold announced by the chief covers the next steps whatever their batch size: the choice depends on agreed
@@ -394,6 +395,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
             self._steps[0] += 1
         return np.bool_(True), np.zeros(self.num_replicas_in_sync, dtype=np.int64)
 
+    @_keeping_errors
     def _proposal(self, replica_id: int, global_batch_size) -> np.ndarray:
         """One replica's part of the agreement vector: [chief's split (R), step times (R), slice sizes (R), hold].
 
@@ -415,13 +417,8 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
             vector[2 * R + replica_id], vector[R + replica_id] = last
         return vector
 
+    @_keeping_errors
     def _adopt(self, agreed, global_batch_size) -> np.ndarray:
-        try:
-            return self._adopt_unchecked(agreed, global_batch_size)
-        except HeteroCSError as exc:
-            raise self._keep(exc)
-
-    def _adopt_unchecked(self, agreed, global_batch_size) -> np.ndarray:
         """The worker adopts the chief's split and hold; the chief's planner gets every replica's last step."""
         R = self.num_replicas_in_sync
         sizes = np.rint(agreed[:R]).astype(np.int64)
