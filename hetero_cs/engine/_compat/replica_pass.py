@@ -229,7 +229,9 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
     strategy = _strategy(model)
     emulator = strategy.emulator
-    stamp = step.start_stamp if emulator is not None else None
+    emulated = emulator is not None and step.start_stamp is not None
+    # The chain's clock: where the last micro-batch's emulated time ended (a constant when nothing is emulated).
+    stamp = step.start_stamp if emulated else tf.zeros([], tf.float64)
     # In int64: a cap from a roomy card's memory and a tiny model can exceed int32 (rows + cap - 1 would wrap to a
     # negative count, and the slice would run no micro-batch at all). The results fit int32 (at most the rows).
     rows = tf.cast(step.batch_size, tf.int64)
@@ -248,7 +250,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
                                     element_shape=[None])) for i in sparse]
 
     def body(j, chain, loss, dense_sums, sparse_parts, metric_sums, written_state, predictions):
-        if chain is not None:  # the next micro-batch starts when the last one's emulated time is over
+        if emulated:  # the next micro-batch starts when the last one's emulated time is over
             j = tie_to_stamp(j, chain)
         begin = j * quotient + tf.minimum(j, remainder)
         size = quotient + tf.cast(j < remainder, tf.int32)
@@ -262,7 +264,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
         pred, part_loss, grads, new_state, sums = function(
             weights, current, scale, tree.map_structure(rows_of, x), tree.map_structure(rows_of, y),
             tree.map_structure(rows_of, sample_weight), size)
-        if chain is not None:
+        if emulated:
             anchor = next(g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None)
             chain = end_replica_step(chain, _probe_scalar(anchor), replica_id=step.replica_id, batch_size=size,
                                      emulator=emulator)
@@ -276,29 +278,20 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     start = (tf.constant(0, tf.int32), stamp, tf.zeros([], loss_spec.dtype),
              [tf.zeros(weights[i].shape, gradient_spec[i].dtype) for i in dense], sparse_parts,
              [tf.zeros(t.shape, t.dtype) for t in sums_spec], [state[i] for i in written], predictions)
-    if stamp is None:
-        def loop_body(j, loss, *rest):
-            out = body(j, None, loss, *rest)
-            return (out[0], *out[2:])
-
-        _, loss, dense_sums, sparse_parts, sums, new_state, predictions = tf.while_loop(
-            lambda j, *_: j < count, loop_body, (start[0], *start[2:]), parallel_iterations=1)
-        chain = None
-    else:
-        _, chain, loss, dense_sums, sparse_parts, sums, new_state, predictions = tf.while_loop(
-            lambda j, *_: j < count, body, start, parallel_iterations=1)
+    _, chain, loss, dense_sums, sparse_parts, sums, new_state, predictions = tf.while_loop(
+        lambda j, *_: j < count, body, start, parallel_iterations=1)
 
     gradients = list(gradient_spec)
     for i, total in zip(dense, dense_sums):
         gradients[i] = total
     for i, (values, indices) in zip(sparse, sparse_parts):
         gradients[i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(weights[i]))
-    if chain is not None:  # the step's gradients leave only after the last micro-batch's emulated time
+    if emulated:  # the step's gradients leave only after the last micro-batch's emulated time
         gradients = tie_to_stamp(gradients, chain)
     y_pred = tf.nest.pack_sequence_as(y_pred_spec, [array.concat() for array in predictions])
     strategy.micro_batching.note_micro_batched(model)
     # The loss is a b_i / B share: the sum of the micro-batches' m_ij / B shares.
-    step = dataclasses.replace(step, waited_per_micro_batch=chain is not None)
+    step = dataclasses.replace(step, waited_per_micro_batch=emulated)
     return _finish(model, step, (x, y, sample_weight), y_pred, loss, gradients, trainable,
                    zip(written, new_state), zip(added, sums), non_trainable, metric_state)
 
