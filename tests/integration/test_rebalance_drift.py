@@ -93,7 +93,10 @@ def test_fit_logs_and_tensorboard_show_replica_timing_and_plan(fast_emulation, t
     assert {key for key in logs if key not in ("loss", "accuracy")} == {"straggler_wait_ms", "makespan_ms"}, logs
     stats = strategy.stats.history
     assert stats["makespan_ms"] == logs["makespan_ms"] and len(stats["replica_0_step_ms"]) == 2
-    assert stats["makespan_ms"][-1] >= stats["replica_1_step_ms"][-1] > 0
+    # Some card was timed in the last epoch, and the makespan is the slowest card's. Which cards: the plan decides
+    # from measured times (the guard may serve the A10 alone for an epoch), so no one card is named here.
+    timed = [stats[f"replica_{i}_step_ms"][-1] for i in range(3)]
+    assert stats["makespan_ms"][-1] >= max(timed) > 0, (stats["makespan_ms"], timed)
     assert stats["replica_0_batch_size"][-1] == strategy.plan.per_replica_batch_sizes[0]
     tags = set()
     for root, _, files in os.walk(log_dir):
