@@ -21,6 +21,10 @@ each worker's environment holding ``HETERO_CS_RESTART`` (the relaunches so far):
 * **without a worker whose card failed**: its own ``DeviceFaultError``, another worker's ``WorkerLostError`` naming
   its device error, or a lost card's line (:func:`hetero_cs.supervisor.lost_card_in`) among the last 200 lines of a
   worker. The relaunched cluster has one worker fewer, and its ``--emulate`` entry is left out;
+* **with every worker and a lower memory cap** after a replica ran out of memory in ``model.fit``
+  (:mod:`hetero_cs.engine.multi_worker_oom`): its ``StepOOMError``, or another worker's ``WorkerLostError``, names
+  the caps to relaunch with, and every relaunched worker gets them in ``HETERO_CS_MAX_BATCH_SIZES``
+  (:mod:`hetero_cs.planning.restart_caps`). A relaunch after a failed card keeps the caps of the workers left;
 * **with every worker** after a worker killed by a signal without a failed card (a transient death).
 
 Any other failure is the script's own and is not relaunched. With ``keras.callbacks.BackupAndRestore`` in the script
@@ -45,6 +49,7 @@ from typing import TextIO
 
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
+from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
@@ -195,6 +200,7 @@ class Launch:
         self._command = list(command)
         self._num_workers = num_workers
         self._emulate = None if emulate is None else list(emulate)
+        self._caps: list[str] | None = None  # HETERO_CS_MAX_BATCH_SIZES's entries after an out-of-memory relaunch
         self._grace_s = float(grace_s)
         # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.
         self._output = output or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - lives as long as the launch
@@ -211,6 +217,8 @@ class Launch:
         env["HETERO_CS_RESTART"] = str(self.restarts)
         if self._emulate is not None:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
+        if self._caps is not None:
+            env[CAPS_ENV_VAR] = ",".join(self._caps)
         return env
 
     def _pump(self, index: int, stream) -> None:
@@ -278,9 +286,17 @@ class Launch:
                 self._note(f"worker {card}'s card failed and no other worker is left: not relaunching")
                 return False
             dropped = self._emulate.pop(card) if self._emulate is not None else None
+            if self._caps is not None:  # the caps of the workers left (every worker runs as many replicas)
+                per_worker = len(self._caps) // self._num_workers
+                del self._caps[card * per_worker:(card + 1) * per_worker]
             self._num_workers -= 1
             what = f"without worker {card}" + (f" (emulating {dropped})" if dropped else "")
             why = f"worker {card}'s card failed"
+        elif (caps := self._caps_after_out_of_memory()) is not None:
+            worker_out, caps = caps
+            self._caps = caps.split(",")
+            what = f"with {CAPS_ENV_VAR}={caps}"
+            why = f"a replica of worker {worker_out} ran out of memory"
         elif code < 0:
             what, why = "with every worker", f"worker {worker} was killed by signal {-code} (a transient death)"
         else:
@@ -308,6 +324,22 @@ class Launch:
                 if lost_card_in(line) is not None:
                     return index
         return None
+
+    def _caps_after_out_of_memory(self) -> tuple[int, str] | None:
+        """(the worker, the caps) when a worker's StepOOMError, or another worker's WorkerLostError, names the caps
+        to relaunch with after a replica ran out of memory in fit; else None."""
+        pattern = re.compile(rf"relaunch with {CAPS_ENV_VAR}=((?:\d+|{NO_CAP})(?:,(?:\d+|{NO_CAP}))*)")
+        found = None
+        for index, tail in enumerate(self._tails):
+            for line in tail:
+                match = pattern.search(line)
+                if match is None:
+                    continue
+                told = re.search(r"worker (\d+) (?:\([^)]*\) )?stopped[,:] out of memory", line)
+                worker = int(told.group(1)) if told else index
+                if found is None or not told:  # the failing worker's own error first
+                    found = (worker, match.group(1))
+        return found
 
     def _run_cluster(self) -> int:
         """One launch of the N workers: starts them, waits, and returns the exit status."""
@@ -468,7 +500,8 @@ def add_launch_arguments(parser) -> None:
                              f"{DEFAULT_GRACE_S:g})")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="relaunch the cluster after a failure at most this often (default 0): without a worker "
-                             "whose card failed, or with every worker after a worker killed by a signal")
+                             "whose card failed, with a lower memory cap after a replica ran out of memory in fit, "
+                             "or with every worker after a worker killed by a signal")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 
 

@@ -128,10 +128,11 @@ def device_fault(exc: BaseException, compute_devices: Sequence[str],
     return DeviceFault(form, replica_id, device)
 
 
-def first_line(exc: BaseException) -> str:
-    """The line of TensorFlow's error that holds the fault's text, for log lines and messages (at most 200 chars)."""
+def first_line(exc: BaseException, forms=DEVICE_FAULT_FORMS) -> str:
+    """The line of TensorFlow's error that holds the fault's text (the first that one of ``forms``' (name, pattern)
+    pairs finds, else the first line), for log lines and messages (at most 200 chars)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = next((line for line in lines if any(p.search(line) for _, p in DEVICE_FAULT_FORMS)),
+    text = next((line for line in lines if any(p.search(line) for _, p in forms)),
                 lines[0] if lines else type(exc).__name__)
     # TensorFlow prefixes a replica's error with "(0) UNKNOWN:" and a Python exception's class name.
     text = re.sub(r"^(?:\(\d+\)\s+[A-Z_]+:\s*)?(?:[A-Za-z]*Error:\s*)?", "", text) or text

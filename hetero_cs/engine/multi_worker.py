@@ -110,13 +110,15 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
             False: the caps bound each slice.
         max_batch_sizes: Each replica's memory cap, the examples its card holds at once (None entries: uncapped),
             for all replicas of the cluster in task-index then local order, the same list on every worker. None:
-            from the emulated devices' memory when emulating, else no caps (real cards: give them here).
+            from the emulated devices' memory when emulating, else no caps (real cards: give them here). Lowered
+            entry by entry to ``HETERO_CS_MAX_BATCH_SIZES`` when that is set (``hetero-cs launch`` sets it when it
+            relaunches the job after a replica ran out of memory: see :mod:`hetero_cs.engine.multi_worker_oom`).
 
     Raises:
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
         ConfigError: ``emulate`` of the wrong length (not a multiple of the workers, or not one name per replica
             of a GPU cluster), a profile_cache other than None/False, ``micro_batches`` not None or a bool, or
-            ``max_batch_sizes`` not one integer >= 0 or None per replica.
+            ``max_batch_sizes`` (or ``HETERO_CS_MAX_BATCH_SIZES``) not one integer >= 0 or None per replica.
         EmulationError: Several emulated replicas per worker, but TensorFlow was initialised before the strategy
             was built (it cannot create their logical CPU devices any more).
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
@@ -226,7 +228,8 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
         self._plan_error: Exception | None = None  # the library's error a step's plan function raised (fit re-raises)
         from hetero_cs.engine.multi_worker_micro import MultiWorkerMicroBatches, checked_caps
 
-        self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R))
+        self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
+                                                     restart_caps=_restart_caps(R))
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
@@ -534,6 +537,24 @@ def _emulated_local_replicas(num_names: int, source: str) -> int:
             f"fewer devices each."
         )
     return per_worker
+
+
+def _restart_caps(num_replicas: int) -> list[int | None] | None:
+    """The caps ``HETERO_CS_MAX_BATCH_SIZES`` holds (set by ``hetero-cs launch`` when it relaunches a job after an
+    out-of-memory error, :mod:`hetero_cs.engine.multi_worker_oom`), or None when it is not set.
+
+    Raises:
+        ConfigError: Not one integer >= 0 or ``none`` per replica.
+    """
+    from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, parse_caps
+
+    text = os.environ.get(CAPS_ENV_VAR, "").strip()
+    if not text:
+        return None
+    caps = parse_caps(text, num_replicas)
+    logger.warning("hetero_cs: memory caps lowered to %s=%s (a replica ran out of memory before this restart); "
+                   "slices past a cap run as micro-batches within it.", CAPS_ENV_VAR, text)
+    return caps
 
 
 def _has_ours(callbacks) -> bool:

@@ -97,12 +97,16 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         setting: ``micro_batches``: None (where exact), True (also accept a layer's own state set per micro-batch)
             or False (the caps bound each slice).
         max_batch_sizes: Per-replica caps of the whole cluster, checked by :func:`checked_caps`, or None.
+        restart_caps: Caps that lower those (or the emulated caps) entry by entry after a restart for out of memory
+            (:mod:`hetero_cs.engine.multi_worker_oom`), or None.
     """
 
-    def __init__(self, strategy, setting: bool | None, max_batch_sizes: list[int | None] | None):
+    def __init__(self, strategy, setting: bool | None, max_batch_sizes: list[int | None] | None,
+                 restart_caps: list[int | None] | None = None):
         self._strategy = strategy
         self.setting = setting
         self._given = max_batch_sizes
+        self._restart_caps = restart_caps
         self._caps: list[int | None] | None = None  # in force for the model being fit
         self._active = False  # this model's slices past a cap run as micro-batches
         self._model_id: int | None = None
@@ -177,7 +181,9 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._set(None, False)
             self._pending = (model, keras_train_step)
             return
-        caps = self._given if self._given is not None else self._emulated_caps(model)
+        from hetero_cs.planning.restart_caps import lowest_caps
+
+        caps = lowest_caps(self._given if self._given is not None else self._emulated_caps(model), self._restart_caps)
         with self._lock:
             # What a model's traced step found stays found: Keras keeps the step traced, and a later fit of the
             # same model does not trace (or find) it again.
@@ -243,11 +249,12 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
 
     def note_custom_loop(self) -> None:
         """``strategy.run`` outside ``fit``: caps given as ``max_batch_sizes`` do not apply there (said once)."""
-        if self._given is not None and any(c is not None for c in self._given):
+        given = self._given if self._given is not None else self._restart_caps
+        if given is not None and any(c is not None for c in given):
             self._log_once(("custom loop",), logging.WARNING,
                            "hetero_cs: max_batch_sizes=%s applies in model.fit only: a custom loop's strategy.run cuts "
                            "each slice whole, past any cap (no micro-batches). Size its global batch for the caps, "
-                           "or train with model.fit.", self._given)
+                           "or train with model.fit.", given)
 
     def note_micro_batched(self, model) -> None:
         """While a replica step is traced with micro-batched slices (a counter for tests and logs)."""

@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
     parser.add_argument("--fail", default=None, help="R:S, replica R's card fails (a device error) from its step S")
+    parser.add_argument("--memory-drift", default=None,
+                        help="R:BYTES:S, replica R's card has BYTES of memory left from its step S (kept on a relaunch)")
     parser.add_argument("--linger-s", type=float, default=0.0,
                         help="worker 1, when its fit fails, prints the error and waits this long before it exits")
     parser.add_argument("--modelled-times", action="store_true",
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
             kwargs["auto_balance"] = False
         else:
             kwargs["batch_split"] = [float(s) for s in args.split.split(",")]
-        if args.drift is not None or args.fail is not None:
+        if args.drift is not None or args.fail is not None or args.memory_drift is not None:
             from hetero_cs.emulation import Drift, Emulator
 
             drift = []
@@ -217,6 +219,9 @@ def main(argv=None) -> int:
             if args.fail is not None and not relaunched:
                 replica, from_step = args.fail.split(":")
                 drift.append(Drift(replica_id=int(replica), from_step=int(from_step), fails=True))
+            if args.memory_drift is not None:
+                replica, memory_bytes, from_step = args.memory_drift.split(":")
+                drift.append(Drift(replica_id=int(replica), from_step=int(from_step), memory_bytes=int(memory_bytes)))
             names = [name for entry in os.environ["HETERO_CS_EMULATE"].split(",") for name in entry.split("+")]
             kwargs["emulate"] = Emulator(names, drift=drift)
         if args.max_batch_sizes is not None:

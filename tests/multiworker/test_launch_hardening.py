@@ -191,16 +191,25 @@ import json, os, signal, sys
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 restart = int(os.environ["HETERO_CS_RESTART"])
 workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
-print(f"worker {index} of {workers}, restart {restart}, emulate {os.environ.get('HETERO_CS_EMULATE')}", flush=True)
+print(f"worker {index} of {workers}, restart {restart}, emulate {os.environ.get('HETERO_CS_EMULATE')}, caps "
+      f"{os.environ.get('HETERO_CS_MAX_BATCH_SIZES')}", flush=True)
 if restart == 0 and index == 1:
     {failure}
+if restart == 1 and index == 0:
+    {second_failure}
 """
 
+# What a worker whose replica ran out of memory in fit prints last (hetero_cs.engine.multi_worker_oom), shortened.
+OUT_OF_MEMORY = ("print('hetero_cs.errors.StepOOMError: model.fit ran out of memory on worker 1, replica 1 (...), with "
+                 "8 examples at once, its slice of a global batch of 16 (...). ... (relaunch with "
+                 "HETERO_CS_MAX_BATCH_SIZES=none,4); ...', flush=True); sys.exit(1)")
 
-def _relaunch_run(tmp_path, failure: str, *extra: str):
+
+def _relaunch_run(tmp_path, failure: str, *extra: str, second_failure: str = "pass", max_restarts: int = 1):
     script = tmp_path / "fake.py"
-    script.write_text(FAKE_WORKER.replace("{failure}", failure))
-    return subprocess.run(_launch("--workers", "2", "--emulate", "A10,T4", "--max-restarts", "1", *extra, "--",
+    script.write_text(FAKE_WORKER.replace("{failure}", failure).replace("{second_failure}", second_failure))
+    return subprocess.run(_launch("--workers", "2", "--emulate", "A10,T4", "--max-restarts", str(max_restarts),
+                                  *extra, "--",
                                   sys.executable, str(script)), env=_env(), capture_output=True, text=True,
                           timeout=120)
 
@@ -236,3 +245,27 @@ def test_launch_does_not_relaunch_a_scripts_own_failure():
     assert done.returncode == 5
     assert "worker 1 failed with status 5 and no card of it failed: not relaunching" in done.stdout
     assert "restart 1" not in done.stdout
+
+
+def test_launch_relaunches_every_worker_with_a_lower_cap_after_a_replica_ran_out_of_memory():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), OUT_OF_MEMORY)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert ("a replica of worker 1 ran out of memory: relaunching 2 worker(s) with HETERO_CS_MAX_BATCH_SIZES=none,4 "
+            "(relaunch 1 of at most 1") in done.stdout
+    for index in (0, 1):
+        assert f"worker {index} of 2, restart 1, emulate A10,T4, caps none,4" in done.stdout
+
+
+def test_a_relaunch_without_a_failed_card_keeps_the_lowered_caps_of_the_workers_left():
+    import tempfile
+
+    lost = ("sys.stderr.write('hetero_cs emulation: lost replica=0 (A10) at its step 3: CUDA_ERROR_ECC_UNCORRECTABLE"
+            "\\n'); sys.stderr.flush(); os.abort()")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), OUT_OF_MEMORY, second_failure=lost, max_restarts=2)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "worker 0's card failed: relaunching 1 worker(s) without worker 0 (emulating A10)" in done.stdout
+    assert "worker 0 of 1, restart 2, emulate T4, caps 4" in done.stdout

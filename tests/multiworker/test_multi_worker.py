@@ -610,3 +610,35 @@ def test_launch_relaunches_without_the_worker_whose_card_failed_and_the_job_resu
         if key == "epochs_run":
             continue
         np.testing.assert_allclose(result[key], value, rtol=0, atol=TOLERANCE, err_msg=key)
+
+
+def test_out_of_memory_on_one_worker_relaunches_with_its_cap_halved_and_the_job_resumes_exactly(tmp_path, reference):
+    # From its step 4 (the second epoch) the emulated T4 of worker 1 has memory for 4 examples, not its even slice of
+    # 8 (as when another process takes memory; the strategy is told no caps, as on real cards). Worker 1's fit raises
+    # StepOOMError naming replica 1 and the caps to restart with; worker 0 is told and stops with a WorkerLostError.
+    # `hetero-cs launch --max-restarts 1` relaunches both with HETERO_CS_MAX_BATCH_SIZES=none,4: the T4's slices of 8
+    # run as 2 micro-batches of 4, the job resumes from the first epoch's backup and ends where uninterrupted
+    # single-device training ends.
+    expected = reference(3)
+    output = _launch(tmp_path, 2, "--split", "even", "--epochs", "3", "--backup", str(tmp_path / "backup"),
+                     "--max-batch-sizes", "n,n", "--memory-drift", "1:1500:4", emulate="A10,T4", max_restarts=1)
+    assert ("[worker 1] hetero_cs.errors.StepOOMError: model.fit ran out of memory on worker 1, replica 1 "
+            "(/job:worker/replica:0/task:1/device:CPU:0), with 8 examples at once, its slice of a global batch of 16 "
+            "(emulated: ResourceExhaustedError: Emulated out of memory: replica=1") in output, output[-4000:]
+    assert re.search(r"\[worker 0\] hetero_cs.errors.WorkerLostError: model.fit stopped on worker 0: worker 1 "
+                     r"stopped, out of memory on replica 1 .* Restart all workers with HETERO_CS_MAX_BATCH_SIZES="
+                     r"none,4", output), output[-4000:]
+    assert ("[launch] a replica of worker 1 ran out of memory: relaunching 2 worker(s) with "
+            "HETERO_CS_MAX_BATCH_SIZES=none,4") in output, output[-4000:]
+    # Relaunched, the T4's slices of 8 ran as micro-batches within its cap (a slice of 8 in one pass would have run out
+    # of memory again, and no relaunch was left); the last batch of 6 ran as 3 and 3, one pass each.
+    micro = json.loads((tmp_path / "micro_worker1.json").read_text())
+    assert micro["active"] and micro["caps"] == [None, 4] and micro["sizes"] == [3, 3], micro
+    result = np.load(tmp_path / "worker0.npz")
+    assert int(result["epochs_run"]) == 2  # epochs 2 and 3: the first came from the backup
+    for key, value in expected.items():
+        if key in ("loss", "accuracy"):
+            value = value[1:]
+        if key == "epochs_run":
+            continue
+        np.testing.assert_allclose(result[key], value, rtol=0, atol=TOLERANCE, err_msg=key)

@@ -216,18 +216,22 @@ def _patch_entry_points() -> None:
                 return original(*bound.args, **bound.kwargs)
             except tf.errors.InvalidArgumentError as exc:
                 # The library's own error, raised where a step decides its split (a numpy_function, which TensorFlow
-                # reports as InvalidArgumentError): raised as itself, TensorFlow's chained.
+                # reports as InvalidArgumentError): raised as itself, TensorFlow's chained. Some out-of-memory forms
+                # come as InvalidArgumentError too.
                 kept = strategy._kept_plan_error(exc)  # noqa: SLF001
+                if kept is None:
+                    kept = _out_of_memory_here(strategy, original.__name__, exc, (self.name,))
                 if kept is None:
                     raise
                 raise kept from exc
             except _PEER_FAILURES as exc:
                 raise _worker_lost(strategy, original.__name__, exc) from exc
-            except (tf.errors.InternalError, tf.errors.UnknownError) as exc:
-                fault = _device_fault_here(strategy, original.__name__, exc, (self.name,))
-                if fault is None:
+            except (tf.errors.ResourceExhaustedError, tf.errors.InternalError, tf.errors.UnknownError) as exc:
+                error = (_out_of_memory_here(strategy, original.__name__, exc, (self.name,))
+                         or _device_fault_here(strategy, original.__name__, exc, (self.name,)))
+                if error is None:
                     raise
-                raise fault from exc
+                raise error from exc
             finally:
                 _current_model.model = previous
 
@@ -282,9 +286,8 @@ _PEER_FAILURES = (
 )
 
 
-def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
-    """A DeviceFaultError for a device error on one of this worker's replicas (the rule of
-    :mod:`hetero_cs.engine.failover`), after telling every other worker, or None for any other error.
+def _tell_cluster(strategy, reason: str) -> None:
+    """Tells every other worker that this one stopped, and why (``_worker_lost`` reads it there).
 
     The other workers wait for this worker's gradients in the collective. They learn of the failure at once through
     TensorFlow's coordination service: private ``context.report_error_to_cluster`` (TFE_ReportErrorToCluster)
@@ -294,6 +297,31 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     """
     from tensorflow.python.eager import context
 
+    worker = id_in_cluster(strategy)
+    message = (f"hetero_cs: worker {worker} (/job:worker/replica:0/task:{worker}) stopped: {reason}; the other "
+               f"workers cannot go on without it.")
+    try:
+        context.context().report_error_to_cluster(tf.errors.UNAVAILABLE, message)
+    except Exception as report_error:  # noqa: BLE001 - no coordination service (a cluster of one): nothing to tell
+        logger.debug("hetero_cs: could not tell the cluster why this worker stopped: %s", report_error)
+
+
+def _out_of_memory_here(strategy, verb: str, exc: Exception, replica_scopes):
+    """A StepOOMError for an out-of-memory error on this worker (:mod:`hetero_cs.engine.multi_worker_oom`), after
+    telling every other worker, or None for any other error."""
+    from hetero_cs.engine.multi_worker_oom import out_of_memory_here
+
+    found = out_of_memory_here(strategy, verb, exc, replica_scopes)
+    if found is None:
+        return None
+    _tell_cluster(strategy, found.reason)
+    return found.error
+
+
+def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
+    """A DeviceFaultError for a device error on one of this worker's replicas (the rule of
+    :mod:`hetero_cs.engine.failover`), after telling every other worker (:func:`_tell_cluster`), or None for any
+    other error."""
     from hetero_cs.engine.failover import device_fault, first_line
     from hetero_cs.errors import DeviceFaultError
 
@@ -307,14 +335,8 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
         offset = int(emulated.group(1)) - getattr(strategy, "_first_replica", 0)
         local_id = offset if 0 <= offset < len(local) else None
     worker = id_in_cluster(strategy)
-    task = f"/job:worker/replica:0/task:{worker}"
     device = local[local_id] if local_id is not None else "one of its devices"
-    message = (f"hetero_cs: worker {worker} ({task}) stopped: a device error on {device} ({first_line(exc)}); "
-               f"the other workers cannot go on without it.")
-    try:
-        context.context().report_error_to_cluster(tf.errors.UNAVAILABLE, message)
-    except Exception as report_error:  # noqa: BLE001 - no coordination service (a cluster of one): nothing to tell
-        logger.debug("hetero_cs: could not report the device error to the cluster: %s", report_error)
+    _tell_cluster(strategy, f"a device error on {device} ({first_line(exc)})")
     return DeviceFaultError(
         f"model.{verb} failed on worker {worker} with a device error on {device} ({type(exc).__name__}: "
         f"{first_line(exc)}). On several machines a failing card is not set aside: every worker runs the same steps "
@@ -340,8 +362,15 @@ def _worker_lost(strategy, verb: str, exc: Exception):
                    if re.search(r"heartbeat|unavailable|deadline|timed? ?out|connect|task:\d", line, re.I)),
                   text.splitlines()[0] if text else type(exc).__name__)
     who = (f"worker {lost[0]}" if len(lost) == 1 else f"workers {lost}") if lost else "another worker of the cluster"
-    reported = re.search(r"hetero_cs: worker (\d+) \([^)]*\) stopped: (a device error on .*?); the other workers", text,
-                         re.S)
+    reported = re.search(r"hetero_cs: worker (\d+) \([^)]*\) stopped: (.*?); the other workers", text, re.S)
+    if reported is not None and reported.group(2).startswith("out of memory"):  # told by _out_of_memory_here
+        caps = re.search(r"relaunch with (\w+=[\w,]+)", reported.group(2))
+        return WorkerLostError(
+            f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped, "
+            f"{reported.group(2)}. Every worker runs the same steps in lockstep, so the job cannot go on without it. "
+            + (f"Restart all workers with {caps.group(1)} (hetero-cs launch --max-restarts N does so by itself; see "
+               f"that worker's StepOOMError)" if caps else "See that worker's StepOOMError, then restart all workers")
+            + "; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup.")
     if reported is not None:  # a device error another worker told the cluster of (_device_fault_here)
         return WorkerLostError(
             f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped with "
