@@ -3,8 +3,9 @@
 Each replica's memory cap (the examples its card holds at once) comes from ``max_batch_sizes=`` given to the
 strategy (the same list on every worker, one entry per replica of the cluster), or, on emulated devices, from each
 device's emulated memory and the model's size (:func:`hetero_cs.devices.workload.max_examples_in_memory`, what the
-emulated card's out-of-memory check uses). Every worker therefore knows every replica's cap, and nothing about them
-travels between workers.
+emulated card's out-of-memory check uses), lowered entry by entry to ``HETERO_CS_MAX_BATCH_SIZES`` after a restart
+for out of memory (:mod:`hetero_cs.engine.multi_worker_oom`). Every worker therefore knows every replica's cap, and
+nothing about them travels between workers.
 
 Where caps are known and micro-batching applies, a replica whose slice ``b_i`` exceeds its cap runs it inside its
 own replica step as ``k_i = ceil(b_i / cap_i)`` near-equal micro-batches, one after another on its card
