@@ -121,6 +121,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
+        self.micro_batched_inference_traces = 0  # evaluate and predict replica steps traced so
+        self._evaluates_whole: dict[int, bool] = {}  # id(model) -> its test step all-reduces inside a replica
 
     @property
     def max_batch_sizes(self) -> list[int | None] | None:
@@ -264,6 +266,52 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._log_once(("on", id(model)), logging.INFO,
                        "hetero_cs: slices past a memory cap run as micro-batches within it (caps %s examples per "
                        "replica); every step stays one single-device step on the whole global batch.", self._caps)
+
+    def inference_cap(self, model, replica_id: int) -> int | None:
+        """In an ``evaluate`` or ``predict`` replica step: the cap its slice is micro-batched within, or None (one
+        pass). The training caps (those in force since ``fit``, else ``max_batch_sizes`` lowered by a restart's
+        caps, else the emulated memory's), a safe bound: inference holds less per example than training. Every model
+        may run its inference slices as micro-batches (no state is written and BatchNormalization uses its moving
+        statistics there), unless ``micro_batches=False``."""
+        from hetero_cs.planning.restart_caps import lowest_caps
+
+        if self.setting is False:
+            return None
+        caps = self._caps
+        if caps is None:
+            emulator = self._strategy.emulator
+            emulated = self._emulated_caps(model) if self._given is None and emulator is not None and \
+                emulator.workload is not None else None
+            caps = lowest_caps(self._given if self._given is not None else emulated, self._restart_caps)
+        if caps is None:
+            return None
+        cap = caps[int(replica_id)]
+        return None if cap is None or cap < 1 else min(int(cap), _LARGEST_SLICE)
+
+    def note_micro_batched_inference(self, model) -> None:
+        """While an evaluate or predict replica step is traced with micro-batched slices (counted, logged once)."""
+        with self._lock:
+            self.micro_batched_inference_traces += 1
+        self._log_once(("inference", id(model)), logging.INFO,
+                       "hetero_cs: evaluate and predict slices past a memory cap run as micro-batches within it "
+                       "(caps %s examples per replica).", self._caps or self._given or self._restart_caps)
+
+    def evaluates_in_micro_batches(self, model, all_reduces) -> bool:
+        """In an evaluate replica step with a cap: False when ``all_reduces()`` finds that the model's test step
+        all-reduces inside the replica (a loss normalised by the global batch), which a loop of micro-batches would
+        run once per micro-batch while the other replicas run it once (remembered per model, logged once)."""
+        with self._lock:
+            known = self._evaluates_whole.get(id(model))
+        if known is None:
+            known = bool(all_reduces())
+            with self._lock:
+                self._evaluates_whole[id(model)] = known
+        if known:
+            self._log_once(("evaluate whole", id(model)), logging.WARNING,
+                           "hetero_cs: not micro-batching this model's evaluate slices: %s; each slice runs in one "
+                           "pass, past its memory cap %s (predict's slices still run as micro-batches).",
+                           _WHY[NORMALISED_LOSS], self._caps or self._given or self._restart_caps)
+        return not known
 
     def check_batch(self, global_batch_size: int) -> None:
         """At every step, on every worker alike: a global batch the caps cannot hold without micro-batches is a

@@ -103,7 +103,7 @@ def _overridden(keras):
 
 
 def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=False, batch_norm=False,
-          embedding=False, override=False):
+          embedding=False, override=False, weighted_mean=False):
     rng = np.random.RandomState(0)
     if wide:
         layers = [keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
@@ -121,7 +121,8 @@ def build(keras, wide=False, accumulate=None, jit_compile=False, count_forward=F
         # global_clipnorm: clipping must apply to the summed gradient of all replicas, as on one device.
         optimizer=keras.optimizers.Adam(learning_rate=0.05, global_clipnorm=0.5,
                                         gradient_accumulation_steps=accumulate),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight" if weighted_mean else "sum_over_batch_size"),
         metrics=["accuracy"],
         jit_compile=jit_compile,
     )
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
     parser.add_argument("--fail", default=None, help="R:S, replica R's card fails (a device error) from its step S")
+    parser.add_argument("--weighted-mean", action="store_true",
+                        help="sample weights and reduction='mean_with_sample_weight' (normalised by the global batch)")
     parser.add_argument("--memory-drift", default=None,
                         help="R:BYTES:S, replica R's card has BYTES of memory left from its step S (kept on a relaunch)")
     parser.add_argument("--linger-s", type=float, default=0.0,
@@ -237,7 +240,11 @@ def main(argv=None) -> int:
         if args.record_received:
             received = _record_received(tf)
     x, y = data(args.wide)  # after the strategy: MultiWorkerMirroredStrategy must come before TensorFlow initialises
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(WIDE_BATCH if args.wide else args.batch)
+    if args.weighted_mean:  # sample weights, and a loss normalised by the global batch's sum of them
+        weights = np.random.RandomState(3).uniform(0.5, 2.0, size=len(x)).astype("float32")
+        dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(args.batch)
+    else:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(WIDE_BATCH if args.wide else args.batch)
     callbacks = []
     if args.replan_at_epoch is not None and name == "worker0":
         class Replan(keras.callbacks.Callback):
@@ -266,11 +273,11 @@ def main(argv=None) -> int:
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, name)))
     if strategy is None:
         model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm, args.embedding,
-                          args.override_train_step)
+                          args.override_train_step, args.weighted_mean)
     else:
         with strategy.scope():
             model = build(keras, args.wide, args.accumulate, args.jit, args.count_forward, args.batch_norm, args.embedding,
-                          args.override_train_step)
+                          args.override_train_step, args.weighted_mean)
     if args.custom_loop:
         return custom_loop(args, strategy, model, dataset, name)
     try:
@@ -305,8 +312,12 @@ def main(argv=None) -> int:
     if args.count_forward:
         with open(os.path.join(args.out, f"forward_rows_{name}.json"), "w") as f:
             json.dump(_FORWARD_ROWS, f)
+    trained_rows = len(_FORWARD_ROWS)
     evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
     predicted = model.predict(dataset, verbose=0)
+    if args.count_forward:  # the forward passes of evaluate, then predict
+        with open(os.path.join(args.out, f"forward_rows_inference_{name}.json"), "w") as f:
+            json.dump(_FORWARD_ROWS[trained_rows:], f)
     result = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
     for i, v in enumerate(model.optimizer.variables):
         result[f"optimizer_{i}"] = np.asarray(v)

@@ -229,8 +229,9 @@ def test_a_train_step_override_with_nested_logs_logs_the_clusters_metrics(tmp_pa
 
 def test_slices_past_a_cap_run_as_micro_batches_within_it_and_equal_one_device(tmp_path):
     # max_batch_sizes [3e9, 4]: worker 1's card holds 4 examples; its 12 of each global batch of 16 run as 3
-    # micro-batches of 4 (counted by a py_function in the model), its 4 of the last batch of 6 as one. Worker 0's cap
-    # is past int32 (a roomy card and a tiny model): its slices run whole, once (an int32 count wrapped and ran none).
+    # micro-batches of 4 in fit, evaluate and predict (counted by a py_function in the model), its 4 of the last
+    # batch of 6 as one. Worker 0's cap is past int32 (a roomy card and a tiny model): its slices run whole, once (an
+    # int32 count wrapped and ran none).
     # The model embeds its inputs and adds a position embedding, whose rows add up row by row over the micro-batches
     # (end to end, Adam squared each part apart).
     expected = _run_reference(tmp_path / "reference", "--epochs", "2", "--count-forward", "--embedding")
@@ -239,8 +240,24 @@ def test_slices_past_a_cap_run_as_micro_batches_within_it_and_equal_one_device(t
     rows = [json.loads((tmp_path / f"forward_rows_worker{i}.json").read_text()) for i in (0, 1)]
     assert rows[0] == [4, 4, 2] * 2, rows
     assert rows[1] == [4, 4, 4, 4, 4, 4, 4] * 2, rows
+    # evaluate, then predict: the same micro-batches, one forward pass each (their results equal one device below).
+    rows = [json.loads((tmp_path / f"forward_rows_inference_worker{i}.json").read_text()) for i in (0, 1)]
+    assert rows[0] == [4, 4, 2] * 2 and rows[1] == [4, 4, 4, 4, 4, 4, 4] * 2, rows
     micro = json.loads((tmp_path / "micro_worker1.json").read_text())
     assert micro["active"] and micro["caps"] == [3000000000, 4] and micro["traces"] >= 1, micro
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
+def test_a_finding_made_while_tracing_switches_every_worker_even_one_without_caps(tmp_path):
+    # A loss normalised by the global batch's sum of sample weights cannot be micro-batched; it is found while each
+    # replica traces its step. Worker 0's replica has no cap, worker 1's holds 3: both must switch to slices within
+    # the caps alike. (Worker 0 used to keep the micro-batched even split while worker 1 cut [13, 3], and training
+    # went silently wrong: a loss of 2.13 where one device has 1.62.)
+    expected = _run_reference(tmp_path / "reference", "--weighted-mean")
+    output = _launch(tmp_path, 2, "--split", "even", "--max-batch-sizes", "n,3", "--weighted-mean")
+    for worker in (0, 1):
+        assert f"[worker {worker}] hetero_cs.engine.multi_worker: hetero_cs: not micro-batching this model: a loss " \
+               f"normalised by the global batch" in output, output[-4000:]
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 

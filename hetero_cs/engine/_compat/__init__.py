@@ -80,7 +80,7 @@ from hetero_cs.engine._compat.multi_worker import (
 )
 from hetero_cs.engine._compat.tape import _patch_gradient_tape
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
-from hetero_cs.engine._compat.replica_pass import _patch_train_step
+from hetero_cs.engine._compat.replica_pass import _patch_inference_steps, _patch_train_step
 
 __all__ = [
     "MULTI_WORKER_MARKER",
@@ -164,5 +164,6 @@ def install() -> None:
         _patch_inference_functions()
         _patch_symbolic_build()
         _patch_train_step()
+        _patch_inference_steps()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

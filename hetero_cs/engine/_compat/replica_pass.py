@@ -52,9 +52,13 @@ def _patch_train_step() -> None:
         multi_worker = is_multi_worker_strategy(strategy)
         skip = multi_worker and idle_replicas.multi_worker_skips(self)
         cap = strategy.micro_batching.cap_of(step.replica_id) if multi_worker else None
-        if not (jit or skip or cap is not None):
+        # Whether this model's slices may run as micro-batches: then every replica, capped or not, traces the cut
+        # step to find what keeps them within the caps, so every worker switches alike (a worker whose replicas have
+        # no cap would otherwise keep the micro-batched plan and cut its batches unlike the others).
+        finding = multi_worker and strategy.micro_batching.active
+        if not (jit or skip or cap is not None or finding):
             return original(self, data)
-        outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap)
+        outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap, find_micro=finding)
         return original(self, data) if outputs is None else outputs
 
     TensorFlowTrainer.train_step = train_step
@@ -80,11 +84,100 @@ def _patch_train_step() -> None:
     Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile  # noqa: SLF001
 
 
+def _patch_inference_steps() -> None:
+    # Under the multi-worker strategy, a replica whose slice of an evaluate or predict batch exceeds its card's memory
+    # cap runs Keras' own test_step or predict_step on each micro-batch in turn (_micro_batched_inference);
+    # elsewhere Keras' own runs.
+    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+    for name in ("test_step", "predict_step"):
+        original = getattr(TensorFlowTrainer, name)
+
+        def inference_step(self, data, _original=original, _predict=name == "predict_step"):
+            step = training.current_replica_step()
+            strategy = getattr(self, "_distribute_strategy", None)
+            if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
+                return _original(self, data)
+            cap = strategy.micro_batching.inference_cap(self, step.replica_id)
+            if cap is None:
+                return _original(self, data)
+            return _micro_batched_inference(self, _original, data, step, cap, predict=_predict)
+
+        setattr(TensorFlowTrainer, name, functools.wraps(original)(inference_step))
+
+
+def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict: bool):
+    """Keras' ``test_step`` or ``predict_step`` (``keras_step``) for one replica's slice, run on near-equal
+    micro-batches of at most ``cap`` examples one after another (``parallel_iterations=1``: one micro-batch's
+    activations in memory at a time), each as a replica step of its own ``m_ij`` examples: its loss weighs
+    ``m_ij / B``, its metric updates add up, and predict's outputs are put back together in order. The first
+    micro-batch runs before the loop (it gives the outputs' structure; an empty slice runs it on 0 rows, as Keras'
+    own step would), the rest in a ``tf.while_loop``. Returns what the last micro-batch's step returned (evaluate's
+    logs are read from the summed metric state afterwards) or, for predict, every row's prediction."""
+    from keras.src import tree
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    micro = _strategy(model).micro_batching
+    if not predict and not micro.evaluates_in_micro_batches(model, lambda: _all_reduces_in_test_step(
+            model, keras_step, data)):
+        return keras_step(model, data)  # one pass past the cap, as every other replica's (logged once)
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    rows = tf.cast(step.batch_size, tf.int64)
+    count = tf.maximum((rows + (cap - 1)) // cap, 1)  # int64: a cap past int32 (see _micro_batched)
+    quotient = tf.cast(rows // count, tf.int32)
+    remainder = tf.cast(rows - count * tf.cast(quotient, tf.int64), tf.int32)
+    count = tf.cast(count, tf.int32)
+
+    def run(j):
+        begin = j * quotient + tf.minimum(j, remainder)
+        size = quotient + tf.cast(j < remainder, tf.int32)
+
+        def rows_of(value):
+            return None if value is None else value[begin:begin + size]
+
+        part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
+                                                           for v in (x, y, sample_weight)))
+        with training.replica_step(dataclasses.replace(step, batch_size=size)):
+            return keras_step(model, part)
+
+    first = run(tf.constant(0, tf.int32))
+    flat = tf.nest.flatten(first)
+    if predict:
+        outputs = [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
+                   .write(0, t) for t in flat]
+    else:
+        outputs = flat
+
+    def body(j, outputs):
+        result = tf.nest.flatten(run(j))
+        return j + 1, ([array.write(j, t) for array, t in zip(outputs, result)] if predict else result)
+
+    _, outputs = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1, tf.int32), outputs),
+                               parallel_iterations=1)
+    _strategy(model).micro_batching.note_micro_batched_inference(model)
+    if predict:
+        outputs = [array.concat() for array in outputs]
+    return tf.nest.pack_sequence_as(first, outputs)
+
+
+def _all_reduces_in_test_step(model, keras_step, data) -> bool:
+    """Whether Keras' ``test_step`` all-reduces inside a replica (a loss normalised by the whole global batch's mask
+    or sample weights; see :func:`_cut_step`): traced in a function that never runs, so no collective runs here and
+    every worker finds the same while tracing the same step."""
+    try:
+        tf.function(functools.partial(keras_step, model), autograph=False).get_concrete_function(data)
+    except RuntimeError as exc:
+        if "merge_call" not in str(exc):
+            raise
+        return True
+    return False
+
+
 def _ours(strategy) -> bool:
     return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
 
 
-def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap: int | None = None):
+def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap: int | None = None,
+              find_micro: bool = False):
     """Keras' ``train_step`` for one replica, its forward pass, loss and gradient one function of the weights; None
     when the model turned out not to allow it (then the caller runs Keras' own; a message said why).
 
@@ -104,6 +197,10 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
             the examples this replica's card holds at once. The slice then runs as near-equal micro-batches within
             it, one after another in a ``tf.while_loop`` (each micro-batch's loss weighs ``m_ij / B``, the state
             it writes goes on to the next), and their summed gradients go to the one all-reduce of the step.
+        find_micro: The model's slices may run as micro-batches: what the traced pass shows that keeps them within
+            the caps is told to the strategy (:meth:`~hetero_cs.engine.multi_worker_micro.MultiWorkerMicroBatches.
+            refuse`) by every replica, capped or not. With nothing else to do (no cap, XLA or skipping) the caller
+            then runs Keras' own step (None).
     """
     # Private: Keras' own helpers of its train_step (unpacking, the loss tracker, the logged loss's unscaling,
     # _call_has_training_arg, _compute_loss) and its StatelessScope, the scope Keras' stateless_call uses to run a
@@ -170,22 +267,22 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         reason = ("the forward pass or the loss all-reduces across replicas (a loss normalised by the whole global "
                   "batch's mask or sample weights, or a layer that synchronises replicas)")
         _fall_back(model, jit, skip_when_empty, reason)
-        if micro_cap is not None:
+        if find_micro:
             _strategy(model).micro_batching.refuse(model, multi_worker_micro.NORMALISED_LOSS)
         return None
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
     if other:
         _fall_back(model, jit, skip_when_empty,
                    f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
-        if micro_cap is not None:
+        if find_micro:
             _strategy(model).micro_batching.refuse(model, multi_worker_micro.METRIC_STATE)
         return None
-    if micro_cap is not None:
+    if find_micro:
         layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
         if layer_state and not _strategy(model).micro_batching.accepts_layer_state(model, layer_state):
             micro_cap = None  # refused (logged): this slice runs in one pass, within the caps the plans now keep
-            if not (jit or skip_when_empty):
-                return None
+    if micro_cap is None and not (jit or skip_when_empty):
+        return None  # traced only to find the above: Keras' own step runs
     if micro_cap is not None:
         return _micro_batched(model, step, concrete, function, arguments, trainable, non_trainable, metric_state,
                               written, added, micro_cap, x, y, sample_weight)
