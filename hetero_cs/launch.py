@@ -49,7 +49,7 @@ from typing import TextIO
 
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP
+from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
@@ -200,7 +200,8 @@ class Launch:
         self._command = list(command)
         self._num_workers = num_workers
         self._emulate = None if emulate is None else list(emulate)
-        self._caps: list[str] | None = None  # HETERO_CS_MAX_BATCH_SIZES's entries after an out-of-memory relaunch
+        # HETERO_CS_MAX_BATCH_SIZES's caps (set by hand, or after an out-of-memory relaunch), one per replica.
+        self._caps: list[int | None] | None = read_caps(os.environ.get(CAPS_ENV_VAR, ""))
         self._grace_s = float(grace_s)
         # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.
         self._output = output or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - lives as long as the launch
@@ -218,7 +219,7 @@ class Launch:
         if self._emulate is not None:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
         if self._caps is not None:
-            env[CAPS_ENV_VAR] = ",".join(self._caps)
+            env[CAPS_ENV_VAR] = format_caps(self._caps)
         return env
 
     def _pump(self, index: int, stream) -> None:
@@ -292,11 +293,20 @@ class Launch:
             self._num_workers -= 1
             what = f"without worker {card}" + (f" (emulating {dropped})" if dropped else "")
             why = f"worker {card}'s card failed"
-        elif (caps := self._caps_after_out_of_memory()) is not None:
-            worker_out, caps = caps
-            self._caps = caps.split(",")
-            what = f"with {CAPS_ENV_VAR}={caps}"
-            why = f"a replica of worker {worker_out} ran out of memory"
+        elif (found := self._caps_after_out_of_memory()) is not None:
+            workers, caps = found
+            why = (f"a replica of worker {workers[0]}" if len(workers) == 1 else
+                   f"replicas of workers {', '.join(map(str, workers))}") + " ran out of memory"
+            if caps == self._caps:
+                self._note(f"{why}, but the caps it names ({CAPS_ENV_VAR}={format_caps(caps)}) are those in force: "
+                           f"not relaunching")
+                return False
+            if all(c == 0 for c in caps):
+                self._note(f"{why}: with {CAPS_ENV_VAR}={format_caps(caps)} no card would hold one example: not "
+                           f"relaunching (give the cards more memory, or use a smaller model)")
+                return False
+            self._caps = caps
+            what = f"with {CAPS_ENV_VAR}={format_caps(caps)}"
         elif code < 0:
             what, why = "with every worker", f"worker {worker} was killed by signal {-code} (a transient death)"
         else:
@@ -325,21 +335,28 @@ class Launch:
                     return index
         return None
 
-    def _caps_after_out_of_memory(self) -> tuple[int, str] | None:
-        """(the worker, the caps) when a worker's StepOOMError, or another worker's WorkerLostError, names the caps
-        to relaunch with after a replica ran out of memory in fit; else None."""
-        pattern = re.compile(rf"relaunch with {CAPS_ENV_VAR}=((?:\d+|{NO_CAP})(?:,(?:\d+|{NO_CAP}))*)")
-        found = None
-        for index, tail in enumerate(self._tails):
+    def _caps_after_out_of_memory(self) -> tuple[list[int], list[int | None]] | None:
+        """(the workers whose replicas ran out of memory, the caps to relaunch with) when a worker's StepOOMError,
+        or another worker's WorkerLostError, names caps (:mod:`hetero_cs.engine.multi_worker_oom`); else None.
+        Several workers that ran out in the same step name theirs each: the lowest cap of each replica is kept, and
+        never one above the caps in force."""
+        caps_text = rf"relaunch with {CAPS_ENV_VAR}=((?:\d+|{NO_CAP})(?:,(?:\d+|{NO_CAP}))*)"
+        own = re.compile(rf"StepOOMError: model\.\w+ ran out of memory on worker (\d+), .*{caps_text}")
+        told = re.compile(rf"WorkerLostError: model\.\w+ stopped on worker \d+: worker (\d+) stopped, out of memory "
+                          rf".*?{caps_text}")
+        workers, named = set(), []
+        for tail in self._tails:
             for line in tail:
-                match = pattern.search(line)
-                if match is None:
-                    continue
-                told = re.search(r"worker (\d+) (?:\([^)]*\) )?stopped[,:] out of memory", line)
-                worker = int(told.group(1)) if told else index
-                if found is None or not told:  # the failing worker's own error first
-                    found = (worker, match.group(1))
-        return found
+                match = own.search(line) or told.search(line)
+                if match is not None:
+                    workers.add(int(match.group(1)))
+                    named.append(read_caps(match.group(2)))
+        named = [caps for caps in named if caps is not None]
+        if self._caps is not None:
+            named.append(self._caps)
+        if not workers or len({len(caps) for caps in named}) != 1:
+            return None
+        return sorted(workers), lowest_caps(*named)
 
     def _run_cluster(self) -> int:
         """One launch of the N workers: starts them, waits, and returns the exit status."""

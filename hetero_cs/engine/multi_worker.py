@@ -552,8 +552,8 @@ def _restart_caps(num_replicas: int) -> list[int | None] | None:
     if not text:
         return None
     caps = parse_caps(text, num_replicas)
-    logger.warning("hetero_cs: memory caps lowered to %s=%s (a replica ran out of memory before this restart); "
-                   "slices past a cap run as micro-batches within it.", CAPS_ENV_VAR, text)
+    logger.warning("hetero_cs: memory caps lowered to %s=%s (hetero-cs launch sets it when it relaunches a job after "
+                   "a replica ran out of memory).", CAPS_ENV_VAR, text)
     return caps
 
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, tensors, training
 from hetero_cs.engine.input_slicing import is_unbatched_marker
-from hetero_cs.errors import InputError
+from hetero_cs.errors import ConfigError, InputError
 
 
 class MultiWorkerInput:
@@ -86,10 +86,19 @@ class MultiWorkerInput:
         Raises:
             InputError: A ``tf.SparseTensor`` argument, or a per-replica argument whose number of components is
                 neither 1 nor the worker's local replicas.
+            ConfigError: Emulated devices in a custom loop before ``strategy.prepare_emulation(model)``.
         """
-        if not _compat.in_keras_entry_point():
-            self._micro_slices.note_custom_loop()
+        custom_loop = not _compat.in_keras_entry_point()
+        if custom_loop and self._emulator is not None and self._emulator.workload is None and \
+                any(held is not None and held is not _UNBATCHED
+                    for held in map(self._global_batch, tf.nest.flatten((args, kwargs)))):
+            raise ConfigError(
+                "Emulated devices need the model's size before the first step of a custom loop: call "
+                "strategy.prepare_emulation(model) once, with the built model, before the first strategy.run "
+                "(model.fit, evaluate and predict do it for you).")
         args, kwargs, step = self._cut_inputs(args, kwargs or {})
+        if custom_loop and step is not None:  # a batch was cut: caps given for fit do not apply here (said once)
+            self._micro_slices.note_custom_loop()
         if _compat.is_tf_function(fn):
             wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function, step))
         else:

@@ -26,7 +26,10 @@ writes that is not a sum, and (unless ``micro_batches=True`` accepts it) a layer
 state in training. The trace-time findings are made while each worker traces the same step, before any step runs,
 so every worker, the chief included, switches alike.
 
-Micro-batching runs in ``model.fit`` with Keras' own ``train_step``; custom loops keep one step per batch.
+Micro-batching runs in ``model.fit`` with Keras' own ``train_step``, and in ``evaluate`` and ``predict`` with Keras'
+own ``test_step`` and ``predict_step`` (:meth:`MultiWorkerMicroBatches.inference_cap`; every model, except the
+``evaluate`` of one whose loss all-reduces inside the step); custom loops keep one step per batch. Every replica,
+capped or not, traces what keeps the slices within the caps, so every worker switches alike.
 """
 
 from __future__ import annotations
@@ -130,6 +133,23 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         return None if self._caps is None else list(self._caps)
 
     @property
+    def known_caps(self) -> list[int | None] | None:
+        """The caps in force since ``fit``, else ``max_batch_sizes`` lowered by a restart's caps (None without)."""
+        from hetero_cs.planning.restart_caps import lowest_caps
+
+        caps = self._caps
+        return list(caps) if caps is not None else lowest_caps(self._given, self._restart_caps)
+
+    def runs_micro_batches(self, model, verb: str) -> bool:
+        """Whether ``model.<verb>`` (``"fit"``, ``"evaluate"``, ``"predict"``) runs slices past a cap as
+        micro-batches."""
+        if verb == "fit":
+            return self._active
+        with self._lock:
+            whole = verb == "evaluate" and self._evaluates_whole.get(id(model), False)
+        return self.setting is not False and not whole
+
+    @property
     def active(self) -> bool:
         """True when slices past a cap run as micro-batches for the model being fit."""
         return self._active
@@ -196,9 +216,13 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._set(None, False)
             return
         if all(c is not None and c < 1 for c in caps):
+            from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, format_caps
+
+            source = (f" (lowered by {CAPS_ENV_VAR}={format_caps(self._restart_caps)}, set when a job is relaunched after out of "
+                      f"memory)" if self._restart_caps is not None else "")
             raise MicroBatchError(
-                f"No replica can hold one example of this model: memory caps {caps} examples per replica. Give the "
-                f"cards more memory (an emulated card: NAME@SIZE), a smaller model, or other max_batch_sizes.")
+                f"No replica can hold one example of this model: memory caps {caps} examples per replica{source}. "
+                f"Give the cards more memory (an emulated card: NAME@SIZE), a smaller model, or other max_batch_sizes.")
         from hetero_cs.engine import replica_xla
 
         found = set()
@@ -251,11 +275,12 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         return False
 
     def note_custom_loop(self) -> None:
-        """``strategy.run`` outside ``fit``: caps given as ``max_batch_sizes`` do not apply there (said once)."""
-        given = self._given if self._given is not None else self._restart_caps
+        """``strategy.run`` outside ``fit``, ``evaluate`` and ``predict``: the caps do not apply there (said once)."""
+        given = self.known_caps
         if given is not None and any(c is not None for c in given):
             self._log_once(("custom loop",), logging.WARNING,
-                           "hetero_cs: max_batch_sizes=%s applies in model.fit only: a custom loop's strategy.run cuts "
+                           "hetero_cs: max_batch_sizes=%s applies in model.fit, evaluate and predict only: a custom "
+                           "loop's strategy.run cuts "
                            "each slice whole, past any cap (no micro-batches). Size its global batch for the caps, "
                            "or train with model.fit.", given)
 
@@ -282,7 +307,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             emulator = self._strategy.emulator
             emulated = self._emulated_caps(model) if self._given is None and emulator is not None and \
                 emulator.workload is not None else None
-            caps = lowest_caps(self._given if self._given is not None else emulated, self._restart_caps)
+            caps = lowest_caps(emulated, self.known_caps)
         if caps is None:
             return None
         cap = caps[int(replica_id)]

@@ -19,9 +19,9 @@ program to reset"), so no worker can run the step again in place. What hetero_cs
    its last backup. Each relaunch halves the cap again if it still does not fit. Workers restarted another way get
    the same caps as ``max_batch_sizes=`` or the environment variable.
 
-``evaluate`` and ``predict`` slices are not micro-batched on several machines, so a lower cap would not help them:
-an out-of-memory error there names no caps, and its fix is a smaller batch for evaluation. A custom loop's
-``strategy.run`` gets TensorFlow's error unchanged.
+``evaluate`` and ``predict`` go the same way: their slices past a cap run as micro-batches too, and they follow the
+training split, which a lower cap bounds where micro-batches do not apply. A custom loop's ``strategy.run`` gets
+TensorFlow's error unchanged.
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ class ClusterOutOfMemory:
     restart_caps: list | None
 
 
-def out_of_memory_here(strategy, verb: str, exc: BaseException,
-                       replica_scopes: Sequence[str] = ()) -> ClusterOutOfMemory | None:
-    """The :class:`ClusterOutOfMemory` for TensorFlow's error ``exc`` raised by ``model.<verb>`` on this worker, or
-    None when ``exc`` is not out of memory (:mod:`hetero_cs.engine.oom_errors` decides, as on one machine)."""
+def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: Sequence[str] = (),
+                       model=None) -> ClusterOutOfMemory | None:
+    """The :class:`ClusterOutOfMemory` for TensorFlow's error ``exc`` raised by ``model.<verb>`` (``"fit"``,
+    ``"evaluate"`` or ``"predict"``) on this worker, or None when ``exc`` is not out of memory
+    (:mod:`hetero_cs.engine.oom_errors` decides, as on one machine)."""
     from hetero_cs.engine._compat import id_in_cluster
     from hetero_cs.engine.failover import first_line
     from hetero_cs.engine.oom_errors import OOM_FORMS, classify
@@ -81,10 +82,10 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException,
         device = oom.device
     split = strategy.last_split
     micro = strategy.micro_batching
-    caps = micro.max_batch_sizes
+    caps = micro.known_caps
     cap = None if caps is None or replica_id is None else caps[replica_id]
     slice_size = None if split is None or replica_id is None else int(split[replica_id])
-    as_micro = verb == "fit" and micro.active and cap is not None and cap >= 1 and (slice_size or 0) > cap
+    as_micro = micro.runs_micro_batches(model, verb) and cap is not None and cap >= 1 and (slice_size or 0) > cap
     if held is None and slice_size:
         held = max(near_equal_micro_batches(slice_size, cap)) if as_micro else slice_size
     what = f"{oom.form}: {type(exc).__name__}: {first_line(exc, OOM_FORMS)}"
@@ -104,19 +105,10 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException,
     holding = (f"with {held} examples at once, a micro-batch of its slice of {slice_size} within its cap {cap}"
                if as_micro else f"with {held} examples at once, its slice"
                + (f" of a global batch of {B}" if B is not None else ""))
-    if verb != "fit":
-        error = StepOOMError(
-            f"model.{verb} ran out of memory on {where}, replica {replica_id} ({device}), {holding} ({what}). {stop} "
-            f"{verb} runs each slice in one pass on several machines (its slices follow the training split and are "
-            f"not micro-batched), so a lower cap would not help: use a smaller batch size for {verb} (fit's "
-            f"validation_batch_size for validation). The original error is chained below.",
-            replica_id=replica_id, device=device, caps_tried=(held,), global_batch_size=B, last_error=exc)
-        return ClusterOutOfMemory(
-            error, f"out of memory on replica {replica_id} ({device}) in {verb}, {holding}", None)
     restart = lowered_caps(caps, R, replica_id, held)
     text = format_caps(restart)
     error = StepOOMError(
-        f"model.fit ran out of memory on {where}, replica {replica_id} ({device}), {holding} ({what}). {stop} "
+        f"model.{verb} ran out of memory on {where}, replica {replica_id} ({device}), {holding} ({what}). {stop} "
         f"Restart every worker with that replica's cap at {restart[replica_id]} examples: hetero-cs launch "
         f"--max-restarts N does so by itself (relaunch with {CAPS_ENV_VAR}={text}); otherwise pass "
         f"max_batch_sizes={restart} to the strategy on every worker, or set {CAPS_ENV_VAR}={text} in every "

@@ -238,7 +238,7 @@ class MicroBatchPlan:
         if len(caps) != len(sizes) or any(c is not None and c < 1 and b > 0 for b, c in zip(sizes, caps)):
             raise ConfigError(f"MicroBatchPlan.of_slices needs one cap per replica, >= 1 where the replica has "
                               f"examples. Received: split {list(sizes)}, max_batch_sizes={caps!r}.")
-        chains = [near_equal_micro_batches(b, c) for b, c in zip(sizes, caps)]
+        chains = [[] if b == 0 else near_equal_micro_batches(b, c) for b, c in zip(sizes, caps)]
         K = max(1, max(len(chain) for chain in chains))
         if cost_models is not None:  # a replica whose micro-batches are done runs nothing in the later sub-steps
             cost_models = idle_free(list(cost_models))

@@ -17,6 +17,7 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from hetero_cs.errors import ConfigError
@@ -46,23 +47,27 @@ def parse_caps(text: str, num_replicas: int, *, source: str = CAPS_ENV_VAR) -> l
         >>> parse_caps("none, 4", 2)
         [None, 4]
     """
-    entries = [entry.strip().lower() for entry in str(text).split(",")]
-    caps: list[int | None] = []
-    for entry in entries:
-        if entry == NO_CAP:
-            caps.append(None)
-        elif entry.isdigit():
-            caps.append(int(entry))
-        else:
-            caps = []
-            break
-    if len(caps) != num_replicas:
+    caps = read_caps(text)
+    if caps is None or len(caps) != num_replicas:
         raise ConfigError(
             f"{source}={text!r} must give one memory cap per replica of the cluster (num_replicas_in_sync="
             f"{num_replicas}), comma-separated, each an integer >= 0 (examples the card holds at once) or "
             f"'{NO_CAP}' (no cap), e.g. {format_caps([None] * max(num_replicas - 1, 0) + [4])!r}. hetero-cs launch "
             f"sets it when it relaunches a job after an out-of-memory error; unset it or fix it.")
     return caps
+
+
+def read_caps(text: str) -> list[int | None] | None:
+    """The caps :data:`CAPS_ENV_VAR`'s text holds, however many, or None when it is empty or not of that form.
+
+    Examples:
+        >>> read_caps("none,4"), read_caps("4,x")
+        ([None, 4], None)
+    """
+    entries = [entry.strip().lower() for entry in str(text).split(",")] if str(text).strip() else []
+    if not entries or not all(entry == NO_CAP or re.fullmatch(r"[0-9]+", entry) for entry in entries):
+        return None
+    return [None if entry == NO_CAP else int(entry) for entry in entries]
 
 
 def lowest_caps(*cap_lists: Sequence[int | None] | None) -> list[int | None] | None:

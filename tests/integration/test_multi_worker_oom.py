@@ -14,13 +14,16 @@ from hetero_cs.engine.multi_worker_oom import out_of_memory_here
 TASK = "/job:worker/replica:0/task:1"
 
 
-def _strategy(split=(4, 4, 6, 10), caps=None, active=False):
+def _strategy(split=(4, 4, 6, 10), caps=None, active=False, setting=None, whole_evaluate=False):
     """Worker 1 of a cluster of 2 workers x 2 GPUs (cluster replicas 2 and 3 are its own)."""
+    def runs_micro_batches(model, verb):
+        return active if verb == "fit" else setting is not False and not (verb == "evaluate" and whole_evaluate)
+
     return types.SimpleNamespace(
         extended=types.SimpleNamespace(worker_devices=[f"{TASK}/device:GPU:0", f"{TASK}/device:GPU:1"],
                                        _id_in_cluster=1),
         _first_replica=2, num_replicas_in_sync=4, last_split=split,
-        micro_batching=types.SimpleNamespace(max_batch_sizes=caps, active=active))
+        micro_batching=types.SimpleNamespace(known_caps=caps, setting=setting, runs_micro_batches=runs_micro_batches))
 
 
 def _bfc(gpu):
@@ -65,12 +68,21 @@ def test_an_emulated_device_names_its_cluster_replica_and_what_it_held():
 
 
 @pytest.mark.parametrize("verb", ["evaluate", "predict"])
-def test_out_of_memory_in_evaluate_or_predict_names_no_caps_since_their_slices_are_not_micro_batched(verb):
-    found = out_of_memory_here(_strategy(), verb, _bfc(0))
-    assert found.restart_caps is None and "relaunch with" not in found.reason
+def test_out_of_memory_in_evaluate_or_predict_lowers_the_cap_their_micro_batches_run_within(verb):
+    found = out_of_memory_here(_strategy(caps=[None, None, 4, None]), verb, _bfc(0))
+    assert found.restart_caps == [None, None, 1, None]  # replica 2's slice of 6 ran as micro-batches of 3 and 3
     text = str(found.error)
     assert f"model.{verb} ran out of memory on worker 1, replica 2" in text
-    assert f"use a smaller batch size for {verb}" in text and "HETERO_CS_MAX_BATCH_SIZES" not in text
+    assert "with 3 examples at once, a micro-batch of its slice of 6 within its cap 4" in text
+    assert "relaunch with HETERO_CS_MAX_BATCH_SIZES=none,none,1,none" in text
+
+
+def test_an_evaluate_slice_that_ran_whole_lowers_the_cap_below_the_slice():
+    # A loss normalised by the whole global batch: evaluate runs each slice in one pass (the training split, which
+    # the lower cap bounds after the restart).
+    found = out_of_memory_here(_strategy(caps=[None, None, 4, None], whole_evaluate=True), "evaluate", _bfc(0))
+    assert found.restart_caps == [None, None, 3, None]
+    assert "with 6 examples at once, its slice of a global batch of 24" in str(found.error)
 
 
 def test_an_error_that_names_no_replica_lowers_no_cap():

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -197,21 +199,31 @@ if restart == 0 and index == 1:
     {failure}
 if restart == 1 and index == 0:
     {second_failure}
+if restart == 0 and index == 0:
+    {first_failure}
 """
 
-# What a worker whose replica ran out of memory in fit prints last (hetero_cs.engine.multi_worker_oom), shortened.
-OUT_OF_MEMORY = ("print('hetero_cs.errors.StepOOMError: model.fit ran out of memory on worker 1, replica 1 (...), with "
-                 "8 examples at once, its slice of a global batch of 16 (...). ... (relaunch with "
-                 "HETERO_CS_MAX_BATCH_SIZES=none,4); ...', flush=True); sys.exit(1)")
 
 
-def _relaunch_run(tmp_path, failure: str, *extra: str, second_failure: str = "pass", max_restarts: int = 1):
+def _out_of_memory(worker: int, caps: str) -> str:
+    """What a worker whose replica ran out of memory in fit prints last (hetero_cs.engine.multi_worker_oom),
+    shortened, then its exit."""
+    return (f"print('hetero_cs.errors.StepOOMError: model.fit ran out of memory on worker {worker}, replica {worker} "
+            f"(...), with 8 examples at once, its slice of a global batch of 16 (...). ... (relaunch with "
+            f"HETERO_CS_MAX_BATCH_SIZES={caps}); ...', flush=True); sys.exit(1)")
+
+
+OUT_OF_MEMORY = _out_of_memory(1, "none,4")
+
+
+def _relaunch_run(tmp_path, failure: str, *extra: str, second_failure: str = "pass", max_restarts: int = 1,
+                  workers: int = 2, emulate: str = "A10,T4", first_failure: str = "pass", **env):
     script = tmp_path / "fake.py"
-    script.write_text(FAKE_WORKER.replace("{failure}", failure).replace("{second_failure}", second_failure))
-    return subprocess.run(_launch("--workers", "2", "--emulate", "A10,T4", "--max-restarts", str(max_restarts),
-                                  *extra, "--",
-                                  sys.executable, str(script)), env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    script.write_text(FAKE_WORKER.replace("{failure}", failure).replace("{second_failure}", second_failure)
+                      .replace("{first_failure}", first_failure))
+    return subprocess.run(_launch("--workers", str(workers), "--emulate", emulate, "--max-restarts",
+                                  str(max_restarts), *extra, "--", sys.executable, str(script)),
+                          env={**_env(), **env}, capture_output=True, text=True, timeout=120)
 
 
 def test_launch_relaunches_every_worker_after_a_transient_death():
@@ -269,3 +281,46 @@ def test_a_relaunch_without_a_failed_card_keeps_the_lowered_caps_of_the_workers_
     assert done.returncode == 0, done.stdout[-2000:]
     assert "worker 0's card failed: relaunching 1 worker(s) without worker 0 (emulating A10)" in done.stdout
     assert "worker 0 of 1, restart 2, emulate T4, caps 4" in done.stdout
+
+
+def test_replicas_of_two_workers_out_of_memory_in_one_step_lower_both_caps_in_one_relaunch():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), _out_of_memory(1, "none,4"), first_failure=_out_of_memory(0, "4,none"))
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert ("replicas of workers 0, 1 ran out of memory: relaunching 2 worker(s) with HETERO_CS_MAX_BATCH_SIZES=4,4"
+            in done.stdout), done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("failure, env, note", [
+    # A script of its own that prints the words and fails: not the library's error, so no relaunch.
+    ("print('my log: relaunch with HETERO_CS_MAX_BATCH_SIZES=none,4', flush=True); sys.exit(1)", {},
+     "worker 1 failed with status 1 and no card of it failed: not relaunching"),
+    # The caps named are those in force already: a relaunch would run out of memory the same way.
+    (OUT_OF_MEMORY, {"HETERO_CS_MAX_BATCH_SIZES": "none,4"},
+     "a replica of worker 1 ran out of memory, but the caps it names (HETERO_CS_MAX_BATCH_SIZES=none,4) are those in "
+     "force: not relaunching"),
+    # No card would hold one example.
+    (_out_of_memory(1, "0,0"), {}, "with HETERO_CS_MAX_BATCH_SIZES=0,0 no card would hold one example: not relaunching"),
+])
+def test_launch_does_not_relaunch_where_lower_caps_cannot_help(failure, env, note):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), failure, max_restarts=3, **env)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert note in done.stdout, done.stdout[-2000:]
+    assert "restart 1" not in done.stdout
+
+
+def test_caps_set_by_hand_are_trimmed_to_the_workers_left_after_a_failed_card():
+    import tempfile
+
+    lost = ("sys.stderr.write('hetero_cs emulation: lost replica=1 (T4) at its step 3: CUDA_ERROR_ECC_UNCORRECTABLE"
+            "\\n'); sys.stderr.flush(); os.abort()")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _relaunch_run(Path(tmp), lost, workers=3, emulate="A10,T4,P100",
+                             HETERO_CS_MAX_BATCH_SIZES="none,4,2")
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "worker 1 of 2, restart 1, emulate A10,P100, caps none,2" in done.stdout, done.stdout[-2000:]

@@ -76,6 +76,19 @@ def _assert_equal_to_reference(out: Path, workers: int, reference: dict) -> None
             np.testing.assert_allclose(result[key], expected, rtol=0, atol=TOLERANCE, err_msg=f"worker{index} {key}")
 
 
+def _assert_resumed_after_the_first_epoch_equal_to(path: Path, expected: dict) -> None:
+    """A job relaunched in its second epoch resumed from the first epoch's backup: it ran epochs 2 and 3 and ends
+    where uninterrupted single-device training (``expected``, 3 epochs) ends."""
+    result = np.load(path)
+    assert int(result["epochs_run"]) == 2
+    for key, value in expected.items():
+        if key in ("loss", "accuracy"):
+            value = value[1:]
+        if key == "epochs_run":
+            continue
+        np.testing.assert_allclose(result[key], value, rtol=0, atol=TOLERANCE, err_msg=key)
+
+
 def _assert_agreements_skipped_alike(out: Path, workers: int) -> None:
     # Once the chief has decided, steps keep the agreed split without the agreement all-reduce (a hold): every
     # worker must hold in the same steps (a collective run on one worker only would hang), and some steps held.
@@ -258,6 +271,15 @@ def test_a_finding_made_while_tracing_switches_every_worker_even_one_without_cap
     for worker in (0, 1):
         assert f"[worker {worker}] hetero_cs.engine.multi_worker: hetero_cs: not micro-batching this model: a loss " \
                f"normalised by the global batch" in output, output[-4000:]
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
+@pytest.mark.slow  # 15 s
+def test_a_default_batch_norm_takes_the_global_batchs_statistics_on_every_worker(tmp_path):
+    # Not synchronized: each replica still normalises by the whole global batch's moments (all-reduced over the
+    # cluster), so an uneven split equals one device, moving statistics included, on both workers.
+    expected = _run_reference(tmp_path / "reference", "--batch-norm")
+    _launch(tmp_path, 2, "--split", "1,3", "--batch-norm")
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 
@@ -619,14 +641,7 @@ def test_launch_relaunches_without_the_worker_whose_card_failed_and_the_job_resu
                      "--timeout-s", "200", emulate="A10,T4", max_restarts=1)
     assert re.search(r"worker 1's card failed: relaunching 1 worker\(s\) without worker 1 \(emulating T4\)", output), \
         output[-3000:]
-    result = np.load(tmp_path / "worker0.npz")
-    assert int(result["epochs_run"]) == 2  # epochs 2 and 3: the first came from the backup
-    for key, value in expected.items():
-        if key in ("loss", "accuracy"):
-            value = value[1:]
-        if key == "epochs_run":
-            continue
-        np.testing.assert_allclose(result[key], value, rtol=0, atol=TOLERANCE, err_msg=key)
+    _assert_resumed_after_the_first_epoch_equal_to(tmp_path / "worker0.npz", expected)
 
 
 def test_out_of_memory_on_one_worker_relaunches_with_its_cap_halved_and_the_job_resumes_exactly(tmp_path, reference):
@@ -651,11 +666,4 @@ def test_out_of_memory_on_one_worker_relaunches_with_its_cap_halved_and_the_job_
     # of memory again, and no relaunch was left); the last batch of 6 ran as 3 and 3, one pass each.
     micro = json.loads((tmp_path / "micro_worker1.json").read_text())
     assert micro["active"] and micro["caps"] == [None, 4] and micro["sizes"] == [3, 3], micro
-    result = np.load(tmp_path / "worker0.npz")
-    assert int(result["epochs_run"]) == 2  # epochs 2 and 3: the first came from the backup
-    for key, value in expected.items():
-        if key in ("loss", "accuracy"):
-            value = value[1:]
-        if key == "epochs_run":
-            continue
-        np.testing.assert_allclose(result[key], value, rtol=0, atol=TOLERANCE, err_msg=key)
+    _assert_resumed_after_the_first_epoch_equal_to(tmp_path / "worker0.npz", expected)

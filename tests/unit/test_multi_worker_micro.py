@@ -47,6 +47,11 @@ def test_the_plan_of_slices_shows_each_replicas_micro_batches_and_their_predicte
     assert "micro-batch" in str(plan)
 
 
+def test_the_plan_of_slices_shows_a_card_that_holds_none_taking_none():
+    plan = MicroBatchPlan.of_slices(BatchPlan((6, 0), 6), [4, 0])
+    assert plan.micro_batch_counts == (2, 0) and plan.per_replica_batch_sizes == (6, 0)
+
+
 def test_the_plan_of_slices_refuses_examples_on_a_card_that_holds_none():
     with pytest.raises(ConfigError, match="max_batch_sizes"):
         MicroBatchPlan.of_slices(BatchPlan((2, 3), 5), [0, None])
@@ -96,3 +101,31 @@ def test_numpy_caps_are_taken_as_ints():
 
     assert checked_caps(np.array([4, 8]), 2) == [4, 8]
     assert checked_caps([np.int64(4), None], 2) == [4, None]
+
+
+def _micro(setting=None, given=None, restart=None):
+    from types import SimpleNamespace
+
+    from hetero_cs.engine.multi_worker_micro import MultiWorkerMicroBatches
+
+    return MultiWorkerMicroBatches(SimpleNamespace(emulator=None), setting, given, restart_caps=restart)
+
+
+def test_caps_from_a_restart_lower_the_given_caps_entry_by_entry():
+    micro = _micro(given=[8, None, 6], restart=[None, 4, 9])
+    assert micro.known_caps == [8, 4, 6]
+    assert [micro.inference_cap(None, i) for i in range(3)] == [8, 4, 6]
+    assert _micro(restart=[None, 0]).inference_cap(None, 1) is None  # a card that takes no example: one (empty) pass
+    assert _micro().known_caps is None and _micro().inference_cap(None, 0) is None
+
+
+def test_inference_slices_run_as_micro_batches_unless_switched_off_or_evaluate_all_reduces_in_the_step():
+    micro = _micro(given=[4, 4])
+    assert micro.runs_micro_batches(None, "predict") and micro.runs_micro_batches(None, "evaluate")
+    assert not micro.runs_micro_batches(None, "fit")  # fit decides at fit, for the model it prepared
+    model = object()
+    assert not micro.evaluates_in_micro_batches(model, lambda: True)
+    assert not micro.runs_micro_batches(model, "evaluate") and micro.runs_micro_batches(model, "predict")
+    assert micro.evaluates_in_micro_batches(object(), lambda: False)
+    off = _micro(setting=False, given=[4, 4])
+    assert off.inference_cap(None, 0) is None and not off.runs_micro_batches(None, "predict")

@@ -42,7 +42,7 @@ def test_the_lowest_cap_of_each_replica_wins_and_none_is_no_cap():
         lowest_caps([1], [1, 2])
 
 
-@pytest.mark.parametrize("text", ["4", "4,x", "4,-1", "4,,5", "none;4", "4.5,3"])
+@pytest.mark.parametrize("text", ["4", "4,x", "4,-1", "4,,5", "none;4", "4.5,3", "\u00b2,4", "\u0663,4", ""])
 def test_a_bad_caps_text_names_the_variable_the_text_and_the_form(text):
     with pytest.raises(ConfigError) as raised:
         parse_caps(text, 2)

@@ -220,14 +220,14 @@ def _patch_entry_points() -> None:
                 # come as InvalidArgumentError too.
                 kept = strategy._kept_plan_error(exc)  # noqa: SLF001
                 if kept is None:
-                    kept = _out_of_memory_here(strategy, original.__name__, exc, (self.name,))
+                    kept = _out_of_memory_here(strategy, original.__name__, exc, self)
                 if kept is None:
                     raise
                 raise kept from exc
             except _PEER_FAILURES as exc:
                 raise _worker_lost(strategy, original.__name__, exc) from exc
             except (tf.errors.ResourceExhaustedError, tf.errors.InternalError, tf.errors.UnknownError) as exc:
-                error = (_out_of_memory_here(strategy, original.__name__, exc, (self.name,))
+                error = (_out_of_memory_here(strategy, original.__name__, exc, self)
                          or _device_fault_here(strategy, original.__name__, exc, (self.name,)))
                 if error is None:
                     raise
@@ -306,12 +306,12 @@ def _tell_cluster(strategy, reason: str) -> None:
         logger.debug("hetero_cs: could not tell the cluster why this worker stopped: %s", report_error)
 
 
-def _out_of_memory_here(strategy, verb: str, exc: Exception, replica_scopes):
+def _out_of_memory_here(strategy, verb: str, exc: Exception, model):
     """A StepOOMError for an out-of-memory error on this worker (:mod:`hetero_cs.engine.multi_worker_oom`), after
     telling every other worker, or None for any other error."""
     from hetero_cs.engine.multi_worker_oom import out_of_memory_here
 
-    found = out_of_memory_here(strategy, verb, exc, replica_scopes)
+    found = out_of_memory_here(strategy, verb, exc, (model.name,), model=model)
     if found is None:
         return None
     _tell_cluster(strategy, found.reason)

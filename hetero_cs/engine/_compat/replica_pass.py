@@ -113,6 +113,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     micro-batch runs before the loop (it gives the outputs' structure; an empty slice runs it on 0 rows, as Keras'
     own step would), the rest in a ``tf.while_loop``. Returns what the last micro-batch's step returned (evaluate's
     logs are read from the summed metric state afterwards) or, for predict, every row's prediction."""
+    # Private: Keras' own unpacking and packing of (x, y, sample_weight), as its test_step and predict_step unpack.
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
 
