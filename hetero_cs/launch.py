@@ -21,10 +21,12 @@ each worker's environment holding ``HETERO_CS_RESTART`` (the relaunches so far):
 * **without a worker whose card failed**: its own ``DeviceFaultError``, another worker's ``WorkerLostError`` naming
   its device error, or a lost card's line (:func:`hetero_cs.supervisor.lost_card_in`) among the last 200 lines of a
   worker. The relaunched cluster has one worker fewer, and its ``--emulate`` entry is left out;
-* **with every worker and a lower memory cap** after a replica ran out of memory in ``model.fit``
-  (:mod:`hetero_cs.engine.multi_worker_oom`): its ``StepOOMError``, or another worker's ``WorkerLostError``, names
-  the caps to relaunch with, and every relaunched worker gets them in ``HETERO_CS_MAX_BATCH_SIZES``
-  (:mod:`hetero_cs.planning.restart_caps`). A relaunch after a failed card keeps the caps of the workers left;
+* **with every worker and a lower memory cap** after a replica ran out of memory in ``fit``, ``evaluate`` or
+  ``predict`` (:mod:`hetero_cs.engine.multi_worker_oom`): its ``StepOOMError``, or another worker's
+  ``WorkerLostError``, names the caps to relaunch with (several workers' caps: the lowest of each replica), and every
+  relaunched worker gets them in ``HETERO_CS_MAX_BATCH_SIZES`` (:mod:`hetero_cs.planning.restart_caps`; caps set
+  there by hand are the start). Not when those are the caps in force already, or when no card would hold one
+  example. A relaunch after a failed card keeps the caps of the workers left;
 * **with every worker** after a worker killed by a signal without a failed card (a transient death).
 
 Any other failure is the script's own and is not relaunched. With ``keras.callbacks.BackupAndRestore`` in the script
@@ -517,7 +519,7 @@ def add_launch_arguments(parser) -> None:
                              f"{DEFAULT_GRACE_S:g})")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="relaunch the cluster after a failure at most this often (default 0): without a worker "
-                             "whose card failed, with a lower memory cap after a replica ran out of memory in fit, "
+                             "whose card failed, with a lower memory cap after a replica ran out of memory, "
                              "or with every worker after a worker killed by a signal")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 

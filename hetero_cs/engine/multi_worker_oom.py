@@ -5,12 +5,12 @@ several machines it cannot: the other workers wait for that worker's gradients i
 TensorFlow aborts every worker's collectives once one fails mid-step ("Collective ops is aborted by: ... Restart your
 program to reset"), so no worker can run the step again in place. What hetero_cs does instead:
 
-1. The worker whose replica ran out raises :class:`hetero_cs.errors.StepOOMError` from ``model.fit``, naming the
-   replica (its cluster id), its device, the examples it held at once (its slice, or its micro-batch when the slice
-   ran as micro-batches) and the caps for a restart: the caps in force with that replica's lowered to half what it
-   held (:func:`hetero_cs.planning.restart_caps.lowered_caps`; 0 when one example did not fit: the card then takes
-   no example).
-2. It tells the other workers at once through TensorFlow's coordination service, so their ``fit`` ends within
+1. The worker whose replica ran out raises :class:`hetero_cs.errors.StepOOMError` from ``model.fit`` (or
+   ``evaluate``, ``predict``), naming the replica (its cluster id), its device, the examples it held at once (its
+   slice, or its micro-batch when the slice ran as micro-batches) and the caps for a restart: the caps in force with
+   that replica's lowered to half what it held (:func:`hetero_cs.planning.restart_caps.lowered_caps`; 0 when one
+   example did not fit: the card then takes no example).
+2. It tells the other workers at once through TensorFlow's coordination service, so their call ends within
    seconds with a :class:`hetero_cs.errors.WorkerLostError` that names the replica and the same caps.
 3. ``hetero-cs launch --max-restarts N`` relaunches every worker with ``HETERO_CS_MAX_BATCH_SIZES`` set to those
    caps (:mod:`hetero_cs.planning.restart_caps`); the strategy lowers its caps to them, a slice past its cap runs
