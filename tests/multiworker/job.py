@@ -160,6 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--wide", action="store_true", help="784-256-256-10 on global batches of 1024")
     parser.add_argument("--drift", default=None, help="R:F:S, replica R F times slower from its step S")
     parser.add_argument("--fail", default=None, help="R:S, replica R's card fails (a device error) from its step S")
+    parser.add_argument("--eval-batch", type=int, default=None, help="evaluate and predict on global batches of this")
     parser.add_argument("--weighted-mean", action="store_true",
                         help="sample weights and reduction='mean_with_sample_weight' (normalised by the global batch)")
     parser.add_argument("--memory-drift", default=None,
@@ -313,6 +314,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, f"forward_rows_{name}.json"), "w") as f:
             json.dump(_FORWARD_ROWS, f)
     trained_rows = len(_FORWARD_ROWS)
+    if args.eval_batch is not None:  # evaluate and predict on global batches of another size
+        dataset = dataset.unbatch().batch(args.eval_batch)
     evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
     predicted = model.predict(dataset, verbose=0)
     if args.count_forward:  # the forward passes of evaluate, then predict

@@ -274,6 +274,24 @@ def test_a_finding_made_while_tracing_switches_every_worker_even_one_without_cap
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 
+@pytest.mark.slow  # 25 s
+def test_out_of_memory_in_evaluate_relaunches_with_a_cap_its_micro_batches_run_within(tmp_path):
+    # The emulated T4 holds 4 training examples, and trains on slices of 4 (global batches of 8); evaluate's single
+    # global batch of 38 gives it 19, which need more memory than it has even for inference. Worker 1's evaluate
+    # raises StepOOMError, the launcher relaunches both workers with HETERO_CS_MAX_BATCH_SIZES=none,9, and the
+    # relaunched job trains again (no backup) and evaluates and predicts the T4's 19 as micro-batches of 7, 6 and 6:
+    # every result equal to one device.
+    expected = _run_reference(tmp_path / "reference", "--batch", "8", "--eval-batch", "64")
+    output = _launch(tmp_path, 2, "--split", "even", "--batch", "8", "--eval-batch", "64", "--max-batch-sizes", "n,n",
+                     emulate="A10,T4@1500B", max_restarts=1)
+    assert ("[worker 1] hetero_cs.errors.StepOOMError: model.evaluate ran out of memory on worker 1, replica 1 "
+            "(/job:worker/replica:0/task:1/device:CPU:0), with 19 examples at once, its slice of a global batch of "
+            "38") in output, output[-4000:]
+    assert ("[launch] a replica of worker 1 ran out of memory: relaunching 2 worker(s) with "
+            "HETERO_CS_MAX_BATCH_SIZES=none,9") in output, output[-4000:]
+    _assert_equal_to_reference(tmp_path, 2, expected)
+
+
 @pytest.mark.slow  # 15 s
 def test_a_default_batch_norm_takes_the_global_batchs_statistics_on_every_worker(tmp_path):
     # Not synchronized: each replica still normalises by the whole global batch's moments (all-reduced over the

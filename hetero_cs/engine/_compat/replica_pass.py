@@ -99,7 +99,7 @@ def _patch_inference_steps() -> None:
                 return _original(self, data)
             cap = strategy.micro_batching.inference_cap(self, step.replica_id)
             if cap is None:
-                return _original(self, data)
+                return _original(self, _memory_checked(strategy, step, data, step.batch_size))
             return _micro_batched_inference(self, _original, data, step, cap, predict=_predict)
 
         setattr(TensorFlowTrainer, name, functools.wraps(original)(inference_step))
@@ -137,6 +137,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
         part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
                                                            for v in (x, y, sample_weight)))
+        part = _memory_checked(_strategy(model), step, part, size)
         with training.replica_step(dataclasses.replace(step, batch_size=size)):
             return keras_step(model, part)
 
@@ -158,6 +159,20 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     if predict:
         outputs = [array.concat() for array in outputs]
     return tf.nest.pack_sequence_as(first, outputs)
+
+
+def _memory_checked(strategy, step, data, examples):
+    """``data`` made to wait for the emulated card's check that ``examples`` fit its memory in inference (as its
+    training steps are checked), so an emulated card runs out of memory in evaluate and predict as a GPU would;
+    ``data`` as it is on real devices."""
+    emulator = strategy.emulator
+    anchor = next((t for t in tf.nest.flatten(data) if tf.is_tensor(t) and t.dtype.is_numeric), None)
+    if emulator is None or emulator.workload is None or anchor is None:
+        return data
+    from hetero_cs.engine.step_timing import emulated_memory_gate
+
+    return emulated_memory_gate(data, anchor, replica_id=step.replica_id, batch_size=examples, emulator=emulator,
+                                training=False)
 
 
 def _all_reduces_in_test_step(model, keras_step, data) -> bool:
