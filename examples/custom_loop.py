@@ -100,7 +100,9 @@ def main(argv=None) -> int:
         for _ in range(len(dataset)):  # the last step of each epoch is the partial batch, exactly weighted
             loss = float(train_step(iterator))
             step += 1
-            print(f"epoch {epoch + 1} step {step}: loss={loss:.4f} plan={list(strategy.plan.per_replica_batch_sizes)}")
+            # The plan in force; while the guard tries another split, some steps run that one instead.
+            print(f"epoch {epoch + 1} step {step}: loss={loss:.4f} "
+                  f"plan_in_force={list(strategy.plan.per_replica_batch_sizes)}")
         print(f"epoch {epoch + 1}: train accuracy={float(accuracy.result()):.4f}")
 
     test_logits = model.predict(x_test, batch_size=B, verbose=0)

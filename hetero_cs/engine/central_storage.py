@@ -490,7 +490,17 @@ class HeteroCentralStorageStrategy(
         """
         from hetero_cs.engine import calibrating
 
-        return calibrating.calibrate(self, model, data, force=force, progress=progress)
+        result = calibrating.calibrate(self, model, data, force=force, progress=progress)
+        reference = self._balancer.reference_batch_size
+        if not self._input_roles.keras_loop_now and reference is not None:
+            # A custom loop traces its step once, after this call: it gets a branch in which the replicas that the
+            # guard's "fastest card alone" trial leaves out do no work (hetero_cs.engine.idle_replicas). Without
+            # it they would run that trial's steps on 0-example slices, where some kernels fail (Conv2D with oneDNN
+            # on a CPU). Keras' own loops trace again when the trial starts.
+            alone = self._balancer.fastest_alone_plan(reference)
+            if alone is not None:
+                self._active_sets.note(alone.per_replica_batch_sizes, training=True)
+        return result
 
     def _fit_callbacks(self, model, callbacks):
         from hetero_cs.engine.backup import with_backup

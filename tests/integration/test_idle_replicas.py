@@ -390,3 +390,40 @@ def test_the_first_evaluate_and_predict_idle_the_replicas_of_a_last_batch_smalle
                                                                                               verbose=0), atol=1e-5)
     counts = counter_of(model).counts
     assert counts[0] == 6 and counts[1] == counts[2] == 4, counts  # the last batch of 1 ran on replica 0 alone
+
+
+def test_a_custom_loop_calibrated_before_its_trace_leaves_the_cards_the_fastest_alone_trial_idles_idle():
+    # The guard tries the fastest card alone; a custom loop traces its step once. strategy.calibrate (called before
+    # the trace) gives that trial's set of active replicas a branch, so the others do no work in its steps. Without
+    # it they ran a conv model on 0-example slices, where oneDNN's Conv2D fails ("input depth must be evenly
+    # divisible by filter depth"; examples/custom_loop.py failed so).
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(4, 3, padding="same", activation="relu"),
+                                  keras.layers.Conv2D(4, 3, padding="same"), keras.layers.Flatten(),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(12, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, size=(12,)).astype(np.int32)
+    strategy.calibrate(model, (x, y), progress=False)
+    alone = [s for s in strategy._active_sets.for_trace(training=True) if len(s) == 1]
+    assert len(alone) == 1, strategy._active_sets.for_trace(training=True)  # the card measured fastest alone
+
+    def step_fn(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                keras.losses.sparse_categorical_crossentropy(labels, model(features, training=True), from_logits=True))
+        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(batch):
+        return strategy.run(step_fn, args=(batch,))
+
+    batch = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(12))))
+    first = strategy.reduce("SUM", step(batch), axis=None)  # traced here, with the plan's split
+    strategy.set_batch_split([int(i == alone[0][0]) for i in range(3)])  # the trial's split, after the trace
+    alone = strategy.reduce("SUM", step(batch), axis=None)
+    assert np.isfinite(float(first)) and np.isfinite(float(alone))
