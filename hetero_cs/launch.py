@@ -519,8 +519,8 @@ def add_launch_arguments(parser) -> None:
                              f"{DEFAULT_GRACE_S:g})")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="relaunch the cluster after a failure at most this often (default 0): without a worker "
-                             "whose card failed, with a lower memory cap after a replica ran out of memory, "
-                             "or with every worker after a worker killed by a signal")
+                             "whose card failed, with a lower memory cap after a replica ran out of memory (in "
+                             "HETERO_CS_MAX_BATCH_SIZES), or with every worker after a worker killed by a signal")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 
 

@@ -151,9 +151,10 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerI
             source = f"{EMULATE_ENV_VAR}={from_launch!r} (set by hetero-cs launch --emulate; emulate=None)"
             emulate = _names_per_worker(from_launch, source)
         elif emulate is not None and from_launch:
+            given = [spec.name for spec in emulate.specs] if hasattr(emulate, "specs") else emulate
             logger.warning(
                 "hetero_cs: emulate=%r given in the script wins over %s=%r (hetero-cs launch --emulate); drop one of "
-                "them.", emulate, EMULATE_ENV_VAR, from_launch)
+                "them.", given, EMULATE_ENV_VAR, from_launch)
         if not os.environ.get("TF_CONFIG", "").strip():
             logger.warning(
                 "hetero_cs: TF_CONFIG is not set, so this process is a cluster of one worker. Start every worker "

@@ -289,8 +289,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         with self._lock:
             self.micro_batched_traces += 1
         self._log_once(("on", id(model)), logging.INFO,
-                       "hetero_cs: slices past a memory cap run as micro-batches within it (caps %s examples per "
-                       "replica); every step stays one single-device step on the whole global batch.", self._caps)
+                       "hetero_cs: memory caps %s examples per replica: a slice past its cap runs as micro-batches "
+                       "within it, and every step stays one single-device step on the whole global batch.", self._caps)
 
     def inference_cap(self, model, replica_id: int) -> int | None:
         """In an ``evaluate`` or ``predict`` replica step: the cap its slice is micro-batched within, or None (one
@@ -318,8 +318,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         with self._lock:
             self.micro_batched_inference_traces += 1
         self._log_once(("inference", id(model)), logging.INFO,
-                       "hetero_cs: evaluate and predict slices past a memory cap run as micro-batches within it "
-                       "(caps %s examples per replica).", self._caps or self._given or self._restart_caps)
+                       "hetero_cs: memory caps %s examples per replica in evaluate and predict: a slice past its cap "
+                       "runs as micro-batches within it.", self.known_caps)
 
     def evaluates_in_micro_batches(self, model, all_reduces) -> bool:
         """In an evaluate replica step with a cap: False when ``all_reduces()`` finds that the model's test step
