@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--count-forward", action="store_true",
                         help="write OUT/forward_rows_<worker>.json: the rows of each forward pass fit ran here")
     args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
 
     import keras
     import tensorflow as tf
