@@ -124,7 +124,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
-        self.micro_batched_inference_traces = 0  # evaluate and predict replica steps traced so
+        self.micro_batched_inference_traces = 0  # evaluate and predict replica steps traced with micro-batches
         self._evaluates_whole: dict[int, bool] = {}  # id(model) -> its test step all-reduces inside a replica
 
     @property
@@ -218,8 +218,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if all(c is not None and c < 1 for c in caps):
             from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, format_caps
 
-            source = (f" (lowered by {CAPS_ENV_VAR}={format_caps(self._restart_caps)}, set when a job is relaunched after out of "
-                      f"memory)" if self._restart_caps is not None else "")
+            source = (f" (lowered by {CAPS_ENV_VAR}={format_caps(self._restart_caps)}, set when a job is relaunched "
+                      f"after out of memory)" if self._restart_caps is not None else "")
             raise MicroBatchError(
                 f"No replica can hold one example of this model: memory caps {caps} examples per replica{source}. "
                 f"Give the cards more memory (an emulated card: NAME@SIZE), a smaller model, or other max_batch_sizes.")
@@ -280,9 +280,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if given is not None and any(c is not None for c in given):
             self._log_once(("custom loop",), logging.WARNING,
                            "hetero_cs: max_batch_sizes=%s applies in model.fit, evaluate and predict only: a custom "
-                           "loop's strategy.run cuts "
-                           "each slice whole, past any cap (no micro-batches). Size its global batch for the caps, "
-                           "or train with model.fit.", given)
+                           "loop's strategy.run cuts each slice whole, past any cap (no micro-batches). Size its "
+                           "global batch for the caps, or train with model.fit.", given)
 
     def note_micro_batched(self, model) -> None:
         """While a replica step is traced with micro-batched slices (a counter for tests and logs)."""
@@ -335,7 +334,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._log_once(("evaluate whole", id(model)), logging.WARNING,
                            "hetero_cs: not micro-batching this model's evaluate slices: %s; each slice runs in one "
                            "pass, past its memory cap %s (predict's slices still run as micro-batches).",
-                           _WHY[NORMALISED_LOSS], self._caps or self._given or self._restart_caps)
+                           _WHY[NORMALISED_LOSS], self.known_caps)
         return not known
 
     def check_batch(self, global_batch_size: int) -> None:

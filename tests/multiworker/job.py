@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--weighted-mean", action="store_true",
                         help="sample weights and reduction='mean_with_sample_weight' (normalised by the global batch)")
     parser.add_argument("--memory-drift", default=None,
-                        help="R:BYTES:S, replica R's card has BYTES of memory left from its step S (kept on a relaunch)")
+                        help="R:BYTES:S, replica R's card has BYTES of memory left from its step S (also relaunched)")
     parser.add_argument("--linger-s", type=float, default=0.0,
                         help="worker 1, when its fit fails, prints the error and waits this long before it exits")
     parser.add_argument("--modelled-times", action="store_true",

@@ -302,7 +302,8 @@ def test_replicas_of_two_workers_out_of_memory_in_one_step_lower_both_caps_in_on
      "a replica of worker 1 ran out of memory, but the caps it names (HETERO_CS_MAX_BATCH_SIZES=none,4) are those in "
      "force: not relaunching"),
     # No card would hold one example.
-    (_out_of_memory(1, "0,0"), {}, "with HETERO_CS_MAX_BATCH_SIZES=0,0 no card would hold one example: not relaunching"),
+    (_out_of_memory(1, "0,0"), {},
+     "with HETERO_CS_MAX_BATCH_SIZES=0,0 no card would hold one example: not relaunching"),
 ])
 def test_launch_does_not_relaunch_where_lower_caps_cannot_help(failure, env, note):
     import tempfile
