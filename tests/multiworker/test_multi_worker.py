@@ -200,6 +200,7 @@ def test_each_local_replica_receives_only_its_own_slice(tmp_path, reference):
     _assert_equal_to_reference(tmp_path, 2, reference(1))
 
 
+@pytest.mark.slow  # 17 s: the default suite keeps the multi-worker tests of this release's features
 def test_a_worker_reading_other_batch_sizes_fails_or_trains_on_but_never_hangs(tmp_path):
     # Bad input: after fit, worker 1 evaluates batches of 15, 17, 6 where the others read 16, 16, 6. Whether a
     # step agrees depends on agreed values only (never on the batch a worker reads), so every worker takes the same
@@ -230,6 +231,7 @@ def test_keras_gradient_accumulation_equals_one_device_with_the_same_setting(tmp
     _assert_equal_to_reference(tmp_path, 2, expected)
 
 
+@pytest.mark.slow  # 14 s: the default suite keeps the multi-worker tests of this release's features
 def test_a_train_step_override_with_nested_logs_logs_the_clusters_metrics(tmp_path):
     # Keras' guide returns {m.name: m.result()}: the compiled metrics nest in a dict. Every worker must log the
     # cluster's accuracy (it once logged its own replica's), and train exactly.
