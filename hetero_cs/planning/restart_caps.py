@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 
 from hetero_cs.errors import ConfigError
+from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
 
 CAPS_ENV_VAR = "HETERO_CS_MAX_BATCH_SIZES"
 NO_CAP = "none"
@@ -94,7 +95,7 @@ def lowest_caps(*cap_lists: Sequence[int | None] | None) -> list[int | None] | N
 
 
 def lowered_caps(caps: Sequence[int | None] | None, num_replicas: int, replica_id: int, examples: int,
-                 backoff_factor: float = 0.5) -> list[int | None]:
+                 backoff_factor: float = MemoryRecoveryPolicy.backoff_factor) -> list[int | None]:
     """The caps for a restart after replica ``replica_id`` ran out of memory holding ``examples`` at once.
 
     That replica's cap becomes ``floor(examples * backoff_factor)`` (0.5, as
