@@ -24,6 +24,15 @@ class LossPatternError(ConfigError):
     """
 
 
+class BatchCouplingError(LossPatternError):
+    """A loss, a logged value or a prediction computed from several examples together (a matrix of examples by
+    examples, a batch statistic subtracted from each example, rows picked by position): a split cannot reproduce
+    one device's value, so the program is refused before its first update. The message names the op.
+
+    A :class:`LossPatternError`, so ``except hetero_cs.LossPatternError`` (or ``ValueError``) catches it too.
+    """
+
+
 class MicroBatchError(ConfigError):
     """A global batch cannot be micro-batched: no replica can hold one example, or the model's step cannot stay
     exact over micro-batches and one step does not fit (see :mod:`hetero_cs.engine.micro_batches`).

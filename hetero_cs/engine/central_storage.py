@@ -36,7 +36,8 @@ _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 
 
 class HeteroCentralStorageStrategy(
-    _compat.DeepcopiedStrategy, PackedBatchValues, StrategyState, tf.distribute.experimental.CentralStorageStrategy
+    _compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, PackedBatchValues, StrategyState,
+    tf.distribute.experimental.CentralStorageStrategy
 ):
     """Central-storage data parallelism whose per-replica slices are sized by a plan, with exact weighting.
 

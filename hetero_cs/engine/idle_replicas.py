@@ -23,9 +23,9 @@ it was traced with (trace it after ``strategy.calibrate``, or call it once more 
 
 An idle replica's outputs. ``strategy.run`` still returns one value per replica. Where a replica's output has a
 batch dimension (a leading dimension unknown at trace time: predictions, per-example losses) the idle replica's
-is empty (0 rows, as its slice). Any other output is, in Keras' own steps, a copy of the first active replica's
-(Keras' logs read metric state that every replica shares), and in a custom loop zeros (what a sum over 0 examples
-gives, e.g. ``tf.nn.compute_average_loss`` of an empty slice).
+is empty (0 rows, as its slice). A floating scalar (a logged value of Keras' own steps, which each replica gives as its
+share; a custom loop's loss) is 0, what a sum over 0 examples gives; any other output is, in Keras' own steps, a copy
+of the first active replica's, and in a custom loop zeros.
 
 Under the multi-worker strategy. Every replica of every worker must join each collective (the gradient all-reduce,
 BatchNormalization's statistics), so a replica's step cannot be left out. Instead, in Keras' own ``train_step``, a
@@ -234,7 +234,8 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
     Per-replica values get ``R`` components: the active replicas' own, and for each idle replica an empty batch
     (an output with a batch dimension: in a graph, a leading dimension unknown at trace time; eagerly, with
     ``sizes`` the step's slice sizes, a leading dimension equal to each active replica's slice size), a copy of the
-    first active replica's (``keras_step``) or zeros (placed on ``host``, no op on the idle replica's device).
+    first active replica's (``keras_step``, but for a floating scalar: a logged share) or zeros (placed on ``host``,
+    no op on the idle replica's device).
     """
     slot = {replica: k for k, replica in enumerate(active)}
     count = len(active)
@@ -257,8 +258,8 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
                 if inner.is_fully_defined():
                     return tf.zeros([0, *inner.as_list()], template.dtype)
                 return tf.zeros(tf.concat([[0], tf.shape(template)[1:]], axis=0), template.dtype)
-            if keras_step:
-                return tf.identity(template)
+            if keras_step and not (shape.rank == 0 and template.dtype.is_floating):
+                return tf.identity(template)  # a logged floating scalar is a share: an idle replica's is 0
             if shape.is_fully_defined():
                 return tf.zeros(shape, template.dtype)
             return tf.zeros_like(template)

@@ -38,6 +38,7 @@ class InputRoles(DeepcopiedWithNewLocks):
         state = self._state
         if not hasattr(state, "inferring"):
             state.inferring, state.fitting, state.training_input_pending = 0, 0, False
+            state.predicting = 0
         return state
 
     @contextmanager
@@ -57,14 +58,16 @@ class InputRoles(DeepcopiedWithNewLocks):
             state.fitting, state.training_input_pending = saved
 
     @contextmanager
-    def inferring(self) -> Iterator[None]:
+    def inferring(self, *, predicting: bool = False) -> Iterator[None]:
         """Marks an ``evaluate`` or ``predict`` call (fit's validation pass included)."""
         state = self._get()
         state.inferring += 1
+        state.predicting += int(predicting)
         try:
             yield
         finally:
             state.inferring -= 1
+            state.predicting -= int(predicting)
 
     @property
     def inferring_now(self) -> bool:
@@ -77,6 +80,12 @@ class InputRoles(DeepcopiedWithNewLocks):
         (their outputs are logs read from shared metric state, or predictions)."""
         state = self._get()
         return state.inferring > 0 or state.fitting > 0
+
+    @property
+    def keras_logs_now(self) -> bool:
+        """True while this thread runs ``fit`` or ``evaluate`` (not ``predict``): the steps traced now return logs."""
+        state = self._get()
+        return (state.inferring > 0 or state.fitting > 0) and state.predicting == 0
 
     def claim_input(self) -> bool:
         """Called once per input distributed in this thread: True when its batches feed training steps."""

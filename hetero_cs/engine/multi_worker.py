@@ -67,7 +67,7 @@ def _keeping_errors(method):
     return keeping
 
 
-class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, MultiWorkerInput,
+class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, MultiWorkerInput,
                                         tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
 

@@ -107,8 +107,8 @@ class MultiWorkerInput:
 
     def _cut_inputs(self, args, kwargs):
         """``(args, kwargs, step)``: every global-batch leaf replaced by a per-replica value of this worker's
-        replicas' slices, cut by the split this step decides now; ``step`` is ``(sizes, B, start_stamp)`` (int32
-        ``[R]``, int32 scalar, float64 scalar or None), or None when no argument holds a batch."""
+        replicas' slices, cut by the split this step decides now; ``step`` is ``(sizes, B, start_stamp, row leaves)``
+        (int32 ``[R]``, int32 scalar, float64 scalar or None, the indices of the flattened arguments cut), or None when no argument holds a batch."""
         flat = tf.nest.flatten((args, kwargs))
         batches = {}  # leaf index -> the global batch once (a tensor), or once per local replica (a tuple)
         for i, leaf in enumerate(flat):
@@ -150,7 +150,7 @@ class MultiWorkerInput:
                     slices.append(component[starts[replica]:ends[replica]])
             flat[i] = _compat.per_replica(slices)
         args, kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
-        return args, kwargs, (sizes, global_batch_size, start)
+        return args, kwargs, (sizes, global_batch_size, start, frozenset(batches))
 
     def _global_batch(self, leaf):
         """What a ``run`` argument leaf holds: the global batch once (a tensor), once per local replica (a tuple of
@@ -177,16 +177,21 @@ class MultiWorkerInput:
         ``step`` comes from :meth:`_cut_inputs` (None: no batch, ``fn`` runs as it is)."""
         if step is None:
             return fn
-        sizes, global_batch_size, start = step
+        sizes, global_batch_size, start, row_leaves = step
         devices = self.extended.worker_devices
         first = self._first_replica
 
         def replica_fn(*call_args, **call_kwargs):
+            from hetero_cs.engine._compat.batch_flow import BatchFlow
+            from hetero_cs.engine.replica_wrapping import seed_replica_step
+
             replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
             replica_step = training.ReplicaStep(
                 replica_id=replica_id, device=devices[replica_id - first], batch_size=sizes[replica_id],
-                global_batch_size=global_batch_size, start_stamp=start,
+                global_batch_size=global_batch_size, start_stamp=start, flow=BatchFlow(replica_id),
             )
+            seed_replica_step(replica_step, [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs)))
+                                             if i in row_leaves])
             with training.replica_step(replica_step):
                 return fn(*call_args, **call_kwargs)
 

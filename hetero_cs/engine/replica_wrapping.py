@@ -12,6 +12,8 @@ import contextlib
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, tensors, training
+from hetero_cs.engine._compat.batch_flow import BatchFlow
+from hetero_cs.engine._compat.loss_reader import shares_of_logs
 from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
@@ -41,6 +43,8 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
     batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
     if batch_index is None:
         batch_index = next((i for i, v in enumerate(flat) if is_batched_per_replica(v)), None)
+    # The leaves each replica receives its own slice of: one row per example (the loss reader's seeds).
+    row_leaves = {i for i, v in enumerate(flat) if id(v) in batch_ids or is_batched_per_replica(v)}
     global_batch_size = None
     step_start = None
     if batch_index is not None:
@@ -74,6 +78,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
 
     # Traced inside evaluate or predict (fit's validation pass included): an inference step.
     inferring = getattr(strategy, "_input_roles", None) is not None and strategy._input_roles.inferring_now
+    logs = getattr(strategy, "_input_roles", None) is not None and strategy._input_roles.keras_logs_now
 
     def replica_fn(*call_args, **call_kwargs):
         context = tf.distribute.get_replica_context()
@@ -120,6 +125,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             shared_start=step_start is not None,
             handoff=handoff,
             sub_step=sub_step,
+            flow=BatchFlow(replica_id),
         )
         if strategy._emulator is not None and batched is not None:
             from hetero_cs.engine.step_timing import emulated_memory_gate
@@ -129,8 +135,24 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             call_args, call_kwargs = emulated_memory_gate(
                 (call_args, call_kwargs), tensors.dense_part(batched), replica_id=replica_id,
                 batch_size=batch_size, emulator=strategy._emulator, training=not inferring)
+        seed_replica_step(step, [v for i, v in enumerate(call_flat) if i in row_leaves],
+                          [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs))) if i in row_leaves])
         scope = tf.name_scope(f"hetero_replica_{replica_id}") if scope_replica else contextlib.nullcontext()
         with training.replica_step(step), naming_the_replica(replica_id), scope:
-            return fn(*call_args, **call_kwargs)
+            outputs = fn(*call_args, **call_kwargs)
+            return shares_of_logs(step, outputs) if logs and global_batch_size is not None else outputs
 
     return replica_fn
+
+
+def seed_replica_step(step, *row_groups) -> None:
+    """Tells ``step``'s batch-flow analysis what the strategy knows: each group's tensors are this replica's slice
+    (one row per example), ``b_i`` is its number of examples and ``B`` is the same on every replica."""
+    if step.flow is None:
+        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
+    for rows in row_groups:
+        step.flow.seed_rows(rows)
+    if isinstance(step.batch_size, tf.Tensor):
+        step.flow.seed_count(step.batch_size)
+    if isinstance(step.global_batch_size, tf.Tensor):
+        step.flow.seed_replicated(step.global_batch_size)

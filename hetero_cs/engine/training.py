@@ -78,6 +78,11 @@ class ReplicaStep:
         waited_per_micro_batch: True when the replica ran its slice as micro-batches and waited out each one's
             emulated device time already (the multi-worker strategy's micro-batched slices): the step's end then
             only times it.
+        flow: The :class:`hetero_cs.engine._compat.batch_flow.BatchFlow` of this replica's step: which of its
+            tensors hold one row per example (seeded by the strategy with the replica's slice), read by the loss
+            reader (:mod:`hetero_cs.engine._compat.loss_reader`).
+        weights: References of the tensors :func:`replica_weight` returned in this step.
+        replica_counts: References of ``strategy.num_replicas_in_sync`` converted to a tensor in this step.
     """
 
     replica_id: int
@@ -93,6 +98,9 @@ class ReplicaStep:
     layer_losses: dict = dataclasses.field(default_factory=dict)
     sub_step: Any = None
     waited_per_micro_batch: bool = False
+    flow: Any = None
+    weights: set = dataclasses.field(default_factory=set)
+    replica_counts: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(eq=False)
@@ -199,4 +207,6 @@ def replica_weight(dtype: str = "float32"):
     import tensorflow as tf
 
     step = _require_step()
-    return tf.math.divide_no_nan(tf.cast(step.batch_size, dtype), tf.cast(step.global_batch_size, dtype))
+    weight = tf.math.divide_no_nan(tf.cast(step.batch_size, dtype), tf.cast(step.global_batch_size, dtype))
+    step.weights.add(weight.ref())  # the loss reader takes a value times this weight as weighed already
+    return weight

@@ -271,20 +271,24 @@ def test_a_mixed_compute_loss_override_run_eagerly_is_refused():
         model.fit(x, y, batch_size=6, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize(
-    "reduction,sample_weight,match",
-    [("sum", False, "reduction='sum'"), ("sum_over_batch_size", True, "sample weights")],
-)
-def test_a_scalar_loss_that_cannot_be_weighed_is_refused(reduction, sample_weight, match):
+def test_a_scalar_loss_with_sample_weights_is_refused():
     x, y = regression_data()
-    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32) if sample_weight else None
-    loss = ReducedMeanSquaredError(reduction=reduction, name="reduced_mse")
+    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    loss = ReducedMeanSquaredError(name="reduced_mse")
     strategy = strategy_for(SHARES)
     with strategy.scope():
         model = compiled(dense(), loss)
-    with pytest.raises(hetero_cs.errors.LossPatternError, match=match) as info:
+    with pytest.raises(hetero_cs.errors.LossPatternError, match="sample weights") as info:
         model.fit(x, y, sample_weight=weights, batch_size=6, epochs=1, verbose=0)
     assert "'reduced_mse'" in str(info.value) and "per-example losses" in str(info.value)
+
+
+def test_a_scalar_loss_with_reduction_sum_is_read_and_exact():
+    # Keras returns a loss function's scalar as it is, whatever the reduction: the loss reader reads the mean inside
+    # (it was refused before: "cannot tell whether it is the slice's sum or its mean").
+    x, y = regression_data()
+    check_fit_and_evaluate(lambda: compiled(dense(), ReducedMeanSquaredError(reduction="sum", name="reduced_mse")),
+                           x, y)
 
 
 class SumOverride(keras.Sequential):
@@ -299,13 +303,10 @@ class SummedSquaredError(keras.losses.Loss):
         return tf.reduce_sum(tf.square(y_true - y_pred))
 
 
-def test_a_scalar_sum_over_the_batch_from_a_loss_function_is_refused():
+def test_a_scalar_sum_over_the_batch_from_a_loss_function_is_kept_as_a_sum_and_exact():
+    # One device's loss is the batch's sum; each replica's sum over its slice is its share (refused before).
     x, y = regression_data()
-    strategy = strategy_for(SHARES)
-    with strategy.scope():
-        model = compiled(dense(), SummedSquaredError(name="summed"))
-    with pytest.raises(hetero_cs.errors.LossPatternError, match="'summed' returns the sum of its values over the batch"):
-        model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    check_fit_and_evaluate(lambda: compiled(dense(), SummedSquaredError(name="summed")), x, y)
 
 
 class SummedActivity(keras.layers.Layer):
@@ -662,21 +663,36 @@ def test_an_optimizer_with_use_ema_is_refused_with_the_fix_and_changes_nothing()
         np.testing.assert_array_equal(old, new)
 
 
-@pytest.mark.parametrize("form", ["l2_loss", "norm"])
-def test_a_loss_reduced_in_a_form_that_could_be_a_mean_or_a_sum_is_refused(form):
-    # tf.nn.l2_loss and tf.norm sum over the batch without saying so in the graph as reduce_sum does: weighed as a
-    # mean they would be silently wrong, kept as a sum wrong for a mean. Refused, naming the op and the forms read.
+def test_an_l2_loss_of_residuals_is_read_as_a_sum_and_exact():
+    # tf.nn.l2_loss sums over the batch (half the sum of squares): each replica's is its share (refused before).
+    x, y = regression_data(12)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+    reference, ref_opt = dense(), keras.optimizers.SGD(0.01)
+    for xb, yb in dataset:
+        with tf.GradientTape() as tape:
+            loss = tf.nn.l2_loss(reference(xb, training=True) - yb)
+        ref_opt.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables))
+    strategy = strategy_for(SHARES)
+    with strategy.scope():
+        model, optimizer = dense(), keras.optimizers.SGD(0.01)
+    train_step = custom_loop_step(strategy, model, optimizer, lambda m, xb, yb: tf.nn.l2_loss(m(xb, training=True) - yb))
+    for element in strategy.experimental_distribute_dataset(dataset):
+        train_step(element)
+    assert_same_state(reference, model)
+
+
+def test_a_norm_of_residuals_is_refused_naming_the_op():
+    # tf.norm is the square root of a sum over the batch: not linear in the examples' values, so no replica's part
+    # adds up to one device's. Refused before the first update, naming the op.
     strategy = strategy_for(SHARES)
     with strategy.scope():
         model, optimizer = dense(), keras.optimizers.SGD(0.1)
-
-    def loss_of(m, xb, yb):
-        residual = m(xb, training=True) - yb
-        return tf.nn.l2_loss(residual) if form == "l2_loss" else tf.square(tf.norm(residual))
-
-    train_step = custom_loop_step(strategy, model, optimizer, loss_of)
-
+    train_step = custom_loop_step(strategy, model, optimizer,
+                                  lambda m, xb, yb: tf.square(tf.norm(m(xb, training=True) - yb)))
     x, y = regression_data(6)
+    before = model.get_weights()
     element = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(6))))
-    with pytest.raises(hetero_cs.errors.LossPatternError, match="cannot tell to be a mean or a sum.*tf.reduce_mean"):
+    with pytest.raises(hetero_cs.errors.LossPatternError, match="(Sqrt|Square|Pow) op .* is not linear"):
         train_step(element)
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)

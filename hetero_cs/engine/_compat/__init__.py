@@ -33,6 +33,8 @@ from hetero_cs.engine._compat.distribute import (
     STRATEGY_MARKER,
     DeepcopiedStrategy,
     HeteroExtended,
+    ReplicaCountStrategy,
+    register_replica_count_conversion,
     components,
     current_hetero_strategy,
     distribute_on_host,
@@ -71,6 +73,7 @@ from hetero_cs.engine._compat.multi_worker import (
     current_multi_worker_strategy,
     id_in_cluster,
     in_keras_entry_point,
+    _patch_reduce_per_replica,
     install_multi_worker,
     is_multi_worker_strategy,
     is_tf_function,
@@ -96,6 +99,7 @@ __all__ = [
     "mark_distributed_dataset",
     "skip_partial_batch_agreement",
     "DeepcopiedStrategy",
+    "ReplicaCountStrategy",
     "FirstBatchReader",
     "check_private_symbols",
     "HeteroExtended",
@@ -146,6 +150,7 @@ def install() -> None:
                 "still runs (UnsupportedVersionError if not), but results were not tested on this pair.",
                 " and ".join(outside), supported_range())
         _let_library_errors_through_autograph()
+        register_replica_count_conversion()
         _patch_loss_scaling()
         _patch_compute_average_loss()
         _patch_loss_reduction()
@@ -165,5 +170,6 @@ def install() -> None:
         _patch_symbolic_build()
         _patch_train_step()
         _patch_inference_steps()
+        _patch_reduce_per_replica()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

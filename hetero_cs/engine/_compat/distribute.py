@@ -62,6 +62,40 @@ class DeepcopiedStrategy:
         return result
 
 
+class ReplicaCount(int):
+    """``strategy.num_replicas_in_sync`` of our strategies: an ``int`` that, converted to a tensor inside a replica
+    step, is marked for the loss reader, which reads ``loss / strategy.num_replicas_in_sync`` (the stock idiom for an
+    even split) as one device's ``loss / 1`` (:mod:`hetero_cs.engine._compat.loss_reader`)."""
+
+
+class ReplicaCountStrategy:
+    """Mixin of our strategies: ``num_replicas_in_sync`` is a :class:`ReplicaCount`."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        # Private: the count tf.distribute.Strategy.num_replicas_in_sync itself returns.
+        return ReplicaCount(self._extended._num_replicas_in_sync)  # noqa: SLF001
+
+
+def register_replica_count_conversion() -> None:
+    """Converts a :class:`ReplicaCount` to a constant tensor, marked in the replica step that converts it."""
+
+    def convert(value, dtype=None, name=None, as_ref=False):
+        del as_ref
+        tensor = tf.constant(int(value), dtype=dtype, name=name)
+        step = training.current_replica_step()
+        if step is not None and not tf.executing_eagerly():
+            step.replica_counts.add(tensor.ref())
+        return tensor
+
+    # Private: the registry's internal entry point; the public one refuses subclasses of Python numbers (whose own
+    # conversion runs at priority 0, so this one at -1 runs first), and the
+    # protocol method __tf_tensor__ is not given the dtype an arithmetic op asks for (loss / R would be int32).
+    from tensorflow.python.framework import tensor_conversion_registry
+
+    tensor_conversion_registry.register_tensor_conversion_function_internal(ReplicaCount, convert, priority=-1)
+
+
 def is_hetero_strategy(strategy: Any) -> bool:
     """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
     return bool(getattr(strategy, STRATEGY_MARKER, False))

@@ -1,16 +1,10 @@
-"""Reading a traced value's graph: which linear combination of which tensors it is.
+"""Reading a traced value's graph: whether a metric variable's new value is the variable plus a delta.
 
-Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. Two patches need to
-know how a value was computed, which only the graph shows:
-
-* an ``assign`` to a metric variable accumulates when the value is ``var + delta`` in any linear form
-  (``var + a + b``, ``tf.add_n([var, a, b])``, ``var - (-d)``): the variable's reads have total coefficient 1
-  and nothing else reads it (:func:`accumulates_into`);
-* a loss returned by a ``compute_loss`` override is a sum of terms, some of them already weighted by hetero_cs
-  and some the override's own scalars (:func:`linear_terms`).
-
-Both walk only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a product with a
-constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. An ``assign`` to a metric
+variable accumulates when the value is ``var + delta`` in any linear form (``var + a + b``, ``tf.add_n([var, a,
+b])``, ``var - (-d)``): the variable's reads have total coefficient 1 (:func:`accumulates_into`). The walk
+(:func:`linear_terms`) goes only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a
+product with a constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
 """
 
 from __future__ import annotations
@@ -107,64 +101,6 @@ def _sums_whole_stack(sum_op) -> bool:
         return False
     axis = tf.get_static_value(sum_op.inputs[1])
     return axis is not None and set(np.ravel(axis).tolist()) <= {0, -1}
-
-
-def divided_by(value, divisor) -> bool:
-    """True when graph tensor ``value`` is visibly ``x / divisor`` or a product with such a quotient (through casts
-    and identities); ``divisor`` is a tensor of the same graph or one the graph captured."""
-    if divisor is None or not hasattr(value, "op") or not hasattr(divisor, "op") or tf.executing_eagerly():
-        return False
-
-    def skip(tensor):
-        while tensor.op.type in _PASS_THROUGH and tensor.op.inputs:
-            tensor = tensor.op.inputs[0]
-        return tensor
-
-    targets = {id(divisor)}
-    stack, visited = [value], 0
-    while stack and visited < 16:
-        visited += 1
-        op = skip(stack.pop()).op
-        if op.type in ("RealDiv", "DivNoNan", "Div") and len(op.inputs) == 2:
-            if _captures_one_of(skip(op.inputs[1]), targets):
-                return True
-        elif op.type == "Mul" and len(op.inputs) == 2:
-            stack.extend(op.inputs)
-    return False
-
-
-def sums_over_batch(value) -> bool:
-    """True when graph tensor ``value`` is visibly a sum over a batch: ``reduce_sum`` of a tensor whose leading
-    (batch) dimension is unknown while tracing, along that dimension (through casts and identities).
-
-    Under the strategy every replica's slice has an unknown leading dimension, and model weights have static
-    shapes, so a sum of a weight (a hand-written regularizer) is not one. Eagerly (no graph) this is False.
-    """
-    return _reduces_over_batch(value, "Sum")
-
-
-def means_over_batch(value) -> bool:
-    """True when graph tensor ``value`` is visibly a mean over a batch: ``reduce_mean`` along the unknown leading
-    (batch) dimension, as :func:`sums_over_batch` for sums."""
-    return _reduces_over_batch(value, "Mean")
-
-
-def _reduces_over_batch(value, op_type: str) -> bool:
-    if not hasattr(value, "op") or tf.executing_eagerly():
-        return False
-    op = value.op
-    while op.type in _PASS_THROUGH and op.inputs:
-        op = op.inputs[0].op
-    if op.type != op_type or len(op.inputs) != 2:
-        return False
-    reduced = op.inputs[0]
-    if reduced.shape.rank is None or reduced.shape.rank == 0 or reduced.shape[0] is not None:
-        return False
-    axis = tf.get_static_value(op.inputs[1])
-    if axis is None:
-        return False
-    rank = reduced.shape.rank
-    return 0 in {int(a) % rank for a in np.ravel(axis)}
 
 
 def accumulates_into(value, variable) -> bool:

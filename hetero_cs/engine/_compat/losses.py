@@ -40,9 +40,10 @@ from hetero_cs.engine import training
 from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
-from hetero_cs.engine._compat.graph_patterns import divided_by, linear_terms, sums_over_batch
+from hetero_cs.engine._compat.batch_flow import MIXED
+from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, flow_of, share_of
 from hetero_cs.engine._compat.variables import _central_in_replica_context
-from hetero_cs.errors import LossPatternError
+from hetero_cs.errors import BatchCouplingError, LossPatternError
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _current_loss = threading.local()  # the Loss object being called in this thread (for error messages)
@@ -59,25 +60,6 @@ def weighted_step():
 def _register(step, value):
     step.loss_terms.add(value.ref())
     return value
-
-
-def _weigh(value, weight=None):
-    """``value * w_i``, and 0 (never NaN) for a 0-example replica, whose own mean of nothing is NaN."""
-    if weight is None:
-        weight = training.replica_weight(value.dtype)
-    return tf.where(weight > 0, value * weight, tf.zeros_like(value))
-
-
-def _is_share(step, value) -> bool:
-    """True for a value hetero_cs weighted, or one visibly divided by this step's ``B`` (the documented idiom
-    ``tf.nn.compute_average_loss(..., global_batch_size=hetero_cs.current_global_batch_size())``, or a value times
-    ``hetero_cs.replica_weight()``)."""
-    try:
-        if value.ref() in step.loss_terms:
-            return True
-    except (AttributeError, TypeError):
-        return False
-    return divided_by(value, step.global_batch_size)
 
 
 def _patch_compute_average_loss() -> None:
@@ -137,7 +119,7 @@ def _patch_loss_scaling() -> None:
         step = weighted_step()
         if step is not None:
             hooks.fired(hooks.LOSS_SCALE)
-            return _register(step, value * training.replica_weight(value.dtype))
+            return _register(step, share_of(step, value, what=f"the loss {_loss_name()}"))
         return original_scale(value)
 
     @functools.wraps(original_unscale)
@@ -183,21 +165,22 @@ def _patch_loss_reduction() -> None:
         reduction = loss_module.standardize_reduction(reduction)
         values = ops.convert_to_tensor(values, dtype=dtype)  # as Keras' own: casts to the loss's dtype
         if values.shape.rank == 0:
-            return _register(step, _scalar_share(values, sample_weight, mask, reduction))
+            return _register(step, _scalar_share(step, values, sample_weight, mask))
+        _refuse_mixed_examples(step, values, sample_weight, mask)
         global_normaliser = reduction in _MEAN_REDUCTIONS and (
             mask is not None or (reduction == "mean_with_sample_weight" and sample_weight is not None)
         )
-        if not global_normaliser:
-            if reduction in _MEAN_REDUCTIONS and not tf.executing_eagerly() and tuple(values.shape) != (0,):
-                # Keras' reduce_values weighs a mean through the module's scale_loss_for_distribution (patched).
-                hooks.expect(hooks.LOSS_SCALE, by=f"reduction={reduction!r} of a Keras loss")
-            result = original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
-            if reduction not in (None, "none") and result.shape.rank != 0:
-                # Keras returns losses of static shape (0,) unreduced (eagerly, a 0-example slice): their share is a
-                # scalar 0, not an empty vector (whose mean in the loss tracker would be NaN).
-                result = tf.reduce_sum(result)
-            return _register(step, result)
-        return _register(step, _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module))
+        if global_normaliser:
+            return _register(step, _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module))
+        if reduction in _MEAN_REDUCTIONS and not tf.executing_eagerly() and tuple(values.shape) != (0,):
+            # Keras' reduce_values weighs a mean through the module's scale_loss_for_distribution (patched).
+            hooks.expect(hooks.LOSS_SCALE, by=f"reduction={reduction!r} of a Keras loss")
+        result = original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+        if reduction not in (None, "none") and result.shape.rank != 0:
+            # Keras returns losses of static shape (0,) unreduced (eagerly, a 0-example slice): their share is a
+            # scalar 0, not an empty vector (whose mean in the loss tracker would be NaN).
+            result = tf.reduce_sum(result)
+        return _register(step, result)
 
     loss_module.Loss.__call__ = call
     loss_module.reduce_weighted_values = reduce_weighted_values
@@ -210,8 +193,22 @@ def _loss_name() -> str:
     return f"{name!r} ({getattr(fn, '__qualname__', fn)})" if fn is not None else repr(name)
 
 
-def _scalar_share(value, sample_weight, mask, reduction):
-    """A loss that reduced itself to a scalar: the replica's slice mean, weighed b_i / B."""
+def _refuse_mixed_examples(step, values, sample_weight, mask) -> None:
+    """Refuses per-example loss values (or their weights or mask) that mix examples. Eagerly there is no graph."""
+    if tf.executing_eagerly():
+        return
+    flow = flow_of(step)
+    for name, tensor in (("values", values), ("sample weights", sample_weight), ("mask", mask)):
+        if isinstance(tensor, tf.Tensor) and flow.kind(tensor).what == MIXED:
+            raise BatchCouplingError(
+                f"hetero_cs cannot split the loss {_loss_name()}: the {name} it reduces are not one per example "
+                f"- its {flow.kind(tensor).reason} - so each replica's loss would not add up to one device's on the "
+                f"whole batch. Compute each example's loss from that example alone (pairs or in-batch negatives "
+                f"need the whole batch on one device), or train this model on one device.")
+
+
+def _scalar_share(step, value, sample_weight, mask):
+    """A loss that reduced itself to a scalar: this replica's share of it (the loss reader)."""
     if sample_weight is not None or mask is not None:
         given = "sample weights (sample_weight or class_weight)" if sample_weight is not None else "a mask"
         raise LossPatternError(
@@ -221,24 +218,7 @@ def _scalar_share(value, sample_weight, mask, reduction):
             f"result would not be a weighted mean either). Return per-example losses (shape [batch, ...], e.g. "
             f"without the final tf.reduce_mean) and let the loss reduction apply the weights."
         )
-    if reduction not in _MEAN_REDUCTIONS:
-        raise LossPatternError(
-            f"The loss {_loss_name()} returned a scalar with reduction={reduction!r}. Under "
-            f"HeteroCentralStorageStrategy a scalar loss is one replica's value on its slice of the batch, and with "
-            f"this reduction hetero_cs cannot tell whether it is the slice's sum or its mean, so it cannot weigh "
-            f"the replicas' values to equal one device's. Return per-example losses (shape [batch, ...]) and let "
-            f"reduction={reduction!r} reduce them, or use reduction='sum_over_batch_size' if the scalar is a mean "
-            f"over the batch."
-        )
-    if sums_over_batch(value):
-        raise LossPatternError(
-            f"The loss {_loss_name()} returns the sum of its values over the batch as a scalar, with "
-            f"reduction={reduction!r}. Under HeteroCentralStorageStrategy a scalar loss is taken as the mean over "
-            f"the replica's slice and weighed b_i / B, which a sum is not (one device would sum over the whole "
-            f"batch). Return per-example losses (shape [batch, ...], without the tf.reduce_sum) and use "
-            f"reduction='sum', or return the mean (tf.reduce_mean)."
-        )
-    return _weigh(value)
+    return share_of(step, value, what=f"the loss {_loss_name()}")
 
 
 def _note_for_micro_batches(finding: str) -> None:
@@ -328,34 +308,6 @@ def _patch_compute_loss() -> None:
     Trainer._compute_loss = _compute_loss  # noqa: SLF001
     Trainer.compile = compile
 
-    # Keras' TensorFlow trainer scales each add_loss value (activity regularizers, a layer's own penalty) for the
-    # distribution as a mean over the replica's slice: w_i under our strategy (scale_loss_for_distribution). A term of
-    # it visibly summed over the batch (0.01 * tf.reduce_sum(x ** 2)) is not a mean: one device adds the whole batch's
-    # sum, so each replica keeps its part unweighted (weighed, the weights were off by 0.1 in an adversarial test).
-    # Optional: a Keras without this hook (older releases) keeps its own handling of add_loss values.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-    original_aggregate = TensorFlowTrainer.__dict__.get("_aggregate_additional_loss")
-    if original_aggregate is None or not hasattr(Trainer, "_aggregate_additional_loss"):
-        return
-
-    @functools.wraps(original_aggregate)
-    def _aggregate_additional_loss(self, loss):
-        step = weighted_step()
-        if step is None or tf.executing_eagerly():
-            return original_aggregate(self, loss)
-        value = Trainer._aggregate_additional_loss(self, loss)  # noqa: SLF001 - Keras' own cast and sum, unscaled
-        terms = linear_terms(value, lambda t: _is_share(step, t)) or []
-        sums = [coeff * tf.cast(t, value.dtype) for coeff, t in terms if sums_over_batch(t)]
-        if not sums:
-            return original_aggregate(self, loss)
-        from keras.src.losses import loss as loss_module
-
-        rest = [coeff * tf.cast(t, value.dtype) for coeff, t in terms if not sums_over_batch(t)]
-        parts = sums + ([loss_module.scale_loss_for_distribution(tf.add_n(rest))] if rest else [])
-        return _register(step, tf.add_n(parts))
-
-    TensorFlowTrainer._aggregate_additional_loss = _aggregate_additional_loss  # noqa: SLF001
-
 
 @contextlib.contextmanager
 def _library_errors_unwrapped():
@@ -407,27 +359,18 @@ def _as_share(result, step, before: int, owner: str):
     """A compute_loss result as this replica's share: Keras' own terms as they are, the rest weighed b_i / B."""
     if result is None or getattr(getattr(result, "shape", None), "rank", None) != 0 or _is_share(step, result):
         return result
-    weight = training.replica_weight(result.dtype)
-    terms = linear_terms(result, lambda t: _is_share(step, t))
-    if terms is None:  # eager: no graph to read
+    if tf.executing_eagerly():  # no graph to read
         if len(step.loss_terms) == before:  # nothing of Keras' weighting ran in the call: all of it is its own
-            return _register(step, _weigh(result, weight))
+            return _register(step, _weigh(result))
         raise LossPatternError(
             f"compute_loss of {owner} returned a value that mixes Keras' own loss terms (already weighted by "
             f"hetero_cs) with terms of its own, and with run_eagerly=True the value has no graph that tells them "
             f"apart. Compile without run_eagerly=True, or return either Keras' loss alone or only your own scalar "
             f"(a mean over the batch, which hetero_cs weighs by b_i / B)."
         )
-    if all(_is_share(step, t) for _, t in terms):
-        return _register(step, result)
-    # result = shares + sums + own, exactly (linear_terms). A term visibly summed over the batch (an add_loss of
-    # tf.reduce_sum over the examples, an override returning ops.sum of per-example losses) is this replica's part of
-    # one device's sum as it is: the replicas' parts add up. The rest is taken as a mean over the slice (a compiled
-    # loss's mean, a regularization term of the weights, an activity regularizer divided by the batch size): own * w_i.
-    sums = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t) and sums_over_batch(t)]
-    own = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if not _is_share(step, t) and not sums_over_batch(t)]
-    shares = [coeff * tf.cast(t, result.dtype) for coeff, t in terms if _is_share(step, t)]
-    return _register(step, tf.add_n([*shares, *sums, *([_weigh(tf.add_n(own), weight)] if own else [])]))
+    # Keras' own terms are shares already; the override's own (a mean, a sum, a regularization term, a masked ratio)
+    # are read by the loss reader.
+    return _register(step, share_of(step, result, what=f"the loss compute_loss of {owner} returned"))
 
 
 def _patch_mean_metric() -> None:
@@ -450,21 +393,11 @@ def _patch_mean_metric() -> None:
         tensor = values if isinstance(values, tf.Tensor) else tf.convert_to_tensor(values)
         if tensor.shape.rank != 0:
             return original_update(self, values, sample_weight=sample_weight)
-        if sums_over_batch(tensor):
-            raise LossPatternError(
-                f"The Mean metric {self.name!r} was given one scalar per step that sums over the batch (a "
-                f"tf.reduce_sum / ops.sum of per-example values) and no sample_weight. Under "
-                f"HeteroCentralStorageStrategy such a scalar is taken as the mean over the replica's slice and "
-                f"weighed b_i / B, which a sum is not. Pass the per-example values (update_state(values)), or their "
-                f"mean (tf.reduce_mean), or use keras.metrics.Sum for a sum."
-            )
+        # One device counts the step's value once: each replica adds its share with weight w_i (summed: the value,
+        # with weight 1). A 0-example replica adds 0 with weight 0, never NaN.
         weight = training.replica_weight(self.dtype)
-        share = _is_share(step, tensor)
-        tensor = tf.cast(tensor, self.dtype)
-        if share:
-            tensor = tf.math.divide_no_nan(tensor, weight)  # the slice's own mean
-        # A 0-example replica's own mean of nothing is NaN; it counts 0 with weight 0.
-        tensor = tf.where(weight > 0, tensor, tf.zeros_like(tensor))
+        share = tf.cast(share_of(step, tensor, what=f"the value given to the Mean metric {self.name!r}"), self.dtype)
+        tensor = tf.where(weight > 0, tf.math.divide_no_nan(share, weight), tf.zeros_like(share))
         return original_update(self, tensor, sample_weight=weight)
 
     Mean.update_state = update_state

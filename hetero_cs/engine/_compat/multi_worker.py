@@ -18,8 +18,9 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
    plain mean of the replicas' logs would be wrong anyway with uneven slices: each replica's metric is a ratio of
    its own totals. Under our strategy the logs are the model's metric results computed from every replica's
    totals and counts summed over the cluster (Keras' metric variables are ON_READ / SUM; one all-reduce for all
-   of them, see ``summed_metric_results``): the single-device value. A log that is not a metric is averaged with
-   ``axis=None``. ``predict``'s
+   of them, see ``summed_metric_results``): the single-device value. A log that is not a metric (a floating scalar
+   a ``train_step`` override returns) is each replica's share of one device's value, summed (the same under the
+   central-storage strategy). ``predict``'s
    ``"concat"`` is left to Keras with one replica per worker (it gathers slices of unequal length in replica order,
    which is batch order here); with several, Keras re-orders them for TensorFlow's own input layout, so the
    gathered slices are taken as they come instead.
@@ -49,6 +50,11 @@ _current_model = threading.local()  # the model whose fit/evaluate/predict runs 
 def is_multi_worker_strategy(strategy: Any) -> bool:
     """True when ``strategy`` is a HeteroMultiWorkerMirroredStrategy (checked by marker: no import cycle)."""
     return bool(getattr(strategy, MULTI_WORKER_MARKER, False))
+
+
+def is_central_storage(strategy: Any) -> bool:
+    """True when ``strategy`` is a HeteroCentralStorageStrategy (its marker: distribute.STRATEGY_MARKER)."""
+    return bool(getattr(strategy, "_is_hetero_central_storage_strategy", False))
 
 
 def current_multi_worker_strategy():
@@ -107,6 +113,8 @@ def _patch_reduce_per_replica() -> None:
     from keras.src.backend.tensorflow import trainer as trainer_module
 
     original = trainer_module.reduce_per_replica
+    if getattr(original, "_hetero_cs", False):
+        return
 
     @functools.wraps(original)
     def reduce_per_replica(values, strategy, reduction):
@@ -118,11 +126,12 @@ def _patch_reduce_per_replica() -> None:
             # then local), the order strategy.gather returns them in. So the gathered rows are the batch's order.
             return tf.nest.map_structure(
                 lambda v: strategy.gather(v, axis=0) if isinstance(v, tf.distribute.DistributedValues) else v, values)
-        if not is_multi_worker_strategy(strategy) or reduction not in ("auto", "mean"):
+        multi_worker = is_multi_worker_strategy(strategy)
+        if not (multi_worker or is_central_storage(strategy)) or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)
         model = getattr(_current_model, "model", None)
         results = {}
-        if model is not None and isinstance(values, dict):
+        if multi_worker and model is not None and isinstance(values, dict):
             results = summed_metric_results(model, strategy)
 
         def reduce(key, value):
@@ -130,15 +139,20 @@ def _patch_reduce_per_replica() -> None:
                 return {inner: reduce(inner, item) for inner, item in value.items()}
             if key in results:
                 return results[key]
-            if isinstance(value, tf.distribute.DistributedValues):
-                return strategy.reduce("MEAN", value, axis=None)
-            return value
+            if not isinstance(value, tf.distribute.DistributedValues):
+                return value
+            first = strategy.experimental_local_results(value)[0]
+            if first.shape.rank == 0 and first.dtype.is_floating:
+                # A logged value: each replica gave its share of one device's (loss_reader.shares_of_logs).
+                return strategy.reduce("SUM", value, axis=None)
+            return original(value, strategy, reduction)
 
         if isinstance(values, dict):
             return {key: reduce(key, value) for key, value in values.items()}
         return tf.nest.map_structure(lambda v: reduce(None, v), values)
 
     # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
+    reduce_per_replica._hetero_cs = True
     trainer_module.reduce_per_replica = reduce_per_replica
 
 

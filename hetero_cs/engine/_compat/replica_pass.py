@@ -138,7 +138,9 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
         part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
                                                            for v in (x, y, sample_weight)))
         part = _memory_checked(_strategy(model), step, part, size)
-        with training.replica_step(dataclasses.replace(step, batch_size=size)):
+        micro = dataclasses.replace(step, batch_size=size)
+        _seed(micro, rows=part)
+        with training.replica_step(micro):
             return keras_step(model, part)
 
     first = run(tf.constant(0, tf.int32))
@@ -250,9 +252,11 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         zeros = [tf.zeros(v.shape, v.dtype) for v in metric_state]
         mapping = list(zip(trainable, weights)) + list(zip(non_trainable, state)) + list(zip(metric_state, zeros))
         # The examples this pass holds (the slice's b_i, or a micro-batch's m_ij) weigh its share of the global batch.
+        inner = dataclasses.replace(step, batch_size=examples)
+        _seed(inner, rows=(x, y, sample_weight), replicated=(weights, state, scale, zeros))
         with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
                 weighing_in_compiled_replica_step(), \
-                training.replica_step(dataclasses.replace(step, batch_size=examples)):
+                training.replica_step(inner):
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred = model(x, training=True) if model._call_has_training_arg else model(x)  # noqa: SLF001
@@ -436,6 +440,15 @@ def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written
 
 def _strategy(model):
     return getattr(model, "_distribute_strategy", None)
+
+
+def _seed(step, *, rows, replicated=()) -> None:
+    """Seeds the batch-flow analysis of a pass traced in a function of its own (its inputs are that function's):
+    ``rows`` hold the pass's examples, ``replicated`` the weights and state, and its ``b_i`` is its examples'."""
+    from hetero_cs.engine.replica_wrapping import seed_replica_step
+
+    step.flow.seed_replicated(replicated)
+    seed_replica_step(step, rows)
 
 
 def _is_layer_state(variable) -> bool:

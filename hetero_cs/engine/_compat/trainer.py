@@ -372,7 +372,8 @@ def _patch_evaluate_and_predict() -> None:
             active_sets.refresh(self, attribute, training=False)
             known = active_sets.version(training=False)
             try:
-                with strategy._input_roles.inferring():  # noqa: SLF001 - its inputs and steps infer
+                with strategy._input_roles.inferring(  # noqa: SLF001 - its inputs and steps infer
+                        predicting=original.__name__ == "predict"):
                     return original(self, *args, **kwargs)
             except (StopIteration, UnboundLocalError) as exc:
                 # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop

@@ -1,0 +1,414 @@
+"""The strict loss reader: a replica's exact share of a value one device computes from the whole batch, or a refusal.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches (it re-emits graph ops
+through ``tf.raw_ops`` and reads the graph).
+
+Replica ``i`` holds ``b_i`` of the ``B`` examples and the host sums what the replicas give, so each replica must
+give its *share* of every value one device computes from the whole batch: shares that add up to one device's value,
+and whose gradients add up to one device's gradient. :func:`share_of` reads how a value was computed and builds
+that share; whatever it cannot prove exact it refuses with :class:`~hetero_cs.errors.LossPatternError` (or its
+subclass :class:`~hetero_cs.errors.BatchCouplingError` when examples meet), naming the op and the fix. What it
+accepts:
+
+* a value hetero_cs made a share already (a Keras loss reduced under the strategy, ``compute_loss``);
+* a sum over the examples (``tf.reduce_sum`` along the batch axis of per-example values): the replicas' sums add
+  up, kept as it is;
+* a mean over the examples: weighed ``b_i / B`` (its rows are a fixed number per example), or, for rows the data
+  picked (``tf.boolean_mask``, ``tf.gather(x, tf.where(...))``), weighed by this replica's rows over all replicas'
+  rows (an all-reduced count);
+* a value that does not depend on the batch (a regularization term of the weights): weighed ``b_i / B``, so it
+  counts once;
+* linear combinations of these with factors that do not depend on the batch (a loss weight, even a trainable one),
+  ``tf.stop_gradient`` of them (no gradient, as on one device), and a value divided by
+  ``strategy.num_replicas_in_sync`` (one device divides by 1);
+* a ratio of two such values, ``sum(loss * mask) / sum(mask)``: the denominator is all-reduced, so every replica
+  divides by the whole batch's, and the quotient rule's second term is kept for a denominator with a gradient.
+
+Refused: a non-linear function of a batch aggregate (``tf.sqrt`` of a mean, a product of two means, a maximum over
+the batch), and any value whose per-example inputs mix examples (:mod:`hetero_cs.engine._compat.batch_flow`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from hetero_cs.engine import training
+from hetero_cs.engine._compat.batch_flow import AGG, COUNT, MIXED, REP, ROWS, SHAPE, BatchFlow
+from hetero_cs.errors import BatchCouplingError, LossPatternError
+
+GLOBAL, SHARE = "global", "share"
+
+# Ops through which a value stays linear in its data inputs (listed by index; "all", or all but the last). The other
+# inputs (axes, shapes, indices, a condition) must not depend on the batch.
+_LINEAR = {
+    "Identity": (0,), "Snapshot": (0,), "EnsureShape": (0,), "CheckNumerics": (0,), "CheckNumericsV2": (0,),
+    "Cast": (0,), "StopGradient": (0,), "Neg": (0,), "Add": "all", "AddV2": "all", "AddN": "all", "Sub": "all",
+    "Sum": (0,), "Mean": (0,), "Pack": "all", "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,),
+    "Transpose": (0,), "StridedSlice": (0,), "Slice": (0,), "GatherV2": (0,), "Tile": (0,), "BroadcastTo": (0,),
+    "Select": (1, 2), "SelectV2": (1, 2), "ConcatV2": "all but last", "ZerosLike": (0,),
+}
+_OPAQUE = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While", "StatelessWhile",
+                     "Case", "StatelessCase", "PyFunc", "PyFuncStateless", "EagerPyFunc"})
+_MAX_DEPTH = 200  # a loss is a short expression above its reductions; deeper means something unexpected
+
+
+@dataclasses.dataclass
+class _Reading:
+    """One reading of a value: the step, the flow, the tape recording the re-emitted ops and the leaves seen."""
+
+    step: object
+    flow: BatchFlow
+    tape: object = None
+    leaves: list = dataclasses.field(default_factory=list)
+    memo: dict = dataclasses.field(default_factory=dict)
+    all_reduced: bool = False
+
+
+def flow_of(step) -> BatchFlow:
+    """The replica step's batch-flow analysis (made empty when its wrapper made none: nothing is then proven)."""
+    if step.flow is None:
+        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
+    return step.flow
+
+
+def share_of(step, value, *, what: str = "the loss"):
+    """This replica's share of one device's ``value`` (see the module docstring), a tensor of ``value``'s shape.
+
+    Raises:
+        LossPatternError: The value is not provably linear in per-example values with a known normaliser.
+        BatchCouplingError: Its per-example inputs mix examples across the batch.
+    """
+    if tf.executing_eagerly():  # no graph to read: a value of hetero_cs's is a share, any other a slice mean
+        return value if _is_share(step, value) else _weigh(value)
+    reading = _Reading(step, flow_of(step))
+    mode, share = _read(reading, value, what, 0)
+    return share if mode == SHARE else _weigh(share)
+
+
+def shares_of_logs(step, outputs):
+    """A Keras step's outputs with every floating scalar (a logged value) made this replica's share of one device's:
+    summed over the replicas (``reduce_per_replica``, patched), they log what one device logs."""
+
+    def share(value):
+        if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
+            name = "" if tf.executing_eagerly() else f" ({value.name})"
+            return share_of(step, value, what=f"a logged value the train or test step returns{name}")
+        return value
+
+    return tf.nest.map_structure(share, outputs)
+
+
+def gradient_terms(step, targets, output_gradients, *, what: str = "the loss"):
+    """``(tensors, output_gradients)`` whose gradient is this replica's share of ``targets``' gradient, or None when
+    the targets need no weighting (each is a share already, or one value per example: their sums add up).
+
+    The tensors are ones the caller's tape recorded (so no op is added to the forward pass); each one's output
+    gradient is what the share's gradient takes from it, found by differentiating the share rebuilt from them.
+    """
+    flow = flow_of(step)
+    pending = []
+    for target, outer in zip(targets, output_gradients):
+        if _is_share(step, target) or flow.kind(target).what == ROWS:
+            pending.append((target, outer, None))
+            continue
+        pending.append((target, outer, "read"))
+    if all(how is None for _, _, how in pending):
+        return None
+    reading = _Reading(step, flow)
+    with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
+        reading.tape = tape
+        total = []
+        for target, outer, how in pending:
+            if how is None:
+                reading.leaves.append(target)
+                tape.watch(target)
+                share = target
+            else:
+                mode, share = _read(reading, target, what, 0)
+                share = share if mode == SHARE else _weigh(share)
+            if outer is not None:
+                share = share * tf.stop_gradient(tf.cast(outer, share.dtype))
+            total.append(tf.reduce_sum(tf.cast(share, tf.float32)) if share.dtype != tf.float32
+                         else tf.reduce_sum(share))
+        combined = tf.add_n(total)
+    leaves = list({id(t): t for t in reading.leaves}.values())
+    adjoints = tape.gradient(combined, leaves, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return leaves, [tf.cast(a, t.dtype) for a, t in zip(adjoints, leaves)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _is_share(step, value) -> bool:
+    try:
+        return value.ref() in step.loss_terms
+    except (AttributeError, TypeError):
+        return False
+
+
+def _leaf(reading, tensor):
+    if reading.tape is not None:
+        reading.tape.watch(tensor)
+        reading.leaves.append(tensor)
+    return tensor
+
+
+def _weigh(value, weight=None):
+    """``value * b_i / B``, and 0 (never NaN) for a 0-example replica, whose own mean of nothing is NaN."""
+    if weight is None:
+        weight = training.replica_weight(value.dtype)
+    return tf.where(weight > 0, value * tf.cast(weight, value.dtype), tf.zeros_like(value))
+
+
+def _as_share(mode, tensor):
+    return tensor if mode == SHARE else _weigh(tensor)
+
+
+def _read(reading, tensor, what: str, depth: int):
+    """``(mode, tensor)``: GLOBAL, a value equal to one device's; SHARE, this replica's share of it."""
+    key = tensor.ref()
+    if key in reading.memo:
+        return reading.memo[key]
+    if depth > _MAX_DEPTH:
+        raise _refusal(what, tensor.op, "is too deep an expression above the batch's reductions to read")
+    result = _read_uncached(reading, tensor, what, depth)
+    reading.memo[key] = result
+    return result
+
+
+def _read_uncached(reading, tensor, what, depth):
+    step, flow = reading.step, reading.flow
+    if _is_share(step, tensor):
+        return SHARE, _leaf(reading, tensor)
+    kind = flow.kind(tensor)
+    if kind.what == MIXED:
+        raise BatchCouplingError(
+            f"hetero_cs cannot split {what}: its {kind.reason}, so each replica's part would not add up to one "
+            f"device's value on the whole batch. Compute it from each example alone (per-example losses reduced by "
+            f"a mean or a sum over the batch), or train this model on one device.")
+    if kind.what == REP:
+        return GLOBAL, _leaf(reading, tensor)
+    if kind.what == COUNT:
+        return SHARE, _leaf(reading, tensor)  # a slice's number of rows: the replicas' counts add up
+    if kind.what == ROWS:
+        raise LossPatternError(
+            f"{what} ({tensor.name}) holds one value per example where hetero_cs expects a value reduced over the "
+            f"batch. Reduce it with tf.reduce_mean or tf.reduce_sum over the batch axis.")
+    op = tensor.op
+    if op.type in ("Sum", "Mean", "Prod") and _reduces_rows(flow, op):
+        return _atom(reading, op, tensor, what)
+    if op.type == "L2Loss" and flow.kind(op.inputs[0]).what == ROWS:
+        return SHARE, _leaf(reading, tensor)  # half the sum of squares over the batch: the replicas' parts add up
+    if op.type in ("Mul", "MulNoNan"):
+        return _product(reading, op, tensor, what, depth)
+    if op.type in ("RealDiv", "Div", "DivNoNan"):
+        return _quotient(reading, op, tensor, what, depth)
+    linear = _LINEAR.get(op.type)
+    if linear is None and op.type in _OPAQUE:
+        raise LossPatternError(
+            f"hetero_cs cannot split {what}: it is computed inside a {op.type} op ({op.name!r}: a nested tf.function, "
+            f"tf.cond, tf.while_loop or tf.py_function around the loss), whose result hetero_cs cannot rebuild as "
+            f"each replica's share. Compute the loss directly in the step (call the loss function without its own "
+            f"@tf.function: the step is traced already), or return per-example losses and reduce them with "
+            f"tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size()).")
+    if linear is None:
+        raise _refusal(what, op, "is not linear in the examples' values")
+    data = _data_inputs(op, linear)
+    inputs, changed, modes = list(op.inputs), False, []
+    for index, inner in enumerate(op.inputs):
+        if index not in data:
+            if flow.kind(inner).what not in (REP,):
+                raise _refusal(what, op, f"takes its {_ordinal(index)} input from the examples' values")
+            continue
+        mode, share = _read(reading, inner, what, depth + 1)
+        modes.append(mode)
+        inputs[index] = share
+    if all(mode == GLOBAL for mode in modes):
+        return GLOBAL, _leaf(reading, tensor)
+    for index in data:
+        mode = modes[sorted(data).index(index)]
+        if mode == GLOBAL:
+            inputs[index] = _weigh(inputs[index])
+        changed = changed or inputs[index] is not op.inputs[index]
+    if not changed and reading.tape is None:
+        return SHARE, tensor
+    return SHARE, _reemit(op, inputs)
+
+
+def _data_inputs(op, linear) -> set:
+    count = len(op.inputs)
+    if linear == "all":
+        return set(range(count))
+    if linear == "all but last":
+        return set(range(count - 1))
+    return {i for i in linear if i < count}
+
+
+def _reduces_rows(flow, op) -> bool:
+    kind = flow.kind(op.inputs[0])
+    if kind.what == SHAPE:
+        return op.type == "Prod"  # the product of a shape: a count of elements, which add up over the replicas
+    if kind.what != ROWS:
+        return False
+    from hetero_cs.engine._compat.batch_flow import _axes
+
+    axes = _axes(op.inputs[1], op.inputs[0].shape.rank)
+    return axes is not None and kind.axis in axes
+
+
+def _atom(reading, op, tensor, what):
+    """A reduction over the batch axis of per-example values: a sum (kept), a mean (weighed), or refused."""
+    flow = reading.flow
+    kind = flow.kind(op.inputs[0])
+    if op.type == "Prod":
+        if kind.what == SHAPE:
+            return SHARE, _leaf(reading, tensor)
+        raise _refusal(what, op, "multiplies values over the batch")
+    leaf = _leaf(reading, tensor)
+    if op.type == "Sum":
+        return SHARE, leaf
+    if flow.rows_proportional(kind):
+        return SHARE, _weigh(leaf)
+    # Rows the data picked: this replica's share of the mean is its rows' sum over all replicas' rows.
+    _note_all_reduce(reading)
+    rows = tf.cast(tf.size(op.inputs[0]), tensor.dtype) / tf.cast(tf.maximum(tf.size(tensor), 1), tensor.dtype)
+    total = _all_reduce_sum(tf.stop_gradient(rows))
+    return SHARE, tf.where(rows > 0, leaf * tf.math.divide_no_nan(rows, total), tf.zeros_like(leaf))
+
+
+def _product(reading, op, tensor, what, depth):
+    a, b = op.inputs
+    step = reading.step
+    for factor, other in ((a, b), (b, a)):
+        if factor.ref() in step.weights:  # value * hetero_cs.replica_weight(): the user weighed it already
+            mode, _ = _read(reading, other, what, depth + 1)
+            if mode == GLOBAL or _is_weighed_mean(reading.flow, other):
+                return SHARE, _leaf(reading, tensor)
+            raise _refusal(what, op, "multiplies a value that is already a share by replica_weight() again")
+    (mode_a, share_a), (mode_b, share_b) = _read(reading, a, what, depth + 1), _read(reading, b, what, depth + 1)
+    if mode_a == GLOBAL and mode_b == GLOBAL:
+        return GLOBAL, _leaf(reading, tensor)
+    if SHARE in (mode_a, mode_b) and GLOBAL in (mode_a, mode_b):
+        if reading.tape is None and share_a is a and share_b is b:
+            return SHARE, tensor
+        return SHARE, _reemit(op, [share_a, share_b])
+    raise _refusal(what, op, "multiplies two values computed from the batch (not linear: one device would multiply "
+                             "the whole batch's values)")
+
+
+def _is_weighed_mean(flow, tensor) -> bool:
+    op = tensor.op
+    while op.type in ("Identity", "Cast") and op.inputs:
+        op = op.inputs[0].op
+    return op.type == "Mean" and _reduces_rows(flow, op) and flow.rows_proportional(flow.kind(op.inputs[0]))
+
+
+def _quotient(reading, op, tensor, what, depth):
+    numerator, denominator = op.inputs
+    if _is_replica_count(reading.step, denominator):
+        # x / strategy.num_replicas_in_sync: the stock idiom for an even split; one device divides by 1.
+        mode, share = _read(reading, numerator, what, depth + 1)
+        return SHARE, _as_share(mode, share)
+    mode_n, share_n = _read(reading, numerator, what, depth + 1)
+    mode_d, share_d = _read(reading, denominator, what, depth + 1)
+    counted = reading.flow.kind(denominator)
+    if counted.what == COUNT and counted.tag is not None and counted.tag.root == reading.flow.batch.root:
+        # Divided by a number of rows that is a fixed multiple of the slice's examples (Keras' mean: a sum over the
+        # number of values): one device divides by that number over the whole batch, count * B / b_i.
+        weight = training.replica_weight(tensor.dtype)
+        share = tf.math.divide_no_nan(_as_share(mode_n, share_n) * weight, tf.cast(share_d, tensor.dtype))
+        return SHARE, share
+    if mode_d == GLOBAL:
+        if mode_n == GLOBAL:
+            return GLOBAL, _leaf(reading, tensor)
+        if reading.tape is None and share_n is numerator and share_d is denominator:
+            return SHARE, tensor
+        return SHARE, _reemit(op, [share_n, share_d])
+    # A ratio of batch aggregates (sum(loss * mask) / sum(mask)): one device divides the whole batch's numerator by
+    # the whole batch's denominator. Both are all-reduced (without gradient), every replica divides its numerator's
+    # share by the global denominator, and the quotient rule's term for the denominator is added with value 0.
+    _note_all_reduce(reading)
+    dtype = tensor.dtype
+    share_n = _as_share(mode_n, share_n)
+    share_d = tf.cast(share_d, dtype)
+    if mode_n == GLOBAL:
+        total_d = _all_reduce_sum(tf.stop_gradient(share_d))
+        total_n = tf.stop_gradient(tf.cast(numerator, dtype))
+    else:
+        totals = _all_reduce_sum(tf.stop_gradient(tf.stack([tf.cast(share_n, dtype), share_d])))
+        total_n, total_d = totals[0], totals[1]
+    first = tf.math.divide_no_nan(tf.cast(share_n, dtype), total_d)
+    second = tf.math.divide_no_nan(total_n, tf.square(total_d)) * (share_d - tf.stop_gradient(share_d))
+    return SHARE, first - second
+
+
+def _is_replica_count(step, tensor) -> bool:
+    while tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
+        if tensor.ref() in step.replica_counts:
+            return True
+        tensor = tensor.op.inputs[0]
+    return tensor.ref() in step.replica_counts
+
+
+def _all_reduce_sum(value):
+    context = tf.distribute.get_replica_context()
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def _note_all_reduce(reading) -> None:
+    reading.all_reduced = True
+    from hetero_cs.engine._compat.losses import _note_for_micro_batches
+
+    _note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
+
+
+def _reemit(op, inputs):
+    """``op`` again, on ``inputs`` (same dtypes), with its own attributes."""
+    return _REEMIT[op.type](op, inputs)
+
+
+def _attr(op, name, default=None):
+    return op.get_attr(name) if name in op.node_def.attr else default
+
+
+_REEMIT = {
+    "Identity": lambda op, x: tf.identity(x[0]), "Snapshot": lambda op, x: tf.identity(x[0]),
+    "EnsureShape": lambda op, x: tf.identity(x[0]), "CheckNumerics": lambda op, x: tf.identity(x[0]),
+    "CheckNumericsV2": lambda op, x: tf.identity(x[0]), "Cast": lambda op, x: tf.cast(x[0], op.outputs[0].dtype),
+    "StopGradient": lambda op, x: tf.stop_gradient(x[0]), "Neg": lambda op, x: tf.negative(x[0]),
+    "Add": lambda op, x: tf.add(x[0], x[1]), "AddV2": lambda op, x: tf.add(x[0], x[1]),
+    "Sub": lambda op, x: tf.subtract(x[0], x[1]), "AddN": lambda op, x: tf.add_n(list(x)),
+    "Mul": lambda op, x: tf.multiply(x[0], x[1]), "MulNoNan": lambda op, x: tf.math.multiply_no_nan(x[0], x[1]),
+    "RealDiv": lambda op, x: tf.math.divide(x[0], x[1]), "Div": lambda op, x: tf.math.divide(x[0], x[1]),
+    "DivNoNan": lambda op, x: tf.math.divide_no_nan(x[0], x[1]),
+    "Sum": lambda op, x: tf.reduce_sum(x[0], x[1], keepdims=_attr(op, "keep_dims", False)),
+    "Mean": lambda op, x: tf.reduce_mean(x[0], x[1], keepdims=_attr(op, "keep_dims", False)),
+    "Pack": lambda op, x: tf.stack(list(x), axis=_attr(op, "axis", 0)),
+    "Reshape": lambda op, x: tf.reshape(x[0], x[1]), "ExpandDims": lambda op, x: tf.expand_dims(x[0], x[1]),
+    "Squeeze": lambda op, x: tf.squeeze(x[0], axis=list(_attr(op, "squeeze_dims", [])) or None),
+    "Transpose": lambda op, x: tf.transpose(x[0], x[1]),
+    "StridedSlice": lambda op, x: tf.raw_ops.StridedSlice(
+        input=x[0], begin=x[1], end=x[2], strides=x[3], begin_mask=_attr(op, "begin_mask"),
+        end_mask=_attr(op, "end_mask"), ellipsis_mask=_attr(op, "ellipsis_mask"),
+        new_axis_mask=_attr(op, "new_axis_mask"), shrink_axis_mask=_attr(op, "shrink_axis_mask")),
+    "Slice": lambda op, x: tf.slice(x[0], x[1], x[2]),
+    "GatherV2": lambda op, x: tf.gather(x[0], x[1], axis=x[2], batch_dims=_attr(op, "batch_dims", 0)),
+    "Tile": lambda op, x: tf.tile(x[0], x[1]), "BroadcastTo": lambda op, x: tf.broadcast_to(x[0], x[1]),
+    "Select": lambda op, x: tf.raw_ops.Select(condition=x[0], x=x[1], y=x[2]),
+    "SelectV2": lambda op, x: tf.where(x[0], x[1], x[2]),
+    "ConcatV2": lambda op, x: tf.concat(list(x[:-1]), axis=x[-1]), "ZerosLike": lambda op, x: tf.zeros_like(x[0]),
+}
+
+
+def _ordinal(index: int) -> str:
+    return ("first", "second", "third", "fourth")[index] if index < 4 else f"input {index}"
+
+
+def _refusal(what: str, op, why: str) -> LossPatternError:
+    return LossPatternError(
+        f"hetero_cs cannot split {what}: its {op.type} op {op.name!r} {why}. Each replica must give its share of one "
+        f"device's value, and hetero_cs accepts only sums and means over the batch of per-example values, values "
+        f"that do not depend on the batch, linear combinations of these with factors that do not depend on the "
+        f"batch, and a ratio of two such values (sum(loss * mask) / sum(mask)). Write the loss in those forms: "
+        f"e.g. a mean of per-example losses instead of its square root (log tf.sqrt of it as a metric), or return "
+        f"per-example losses and let a Keras loss reduce them.")
