@@ -101,7 +101,7 @@ _UNARY = frozenset({
     "Erfinv", "Exp", "Expm1", "Floor", "Gelu", "Inv", "Invert", "IsFinite", "IsInf", "IsNan", "LeakyRelu", "Lgamma",
     "Log", "Log1p", "LogicalNot", "Neg", "Ndtri", "OnesLike", "Reciprocal", "Relu", "Relu6", "Rint", "Round",
     "Rsqrt", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Square", "Tan", "Tanh",
-    "ZerosLike", "Real", "Imag", "Angle", "Conj", "ComplexAbs",
+    "ZerosLike", "Real", "Imag", "Angle", "Conj", "ComplexAbs", "AsString", "StringToNumber",
 })
 _ELEMENTWISE = frozenset({
     "Add", "AddV2", "AddN", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan", "FloorDiv", "FloorMod",
@@ -127,6 +127,7 @@ _RANDOM = frozenset({
     "StatelessTruncatedNormal", "StatelessRandomBinomial", "Fill",
 })
 _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_PYTHON = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 _WHILES = frozenset({"While", "StatelessWhile"})
 _CONDS = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
 # Ops that only describe a tensor (its shape or type), whose outputs say nothing about its values.
@@ -134,11 +135,55 @@ _SHAPE_OF = frozenset({"Shape", "ShapeN"})
 _NO_DATA = frozenset({"Rank", "VarIsInitializedOp", "TensorListLength", "TensorListElementShape"})
 
 
+_ARITHMETIC = {"Sub": np.subtract, "AddV2": np.add, "Add": np.add, "Mul": np.multiply, "FloorMod": np.mod,
+               "Maximum": np.maximum, "Minimum": np.minimum, "FloorDiv": np.floor_divide}
+
+
 def _static(tensor):
+    """The value of a tensor that tracing can compute (TensorFlow's constant folding, a rank, shape entries known
+    statically, integer arithmetic on those), else None."""
     try:
-        return tf.get_static_value(tensor)
+        value = tf.get_static_value(tensor)
     except (TypeError, ValueError):
-        return None
+        value = None
+    if value is not None:
+        return value
+    op = tensor.op
+    if op.type == "Rank" and op.inputs[0].shape.rank is not None:
+        return np.int32(op.inputs[0].shape.rank)
+    if op.type in ("Identity", "Cast") and op.inputs:
+        inner = _static(op.inputs[0])
+        return None if inner is None else np.asarray(inner).astype(tensor.dtype.as_numpy_dtype)
+    if op.type in _ARITHMETIC and len(op.inputs) == 2:
+        a, b = _static(op.inputs[0]), _static(op.inputs[1])
+        return None if a is None or b is None else _ARITHMETIC[op.type](a, b)
+    if op.type == "Pack":
+        values = [_static(t) for t in op.inputs]
+        return None if any(v is None for v in values) else np.stack(values, axis=op.get_attr("axis"))
+    if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape" and op.get_attr("shrink_axis_mask") == 1:
+        index, dims = _static(op.inputs[1]), op.inputs[0].op.inputs[0].shape
+        if index is not None and dims.rank is not None:
+            dim = dims[int(np.ravel(index)[0])]
+            return None if dim is None else np.int32(dim)
+    return None
+
+
+def _entries(tensor) -> list | None:
+    """A shape vector's entries (ints, None where not known while tracing), or None when its length is unknown."""
+    value = _static(tensor)
+    if value is not None:
+        return [int(v) for v in np.ravel(value)]
+    op = tensor.op
+    if op.type == "Pack":
+        return [None if (v := _static(t)) is None else int(v) for t in op.inputs]
+    if op.type == "ConcatV2":
+        parts = [_entries(t) for t in op.inputs[:-1]]
+        return None if any(p is None for p in parts) else [v for p in parts for v in p]
+    if op.type == "Shape" and op.inputs[0].shape.rank is not None:
+        return op.inputs[0].shape.as_list()
+    if tensor.shape.rank == 1 and tensor.shape[0] is not None:
+        return [None] * tensor.shape[0]
+    return None
 
 
 def _axes(tensor, rank: int | None) -> list[int] | None:
@@ -298,6 +343,9 @@ class BatchFlow:
             return [self._last_axis(op, kinds)] * outputs
         if t in _NO_DATA:
             return [_REP] * outputs
+        if t in _PYTHON:
+            return [mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs "
+                              "cannot read; write it in TensorFlow ops")] * outputs
         return [mixed(op, "is not one hetero_cs knows to keep examples apart")] * outputs
 
     def _elementwise(self, op, kinds) -> Kind:
@@ -510,6 +558,10 @@ def _reshape(flow, op, kinds) -> Kind:
     if before.rank is None or after.rank is None or after.rank == 0 or kind.axis != 0 or after[0] is not None:
         return mixed(op, "reshapes across the batch axis")
     inner_before, inner_after = before.as_list()[1:], after.as_list()[1:]
+    target = _entries(op.inputs[1])
+    if target is not None and len(target) == after.rank:  # entries tracing computes that shape inference did not
+        inner_after = [a if a is not None else (t if t is not None and t >= 0 else None)
+                       for a, t in zip(inner_after, target[1:])]
     if None in inner_after:
         return mixed(op, "reshapes rows to a shape not known while tracing")
     per_row_after = int(np.prod(inner_after)) if inner_after else 1

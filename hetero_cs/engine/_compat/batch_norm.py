@@ -23,6 +23,7 @@ import functools
 
 import tensorflow as tf
 
+from hetero_cs.engine._compat.loss_reader import all_reduced_sum
 from hetero_cs.engine._compat.losses import _note_for_micro_batches, weighted_step
 
 
@@ -41,7 +42,6 @@ def global_moments(inputs, axes, mask=None, epsilon: float = 1e-7):
     Returns:
         ``(mean, variance)``, each of the kept axes' shape (squeezed), in ``inputs``' dtype.
     """
-    context = tf.distribute.get_replica_context()
     dtype = inputs.dtype
     x = tf.cast(inputs, tf.float32) if dtype in (tf.float16, tf.bfloat16) else inputs
     if mask is None:
@@ -49,28 +49,19 @@ def global_moments(inputs, axes, mask=None, epsilon: float = 1e-7):
     else:
         weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(x)), x.dtype)
     local = [tf.reduce_sum(x * weights, axes, keepdims=True), tf.reduce_sum(weights, axes, keepdims=True)]
-    total, count = _replicated(context.all_reduce(tf.distribute.ReduceOp.SUM, local))
+    total, count = all_reduced_sum(local)
     if mask is None:
         mean = tf.math.divide_no_nan(total, count)
     else:
         count = count + tf.cast(epsilon, x.dtype)
         mean = total / count
-    squares = _replicated(context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                             tf.reduce_sum(tf.square(x - mean) * weights, axes, keepdims=True)))
+    squares = all_reduced_sum(tf.reduce_sum(tf.square(x - mean) * weights, axes, keepdims=True))
     variance = tf.math.divide_no_nan(squares, count) if mask is None else squares / count
     mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     if x.dtype != dtype:
         mean = tf.cast(tf.clip_by_value(mean, dtype.min, dtype.max), dtype)
         variance = tf.cast(tf.clip_by_value(variance, dtype.min, dtype.max), dtype)
     return mean, variance
-
-
-def _replicated(values):
-    """``values`` (all-reduced sums), told to the step's batch-flow analysis as the same on every replica."""
-    step = weighted_step()
-    if step is not None and step.flow is not None:
-        step.flow.seed_replicated(values)
-    return values
 
 
 def _patch_batch_normalization() -> None:

@@ -272,7 +272,7 @@ def _atom(reading, op, tensor, what):
     # Rows the data picked: this replica's share of the mean is its rows' sum over all replicas' rows.
     _note_all_reduce(reading)
     rows = tf.cast(tf.size(op.inputs[0]), tensor.dtype) / tf.cast(tf.maximum(tf.size(tensor), 1), tensor.dtype)
-    total = _all_reduce_sum(tf.stop_gradient(rows))
+    total = all_reduced_sum(tf.stop_gradient(rows))
     return SHARE, tf.where(rows > 0, leaf * tf.math.divide_no_nan(rows, total), tf.zeros_like(leaf))
 
 
@@ -332,10 +332,10 @@ def _quotient(reading, op, tensor, what, depth):
     share_n = _as_share(mode_n, share_n)
     share_d = tf.cast(share_d, dtype)
     if mode_n == GLOBAL:
-        total_d = _all_reduce_sum(tf.stop_gradient(share_d))
+        total_d = all_reduced_sum(tf.stop_gradient(share_d))
         total_n = tf.stop_gradient(tf.cast(numerator, dtype))
     else:
-        totals = _all_reduce_sum(tf.stop_gradient(tf.stack([tf.cast(share_n, dtype), share_d])))
+        totals = all_reduced_sum(tf.stop_gradient(tf.stack([tf.cast(share_n, dtype), share_d])))
         total_n, total_d = totals[0], totals[1]
     first = tf.math.divide_no_nan(tf.cast(share_n, dtype), total_d)
     second = tf.math.divide_no_nan(total_n, tf.square(total_d)) * (share_d - tf.stop_gradient(share_d))
@@ -350,9 +350,14 @@ def _is_replica_count(step, tensor) -> bool:
     return tensor.ref() in step.replica_counts
 
 
-def _all_reduce_sum(value):
-    context = tf.distribute.get_replica_context()
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+def all_reduced_sum(values):
+    """``values`` summed over the replicas of the step (in replica context), told to this replica step's batch-flow
+    analysis as the same on every replica and on one device."""
+    summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
+    step = training.current_replica_step()
+    if step is not None and step.flow is not None:
+        step.flow.seed_replicated(summed)
+    return summed
 
 
 def _note_all_reduce(reading) -> None:

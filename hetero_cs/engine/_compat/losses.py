@@ -41,7 +41,7 @@ from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
 from hetero_cs.engine._compat.batch_flow import MIXED
-from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, flow_of, share_of
+from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
 from hetero_cs.engine._compat.variables import _central_in_replica_context
 from hetero_cs.errors import BatchCouplingError, LossPatternError
 
@@ -259,8 +259,7 @@ def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_mod
         # shape constant (1 when the mask has the loss's shape), kept as is.
         local_normaliser = tf.reduce_sum(float_mask)
         ratio = tf.math.divide_no_nan(tf.cast(tf.size(float_mask), values.dtype), tf.cast(tf.size(weighted), values.dtype))
-    context = tf.distribute.get_replica_context()
-    normaliser = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stop_gradient(local_normaliser))
+    normaliser = all_reduced_sum(tf.stop_gradient(local_normaliser))
     return tf.math.divide_no_nan(numerator * ratio, normaliser)
 
 

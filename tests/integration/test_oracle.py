@@ -1,0 +1,153 @@
+"""The generative oracle: random valid Keras programs, each exact against single-device Keras or refused.
+
+Hypothesis draws programs (``oracle_programs.programs``: data, model, loss form, training loop, split with 0 shares,
+partial last batches), each is rendered as a standalone script and trained twice: on one device, and under
+HeteroCentralStorageStrategy. Weights, optimizer variables, the History, evaluate's logs and predict's outputs must
+match, or the program must be refused with a hetero_cs error before its first update (only the forms in
+``MAY_REFUSE`` may be). A silent difference fails with the program printed as a script, shrunk to its smallest form.
+
+The default run draws 50 programs from a fixed seed; ``tox -e slow`` draws 1,000. ``test_the_oracle_fails_on_a_
+mutant`` shows the oracle can fail: with the ``b_i / B`` weight perturbed, or ``stop_gradient`` read as linear.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import hetero_cs
+from fixed_splits import strategy_for
+from oracle_programs import MAY_REFUSE, Program, programs, render
+
+OUTCOMES: collections.Counter = collections.Counter()  # (form, outcome) over the process, for the report
+
+
+class SilentDifference(AssertionError):
+    """A program trained differently under the strategy, without an error."""
+
+
+def tolerance(program: Program) -> dict:
+    if program.loop == "mixed_precision":
+        return {"atol": 3e-2, "rtol": 3e-2}
+    return {"atol": 2e-4, "rtol": 2e-3}
+
+
+def run_program(program: Program) -> str:
+    """Trains ``program`` both ways; returns "exact" or "refused", raises SilentDifference (with the script) else."""
+    source = render(program)
+    namespace: dict = {"__name__": "oracle_program"}
+    exec(compile(source, "<oracle program>", "exec"), namespace)  # noqa: S102 - the program is ours, rendered
+    expected = namespace["train"](None)
+    strategy = strategy_for(list(program.shares))
+    got: dict = {}
+    try:
+        namespace["train"](strategy, got)
+    except hetero_cs.HeteroCSError as exc:
+        if program.loss not in MAY_REFUSE:
+            raise SilentDifference(_report(source, f"refused a form that must be exact: {type(exc).__name__}: {exc}"))
+        model = got.get("model")
+        if got.get("phase") == "fit" and model is not None and (
+                int(model.optimizer.iterations) != 0 or compare({"weights": got["initial"]},
+                                                                {"weights": model.get_weights()}, atol=0, rtol=0)):
+            raise SilentDifference(_report(source, f"refused after its first update: {type(exc).__name__}: {exc}"))
+        differences = compare({key: expected[key] for key in got if key in ("weights", "optimizer", "history")},
+                              got, **tolerance(program))
+        if differences:  # refused in evaluate or predict, after a fit that went wrong
+            raise SilentDifference(_report(source, "\n".join(differences)))
+        OUTCOMES[(program.kind, "refused")] += 1
+        return "refused"
+    except Exception as exc:  # noqa: BLE001 - any other error is a failure of the library, shown with the program
+        raise SilentDifference(_report(source, f"raised {type(exc).__name__} (not a hetero_cs error): {exc}")) from exc
+    differences = compare(expected, got, **tolerance(program))
+    if differences:
+        raise SilentDifference(_report(source, "\n".join(differences)))
+    OUTCOMES[(program.kind, "exact")] += 1
+    return "exact"
+
+
+def compare(expected: dict, got: dict, *, atol: float, rtol: float) -> list:
+    """Every difference between two runs' results, as lines naming what differs."""
+    lines = []
+    for key in ("weights", "optimizer", "predict"):
+        if key not in expected:
+            continue
+        for i, (want, have) in enumerate(zip(_leaves(expected[key]), _leaves(got[key]))):
+            if np.shape(want) != np.shape(have) or not np.allclose(have, want, atol=atol, rtol=rtol, equal_nan=True):
+                lines.append(f"{key}[{i}]: one device {_brief(want)}, hetero_cs {_brief(have)}")
+    for key in ("history", "evaluate"):
+        if key not in expected:
+            continue
+        for name, want in expected[key].items():
+            have = got[key].get(name)
+            if have is None or not np.allclose(have, want, atol=atol, rtol=rtol, equal_nan=True):
+                lines.append(f"{key}[{name!r}]: one device {want}, hetero_cs {have}")
+    return lines
+
+
+def _leaves(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [np.asarray(value)]
+
+
+def _brief(array) -> str:
+    flat = np.ravel(array)
+    return f"shape {np.shape(array)} {np.array2string(flat[:4], precision=5)}{' ...' if flat.size > 4 else ''}"
+
+
+def _report(source: str, what: str) -> str:
+    return f"{what}\n\nThe program (a standalone script):\n{'-' * 80}\n{source}{'-' * 80}"
+
+
+def oracle(max_examples: int):
+    """The settings of an oracle run: ``max_examples`` programs from a fixed seed, no example database."""
+    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None, print_blob=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+@oracle(50)
+@given(program=programs())
+def test_random_programs_match_one_device_or_are_refused(program):
+    run_program(program)
+
+
+@pytest.mark.slow
+@oracle(1000)
+@given(program=programs())
+def test_a_thousand_random_programs_match_one_device_or_are_refused(program):
+    run_program(program)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The oracle can fail: a mutant of the library must be caught.
+# ---------------------------------------------------------------------------------------------------------------
+MUTANT_PROGRAMS = [
+    Program(data="vectors", form="functional", body=("dense_relu",), loss="keras", loop="fit", optimizer="sgd",
+            shares=(3, 0, 1), batch_size=8, examples=14, epochs=1, seed=1),
+    Program(data="vectors", form="functional", body=("dense",), loss="stop_gradient", loop="train_step",
+            optimizer="sgd", shares=(2, 1), batch_size=6, examples=12, epochs=1, seed=2),
+    Program(data="vectors", form="functional", body=("dense",), loss="stop_gradient", loop="custom_loop",
+            optimizer="sgd", shares=(1, 3), batch_size=8, examples=16, epochs=1, seed=3),
+]
+
+
+@pytest.mark.parametrize("mutation", ["weight", "stop_gradient"])
+def test_the_oracle_fails_on_a_mutant(monkeypatch, mutation):
+    from hetero_cs.engine._compat import loss_reader
+
+    if mutation == "weight":  # b_i / B perturbed: each mean over the batch weighs 10 % more
+        original = loss_reader._weigh
+        monkeypatch.setattr(loss_reader, "_weigh", lambda value, weight=None: original(value, weight) * 1.1)
+    else:  # stop_gradient read as a linear pass-through: the stopped term's gradient flows
+        monkeypatch.setitem(loss_reader._REEMIT, "StopGradient", lambda op, x: x[0])
+    caught = []
+    for program in MUTANT_PROGRAMS:
+        try:
+            run_program(program)
+        except SilentDifference as failure:
+            caught.append(str(failure).splitlines()[0])
+    assert caught, f"the oracle passed every program under the {mutation} mutant: it cannot fail"
