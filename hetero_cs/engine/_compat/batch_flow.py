@@ -694,11 +694,24 @@ def _strided_slice(flow, op, kinds) -> Kind:
         return mixed(op, "slices at positions computed while the step runs")
     masks = {name: op.get_attr(name) for name in
              ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    specs = len(np.ravel(begin))
     if masks["ellipsis_mask"]:
-        return mixed(op, "slices with an ellipsis")
+        rank = _rank(op.inputs[0])
+        if rank is None or kind.what != ROWS:
+            return mixed(op, "slices with an ellipsis a shape hetero_cs cannot follow")
+        ellipsis = (masks["ellipsis_mask"] & -masks["ellipsis_mask"]).bit_length() - 1
+        new = [bool(masks["new_axis_mask"] & (1 << i)) for i in range(specs)]
+        covered = rank - sum(1 for i in range(specs) if i != ellipsis and not new[i])
+        consumed = sum(1 for i in range(ellipsis) if not new[i])  # input axes the specs before the ellipsis take
+        if not consumed <= kind.axis < consumed + covered:
+            return mixed(op, "slices the batch axis (an ellipsis covers other axes)")
+        # The batch axis is among the ellipsis' whole axes: it moves by the new and removed axes before it.
+        shift = sum(new[:ellipsis]) - sum(1 for i in range(ellipsis)
+                                          if masks["shrink_axis_mask"] & (1 << i) and not new[i])
+        return dataclasses.replace(kind, axis=kind.axis + shift)
     input_axis, output_axis, result = 0, 0, None
     target = kind.axis if kind.what in (ROWS, SHAPE) else None
-    for i in range(len(np.ravel(begin))):
+    for i in range(specs):
         bit = 1 << i
         if masks["new_axis_mask"] & bit:
             output_axis += 1
