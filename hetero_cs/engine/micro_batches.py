@@ -69,6 +69,9 @@ from hetero_cs.planning.micro_batches import (
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
+#: How many sub-steps of one step may fail out of memory before the step gives up (each failure lowers a cap).
+_MAX_SUB_STEP_FAILURES = 32
+
 #: How many traced overlapped calls (shapes of calls: each sub-step's active replicas) a strategy keeps; a step made
 #: of more distinct calls than this would trace some again at every step.
 _MAX_TRACED_CALLS = 64
@@ -275,6 +278,16 @@ class MicroBatching(DeepcopiedWithNewLocks):
             if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
                 self._in_use[int(global_batch_size)] = plan.num_sub_steps
         return plan
+
+    def plan_after_failure(self, global_batch_size: int, *, overlapped: bool = True) -> MicroBatchPlan:
+        """The sub-steps for a batch whose one step failed out of memory even after its retries: :meth:`plan_for`'s,
+        or, where the caps still claim to hold the batch (a replica no failure capped yet; caps lowered by halving
+        are upper bounds), sub-steps of at most half the batch, which the sub-step loop cuts finer if they fail."""
+        plan = self.plan_for(global_batch_size, overlapped=overlapped)
+        if plan.num_sub_steps > 1 or global_batch_size < 2:
+            return plan
+        return plan_micro_batches(int(global_batch_size), self.plan_for_sub_step, capacity=global_batch_size // 2,
+                                  sub_step_overhead_s=self.sub_step_overhead_s())
 
     def plan_to_run(self, global_batch_size: int, *, overlapped: bool = True) -> MicroBatchPlan:
         """The plan ``model.fit``'s next step of this size runs: :meth:`plan_for`'s, except while the guard tries
@@ -488,7 +501,7 @@ class MicroBatching(DeepcopiedWithNewLocks):
         sizes = list(plan.sub_step_sizes)
         if not checking:
             self._log_plan(plan)
-        start, j = 0, 0
+        start, j, failures = 0, 0, 0
         try:
             while j < len(sizes):
                 size = sizes[j]
@@ -507,9 +520,15 @@ class MicroBatching(DeepcopiedWithNewLocks):
                     outputs = step(_rows(data, start, start + size))
                 except (StepOOMError, DeviceFaultError):  # a card set aside too: its share moved to the others
                     now = capacity_of(self._strategy.balancer.max_batch_sizes)
-                    if now is None or now >= size:
+                    failures += 1
+                    if now is not None and now < size:
+                        continue  # the lowered caps cannot hold this sub-step: cut it finer, above
+                    if size == 1 or failures > _MAX_SUB_STEP_FAILURES:
                         raise
-                    continue  # the lowered caps cannot hold this sub-step: cut it finer, above
+                    # Every retry lowered a cap, and the caps still claim to hold it: those are upper bounds
+                    # (halved after a failure), not sizes known to fit. Cut it in two.
+                    sizes[j:j + 1] = _equal(size, 2)
+                    continue
                 self.sub_steps += 1
                 predicted = plan.sub_step_plans[j].predicted_makespan_s if j < plan.num_sub_steps else None
                 if warm and predicted is not None and size == plan.sub_step_sizes[j]:
@@ -775,10 +794,12 @@ class MicroBatching(DeepcopiedWithNewLocks):
         caps = self._strategy.balancer.max_batch_sizes
         capacity = capacity_of(caps)
         if capacity is not None and plan.global_batch_size > capacity:
+            known = sum(self._strategy.balancer.memory_caps.known_to_fit())  # caps lowered by halving: upper bounds
+            advice = f"Use a global batch of at most {known}" if known else "Use a smaller global batch"
             raise MicroBatchError(
                 f"A global batch of {plan.global_batch_size} examples does not fit the devices' memory in one step "
                 f"(memory caps {caps} examples per replica, {capacity} in all), and micro-batches cannot keep "
-                f"this model's step exact: {refusal}. Use a global batch of at most {capacity}"
+                f"this model's step exact: {refusal}. {advice}"
                 + ("" if NORMALISED_LOSS in self._found else ", or accept the approximation with "
                    "HeteroCentralStorageStrategy(..., micro_batches=True)") + ".")
         if ("kept", plan.global_batch_size) not in self._logged:

@@ -179,15 +179,17 @@ class StepRecovery:
                     raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
                                       "that replica had no example in this step, so a lower cap cannot help "
                                       "(something else holds its memory)") from exc
+                try:  # the cap falls even when this was the last retry: what follows (sub-steps) starts from it
+                    plan, change = balancer.recover_from_oom(replica_id, sizes[replica_id], global_batch_size)
+                except InfeasiblePlanError:
+                    self._note(balancer.memory_caps.history[-1])
+                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                                      f"the caps now {balancer.max_batch_sizes} cannot hold the batch in one step"
+                                      ) from exc
                 if attempt == policy.max_retries:
+                    self._note(change)
                     raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
                                       f"it still ran out of memory after {policy.max_retries} retries") from exc
-                try:
-                    plan, change = balancer.recover_from_oom(replica_id, sizes[replica_id], global_batch_size)
-                except InfeasiblePlanError as infeasible:
-                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
-                                      f"the caps {balancer.max_batch_sizes} cannot hold the batch: {infeasible}"
-                                      ) from exc
                 self.recoveries += 1
                 attempt += 1
                 self.max_retries_used = max(self.max_retries_used, attempt)
@@ -257,10 +259,12 @@ class StepRecovery:
     def _error(self, replica_id: int, caps_tried: list[int], global_batch_size: int, exc: Exception,
                why: str, step: str = "training") -> StepOOMError:
         device = self._strategy.compute_devices[replica_id]
+        known = self._strategy.balancer.memory_caps.known_to_fit()
         return StepOOMError(
             f"The {step} step ran out of memory on replica {replica_id} ({device}) and could not be recovered: "
             f"{why}. Slices tried on that replica: caps_tried={caps_tried} examples, global_batch_size="
-            f"{global_batch_size}, caps now {self._strategy.balancer.max_batch_sizes}. "
+            f"{global_batch_size}, caps now {self._strategy.balancer.max_batch_sizes} (a cap lowered by an "
+            f"out-of-memory step is an upper bound; known to fit: {known} examples, {sum(known)} in all). "
             + ("No update of this step was applied: variables and optimizer state are as they were before it. "
                if step == "training" else "The metrics are as they were before this batch. ")
             + "Free that device's memory (another process may hold it), use a smaller "

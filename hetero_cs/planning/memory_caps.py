@@ -7,7 +7,7 @@ takes memory, the allocator fragments, a batch holds longer sequences. When a re
 * to the largest slice that replica completed among its last ``recent_steps`` successful steps, if one is
   smaller than the slice that failed (a size known to fit, e.g. before a re-plan grew the slice);
 * else to ``floor(failed * backoff_factor)`` (0.5 by default: a drop to half the memory is recovered by one retry,
-  to a quarter by two).
+  to a quarter by two). Such a cap is an upper bound, not a size known to fit (:meth:`MemoryCaps.known_to_fit`).
 
 A lowered cap grows back slowly, so that memory freed later (the other process ended) is used again: after
 ``grow_after_steps`` consecutive successful steps of that replica, its cap grows by ``growth_factor`` (at least one
@@ -147,6 +147,20 @@ class MemoryCaps:
         """The caps in force, in examples, shape [R] (None: uncapped)."""
         return [self._cap(i) for i in range(self._num_replicas)]
 
+    def known_to_fit(self) -> list[int]:
+        """Per replica, the most examples known to fit its memory, shape [R]: a calibrated cap (measured) or a lowered
+        cap that a step then held, else the largest slice it completed recently (0 when none). A cap lowered by
+        halving after an out-of-memory step is only an upper bound until a step fits it; an uncapped replica counts
+        its largest recent slice."""
+        known = []
+        for i in range(self._num_replicas):
+            cap, done = self._cap(i), max(self._recent[i], default=0)
+            if cap is not None and (self._lowered[i] is None or done >= cap):
+                known.append(cap)
+            else:
+                known.append(done if cap is None else min(done, cap))
+        return known
+
     @property
     def lowered(self) -> bool:
         """True while some replica's cap is below its calibrated cap."""
@@ -201,6 +215,8 @@ class MemoryCaps:
                 "cannot).")
         old = self._cap(replica_id)
         smaller = [b for b in self._recent[replica_id] if b < batch_size]
+        # Slices as large as the one that failed no longer fit (memory shrank): forgotten.
+        self._recent[replica_id] = collections.deque(smaller, maxlen=self.policy.recent_steps)
         new = max(smaller) if smaller else int(math.floor(batch_size * self.policy.backoff_factor))
         if old is not None:
             new = min(new, old)

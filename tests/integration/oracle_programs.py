@@ -288,8 +288,8 @@ def _compiled_loss(program: Program) -> str:
     loss, classification = program.loss, program.classification
     base = "keras.losses.SparseCategoricalCrossentropy(from_logits=True{})" if classification \
         else "keras.losses.MeanSquaredError({})"
-    if program.loop == "train_step":
-        return "None"
+    if program.loop == "train_step" and loss != "compute_loss_mean":
+        return "None"  # its train_step computes its own loss (compute_loss_mean: Keras' compiled one)
     if loss == "keras_sum":
         return base.format(", reduction='sum'" if classification else "reduction='sum'")
     if loss == "mean_with_sample_weight":

@@ -206,6 +206,28 @@ def test_a_card_that_loses_memory_until_the_caps_cannot_hold_the_batch_goes_on_i
     assert strategy.micro_batching.micro_batched_steps >= 1
 
 
+@pytest.mark.parametrize("options", [{"batch_split": [6, 1, 1]}, {"auto_balance": False}])
+def test_a_batch_three_times_what_the_cards_hold_trains_with_fixed_shares_or_an_even_split(options):
+    # No calibration sets caps: out-of-memory steps find them by halving (upper bounds, e.g. the A10 at 192 where it
+    # holds 16). When the caps learned cannot hold the batch, or the retries run out, the batch runs as sub-steps,
+    # which are cut finer on each further failure. Both stopped with a StepOOMError before ("at most 372", wrong).
+    B = 3 * CAPACITY
+    strategy = trained_like_one_device(B, 2 * B, **options)
+    assert strategy.micro_batching.micro_batched_steps >= 1
+    known = strategy.balancer.memory_caps.known_to_fit()
+    assert all(fit <= cap for fit, cap in zip(known, CAPS))  # only sizes that fitted are "known to fit"
+
+
+@pytest.mark.slow
+def test_every_cards_memory_dropping_at_once_goes_on_in_sub_steps_exactly():
+    # From the 3rd step each card holds half what it held: the retries of that step lower every cap at once, and the
+    # step runs as sub-steps, exactly (before: "still ran out of memory after 4 retries", advice "at most 42").
+    drift = [Drift(replica_id=i, from_step=2, memory_bytes=memory_for(cap // 2)) for i, cap in enumerate(CAPS)]
+    strategy = trained_like_one_device(CAPACITY, 4 * CAPACITY, drift=drift, auto_balance=False)
+    assert strategy.micro_batching.micro_batched_steps >= 1
+    assert all(cap is not None and cap <= held // 2 for cap, held in zip(strategy.balancer.max_batch_sizes, CAPS))
+
+
 def test_no_card_that_can_hold_one_example_is_a_clear_error():
     strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(caps=(0, 0, 0)), profile_cache=False)
     with strategy.scope():

@@ -189,12 +189,13 @@ def _patch_make_train_function() -> None:
                 return outputs
             except (DeviceFaultError, StepOOMError) as exc:
                 # A card was set aside, or lost memory, and the cards cannot hold the batch in one step any more:
-                # sub-steps, where allowed (the failed step changed nothing).
-                if not micro_batching:
+                # sub-steps, where allowed (the failed step changed nothing). Caps the failure just set count (a
+                # step of fixed shares or an even split had none before it).
+                if not (in_hand and micro.may_apply()):
                     raise
                 from hetero_cs.engine.oom_recovery import global_batch_size_of
 
-                plan = micro.plan_for(global_batch_size_of(data), overlapped=not self.run_eagerly)
+                plan = micro.plan_after_failure(global_batch_size_of(data), overlapped=not self.run_eagerly)
                 if plan.num_sub_steps == 1 or recovery is None or (
                         isinstance(exc, DeviceFaultError) and not recovery.failover.exclusions):
                     raise
