@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, tensors, training
 from hetero_cs.engine._compat.batch_flow import BatchFlow
-from hetero_cs.engine._compat.loss_reader import shares_of_logs
+from hetero_cs.engine._compat.loss_reader import check_predictions, shares_of_logs
 from hetero_cs.engine.step_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
@@ -78,7 +78,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
 
     # Traced inside evaluate or predict (fit's validation pass included): an inference step.
     inferring = getattr(strategy, "_input_roles", None) is not None and strategy._input_roles.inferring_now
-    logs = getattr(strategy, "_input_roles", None) is not None and strategy._input_roles.keras_logs_now
+    roles = getattr(strategy, "_input_roles", None)
+    keras_loop = roles is not None and roles.keras_loop_now
+    logs = keras_loop and roles.keras_logs_now
 
     def replica_fn(*call_args, **call_kwargs):
         context = tf.distribute.get_replica_context()
@@ -140,7 +142,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         scope = tf.name_scope(f"hetero_replica_{replica_id}") if scope_replica else contextlib.nullcontext()
         with training.replica_step(step), naming_the_replica(replica_id), scope:
             outputs = fn(*call_args, **call_kwargs)
-            return shares_of_logs(step, outputs) if logs and global_batch_size is not None else outputs
+            if global_batch_size is None or not keras_loop:
+                return outputs
+            return shares_of_logs(step, outputs) if logs else check_predictions(step, outputs)
 
     return replica_fn
 

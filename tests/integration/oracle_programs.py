@@ -185,11 +185,11 @@ def _layers(program: Program) -> str:
         lines.append("    h = keras.layers.Embedding(12, 4, mask_zero=True, embeddings_initializer=init)(h)")
     sequence = d in ("sequences", "tokens")
     for token, after in zip(program.body, (*program.body[1:], None)):
-        # A bias right before a BatchNormalization has a gradient of 0 up to rounding, which Adam magnifies into
-        # steps of its learning rate whose sign is noise: such a layer is built without a bias, as Keras advises.
-        bias = "" if after in ("batch_norm", "sync_batch_norm") else None
-        lines.extend("    " + line.replace("kernel_initializer=init)", "kernel_initializer=init, use_bias=False)")
-                     if bias is not None else "    " + line for line in _layer(token, sequence))
+        # A bias (or a normalization's offset) right before a BatchNormalization has a gradient of 0 up to rounding,
+        # which Adam magnifies into steps of its learning rate whose sign is noise: such a layer has none, as Keras
+        # advises.
+        lines.extend("    " + _without_offset(line) if after in ("batch_norm", "sync_batch_norm") else "    " + line
+                     for line in _layer(token, sequence))
     if sequence:
         lines.append("    h = keras.layers.GlobalAveragePooling1D()(h)")
     elif d == "images":
@@ -226,6 +226,14 @@ def _layer(token: str, sequence: bool) -> list:
     if token == "attention":
         return ["h = keras.layers.MultiHeadAttention(2, 2, kernel_initializer=init)(h, h)"]
     raise ValueError(token)
+
+
+def _without_offset(line: str) -> str:
+    for layer in ("LayerNormalization(", "BatchNormalization("):
+        if layer in line:
+            return line.replace(layer + ")", layer + "center=False)").replace(layer + "synchronized",
+                                                                               layer + "center=False, synchronized")
+    return line.replace("kernel_initializer=init)", "kernel_initializer=init, use_bias=False)")
 
 
 _INPUT_SHAPES = {"vectors": "(6,)", "images": "(6, 6, 1)", "sequences": "(5, 3)", "tokens": "(6,)"}
@@ -279,9 +287,14 @@ def _class_names(program, base) -> list:
 
 def _optimizer(program: Program) -> str:
     accumulate = ", gradient_accumulation_steps=2" if program.loop == "grad_accum" else ""
-    return {"sgd": f"keras.optimizers.SGD(0.05{accumulate})",
-            "adam": f"keras.optimizers.Adam(0.01{accumulate})",
-            "adam_clipnorm": f"keras.optimizers.Adam(0.01, clipnorm=0.5{accumulate})"}[program.optimizer]
+    optimizer = {"sgd": f"keras.optimizers.SGD(0.05{accumulate})",
+                 "adam": f"keras.optimizers.Adam(0.01{accumulate})",
+                 "adam_clipnorm": f"keras.optimizers.Adam(0.01, clipnorm=0.5{accumulate})"}[program.optimizer]
+    if program.loop == "mixed_precision":
+        # Loss scaling with a scale at which neither run's float16 gradients overflow: one device's whole-batch
+        # gradient and a replica's share of it overflow at different scales, so their skipped steps would differ.
+        return f"keras.optimizers.LossScaleOptimizer({optimizer}, initial_scale=2.0 ** 6)"
+    return optimizer
 
 
 def _compiled_loss(program: Program) -> str:

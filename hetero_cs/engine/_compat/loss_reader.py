@@ -100,6 +100,30 @@ def shares_of_logs(step, outputs):
     return tf.nest.map_structure(share, outputs)
 
 
+def check_predictions(step, outputs):
+    """``outputs`` of a ``predict`` step, each refused unless it holds one row per example (one device's predictions
+    are then the replicas' put together in order).
+
+    Raises:
+        BatchCouplingError: An output is computed from several examples together (the op is named).
+    """
+    if tf.executing_eagerly():
+        return outputs
+    flow = flow_of(step)
+    for value in tf.nest.flatten(outputs):
+        if not isinstance(value, tf.Tensor) or value.shape.rank == 0:
+            continue
+        kind = flow.kind(value)
+        if kind.what in (ROWS, REP):
+            continue
+        reason = kind.reason if kind.what == MIXED else "is computed from the whole slice together"
+        raise BatchCouplingError(
+            f"hetero_cs cannot split this model's predictions ({value.name}): {reason}, so the replicas' rows "
+            f"would not be one device's on the whole batch. Compute each example's prediction from that example "
+            f"alone, or predict on one device.")
+    return outputs
+
+
 def gradient_terms(step, targets, output_gradients, *, what: str = "the loss"):
     """``(tensors, output_gradients)`` whose gradient is this replica's share of ``targets``' gradient, or None when
     the targets need no weighting (each is a share already, or one value per example: their sums add up).

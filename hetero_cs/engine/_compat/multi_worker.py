@@ -215,6 +215,9 @@ def _patch_entry_points() -> None:
             if not is_multi_worker_strategy(strategy):
                 return original(self, *args, **kwargs)
             if original.__name__ == "fit":
+                from hetero_cs.engine._compat.trainer import note_per_example_randomness
+
+                note_per_example_randomness(self)
                 _refuse_loss_scaling(self)
                 from hetero_cs.engine._compat.replica_pass import keras_train_step
 

@@ -9,6 +9,7 @@ import functools
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -38,6 +39,7 @@ def _patch_fit() -> None:
         _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
             return original_fit(self, *args, **kwargs)
+        note_per_example_randomness(self)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
@@ -73,6 +75,26 @@ def _patch_fit() -> None:
             raise
 
     TensorFlowTrainer.fit = fit
+
+
+_randomness_noted: "weakref.WeakSet" = weakref.WeakSet()  # models whose random layers were named once
+
+
+def note_per_example_randomness(model) -> None:
+    """Says once per model (INFO) which of its layers draw random values per example (Dropout, noise, random
+    augmentation: every layer that holds a Keras SeedGenerator). Each replica draws its own values for its slice, so
+    training matches one device in distribution, not value for value."""
+    import keras
+
+    if model in _randomness_noted:
+        return
+    _randomness_noted.add(model)
+    random = [layer.name for layer in all_sublayers(model) if layer is not model and any(
+        isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values())]
+    if random:
+        logger.info("hetero_cs: %s draw random values per example: each replica draws its own for its slice, so "
+                    "training matches one device in distribution, not value for value (switch them off to compare "
+                    "runs).", ", ".join(random))
 
 
 def _refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
