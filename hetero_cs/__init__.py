@@ -53,6 +53,7 @@ _LAZY = {
     "BalanceCallback": "hetero_cs.engine.callbacks",
     "current_global_batch_size": "hetero_cs.engine.training",
     "replica_weight": "hetero_cs.engine.training",
+    "per_example": "hetero_cs.engine.training",
     "discover_devices": "hetero_cs.devices",
     "DeviceInfo": "hetero_cs.devices",
 }
@@ -117,6 +118,7 @@ __all__ = [
     "current_global_batch_size",
     "discover_devices",
     "even_batch_split",
+    "per_example",
     "replica_weight",
     "solve_batch_split",
     "split_by_shares",

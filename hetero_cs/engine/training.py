@@ -210,3 +210,32 @@ def replica_weight(dtype: str = "float32"):
     weight = tf.math.divide_no_nan(tf.cast(step.batch_size, dtype), tf.cast(step.global_batch_size, dtype))
     step.weights.add(weight.ref())  # the loss reader takes a value times this weight as weighed already
     return weight
+
+
+def per_example(values):
+    """Marks ``values`` as one row per example of this replica's slice, for computations hetero_cs cannot read.
+
+    hetero_cs proves from the graph that a loss or a prediction is computed from each example alone before it splits
+    the batch (docs/exactness.md); it cannot read Python code in the forward pass (``tf.py_function``,
+    ``tf.numpy_function``), and refuses a program that uses its result. If your function works example by example
+    (row ``k`` of its output depends on row ``k`` of its inputs only), mark its output: the reader takes it as one
+    row per example. hetero_cs cannot check this claim; a function that mixes examples then trains differently from
+    one device, silently. Outside a replica step of our strategies (one device) this is ``tf.identity``.
+
+    Args:
+        values: A tensor, or a nested structure of tensors, each with the examples along its first axis.
+
+    Returns:
+        ``values``, unchanged in value.
+
+    Example:
+        >>> y = tf.numpy_function(my_row_wise_function, [x], tf.float32)  # doctest: +SKIP
+        >>> y = hetero_cs.per_example(y)  # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    marked = tf.nest.map_structure(tf.identity, values)
+    step = current_replica_step()
+    if step is not None and step.flow is not None and not tf.executing_eagerly():
+        step.flow.seed_rows(marked)
+    return marked

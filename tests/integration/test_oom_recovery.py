@@ -156,12 +156,15 @@ def test_an_eager_step_that_runs_out_of_memory_is_recovered_too(fast_emulation, 
 
 
 def test_out_of_memory_on_every_retry_raises_a_clear_error_and_changes_nothing(fast_emulation):
+    # With micro-batches off: the retries run out and fit ends (with them on, the step goes on in sub-steps, cut
+    # finer until the T4's cap falls to 0: test_micro_batches).
     emulator = Emulator(
         ["A10", "T4", "P100"], workload=WORKLOAD, time_scale=20.0,
         drift=[Drift(replica_id=1, from_step=2, memory_bytes=WORKLOAD.fixed_memory_bytes)],  # not one example
     )
     strategy = HeteroCentralStorageStrategy(
-        DEVICES, emulate=emulator, auto_balance=False, oom_recovery=MemoryRecoveryPolicy(max_retries=2)
+        DEVICES, emulate=emulator, auto_balance=False, oom_recovery=MemoryRecoveryPolicy(max_retries=2),
+        micro_batches=False,
     )
     with strategy.scope():
         model = mlp()

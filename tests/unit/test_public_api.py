@@ -48,6 +48,7 @@ EXPECTED_ALL = [
     "current_global_batch_size",
     "discover_devices",
     "even_batch_split",
+    "per_example",
     "replica_weight",
     "solve_batch_split",
     "split_by_shares",

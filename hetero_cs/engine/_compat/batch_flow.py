@@ -345,7 +345,8 @@ class BatchFlow:
             return [_REP] * outputs
         if t in _PYTHON:
             return [mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs "
-                              "cannot read; write it in TensorFlow ops")] * outputs
+                              "cannot read; write it in TensorFlow ops, or, if it works example by example, mark "
+                              "its output with hetero_cs.per_example(...)")] * outputs
         return [mixed(op, "is not one hetero_cs knows to keep examples apart")] * outputs
 
     def _elementwise(self, op, kinds) -> Kind:

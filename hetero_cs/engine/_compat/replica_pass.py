@@ -173,16 +173,22 @@ def _memory_checked(strategy, step, data, examples):
         return data
     from hetero_cs.engine.step_timing import emulated_memory_gate
 
-    return emulated_memory_gate(data, anchor, replica_id=step.replica_id, batch_size=examples, emulator=emulator,
-                                training=False)
+    gated = emulated_memory_gate(data, anchor, replica_id=step.replica_id, batch_size=examples, emulator=emulator,
+                                 training=False)
+    step.flow.seed_rows(gated)  # the same rows, tied to the check (which the loss reader cannot read through)
+    return gated
 
 
 def _all_reduces_in_test_step(model, keras_step, data) -> bool:
     """Whether Keras' ``test_step`` all-reduces inside a replica (a loss normalised by the whole global batch's mask
     or sample weights; see :func:`_cut_step`): traced in a function that never runs, so no collective runs here and
     every worker finds the same while tracing the same step."""
+    def traced(data):
+        training.current_replica_step().flow.seed_rows(data)  # this function's inputs: the replica's slice
+        return keras_step(model, data)
+
     try:
-        tf.function(functools.partial(keras_step, model), autograph=False).get_concrete_function(data)
+        tf.function(traced, autograph=False).get_concrete_function(data)
     except RuntimeError as exc:
         if "merge_call" not in str(exc):
             raise

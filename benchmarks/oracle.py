@@ -1,0 +1,71 @@
+"""The generative oracle's counts: N random programs against single-device Keras, exact or refused, by form.
+
+Draws programs as ``tests/integration/test_oracle.py`` does (the same generator), trains each on one device and under
+HeteroCentralStorageStrategy, and prints one row per form (``loop:loss``): programs run, exact, refused, and any
+that differed silently (each printed as a standalone script). Not a timing: the figures are counts.
+
+    python benchmarks/oracle.py --programs 200 --seed 1 [--json counts.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_TESTS = pathlib.Path(__file__).resolve().parent.parent / "tests" / "integration"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--programs", type=int, default=100, help="how many programs to draw (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the counts to this file")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(_TESTS))
+    import conftest  # noqa: F401 - configures the logical CPU devices before TensorFlow starts
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+    from oracle_programs import programs
+    from test_oracle import SilentDifference, run_program
+
+    counts: dict = collections.defaultdict(collections.Counter)
+    differences = []
+    started = time.perf_counter()
+
+    @seed(args.seed)
+    @settings(max_examples=args.programs, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(program=programs())
+    def run(program):
+        try:
+            outcome = run_program(program)
+        except SilentDifference as failure:
+            outcome = "differed"
+            differences.append(str(failure))
+        counts[program.kind][outcome] += 1
+        print(f"{sum(map(sum, (c.values() for c in counts.values()))):4d}/{args.programs} {outcome:8s} "
+              f"{program.kind}", flush=True)
+
+    run()
+    total = collections.Counter()
+    print(f"\n{'form':44s} {'run':>5s} {'exact':>6s} {'refused':>8s} {'differed':>9s}")
+    for kind in sorted(counts):
+        row = counts[kind]
+        total.update(row)
+        print(f"{kind:44s} {sum(row.values()):5d} {row['exact']:6d} {row['refused']:8d} {row['differed']:9d}")
+    print(f"{'all':44s} {sum(total.values()):5d} {total['exact']:6d} {total['refused']:8d} {total['differed']:9d}")
+    print(f"{time.perf_counter() - started:.0f} s")
+    for text in differences:
+        print("\n" + text)
+    if args.json:
+        args.json.write_text(json.dumps({kind: dict(row) for kind, row in counts.items()}, indent=1, sort_keys=True))
+    return 1 if differences else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
