@@ -81,6 +81,20 @@ def test_the_command_line_answers_without_a_profile(capsys):
     assert "exactly one of --profile FILE" in capsys.readouterr().err
 
 
+def test_tf32_off_predicts_float32_at_the_fp32_rate_of_the_cards_with_tf32(capsys):
+    from hetero_cs.cli import main
+
+    assert main(["plan", "--devices", "A10,T4", "--global-batch-size", "256", "--tf32", "off", "--json"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    on = what_if(["A10", "T4"], 256)
+    assert off["compute_rates"] == ["fp32", "fp32"] and on["compute_rates"] == ["tf32", "fp32"]
+    # The A10 at its fp32 rate gets a smaller share of the batch than at its TF32 rate; the T4 has no TF32.
+    assert off["per_replica_batch_sizes"][0] < on["per_replica_batch_sizes"][0]
+    assert off["speedup_vs_fastest"] > on["speedup_vs_fastest"]
+    assert main(["plan", "--profile", "p.json", "--tf32", "off"]) == 2
+    assert "--tf32" in capsys.readouterr().err
+
+
 def test_the_what_if_needs_no_tensorflow():
     code = ("import contextlib, io, sys\nfrom hetero_cs.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
