@@ -187,7 +187,8 @@ def calibrate(
         emulator: A hetero_cs.emulation.Emulator with R devices; replica i's steps then wait as long as its
             emulated device would take. If it has no workload, estimate_workload(model) is set on it.
         probe_batch_sizes: Sizes to probe on every device (sizes above a device's cap or B are dropped); None means
-            5 geometric sizes from 1 to min(B, cap).
+            5 geometric sizes from 1 to min(B, cap), and then, where a device's fit misses its curve, the slices the
+            plan gives it and their neighbours (``_refit_at_plan``); given sizes are the only ones probed.
         warmup_steps: Untimed steps per size, >= 0 (the first one also traces the step function).
         trials: Timed steps per size, >= 1.
         max_batch_sizes: Per-replica caps in examples (None entries: no user cap), shape [R]; None for none.
@@ -373,7 +374,7 @@ def calibrate(
                 noise[replica_id] * 100,
             )
         plan = _solve(profiles, global_batch_size)
-        if plan is not None:  # where a fit may miss its curve, probe the plan's slices and refit (device_timing)
+        if plan is not None and probe_batch_sizes is None:  # where a fit misses its curve: probe the plan's slices
             profiles, plan = _refit_at_plan(
                 calibrations, profiles, plan, lambda models: _solve(models, global_batch_size), trials=trials,
                 emulated_as=[p.emulated_as for p in profiles])

@@ -140,15 +140,17 @@ class _DeviceCalibration:
             relative_noise=self.relative_noise(),
         )
 
-    def probe_at(self, batch_size: int) -> list[int]:
-        """Anchors the fit at the plan's slice ``batch_size`` and warms the sizes around it not probed yet, when
-        the fit may miss the curve there (MISSED_SHAPE_ERROR); returns those sizes ([] and no anchor otherwise)."""
+    def probe_at(self, batch_size: int, largest: int) -> list[int]:
+        """Anchors the fit at the plan's slice ``batch_size`` and warms the sizes around it (up to ``largest``, the
+        global batch) not probed yet, when the fit may miss the curve there (MISSED_SHAPE_ERROR); returns those sizes
+        ([] and no anchor otherwise)."""
         fit = self.fit
         if batch_size == 0 or batch_size == self.anchor or fit is None or (
                 fit.kind == "linear" and fit.fit_error <= MISSED_SHAPE_ERROR):
             return []
         self.anchor = batch_size
-        new = [b for b in timing.operating_batch_sizes(batch_size, max_batch_size=self.cap) if b not in self.samples_s]
+        top = largest if self.cap is None else min(self.cap, largest)
+        new = [b for b in timing.operating_batch_sizes(batch_size, max_batch_size=top) if b not in self.samples_s]
         for b in new:
             self._warm(b)
             self.samples_s[b] = []
@@ -247,7 +249,7 @@ def _refit_at_plan(calibrations: Sequence[_DeviceCalibration], profiles: list[De
     Returns the profiles and the plan (None when ``solve`` finds none)."""
     for _ in range(MAX_REFIT_ROUNDS):
         anchors = [c.anchor for c in calibrations]
-        new = [c.probe_at(b) for c, b in zip(calibrations, plan.per_replica_batch_sizes)]
+        new = [c.probe_at(b, plan.global_batch_size) for c, b in zip(calibrations, plan.per_replica_batch_sizes)]
         if anchors == [c.anchor for c in calibrations]:
             break
         logger.info("Calibration: probing the plan's slices %s again at %s and refitting",
