@@ -139,6 +139,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--model", type=model_spec, default=None, metavar="MODEL",
                         help="with --devices: the workload of this model (as for calibrate: package.module:function "
                              "or a reference model name); default: ResNet-50 at 224x224 with Adam")
+    parser.add_argument("--tf32", choices=("on", "off"), default=None,
+                        help="with --devices: whether float32 matmuls and convolutions run on TF32 tensor cores "
+                             "where a card has them (Ampere and newer), as TensorFlow does by default (default: on; "
+                             "off as after tf.config.experimental.enable_tensor_float_32_execution(False))")
     parser.add_argument("--global-batch-size", type=_positive_int, default=None, metavar="B",
                         help="examples per optimizer step (default: the profile's plan's; needed with --devices)")
     parser.add_argument("--multiple-of", type=_positive_int, default=1,
@@ -232,9 +236,9 @@ def run_plan(args: argparse.Namespace) -> int:
                           "A10,T4,P100 (a what-if from catalog figures).")
     if args.devices is not None:
         return _run_what_if(args)
-    if args.add or args.drop or args.model is not None or args.plot is not None:
-        raise ConfigError("--add, --drop, --model and --plot go with --devices (a what-if); a profile's cards and "
-                          "model are fixed by its calibration.")
+    if args.add or args.drop or args.model is not None or args.plot is not None or args.tf32 is not None:
+        raise ConfigError("--add, --drop, --model, --tf32 and --plot go with --devices (a what-if); a profile's "
+                          "cards and model are fixed by its calibration.")
     result = load_result_file(args.profile)
     batch = args.global_batch_size
     if batch is None:
@@ -273,6 +277,10 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
         model, _ = build_calibration_model(args.model, global_batch_size=args.global_batch_size)
         workload = estimate_workload(model)
+    if args.tf32 is not None:
+        import dataclasses
+
+        workload = dataclasses.replace(workload, tensor_float_32=args.tf32 == "on")
     if args.plot is not None:
         from hetero_cs.devices.what_if_plot import check_plot_path
 

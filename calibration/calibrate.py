@@ -7,8 +7,10 @@ runs one step per (size, device), devices round-robin within a size, the device 
 change in the host's load hits every device alike instead of skewing one device's whole profile. Samples are
 summarised by median and MAD after outlier rejection; each device's relative noise (median MAD / median) is kept
 in its profile, and while any device is noisier than NOISE_LIMIT the passes repeat (at most MAX_TIMING_ROUNDS
-rounds, logged). Then a monotone cost-model fit per device. The model is left exactly as it was (see
-calibration.probe). Devices never run concurrently, so they never compete for host cores or the PCIe bus.
+rounds, logged). Then a monotone cost-model fit per device, and a plan; where a fit may miss its curve (not a
+line, or not monotone at the probes: real GPUs at small batches), the slices the plan gives are probed too, the fit
+is made to pass through them, and the plan is solved again (``_refit_at_plan``). The model is left exactly as it
+was (see calibration.probe). Devices never run concurrently, so they never compete for host cores or the PCIe bus.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from calibration import probe as probe_lib
 from calibration import timing
 from calibration.result import CalibrationResult, DeviceProfile
 from calibration.cache_check import _cached_profile_mismatch
-from calibration.device_timing import _DeviceCalibration, _time_interleaved
+from calibration.device_timing import _DeviceCalibration, _refit_at_plan, _time_interleaved
 from calibration.store import ProfileStore, profile_key
 from hetero_cs.errors import (
     CalibrationError,
@@ -185,7 +187,8 @@ def calibrate(
         emulator: A hetero_cs.emulation.Emulator with R devices; replica i's steps then wait as long as its
             emulated device would take. If it has no workload, estimate_workload(model) is set on it.
         probe_batch_sizes: Sizes to probe on every device (sizes above a device's cap or B are dropped); None means
-            5 geometric sizes from 1 to min(B, cap).
+            5 geometric sizes from 1 to min(B, cap), and then, where a device's fit misses its curve, the slices the
+            plan gives it and their neighbours (``_refit_at_plan``); given sizes are the only ones probed.
         warmup_steps: Untimed steps per size, >= 0 (the first one also traces the step function).
         trials: Timed steps per size, >= 1.
         max_batch_sizes: Per-replica caps in examples (None entries: no user cap), shape [R]; None for none.
@@ -370,7 +373,11 @@ def calibrate(
                 labels[replica_id], profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
                 noise[replica_id] * 100,
             )
-    plan = _solve(profiles, global_batch_size)
+        plan = _solve(profiles, global_batch_size)
+        if plan is not None and probe_batch_sizes is None:  # where a fit misses its curve: probe the plan's slices
+            profiles, plan = _refit_at_plan(
+                calibrations, profiles, plan, lambda models: _solve(models, global_batch_size), trials=trials,
+                emulated_as=[p.emulated_as for p in profiles])
     wall_time_s = time.perf_counter() - start_s
     result = CalibrationResult(profiles=tuple(profiles), wall_time_s=wall_time_s, emulated=emulator is not None,
                                plan=plan)

@@ -25,6 +25,13 @@ NOISE_LIMIT = 0.10
 MAX_TIMING_ROUNDS = 3
 """Rounds of ``trials`` interleaved timings at most; after the last, calibration goes on and says so."""
 
+MISSED_SHAPE_ERROR = 0.05
+"""A device's fit whose largest error at its probed sizes is above this (the curve is not monotone there), or that
+is piecewise (not a line), may miss the curve between its probes: it is probed again where the plan operates."""
+
+MAX_REFIT_ROUNDS = 3
+"""Rounds of probing at the plan's slices and refitting at most (a non-monotone curve can move the plan each time)."""
+
 
 class _DeviceCalibration:
     """Calibrates one device: warm-up and memory cap first, then timed samples taken when the caller says."""
@@ -38,6 +45,8 @@ class _DeviceCalibration:
         self.samples_s: dict[int, list[float]] = {}
         self.peaks_bytes: list[tuple[int, int]] = []
         self.out_of_memory_at: list[int] = []  # the sizes tried when not even one example fits (cap 0)
+        self.fit: fit_lib.FitResult | None = None
+        self.anchor: int | None = None  # the plan's slice the fit passes through (fit_cost_model's anchor)
 
     def _step_error(self, batch_size: int, exc: Exception) -> CalibrationError:
         import tensorflow as tf
@@ -117,7 +126,8 @@ class _DeviceCalibration:
                                  fit_error=0.0, probe_batch_sizes=(), median_step_times_s=(), mad_s=(),
                                  emulated_as=emulated_as)
         stats = [timing.summarize_trials(self.samples_s[b]) for b in self.sizes]
-        result = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats])
+        result = self.fit = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats],
+                                                   anchor_batch_size=self.anchor)
         return DeviceProfile(
             device=self.probe.device,
             cost_model=result.cost_model,
@@ -129,6 +139,23 @@ class _DeviceCalibration:
             emulated_as=emulated_as,
             relative_noise=self.relative_noise(),
         )
+
+    def probe_at(self, batch_size: int, largest: int) -> list[int]:
+        """Anchors the fit at the plan's slice ``batch_size`` and warms the sizes around it (up to ``largest``, the
+        global batch) not probed yet, when the fit may miss the curve there (MISSED_SHAPE_ERROR); returns those sizes
+        ([] and no anchor otherwise)."""
+        fit = self.fit
+        if batch_size == 0 or batch_size == self.anchor or fit is None or (
+                fit.kind == "linear" and fit.fit_error <= MISSED_SHAPE_ERROR):
+            return []
+        self.anchor = batch_size
+        top = largest if self.cap is None else min(self.cap, largest)
+        new = [b for b in timing.operating_batch_sizes(batch_size, max_batch_size=top) if b not in self.samples_s]
+        for b in new:
+            self._warm(b)
+            self.samples_s[b] = []
+        self.sizes = sorted(self.samples_s)
+        return new
 
     def _find_cap(self, sizes: list[int], failed_size: int) -> None:
         """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
@@ -170,15 +197,18 @@ class _DeviceCalibration:
 
 
 def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
-                      tick: Callable[[], None] | None = None) -> list[float]:
-    """Times every device at every size, round-robin, ``trials`` times, repeating (bounded) while it is too noisy.
+                      tick: Callable[[], None] | None = None,
+                      sizes: Sequence[Sequence[int]] | None = None) -> list[float]:
+    """Times every device at every size (or at ``sizes``, one list per device), round-robin, ``trials`` times,
+    repeating (bounded) while it is too noisy.
 
     One pass visits size j on device 0, 1, ..., R-1 before size j + 1, and the device order rotates from pass to
     pass, so a change in the host's load (another process, a throttling card) hits every device and size alike
     instead of one device's whole calibration. Returns each device's relative noise.
     """
     R = len(calibrations)
-    longest = max((len(c.sizes) for c in calibrations), default=0)
+    timed = {id(c): list(c.sizes if sizes is None else sizes[i]) for i, c in enumerate(calibrations)}
+    longest = max((len(b) for b in timed.values()), default=0)
     noise = [0.0] * R
     for round_index in range(MAX_TIMING_ROUNDS):
         for trial in range(trials):
@@ -186,8 +216,8 @@ def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
             order = [calibrations[(offset + i) % R] for i in range(R)]
             for j in range(longest):
                 for calibration in order:
-                    if j < len(calibration.sizes):
-                        calibration.time_once(calibration.sizes[j])
+                    if j < len(timed[id(calibration)]):
+                        calibration.time_once(timed[id(calibration)][j])
                         if tick is not None:
                             tick()
         noise = [c.relative_noise() for c in calibrations]
@@ -208,3 +238,25 @@ def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
                 MAX_TIMING_ROUNDS,
             )
     return noise
+
+
+def _refit_at_plan(calibrations: Sequence[_DeviceCalibration], profiles: list[DeviceProfile], plan: Any,
+                   solve: Callable[[list], Any], *, trials: int,
+                   emulated_as: Sequence[str | None]) -> tuple[list[DeviceProfile], Any]:
+    """Probes each device whose fit may miss its curve around the plan's slice, refits it through the time measured
+    there, and solves again, until the plan's slices are probed (at most MAX_REFIT_ROUNDS rounds).
+
+    Returns the profiles and the plan (None when ``solve`` finds none)."""
+    for _ in range(MAX_REFIT_ROUNDS):
+        anchors = [c.anchor for c in calibrations]
+        new = [c.probe_at(b, plan.global_batch_size) for c, b in zip(calibrations, plan.per_replica_batch_sizes)]
+        if anchors == [c.anchor for c in calibrations]:
+            break
+        logger.info("Calibration: probing the plan's slices %s again at %s and refitting",
+                    list(plan.per_replica_batch_sizes), new)
+        _time_interleaved(calibrations, trials, sizes=new)
+        profiles = [c.profile(emulated_as=name) for c, name in zip(calibrations, emulated_as)]
+        plan = solve(profiles)
+        if plan is None:
+            break
+    return profiles, plan

@@ -15,7 +15,7 @@ import numpy as np
 
 from hetero_cs.errors import ConfigError
 
-__all__ = ["TimingStats", "probe_batch_sizes", "summarize_trials"]
+__all__ = ["TimingStats", "operating_batch_sizes", "probe_batch_sizes", "summarize_trials"]
 
 # A MAD below this fraction of the median is treated as this fraction, so samples that agree to float rounding are
 # not declared outliers of one another (a MAD of exactly 0 would otherwise flag every sample not equal to the median).
@@ -143,3 +143,17 @@ def probe_batch_sizes(max_batch_size: int, *, num: int = 5, min_batch_size: int 
     sizes = np.clip(sizes, min_batch_size, max_batch_size)
     sizes[0], sizes[-1] = min_batch_size, max_batch_size
     return tuple(int(b) for b in np.unique(sizes))
+
+
+def operating_batch_sizes(batch_size: int, *, max_batch_size: int | None = None) -> tuple[int, ...]:
+    """The sizes to probe around a plan's slice ``b``: ``b / 1.25``, ``b`` and ``1.25 b``, rounded, in [1, cap].
+
+    A re-solved plan moves a slice by a few examples; the neighbours keep the refitted curve measured there too.
+
+    Examples:
+        >>> operating_batch_sizes(16), operating_batch_sizes(1), operating_batch_sizes(40, max_batch_size=45)
+        ((13, 16, 20), (1,), (32, 40, 45))
+    """
+    top = batch_size if max_batch_size is None else max(1, min(batch_size, max_batch_size))
+    cap = math.inf if max_batch_size is None else max_batch_size
+    return tuple(sorted({max(1, round(top / 1.25)), top, int(min(cap, round(top * 1.25)))}))

@@ -1,10 +1,10 @@
 """The catalog of emulated accelerators: published figures of real devices, each with its source (pure).
 
-``DeviceSpec`` holds one device's peak fp32/fp16/bf16 throughput, memory size and bandwidth and PCIe link;
-``CATALOG`` maps names (A10, T4, P100, V100, A100, H100; the legacy GTX1080Ti, P40, K80, RTX2080Ti; CPU) to specs and
-``get_device_spec`` looks one up. The emulator
-(:mod:`hetero_cs.devices.emulation`) turns these figures into step times; calibration and the monitor never read
-them. This module imports neither TensorFlow nor pynvml.
+``DeviceSpec`` holds one device's peak fp32/TF32/fp16/bf16 throughput, memory size and bandwidth and PCIe link;
+``CATALOG`` maps names (data centre: A10, T4, P100, V100, A100, H100, H100SXM, H200, L4, L40S; workstation: RTXA6000,
+RTX3090, RTX4090; the legacy GTX1080Ti, P40, K80, RTX2080Ti; CPU) to specs and ``get_device_spec`` looks one up.
+The emulator and the what-if (:func:`hetero_cs.devices.workload.emulated_step_time_s`) turn these figures into step
+times; calibration and the monitor never read them. This module imports neither TensorFlow nor pynvml.
 """
 
 from __future__ import annotations
@@ -37,11 +37,28 @@ beyond it, is refused (calibration alone runs about a hundred steps; at 5 s each
 MIN_TARGET_MAKESPAN_MS = 1.0
 """Shortest emulated even-split step to aim for, milliseconds: below it the host's own work sets the step time."""
 
-DEFAULT_COMPUTE_EFFICIENCY = 0.35
-"""Fraction of peak fp32 FLOP/s a training step sustains; 0.3-0.5 is typical for small dense models."""
+DEFAULT_COMPUTE_EFFICIENCY = 0.5
+"""Fraction of the peak FLOP/s (of the unit the dtype runs on) that a step's convolutions and matmuls sustain, one
+figure for every card: cuDNN and cuBLAS run large layers at 60-90 % of peak and small or early ones far below, so half
+overall. The layers' memory traffic is counted apart (ACTIVATION_PASSES), so this is not the whole step's share."""
+
+ACTIVATION_PASSES = 10.0
+"""Times a training step moves each layer's output through device memory, at the datasheet bandwidth: counted, a
+layer's output is written once and read about 1.3 times forward (batch normalisation reads its input twice), and
+backward its gradient is written once and read about 1.7 times (a convolution reads it for the input and again for
+the weight gradient) while the saved output is read again: about 8 passes, which streaming kernels run at about 80 %
+of the datasheet bandwidth, so 8 / 0.8 = 10. This is the part that tensor cores do not speed up: with it, TF32 on an
+H200 runs ResNet-50 about 2x faster than fp32, not the 7.4x of their peaks (measured: 2.1x)."""
 
 DEFAULT_LAUNCH_OVERHEAD_S = 5e-4
-"""Fixed per-step cost (kernel launches, op dispatch, synchronisation), an assumption: ~50 kernels x ~10 us."""
+"""Fixed per-step cost (op dispatch, synchronisation, the step's own small kernels), an assumption: ~50 kernels x
+~10 us."""
+
+LAYER_OVERHEAD_S = 6e-5
+"""GPU time each layer costs per training step whatever its slice, an assumption: its forward kernel, its backward
+kernels (input and weight gradients) and its optimizer update, about 4 kernels at about 15 us each (launch, ramp-up
+and tail of a kernel that fills the device). ResNet-50's 176 layers: 10.6 ms, beside the 13.7 ms an H200 takes for
+one example (fp32; see docs/emulation.md)."""
 
 # Usable bandwidth per lane and direction after line encoding, in bytes/s (PCI-SIG base specifications):
 # gen1 2.5 GT/s and gen2 5 GT/s use 8b/10b; gen3 8 GT/s, gen4 16 GT/s, gen5 32 GT/s use 128b/130b.
@@ -62,6 +79,9 @@ class DeviceSpec:
     Attributes:
         name: Catalog key, e.g. "A10"; with a memory override, the key and the size as given ("T4@48MB").
         fp32_tflops: Peak dense fp32 throughput (non-tensor-core), in 1e12 FLOP/s; > 0.
+        tf32_tflops: Peak dense TF32 tensor-core throughput (no sparsity), 1e12 FLOP/s, which TensorFlow runs float32
+            matmuls and convolutions at by default from compute capability 8.0 (Ampere) on; None where the card has
+            no TF32 (T4, P100, V100 and older, the CPU).
         fp16_tflops: Peak dense fp16 throughput (tensor cores where the device has them, no sparsity), 1e12 FLOP/s.
         memory_bytes: Device memory, in bytes (1 GB = 1e9 bytes as in the datasheets).
         memory_bandwidth_bytes_per_s: Peak device-memory bandwidth, in bytes/s.
@@ -81,6 +101,7 @@ class DeviceSpec:
     pcie_lanes: int | None
     source: str
     bf16_tflops: float | None = None
+    tf32_tflops: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -89,10 +110,11 @@ class DeviceSpec:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be a finite number > 0.")
-        if self.bf16_tflops is not None and not (isinstance(self.bf16_tflops, (int, float))
-                                                 and math.isfinite(self.bf16_tflops) and self.bf16_tflops > 0):
-            raise ConfigError(f"DeviceSpec {self.name!r}: bf16_tflops={self.bf16_tflops!r} must be None (no "
-                              f"bfloat16) or a finite number > 0.")
+        for field in ("bf16_tflops", "tf32_tflops"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be None (the card has no such "
+                                  f"arithmetic) or a finite number > 0.")
         if not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
             raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes={self.memory_bytes!r} must be an int > 0.")
         if (self.pcie_generation is None) != (self.pcie_lanes is None):
@@ -108,32 +130,45 @@ class DeviceSpec:
         if not self.source:
             raise ConfigError(f"DeviceSpec {self.name!r}: source is empty; cite the datasheet or the assumption.")
 
-    def peak_tflops(self, compute_dtype: str = "float32") -> float:
-        """Peak throughput for a compute dtype, in 1e12 FLOP/s.
+    def peak_tflops(self, compute_dtype: str = "float32", *, tf32: bool = True) -> float:
+        """Peak throughput for a compute dtype, in 1e12 FLOP/s: the rate TensorFlow runs that dtype at on this card.
 
         Args:
             compute_dtype: The dtype the layers compute in: "float32" (policy "float32"), "float16" (policy
                 "mixed_float16") or "bfloat16" (policy "mixed_bfloat16"); a policy name is accepted too.
+            tf32: Whether float32 matmuls and convolutions run on TF32 tensor cores where the card has them
+                (TensorFlow's default, ``tf.config.experimental.tensor_float_32_execution_enabled()``); a card
+                without TF32 runs float32 at ``fp32_tflops`` either way.
 
         Raises:
             UnsupportedPrecisionError: If the device has no bfloat16 arithmetic (``bf16_tflops`` is None).
             ConfigError: If ``compute_dtype`` is none of these.
 
         Examples:
-            >>> get_device_spec("T4").peak_tflops("float16")
-            65.0
+            >>> get_device_spec("T4").peak_tflops("float16"), get_device_spec("T4").peak_tflops("float32")
+            (65.0, 8.1)
+            >>> a10 = get_device_spec("A10")
+            >>> a10.peak_tflops("float32"), a10.peak_tflops("float32", tf32=False)  # TF32 tensor cores, CUDA cores
+            (62.5, 31.2)
         """
         dtype = compute_dtype_of(compute_dtype)
         if dtype == "float32":
-            return self.fp32_tflops
+            return self.tf32_tflops if tf32 and self.tf32_tflops is not None else self.fp32_tflops
         if dtype == "float16":
             return self.fp16_tflops
         if self.bf16_tflops is None:
             raise UnsupportedPrecisionError(
                 f"Emulated device {self.name} has no bfloat16 arithmetic (compute_dtype={dtype!r}): bfloat16 needs an "
-                f"NVIDIA GPU of compute capability 8.0 or newer (A10, A100, H100). Use the policy 'mixed_float16' on "
-                f"it, or leave it out.", device=self.name, compute_dtype=dtype)
+                f"NVIDIA GPU of compute capability 8.0 or newer (A10, A100, H100, L4, RTX 3090). Use the policy "
+                f"'mixed_float16' on it, or leave it out.", device=self.name, compute_dtype=dtype)
         return self.bf16_tflops
+
+    def rate_name(self, compute_dtype: str = "float32", *, tf32: bool = True) -> str:
+        """Which of the card's rates ``peak_tflops`` gives: "fp32", "tf32", "fp16" or "bf16"."""
+        dtype = compute_dtype_of(compute_dtype)
+        if dtype == "float32":
+            return "tf32" if tf32 and self.tf32_tflops is not None else "fp32"
+        return {"float16": "fp16", "bfloat16": "bf16"}[dtype]
 
     @property
     def pcie_bandwidth_bytes_per_s(self) -> float:
@@ -149,14 +184,16 @@ class DeviceSpec:
 
 _GB = 10**9
 
-# Figures from NVIDIA's datasheets (PCIe form factors). fp16 is the dense tensor-core figure (no sparsity) where the
-# device has tensor cores; P100 has none, so its fp16 is the packed-half rate.
+# Figures from NVIDIA's datasheets and architecture whitepapers (PCIe form factors unless the name says SXM). fp16,
+# bf16 and TF32 are the dense tensor-core figures (datasheets mark those "with sparsity" with an asterisk: dense is
+# half) with fp32 accumulation, as mixed-precision training runs; P100 has no tensor cores, so its fp16 is the
+# packed-half rate.
 CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
     "A10": DeviceSpec(
-        name="A10", fp32_tflops=31.2, fp16_tflops=125.0, bf16_tflops=125.0, memory_bytes=24 * _GB,
+        name="A10", fp32_tflops=31.2, tf32_tflops=62.5, fp16_tflops=125.0, bf16_tflops=125.0, memory_bytes=24 * _GB,
         memory_bandwidth_bytes_per_s=600e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W; BF16 tensor 125 TF "
-                "dense, as FP16), "
+        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W; TF32 tensor 62.5 TF "
+                "dense, 125 with sparsity; BF16 tensor 125 TF dense, as FP16), "
                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf")),
     "T4": DeviceSpec(
         name="T4", fp32_tflops=8.1, fp16_tflops=65.0, memory_bytes=16 * _GB,
@@ -179,17 +216,68 @@ CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
                 "https://images.nvidia.com/content/technologies/volta/pdf/"
                 "volta-v100-datasheet-update-us-1165301-r5.pdf")),
     "A100": DeviceSpec(
-        name="A100", fp32_tflops=19.5, fp16_tflops=312.0, bf16_tflops=312.0, memory_bytes=80 * _GB,
+        name="A100", fp32_tflops=19.5, tf32_tflops=156.0, fp16_tflops=312.0, bf16_tflops=312.0,
+        memory_bytes=80 * _GB,
         memory_bandwidth_bytes_per_s=1935e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column (BF16 tensor 312 TF dense), "
+        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column (TF32 tensor 156 TF dense; BF16 "
+                "tensor 312 TF dense), "
                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                 "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")),
     "H100": DeviceSpec(
-        name="H100", fp32_tflops=51.0, fp16_tflops=756.0, bf16_tflops=756.0, memory_bytes=80 * _GB,
-        memory_bandwidth_bytes_per_s=2.0e12, pcie_generation=5, pcie_lanes=16,
-        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (fp16 and bf16 tensor 1,513 TF are "
-                "with sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
+        name="H100", fp32_tflops=51.0, tf32_tflops=378.0, fp16_tflops=756.0, bf16_tflops=756.0,
+        memory_bytes=80 * _GB, memory_bandwidth_bytes_per_s=2.0e12, pcie_generation=5, pcie_lanes=16,
+        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (TF32 tensor 756 TF and fp16 and bf16 "
+                "tensor 1,513 TF are with sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
                 "nvidia-tensor-core-gpu-datasheet")),
+    "H100SXM": DeviceSpec(
+        name="H100SXM", fp32_tflops=67.0, tf32_tflops=494.7, fp16_tflops=989.4, bf16_tflops=989.4,
+        memory_bytes=80 * _GB, memory_bandwidth_bytes_per_s=3.35e12, pcie_generation=5, pcie_lanes=16,
+        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (FP32 67 TF; TF32 tensor 989 TF and "
+                "BF16/FP16 tensor 1,979 TF with sparsity, dense half: 494.7 and 989.4 as NVIDIA H100 Tensor Core "
+                "GPU Architecture whitepaper's H100 SXM5 table gives; 80 GB HBM3, 3.35 TB/s; host link PCIe 5.0 "
+                "x16), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet")),
+    "H200": DeviceSpec(
+        name="H200", fp32_tflops=67.0, tf32_tflops=494.7, fp16_tflops=989.4, bf16_tflops=989.4,
+        memory_bytes=141 * _GB, memory_bandwidth_bytes_per_s=4.8e12, pcie_generation=5, pcie_lanes=16,
+        source=("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (FP32 67 TF; TF32 tensor 989 TF and "
+                "BF16/FP16 tensor 1,979 TF with sparsity, dense half, as the H100 SXM's; 141 GB HBM3e, 4.8 TB/s; "
+                "PCIe 5.0 x16), https://www.nvidia.com/en-us/data-center/h200/")),
+    "L4": DeviceSpec(
+        name="L4", fp32_tflops=30.3, tf32_tflops=60.0, fp16_tflops=121.0, bf16_tflops=121.0,
+        memory_bytes=24 * _GB, memory_bandwidth_bytes_per_s=300e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA L4 Tensor Core GPU datasheet (low-profile PCIe card, 72 W, Ada; FP32 30.3 TF; TF32 tensor "
+                "120 TF and BF16/FP16 tensor 242 TF with sparsity, dense half; 24 GB GDDR6, 300 GB/s; PCIe 4.0 "
+                "x16), https://www.nvidia.com/en-us/data-center/l4/")),
+    "L40S": DeviceSpec(
+        name="L40S", fp32_tflops=91.6, tf32_tflops=183.0, fp16_tflops=362.05, bf16_tflops=362.05,
+        memory_bytes=48 * _GB, memory_bandwidth_bytes_per_s=864e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA L40S GPU datasheet (dual-slot PCIe card, 350 W, Ada; FP32 91.6 TF; TF32 tensor 183 TF, "
+                "BF16/FP16 tensor 362.05 TF dense (366 and 733 with sparsity); 48 GB GDDR6, 864 GB/s; PCIe 4.0 "
+                "x16), https://www.nvidia.com/en-us/data-center/l40s/")),
+    # Workstation cards. GeForce cards run fp16/bf16 tensor math with fp32 accumulation at half the rate of fp16
+    # accumulation; mixed-precision training accumulates in fp32, so that is the figure here.
+    "RTXA6000": DeviceSpec(
+        name="RTXA6000", fp32_tflops=38.7, tf32_tflops=77.4, fp16_tflops=154.8, bf16_tflops=154.8,
+        memory_bytes=48 * _GB, memory_bandwidth_bytes_per_s=768e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA RTX A6000 datasheet (FP32 38.7 TF, tensor 309.7 TF with sparsity; 48 GB GDDR6, 768 GB/s; "
+                "PCIe 4.0 x16), https://www.nvidia.com/content/dam/en-zz/Solutions/design-visualization/"
+                "quadro-product-literature/proviz-print-nvidia-rtx-a6000-datasheet-us-nvidia-1454980-r9-web.pdf; "
+                "dense TF32 77.4 and FP16/BF16 154.8 TF with fp32 accumulation from NVIDIA Ampere GA102 GPU "
+                "Architecture whitepaper, appendix table for the RTX A6000")),
+    "RTX3090": DeviceSpec(
+        name="RTX3090", fp32_tflops=35.6, tf32_tflops=35.6, fp16_tflops=71.0, bf16_tflops=71.0,
+        memory_bytes=24 * _GB, memory_bandwidth_bytes_per_s=936e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA Ampere GA102 GPU Architecture whitepaper, GeForce RTX 3090 column (FP32 35.6 TF; dense "
+                "TF32 tensor 35.6 TF; FP16 and BF16 tensor with fp32 accumulate 71 TF dense (twice that with fp16 "
+                "accumulation or with sparsity); 24 GB GDDR6X at 19.5 Gbps on 384 bits = 936 GB/s; PCIe 4.0 x16), "
+                "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf")),
+    "RTX4090": DeviceSpec(
+        name="RTX4090", fp32_tflops=82.6, tf32_tflops=82.6, fp16_tflops=165.2, bf16_tflops=165.2,
+        memory_bytes=24 * _GB, memory_bandwidth_bytes_per_s=1008e9, pcie_generation=4, pcie_lanes=16,
+        source=("NVIDIA Ada GPU Architecture whitepaper, GeForce RTX 4090 column (FP32 82.6 TF; dense TF32 "
+                "tensor 82.6 TF; FP16 and BF16 tensor with fp32 accumulate 165.2 TF dense (twice that with "
+                "fp16 accumulation or with sparsity); 24 GB GDDR6X at 21 Gbps on 384 bits = 1,008 GB/s; PCIe 4.0 x16), "
+                "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf")),
     # Legacy cards that labs reuse beside newer ones. Pascal consumer/inference dies (GP102) run fp16 arithmetic at
     # 1/64 of fp32 and Kepler (GK210) has no fp16 arithmetic at all, so their fp16 figure is the real (slow) rate.
     "GTX1080Ti": DeviceSpec(

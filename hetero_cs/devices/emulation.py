@@ -1,10 +1,12 @@
 """Emulated accelerators: delay injection on logical CPU devices, from the catalog's figures.
 
 An emulated replica runs the real computation on a logical CPU device (``/device:CPU:1`` ...) and then waits until
-its step has taken as long as the named device would take for its slice of the batch: compute at a stated
-efficiency, plus the parameter broadcast and the gradient return over the device's PCIe link. This lets the whole
-calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and the monitor
-measure wall time only; they never read this catalog.
+its step has taken as long as the named device would take for its slice of the batch
+(:func:`hetero_cs.devices.workload.emulated_step_time_s`: a fixed cost per step and per layer, compute at a stated
+efficiency of the rate TensorFlow runs the model's dtype at on that card - TF32 for float32 on Ampere and newer -,
+the layers' memory traffic, and the parameter broadcast and the gradient return over the device's PCIe link). This
+lets the whole calibrate -> solve -> train -> monitor -> re-balance loop run on a CPU-only machine. Calibration and
+the monitor measure wall time only; they never read this catalog.
 
 Emulated memory: each device has its catalog memory (or the ``NAME@SIZE`` override, e.g. ``"T4@48MB"``), which a
 :class:`Drift` with ``memory_bytes`` lowers for a range of steps. A replica whose slice needs more than that
@@ -13,7 +15,7 @@ fails its step with :class:`hetero_cs.errors.EmulatedOutOfMemoryError`, a ``Memo
 into the ``tf.errors.ResourceExhaustedError`` a GPU raises.
 
 The catalog itself is :mod:`hetero_cs.devices.catalog`, drift :mod:`hetero_cs.devices.drift`, the model's workload
-:mod:`hetero_cs.devices.workload`. This module is pure (``emulated_step_time_s``, ``Emulator``): it imports neither
+:mod:`hetero_cs.devices.workload`. This module is pure (``Emulator``): it imports neither
 TensorFlow nor pynvml (``setup_logical_devices``, in :mod:`hetero_cs.devices.logical`, imports TensorFlow inside its
 own), so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are inserted into the training graph by
 :mod:`hetero_cs.engine.step_timing`.
@@ -33,8 +35,6 @@ from collections.abc import Iterable, Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.devices.catalog import (
-    DEFAULT_COMPUTE_EFFICIENCY,
-    DEFAULT_LAUNCH_OVERHEAD_S,
     MAX_EMULATED_MAKESPAN_S,
     MAX_TIME_SCALE,
     TIME_SCALE_ENV_VAR,
@@ -44,64 +44,12 @@ from hetero_cs.devices.catalog import (
     get_device_spec,
 )
 from hetero_cs.devices.drift import Drift
-from hetero_cs.devices.workload import Workload, estimate_workload, slice_memory_bytes
+from hetero_cs.devices.workload import Workload, emulated_step_time_s, estimate_workload, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
 
 __all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s", "estimate_workload"]
 
 logger = logging.getLogger(__name__)
-
-
-def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, *,
-                         compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
-                         launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S) -> float:
-    """Time one replica on ``spec`` would take for one training step on ``batch_size`` examples.
-
-    t = launch_overhead_s                                          (fixed per-step dispatch cost)
-      + parameter_bytes / pcie_bandwidth                           (broadcast of the central variables)
-      + 3 * flops_per_example * batch_size / (peak_tflops * 1e12 * compute_efficiency)
-                                                                   (forward + backward ~ 3x forward)
-      + parameter_bytes / pcie_bandwidth                           (gradient return to the host)
-
-    peak_tflops is the device's figure for the workload's compute dtype (fp32, fp16 or bf16: ``spec.peak_tflops``).
-    The host CPU entry has no PCIe link (variables live in its memory), so both transfers cost 0. A replica with
-    0 examples idles: it costs 0 s (no compute, and the plan would skip its transfers).
-
-    Args:
-        spec: The emulated device.
-        batch_size: Examples in the replica's slice, >= 0.
-        workload: The model's FLOPs per example and parameter bytes.
-        compute_efficiency: Fraction of peak fp32 FLOP/s sustained, in (0, 1].
-        launch_overhead_s: Fixed per-step cost in seconds, >= 0.
-
-    Returns:
-        Emulated seconds, >= 0.
-
-    Raises:
-        ConfigError: If an argument is out of range.
-        UnsupportedPrecisionError: If ``spec`` has no arithmetic in the workload's compute dtype (bf16 on a T4).
-
-    Examples:
-        T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes: 0.5 ms + 2 x 0.052 ms (PCIe gen3 x16)
-        + 3 x 406,528 x 256 / (8.1e12 x 0.35) = 0.110 ms, in all ~0.71 ms.
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
-    if not (_is_real(compute_efficiency) and 0.0 < compute_efficiency <= 1.0):
-        raise ConfigError(
-            f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak fp32 "
-            f"FLOP/s sustained; the default is {DEFAULT_COMPUTE_EFFICIENCY}.")
-    if not (_is_real(launch_overhead_s) and math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
-        raise ConfigError(
-            f"launch_overhead_s={launch_overhead_s!r} must be a finite number of seconds >= 0; the default is "
-            f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
-    if batch_size == 0:
-        return 0.0
-    bandwidth = spec.pcie_bandwidth_bytes_per_s
-    transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
-    peak_tflops = spec.peak_tflops(workload.compute_dtype)
-    compute_s = 3.0 * workload.flops_per_example * batch_size / (peak_tflops * 1e12 * compute_efficiency)
-    return launch_overhead_s + transfer_s + compute_s + transfer_s
 
 
 def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
@@ -505,11 +453,11 @@ class Emulator(DeepcopiedWithNewLocks):
             workload, scale = self._workload, self._time_scale
             split = (_even_split(global_batch_size, len(self._specs))
                      if global_batch_size and workload is not None else None)
-            dtype = "float32" if workload is None else workload.compute_dtype  # the peak figure the replicas use
-            short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+            dtype, tf32 = ("float32", True) if workload is None else (workload.compute_dtype,
+                                                                      workload.tensor_float_32)
             width = max([6] + [len(spec.name) for spec in self._specs])  # "T4@48MB" is wider than "A10"
             lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
-                     f"{'replica':>7}  {'device':<{width}} {short + ' TF':>8} {'PCIe':>9}  {'step (even split)':>18}  "
+                     f"{'replica':>7}  {'device':<{width}} {'peak TF':>10} {'PCIe':>9}  {'step (even split)':>18}  "
                      f"drift"]
             for i, spec in enumerate(self._specs):
                 link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
@@ -517,6 +465,6 @@ class Emulator(DeepcopiedWithNewLocks):
                 if split is not None:
                     step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
                 drift_text = ", ".join(d.describe() for d in self._drift if d.replica_id == i) or "-"
-                lines.append(f"{i:>7}  {spec.name:<{width}} {spec.peak_tflops(dtype):>8.1f} {link:>9}  {step_text:>18}  "
-                             f"{drift_text}")
+                rate = f"{spec.peak_tflops(dtype, tf32=tf32):.1f} {spec.rate_name(dtype, tf32=tf32)}"
+                lines.append(f"{i:>7}  {spec.name:<{width}} {rate:>10} {link:>9}  {step_text:>18}  {drift_text}")
         return lines

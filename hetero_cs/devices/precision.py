@@ -1,7 +1,8 @@
 """Which devices can compute in a dtype policy (pure: no TensorFlow, no NVML).
 
 bfloat16 arithmetic (``mixed_bfloat16``) needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere: A10, A30,
-A100; Hopper: H100); float16 (``mixed_float16``) runs on every CUDA GPU TensorFlow supports, on tensor cores from 7.0
+A100, RTX A6000, RTX 3090; Ada: L4, L40S, RTX 4090; Hopper: H100, H200), and so do TF32 tensor cores, which run the
+``float32`` policy's matmuls and convolutions there by default (the catalog's ``tf32_tflops``); float16 (``mixed_float16``) runs on every CUDA GPU TensorFlow supports, on tensor cores from 7.0
 (V100, T4) and as packed half precision on the P100 (6.0). Sources: NVIDIA CUDA C++ Programming Guide, "Arithmetic
 Instructions" table (bf16 rows from compute capability 8.0), and the datasheets cited in
 :mod:`hetero_cs.devices.catalog` (T4, P100 and V100 list no BF16). The host CPU runs every policy (TensorFlow

@@ -2,8 +2,10 @@
 
 ``hetero-cs plan --devices A10,T4,P100 [--add V100] [--drop P100] --global-batch-size B`` answers without the
 hardware and without a profile. Each card's step time is the emulation model's
-(:func:`hetero_cs.devices.emulation.emulated_step_time_s`: the catalog's peak FLOP/s at the default efficiency, its
-PCIe link, a fixed launch cost), its memory cap the examples its catalog memory holds
+(:func:`hetero_cs.devices.workload.emulated_step_time_s`: the catalog's peak FLOP/s of the rate TensorFlow runs the
+model at on that card - TF32 for float32 on Ampere and newer unless ``tensor_float_32=False`` - at the default
+efficiency, the layers' memory traffic at the card's bandwidth, its PCIe link, a fixed cost per step and per layer),
+its memory cap the examples its catalog memory holds
 (:func:`hetero_cs.devices.workload.max_examples_in_memory`, or a ``NAME@SIZE`` override); the plan is what the
 strategies would solve from such models (idle-free: a card may be left out; micro-batched where the caps bind). The
 figures are predictions from published peak figures, not measurements: calibration on the real cards replaces them.
@@ -19,8 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hetero_cs.devices.catalog import DeviceSpec, get_device_spec
-from hetero_cs.devices.emulation import emulated_step_time_s
-from hetero_cs.devices.workload import Workload, max_examples_in_memory
+from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import idle_free
 from hetero_cs.planning.micro_batches import (
@@ -39,11 +40,12 @@ DEFAULT_WORKLOAD = Workload(
     optimizer_bytes=2 * 102_334_368,
     activation_bytes_per_example=148_480_848,
     non_trainable_bytes=212_480,
+    layers=176,
 )
-"""ResNet-50 on 224x224x3 images in float32, trained with Adam: the figures
-``hetero_cs.devices.workload.estimate_workload(keras.applications.ResNet50(weights=None))`` gives (Keras 3.15; 7.7
-GFLOP per example forward, two per multiply-add, as He et al. 2016 count 3.8e9 multiply-adds; 25.6 M parameters),
-plus Adam's two slots per parameter."""
+"""ResNet-50 on 224x224x3 images in float32 (TF32 where a card has it, TensorFlow's default), trained with Adam: the
+figures ``hetero_cs.devices.workload.estimate_workload(keras.applications.ResNet50(weights=None))`` gives (Keras
+3.15; 7.7 GFLOP per example forward, two per multiply-add, as He et al. 2016 count 3.8e9 multiply-adds; 25.6 M
+parameters; 176 leaf layers), plus Adam's two slots per parameter."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,9 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         over every card, in as few equal sub-steps as the smallest card's memory needs; None when a card holds no
         example), ``speedup_vs_even`` (None then too), ``fastest_card``,
         ``fastest_card_step_s`` and ``speedup_vs_fastest`` (all cards against the fastest card alone on the whole
-        batch, micro-batched where its memory requires), and ``emulated: true`` (predictions, not measurements).
+        batch, micro-batched where its memory requires), ``compute_rates`` (per card, the rate its step is
+        predicted at: "tf32", "fp32", "fp16" or "bf16"), ``peak_tflops`` (that rate's peak per card) and
+        ``predicted_from: "catalog"`` (predictions from published figures: neither measured nor emulated).
 
     Raises:
         UnknownEmulatedDeviceError: A name is not in the catalog.
@@ -149,7 +153,9 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         "fastest_card": specs[fastest].name,
         "fastest_card_step_s": alone[fastest],
         "speedup_vs_fastest": alone[fastest] / step_s,
-        "emulated": True,
+        "compute_rates": [spec.rate_name(workload.compute_dtype, tf32=workload.tensor_float_32) for spec in specs],
+        "peak_tflops": [spec.peak_tflops(workload.compute_dtype, tf32=workload.tensor_float_32) for spec in specs],
+        "predicted_from": "catalog",
     }
 
 
@@ -190,13 +196,15 @@ def format_what_if(result: dict[str, Any]) -> str:
     """A table of :func:`what_if`'s result, one line per card, then the step and the speedups."""
     lines = [f"What-if plan (PREDICTED from catalog figures, not measured) for {', '.join(result['devices'])}, "
              f"global batch {result['global_batch_size']}:",
-             f"{'card':>4}  {'device':<16} {'examples':>8}  {'micro-batch':>11}  {'count':>5}  {'memory cap':>10}"]
+             f"{'card':>4}  {'device':<16} {'peak TF':>10}  {'examples':>8}  {'micro-batch':>11}  {'count':>5}  "
+             f"{'memory cap':>10}"]
     for i, name in enumerate(result["devices"]):
         count = result["micro_batch_counts"][i]
         micro = "idle" if count == 0 else str(result["micro_batch_sizes"][i])
         cap = result["memory_caps"][i]
-        lines.append(f"{i:>4}  {name:<16} {result['per_replica_batch_sizes'][i]:>8}  {micro:>11}  {count:>5}  "
-                     f"{'none' if cap is None else cap:>10}")
+        rate = f"{result['peak_tflops'][i]:.1f} {result['compute_rates'][i]}"
+        lines.append(f"{i:>4}  {name:<16} {rate:>10}  {result['per_replica_batch_sizes'][i]:>8}  {micro:>11}  "
+                     f"{count:>5}  {'none' if cap is None else cap:>10}")
     even = result["speedup_vs_even"]
     lines += [
         f"predicted step: {result['predicted_step_s'] * 1e3:.2f} ms in {result['sub_steps']} sub-step(s), "

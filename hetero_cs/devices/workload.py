@@ -1,9 +1,11 @@
-"""What a model asks of an emulated device: FLOPs and transfer bytes per step, and memory per slice.
+"""What a model asks of an emulated device: FLOPs and transfer bytes per step, the step time, memory per slice.
 
 ``Workload`` holds the model-dependent inputs of the emulated step time (forward FLOPs per example, trainable
-parameter bytes, the dtype the layers compute in) and of the emulated memory footprint (optimizer bytes, activation bytes per example);
-``estimate_workload`` reads them off a built Keras 3 model; ``slice_memory_bytes`` is what one replica's slice of
-``b`` examples needs. This module is pure apart from ``estimate_workload``, which imports Keras inside the function.
+parameter bytes, layers, activation bytes, the dtype the layers compute in and whether float32 runs as TF32) and of
+the emulated memory footprint (optimizer bytes, activation bytes per example); ``estimate_workload`` reads them off a
+built Keras 3 model; ``emulated_step_time_s`` is one replica's step on a catalog device (the emulator's waits and the
+what-if's predictions); ``slice_memory_bytes`` is what one replica's slice of ``b`` examples needs. This module is
+pure apart from ``estimate_workload``, which imports Keras and TensorFlow inside the function.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import logging
 import math
 from typing import Any
 
-from hetero_cs.devices.catalog import compute_dtype_of
+from hetero_cs.devices.catalog import (
+    ACTIVATION_PASSES,
+    DEFAULT_COMPUTE_EFFICIENCY,
+    DEFAULT_LAUNCH_OVERHEAD_S,
+    LAYER_OVERHEAD_S,
+    DeviceSpec,
+    _is_real,
+    compute_dtype_of,
+)
 from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger("hetero_cs.devices.emulation")
@@ -38,6 +48,11 @@ class Workload:
             which a replica also holds; >= 0. Default 0.
         compute_dtype: What the layers compute in: "float32", "float16" (mixed_float16) or "bfloat16"
             (mixed_bfloat16); a policy name is accepted and stored as its compute dtype. Selects the peak figure.
+        layers: Layers that run kernels each step (leaf layers), >= 0; each costs LAYER_OVERHEAD_S a step whatever
+            the slice. Default 0 (only the per-step launch overhead).
+        tensor_float_32: Whether float32 matmuls and convolutions run on TF32 tensor cores where a card has them
+            (TensorFlow's default on Ampere and newer: ``tf.config.experimental.tensor_float_32_execution_enabled()``).
+            Default True.
     """
 
     flops_per_example: float
@@ -46,15 +61,20 @@ class Workload:
     activation_bytes_per_example: int = 0
     non_trainable_bytes: int = 0
     compute_dtype: str = "float32"
+    layers: int = 0
+    tensor_float_32: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.flops_per_example, (int, float)) and math.isfinite(self.flops_per_example)
                 and self.flops_per_example >= 0):
             raise ConfigError(
                 f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
-        for name in ("parameter_bytes", "optimizer_bytes", "activation_bytes_per_example", "non_trainable_bytes"):
+        for name in ("parameter_bytes", "optimizer_bytes", "activation_bytes_per_example", "non_trainable_bytes",
+                     "layers"):
             _non_negative_int("Workload", name, getattr(self, name))
         object.__setattr__(self, "compute_dtype", compute_dtype_of(self.compute_dtype))
+        if not isinstance(self.tensor_float_32, bool):
+            raise ConfigError(f"Workload.tensor_float_32={self.tensor_float_32!r} must be True or False.")
 
     @property
     def fixed_memory_bytes(self) -> int:
@@ -64,6 +84,64 @@ class Workload:
         cap errs on the safe side (a real device also needs scratch space for the update's temporaries).
         """
         return 2 * self.parameter_bytes + self.non_trainable_bytes + self.optimizer_bytes
+
+
+def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, *,
+                         compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+                         launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S) -> float:
+    """Time one replica on ``spec`` would take for one training step on ``batch_size`` examples.
+
+    t = launch_overhead_s + layers * LAYER_OVERHEAD_S                (fixed per-step cost)
+      + parameter_bytes / pcie_bandwidth                             (broadcast of the central variables)
+      + 3 * flops_per_example * b / (peak_tflops * 1e12 * compute_efficiency)
+                                                                     (forward + backward ~ 3x forward)
+      + ACTIVATION_PASSES * activation_bytes_per_example * b / memory_bandwidth
+                                                                     (the layers' memory traffic)
+      + parameter_bytes / pcie_bandwidth                             (gradient return to the host)
+
+    peak_tflops is the rate TensorFlow runs the workload's compute dtype at on this card (``spec.peak_tflops``):
+    fp16 or bf16 tensor cores under a mixed policy; for float32, TF32 tensor cores where the card has them and
+    ``workload.tensor_float_32`` (TensorFlow's default), else its fp32 CUDA cores. The memory term is why tensor
+    cores speed a step up far less than their peak (ACTIVATION_PASSES). The host CPU entry has no PCIe link
+    (variables live in its memory), so both transfers cost 0. A replica with 0 examples idles: it costs 0 s.
+
+    Args:
+        spec: The emulated device.
+        batch_size: Examples in the replica's slice, b >= 0.
+        workload: The model's figures (FLOPs per example, parameter and activation bytes, layers, dtype).
+        compute_efficiency: Fraction of the peak FLOP/s the step's matmuls and convolutions sustain, in (0, 1].
+        launch_overhead_s: Fixed per-step cost in seconds, >= 0.
+
+    Returns:
+        Emulated seconds, >= 0.
+
+    Raises:
+        ConfigError: If an argument is out of range.
+        UnsupportedPrecisionError: If ``spec`` has no arithmetic in the workload's compute dtype (bf16 on a T4).
+
+    Examples:
+        T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes (no layers or activations given):
+        0.5 ms + 2 x 0.052 ms (PCIe gen3 x16) + 3 x 406,528 x 256 / (8.1e12 x 0.5) = 0.077 ms, in all ~0.68 ms.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    if not (_is_real(compute_efficiency) and 0.0 < compute_efficiency <= 1.0):
+        raise ConfigError(
+            f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak "
+            f"FLOP/s sustained; the default is {DEFAULT_COMPUTE_EFFICIENCY}.")
+    if not (_is_real(launch_overhead_s) and math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
+        raise ConfigError(
+            f"launch_overhead_s={launch_overhead_s!r} must be a finite number of seconds >= 0; the default is "
+            f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
+    if batch_size == 0:
+        return 0.0
+    bandwidth = spec.pcie_bandwidth_bytes_per_s
+    transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
+    peak_tflops = spec.peak_tflops(workload.compute_dtype, tf32=workload.tensor_float_32)
+    per_example_s = (3.0 * workload.flops_per_example / (peak_tflops * 1e12 * compute_efficiency)
+                     + ACTIVATION_PASSES * workload.activation_bytes_per_example / spec.memory_bandwidth_bytes_per_s)
+    fixed_s = launch_overhead_s + workload.layers * LAYER_OVERHEAD_S
+    return fixed_s + 2.0 * transfer_s + per_example_s * batch_size
 
 
 def slice_memory_bytes(workload: Workload, batch_size: int, *, training: bool = True) -> int:
@@ -160,7 +238,13 @@ def _bytes(variables: Any) -> int:
     return int(total)
 
 
-def _activation_bytes_per_example(model: Any, layers: list) -> int:
+def _leaves(model: Any, layers: list) -> list:
+    """The layers that run kernels: not containers (their leaves are counted) nor input layers."""
+    return [layer for layer in layers if not (layer is model or getattr(layer, "layers", None)
+                                              or type(layer).__name__ == "InputLayer")]
+
+
+def _activation_bytes_per_example(model: Any, leaves: list) -> int:
     """Every leaf layer's output (and the model's inputs), bytes per example, from the built shapes."""
     total = 0
     try:
@@ -170,9 +254,7 @@ def _activation_bytes_per_example(model: Any, layers: list) -> int:
     for tensor in inputs:
         elements = _per_example_elements(tuple(tensor.shape))
         total += (elements or 0) * _dtype_size_bytes(getattr(tensor, "dtype", "float32"))
-    for layer in layers:
-        if layer is model or getattr(layer, "layers", None) or type(layer).__name__ == "InputLayer":
-            continue  # containers (their leaves are counted) and input layers (the inputs are counted above)
+    for layer in leaves:
         elements = _per_example_elements(_output_shape(layer))
         if elements is None:
             continue
@@ -194,6 +276,8 @@ def estimate_workload(model: Any) -> Workload:
     with the shapes the layers were built with on the real batch and their compute dtype - what the forward pass
     keeps for the backward pass. It is counted from the real model's shapes, not read from an allocator (CPU
     devices report no memory to TensorFlow); on a GPU the calibration's search measures the real cap instead.
+    ``layers`` counts the leaf layers; ``tensor_float_32`` is TensorFlow's setting now
+    (``tf.config.experimental.tensor_float_32_execution_enabled()``).
 
     Args:
         model: A built ``keras.Model`` or ``keras.layers.Layer``.
@@ -210,6 +294,7 @@ def estimate_workload(model: Any) -> Workload:
         activation_bytes_per_example = 4 * (784 + 256 + 10) = 4,200.
     """
     import keras
+    import tensorflow as tf
 
     if not getattr(model, "built", False):
         raise ConfigError(
@@ -218,6 +303,7 @@ def estimate_workload(model: Any) -> Workload:
     from hetero_cs.engine import _compat
 
     layers = _compat.all_sublayers(model)
+    leaves = _leaves(model, layers)
     convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
     flops = 0.0
     for layer in layers:
@@ -233,7 +319,9 @@ def estimate_workload(model: Any) -> Workload:
         flops_per_example=flops,
         parameter_bytes=_bytes(model.trainable_weights),
         optimizer_bytes=_bytes(optimizer_variables),
-        activation_bytes_per_example=_activation_bytes_per_example(model, layers),
+        activation_bytes_per_example=_activation_bytes_per_example(model, leaves),
         non_trainable_bytes=_bytes(model.non_trainable_weights),
         compute_dtype=policy if policy in ("float16", "bfloat16") else "float32",
+        layers=len(leaves),
+        tensor_float_32=bool(tf.config.experimental.tensor_float_32_execution_enabled()),
     )

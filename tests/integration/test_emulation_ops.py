@@ -186,6 +186,20 @@ def test_estimate_workload_mlp():
     workload = estimate_workload(model)
     assert workload.flops_per_example == 2 * 784 * 256 + 2 * 256 * 10
     assert workload.parameter_bytes == (784 * 256 + 256 + 256 * 10 + 10) * 4
+    assert workload.layers == 2
+
+
+def test_estimate_workload_reads_whether_tensorflow_runs_float32_as_tf32():
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    assert tf.config.experimental.tensor_float_32_execution_enabled()  # TensorFlow's default
+    assert estimate_workload(model).tensor_float_32
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        assert not estimate_workload(model).tensor_float_32
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(True)
 
 
 def test_estimate_workload_convolutions_and_sequences():

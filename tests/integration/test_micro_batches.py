@@ -25,7 +25,10 @@ from hetero_cs.planning.cost_model import idle_free
 
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 ACTIVATION_BYTES = 10_000
-WORKLOAD = Workload(flops_per_example=2e7, parameter_bytes=10_000, activation_bytes_per_example=ACTIVATION_BYTES)
+# The caps and slow-downs below were sized for the A10's fp32 rate (TF32 off: 31.2 TFLOP/s beside the T4's 8.1 and
+# the P100's 9.3) and for 2e7 FLOPs at 35 % of peak; 3e7 at the model's 50 % take about as long.
+WORKLOAD = Workload(flops_per_example=3e7, parameter_bytes=10_000, activation_bytes_per_example=ACTIVATION_BYTES,
+                    tensor_float_32=False)
 CAPS = (16, 64, 64)
 CAPACITY = sum(CAPS)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import re
@@ -39,7 +40,8 @@ def _no_time_scale_env(monkeypatch):
 
 
 def test_catalog_holds_the_documented_devices_and_is_read_only():
-    assert set(CATALOG) == {"A10", "T4", "P100", "V100", "A100", "H100", "GTX1080Ti", "P40", "K80", "RTX2080Ti", "CPU"}
+    assert set(CATALOG) == {"A10", "T4", "P100", "V100", "A100", "H100", "H100SXM", "H200", "L4", "L40S", "RTXA6000",
+                            "RTX3090", "RTX4090", "GTX1080Ti", "P40", "K80", "RTX2080Ti", "CPU"}
     with pytest.raises(TypeError):
         CATALOG["X"] = CATALOG["T4"]  # type: ignore[index]
     with pytest.raises(Exception):  # frozen dataclass
@@ -47,25 +49,34 @@ def test_catalog_holds_the_documented_devices_and_is_read_only():
 
 
 @pytest.mark.parametrize(
-    "name, fp32, fp16, memory_gb, bandwidth_gb_s, generation",
+    "name, fp32, tf32, fp16, memory_gb, bandwidth_gb_s, generation",
     [
-        ("A10", 31.2, 125.0, 24, 600, 4),
-        ("T4", 8.1, 65.0, 16, 320, 3),
-        ("P100", 9.3, 18.7, 16, 732, 3),
-        ("V100", 14.0, 112.0, 32, 900, 3),
-        ("A100", 19.5, 312.0, 80, 1935, 4),
-        ("H100", 51.0, 756.0, 80, 2000, 5),
+        ("A10", 31.2, 62.5, 125.0, 24, 600, 4),
+        ("T4", 8.1, None, 65.0, 16, 320, 3),
+        ("P100", 9.3, None, 18.7, 16, 732, 3),
+        ("V100", 14.0, None, 112.0, 32, 900, 3),
+        ("A100", 19.5, 156.0, 312.0, 80, 1935, 4),
+        ("H100", 51.0, 378.0, 756.0, 80, 2000, 5),
+        ("H100SXM", 67.0, 494.7, 989.4, 80, 3350, 5),
+        ("H200", 67.0, 494.7, 989.4, 141, 4800, 5),
+        ("L4", 30.3, 60.0, 121.0, 24, 300, 4),
+        ("L40S", 91.6, 183.0, 362.05, 48, 864, 4),
+        ("RTXA6000", 38.7, 77.4, 154.8, 48, 768, 4),
+        ("RTX3090", 35.6, 35.6, 71.0, 24, 936, 4),
+        ("RTX4090", 82.6, 82.6, 165.2, 24, 1008, 4),
     ],
 )
-def test_published_figures(name, fp32, fp16, memory_gb, bandwidth_gb_s, generation):
+def test_published_figures(name, fp32, tf32, fp16, memory_gb, bandwidth_gb_s, generation):
     spec = CATALOG[name]
     assert spec.name == name
     assert spec.fp32_tflops == fp32
+    assert spec.tf32_tflops == tf32
     assert spec.fp16_tflops == fp16
     assert spec.memory_bytes == memory_gb * 10**9
     assert spec.memory_bandwidth_bytes_per_s == pytest.approx(bandwidth_gb_s * 1e9)
     assert (spec.pcie_generation, spec.pcie_lanes) == (generation, 16)
-    assert "datasheet" in spec.source and "https://" in spec.source and "nvidia" in spec.source.lower()
+    assert ("datasheet" in spec.source or "whitepaper" in spec.source) and "https://" in spec.source
+    assert "nvidia" in spec.source.lower()
 
 
 def test_cpu_entry_is_a_stated_assumption_without_pcie():
@@ -126,12 +137,32 @@ def test_workload_validation(flops, parameter_bytes):
 def test_step_time_is_the_sum_of_documented_terms():
     t4 = CATALOG["T4"]
     transfer_s = MLP.parameter_bytes / t4.pcie_bandwidth_bytes_per_s
-    compute_s = 3 * MLP.flops_per_example * 256 / (8.1e12 * 0.35)
+    compute_s = 3 * MLP.flops_per_example * 256 / (8.1e12 * 0.5)
     expected = 5e-4 + transfer_s + compute_s + transfer_s
     assert emulated_step_time_s(t4, 256, MLP) == pytest.approx(expected, rel=1e-12)
-    assert emulated_step_time_s(t4, 256, MLP) == pytest.approx(7.13e-4, rel=1e-2)  # the docstring's example
-    faster = emulated_step_time_s(t4, 256, MLP, compute_efficiency=0.7, launch_overhead_s=0.0)
+    assert emulated_step_time_s(t4, 256, MLP) == pytest.approx(6.81e-4, rel=1e-2)  # the docstring's example
+    faster = emulated_step_time_s(t4, 256, MLP, compute_efficiency=1.0, launch_overhead_s=0.0)
     assert faster == pytest.approx(2 * transfer_s + compute_s / 2, rel=1e-12)
+    # Each layer costs a fixed LAYER_OVERHEAD_S a step; each example moves its activations ACTIVATION_PASSES times
+    # through device memory at the card's bandwidth.
+    deep = dataclasses.replace(MLP, layers=10, activation_bytes_per_example=4_200)
+    memory_s = 10.0 * 4_200 * 256 / t4.memory_bandwidth_bytes_per_s
+    assert emulated_step_time_s(t4, 256, deep) == pytest.approx(expected + 10 * 6e-5 + memory_s, rel=1e-12)
+
+
+def test_float32_runs_at_tf32_on_cards_that_have_it_unless_it_is_off():
+    compute_only = Workload(flops_per_example=1e9, parameter_bytes=0)
+    fp32 = dataclasses.replace(compute_only, tensor_float_32=False)
+    for name in ("A10", "A100", "H100", "H100SXM", "H200", "L4", "L40S", "RTXA6000", "RTX3090", "RTX4090"):
+        spec = CATALOG[name]
+        assert spec.rate_name() == "tf32" and spec.rate_name(tf32=False) == "fp32"
+        ratio = emulated_step_time_s(spec, 100, fp32, launch_overhead_s=0) / emulated_step_time_s(
+            spec, 100, compute_only, launch_overhead_s=0)
+        assert ratio == pytest.approx(spec.tf32_tflops / spec.fp32_tflops)
+    for name in ("T4", "P100", "V100", "RTX2080Ti", "GTX1080Ti", "P40", "K80", "CPU"):
+        spec = CATALOG[name]  # no TF32: float32 runs on the CUDA cores whatever the setting
+        assert spec.rate_name() == "fp32" and spec.peak_tflops("float32") == spec.fp32_tflops
+        assert emulated_step_time_s(spec, 100, fp32) == emulated_step_time_s(spec, 100, compute_only)
 
 
 def test_host_cpu_pays_no_transfer():
@@ -150,7 +181,7 @@ def test_step_time_grows_with_batch_and_keeps_device_ratios():
     compute_only = Workload(flops_per_example=1e9, parameter_bytes=0)
     ratio = (emulated_step_time_s(CATALOG["T4"], 1000, compute_only, launch_overhead_s=0.0)
              / emulated_step_time_s(CATALOG["A10"], 1000, compute_only, launch_overhead_s=0.0))
-    assert ratio == pytest.approx(31.2 / 8.1)
+    assert ratio == pytest.approx(62.5 / 8.1)  # the A10 runs float32 as TF32, the T4 has no TF32
 
 
 @pytest.mark.parametrize(
@@ -290,7 +321,7 @@ def test_describe_says_times_are_emulated():
     assert len(lines) == 4
     assert "A10" in lines[2] and "gen4 x16" in lines[2] and "ms (32)" in lines[2]
     assert "x2 steps [200, end)" in lines[3]
-    assert Emulator(["CPU"]).describe()[2].split()[1:4] == ["CPU", "1.3", "host"]
+    assert Emulator(["CPU"]).describe()[2].split()[1:5] == ["CPU", "1.3", "fp32", "host"]
 
 
 def test_pure_modules_import_without_tensorflow_or_pynvml():

@@ -302,7 +302,7 @@ EMULATION_CASES = [
     ("regression_scale_target_string", lambda: Emulator(["A10"], workload=WORKLOAD).calibrate_time_scale(
         8, target_makespan_s="0.1"), ConfigError, ValueError, r"target_makespan_s='0\.1'"),
     ("efficiency_zero", lambda: emulated_step_time_s(get_device_spec("T4"), 1, WORKLOAD, compute_efficiency=0),
-     ConfigError, ValueError, r"compute_efficiency=0.*default is 0\.35"),
+     ConfigError, ValueError, r"compute_efficiency=0.*default is 0\.5"),
     ("regression_efficiency_string", lambda: emulated_step_time_s(
         get_device_spec("T4"), 1, WORKLOAD, compute_efficiency="high"), ConfigError, ValueError,
      r"compute_efficiency='high'"),

@@ -3,6 +3,8 @@ and the solved plan under each policy, the refusal of bf16 where a device has no
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from calibration.store import profile_key
@@ -41,7 +43,7 @@ def solved_split(names, policy: str, global_batch_size: int = 4096) -> tuple[int
 def test_published_half_precision_figures(name, fp16, bf16):
     spec = get_device_spec(name)
     assert spec.fp16_tflops == fp16 and spec.bf16_tflops == bf16
-    assert spec.peak_tflops("float32") == spec.fp32_tflops
+    assert spec.peak_tflops("float32", tf32=False) == spec.fp32_tflops
     assert spec.peak_tflops("mixed_float16") == spec.peak_tflops("float16") == fp16
     if bf16 is None:
         assert "BF16" in spec.source  # the source says why there is none
@@ -84,7 +86,7 @@ def test_half_precision_compute_uses_the_half_precision_figure():
         # The compute term alone: the difference between two batch sizes.
         fp32, fp16 = (emulated_step_time_s(spec, 200, workload(d)) - emulated_step_time_s(spec, 100, workload(d))
                       for d in ("float32", "float16"))
-        assert fp32 / fp16 == pytest.approx(spec.fp16_tflops / spec.fp32_tflops, rel=1e-9)
+        assert fp32 / fp16 == pytest.approx(spec.fp16_tflops / spec.peak_tflops("float32"), rel=1e-9)
 
 
 def test_the_devices_order_changes_with_precision():
@@ -93,7 +95,7 @@ def test_the_devices_order_changes_with_precision():
     assert p100 > t4
     a10_h, t4_h, p100_h = solved_split(["A10", "T4", "P100"], "mixed_float16")
     assert t4_h > p100_h
-    # The A10 : T4 ratio (31.2 / 8.1 = 3.9 in fp32, 125 / 65 = 1.9 in fp16) roughly halves.
+    # The A10 : T4 ratio (62.5 / 8.1 = 7.7 in float32, the A10 running it as TF32; 125 / 65 = 1.9 in fp16) drops.
     assert a10 / t4 > 1.6 * (a10_h / t4_h)
 
 
@@ -121,6 +123,10 @@ def test_real_gpus_below_compute_capability_8_are_refused_bf16_only():
 
 def test_the_emulator_table_shows_the_figure_of_the_workloads_precision():
     lines = Emulator(["A10", "T4"], workload=workload("mixed_float16")).describe(global_batch_size=64)
-    assert "fp16 TF" in lines[1]
-    assert lines[2].split()[1:3] == ["A10", "125.0"] and lines[3].split()[1:3] == ["T4", "65.0"]
-    assert "fp32 TF" in Emulator(["T4"]).describe()[1]
+    assert "peak TF" in lines[1]
+    assert lines[2].split()[1:4] == ["A10", "125.0", "fp16"] and lines[3].split()[1:4] == ["T4", "65.0", "fp16"]
+    assert Emulator(["T4"]).describe()[2].split()[1:4] == ["T4", "8.1", "fp32"]
+    # float32: the A10 at its TF32 rate (TensorFlow's default), at its fp32 rate with TF32 off.
+    assert Emulator(["A10"]).describe()[2].split()[1:4] == ["A10", "62.5", "tf32"]
+    off = dataclasses.replace(workload("float32"), tensor_float_32=False)
+    assert Emulator(["A10"], workload=off).describe()[2].split()[1:4] == ["A10", "31.2", "fp32"]

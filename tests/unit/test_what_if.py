@@ -23,10 +23,13 @@ def test_the_mix_adds_and_drops_cards():
 
 def test_a_what_if_plan_is_consistent_with_the_catalog_models():
     result = what_if(["A10", "T4", "P100"], 256)
-    assert sum(result["per_replica_batch_sizes"]) == 256 and result["emulated"] is True
+    assert sum(result["per_replica_batch_sizes"]) == 256
+    # Predicted from the catalog, not emulated (regression: the JSON said "emulated": true).
+    assert result["predicted_from"] == "catalog" and "emulated" not in result
+    assert result["compute_rates"] == ["tf32", "fp32", "fp32"] and result["peak_tflops"] == [62.5, 8.1, 9.3]
     assert all(m <= cap for m, cap in zip(result["micro_batch_sizes"], result["memory_caps"]))
     assert result["examples_per_s"] == pytest.approx(256 / result["predicted_step_s"])
-    # The fastest card alone: the A10 (the highest fp32 peak of the three), on the whole batch in micro-batches.
+    # The fastest card alone: the A10 (the highest peak of the three), on the whole batch in micro-batches.
     assert result["fastest_card"] == "A10"
     assert result["speedup_vs_fastest"] == pytest.approx(result["fastest_card_step_s"] / result["predicted_step_s"])
     assert 1.0 < result["speedup_vs_fastest"] and 1.0 < result["speedup_vs_even"]
@@ -76,6 +79,20 @@ def test_the_command_line_answers_without_a_profile(capsys):
     assert "needs --global-batch-size" in capsys.readouterr().err
     assert main(["plan", "--global-batch-size", "8"]) == 2
     assert "exactly one of --profile FILE" in capsys.readouterr().err
+
+
+def test_tf32_off_predicts_float32_at_the_fp32_rate_of_the_cards_with_tf32(capsys):
+    from hetero_cs.cli import main
+
+    assert main(["plan", "--devices", "A10,T4", "--global-batch-size", "256", "--tf32", "off", "--json"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    on = what_if(["A10", "T4"], 256)
+    assert off["compute_rates"] == ["fp32", "fp32"] and on["compute_rates"] == ["tf32", "fp32"]
+    # The A10 at its fp32 rate gets a smaller share of the batch than at its TF32 rate; the T4 has no TF32.
+    assert off["per_replica_batch_sizes"][0] < on["per_replica_batch_sizes"][0]
+    assert off["speedup_vs_fastest"] > on["speedup_vs_fastest"]
+    assert main(["plan", "--profile", "p.json", "--tf32", "off"]) == 2
+    assert "--tf32" in capsys.readouterr().err
 
 
 def test_the_what_if_needs_no_tensorflow():
