@@ -178,6 +178,7 @@ class MultiWorkerInput:
         if step is None:
             return fn
         sizes, global_batch_size, start, row_leaves = step
+        entry_point = _compat.keras_entry_point()  # this thread's; the replica functions run in threads of their own
         devices = self.extended.worker_devices
         first = self._first_replica
 
@@ -193,7 +194,14 @@ class MultiWorkerInput:
             seed_replica_step(replica_step, [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs)))
                                              if i in row_leaves])
             with training.replica_step(replica_step):
-                return fn(*call_args, **call_kwargs)
+                outputs = fn(*call_args, **call_kwargs)
+                if entry_point is None:
+                    return outputs  # a custom loop's: the user reduces them
+                from hetero_cs.engine._compat.loss_reader import check_predictions, shares_of_logs
+
+                if entry_point == "predict":
+                    return check_predictions(replica_step, outputs)
+                return shares_of_logs(replica_step, outputs, keep_replicated=True)
 
         return replica_fn
 

@@ -84,14 +84,14 @@ def _valid(program: Program) -> bool:
 
 
 @st.composite
-def programs(draw, *, loops=LOOPS) -> Program:
+def programs(draw, *, loops=LOOPS, replicas=(2, 4), data_kinds=DATA) -> Program:
     """A random valid program (hypothesis strategy); shrinks toward small plain ones (vectors, Dense, fit)."""
-    data = draw(st.sampled_from(DATA), label="data")
+    data = draw(st.sampled_from(data_kinds), label="data")
     loop = draw(st.sampled_from(loops), label="loop")
     loss = draw(st.sampled_from(CUSTOM_LOSSES if loop == "custom_loop" else LOSSES), label="loss")
     form = draw(st.sampled_from(("sequential", "functional", "subclassed")), label="form")
     body = tuple(draw(st.lists(st.sampled_from(BODIES[data]), min_size=1, max_size=3), label="body"))
-    num_replicas = draw(st.integers(2, 4), label="replicas")
+    num_replicas = draw(st.integers(*replicas), label="replicas")
     shares = tuple(draw(st.lists(st.integers(0, 4), min_size=num_replicas, max_size=num_replicas)
                         .filter(lambda s: sum(s) > 0), label="shares"))
     batch_size = draw(st.integers(4, 12), label="batch_size")
@@ -132,10 +132,37 @@ EPOCHS = {program.epochs}
 '''
 
 _MAIN = '''
+def save(record, path):
+    """The results of a run, as the oracle compares them (arrays in an .npz, logs in a .json beside it)."""
+    import json
+    import pathlib
+
+    arrays = {{}}
+    for key in ("weights", "optimizer", "predict"):
+        value = record.get(key, [])
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            arrays[f"{{key}}_{{i}}"] = np.asarray(item)
+    np.savez(path, **arrays)
+    logs = {{key: record[key] for key in ("history", "evaluate", "phase", "refused") if key in record}}
+    pathlib.Path(path).with_suffix(".json").write_text(json.dumps(logs, default=float))
+
+
 if __name__ == "__main__":
+    import sys
+
+    shares = {shares}
+    if len(sys.argv) > 1:  # a worker of `hetero-cs launch --workers 2 -- python program.py OUT`
+        strategy = hetero_cs.HeteroMultiWorkerMirroredStrategy(batch_split=shares)
+        record = {{}}
+        try:
+            train(strategy, record)
+        except hetero_cs.HeteroCSError as exc:
+            record["refused"] = f"{{type(exc).__name__}}: {{exc}}"
+        if strategy.cluster_resolver.task_id == 0:
+            save(record, sys.argv[1])
+        sys.exit(0)
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 5)
-    shares = {shares}
     strategy = hetero_cs.HeteroCentralStorageStrategy(
         [f"/cpu:{{i}}" for i in range(1, len(shares) + 1)], batch_split=shares, profile_cache=False)
     expected, got = train(None), train(strategy)

@@ -122,6 +122,56 @@ def test_a_thousand_random_programs_match_one_device_or_are_refused(program):
     run_program(program)
 
 
+def run_on_two_workers(program: Program, tmp_path) -> str:
+    """Trains ``program`` on one device here and on two worker processes (``hetero-cs launch --workers 2``, one
+    replica each, split by its two shares); returns "exact" or "refused", raises SilentDifference else."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    source = render(program)
+    script = tmp_path / "program.py"
+    script.write_text(source)
+    namespace: dict = {"__name__": "oracle_program"}
+    exec(compile(source, "<oracle program>", "exec"), namespace)  # noqa: S102
+    expected = namespace["train"](None)
+    out = tmp_path / "results.npz"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    done = subprocess.run([sys.executable, "-m", "hetero_cs.cli", "launch", "--workers", "2", "--", sys.executable,
+                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 or not out.exists():
+        raise SilentDifference(_report(source, f"two workers failed (status {done.returncode}):\n"
+                                               f"{done.stdout[-3000:]}{done.stderr[-2000:]}"))
+    logs = json.loads(out.with_suffix(".json").read_text())
+    if "refused" in logs:
+        if program.loss not in MAY_REFUSE:
+            raise SilentDifference(_report(source, f"refused a form that must be exact: {logs['refused']}"))
+        OUTCOMES[(program.kind + " (2 workers)", "refused")] += 1
+        return "refused"
+    arrays = np.load(out, allow_pickle=True)
+    got = dict(logs)
+    for key in ("weights", "optimizer", "predict"):
+        got[key] = [arrays[name] for name in sorted(arrays.files, key=lambda n: int(n.rsplit("_", 1)[1]))
+                    if name.rsplit("_", 1)[0] == key]
+    differences = compare(expected, got, **tolerance(program))
+    if differences:
+        raise SilentDifference(_report(source, "on two workers:\n" + "\n".join(differences)))
+    OUTCOMES[(program.kind + " (2 workers)", "exact")] += 1
+    return "exact"
+
+
+@pytest.mark.slow
+@oracle(10)
+@given(program=programs(loops=("fit", "train_step", "custom_loop"), replicas=(2, 2),
+                        data_kinds=("vectors", "sequences", "tokens")))
+def test_random_programs_on_two_workers_match_one_device_or_are_refused(program, tmp_path_factory):
+    run_on_two_workers(program, tmp_path_factory.mktemp("two_workers"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The oracle can fail: a mutant of the library must be caught.
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ the batch), and any value whose per-example inputs mix examples (:mod:`hetero_cs
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import tensorflow as tf
 
@@ -87,17 +88,34 @@ def share_of(step, value, *, what: str = "the loss"):
     return share if mode == SHARE else _weigh(share)
 
 
-def shares_of_logs(step, outputs):
+def shares_of_logs(step, outputs, *, keep_replicated: bool = False):
     """A Keras step's outputs with every floating scalar (a logged value) made this replica's share of one device's:
-    summed over the replicas (``reduce_per_replica``, patched), they log what one device logs."""
+    summed over the replicas (``reduce_per_replica``, patched), they log what one device logs.
+
+    ``keep_replicated``: leave values that do not depend on the batch as they are (the multi-worker strategy, whose
+    metric results each replica reads from its own metric state: the reduction sums that state over the cluster).
+    """
 
     def share(value):
-        if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
-            name = "" if tf.executing_eagerly() else f" ({value.name})"
-            return share_of(step, value, what=f"a logged value the train or test step returns{name}")
-        return value
+        if not (isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating):
+            return value
+        if tf.executing_eagerly():
+            return share_of(step, value, what="a logged value the train or test step returns")
+        if keep_replicated and flow_of(step).kind(value).what == REP:
+            return value
+        shared = share_of(step, value, what=f"a logged value the train or test step returns ({value.name})")
+        _log_shares.setdefault(shared.graph, set()).add(shared.ref())
+        return shared
 
     return tf.nest.map_structure(share, outputs)
+
+
+_log_shares: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> refs of the log shares made in it
+
+
+def is_log_share(tensor) -> bool:
+    """True for a tensor :func:`shares_of_logs` made (a logged value, given as this replica's share)."""
+    return not tf.executing_eagerly() and tensor.ref() in _log_shares.get(tensor.graph, ())
 
 
 def check_predictions(step, outputs):

@@ -18,7 +18,7 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
    plain mean of the replicas' logs would be wrong anyway with uneven slices: each replica's metric is a ratio of
    its own totals. Under our strategy the logs are the model's metric results computed from every replica's
    totals and counts summed over the cluster (Keras' metric variables are ON_READ / SUM; one all-reduce for all
-   of them, see ``summed_metric_results``): the single-device value. A log that is not a metric (a floating scalar
+   of them, see ``summed_logs``): the single-device value. A log that is not a metric (a floating scalar
    a ``train_step`` override returns) is each replica's share of one device's value, summed (the same under the
    central-storage strategy). ``predict``'s
    ``"concat"`` is left to Keras with one replica per worker (it gathers slices of unequal length in replica order,
@@ -69,6 +69,11 @@ def in_keras_entry_point() -> bool:
     """True inside a Keras ``fit``, ``evaluate`` or ``predict`` of a model under the multi-worker strategy (this
     thread), False in a custom loop."""
     return getattr(_current_model, "model", None) is not None
+
+
+def keras_entry_point() -> str | None:
+    """``"fit"``, ``"evaluate"`` or ``"predict"`` while one runs under the multi-worker strategy (this thread)."""
+    return getattr(_current_model, "entry_point", None) if in_keras_entry_point() else None
 
 
 def id_in_cluster(strategy) -> int:
@@ -129,61 +134,85 @@ def _patch_reduce_per_replica() -> None:
         multi_worker = is_multi_worker_strategy(strategy)
         if not (multi_worker or is_central_storage(strategy)) or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)
+
+        def local(value):
+            return strategy.experimental_local_results(value) if isinstance(value, tf.distribute.DistributedValues) \
+                else (value,)
+
+        def logged_share(value) -> bool:  # each replica gave its share of one device's value (loss_reader)
+            first = local(value)[0]
+            if not (isinstance(first, tf.Tensor) and first.shape.rank == 0 and first.dtype.is_floating):
+                return False
+            return is_log_share(first) if multi_worker else isinstance(value, tf.distribute.DistributedValues)
+
+        def walk(key, value, visit):
+            if isinstance(value, dict):  # nested logs: a train_step override returning {"compile_metrics": {...}}
+                return {inner: walk(inner, item, visit) for inner, item in value.items()}
+            return visit(key, value)
+
+        def structure(visit):
+            if isinstance(values, dict):
+                return walk(None, values, visit)
+            return tf.nest.map_structure(lambda v: visit(None, v), values)
+
+        shares = []
+        structure(lambda key, value: shares.append(value) if logged_share(value) else None)
         model = getattr(_current_model, "model", None)
-        results = {}
-        if multi_worker and model is not None and isinstance(values, dict):
-            results = summed_metric_results(model, strategy)
+        if multi_worker:  # metric results and logged shares summed over the cluster in one all-reduce
+            results, sums = summed_logs(model if isinstance(values, dict) else None, strategy, shares)
+        else:
+            results, sums = {}, [strategy.reduce("SUM", value, axis=None) for value in shares]
+        sums = iter(sums)
 
         def reduce(key, value):
-            if isinstance(value, dict):  # nested logs: a train_step override returning {"compile_metrics": {...}}
-                return {inner: reduce(inner, item) for inner, item in value.items()}
-            if key in results:
+            if logged_share(value):
+                return next(sums)
+            if key in results:  # a metric's result (read from each replica's own metric state): the cluster's
                 return results[key]
-            if not isinstance(value, tf.distribute.DistributedValues):
-                return value
-            first = strategy.experimental_local_results(value)[0]
-            if first.shape.rank == 0 and first.dtype.is_floating:
-                # A logged value: each replica gave its share of one device's (loss_reader.shares_of_logs).
-                return strategy.reduce("SUM", value, axis=None)
-            return original(value, strategy, reduction)
+            return original(value, strategy, reduction) if isinstance(value, tf.distribute.DistributedValues) \
+                else value
 
-        if isinstance(values, dict):
-            return {key: reduce(key, value) for key, value in values.items()}
-        return tf.nest.map_structure(lambda v: reduce(None, v), values)
+        return structure(reduce)
 
     # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
+    from hetero_cs.engine._compat.loss_reader import is_log_share
+
     reduce_per_replica._hetero_cs = True
     trainer_module.reduce_per_replica = reduce_per_replica
 
 
-def summed_metric_results(model, strategy) -> dict:
-    """The model's metric results over the whole cluster (cross-replica context), from ONE SUM all-reduce.
+def summed_logs(model, strategy, shares) -> tuple[dict, list]:
+    """The model's metric results over the whole cluster, and ``shares`` (logged values, each replica's share)
+    summed over it, from ONE SUM all-reduce (cross-replica context).
 
     Keras' metric variables are ON_READ with SUM aggregation, so reading each in cross-replica context sums it over
     every replica - one collective per variable (4 for a loss and an accuracy), every step. Here every replica's
-    local values of all metric variables travel in one vector (float64; exact for integer counts below 2**53),
-    and each metric's result is computed from the summed values with Keras' ``stateless_result``.
+    local values of all metric variables and logged shares travel in one vector (float64; exact for integer counts
+    below 2**53), and each metric's result is computed from the summed values with Keras' ``stateless_result``.
     """
     from hetero_cs.engine._compat.distribute import per_replica
 
-    metrics = list(model.metrics)
+    metrics = list(model.metrics) if model is not None else []
     variables = [v for metric in metrics for v in metric.variables]
-    if not variables:
-        return {}
+    if not variables and not shares:
+        return {}, []
     # Private: a Keras variable's backing tf.Variable (_value); reading its public value in cross-replica context
     # would run the per-variable all-reduce this function avoids. Its local components are the replicas' copies.
-    components = [strategy.experimental_local_results(v._value) for v in variables]  # noqa: SLF001
-    shapes = [tuple(v.shape) for v in variables]
+    components = [[c.read_value() for c in strategy.experimental_local_results(v._value)]  # noqa: SLF001
+                  for v in variables]
+    components += [strategy.experimental_local_results(share) if isinstance(share, tf.distribute.DistributedValues)
+                   else (share,) for share in shares]
+    shapes = [tuple(v.shape) for v in variables] + [()] * len(shares)
     sizes = [int(np.prod(shape)) if shape else 1 for shape in shapes]
     vectors = []
     for local in range(len(components[0])):
-        vectors.append(tf.concat(
-            [tf.reshape(tf.cast(c[local].read_value(), tf.float64), [-1]) for c in components], axis=0))
+        vectors.append(tf.concat([tf.reshape(tf.cast(c[local], tf.float64), [-1]) for c in components], axis=0))
     summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica(vectors), axis=None)
-    pieces = [
-        tf.cast(tf.reshape(piece, shape), v.dtype)
-        for piece, shape, v in zip(tf.split(summed, sizes), shapes, variables)
-    ]
+    pieces = [tf.reshape(piece, shape) for piece, shape in zip(tf.split(summed, sizes), shapes)]
+    logged = [tf.cast(piece, share.dtype if isinstance(share, tf.Tensor) else
+                      strategy.experimental_local_results(share)[0].dtype)
+              for piece, share in zip(pieces[len(variables):], shares)]
+    pieces = [tf.cast(piece, v.dtype) for piece, v in zip(pieces, variables)]
     results, start = {}, 0
     for metric in metrics:
         count = len(metric.variables)
@@ -196,7 +225,7 @@ def summed_metric_results(model, strategy) -> dict:
     # Private: Keras' own flattening of nested result dicts, as get_metrics_result ends (tensors stay tensors here).
     from keras.src.utils.python_utils import pythonify_logs
 
-    return pythonify_logs(results)
+    return pythonify_logs(results), logged
 
 
 def _patch_entry_points() -> None:
@@ -226,8 +255,8 @@ def _patch_entry_points() -> None:
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
-            previous = getattr(_current_model, "model", None)
-            _current_model.model = self
+            previous = getattr(_current_model, "model", None), getattr(_current_model, "entry_point", None)
+            _current_model.model, _current_model.entry_point = self, original.__name__
             strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
             try:
                 return original(*bound.args, **bound.kwargs)
@@ -250,7 +279,7 @@ def _patch_entry_points() -> None:
                     raise
                 raise error from exc
             finally:
-                _current_model.model = previous
+                _current_model.model, _current_model.entry_point = previous
 
         return method
 
