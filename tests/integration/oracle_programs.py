@@ -83,14 +83,23 @@ def _valid(program: Program) -> bool:
     return True
 
 
+QUICK_LOOPS = ("fit", "train_step", "custom_loop", "grad_accum")  # the default run's: mixed precision traces slowly
+_RECURRENT = ("lstm", "gru", "attention")
+
+
 @st.composite
-def programs(draw, *, loops=LOOPS, replicas=(2, 4), data_kinds=DATA) -> Program:
-    """A random valid program (hypothesis strategy); shrinks toward small plain ones (vectors, Dense, fit)."""
+def programs(draw, *, loops=LOOPS, replicas=(2, 4), data_kinds=DATA, max_layers: int = 3,
+             max_recurrent: int = 3) -> Program:
+    """A random valid program (hypothesis strategy); shrinks toward small plain ones (vectors, Dense, fit).
+
+    ``max_layers`` bounds the hidden layers, ``max_recurrent`` how many of them are LSTM, GRU or attention layers
+    (the slowest to trace under a strategy: the default run keeps one)."""
     data = draw(st.sampled_from(data_kinds), label="data")
     loop = draw(st.sampled_from(loops), label="loop")
     loss = draw(st.sampled_from(CUSTOM_LOSSES if loop == "custom_loop" else LOSSES), label="loss")
     form = draw(st.sampled_from(("sequential", "functional", "subclassed")), label="form")
-    body = tuple(draw(st.lists(st.sampled_from(BODIES[data]), min_size=1, max_size=3), label="body"))
+    body = tuple(draw(st.lists(st.sampled_from(BODIES[data]), min_size=1, max_size=max_layers)
+                      .filter(lambda b: sum(t in _RECURRENT for t in b) <= max_recurrent), label="body"))
     num_replicas = draw(st.integers(*replicas), label="replicas")
     shares = tuple(draw(st.lists(st.integers(0, 4), min_size=num_replicas, max_size=num_replicas)
                         .filter(lambda s: sum(s) > 0), label="shares"))

@@ -6,7 +6,9 @@ HeteroCentralStorageStrategy. Weights, optimizer variables, the History, evaluat
 match, or the program must be refused with a hetero_cs error before its first update (only the forms in
 ``MAY_REFUSE`` may be). A silent difference fails with the program printed as a script, shrunk to its smallest form.
 
-The default run draws 50 programs from a fixed seed; ``tox -e slow`` draws 1,000. ``test_the_oracle_fails_on_a_
+The default run draws 50 programs from a fixed seed (without mixed precision, at most two hidden layers, one of them
+recurrent or attention: the quickest to trace); ``tox -e slow`` draws 1,000 from the whole grammar, and 10 on two
+worker processes. ``test_the_oracle_fails_on_a_
 mutant`` shows the oracle can fail: with the ``b_i / B`` weight perturbed, or ``stop_gradient`` read as linear.
 """
 
@@ -20,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 import hetero_cs
 from fixed_splits import strategy_for
-from oracle_programs import MAY_REFUSE, Program, programs, render
+from oracle_programs import MAY_REFUSE, QUICK_LOOPS, Program, programs, render
 
 OUTCOMES: collections.Counter = collections.Counter()  # (form, outcome) over the process, for the report
 
@@ -40,7 +42,7 @@ def run_program(program: Program) -> str:
     source = render(program)
     namespace: dict = {"__name__": "oracle_program"}
     exec(compile(source, "<oracle program>", "exec"), namespace)  # noqa: S102 - the program is ours, rendered
-    expected = namespace["train"](None)
+    expected = reference_run(namespace, program)
     strategy = strategy_for(list(program.shares))
     got: dict = {}
     try:
@@ -66,6 +68,18 @@ def run_program(program: Program) -> str:
         raise SilentDifference(_report(source, "\n".join(differences)))
     OUTCOMES[(program.kind, "exact")] += 1
     return "exact"
+
+
+def reference_run(namespace: dict, program: Program) -> dict:
+    """The program on one device; a program one device cannot run (a Keras limitation, e.g. some float16
+    combinations) is not a valid program: rejected (hypothesis draws another)."""
+    from hypothesis import reject
+
+    try:
+        return namespace["train"](None)
+    except Exception:  # noqa: BLE001 - whatever Keras raises on one device
+        OUTCOMES[(program.kind, "invalid")] += 1
+        reject()
 
 
 def compare(expected: dict, got: dict, *, atol: float, rtol: float) -> list:
@@ -110,7 +124,7 @@ def oracle(max_examples: int):
 
 
 @oracle(50)
-@given(program=programs())
+@given(program=programs(loops=QUICK_LOOPS, max_layers=2, max_recurrent=1))
 def test_random_programs_match_one_device_or_are_refused(program):
     run_program(program)
 
@@ -136,7 +150,7 @@ def run_on_two_workers(program: Program, tmp_path) -> str:
     script.write_text(source)
     namespace: dict = {"__name__": "oracle_program"}
     exec(compile(source, "<oracle program>", "exec"), namespace)  # noqa: S102
-    expected = namespace["train"](None)
+    expected = reference_run(namespace, program)
     out = tmp_path / "results.npz"
     root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
