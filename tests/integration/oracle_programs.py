@@ -26,12 +26,14 @@ LOSSES = (
 )
 LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision")
 CUSTOM_LOSSES = ("compute_average_loss", "reduce_mean", "reduce_mean_over_replicas", "reduce_sum_over_b",
-                 "masked_ratio", "boolean_mask_mean", "stop_gradient", "nonlinear", "in_batch", "regularized")
+                 "masked_ratio", "boolean_mask_mean", "stop_gradient", "nonlinear", "in_batch", "regularized",
+                 "l2_loss", "learned_weight")
 # Forms a split cannot reproduce: refused with a hetero_cs error (BatchCouplingError / LossPatternError).
 MAY_REFUSE = frozenset({"nonlinear", "in_batch"})
 # Data kinds whose models hold BatchNormalization in some programs: micro-batches refuse them (their statistics).
 BODIES = {
-    "vectors": ("dense", "dense_relu", "layer_norm", "batch_norm", "sync_batch_norm", "regularized_dense"),
+    "vectors": ("dense", "dense_relu", "layer_norm", "batch_norm", "sync_batch_norm", "regularized_dense",
+                "python_rows"),
     "two_inputs": ("dense", "dense_relu", "layer_norm"),
     "images": ("conv2d", "batch_norm", "pool", "conv2d_relu"),
     "sequences": ("conv1d", "lstm", "gru", "attention", "layer_norm", "dense"),
@@ -244,6 +246,9 @@ def _layer(token: str, sequence: bool) -> list:
                 " activity_regularizer=keras.regularizers.L2(0.01))(h)"]
     if token == "layer_norm":
         return ["h = keras.layers.LayerNormalization()(h)"]
+    if token == "python_rows":  # Python code that works row by row, marked as such
+        return ["h = keras.layers.Lambda(lambda t: hetero_cs.per_example(tf.ensure_shape(tf.numpy_function(",
+                "    lambda a: np.tanh(a), [t], tf.float32, stateful=False), t.shape)), output_shape=lambda s: s)(h)"]
     if token == "batch_norm":
         return ["h = keras.layers.BatchNormalization()(h)"]
     if token == "sync_batch_norm":
@@ -574,6 +579,8 @@ def _custom_loop(program: Program) -> str:
         "in_batch": "tf.reduce_mean(tf.matmul(pred, pred, transpose_b=True))",
         "regularized": "tf.reduce_mean(per_example) + 0.01 * tf.add_n([tf.reduce_sum(tf.square(v)) for v in "
                        "model.trainable_variables])",
+        "l2_loss": "tf.nn.l2_loss(pred - tf.cast(tf.reshape(yb, [-1, 1]), pred.dtype)) / 10.0",
+        "learned_weight": "tf.exp(-log_scale) * tf.reduce_mean(per_example) + log_scale",
     }[program.loss]
     return f'''
 def train(strategy, record=None):
@@ -584,8 +591,9 @@ def train(strategy, record=None):
     replicas = runner.num_replicas_in_sync
     with runner.scope():
         model = build_model()
+        log_scale = tf.Variable(0.1, name="log_scale")  # a learned loss weight (uncertainty weighting)
         optimizer = {_optimizer(program)}
-        optimizer.build(model.trainable_variables)
+        optimizer.build(model.trainable_variables + [log_scale])
     record.update(model=model, initial=[w.copy() for w in model.get_weights()], phase="fit")
     dataset = tf.data.Dataset.from_tensor_slices((tuple(x) if isinstance(x, list) else x, y)).batch(BATCH_SIZE)
     losses = []
@@ -597,7 +605,8 @@ def train(strategy, record=None):
             mask = tf.cast(tf.cast(yb, per_example.dtype)[:, 0] > 0 if len(yb.shape) > 1 else yb > 0,
                            per_example.dtype)
             loss = {loss}
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        trained = model.trainable_variables + ([log_scale] if {program.loss == "learned_weight"} else [])
+        optimizer.apply_gradients(zip(tape.gradient(loss, trained), trained))
         return loss
 
     @tf.function
