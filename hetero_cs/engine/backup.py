@@ -9,8 +9,8 @@ directory (:mod:`hetero_cs.engine.backup_files`: every file listed in its manife
 * the epoch, the batches of that epoch already applied, the optimizer step, and what identifies the run: the
   model's architecture (:func:`calibration.probe.model_fingerprint`), the global batch size, the data's length;
 
-after the first step (to measure what a backup costs), then every ``interval_steps`` applied steps, the number of
-steps whose time is 200 times a backup's (so backups cost about 0.5 % of training time), at most
+after the first two steps (to measure what a backup costs), then every ``interval_steps`` applied steps, the
+number of steps whose time is 200 times a backup's (so backups cost about 0.5 % of training time), at most
 :data:`MAX_INTERVAL_STEPS`; and once more when ``fit`` ends (marked complete). A lost card costs at most
 ``interval_steps`` steps: the number is logged (INFO) and kept in ``strategy.backup.interval_steps``. Each backup is
 written atomically: the arrays to the slot (``.a.npz``, ``.b.npz``) the record does not name, then the JSON record
@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import pathlib
-import statistics
 import threading
 import time
 import warnings
@@ -139,7 +138,8 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._resume_batches = 0  # batches of the resumed epoch applied before the restart (skipped now)
         self._history: list[dict] = []  # each finished epoch's logs (fit's History), kept in every backup
         self._slot: str | None = None  # the arrays the record names now
-        self._step_ends: list[float] = []  # when each applied step ended, since the last backup
+        self._last_end = time.perf_counter()  # when the last backup (or fit's start) ended
+        self._costs_s: list[float] = []  # what the first two backups took
         self._steps_since = 0
         self._failed: str | None = None  # why backups stopped (a storage failure), or None
         self.interval_steps: int | None = None
@@ -266,22 +266,20 @@ class SupervisedBackup(keras.callbacks.Callback):
             return  # a batch applied before the restart, read and skipped now: nothing changed
         self._batches = int(batch) + 1
         self._steps_since += 1
-        self._step_ends.append(time.perf_counter())
-        if self.backups == 0:
-            self._save(complete=False)  # the first: what a backup costs
-        elif self.interval_steps is None:
-            self._choose_interval()
-        if self.interval_steps is not None and self._steps_since >= self.interval_steps:
-            self._save(complete=False)
+        step_s = time.perf_counter() - self._last_end
+        if self.interval_steps is None and self.backups == 1:
+            self._save(complete=False)  # the second: a backup's cost without the first one's warm-up
+            self._choose_interval(step_s)
+        elif self.interval_steps is None or self._steps_since >= self.interval_steps:
+            self._save(complete=False)  # the first after step 1 (traced, not timed), then every interval_steps
 
-    def _choose_interval(self) -> None:
-        """Fixes the steps between backups from the first backup's cost and the step time since (the first step,
-        which traces the function, is not timed)."""
-        step_s = statistics.median(b - a for a, b in zip(self._step_ends, self._step_ends[1:]))
-        steps = math.ceil(self.last_backup_s / max(BACKUP_COST_SHARE * step_s, 1e-9))
+    def _choose_interval(self, step_s: float) -> None:
+        """Fixes the steps between backups from the cheaper of the first two backups and the second step's time."""
+        cost_s = min(self._costs_s)
+        steps = math.ceil(cost_s / max(BACKUP_COST_SHARE * step_s, 1e-9))
         self.interval_steps = max(1, min(MAX_INTERVAL_STEPS, steps))
         logger.info("hetero_cs: fit backs up every %d step(s) (a backup takes %.1f ms, a step %.1f ms): a lost card "
-                    "costs at most %d step(s).", self.interval_steps, 1e3 * self.last_backup_s, 1e3 * step_s,
+                    "costs at most %d step(s).", self.interval_steps, 1e3 * cost_s, 1e3 * step_s,
                     self.interval_steps)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -349,8 +347,9 @@ class SupervisedBackup(keras.callbacks.Callback):
             self._stop_backups(exc)
             return
         self._slot = slot
-        self.last_backup_s = time.perf_counter() - started
+        self._last_end = time.perf_counter()
+        self.last_backup_s = self._last_end - started
+        self._costs_s = (self._costs_s + [self.last_backup_s])[:2]
         self.backups += 1
         self.backup_time_s += self.last_backup_s
         self._steps_since = 0
-        self._step_ends = [time.perf_counter()] if self.interval_steps is None else []

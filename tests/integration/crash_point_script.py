@@ -76,7 +76,7 @@ def check_same_run(self, record):
 backup.SupervisedBackup._check_same_run = check_same_run
 
 
-def choose_interval(self):
+def choose_interval(self, step_s):
     self.interval_steps = interval
 
 

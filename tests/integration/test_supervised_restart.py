@@ -215,7 +215,8 @@ class Storage(keras.callbacks.Callback):
         self._monkeypatch.setattr(backup, "write_atomically", refused)
 
 
-@pytest.mark.parametrize("failure", ["removed", errno.ENOSPC, pytest.param(errno.EROFS, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("failure", ["removed", *(pytest.param(e, marks=pytest.mark.slow)
+                                                  for e in (errno.ENOSPC, errno.EROFS))])
 def test_regression_a_backup_dir_that_fails_mid_fit_warns_and_training_goes_on(supervised, monkeypatch, tmp_path,
                                                                                failure):
     # A disk that filled ended fit with a raw OSError; a directory removed mid-fit with a raw FileNotFoundError.
@@ -229,11 +230,11 @@ def test_regression_a_backup_dir_that_fails_mid_fit_warns_and_training_goes_on(s
 
 def test_the_backup_interval_is_chosen_from_the_backups_measured_cost():
     callback = backup.SupervisedBackup.__new__(backup.SupervisedBackup)
-    callback.last_backup_s, callback._step_ends = 0.01, [0.0, 0.1]  # a backup of 10 ms, a step of 100 ms
-    callback._choose_interval()
+    callback._costs_s = [0.3, 0.01]  # the first backup warmed up; the second took 10 ms
+    callback._choose_interval(0.1)  # a step of 100 ms
     assert callback.interval_steps == 20  # 20 steps of 100 ms: 2 s, 200 times the backup's 10 ms
-    callback.last_backup_s = 100.0
-    callback._choose_interval()
+    callback._costs_s = [100.0, 100.0]
+    callback._choose_interval(0.1)
     assert callback.interval_steps == backup.MAX_INTERVAL_STEPS
 
 
