@@ -104,6 +104,21 @@ def test_the_card_nvml_shows_failed_is_left_out_by_uuid_not_the_index_the_line_n
     assert f"NVIDIA A10 {A10.uuid} (PCI 00000000:00:05.0) ({evidence})" in output.getvalue()
 
 
+def test_regression_nvml_evidence_without_a_line_leaves_out_that_card_not_nvml_s_index_in_cuda_s_order(
+        monkeypatch, tmp_path, capfd):
+    # NVML's device 0 (PCI order) is the A10; CUDA's device 0 (fastest first) the H200. The A10's ECC count grew
+    # and the script died without naming a device: the supervisor left out CUDA's device 0, the healthy H200.
+    state = tmp_path / "state.json"
+    install(monkeypatch, [H200, A10], state)
+    body = f"""
+        if restart == 0:
+            fault({A10.uuid!r}, ecc=1)
+            os.abort()
+    """
+    assert Supervisor(script(tmp_path, body, state), backup_dir=tmp_path / "b", output=io.StringIO()).run() == 0
+    assert runs(capfd)[-1] == f"1 {H200.uuid} 1"
+
+
 def test_a_kernel_xid_line_names_its_card_by_pci_bus_id(monkeypatch, tmp_path, capfd):
     assert kernel_xid("NVRM: Xid (PCI:0000:00:05): 79, pid=1234, GPU has fallen off the bus.") == ("00000000:00:05",
                                                                                                     79)
