@@ -70,7 +70,8 @@ FORMS = {
     # A replica's gradient op without prefix: replica 0's (gradients are formed in the replicas only).
     "cublas launch failed in replica 0's gradients": (
         graph_error(tf.errors.InternalError, "Blas GEMM launch failed : a.shape=(256, 1024), b.shape=(1024, 10), "
-                    "m=256, n=10, k=1024: CUBLAS_STATUS_ALLOC_FAILED", "gradient_tape/sequential/dense/MatMul/MatMul_1"),
+                    "m=256, n=10, k=1024: CUBLAS_STATUS_ALLOC_FAILED",
+                    "gradient_tape/sequential/dense/MatMul/MatMul_1"),
         0, "op name", "cublas"),
     "cudnn alloc failed": (
         graph_error(tf.errors.InternalError, "cuDNN launch failure : input shape ([32,3,224,224]): "
