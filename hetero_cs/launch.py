@@ -6,6 +6,10 @@ task index, which is what ``tf.distribute.MultiWorkerMirroredStrategy`` (and so
 gets ``HETERO_CS_EMULATE`` (the catalog devices of every worker, in task order: ``"A10,T4"``, or ``"A10+T4,P100+T4"``
 for two replicas per worker) so that the strategy emulates unlike devices on a CPU-only machine.
 
+On a machine with GPUs (and without ``emulate``), each worker gets its own GPUs in ``CUDA_VISIBLE_DEVICES``, by
+UUID: the GPUs CUDA shows the launcher, in CUDA's order, cut into equal runs (one GPU each when there are as many as
+workers; fewer GPUs than workers is a ConfigError).
+
 Every line a worker prints (stdout and stderr together) is printed with a ``[worker i]`` prefix. The launcher's
 exit status is the first failing worker's (a worker killed by signal ``s`` counts as ``128 + s``), else 0. When a
 worker fails, the others get up to 10 s (at most ``grace_s``) to end on their own: they learn of it from TensorFlow
@@ -18,9 +22,11 @@ whole process group included, so nothing is left running; a worker that had to b
 With ``max_restarts`` (``--max-restarts N``) the launcher relaunches the cluster after a failure, at most N times,
 each worker's environment holding ``HETERO_CS_RESTART`` (the relaunches so far):
 
-* **without a worker whose card failed**: its own ``DeviceFaultError``, another worker's ``WorkerLostError`` naming
-  its device error, or a lost card's line (:func:`hetero_cs.supervisor.lost_card_in`) among the last 200 lines of a
-  worker. The relaunched cluster has one worker fewer, and its ``--emulate`` entry is left out;
+* **without a worker whose card failed**: on GPUs, the worker holding a card NVML showed failed while the cluster
+  ran (lost, uncorrected ECC errors grown, a hardware Xid: :class:`hetero_cs.devices.gpu_health.CardWatch`; a line of
+  text alone is no evidence); on emulated cards, its own ``DeviceFaultError``, another worker's ``WorkerLostError``
+  naming its device error, or a lost card's line (:func:`hetero_cs.supervisor.lost_card_in`) among the last 200
+  lines of a worker. The relaunched cluster has one worker fewer, without its GPUs or its ``--emulate`` entry;
 * **with every worker and a lower memory cap** after a replica ran out of memory in ``fit``, ``evaluate`` or
   ``predict`` (:mod:`hetero_cs.engine.multi_worker_oom`): its ``StepOOMError``, or another worker's
   ``WorkerLostError``, names the caps to relaunch with (several workers' caps: the lowest of each replica), and every
@@ -36,12 +42,10 @@ the relaunched job resumes from its last backup.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,9 +53,18 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
+from hetero_cs.launch_config import (  # noqa: F401 - re-exported: part of this module's API before the split
+    MAX_WORKERS,
+    check_emulate,
+    check_workers,
+    free_ports,
+    parse_emulate,
+    tf_config,
+    worker_gpus,
+)
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
+from hetero_cs.supervisor import die_with_parent
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 DEFAULT_GRACE_S = 10.0
@@ -60,102 +73,6 @@ _MAX_LINE_BYTES = 1 << 16
 _SELF_STOP_S = 10.0  # after a worker failed: how long the others may take to end on their own before SIGINT
 _TAIL_LINES = 200  # each worker's last lines kept to tell why it failed
 _DRAIN_S = 1.0  # after the workers exited: how long their output may still arrive before leftover children die
-_EXAMPLE_NAMES = ("A10", "T4", "P100")
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct TCP ports that were free on ``host`` a moment ago (bound to port 0, then released).
-
-    Another process may take one before a worker binds it; the worker then fails to start and the launch fails
-    with its error (rerun it).
-    """
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-            ports.append(sock.getsockname()[1])
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
-
-
-def tf_config(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> str:
-    """The ``TF_CONFIG`` JSON of worker ``index`` in a cluster of one worker per port."""
-    return json.dumps({
-        "cluster": {"worker": [f"{host}:{port}" for port in ports]},
-        "task": {"type": "worker", "index": int(index)},
-    })
-
-
-def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
-    """``"A10,T4"`` -> ``["A10", "T4"]``: one entry per worker, each a catalog device or several joined by ``+``.
-
-    ``"A10+T4,P100+T4"`` gives each of 2 workers two local replicas (worker 0 emulates an A10 and a T4, worker 1 a
-    P100 and a T4). Every worker needs the same number of replicas (MultiWorkerMirroredStrategy's rule).
-
-    Raises:
-        ConfigError: The list does not name one entry per worker, has an empty name, or gives the workers different
-            numbers of replicas.
-        UnknownEmulatedDeviceError: A name is not in the catalog.
-    """
-    if text is None:
-        return None
-    return check_emulate([name.strip() for name in text.split(",")], num_workers, written=text)
-
-
-def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None = None) -> list[str]:
-    """``names`` as a list of per-worker entries (``"A10"`` or ``"A10+T4"``), checked (see :func:`parse_emulate`)."""
-    shown = repr(written) if written is not None else repr(names)
-    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
-        raise ConfigError(f"emulate must be a list of catalog names (str), one per worker. Received: {names!r}. "
-                          f"Example: emulate={list(_example_names(num_workers))!r}.")
-    groups = [[part.strip() for part in name.split("+")] for name in names]
-    if any(not part for group in groups for part in group):
-        raise ConfigError(f"--emulate has an empty name in {shown}: name one catalog device per worker, "
-                          f"comma-separated, e.g. --emulate {','.join(_example_names(num_workers))} (or several per "
-                          f"worker joined by +, e.g. --emulate A10+T4,P100+T4).")
-    if len(groups) != num_workers:
-        raise ConfigError(
-            f"--emulate names the devices of each worker, one comma-separated entry per worker: got {shown} "
-            f"({len(groups)} entr{'ies' if len(groups) != 1 else 'y'}) for --workers {num_workers}. Give exactly "
-            f"{num_workers}, e.g. --emulate {','.join(_example_names(num_workers))}; several replicas per worker are "
-            f"joined by +, e.g. A10+T4."
-        )
-    sizes = sorted({len(group) for group in groups})
-    if len(sizes) > 1:
-        raise ConfigError(
-            f"--emulate gives the workers different numbers of replicas: {shown} has "
-            f"{[len(group) for group in groups]} per worker. MultiWorkerMirroredStrategy needs the same number of "
-            f"replicas on every worker; give each worker {sizes[-1]} (e.g. add a device to the others) or split a "
-            f"worker's devices over more workers."
-        )
-    if sizes[-1] > MAX_EMULATED_REPLICAS_PER_WORKER:
-        raise ConfigError(
-            f"--emulate gives each worker {sizes[-1]} emulated replicas in {shown}; at most "
-            f"{MAX_EMULATED_REPLICAS_PER_WORKER} per worker are supported (more stalled in testing: their emulated "
-            f"waits block beside the CPU collectives). Use more --workers with fewer devices each."
-        )
-    from hetero_cs.devices.catalog import get_device_spec
-
-    for group in groups:
-        for part in group:
-            get_device_spec(part)
-    return ["+".join(group) for group in groups]
-
-
-def _example_names(count: int) -> list[str]:
-    return [_EXAMPLE_NAMES[i % 3] for i in range(max(count, 1))]
-
-
-def check_workers(num_workers) -> int:
-    """``num_workers`` if it is an int in [1, MAX_WORKERS], else ConfigError."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS:
-        raise ConfigError(f"--workers must be an int in [1, {MAX_WORKERS}] (processes on this machine). "
-                          f"Received: {num_workers!r}.")
-    return num_workers
 
 
 class Launch:
@@ -192,6 +109,11 @@ class Launch:
             raise ConfigError(f"cannot run {command[0]!r}: {what}. Received the command {list(command)!r}.")
         if emulate is not None:
             emulate = check_emulate(emulate, num_workers)
+        from hetero_cs.devices.gpu_health import visible_gpus
+
+        # Each worker's own GPUs, by UUID (None: no GPU, or emulated cards); a lost card is NVML's to say.
+        self._gpus = worker_gpus(visible_gpus() if emulate is None else [], num_workers)
+        self._evidence: list = []  # (Gpu, why) of the cards NVML showed failed in the last launch
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 1000:
             raise ConfigError(f"--max-restarts must be an int in [0, 1000] (relaunches of the cluster after a worker "
                               f"failed). Received: {max_restarts!r}.")
@@ -222,6 +144,8 @@ class Launch:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
         if self._caps is not None:
             env[CAPS_ENV_VAR] = format_caps(self._caps)
+        if self._gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu.uuid for gpu in self._gpus[index])
         return env
 
     def _pump(self, index: int, stream) -> None:
@@ -268,8 +192,12 @@ class Launch:
     def run(self) -> int:
         """Starts the workers, waits for them, and returns the exit status (see the module docstring); with
         ``max_restarts``, relaunches the cluster after a failure that a relaunch can get past (:meth:`_relaunch`)."""
+        from hetero_cs.devices.gpu_health import CardWatch
+
         while True:
-            status = self._run_cluster()
+            with CardWatch([gpu for gpus in self._gpus or [] for gpu in gpus]) as watch:
+                status = self._run_cluster()
+                self._evidence = watch.lost([line for tail in self._tails for line in tail]) if status else []
             if status == 0 or self._stop.is_set() or self._failed is None or self.restarts >= self._max_restarts:
                 if status != 0 and self._max_restarts and self.restarts >= self._max_restarts and \
                         not self._stop.is_set():
@@ -289,11 +217,15 @@ class Launch:
                 self._note(f"worker {card}'s card failed and no other worker is left: not relaunching")
                 return False
             dropped = self._emulate.pop(card) if self._emulate is not None else None
+            if self._gpus is not None:
+                dropped = ", ".join(f"{gpu}: {why}" for gpu, why in self._evidence if gpu in self._gpus[card])
+                del self._gpus[card]
             if self._caps is not None:  # the caps of the workers left (every worker runs as many replicas)
                 per_worker = len(self._caps) // self._num_workers
                 del self._caps[card * per_worker:(card + 1) * per_worker]
             self._num_workers -= 1
-            what = f"without worker {card}" + (f" (emulating {dropped})" if dropped else "")
+            what = f"without worker {card}" + (f" ({'its GPU ' if self._gpus is not None else 'emulating '}{dropped})"
+                                               if dropped else "")
             why = f"worker {card}'s card failed"
         elif (found := self._caps_after_out_of_memory()) is not None:
             workers, caps = found
@@ -322,9 +254,13 @@ class Launch:
         return True
 
     def _worker_whose_card_failed(self) -> int | None:
-        """The worker whose device error (DeviceFaultError) or lost card its own or another worker's last lines
-        name, or None."""
+        """The worker whose card failed, or None: on GPUs, the one holding a card NVML showed failed (never a line
+        of text alone); on emulated cards, the worker whose device error (DeviceFaultError) or lost card its own or
+        another worker's last lines name."""
         from hetero_cs.supervisor import lost_card_in
+
+        if self._gpus is not None:
+            return next((i for gpu, _ in self._evidence for i, gpus in enumerate(self._gpus) if gpu in gpus), None)
 
         for index, tail in enumerate(self._tails):
             for line in tail:
@@ -378,7 +314,7 @@ class Launch:
                     process = subprocess.Popen(
                         self._command, env=self._environment(ports, index), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=die_with_parent,
                     )
                 except OSError as exc:  # e.g. a script without a #! line, or whose #! names a missing interpreter
                     raise ConfigError(
@@ -478,27 +414,12 @@ class Launch:
                        f"killed (SIGKILL)")
 
 
-def _die_with_parent() -> None:
-    """In the worker, before exec: SIGKILL it when the launcher dies, even by SIGKILL (Linux prctl
-    PR_SET_PDEATHSIG); elsewhere nothing (the launcher's own signal handlers still stop the workers)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)  # start_new_session=True: the worker leads its own group
     except (ProcessLookupError, PermissionError):
         pass
 
-
-MAX_WORKERS = 256
-"""Most worker processes one launch starts on this machine (each is a TensorFlow process)."""
 
 MAX_GRACE_S = 3600.0
 """Longest wait from the first stop signal to SIGKILL, seconds."""

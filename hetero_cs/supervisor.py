@@ -2,29 +2,31 @@
 
 A card that is lost (an uncorrectable ECC error, a card off the bus) takes the process that drove it down with it:
 CUDA's errors are sticky, and TensorFlow aborts. Nothing inside that process survives it, so the supervisor stands
-outside: it runs the script, and when the script dies of a lost card it starts it again without that card.
+outside: it runs the script, and when the script fails because a card was lost it starts it again without that card.
 
-* **Which card.** The script's standard error passes through the supervisor (and on to its own). When the script
-  dies of a fatal signal (SIGABRT after a sticky CUDA error, SIGSEGV, ...; not SIGKILL, SIGTERM, SIGINT or SIGHUP,
-  which come from outside), the supervisor looks among its last 200 lines for a lost card: an emulated card's
-  line (``hetero_cs emulation: lost replica=<i> (<name>) ...``; see :class:`hetero_cs.emulation.Drift`),
-  or a sticky CUDA error on a line that names a GPU (``/device:GPU:<i>``,
-  ``GPU_<i>_bfc``, ``device ordinal <i>``). On real GPUs, NVML is asked too (when ``nvidia-ml-py`` is installed):
-  a GPU that NVML reports lost, or whose count of uncorrected ECC errors grew while the script ran.
-* **Without it.** The restarted script gets ``HETERO_CS_EXCLUDED_DEVICES``, the positions of the cards lost in its
-  first device list (e.g. ``"1"``), and on GPUs ``CUDA_VISIBLE_DEVICES`` without them. On emulated devices the
-  strategy leaves those cards out of ``emulate=`` (and of ``compute_devices`` and ``batch_split`` given for every
-  card); on GPUs it leaves their shares out of a ``batch_split`` given for every first GPU. It plans from the
-  profiles calibrated before the restart (kept with the backups), without calibrating again.
-  ``HETERO_CS_RESTART`` holds the number of restarts so far (0 at first).
-* **Resumed, not replayed.** Under the supervisor (``HETERO_CS_BACKUP_DIR`` is set) ``model.fit`` backs training
-  up by itself (:mod:`hetero_cs.engine.backup`): the model, the optimizer, the metrics, the epoch and the step,
-  often enough to redo little and rarely enough to cost under 1 % of training time. The restarted ``fit`` resumes at
-  the exact step of the last backup and skips the batches already applied (none is applied twice).
-* **Exit status.** 0 when the script succeeds (its backup files are then removed, and the directory if that leaves
-  it empty; other files in it are kept). A script that fails for another reason
-  is not restarted: its status is passed on (128 + N for signal N). A card lost again after ``--max-restarts``
-  restarts ends the run with the script's status and a message naming every card lost. Bad arguments: 2.
+* **A lost card is a fact about the card.** When the script fails (any non-zero status but a signal from outside:
+  SIGKILL, SIGTERM, SIGINT, SIGHUP), a GPU counts as lost only on NVML's evidence, gathered while the script ran
+  (:class:`hetero_cs.devices.gpu_health.CardWatch`): NVML reports it lost, its uncorrected ECC count grew, or a
+  hardware Xid named it. A line of text (``CUDA_ERROR_ILLEGAL_ADDRESS ... /device:GPU:0``) proves nothing: illegal
+  and misaligned addresses, illegal instructions and device-side asserts are the program's, so a failure with
+  every card healthy is passed on (with ``--retry-transient``, a sticky CUDA error on healthy cards restarts the
+  script once with the same cards). An emulated card's line (``hetero_cs emulation: lost replica=<i> (<name>)``,
+  :class:`hetero_cs.emulation.Drift` with ``lost=True``) among the last 200 lines is that card's loss.
+* **GPUs by UUID.** The GPUs the script may use are read once (CUDA's order, joined with NVML on UUID or PCI bus id,
+  never by index); the script gets them in ``CUDA_VISIBLE_DEVICES`` as UUIDs, in the same order, and a restart gets
+  the list without the lost cards. ``HETERO_CS_EXCLUDED_DEVICES`` holds the positions of the lost cards in the first
+  list (the strategy leaves them out of ``emulate=``, ``compute_devices`` and ``batch_split`` given for every card);
+  ``HETERO_CS_RESTART`` the restarts so far (0 at first).
+* **Never the last GPU silently.** When no GPU would be left, the run stops with a line naming the cards lost;
+  ``--allow-cpu`` restarts it on the CPU instead (``CUDA_VISIBLE_DEVICES=""``).
+* **Resumed, not replayed.** The script's ``model.fit`` backs itself up in ``DIR/hetero_cs``
+  (:mod:`hetero_cs.engine.backup`) and resumes at the exact step of its last backup.
+* **Signals.** SIGINT, SIGTERM and SIGHUP are passed on to the script (its process group); one that has not ended
+  ``--grace-s`` seconds later is killed. The script dies with the supervisor (a parent-death signal on Linux).
+* **Exit status.** 0 when the script succeeds: the files the library wrote are then removed (its manifest lists
+  them; nothing else is touched). A failure that is not a lost card passes the script's status on (128 + N for
+  signal N); a stop by signal N exits 128 + N and keeps the backups. Bad arguments, or a --backup-dir that cannot be
+  written: 2.
 
 This module imports neither TensorFlow nor pynvml at import time.
 """
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -51,39 +54,33 @@ RESTART_ENV_VAR = "HETERO_CS_RESTART"
 BACKUP_DIR_ENV_VAR = "HETERO_CS_BACKUP_DIR"
 EXCLUDED_ENV_VAR = "HETERO_CS_EXCLUDED_DEVICES"
 DEFAULT_MAX_RESTARTS = 3
+DEFAULT_GRACE_S = 10.0
 MAX_RESTARTS = 1000
 _MAX_LINE_BYTES = 1 << 16
 _RECENT_LINES = 200  # a lost card's line is among the script's last lines on standard error
+_OUTSIDE = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # deaths that come from outside
 
 _EMULATED_LOST = re.compile(r"hetero_cs emulation: lost replica=(\d+) \(([^)]*)\)")
-_STICKY = re.compile(r"CUDA_ERROR_(?:ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|LAUNCH_FAILED|DEVICE_UNAVAILABLE|HARDWARE_STACK"
-                     r"_ERROR|ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS)|uncorrectable ECC error|illegal memory access|"
-                     r"unspecified launch failure|GPU is lost|fallen off the bus|\bXid\b", re.IGNORECASE)
-_GPU_NAMED = re.compile(r"/device:GPU:(\d+)|\bGPU_(\d+)_bfc|device ordinal (\d+)|\bGPU[: ](\d+)\b", re.IGNORECASE)
+STICKY = re.compile(r"CUDA_ERROR_(?:ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|LAUNCH_FAILED|HARDWARE_STACK_ERROR|"
+                    r"ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS|ASSERT)|uncorrectable ECC error|illegal memory access|"
+                    r"unspecified launch failure|device-side assert|GPU is lost|fallen off the bus", re.IGNORECASE)
+"""The text of a sticky CUDA error: the program's or the card's; NVML tells which."""
 
 
 @dataclasses.dataclass(frozen=True)
 class LostCard:
-    """A card the script died of: ``kind`` ``"emulated"`` or ``"gpu"``, its ``index`` as the script saw it (the
-    replica in ``emulate=`` order, or TensorFlow's GPU number), the ``line`` that named it, and the emulated card's
-    catalog ``name`` (None for a GPU)."""
+    """An emulated card the script died of: its ``index`` in ``emulate=`` order as the script saw it, its catalog
+    ``name`` and the ``line`` that named it."""
 
-    kind: str
     index: int
+    name: str
     line: str
-    name: str | None = None
 
 
 def lost_card_in(line: str) -> LostCard | None:
-    """The lost card a line of the script's standard error names, or None (the rules of the module docstring)."""
+    """The emulated lost card a line of the script's standard error names, or None."""
     match = _EMULATED_LOST.search(line)
-    if match:
-        return LostCard("emulated", int(match.group(1)), line.strip(), match.group(2))
-    if _STICKY.search(line):
-        gpu = _GPU_NAMED.search(line)
-        if gpu:
-            return LostCard("gpu", int(next(g for g in gpu.groups() if g is not None)), line.strip())
-    return None
+    return LostCard(int(match.group(1)), match.group(2), line.strip()) if match else None
 
 
 def nth_remaining(index: int, excluded: Sequence[int]) -> int:
@@ -109,47 +106,16 @@ def default_backup_dir(command: Sequence[str]) -> pathlib.Path:
     return default_cache_dir() / "backups" / digest
 
 
-class _NvmlWatch:
-    """Uncorrected ECC error counts of the visible GPUs at the start, to find a card whose count grew (or that NVML
-    reports lost) after the script died. Nothing when nvidia-ml-py or a GPU is missing."""
+def die_with_parent() -> None:
+    """In a child, before exec: SIGKILL it when its parent dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG);
+    elsewhere nothing (the parent's signal handlers still stop it)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
 
-    def __init__(self, physical: Sequence[int]) -> None:
-        self._physical = list(physical)
-        self._start = {g: self._ecc(g) for g in self._physical}
-
-    @staticmethod
-    def _ecc(gpu: int) -> int | None:
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
-            return int(pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                                          pynvml.NVML_VOLATILE_ECC))
-        except Exception as exc:  # noqa: BLE001 - no NVML, no ECC support, or a lost GPU (below)
-            return -1 if type(exc).__name__ == "NVMLError_GPUIsLost" else None
-
-    def lost(self) -> int | None:
-        """The physical GPU NVML now reports lost or with more uncorrected ECC errors, or None."""
-        for gpu in self._physical:
-            now = self._ecc(gpu)
-            if now == -1 or (now is not None and self._start[gpu] is not None and now > self._start[gpu]):
-                return gpu
-        return None
-
-
-def _visible_gpus() -> list[int]:
-    """Physical GPU ids the script may use: ``CUDA_VISIBLE_DEVICES`` as set, else every GPU NVML counts."""
-    text = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if text is not None:
-        return [int(part) for part in text.split(",") if part.strip().isdigit()]
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return list(range(pynvml.nvmlDeviceGetCount()))
-    except Exception:  # noqa: BLE001 - no NVML or no GPU: emulated or CPU devices only
-        return []
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 class Supervisor:
@@ -158,15 +124,23 @@ class Supervisor:
     Args:
         command: argv of the training script, non-empty.
         max_restarts: Restarts after a lost card, an int in [0, MAX_RESTARTS].
-        backup_dir: Where the script's ``fit`` keeps its backups; None: :func:`default_backup_dir`.
+        backup_dir: The script's backups go to its ``hetero_cs`` subdirectory; None: :func:`default_backup_dir`.
         output: Where the supervisor's own lines go (default: standard error).
+        allow_cpu: When the last GPU is lost, restart on the CPU instead of stopping.
+        retry_transient: After a sticky CUDA error with every card healthy, restart once with the same cards.
+        grace_s: Seconds from a stop signal passed on to SIGKILL, > 0.
 
     Raises:
-        ConfigError: An empty command, a command that cannot run, or max_restarts out of range.
+        ConfigError: An empty command, a command that cannot run, max_restarts out of range, or a backup
+            directory that cannot be written.
     """
 
     def __init__(self, command: Sequence[str], *, max_restarts: int = DEFAULT_MAX_RESTARTS,
-                 backup_dir: str | os.PathLike | None = None, output: TextIO | None = None) -> None:
+                 backup_dir: str | os.PathLike | None = None, output: TextIO | None = None, allow_cpu: bool = False,
+                 retry_transient: bool = False, grace_s: float = DEFAULT_GRACE_S) -> None:
+        from hetero_cs.devices.gpu_health import visible_gpus
+        from hetero_cs.engine.backup_files import OWNED_DIR
+
         if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
             raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
                               f"{command!r}.")
@@ -178,25 +152,36 @@ class Supervisor:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= MAX_RESTARTS:
             raise ConfigError(f"--max-restarts must be an int in [0, {MAX_RESTARTS}] (restarts after a lost card). "
                               f"Received: {max_restarts!r}.")
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 < grace_s <= 3600:
+            raise ConfigError(f"--grace-s must be a number of seconds in (0, 3600]. Received: {grace_s!r}.")
         self._command = list(command)
         self._max_restarts = max_restarts
+        self._allow_cpu, self._retry_transient, self._grace_s = bool(allow_cpu), bool(retry_transient), grace_s
         if backup_dir is not None and not str(backup_dir).strip():
             raise ConfigError("--backup-dir is empty; give a directory for fit's backups (created if missing), or "
                               "leave it out for the default under the cache directory.")
-        self.backup_dir = pathlib.Path(backup_dir) if backup_dir is not None else default_backup_dir(command)
+        try:
+            self.backup_dir = pathlib.Path(backup_dir) if backup_dir is not None else default_backup_dir(command)
+        except Exception as exc:  # noqa: BLE001 - the cache directory cannot be used (ProfileCacheError, OSError)
+            raise ConfigError(f"no directory for fit's backups: the default one, under the cache directory, cannot "
+                              f"be used ({exc}). Give one with --backup-dir DIR (a writable directory), or set "
+                              f"HETERO_CS_CACHE_DIR to a writable directory.") from exc
         if self.backup_dir.exists() and not self.backup_dir.is_dir():
             raise ConfigError(f"--backup-dir {str(self.backup_dir)!r} exists and is not a directory; give a "
                               f"directory (it is created if missing).")
+        self._created_dir = not self.backup_dir.exists()
+        self.owned_dir = self.backup_dir / OWNED_DIR
         self._output = output or sys.stderr
-        self.excluded: list[int] = []  # positions in the script's first device list (emulate=, or visible GPUs)
-        self._visible = _visible_gpus()
-        self.excluded_gpus: list[int] = []  # physical ids of the GPUs among them
-        self.lost: list[LostCard] = []
+        self._gpus = visible_gpus()  # the script's first GPU list, in CUDA's order
+        self.excluded: list[int] = []  # positions in the script's first device list (emulate=, or the GPUs)
         self.lost_names: list[str] = []  # as the supervisor's lines name them
         self.restarts = 0
-        self._found: LostCard | None = None
+        self._retried = False
+        self._on_cpu = False
+        self._tail: deque = deque(maxlen=_RECENT_LINES)
         self._child: subprocess.Popen | None = None
         self._stop_signal: int | None = None
+        self._stop_deadline = float("inf")
 
     def _note(self, message: str) -> None:
         try:
@@ -205,28 +190,36 @@ class Supervisor:
         except (OSError, ValueError):
             pass
 
+    def _check_backup_dir(self) -> None:
+        """Creates the library's subdirectory and its manifest: a ConfigError naming --backup-dir when it cannot."""
+        from hetero_cs.engine.backup_files import register
+
+        try:
+            register(self.owned_dir, ["profiles.json", "profiles.meta.json"])
+        except OSError as exc:
+            raise ConfigError(
+                f"--backup-dir {str(self.backup_dir)!r} cannot be written ({type(exc).__name__}: {exc}). Give a "
+                f"writable directory with room for a copy of the model and its optimizer (--backup-dir DIR).") from exc
+
+    def _remaining_gpus(self) -> list:
+        return [gpu for i, gpu in enumerate(self._gpus) if i not in self.excluded]
+
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env[RESTART_ENV_VAR] = str(self.restarts)
-        env[BACKUP_DIR_ENV_VAR] = str(self.backup_dir)
+        env[BACKUP_DIR_ENV_VAR] = str(self.owned_dir)
         env["PYTHONUNBUFFERED"] = "1"
         if self.excluded:
             env[EXCLUDED_ENV_VAR] = ",".join(str(i) for i in sorted(self.excluded))
-        if self.excluded_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(g) for i, g in enumerate(self._visible) if i not in self.excluded)
+        if self._gpus:
+            env["CUDA_VISIBLE_DEVICES"] = "" if self._on_cpu else ",".join(g.uuid for g in self._remaining_gpus())
         return env
 
-    def _pump(self, stream, found: list) -> None:
-        """Passes the script's standard error on; keeps in ``found`` the last lost-card line and the number of
-        lines after it."""
+    def _pump(self, stream) -> None:
+        """Passes the script's standard error on, keeping its last lines."""
         for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
             line = raw.decode(errors="replace")
-            card = lost_card_in(line)
-            if card is not None:
-                found[:] = [card, 0]
-            elif found:
-                found[1] += 1
+            self._tail.append(line)
             try:
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -236,6 +229,10 @@ class Supervisor:
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
+        self._stop_deadline = min(self._stop_deadline, time.monotonic() + self._grace_s)
+        self._signal_child(signum)
+
+    def _signal_child(self, signum: int) -> None:
         child = self._child
         if child is not None and child.poll() is None:
             try:
@@ -244,120 +241,131 @@ class Supervisor:
                 pass
 
     def _run_once(self) -> int:
-        found: list = []
-        self._found = None
+        self._tail.clear()
         try:
             child = subprocess.Popen(self._command, env=self._environment(), stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         except OSError as exc:
             raise ConfigError(
                 f"cannot run {self._command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script needs a "
                 f"first line #!/path/to/interpreter, or run it through one (-- python script.py).") from None
         self._child = child
-        pump = threading.Thread(target=self._pump, args=(child.stderr, found), daemon=True)
+        pump = threading.Thread(target=self._pump, args=(child.stderr,), daemon=True)
         pump.start()
-        code = child.wait()
+        while True:
+            try:
+                code = child.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > self._stop_deadline:  # a stop signal passed on was not obeyed in time
+                    self._note(f"the script did not stop within {self._grace_s:g} s of signal {self._stop_signal}: "
+                               f"killing it (SIGKILL)")
+                    self._signal_child(signal.SIGKILL)
+                    self._stop_deadline = float("inf")
         try:  # what the script left behind in its process group (it leads one): its pipe would keep the pump waiting
             os.killpg(child.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         pump.join(timeout=10.0)
-        # A lost card ends the process abnormally (SIGABRT after a sticky CUDA error, or another fatal signal), and
-        # its line is among the last the script wrote: an earlier line of a fault the script survived, or one
-        # before an ordinary failure, names no lost card.
-        fatal = code < 0 and -code not in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        if fatal and found and found[1] <= _RECENT_LINES:
-            self._found = found[0]
         return 128 - code if code < 0 else code
 
-    def _card_lost(self, watch: _NvmlWatch) -> LostCard | None:
-        found = self._found
-        if found is None and self._visible:
-            physical = watch.lost()
-            if physical is not None:
-                remaining = [g for i, g in enumerate(self._visible) if i not in self.excluded]
-                found = LostCard("gpu", remaining.index(physical), f"NVML reports GPU {physical} lost or with new "
-                                                                   f"uncorrected ECC errors")
-        return found
+    def _exclude_gpus(self, found: list, status: int) -> bool:
+        """Leaves the GPUs in ``found`` ((Gpu, evidence) pairs) out of the next run; False when none would be left
+        and the CPU is not allowed (the line then says so)."""
+        for gpu, why in found:
+            self.excluded.append(self._gpus.index(gpu))
+            self.lost_names.append(f"{gpu} ({why})")
+        if self._remaining_gpus():
+            return True
+        lost = "; ".join(self.lost_names)
+        if not self._allow_cpu:
+            self._note(f"the script lost its last GPU: {lost}. No GPU is left, so it is not restarted (it would train "
+                       f"on the CPU). Replace the card, or run with --allow-cpu to go on on the CPU. Status {status}. "
+                       f"Backups kept in {self.owned_dir}")
+            return False
+        self._on_cpu = True
+        self._note(f"no GPU is left ({lost}); --allow-cpu: restarting on the CPU (CUDA_VISIBLE_DEVICES='')")
+        return True
 
-    def _exclude(self, card: LostCard) -> str | None:
-        """Records ``card`` as lost; returns how the lines name it, or None when a GPU cannot be left out (which
-        GPUs the script sees is not known)."""
-        if card.kind == "gpu" and not self._visible:
-            return None
-        position = nth_remaining(card.index, self.excluded)
-        self.excluded.append(position)
-        if card.kind == "emulated":
+    def _decide(self, status: int, watch) -> str | None:
+        """After a failure: why and how the script is restarted, in words, or None to pass the status on."""
+        lines = list(self._tail)
+        card = next((c for c in map(lost_card_in, reversed(lines)) if c is not None), None)
+        if card is not None:
+            position = nth_remaining(card.index, self.excluded)
+            self.excluded.append(position)
             what = f"the emulated {card.name} at position {position} of emulate="
-        else:
-            physical = self._visible[position] if position < len(self._visible) else position
-            self.excluded_gpus.append(physical)
-            what = f"GPU {physical}"
-        self.lost_names.append(what)
-        return what
-
-    def _remove_backups(self) -> None:
-        """Removes the backups of fit and the kept profiles (only those files), then the directory if that left it
-        empty: a --backup-dir that holds other files keeps them."""
-        from hetero_cs.engine.backup import BACKUP_PATTERNS
-
-        for pattern in BACKUP_PATTERNS:
-            for path in self.backup_dir.glob(pattern):
-                try:
-                    path.unlink()
-                except OSError:
-                    pass
-        try:
-            self.backup_dir.rmdir()  # only when empty
-        except OSError:
-            pass
+            self.lost_names.append(what)
+            return f"it lost {what} (its line: {card.line[:200]}). Restarting it without that card"
+        found = watch.lost(lines)
+        if found:
+            return None if not self._exclude_gpus(found, status) else "it lost {}. Restarting it without {}".format(
+                "; ".join(f"{gpu} ({why})" for gpu, why in found), "any GPU" if self._on_cpu else "that card")
+        sticky = next((line.strip() for line in reversed(lines) if STICKY.search(line)), None)
+        if sticky is None:
+            self._note(f"the script exited with status {status} and no card was lost: not restarting (a failure of "
+                       f"the script itself is passed on)")
+            return None
+        health = "; ".join(f"{gpu}: {watch.health(gpu)}" for gpu in self._remaining_gpus()) or (
+            "which GPUs the script sees is not known (no CUDA driver or NVML here)")
+        if self._retry_transient and not self._retried:
+            self._retried = True
+            return (f"it died of a sticky CUDA error ({sticky[:200]}) with no card lost ({health}). --retry-transient: "
+                    f"restarting it once with the same cards")
+        self._note(f"the script died of a sticky CUDA error ({sticky[:200]}), but no card is lost: {health}. An "
+                   f"illegal or misaligned address, an illegal instruction or a device-side assert is the program's "
+                   f"error: passed on with status {status}, not restarted (--retry-transient restarts once with the "
+                   f"same cards)")
+        return None
 
     def run(self) -> int:
         """Runs the script until it succeeds, fails for another reason, or runs out of restarts; returns the exit
         status (see the module docstring)."""
+        from hetero_cs.devices.gpu_health import CardWatch
+        from hetero_cs.engine.backup_files import MANIFEST, remove_written, written
+
+        self._check_backup_dir()
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
-            if any(self.backup_dir.glob("fit_*.json")):
-                self._note(f"resuming from the backups in {self.backup_dir} (remove that directory to start over)")
+            if any(name.startswith("fit_") for name in written(self.owned_dir)) and any(
+                    self.owned_dir.glob("fit_*.json")):
+                self._note(f"resuming from the backups in {self.owned_dir} (remove that directory to start over)")
             while True:
-                watch = _NvmlWatch([g for i, g in enumerate(self._visible) if i not in self.excluded])
                 started = time.monotonic()
-                status = self._run_once()
-                if status == 0:
-                    self._remove_backups()
-                    if self.lost:
-                        self._note(f"the script succeeded after {self.restarts} restart(s), without "
-                                   f"{'; '.join(self.lost_names)}")
-                    return 0
-                if self._stop_signal is not None:
-                    self._note(f"stopped by signal {self._stop_signal}; not restarting (backups kept in "
-                               f"{self.backup_dir})")
-                    return 128 + int(self._stop_signal)
-                card = self._card_lost(watch)
-                if card is None:
-                    self._note(f"the script exited with status {status} and no lost card was named: not restarting "
-                               f"(a failure of the script itself is passed on)")
-                    return status
-                what = self._exclude(card)
+                with CardWatch([] if self._on_cpu else self._remaining_gpus()) as watch:
+                    status = self._run_once()
+                    if status == 0 and self._stop_signal is None:
+                        remove_written(self.owned_dir)
+                        if self._created_dir:
+                            try:
+                                self.backup_dir.rmdir()  # only when empty
+                            except OSError:
+                                pass
+                        if self.lost_names:
+                            self._note(f"the script succeeded after {self.restarts} restart(s), without "
+                                       f"{'; '.join(self.lost_names)}")
+                        return 0
+                    if self._stop_signal is not None:
+                        self._note(f"stopped by signal {self._stop_signal}; not restarting (backups kept in "
+                                   f"{self.owned_dir}, {MANIFEST} lists them)")
+                        return 128 + int(self._stop_signal)
+                    if status > 128 and status - 128 in _OUTSIDE:
+                        self._note(f"the script was killed by signal {status - 128}, from outside: not restarting")
+                        return status
+                    what = self._decide(status, watch)
                 if what is None:
-                    self._note(f"the script died of a lost GPU ({card.line[:200]}), but which GPUs it sees is not "
-                               f"known (CUDA_VISIBLE_DEVICES is unset and NVML, from nvidia-ml-py, is not "
-                               f"available), so it cannot be restarted without that GPU: not restarting. Set "
-                               f"CUDA_VISIBLE_DEVICES (e.g. 0,1,2) or install nvidia-ml-py. Status {status}")
                     return status
-                self.lost.append(card)
                 if self.restarts >= self._max_restarts:
-                    self._note(f"the script lost {what} after {self.restarts} restart(s), the most --max-restarts="
+                    self._note(f"the script failed after {self.restarts} restart(s), the most --max-restarts="
                                f"{self._max_restarts} allows: giving up with its status {status}. Cards lost: "
-                               f"{'; '.join(self.lost_names)}. Backups kept in {self.backup_dir}")
+                               f"{'; '.join(self.lost_names) or 'none'}. Backups kept in {self.owned_dir}")
                     return status
                 self.restarts += 1
-                self._note(f"the script died of a lost card after {time.monotonic() - started:.1f} s: {what} (its "
-                           f"line: {card.line[:200]}). Restarting it without that card (restart {self.restarts} of "
-                           f"at most {self._max_restarts}); fit resumes from its last backup")
+                self._note(f"the script failed after {time.monotonic() - started:.1f} s: {what} (restart "
+                           f"{self.restarts} of at most {self._max_restarts}); fit resumes from its last backup")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -368,8 +376,15 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                         help=f"restarts after a lost card before giving up (default {DEFAULT_MAX_RESTARTS})")
     parser.add_argument("--backup-dir", default=None,
-                        help="where fit keeps its backups (default: under the cache directory, one per working "
-                             "directory and command)")
+                        help="fit's backups go to its hetero_cs subdirectory (default: under the cache directory, "
+                             "one per working directory and command)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="when the last GPU is lost, restart on the CPU instead of stopping")
+    parser.add_argument("--retry-transient", action="store_true",
+                        help="after a sticky CUDA error with every card healthy, restart once with the same cards")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                        help=f"seconds from a stop signal passed on to the script to SIGKILL (default "
+                             f"{DEFAULT_GRACE_S:g})")
     parser.add_argument("command", nargs="+", help="the training script's command, after `--`")
 
 
@@ -378,4 +393,5 @@ def run_supervised(args) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    return Supervisor(command, max_restarts=args.max_restarts, backup_dir=args.backup_dir).run()
+    return Supervisor(command, max_restarts=args.max_restarts, backup_dir=args.backup_dir,
+                      allow_cpu=args.allow_cpu, retry_transient=args.retry_transient, grace_s=args.grace_s).run()

@@ -503,11 +503,11 @@ class HeteroCentralStorageStrategy(
                 self._active_sets.note(alone.per_replica_batch_sizes, training=True)
         return result
 
-    def _fit_callbacks(self, model, callbacks):
+    def _fit_callbacks(self, model, callbacks, arguments=None):
         from hetero_cs.engine.backup import with_backup
         from hetero_cs.engine.callbacks import with_balance_callback
 
-        return with_backup(self, with_balance_callback(self, callbacks))
+        return with_backup(self, with_balance_callback(self, callbacks), arguments)
 
 
 def _micro_batch_report(record, replica_id: int, examples: int, seconds: float, *, count: int) -> None:

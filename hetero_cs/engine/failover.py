@@ -12,7 +12,12 @@ text, and nothing of that step has been applied (the host's update waits for eve
    idle replica runs nothing on its device; the plan is solved again from the other cards' cost models, the
    exclusion is logged (WARNING, naming the card), and the same global batch is retried on the others.
 
-No example is lost or applied twice: the batch that failed is the batch retried. With ``on_device_error="raise"``
+No example is lost or applied twice: the batch that failed is the batch retried. This holds only where the card's CUDA
+context still works. A sticky CUDA error (:data:`STICKY_FORMS`: an uncorrectable ECC error, an illegal address, a
+launch failure, a hardware stack error, a lost card, a failed sync) breaks it: every later op on that card fails in
+this process. Such an error is neither retried nor set aside: the step ends with :class:`DeviceFaultError`, and
+``hetero-cs run`` decides from NVML whether the card is lost (:mod:`hetero_cs.supervisor`). In-process exclusion is
+for the faults that leave the context usable (cuBLAS or cuDNN failing to execute, an emulated ``Drift(fails=True)``). With ``on_device_error="raise"``
 the first device error ends the step with :class:`hetero_cs.errors.DeviceFaultError`, as does a fault when no other
 card is left.
 
@@ -76,6 +81,9 @@ _PROGRAM_ASSERT = re.compile(r"device-side assert|CUDA_ERROR_ASSERT|cudaErrorAss
 # with its traceback: a program error, unless it is the emulator's fault.
 _PYTHON_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 _FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
+# The forms after which CUDA's context on that card is broken (sticky errors): every later op there fails, so neither
+# a retry nor the other cards can go on in this process. An emulated fault is not sticky.
+STICKY_FORMS = frozenset({"ecc", "illegal address", "launch failure", "hardware stack", "lost", "sync"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,7 @@ class DeviceFault:
     form: str
     replica_id: int | None
     device: str | None
+    sticky: bool = False
 
 
 def check_setting(on_device_error: object) -> str:
@@ -125,7 +134,8 @@ def device_fault(exc: BaseException, compute_devices: Sequence[str],
     if replica_id is not None:
         return DeviceFault(form, replica_id, compute_devices[replica_id])
     replica_id, device, _ = blamed_replica(exc, compute_devices, replica_scopes)
-    return DeviceFault(form, replica_id, device)
+    sticky = form in STICKY_FORMS and "EmulatedDeviceError" not in str(exc)
+    return DeviceFault(form, replica_id, device, sticky)
 
 
 def first_line(exc: BaseException, forms=DEVICE_FAULT_FORMS) -> str:
@@ -188,6 +198,12 @@ class DeviceFailover:
         card = self.card(replica_id)
         if self.on_device_error == "raise":
             raise self.error(replica_id, exc, "on_device_error='raise'") from exc
+        if fault.sticky:
+            raise self.error(replica_id, exc, (
+                "the error is sticky: CUDA's context on that card is broken, so nothing more runs on it in this "
+                "process, and neither a retry nor the other cards can go on here. Whether the card is lost is for "
+                "NVML to say (an illegal address is most often the program's): under `hetero-cs run` the script is "
+                "restarted without the card only when NVML shows it lost")) from exc
         faults[replica_id] = faults.get(replica_id, 0) + 1
         if faults[replica_id] == 1:
             self.retries += 1

@@ -34,18 +34,24 @@ def _positions(num_replicas: int) -> list[int]:
 def keep_for_restart(strategy, result, fingerprint: str, global_batch_size: int) -> None:
     """Writes ``result`` (a CalibrationResult the strategy plans from) next to the backups, when supervised."""
     from calibration.store import save_result_file
-    from hetero_cs.engine.backup import _write_atomically, backup_dir
+    from hetero_cs.engine.backup import backup_dir
+    from hetero_cs.engine.backup_files import register, write_atomically
+    from hetero_cs.errors import ProfileCacheError
 
     directory = backup_dir()
     if directory is None:
         return
-    directory.mkdir(parents=True, exist_ok=True)
     emulator = strategy.emulator
     meta = {"positions": _positions(len(strategy.compute_devices)), "fingerprint": fingerprint,
             "global_batch_size": int(global_batch_size),
             "time_scale": None if emulator is None else float(emulator.time_scale)}
-    save_result_file(directory / PROFILES, result)
-    _write_atomically(directory / META, lambda stream: stream.write(json.dumps(meta).encode()))
+    try:
+        register(directory, [PROFILES, META])
+        save_result_file(directory / PROFILES, result)
+        write_atomically(directory / META, lambda stream: stream.write(json.dumps(meta).encode()))
+    except (OSError, ProfileCacheError) as exc:  # read-only, full, or removed: a restart calibrates again
+        logger.warning("hetero_cs: the profiles cannot be kept in %s for a restart (%s): a restart calibrates again. "
+                       "Give hetero-cs run a writable --backup-dir with room.", directory, exc)
 
 
 def profiles_before_restart(strategy, fingerprint: str, global_batch_size: int):

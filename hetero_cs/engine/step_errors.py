@@ -58,7 +58,7 @@ def naming_the_replica(replica_id):
 
 
 def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan, replica_id=None,
-                       kind: str = "training"):
+                       kind: str = "training", failed_sizes=None):
     """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
 
     ``replica_id``: the replica already blamed (an out-of-memory error, by :mod:`hetero_cs.engine.oom_errors`).
@@ -66,6 +66,8 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     prefix, and an op error without one is taken as replica 0's (errors other than out of memory only). Eagerly
     there is no op name: the replica function tagged the error (:func:`tag_replica`). A sum over the replicas
     (under :data:`CROSS_REPLICA_SCOPE`) is blamed on a replica that got 0 examples, else on none.
+    ``failed_sizes``: the slices of the step that failed (None: not known); a 0-example slice of another step's cut
+    (``empty_slice_plan``) is not this step's and gets no advice.
     """
     message = str(exc)
     cross_replica = False
@@ -84,6 +86,8 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
                  or re.search(r"(?:^|/)replica_(\d+)/", match.group(1)))
         replica_id = int(scope.group(1)) if scope else 0
     empty = empty_slice_plan
+    if empty is not None and failed_sizes is not None and 0 not in failed_sizes:
+        empty = None  # every slice of the step that failed held examples
     zeros = [] if empty is None else [i for i, b in enumerate(empty.per_replica_batch_sizes) if b == 0]
     if cross_replica:
         # A sum over the replicas failed on the parameter device (BatchNormalization's statistics, the gradients):
@@ -214,4 +218,5 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
         exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
         empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
         replica_id=oom.replica_id if oom is not None else None, kind=kind,
+        failed_sizes=strategy._slicer.last_step_sizes(),  # noqa: SLF001
     )

@@ -68,5 +68,6 @@ class StrategyState:
     @property
     def backup(self):
         """The last supervised fit's :class:`hetero_cs.engine.backup.SupervisedBackup` (``backups``,
-        ``backup_time_s``, ``resumed_from``), or None outside ``hetero-cs run``."""
+        ``backup_time_s``, ``interval_steps``: the most steps a lost card costs, ``resumed_from``), or None outside
+        ``hetero-cs run``."""
         return getattr(self, "_backup", None)

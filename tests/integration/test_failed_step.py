@@ -288,3 +288,22 @@ def test_a_caught_failed_step_leaves_the_monitor_aligned(loop, monkeypatch):
     window = strategy.monitor.window()
     assert [s.per_replica_batch_sizes for s in window] == [(4, 4, 2), (8, 8, 4), (8, 8, 4)]
     assert strategy.monitor.completed_steps == 3
+
+
+def test_regression_a_label_out_of_range_is_not_blamed_on_an_empty_slice_of_another_step():
+    # The error of a step whose slices all held examples came with the advice for a 0-example slice, because an
+    # earlier cut (here the last partial batch of the epoch before) left that replica none.
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[2, 1, 1],
+                                            rebalance=False, profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(85, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=(85,)).astype(np.int64)
+    model.fit(x, y, batch_size=84, epochs=1, shuffle=False, verbose=0)  # the last batch of 1 is cut [1, 0, 0]
+    y[42:63] = 7  # out of range in replica 1's slice of 21 (replica 0 holds the first 42 examples)
+    with pytest.raises(ReplicaStepError) as caught:
+        model.fit(x[:84], y[:84], batch_size=84, epochs=1, shuffle=False, verbose=0)
+    assert "0 examples" not in str(caught.value) and "oneDNN" not in str(caught.value), str(caught.value)
+    assert caught.value.replica_id == 1 and "plan: [42, 21, 21]" in str(caught.value)

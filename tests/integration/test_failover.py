@@ -211,3 +211,28 @@ def test_the_rule_never_takes_a_program_error_or_out_of_memory_for_a_failing_car
     from hetero_cs.engine.failover import device_fault
 
     assert device_fault(error, ["/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]) is None
+
+
+@pytest.mark.parametrize("text", [
+    "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered",
+    "CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered",
+    "unspecified launch failure",
+])
+def test_a_sticky_cuda_error_is_neither_retried_nor_set_aside_in_the_process(text):
+    # A real card's context is broken after a sticky error (every later op there fails): the tests injected these
+    # as Python exceptions, and the in-process retry and exclusion went on against a context that cannot work.
+    from hetero_cs.engine import _compat
+
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[1, 1, 1], profile_cache=False)
+    recovery = strategy._step_recovery  # noqa: SLF001
+    calls = []
+
+    def step(data):
+        calls.append(1)
+        raise tf.errors.InternalError(None, None, f"{text}{NODE}")
+
+    with pytest.raises(DeviceFaultError, match=r"replica 1.*the error is sticky: CUDA's context on that card is "
+                                               r"broken.*only when NVML shows it lost"):
+        recovery.run(step, _compat.per_replica((tf.zeros([48, 6]),)))
+    assert len(calls) == 1 and recovery.failover.retries == 0 and recovery.failover.exclusions == []
+    assert strategy.balancer.memory_caps.caps[1] != 0

@@ -362,6 +362,39 @@ def test_an_embeddings_sparse_gradient_stays_sparse_over_sub_steps(positions):
     assert_same_training(model, history, reference, reference_history)
 
 
+@pytest.mark.slow  # 9 s
+def test_sparse_rows_of_sub_steps_with_other_indices_are_kept_each_even_with_a_static_batch():
+    # Shown not to happen (a reviewer's doubt): with a static batch shape (drop_remainder=True) the per-example rows'
+    # count could look known while tracing, and a sum row by row would keep only the last sub-step's indices. The
+    # sub-steps' slices are cut to dynamic shapes, so each keeps its own indices: exact against one device.
+    import tensorflow as tf
+
+    B = 2 * CAPACITY + 5
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 20, size=(2 * B, 6)).astype(np.int32)
+    labels = rng.integers(0, 2, size=2 * B).astype(np.float32)
+
+    def embedder():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 16)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(pooled))
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
+        return model
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((tokens, labels)).batch(B, drop_remainder=True)
+
+    reference = embedder()
+    reference_history = reference.fit(dataset(), epochs=1, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = embedder()
+    history = model.fit(dataset(), epochs=1, verbose=0)
+    assert strategy.micro_batching.micro_batched_steps == 2
+    assert_same_training(model, history, reference, reference_history)
+
+
 def batch_norm_model():
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),

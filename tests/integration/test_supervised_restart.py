@@ -5,6 +5,7 @@ resumed from its backup (in this process, or restarted by the supervisor without
 the same weights within 1e-5, and the same optimizer step count: no batch lost, none applied twice.
 """
 
+import errno
 import itertools
 import os
 import pathlib
@@ -123,8 +124,118 @@ def test_a_backup_of_another_model_is_refused_with_the_fix(supervised, tmp_path)
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3), keras.layers.Dense(1)])
         model.compile(optimizer="adam", loss="mse")
     x, y = data()
-    with pytest.raises(ConfigError, match=r"does not match this model.*remove .*backups to start over"):
+    with pytest.raises(ConfigError, match=r"backups was made by another run: the model's architecture differs.*"
+                                          r"Remove .*backups to start over"):
         model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+
+
+def fit_again(model_fn=mlp, **fit_arguments):
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[2, 1, 1])
+    with strategy.scope():
+        model = model_fn()
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data()
+    arguments = dict(batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
+    arguments.update(fit_arguments)
+    examples = arguments.pop("examples", len(x))
+    return model.fit(x[:examples], y[:examples], **arguments)
+
+
+def test_regression_a_resume_interrupted_while_skipping_applies_no_batch_twice(supervised):
+    # 8 batches, a crash at batch 5, then another while the restarted fit skipped the applied ones: the backup taken
+    # while skipping said 1 batch with the variables of 5, and the optimizer ran 12 iterations instead of 8.
+    supervised()
+    with pytest.raises(SystemError):
+        fit_under_hetero([Crash(epoch=1, batch=4)])
+    supervised()
+    with pytest.raises(SystemError):
+        fit_under_hetero([Crash(epoch=1, batch=2)])  # batch 2 of epoch 1 is one of those skipped
+    supervised()
+    strategy, model, _ = fit_under_hetero()
+    ref, _ = reference()
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == EPOCHS * NUM_BATCHES
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_regression_a_backup_of_another_run_is_refused_naming_the_difference(supervised):
+    # The script went from a global batch of 64 to 32 and was resumed: 12 batches of 32 skipped where 768 examples
+    # had been applied, exit 0, weights off by 0.29. A model of the same shapes with other layers was resumed too.
+    from hetero_cs import ConfigError
+
+    supervised()
+    with pytest.raises(SystemError):
+        fit_under_hetero([Crash(epoch=0, batch=3)])
+    other_layers = lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(12, activation="tanh"),  # noqa
+                                             keras.layers.Dense(1)])
+    for change, difference in [
+        (dict(batch_size=B // 2), f"global batch size {B // 2} now, {B} when backed up"),
+        (dict(examples=B * (NUM_BATCHES - 1)), f"examples in the data {B * (NUM_BATCHES - 1)} now, "
+                                               f"{B * NUM_BATCHES} when backed up"),
+        (dict(model_fn=other_layers), "the model's architecture differs"),
+    ]:
+        supervised()
+        with pytest.raises(ConfigError, match=rf"The backup in .*backups was made by another run: {difference}.*"
+                                              r"Remove .*backups to start over"):
+            fit_again(**change)
+
+
+def test_a_mid_epoch_resume_of_arrays_shuffled_each_epoch_is_refused_with_the_fix(supervised, caplog):
+    from hetero_cs import ConfigError
+
+    supervised()
+    with pytest.raises(SystemError):
+        fit_again(shuffle=True, callbacks=[Crash(epoch=0, batch=3)])
+    assert "fit(shuffle=True) on arrays under hetero-cs run" in caplog.text  # said before any restart
+    supervised()
+    with pytest.raises(ConfigError, match=r"stopped after 3 batch\(es\) of epoch 1, but fit\(shuffle=True\) on "
+                                          r"arrays shuffles that epoch anew.*Pass shuffle=False"):
+        fit_again(shuffle=True)
+
+
+class Storage(keras.callbacks.Callback):
+    """Makes the backup directory fail after a step: removed, or every write refused with ``errno``."""
+
+    def __init__(self, directory, monkeypatch, failure):
+        super().__init__()
+        self._directory, self._monkeypatch, self._failure = directory, monkeypatch, failure
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch != 2 or not self._directory.exists():
+            return
+        if self._failure == "removed":
+            import shutil
+
+            shutil.rmtree(self._directory)
+            return
+
+        def refused(path, write):
+            raise OSError(self._failure, os.strerror(self._failure), str(path))
+
+        self._monkeypatch.setattr(backup, "write_atomically", refused)
+
+
+@pytest.mark.parametrize("failure", ["removed", *(pytest.param(e, marks=pytest.mark.slow)
+                                                  for e in (errno.ENOSPC, errno.EROFS))])
+def test_regression_a_backup_dir_that_fails_mid_fit_warns_and_training_goes_on(supervised, monkeypatch, tmp_path,
+                                                                               failure):
+    # A disk that filled ended fit with a raw OSError; a directory removed mid-fit with a raw FileNotFoundError.
+    supervised()
+    with pytest.warns(RuntimeWarning, match=r"a backup of fit cannot be written in .*backups .*training goes on "
+                                            r"without backups.*--backup-dir"):
+        _, model, _ = fit_under_hetero([Storage(tmp_path / "backups", monkeypatch, failure)])
+    ref, _ = reference()
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations)
+
+
+def test_the_backup_interval_is_chosen_from_the_backups_measured_cost():
+    callback = backup.SupervisedBackup.__new__(backup.SupervisedBackup)
+    callback._costs_s = [0.3, 0.01]  # the first backup warmed up; the second took 10 ms
+    callback._choose_interval(0.1)  # a step of 100 ms
+    assert callback.interval_steps == 20  # 20 steps of 100 ms: 2 s, 200 times the backup's 10 ms
+    callback._costs_s = [100.0, 100.0]
+    callback._choose_interval(0.1)
+    assert callback.interval_steps == backup.MAX_INTERVAL_STEPS
 
 
 SCRIPT = textwrap.dedent("""

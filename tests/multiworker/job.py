@@ -45,6 +45,7 @@ def data(wide=False):
     return x, y
 
 
+BUG_AT_STEP = None  # --bug-at-step
 _FORWARD_ROWS: list = []  # --count-forward: the rows of every forward pass this process ran in training
 
 
@@ -54,6 +55,8 @@ def _counted(x):
 
     def record(rows):
         _FORWARD_ROWS.append(int(rows))
+        if BUG_AT_STEP is not None and len(_FORWARD_ROWS) > BUG_AT_STEP and "\"index\": 1" in os.environ["TF_CONFIG"]:
+            raise ValueError(f"a bug in worker 1's forward pass {len(_FORWARD_ROWS)}")
         return rows
 
     done = tf.py_function(record, [tf.shape(x)[0]], tf.int32)
@@ -165,6 +168,7 @@ def main(argv=None) -> int:
                         help="sample weights and reduction='mean_with_sample_weight' (normalised by the global batch)")
     parser.add_argument("--memory-drift", default=None,
                         help="R:BYTES:S, replica R's card has BYTES of memory left from its step S (also relaunched)")
+    parser.add_argument("--bug-at-step", type=int, default=None, help="worker 1's step raises a Python error")
     parser.add_argument("--linger-s", type=float, default=0.0,
                         help="worker 1, when its fit fails, prints the error and waits this long before it exits")
     parser.add_argument("--modelled-times", action="store_true",
@@ -191,6 +195,9 @@ def main(argv=None) -> int:
                         help="write OUT/forward_rows_<worker>.json: the rows of each forward pass fit ran here")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    global BUG_AT_STEP
+    BUG_AT_STEP = args.bug_at_step
+    args.count_forward = args.count_forward or args.bug_at_step is not None
 
     import keras
     import tensorflow as tf

@@ -650,6 +650,35 @@ def test_a_device_error_on_one_worker_is_its_device_fault_error_and_the_others_s
                      r"\S+task:1/device:CPU:0 \(UnknownError: CUDA_ERROR_ECC_UNCORRECTABLE", output1), output1[-3000:]
 
 
+@pytest.mark.slow  # two TensorFlow workers
+def test_regression_a_python_error_in_one_workers_step_is_typed_and_the_others_stop_at_once(tmp_path):
+    # A Python error in worker 1's step was a raw UnknownError there, and worker 0 waited 62.9 s in the collective.
+    from hetero_cs.launch import free_ports, tf_config
+
+    ports = free_ports(2)
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), str(tmp_path), "--split", "1,1", "--bug-at-step", "2", "--timeout-s", "200",
+             "--linger-s", "120"],
+            env=_env(TF_CONFIG=tf_config(ports, index), HETERO_CS_EMULATE="A10,T4"), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        for index in range(2)
+    ]
+    try:
+        output0 = processes[0].communicate(timeout=110)[0]  # well before worker 1 stops lingering
+        assert processes[1].poll() is None  # worker 1 still lingers: worker 0 did not wait for its exit
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+        output1 = processes[1].communicate()[0]
+    assert re.search(r"fit failed: ReplicaStepError: model.fit failed on worker 1 \((UnknownError|"
+                     r"InvalidArgumentError): .*a bug in worker 1's forward pass", output1), output1[-3000:]
+    assert re.search(r"WorkerLostError: model.fit stopped on worker 0: worker 1 stopped with an error in its step "
+                     r"\(.*a bug in worker 1's forward pass.*See that worker's ReplicaStepError", output0), \
+        output0[-3000:]
+
+
 @pytest.mark.slow
 def test_launch_relaunches_without_the_worker_whose_card_failed_and_the_job_resumes_exactly(tmp_path, reference):
     # Worker 1's card fails in the second epoch (its step 4), after the first epoch's BackupAndRestore backup.

@@ -266,17 +266,15 @@ def _patch_entry_points() -> None:
                 # come as InvalidArgumentError too.
                 kept = strategy._kept_plan_error(exc)  # noqa: SLF001
                 if kept is None:
-                    kept = _out_of_memory_here(strategy, original.__name__, exc, self)
-                if kept is None:
-                    raise
+                    kept = (_out_of_memory_here(strategy, original.__name__, exc, self)
+                            or _step_error_here(strategy, original.__name__, exc))
                 raise kept from exc
             except _PEER_FAILURES as exc:
                 raise _worker_lost(strategy, original.__name__, exc) from exc
-            except (tf.errors.ResourceExhaustedError, tf.errors.InternalError, tf.errors.UnknownError) as exc:
+            except tf.errors.OpError as exc:
                 error = (_out_of_memory_here(strategy, original.__name__, exc, self)
-                         or _device_fault_here(strategy, original.__name__, exc, (self.name,)))
-                if error is None:
-                    raise
+                         or _device_fault_here(strategy, original.__name__, exc, (self.name,))
+                         or _step_error_here(strategy, original.__name__, exc))
                 raise error from exc
             finally:
                 _current_model.model, _current_model.entry_point = previous
@@ -364,6 +362,21 @@ def _out_of_memory_here(strategy, verb: str, exc: Exception, model):
     return found.error
 
 
+def _step_error_here(strategy, verb: str, exc: Exception):
+    """A ReplicaStepError for any other error of this worker's step (a Python error inside it, a shape error), after
+    telling every other worker (:func:`_tell_cluster`): they stop within seconds with a WorkerLostError that names it,
+    instead of waiting in the collective."""
+    from hetero_cs.engine.step_errors import _op_message
+    from hetero_cs.errors import ReplicaStepError
+
+    cause = f"{type(exc).__name__}: {_op_message(str(exc), exc)[:300]}"
+    _tell_cluster(strategy, f"an error in its step ({cause})")
+    return ReplicaStepError(
+        f"model.{verb} failed on worker {id_in_cluster(strategy)} ({cause}). The other workers were told and stop too, "
+        f"with a WorkerLostError. No update of this step was applied. Fix the error, then restart all workers. The "
+        f"original error is chained below.")
+
+
 def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     """A DeviceFaultError for a device error on one of this worker's replicas (the rule of
     :mod:`hetero_cs.engine.failover`), after telling every other worker (:func:`_tell_cluster`), or None for any
@@ -417,6 +430,11 @@ def _worker_lost(strategy, verb: str, exc: Exception):
             + (f"Restart all workers with {caps.group(1)} (hetero-cs launch --max-restarts N does so by itself; see "
                f"that worker's StepOOMError)" if caps else "See that worker's StepOOMError, then restart all workers")
             + "; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup.")
+    if reported is not None and reported.group(2).startswith("an error in its step"):  # _step_error_here
+        return WorkerLostError(
+            f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped with "
+            f"{reported.group(2)}. Every worker runs the same steps in lockstep, so the job cannot go on without it. "
+            f"See that worker's ReplicaStepError, fix it, then restart all workers.")
     if reported is not None:  # a device error another worker told the cluster of (_device_fault_here)
         return WorkerLostError(
             f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped with "

@@ -43,7 +43,7 @@ def _patch_fit() -> None:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         callbacks = bound.arguments.get("callbacks")
-        bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks)  # noqa: SLF001
+        bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks, bound.arguments)  # noqa: SLF001
         strategy._input_error = None  # noqa: SLF001
         # fit distributes its training data first and validation data later (hetero_cs.engine.input_roles).
         distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
