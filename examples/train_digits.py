@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-auto-balance", action="store_true", help="train with an even split")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data split, weights and shuffling")
     parser.add_argument("--traceback", action="store_true", help="on a hetero_cs error, show the full traceback")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also show TensorFlow's start-up lines")
     parser.add_argument("--data", default=None, help="optional .npz with x (N, 8, 8[, 1]) and y (N,)")
     parser.add_argument(
         "--timing-steps", type=int, default=30,
@@ -262,6 +263,9 @@ def main(argv=None) -> int:
     logging.getLogger("hetero_cs").setLevel(logging.INFO)
     logging.getLogger("calibration").setLevel(logging.INFO)
 
+    from hetero_cs.cli import start_tensorflow_quietly
+
+    start_tensorflow_quietly(args.verbose)  # TensorFlow's C++ start-up lines only with --verbose
     import tensorflow as tf
 
     from hetero_cs import emulation

@@ -19,14 +19,18 @@ from collections.abc import Sequence
 from hetero_cs.errors import ConfigError, HeteroCSError
 
 
-def _start_tensorflow_quietly() -> None:
+def start_tensorflow_quietly(verbose: bool = False) -> None:
     """Imports TensorFlow and lists its devices with the process's stderr (file descriptor 2) on /dev/null.
 
     TensorFlow's C++ start-up lines (the absl note, oneDNN, "Could not find cuda drivers", CPU instruction notes and,
     on a machine without GPUs, an ``E0000 ... failed call to cuInit`` that reads like a failure) would otherwise
-    come before the command's own output; ``TF_CPP_MIN_LOG_LEVEL`` does not silence all of them. ``--verbose``
-    keeps them. Listing physical devices does not start the runtime, so logical devices can still be set up.
+    come before the command's own output; ``TF_CPP_MIN_LOG_LEVEL`` does not silence all of them. ``verbose`` keeps
+    them (``--verbose`` of the CLI and the main job). Listing physical devices does not start the runtime, so
+    logical devices can still be set up afterwards.
     """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if verbose:
+        return
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     try:
@@ -41,8 +45,7 @@ def _start_tensorflow_quietly() -> None:
 
 
 def _devices(args: argparse.Namespace) -> int:
-    if not args.verbose:
-        _start_tensorflow_quietly()
+    start_tensorflow_quietly(args.verbose)
     from hetero_cs.devices import discover_devices, format_device_table
 
     print(format_device_table(discover_devices()))
@@ -55,8 +58,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if args.output is not None:
         check_output_path(args.output)  # a bad --output is refused before TensorFlow loads
-    if not args.verbose:
-        _start_tensorflow_quietly()
+    start_tensorflow_quietly(args.verbose)
     return run_calibrate(args)
 
 

@@ -15,6 +15,8 @@ mutant`` shows the oracle can fail: with the ``b_i / B`` weight perturbed, or ``
 from __future__ import annotations
 
 import collections
+import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -40,6 +42,8 @@ def tolerance(program: Program) -> dict:
 def run_program(program: Program) -> str:
     """Trains ``program`` both ways; returns "exact" or "refused", raises SilentDifference (with the script) else."""
     source = render(program)
+    if os.environ.get("HETERO_CS_ORACLE_LOG"):  # the program about to run, for a crash that kills the process
+        pathlib.Path(os.environ["HETERO_CS_ORACLE_LOG"]).write_text(source)
     namespace: dict = {"__name__": "oracle_program"}
     exec(compile(source, "<oracle program>", "exec"), namespace)  # noqa: S102 - the program is ours, rendered
     expected = reference_run(namespace, program)
