@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 DATA = ("vectors", "two_inputs", "images", "sequences", "tokens")
 LOSSES = (
-    "keras", "keras_sum", "mean_with_sample_weight", "sample_weight", "class_weight", "two_outputs",
+    "keras", "keras_sum", "mean_with_sample_weight", "sample_weight", "class_weight", "two_outputs", "categorical",
     "compute_loss_mean", "compute_loss_sum", "add_loss_keras", "add_loss_tensor", "regularizers", "loss_class_scalar",
-    "masked_ratio", "stop_gradient", "nonlinear", "in_batch",
+    "masked_ratio", "stop_gradient", "nonlinear", "in_batch", "concat_batch",
 )
 LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision")
 CUSTOM_LOSSES = ("compute_average_loss", "reduce_mean", "reduce_mean_over_replicas", "reduce_sum_over_b",
@@ -35,9 +35,9 @@ BODIES = {
     "vectors": ("dense", "dense_relu", "layer_norm", "batch_norm", "sync_batch_norm", "regularized_dense",
                 "python_rows"),
     "two_inputs": ("dense", "dense_relu", "layer_norm"),
-    "images": ("conv2d", "batch_norm", "pool", "conv2d_relu"),
-    "sequences": ("conv1d", "lstm", "gru", "attention", "layer_norm", "dense"),
-    "tokens": ("lstm", "gru", "dense", "attention"),
+    "images": ("conv2d", "batch_norm", "pool", "conv2d_relu", "conv_transpose", "upsample"),
+    "sequences": ("conv1d", "lstm", "gru", "attention", "layer_norm", "dense", "bidirectional"),
+    "tokens": ("lstm", "gru", "dense", "attention", "bidirectional"),
 }
 
 
@@ -57,7 +57,7 @@ class Program:
 
     @property
     def classification(self) -> bool:
-        return self.loss in ("class_weight", "in_batch") or self.data == "tokens"
+        return self.loss in ("class_weight", "in_batch", "categorical") or self.data == "tokens"
 
     @property
     def kind(self) -> str:
@@ -73,10 +73,12 @@ def _valid(program: Program) -> bool:
         return False
     if loop == "train_step":
         return loss in ("keras", "sample_weight", "stop_gradient", "nonlinear", "masked_ratio", "compute_loss_mean",
-                        "add_loss_tensor", "regularizers")
+                        "add_loss_tensor", "regularizers", "concat_batch")
     if loss == "two_outputs" and (program.form == "sequential" or program.data == "two_inputs"):
         return False
-    if loss == "class_weight" and program.data == "tokens":
+    if loss == "concat_batch":
+        return False  # a train_step's form only
+    if loss in ("class_weight", "categorical") and program.data == "tokens":
         return False
     if loop == "mixed_precision" and loss in ("mean_with_sample_weight", "add_loss_tensor", "add_loss_keras"):
         return False  # Keras itself fails on one device (a float16 sum added to float32 ones)
@@ -86,7 +88,7 @@ def _valid(program: Program) -> bool:
 
 
 QUICK_LOOPS = ("fit", "train_step", "custom_loop", "grad_accum")  # the default run's: mixed precision traces slowly
-_RECURRENT = ("lstm", "gru", "attention")
+_RECURRENT = ("lstm", "gru", "attention", "bidirectional")
 
 
 @st.composite
@@ -210,6 +212,8 @@ def _data(program: Program) -> str:
         lines.append("    y = (signal + 0.1 * rng.normal(size=signal.shape)).astype('float32')")
     if program.loss == "two_outputs":
         lines.append("    y = [y, (-2.0 * y).astype('float32')]")
+    if program.loss == "categorical":
+        lines.append("    y = np.eye(3, dtype='float32')[y]")
     lines.append("    weights = rng.uniform(0.2, 2.0, size=n).astype('float32')")
     lines.append("    return x, y, weights")
     return "\n".join(lines)
@@ -266,6 +270,12 @@ def _layer(token: str, sequence: bool) -> list:
         return ["h = keras.layers.GRU(4, return_sequences=True, kernel_initializer=init)(h)"]
     if token == "attention":
         return ["h = keras.layers.MultiHeadAttention(2, 2, kernel_initializer=init)(h, h)"]
+    if token == "bidirectional":  # a backward LSTM reverses the time axis
+        return ["h = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True, kernel_initializer=init))(h)"]
+    if token == "conv_transpose":
+        return ["h = keras.layers.Conv2DTranspose(2, 3, padding='same', kernel_initializer=init)(h)"]
+    if token == "upsample":
+        return ["h = keras.layers.UpSampling2D(2)(h)"]
     raise ValueError(token)
 
 
@@ -346,6 +356,8 @@ def _compiled_loss(program: Program) -> str:
         return "None"  # its train_step computes its own loss (compute_loss_mean: Keras' compiled one)
     if loss == "keras_sum":
         return base.format(", reduction='sum'" if classification else "reduction='sum'")
+    if loss == "categorical":  # one-hot labels (make_data)
+        return "keras.losses.CategoricalCrossentropy(from_logits=True)"
     if loss == "mean_with_sample_weight":
         return base.format(", reduction='mean_with_sample_weight'" if classification
                            else "reduction='mean_with_sample_weight'")
@@ -410,6 +422,8 @@ def _train_step_model(program: Program) -> str:
                            "tf.reduce_mean(per_example)",
         "regularizers": "tf.reduce_mean(per_example) + 0.01 * tf.add_n([tf.reduce_sum(tf.square(v)) for v in "
                         "self.trainable_variables])",
+        # a GAN's discriminator step: two batches of rows concatenated along the batch axis, one mean over them
+        "concat_batch": "tf.reduce_mean(tf.concat([per_example, 0.5 * per_example + 0.1], 0))",
     }[program.loss]
     return f'''
 class TrainStepModel(keras.Model):

@@ -43,6 +43,7 @@ class Tag:
 
     root: Any
     per_example: Fraction | None = Fraction(1)  # None: a fixed number not known while tracing
+    ordered: bool = True  # False: rows of several tensors concatenated, one device's order differs (sums are alike)
 
 
 def same_rows(a: Tag | None, b: Tag | None) -> bool:
@@ -181,6 +182,11 @@ def _entries(tensor) -> list | None:
         return None if any(p is None for p in parts) else [v for p in parts for v in p]
     if op.type == "Shape" and op.inputs[0].shape.rank is not None:
         return op.inputs[0].shape.as_list()
+    if op.type == "Slice":  # part of a shape vector (the last axis of logits, for a softmax over classes)
+        whole, begin, size = _entries(op.inputs[0]), _static(op.inputs[1]), _static(op.inputs[2])
+        if whole is not None and begin is not None and size is not None:
+            start, length = int(np.ravel(begin)[0]), int(np.ravel(size)[0])
+            return whole[start:] if length < 0 else whole[start:start + length]
     if tensor.shape.rank == 1 and tensor.shape[0] is not None:
         return [None] * tensor.shape[0]
     return None
@@ -347,7 +353,9 @@ class BatchFlow:
             return [mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs "
                               "cannot read; write it in TensorFlow ops, or, if it works example by example, mark "
                               "its output with hetero_cs.per_example(...)")] * outputs
-        return [mixed(op, "is not one hetero_cs knows to keep examples apart")] * outputs
+        return [mixed(op, "is not an op hetero_cs knows (it cannot tell whether it keeps examples apart); if it "
+                          "computes each example from that example alone, mark its output with "
+                          "hetero_cs.per_example(...)")] * outputs
 
     def _elementwise(self, op, kinds) -> Kind:
         rank = _rank(op.outputs[0])
@@ -570,7 +578,8 @@ def _reshape(flow, op, kinds) -> Kind:
         # Rows of a size not known while tracing (a sequence of unknown length) cut into rows of a known size that
         # divides the last axis (Dense on a sequence: [b, T, d] -> [b * T, d]): each new row holds one example's
         # values, a number of them per example that tracing does not know.
-        if inner_before and inner_before[-1] is not None and per_row_after and inner_before[-1] % per_row_after == 0:
+        if per_row_after == 1 or (inner_before and inner_before[-1] is not None and per_row_after
+                                  and inner_before[-1] % per_row_after == 0):
             return Kind(ROWS, 0, Tag(kind.tag.root, None))
         return mixed(op, "reshapes rows whose size is not known while tracing")
     per_row_before = int(np.prod(inner_before)) if inner_before else 1
@@ -640,11 +649,19 @@ def _concat(flow, op, kinds) -> Kind:
     rank = _rank(op.outputs[0])
     axis = _axes(axis_tensor, rank)
     rows = [k for k in values if k.what != REP]
-    if axis is None or any(k.what != ROWS for k in rows) or any(k.axis != rows[0].axis or not same_rows(k.tag, rows[0].tag)
-                                                                  for k in rows):
+    if axis is None or any(k.what != ROWS for k in rows) or any(
+            k.axis != rows[0].axis or (k.axis != axis[0] and not same_rows(k.tag, rows[0].tag)) for k in rows):
         return mixed(op, "concatenates values of different kinds")
-    if rows[0].axis == axis[0] or len(rows) != len(values):
-        return mixed(op, "concatenates along the batch axis (it changes which rows are examples)")
+    if len(rows) != len(values):
+        return mixed(op, "concatenates values of other kinds")
+    if rows[0].axis == axis[0]:
+        if rows[0].axis != 0 or any(k.tag.per_example is None for k in rows):
+            return mixed(op, "concatenates along the batch axis")
+        # Each row still one example's, but one device's order interleaves the tensors' rows differently: sums and
+        # means over them are alike, a prediction row by row is not (Tag.ordered).
+        # Tensors concatenated from rows of the same tags (a generator's and the data's, their labels) line up.
+        return Kind(ROWS, 0, Tag(("concat", tuple(k.tag for k in rows)), Fraction(sum(k.tag.per_example for k in rows)),
+                                 ordered=False))
     return rows[0]
 
 
@@ -751,9 +768,14 @@ def _slice(flow, op, kinds) -> Kind:
     if kind.what in (AGG, COUNT):
         return _AGG
     begin, size = _static(op.inputs[1]), _static(op.inputs[2])
-    if kind.what != ROWS or begin is None or size is None:
+    if kind.what not in (ROWS, SHAPE) or begin is None or size is None:
         return mixed(op, "slices at positions computed while the step runs")
-    if int(np.ravel(begin)[kind.axis]) != 0 or int(np.ravel(size)[kind.axis]) != -1:
+    start, length = int(np.ravel(begin)[kind.axis if kind.what == ROWS else 0]), \
+        int(np.ravel(size)[kind.axis if kind.what == ROWS else 0])
+    if kind.what == SHAPE:  # part of a shape vector: the row count among its entries or not
+        inside = start <= kind.axis and (length < 0 or kind.axis < start + length)
+        return Kind(SHAPE, kind.axis - start, kind.tag) if inside else _REP
+    if start != 0 or length != -1:
         return mixed(op, "picks examples by their position in the slice")
     return kind
 
@@ -770,10 +792,12 @@ def _pad(flow, op, kinds) -> Kind:
 
 def _tile(flow, op, kinds) -> Kind:
     kind = kinds[0]
-    multiples = _static(op.inputs[1])
     if kind.what == REP and kinds[1].what == SHAPE:
         return Kind(ROWS, kinds[1].axis, kinds[1].tag)
-    if kind.what != ROWS or multiples is None or int(np.ravel(multiples)[kind.axis]) != 1:
+    multiples = _entries(op.inputs[1])
+    if kind.what != ROWS or multiples is None or multiples[kind.axis] is None:
+        return mixed(op, "tiles by multiples not known while tracing")
+    if multiples[kind.axis] != 1:
         return mixed(op, "tiles along the batch axis")
     return kind
 
@@ -933,6 +957,11 @@ _HANDLERS = {
     "ShapeN": _shape, "Size": _size, "GatherV2": _gather, "ResourceGather": _gather, "Gather": _gather,
     "Where": _where, "OneHot": _one_hot, "Range": _range,
     "L2Loss": lambda flow, op, kinds: _AGG if kinds[0].what in (ROWS, AGG, COUNT) else mixed(op, "reduces a value"),
+    "ReverseV2": lambda flow, op, kinds: flow._along_axis(op, kinds),
+    "Conv2DBackpropInput": lambda flow, op, kinds: kinds[2] if kinds[2].what == ROWS and kinds[2].axis == 0 and
+    kinds[1].what == REP else mixed(op, "transposes a convolution across the batch axis"),
+    "Conv3DBackpropInputV2": lambda flow, op, kinds: kinds[2] if kinds[2].what == ROWS and kinds[2].axis == 0 and
+    kinds[1].what == REP else mixed(op, "transposes a convolution across the batch axis"),
     "SparseSoftmaxCrossEntropyWithLogits": _cross_entropy, "SoftmaxCrossEntropyWithLogits": _cross_entropy,
     "IdentityN": _identity_n,
     "ScatterNd": _sparse_dense, "TensorScatterUpdate": _sparse_dense, "TensorScatterAdd": _sparse_dense,

@@ -63,9 +63,10 @@ class DeepcopiedStrategy:
 
 
 class ReplicaCount(int):
-    """``strategy.num_replicas_in_sync`` of our strategies: an ``int`` that, converted to a tensor inside a replica
-    step, is marked for the loss reader, which reads ``loss / strategy.num_replicas_in_sync`` (the stock idiom for an
-    even split) as one device's ``loss / 1`` (:mod:`hetero_cs.engine._compat.loss_reader`)."""
+    """``strategy.num_replicas_in_sync`` of our strategies: an ``int`` that, converted to a float tensor inside a
+    replica step, is ``B / b_i`` for that replica, marked for the loss reader: ``loss / strategy.num_replicas_in_sync``
+    (the stock idiom for an even split, whose replicas' values add up to one device's ``loss / 1``) is then this
+    replica's exact share on any split, in value and gradient (:mod:`hetero_cs.engine._compat.loss_reader`)."""
 
 
 class ReplicaCountStrategy:
@@ -82,10 +83,14 @@ def register_replica_count_conversion() -> None:
 
     def convert(value, dtype=None, name=None, as_ref=False):
         del as_ref
-        tensor = tf.constant(int(value), dtype=dtype, name=name)
         step = training.current_replica_step()
-        if step is not None and not tf.executing_eagerly():
-            step.replica_counts.add(tensor.ref())
+        if step is None or step.global_batch_size is None or tf.executing_eagerly() or dtype is None or \
+                not tf.as_dtype(dtype).is_floating:
+            return tf.constant(int(value), dtype=dtype, name=name)
+        # In a replica step, as a float: B / b_i, so that x / num_replicas_in_sync is this replica's share of one
+        # device's x / 1 in value too (an idle replica's: 0), and the loss reader reads the division as that.
+        tensor = tf.math.divide_no_nan(tf.cast(step.global_batch_size, dtype), tf.cast(step.batch_size, dtype))
+        step.replica_counts.add(tensor.ref())
         return tensor
 
     # Private: the registry's internal entry point; the public one refuses subclasses of Python numbers (whose own

@@ -132,9 +132,11 @@ def check_predictions(step, outputs):
         if not isinstance(value, tf.Tensor) or value.shape.rank == 0:
             continue
         kind = flow.kind(value)
-        if kind.what in (ROWS, REP):
+        if kind.what == REP or kind.what == ROWS and kind.tag is not None and kind.tag.ordered:
             continue
-        reason = kind.reason if kind.what == MIXED else "is computed from the whole slice together"
+        reason = kind.reason if kind.what == MIXED else (
+            "its rows are concatenated along the batch axis, in another order than one device's"
+            if kind.what == ROWS else "is computed from the whole slice together")
         raise BatchCouplingError(
             f"hetero_cs cannot split this model's predictions ({value.name}): {reason}, so the replicas' rows "
             f"would not be one device's on the whole batch. Compute each example's prediction from that example "
@@ -226,8 +228,8 @@ def _read_uncached(reading, tensor, what, depth):
     if kind.what == MIXED:
         raise BatchCouplingError(
             f"hetero_cs cannot split {what}: its {kind.reason}, so each replica's part would not add up to one "
-            f"device's value on the whole batch. Compute it from each example alone (per-example losses reduced by "
-            f"a mean or a sum over the batch), or train this model on one device.")
+            f"device's value on the whole batch. Where examples do meet (pairs, in-batch negatives, a batch "
+            f"statistic), train this model on one device.")
     if kind.what == REP:
         return GLOBAL, _leaf(reading, tensor)
     if kind.what == COUNT:

@@ -203,8 +203,8 @@ def _refuse_mixed_examples(step, values, sample_weight, mask) -> None:
             raise BatchCouplingError(
                 f"hetero_cs cannot split the loss {_loss_name()}: the {name} it reduces are not one per example "
                 f"- its {flow.kind(tensor).reason} - so each replica's loss would not add up to one device's on the "
-                f"whole batch. Compute each example's loss from that example alone (pairs or in-batch negatives "
-                f"need the whole batch on one device), or train this model on one device.")
+                f"whole batch. Where examples do meet (pairs, in-batch negatives, a batch statistic), train this "
+                f"model on one device.")
 
 
 def _scalar_share(step, value, sample_weight, mask):
