@@ -36,7 +36,8 @@ import weakref
 import tensorflow as tf
 
 from hetero_cs.engine import training
-from hetero_cs.engine._compat.batch_flow import AGG, COUNT, MIXED, REP, ROWS, SHAPE, BatchFlow
+from hetero_cs.engine._compat.batch_flow import BatchFlow
+from hetero_cs.engine._compat.batch_kinds import COUNT, MIXED, REP, ROWS, SHAPE, axes
 from hetero_cs.errors import BatchCouplingError, LossPatternError
 
 GLOBAL, SHARE = "global", "share"
@@ -294,10 +295,8 @@ def _reduces_rows(flow, op) -> bool:
         return op.type == "Prod"  # the product of a shape: a count of elements, which add up over the replicas
     if kind.what != ROWS:
         return False
-    from hetero_cs.engine._compat.batch_flow import _axes
-
-    axes = _axes(op.inputs[1], op.inputs[0].shape.rank)
-    return axes is not None and kind.axis in axes
+    reduced = axes(op.inputs[1], op.inputs[0].shape.rank)
+    return reduced is not None and kind.axis in reduced
 
 
 def _atom(reading, op, tensor, what):

@@ -40,7 +40,7 @@ from hetero_cs.engine import training
 from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
-from hetero_cs.engine._compat.batch_flow import MIXED
+from hetero_cs.engine._compat.batch_kinds import MIXED
 from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
 from hetero_cs.engine._compat.variables import _central_in_replica_context
 from hetero_cs.errors import BatchCouplingError, LossPatternError

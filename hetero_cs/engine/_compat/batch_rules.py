@@ -1,0 +1,339 @@
+"""The rules of the batch-flow analysis: what each TensorFlow op does to the kinds of its inputs.
+
+Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. The kinds are described
+in :mod:`hetero_cs.engine._compat.batch_flow`, which walks a replica step's graph and applies :func:`rule` (it reads
+calls, loops and conditionals itself). The rules are a whitelist: an op not listed here makes its outputs ``MIXED``,
+naming the op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_cs.engine._compat.batch_kinds import (
+    AGG, AGGREGATE, COUNT, INDEX, LIST, MIXED, REP, REPLICATED, ROWS, SHAPE, Kind, Tag, axes, join, mixed,
+    rank as _rank, rows_of as _rows_of, same_rows, static,
+)
+from hetero_cs.engine._compat.batch_shapes import SHAPE_RULES
+
+_PASS_THROUGH = frozenset({
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "CheckNumericsV2", "EnsureShape",
+    "Cast", "Bitcast", "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Digamma", "Elu",
+    "Erf", "Erfc", "Erfinv", "Exp", "Expm1", "Floor", "Gelu", "Inv", "Invert", "IsFinite", "IsInf", "IsNan",
+    "LeakyRelu", "Lgamma", "Log", "Log1p", "LogicalNot", "Neg", "Ndtri", "OnesLike", "Reciprocal", "Relu", "Relu6",
+    "Rint", "Round", "Rsqrt", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Square", "Tan",
+    "Tanh", "ZerosLike", "Real", "Imag", "Angle", "Conj", "ComplexAbs", "AsString", "StringToNumber",
+})
+_ELEMENTWISE = frozenset({
+    "Add", "AddV2", "AddN", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan", "FloorDiv", "FloorMod",
+    "TruncateDiv", "TruncateMod", "Mod", "Maximum", "Minimum", "Pow", "SquaredDifference", "Xlogy", "Xdivy",
+    "Xlog1py", "Atan2", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd",
+    "LogicalOr", "Select", "SelectV2", "BiasAdd", "ApproximateEqual", "ClipByValue", "BitwiseAnd", "BitwiseOr",
+    "BitwiseXor", "LeftShift", "RightShift", "Complex", "Igamma", "Igammac", "Betainc", "Zeta", "Polygamma",
+    "SigmoidGrad", "TanhGrad", "ReluGrad", "SoftplusGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "EluGrad",
+    "SeluGrad", "Relu6Grad", "LeakyReluGrad", "GeluGrad",
+})
+_CONVOLUTIONS = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D",
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "Dilation2D", "LRN", "ResizeBilinear",
+    "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea", "DepthToSpace", "SpaceToDepth",
+})
+_RANDOM = frozenset({
+    "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt", "StatelessRandomUniformV2",
+    "StatelessRandomNormalV2", "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+    "StatelessRandomUniformFullIntV2", "StatelessRandomUniform", "StatelessRandomNormal",
+    "StatelessTruncatedNormal", "StatelessRandomBinomial", "Fill",
+})
+_NO_DATA = frozenset({"Rank", "VarIsInitializedOp", "TensorListLength", "TensorListElementShape"})
+_PYTHON = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def rule(op, kinds: list[Kind]) -> list[Kind]:
+    """The kinds of ``op``'s outputs, given its inputs'."""
+    outputs, t = len(op.outputs), op.type
+    broken = next((k for k in kinds if k.what == MIXED), None)
+    if not outputs or broken is not None:
+        return [broken] * outputs
+    if t in _LISTS:  # a list that is REP is a list of REP elements
+        return [_LISTS[t](op, [Kind(LIST) if k.what == REP and i == 0 else k for i, k in enumerate(kinds)])] * outputs
+    if all(k.what == REP for k in kinds) and t not in _RANDOM:
+        return [REPLICATED] * outputs
+    handler = _HANDLERS.get(t)
+    if handler is not None:
+        result = handler(op, kinds)
+        return result if isinstance(result, list) else [result] * outputs
+    if t in _PASS_THROUGH:
+        return [kinds[0]] * outputs
+    if t in _NO_DATA:
+        return [REPLICATED] * outputs
+    if t in _PYTHON:
+        return [mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs "
+                          "cannot read; write it in TensorFlow ops, or, if it works example by example, mark its "
+                          "output with hetero_cs.per_example(...)")] * outputs
+    return [mixed(op, "is not an op hetero_cs knows (it cannot tell whether it keeps examples apart); if it "
+                      "computes each example from that example alone, mark its output with "
+                      "hetero_cs.per_example(...)")] * outputs
+
+
+# -- families of ops ------------------------------------------------------------------------------------------------
+def _elementwise(op, kinds) -> Kind:
+    rank, rows = _rank(op.outputs[0]), []
+    for tensor, kind in zip(op.inputs, kinds):
+        if kind.what in (AGG, COUNT):
+            rows.append(AGGREGATE)
+        elif kind.what == ROWS and rank is not None and _rank(tensor) is not None:
+            rows.append(kind.at(kind.axis + rank - _rank(tensor)))  # broadcasting aligns the trailing axes
+        elif kind.what != REP:
+            return mixed(op, f"combines a {kind} value element by element")
+    if not any(k.what == ROWS for k in rows):
+        return AGGREGATE
+    if any(k.what != ROWS for k in rows):
+        return mixed(op, "combines each example's values with a value computed from the whole slice (a batch "
+                         "statistic): one device would use the whole batch's")
+    if any(k.axis != rows[0].axis or not same_rows(k.tag, rows[0].tag) for k in rows):
+        return mixed(op, "pairs values of different examples (their rows do not line up)")
+    return rows[0]
+
+
+def _reduction(op, kinds) -> Kind:
+    kind = kinds[0]
+    if kind.what == SHAPE:  # a product of a shape's entries: a number of elements, a fixed multiple of the rows
+        return Kind(COUNT, tag=Tag(kind.tag.root, None)) if op.type == "Prod" else AGGREGATE
+    early = _rows_of(op, kind, "reduces")
+    if early is not None:
+        return early
+    reduced = axes(op.inputs[1], _rank(op.inputs[0]))
+    if reduced is None:
+        return mixed(op, "reduces along axes not known while tracing")
+    if kind.axis in reduced:
+        return AGGREGATE
+    keep = op.get_attr("keep_dims") if "keep_dims" in op.node_def.attr else False
+    return kind if keep else kind.at(kind.axis - sum(a < kind.axis for a in reduced))
+
+
+def _along_axis(op, kinds) -> Kind:
+    kind = kinds[0]
+    early = _rows_of(op, kind, "works along an axis of")
+    if early is not None:
+        return early
+    along = axes(op.inputs[1], _rank(op.inputs[0]))
+    if along is None or kind.axis in along:
+        return mixed(op, "works along the batch axis (its result for one example depends on the others)")
+    return kind.at(kind.axis - (along[0] < kind.axis)) if op.type in ("ArgMax", "ArgMin") else kind
+
+
+def _last_axis(op, kinds) -> Kind:
+    kind, rank = kinds[0], _rank(op.inputs[0])
+    if kind.what in (AGG, COUNT):
+        return AGGREGATE
+    if kind.what != ROWS or rank is None or kind.axis == rank - 1:
+        return mixed(op, "works along the batch axis (its result for one example depends on the others)")
+    if op.type != "InTopKV2" and any(k.what != REP for k in kinds[1:]):
+        return mixed(op, "combines values of other kinds")
+    return kind
+
+
+def _convolution(op, kinds) -> Kind:
+    kind = kinds[0]
+    if kind.what != ROWS or kind.axis != 0 or any(k.what != REP for k in kinds[1:]):
+        return mixed(op, "slides over the batch axis or takes weights that depend on the examples")
+    if op.type.startswith("FusedBatchNorm") and op.get_attr("is_training"):
+        return mixed(op, "normalises each example by its slice's statistics")
+    return kind
+
+
+def _filled(op, kinds) -> Kind:
+    shape = kinds[0]
+    if shape.what == REP:
+        return REPLICATED
+    if shape.what == SHAPE:
+        return Kind(ROWS, shape.axis, shape.tag)
+    return mixed(op, "makes a tensor of a shape computed from the examples' values")
+
+
+# -- products -------------------------------------------------------------------------------------------------------
+def _matmul(op, kinds) -> Kind:
+    a, b = kinds[:2]
+    if {a.what, b.what} & {AGG, COUNT}:
+        return AGGREGATE if ROWS not in (a.what, b.what) else mixed(op, "multiplies examples by a batch aggregate")
+    ta = op.get_attr("transpose_a") if "transpose_a" in op.node_def.attr else op.get_attr("adj_x")
+    tb = op.get_attr("transpose_b") if "transpose_b" in op.node_def.attr else op.get_attr("adj_y")
+    rank = _rank(op.outputs[0])
+    if None in (_rank(op.inputs[0]), _rank(op.inputs[1]), rank):
+        return mixed(op, "multiplies tensors of unknown rank")
+    present = []  # (kind, role, axis of the product): a batch dimension, a row/column of the product, or inner
+    for kind, tensor, transposed, left in ((a, op.inputs[0], ta, True), (b, op.inputs[1], tb, False)):
+        if kind.what == REP:
+            continue
+        n = _rank(tensor)
+        outer = (n - 1 if transposed else n - 2) if left else (n - 2 if transposed else n - 1)
+        if kind.axis < n - 2:
+            present.append((kind, "batch", rank - n + kind.axis))
+        elif kind.axis == outer:
+            present.append((kind, "outer", rank - 2 if left else rank - 1))
+        else:
+            present.append((kind, "inner", None))
+    if any(role == "inner" for _, role, _ in present):
+        if len(present) == 1 or all(role == "inner" for _, role, _ in present) and same_rows(present[0][0].tag,
+                                                                                            present[1][0].tag):
+            return AGGREGATE  # x^T y over the batch: a sum over the examples
+        return mixed(op, "multiplies values of different examples together")
+    if len(present) == 2:
+        (ka, ra, axa), (kb, rb, axb) = present
+        if ra == rb == "batch" and axa == axb and same_rows(ka.tag, kb.tag):
+            return Kind(ROWS, axa, ka.tag)
+        return mixed(op, "pairs every example with every other (a matrix of examples by examples)")
+    kind, _, axis = present[0]
+    return Kind(ROWS, axis, kind.tag)
+
+
+def _einsum(op, kinds) -> Kind:
+    equation = op.get_attr("equation")
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    if "..." in equation or "->" not in equation:
+        return mixed(op, f"has an equation hetero_cs does not read ({equation!r})")
+    left, output = equation.replace(" ", "").split("->")
+    letters, tag = set(), None
+    for letters_in, kind in zip(left.split(","), kinds):
+        if kind.what == REP:
+            continue
+        if kind.what != ROWS:
+            return AGGREGATE if kind.what in (AGG, COUNT) and all(k.what != ROWS for k in kinds) else \
+                mixed(op, f"combines a {kind} value")
+        if tag is not None and not same_rows(kind.tag, tag):
+            return mixed(op, "combines values of different examples")
+        letters.add(letters_in[kind.axis])
+        tag = kind.tag
+    if len(letters) != 1:
+        return mixed(op, "pairs every example with every other (the examples' axes differ)")
+    letter = letters.pop()
+    return Kind(ROWS, output.index(letter), tag) if letter in output else AGGREGATE  # else: summed over the examples
+
+
+# -- picking rows ---------------------------------------------------------------------------------------------------
+def _gather(op, kinds) -> Kind:  # GatherV2(params, indices, axis), ResourceGather(resource, indices)
+    params, indices, axis = kinds[0], kinds[1], 0
+    if op.type == "GatherV2":
+        static_axis = static(op.inputs[2])
+        if static_axis is None:
+            return mixed(op, "gathers along an axis not known while tracing")
+        axis = int(static_axis) % max(_rank(op.inputs[0]) or 1, 1)
+    batch_dims = op.get_attr("batch_dims") if "batch_dims" in op.node_def.attr else 0
+    if _rank(op.inputs[1]) is None:
+        return mixed(op, "gathers with indices of unknown rank")
+    if params.what == SHAPE:
+        positions = static(op.inputs[1])
+        if indices.what != REP or positions is None:
+            return mixed(op, "gathers a shape by the examples' values")
+        kept = [int(p) for p in np.ravel(positions)]
+        if params.axis not in kept:
+            return REPLICATED
+        return Kind(SHAPE, kept.index(params.axis), params.tag) if np.ndim(positions) else Kind(COUNT, tag=params.tag)
+    if params.what == REP and indices.what == ROWS:
+        return Kind(ROWS, axis + indices.axis - batch_dims, indices.tag)  # an embedding lookup
+    if params.what == ROWS and indices.what == REP:
+        if params.axis == axis:
+            return mixed(op, "picks examples by their position in the slice")
+        return params.at(params.axis + (_rank(op.inputs[1]) - 1 - batch_dims if params.axis > axis else 0))
+    if params.what == ROWS and params.axis == axis == 0 and same_rows(params.tag, indices.tag):
+        if indices.what == INDEX:
+            return Kind(ROWS, 0, Tag(("subset", op.name)))  # a subset of the rows the data picked, in order
+        if indices.what == ROWS and indices.axis == 0 and batch_dims >= 1:
+            return params  # each example gathers from its own rows (tf.gather(..., batch_dims=1))
+    if AGG in (params.what, indices.what) and ROWS not in (params.what, indices.what):
+        return AGGREGATE
+    return mixed(op, "gathers values of one example by another's indices")
+
+
+def _where(op, kinds) -> Kind:
+    if len(op.inputs) != 1:
+        return _elementwise(op, kinds)
+    kind = kinds[0]  # tf.where(condition): the coordinates of the true entries
+    if kind.what == ROWS:
+        return Kind(INDEX, tag=kind.tag) if kind.axis == 0 else mixed(op, "picks entries along another axis")
+    return AGGREGATE
+
+
+def _one_hot(op, kinds) -> Kind:
+    indices = kinds[0]
+    if any(k.what != REP for k in kinds[1:]):
+        return mixed(op, "takes a depth or values that depend on the examples")
+    early = _rows_of(op, indices, "encodes")
+    axis = op.get_attr("axis")
+    axis = _rank(op.outputs[0]) - 1 if axis == -1 else axis
+    return early or indices.at(indices.axis + (axis <= indices.axis))
+
+
+def _range(op, kinds) -> Kind:
+    if any(k.what == COUNT for k in kinds):
+        return mixed(op, "numbers the examples of the slice (one device numbers the whole batch)")
+    return AGGREGATE if any(k.what == AGG for k in kinds) else mixed(op, "makes a range hetero_cs cannot follow")
+
+
+def _cross_entropy(op, kinds) -> Kind:
+    first, second = kinds[:2]
+    if first.what == second.what == ROWS and first.axis == second.axis == 0 and same_rows(first.tag, second.tag):
+        return first
+    return mixed(op, "combines labels and logits that are not one row per example")
+
+
+def _transposed_convolution(op, kinds) -> Kind:  # Conv2DBackpropInput(input_sizes, filter, out_backprop)
+    ok = kinds[2].what == ROWS and kinds[2].axis == 0 and kinds[1].what == REP
+    return kinds[2] if ok else mixed(op, "transposes a convolution across the batch axis")
+
+
+# -- TensorLists (tf.while_loop's TensorArrays) ---------------------------------------------------------------------
+def _list_from_tensor(op, kinds) -> Kind:
+    kind = kinds[0]
+    if kind.what == LIST:  # the REP tensor it unstacks
+        return Kind(LIST, element=REPLICATED)
+    if kind.what != ROWS or kind.axis == 0:
+        return mixed(op, "unstacks the examples into a list")
+    return Kind(LIST, element=kind.at(kind.axis - 1))
+
+
+def _list_get(op, kinds) -> Kind:
+    if kinds[0].what != LIST or any(k.what != REP for k in kinds[1:]):
+        return mixed(op, "reads a list at a position computed from the examples")
+    return kinds[0].element or REPLICATED
+
+
+def _list_set(op, kinds) -> Kind:
+    if kinds[0].what != LIST or kinds[1].what != REP:
+        return mixed(op, "writes a list at a position computed from the examples")
+    element = join(kinds[0].element, kinds[2])
+    return mixed(op, element.reason) if element.what == MIXED else Kind(LIST, element=element)
+
+
+def _list_stack(op, kinds) -> Kind:
+    element = (kinds[0].element or REPLICATED) if kinds[0].what == LIST else None
+    if element is None or element.what not in (ROWS, REP, AGG):
+        return mixed(op, f"stacks {element or kinds[0]} values")
+    return element.at(element.axis + 1) if element.what == ROWS else element
+
+
+def _scatters(op, kinds) -> Kind:
+    return mixed(op, "scatters values to positions hetero_cs cannot follow")
+
+
+_LISTS = {
+    "TensorListFromTensor": _list_from_tensor, "TensorListReserve": lambda op, kinds: Kind(LIST),
+    "EmptyTensorList": lambda op, kinds: Kind(LIST), "TensorListGetItem": _list_get,
+    "TensorListSetItem": _list_set, "TensorListStack": _list_stack,
+}
+_HANDLERS = {
+    "MatMul": _matmul, "BatchMatMul": _matmul, "BatchMatMulV2": _matmul, "BatchMatMulV3": _matmul,
+    "Einsum": _einsum, **SHAPE_RULES, "Size": lambda op, kinds: Kind(COUNT, tag=kinds[0].tag) if kinds[0].what == ROWS else REPLICATED,
+    "GatherV2": _gather, "ResourceGather": _gather, "Gather": _gather, "Where": _where, "OneHot": _one_hot,
+    "Range": _range, "SparseSoftmaxCrossEntropyWithLogits": _cross_entropy,
+    "SoftmaxCrossEntropyWithLogits": _cross_entropy, "IdentityN": lambda op, kinds: list(kinds),
+    "L2Loss": lambda op, kinds: AGGREGATE if kinds[0].what in (ROWS, AGG, COUNT) else mixed(op, "reduces a value"),
+    "Conv2DBackpropInput": _transposed_convolution, "Conv3DBackpropInputV2": _transposed_convolution,
+    "ScatterNd": _scatters, "TensorScatterUpdate": _scatters, "TensorScatterAdd": _scatters,
+    "UnsortedSegmentSum": _scatters, "SparseToDense": _scatters, "Unique": _scatters,
+    **{t: _elementwise for t in _ELEMENTWISE}, **{t: _convolution for t in _CONVOLUTIONS},
+    **{t: _filled for t in _RANDOM},
+    **{t: _reduction for t in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm")},
+    **{t: _along_axis for t in ("ArgMax", "ArgMin", "Cumsum", "Cumprod", "CumulativeLogsumexp", "ReverseV2")},
+    **{t: _last_axis for t in ("Softmax", "LogSoftmax", "TopKV2", "InTopKV2")},
+}
