@@ -7,7 +7,7 @@ every configuration a script compares, so the configurations differ only in the 
   batch with ``tf.nn.compute_average_loss``) for every configuration;
 * synthetic data (step time does not depend on the values), one cached global batch repeated;
 * for a stock ``CentralStorageStrategy`` with emulated devices, the same per-replica wait that hetero_cs injects
-  (``hetero_cs.engine.step_timing.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
+  (``hetero_cs.devices.step_clock.finish_replica_step`` once a replica's gradients are ready, see ``make_train_step``);
 * interleaved rounds over the configurations (the order rotates every round), medians.
 
 TensorFlow is imported lazily (inside functions) so a script can create its logical devices first.
@@ -203,7 +203,7 @@ def make_train_step(strategy: Any, model: Any, optimizer: Any, *, global_batch_s
     """
     import tensorflow as tf
 
-    from hetero_cs.engine.step_timing import finish_replica_step, wall_clock_stamp
+    from hetero_cs.devices.step_clock import finish_replica_step, wall_clock_stamp
 
     import hetero_cs
     from hetero_cs.errors import NotInReplicaStepError

@@ -270,7 +270,7 @@ def section_d(ctx: Context) -> tuple[str, str, dict]:
 
     from hetero_cs import HeteroCentralStorageStrategy, MemoryRecoveryPolicy
     from hetero_cs.emulation import estimate_workload, max_examples_in_memory, slice_memory_bytes
-    from hetero_cs.engine import oom_recovery
+    from hetero_cs.engine.memory import oom_recovery
 
     if ctx.gpu and ctx.small_memory_mb is None:
         return "SKIPPED", "no logical device with a memory_limit (run without --no-memory-limit)", {}

@@ -16,7 +16,7 @@ identical devices (3 logical CPU compute devices, CPU:0 holds the variables), tr
   runs in each replica) instead of the custom loop's step, under stock CentralStorageStrategy, under hetero_cs
   (even, timing off) compiled with ``jit_compile=False``, and the same compiled with ``jit_compile=True``: each
   replica's forward and backward pass then runs as one XLA function on its device
-  (:mod:`hetero_cs.engine.replica_xla`); ``keras_one`` and ``keras_one_xla``: the same step on one device (the
+  (:mod:`hetero_cs.engine._compat.replica_xla`); ``keras_one`` and ``keras_one_xla``: the same step on one device (the
   default strategy, the whole batch) without and with XLA, to tell XLA's own effect on this CPU from hetero_cs's;
 * ``stock_again``: a second, identical stock strategy: the A/A control. Its ratio to ``stock`` is what the method
   reads when there is no difference at all (the noise floor of the ratios above).

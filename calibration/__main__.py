@@ -161,7 +161,7 @@ def _setup_devices(args: argparse.Namespace) -> tuple[list[str], list[str] | Non
     """Returns (compute devices, emulated names or None); must run before TensorFlow initialises."""
     import tensorflow as tf
 
-    from hetero_cs.emulation import setup_logical_devices
+    from hetero_cs.devices.logical import setup_logical_devices
 
     emulate = args.emulate
     if emulate is None and args.devices is None and not tf.config.list_physical_devices("GPU"):
@@ -191,7 +191,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from calibration.calibrate import _check_devices, calibrate
     from calibration.store import ProfileStore, save_result_file
     from calibration.user_model import build_calibration_model
-    from hetero_cs.emulation import Emulator, estimate_workload
+    from calibration.workload import estimate_workload
+    from hetero_cs.devices.emulation import Emulator
 
     parameter_device = "/device:CPU:0"
     devices, parameter_device = _check_devices(devices, parameter_device)  # DeviceError before TF's own ValueError
@@ -273,7 +274,7 @@ def _run_what_if(args: argparse.Namespace) -> int:
     workload = DEFAULT_WORKLOAD
     if args.model is not None:
         from calibration.user_model import build_calibration_model
-        from hetero_cs.devices.workload import estimate_workload
+        from calibration.workload import estimate_workload
 
         model, _ = build_calibration_model(args.model, global_batch_size=args.global_batch_size)
         workload = estimate_workload(model)

@@ -135,7 +135,7 @@ def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPl
 
     try:
         # As the strategies plan: a replica with 0 examples runs nothing (t(0) = 0), so a card may be left out
-        # where that is faster (hetero_cs.engine.idle_replicas).
+        # where that is faster (hetero_cs.engine.step.idle_replicas).
         return solve_batch_split(idle_free([p.cost_model for p in profiles]), global_batch_size,
                                  max_batch_sizes=[p.max_batch_size for p in profiles], min_batch_size=0)
     except InfeasiblePlanError as exc:
@@ -263,7 +263,7 @@ def calibrate(
                 "catalog name per compute device."
             )
         if emulator.workload is None:
-            from hetero_cs.emulation import estimate_workload
+            from calibration.workload import estimate_workload
 
             emulator.set_workload(estimate_workload(model))
 

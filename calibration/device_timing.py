@@ -70,7 +70,7 @@ class _DeviceCalibration:
     def prepare(self, sizes: Sequence[int], on_warm: Callable[[int], None] | None = None) -> None:
         """Warms every size up in increasing order, stopping at the first out-of-memory, then finds the cap."""
         import tensorflow as tf
-        from hetero_cs.engine.oom_errors import is_out_of_memory
+        from hetero_cs.devices.device_errors import is_out_of_memory
 
         failed_size: int | None = None
         for batch_size in sizes:
@@ -79,7 +79,7 @@ class _DeviceCalibration:
             except HeteroCSError:
                 raise
             except tf.errors.OpError as exc:
-                if not is_out_of_memory(exc):  # every form a GPU raises it in (hetero_cs.engine.oom_errors)
+                if not is_out_of_memory(exc):  # every form a GPU raises it in (hetero_cs.devices.device_errors)
                     raise self._step_error(batch_size, exc) from exc
                 failed_size = batch_size
                 logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
@@ -96,7 +96,7 @@ class _DeviceCalibration:
     def time_once(self, batch_size: int) -> None:
         """One timed step at batch_size (a size that fits), appended to its samples."""
         import tensorflow as tf
-        from hetero_cs.engine.oom_errors import is_out_of_memory
+        from hetero_cs.devices.device_errors import is_out_of_memory
 
         try:  # the caller holds preserved_model_state around the whole calibration
             self.samples_s[batch_size].append(self.probe.run_step(batch_size))
@@ -160,7 +160,7 @@ class _DeviceCalibration:
     def _find_cap(self, sizes: list[int], failed_size: int) -> None:
         """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
         import tensorflow as tf
-        from hetero_cs.engine.oom_errors import is_out_of_memory
+        from hetero_cs.devices.device_errors import is_out_of_memory
 
         device = self.probe.device
         largest_fitting = self.sizes[-1] if self.sizes else None

@@ -334,7 +334,7 @@ class DeviceProbe:
     def _step_fn(self, batch: Any) -> Any:
         import tensorflow as tf
 
-        from hetero_cs.engine.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
+        from hetero_cs.devices.step_clock import end_replica_step, tie_to_stamp, wall_clock_stamp
 
         x, y = batch[0], batch[1]
         sample_weight = batch[2] if len(batch) == 3 else None
@@ -354,7 +354,7 @@ class DeviceProbe:
             end = end_replica_step(start, checksum, replica_id=self.replica_id, batch_size=batch_size,
                                    emulator=self.emulator, advance=False)
             # A data dependency keeps the stateless end stamp (and its emulated wait) from being pruned; a control
-            # dependency alone is not enough under Grappler (see hetero_cs.engine.step_timing.end_replica_step).
+            # dependency alone is not enough under Grappler (see hetero_cs.devices.step_clock.end_replica_step).
             return tie_to_stamp(checksum, end), end - start
 
     def batch(self, batch_size: int) -> Any:
@@ -407,7 +407,7 @@ class DeviceProbe:
         """Runs one step; False if the device ran out of memory, True otherwise."""
         import tensorflow as tf
 
-        from hetero_cs.engine.oom_errors import is_out_of_memory
+        from hetero_cs.devices.device_errors import is_out_of_memory
         try:
             with preserved_model_state(self._model):
                 self.run_step(batch_size)
@@ -443,7 +443,7 @@ class DeviceProbe:
         import tensorflow as tf
 
         if self.emulator is not None:
-            from hetero_cs.emulation import slice_memory_bytes
+            from hetero_cs.devices.workload import slice_memory_bytes
 
             return slice_memory_bytes(self.emulator.workload, getattr(self, "_emulated_peak_size", 0))
         if not self.tracks_memory:

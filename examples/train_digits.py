@@ -204,7 +204,7 @@ def fastest_alone_model(strategy, model, index: int, build):
 def fits_alone(model, dataset) -> str | None:
     """Runs two steps of `model` (the fastest card alone) on the whole global batch: None when they ran, else why
     not (the whole batch can be more than one card's memory). Also traces its step before the timed rounds."""
-    from hetero_cs.engine.oom_errors import is_out_of_memory
+    from hetero_cs.devices.device_errors import is_out_of_memory
 
     try:
         model.fit(dataset, epochs=1, steps_per_epoch=2, shuffle=False, verbose=0)

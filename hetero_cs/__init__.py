@@ -49,11 +49,11 @@ from hetero_cs.planning.solver import solve_batch_split
 # Name -> module for the TensorFlow-facing API (PEP 562 lazy attributes; see the module docstring).
 _LAZY = {
     "HeteroCentralStorageStrategy": "hetero_cs.engine.central_storage",
-    "HeteroMultiWorkerMirroredStrategy": "hetero_cs.engine.multi_worker",
+    "HeteroMultiWorkerMirroredStrategy": "hetero_cs.engine.multi_worker.strategy",
     "BalanceCallback": "hetero_cs.engine.callbacks",
-    "current_global_batch_size": "hetero_cs.engine.training",
-    "replica_weight": "hetero_cs.engine.training",
-    "per_example": "hetero_cs.engine.training",
+    "current_global_batch_size": "hetero_cs.engine.step.replica_state",
+    "replica_weight": "hetero_cs.engine.step.replica_state",
+    "per_example": "hetero_cs.engine.step.replica_state",
     "discover_devices": "hetero_cs.devices",
     "DeviceInfo": "hetero_cs.devices",
 }

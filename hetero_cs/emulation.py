@@ -19,7 +19,7 @@ from hetero_cs.devices.catalog import (
     get_device_spec,
     parse_memory_bytes,
 )
-from hetero_cs.devices.emulation import Drift, Emulator, Workload, emulated_step_time_s, estimate_workload
+from hetero_cs.devices.emulation import Drift, Emulator, Workload, emulated_step_time_s
 from hetero_cs.devices.workload import max_examples_in_memory, slice_memory_bytes
 from hetero_cs.devices.logical import setup_logical_devices
 
@@ -45,3 +45,12 @@ __all__ = [
     "setup_logical_devices",
     "slice_memory_bytes",
 ]
+
+
+def __getattr__(name: str):
+    # estimate_workload reads a Keras model, so it is imported (with TensorFlow) only when asked for.
+    if name == "estimate_workload":
+        from calibration.workload import estimate_workload
+
+        return estimate_workload
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,7 @@ class BatchCouplingError(LossPatternError):
 
 class MicroBatchError(ConfigError):
     """A global batch cannot be micro-batched: no replica can hold one example, or the model's step cannot stay
-    exact over micro-batches and one step does not fit (see :mod:`hetero_cs.engine.micro_batches`).
+    exact over micro-batches and one step does not fit (see :mod:`hetero_cs.engine.memory.micro_batches`).
 
     A :class:`ConfigError`, so ``except hetero_cs.ConfigError`` (or ``ValueError``) catches it too.
     """
@@ -178,7 +178,7 @@ class DeviceFaultError(ReplicaStepError):
     """A replica's device failed (a device error, not out of memory) and training could not go on without it.
 
     Raised with ``on_device_error="raise"``, or when no card is left to set the failing one aside for (see
-    :mod:`hetero_cs.engine.failover`). No update of the failed step was applied. Attributes: ``replica_id``,
+    :mod:`hetero_cs.engine.faults.failover`). No update of the failed step was applied. Attributes: ``replica_id``,
     ``device``, ``excluded`` (the replicas set aside before, in order) and ``last_error`` (TensorFlow's error, also
     chained as ``__cause__``).
     """

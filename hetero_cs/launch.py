@@ -28,7 +28,7 @@ each worker's environment holding ``HETERO_CS_RESTART`` (the relaunches so far):
   naming its device error, or a lost card's line (:func:`hetero_cs.supervisor.lost_card_in`) among the last 200
   lines of a worker. The relaunched cluster has one worker fewer, without its GPUs or its ``--emulate`` entry;
 * **with every worker and a lower memory cap** after a replica ran out of memory in ``fit``, ``evaluate`` or
-  ``predict`` (:mod:`hetero_cs.engine.multi_worker_oom`): its ``StepOOMError``, or another worker's
+  ``predict`` (:mod:`hetero_cs.engine.multi_worker.oom`): its ``StepOOMError``, or another worker's
   ``WorkerLostError``, names the caps to relaunch with (several workers' caps: the lowest of each replica), and every
   relaunched worker gets them in ``HETERO_CS_MAX_BATCH_SIZES`` (:mod:`hetero_cs.planning.restart_caps`; caps set
   there by hand are the start). Not when those are the caps in force already, or when no card would hold one
@@ -275,7 +275,7 @@ class Launch:
 
     def _caps_after_out_of_memory(self) -> tuple[list[int], list[int | None]] | None:
         """(the workers whose replicas ran out of memory, the caps to relaunch with) when a worker's StepOOMError,
-        or another worker's WorkerLostError, names caps (:mod:`hetero_cs.engine.multi_worker_oom`); else None.
+        or another worker's WorkerLostError, names caps (:mod:`hetero_cs.engine.multi_worker.oom`); else None.
         Several workers that ran out in the same step name theirs each: the lowest cap of each replica is kept, and
         never one above the caps in force."""
         caps_text = rf"relaunch with {CAPS_ENV_VAR}=((?:\d+|{NO_CAP})(?:,(?:\d+|{NO_CAP}))*)"

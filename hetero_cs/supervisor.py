@@ -20,7 +20,7 @@ outside: it runs the script, and when the script fails because a card was lost i
 * **Never the last GPU silently.** When no GPU would be left, the run stops with a line naming the cards lost;
   ``--allow-cpu`` restarts it on the CPU instead (``CUDA_VISIBLE_DEVICES=""``).
 * **Resumed, not replayed.** The script's ``model.fit`` backs itself up in ``DIR/hetero_cs``
-  (:mod:`hetero_cs.engine.backup`) and resumes at the exact step of its last backup.
+  (:mod:`hetero_cs.engine.faults.backup`) and resumes at the exact step of its last backup.
 * **Signals.** SIGINT, SIGTERM and SIGHUP are passed on to the script (its process group); one that has not ended
   ``--grace-s`` seconds later is killed. The script dies with the supervisor (a parent-death signal on Linux).
 * **Exit status.** 0 when the script succeeds: the files the library wrote are then removed (its manifest lists
@@ -48,11 +48,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR, EXCLUDED_ENV_VAR, RESTART_ENV_VAR
 from hetero_cs.errors import ConfigError
 
-RESTART_ENV_VAR = "HETERO_CS_RESTART"
-BACKUP_DIR_ENV_VAR = "HETERO_CS_BACKUP_DIR"
-EXCLUDED_ENV_VAR = "HETERO_CS_EXCLUDED_DEVICES"
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_GRACE_S = 10.0
 MAX_RESTARTS = 1000
@@ -139,7 +137,7 @@ class Supervisor:
                  backup_dir: str | os.PathLike | None = None, output: TextIO | None = None, allow_cpu: bool = False,
                  retry_transient: bool = False, grace_s: float = DEFAULT_GRACE_S) -> None:
         from hetero_cs.devices.gpu_health import visible_gpus
-        from hetero_cs.engine.backup_files import OWNED_DIR
+        from hetero_cs.engine.faults.supervised_run import OWNED_DIR
 
         if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
             raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
@@ -192,7 +190,7 @@ class Supervisor:
 
     def _check_backup_dir(self) -> None:
         """Creates the library's subdirectory and its manifest: a ConfigError naming --backup-dir when it cannot."""
-        from hetero_cs.engine.backup_files import register
+        from hetero_cs.engine.faults.supervised_run import register
 
         try:
             register(self.owned_dir, ["profiles.json", "profiles.meta.json"])
@@ -322,7 +320,7 @@ class Supervisor:
         """Runs the script until it succeeds, fails for another reason, or runs out of restarts; returns the exit
         status (see the module docstring)."""
         from hetero_cs.devices.gpu_health import CardWatch
-        from hetero_cs.engine.backup_files import MANIFEST, remove_written, written
+        from hetero_cs.engine.faults.supervised_run import MANIFEST, remove_written, written
 
         self._check_backup_dir()
         previous = {}

@@ -18,7 +18,7 @@ The catalog itself is :mod:`hetero_cs.devices.catalog`, drift :mod:`hetero_cs.de
 :mod:`hetero_cs.devices.workload`. This module is pure (``Emulator``): it imports neither
 TensorFlow nor pynvml (``setup_logical_devices``, in :mod:`hetero_cs.devices.logical`, imports TensorFlow inside its
 own), so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are inserted into the training graph by
-:mod:`hetero_cs.engine.step_timing`.
+:mod:`hetero_cs.devices.step_clock`.
 
 All times produced here are emulated, not measured; every human-readable output says so.
 """
@@ -44,10 +44,10 @@ from hetero_cs.devices.catalog import (
     get_device_spec,
 )
 from hetero_cs.devices.drift import Drift
-from hetero_cs.devices.workload import Workload, emulated_step_time_s, estimate_workload, slice_memory_bytes
+from hetero_cs.devices.workload import Workload, emulated_step_time_s, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
 
-__all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s", "estimate_workload"]
+__all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s"]
 
 logger = logging.getLogger(__name__)
 

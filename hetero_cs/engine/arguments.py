@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Iterable, Sequence
 
 import tensorflow as tf
@@ -26,11 +25,12 @@ def emulation_names(emulate) -> tuple:
         ConfigError: ``emulate`` is not a non-empty list of names (or an Emulator).
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
-    from hetero_cs import emulation
+    from hetero_cs.devices.catalog import get_device_spec
+    from hetero_cs.devices.emulation import Emulator
 
     if emulate is None:
         return None, None
-    if isinstance(emulate, emulation.Emulator):
+    if isinstance(emulate, Emulator):
         return emulate, [spec.name for spec in emulate.specs]
     names = None if isinstance(emulate, str) or not isinstance(emulate, Iterable) else list(emulate)
     if not names:
@@ -39,74 +39,8 @@ def emulation_names(emulate) -> tuple:
             f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
         )
     for name in names:
-        emulation.get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
+        get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
     return None, names
-
-
-def leave_out_excluded(emulator, names, compute_devices, batch_split):
-    """``(emulator, names, compute_devices, batch_split)`` without the cards ``HETERO_CS_EXCLUDED_DEVICES`` names.
-
-    ``hetero-cs run`` (:mod:`hetero_cs.supervisor`) sets it to the positions in ``emulate=`` of emulated cards the
-    script lost (e.g. ``"1"`` or ``"0,2"``) when it restarts the script; the strategy then leaves them out of
-    ``emulate=`` and, when given with one entry per card, of ``compute_devices`` and ``batch_split``. Unset or
-    empty: unchanged. (A lost real GPU is left out by ``CUDA_VISIBLE_DEVICES`` instead.)
-
-    Raises:
-        ConfigError: The variable is not a comma-separated list of positions in ``emulate=``, or leaves no card.
-    """
-    from hetero_cs.supervisor import EXCLUDED_ENV_VAR
-
-    text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
-    positions = excluded_positions()  # checked: a ConfigError for a malformed value
-    if not text or names is None:  # real GPUs: CUDA_VISIBLE_DEVICES left them out (shares_without_lost_gpus)
-        return emulator, names, compute_devices, batch_split
-    if any(not 0 <= i < len(names) for i in positions) or len(positions) >= len(names):
-        raise ConfigError(
-            f"{EXCLUDED_ENV_VAR}={text!r} must list positions in emulate={names} (0..{len(names) - 1}, comma-"
-            f"separated) and leave at least one card; `hetero-cs run` sets it when it restarts a script without a "
-            f"lost card. Unset it to use every card.")
-    if compute_devices is not None and (not isinstance(compute_devices, (list, tuple))
-                                        or len(compute_devices) != len(names)):
-        return emulator, names, compute_devices, batch_split  # the checks that follow explain what is wrong
-    logger.warning("hetero_cs: restarted without the lost emulated card(s) %s (%s=%s): emulating %s.",
-                   [names[i] for i in positions], EXCLUDED_ENV_VAR, text,
-                   [n for i, n in enumerate(names) if i not in positions])
-    keep = [i for i in range(len(names)) if i not in positions]
-    if emulator is not None:
-        emulator = emulator.without(positions)
-    names = [names[i] for i in keep]
-    if compute_devices is not None:
-        compute_devices = [list(compute_devices)[i] for i in keep]
-    if isinstance(batch_split, (list, tuple)) and len(batch_split) == len(positions) + len(keep):
-        batch_split = [batch_split[i] for i in keep]
-    return emulator, names, compute_devices, batch_split
-
-
-def excluded_positions() -> list[int]:
-    """The positions of the cards ``hetero-cs run`` restarted the script without (``HETERO_CS_EXCLUDED_DEVICES``),
-    in the script's first device list; [] outside the supervisor or before any card was lost."""
-    from hetero_cs.supervisor import EXCLUDED_ENV_VAR
-
-    text = os.environ.get(EXCLUDED_ENV_VAR, "").strip()
-    if not text:
-        return []
-    parts = text.split(",")
-    if not all(re.fullmatch(r"[0-9]+", part.strip()) for part in parts) or len(set(map(int, parts))) != len(parts):
-        raise ConfigError(
-            f"{EXCLUDED_ENV_VAR}={text!r} must list distinct positions in the script's first device list, as "
-            f"comma-separated non-negative integers (e.g. '1' or '0,2'); `hetero-cs run` sets it when it restarts a "
-            f"script without a lost card. Unset it to use every card.")
-    return sorted(int(part) for part in parts)
-
-
-def shares_without_lost_gpus(batch_split, num_replicas: int, emulated: bool):
-    """``batch_split`` given for the script's first GPUs, without the shares of those ``hetero-cs run`` restarted it
-    without (``CUDA_VISIBLE_DEVICES`` hid them, so R fell): cut when it has one share per first GPU."""
-    positions = [] if emulated else excluded_positions()
-    if not positions or not isinstance(batch_split, (list, tuple)) or len(batch_split) != num_replicas + len(
-            positions) or any(p >= len(batch_split) for p in positions):
-        return batch_split
-    return [share for i, share in enumerate(batch_split) if i not in positions]
 
 
 def canonical_device(name: str) -> str:

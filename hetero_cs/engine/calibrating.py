@@ -12,8 +12,9 @@ import warnings
 
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments, tensors
-from hetero_cs.engine.input_slicing import is_unbatched_marker
+from hetero_cs.engine import _compat, arguments
+from hetero_cs.engine.step import tensors
+from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.devices.catalog import emulated_identity
 from hetero_cs.errors import ConfigError, InputError
 
@@ -61,11 +62,11 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
         )
     restarted = None
     if strategy._balancer.auto_balance and strategy._profile is None:  # a restart without a lost card
-        from hetero_cs.engine.restart_profiles import profiles_before_restart
+        from hetero_cs.engine.faults.restart_profiles import profiles_before_restart
 
         restarted = profiles_before_restart(strategy, model_fingerprint(model), global_batch_size)
     if emulation_pending:
-        from hetero_cs.emulation import estimate_workload
+        from calibration.workload import estimate_workload
 
         target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
         strategy._emulator.set_workload(estimate_workload(model))
@@ -103,7 +104,7 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             store=_store(strategy),
             progress=progress,
         )
-    from hetero_cs.engine.restart_profiles import keep_for_restart
+    from hetero_cs.engine.faults.restart_profiles import keep_for_restart
 
     keep_for_restart(strategy, result, fingerprint, global_batch_size)  # under `hetero-cs run` only
     return _use(strategy, result, fingerprint, global_batch_size, "")

@@ -2,7 +2,7 @@
 
 A thin adapter between tf.distribute's hooks and the plan lifecycle: the split itself (chosen, served, watched,
 re-planned, guarded) lives in :class:`hetero_cs.planning.balancer.Balancer`; cutting global batches in
-:mod:`hetero_cs.engine.input_slicing`; clocks and emulated waits in :mod:`hetero_cs.engine.step_timing`; the
+:mod:`hetero_cs.engine.step.input_slicing`; clocks and emulated waits in :mod:`hetero_cs.devices.step_clock`; the
 private TensorFlow/Keras touches in :mod:`hetero_cs.engine._compat`.
 """
 
@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments, training
-from hetero_cs.engine.idle_replicas import ActiveSets, ServedSizes
-from hetero_cs.engine.input_roles import InputRoles
-from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
+from hetero_cs.engine import _compat, arguments
+from hetero_cs.engine.faults import supervised_run
+from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step.idle_replicas import ActiveSets, ServedSizes
+from hetero_cs.engine.step.input_roles import InputRoles
+from hetero_cs.engine.step.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
-from hetero_cs.engine.step_errors import EmptySliceNotes, raised_by_input_pipeline
+from hetero_cs.engine.step.step_errors import EmptySliceNotes, raised_by_input_pipeline
 from hetero_cs.engine.strategy_state import StrategyState
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
@@ -45,7 +47,7 @@ class HeteroCentralStorageStrategy(
     cut into contiguous slices ``b_1..b_R`` by the current :class:`~hetero_cs.BatchPlan`; replica ``i`` computes
     its gradient on its ``b_i`` examples with its loss weighted by ``b_i / B``, and the host sums the gradients. One
     step on any split therefore equals one single-device step on the whole batch (loss, gradients, optimizer state,
-    metrics). See :mod:`hetero_cs.engine.training` for the worked number.
+    metrics). See :mod:`hetero_cs.engine.step.replica_state` for the worked number.
 
     How the plan is chosen:
       * ``batch_split=[2, 1, 1]``: fixed relative shares, no calibration.
@@ -89,28 +91,28 @@ class HeteroCentralStorageStrategy(
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
         oom_recovery: In ``model.fit``, a replica that runs out of memory (``tf.errors.ResourceExhaustedError``, or
-            another form a GPU raises it in: :mod:`hetero_cs.engine.oom_errors`) gets a lower cap and the same
+            another form a GPU raises it in: :mod:`hetero_cs.devices.device_errors`) gets a lower cap and the same
             global batch is retried with a plan solved within the caps, a bounded number of times
-            (:mod:`hetero_cs.engine.oom_recovery`); caps grow back slowly. False: the error ends
+            (:mod:`hetero_cs.engine.memory.oom_recovery`); caps grow back slowly. False: the error ends
             ``fit`` as before. A :class:`hetero_cs.planning.memory_caps.MemoryRecoveryPolicy` turns it on with
             that policy (back-off, retries, growth). Needs ``steps_per_execution=1`` (the default) and R >= 2.
             None (the default): on where a step can run out of memory - GPUs, and emulated devices whose least
             memory cannot hold the whole global batch - since keeping the batch in hand for a retry costs about
             1 ms of host time per step; True: on everywhere.
         fused_update: Compile the optimizer's update on the parameter device with XLA, as one function per trace
-            (:mod:`hetero_cs.engine.fused_update`): it runs on the host between every two steps, and fused it took
+            (:mod:`hetero_cs.engine.step.fused_update`): it runs on the host between every two steps, and fused it took
             about 40 % less time for an MLP's Adam on a CPU host. None (the default): for Keras' own optimizers
             with dense gradients; True: for any optimizer (one whose update XLA cannot compile then fails at its
             first step); False: never. Never for eager steps (``run_eagerly=True``).
         micro_batches: Where memory caps bind, ``model.fit`` trains each global batch as sub-steps
-            (micro-batches), exactly (:mod:`hetero_cs.engine.micro_batches`). None (the default): where that is exact
+            (micro-batches), exactly (:mod:`hetero_cs.engine.memory.micro_batches`). None (the default): where that is exact
             and predicted faster, or the batch does not fit in one step; True: also for BatchNormalization in training
             (per-micro-batch statistics, logged); False: never (today's caps bound each replica's slice).
         on_device_error: In ``model.fit``, what a device error (a failing card: an ECC error, an illegal address, a
             card off the bus; not out of memory, not a program error) does: ``"exclude"`` (the default) retries the
             same global batch once, then sets that card aside (0 examples from then on) and retries it on the
             others, exactly; ``"raise"`` ends ``fit`` with :class:`hetero_cs.errors.DeviceFaultError`. The rule
-            that tells the two apart: :mod:`hetero_cs.engine.failover`.
+            that tells the two apart: :mod:`hetero_cs.engine.faults.failover`.
 
     Raises:
         DeviceError: Empty, unparsable, unknown or repeated device names, or the parameter device among the compute
@@ -147,12 +149,12 @@ class HeteroCentralStorageStrategy(
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
         emulator, emulate = arguments.emulation_names(emulate)
         # Restarted by `hetero-cs run` without a lost emulated card (HETERO_CS_EXCLUDED_DEVICES).
-        emulator, emulate, compute_devices, batch_split = arguments.leave_out_excluded(
+        emulator, emulate, compute_devices, batch_split = supervised_run.leave_out_excluded(
             emulator, emulate, compute_devices, batch_split)
         if emulate is not None and compute_devices is None:
-            from hetero_cs import emulation
+            from hetero_cs.devices.logical import setup_logical_devices
 
-            compute_devices = emulation.setup_logical_devices(list(emulate))
+            compute_devices = setup_logical_devices(list(emulate))
         parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
         if compute_devices is None:
             compute_devices = arguments.default_compute_devices(parameter_device)
@@ -167,13 +169,13 @@ class HeteroCentralStorageStrategy(
         arguments.validate_profile_cache(profile_cache)
         memory_policy = arguments.memory_policy(oom_recovery)
         arguments.validate_fused_update(fused_update)
-        from hetero_cs.engine.micro_batches import MicroBatching, validate_setting
+        from hetero_cs.engine.memory.micro_batches import MicroBatching, validate_setting
 
         validate_setting(micro_batches)
-        from hetero_cs.engine.failover import check_setting
+        from hetero_cs.engine.faults.failover import check_setting
 
         check_setting(on_device_error)
-        batch_split = arguments.shares_without_lost_gpus(batch_split, len(devices), emulate is not None)
+        batch_split = supervised_run.shares_without_lost_gpus(batch_split, len(devices), emulate is not None)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
             from hetero_cs.engine.calibrating import load_profile
@@ -190,9 +192,9 @@ class HeteroCentralStorageStrategy(
         self._compute_devices = tuple(devices)
         self._parameter_device = parameter_device
         if emulator is None and emulate is not None:
-            from hetero_cs import emulation
+            from hetero_cs.devices.emulation import Emulator
 
-            emulator = emulation.Emulator(list(emulate))
+            emulator = Emulator(list(emulate))
         self._emulator = emulator
         if emulator is not None:
             logger.warning(
@@ -225,12 +227,12 @@ class HeteroCentralStorageStrategy(
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
         self._served_sizes = ServedSizes()  # the last sizes each kind of step was cut with
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
-        # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
+        # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.step.input_slicing).
         self._slicer = PlanSlicer(
             len(devices), self._slice_sizes, check_batch=self._check_batch, device=parameter_device,
             cacheable=not (bool(auto_balance) and shares is None),
         )
-        # The sets of active replicas plans use; a step gets a branch for each (hetero_cs.engine.idle_replicas). A 0
+        # The sets of active replicas plans use; a step gets a branch for each (hetero_cs.engine.step.idle_replicas). A 0
         # share idles its replica in every plan: known before any step is traced.
         self._active_sets = ActiveSets(len(devices))
         self._active_sets.note([int(share > 0) for share in shares or ()], training=True)
@@ -238,7 +240,7 @@ class HeteroCentralStorageStrategy(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
             guard_policy=guard_policy, on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
             on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
-        from hetero_cs.engine.oom_recovery import StepRecovery
+        from hetero_cs.engine.memory.oom_recovery import StepRecovery
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
                                             on_device_error=on_device_error) if len(devices) > 1 else None)
         self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
@@ -313,14 +315,14 @@ class HeteroCentralStorageStrategy(
 
     def _check_batch(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
-        # hold 0 examples (hetero_cs.engine.input_slicing). The error would reach the user wrapped in TensorFlow's;
+        # hold 0 examples (hetero_cs.engine.step.input_slicing). The error would reach the user wrapped in TensorFlow's;
         # it is kept on the strategy so that model.fit re-raises it as is.
         self._input_error = bad_batch_error(leading_dims)
         raise self._input_error
 
     def _slice_sizes(self, global_batch_size, *, training: bool = True, traced=None) -> np.ndarray:
         # Called when a step starts (numpy_function, before any replica runs) unless the cached plan covers it
-        # (hetero_cs.engine.input_slicing); `training` False: evaluate/predict; `traced`: the step's sets of active
+        # (hetero_cs.engine.step.input_slicing); `training` False: evaluate/predict; `traced`: the step's sets of active
         # replicas. Returns the sizes and whether to time the step. An error is kept for model.fit to re-raise.
         try:
             plan = self._balancer.serve(int(global_batch_size), training=training)
@@ -362,7 +364,7 @@ class HeteroCentralStorageStrategy(
 
     def _distribute(self, dataset):
         """A new training input's first global batch sets the reference size of :attr:`plan` (it may differ from the
-        last); an evaluation or prediction input (:mod:`hetero_cs.engine.input_roles`) leaves training's plans alone."""
+        last); an evaluation or prediction input (:mod:`hetero_cs.engine.step.input_roles`) leaves training's plans alone."""
         training = self._input_roles.claim_input()
         with self._lock:
             self._input_error = None
@@ -401,11 +403,11 @@ class HeteroCentralStorageStrategy(
 
     def _on_replica_gradients(self, grads: list) -> list:
         """Called in replica context when a replica's gradients are ready: copies them to the host, where the
-        replica's step ends (:func:`hetero_cs.engine.step_timing.finish_replica_step`)."""
-        step = training.current_replica_step()
+        replica's step ends (:func:`hetero_cs.devices.step_clock.finish_replica_step`)."""
+        step = replica_state.current_replica_step()
         if step is None or step.start_stamp is None:
             return grads
-        from hetero_cs.engine.step_timing import finish_replica_step
+        from hetero_cs.devices.step_clock import finish_replica_step
 
         sub_step, record, batch_size = step.sub_step, self._record_step_time, step.batch_size
         if sub_step is not None:
@@ -457,8 +459,8 @@ class HeteroCentralStorageStrategy(
 
     def _replica_step_error(self, exc: Exception, replica_scopes=(), kind: str = "training"):
         """The library's error for TensorFlow's ``exc`` from a step, or None
-        (:func:`hetero_cs.engine.step_errors.strategy_step_error`)."""
-        from hetero_cs.engine.step_errors import strategy_step_error
+        (:func:`hetero_cs.engine.memory.oom_recovery.strategy_step_error`)."""
+        from hetero_cs.engine.memory.oom_recovery import strategy_step_error
 
         return strategy_step_error(self, exc, replica_scopes, kind)
 
@@ -495,7 +497,7 @@ class HeteroCentralStorageStrategy(
         reference = self._balancer.reference_batch_size
         if not self._input_roles.keras_loop_now and reference is not None:
             # A custom loop traces its step once, after this call: it gets a branch in which the replicas that the
-            # guard's "fastest card alone" trial leaves out do no work (hetero_cs.engine.idle_replicas). Without
+            # guard's "fastest card alone" trial leaves out do no work (hetero_cs.engine.step.idle_replicas). Without
             # it they would run that trial's steps on 0-example slices, where some kernels fail (Conv2D with oneDNN
             # on a CPU). Keras' own loops trace again when the trial starts.
             alone = self._balancer.fastest_alone_plan(reference)
@@ -504,7 +506,7 @@ class HeteroCentralStorageStrategy(
         return result
 
     def _fit_callbacks(self, model, callbacks, arguments=None):
-        from hetero_cs.engine.backup import with_backup
+        from hetero_cs.engine.faults.backup import with_backup
         from hetero_cs.engine.callbacks import with_balance_callback
 
         return with_backup(self, with_balance_callback(self, callbacks), arguments)

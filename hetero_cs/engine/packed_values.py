@@ -1,7 +1,7 @@
 """Elements of a distributed dataset as per-replica values: their slices, reductions and gathers.
 
 Every element of a distributed dataset is one global batch on the host, each leaf a per-replica value with a single
-component holding the whole batch (see :mod:`hetero_cs.engine.input_slicing`). :class:`PackedBatchValues` is the part
+component holding the whole batch (see :mod:`hetero_cs.engine.step.input_slicing`). :class:`PackedBatchValues` is the part
 of the strategy that turns such an element into its ``R`` slices wherever tf.distribute expects per-replica values:
 ``strategy.run``'s arguments (cut by the plan the step decides when it starts), ``experimental_local_results``,
 ``reduce`` and ``gather`` (cut by the plan in force).
@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, tensors
-from hetero_cs.engine.input_slicing import cut, is_unbatched_marker
+from hetero_cs.engine import _compat
+from hetero_cs.engine.step import tensors
+from hetero_cs.engine.step.input_slicing import cut, is_unbatched_marker
 
 
 class PackedBatchValues:
@@ -83,7 +84,7 @@ class PackedBatchValues:
         step decides now (before any replica runs).
 
         ``traced``: the sets of active replicas the step has branches for (see
-        :meth:`hetero_cs.engine.idle_replicas.ServedSizes.decide`), or None.
+        :meth:`hetero_cs.engine.step.idle_replicas.ServedSizes.decide`), or None.
 
         Returns ``(args, kwargs, batch_leaves, timed, sizes)``; ``batch_leaves`` are the per-replica slices made
         here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64
@@ -96,7 +97,7 @@ class PackedBatchValues:
         if not batches:
             return args, kwargs, [], None, None
         training = not self._input_roles.inferring_now  # traced inside evaluate or predict: an inference step
-        from hetero_cs.engine.micro_batches import current_sub_step
+        from hetero_cs.engine.step.sub_steps import current_sub_step
 
         sub_step = current_sub_step()
         if sub_step is not None:  # an overlapped micro-batched call's sub-step: its cut was planned before the call

@@ -2,7 +2,7 @@
 
 ``HeteroCentralStorageStrategy`` wraps each function given to ``strategy.run`` (Keras' train step included) with
 :func:`wrap_replica_fn`; the wrapped function runs in replica context under
-:func:`hetero_cs.engine.training.replica_step`, which the exact b_i/B weighting and the step timing read.
+:func:`hetero_cs.engine.step.replica_state.replica_step`, which the exact b_i/B weighting and the step timing read.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import contextlib
 
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, tensors, training
-from hetero_cs.engine._compat.batch_flow import BatchFlow
+from hetero_cs.engine import _compat
+from hetero_cs.engine.step import tensors
+from hetero_cs.engine.step import replica_state
+from hetero_cs.engine._compat.batch_flow import BatchFlow, seed_replica_step
 from hetero_cs.engine._compat.loss_reader import check_predictions, shares_of_logs
-from hetero_cs.engine.step_errors import naming_the_replica
+from hetero_cs.devices.device_errors import naming_the_replica
 from hetero_cs.errors import ConfigError
 
 
@@ -24,7 +26,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
     dataset's element) if any, else the first per-replica value whose components all have a batch dimension.
     ``timed`` (a bool scalar tensor, or None) is this step's plan's word on whether to time it (sampled timing).
-    ``handoff`` (a :class:`hetero_cs.engine.training.StepHandoff`, shared by the call's replicas) goes on every
+    ``handoff`` (a :class:`hetero_cs.engine.step.replica_state.StepHandoff`, shared by the call's replicas) goes on every
     replica's step. ``scope_replica``: the call runs some replicas only (the others idle), whose threads
     tf.distribute numbers 0, 1, ... in its op names ("replica_<k>/"): each replica's ops then also go under
     "hetero_replica_<replica id>/", so that an op error names the right replica.
@@ -37,7 +39,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in strategy.experimental_local_results(v)
         )
 
-    from hetero_cs.engine.micro_batches import current_sub_step
+    from hetero_cs.engine.step.sub_steps import current_sub_step
 
     sub_step = current_sub_step()  # a sub-step of an overlapped micro-batched call (traced in this thread)
     batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
@@ -57,7 +59,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             # In an overlapped call each replica's micro-batch starts when its previous one ends, not when the
             # step starts: its clock starts in the replica (below), and the call has no shared start.
             if strategy._timing_enabled and sub_step is None:
-                from hetero_cs.engine.step_timing import sampled_wall_clock_stamp, wall_clock_stamp
+                from hetero_cs.devices.step_clock import sampled_wall_clock_stamp, wall_clock_stamp
 
                 # One clock start per step, when the step's input is there: every replica's step time runs
                 # from it (what a real device's does: input and parameters reach it after the step starts).
@@ -112,12 +114,12 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             start = sub_step.chain_starts[replica_id]
         timed_here = strategy._timing_enabled
         if start is None and timed_here and batched is not None:
-            from hetero_cs.engine.step_timing import wall_clock_stamp
+            from hetero_cs.devices.step_clock import wall_clock_stamp
 
             start = wall_clock_stamp(tensors.dense_part(batched))
             if chained:
                 sub_step.chain_starts[replica_id] = start
-        step = training.ReplicaStep(
+        step = replica_state.ReplicaStep(
             replica_id=replica_id,
             device=strategy._compute_devices[replica_id],
             batch_size=batch_size,
@@ -130,7 +132,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             flow=BatchFlow(replica_id),
         )
         if strategy._emulator is not None and batched is not None:
-            from hetero_cs.engine.step_timing import emulated_memory_gate
+            from hetero_cs.devices.step_clock import emulated_memory_gate
 
             # An emulated slice too large for its device fails here, before the replica computes anything (no
             # loss or metric of the failed step is formed), as a GPU fails at its first large allocation.
@@ -140,23 +142,10 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         seed_replica_step(step, [v for i, v in enumerate(call_flat) if i in row_leaves],
                           [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs))) if i in row_leaves])
         scope = tf.name_scope(f"hetero_replica_{replica_id}") if scope_replica else contextlib.nullcontext()
-        with training.replica_step(step), naming_the_replica(replica_id), scope:
+        with replica_state.replica_step(step), naming_the_replica(replica_id), scope:
             outputs = fn(*call_args, **call_kwargs)
             if global_batch_size is None or not keras_loop:
                 return outputs
             return shares_of_logs(step, outputs) if logs else check_predictions(step, outputs)
 
     return replica_fn
-
-
-def seed_replica_step(step, *row_groups) -> None:
-    """Tells ``step``'s batch-flow analysis what the strategy knows: each group's tensors are this replica's slice
-    (one row per example), ``b_i`` is its number of examples and ``B`` is the same on every replica."""
-    if step.flow is None:
-        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
-    for rows in row_groups:
-        step.flow.seed_rows(rows)
-    if isinstance(step.batch_size, tf.Tensor):
-        step.flow.seed_count(step.batch_size)
-    if isinstance(step.global_batch_size, tf.Tensor):
-        step.flow.seed_replicated(step.global_batch_size)

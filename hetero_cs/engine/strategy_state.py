@@ -30,7 +30,7 @@ class StrategyState:
 
     @property
     def micro_batching(self):
-        """Micro-batching (:class:`hetero_cs.engine.micro_batches.MicroBatching`): ``last_plan``, step counts."""
+        """Micro-batching (:class:`hetero_cs.engine.memory.micro_batches.MicroBatching`): ``last_plan``, step counts."""
         return self._micro_batching
 
     @property
@@ -67,7 +67,7 @@ class StrategyState:
 
     @property
     def backup(self):
-        """The last supervised fit's :class:`hetero_cs.engine.backup.SupervisedBackup` (``backups``,
+        """The last supervised fit's :class:`hetero_cs.engine.faults.backup.SupervisedBackup` (``backups``,
         ``backup_time_s``, ``interval_steps``: the most steps a lost card costs, ``resumed_from``), or None outside
         ``hetero-cs run``."""
         return getattr(self, "_backup", None)

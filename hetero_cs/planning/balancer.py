@@ -222,7 +222,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         """Tells the Balancer whether the engine now runs nothing for a replica with 0 examples.
 
         The multi-worker engine knows it only once it has the model (a replica skips its forward and backward pass
-        where the model allows it: :mod:`hetero_cs.engine.idle_replicas`). Cost models set already are priced
+        where the model allows it: :mod:`hetero_cs.engine.step.idle_replicas`). Cost models set already are priced
         again (0 examples cost 0 s, or their fixed cost) and the plan is solved again at once; the
         default re-balance policy's smallest slice follows (0, or 1).
 

@@ -2,7 +2,7 @@
 
 Part of :class:`hetero_cs.planning.balancer.Balancer` (a base class of it, in its own module for size). A global
 batch that the memory caps cannot hold in one step (or that runs faster as micro-batches) is run by the engine as
-one traced call in which each card runs its micro-batches back to back (:mod:`hetero_cs.engine.micro_batches`).
+one traced call in which each card runs its micro-batches back to back (:mod:`hetero_cs.engine.memory.micro_batches`).
 Such a step is not cut through :meth:`~hetero_cs.planning.balancer.Balancer.serve`, so without this module its
 times would reach nobody: a card that slowed down would keep its share for the rest of the run.
 

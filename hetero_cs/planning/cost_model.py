@@ -318,7 +318,7 @@ class ScaledCostModel:
 class IdleFreeCostModel:
     """``t(0) = 0`` and ``t(b) = base.predict_step_time_s(b)`` for ``b >= 1``: a replica that gets no examples costs
     nothing, which is what the central-storage engine does with it (no kernel on its device, no wait at the
-    barrier; :mod:`hetero_cs.engine.idle_replicas`). Still non-decreasing, so the solver stays optimal, and it
+    barrier; :mod:`hetero_cs.engine.step.idle_replicas`). Still non-decreasing, so the solver stays optimal, and it
     then leaves a card out whenever that is predicted faster: a card whose fixed cost per step exceeds the time
     the others need for the whole batch gets 0 examples.
 
@@ -394,7 +394,7 @@ def holds_no_example(model: Any) -> bool:
 @dataclass(frozen=True)
 class MicroBatchedCostModel:
     """A replica's time for ``b`` examples run as micro-batches of at most ``max_micro_batch_size`` each, one after
-    another on its card within one optimizer step (:mod:`hetero_cs.engine.micro_batches`).
+    another on its card within one optimizer step (:mod:`hetero_cs.engine.memory.micro_batches`).
 
     ``b`` goes in ``k = ceil(b / max_micro_batch_size)`` micro-batches of near-equal size (``q + 1`` examples in
     ``r`` of them and ``q`` in the rest, ``b = k q + r``), each paying ``base``'s full step time, its per-step fixed

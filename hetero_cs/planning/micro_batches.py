@@ -5,7 +5,7 @@ optimizer step. When the caps bind, hetero_cs runs the global batch of ``B`` exa
 ``B_1..B_K`` examples (sizes differing by at most one): each sub-step is an ordinary step cut by a plan within the
 caps, its gradients are summed on the host without an update, and the last sub-step applies the sum once. Every
 example weighs ``1 / B`` of the whole batch, so the update equals one single-device step on all ``B`` examples
-(:mod:`hetero_cs.engine.micro_batches`).
+(:mod:`hetero_cs.engine.memory.micro_batches`).
 
 Replica ``i`` thus runs ``k_i`` micro-batches (the sub-steps that give it examples) of at most ``m_i`` examples
 (``m_i`` within its cap), ``b_i`` examples in all. Its cost per step is ``sum_j t_i(b_ij)``: every micro-batch pays
@@ -402,7 +402,7 @@ def plan_overlapped_micro_batches(
     the minimum-makespan solver (these curves are non-decreasing). An uncapped replica runs its share in one
     micro-batch; one whose cap is 0 gets nothing. Sub-step ``j`` then gives replica ``i`` its ``j``-th micro-batch
     (largest first) while ``j < k_i``, and 0 examples after: ``K = max_i k_i`` sub-steps, which the engine runs in
-    one traced call with no barrier between them (:mod:`hetero_cs.engine.micro_batches`). When ``K`` exceeds
+    one traced call with no barrier between them (:mod:`hetero_cs.engine.memory.micro_batches`). When ``K`` exceeds
     :data:`SUB_STEPS_PER_CALL`, the step runs as several calls, each ending at a barrier (``call_sub_steps``): the
     faster of this split with each card's micro-batches spread evenly over ``n = ceil(K / SUB_STEPS_PER_CALL)``
     calls, and ``n`` to ``n + 8`` calls of near-equal examples, each planned as its own overlapped step.

@@ -1,7 +1,7 @@
 """Memory caps that a restarted multi-worker job starts from, after a replica ran out of memory (pure).
 
 On several machines a step that runs out of memory cannot be retried in place (see
-:mod:`hetero_cs.engine.multi_worker_oom`): the job restarts instead, with that replica's cap lowered. The caps travel
+:mod:`hetero_cs.engine.multi_worker.oom`): the job restarts instead, with that replica's cap lowered. The caps travel
 to the restarted workers as one line of text in the environment variable :data:`CAPS_ENV_VAR`, one entry per
 replica of the cluster in task-index then local order, ``none`` for a replica without a cap::
 

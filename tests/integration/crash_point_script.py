@@ -34,7 +34,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * 4)
 import hetero_cs  # noqa: E402
-from hetero_cs.engine import backup  # noqa: E402
+from hetero_cs.engine.faults import backup  # noqa: E402
 from hetero_cs.engine._compat import trainer  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

@@ -18,7 +18,7 @@ from hetero_cs.emulation import (
     setup_logical_devices,
 )
 from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
-from hetero_cs.engine.step_timing import end_replica_step, tie_to_stamp, wall_clock_stamp
+from hetero_cs.devices.step_clock import end_replica_step, tie_to_stamp, wall_clock_stamp
 
 # Before any TF op runs in this process (idempotent: a conftest or an earlier module may have configured more).
 COMPUTE_DEVICES = setup_logical_devices(["A10", "T4", "T4"])
@@ -112,7 +112,7 @@ def test_record_sees_each_replica_and_its_batch_size(emulated_devices):
 
 
 def test_an_empty_slice_works_and_idles(emulated_devices, monkeypatch):
-    from hetero_cs.engine import step_timing
+    from hetero_cs.devices import step_clock as step_timing
 
     emulator = Emulator(["T4", "T4", "T4"], workload=MLP, time_scale=1000.0)  # a non-empty slice would wait >= 0.5 s
     sleeps = []
@@ -260,7 +260,7 @@ def test_discover_devices_without_a_driver_lists_the_cpus_without_a_warning(monk
 def test_finish_replica_step_stamps_the_end_after_every_gradient():
     # The end stamp waits for the gradients through control edges only; if they were lost (e.g. pruned by Grappler)
     # the stamp would run as soon as the start stamp exists, before the slow gradients below are computed.
-    from hetero_cs.engine.step_timing import finish_replica_step
+    from hetero_cs.devices.step_clock import finish_replica_step
 
     done_s: list[float] = []
     recorder = Recorder()

@@ -485,7 +485,7 @@ def test_plan_change_does_not_retrace_the_train_step_unless_it_idles_a_new_set_o
     assert strategy.plan.per_replica_batch_sizes == (5, 5, 2)
     assert len(traces) == traced
     # A plan that leaves a replica idle is traced once more, with a branch in which that replica does no work
-    # (hetero_cs.engine.idle_replicas); going back and forth between known sets traces nothing.
+    # (hetero_cs.engine.step.idle_replicas); going back and forth between known sets traces nothing.
     strategy.set_batch_split([1, 0, 3])
     model.fit(x, y, batch_size=12, epochs=1, verbose=0)
     retraced = len(traces)

@@ -183,7 +183,7 @@ NODE = "\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"
                             "CUDA_ERROR_ECC_UNCORRECTABLE: emulated device fault on replica=2 (T4)"), "ecc", 2),
 ])
 def test_the_rule_takes_driver_faults_for_a_failing_card(error, form, replica):
-    from hetero_cs.engine.failover import device_fault
+    from hetero_cs.devices.device_errors import device_fault
 
     fault = device_fault(error, ["/device:CPU:1", "/device:CPU:2", "/device:CPU:3"])
     assert fault is not None and fault.form == form and fault.replica_id == replica
@@ -208,7 +208,7 @@ def test_the_rule_takes_driver_faults_for_a_failing_card(error, form, replica):
                            "mentions CUDA_ERROR_ECC_UNCORRECTABLE" + NODE),
 ])
 def test_the_rule_never_takes_a_program_error_or_out_of_memory_for_a_failing_card(error):
-    from hetero_cs.engine.failover import device_fault
+    from hetero_cs.devices.device_errors import device_fault
 
     assert device_fault(error, ["/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]) is None
 

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from hetero_cs import HeteroCentralStorageStrategy
-from hetero_cs.engine import fused_update
+from hetero_cs.engine.step import fused_update
 from hetero_cs.errors import ConfigError
 
 SHARES = [5, 3, 2]

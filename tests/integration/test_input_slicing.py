@@ -16,7 +16,7 @@ import hetero_cs
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.errors import InputError
 from hetero_cs.engine import _compat
-from hetero_cs.engine.input_slicing import PlanSlicer, cut
+from hetero_cs.engine.step.input_slicing import PlanSlicer, cut
 from hetero_cs.planning.plan import split_by_shares
 from hetero_cs.planning.solver import plan_from_split
 

@@ -1,5 +1,5 @@
 """Out of memory on one worker of HeteroMultiWorkerMirroredStrategy: the error it raises, what it tells the others
-and the caps a restart takes (hetero_cs.engine.multi_worker_oom). The whole path across worker processes, the
+and the caps a restart takes (hetero_cs.engine.multi_worker.oom). The whole path across worker processes, the
 launcher's relaunch included, is tested in tests/multiworker/test_multi_worker.py."""
 
 import types
@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from hetero_cs import StepOOMError, WorkerLostError
 from hetero_cs.engine._compat import multi_worker as compat_multi_worker
-from hetero_cs.engine.multi_worker_oom import out_of_memory_here
+from hetero_cs.engine.multi_worker.oom import out_of_memory_here
 
 TASK = "/job:worker/replica:0/task:1"
 

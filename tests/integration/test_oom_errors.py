@@ -1,4 +1,4 @@
-"""Out of memory in every shape a real GPU raises it, blamed on the device that raised it (hetero_cs.engine.oom_errors).
+"""Out of memory in every shape a real GPU raises it, blamed on the device that raised it (hetero_cs.devices.device_errors).
 
 Each form is injected as the TensorFlow error a GPU run raises, with realistic messages, node names and device
 names; one fit run recovers from a failed host-to-device copy raised inside a replica's step.
@@ -11,9 +11,9 @@ import tensorflow as tf
 
 from hetero_cs import HeteroCentralStorageStrategy, ReplicaStepError, StepOOMError
 from hetero_cs.engine import _compat
-from hetero_cs.engine.oom_errors import classify, is_out_of_memory
-from hetero_cs.engine.oom_recovery import failed_replica
-from hetero_cs.engine.step_errors import tag_replica
+from hetero_cs.devices.device_errors import classify, is_out_of_memory
+from hetero_cs.engine.memory.oom_recovery import failed_replica
+from hetero_cs.devices.device_errors import tag_replica
 
 GPUS = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]
 JOB = "/job:localhost/replica:0/task:0"

@@ -200,7 +200,7 @@ def test_oom_recovery_false_lets_the_error_end_fit(fast_emulation):
 
 
 def test_failed_replica_reads_the_emulated_message_and_tensorflow_node_names():
-    from hetero_cs.engine.oom_recovery import failed_replica
+    from hetero_cs.engine.memory.oom_recovery import failed_replica
 
     def error(message):
         return tf.errors.ResourceExhaustedError(None, None, message)
@@ -270,7 +270,7 @@ def test_estimate_workload_counts_the_model_memory():
 def test_by_default_the_batch_is_kept_in_hand_only_where_a_step_can_run_out_of_memory():
     # Keeping the batch for a retry costs host time every step, so the default arms recovery only where an
     # out-of-memory error is possible.
-    from hetero_cs.engine.oom_recovery import _out_of_memory_possible
+    from hetero_cs.engine.memory.oom_recovery import _out_of_memory_possible
 
     roomy = Emulator(["A10", "T4", "P100"], workload=WORKLOAD, time_scale=20.0)
     small = Emulator(["A10", f"T4@{memory_for(40)}B", "P100"], workload=WORKLOAD, time_scale=20.0)

@@ -19,7 +19,7 @@ import pytest
 
 from hetero_cs import HeteroCentralStorageStrategy
 from hetero_cs.emulation import Emulator
-from hetero_cs.engine import backup
+from hetero_cs.engine.faults import backup
 from tiny_regression import B, DEVICES, WORKLOAD, mlp, regression_data
 
 NUM_BATCHES = 6

@@ -402,7 +402,7 @@ def _barrier(strategy) -> None:
 
 
 def custom_loop(args, strategy, model, dataset, name) -> int:
-    """The custom loop of hetero_cs.engine.training's docstring: weights, optimizer state and per-step losses."""
+    """The custom loop of hetero_cs.engine.step.replica_state's docstring: weights, optimizer state and per-step losses."""
     import keras
     import tensorflow as tf
 

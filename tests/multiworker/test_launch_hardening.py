@@ -206,7 +206,7 @@ if restart == 0 and index == 0:
 
 
 def _out_of_memory(worker: int, caps: str) -> str:
-    """What a worker whose replica ran out of memory in fit prints last (hetero_cs.engine.multi_worker_oom),
+    """What a worker whose replica ran out of memory in fit prints last (hetero_cs.engine.multi_worker.oom),
     shortened, then its exit."""
     return (f"print('hetero_cs.errors.StepOOMError: model.fit ran out of memory on worker {worker}, replica {worker} "
             f"(...), with 8 examples at once, its slice of a global batch of 16 (...). ... (relaunch with "

@@ -144,7 +144,7 @@ def test_three_unlike_workers_auto_balance_equal_one_device(tmp_path, reference)
                      "--replan-split", "9,4,3", "--modelled-times", emulate="A10,T4,P100",
                      HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5")  # short emulated waits: this test is about values
     assert stdout.count("timings are EMULATED") == 3
-    assert "[worker 0] hetero_cs.engine.cluster_planner: hetero_cs multi-worker calibration from 6" in stdout, stdout
+    assert "[worker 0] hetero_cs.engine.multi_worker.cluster_planner: hetero_cs multi-worker calibration from 6" in stdout, stdout
     assert "keeping the even split" in stdout and "guard: trying" not in stdout, stdout
     assert "[worker 0] replanning now" in stdout, stdout
     plans = json.loads((tmp_path / "plans.json").read_text())
@@ -171,9 +171,9 @@ def test_two_workers_of_two_emulated_replicas_each_auto_balance_equal_one_device
     stdout = _launch(tmp_path, 2, "--split", "auto", "--epochs", "6", "--replan-at-epoch", "5",
                      "--replan-split", "7,4,3,2", "--modelled-times", emulate="A10+T4,P100+T4",
                      HETERO_CS_EMULATION_TARGET_MAKESPAN_MS="5")
-    assert "[worker 0] hetero_cs.engine.multi_worker: hetero_cs: timings are EMULATED - this worker's replicas " \
+    assert "[worker 0] hetero_cs.engine.multi_worker.strategy: hetero_cs: timings are EMULATED - this worker's replicas " \
            "[0, 1] emulate ['A10', 'T4']" in stdout, stdout
-    assert "[worker 1] hetero_cs.engine.multi_worker: hetero_cs: timings are EMULATED - this worker's replicas " \
+    assert "[worker 1] hetero_cs.engine.multi_worker.strategy: hetero_cs: timings are EMULATED - this worker's replicas " \
            "[2, 3] emulate ['P100', 'T4']" in stdout, stdout
     assert "[worker 0] replanning now" in stdout, stdout
     plans = json.loads((tmp_path / "plans.json").read_text())
@@ -271,7 +271,7 @@ def test_a_finding_made_while_tracing_switches_every_worker_even_one_without_cap
     expected = _run_reference(tmp_path / "reference", "--weighted-mean")
     output = _launch(tmp_path, 2, "--split", "even", "--max-batch-sizes", "n,3", "--weighted-mean")
     for worker in (0, 1):
-        assert f"[worker {worker}] hetero_cs.engine.multi_worker: hetero_cs: not micro-batching this model: a loss " \
+        assert f"[worker {worker}] hetero_cs.engine.multi_worker.strategy: hetero_cs: not micro-batching this model: a loss " \
                f"normalised by the global batch" in output, output[-4000:]
     _assert_equal_to_reference(tmp_path, 2, expected)
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_cs.engine.cluster_planner import PROBE_FACTORS, WARMUP_STEPS, ClusterPlanner
+from hetero_cs.engine.multi_worker.cluster_planner import PROBE_FACTORS, WARMUP_STEPS, ClusterPlanner
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import LinearCostModel
 from hetero_cs.planning.sampling import AGREEMENT_COST_S, MAX_AGREEMENT_INTERVAL_STEPS, TIMING_BUDGET
@@ -22,7 +22,7 @@ def test_the_planner_imports_without_tensorflow():
 
     code = (
         "import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None\n"
-        "from hetero_cs.engine.cluster_planner import ClusterPlanner; print('ok')"
+        "from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner; print('ok')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "ok", result.stderr
@@ -43,7 +43,7 @@ def test_every_served_split_sums_to_the_batch_and_probes_vary_each_replica(B, R)
 
 
 def test_probes_then_fit_then_the_balancer_serves_the_solved_plan(caplog):
-    caplog.set_level("INFO", logger="hetero_cs.engine.cluster_planner")
+    caplog.set_level("INFO", logger="hetero_cs.engine.multi_worker.cluster_planner")
     R, B = 3, 600
     balancer = Balancer(R, guard=False, rebalance=False)
     planner = ClusterPlanner(balancer, calibrate=True)

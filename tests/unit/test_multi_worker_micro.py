@@ -17,7 +17,7 @@ def test_the_module_imports_without_tensorflow():
     import subprocess
 
     code = ("import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None\n"
-            "import hetero_cs.engine.multi_worker_micro; print('ok')")
+            "import hetero_cs.engine.multi_worker.micro_batches; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "ok", result.stderr
 
@@ -65,14 +65,14 @@ def test_the_plan_of_slices_refuses_examples_on_a_card_that_holds_none():
     ([True, 4], "not allowed"),
 ])
 def test_max_batch_sizes_that_are_not_one_cap_per_replica_are_config_errors(caps, match):
-    from hetero_cs.engine.multi_worker_micro import checked_caps
+    from hetero_cs.engine.multi_worker.micro_batches import checked_caps
 
     with pytest.raises(ConfigError, match=match):
         checked_caps(caps, 2)
 
 
 def test_checked_caps_keeps_none_entries():
-    from hetero_cs.engine.multi_worker_micro import checked_caps
+    from hetero_cs.engine.multi_worker.micro_batches import checked_caps
 
     assert checked_caps([None, 0, 7], 3) == [None, 0, 7] and checked_caps(None, 3) is None
 
@@ -97,7 +97,7 @@ def test_a_micro_batch_cap_below_one_is_an_error_not_a_division_by_zero(cap):
 def test_numpy_caps_are_taken_as_ints():
     import numpy as np
 
-    from hetero_cs.engine.multi_worker_micro import checked_caps
+    from hetero_cs.engine.multi_worker.micro_batches import checked_caps
 
     assert checked_caps(np.array([4, 8]), 2) == [4, 8]
     assert checked_caps([np.int64(4), None], 2) == [4, None]
@@ -106,7 +106,7 @@ def test_numpy_caps_are_taken_as_ints():
 def _micro(setting=None, given=None, restart=None):
     from types import SimpleNamespace
 
-    from hetero_cs.engine.multi_worker_micro import MultiWorkerMicroBatches
+    from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches
 
     return MultiWorkerMicroBatches(SimpleNamespace(emulator=None), setting, given, restart_caps=restart)
 

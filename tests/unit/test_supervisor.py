@@ -80,7 +80,7 @@ def test_a_script_that_fails_for_another_reason_is_not_restarted(tmp_path):
 def write_backup(names="'fit_0.json'"):
     return f"""
         import pathlib
-        from hetero_cs.engine.backup_files import register
+        from hetero_cs.engine.faults.supervised_run import register
         owned = pathlib.Path(os.environ['HETERO_CS_BACKUP_DIR'])
         register(owned, [{names}])
         for name in [{names}]:
@@ -137,7 +137,7 @@ def test_regression_the_users_own_fit_and_profile_files_are_never_removed(tmp_pa
 def test_a_backup_dir_that_cannot_be_written_is_refused_naming_it(tmp_path, monkeypatch):
     import errno
 
-    from hetero_cs.engine import backup_files
+    from hetero_cs.engine.faults import supervised_run as backup_files
 
     def read_only(path, write):
         raise OSError(errno.EROFS, "Read-only file system", str(path))

@@ -9,14 +9,20 @@ other strategy behave exactly as before. Patches are installed once, when the fi
 Every use of a private name is commented with why it is needed and what it relies on; the versions this was
 checked against are TensorFlow 2.21 and Keras 3.15.
 
-The touches are grouped by what they touch: ``distribute`` (tf.distribute's extended object and input),
-``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking), ``tape``
-(``tf.GradientTape.gradient`` of a loss the user reduced),
-``optimizer`` (Keras' TensorFlow optimizer), ``loss_scale`` (its LossScaleOptimizer: mixed_float16),
-``trainer`` (fit, evaluate, predict and layer walks), ``replica_pass`` (Keras' train step cut at each replica's forward
-and backward pass), ``graph_patterns`` (reading how a traced value was computed)
-and ``input_state`` (reading a first batch without moving the dataset). Nothing outside this package imports a
-private TensorFlow or Keras name.
+The touches are grouped by what they touch: ``context`` (which of our strategies runs, in which Keras entry point;
+the parts of a per-replica value), ``layers`` (a model's sublayers), ``distribute`` (tf.distribute's extended object
+and input), ``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
+``tape`` (``tf.GradientTape.gradient`` of a loss the user reduced), ``optimizer`` (Keras' TensorFlow optimizer),
+``loss_scale`` (its LossScaleOptimizer: mixed_float16), ``batch_norm`` (BatchNormalization's statistics over the
+global batch), ``trainer`` (fit, evaluate, predict), ``replica_pass`` (Keras' train step cut at each replica's
+forward and backward pass), ``replica_xla`` (that pass under XLA), ``multi_worker`` (Keras on the multi-worker
+strategy), ``input_state`` (reading a first batch without moving the dataset) and ``graph_patterns``. The loss
+reader (``loss_reader``, on the batch-flow analysis of ``batch_flow``, ``batch_kinds``, ``batch_rules`` and
+``batch_shapes``) reads traced graphs through TensorFlow's private graph attributes. Nothing outside this package
+imports a private TensorFlow or Keras name.
+
+This package may import :mod:`hetero_cs.engine.step` and the layers below it (planning, devices), never the rest of
+the engine.
 
 The patches check themselves: ``symbols`` looks up every private name they need before any is installed, and
 ``hooks`` checks at the end of each traced step that every patched hook the step needed ran. Either raises
@@ -29,19 +35,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from hetero_cs.engine._compat.distribute import (
-    STRATEGY_MARKER,
-    DeepcopiedStrategy,
-    HeteroExtended,
-    ReplicaCountStrategy,
-    register_replica_count_conversion,
-    components,
-    current_hetero_strategy,
-    distribute_on_host,
-    is_hetero_strategy,
-    per_replica,
-    replica_id_in_sync_group,
-)
+from hetero_cs.engine._compat.distribute import DeepcopiedStrategy, HeteroExtended, ReplicaCountStrategy, register_replica_count_conversion, distribute_on_host
+from hetero_cs.engine._compat.context import STRATEGY_MARKER, components, current_hetero_strategy, global_batch_size_of, is_hetero_strategy, per_replica, replica_id_in_sync_group
 from hetero_cs._supported import supported_range, unsupported_installed
 from hetero_cs.engine._compat.loss_scale import _patch_loss_scale_optimizer
 from hetero_cs.engine._compat.symbols import check_private_symbols
@@ -52,12 +47,11 @@ from hetero_cs.engine._compat.trainer import (
     _patch_fit,
     _patch_make_train_function,
     _patch_symbolic_build,
-    all_sublayers,
-    layer_build_shapes,
     reduced_step_outputs,
     set_initial_epoch,
 )
 from hetero_cs.engine._compat.batch_norm import _patch_batch_normalization
+from hetero_cs.engine._compat.layers import all_sublayers, batch_norms_in_training, layer_build_shapes
 from hetero_cs.engine._compat.input_state import FirstBatchReader
 from hetero_cs.engine._compat.losses import (
     _patch_compute_loss,
@@ -67,21 +61,8 @@ from hetero_cs.engine._compat.losses import (
     _patch_loss_scaling,
     _patch_mean_metric,
 )
-from hetero_cs.engine._compat.multi_worker import (
-    MULTI_WORKER_MARKER,
-    clone_function,
-    current_multi_worker_strategy,
-    id_in_cluster,
-    in_keras_entry_point,
-    _patch_reduce_per_replica,
-    install_multi_worker,
-    is_multi_worker_strategy,
-    is_tf_function,
-    keras_entry_point,
-    local_cpu_replicas,
-    mark_distributed_dataset,
-    skip_partial_batch_agreement,
-)
+from hetero_cs.engine._compat.multi_worker import clone_function, _patch_reduce_per_replica, install_multi_worker, is_tf_function, local_cpu_replicas, mark_distributed_dataset, skip_partial_batch_agreement
+from hetero_cs.engine._compat.context import MULTI_WORKER_MARKER, current_multi_worker_strategy, id_in_cluster, in_keras_entry_point, is_multi_worker_strategy, keras_entry_point
 from hetero_cs.engine._compat.tape import _patch_gradient_tape
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 from hetero_cs.engine._compat.replica_pass import _patch_inference_steps, _patch_train_step
@@ -106,9 +87,11 @@ __all__ = [
     "check_private_symbols",
     "HeteroExtended",
     "all_sublayers",
+    "batch_norms_in_training",
     "components",
     "current_hetero_strategy",
     "distribute_on_host",
+    "global_batch_size_of",
     "install",
     "is_hetero_strategy",
     "iteration_counter",

@@ -24,7 +24,8 @@ import functools
 import tensorflow as tf
 
 from hetero_cs.engine._compat.loss_reader import all_reduced_sum
-from hetero_cs.engine._compat.losses import _note_for_micro_batches, weighted_step
+from hetero_cs.engine._compat.context import note_for_micro_batches
+from hetero_cs.engine._compat.losses import weighted_step
 
 
 def global_moments(inputs, axes, mask=None, epsilon: float = 1e-7):
@@ -77,7 +78,7 @@ def _patch_batch_normalization() -> None:
     def _moments(self, inputs, mask):
         if weighted_step() is None or tf.distribute.get_replica_context() is None:
             return original(self, inputs, mask)
-        _note_for_micro_batches("batch_norm")  # micro-batches would each normalise by their own statistics
+        note_for_micro_batches("batch_norm")  # micro-batches would each normalise by their own statistics
         return global_moments(inputs, self._reduction_axes, mask, epsilon=backend.epsilon())  # noqa: SLF001
 
     BatchNormalization._moments = _moments  # noqa: SLF001

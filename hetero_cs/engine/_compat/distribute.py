@@ -19,16 +19,14 @@ import tensorflow as tf
 # is subclassed for the same reason (see _HostDistributedDataset).
 from tensorflow.python.distribute import input_lib, parameter_server_strategy  # noqa: E402
 
-from hetero_cs.engine import idle_replicas, training
+from hetero_cs.engine.step import idle_replicas
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks
-from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
-from hetero_cs.engine.step_errors import CROSS_REPLICA_SCOPE
+from hetero_cs.engine._compat.context import components, per_replica
+from hetero_cs.engine.step.step_errors import CROSS_REPLICA_SCOPE
 
 
 logger = logging.getLogger(__name__)
-
-STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
-
 
 class DeepcopiedStrategy:
     """Mixin for our strategies: ``copy.deepcopy`` copies as stock ``tf.distribute.Strategy.__deepcopy__`` does.
@@ -83,7 +81,7 @@ def register_replica_count_conversion() -> None:
 
     def convert(value, dtype=None, name=None, as_ref=False):
         del as_ref
-        step = training.current_replica_step()
+        step = replica_state.current_replica_step()
         if step is None or step.global_batch_size is None or tf.executing_eagerly() or dtype is None or \
                 not tf.as_dtype(dtype).is_floating:
             return tf.constant(int(value), dtype=dtype, name=name)
@@ -101,36 +99,6 @@ def register_replica_count_conversion() -> None:
     tensor_conversion_registry.register_tensor_conversion_function_internal(ReplicaCount, convert, priority=-1)
 
 
-def is_hetero_strategy(strategy: Any) -> bool:
-    """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
-    return bool(getattr(strategy, STRATEGY_MARKER, False))
-
-
-def current_weighting_strategy():
-    """The current strategy if it is one of ours (central storage or multi-worker) running a replica step in this
-    thread, else None: the b_i / B loss weighting applies under both."""
-    if training.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
-        return strategy
-    return None
-
-
-def current_hetero_strategy():
-    """Returns the current strategy if it is ours and a replica step is running in this thread, else None."""
-    if training.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    return strategy if is_hetero_strategy(strategy) else None
-
-
-def replica_id_in_sync_group(replica_context) -> int:
-    # Private attribute: the public `replica_id_in_sync_group` is a tensor; the Python int is needed to pick the
-    # replica's device, emulated profile and monitor slot while tracing. Under CentralStorageStrategy it is an int.
-    return int(replica_context._replica_id_in_sync_group)  # noqa: SLF001
-
-
 class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     """CentralStorageStrategy's extended object with two changes.
 
@@ -142,7 +110,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing), and a
        global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
     3. A step runs only the replicas its cut gives examples: one branch per set of active replicas that plans use,
-       picked when the step starts (:mod:`hetero_cs.engine.idle_replicas`); ``worker_devices``,
+       picked when the step starts (:mod:`hetero_cs.engine.step.idle_replicas`); ``worker_devices``,
        ``_get_replica_id_in_sync_group`` and the reductions answer for the active replicas while such a call runs.
     """
 
@@ -165,7 +133,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         strategy = self._container_strategy()
         R = len(self._compute_devices)
         # In a graph: one branch per set of active replicas that plans use, picked when the step starts
-        # (hetero_cs.engine.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
+        # (hetero_cs.engine.step.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
         sets = None
         if not tf.executing_eagerly() and R > 1:
             training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
@@ -177,7 +145,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             args, kwargs, traced=deferrable)
         if sizes is None or R == 1:
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
-        from hetero_cs.engine.micro_batches import current_sub_step
+        from hetero_cs.engine.step.sub_steps import current_sub_step
 
         sub_step = current_sub_step()
         if sub_step is not None:  # an overlapped call's sub-step: its active replicas are known while it is traced
@@ -217,11 +185,11 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         # other call does: another model may trace its step in another thread at the same time). The patched
         # Keras hooks of this call record into its StepHooks; once traced, every hook the step needed must have run
         # (hooks.verify), else Keras changed under us: UnsupportedVersionError.
-        handoff = training.StepHandoff(hooks=hooks.StepHooks())
+        handoff = replica_state.StepHandoff(hooks=hooks.StepHooks())
         wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff,  # noqa: SLF001
                                             scope_replica=active is not None)
         R = len(self._compute_devices)
-        with training.step_handoff(handoff):
+        with replica_state.step_handoff(handoff):
             if active is None:
                 result = super()._call_for_each_replica(wrapped, args, kwargs)
             else:
@@ -283,7 +251,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     # The reductions run in the merge call, under the name scope of the first replica's thread: replica 0's ops
     # carry no replica prefix either, so an error in a reduction (the replicas' values disagree in shape, say) would
     # be blamed on replica 0. Their ops sit under CROSS_REPLICA_SCOPE, which the step's error reads
-    # (hetero_cs.engine.step_errors).
+    # (hetero_cs.engine.step.step_errors).
     def _reduce_to(self, reduce_op, value, destinations, options):
         with tf.name_scope(CROSS_REPLICA_SCOPE):
             return super()._reduce_to(reduce_op, self._as_distributed(value), destinations, options)
@@ -335,7 +303,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
                 # would read the variables on the parameter device, which XLA cannot, and its optimizer all-reduces
                 # in a merge call, which XLA cannot hold (mirrored_run keeps such a function per replica only on
                 # GPUs, with mirrored variables). The clone runs without XLA, with a warning (Keras' fit compiles
-                # each replica's forward and backward pass: hetero_cs.engine.replica_xla). Private: _jit_compile
+                # each replica's forward and backward pass: hetero_cs.engine._compat.replica_xla). Private: _jit_compile
                 # is the option _clone copies.
                 lifted._jit_compile = None  # noqa: SLF001
                 _note_uncompiled()
@@ -404,7 +372,7 @@ class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
 def distribute_on_host(strategy, dataset, *, source=None, host=None):
     """A distributed dataset whose every element goes whole to the host, as one value (not one per replica).
 
-    ``dataset`` yields checked global batches (hetero_cs.engine.input_slicing); the strategy cuts each into the
+    ``dataset`` yields checked global batches (hetero_cs.engine.step.input_slicing); the strategy cuts each into the
     replicas' slices when the step starts. Every leaf of an element arrives as a per-replica value with a single
     component, which is how the strategy recognises a global batch (any other per-replica value has one per replica).
     ``source`` is the user's dataset that ``dataset`` checks: an iterator over it started by calibration's read
@@ -449,23 +417,3 @@ def distribute_on_host(strategy, dataset, *, source=None, host=None):
     return distributed
 
 
-def components(value) -> tuple | None:
-    """The components of a per-replica value (one per replica, or one for a global batch's leaf), else None."""
-    # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
-    # to return the unpacked slices, so it cannot be used here.
-    if not isinstance(value, tf.distribute.DistributedValues):
-        return None
-    return tuple(getattr(value, "_values", ()))
-
-
-def per_replica(components) -> Any:
-    """A per-replica value holding ``components`` (one per replica, in replica order)."""
-    # Private: there is no public constructor of PerReplica; tf.distribute builds them the same way from iterators.
-    from tensorflow.python.distribute import values as values_lib
-
-    return values_lib.PerReplica(tuple(components))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Keras patches. Each one dispatches on our strategy and otherwise calls the original.
-# --------------------------------------------------------------------------------------------------------------

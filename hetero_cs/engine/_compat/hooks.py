@@ -10,9 +10,9 @@ silently without clipping, without weight decay, with stock ``1 / R`` loss weigh
 So each patched hook records that it ran (:func:`fired`), and the public entry points that make a hook necessary
 (``optimizer.apply``, ``LossScaleOptimizer.apply``, ``Loss.__call__``, ``Mean.update_state``, Keras' own
 ``_compute_loss``) record what they need (:func:`expect`). Both go to the :class:`StepHooks` of the
-``strategy.run`` call being made, held by its :class:`~hetero_cs.engine.training.StepHandoff`: reached through the
-replica's :class:`~hetero_cs.engine.training.ReplicaStep` in a replica thread, and through
-``training.step_handoff`` in the merge calls, which run in the calling thread. When the step has been
+``strategy.run`` call being made, held by its :class:`~hetero_cs.engine.step.replica_state.StepHandoff`: reached through the
+replica's :class:`~hetero_cs.engine.step.replica_state.ReplicaStep` in a replica thread, and through
+``replica_state.step_handoff`` in the merge calls, which run in the calling thread. When the step has been
 traced, :func:`verify` raises :class:`~hetero_cs.errors.UnsupportedVersionError` naming every needed hook that did
 not run, the installed versions and the supported range. Only traced steps are checked (steps run eagerly record
 too, but are not verified): a step's graph is built once, so the check costs nothing per step.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetero_cs.engine import training
+from hetero_cs.engine.step import replica_state
 
 # What each hook is, in the words of the error message.
 ALL_REDUCE = "TFOptimizer._all_reduce_sum_gradients (the replicas' gradients summed on the host)"
@@ -74,14 +74,14 @@ class StepHooks:
 
 def fired(hook: str) -> None:
     """Records that ``hook`` ran in the step this thread works on (nothing outside a checked step)."""
-    record = training.current_hooks()
+    record = replica_state.current_hooks()
     if record is not None:
         record.fired.add(hook)
 
 
 def expect(*hooks: str, by: str) -> None:
     """Records that the step this thread works on needs ``hooks``, because of ``by`` (for the message)."""
-    record = training.current_hooks()
+    record = replica_state.current_hooks()
     if record is not None:
         for hook in hooks:
             record.expected.setdefault(hook, by)

@@ -35,7 +35,7 @@ import weakref
 
 import tensorflow as tf
 
-from hetero_cs.engine import training
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat.batch_flow import BatchFlow
 from hetero_cs.engine._compat.batch_kinds import COUNT, MIXED, REP, ROWS, SHAPE, axes
 from hetero_cs.errors import BatchCouplingError, LossPatternError
@@ -201,7 +201,7 @@ def _leaf(reading, tensor):
 def _weigh(value, weight=None):
     """``value * b_i / B``, and 0 (never NaN) for a 0-example replica, whose own mean of nothing is NaN."""
     if weight is None:
-        weight = training.replica_weight(value.dtype)
+        weight = replica_state.replica_weight(value.dtype)
     return tf.where(weight > 0, value * tf.cast(weight, value.dtype), tf.zeros_like(value))
 
 
@@ -358,7 +358,7 @@ def _quotient(reading, op, tensor, what, depth):
     if counted.what == COUNT and counted.tag is not None and counted.tag.root == reading.flow.batch.root:
         # Divided by a number of rows that is a fixed multiple of the slice's examples (Keras' mean: a sum over the
         # number of values): one device divides by that number over the whole batch, count * B / b_i.
-        weight = training.replica_weight(tensor.dtype)
+        weight = replica_state.replica_weight(tensor.dtype)
         share = tf.math.divide_no_nan(_as_share(mode_n, share_n) * weight, tf.cast(share_d, tensor.dtype))
         return SHARE, share
     if mode_d == GLOBAL:
@@ -397,7 +397,7 @@ def all_reduced_sum(values):
     """``values`` summed over the replicas of the step (in replica context), told to this replica step's batch-flow
     analysis as the same on every replica and on one device."""
     summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
-    step = training.current_replica_step()
+    step = replica_state.current_replica_step()
     if step is not None and step.flow is not None:
         step.flow.seed_replicated(summed)
     return summed
@@ -405,9 +405,9 @@ def all_reduced_sum(values):
 
 def _note_all_reduce(reading) -> None:
     reading.all_reduced = True
-    from hetero_cs.engine._compat.losses import _note_for_micro_batches
+    from hetero_cs.engine._compat.context import note_for_micro_batches
 
-    _note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
+    note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
 
 
 def _reemit(op, inputs):

@@ -31,11 +31,11 @@ import functools
 
 import tensorflow as tf
 
-from hetero_cs.engine import training
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks
-from hetero_cs.engine._compat.distribute import current_hetero_strategy
+from hetero_cs.engine._compat.context import current_hetero_strategy
 
-# What the replica threads and the thread that runs the merge share lives on the step's training.StepHandoff (one
+# What the replica threads and the thread that runs the merge share lives on the step's replica_state.StepHandoff (one
 # per strategy.run call, so a model tracing in another thread cannot take it): ``loss_scale_pending`` is
 # (loss-scale optimizer, graph) while a replica step applies gradients through it; ``loss_scale_finite`` is (inner
 # optimizer, bool tensor, graph) once the update merge has judged the step.
@@ -48,7 +48,7 @@ def _current_graph():
 
 def pending_scaler(inner_optimizer):
     """The LossScaleOptimizer that is applying gradients through ``inner_optimizer`` in this step, else None."""
-    handoff = training.current_step_handoff()
+    handoff = replica_state.current_step_handoff()
     pending = None if handoff is None else handoff.loss_scale_pending
     if pending is None:
         return None
@@ -61,7 +61,7 @@ def pending_scaler(inner_optimizer):
 def iterations_increment(variable, value):
     """``value`` times this step's finiteness when ``variable`` is the iteration counter of an inner optimizer
     whose step was judged by :func:`apply_or_skip` in this graph; ``value`` unchanged otherwise."""
-    handoff = training.current_step_handoff()
+    handoff = replica_state.current_step_handoff()
     judged = None if handoff is None else handoff.loss_scale_finite
     if judged is None:
         return value
@@ -82,7 +82,7 @@ def _patch_loss_scale_optimizer() -> None:
 
     @functools.wraps(original_tf_apply)
     def _tf_apply(self, grads, trainable_variables=None):
-        handoff = training.current_step_handoff()
+        handoff = replica_state.current_step_handoff()
         if current_hetero_strategy() is None or tf.distribute.in_cross_replica_context() or handoff is None:
             return original_tf_apply(self, grads, trainable_variables)
         hooks.fired(hooks.LOSS_SCALE_APPLY)
@@ -136,7 +136,7 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
     Returns:
         The finiteness of the step, a bool scalar tensor on the parameter device.
     """
-    handoff = training.current_step_handoff()
+    handoff = replica_state.current_step_handoff()
     if handoff is not None:
         handoff.loss_scale_pending = None  # consumed: this step's update is the one the replicas marked
     hooks.fired(hooks.LOSS_SCALE_HOST)

@@ -23,7 +23,7 @@ is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places,
   ``compute_loss`` term or an ``add_loss`` value visibly summed over the batch is kept as the replica's part of the
   sum (:func:`_as_share`, ``_aggregate_additional_loss``).
 
-Shares are remembered per replica step (:attr:`hetero_cs.engine.training.ReplicaStep.loss_terms`); a value visibly
+Shares are remembered per replica step (:attr:`hetero_cs.engine.step.replica_state.ReplicaStep.loss_terms`); a value visibly
 divided by the step's ``B`` (``tf.nn.compute_average_loss(..., global_batch_size=current_global_batch_size())``)
 is one too.
 """
@@ -36,10 +36,11 @@ import threading
 
 import tensorflow as tf
 
-from hetero_cs.engine import training
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
-from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
-from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
+from hetero_cs.engine._compat.context import (
+    current_weighting_strategy, is_hetero_strategy, is_multi_worker_strategy, note_for_micro_batches,
+)
 from hetero_cs.engine._compat.batch_kinds import MIXED
 from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
 from hetero_cs.engine._compat.variables import _central_in_replica_context
@@ -53,7 +54,7 @@ def weighted_step():
     """The replica step being run when it is ours and knows its global batch (the b_i / B weighting applies)."""
     if current_weighting_strategy() is None:
         return None
-    step = training.current_replica_step()
+    step = replica_state.current_replica_step()
     return step if step.global_batch_size is not None else None
 
 
@@ -86,7 +87,7 @@ def _patch_compute_average_loss() -> None:
     tf.nn.compute_average_loss = compute_average_loss
 
     # tf.nn.scale_regularization_loss divides a term every replica adds by the replica count. A replica with 0
-    # examples runs nothing under our central-storage strategy (hetero_cs.engine.idle_replicas), so only the active
+    # examples runs nothing under our central-storage strategy (hetero_cs.engine.step.idle_replicas), so only the active
     # replicas add it and 1/R would undercount it. Inside a replica step of our strategies it weighs b_i / B
     # instead, which sums to 1 over the replicas that hold the batch, idle ones or not.
     original_scale = nn_impl_distribute.scale_regularization_loss
@@ -127,7 +128,7 @@ def _patch_loss_scaling() -> None:
         if weighted_step() is not None:
             hooks.fired(hooks.LOSS_UNSCALE)
             # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
-            return tf.math.divide_no_nan(value, training.replica_weight(value.dtype))
+            return tf.math.divide_no_nan(value, replica_state.replica_weight(value.dtype))
         return original_unscale(value)
 
     loss_module.scale_loss_for_distribution = scale_loss_for_distribution
@@ -221,13 +222,6 @@ def _scalar_share(step, value, sample_weight, mask):
     return share_of(step, value, what=f"the loss {_loss_name()}")
 
 
-def _note_for_micro_batches(finding: str) -> None:
-    """Tells the strategy's micro-batching (while a step is traced) what it could not keep exact."""
-    micro = getattr(current_weighting_strategy(), "_micro_batching", None)
-    if micro is not None:
-        micro.note(finding)
-
-
 def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module):
     """Keras' reduce_weighted_values with the normaliser of the whole global batch (summed over the replicas).
 
@@ -236,7 +230,7 @@ def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_mod
     Keras divides by the slice's own count or sum; here the count or sum is all-reduced, so each replica's value
     is its share and the shares add up to the single-device loss (0 for a 0-example slice).
     """
-    _note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
+    note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
     squeeze = loss_module.squeeze_or_expand_to_same_rank
     if sample_weight is not None:
         sample_weight = tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)
@@ -394,7 +388,7 @@ def _patch_mean_metric() -> None:
             return original_update(self, values, sample_weight=sample_weight)
         # One device counts the step's value once: each replica adds its share with weight w_i (summed: the value,
         # with weight 1). A 0-example replica adds 0 with weight 0, never NaN.
-        weight = training.replica_weight(self.dtype)
+        weight = replica_state.replica_weight(self.dtype)
         share = tf.cast(share_of(step, tensor, what=f"the value given to the Mean metric {self.name!r}"), self.dtype)
         tensor = tf.where(weight > 0, tf.math.divide_no_nan(share, weight), tf.zeros_like(share))
         return original_update(self, tensor, sample_weight=weight)
@@ -442,7 +436,7 @@ def _patch_layer_losses() -> None:
     original_add, original_own, original_clear = Layer.add_loss, Layer._get_own_losses, Layer._clear_losses  # noqa: SLF001
 
     def replica_list(layer):
-        step = training.current_replica_step()
+        step = replica_state.current_replica_step()
         if step is None or in_stateless_scope():
             return None
         return step.layer_losses.setdefault(id(layer), [])

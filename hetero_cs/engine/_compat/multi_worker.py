@@ -33,54 +33,16 @@ import functools
 import logging
 import re
 import threading
-from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import training
+from hetero_cs.engine._compat.context import (
+    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy,
+)
 from hetero_cs.engine._compat.symbols import require
 
-logger = logging.getLogger("hetero_cs.engine.multi_worker")
-
-MULTI_WORKER_MARKER = "_is_hetero_multi_worker_strategy"
-_current_model = threading.local()  # the model whose fit/evaluate/predict runs in this thread
-
-
-def is_multi_worker_strategy(strategy: Any) -> bool:
-    """True when ``strategy`` is a HeteroMultiWorkerMirroredStrategy (checked by marker: no import cycle)."""
-    return bool(getattr(strategy, MULTI_WORKER_MARKER, False))
-
-
-def is_central_storage(strategy: Any) -> bool:
-    """True when ``strategy`` is a HeteroCentralStorageStrategy (its marker: distribute.STRATEGY_MARKER)."""
-    return bool(getattr(strategy, "_is_hetero_central_storage_strategy", False))
-
-
-def current_multi_worker_strategy():
-    """The current strategy if it is a HeteroMultiWorkerMirroredStrategy running a replica step here, else None."""
-    if training.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    return strategy if is_multi_worker_strategy(strategy) else None
-
-
-def in_keras_entry_point() -> bool:
-    """True inside a Keras ``fit``, ``evaluate`` or ``predict`` of a model under the multi-worker strategy (this
-    thread), False in a custom loop."""
-    return getattr(_current_model, "model", None) is not None
-
-
-def keras_entry_point() -> str | None:
-    """``"fit"``, ``"evaluate"`` or ``"predict"`` while one runs under the multi-worker strategy (this thread)."""
-    return getattr(_current_model, "entry_point", None) if in_keras_entry_point() else None
-
-
-def id_in_cluster(strategy) -> int:
-    # Private: CollectiveAllReduceExtended._id_in_cluster is the worker's rank (the chief first), the number TF's
-    # own replica ids are built from (_get_replica_id_in_sync_group); there is no public accessor.
-    return int(getattr(strategy.extended, "_id_in_cluster", 0))
-
+logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
 
 def skip_partial_batch_agreement(strategy) -> None:
     """Stops the distributed iterators from agreeing on "is there a next batch" over the cluster every step."""
@@ -132,7 +94,7 @@ def _patch_reduce_per_replica() -> None:
             return tf.nest.map_structure(
                 lambda v: strategy.gather(v, axis=0) if isinstance(v, tf.distribute.DistributedValues) else v, values)
         multi_worker = is_multi_worker_strategy(strategy)
-        if not (multi_worker or is_central_storage(strategy)) or reduction not in ("auto", "mean"):
+        if not (multi_worker or is_hetero_strategy(strategy)) or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)
 
         def local(value):
@@ -157,7 +119,7 @@ def _patch_reduce_per_replica() -> None:
 
         shares = []
         structure(lambda key, value: shares.append(value) if logged_share(value) else None)
-        model = getattr(_current_model, "model", None)
+        model = current_keras_model()
         if multi_worker:  # metric results and logged shares summed over the cluster in one all-reduce
             results, sums = summed_logs(model if isinstance(values, dict) else None, strategy, shares)
         else:
@@ -190,7 +152,7 @@ def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     local values of all metric variables and logged shares travel in one vector (float64; exact for integer counts
     below 2**53), and each metric's result is computed from the summed values with Keras' ``stateless_result``.
     """
-    from hetero_cs.engine._compat.distribute import per_replica
+    from hetero_cs.engine._compat.context import per_replica
 
     metrics = list(model.metrics) if model is not None else []
     variables = [v for metric in metrics for v in metric.variables]
@@ -255,8 +217,7 @@ def _patch_entry_points() -> None:
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
-            previous = getattr(_current_model, "model", None), getattr(_current_model, "entry_point", None)
-            _current_model.model, _current_model.entry_point = self, original.__name__
+            previous = entered(self, original.__name__)
             strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
             try:
                 return original(*bound.args, **bound.kwargs)
@@ -277,7 +238,7 @@ def _patch_entry_points() -> None:
                          or _step_error_here(strategy, original.__name__, exc))
                 raise error from exc
             finally:
-                _current_model.model, _current_model.entry_point = previous
+                entered(*previous)
 
         return method
 
@@ -351,11 +312,9 @@ def _tell_cluster(strategy, reason: str) -> None:
 
 
 def _out_of_memory_here(strategy, verb: str, exc: Exception, model):
-    """A StepOOMError for an out-of-memory error on this worker (:mod:`hetero_cs.engine.multi_worker_oom`), after
-    telling every other worker, or None for any other error."""
-    from hetero_cs.engine.multi_worker_oom import out_of_memory_here
-
-    found = out_of_memory_here(strategy, verb, exc, (model.name,), model=model)
+    """A StepOOMError for an out-of-memory error on this worker (the strategy reads it:
+    :mod:`hetero_cs.engine.multi_worker.oom`), after telling every other worker, or None for any other error."""
+    found = strategy._out_of_memory_here(verb, exc, (model.name,), model=model)  # noqa: SLF001 - ours
     if found is None:
         return None
     _tell_cluster(strategy, found.reason)
@@ -366,10 +325,10 @@ def _step_error_here(strategy, verb: str, exc: Exception):
     """A ReplicaStepError for any other error of this worker's step (a Python error inside it, a shape error), after
     telling every other worker (:func:`_tell_cluster`): they stop within seconds with a WorkerLostError that names it,
     instead of waiting in the collective."""
-    from hetero_cs.engine.step_errors import _op_message
+    from hetero_cs.devices.device_errors import op_message
     from hetero_cs.errors import ReplicaStepError
 
-    cause = f"{type(exc).__name__}: {_op_message(str(exc), exc)[:300]}"
+    cause = f"{type(exc).__name__}: {op_message(str(exc), exc)[:300]}"
     _tell_cluster(strategy, f"an error in its step ({cause})")
     return ReplicaStepError(
         f"model.{verb} failed on worker {id_in_cluster(strategy)} ({cause}). The other workers were told and stop too, "
@@ -379,9 +338,9 @@ def _step_error_here(strategy, verb: str, exc: Exception):
 
 def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     """A DeviceFaultError for a device error on one of this worker's replicas (the rule of
-    :mod:`hetero_cs.engine.failover`), after telling every other worker (:func:`_tell_cluster`), or None for any
+    :mod:`hetero_cs.engine.faults.failover`), after telling every other worker (:func:`_tell_cluster`), or None for any
     other error."""
-    from hetero_cs.engine.failover import device_fault, first_line
+    from hetero_cs.devices.device_errors import device_fault, first_line
     from hetero_cs.errors import DeviceFaultError
 
     local = list(strategy.extended.worker_devices)

@@ -10,14 +10,11 @@ import threading
 
 import tensorflow as tf
 
-from hetero_cs.engine import fused_update, training
+from hetero_cs.engine.step import fused_update
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, loss_scale
-from hetero_cs.engine._compat.distribute import (
-    current_hetero_strategy,
-    current_weighting_strategy,
-    is_hetero_strategy,
-)
-from hetero_cs.engine._compat.multi_worker import current_multi_worker_strategy
+from hetero_cs.engine._compat.context import current_hetero_strategy, current_weighting_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.context import current_multi_worker_strategy
 from hetero_cs.engine._compat.variables import _central_in_replica_context, _clip_state
 
 def _patch_optimizer() -> None:
@@ -65,7 +62,7 @@ def _patch_optimizer() -> None:
         # The variable updates (cross-replica, in _distributed_tf_update_step) wait for it too: an update needs
         # only its own summed gradient, which may exist before another replica's backward pass fails.
         local = [g for g, _ in grads_and_vars if g is not None]
-        step = training.current_replica_step()
+        step = replica_state.current_replica_step()
         if step is not None and step.sub_step is not None:
             # An overlapped micro-batched call: this replica's next micro-batch starts once these gradients exist
             # (hetero_cs.engine.replica_wrapping). Writes that need no other replica do not wait for this
@@ -112,7 +109,7 @@ def _patch_optimizer() -> None:
         # Decoupled weight decay (AdamW, or any optimizer given weight_decay) is applied before the gradients are
         # summed, so it would run even when a replica's step fails. Under our strategy it is deferred to the update
         # merge below, where it runs first (the same order as in one device's step), behind the barrier.
-        handoff = training.current_step_handoff()
+        handoff = replica_state.current_step_handoff()
         if self.weight_decay is not None and current_hetero_strategy() is not None and handoff is not None:
             hooks.fired(hooks.DECAY_DEFERRED)
             handoff.weight_decay = (self, list(variables))
@@ -123,7 +120,7 @@ def _patch_optimizer() -> None:
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         # Cross-replica (merge_call), in the thread that runs the merge: this call's handoff holds what its replicas
         # left for it (consumed here). The token is from this step's graph only.
-        handoff = training.current_step_handoff()
+        handoff = replica_state.current_step_handoff()
         token = decay = start = None
         if handoff is not None:
             token, decay, start = handoff.barrier_token, handoff.weight_decay, handoff.start_stamp
@@ -167,7 +164,7 @@ def _patch_optimizer() -> None:
                 result = run_update(grads_and_vars)
         if getattr(start, "graph", None) is current_graph and not tf.executing_eagerly():
             # The host tail: the step ends when the update has written every variable (reads come after writes).
-            from hetero_cs.engine.step_timing import stamp_step_end
+            from hetero_cs.devices.step_clock import stamp_step_end
 
             with tf.device(distribution.parameter_device):
                 reads = [tf.identity(v) for _, v in grads_and_vars]  # tf variables here: a read each
@@ -303,7 +300,7 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     """The host update of a step that may sum gradients over calls before applying them, or None when none does.
 
     Two things sum gradients on the host (in :meth:`MicroBatching.accumulators`, one host variable per trained
-    variable): micro-batching (:mod:`hetero_cs.engine.micro_batches`, whose host state says which sub-step this is)
+    variable): micro-batching (:mod:`hetero_cs.engine.memory.micro_batches`, whose host state says which sub-step this is)
     and Keras' ``gradient_accumulation_steps=n`` (applied every n-th optimizer step, on the average of the n steps'
     summed gradients, as Keras does on one device). The update then takes one of four branches:
 
@@ -344,7 +341,7 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     # entry, so a densified sum would not be the same step); the rows of a lookup that does not depend on the batch
     # are added row by row instead, as over replicas (_shared_rows_sum). Keras' accumulation sums densely, as it does
     # itself.
-    from hetero_cs.engine.micro_batches import SparseSum  # here: that module imports this package
+    from hetero_cs.engine.step.sub_steps import SparseSum
 
     micro_state = distribution._micro_batching  # noqa: SLF001
     sums = [micro_state.sparse_accumulator(v, g) if isinstance(g, tf.IndexedSlices) and n is None

@@ -7,10 +7,10 @@ all-reduce is a cross-replica merge) in one Python function. Cut at the all-redu
 forward pass, the loss and the gradient, becomes one function of the weights, which serves two uses:
 
 * XLA per replica (``compile(jit_compile=True)``, both strategies): that function is compiled with XLA on the
-  replica's device (:mod:`hetero_cs.engine.replica_xla`: what applies when, and why the weights go in as inputs);
+  replica's device (:mod:`hetero_cs.engine._compat.replica_xla`: what applies when, and why the weights go in as inputs);
 * idle replicas under the multi-worker strategy: a replica whose slice holds 0 examples skips that function
   (``tf.cond``) and hands zeros to the all-reduce, which every replica of every worker must still join
-  (:mod:`hetero_cs.engine.idle_replicas`).
+  (:mod:`hetero_cs.engine.step.idle_replicas`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import logging
 
 import tensorflow as tf
 
-from hetero_cs.engine import idle_replicas, multi_worker_micro, replica_xla, training
+from hetero_cs.engine._compat import replica_xla
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import symbols
-from hetero_cs.engine._compat.distribute import is_hetero_strategy
-from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
+from hetero_cs.engine._compat.context import is_hetero_strategy
+from hetero_cs.engine._compat.context import is_multi_worker_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +37,21 @@ def keras_train_step():
 
 def _patch_train_step() -> None:
     # Under our strategies, inside a replica step of a model compiled with XLA per replica
-    # (hetero_cs.engine.replica_xla.applies), or of one whose idle replicas skip their pass under the multi-worker
-    # strategy (hetero_cs.engine.idle_replicas.multi_worker_skips), Keras' train step runs cut (_cut_step);
+    # (hetero_cs.engine._compat.replica_xla.applies), or of one whose idle replicas skip their pass under the multi-worker
+    # strategy (hetero_cs.engine.step.replica_xla.multi_worker_skips), Keras' train step runs cut (_cut_step);
     # elsewhere Keras' own runs.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
     original = TensorFlowTrainer.train_step
 
     @functools.wraps(original)
     def train_step(self, data):
-        step = training.current_replica_step()
+        step = replica_state.current_replica_step()
         strategy = getattr(self, "_distribute_strategy", None)
         if step is None or step.global_batch_size is None or not _ours(strategy) or not self.trainable_weights:
             return original(self, data)
         jit = replica_xla.applies(self)
         multi_worker = is_multi_worker_strategy(strategy)
-        skip = multi_worker and idle_replicas.multi_worker_skips(self)
+        skip = multi_worker and replica_xla.multi_worker_skips(self)
         cap = strategy.micro_batching.cap_of(step.replica_id) if multi_worker else None
         # Whether this model's slices may run as micro-batches: then every replica, capped or not, traces the cut
         # step to find what keeps them within the caps, so every worker switches alike (a worker whose replicas have
@@ -93,7 +94,7 @@ def _patch_inference_steps() -> None:
         original = getattr(TensorFlowTrainer, name)
 
         def inference_step(self, data, _original=original, _predict=name == "predict_step"):
-            step = training.current_replica_step()
+            step = replica_state.current_replica_step()
             strategy = getattr(self, "_distribute_strategy", None)
             if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
                 return _original(self, data)
@@ -140,7 +141,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
         part = _memory_checked(_strategy(model), step, part, size)
         micro = dataclasses.replace(step, batch_size=size)
         _seed(micro, rows=part)
-        with training.replica_step(micro):
+        with replica_state.replica_step(micro):
             return keras_step(model, part)
 
     first = run(tf.constant(0, tf.int32))
@@ -171,7 +172,7 @@ def _memory_checked(strategy, step, data, examples):
     anchor = next((t for t in tf.nest.flatten(data) if tf.is_tensor(t) and t.dtype.is_numeric), None)
     if emulator is None or emulator.workload is None or anchor is None:
         return data
-    from hetero_cs.engine.step_timing import emulated_memory_gate
+    from hetero_cs.devices.step_clock import emulated_memory_gate
 
     gated = emulated_memory_gate(data, anchor, replica_id=step.replica_id, batch_size=examples, emulator=emulator,
                                  training=False)
@@ -184,7 +185,7 @@ def _all_reduces_in_test_step(model, keras_step, data) -> bool:
     or sample weights; see :func:`_cut_step`): traced in a function that never runs, so no collective runs here and
     every worker finds the same while tracing the same step."""
     def traced(data):
-        training.current_replica_step().flow.seed_rows(data)  # this function's inputs: the replica's slice
+        replica_state.current_replica_step().flow.seed_rows(data)  # this function's inputs: the replica's slice
         return keras_step(model, data)
 
     try:
@@ -217,12 +218,12 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         jit: Compile the function with XLA.
         skip_when_empty: Run it only when this replica's slice holds examples; an empty slice gives zero gradients,
             a zero loss share, empty predictions and no state written.
-        micro_cap: Under the multi-worker strategy's micro-batching (:mod:`hetero_cs.engine.multi_worker_micro`):
+        micro_cap: Under the multi-worker strategy's micro-batching (:mod:`hetero_cs.engine.multi_worker.micro_batches`):
             the examples this replica's card holds at once. The slice then runs as near-equal micro-batches within
             it, one after another in a ``tf.while_loop`` (each micro-batch's loss weighs ``m_ij / B``, the state
             it writes goes on to the next), and their summed gradients go to the one all-reduce of the step.
         find_micro: The model's slices may run as micro-batches: what the traced pass shows that keeps them within
-            the caps is told to the strategy (:meth:`~hetero_cs.engine.multi_worker_micro.MultiWorkerMicroBatches.
+            the caps is told to the strategy (:meth:`~hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches.
             refuse`) by every replica, capped or not. With nothing else to do (no cap, XLA or skipping) the caller
             then runs Keras' own step (None).
     """
@@ -262,7 +263,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         _seed(inner, rows=(x, y, sample_weight), replicated=(weights, state, scale, zeros))
         with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
                 weighing_in_compiled_replica_step(), \
-                training.replica_step(inner):
+                replica_state.replica_step(inner):
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred = model(x, training=True) if model._call_has_training_arg else model(x)  # noqa: SLF001
@@ -294,14 +295,16 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
                   "batch's mask or sample weights, or a layer that synchronises replicas)")
         _fall_back(model, jit, skip_when_empty, reason)
         if find_micro:
-            _strategy(model).micro_batching.refuse(model, multi_worker_micro.NORMALISED_LOSS)
+            micro = _strategy(model).micro_batching
+            micro.refuse(model, micro.NORMALISED_LOSS)
         return None
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
     if other:
         _fall_back(model, jit, skip_when_empty,
                    f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
         if find_micro:
-            _strategy(model).micro_batching.refuse(model, multi_worker_micro.METRIC_STATE)
+            micro = _strategy(model).micro_batching
+            micro.refuse(model, micro.METRIC_STATE)
         return None
     if find_micro:
         layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
@@ -314,7 +317,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
                               written, added, micro_cap, x, y, sample_weight)
     empty = _empty_outputs(concrete.structured_outputs, weights, state, written) if skip_when_empty else None
     if skip_when_empty and empty is None:
-        idle_replicas.multi_worker_fall_back(model, "a prediction's shape beyond the batch dimension is not known "
+        replica_xla.multi_worker_fall_back(model, "a prediction's shape beyond the batch dimension is not known "
                                                     "while tracing, so an idle replica has no empty one to give")
         skip_when_empty = False
         if not jit:
@@ -346,7 +349,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     """
     from keras.src import tree
 
-    from hetero_cs.engine.step_timing import _probe_scalar, end_replica_step, tie_to_stamp
+    from hetero_cs.devices.step_clock import _probe_scalar, end_replica_step, tie_to_stamp
 
     weights, state, scale = arguments[0], arguments[1], arguments[2]
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
@@ -439,7 +442,7 @@ def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written
     model._loss_tracker.update_state(  # noqa: SLF001
         loss_module.unscale_loss_for_distribution(loss),
         sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
-    with training.replica_step(step):
+    with replica_state.replica_step(step):
         model.optimizer.apply_gradients(zip(gradients, trainable))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -451,7 +454,7 @@ def _strategy(model):
 def _seed(step, *, rows, replicated=()) -> None:
     """Seeds the batch-flow analysis of a pass traced in a function of its own (its inputs are that function's):
     ``rows`` hold the pass's examples, ``replicated`` the weights and state, and its ``b_i`` is its examples'."""
-    from hetero_cs.engine.replica_wrapping import seed_replica_step
+    from hetero_cs.engine._compat.batch_flow import seed_replica_step
 
     step.flow.seed_replicated(replicated)
     seed_replica_step(step, rows)
@@ -497,7 +500,7 @@ def _fall_back(model, jit: bool, skip_when_empty: bool, reason: str) -> None:
     if jit:
         replica_xla.fall_back(model, f"{reason}, which a per-replica XLA function cannot hold")
     if skip_when_empty:
-        idle_replicas.multi_worker_fall_back(model, reason)
+        replica_xla.multi_worker_fall_back(model, reason)
 
 
 def _additive_metrics() -> tuple:

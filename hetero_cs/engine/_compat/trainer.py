@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from hetero_cs.engine import idle_replicas
+from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine._compat import symbols
-from hetero_cs.engine._compat.distribute import is_hetero_strategy
-from hetero_cs.engine._compat.multi_worker import is_multi_worker_strategy
+from hetero_cs.engine._compat.layers import all_sublayers
+from hetero_cs.engine._compat.context import is_hetero_strategy
+from hetero_cs.engine._compat.context import is_multi_worker_strategy
 from hetero_cs.errors import ConfigError, DeviceFaultError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -45,7 +46,7 @@ def _patch_fit() -> None:
         callbacks = bound.arguments.get("callbacks")
         bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks, bound.arguments)  # noqa: SLF001
         strategy._input_error = None  # noqa: SLF001
-        # fit distributes its training data first and validation data later (hetero_cs.engine.input_roles).
+        # fit distributes its training data first and validation data later (hetero_cs.engine.step.input_roles).
         distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
         try:
             with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
@@ -135,7 +136,7 @@ def _patch_make_train_function() -> None:
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     # Under our strategy the train function is also traced again, right before a step, when plans have used a set
-    # of idle replicas since it was traced (hetero_cs.engine.idle_replicas): the step then has a branch in which
+    # of idle replicas since it was traced (hetero_cs.engine.step.idle_replicas): the step then has a branch in which
     # those replicas do no work. Private: Keras keeps the traced step in model.train_function and calls it anew
     # for every step; make_train_function(force=True) builds a new one.
     original = _without_whole_step_xla(TensorFlowTrainer.make_train_function)
@@ -192,7 +193,7 @@ def _patch_make_train_function() -> None:
                 return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,), model=self)
 
             if micro_batching:
-                from hetero_cs.engine.oom_recovery import global_batch_size_of
+                from hetero_cs.engine._compat.context import global_batch_size_of
 
                 # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
                 plan = micro.plan_to_run(global_batch_size_of(data), overlapped=not self.run_eagerly)
@@ -215,7 +216,7 @@ def _patch_make_train_function() -> None:
                 # step of fixed shares or an even split had none before it).
                 if not (in_hand and micro.may_apply()):
                     raise
-                from hetero_cs.engine.oom_recovery import global_batch_size_of
+                from hetero_cs.engine._compat.context import global_batch_size_of
 
                 plan = micro.plan_after_failure(global_batch_size_of(data), overlapped=not self.run_eagerly)
                 if plan.num_sub_steps == 1 or recovery is None or (
@@ -245,7 +246,7 @@ def reduced_step_outputs(outputs, strategy):
 
 def skip_applied_batches(model, strategy, iterator) -> dict:
     """Reads and drops the next ``steps_per_execution`` batches: a resumed epoch's batches that were applied before
-    the restart (hetero_cs.engine.backup). Returns the logs of the metrics as restored (empty before they exist)."""
+    the restart (hetero_cs.engine.faults.backup). Returns the logs of the metrics as restored (empty before they exist)."""
     for _ in range(model.steps_per_execution):
         try:
             iterator.get_next()
@@ -266,8 +267,8 @@ def set_initial_epoch(model, epoch: int | None) -> None:
 
 def _patch_inference_functions() -> None:
     # An evaluation or prediction batch larger than what the training memory caps hold runs as sub-steps within
-    # them (hetero_cs.engine.micro_batches.MicroBatching.run_inference), and one that runs out of memory lowers the
-    # cap and runs again (hetero_cs.engine.oom_recovery.StepRecovery.run_inference); a step traced before
+    # them (hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference), and one that runs out of memory lowers the
+    # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run_inference); a step traced before
     # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
@@ -284,7 +285,7 @@ def _without_whole_step_xla(original: Callable) -> Callable:
     outputs) in one ``tf.function(jit_compile=True)``. XLA cannot compile ours: the per-replica cut and timing run on
     the host, through Python (``tf.numpy_function``), and under central storage the replicas read the variables on
     the parameter device. Keras' train_step compiles each replica's forward and backward pass instead
-    (hetero_cs.engine.replica_xla). Private: Trainer._jit_compile is what the ``jit_compile`` property reads while
+    (hetero_cs.engine._compat.replica_xla). Private: Trainer._jit_compile is what the ``jit_compile`` property reads while
     Keras builds the step; it is restored right after, so ``model.jit_compile`` stays what the user compiled with.
     """
 
@@ -293,7 +294,7 @@ def _without_whole_step_xla(original: Callable) -> Callable:
         strategy = getattr(self, "_distribute_strategy", None)
         ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
         if ours:
-            from hetero_cs.engine import replica_xla
+            from hetero_cs.engine._compat import replica_xla
 
             replica_xla.check_setting(self)  # jit_compile="yes" would ask XLA for the whole step
         if not ours or getattr(self, "_jit_compile", None) is not True:
@@ -348,7 +349,7 @@ def _wrapping_inference(original: Callable, attribute: str) -> Callable:
                 return step(data)
             if element is None:
                 return step(data)
-            from hetero_cs.engine.oom_recovery import global_batch_size_of
+            from hetero_cs.engine._compat.context import global_batch_size_of
             from hetero_cs.planning.micro_batches import capacity_of
 
             def attempt(element):
@@ -361,7 +362,7 @@ def _wrapping_inference(original: Callable, attribute: str) -> Callable:
 
             if not recovering:
                 return attempt(element)
-            # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.oom_recovery).
+            # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.memory.oom_recovery).
             return recovery.run_inference(attempt, element, replica_scopes=(self.name,), model=self)
 
         wrapped._hetero_wrapped = True
@@ -375,7 +376,7 @@ def _patch_evaluate_and_predict() -> None:
     # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
     # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
     # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). They also mark
-    # their inputs and steps as inference (hetero_cs.engine.input_roles). Other strategies are untouched.
+    # their inputs and steps as inference (hetero_cs.engine.step.input_roles). Other strategies are untouched.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     def reraise_input_errors(original: Callable) -> Callable:
@@ -386,7 +387,7 @@ def _patch_evaluate_and_predict() -> None:
                 return original(self, *args, **kwargs)
             strategy._input_error = None  # noqa: SLF001
             # A step function traced before plans used a set of idle replicas is traced again, with a branch for
-            # it (hetero_cs.engine.idle_replicas). Private: Keras keeps its traced step functions in these attributes
+            # it (hetero_cs.engine.step.idle_replicas). Private: Keras keeps its traced step functions in these attributes
             # and traces them again when they are None.
             attribute = "predict_function" if original.__name__ == "predict" else "test_function"
             active_sets = strategy._active_sets  # noqa: SLF001
@@ -408,7 +409,7 @@ def _patch_evaluate_and_predict() -> None:
                 input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
                 if input_error is not None:
                     raise input_error from exc
-                from hetero_cs.engine.oom_errors import is_out_of_memory
+                from hetero_cs.devices.device_errors import is_out_of_memory
 
                 if not is_out_of_memory(exc):
                     raise
@@ -480,7 +481,7 @@ def _patch_symbolic_build() -> None:
         ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
         if not ours or data_batch is not None or spec is None:
             return original(self, iterator=iterator, data_batch=data_batch)
-        from hetero_cs.engine.input_slicing import is_unbatched_marker
+        from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 
         source = distributed.source_dataset
         if source is not None and int(source.cardinality()) == 0:
@@ -490,24 +491,3 @@ def _patch_symbolic_build() -> None:
             self._symbolic_build(data_batch=shapes)  # noqa: SLF001 - what the original calls with a real batch
 
     TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build  # noqa: SLF001
-
-
-def all_sublayers(model) -> list:
-    """The model and every layer inside it, nested models and layers held as attributes included."""
-    # Private: Keras 3's _flatten_layers is the only walk that reaches sublayers kept as plain attributes of a
-    # subclassed layer; `model.layers` lists only the top level. Used to count a model's FLOPs for emulation.
-    if hasattr(model, "_flatten_layers"):
-        return list(model._flatten_layers(include_self=True, recursive=True))  # noqa: SLF001
-    layers, stack = [], [model]  # public fallback for Keras versions without it
-    while stack:
-        layer = stack.pop()
-        layers.append(layer)
-        stack.extend(getattr(layer, "layers", []))
-    return layers
-
-
-def layer_build_shapes(layer) -> dict | None:
-    """The input shapes a layer was built with ({argument name: shape}), or None."""
-    # Private: a layer inside a subclassed model has no symbolic `output`; the shapes its build() received are the
-    # only record of what it computes on (used to count its FLOPs for emulation).
-    return getattr(layer, "_build_shapes_dict", None)

@@ -12,14 +12,14 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from hetero_cs.engine import training
+from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
-from hetero_cs.engine._compat.distribute import current_weighting_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.context import current_weighting_strategy, is_hetero_strategy
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
 _clip_state = threading.local()
 # The barrier token and the deferred weight decay of a step go from its replica threads to the merge that applies
-# the update on the step's training.StepHandoff (one per strategy.run call), not in module globals.
+# the update on the step's replica_state.StepHandoff (one per strategy.run call), not in module globals.
 
 
 
@@ -72,7 +72,7 @@ def _patch_variable_assign_add() -> None:
             return tf.distribute.get_replica_context().merge_call(_assign_first_replica, args=(inner, value))
         if aggregation == tf.VariableAggregation.MEAN:
             # A layer's own floating-point state set in a training step (a moving average of its inputs): micro-
-            # batches would each set it from their own examples (hetero_cs.engine.micro_batches).
+            # batches would each set it from their own examples (hetero_cs.engine.memory.micro_batches).
             micro = getattr(current_weighting_strategy(), "_micro_batching", None)
             if micro is not None:
                 micro.note_layer_state(getattr(self, "path", None) or getattr(self, "name", "?"))
@@ -123,7 +123,7 @@ def _behind_barrier(value, dtype):
     0) would otherwise run as soon as their replica is done, even when another replica's part of the step fails.
     """
     value = tf.cast(value, dtype)
-    step = training.current_replica_step()
+    step = replica_state.current_replica_step()
     if step is not None and step.barrier:
         with tf.control_dependencies(step.barrier):
             value = tf.identity(value)
@@ -157,7 +157,7 @@ def _patch_seed_generator() -> None:
     @functools.wraps(original_next)
     def next_seed(self, ordered=True):
         seed = original_next(self, ordered=ordered)
-        step = training.current_replica_step()
+        step = replica_state.current_replica_step()
         if step is not None and step.replica_id and current_weighting_strategy() is not None:
             offset = tf.constant([step.replica_id * 1_000_003, 0], dtype=seed.dtype)
             seed = seed + offset

@@ -3,7 +3,7 @@
 Every worker runs the same script on the same data, and ``batch_size`` is the *global* batch ``B``. Each worker's
 input pipeline yields every global batch whole, once, on the worker's CPU; ``strategy.run`` cuts it there by the
 plan of this step and hands each local replica only its own contiguous slice ``[sum(b_<i), sum(b_<=i))``
-(:mod:`hetero_cs.engine.multi_worker_input`), so every example is used exactly once over the cluster and a replica's
+(:mod:`hetero_cs.engine.multi_worker.input`), so every example is used exactly once over the cluster and a replica's
 device receives ``b_i`` examples, not ``B``.
 Replica ``i``'s loss is weighted ``b_i / B`` (the shared Keras patches of :mod:`hetero_cs.engine._compat`) and the
 gradients are SUM-all-reduced by TensorFlow's own collectives: one step on any split equals one single-device step
@@ -15,7 +15,7 @@ step start, each worker asks its schedule whether this step agrees; if so, every
 vector to a single SUM all-reduce (``Strategy.reduce``, i.e. TensorFlow's collective ops over gRPC, no transport of
 our own): the chief writes the split of this batch and how many following steps hold it, every replica writes the
 step time it measured in its last step. So every worker adopts the chief's plan in the same step, and the chief's
-:class:`~hetero_cs.planning.balancer.Balancer` (via :class:`~hetero_cs.engine.cluster_planner.ClusterPlanner`)
+:class:`~hetero_cs.planning.balancer.Balancer` (via :class:`~hetero_cs.engine.multi_worker.cluster_planner.ClusterPlanner`)
 sees every replica's times. While calibrating and while the Balancer decides (a guard trial, a filling monitor
 window) every step agrees; in steady state one step in N, with N chosen so the agreement costs at most 1 % of the
 step (:data:`hetero_cs.planning.sampling.AGREEMENT_COST_S`); a batch of another size within a hold (a last partial
@@ -37,10 +37,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments, training
+from hetero_cs.engine import _compat, arguments
+from hetero_cs.engine.step import replica_state
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
-from hetero_cs.engine.cluster_planner import ClusterPlanner
-from hetero_cs.engine.multi_worker_input import MultiWorkerInput
+from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner
+from hetero_cs.engine.multi_worker.input import MultiWorkerInput
 from hetero_cs.errors import ConfigError, HeteroCSError, InputError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.plan import BatchPlan, split_by_shares
@@ -105,14 +106,14 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
             how long a collective waits for a worker that died (then every other worker fails with an error instead
             of hanging).
         micro_batches: Where a replica's slice exceeds its memory cap, ``model.fit`` runs it as micro-batches within
-            the cap inside the replica's step, exactly (:mod:`hetero_cs.engine.multi_worker_micro`). None (the
+            the cap inside the replica's step, exactly (:mod:`hetero_cs.engine.multi_worker.micro_batches`). None (the
             default): where that is exact; True: also where a layer sets its own state per micro-batch (logged);
             False: the caps bound each slice.
         max_batch_sizes: Each replica's memory cap, the examples its card holds at once (None entries: uncapped),
             for all replicas of the cluster in task-index then local order, the same list on every worker. None:
             from the emulated devices' memory when emulating, else no caps (real cards: give them here). Lowered
             entry by entry to ``HETERO_CS_MAX_BATCH_SIZES`` when that is set (``hetero-cs launch`` sets it when it
-            relaunches the job after a replica ran out of memory: see :mod:`hetero_cs.engine.multi_worker_oom`).
+            relaunches the job after a replica ran out of memory: see :mod:`hetero_cs.engine.multi_worker.oom`).
 
     Raises:
         BatchSplitError: ``batch_split`` of the wrong length, with negative, non-finite or only zero shares.
@@ -137,7 +138,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         max_batch_sizes: Sequence[int | None] | None = None,
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance)
-        from hetero_cs.engine.micro_batches import validate_setting
+        from hetero_cs.engine.memory.micro_batches import validate_setting
 
         validate_setting(micro_batches)
         if profile_cache not in (None, False):
@@ -159,7 +160,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
             logger.warning(
                 "hetero_cs: TF_CONFIG is not set, so this process is a cluster of one worker. Start every worker "
                 "with its TF_CONFIG, or on one machine: hetero-cs launch --workers N -- python your_script.py")
-        from hetero_cs import emulation
+        from hetero_cs.devices import emulation
 
         if emulate is not None and not isinstance(emulate, (list, tuple, emulation.Emulator)):
             raise ConfigError(
@@ -227,7 +228,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._reported_step_times: collections.deque = collections.deque(maxlen=_MAX_REPORTED_STEPS)
         self._time_scale_set = False
         self._plan_error: Exception | None = None  # the library's error a step's plan function raised (fit re-raises)
-        from hetero_cs.engine.multi_worker_micro import MultiWorkerMicroBatches, checked_caps
+        from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches, checked_caps
 
         self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
                                                      restart_caps=_restart_caps(R))
@@ -255,7 +256,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
 
     @property
     def micro_batching(self):
-        """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker_micro.MultiWorkerMicroBatches`):
+        """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches`):
         ``max_batch_sizes`` (the caps in force), ``active`` and ``last_plan`` (each replica's micro-batch size and
         count in the last step)."""
         return self._micro_slices
@@ -302,19 +303,19 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         """
         if self._emulator is None or self._emulator.workload is not None:
             return
-        from hetero_cs.emulation import estimate_workload
+        from calibration.workload import estimate_workload
 
         self._emulator.set_workload(estimate_workload(model))
 
     def _prepare_idle_replicas(self, model, keras_train_step) -> None:
         """Before ``fit``: plans may leave a card out where a replica of ``model`` with 0 examples skips its
-        forward and backward pass (Keras' own ``train_step``, :func:`hetero_cs.engine.idle_replicas.
+        forward and backward pass (Keras' own ``train_step``, :func:`hetero_cs.engine.step.idle_replicas.
         multi_worker_skips`); elsewhere an idle replica still pays its fixed cost, and plans price it. Then the
         memory caps for ``model`` and whether its slices run as micro-batches (:mod:`hetero_cs.engine.
         multi_worker_micro`)."""
-        from hetero_cs.engine import idle_replicas
+        from hetero_cs.engine._compat import replica_xla
 
-        skips = getattr(type(model), "train_step", None) is keras_train_step and idle_replicas.multi_worker_skips(model)
+        skips = getattr(type(model), "train_step", None) is keras_train_step and replica_xla.multi_worker_skips(model)
         self._balancer.set_idle_replicas_free(skips)
         self._micro_slices.prepare(model, keras_train_step)
 
@@ -351,6 +352,13 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
 
             sizes = tf.cond(agree, agreement, lambda: tf.identity(held))
         return tf.cast(sizes, tf.int32)
+
+    def _out_of_memory_here(self, verb: str, exc: BaseException, replica_scopes, model=None):
+        """The ClusterOutOfMemory for ``exc`` on this worker, or None (read by Keras' wrapped fit, evaluate and
+        predict: :func:`hetero_cs.engine.multi_worker.oom.out_of_memory_here`)."""
+        from hetero_cs.engine.multi_worker.oom import out_of_memory_here
+
+        return out_of_memory_here(self, verb, exc, replica_scopes, model=model)
 
     def _kept_plan_error(self, exc) -> Exception | None:
         """The library's error a plan function of a step raised (:func:`_keeping_errors`), if TensorFlow's ``exc``
@@ -472,10 +480,10 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
 
     def _on_replica_gradients(self, grads: list) -> list:
         """Replica context, gradients ready, before the all-reduce: the step's end (emulated wait, time)."""
-        step = training.current_replica_step()
+        step = replica_state.current_replica_step()
         if step is None or step.start_stamp is None:
             return grads
-        from hetero_cs.engine.step_timing import finish_replica_step
+        from hetero_cs.devices.step_clock import finish_replica_step
 
         return finish_replica_step(
             grads, step.start_stamp, replica_id=step.replica_id, batch_size=step.batch_size,
@@ -487,7 +495,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
             self._last_step[int(replica_id)] = (int(batch_size), float(step_time_s))
 
     def _keras_callbacks(self, callbacks):
-        from hetero_cs.engine.multi_worker_callback import MultiWorkerCallback
+        from hetero_cs.engine.multi_worker.callback import MultiWorkerCallback
 
         if hasattr(callbacks, "callbacks"):  # a keras.callbacks.CallbackList: the caller built it, keep it
             return callbacks
@@ -542,7 +550,7 @@ def _emulated_local_replicas(num_names: int, source: str) -> int:
 
 def _restart_caps(num_replicas: int) -> list[int | None] | None:
     """The caps ``HETERO_CS_MAX_BATCH_SIZES`` holds (set by ``hetero-cs launch`` when it relaunches a job after an
-    out-of-memory error, :mod:`hetero_cs.engine.multi_worker_oom`), or None when it is not set.
+    out-of-memory error, :mod:`hetero_cs.engine.multi_worker.oom`), or None when it is not set.
 
     Raises:
         ConfigError: Not one integer >= 0 or ``none`` per replica.
@@ -559,6 +567,6 @@ def _restart_caps(num_replicas: int) -> list[int | None] | None:
 
 
 def _has_ours(callbacks) -> bool:
-    from hetero_cs.engine.multi_worker_callback import MultiWorkerCallback
+    from hetero_cs.engine.multi_worker.callback import MultiWorkerCallback
 
     return any(isinstance(c, MultiWorkerCallback) for c in callbacks)

@@ -3,8 +3,8 @@
 Old cards fail: an uncorrectable ECC error, a thermal trip, a card that falls off the bus. TensorFlow reports such a
 fault in the step that met it, as ``tf.errors.InternalError`` or ``tf.errors.UnknownError`` around the driver's
 text, and nothing of that step has been applied (the host's update waits for every replica's gradient; see
-:mod:`hetero_cs.engine.step_errors`). With ``on_device_error="exclude"`` (the default), ``model.fit``
-(:class:`hetero_cs.engine.oom_recovery.StepRecovery`) then
+:mod:`hetero_cs.engine.step.step_errors`). With ``on_device_error="exclude"`` (the default), ``model.fit``
+(:class:`hetero_cs.engine.memory.oom_recovery.StepRecovery`) then
 
 1. retries the same global batch once on the same plan: a transient fault costs one step;
 2. if the same replica fails again, sets it aside for good: its memory cap becomes 0
@@ -13,87 +13,31 @@ text, and nothing of that step has been applied (the host's update waits for eve
    exclusion is logged (WARNING, naming the card), and the same global batch is retried on the others.
 
 No example is lost or applied twice: the batch that failed is the batch retried. This holds only where the card's CUDA
-context still works. A sticky CUDA error (:data:`STICKY_FORMS`: an uncorrectable ECC error, an illegal address, a
+context still works. A sticky CUDA error (:data:`~hetero_cs.devices.device_errors.STICKY_FORMS`: an uncorrectable ECC error, an illegal address, a
 launch failure, a hardware stack error, a lost card, a failed sync) breaks it: every later op on that card fails in
 this process. Such an error is neither retried nor set aside: the step ends with :class:`DeviceFaultError`, and
 ``hetero-cs run`` decides from NVML whether the card is lost (:mod:`hetero_cs.supervisor`). In-process exclusion is
-for the faults that leave the context usable (cuBLAS or cuDNN failing to execute, an emulated ``Drift(fails=True)``). With ``on_device_error="raise"``
-the first device error ends the step with :class:`hetero_cs.errors.DeviceFaultError`, as does a fault when no other
+for the faults that leave the context usable (cuBLAS or cuDNN failing to execute, an emulated ``Drift(fails=True)``).
+With ``on_device_error="raise"`` the first device error ends the step with :class:`hetero_cs.errors.DeviceFaultError`, as does a fault when no other
 card is left.
 
-**The rule that tells a device error from a program error** (:func:`device_fault`). An error is a device error when
-
-* it is not out of memory (that is :mod:`hetero_cs.engine.oom_recovery`'s);
-* TensorFlow raised it as ``InternalError`` or ``UnknownError`` (an emulated fault, a Python exception inside the
-  step, arrives as ``UnknownError``), or it is an :class:`~hetero_cs.errors.EmulatedDeviceError` raised eagerly;
-* its text shows one of :data:`DEVICE_FAULT_FORMS`, the hardware's faults: an uncorrectable ECC error, an illegal
-  memory access, an unspecified launch failure, a hardware stack error, a GPU that is lost or fell off the bus,
-  ``GPU sync failed``, or cuBLAS or cuDNN failing to execute (an allow-list: CUDA codes that a program or a build
-  causes, such as no kernel image for the card or an invalid PTX, are not among them);
-* its text shows no device-side assert (a kernel's index out of range: everything CUDA reports after it is the
-  program's too) and no Python traceback (a Python error raised inside the step, except the emulator's fault);
-* and it names a replica: the device its text names, else the op that failed (the rules of
-  :mod:`hetero_cs.engine.oom_errors`). A fault on the parameter device names no replica and is never set aside.
-
-Everything else is a program error and is never taken for a failing card: a shape or dtype error
-(``InvalidArgumentError``), a NaN check, an unimplemented op, a device-side assert (an index out of range in a
-kernel), an ``InternalError`` without a driver's fault text, any Python error. It ends the step as a
-:class:`~hetero_cs.errors.ReplicaStepError` naming the replica, as before. A fault that moves from card to card
-after each exclusion is not the cards': when the last card fails too, the error says so.
+What is a device error and which replica it names is read from the error by
+:func:`hetero_cs.devices.device_errors.device_fault`. Everything else is a program error and is never taken for a
+failing card (a shape error, a NaN check, a device-side assert, any Python error): it ends the step as a
+:class:`~hetero_cs.errors.ReplicaStepError` naming the replica. A fault that moves from card to card after each
+exclusion is not the cards': when the last card fails too, the error says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
-from collections.abc import Sequence
 
-import tensorflow as tf
-
-from hetero_cs.engine.oom_errors import blamed_replica, is_out_of_memory
-from hetero_cs.errors import ConfigError, DeviceFaultError, EmulatedDeviceError
+from hetero_cs.devices.device_errors import DeviceFault, first_line
+from hetero_cs.errors import ConfigError, DeviceFaultError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
 ON_DEVICE_ERROR_CHOICES = ("exclude", "raise")
-
-# (name, pattern) of each device-fault form: the hardware's faults only (an allow-list). A code that a program or a
-# build causes - no kernel image for the card, an invalid PTX, an invalid value or configuration, too many resources
-# for a launch, a misaligned address, a device in exclusive mode - is not among them. The first match names the form.
-DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
-    (name, re.compile(pattern, flags))
-    for name, pattern, flags in (
-        ("ecc", r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable", re.IGNORECASE),
-        ("illegal address", r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress", 0),
-        ("launch failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure", 0),
-        ("hardware stack", r"CUDA_ERROR_HARDWARE_STACK_ERROR|cudaErrorHardwareStackError", 0),
-        ("lost", r"GPU is lost|fallen off the bus", re.IGNORECASE),
-        ("sync", r"GPU sync failed", 0),
-        ("cublas", r"CUBLAS_STATUS_EXECUTION_FAILED", 0),
-        ("cudnn", r"CUDNN_STATUS_EXECUTION_FAILED", 0),
-    )
-)
-# A device-side assert (an index out of range in a kernel) is the program's, and so is everything CUDA reports after
-# it (its errors are sticky: a launch failure, an illegal address, a failed sync follow it).
-_PROGRAM_ASSERT = re.compile(r"device-side assert|CUDA_ERROR_ASSERT|cudaErrorAssert", re.IGNORECASE)
-# TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
-# with its traceback: a program error, unless it is the emulator's fault.
-_PYTHON_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
-_FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
-# The forms after which CUDA's context on that card is broken (sticky errors): every later op there fails, so neither
-# a retry nor the other cards can go on in this process. An emulated fault is not sticky.
-STICKY_FORMS = frozenset({"ecc", "illegal address", "launch failure", "hardware stack", "lost", "sync"})
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceFault:
-    """A device error read from TensorFlow's error: its form, and the replica and device it names (or None)."""
-
-    form: str
-    replica_id: int | None
-    device: str | None
-    sticky: bool = False
 
 
 def check_setting(on_device_error: object) -> str:
@@ -104,49 +48,6 @@ def check_setting(on_device_error: object) -> str:
             f"set aside and the step retried on the others) or 'raise' (the error ends fit). Received: "
             f"on_device_error={on_device_error!r}.")
     return on_device_error
-
-
-def fault_form(exc: BaseException) -> str | None:
-    """The device-fault form ``exc`` shows (a name from :data:`DEVICE_FAULT_FORMS`), or None: see the module rule."""
-    if isinstance(exc, EmulatedDeviceError):  # an emulated fault raised as itself by an eager step
-        return "ecc"
-    if not isinstance(exc, _FAULT_CLASSES) or is_out_of_memory(exc):
-        return None
-    message = str(exc)
-    if _PROGRAM_ASSERT.search(message):
-        return None
-    if _PYTHON_TRACEBACK.search(message):  # a Python error inside the step: the program's, or the emulator's fault
-        return "ecc" if "EmulatedDeviceError" in message else None
-    return next((name for name, pattern in DEVICE_FAULT_FORMS if pattern.search(message)), None)
-
-
-def device_fault(exc: BaseException, compute_devices: Sequence[str],
-                 replica_scopes: Sequence[str] = ()) -> DeviceFault | None:
-    """A :class:`DeviceFault` when ``exc`` is a device error (the module's rule), with the replica it names; else
-    None (a program error, or out of memory)."""
-    form = fault_form(exc)
-    if form is None:
-        return None
-    replica_id = getattr(exc, "replica_id", None) if isinstance(exc, EmulatedDeviceError) else None
-    emulated = re.search(r"emulated device fault on replica=(\d+)", str(exc))
-    if replica_id is None and emulated and int(emulated.group(1)) < len(compute_devices):
-        replica_id = int(emulated.group(1))
-    if replica_id is not None:
-        return DeviceFault(form, replica_id, compute_devices[replica_id])
-    replica_id, device, _ = blamed_replica(exc, compute_devices, replica_scopes)
-    sticky = form in STICKY_FORMS and "EmulatedDeviceError" not in str(exc)
-    return DeviceFault(form, replica_id, device, sticky)
-
-
-def first_line(exc: BaseException, forms=DEVICE_FAULT_FORMS) -> str:
-    """The line of TensorFlow's error that holds the fault's text (the first that one of ``forms``' (name, pattern)
-    pairs finds, else the first line), for log lines and messages (at most 200 chars)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = next((line for line in lines if any(p.search(line) for _, p in forms)),
-                lines[0] if lines else type(exc).__name__)
-    # TensorFlow prefixes a replica's error with "(0) UNKNOWN:" and a Python exception's class name.
-    text = re.sub(r"^(?:\(\d+\)\s+[A-Z_]+:\s*)?(?:[A-Za-z]*Error:\s*)?", "", text) or text
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class DeviceFailover:

@@ -1,6 +1,6 @@
 """Out of memory under :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy`: the job restarts with a lower cap.
 
-On one machine a replica that runs out of memory costs one retried step (:mod:`hetero_cs.engine.oom_recovery`). On
+On one machine a replica that runs out of memory costs one retried step (:mod:`hetero_cs.engine.memory.oom_recovery`). On
 several machines it cannot: the other workers wait for that worker's gradients inside the step's all-reduce, and
 TensorFlow aborts every worker's collectives once one fails mid-step ("Collective ops is aborted by: ... Restart your
 program to reset"), so no worker can run the step again in place. What hetero_cs does instead:
@@ -14,7 +14,7 @@ program to reset"), so no worker can run the step again in place. What hetero_cs
    seconds with a :class:`hetero_cs.errors.WorkerLostError` that names the replica and the same caps.
 3. ``hetero-cs launch --max-restarts N`` relaunches every worker with ``HETERO_CS_MAX_BATCH_SIZES`` set to those
    caps (:mod:`hetero_cs.planning.restart_caps`); the strategy lowers its caps to them, a slice past its cap runs
-   as micro-batches within it (:mod:`hetero_cs.engine.multi_worker_micro`; where that would change the math the
+   as micro-batches within it (:mod:`hetero_cs.engine.multi_worker.micro_batches`; where that would change the math the
    examples move to the other cards instead), and with ``keras.callbacks.BackupAndRestore`` the job resumes from
    its last backup. Each relaunch halves the cap again if it still does not fit. Workers restarted another way get
    the same caps as ``max_batch_sizes=`` or the environment variable.
@@ -58,10 +58,10 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
                        model=None) -> ClusterOutOfMemory | None:
     """The :class:`ClusterOutOfMemory` for TensorFlow's error ``exc`` raised by ``model.<verb>`` (``"fit"``,
     ``"evaluate"`` or ``"predict"``) on this worker, or None when ``exc`` is not out of memory
-    (:mod:`hetero_cs.engine.oom_errors` decides, as on one machine)."""
+    (:mod:`hetero_cs.devices.device_errors` decides, as on one machine)."""
     from hetero_cs.engine._compat import id_in_cluster
-    from hetero_cs.engine.failover import first_line
-    from hetero_cs.engine.oom_errors import OOM_FORMS, classify
+    from hetero_cs.devices.device_errors import first_line
+    from hetero_cs.devices.device_errors import OOM_FORMS, classify
     from hetero_cs.planning.cost_model import near_equal_micro_batches
 
     local = list(strategy.extended.worker_devices)

@@ -73,7 +73,7 @@ class ReplicaStep:
             its replicas), or None.
         layer_losses: ``add_loss`` values (activity regularizers included) of this replica's call of each layer,
             by ``id(layer)``: kept per replica, since the replicas call the same layer objects at once.
-        sub_step: The :class:`hetero_cs.engine.micro_batches.SubStepTrace` when this replica step is a sub-step of
+        sub_step: The :class:`hetero_cs.engine.step.sub_steps.SubStepTrace` when this replica step is a sub-step of
             an overlapped micro-batched call, else None.
         waited_per_micro_batch: True when the replica ran its slice as micro-batches and waited out each one's
             emulated device time already (the multi-worker strategy's micro-batched slices): the step's end then
@@ -228,7 +228,7 @@ def per_example(values):
     Returns:
         ``values``, unchanged in value.
 
-    Example:
+    Examples:
         >>> y = tf.numpy_function(my_row_wise_function, [x], tf.float32)  # doctest: +SKIP
         >>> y = hetero_cs.per_example(y)  # doctest: +SKIP
     """

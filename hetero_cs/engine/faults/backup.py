@@ -3,7 +3,7 @@
 Under :mod:`hetero_cs.supervisor` (``HETERO_CS_BACKUP_DIR`` is set), ``fit`` under a hetero_cs strategy gets a
 :class:`SupervisedBackup` callback (unless the user passes Keras' own ``BackupAndRestore``, which then does the
 job, with Keras' rule: a mid-epoch restore replays its epoch from the first batch). It writes, in the library's own
-directory (:mod:`hetero_cs.engine.backup_files`: every file listed in its manifest first),
+directory (:mod:`hetero_cs.engine.faults.supervised_run`: every file listed in its manifest first),
 
 * the model's variables, the optimizer's (its iteration count, moments, a loss scale) and the metrics';
 * the epoch, the batches of that epoch already applied, the optimizer step, and what identifies the run: the
@@ -45,7 +45,7 @@ import zipfile
 import keras
 import numpy as np
 
-from hetero_cs.engine.backup_files import register, write_atomically
+from hetero_cs.engine.faults.supervised_run import register, write_atomically
 from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -62,7 +62,7 @@ _ORDINAL_LOCK = threading.Lock()
 
 def backup_dir() -> pathlib.Path | None:
     """The directory ``hetero-cs run`` gave this process for backups, or None outside the supervisor."""
-    from hetero_cs.supervisor import BACKUP_DIR_ENV_VAR
+    from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR
 
     text = os.environ.get(BACKUP_DIR_ENV_VAR, "").strip()
     return pathlib.Path(text) if text else None
@@ -317,7 +317,7 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------------------------------------------------
     def _stop_backups(self, exc: OSError) -> None:
-        from hetero_cs.supervisor import BACKUP_DIR_ENV_VAR
+        from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR
 
         self._failed = f"{type(exc).__name__}: {exc}"
         warnings.warn(

@@ -4,7 +4,7 @@ One device's ``model.fit`` compiles its whole training step with XLA when ``jit_
 GPU); Keras turns XLA off under every ``tf.distribute`` strategy. Under :class:`~hetero_cs.HeteroCentralStorageStrategy`
 each replica's part of Keras' ``train_step`` (the forward pass, the loss and the gradient of the loss with respect
 to the weights) is one XLA function placed on the replica's device, and the optimizer's update on the parameter
-device is another (``fused_update``, :mod:`hetero_cs.engine.fused_update`). Between them nothing changes: the
+device is another (``fused_update``, :mod:`hetero_cs.engine.step.fused_update`). Between them nothing changes: the
 replicas' gradients are weighted ``b_i / B`` and summed on the host, so one step still equals one single-device
 step on the whole global batch (the oracle tests compare against one device with ``jit_compile=True``).
 :class:`~hetero_cs.HeteroMultiWorkerMirroredStrategy` compiles its replicas' passes the same way, each fed its own
@@ -47,6 +47,7 @@ import logging
 import re
 import weakref
 
+from hetero_cs.engine._compat.layers import batch_norms_in_training
 from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -167,16 +168,26 @@ def compile_error(exc: Exception) -> ConfigError | None:
     )
 
 
-def batch_norms_in_training(model) -> list:
-    """``model``'s trainable BatchNormalization layers: each all-reduces its batch statistics across replicas inside
-    the forward pass (:mod:`hetero_cs.engine._compat.batch_norm`)."""
-    import keras
-
-    return [layer for layer in _layers(model)
-            if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "trainable", False)]
+# -- idle replicas under the multi-worker strategy: they skip their pass unless the model's step needs it --------
+_multi_worker_fell_back: weakref.WeakSet = weakref.WeakSet()
 
 
-def _layers(model) -> list:
-    from hetero_cs.engine._compat import all_sublayers
+def multi_worker_skips(model) -> bool:
+    """Under the multi-worker strategy: whether a replica of ``model`` with 0 examples skips its forward and
+    backward pass in Keras' own ``train_step`` (no trainable BatchNormalization, whose statistics all-reduce inside
+    the forward pass, and no such all-reduce found while tracing)."""
+    return model not in _multi_worker_fell_back and not batch_norms_in_training(model)
 
-    return all_sublayers(model)
+
+def multi_worker_fall_back(model, reason: str) -> None:
+    """Found while tracing ``model``'s step: its idle replicas cannot skip their pass because of ``reason``; they run
+    it on 0-example slices (exact) from now on, and the chief's plans price their fixed cost."""
+    if model in _multi_worker_fell_back:
+        return
+    _multi_worker_fell_back.add(model)
+    logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).",
+                reason)
+    strategy = getattr(model, "_distribute_strategy", None)
+    balancer = getattr(strategy, "_balancer", None)
+    if balancer is not None:
+        balancer.set_idle_replicas_free(False)

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 
-from hetero_cs.engine import arguments
+from hetero_cs.engine.faults import supervised_run
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -27,15 +27,15 @@ META = "profiles.meta.json"
 
 def _positions(num_replicas: int) -> list[int]:
     """The positions of this run's replicas in the script's first device list (the cards left after a restart)."""
-    excluded = arguments.excluded_positions()
+    excluded = supervised_run.excluded_positions()
     return [p for p in range(num_replicas + len(excluded)) if p not in excluded][:num_replicas]
 
 
 def keep_for_restart(strategy, result, fingerprint: str, global_batch_size: int) -> None:
     """Writes ``result`` (a CalibrationResult the strategy plans from) next to the backups, when supervised."""
     from calibration.store import save_result_file
-    from hetero_cs.engine.backup import backup_dir
-    from hetero_cs.engine.backup_files import register, write_atomically
+    from hetero_cs.engine.faults.backup import backup_dir
+    from hetero_cs.engine.faults.supervised_run import register, write_atomically
     from hetero_cs.errors import ProfileCacheError
 
     directory = backup_dir()
@@ -61,9 +61,9 @@ def profiles_before_restart(strategy, fingerprint: str, global_batch_size: int):
     """
     from calibration.result import CalibrationResult
     from calibration.store import load_result_file
-    from hetero_cs.engine.backup import backup_dir
+    from hetero_cs.engine.faults.backup import backup_dir
     from hetero_cs.errors import ProfileCacheError
-    from hetero_cs.supervisor import RESTART_ENV_VAR
+    from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
 
     directory = backup_dir()
     if directory is None or os.environ.get(RESTART_ENV_VAR, "0").strip() in ("", "0"):

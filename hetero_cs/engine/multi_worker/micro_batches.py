@@ -4,7 +4,7 @@ Each replica's memory cap (the examples its card holds at once) comes from ``max
 strategy (the same list on every worker, one entry per replica of the cluster), or, on emulated devices, from each
 device's emulated memory and the model's size (:func:`hetero_cs.devices.workload.max_examples_in_memory`, what the
 emulated card's out-of-memory check uses), lowered entry by entry to ``HETERO_CS_MAX_BATCH_SIZES`` after a restart
-for out of memory (:mod:`hetero_cs.engine.multi_worker_oom`). Every worker therefore knows every replica's cap, and
+for out of memory (:mod:`hetero_cs.engine.multi_worker.oom`). Every worker therefore knows every replica's cap, and
 nothing about them travels between workers.
 
 Where caps are known and micro-batching applies, a replica whose slice ``b_i`` exceeds its cap runs it inside its
@@ -17,7 +17,7 @@ over the per-step model that calibration fits from each replica's mean micro-bat
 keeps its share, and a global batch many times what the cards hold trains.
 
 Where micro-batching would change the math it is not done silently, as under the central-storage strategy
-(:mod:`hetero_cs.engine.micro_batches`): the caps then bound each slice (one step per batch), logged once, and a
+(:mod:`hetero_cs.engine.memory.micro_batches`): the caps then bound each slice (one step per batch), logged once, and a
 global batch they cannot hold is a :class:`~hetero_cs.errors.MicroBatchError` on every worker at its first step. That
 covers a trainable BatchNormalization (its statistics are all-reduced across replicas inside the forward pass,
 which no micro-batch can hold, so ``micro_batches=True`` is refused too), a loss normalised by the global batch (a
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.errors import ConfigError, MicroBatchError
 
-logger = logging.getLogger("hetero_cs.engine.multi_worker")
+logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
 
 BATCH_NORM = "batch_norm"
 NORMALISED_LOSS = "normalised_loss"
@@ -102,8 +102,10 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             or False (the caps bound each slice).
         max_batch_sizes: Per-replica caps of the whole cluster, checked by :func:`checked_caps`, or None.
         restart_caps: Caps that lower those (or the emulated caps) entry by entry after a restart for out of memory
-            (:mod:`hetero_cs.engine.multi_worker_oom`), or None.
+            (:mod:`hetero_cs.engine.multi_worker.oom`), or None.
     """
+
+    NORMALISED_LOSS, METRIC_STATE = NORMALISED_LOSS, METRIC_STATE  # what the replica pass finds while tracing
 
     def __init__(self, strategy, setting: bool | None, max_batch_sizes: list[int | None] | None,
                  restart_caps: list[int | None] | None = None):
@@ -223,7 +225,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             raise MicroBatchError(
                 f"No replica can hold one example of this model: memory caps {caps} examples per replica{source}. "
                 f"Give the cards more memory (an emulated card: NAME@SIZE), a smaller model, or other max_batch_sizes.")
-        from hetero_cs.engine import replica_xla
+        from hetero_cs.engine._compat import replica_xla
 
         found = set()
         if replica_xla.batch_norms_in_training(model):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments, tensors, training
-from hetero_cs.engine.input_slicing import is_unbatched_marker
+from hetero_cs.engine import _compat, arguments
+from hetero_cs.engine.step import tensors
+from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.errors import ConfigError, InputError
 
 
@@ -135,7 +137,7 @@ class MultiWorkerInput:
         with tf.device(host):
             start = None
             if self._timing:
-                from hetero_cs.engine.step_timing import tie_to_stamp, wall_clock_stamp
+                from hetero_cs.devices.step_clock import tie_to_stamp, wall_clock_stamp
 
                 start = wall_clock_stamp(sizes)  # the split is known: this worker's replicas' step starts
                 sizes = tie_to_stamp(sizes, start)  # and their slices are cut after the stamp (never before it)
@@ -173,7 +175,7 @@ class MultiWorkerInput:
         return tuple(parts) if _is_batched(parts[0]) else None
 
     def _wrap_replica_fn(self, fn, step=None):
-        """``fn`` run under its :class:`~hetero_cs.engine.training.ReplicaStep` (b_i, B, the step's start stamp);
+        """``fn`` run under its :class:`~hetero_cs.engine.step.replica_state.ReplicaStep` (b_i, B, the step's start stamp);
         ``step`` comes from :meth:`_cut_inputs` (None: no batch, ``fn`` runs as it is)."""
         if step is None:
             return fn
@@ -184,16 +186,16 @@ class MultiWorkerInput:
 
         def replica_fn(*call_args, **call_kwargs):
             from hetero_cs.engine._compat.batch_flow import BatchFlow
-            from hetero_cs.engine.replica_wrapping import seed_replica_step
+            from hetero_cs.engine._compat.batch_flow import seed_replica_step
 
             replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
-            replica_step = training.ReplicaStep(
+            replica_step = replica_state.ReplicaStep(
                 replica_id=replica_id, device=devices[replica_id - first], batch_size=sizes[replica_id],
                 global_batch_size=global_batch_size, start_stamp=start, flow=BatchFlow(replica_id),
             )
             seed_replica_step(replica_step, [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs)))
                                              if i in row_leaves])
-            with training.replica_step(replica_step):
+            with replica_state.replica_step(replica_step):
                 outputs = fn(*call_args, **call_kwargs)
                 if entry_point is None:
                     return outputs  # a custom loop's: the user reduces them

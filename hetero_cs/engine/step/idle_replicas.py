@@ -305,29 +305,3 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
     with tf.device(host):
         tf.numpy_function(_report, [tf.cast(stamp, tf.float64)], tf.float64, stateful=True,
                           name="hetero_cs_idle_replicas")
-
-
-_multi_worker_fell_back: weakref.WeakSet = weakref.WeakSet()
-
-
-def multi_worker_skips(model) -> bool:
-    """Under the multi-worker strategy: whether a replica of ``model`` with 0 examples skips its forward and
-    backward pass in Keras' own ``train_step`` (no trainable BatchNormalization, whose statistics all-reduce inside
-    the forward pass, and no such all-reduce found while tracing)."""
-    from hetero_cs.engine.replica_xla import batch_norms_in_training
-
-    return model not in _multi_worker_fell_back and not batch_norms_in_training(model)
-
-
-def multi_worker_fall_back(model, reason: str) -> None:
-    """Found while tracing ``model``'s step: its idle replicas cannot skip their pass because of ``reason``; they run
-    it on 0-example slices (exact) from now on, and the chief's plans price their fixed cost."""
-    if model in _multi_worker_fell_back:
-        return
-    _multi_worker_fell_back.add(model)
-    logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).",
-                reason)
-    strategy = getattr(model, "_distribute_strategy", None)
-    balancer = getattr(strategy, "_balancer", None)
-    if balancer is not None:
-        balancer.set_idle_replicas_free(False)

@@ -1,6 +1,6 @@
 """The guard's side-by-side trial of an overlapped micro-batched plan against the plan it would replace.
 
-An overlapped micro-batched plan (:mod:`hetero_cs.engine.micro_batches`) is chosen over the plan it replaces - the
+An overlapped micro-batched plan (:mod:`hetero_cs.engine.memory.micro_batches`) is chosen over the plan it replaces - the
 one step within the caps when it fits, else sub-steps with a barrier each - when it is *predicted* 2 % faster. The
 prediction prices each micro-batch at the card's calibrated step time and the host's work from the last calls; a
 card whose fixed cost per step is mis-measured, or a host slower at dispatching one large traced call, can make the

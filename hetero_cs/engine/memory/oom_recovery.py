@@ -2,9 +2,9 @@
 
 When one replica's step runs out of memory (a GPU's ``tf.errors.ResourceExhaustedError``, or any other form a GPU
 raises it in - a failed host-to-device copy, cuBLAS or cuDNN failing to allocate -, or an emulated device whose memory
-the slice exceeds; :mod:`hetero_cs.engine.oom_errors` reads which and on which replica), nothing of that step has been
+the slice exceeds; :mod:`hetero_cs.devices.device_errors` reads which and on which replica), nothing of that step has been
 applied: the optimizer's update waits for every
-replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecovery` then
+replica's gradients (see :mod:`hetero_cs.engine.step.step_errors`). :class:`StepRecovery` then
 
 1. asks the :class:`~hetero_cs.planning.balancer.Balancer` to lower that replica's cap and re-solve the plan
    within the caps (:meth:`~hetero_cs.planning.balancer.Balancer.recover_from_oom`);
@@ -16,7 +16,7 @@ replica's gradients (see :mod:`hetero_cs.engine.step_errors`). :class:`StepRecov
 An out-of-memory error that names no replica (its device runs no replica, e.g. the parameter device, or it names
 no device and no replica's op) raises :class:`hetero_cs.errors.StepOOMError` with ``replica_id=None`` at once: no
 replica is blamed by default. A device error (a failing card, not out of memory) is retried once and its card then
-set aside (:mod:`hetero_cs.engine.failover`). Any other error passes through unchanged.
+set aside (:mod:`hetero_cs.engine.faults.failover`). Any other error passes through unchanged.
 
 Every example of the batch is used exactly once: the batch that failed is the batch retried, and the data iterator
 is not advanced. Each cap change is logged (logger ``hetero_cs.engine.central_storage``, WARNING for a drop, INFO
@@ -32,11 +32,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from hetero_cs.engine import _compat
-from hetero_cs.engine.input_slicing import is_unbatched_marker
-from hetero_cs.engine.oom_errors import OutOfMemory, blamed_replica, classify
-from hetero_cs.engine.failover import device_fault
-from hetero_cs.engine.model_state import restore, saved_state
+from hetero_cs.engine._compat import global_batch_size_of
+from hetero_cs.devices.device_errors import OutOfMemory, blamed_replica, classify
+from hetero_cs.devices.device_errors import device_fault
+from hetero_cs.engine.step.model_state import restore, saved_state
 from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -46,7 +45,7 @@ def failed_replica(exc: Exception, compute_devices: Sequence[str], replica_scope
     """The replica an out-of-memory error came from, or None when the error names none (never replica 0 by default).
 
     The device the message names, an emulated device's ``replica=<i>``, an eager replica's tag, then the failed
-    op's name: see :mod:`hetero_cs.engine.oom_errors` for the rules.
+    op's name: see :mod:`hetero_cs.devices.device_errors` for the rules.
     """
     return blamed_replica(exc, compute_devices, replica_scopes)[0]
 
@@ -77,18 +76,6 @@ def unblamed_oom_error(oom: OutOfMemory, exc: Exception, *, parameter_device: st
     )
 
 
-def global_batch_size_of(data: Any) -> int | None:
-    """The number of examples of a distributed-dataset element held in hand (read on the host), or None."""
-    for value in tf.nest.flatten(data, expand_composites=False):
-        parts = _compat.components(value)
-        if parts and len(parts) == 1 and not is_unbatched_marker(parts[0]):
-            component = parts[0]
-            if isinstance(component, tf.RaggedTensor):
-                return int(component.nrows())
-            return int(component.shape[0])
-    return None
-
-
 class StepRecovery:
     """Runs one training step on one global batch, retrying it within lower caps after an out-of-memory error.
 
@@ -98,12 +85,12 @@ class StepRecovery:
 
     def __init__(self, strategy, *, always: bool = False, memory: bool = True,
                  on_device_error: str = "exclude") -> None:
-        from hetero_cs.engine.failover import DeviceFailover
+        from hetero_cs.engine.faults.failover import DeviceFailover
 
         self._strategy = strategy
         self._always = bool(always)
         self.memory_recovery = bool(memory)  # False: out-of-memory errors pass through (oom_recovery=False)
-        self.failover = DeviceFailover(strategy, on_device_error)  # failing cards (hetero_cs.engine.failover)
+        self.failover = DeviceFailover(strategy, on_device_error)  # failing cards (hetero_cs.engine.faults.failover)
         self._possible_by_size: dict[int | None, bool] = {}
         self.recoveries = 0  # retries after an out-of-memory step, since construction
         self.cap_changes = 0  # cap drops and growths since construction
@@ -134,10 +121,10 @@ class StepRecovery:
     def run(self, step: Callable[[Any], Any], data: Any, *, replica_scopes: Sequence[str] = (),
             model: Any = None) -> Any:
         """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step
-        or a device error (:mod:`hetero_cs.engine.failover`).
+        or a device error (:mod:`hetero_cs.engine.faults.failover`).
 
         ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name), for blame
-        by op name (:mod:`hetero_cs.engine.oom_errors`). ``model``: the Keras model being fit; its non-trained and
+        by op name (:mod:`hetero_cs.devices.device_errors`). ``model``: the Keras model being fit; its non-trained and
         metric variables, which the replicas of a failed attempt may have updated before one of them failed (a
         BatchNormalization's moving statistics, the loss tracker), are put back before each retry. Other errors
         pass through unchanged.
@@ -153,7 +140,7 @@ class StepRecovery:
             return step(data)
         policy = balancer.memory_caps.policy
         tried: dict[int, list[int]] = {}
-        faults: dict[int, int] = {}  # device errors per replica in this batch (hetero_cs.engine.failover)
+        faults: dict[int, int] = {}  # device errors per replica in this batch (hetero_cs.engine.faults.failover)
         attempt = 0
         saved = saved_state(model) if model is not None else None
         while True:
@@ -206,7 +193,7 @@ class StepRecovery:
         The replica blamed gets a lower cap (:meth:`~hetero_cs.planning.balancer.Balancer.lower_cap`, shared with
         training: an inference slice that does not fit would not fit a training step either), and the whole batch
         runs again: cut within the new caps, or as sub-steps within them when they cannot hold it in one step
-        (``attempt`` decides; :meth:`hetero_cs.engine.micro_batches.MicroBatching.run_inference`). The metrics of
+        (``attempt`` decides; :meth:`hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference`). The metrics of
         ``model`` are put back first, so an evaluation counts each example once.
 
         Raises:
@@ -292,3 +279,41 @@ def _out_of_memory_possible(compute_devices: Sequence[str], emulator: Any, globa
         if fits is not None and fits < global_batch_size:
             return True
     return False
+
+
+def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str = "training"):
+    """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
+
+    That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
+    update or a replica's forward and backward pass, a StepOOMError for an out-of-memory error that names no
+    replica, a DeviceFaultError for a device error (:mod:`hetero_cs.engine.faults.failover`) that names one, else a
+    ReplicaStepError naming the replica (an out-of-memory error's by :mod:`hetero_cs.devices.device_errors`).
+    ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name).
+    """
+    from hetero_cs.engine._compat import replica_xla
+    from hetero_cs.engine.step.fused_update import compile_error
+
+    known = (strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
+             or replica_xla.compile_error(exc))
+    if known is not None:
+        return known
+    oom = classify(exc, strategy.compute_devices, replica_scopes)
+    if oom is not None and oom.replica_id is None:
+        return unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device)
+    from hetero_cs.engine.faults.failover import DeviceFailover
+
+    fault = device_fault(exc, strategy.compute_devices, replica_scopes)
+    if fault is not None and fault.replica_id is not None:  # a failing card, not retried here: a DeviceFaultError
+        recovery = getattr(strategy, "_step_recovery", None)
+        failover = recovery.failover if recovery is not None else DeviceFailover(strategy, "raise")
+        why = ("this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
+               "steps_per_execution > 1 or one replica), so it was not retried")
+        return failover.error(fault.replica_id, exc, why, restored=False)
+    from hetero_cs.engine.step.step_errors import replica_step_error
+
+    return replica_step_error(
+        exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
+        empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
+        replica_id=oom.replica_id if oom is not None else None, kind=kind,
+        failed_sizes=strategy._slicer.last_step_sizes(),  # noqa: SLF001
+    )

@@ -5,12 +5,10 @@ Also the advice for 0-example slices, which some TensorFlow kernels cannot run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 
-import tensorflow as tf
-
+from hetero_cs.devices.device_errors import REPLICA_ID_ATTRIBUTE, op_message
 from hetero_cs.errors import ReplicaStepError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -28,40 +26,11 @@ EMPTY_SLICE_ADVICE = (
 CROSS_REPLICA_SCOPE = "hetero_cross_replica"
 """The name scope of the reductions over the replicas (the merge calls' sums on the parameter device)."""
 
-REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
-"""Set on an op error raised by a replica function that ran eagerly: eager errors name no op, so no replica scope."""
-
-
-def tag_replica(exc: Exception, replica_id: int) -> None:
-    """Marks an error raised eagerly in replica ``replica_id``'s function (the first replica to tag it wins)."""
-    if getattr(exc, REPLICA_ID_ATTRIBUTE, None) is None:
-        try:
-            setattr(exc, REPLICA_ID_ATTRIBUTE, int(replica_id))
-        except (AttributeError, TypeError):
-            pass  # an exception type that takes no attributes: the op-name path below still applies
-
-
-@contextlib.contextmanager
-def naming_the_replica(replica_id):
-    """Around a replica function: eagerly, tags an op error it raises with the replica (see :func:`tag_replica`).
-
-    In a graph (inside tf.function) the op names carry the replica's scope and this does nothing.
-    """
-    if tf.inside_function():
-        yield
-        return
-    try:
-        yield
-    except tf.errors.OpError as exc:
-        tag_replica(exc, tf.get_static_value(replica_id))
-        raise
-
-
 def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan, replica_id=None,
                        kind: str = "training", failed_sizes=None):
     """A ReplicaStepError naming the replica and device an op error came from, or None if it names none.
 
-    ``replica_id``: the replica already blamed (an out-of-memory error, by :mod:`hetero_cs.engine.oom_errors`).
+    ``replica_id``: the replica already blamed (an out-of-memory error, by :mod:`hetero_cs.devices.device_errors`).
     Otherwise: in a graph, TensorFlow names replica i's ops "replica_<i>/..." (i >= 1); replica 0's ops carry no
     prefix, and an op error without one is taken as replica 0's (errors other than out of memory only). Eagerly
     there is no op name: the replica function tagged the error (:func:`tag_replica`). A sum over the replicas
@@ -97,7 +66,7 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     if replica_id >= len(compute_devices):
         return None
     device = compute_devices[replica_id]
-    cause = _op_message(message, exc)
+    cause = op_message(message, exc)
     plan = list(plan.per_replica_batch_sizes) if plan else None
     if empty is not None and empty.per_replica_batch_sizes[replica_id] == 0:
         advice = (
@@ -117,21 +86,9 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     )
 
 
-def _op_message(message: str, exc: Exception) -> str:
-    """The failing op's own line of TensorFlow's error message."""
-    lines = [line.strip() for line in message.splitlines()]
-    # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
-    marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
-    if marker is not None:
-        before = [line for line in lines[:marker] if line]
-    else:  # eagerly: the op's own line ends in "[Op:NAME]" (Keras may wrap it in "Exception encountered ...")
-        before = [line for line in lines if "[Op:" in line][:1] or [line for line in lines if line][:1]
-    return (before[-1] if before else type(exc).__name__).strip()
-
-
 def _cross_replica_error(exc, message, compute_devices, plan, empty, zeros, kind):
     """The ReplicaStepError of a failed sum over the replicas: it names a 0-example replica, the likely cause."""
-    cause = _op_message(message, exc)
+    cause = op_message(message, exc)
     plan = list(plan.per_replica_batch_sizes) if plan else None
     applied = ("No update of this step was applied: variables and optimizer state are as they were before it. "
                if kind == "training" else "")
@@ -182,41 +139,3 @@ class EmptySliceNotes:
         if plan.global_batch_size not in self._warned_sizes:
             self._warned_sizes.add(plan.global_batch_size)
             log_empty_slices(plan)
-
-
-def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str = "training"):
-    """The library's error for TensorFlow's ``exc`` from one of ``strategy``'s steps, or None.
-
-    That is the input pipeline's own error if it is what failed, a ConfigError if XLA could not compile the fused
-    update or a replica's forward and backward pass, a StepOOMError for an out-of-memory error that names no
-    replica, a DeviceFaultError for a device error (:mod:`hetero_cs.engine.failover`) that names one, else a
-    ReplicaStepError naming the replica (an out-of-memory error's by :mod:`hetero_cs.engine.oom_errors`).
-    ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name).
-    """
-    from hetero_cs.engine import replica_xla
-    from hetero_cs.engine.fused_update import compile_error
-    from hetero_cs.engine.oom_errors import classify
-    from hetero_cs.engine.oom_recovery import unblamed_oom_error
-
-    known = (strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
-             or replica_xla.compile_error(exc))
-    if known is not None:
-        return known
-    oom = classify(exc, strategy.compute_devices, replica_scopes)
-    if oom is not None and oom.replica_id is None:
-        return unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device)
-    from hetero_cs.engine.failover import DeviceFailover, device_fault
-
-    fault = device_fault(exc, strategy.compute_devices, replica_scopes)
-    if fault is not None and fault.replica_id is not None:  # a failing card, not retried here: a DeviceFaultError
-        recovery = getattr(strategy, "_step_recovery", None)
-        failover = recovery.failover if recovery is not None else DeviceFailover(strategy, "raise")
-        why = ("this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
-               "steps_per_execution > 1 or one replica), so it was not retried")
-        return failover.error(fault.replica_id, exc, why, restored=False)
-    return replica_step_error(
-        exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
-        empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
-        replica_id=oom.replica_id if oom is not None else None, kind=kind,
-        failed_sizes=strategy._slicer.last_step_sizes(),  # noqa: SLF001
-    )

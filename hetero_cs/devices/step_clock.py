@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.emulation import Emulator
+from hetero_cs.devices.emulation import Emulator
 
 
 def _probe_scalar(anchor: Any) -> tf.Tensor:

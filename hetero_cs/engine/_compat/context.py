@@ -1,0 +1,133 @@
+"""Where a call runs: which of our strategies is current, in which Keras entry point, on which worker; and the
+parts of a per-replica value.
+
+Part of :mod:`hetero_cs.engine._compat`. The rest of the package builds on these reads; this module imports no other
+module of it. The strategies are told apart by marker attributes, so that nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import tensorflow as tf
+
+from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step.input_slicing import is_unbatched_marker
+
+STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
+MULTI_WORKER_MARKER = "_is_hetero_multi_worker_strategy"
+_current_model = threading.local()  # the model whose fit/evaluate/predict runs in this thread
+
+
+def is_multi_worker_strategy(strategy: Any) -> bool:
+    """True when ``strategy`` is a HeteroMultiWorkerMirroredStrategy (checked by marker: no import cycle)."""
+    return bool(getattr(strategy, MULTI_WORKER_MARKER, False))
+
+
+def current_multi_worker_strategy():
+    """The current strategy if it is a HeteroMultiWorkerMirroredStrategy running a replica step here, else None."""
+    if replica_state.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    return strategy if is_multi_worker_strategy(strategy) else None
+
+
+def in_keras_entry_point() -> bool:
+    """True inside a Keras ``fit``, ``evaluate`` or ``predict`` of a model under the multi-worker strategy (this
+    thread), False in a custom loop."""
+    return getattr(_current_model, "model", None) is not None
+
+
+def current_keras_model():
+    """The model whose ``fit``, ``evaluate`` or ``predict`` runs under the multi-worker strategy here, or None."""
+    return getattr(_current_model, "model", None)
+
+
+def entered(model, entry_point: str | None) -> tuple:
+    """Sets the model and entry point this thread runs (None, None: none); returns what was set before."""
+    previous = getattr(_current_model, "model", None), getattr(_current_model, "entry_point", None)
+    _current_model.model, _current_model.entry_point = model, entry_point
+    return previous
+
+
+def keras_entry_point() -> str | None:
+    """``"fit"``, ``"evaluate"`` or ``"predict"`` while one runs under the multi-worker strategy (this thread)."""
+    return getattr(_current_model, "entry_point", None) if in_keras_entry_point() else None
+
+
+def id_in_cluster(strategy) -> int:
+    # Private: CollectiveAllReduceExtended._id_in_cluster is the worker's rank (the chief first), the number TF's
+    # own replica ids are built from (_get_replica_id_in_sync_group); there is no public accessor.
+    return int(getattr(strategy.extended, "_id_in_cluster", 0))
+
+
+def is_hetero_strategy(strategy: Any) -> bool:
+    """True when ``strategy`` is a HeteroCentralStorageStrategy (checked by marker to avoid an import cycle)."""
+    return bool(getattr(strategy, STRATEGY_MARKER, False))
+
+
+def current_weighting_strategy():
+    """The current strategy if it is one of ours (central storage or multi-worker) running a replica step in this
+    thread, else None: the b_i / B loss weighting applies under both."""
+    if replica_state.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
+        return strategy
+    return None
+
+
+def current_hetero_strategy():
+    """Returns the current strategy if it is ours and a replica step is running in this thread, else None."""
+    if replica_state.current_replica_step() is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    return strategy if is_hetero_strategy(strategy) else None
+
+
+def replica_id_in_sync_group(replica_context) -> int:
+    # Private attribute: the public `replica_id_in_sync_group` is a tensor; the Python int is needed to pick the
+    # replica's device, emulated profile and monitor slot while tracing. Under CentralStorageStrategy it is an int.
+    return int(replica_context._replica_id_in_sync_group)  # noqa: SLF001
+
+
+def components(value) -> tuple | None:
+    """The components of a per-replica value (one per replica, or one for a global batch's leaf), else None."""
+    # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
+    # to return the unpacked slices, so it cannot be used here.
+    if not isinstance(value, tf.distribute.DistributedValues):
+        return None
+    return tuple(getattr(value, "_values", ()))
+
+
+def per_replica(components) -> Any:
+    """A per-replica value holding ``components`` (one per replica, in replica order)."""
+    # Private: there is no public constructor of PerReplica; tf.distribute builds them the same way from iterators.
+    from tensorflow.python.distribute import values as values_lib
+
+    return values_lib.PerReplica(tuple(components))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Keras patches. Each one dispatches on our strategy and otherwise calls the original.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def global_batch_size_of(data: Any) -> int | None:
+    """The number of examples of a distributed-dataset element held in hand (read on the host), or None."""
+    for value in tf.nest.flatten(data, expand_composites=False):
+        parts = components(value)
+        if parts and len(parts) == 1 and not is_unbatched_marker(parts[0]):
+            component = parts[0]
+            if isinstance(component, tf.RaggedTensor):
+                return int(component.nrows())
+            return int(component.shape[0])
+    return None
+
+
+def note_for_micro_batches(finding: str) -> None:
+    """Tells the strategy's micro-batching (while a step is traced) what it could not keep exact."""
+    micro = getattr(current_weighting_strategy(), "_micro_batching", None)
+    if micro is not None:
+        micro.note(finding)
