@@ -15,7 +15,7 @@ recovers counts as the whole phase).
 Beside it, ``steps_to_recover_by_split`` applies the same rule to the TRUE makespan of the split each step ran with
 (the emulator's profiles at that step, no measurement): what the re-balancer controls, free of the host's own load,
 which on a shared machine can push a few wall-clock steps past the tolerance and reset the wall-clock count.
-Goal: <= 50 steps (DESIGN.md); the trust issue asks for <= 10. The plan changes the library makes are printed as they happen.
+Goal: <= 10 steps in both directions (DESIGN.md). The plan changes the library makes are printed as they happen.
 
     python benchmarks/rebalance.py [--steps 400] [--slow-at 100] [--recover-at 300] [--json F] [--quick]
 
@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 from benchmarks import _common  # noqa: E402
 from benchmarks._common import log, ms  # noqa: E402
 
-STEPS_GOAL = 50
+STEPS_GOAL = 10
 SEVERE_STEPS_GOAL = 10
 SEVERE_REJOIN_GOAL = 50
 

@@ -80,10 +80,10 @@ class HeteroCentralStorageStrategy(
             ``~/.cache/hetero_cs``), a directory path, a ``calibration.ProfileStore``, or False for no cache.
         guard: With auto_balance, keep a calibrated or re-planned split only after it measured faster than the
             split it replaces, side by side over the same steps (:mod:`hetero_cs.planning.guard`); else revert and
-            back off. It also measures a plan against the fastest card alone where it is predicted less than 1.25x
-            faster, and an overlapped micro-batched plan against the plan it replaces. False trusts the
-            prediction; a :class:`hetero_cs.GuardPolicy` turns it on with its own thresholds (e.g.
-            ``GuardPolicy(alone_check_below=1.5)``).
+            back off. It also measures a plan against the fastest card alone where the plan measures slower than
+            predicted or than that card's predicted time alone, and an overlapped micro-batched plan against the
+            plan it replaces. False trusts the prediction; a :class:`hetero_cs.GuardPolicy` turns it on with its
+            own thresholds (e.g. ``GuardPolicy(alone_check_margin=0.1)``).
         profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).

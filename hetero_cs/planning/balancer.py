@@ -538,20 +538,16 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                     self._maybe_check_alone()  # the plan now in force, against the fastest card alone
                     break
             return
-        self._maybe_check_alone()  # a plan not yet checked (one whose check was interrupted, say)
-        if self._guard.in_trial:
-            return
-        if not self.rebalance_enabled or self._plan is None or self._cost_models is None:
-            return
-        if self.guard_enabled and not self._guard.may_start(completed):
-            return
         if completed - self._last_look_step < self._look_interval_steps():
             return
         self._last_look_step = completed
-        new_plan = self._rebalancer.propose_from_monitor(
-            self._monitor, self._plan, base_models=self._calibrated_models
-        )
-        if new_plan is None:
+        new_plan = None
+        if (self.rebalance_enabled and self._plan is not None and self._cost_models is not None
+                and (not self.guard_enabled or self._guard.may_start(completed))):
+            new_plan = self._rebalancer.propose_from_monitor(
+                self._monitor, self._plan, base_models=self._calibrated_models)
+        if new_plan is None:  # a drifting card is re-planned first; then the plan in force vs the card alone
+            self._maybe_check_alone()
             return
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
         self._models_before_replan = None if forced else self._cost_models

@@ -170,7 +170,7 @@ def test_guard_keys_stay_in_every_epoch_after_a_batch_split_is_set_in_training()
 def test_a_guard_policy_turns_the_guard_on_with_its_own_thresholds():
     from hetero_cs import GuardPolicy
 
-    policy = GuardPolicy(alone_check_below=1.5, min_pairs=4)
+    policy = GuardPolicy(alone_check_margin=0.1, min_pairs=4)
     strategy = HeteroCentralStorageStrategy(DEVICES, profile_cache=False, guard=policy)
     assert strategy.balancer.guard_enabled and strategy.balancer.guard.policy is policy
     assert not HeteroCentralStorageStrategy(DEVICES, profile_cache=False, guard=False).balancer.guard_enabled
