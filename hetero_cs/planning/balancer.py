@@ -258,7 +258,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         with self._lock:
             if self._cost_models is not None:
                 self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=caps,
-                                     reference_batch_size=self._reference_batch_size, trial=False)
+                                     reference_batch_size=self._reference_batch_size, trial=False,
+                                     contention_factors=self._contention_factors)
                 return
             self._max_batch_sizes = caps
             self._memory.reset(caps)
@@ -269,6 +270,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
         trial: bool = False, reference_batch_size: int | None = None,
+        contention_factors: Sequence[float] | None = None,
     ) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
 
@@ -278,6 +280,9 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             trial: With the guard on, try the solved plan against the plan in force before keeping it
                 (calibration results); False commits it at once (models a user set on purpose).
             reference_batch_size: The full global batch size, if known before the first batch is served.
+            contention_factors: Per replica, >= 1: how much slower its step runs beside the other cards than
+                alone, already in ``cost_models`` (calibration's concurrent probe); a card's time alone is its
+                model's over its factor (:meth:`fastest_alone_plan`). None: 1.0 each.
 
         Raises:
             ConfigError: Wrong number of cost models or caps.
@@ -315,10 +320,16 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:
             models = idle_free(models)
+        factors = [1.0] * R if contention_factors is None else [float(f) for f in contention_factors]
+        if len(factors) != R or not all(1.0 <= f < float("inf") for f in factors):
+            raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={R}). Received: "
+                              f"contention_factors={contention_factors!r}.")
         with self._lock:
             # Solve with the new models before committing anything, so a failure leaves everything as it was.
-            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size)
+            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size,
+                        self._contention_factors)
             self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            self._contention_factors = factors
             if reference_batch_size is not None:
                 self._reference_batch_size = max(self._reference_batch_size or 0, int(reference_batch_size))
             try:
@@ -327,7 +338,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             except Exception:
                 (self._calibrated_models, self._cost_models, self._max_batch_sizes,
-                 self._reference_batch_size) = previous
+                 self._reference_batch_size, self._contention_factors) = previous
                 raise
             self._rebalancer = rebalancer
             self._memory.reset(caps)

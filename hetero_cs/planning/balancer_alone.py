@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 
+from hetero_cs.planning.cost_model import ScaledCostModel
 from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.solver import plan_from_split
 
@@ -43,6 +44,7 @@ class AloneCheck:
 
     def _init_alone_check(self) -> None:
         self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked under the current models
+        self._contention_factors = [1.0] * self._num_replicas  # set_cost_models: each card beside the others
 
     def _forget_alone_checks(self) -> None:
         """New cost models: every plan may be checked again."""
@@ -50,6 +52,9 @@ class AloneCheck:
 
     def fastest_alone_plan(self, global_batch_size: int) -> BatchPlan | None:
         """The whole global batch on the card predicted fastest alone, among those whose memory cap holds it.
+
+        A card alone does not contend with others for the host: its predicted time is its cost model's over its
+        contention factor (``set_cost_models(..., contention_factors=...)``).
 
         Returns:
             The plan (one replica with ``global_batch_size`` examples, the rest idle) with its predicted step times,
@@ -64,10 +69,11 @@ class AloneCheck:
             holding = [i for i in range(self._num_replicas) if caps[i] is None or caps[i] >= B]
             if not holding:
                 return None
-            fastest = min(holding, key=lambda i: (models[i].predict_step_time_s(B), i))
+            alone = [m if f == 1.0 else ScaledCostModel(m, 1.0 / f) for m, f in zip(models, self._contention_factors)]
+            fastest = min(holding, key=lambda i: (alone[i].predict_step_time_s(B), i))
             split = [0] * self._num_replicas
             split[fastest] = B
-            return plan_from_split(split, models, max_batch_sizes=self._max_batch_sizes)
+            return plan_from_split(split, alone, max_batch_sizes=self._max_batch_sizes)
 
     def _maybe_check_alone(self) -> None:
         """Starts a guard trial of the fastest card alone against the plan in force, where it is due (see above)."""

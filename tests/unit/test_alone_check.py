@@ -6,7 +6,7 @@ import pytest
 
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel
+from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, ScaledCostModel
 from hetero_cs.planning.guard import GuardPolicy
 from hetero_cs.planning.simulation import simulate_balancer
 
@@ -147,3 +147,30 @@ def test_a_check_cut_short_by_fixed_shares_runs_again_once_balancing_is_back():
     simulate_balancer(balancer, lambda step: truth(0.1), B, steps=40, relative_noise=0.02)
     check = balancer.guard.decisions[-1]
     assert check.against_alone and check.kept and balancer.plan.per_replica_batch_sizes == (B, 0)
+
+
+def test_a_card_alone_is_predicted_without_the_contention_calibration_measured_beside_the_others():
+    # Calibration's concurrent probe found every card 1.8x slower beside the other (the models carry it): the plan
+    # [834, 166] is predicted 0.159 s and measures so; the A10 at its contended model would take 0.189 s, but alone
+    # it contends with nothing: 0.105 s. The guard measures the two side by side, and the A10 alone stays.
+    contended = [ScaledCostModel(m, 1.8) for m in CALIBRATED]
+    balancer = Balancer(2, rebalance=False, idle_replicas_free=True)
+    balancer.set_cost_models(contended, contention_factors=[1.8, 1.8], trial=True, reference_batch_size=B)
+    alone = balancer.fastest_alone_plan(B)
+    assert alone.per_replica_batch_sizes == (B, 0) and alone.predicted_makespan_s == pytest.approx(0.105)
+    simulate_balancer(balancer, lambda step: truth(0.0), B, steps=40, relative_noise=0.02, contention=1.8)
+    first, check = balancer.guard.decisions
+    assert first.candidate_per_replica_batch_sizes == (834, 166) and check.against_alone and check.kept
+    assert balancer.plan.per_replica_batch_sizes == (B, 0)
+    # Without the factors the A10 alone is priced beside the other, and the plan measures as predicted: the plan of
+    # both cards stays, 1.5x slower than the A10 alone.
+    blind = Balancer(2, rebalance=False, idle_replicas_free=True)
+    blind.set_cost_models(contended, trial=True, reference_batch_size=B)
+    simulate_balancer(blind, lambda step: truth(0.0), B, steps=40, relative_noise=0.02, contention=1.8)
+    assert blind.plan.per_replica_batch_sizes == (834, 166)
+
+
+@pytest.mark.parametrize("bad", [[1.0], [0.9, 1.0], [math.nan, 1.0], [math.inf, 1.0]])
+def test_contention_factors_are_one_number_of_at_least_one_per_replica(bad):
+    with pytest.raises(ConfigError, match="contention_factors must hold one finite number >= 1 per replica"):
+        Balancer(2).set_cost_models(CALIBRATED, contention_factors=bad)
