@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments, training
-from hetero_cs.engine.idle_replicas import ActiveSets, ServedSizes
+from hetero_cs.engine.idle_replicas import ActiveSets, served_sizes
 from hetero_cs.engine.input_roles import InputRoles
 from hetero_cs.engine.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
@@ -222,7 +222,6 @@ class HeteroCentralStorageStrategy(
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
-        self._served_sizes = ServedSizes()  # the last sizes each kind of step was cut with
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.input_slicing).
         self._slicer = PlanSlicer(
@@ -236,7 +235,7 @@ class HeteroCentralStorageStrategy(
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
             guard_policy=guard_policy, on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
-            on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
+            on_trial=self._note_active_set)
         from hetero_cs.engine.oom_recovery import StepRecovery
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
                                             on_device_error=on_device_error) if len(devices) > 1 else None)
@@ -308,7 +307,12 @@ class HeteroCentralStorageStrategy(
     def _on_plan(self, plan: BatchPlan) -> None:
         # The balancer's new training plan (under its lock): cached for full batches; its active set gets a branch.
         self._slicer.publish(plan)
-        self._active_sets.note(plan.per_replica_batch_sizes, training=True)
+        self._note_active_set(plan)
+
+    def _note_active_set(self, plan: BatchPlan) -> None:
+        # A training plan in force or tried: its set of active replicas, and those of its probes, get a branch.
+        sizes = plan.per_replica_batch_sizes
+        self._active_sets.note(sizes, training=True, probed=self._balancer.probed_replicas(sizes))
 
     def _check_batch(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
@@ -329,7 +333,7 @@ class HeteroCentralStorageStrategy(
             if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
                 self._active_sets.note(plan.per_replica_batch_sizes, training=training)
-            sizes = self._served_sizes.decide(plan.per_replica_batch_sizes, traced, training=training)
+            sizes = served_sizes(plan.per_replica_batch_sizes, traced)
             return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = self._micro_batching.explained(exc, training=training)  # exc, or one saying why

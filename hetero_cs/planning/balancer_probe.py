@@ -36,6 +36,16 @@ class IdleProbes:
         """How many probe steps were served so far (one example on a card the plan left idle)."""
         return self._probes
 
+    def probed_replicas(self, sizes) -> list[int]:
+        """The replicas that probes of a plan with these slices may give one example: its idle cards whose cap
+        is not 0, where probes run (re-balancing on, no fixed shares); none otherwise."""
+        with self._lock:
+            if not (self.rebalance_enabled and self._shares is None and self.timing_needed) \
+                    or sum(sizes) < self._num_replicas:
+                return []
+            caps = self._max_batch_sizes or [None] * self._num_replicas
+            return [i for i, b in enumerate(sizes) if b == 0 and caps[i] != 0]
+
     def _take_probe_due(self) -> bool:
         due, self._probe_due = self._probe_due, False
         return due
