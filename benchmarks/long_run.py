@@ -15,8 +15,9 @@ It reports:
   (last - step 200) / step 200 (goal < 0.05);
 * ``probe_step_over_plain``: the median wall time of the steps that probed an idle card over the median of the
   plain steps of the same plan, from step 200 on (goal <= 1.5). A probe step pays the probed card's own time for one
-  example (its fixed cost, times the drift), which ``probe_modelled_over_plain`` gives from the emulator's models:
-  what remains above it is the library's cost of a new set of active replicas.
+  example (its fixed cost, times the drift), which ``probe_modelled_over_plain`` gives from the emulator's models;
+  ``probe_over_modelled`` (the first over the second, per probe) is what the library adds: a step traced again for a
+  new set of active replicas made it 7-10x before.
 
 ``--xla`` compiles with ``jit_compile=True`` (XLA per replica). ``--quick``: 600 steps, slow in [200, 450).
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     sizes: list[tuple[int, ...] | None] = []
     probes: list[bool] = []
     rss: dict[int, float] = {}
+    changes: list = []
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -132,8 +134,11 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             sizes.append(tuple(sample.per_replica_batch_sizes) if sample is not None else None)
             probes.append(strategy.balancer.probes > self.probes)
             retraces.step = len(wall_s)
-            if len(wall_s) in (200, 1000, args.steps) or len(wall_s) % 250 == 0:
+            if len(wall_s) % 10 == 0 or len(wall_s) in (1, args.steps):
                 rss[len(wall_s)] = rss_mb()
+            if len(wall_s) > 1 and sizes[-1] != sizes[-2] and not probes[-1] and not probes[-2]:
+                changes.append((len(wall_s), sizes[-1]))
+            if len(wall_s) in (200, 1000, args.steps) or len(wall_s) % 250 == 0:
                 log(f"   step {len(wall_s):>5}: rss {rss[len(wall_s)]:.0f} MB, median of the last 50 steps "
                     f"{statistics.median(wall_s[-50:]) * 1e3:.1f} ms, plan {list(strategy.plan.per_replica_batch_sizes)}, "
                     f"retraces so far {len(retraces.steps)}")
@@ -164,9 +169,12 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         "retraces": len(retraces.steps), "retrace_steps": retraces.steps,
         "traced_sets": [list(s) for s in strategy._active_sets.for_trace(training=True)],  # noqa: SLF001
         "rss_mb": {str(k): v for k, v in sorted(rss.items())},
+        "split_changes": changes,
         "probes": sum(probes),
         "probe_step_over_plain": statistics.median(ratios) if ratios else None,
         "probe_modelled_over_plain": statistics.median(modelled) if modelled else None,
+        # What the library adds to a probe step: its wall ratio over what the emulator's models make it.
+        "probe_over_modelled": statistics.median(r / m for r, m in zip(ratios, modelled)) if ratios else None,
         "median_step_ms": statistics.median(wall_s[200:]) * 1e3,
     }
     first, last = rss.get(200), rss.get(args.steps)
@@ -179,7 +187,8 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     if ratios:
         log(f"   {len(ratios)} probe steps: median {results['probe_step_over_plain']:.2f}x the plain step of their "
             f"plan (goal <= {PROBE_COST_GOAL}); the emulator's models alone give "
-            f"{results['probe_modelled_over_plain']:.2f}x")
+            f"{results['probe_modelled_over_plain']:.2f}x, so the library's own part is "
+            f"{results['probe_over_modelled']:.2f}x")
     log(f"   median step from step 200: {results['median_step_ms']:.1f} ms; wall time "
         f"{time.perf_counter() - started_s:.0f} s")
     if args.json is not None:

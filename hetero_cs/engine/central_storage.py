@@ -235,7 +235,7 @@ class HeteroCentralStorageStrategy(
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
             guard_policy=guard_policy, on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
-            on_trial=self._note_active_set)
+            on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
         from hetero_cs.engine.oom_recovery import StepRecovery
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
                                             on_device_error=on_device_error) if len(devices) > 1 else None)
@@ -307,12 +307,7 @@ class HeteroCentralStorageStrategy(
     def _on_plan(self, plan: BatchPlan) -> None:
         # The balancer's new training plan (under its lock): cached for full batches; its active set gets a branch.
         self._slicer.publish(plan)
-        self._note_active_set(plan)
-
-    def _note_active_set(self, plan: BatchPlan) -> None:
-        # A training plan in force or tried: its set of active replicas, and those of its probes, get a branch.
-        sizes = plan.per_replica_batch_sizes
-        self._active_sets.note(sizes, training=True, probed=self._balancer.probed_replicas(sizes))
+        self._active_sets.note(plan.per_replica_batch_sizes, training=True)
 
     def _check_batch(self, *leading_dims) -> np.ndarray:
         # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
@@ -496,11 +491,10 @@ class HeteroCentralStorageStrategy(
 
         result = calibrating.calibrate(self, model, data, force=force, progress=progress)
         reference = self._balancer.reference_batch_size
-        if not self._input_roles.keras_loop_now and reference is not None:
-            # A custom loop traces its step once, after this call: it gets a branch in which the replicas that the
-            # guard's "fastest card alone" trial leaves out do no work (hetero_cs.engine.idle_replicas). Without
-            # it they would run that trial's steps on 0-example slices, where some kernels fail (Conv2D with oneDNN
-            # on a CPU). Keras' own loops trace again when the trial starts.
+        if reference is not None:
+            # The guard may measure the fastest card alone at any time (when the plan in force measures slow): its
+            # set of active replicas gets a branch before the step is traced (hetero_cs.engine.idle_replicas), so
+            # that trial traces nothing again (a custom loop's step is traced once, after this call).
             alone = self._balancer.fastest_alone_plan(reference)
             if alone is not None:
                 self._active_sets.note(alone.per_replica_batch_sizes, training=True)

@@ -14,10 +14,10 @@ cannot sit in a branch of its own. Instead the whole call has one branch per *se
 
 Which sets get a branch, and how often a step is traced. Every set that a plan served, solved or tried so far uses
 (:class:`ActiveSets`, fed by the strategy when a plan comes into force, a guard trial starts or ``batch_split`` is
-set), together with the sets its probes will use (an idle card given one example now and then: the plan's set plus
-that card), up to ``MAX_SETS_PER_REPLICA * R`` sets. A set keeps its branch: a probe, a trial or a plan that comes
-back finds its branch traced, so a long run traces its step once per new set at most (for three cards, at most
-the six sets there are), never again for sets it met before. ``model.fit`` traces its train step again right before
+set; calibration adds the fastest card alone, which the guard may measure at any time), up to
+``MAX_SETS_PER_REPLICA * R`` sets. A set keeps its branch: a trial or a plan that comes back finds its branch traced,
+and a probe gives every idle card one example at once (the set of every replica), so a long run traces its step
+once per new set at most (for three cards, at most the six sets there are), never again for sets it met before. ``model.fit`` traces its train step again right before
 a step when a new set appeared (:meth:`ActiveSets.version`), ``evaluate`` and ``predict`` when they start. A step
 whose plan's set has no branch (one met while the step runs, a custom loop's ``tf.function`` traced before the set
 appeared, a set past the bound) runs the smallest superset that has one, its extra replicas given one example each
@@ -88,24 +88,21 @@ class ActiveSets(DeepcopiedWithNewLocks):
         memo[id(self.traced_with)] = weakref.WeakKeyDictionary()  # a copy traces its own step functions
         return super().__deepcopy__(memo)
 
-    def note(self, batch_sizes: Sequence[int], *, training: bool, probed: Sequence[int] = ()) -> None:
-        """Records the set of replicas with ``b_i > 0`` in a plan, and for each replica in ``probed`` (idle cards
-        the plan's probes give one example) that set with it (a plan without a 0 adds nothing)."""
-        active = {i for i, b in enumerate(batch_sizes) if int(b) > 0}
-        if not active:
+    def note(self, batch_sizes: Sequence[int], *, training: bool) -> None:
+        """Records the set of replicas with ``b_i > 0`` in a plan (a plan without a 0 adds nothing)."""
+        active = tuple(i for i, b in enumerate(batch_sizes) if int(b) > 0)
+        if not active or len(active) == self._num_replicas:
             return
-        wanted = [tuple(sorted(active | ({int(k)} if k is not None else set()))) for k in (None, *probed)]
         with self._lock:
             sets = self._sets[bool(training)]
-            new = [s for s in dict.fromkeys(wanted) if len(s) < self._num_replicas and s not in sets]
-            room = MAX_SETS_PER_REPLICA * self._num_replicas - len(sets)
-            if len(new) > room:
-                logger.debug("hetero_cs: the sets of active replicas %s get no branch of their own (%d sets have "
-                             "one); their steps run as the smallest superset that has one.", new[room:], len(sets))
-                new = new[:max(room, 0)]
-            if new:
-                sets.extend(new)
-                self._versions[bool(training)] += 1
+            if active in sets:
+                return
+            if len(sets) >= MAX_SETS_PER_REPLICA * self._num_replicas:
+                logger.debug("hetero_cs: the set of active replicas %s gets no branch of its own (%d sets have one); "
+                             "its steps run as the smallest superset that has one.", list(active), len(sets))
+                return
+            sets.append(active)
+            self._versions[bool(training)] += 1
 
     def for_trace(self, *, training: bool) -> tuple[tuple[int, ...], ...]:
         """The sets a step of this kind traced now gets branches for."""

@@ -534,9 +534,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 if decision is not None:
                     restored, self._models_before_replan = self._models_before_replan, None
                     if decision.kept:
-                        kept = plan_from_split(decision.candidate_per_replica_batch_sizes, self._cost_models,
-                                               max_batch_sizes=self._max_batch_sizes)
-                        self._commit(kept)
+                        self._commit(self._plan_of(decision.candidate_per_replica_batch_sizes))
                     elif restored is not None:  # refuted models: back to those the plan in force was made with
                         self._cost_models = restored
                         self._plans_by_batch.clear()

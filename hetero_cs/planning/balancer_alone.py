@@ -50,6 +50,17 @@ class AloneCheck:
         """New cost models: every plan may be checked again."""
         self._alone_checked.clear()
 
+    def _alone_models(self) -> list:
+        """The cost models of each card stepping alone: its model over its contention factor."""
+        return [m if f == 1.0 else ScaledCostModel(m, 1.0 / f)
+                for m, f in zip(self._cost_models, self._contention_factors)]
+
+    def _plan_of(self, sizes) -> BatchPlan:
+        """The plan of these slices with its predicted times: a card that works alone does not contend."""
+        alone = sum(1 for b in sizes if b > 0) == 1
+        return plan_from_split(sizes, self._alone_models() if alone else self._cost_models,
+                               max_batch_sizes=self._max_batch_sizes)
+
     def fastest_alone_plan(self, global_batch_size: int) -> BatchPlan | None:
         """The whole global batch on the card predicted fastest alone, among those whose memory cap holds it.
 
@@ -69,11 +80,11 @@ class AloneCheck:
             holding = [i for i in range(self._num_replicas) if caps[i] is None or caps[i] >= B]
             if not holding:
                 return None
-            alone = [m if f == 1.0 else ScaledCostModel(m, 1.0 / f) for m, f in zip(models, self._contention_factors)]
+            alone = self._alone_models()
             fastest = min(holding, key=lambda i: (alone[i].predict_step_time_s(B), i))
             split = [0] * self._num_replicas
             split[fastest] = B
-            return plan_from_split(split, alone, max_batch_sizes=self._max_batch_sizes)
+            return self._plan_of(split)
 
     def _maybe_check_alone(self) -> None:
         """Starts a guard trial of the fastest card alone against the plan in force, where it is due (see above)."""

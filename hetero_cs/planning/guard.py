@@ -179,6 +179,8 @@ class GuardDecision:
         reason: One line for the log.
         against_alone: True when the candidate was the fastest card alone, measured against the plan in force
             (a check of the plan, not a proposal: its revert causes no back-off).
+        next_trial_step: After a revert of a proposed plan, the first step at which a new trial may start (the
+            back-off); None otherwise.
     """
 
     step: int
@@ -190,6 +192,7 @@ class GuardDecision:
     p_value: float | None
     reason: str
     against_alone: bool = False
+    next_trial_step: int | None = None
 
     @property
     def kept(self) -> bool:
@@ -381,9 +384,7 @@ class PlanGuard:
             self._ratios.append(self._pending_candidate_s / float(makespan_s))
             self._pending_candidate_s = None
         decision = self._decide(step)
-        if decision is not None:
-            self._finish(decision)
-        return decision
+        return None if decision is None else self._finish(decision)
 
     def abandon(self) -> None:
         """Ends a trial without a decision (the plans it compared are obsolete, e.g. new cost models)."""
@@ -430,7 +431,7 @@ class PlanGuard:
             against_alone=self._against_alone,
         )
 
-    def _finish(self, decision: GuardDecision) -> None:
+    def _finish(self, decision: GuardDecision) -> GuardDecision:
         policy = self._policy
         if decision.kept:
             self._consecutive_reverts = 0
@@ -443,13 +444,11 @@ class PlanGuard:
             self._consecutive_reverts += 1
             self._num_reverts += 1
             self._blocked_until_step = decision.step + backoff
+            decision = dataclasses.replace(decision, next_trial_step=self._blocked_until_step)
         self._last_decision = decision
         self._decisions.append(decision)
         p_text = "" if decision.p_value is None else f", p={decision.p_value:.3g}"
-        if decision.kept or decision.against_alone:
-            after = ""
-        else:
-            after = f"; no new trial before step {self._blocked_until_step}"
+        after = "" if decision.next_trial_step is None else f"; no new trial before step {decision.next_trial_step}"
         (logger.debug if self._quiet else logger.info)(
             "guard: %s %s%s (vs %s): candidate/incumbent makespan %.3f over %d pairs%s - %s%s",
             decision.outcome, list(decision.candidate_per_replica_batch_sizes),
@@ -458,6 +457,7 @@ class PlanGuard:
             decision.reason, after,
         )
         self.abandon()
+        return decision
 
 
 def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:

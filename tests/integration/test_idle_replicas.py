@@ -482,18 +482,16 @@ def test_a_set_without_a_branch_runs_as_the_smallest_traced_superset():
     assert served_sizes([0, 3, 1], None) == (0, 3, 1)  # no branches (eager, one replica)
 
 
-def test_a_set_keeps_its_branch_and_a_plan_brings_its_probes_sets_with_it():
+def test_a_set_keeps_its_branch_however_many_others_come():
     from hetero_cs.engine.idle_replicas import MAX_SETS_PER_REPLICA, ActiveSets
 
     sets = ActiveSets(3)
-    sets.note([8, 0, 0], training=True, probed=[1, 2])  # the plan, and its probes of replicas 1 and 2
-    assert sets.for_trace(training=True) == ((0,), (0, 1), (0, 2)) and sets.version(training=True) == 1
-    for sizes in ([7, 1, 0], [7, 0, 1], [8, 0, 0], [0, 4, 4], [7, 1, 0]):  # probes, then the plans again
-        sets.note(sizes, training=True)
-    assert sets.version(training=True) == 2  # one new set, {1, 2}; none lost its branch
+    for sizes in ([8, 0, 0], [7, 1, 0], [7, 0, 1], [8, 0, 0], [0, 4, 4], [7, 1, 0], [3, 3, 2]):
+        sets.note(sizes, training=True)  # plans, trials and their returns
+    assert sets.for_trace(training=True) == ((0,), (0, 1), (0, 2), (1, 2)) and sets.version(training=True) == 4
     sets.note([0, 0, 8], training=False)
     assert (2,) in sets.for_trace(training=False) and (2,) not in sets.for_trace(training=True)
-    many = ActiveSets(2)
-    for sizes in ([1, 0], [0, 1]):
-        many.note(sizes, training=True)
-    assert len(many.for_trace(training=True)) == 2 <= MAX_SETS_PER_REPLICA * 2
+    bounded = ActiveSets(2)  # 2 sets for R = 2; any set past the bound would run as its superset
+    for sizes in ([1, 0], [0, 1], [1, 0]):
+        bounded.note(sizes, training=True)
+    assert bounded.for_trace(training=True) == ((0,), (1,)) and MAX_SETS_PER_REPLICA * 2 >= 2

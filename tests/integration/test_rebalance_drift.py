@@ -141,10 +141,10 @@ def _peek(counter):
 @pytest.mark.slow  # about 20 s: a fit of 140 steps, a quarter of them on cards 20x slower
 def test_a_long_fit_with_re_planning_and_probes_traces_its_step_once_per_new_set(monkeypatch, tmp_path,
                                                                                 modelled_step_times):
-    # The T4 and the P100 run 20x slower in steps [10, 100): the plan leaves both out (the set {0}), and each is
-    # probed with one example every 10 steps here (every 40 by default; the sets {0, 1} and {0, 2}). Before, only the
-    # 2 most recently used sets kept a branch, so every probe traced the train step again (43 retraces in 900
-    # steps, memory growing with each).
+    # The T4 and the P100 run 20x slower in steps [10, 100): the plan leaves both out (the set {0}), and both are
+    # probed with one example every 10 steps here (every 40 by default). Before, each card was probed on its own
+    # (the sets {0, 1} and {0, 2}), and only the 2 most recently used sets kept a branch, so every probe traced the
+    # train step again (10 retraces here; 43 in 900 steps of the main job, memory growing with each).
     from hetero_cs.planning import balancer_probe
 
     monkeypatch.setattr(balancer_probe, "PROBE_INTERVAL_STEPS", 10)
@@ -169,9 +169,9 @@ def test_a_long_fit_with_re_planning_and_probes_traces_its_step_once_per_new_set
 
     model.fit(dataset, epochs=14, steps_per_epoch=10, verbose=0, callbacks=[Record()])
     assert (128, 0, 0) in plans[2:9], plans  # both slow cards left out during the drift
-    assert strategy.balancer.probes >= 6, strategy.balancer.probes  # each probed three times or more
+    assert strategy.balancer.probes >= 3, strategy.balancer.probes
     retraced = [epoch for epoch in range(1, len(traces)) if traces[epoch] > traces[epoch - 1]]
-    # Traced when fit starts, then once when the plan first leaves both cards out (its probes' sets with it),
-    # perhaps once more for a set a trial or the recovery meets; never again for a set met before.
-    assert len(retraced) <= 2 and all(epoch < 5 for epoch in retraced), (traces, plans)
-    assert set(strategy._active_sets.for_trace(training=True)) >= {(0,), (0, 1), (0, 2)}
+    # Traced when fit starts, with a branch for the A10 alone (calibration gives it one: the guard may measure it at
+    # any time), which the plan that leaves both cards out uses; perhaps once more for a set the recovery meets.
+    assert len(retraced) <= 1 and all(epoch < 12 for epoch in retraced), (traces, plans)
+    assert (0,) in strategy._active_sets.for_trace(training=True)

@@ -162,6 +162,7 @@ def test_a_card_alone_is_predicted_without_the_contention_calibration_measured_b
     first, check = balancer.guard.decisions
     assert first.candidate_per_replica_batch_sizes == (834, 166) and check.against_alone and check.kept
     assert balancer.plan.per_replica_batch_sizes == (B, 0)
+    assert balancer.plan.predicted_makespan_s == pytest.approx(0.105)  # alone: not at its contended 0.189 s
     # Without the factors the A10 alone is priced beside the other, and the plan measures as predicted: the plan of
     # both cards stays, 1.5x slower than the A10 alone.
     blind = Balancer(2, rebalance=False, idle_replicas_free=True)
