@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             if len(wall_s) > 1 and sizes[-1] != sizes[-2] and not probes[-1] and not probes[-2]:
                 changes.append((len(wall_s), sizes[-1]))
             if len(wall_s) in (200, 1000, args.steps) or len(wall_s) % 250 == 0:
+                plan = list(strategy.plan.per_replica_batch_sizes)
                 log(f"   step {len(wall_s):>5}: rss {rss[len(wall_s)]:.0f} MB, median of the last 50 steps "
-                    f"{statistics.median(wall_s[-50:]) * 1e3:.1f} ms, plan {list(strategy.plan.per_replica_batch_sizes)}, "
-                    f"retraces so far {len(retraces.steps)}")
+                    f"{statistics.median(wall_s[-50:]) * 1e3:.1f} ms, plan {plan}, retraces so far {len(retraces.steps)}")
 
     dataset = _common.batch_dataset(_common.synthetic_batch("cnn", B))
     model.fit(dataset, epochs=1, steps_per_epoch=args.steps, verbose=0, callbacks=[Record()])

@@ -17,12 +17,13 @@ Which sets get a branch, and how often a step is traced. Every set that a plan s
 set; calibration adds the fastest card alone, which the guard may measure at any time), up to
 ``MAX_SETS_PER_REPLICA * R`` sets. A set keeps its branch: a trial or a plan that comes back finds its branch traced,
 and a probe gives every idle card one example at once (the set of every replica), so a long run traces its step
-once per new set at most (for three cards, at most the six sets there are), never again for sets it met before. ``model.fit`` traces its train step again right before
-a step when a new set appeared (:meth:`ActiveSets.version`), ``evaluate`` and ``predict`` when they start. A step
-whose plan's set has no branch (one met while the step runs, a custom loop's ``tf.function`` traced before the set
-appeared, a set past the bound) runs the smallest superset that has one, its extra replicas given one example each
-from the largest slices (:func:`served_sizes`): exact, no replica runs a 0-example slice (some kernels fail there:
-Conv2D with oneDNN on a CPU), and the set's own branch comes with the next trace.
+once per new set at most (for three cards, at most the six sets there are), never again for sets it met before.
+``model.fit`` traces its train step again right before a step when a new set appeared (:meth:`ActiveSets.version`),
+``evaluate`` and ``predict`` when they start. A step whose plan's set has no branch (one met while the step runs, a
+custom loop's ``tf.function`` traced before the set appeared, a set past the bound) runs the smallest superset that
+has one, its extra replicas given one example each from the largest slices (:func:`served_sizes`): exact, no
+replica runs a 0-example slice (some kernels fail there: Conv2D with oneDNN on a CPU), and the set's own branch
+comes with the next trace. Every branch costs each step a little (TensorFlow walks the branches not taken).
 
 An idle replica's outputs. ``strategy.run`` still returns one value per replica. Where a replica's output has a
 batch dimension (a leading dimension unknown at trace time: predictions, per-example losses) the idle replica's

@@ -38,7 +38,7 @@ from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.balancer_probe import IdleProbes
-from hetero_cs.planning.balancer_alone import AloneCheck
+from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
 from hetero_cs.planning.balancer_micro import MicroBatchedSteps
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
@@ -320,10 +320,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:
             models = idle_free(models)
-        factors = [1.0] * R if contention_factors is None else [float(f) for f in contention_factors]
-        if len(factors) != R or not all(1.0 <= f < float("inf") for f in factors):
-            raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={R}). Received: "
-                              f"contention_factors={contention_factors!r}.")
+        factors = _checked_contention(contention_factors, R)
         with self._lock:
             # Solve with the new models before committing anything, so a failure leaves everything as it was.
             previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size,

@@ -32,7 +32,11 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
+
+from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import ScaledCostModel
+from hetero_cs.planning.monitor import _median
 from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.solver import plan_from_split
 
@@ -145,16 +149,18 @@ def measured_makespan(samples, sizes: tuple[int, ...]) -> tuple[float, int, floa
     """The replicas' median makespan over the ``samples`` (StepSample) that ran ``sizes``, seconds; their count; and
     the relative standard error of that median (1.2533 * 1.4826 * MAD / median / sqrt(n), as the monitor's noise
     margin). None without such a sample."""
-    times = sorted(s.replica_makespan_s for s in samples if tuple(s.per_replica_batch_sizes) == sizes)
-    n = len(times)
-    if not n:
+    times = np.array([s.replica_makespan_s for s in samples if tuple(s.per_replica_batch_sizes) == sizes])
+    if not times.size:
         return None
     median_s = _median(times)
-    mad_s = _median(sorted(abs(t - median_s) for t in times))
-    error = 1.2533 * 1.4826 * mad_s / median_s / math.sqrt(n) if median_s > 0 else 0.0
-    return median_s, n, error
+    mad_s = _median(np.abs(times - median_s))
+    return median_s, times.size, 1.2533 * 1.4826 * mad_s / median_s / math.sqrt(times.size) if median_s > 0 else 0.0
 
 
-def _median(ordered: list[float]) -> float:
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+def _checked_contention(factors, num_replicas: int) -> list[float]:
+    """``set_cost_models``' contention factors: one finite number >= 1 per replica (None: 1.0 each)."""
+    checked = [1.0] * num_replicas if factors is None else [float(f) for f in factors]
+    if len(checked) != num_replicas or not all(1.0 <= f < math.inf for f in checked):
+        raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={num_replicas}). "
+                          f"Received: contention_factors={factors!r}.")
+    return checked
