@@ -291,10 +291,12 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     results["recovery_steps_to_recover"] = results["changes"][1]["steps_to_recover"]
     by_split = [c["steps_to_recover_by_split"] for c in results["changes"]]
     results["steps_to_recover_by_split"] = None if None in by_split else max(by_split)
-    results["goal"] = STEPS_GOAL
-    results["goal_met"] = bool(all_recovered and worst <= STEPS_GOAL)
+    # A card 50x slower is left out and comes back after a probe finds it fast (one every 40 steps): its own goal.
+    goal = SEVERE_REJOIN_GOAL if args.severe else STEPS_GOAL
+    results["goal"] = goal
+    results["goal_met"] = bool(all_recovered and worst <= goal)
     log(f"   steps_to_recover = {worst}{'' if all_recovered else ' (a change never recovered)'} "
-        f"(goal <= {STEPS_GOAL}); by the true makespan of the split in use: {results['steps_to_recover_by_split']}; "
+        f"(goal <= {goal}); by the true makespan of the split in use: {results['steps_to_recover_by_split']}; "
         f"{len(plan_changes)} plan change(s)")
     if args.json is not None:
         _common.write_json(args.json, results)

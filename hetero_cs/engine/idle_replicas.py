@@ -19,11 +19,13 @@ set; calibration adds the fastest card alone, which the guard may measure at any
 and a probe gives every idle card one example at once (the set of every replica), so a long run traces its step
 once per new set at most (for three cards, at most the six sets there are), never again for sets it met before.
 ``model.fit`` traces its train step again right before a step when a new set appeared (:meth:`ActiveSets.version`),
-``evaluate`` and ``predict`` when they start. A step whose plan's set has no branch (one met while the step runs, a
-custom loop's ``tf.function`` traced before the set appeared, a set past the bound) runs the smallest superset that
-has one, its extra replicas given one example each from the largest slices (:func:`served_sizes`): exact, no
-replica runs a 0-example slice (some kernels fail there: Conv2D with oneDNN on a CPU), and the set's own branch
-comes with the next trace. Every branch costs each step a little (TensorFlow walks the branches not taken).
+``evaluate`` and ``predict`` when they start. In those, a step whose plan's set has no branch (one met while the
+step runs, a set past the bound) runs the smallest superset that has one, its extra replicas given one example each
+from the largest slices (:func:`served_sizes`): exact, no replica runs a 0-example slice (some kernels fail there:
+Conv2D with oneDNN on a CPU), and the set's own branch comes with the next trace. A custom loop's ``tf.function``
+keeps the sets it was traced with (trace it after ``strategy.calibrate``); a set met later runs in branch 0, its
+idle replicas on 0-example slices: exact, but not idle. Every branch costs each step a little (TensorFlow walks the
+branches not taken).
 
 An idle replica's outputs. ``strategy.run`` still returns one value per replica. Where a replica's output has a
 batch dimension (a leading dimension unknown at trace time: predictions, per-example losses) the idle replica's
@@ -160,10 +162,10 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
 def served_sizes(sizes: Sequence[int], traced) -> tuple[int, ...]:
     """The sizes to cut a step with, given its plan's ``sizes`` and the sets the running step has branches for.
 
-    A plan's set of active replicas may have no branch in the running step (``traced``: its traced sets, None when
-    the step has no branches, eagerly or with one replica): a plan that changed while the step starts (the re-planner
-    proposes, the guard starts a trial, a probe, inside the call that serves the step), a custom loop's step traced
-    before the set appeared, a set past :data:`MAX_SETS_PER_REPLICA`. Its branch 0 would run the idle replicas on
+    A plan's set of active replicas may have no branch in the running step of a Keras loop (``traced``: its traced
+    sets; None in a custom loop, which is never traced again, or for a step without branches, eagerly or with one
+    replica): a plan that changed while the step starts (the re-planner proposes, the guard starts a trial, inside
+    the call that serves the step), a set past :data:`MAX_SETS_PER_REPLICA`. Its branch 0 would run the idle replicas on
     0-example slices, where some kernels fail (Conv2D with oneDNN on a CPU). It runs the smallest traced superset
     instead (the set of every replica is one), each replica that the superset adds given one example from the
     largest slice of the set, when the batch holds enough examples; else the plan's sizes stand (a batch with fewer
