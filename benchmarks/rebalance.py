@@ -15,7 +15,7 @@ recovers counts as the whole phase).
 Beside it, ``steps_to_recover_by_split`` applies the same rule to the TRUE makespan of the split each step ran with
 (the emulator's profiles at that step, no measurement): what the re-balancer controls, free of the host's own load,
 which on a shared machine can push a few wall-clock steps past the tolerance and reset the wall-clock count.
-Goal: <= 50 steps (DESIGN.md); the trust issue asks for <= 10. The plan changes the library makes are printed as they happen.
+Goal: <= 10 steps in both directions (DESIGN.md). The plan changes the library makes are printed as they happen.
 
     python benchmarks/rebalance.py [--steps 400] [--slow-at 100] [--recover-at 300] [--json F] [--quick]
 
@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 from benchmarks import _common  # noqa: E402
 from benchmarks._common import log, ms  # noqa: E402
 
-STEPS_GOAL = 50
+STEPS_GOAL = 10
 SEVERE_STEPS_GOAL = 10
 SEVERE_REJOIN_GOAL = 50
 
@@ -291,10 +291,12 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     results["recovery_steps_to_recover"] = results["changes"][1]["steps_to_recover"]
     by_split = [c["steps_to_recover_by_split"] for c in results["changes"]]
     results["steps_to_recover_by_split"] = None if None in by_split else max(by_split)
-    results["goal"] = STEPS_GOAL
-    results["goal_met"] = bool(all_recovered and worst <= STEPS_GOAL)
+    # A card 50x slower is left out and comes back after a probe finds it fast (one every 40 steps): its own goal.
+    goal = SEVERE_REJOIN_GOAL if args.severe else STEPS_GOAL
+    results["goal"] = goal
+    results["goal_met"] = bool(all_recovered and worst <= goal)
     log(f"   steps_to_recover = {worst}{'' if all_recovered else ' (a change never recovered)'} "
-        f"(goal <= {STEPS_GOAL}); by the true makespan of the split in use: {results['steps_to_recover_by_split']}; "
+        f"(goal <= {goal}); by the true makespan of the split in use: {results['steps_to_recover_by_split']}; "
         f"{len(plan_changes)} plan change(s)")
     if args.json is not None:
         _common.write_json(args.json, results)

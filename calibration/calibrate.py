@@ -9,8 +9,12 @@ summarised by median and MAD after outlier rejection; each device's relative noi
 in its profile, and while any device is noisier than NOISE_LIMIT the passes repeat (at most MAX_TIMING_ROUNDS
 rounds, logged). Then a monotone cost-model fit per device, and a plan; where a fit may miss its curve (not a
 line, or not monotone at the probes: real GPUs at small batches), the slices the plan gives are probed too, the fit
-is made to pass through them, and the plan is solved again (``_refit_at_plan``). The model is left exactly as it
-was (see calibration.probe). Devices never run concurrently, so they never compete for host cores or the PCIe bus.
+is made to pass through them, and the plan is solved again (``_refit_at_plan``). Until then devices never run
+concurrently, so they never compete for host cores or the PCIe bus; a training step runs them together. So
+calibration ends with one concurrent probe: every card the plan gives examples steps at its slice, all at once,
+against the same step alone (``_time_together``); each card's cost model is scaled by how much slower it ran beside
+the others (``CalibrationResult.contention_factors``), and the plan is solved again. The model is left exactly as
+it was (see calibration.probe).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from calibration import probe as probe_lib
 from calibration import timing
 from calibration.result import CalibrationResult, DeviceProfile
 from calibration.cache_check import _cached_profile_mismatch
-from calibration.device_timing import _DeviceCalibration, _refit_at_plan, _time_interleaved
+from calibration.device_timing import _DeviceCalibration, _refit_at_plan, _time_interleaved, _time_together
 from calibration.store import ProfileStore, profile_key
 from hetero_cs.errors import (
     CalibrationError,
@@ -129,15 +133,15 @@ def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int,
     return tuple(sizes) or (largest,)
 
 
-def _solve(profiles: Sequence[DeviceProfile], global_batch_size: int) -> BatchPlan | None:
+def _solve(result: CalibrationResult, global_batch_size: int) -> BatchPlan | None:
     from hetero_cs.planning.cost_model import idle_free
     from hetero_cs.planning.solver import solve_batch_split
 
     try:
         # As the strategies plan: a replica with 0 examples runs nothing (t(0) = 0), so a card may be left out
         # where that is faster (hetero_cs.engine.step.idle_replicas).
-        return solve_batch_split(idle_free([p.cost_model for p in profiles]), global_batch_size,
-                                 max_batch_sizes=[p.max_batch_size for p in profiles], min_batch_size=0)
+        return solve_batch_split(idle_free(result.cost_models), global_batch_size,
+                                 max_batch_sizes=list(result.max_batch_sizes), min_batch_size=0)
     except InfeasiblePlanError as exc:
         # The strategies train such a batch as micro-batches (sub-steps within the caps); say so, not "failed".
         warnings.warn(f"Calibration finished, but no plan fits the whole global batch in one step: {exc} "
@@ -373,16 +377,24 @@ def calibrate(
                 labels[replica_id], profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
                 noise[replica_id] * 100,
             )
-        plan = _solve(profiles, global_batch_size)
-        if plan is not None and probe_batch_sizes is None:  # where a fit misses its curve: probe the plan's slices
+        result = CalibrationResult(profiles=tuple(profiles), wall_time_s=0.0, emulated=emulator is not None)
+        result = dataclasses.replace(result, plan=_solve(result, global_batch_size))
+        if result.plan is not None and probe_batch_sizes is None:  # where a fit misses its curve: probe the plan's slices
             profiles, plan = _refit_at_plan(
-                calibrations, profiles, plan, lambda models: _solve(models, global_batch_size), trials=trials,
-                emulated_as=[p.emulated_as for p in profiles])
-    wall_time_s = time.perf_counter() - start_s
-    result = CalibrationResult(profiles=tuple(profiles), wall_time_s=wall_time_s, emulated=emulator is not None,
-                               plan=plan)
+                calibrations, profiles, result.plan,
+                lambda models: _solve(dataclasses.replace(result, profiles=tuple(models)), global_batch_size),
+                trials=trials, emulated_as=[p.emulated_as for p in profiles])
+            result = dataclasses.replace(result, profiles=tuple(profiles), plan=plan)
+        working = [] if result.plan is None else [b for b in result.plan.per_replica_batch_sizes if b > 0]
+        if len(working) > 1:  # the cards side by side, as a training step runs them; then the plan again
+            factors = _time_together(calibrations, result.plan.per_replica_batch_sizes)
+            logger.info("Calibration: all cards at once at %s took %s their time alone; solving the plan again.",
+                        list(result.plan.per_replica_batch_sizes), ", ".join(f"x{f:.3f}" for f in factors))
+            result = dataclasses.replace(result, contention_factors=factors)
+            result = dataclasses.replace(result, plan=_solve(result, global_batch_size))
+    result = dataclasses.replace(result, wall_time_s=time.perf_counter() - start_s)
     # DEBUG: the table every caller prints or logs next (CalibrationResult.format_table) opens with the same line.
-    logger.debug("Calibration of %d device(s) took %.2f s%s.", num_replicas, wall_time_s,
+    logger.debug("Calibration of %d device(s) took %.2f s%s.", num_replicas, result.wall_time_s,
                 " (emulated timings)" if emulator is not None else "")
     if store is not False and key is not None:
         try:

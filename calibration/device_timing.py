@@ -1,12 +1,16 @@
 """Measuring devices for calibration: warm-up and memory caps per device, then timing all devices interleaved.
 
 ``_DeviceCalibration`` holds one device's probe, its probe sizes that fit, its memory cap and its timed samples.
-``_time_interleaved`` times every device round-robin (see ``calibration.calibrate``'s module docstring for why).
+``_time_interleaved`` times every device round-robin (see ``calibration.calibrate``'s module docstring for why);
+``_time_together`` runs the cards at the solved plan all at once, as a training step runs them, and measures how
+much they slow each other down.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +35,9 @@ is piecewise (not a line), may miss the curve between its probes: it is probed a
 
 MAX_REFIT_ROUNDS = 3
 """Rounds of probing at the plan's slices and refitting at most (a non-monotone curve can move the plan each time)."""
+
+CONTENTION_ROUNDS = 3
+"""Timed rounds of the concurrent probe (after one untimed round), each one step per card alone, then all at once."""
 
 
 class _DeviceCalibration:
@@ -260,3 +267,49 @@ def _refit_at_plan(calibrations: Sequence[_DeviceCalibration], profiles: list[De
         if plan is None:
             break
     return profiles, plan
+
+
+def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[int], *,
+                   rounds: int = CONTENTION_ROUNDS) -> tuple[float, ...]:
+    """Contention factors: how much slower each card's step at its slice of ``sizes`` is when every card with
+    examples steps at once (as in a training step) than when it steps alone, one per card (1.0 for an idle one).
+
+    Each round times every working card alone at its slice, then all of them at once (threads that start together
+    behind a barrier); the first round is untimed (new slice sizes). A card's factor is the median of its times
+    together over the median of its times alone (at least 1: cards that run together never help each other), so
+    a change in the host's load between rounds hits both alike. On this probe the cards contend for whatever they
+    share: host cores and threads, PCIe lanes behind one switch, host memory bandwidth.
+    """
+    working = [i for i, b in enumerate(sizes) if b > 0]
+    alone_s: dict[int, list[float]] = {i: [] for i in working}
+    together_s: dict[int, list[float]] = {i: [] for i in working}
+    for round_index in range(rounds + 1):
+        for i in working:
+            elapsed_s = calibrations[i].probe.run_step(int(sizes[i]))
+            if round_index:
+                alone_s[i].append(elapsed_s)
+        barrier = threading.Barrier(len(working))
+        results: dict[int, float] = {}
+        errors: list[BaseException] = []
+
+        def step(i: int) -> None:
+            try:
+                barrier.wait()
+                results[i] = calibrations[i].probe.run_step(int(sizes[i]))
+            except BaseException as exc:  # noqa: BLE001 - raised in the calling thread below
+                barrier.abort()
+                errors.append(exc)
+
+        threads = [threading.Thread(target=step, args=(i,), name=f"hetero_cs_contention_{i}") for i in working]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        if round_index:
+            for i in working:
+                together_s[i].append(results[i])
+    return tuple(
+        max(1.0, statistics.median(together_s[i]) / statistics.median(alone_s[i])) if i in alone_s else 1.0
+        for i in range(len(calibrations)))

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, cost_model_from_dict
+from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.plan import BatchPlan
 
@@ -235,6 +235,10 @@ class CalibrationResult:
             cache (a stored result reads back as False).
         cache_key: The profile cache key this result was loaded from or saved under (None without a cache), so
             that memory caps lowered at run time can be written back to the same entry. Not stored.
+        contention_factors: Per replica, how much slower its step ran when all cards stepped at once at the plan
+            first solved than when it stepped alone (calibration's concurrent probe), each >= 1 (1.0 for a card
+            that plan left idle); None when no such probe ran (one card, a plan that uses one card, a profile
+            written before it). ``cost_models`` carry them, ``plan`` was solved again with them.
     """
 
     profiles: tuple[DeviceProfile, ...]
@@ -244,9 +248,19 @@ class CalibrationResult:
     measured_makespan_s: float | None = None
     from_cache: bool = dataclasses.field(default=False, compare=False)
     cache_key: str | None = dataclasses.field(default=None, compare=False)
+    contention_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profiles", tuple(self.profiles))
+        if self.contention_factors is not None:
+            factors = self.contention_factors
+            factors = () if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__") else tuple(
+                factors)
+            if len(factors) != len(self.profiles) or not all(_is_finite_real(f) and f >= 1 for f in factors):
+                raise ProfileCacheError(
+                    f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
+                    f"contention_factors={self.contention_factors!r}. Recalibrate to replace it.")
+            object.__setattr__(self, "contention_factors", tuple(float(f) for f in factors))
         if not self.profiles or not all(isinstance(p, DeviceProfile) for p in self.profiles):
             raise ProfileCacheError(
                 "CalibrationResult.profiles must be a non-empty sequence of DeviceProfile. Received: "
@@ -273,8 +287,11 @@ class CalibrationResult:
 
     @property
     def cost_models(self) -> tuple[CostModel, ...]:
-        """Cost models in replica order, ready for solve_batch_split."""
-        return tuple(p.cost_model for p in self.profiles)
+        """Cost models in replica order, ready for solve_batch_split: each card's own, times its contention factor
+        (a ``ScaledCostModel``) where the concurrent probe measured one above 1."""
+        factors = self.contention_factors or (1.0,) * len(self.profiles)
+        return tuple(p.cost_model if f == 1.0 else ScaledCostModel(p.cost_model, f)
+                     for p, f in zip(self.profiles, factors))
 
     @property
     def max_batch_sizes(self) -> tuple[int | None, ...]:
@@ -289,6 +306,7 @@ class CalibrationResult:
             "emulated": self.emulated,
             "plan": None if self.plan is None else self.plan.to_dict(),
             "measured_makespan_s": self.measured_makespan_s,
+            "contention_factors": None if self.contention_factors is None else list(self.contention_factors),
         }
 
     @classmethod
@@ -298,7 +316,8 @@ class CalibrationResult:
         Raises:
             ProfileCacheError: If a key is unknown or missing, or a value is invalid.
         """
-        _check_keys("CalibrationResult", data, {"profiles", "wall_time_s", "emulated", "plan", "measured_makespan_s"})
+        _check_keys("CalibrationResult", data, {"profiles", "wall_time_s", "emulated", "plan", "measured_makespan_s"},
+                    {"contention_factors"})
         if not isinstance(data["profiles"], list):
             raise ProfileCacheError("CalibrationResult.profiles must be a list. Recalibrate to replace it.")
         profiles = tuple(DeviceProfile.from_dict(p) for p in data["profiles"])
@@ -314,6 +333,7 @@ class CalibrationResult:
             emulated=data["emulated"],
             plan=plan,
             measured_makespan_s=data["measured_makespan_s"],
+            contention_factors=data.get("contention_factors"),
         )
 
     def format_table(self) -> str:
@@ -341,6 +361,9 @@ class CalibrationResult:
                 else f"took {self.wall_time_s:.2f} s")
         lines = [f"Calibration of {len(self.profiles)} device(s), {source}, {took}"]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        if self.contention_factors is not None:
+            lines.append("all cards at once (concurrent probe): each card's step " + ", ".join(
+                f"x{f:.3f}" for f in self.contention_factors) + " its time alone; the plan below includes it")
         if self.plan is not None:
             predicted_s = self.plan.predicted_makespan_s
             lines.append(f"solved plan: per_replica_batch_sizes={list(self.plan.per_replica_batch_sizes)} "

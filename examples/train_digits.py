@@ -319,9 +319,10 @@ def main(argv=None) -> int:
     alone_check = guard_outcome(strategy, against_alone=True)
     for decision in strategy.balancer.guard.decisions:
         alone = " (the fastest card alone)" if decision.against_alone else ""
+        after = "" if decision.next_trial_step is None else f"; no new trial before step {decision.next_trial_step}"
         print(f"guard: {decision.outcome} {list(decision.candidate_per_replica_batch_sizes)}{alone} against "
               f"{list(decision.incumbent_per_replica_batch_sizes)} (candidate/incumbent makespan "
-              f"{decision.median_ratio:.3f} over {decision.num_pairs} paired steps: {decision.reason})")
+              f"{decision.median_ratio:.3f} over {decision.num_pairs} paired steps: {decision.reason}){after}")
 
     _, test_accuracy = model.evaluate(x_test, y_test, batch_size=B, verbose=0)
     print(f"\n== test accuracy: {test_accuracy:.4f} on {len(x_test)} held-out examples")

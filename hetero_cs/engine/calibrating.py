@@ -131,6 +131,7 @@ def _use(strategy, result, fingerprint: str, global_batch_size: int, source: str
     strategy._balancer.set_cost_models(
         list(result.cost_models),
         max_batch_sizes=list(result.max_batch_sizes),
+        contention_factors=result.contention_factors,
         trial=True,
         # Micro-batched (memory caps bind): the balancer plans the sub-steps, the size it serves.
         reference_batch_size=strategy._micro_batching.reference_batch_size(

@@ -21,7 +21,7 @@ import tensorflow as tf
 from hetero_cs.engine import _compat, arguments
 from hetero_cs.engine.faults import supervised_run
 from hetero_cs.engine.step import replica_state
-from hetero_cs.engine.step.idle_replicas import ActiveSets, ServedSizes
+from hetero_cs.engine.step.idle_replicas import ActiveSets, served_sizes
 from hetero_cs.engine.step.input_roles import InputRoles
 from hetero_cs.engine.step.input_slicing import PlanSlicer, bad_batch_error
 from hetero_cs.engine.packed_values import PackedBatchValues
@@ -83,10 +83,10 @@ class HeteroCentralStorageStrategy(
             ``~/.cache/hetero_cs``), a directory path, a ``calibration.ProfileStore``, or False for no cache.
         guard: With auto_balance, keep a calibrated or re-planned split only after it measured faster than the
             split it replaces, side by side over the same steps (:mod:`hetero_cs.planning.guard`); else revert and
-            back off. It also measures a plan against the fastest card alone where it is predicted less than 1.25x
-            faster, and an overlapped micro-batched plan against the plan it replaces. False trusts the
-            prediction; a :class:`hetero_cs.GuardPolicy` turns it on with its own thresholds (e.g.
-            ``GuardPolicy(alone_check_below=1.5)``).
+            back off. It also measures a plan against the fastest card alone where the plan measures slower than
+            predicted or than that card's predicted time alone, and an overlapped micro-batched plan against the
+            plan it replaces. False trusts the prediction; a :class:`hetero_cs.GuardPolicy` turns it on with its
+            own thresholds (e.g. ``GuardPolicy(alone_check_margin=0.1)``).
         profile: A profile file written by ``hetero-cs calibrate --model package.module:function --output PATH``
             for these devices and this model: its cost models and memory caps are used instead of calibrating
             (read and checked here; see :func:`hetero_cs.engine.calibrating.load_profile`).
@@ -225,7 +225,6 @@ class HeteroCentralStorageStrategy(
         self._last_logged_plan: BatchPlan | None = None
         self._input_error: Exception | None = None  # the last error raised inside the input pipeline
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
-        self._served_sizes = ServedSizes()  # the last sizes each kind of step was cut with
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.step.input_slicing).
         self._slicer = PlanSlicer(
@@ -332,7 +331,7 @@ class HeteroCentralStorageStrategy(
             if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
                 self._active_sets.note(plan.per_replica_batch_sizes, training=training)
-            sizes = self._served_sizes.decide(plan.per_replica_batch_sizes, traced, training=training)
+            sizes = served_sizes(plan.per_replica_batch_sizes, traced)
             return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = self._micro_batching.explained(exc, training=training)  # exc, or one saying why
@@ -495,11 +494,10 @@ class HeteroCentralStorageStrategy(
 
         result = calibrating.calibrate(self, model, data, force=force, progress=progress)
         reference = self._balancer.reference_batch_size
-        if not self._input_roles.keras_loop_now and reference is not None:
-            # A custom loop traces its step once, after this call: it gets a branch in which the replicas that the
-            # guard's "fastest card alone" trial leaves out do no work (hetero_cs.engine.step.idle_replicas). Without
-            # it they would run that trial's steps on 0-example slices, where some kernels fail (Conv2D with oneDNN
-            # on a CPU). Keras' own loops trace again when the trial starts.
+        if reference is not None:
+            # The guard may measure the fastest card alone at any time (when the plan in force measures slow): its
+            # set of active replicas gets a branch before the step is traced (hetero_cs.engine.step.idle_replicas), so
+            # that trial traces nothing again (a custom loop's step is traced once, after this call).
             alone = self._balancer.fastest_alone_plan(reference)
             if alone is not None:
                 self._active_sets.note(alone.per_replica_batch_sizes, training=True)

@@ -84,7 +84,7 @@ class PackedBatchValues:
         step decides now (before any replica runs).
 
         ``traced``: the sets of active replicas the step has branches for (see
-        :meth:`hetero_cs.engine.step.idle_replicas.ServedSizes.decide`), or None.
+        :func:`hetero_cs.engine.step.idle_replicas.served_sizes`), or None.
 
         Returns ``(args, kwargs, batch_leaves, timed, sizes)``; ``batch_leaves`` are the per-replica slices made
         here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64

@@ -38,7 +38,7 @@ from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.balancer_probe import IdleProbes
-from hetero_cs.planning.balancer_alone import AloneCheck
+from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
 from hetero_cs.planning.balancer_micro import MicroBatchedSteps
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
@@ -258,7 +258,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         with self._lock:
             if self._cost_models is not None:
                 self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=caps,
-                                     reference_batch_size=self._reference_batch_size, trial=False)
+                                     reference_batch_size=self._reference_batch_size, trial=False,
+                                     contention_factors=self._contention_factors)
                 return
             self._max_batch_sizes = caps
             self._memory.reset(caps)
@@ -269,6 +270,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
         trial: bool = False, reference_batch_size: int | None = None,
+        contention_factors: Sequence[float] | None = None,
     ) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
 
@@ -278,6 +280,9 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             trial: With the guard on, try the solved plan against the plan in force before keeping it
                 (calibration results); False commits it at once (models a user set on purpose).
             reference_batch_size: The full global batch size, if known before the first batch is served.
+            contention_factors: Per replica, >= 1: how much slower its step runs beside the other cards than
+                alone, already in ``cost_models`` (calibration's concurrent probe); a card's time alone is its
+                model's over its factor (:meth:`fastest_alone_plan`). None: 1.0 each.
 
         Raises:
             ConfigError: Wrong number of cost models or caps.
@@ -315,10 +320,13 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:
             models = idle_free(models)
+        factors = _checked_contention(contention_factors, R)
         with self._lock:
             # Solve with the new models before committing anything, so a failure leaves everything as it was.
-            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size)
+            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size,
+                        self._contention_factors)
             self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            self._contention_factors = factors
             if reference_batch_size is not None:
                 self._reference_batch_size = max(self._reference_batch_size or 0, int(reference_batch_size))
             try:
@@ -327,7 +335,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             except Exception:
                 (self._calibrated_models, self._cost_models, self._max_batch_sizes,
-                 self._reference_batch_size) = previous
+                 self._reference_batch_size, self._contention_factors) = previous
                 raise
             self._rebalancer = rebalancer
             self._memory.reset(caps)
@@ -523,9 +531,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 if decision is not None:
                     restored, self._models_before_replan = self._models_before_replan, None
                     if decision.kept:
-                        kept = plan_from_split(decision.candidate_per_replica_batch_sizes, self._cost_models,
-                                               max_batch_sizes=self._max_batch_sizes)
-                        self._commit(kept)
+                        self._commit(self._plan_of(decision.candidate_per_replica_batch_sizes))
                     elif restored is not None:  # refuted models: back to those the plan in force was made with
                         self._cost_models = restored
                         self._plans_by_batch.clear()
@@ -538,20 +544,16 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                     self._maybe_check_alone()  # the plan now in force, against the fastest card alone
                     break
             return
-        self._maybe_check_alone()  # a plan not yet checked (one whose check was interrupted, say)
-        if self._guard.in_trial:
-            return
-        if not self.rebalance_enabled or self._plan is None or self._cost_models is None:
-            return
-        if self.guard_enabled and not self._guard.may_start(completed):
-            return
         if completed - self._last_look_step < self._look_interval_steps():
             return
         self._last_look_step = completed
-        new_plan = self._rebalancer.propose_from_monitor(
-            self._monitor, self._plan, base_models=self._calibrated_models
-        )
-        if new_plan is None:
+        new_plan = None
+        if (self.rebalance_enabled and self._plan is not None and self._cost_models is not None
+                and (not self.guard_enabled or self._guard.may_start(completed))):
+            new_plan = self._rebalancer.propose_from_monitor(
+                self._monitor, self._plan, base_models=self._calibrated_models)
+        if new_plan is None:  # a drifting card is re-planned first; then the plan in force vs the card alone
+            self._maybe_check_alone()
             return
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
         self._models_before_replan = None if forced else self._cost_models

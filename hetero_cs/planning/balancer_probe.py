@@ -1,13 +1,15 @@
-"""The Balancer's probes of idle cards: a card the plan left out is timed on one example now and then (pure).
+"""The Balancer's probes of idle cards: cards the plan left out are timed on one example now and then (pure).
 
 Part of :class:`hetero_cs.planning.balancer.Balancer` (a base class of it, in its own module for size). A card that a
 solved plan leaves idle (its fixed cost per step is more than the others need for the whole batch, or it drifted
 far slower) has no step times in the monitor's window, so nothing would tell the re-planner that it became fast
-again. Every ``PROBE_INTERVAL_STEPS`` served training batches, one step gives such a card one example, taken from the
-largest slice, and is timed. Its time updates that card's cost model (the monitor keeps the last measured speed of
-an idle card); when the card is fast again the re-planner proposes a plan that uses it, which the guard tries as
-any re-plan. A probe costs one step of one example on the card: for a card 50x slower than calibrated, about 50x
-its fixed cost per step, once per interval. This module imports neither TensorFlow nor pynvml.
+again. Every ``PROBE_INTERVAL_STEPS`` served training batches, one step gives every such card one example, taken
+from the largest slices, and is timed. Its time updates each card's cost model (the monitor keeps the last measured
+speed of an idle card); when a card is fast again the re-planner proposes a plan that uses it, which the guard tries
+as any re-plan. A probe costs one step in which the slowest probed card does one example: for a card 50x slower than
+calibrated, about 50x its fixed cost per step, once per interval. Probing every idle card in the same step makes a
+probe step use every card, whose branch every step has (:mod:`hetero_cs.engine.step.idle_replicas`): probes never make
+a step traced again. This module imports neither TensorFlow nor pynvml.
 """
 
 from __future__ import annotations
@@ -51,17 +53,16 @@ class IdleProbes:
                 or plan.global_batch_size < self._num_replicas or 0 not in sizes:
             return plan
         caps = self._max_batch_sizes or [None] * self._num_replicas
-        due = [i for i, b in enumerate(sizes) if b == 0 and caps[i] != 0
-               and served - self._last_worked[i] >= PROBE_INTERVAL_STEPS]
-        if not due:
+        idle = [i for i, b in enumerate(sizes) if b == 0 and caps[i] != 0]
+        if not any(served - self._last_worked[i] >= PROBE_INTERVAL_STEPS for i in idle):
             return plan
-        replica = min(due, key=lambda i: self._last_worked[i])
-        donor = max(range(len(sizes)), key=lambda i: sizes[i])
         probe = list(sizes)
-        probe[replica], probe[donor] = 1, probe[donor] - 1
-        logger.info("hetero_cs: probing replica %d, idle for %d steps, with 1 example: %s (the plan in force is %s).",
-                    replica, served - self._last_worked[replica], probe, list(sizes))
-        self._last_worked[replica] = served
+        for i in idle:
+            donor = max(range(len(probe)), key=lambda j: probe[j])
+            probe[i], probe[donor] = 1, probe[donor] - 1
+            self._last_worked[i] = served
+        logger.info("hetero_cs: probing idle replica(s) %s with 1 example each: %s (the plan in force is %s).",
+                    idle, probe, list(sizes))
         self._probe_due = True
         self._probes += 1
         return plan_from_split(probe, self._cost_models, max_batch_sizes=self._max_batch_sizes)

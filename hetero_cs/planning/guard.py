@@ -27,9 +27,9 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    revert up to ``max_backoff_steps``; a keep resets it, and so does a revert that comes more than
    ``max_backoff_steps`` after the previous back-off ended.
 4. **The fastest card alone.** A plan that spreads the batch over several cards is also a prediction that they
-   beat the fastest of them alone. Where the plan in force is predicted less than ``alone_check_below`` times
-   faster than the fastest card alone (a gain a mis-calibrated or drifting card could erase), the owner runs one
-   more trial with the same rules: the fastest card alone as the candidate, the plan in force as the incumbent
+   beat the fastest of them alone. Where the plan in force measures slower than predicted, or slower than the
+   fastest card's predicted time alone (:mod:`hetero_cs.planning.balancer_alone` says when exactly), the owner runs
+   one more trial with the same rules: the fastest card alone as the candidate, the plan in force as the incumbent
    (``start(..., against_alone=True)``). Kept, the other cards sit idle; reverted, the plan stays and no back-off
    follows (the check refuted nothing that was proposed).
 
@@ -80,9 +80,13 @@ class GuardPolicy:
         decisive_ratio: > 1. Pairs in which one plan took more than this many times the other's makespan decide
             at once, from the first pair on (no host hiccup is that large, and each further pair would repeat a step
             this slow: a card that drifted 50x slower, left out by the candidate).
+        alone_check_margin: >= 0 (``math.inf`` allowed). The plan in force is measured against the fastest card
+            alone (see item 4 above) when its measured makespan exceeds its prediction by more than this share (or
+            by more than the measurement's noise, whichever is larger; 0.05 = 5 %, the prediction error of a good
+            fit), or exceeds the card's predicted time alone. ``math.inf`` never measures it on this evidence.
         alone_check_below: >= 1 (``math.inf`` allowed). A plan in force predicted less than this many times faster
-            than the fastest card alone (within that card's memory) is measured against it once (see item 4 above);
-            1.0 never measures it, ``math.inf`` always does. Default 1.25.
+            than the fastest card alone (within that card's memory) is measured against it too, whatever it
+            measures; 1.0 (the default) never on the prediction alone, ``math.inf`` always.
 
     Raises:
         ConfigError: If a field is out of range.
@@ -98,7 +102,8 @@ class GuardPolicy:
     max_backoff_steps: int = 800
     max_trial_steps: int = 200
     decisive_ratio: float = 4.0
-    alone_check_below: float = 1.25
+    alone_check_margin: float = 0.05
+    alone_check_below: float = 1.0
 
     def __post_init__(self) -> None:
         p = self.pattern
@@ -126,8 +131,14 @@ class GuardPolicy:
         below = self.alone_check_below
         if isinstance(below, bool) or not isinstance(below, numbers.Real) or math.isnan(below) or below < 1:
             raise ConfigError(
-                f"alone_check_below must be a number >= 1 (1 never measures the fastest card alone, math.inf always "
-                f"does). Received: alone_check_below={below!r}."
+                f"alone_check_below must be a number >= 1 (1.0 never checks a plan on its prediction alone, math.inf "
+                f"checks every plan). Received: alone_check_below={below!r}."
+            )
+        margin = self.alone_check_margin
+        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or math.isnan(margin) or margin < 0:
+            raise ConfigError(
+                f"alone_check_margin must be a number >= 0 (0.05 = 5 %; math.inf never measures the plan against "
+                f"the fastest card alone on its measured speed). Received: alone_check_margin={margin!r}."
             )
         if 2.0 ** -(2 * self.max_pairs) >= self.significance:
             raise ConfigError(
@@ -168,6 +179,8 @@ class GuardDecision:
         reason: One line for the log.
         against_alone: True when the candidate was the fastest card alone, measured against the plan in force
             (a check of the plan, not a proposal: its revert causes no back-off).
+        next_trial_step: After a revert of a proposed plan, the first step at which a new trial may start (the
+            back-off); None otherwise.
     """
 
     step: int
@@ -179,6 +192,7 @@ class GuardDecision:
     p_value: float | None
     reason: str
     against_alone: bool = False
+    next_trial_step: int | None = None
 
     @property
     def kept(self) -> bool:
@@ -370,9 +384,7 @@ class PlanGuard:
             self._ratios.append(self._pending_candidate_s / float(makespan_s))
             self._pending_candidate_s = None
         decision = self._decide(step)
-        if decision is not None:
-            self._finish(decision)
-        return decision
+        return None if decision is None else self._finish(decision)
 
     def abandon(self) -> None:
         """Ends a trial without a decision (the plans it compared are obsolete, e.g. new cost models)."""
@@ -419,7 +431,7 @@ class PlanGuard:
             against_alone=self._against_alone,
         )
 
-    def _finish(self, decision: GuardDecision) -> None:
+    def _finish(self, decision: GuardDecision) -> GuardDecision:
         policy = self._policy
         if decision.kept:
             self._consecutive_reverts = 0
@@ -432,13 +444,11 @@ class PlanGuard:
             self._consecutive_reverts += 1
             self._num_reverts += 1
             self._blocked_until_step = decision.step + backoff
+            decision = dataclasses.replace(decision, next_trial_step=self._blocked_until_step)
         self._last_decision = decision
         self._decisions.append(decision)
         p_text = "" if decision.p_value is None else f", p={decision.p_value:.3g}"
-        if decision.kept or decision.against_alone:
-            after = ""
-        else:
-            after = f"; no new trial before step {self._blocked_until_step}"
+        after = "" if decision.next_trial_step is None else f"; no new trial before step {decision.next_trial_step}"
         (logger.debug if self._quiet else logger.info)(
             "guard: %s %s%s (vs %s): candidate/incumbent makespan %.3f over %d pairs%s - %s%s",
             decision.outcome, list(decision.candidate_per_replica_batch_sizes),
@@ -447,6 +457,7 @@ class PlanGuard:
             decision.reason, after,
         )
         self.abandon()
+        return decision
 
 
 def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:

@@ -151,6 +151,7 @@ def simulate_balancer(
     prefetch: int = 0,
     relative_noise: float = 0.0,
     common_noise_sigma: float = 0.0,
+    contention: float = 1.0,
     seed: int = 0,
 ) -> list[BalancedStep]:
     """Drives a :class:`~hetero_cs.planning.balancer.Balancer` as an engine would, with synthetic step times.
@@ -161,7 +162,9 @@ def simulate_balancer(
     replica i reports
     ``true_i(b_i) * c_k * u_ki``: c_k = exp(N(0, common_noise_sigma^2)) is shared by every replica of step k (the
     whole host got busier or quieter) and u_ki ~ U(1 - relative_noise, 1 + relative_noise) is the replica's own
-    noise. Every step is timed.
+    noise. Every step is timed. Cards that work together contend for the host (its cores, PCIe lanes, memory
+    bandwidth), which calibration, timing each card on its own, does not see: in a step where two or more replicas
+    have examples, each of them takes ``contention`` times its true time.
 
     Args:
         balancer: The Balancer under test (its monitor receives the reports).
@@ -171,6 +174,7 @@ def simulate_balancer(
         prefetch: >= 0, batches cut ahead of the step that runs them (0: when the step starts).
         relative_noise: In [0, 1), per-replica multiplicative noise half-width.
         common_noise_sigma: >= 0, sigma of the per-step common-mode lognormal factor.
+        contention: >= 1, the factor on every working replica's time in a step where two or more work.
         seed: numpy default_rng seed; equal arguments give equal results.
 
     Returns:
@@ -182,10 +186,12 @@ def simulate_balancer(
     """
     if not _is_int(steps) or steps < 0 or not _is_int(prefetch) or prefetch < 0:
         raise ConfigError(f"steps and prefetch must be integers >= 0. Received: steps={steps!r}, prefetch={prefetch!r}.")
-    if not (0.0 <= relative_noise < 1.0) or not (0.0 <= common_noise_sigma < math.inf):
+    if not (0.0 <= relative_noise < 1.0) or not (0.0 <= common_noise_sigma < math.inf) or not (
+            1.0 <= contention < math.inf):
         raise ConfigError(
-            f"relative_noise must be in [0, 1) and common_noise_sigma finite and >= 0. Received: "
-            f"relative_noise={relative_noise!r}, common_noise_sigma={common_noise_sigma!r}."
+            f"relative_noise must be in [0, 1), common_noise_sigma finite and >= 0 and contention finite and >= 1. "
+            f"Received: relative_noise={relative_noise!r}, common_noise_sigma={common_noise_sigma!r}, "
+            f"contention={contention!r}."
         )
     rng = np.random.default_rng(seed)
     queue = [balancer.serve(global_batch_size) for _ in range(prefetch)]
@@ -201,6 +207,8 @@ def simulate_balancer(
                 f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)})."
             )
         true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
+        if sum(1 for b in sizes if b > 0) > 1:
+            true_s = true_s * contention
         common = float(np.exp(rng.normal(0.0, common_noise_sigma)))
         times_s = true_s * common * rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, len(sizes))
         in_force = balancer.plan

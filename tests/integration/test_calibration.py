@@ -18,6 +18,7 @@ EMULATED = ("A10", "T4", "P100")
 DEVICES = setup_logical_devices(list(EMULATED))
 
 import json  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import keras  # noqa: E402
@@ -38,6 +39,9 @@ from calibration.probe import (  # noqa: E402
     search_memory_cap,
 )
 from calibration.store import ProfileStore, load_result_file  # noqa: E402
+from calibration.result import CalibrationResult  # noqa: E402
+from hetero_cs.planning.cost_model import idle_free  # noqa: E402
+from hetero_cs.planning.solver import solve_batch_split  # noqa: E402
 from hetero_cs.errors import CalibrationError, CalibrationOOMError, ConfigError, DeviceError  # noqa: E402
 
 GLOBAL_BATCH_SIZE = 128
@@ -386,14 +390,17 @@ class _ScriptedProbe:
         cls.calls += 1
         cls.log.append((self.replica_id, batch_size))
         a_s, c_s = cls.true[self.replica_id]
-        return (a_s + c_s * batch_size) * cls.load(call)
+        # Stepped beside the other cards (the concurrent probe runs each card in a thread of its own): `together`.
+        beside = threading.current_thread() is not threading.main_thread()
+        return (a_s + c_s * batch_size) * cls.load(call) * (cls.together[self.replica_id] if beside else 1.0)
 
     def fits(self, batch_size):
         return True
 
 
-def _scripted(monkeypatch, true, load):
-    probe_class = type("Probe", (_ScriptedProbe,), {"calls": 0, "log": [], "true": true, "load": staticmethod(load)})
+def _scripted(monkeypatch, true, load, together=(1.0, 1.0, 1.0)):
+    probe_class = type("Probe", (_ScriptedProbe,), {"calls": 0, "log": [], "true": true, "load": staticmethod(load),
+                                                   "together": together})
     monkeypatch.setattr(probe_module, "DeviceProbe", probe_class)
     return probe_class
 
@@ -410,7 +417,31 @@ def test_calibration_times_devices_interleaved_round_robin(monkeypatch, digits_c
     first_pass, second_pass = probe_class.log[6:12], probe_class.log[12:18]
     assert first_pass == [(0, 4), (1, 4), (2, 4), (0, 64), (1, 64), (2, 64)]
     assert second_pass == [(1, 4), (2, 4), (0, 4), (1, 64), (2, 64), (0, 64)]  # the device order rotates
-    assert len(probe_class.log) == 18  # 6 warm-up steps, then 2 trials x 2 sizes x 3 devices
+    assert len(probe_class.log) == 18 + 24  # 6 warm-up steps, 2 trials x 2 sizes x 3 devices, the concurrent probe
+    # Then the concurrent probe: 4 rounds (the first untimed), each card alone at its slice of the plan, then all
+    # three at once; every card at one size throughout.
+    sizes = {i: {b for j, b in probe_class.log[18:] if j == i} for i in range(3)}
+    assert all(len(sizes[i]) == 1 for i in range(3)), sizes
+
+
+def test_calibration_ends_with_all_cards_at_once_and_solves_the_plan_again_for_their_contention(monkeypatch,
+                                                                                               digits_cnn, caplog):
+    # Beside the other cards the A10 steps 1.5x slower than alone (it shares the host with them), the others alike.
+    _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: 1.0, together=(1.5, 1.0, 1.0))
+    with caplog.at_level("INFO", logger="calibration"):
+        result = calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
+                           probe_batch_sizes=[4, 64], warmup_steps=1, trials=2, store=False, progress=False)
+    assert result.contention_factors == pytest.approx((1.5, 1.0, 1.0))
+    assert result.cost_models[0].predict_step_time_s(64) == pytest.approx(
+        1.5 * result.profiles[0].cost_model.predict_step_time_s(64))
+    assert result.cost_models[1] is result.profiles[1].cost_model
+    alone_plan = solve_batch_split(idle_free([p.cost_model for p in result.profiles]), GLOBAL_BATCH_SIZE,
+                                   min_batch_size=0)
+    assert result.plan.per_replica_batch_sizes[0] < alone_plan.per_replica_batch_sizes[0]  # solved again
+    assert result.plan.predicted_makespan_s > alone_plan.predicted_makespan_s
+    assert "x1.500, x1.000, x1.000" in result.format_table()
+    assert any("all cards at once" in r.getMessage() for r in caplog.records)
+    assert CalibrationResult.from_dict(result.to_dict()) == result
 
 
 def test_a_busy_phase_of_the_host_does_not_reorder_the_devices(monkeypatch, digits_cnn):
@@ -438,7 +469,7 @@ def test_noise_is_recorded_and_a_noisy_calibration_repeats_its_trials(monkeypatc
     with caplog.at_level("WARNING", logger="calibration"):
         result = calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
                            probe_batch_sizes=[4, 64], warmup_steps=1, trials=3, store=False, progress=False)
-    timed = len(probe_class.log) - 6
+    timed = len(probe_class.log) - 6 - 24  # not the warm-up, nor the concurrent probe
     assert timed == 3 * (3 * 2 * 3)  # MAX_TIMING_ROUNDS rounds of 3 trials x 2 sizes x 3 devices
     assert all(p.relative_noise > 0.10 for p in result.profiles)
     messages = [r.getMessage() for r in caplog.records]
@@ -453,7 +484,7 @@ def test_a_quiet_calibration_records_low_noise_and_does_not_repeat(monkeypatch, 
     probe_class = _scripted(monkeypatch, TRUE_A10_T4_P100, lambda call: float(jitter[call]))
     result = calibrate(digits_cnn, _digits_batch(16), devices=DEVICES, global_batch_size=GLOBAL_BATCH_SIZE,
                        probe_batch_sizes=[4, 64], warmup_steps=1, trials=3, store=False, progress=False)
-    assert len(probe_class.log) - 6 == 3 * 2 * 3
+    assert len(probe_class.log) - 6 - 24 == 3 * 2 * 3
     assert all(0 < p.relative_noise < 0.02 for p in result.profiles)
 
 

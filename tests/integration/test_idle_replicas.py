@@ -427,3 +427,71 @@ def test_a_custom_loop_calibrated_before_its_trace_leaves_the_cards_the_fastest_
     strategy.set_batch_split([int(i == alone[0][0]) for i in range(3)])  # the trial's split, after the trace
     alone = strategy.reduce("SUM", step(batch), axis=None)
     assert np.isfinite(float(first)) and np.isfinite(float(alone))
+
+
+def test_regression_an_evaluate_batch_whose_plan_leaves_a_card_out_runs_no_0_example_conv2d():
+    # The main job, calibrated with contention: the A10 paid a large fixed cost per step beside the others, so the
+    # plan of evaluate's last batch (104 of 360 examples) left it out - a set no branch was traced for, whose step
+    # then ran the A10 on a 0-example slice, and oneDNN's Conv2D failed ("input depth must be evenly divisible by
+    # filter depth"). Such a step now runs as a traced superset, the left-out card given one example.
+    from hetero_cs.planning.cost_model import LinearCostModel
+
+    def cnn(seed):
+        init = keras.initializers.GlorotUniform
+        model = keras.Sequential([keras.Input((6, 6, 2)), ForwardCounter(),
+                                  keras.layers.Conv2D(3, 3, kernel_initializer=init(seed=seed)),
+                                  keras.layers.Conv2D(4, 3, kernel_initializer=init(seed=seed + 2)),
+                                  keras.layers.Flatten(), keras.layers.Dense(2, kernel_initializer=init(seed=seed + 1))])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(17, 6, 6, 2)).astype(np.float32)  # batches of 12 and 5 (>= R = 3)
+    y = rng.integers(0, 2, size=17).astype(np.int32)
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], rebalance=False, guard=False,
+                                            profile_cache=False)
+    # Replica 0: 10 ms fixed, fast per example; the others none, slow per example: 12 examples use all three, the
+    # last 5 only replicas 1 and 2.
+    strategy.set_cost_models([LinearCostModel(0.01, 1e-4), LinearCostModel(0.0, 2e-3), LinearCostModel(0.0, 2e-3)])
+    assert strategy.balancer.plan_for_inference(5).per_replica_batch_sizes[0] == 0
+    assert 0 not in strategy.balancer.plan_for_inference(12).per_replica_batch_sizes
+    reference = cnn(4)
+    with strategy.scope():
+        model = cnn(4)
+    got = model.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    want = reference.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=key)
+    assert min(counter_of(model).counts[i] for i in range(3)) == 2, counter_of(model).counts  # every replica, both
+    # The next pass traces the set, and the last batch leaves the card out, as planned.
+    model.evaluate(x, y, batch_size=12, verbose=0)
+    assert counter_of(model).counts[0] == 3, counter_of(model).counts
+
+
+def test_a_set_without_a_branch_runs_as_the_smallest_traced_superset():
+    from hetero_cs.engine.step.idle_replicas import served_sizes
+
+    traced = frozenset({(0,), (0, 1), (1, 2)})
+    assert served_sizes([8, 0, 0], traced) == (8, 0, 0)  # traced
+    assert served_sizes([0, 0, 8], traced) == (0, 1, 7)  # {2} runs as {1, 2}
+    assert served_sizes([0, 8, 0], traced) == (1, 7, 0)  # {1}: two supersets of two, the first in order
+    assert served_sizes([5, 0, 3], traced) == (4, 1, 3)  # {0, 2}: as every replica, from the largest slice
+    assert served_sizes([0, 0, 2], traced) == (0, 1, 1)
+    assert served_sizes([2, 0, 0, 0], frozenset()) == (2, 0, 0, 0)  # fewer examples than replicas: as planned
+    assert served_sizes([0, 3, 1], None) == (0, 3, 1)  # no branches (eager, one replica)
+
+
+def test_a_set_keeps_its_branch_however_many_others_come():
+    from hetero_cs.engine.step.idle_replicas import MAX_SETS_PER_REPLICA, ActiveSets
+
+    sets = ActiveSets(3)
+    for sizes in ([8, 0, 0], [7, 1, 0], [7, 0, 1], [8, 0, 0], [0, 4, 4], [7, 1, 0], [3, 3, 2]):
+        sets.note(sizes, training=True)  # plans, trials and their returns
+    assert sets.for_trace(training=True) == ((0,), (0, 1), (0, 2), (1, 2)) and sets.version(training=True) == 4
+    sets.note([0, 0, 8], training=False)
+    assert (2,) in sets.for_trace(training=False) and (2,) not in sets.for_trace(training=True)
+    bounded = ActiveSets(2)  # 2 sets for R = 2; any set past the bound would run as its superset
+    for sizes in ([1, 0], [0, 1], [1, 0]):
+        bounded.note(sizes, training=True)
+    assert bounded.for_trace(training=True) == ((0,), (1,)) and MAX_SETS_PER_REPLICA * 2 >= 2

@@ -4,6 +4,7 @@ The tests about decisions (re-plans, guard trials) take the emulated devices' mo
 (``modelled_step_times``): measured on a busy host, scheduling delays could hide the drift or fake one.
 """
 
+import itertools
 import os
 
 import keras
@@ -117,3 +118,62 @@ def test_log_everything_puts_every_figure_in_the_logs_as_before(fast_emulation):
     with pytest.raises(hetero_cs.ConfigError, match="log_everything must be True or False"):
         hetero_cs.BalanceCallback(strategy, log_everything="yes")
 
+
+
+class TraceCounter(keras.layers.Layer):
+    """Passes its input through; counts the times its call is traced (Python runs only while a step is traced)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tally = itertools.count()
+
+    @property
+    def traces(self):
+        return _peek(self.tally)
+
+    def call(self, x):
+        next(self.tally)
+        return x
+
+
+def _peek(counter):
+    return int(repr(counter)[6:-1])  # itertools.count's repr is "count(N)": its next value, taken without a step
+
+
+@pytest.mark.slow  # about 20 s: a fit of 140 steps, a quarter of them on cards 20x slower
+def test_a_long_fit_with_re_planning_and_probes_traces_its_step_once_per_new_set(monkeypatch, tmp_path,
+                                                                                modelled_step_times):
+    # The T4 and the P100 run 20x slower in steps [10, 100): the plan leaves both out (the set {0}), and both are
+    # probed with one example every 10 steps here (every 40 by default). Before, each card was probed on its own
+    # (the sets {0, 1} and {0, 2}), and only the 2 most recently used sets kept a branch, so every probe traced the
+    # train step again (10 retraces here; 43 in 900 steps of the main job, memory growing with each).
+    from hetero_cs.planning import balancer_probe
+
+    monkeypatch.setattr(balancer_probe, "PROBE_INTERVAL_STEPS", 10)
+    monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "10")
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
+    drift = [Drift(replica_id=i, factor=20.0, from_step=10, until_step=100) for i in (1, 2)]
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=Emulator(
+        ["A10", "T4", "P100"], workload=Workload(flops_per_example=2e9, parameter_bytes=20_000_000), drift=drift))
+    with strategy.scope():
+        counter = TraceCounter()
+        model = keras.Sequential([keras.Input((32,)), counter, keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 32)).astype(np.float32), rng.integers(0, 10, size=128).astype(np.int32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(128).repeat()
+    traces, plans = [], []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            traces.append(counter.traces)
+            plans.append(strategy.plan.per_replica_batch_sizes)
+
+    model.fit(dataset, epochs=14, steps_per_epoch=10, verbose=0, callbacks=[Record()])
+    assert (128, 0, 0) in plans[2:9], plans  # both slow cards left out during the drift
+    assert strategy.balancer.probes >= 3, strategy.balancer.probes
+    retraced = [epoch for epoch in range(1, len(traces)) if traces[epoch] > traces[epoch - 1]]
+    # Traced when fit starts, with a branch for the A10 alone (calibration gives it one: the guard may measure it at
+    # any time), which the plan that leaves both cards out uses; perhaps once more for a set the recovery meets.
+    assert len(retraced) <= 1 and all(epoch < 12 for epoch in retraced), (traces, plans)
+    assert (0,) in strategy._active_sets.for_trace(training=True)

@@ -6,7 +6,7 @@ import pytest
 
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel
+from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, ScaledCostModel
 from hetero_cs.planning.guard import GuardPolicy
 from hetero_cs.planning.simulation import simulate_balancer
 
@@ -42,30 +42,50 @@ def test_a_plan_slower_than_the_fastest_card_alone_in_truth_is_replaced_by_it():
     assert "idle replicas: [1]" in str(balancer.plan)
 
 
-def test_a_plan_that_beats_the_fastest_card_alone_stays_and_the_check_costs_no_back_off():
+def test_a_plan_slower_than_predicted_but_faster_than_the_card_alone_stays_and_the_check_costs_no_back_off():
     balancer = balancer_for()
-    simulate_balancer(balancer, lambda step: truth(0.0), B, steps=60, relative_noise=0.02)
+    # The second card takes 10 ms more a step than calibrated: the plan measures 0.098 s against 0.088 s predicted
+    # (11 %, past the 5 % margin), and the A10 alone still 0.105 s.
+    simulate_balancer(balancer, lambda step: truth(0.01), B, steps=60, relative_noise=0.02)
     first, check = balancer.guard.decisions  # one check only: the plan in force did not change
     assert first.kept and check.against_alone and check.outcome == "reverted"
-    assert check.median_ratio > 1.1  # the A10 alone measured slower: 0.105 s against 0.088 s
+    assert check.median_ratio > 1.03  # the A10 alone measured slower: 0.105 s against 0.098 s
     assert balancer.plan.per_replica_batch_sizes == (834, 166)
     assert balancer.guard.num_reverts == 0 and balancer.guard.may_start(check.step)
 
 
-def test_a_plan_predicted_well_above_the_threshold_is_not_checked():
-    models = [LinearCostModel(0.005, 1e-4), LinearCostModel(0.005, 1.2e-4)]  # predicted 1.8x over the first alone
-    balancer = balancer_for(models)
-    simulate_balancer(balancer, lambda step: [IdleFreeCostModel(m) for m in models], B, steps=30)
+def test_a_plan_that_measures_as_predicted_is_not_checked_even_when_its_predicted_gain_is_small():
+    # The plan is predicted only 1.19x faster than the A10 alone; it measures so, and that is no reason to spend a
+    # trial on the A10 alone (the old rule checked every plan predicted less than 1.25x faster).
+    balancer = balancer_for()
+    simulate_balancer(balancer, lambda step: truth(0.0), B, steps=60, relative_noise=0.02)
     assert [d.against_alone for d in balancer.guard.decisions] == [False]
-    # alone_check_below=inf checks any plan that uses two cards or more; 1.0 never does.
-    always = balancer_for(models, guard_policy=GuardPolicy(alone_check_below=math.inf))
-    simulate_balancer(always, lambda step: [IdleFreeCostModel(m) for m in models], B, steps=60)
+    # alone_check_below=inf checks any plan that uses two cards or more on its prediction alone.
+    always = balancer_for(guard_policy=GuardPolicy(alone_check_below=math.inf))
+    simulate_balancer(always, lambda step: truth(0.0), B, steps=60, relative_noise=0.02)
     assert [d.against_alone for d in always.guard.decisions] == [False, True]
     assert always.guard.decisions[1].outcome == "reverted"
-    never = balancer_for(guard_policy=GuardPolicy(alone_check_below=1.0))
+    # alone_check_margin=inf never checks on measurements: the plan stays, slower than the A10 alone.
+    never = balancer_for(guard_policy=GuardPolicy(alone_check_margin=math.inf))
     simulate_balancer(never, lambda step: truth(0.1), B, steps=30)
     assert [d.against_alone for d in never.guard.decisions] == [False]
     assert never.plan.per_replica_batch_sizes == (834, 166)
+
+
+def test_a_plan_predicted_well_faster_than_the_card_alone_is_checked_when_it_measures_slower_than_it():
+    # The regression of the main job at emulated 20 ms steps: the solved plan was predicted 1.31x faster than the
+    # A10 alone (past the old rule's 1.25, so no check ran) and measured 0.94x of it: calibration times each card on
+    # its own, and the cards contend for the host when they run together. Here two cards that work together each
+    # take 1.8x their calibrated time: the plan, predicted 0.072 s (1.46x faster than the A10 alone), measures
+    # 0.129 s, and the A10 alone 0.105 s.
+    calibrated = [LinearCostModel(0.005, 1e-4), LinearCostModel(0.005, 2e-4)]
+    balancer = balancer_for(calibrated)
+    trace = simulate_balancer(balancer, lambda step: [IdleFreeCostModel(m) for m in calibrated], B, steps=60,
+                              relative_noise=0.02, contention=1.8)
+    first, check = balancer.guard.decisions
+    assert first.kept and first.candidate_per_replica_batch_sizes == (667, 333)
+    assert check.against_alone and check.kept and balancer.plan.per_replica_batch_sizes == (B, 0)
+    assert all(s.per_replica_batch_sizes == (B, 0) for s in trace[check.step + 1:])
 
 
 def test_the_fastest_card_alone_is_one_whose_memory_holds_the_whole_batch():
@@ -127,3 +147,31 @@ def test_a_check_cut_short_by_fixed_shares_runs_again_once_balancing_is_back():
     simulate_balancer(balancer, lambda step: truth(0.1), B, steps=40, relative_noise=0.02)
     check = balancer.guard.decisions[-1]
     assert check.against_alone and check.kept and balancer.plan.per_replica_batch_sizes == (B, 0)
+
+
+def test_a_card_alone_is_predicted_without_the_contention_calibration_measured_beside_the_others():
+    # Calibration's concurrent probe found every card 1.8x slower beside the other (the models carry it): the plan
+    # [834, 166] is predicted 0.159 s and measures so; the A10 at its contended model would take 0.189 s, but alone
+    # it contends with nothing: 0.105 s. The guard measures the two side by side, and the A10 alone stays.
+    contended = [ScaledCostModel(m, 1.8) for m in CALIBRATED]
+    balancer = Balancer(2, rebalance=False, idle_replicas_free=True)
+    balancer.set_cost_models(contended, contention_factors=[1.8, 1.8], trial=True, reference_batch_size=B)
+    alone = balancer.fastest_alone_plan(B)
+    assert alone.per_replica_batch_sizes == (B, 0) and alone.predicted_makespan_s == pytest.approx(0.105)
+    simulate_balancer(balancer, lambda step: truth(0.0), B, steps=40, relative_noise=0.02, contention=1.8)
+    first, check = balancer.guard.decisions
+    assert first.candidate_per_replica_batch_sizes == (834, 166) and check.against_alone and check.kept
+    assert balancer.plan.per_replica_batch_sizes == (B, 0)
+    assert balancer.plan.predicted_makespan_s == pytest.approx(0.105)  # alone: not at its contended 0.189 s
+    # Without the factors the A10 alone is priced beside the other, and the plan measures as predicted: the plan of
+    # both cards stays, 1.5x slower than the A10 alone.
+    blind = Balancer(2, rebalance=False, idle_replicas_free=True)
+    blind.set_cost_models(contended, trial=True, reference_batch_size=B)
+    simulate_balancer(blind, lambda step: truth(0.0), B, steps=40, relative_noise=0.02, contention=1.8)
+    assert blind.plan.per_replica_batch_sizes == (834, 166)
+
+
+@pytest.mark.parametrize("bad", [[1.0], [0.9, 1.0], [math.nan, 1.0], [math.inf, 1.0]])
+def test_contention_factors_are_one_number_of_at_least_one_per_replica(bad):
+    with pytest.raises(ConfigError, match="contention_factors must hold one finite number >= 1 per replica"):
+        Balancer(2).set_cost_models(CALIBRATED, contention_factors=bad)

@@ -151,6 +151,9 @@ def test_back_off_doubles_after_consecutive_reverts_and_resets_after_a_keep():
     guard.start(EVEN, SOLVED, step=decision.step)
     revert = run_trial(guard, lambda k: 0.2, lambda k: 0.1, start=decision.step)
     assert not guard.may_start(revert.step + 9) and guard.may_start(revert.step + 10)
+    # The decision says when: the main job prints "no new trial before step N" from it, as the log line does.
+    assert revert.next_trial_step == revert.step + 10 and decision.next_trial_step is None
+    assert guard.decisions[-1] is revert and guard.last_decision is revert
 
 
 def test_a_trial_that_sees_no_pairs_reverts_after_max_trial_steps():

@@ -308,3 +308,20 @@ def test_a_profile_with_a_cap_of_zero_has_no_samples_and_no_fitted_model(change)
         DeviceProfile(**{**fields, **change})
     with pytest.raises(ProfileCacheError, match="max_batch_size must be None or an int >= 0"):
         DeviceProfile(**{**fields, "max_batch_size": -1})
+
+
+def test_contention_factors_round_trip_and_scale_the_cost_models_and_an_older_profile_has_none(tmp_path):
+    result = dataclasses.replace(_result(), contention_factors=(1.25, 1.0))
+    back = CalibrationResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert back == result and back.contention_factors == (1.25, 1.0)
+    assert back.cost_models[0].predict_step_time_s(64) == pytest.approx(1.25 * 0.0164)
+    assert back.cost_models[1] is back.profiles[1].cost_model
+    older = result.to_dict()
+    del older["contention_factors"]  # written before the concurrent probe existed
+    assert CalibrationResult.from_dict(older).contention_factors is None
+
+
+@pytest.mark.parametrize("factors", [(1.25,), (0.9, 1.0), (float("nan"), 1.0), "12"])
+def test_contention_factors_are_one_number_of_at_least_one_per_profile(factors):
+    with pytest.raises(ProfileCacheError, match="contention_factors must hold one finite number >= 1 per profile"):
+        dataclasses.replace(_result(), contention_factors=factors)

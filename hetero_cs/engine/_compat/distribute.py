@@ -138,11 +138,12 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         if not tf.executing_eagerly() and R > 1:
             training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
             sets = strategy._active_sets.for_trace(training=training_step)  # noqa: SLF001
-        # Only Keras' own loops trace their step again when a new set appears: a custom loop's step is never
-        # deferred (it would wait for a trace that never comes); see idle_replicas.ServedSizes.decide.
-        deferrable = sets if sets is not None and strategy._input_roles.keras_loop_now else None  # noqa: SLF001
-        args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(  # noqa: SLF001
-            args, kwargs, traced=deferrable)
+        # In Keras' own loops, which trace their step again when a new set appears, a plan whose set has no branch
+        # here runs as a traced superset for that one step (idle_replicas.served_sizes). A custom loop's step is
+        # never traced again: its idle replicas run on 0-example slices in branch 0 (exact), rather than give an
+        # example to a card the plan left out, maybe one far slower.
+        traced = sets if sets is not None and strategy._input_roles.keras_loop_now else None  # noqa: SLF001
+        args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs, traced=traced)  # noqa: SLF001
         if sizes is None or R == 1:
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None)
         from hetero_cs.engine.step.sub_steps import current_sub_step

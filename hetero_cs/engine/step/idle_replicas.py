@@ -8,18 +8,24 @@ backward pass, and the step's gradient sum and failure barrier do not wait for i
 How. A step is one ``strategy.run`` call, traced once into the step's graph, and the plan (so which replicas idle) is
 decided when the step starts, inside that graph. tf.distribute runs the replica functions in threads that meet at
 every cross-replica point (the gradient sum, BatchNormalization's statistics, a variable write), so a replica's work
-cannot sit in a branch of its own. Instead the whole call is traced once per *set of active replicas* that plans use
+cannot sit in a branch of its own. Instead the whole call has one branch per *set of active replicas* that plans use
 (only those threads run, with their own replica ids and devices), and the step picks the branch of its set
-(``tf.switch_case``) when it starts. The set of every replica is always branch 0; a set no branch was traced for
-runs there, its idle replicas on 0-example slices, which is exact (BatchNormalization and every loss are
-0-example safe) but not idle.
+(``tf.switch_case``) when it starts. The set of every replica is always branch 0.
 
-Which sets are traced. The most recent ones of the plans served, solved or tried so far (:class:`ActiveSets`, fed by
-the strategy when a plan is chosen, a guard trial starts or ``batch_split`` is set): a step traced before a set was
-first needed runs it in branch 0. ``model.fit`` traces its train step again right before a step when a new set
-appeared (:meth:`ActiveSets.version`), and ``evaluate`` and ``predict`` when they start; a plan that changes while
-a step starts waits one step for that trace (:class:`ServedSizes`). A custom loop's ``tf.function`` keeps the sets
-it was traced with (trace it after ``strategy.calibrate``, or call it once more in a new ``tf.function``).
+Which sets get a branch, and how often a step is traced. Every set that a plan served, solved or tried so far uses
+(:class:`ActiveSets`, fed by the strategy when a plan comes into force, a guard trial starts or ``batch_split`` is
+set; calibration adds the fastest card alone, which the guard may measure at any time), up to
+``MAX_SETS_PER_REPLICA * R`` sets. A set keeps its branch: a trial or a plan that comes back finds its branch traced,
+and a probe gives every idle card one example at once (the set of every replica), so a long run traces its step
+once per new set at most (for three cards, at most the six sets there are), never again for sets it met before.
+``model.fit`` traces its train step again right before a step when a new set appeared (:meth:`ActiveSets.version`),
+``evaluate`` and ``predict`` when they start. In those, a step whose plan's set has no branch (one met while the
+step runs, a set past the bound) runs the smallest superset that has one, its extra replicas given one example each
+from the largest slices (:func:`served_sizes`): exact, no replica runs a 0-example slice (some kernels fail there:
+Conv2D with oneDNN on a CPU), and the set's own branch comes with the next trace. A custom loop's ``tf.function``
+keeps the sets it was traced with (trace it after ``strategy.calibrate``); a set met later runs in branch 0, its
+idle replicas on 0-example slices: exact, but not idle. Every branch costs each step a little (TensorFlow walks the
+branches not taken).
 
 An idle replica's outputs. ``strategy.run`` still returns one value per replica. Where a replica's output has a
 batch dimension (a leading dimension unknown at trace time: predictions, per-example losses) the idle replica's
@@ -31,9 +37,10 @@ Under the multi-worker strategy. Every replica of every worker must join each co
 BatchNormalization's statistics), so a replica's step cannot be left out. Instead, in Keras' own ``train_step``, a
 replica with 0 examples skips its forward pass, loss and gradient (a ``tf.cond`` around that part of the step,
 :mod:`hetero_cs.engine._compat.replica_pass`) and hands exact zeros to the all-reduce; a worker whose replicas are all
-idle still joins every collective. Where that cannot be (:func:`multi_worker_skips`: a trainable BatchNormalization,
-a loss normalised across replicas, a ``train_step`` override, a custom loop), the idle replica runs its pass on a
-0-example slice, exact as before, and plans price its fixed cost (the chief's Balancer is told which:
+idle still joins every collective. Where that cannot be
+(:func:`hetero_cs.engine._compat.replica_xla.multi_worker_skips`: a trainable BatchNormalization, a loss normalised
+across replicas, a ``train_step`` override, a custom loop), the idle replica runs its pass on a 0-example slice, exact
+as before, and plans price its fixed cost (the chief's Balancer is told which:
 ``Balancer.set_idle_replicas_free``).
 """
 
@@ -51,20 +58,20 @@ from hetero_cs._copying import DeepcopiedWithNewLocks
 
 logger = logging.getLogger(__name__)
 
-#: The most recently used sets of active replicas of each kind of step (training, inference) that get a branch; a
-#: set used again after others pushed it out runs in branch 0 until the step is traced again.
-MAX_TRACED_SETS = 2
+#: Sets of active replicas per kind of step (training, inference) that get a branch, per replica (``R`` = 3: six, every
+#: set there is); a set met past the bound runs as the smallest superset with a branch (:func:`served_sizes`).
+MAX_SETS_PER_REPLICA = 2
 
 
 class ActiveSets(DeepcopiedWithNewLocks):
-    """The sets of active replicas that plans have used lately, per kind of step (thread-safe).
+    """The sets of active replicas that plans have used, per kind of step (thread-safe).
 
     A set is a sorted tuple of replica ids with ``b_i > 0``, never empty and never all ``R`` replicas (that is
-    branch 0 of every step). Each kind keeps its ``MAX_TRACED_SETS`` most recently used sets: each branch is one
-    more trace of the whole step (its active replicas' share of it), so a step never carries many. Training plans'
-    sets go to training steps and to inference steps (which cut a batch of the training size by training's plan);
-    inference plans' sets (``evaluate``, ``predict``, fit's validation pass) only to inference steps, so that a last
-    validation batch smaller than ``R`` does not make fit trace its train step again.
+    branch 0 of every step). A set, once noted, keeps its branch (at most ``MAX_SETS_PER_REPLICA * R`` of them): each
+    branch is one more trace of the step's active replicas' share of it, so a step is traced again only for a set it
+    has not met. Training plans' sets go to training steps and to inference steps (which cut a batch of the training
+    size by training's plan); inference plans' sets (``evaluate``, ``predict``, fit's validation pass) only to
+    inference steps, so that a last validation batch smaller than ``R`` does not make fit trace its train step again.
 
     :meth:`version` grows whenever the sets a step of that kind would get change: a Keras step function traced at an
     older version (``traced_with``) is traced again before its next call.
@@ -76,7 +83,7 @@ class ActiveSets(DeepcopiedWithNewLocks):
     def __init__(self, num_replicas: int):
         self._num_replicas = int(num_replicas)
         self._lock = threading.Lock()
-        self._sets: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}  # least recently used first
+        self._sets: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
         self._versions: dict[bool, int] = {True: 0, False: 0}
         # The Keras step functions traced so far (tf.function objects, weakly): the version each was traced at.
         self.traced_with: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -86,22 +93,19 @@ class ActiveSets(DeepcopiedWithNewLocks):
         return super().__deepcopy__(memo)
 
     def note(self, batch_sizes: Sequence[int], *, training: bool) -> None:
-        """Records the set of replicas with ``b_i > 0`` in a plan as the most recently used (a plan without a 0 adds
-        nothing)."""
+        """Records the set of replicas with ``b_i > 0`` in a plan (a plan without a 0 adds nothing)."""
         active = tuple(i for i, b in enumerate(batch_sizes) if int(b) > 0)
         if not active or len(active) == self._num_replicas:
             return
         with self._lock:
             sets = self._sets[bool(training)]
             if active in sets:
-                sets.remove(active)
-                sets.append(active)  # its branch stays; only its recency changes
+                return
+            if len(sets) >= MAX_SETS_PER_REPLICA * self._num_replicas:
+                logger.debug("hetero_cs: the set of active replicas %s gets no branch of its own (%d sets have one); "
+                             "its steps run as the smallest superset that has one.", list(active), len(sets))
                 return
             sets.append(active)
-            if len(sets) > MAX_TRACED_SETS:
-                dropped = sets.pop(0)
-                logger.debug("hetero_cs: the set of active replicas %s loses its branch at the next trace (more "
-                             "recent sets: %s).", list(dropped), sets)
             self._versions[bool(training)] += 1
 
     def for_trace(self, *, training: bool) -> tuple[tuple[int, ...], ...]:
@@ -156,44 +160,37 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
     strategy._active_sets.note(plan.per_replica_batch_sizes, training=False)  # noqa: SLF001
 
 
-class ServedSizes(DeepcopiedWithNewLocks):
-    """The sizes each kind of step (training, inference) was last cut with, and the one-step deferral of a split
-    whose set of idle replicas has no branch in the running step (thread-safe)."""
+def served_sizes(sizes: Sequence[int], traced) -> tuple[int, ...]:
+    """The sizes to cut a step with, given its plan's ``sizes`` and the sets the running step has branches for.
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._last: dict[bool, tuple[int, ...]] = {}
-        self._deferred: dict[bool, bool] = {}
-
-    def decide(self, sizes: Sequence[int], traced, *, training: bool) -> tuple[int, ...]:
-        """The sizes to cut this step with, given the plan's ``sizes`` and the sets the step was traced with.
-
-        A plan can change while a step starts (the re-planner proposes, the guard starts a trial, inside the call
-        that serves the step). If its set of active replicas has no branch in the running step (``traced``: the
-        step's traced sets, given for Keras' own loops, which trace again; None otherwise), that step would run its
-        idle replicas on 0-example slices, where some kernels fail (Conv2D with oneDNN on a CPU). Such a step keeps
-        the previous step's sizes when they cut the same global batch and have a branch (the previous step ran
-        with them), once; ``model.fit`` traces its step again before the next one, which then runs the new plan
-        idle. Otherwise the plan's sizes stand.
-        """
-        sizes = tuple(int(b) for b in sizes)
-        kind = bool(training)
-
-        def has_branch(split):
-            active = tuple(i for i, b in enumerate(split) if b > 0)
-            return len(active) == len(split) or active in traced
-
-        with self._lock:
-            last = self._last.get(kind)
-            defer = (traced is not None and not has_branch(sizes) and last is not None and sum(last) == sum(sizes)
-                     and has_branch(last) and not self._deferred.get(kind, False))
-            self._deferred[kind] = defer
-            if defer:
-                logger.debug("hetero_cs: split %s starts one step later (its set of idle replicas gets a branch "
-                             "when the step is traced again); this step keeps %s.", list(sizes), list(last))
-                return last
-            self._last[kind] = sizes
-            return sizes
+    A plan's set of active replicas may have no branch in the running step of a Keras loop (``traced``: its traced
+    sets; None in a custom loop, which is never traced again, or for a step without branches, eagerly or with one
+    replica): a plan that changed while the step starts (the re-planner proposes, the guard starts a trial, inside
+    the call that serves the step), a set past :data:`MAX_SETS_PER_REPLICA`. Its branch 0 would run the idle replicas on
+    0-example slices, where some kernels fail (Conv2D with oneDNN on a CPU). It runs the smallest traced superset
+    instead (the set of every replica is one), each replica that the superset adds given one example from the
+    largest slice of the set, when the batch holds enough examples; else the plan's sizes stand (a batch with fewer
+    examples than replicas: exact, its idle replicas run on 0-example slices). ``model.fit`` traces its step again
+    before the next one, which then runs the plan's own set.
+    """
+    sizes = tuple(int(b) for b in sizes)
+    R = len(sizes)
+    active = {i for i, b in enumerate(sizes) if b > 0}
+    if traced is None or len(active) == R or tuple(sorted(active)) in traced:
+        return sizes
+    supersets = sorted((s for s in traced if active < set(s)), key=lambda s: (len(s), s)) + [tuple(range(R))]
+    superset = next((s for s in supersets if sum(sizes) >= len(s)), None)
+    if superset is None:
+        return sizes
+    split = list(sizes)
+    for i in superset:
+        if split[i] == 0:
+            donor = max(superset, key=lambda j: split[j])
+            split[donor] -= 1
+            split[i] = 1
+    logger.debug("hetero_cs: split %s runs as %s this step (its set of active replicas gets a branch when the step "
+                 "is traced again).", list(sizes), split)
+    return tuple(split)
 
 
 def _set_code(active: Sequence[int]) -> int:
