@@ -266,7 +266,7 @@ class MicroBatchPlan:
         calls = "" if self.num_calls == 1 else f"in {self.num_calls} calls of up to {SUB_STEPS_PER_CALL} sub-steps, "
         how = (f"{calls}each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host "
                f"time per {'call' if calls else 'step'}" if self.overlapped else
-               f"the sub-steps' sum, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
+               f"a barrier after each sub-step, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
         lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} ({how})",
                   f"in one step within the caps: "
                   f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
