@@ -240,3 +240,15 @@ def test_a_micro_batched_cost_model_is_exact_for_lines_and_non_decreasing_for_an
     assert all(b >= a for a, b in zip(times, times[1:]))
     with pytest.raises(Exception, match="max_micro_batch_size must be an integer >= 1"):
         MicroBatchedCostModel(LinearCostModel(0.01, 0.001), 0)
+
+
+def test_a_flat_calibrated_line_micro_batched_stays_non_decreasing_and_solves():
+    """Calibration's non-negative fit gives c = 0 on a launch-bound card; micro-batched, 2 t(10) + 7 t(9) for 83
+    examples rounded one ulp above 3 t(10) + 6 t(9) for 84, and the solver refused the plan (InvalidCostModelError)."""
+    from hetero_cs.planning.cost_model import MicroBatchedCostModel
+
+    flat = MicroBatchedCostModel(LinearCostModel(0.0915, 0.0), 10)
+    times = [flat.predict_step_time_s(b) for b in range(0, 600)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    plan = solve_batch_split(idle_free([flat] * 3), 512, min_batch_size=0)
+    assert sum(plan.per_replica_batch_sizes) == 512
