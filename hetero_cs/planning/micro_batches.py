@@ -539,7 +539,9 @@ def _linear_split(models, caps, B: int) -> tuple[int, ...] | None:
             low = middle
     # The makespan is one card's time at some slice: the least such time that holds B (exact, not the bisection's).
     candidates = sorted({time_of(i, most_within(i, high)) for i in range(R)})
-    T = next(t for t in candidates if sum(most_within(i, t) for i in range(R)) >= B)
+    T = next((t for t in candidates if sum(most_within(i, t) for i in range(R)) >= B), None)
+    if T is None:  # a slope so small beside the fixed cost that float rounding loses examples: the solver decides
+        return None
     split = [most_within(i, T) for i in range(R)]
     excess = sum(split) - B
     for i in reversed(range(R)):  # fewer examples never take longer: trim the excess from the last cards
