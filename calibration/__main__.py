@@ -129,7 +129,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the options of `hetero-cs plan` to parser."""
     parser.add_argument("--profile", metavar="FILE",
-                        help="profile written by `python -m calibration --output FILE` (or give --devices)")
+                        help="profile written by `hetero-cs calibrate --output FILE` (or give --devices)")
     parser.add_argument("--devices", type=_name_list, metavar="A10,T4,P100",
                         help="what-if, without the hardware or a profile: catalog cards (NAME, NAME@MEMORY, "
                              "NAME~LINK such as P100~x1, or NAME@MEMORY~LINK), "

@@ -301,7 +301,7 @@ def check_output_path(path: str | os.PathLike[str], *, option: str = "--output")
 
 
 def save_result_file(path: str | os.PathLike[str], result: CalibrationResult) -> None:
-    """Writes one result to a JSON file atomically (the format of `python -m calibration --output`).
+    """Writes one result to a JSON file atomically (the format of `hetero-cs calibrate --output`).
 
     Raises:
         ProfileCacheError: If the file cannot be written (the OSError is chained).
@@ -329,7 +329,7 @@ def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
         reason = " ".join(str(exc).split()).rstrip(".")  # one line, whatever the cause
         raise ProfileCacheError(
             f"Cannot use the calibration profile path={str(source)!r}: {reason}. "
-            "Recalibrate with `python -m calibration ... --output PATH`."
+            "Recalibrate with `hetero-cs calibrate ... --output PATH`."
         ) from exc
 
 

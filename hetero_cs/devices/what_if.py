@@ -205,10 +205,15 @@ def format_what_if(result: dict[str, Any]) -> str:
         rate = f"{result['peak_tflops'][i]:.1f} {result['compute_rates'][i]}"
         lines.append(f"{i:>4}  {name:<16} {rate:>10}  {result['per_replica_batch_sizes'][i]:>8}  {micro:>11}  "
                      f"{count:>5}  {'none' if cap is None else cap:>10}")
-    even = result["speedup_vs_even"]
+    even, K = result["speedup_vs_even"], result["sub_steps"]
+    if result["overlapped"]:
+        calls = len(result["call_sub_steps"])
+        how = (f"in {K} sub-steps, each card's micro-batches back to back"
+               + ("" if calls == 1 else f" (in {calls} calls, each ending at a barrier)"))
+    else:
+        how = "in one step" if K == 1 else f"in {K} sub-steps, each ending at a barrier (all wait for the slowest)"
     lines += [
-        f"predicted step: {result['predicted_step_s'] * 1e3:.2f} ms in {result['sub_steps']} sub-step(s), "
-        f"{result['examples_per_s']:.0f} examples/s",
+        f"predicted step: {result['predicted_step_s'] * 1e3:.2f} ms {how}, {result['examples_per_s']:.0f} examples/s",
         f"speedup vs the even split: {'n/a (a card holds no example)' if even is None else f'{even:.3f}x'}",
         f"speedup vs the fastest card alone ({result['fastest_card']}): {result['speedup_vs_fastest']:.3f}x",
     ]

@@ -440,8 +440,9 @@ class MicroBatchedCostModel:
             return float(self.base.predict_step_time_s(0))
         k = -(-int(batch_size) // self.max_micro_batch_size)
         q, r = divmod(int(batch_size), k)
-        upper = float(self.base.predict_step_time_s(q + 1)) if r else 0.0
-        return r * upper + (k - r) * float(self.base.predict_step_time_s(q))
+        lower = float(self.base.predict_step_time_s(q))
+        # k t(q) + r (t(q+1) - t(q)): the same sum, but exactly non-decreasing in b for a linear base, flat ones too
+        return k * lower + (r * (float(self.base.predict_step_time_s(q + 1)) - lower) if r else 0.0)
 
     def predict_step_time_s(self, batch_size: int) -> float:
         """``max_{b' <= b}`` of the micro-batches' summed step times, in seconds."""

@@ -429,7 +429,7 @@ def test_bad_profile_files_are_rejected_with_the_path_and_the_fix(profile_docume
     path = write(**how)
     error = expect(lambda: load_result_file(path), ProfileCacheError, ValueError, match)
     assert f"path={str(path)!r}" in str(error)
-    assert "Recalibrate with `python -m calibration ... --output PATH`" in str(error)
+    assert "Recalibrate with `hetero-cs calibrate ... --output PATH`" in str(error)
     assert ".." not in str(error).replace("...", "")  # no doubled full stops from nested messages
 
 

@@ -240,3 +240,24 @@ def test_a_micro_batched_cost_model_is_exact_for_lines_and_non_decreasing_for_an
     assert all(b >= a for a, b in zip(times, times[1:]))
     with pytest.raises(Exception, match="max_micro_batch_size must be an integer >= 1"):
         MicroBatchedCostModel(LinearCostModel(0.01, 0.001), 0)
+
+
+def test_a_flat_calibrated_line_micro_batched_stays_non_decreasing_and_solves():
+    """Calibration's non-negative fit gives c = 0 on a launch-bound card; micro-batched, 2 t(10) + 7 t(9) for 83
+    examples rounded one ulp above 3 t(10) + 6 t(9) for 84, and the solver refused the plan (InvalidCostModelError)."""
+    from hetero_cs.planning.cost_model import MicroBatchedCostModel
+
+    flat = MicroBatchedCostModel(LinearCostModel(0.0915, 0.0), 10)
+    times = [flat.predict_step_time_s(b) for b in range(0, 600)]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    plan = solve_batch_split(idle_free([flat] * 3), 512, min_batch_size=0)
+    assert sum(plan.per_replica_batch_sizes) == 512
+
+
+def test_an_overlapped_plan_on_lines_with_a_tiny_slope_is_solved_not_a_stop_iteration():
+    """Slopes a millionth of the fixed cost (a launch-bound model): float rounding left no candidate makespan holding
+    B in the closed form, whose StopIteration fit took for an exhausted dataset ("the dataset is empty")."""
+    models = idle_free([LinearCostModel(0.0837885875453173, 1e-07), LinearCostModel(0.08528832539122536, 1e-07),
+                        LinearCostModel(0.022853792012113114, 1e-10)])
+    plan = plan_overlapped_micro_batches(692, models, [14, 12, 15], single_step_makespan_s=None)
+    assert plan is not None and sum(plan.per_replica_batch_sizes) == 692
