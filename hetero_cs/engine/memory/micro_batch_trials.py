@@ -107,11 +107,6 @@ class OverlapTrials:
                 self._pinned.pop(oldest, None)
         self._verdicts[key] = verdict
 
-    def verdict(self, key) -> bool | None:
-        """True or False once a trial for ``key`` decided (or there was nothing to try), else None."""
-        with self._lock:
-            return self._verdicts.get(key)
-
 
 def _describe(plan: MicroBatchPlan) -> str:
     if plan.num_sub_steps == 1:
