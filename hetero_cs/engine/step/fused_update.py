@@ -34,12 +34,8 @@ from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+#: Where the classes of Keras' own optimizers (Adam, AdamW, SGD, ...) live; a user's subclass lives elsewhere.
 _KERAS_OPTIMIZER_MODULES = ("keras.src.optimizers.", "keras.optimizers.")
-
-
-def is_keras_optimizer(optimizer) -> bool:
-    """True when ``optimizer``'s class is one of Keras' own (Adam, AdamW, SGD, ...), not a user's subclass."""
-    return type(optimizer).__module__.startswith(_KERAS_OPTIMIZER_MODULES)
 
 
 def applies(setting: bool | None, optimizer, gradients: Sequence) -> bool:
@@ -54,7 +50,8 @@ def applies(setting: bool | None, optimizer, gradients: Sequence) -> bool:
         return False
     if setting is True:
         return True
-    return is_keras_optimizer(optimizer) and not any(isinstance(g, tf.IndexedSlices) for g in gradients)
+    keras_own = type(optimizer).__module__.startswith(_KERAS_OPTIMIZER_MODULES)
+    return keras_own and not any(isinstance(g, tf.IndexedSlices) for g in gradients)
 
 
 def compiled(update: Callable[[list], object], device: str) -> Callable[[list], tf.Tensor]:

@@ -28,18 +28,19 @@ from contextlib import contextmanager
 from hetero_cs._copying import DeepcopiedWithNewLocks
 
 
+class _ThreadRoles(threading.local):
+    """This thread's counts of the ``fit``, ``evaluate`` and ``predict`` calls it runs (class attributes: the
+    defaults every thread starts from)."""
+
+    inferring = fitting = predicting = 0
+    training_input_pending = False
+
+
 class InputRoles(DeepcopiedWithNewLocks):
     """Per-thread record of whether the Keras loop running in this thread trains or infers."""
 
     def __init__(self):
-        self._state = threading.local()
-
-    def _get(self):
-        state = self._state
-        if not hasattr(state, "inferring"):
-            state.inferring, state.fitting, state.training_input_pending = 0, 0, False
-            state.predicting = 0
-        return state
+        self._state = _ThreadRoles()
 
     @contextmanager
     def fitting(self, *, training_input_pending: bool = True) -> Iterator[None]:
@@ -49,7 +50,7 @@ class InputRoles(DeepcopiedWithNewLocks):
             training_input_pending: False when ``fit`` was given an input distributed already, so that every input
                 it distributes itself is validation data.
         """
-        state = self._get()
+        state = self._state
         saved = (state.fitting, state.training_input_pending)
         state.fitting, state.training_input_pending = state.fitting + 1, bool(training_input_pending)
         try:
@@ -60,7 +61,7 @@ class InputRoles(DeepcopiedWithNewLocks):
     @contextmanager
     def inferring(self, *, predicting: bool = False) -> Iterator[None]:
         """Marks an ``evaluate`` or ``predict`` call (fit's validation pass included)."""
-        state = self._get()
+        state = self._state
         state.inferring += 1
         state.predicting += int(predicting)
         try:
@@ -72,24 +73,22 @@ class InputRoles(DeepcopiedWithNewLocks):
     @property
     def inferring_now(self) -> bool:
         """True while this thread runs ``evaluate`` or ``predict``: the steps traced now are inference steps."""
-        return self._get().inferring > 0
+        return self._state.inferring > 0
 
     @property
     def keras_loop_now(self) -> bool:
         """True while this thread runs ``fit``, ``evaluate`` or ``predict``: the steps traced now are Keras' own
         (their outputs are logs read from shared metric state, or predictions)."""
-        state = self._get()
-        return state.inferring > 0 or state.fitting > 0
+        return self._state.inferring > 0 or self._state.fitting > 0
 
     @property
     def keras_logs_now(self) -> bool:
         """True while this thread runs ``fit`` or ``evaluate`` (not ``predict``): the steps traced now return logs."""
-        state = self._get()
-        return (state.inferring > 0 or state.fitting > 0) and state.predicting == 0
+        return self.keras_loop_now and self._state.predicting == 0
 
     def claim_input(self) -> bool:
         """Called once per input distributed in this thread: True when its batches feed training steps."""
-        state = self._get()
+        state = self._state
         if state.inferring:
             return False
         if state.fitting:

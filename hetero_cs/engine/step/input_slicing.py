@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
+from hetero_cs.engine.step.tensors import leading_dim
 from hetero_cs.errors import InputError
 from hetero_cs.planning.plan import BatchPlan
 
@@ -54,15 +55,16 @@ def cut(component, sizes, num_replicas: int) -> list:
     return tf.split(component, sizes, num=num_replicas)
 
 
-def bad_batch_error(leading_dims) -> InputError:
-    """The error for a global batch whose components hold different numbers of examples, or 0 examples."""
+def bad_batch_error(leading_dims, spec=None) -> InputError:
+    """The error for a global batch whose components hold different numbers of examples, or 0 examples (``spec``:
+    the dataset's element_spec, when the error is found from it)."""
     sizes = [int(d) for d in leading_dims]
     if len(set(sizes)) > 1:
         return InputError(
-            f"The components of one dataset element have different leading (batch) dimensions {sizes}, so they "
-            f"cannot be cut into the same slices. Every component of a global batch needs the same number of "
-            f"examples; if the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
-        )
+            f"The components of one dataset element have different leading (batch) dimensions {sizes}"
+            f"{'' if spec is None else f'; got element_spec={spec}'}, so they cannot be cut into the same slices. "
+            f"Every component of a global batch needs the same number of examples; if the dataset is not batched "
+            f"yet, batch it: dataset.batch(global_batch_size).")
     return InputError(
         "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
         "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
@@ -223,11 +225,7 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             )
         known = sorted({leaf.shape[0] for leaf in batched if leaf.shape.rank and leaf.shape[0] is not None})
         if len(known) > 1:
-            raise InputError(
-                f"The dataset's components have different leading (batch) dimensions {known}; got "
-                f"element_spec={spec}. Every component of a global batch needs the same number of examples; if "
-                f"the dataset is not batched yet, batch it: dataset.batch(global_batch_size)."
-            )
+            raise bad_batch_error(known, spec)
         if self._check_batch is None:
             return dataset.prefetch(1)
         # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
@@ -235,13 +233,10 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         is_tuple = type(spec) is tuple
         check_batch = self._check_batch
 
-        def leading_dim(t):
-            return t.nrows(out_type=tf.int64) if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
-
         def checked(*args):
             element = args if is_tuple else args[0]
             flat = tf.nest.flatten(element, expand_composites=False)
-            dims = tf.stack([leading_dim(t) for t in flat if not is_unbatched_marker(t)])
+            dims = tf.stack([leading_dim(t, tf.int64) for t in flat if not is_unbatched_marker(t)])
             good = tf.logical_and(tf.reduce_all(tf.equal(dims, dims[0])), dims[0] > 0)
             verdict = tf.cond(good, lambda: tf.constant(0, tf.int64), lambda: tf.reshape(tf.numpy_function(
                 check_batch, tf.unstack(dims), tf.int64, stateful=True), []))

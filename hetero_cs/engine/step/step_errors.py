@@ -58,53 +58,40 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     if empty is not None and failed_sizes is not None and 0 not in failed_sizes:
         empty = None  # every slice of the step that failed held examples
     zeros = [] if empty is None else [i for i, b in enumerate(empty.per_replica_batch_sizes) if b == 0]
+    cause, plan = op_message(message, exc), list(plan.per_replica_batch_sizes) if plan else None
+    applied = ("No update of this step was applied: variables and optimizer state are as they were before it. "
+               if kind == "training" else "")
     if cross_replica:
         # A sum over the replicas failed on the parameter device (BatchNormalization's statistics, the gradients):
         # one replica's value did not fit the others'. A 0-example slice is the likely cause: some kernels give an
         # empty input's output a wrong shape (oneDNN's Conv2D). Without one, the replica is not known.
-        return _cross_replica_error(exc, message, compute_devices, plan, empty, zeros, kind)
+        where = (f"The {kind} step failed in a sum over the replicas on the parameter device ({type(exc).__name__}: "
+                 f"{cause}): the replicas' values did not agree.")
+        if not zeros:
+            return ReplicaStepError(
+                f"{where} Which replica's value was wrong cannot be told from the error. {applied}Check the replicas' "
+                f"slices of the batch (plan: {plan}): a layer whose output shape depends on the examples, or a value "
+                f"returned by one replica only, fails this way. The original error is chained below.")
+        replica_id = zeros[0]
+        return ReplicaStepError(
+            f"{where} Replica {replica_id} on {compute_devices[replica_id]} fed it from a slice of 0 examples of a "
+            f"{_empty_cut(empty, plan)} {applied}{EMPTY_SLICE_ADVICE} The original error is chained below.",
+            replica_id=replica_id, device=compute_devices[replica_id])
     if replica_id >= len(compute_devices):
         return None
     device = compute_devices[replica_id]
-    cause = op_message(message, exc)
-    plan = list(plan.per_replica_batch_sizes) if plan else None
-    if empty is not None and empty.per_replica_batch_sizes[replica_id] == 0:
-        advice = (
-            f"That replica gets 0 examples of a global batch of {empty.global_batch_size} (cut "
-            f"{list(empty.per_replica_batch_sizes)}; full batches: {plan}), which is likely this step. "
-            f"{EMPTY_SLICE_ADVICE}"
-        )
+    if replica_id in zeros:
+        advice = f"That replica gets 0 examples of a {_empty_cut(empty, plan)} {EMPTY_SLICE_ADVICE}"
     else:
         advice = f"Check that replica's slice of the batch (plan: {plan}) and the device."
     return ReplicaStepError(
         f"The {kind} step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
-        + ("No update of this step was applied: variables and optimizer state are as they were before it. "
-           if kind == "training" else "")
-        + f"{advice} The original error is chained below.",
-        replica_id=replica_id,
-        device=device,
-    )
+        f"{applied}{advice} The original error is chained below.", replica_id=replica_id, device=device)
 
 
-def _cross_replica_error(exc, message, compute_devices, plan, empty, zeros, kind):
-    """The ReplicaStepError of a failed sum over the replicas: it names a 0-example replica, the likely cause."""
-    cause = op_message(message, exc)
-    plan = list(plan.per_replica_batch_sizes) if plan else None
-    applied = ("No update of this step was applied: variables and optimizer state are as they were before it. "
-               if kind == "training" else "")
-    where = (f"The {kind} step failed in a sum over the replicas on the parameter device ({type(exc).__name__}: "
-             f"{cause}): the replicas' values did not agree.")
-    if zeros:
-        replica_id = zeros[0]
-        return ReplicaStepError(
-            f"{where} Replica {replica_id} on {compute_devices[replica_id]} fed it from a slice of 0 examples of a "
-            f"global batch of {empty.global_batch_size} (cut {list(empty.per_replica_batch_sizes)}; full batches: "
-            f"{plan}), which is likely this step. {applied}{EMPTY_SLICE_ADVICE} The original error is chained below.",
-            replica_id=replica_id, device=compute_devices[replica_id])
-    return ReplicaStepError(
-        f"{where} Which replica's value was wrong cannot be told from the error. {applied}Check the replicas' "
-        f"slices of the batch (plan: {plan}): a layer whose output shape depends on the examples, or a value "
-        f"returned by one replica only, fails this way. The original error is chained below.")
+def _empty_cut(empty, plan) -> str:
+    return (f"global batch of {empty.global_batch_size} (cut {list(empty.per_replica_batch_sizes)}; full batches: "
+            f"{plan}), which is likely this step.")
 
 
 def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:
@@ -118,24 +105,21 @@ def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:
     return bool(lines) and f"{type(input_error).__name__}: {lines[0]}" in str(exc)
 
 
-def log_empty_slices(plan) -> None:
-    """Logs (INFO) that ``plan`` (a BatchPlan) leaves some replicas 0 examples: they idle."""
-    empty = [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0]
-    # The advice for kernels that fail on 0-example inputs goes with the error of a step that fails (above), not
-    # here: an idle replica runs nothing, and only a step traced before its set was first used runs empty slices.
-    logger.info("hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do no work in "
-                "that step.", plan.global_batch_size, list(plan.per_replica_batch_sizes), empty)
-
-
 class EmptySliceNotes:
-    """Remembers the last cut that left a replica 0 examples, and warns once per global batch size."""
+    """Remembers the last cut that left a replica 0 examples, and logs (INFO) once per global batch size that its
+    replicas with 0 examples idle."""
 
     def __init__(self) -> None:
         self.last_plan = None  # the last BatchPlan with a 0-example slice, for the advice in a failed step's error
-        self._warned_sizes: set[int] = set()
+        self._logged_sizes: set[int] = set()
 
     def note(self, plan) -> None:
         self.last_plan = plan
-        if plan.global_batch_size not in self._warned_sizes:
-            self._warned_sizes.add(plan.global_batch_size)
-            log_empty_slices(plan)
+        if plan.global_batch_size not in self._logged_sizes:
+            self._logged_sizes.add(plan.global_batch_size)
+            # The advice for kernels that fail on 0-example inputs goes with the error of a step that fails (above),
+            # not here: an idle replica runs nothing, and only a step traced before its set was first used runs
+            # empty slices.
+            logger.info("hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do no "
+                        "work in that step.", plan.global_batch_size, list(plan.per_replica_batch_sizes),
+                        [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0])

@@ -8,11 +8,11 @@ import tensorflow as tf
 from hetero_cs.errors import InputError
 
 
-def leading_dim(tensor) -> tf.Tensor:
-    """The batch size (int32 scalar) of a tensor or ragged tensor."""
+def leading_dim(tensor, dtype=tf.int32) -> tf.Tensor:
+    """The batch size (a scalar of ``dtype``) of a tensor or ragged tensor."""
     if isinstance(tensor, tf.RaggedTensor):
-        return tensor.nrows(out_type=tf.int32)
-    return tf.shape(tensor, out_type=tf.int32)[0]
+        return tensor.nrows(out_type=dtype)
+    return tf.shape(tensor, out_type=dtype)[0]
 
 
 def dense_part(tensor):
