@@ -11,8 +11,7 @@ import tensorflow as tf
 
 from hetero_cs import HeteroCentralStorageStrategy, ReplicaStepError, StepOOMError
 from hetero_cs.engine import _compat
-from hetero_cs.devices.device_errors import classify, is_out_of_memory
-from hetero_cs.engine.memory.oom_recovery import failed_replica
+from hetero_cs.devices.device_errors import blamed_replica, classify, is_out_of_memory
 from hetero_cs.devices.device_errors import tag_replica
 
 GPUS = ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]
@@ -105,7 +104,7 @@ def test_each_form_of_out_of_memory_is_recognised_and_blamed_on_its_device(name)
     assert is_out_of_memory(error)
     oom = classify(error, GPUS)
     assert (oom.replica_id, oom.blame, oom.form) == (replica_id, blame, form)
-    assert failed_replica(error, GPUS) == replica_id
+    assert blamed_replica(error, GPUS)[0] == replica_id
 
 
 def test_device_names_are_compared_canonically_with_the_compute_devices():

@@ -200,21 +200,21 @@ def test_oom_recovery_false_lets_the_error_end_fit(fast_emulation):
 
 
 def test_failed_replica_reads_the_emulated_message_and_tensorflow_node_names():
-    from hetero_cs.engine.memory.oom_recovery import failed_replica
+    from hetero_cs.devices.device_errors import blamed_replica
 
     def error(message):
         return tf.errors.ResourceExhaustedError(None, None, message)
 
-    assert failed_replica(error("MemoryError: Emulated out of memory: replica=2 (T4) needs 5 bytes"), DEVICES) == 2
-    assert failed_replica(error("OOM allocating\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"), DEVICES) == 1
+    assert blamed_replica(error("MemoryError: Emulated out of memory: replica=2 (T4) needs 5 bytes"), DEVICES)[0] == 2
+    assert blamed_replica(error("OOM allocating\n\t [[{{node replica_1/sequential/dense/MatMul}}]]"), DEVICES)[0] == 1
     # An op without prefix is replica 0's only when known to be a replica's op (here: the model's forward pass);
     # the optimizer's update on the parameter device carries no prefix either. More in test_oom_errors.py.
     unprefixed = error("OOM when allocating\n\t [[{{node sequential/dense/MatMul}}]]")
-    assert failed_replica(unprefixed, DEVICES) is None
-    assert failed_replica(unprefixed, DEVICES, replica_scopes=("sequential",)) == 0
-    assert failed_replica(error("OOM\n\t [[{{node IteratorGetNext}}]]"), DEVICES) is None  # the input pipeline
-    assert failed_replica(error("OOM\n\t [[{{node replica_7/x}}]]"), DEVICES) is None  # not one of ours
-    assert failed_replica(error("OOM, no op named"), DEVICES) is None
+    assert blamed_replica(unprefixed, DEVICES)[0] is None
+    assert blamed_replica(unprefixed, DEVICES, replica_scopes=("sequential",))[0] == 0
+    assert blamed_replica(error("OOM\n\t [[{{node IteratorGetNext}}]]"), DEVICES)[0] is None  # the input pipeline
+    assert blamed_replica(error("OOM\n\t [[{{node replica_7/x}}]]"), DEVICES)[0] is None  # not one of ours
+    assert blamed_replica(error("OOM, no op named"), DEVICES)[0] is None
 
 
 def test_steps_per_execution_above_one_and_validation_keep_keras_path_and_stay_exact(fast_emulation):

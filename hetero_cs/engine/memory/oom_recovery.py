@@ -32,22 +32,21 @@ from typing import Any
 
 import tensorflow as tf
 
-from hetero_cs.engine._compat import global_batch_size_of
-from hetero_cs.devices.device_errors import OutOfMemory, blamed_replica, classify
-from hetero_cs.devices.device_errors import device_fault
+from hetero_cs.devices.device_errors import OutOfMemory, classify, device_fault
+from hetero_cs.devices.workload import max_examples_in_memory
+from hetero_cs.engine._compat import global_batch_size_of, replica_xla
+from hetero_cs.engine.faults.failover import DeviceFailover
+from hetero_cs.engine.step.fused_update import compile_error
 from hetero_cs.engine.step.model_state import restore, saved_state
+from hetero_cs.engine.step.step_errors import replica_step_error
 from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
+_INFERENCE = "evaluation or prediction"
 
-def failed_replica(exc: Exception, compute_devices: Sequence[str], replica_scopes: Sequence[str] = ()) -> int | None:
-    """The replica an out-of-memory error came from, or None when the error names none (never replica 0 by default).
-
-    The device the message names, an emulated device's ``replica=<i>``, an eager replica's tag, then the failed
-    op's name: see :mod:`hetero_cs.devices.device_errors` for the rules.
-    """
-    return blamed_replica(exc, compute_devices, replica_scopes)[0]
+_NO_EXAMPLE = ("that replica had no example in this step, so a lower cap cannot help (something else holds its "
+               "memory)")
 
 
 def unblamed_oom_error(oom: OutOfMemory, exc: Exception, *, parameter_device: str | None = None,
@@ -85,8 +84,6 @@ class StepRecovery:
 
     def __init__(self, strategy, *, always: bool = False, memory: bool = True,
                  on_device_error: str = "exclude") -> None:
-        from hetero_cs.engine.faults.failover import DeviceFailover
-
         self._strategy = strategy
         self._always = bool(always)
         self.memory_recovery = bool(memory)  # False: out-of-memory errors pass through (oom_recovery=False)
@@ -138,7 +135,7 @@ class StepRecovery:
         global_batch_size = global_batch_size_of(data)
         if global_batch_size is None or len(strategy.compute_devices) == 1:  # one replica: nothing to move elsewhere
             return step(data)
-        policy = balancer.memory_caps.policy
+        retries = balancer.memory_caps.policy.max_retries
         tried: dict[int, list[int]] = {}
         faults: dict[int, int] = {}  # device errors per replica in this batch (hetero_cs.engine.faults.failover)
         attempt = 0
@@ -153,30 +150,21 @@ class StepRecovery:
                     sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001
                     self.failover.handle(fault, exc, faults, sizes[fault.replica_id], global_batch_size)
                     continue  # the same batch, on the same plan once, then on the others
-                oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
-                if oom is None:
+                blamed = self._blamed(exc, replica_scopes, tried, global_batch_size)
+                if blamed is None:
                     raise  # not out of memory: a shape error, a failed input pipeline, ... as it is
-                if oom.replica_id is None:
-                    raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
-                                             global_batch_size=global_batch_size) from exc
-                sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001 - the cut this attempt started with
-                replica_id = oom.replica_id
-                tried.setdefault(replica_id, []).append(sizes[replica_id])
-                if sizes[replica_id] == 0:
-                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
-                                      "that replica had no example in this step, so a lower cap cannot help "
-                                      "(something else holds its memory)") from exc
+                replica_id, size = blamed
                 try:  # the cap falls even when this was the last retry: what follows (sub-steps) starts from it
-                    plan, change = balancer.recover_from_oom(replica_id, sizes[replica_id], global_batch_size)
+                    plan, change = balancer.recover_from_oom(replica_id, size, global_batch_size)
                 except InfeasiblePlanError:
                     self._note(balancer.memory_caps.history[-1])
-                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
+                    raise self._error(replica_id, tried, global_batch_size, exc,
                                       f"the caps now {balancer.max_batch_sizes} cannot hold the batch in one step"
                                       ) from exc
-                if attempt == policy.max_retries:
+                if attempt == retries:
                     self._note(change)
-                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
-                                      f"it still ran out of memory after {policy.max_retries} retries") from exc
+                    raise self._error(replica_id, tried, global_batch_size, exc,
+                                      f"it still ran out of memory after {retries} retries") from exc
                 self.recoveries += 1
                 attempt += 1
                 self.max_retries_used = max(self.max_retries_used, attempt)
@@ -199,36 +187,45 @@ class StepRecovery:
         Raises:
             StepOOMError: As :meth:`run`; errors that are not out of memory pass through unchanged.
         """
-        strategy = self._strategy
         global_batch_size = global_batch_size_of(element)
-        policy = strategy.balancer.memory_caps.policy
+        retries = self._strategy.balancer.memory_caps.policy.max_retries
         saved = saved_state(model) if model is not None else None
         tried: dict[int, list[int]] = {}
-        for retry in range(policy.max_retries + 1):
+        for retry in range(retries + 1):
             try:
                 return attempt(element)
             except (tf.errors.OpError, EmulatedOutOfMemoryError) as exc:
                 restore(saved)
-                oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
-                if oom is None:
+                blamed = self._blamed(exc, replica_scopes, tried, global_batch_size, step=_INFERENCE)
+                if blamed is None:
                     raise
-                if oom.replica_id is None:
-                    raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
-                                             global_batch_size=global_batch_size) from exc
-                replica_id, size = oom.replica_id, strategy._slicer.last_step_sizes()[oom.replica_id]  # noqa: SLF001
-                tried.setdefault(replica_id, []).append(size)
-                if size == 0:
-                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
-                                      "that replica had no example in this step, so a lower cap cannot help "
-                                      "(something else holds its memory)", step="evaluation or prediction") from exc
-                if retry == policy.max_retries:
-                    raise self._error(replica_id, tried[replica_id], global_batch_size, exc,
-                                      f"it still ran out of memory after {policy.max_retries} retries",
-                                      step="evaluation or prediction") from exc
-                change = strategy.balancer.lower_cap(replica_id, size)
+                if retry == retries:
+                    raise self._error(blamed[0], tried, global_batch_size, exc,
+                                      f"it still ran out of memory after {retries} retries", step=_INFERENCE) from exc
+                change = self._strategy.balancer.lower_cap(*blamed)
                 self.recoveries += 1
                 self._note(change, retry=[])
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _blamed(self, exc: Exception, replica_scopes, tried: dict, global_batch_size, step: str = "training"):
+        """``(replica, its slice in the step that failed)`` that an out-of-memory ``exc`` blames (the slice noted in
+        ``tried``), or None when ``exc`` is not out of memory or recovery is off.
+
+        Raises:
+            StepOOMError: The error names no replica, or the replica it names had no example.
+        """
+        strategy = self._strategy
+        oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
+        if oom is None:
+            return None
+        if oom.replica_id is None:
+            raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
+                                     global_batch_size=global_batch_size) from exc
+        size = strategy._slicer.last_step_sizes()[oom.replica_id]  # noqa: SLF001 - the cut the attempt started with
+        tried.setdefault(oom.replica_id, []).append(size)
+        if size == 0:
+            raise self._error(oom.replica_id, tried, global_batch_size, exc, _NO_EXAMPLE, step=step) from exc
+        return oom.replica_id, size
 
     def _note(self, change, retry: list[int] | None = None) -> None:
         self.cap_changes += 1
@@ -243,9 +240,9 @@ class StepRecovery:
             logger.info("hetero_cs: memory cap on %s: %s.", device, change.describe())
         self._strategy._write_back_caps()  # noqa: SLF001 - the profile cache entry the plan came from
 
-    def _error(self, replica_id: int, caps_tried: list[int], global_batch_size: int, exc: Exception,
-               why: str, step: str = "training") -> StepOOMError:
-        device = self._strategy.compute_devices[replica_id]
+    def _error(self, replica_id: int, tried: dict, global_batch_size: int, exc: Exception, why: str,
+               step: str = "training") -> StepOOMError:
+        caps_tried, device = tried[replica_id], self._strategy.compute_devices[replica_id]
         known = self._strategy.balancer.memory_caps.known_to_fit()
         return StepOOMError(
             f"The {step} step ran out of memory on replica {replica_id} ({device}) and could not be recovered: "
@@ -272,13 +269,9 @@ def _out_of_memory_possible(compute_devices: Sequence[str], emulator: Any, globa
         return False
     if global_batch_size is None or getattr(emulator, "workload", None) is None:
         return True
-    from hetero_cs.devices.workload import max_examples_in_memory
-
-    for replica_id in range(len(compute_devices)):
-        fits = max_examples_in_memory(emulator.workload, emulator.lowest_memory_bytes(replica_id))
-        if fits is not None and fits < global_batch_size:
-            return True
-    return False
+    fits = [max_examples_in_memory(emulator.workload, emulator.lowest_memory_bytes(i))
+            for i in range(len(compute_devices))]
+    return any(examples is not None and examples < global_batch_size for examples in fits)
 
 
 def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str = "training"):
@@ -290,9 +283,6 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     ReplicaStepError naming the replica (an out-of-memory error's by :mod:`hetero_cs.devices.device_errors`).
     ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name).
     """
-    from hetero_cs.engine._compat import replica_xla
-    from hetero_cs.engine.step.fused_update import compile_error
-
     known = (strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
              or replica_xla.compile_error(exc))
     if known is not None:
@@ -300,8 +290,6 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     oom = classify(exc, strategy.compute_devices, replica_scopes)
     if oom is not None and oom.replica_id is None:
         return unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device)
-    from hetero_cs.engine.faults.failover import DeviceFailover
-
     fault = device_fault(exc, strategy.compute_devices, replica_scopes)
     if fault is not None and fault.replica_id is not None:  # a failing card, not retried here: a DeviceFaultError
         recovery = getattr(strategy, "_step_recovery", None)
@@ -309,8 +297,6 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
         why = ("this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
                "steps_per_execution > 1 or one replica), so it was not retried")
         return failover.error(fault.replica_id, exc, why, restored=False)
-    from hetero_cs.engine.step.step_errors import replica_step_error
-
     return replica_step_error(
         exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
         empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
