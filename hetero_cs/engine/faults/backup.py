@@ -35,7 +35,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import pathlib
 import threading
 import time
@@ -45,7 +44,7 @@ import zipfile
 import keras
 import numpy as np
 
-from hetero_cs.engine.faults.supervised_run import register, write_atomically
+from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR, backup_dir, register, write_atomically
 from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -58,14 +57,6 @@ MAX_INTERVAL_STEPS = 1000
 
 _FIT_ORDINALS = itertools.count()  # the k-th supervised fit of this process: its backup is fit_<k>
 _ORDINAL_LOCK = threading.Lock()
-
-
-def backup_dir() -> pathlib.Path | None:
-    """The directory ``hetero-cs run`` gave this process for backups, or None outside the supervisor."""
-    from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR
-
-    text = os.environ.get(BACKUP_DIR_ENV_VAR, "").strip()
-    return pathlib.Path(text) if text else None
 
 
 def with_backup(strategy, callbacks: list, arguments: dict | None = None) -> list:
@@ -317,8 +308,6 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------------------------------------------------
     def _stop_backups(self, exc: OSError) -> None:
-        from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR
-
         self._failed = f"{type(exc).__name__}: {exc}"
         warnings.warn(
             f"hetero_cs: a backup of fit cannot be written in {self._dir} ({self._failed}); training goes on without "

@@ -17,7 +17,11 @@ import json
 import logging
 import os
 
-from hetero_cs.engine.faults import supervised_run
+from calibration.result import CalibrationResult
+from calibration.store import load_result_file, save_result_file
+from hetero_cs.engine.faults.supervised_run import (
+    RESTART_ENV_VAR, backup_dir, excluded_positions, register, write_atomically)
+from hetero_cs.errors import ProfileCacheError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -27,17 +31,12 @@ META = "profiles.meta.json"
 
 def _positions(num_replicas: int) -> list[int]:
     """The positions of this run's replicas in the script's first device list (the cards left after a restart)."""
-    excluded = supervised_run.excluded_positions()
+    excluded = excluded_positions()
     return [p for p in range(num_replicas + len(excluded)) if p not in excluded][:num_replicas]
 
 
 def keep_for_restart(strategy, result, fingerprint: str, global_batch_size: int) -> None:
     """Writes ``result`` (a CalibrationResult the strategy plans from) next to the backups, when supervised."""
-    from calibration.store import save_result_file
-    from hetero_cs.engine.faults.backup import backup_dir
-    from hetero_cs.engine.faults.supervised_run import register, write_atomically
-    from hetero_cs.errors import ProfileCacheError
-
     directory = backup_dir()
     if directory is None:
         return
@@ -59,12 +58,6 @@ def profiles_before_restart(strategy, fingerprint: str, global_batch_size: int):
 
     On emulated devices it also fixes the emulator's time scale to theirs (call it before the scale is chosen).
     """
-    from calibration.result import CalibrationResult
-    from calibration.store import load_result_file
-    from hetero_cs.engine.faults.backup import backup_dir
-    from hetero_cs.errors import ProfileCacheError
-    from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
-
     directory = backup_dir()
     if directory is None or os.environ.get(RESTART_ENV_VAR, "0").strip() in ("", "0"):
         return None

@@ -15,6 +15,7 @@ This module imports neither TensorFlow nor Keras.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,12 @@ OWNED_DIR = "hetero_cs"
 """The subdirectory of ``--backup-dir`` the library writes in."""
 
 MANIFEST = "MANIFEST.json"
+
+
+def backup_dir() -> pathlib.Path | None:
+    """The directory ``hetero-cs run`` gave this process for backups, or None outside the supervisor."""
+    text = os.environ.get(BACKUP_DIR_ENV_VAR, "").strip()
+    return pathlib.Path(text) if text else None
 
 
 def temp_path(path: pathlib.Path) -> pathlib.Path:
@@ -81,21 +88,12 @@ def register(directory: pathlib.Path, names: Iterable[str]) -> None:
 def remove_written(directory: pathlib.Path) -> None:
     """Removes the files the manifest lists (and their temporary names), the manifest, then ``directory`` if that
     left it empty. Files the manifest does not list are kept."""
-    for name in written(directory):
+    for name in [*written(directory), MANIFEST]:  # the manifest last
         for path in (directory / name, temp_path(directory / name)):
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
-            except OSError:
-                pass
-    for path in (directory / MANIFEST, temp_path(directory / MANIFEST)):
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
-    try:
+    with contextlib.suppress(OSError):
         directory.rmdir()  # only when empty
-    except OSError:
-        pass
 
 
 def leave_out_excluded(emulator, names, compute_devices, batch_split):
