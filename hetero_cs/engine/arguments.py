@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import tensorflow as tf
 
@@ -92,30 +92,25 @@ def validate_devices(devices: list[str], parameter_device: str) -> None:
         )
 
 
-def shares_list(batch_split) -> list:
-    """batch_split as a list, if it is an ordered sequence (list, tuple, range, 1-D array); a set or dict is not."""
+def checked_shares(batch_split, num_replicas: int) -> list:
+    """batch_split as a list of R valid shares: an ordered sequence (list, tuple, range, 1-D array; a set or dict is
+    not) of R finite numbers >= 0, not all 0, whose sum a float holds.
+
+    Raises:
+        BatchSplitError: It is not, with the values and an example.
+    """
     shares = ordered_values(batch_split)
     if shares is None:
         raise BatchSplitError(
             f"batch_split must be a sequence of relative shares, one per replica in replica order. Received: "
             f"batch_split={short_repr(batch_split)}{unordered_note(batch_split)}. Example: batch_split=[2, 1, 1]."
         )
-    return list(shares)
-
-
-def checked_shares(batch_split, num_replicas: int) -> list:
-    """batch_split as a list of R valid shares (see shares_list and validate_shares)."""
-    shares = shares_list(batch_split)
+    shares = list(shares)
     if len(shares) != num_replicas:
         raise BatchSplitError(
             f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
             f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
         )
-    validate_shares(shares)
-    return shares
-
-
-def validate_shares(shares: Sequence[float]) -> None:
     bad = [s for s in shares if not finite_real(s) or s < 0]
     if bad or not any(s > 0 for s in shares):
         raise BatchSplitError(
@@ -128,6 +123,7 @@ def validate_shares(shares: Sequence[float]) -> None:
             f"batch_split shares sum to more than a float holds: batch_split={short_repr(list(shares))}. Only their "
             f"ratios matter; scale them down, e.g. batch_split=[2, 1, 1]."
         )
+    return shares
 
 
 def validate_profile_cache(profile_cache) -> None:

@@ -6,25 +6,28 @@ to try.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
 
 import tensorflow as tf
 
+from calibration.probe import dtype_policy_name, model_fingerprint
+from calibration.store import ProfileStore, load_result_file
+from calibration.workload import estimate_workload
+from hetero_cs.devices.catalog import emulated_identity
 from hetero_cs.engine import _compat, arguments
+from hetero_cs.engine.faults.restart_profiles import keep_for_restart, profiles_before_restart
 from hetero_cs.engine.step import tensors
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
-from hetero_cs.devices.catalog import emulated_identity
-from hetero_cs.errors import ConfigError, InputError
+from hetero_cs.errors import ConfigError, InputError, ProfileCacheError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
 
 def check_policy_support(strategy, model) -> None:
     """Refuses ``mixed_bfloat16`` on a real GPU without bfloat16 arithmetic (emulated devices: the emulator does)."""
-    from calibration.probe import dtype_policy_name
-
     policy = dtype_policy_name(model)
     if policy != "mixed_bfloat16" or not any(":GPU:" in d for d in strategy._compute_devices):
         return
@@ -37,17 +40,13 @@ def check_policy_support(strategy, model) -> None:
 
 def calibrate(strategy, model, data, *, force: bool = False, progress: bool = True):
     """``HeteroCentralStorageStrategy.calibrate`` (see there for the arguments, result and errors)."""
-    from calibration import calibrate as run_calibration
-    from calibration.probe import model_fingerprint
+    from calibration import calibrate as run_calibration  # looked up when called (a test replaces it)
 
     check_policy_support(strategy, model)
     emulation_pending = strategy._emulator is not None and not strategy._emulator_ready()
-    if strategy._balancer.auto_balance and not force and not emulation_pending:
-        fingerprint = model_fingerprint(model)
-        if strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
-            return strategy._calibration  # calibrated already: no batch is read
-        if _kept_user_models(strategy):
-            return strategy._calibration
+    if (strategy._balancer.auto_balance and not (force or emulation_pending)
+            and _done(strategy, model_fingerprint(model), force)):
+        return strategy._calibration  # calibrated already: no batch is read
     batch = first_global_batch(strategy, data)
     batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
     if not batched:
@@ -60,24 +59,18 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
             "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
         )
+    fingerprint = model_fingerprint(model) if strategy._balancer.auto_balance else None
     restarted = None
-    if strategy._balancer.auto_balance and strategy._profile is None:  # a restart without a lost card
-        from hetero_cs.engine.faults.restart_profiles import profiles_before_restart
-
-        restarted = profiles_before_restart(strategy, model_fingerprint(model), global_batch_size)
+    if fingerprint is not None and strategy._profile is None:  # a restart without a lost card
+        restarted = profiles_before_restart(strategy, fingerprint, global_batch_size)
     if emulation_pending:
-        from calibration.workload import estimate_workload
-
         target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
         strategy._emulator.set_workload(estimate_workload(model))
         strategy._emulator.calibrate_time_scale(global_batch_size, target_makespan_s=target_s)
     if not strategy._balancer.auto_balance:
         strategy.plan_for(global_batch_size)
         return None
-    fingerprint = model_fingerprint(model)
-    if not force and strategy._calibrated_fingerprint == fingerprint and strategy._balancer.cost_models is not None:
-        return strategy._calibration
-    if not force and _kept_user_models(strategy):
+    if _done(strategy, fingerprint, force):
         return strategy._calibration
     if strategy._profile is not None:  # a profile file stands in for calibration
         return _use(strategy, strategy._profile, fingerprint, global_batch_size, "from the profile file")
@@ -104,15 +97,18 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             store=_store(strategy),
             progress=progress,
         )
-    from hetero_cs.engine.faults.restart_profiles import keep_for_restart
-
     keep_for_restart(strategy, result, fingerprint, global_batch_size)  # under `hetero-cs run` only
     return _use(strategy, result, fingerprint, global_batch_size, "")
 
 
-def _kept_user_models(strategy) -> bool:
-    """True (logged once) when cost models set with ``set_cost_models`` stand in for calibration."""
-    if not getattr(strategy, "_models_set_by_user", False) or strategy._balancer.cost_models is None:
+def _done(strategy, fingerprint: str, force: bool) -> bool:
+    """True when nothing is to calibrate: unless ``force``, this model was calibrated already, or cost models set with
+    ``set_cost_models`` stand in for calibration (logged once)."""
+    if force or strategy._balancer.cost_models is None:
+        return False
+    if strategy._calibrated_fingerprint == fingerprint:
+        return True
+    if not strategy._models_set_by_user:
         return False
     if not getattr(strategy, "_user_models_logged", False):
         strategy._user_models_logged = True
@@ -156,8 +152,6 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
             auto_balance is off (a fixed batch_split or auto_balance=False leave nothing for a profile to do).
         ProfileCacheError: The file cannot be read or is not a profile (calibration.store.load_result_file).
     """
-    from calibration.store import load_result_file
-
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(
             f"profile must be the path of a file written by `hetero-cs calibrate --output PATH`. Received: "
@@ -226,10 +220,6 @@ def write_back_caps(strategy) -> None:
     store = _store(strategy)
     if result is None or result.cache_key is None or store is False or caps is None:
         return
-    import dataclasses
-
-    from hetero_cs.errors import ProfileCacheError
-
     # A cap of 0 in force that calibration did not find (a card set aside after a device error) is no property
     # of the card: its profile keeps its own cap. A card calibrated at 0 (it holds no example) stays at 0.
     caps = [p.max_batch_size if c == 0 and not p.holds_no_example else c for p, c in zip(result.profiles, caps)]
@@ -247,8 +237,6 @@ def write_back_caps(strategy) -> None:
 
 
 def _store(strategy):
-    from calibration.store import ProfileStore
-
     cache = strategy._profile_cache
     if cache is False:
         return False

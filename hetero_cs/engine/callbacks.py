@@ -106,9 +106,7 @@ class BalanceCallback(keras.callbacks.Callback):
                     "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps",
                 )
         figures = self._figures(plan)
-        stats = getattr(self._strategy, "_fit_stats", None)
-        if stats is not None:
-            stats.record(figures)
+        self._strategy._fit_stats.record(figures)  # noqa: SLF001 - set by on_train_begin
         if logs is not None:
             logs.update(figures if self._log_everything else {k: v for k, v in figures.items() if k in self.IN_LOGS})
         self._write_tensorboard(epoch, {k: v for k, v in figures.items()
@@ -116,33 +114,28 @@ class BalanceCallback(keras.callbacks.Callback):
 
     def _figures(self, plan) -> dict:
         """Every figure of the epoch (see the class docstring), keys in a stable order."""
-        figures: dict = {}
-        if plan is not None:
-            for i, b in enumerate(plan.per_replica_batch_sizes):
-                figures[f"replica_{i}_batch_size"] = float(b)
-        balancer = self._strategy.balancer
+        R, balancer, samples = self._strategy.num_replicas_in_sync, self._strategy.balancer, self._samples
+        sizes = plan.per_replica_batch_sizes if plan is not None else ()
+        figures = {f"replica_{i}_batch_size": float(b) for i, b in enumerate(sizes)}
         recovery = self._strategy._step_recovery  # noqa: SLF001
         if recovery is not None and recovery.failover.possible():
             figures["device_error_retries"] = float(recovery.failover.retries)
             figures["excluded_replicas"] = float(len(recovery.failover.exclusions))
         if recovery is not None and recovery.memory_recovery:
             figures["oom_recoveries"] = float(recovery.recoveries)
-            caps = balancer.max_batch_sizes or []
-            for i in range(self._strategy.num_replicas_in_sync):
-                cap = caps[i] if i < len(caps) else None
-                figures[f"replica_{i}_memory_cap"] = math.nan if cap is None else float(cap)
+            figures.update({f"replica_{i}_memory_cap": math.nan if cap is None else float(cap)
+                            for i, cap in enumerate(balancer.max_batch_sizes or [None] * R)})
         self._guard_logged = add_guard_logs(figures, balancer, self._guard_logged)
-        if not self._samples:
-            if self._strategy._timing_enabled:  # noqa: SLF001 - no step timed this epoch: NaN keeps History aligned
-                figures["makespan_ms"] = figures["straggler_wait_ms"] = math.nan
-                for i in range(self._strategy.num_replicas_in_sync):
-                    figures[f"replica_{i}_step_ms"] = math.nan
+        if not (samples or self._strategy._timing_enabled):  # noqa: SLF001 - timed: NaN keeps History aligned
             return figures
-        figures["makespan_ms"] = statistics.median(s.makespan_s for s in self._samples) * 1e3
-        figures["straggler_wait_ms"] = statistics.median(s.straggler_wait_s for s in self._samples) * 1e3
-        for i in range(len(self._samples[0].per_replica_step_times_s)):
-            figures[f"replica_{i}_step_ms"] = statistics.median(
-                s.per_replica_step_times_s[i] for s in self._samples) * 1e3
+
+        def median_ms(seconds) -> float:  # NaN when no step was timed this epoch
+            return statistics.median(seconds(s) for s in samples) * 1e3 if samples else math.nan
+
+        figures["makespan_ms"] = median_ms(lambda s: s.makespan_s)
+        figures["straggler_wait_ms"] = median_ms(lambda s: s.straggler_wait_s)
+        for i in range(R):
+            figures[f"replica_{i}_step_ms"] = median_ms(lambda s, i=i: s.per_replica_step_times_s[i])
         return figures
 
     def _write_tensorboard(self, epoch: int, figures: dict) -> None:

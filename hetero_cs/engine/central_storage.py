@@ -18,18 +18,25 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine import _compat, arguments
+from hetero_cs.engine import _compat, arguments, calibrating
+from hetero_cs.engine.callbacks import with_balance_callback
 from hetero_cs.engine.faults import supervised_run
+from hetero_cs.engine.faults.backup import with_backup
+from hetero_cs.engine.faults.failover import check_setting
+from hetero_cs.engine.memory.micro_batches import MicroBatching, validate_setting
+from hetero_cs.engine.memory.oom_recovery import StepRecovery, strategy_step_error
+from hetero_cs.engine.packed_values import PackedBatchValues
+from hetero_cs.engine.replica_wrapping import wrap_replica_fn
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine.step.idle_replicas import ActiveSets, served_sizes
 from hetero_cs.engine.step.input_roles import InputRoles
 from hetero_cs.engine.step.input_slicing import PlanSlicer, bad_batch_error
-from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.step.step_errors import EmptySliceNotes, raised_by_input_pipeline
 from hetero_cs.engine.strategy_state import StrategyState
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.guard import GuardPolicy
 from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -142,8 +149,6 @@ class HeteroCentralStorageStrategy(
         micro_batches: bool | None = None,
         on_device_error: str = "exclude",
     ):
-        from hetero_cs.planning.guard import GuardPolicy
-
         guard_policy = guard if isinstance(guard, GuardPolicy) else None  # on, with its own thresholds
         guard = True if guard_policy is not None else guard
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
@@ -169,18 +174,13 @@ class HeteroCentralStorageStrategy(
         arguments.validate_profile_cache(profile_cache)
         memory_policy = arguments.memory_policy(oom_recovery)
         arguments.validate_fused_update(fused_update)
-        from hetero_cs.engine.memory.micro_batches import MicroBatching, validate_setting
-
         validate_setting(micro_batches)
-        from hetero_cs.engine.faults.failover import check_setting
-
         check_setting(on_device_error)
         batch_split = supervised_run.shares_without_lost_gpus(batch_split, len(devices), emulate is not None)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
-            from hetero_cs.engine.calibrating import load_profile
-
-            profile = load_profile(profile, devices, emulate, auto_balance=auto_balance and shares is None)
+            profile = calibrating.load_profile(profile, devices, emulate,
+                                               auto_balance=auto_balance and shares is None)
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the
@@ -239,16 +239,13 @@ class HeteroCentralStorageStrategy(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
             guard_policy=guard_policy, on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
             on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
-        from hetero_cs.engine.memory.oom_recovery import StepRecovery
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
                                             on_device_error=on_device_error) if len(devices) > 1 else None)
-        self._timing_enabled = self._balancer.timing_needed or emulator is not None or arguments.env_flag(
-            "HETERO_CS_TIMING"
-        )
         # Sampled timing on real devices when only the balancer needs the times (each step's plan says whether it is
         # timed); an emulated step must wait (and so be timed) every step, and HETERO_CS_TIMING=1 asks for every step.
-        self._sampled_timing = bool(self._balancer.timing_needed and emulator is None
-                                    and not arguments.env_flag("HETERO_CS_TIMING"))
+        every_step = emulator is not None or arguments.env_flag("HETERO_CS_TIMING")
+        self._timing_enabled = bool(self._balancer.timing_needed or every_step)
+        self._sampled_timing = bool(self._balancer.timing_needed and not every_step)
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
@@ -386,16 +383,13 @@ class HeteroCentralStorageStrategy(
     # ----------------------------------------------------------------------------------------------------------
     # Replica steps
     # ----------------------------------------------------------------------------------------------------------
-    def _wrap_replica_fn(self, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None, scope_replica=False):
-        """Wraps a replica function so it knows its slice size b_i, the global batch B, its start time and its
-        call's handoff (:func:`hetero_cs.engine.replica_wrapping.wrap_replica_fn`)."""
-        from hetero_cs.engine.replica_wrapping import wrap_replica_fn
-
-        return wrap_replica_fn(self, fn, args, kwargs, batch_leaves, timed, handoff=handoff,
-                               scope_replica=scope_replica)
-
-    def _write_back_caps(self) -> None:
-        __import__("hetero_cs.engine.calibrating").engine.calibrating.write_back_caps(self)
+    # Wraps a replica function so it knows its slice size b_i, the global batch B, its start time and its call's
+    # handoff.
+    _wrap_replica_fn = wrap_replica_fn
+    # Writes the caps in force back to the profile cache entry the calibration came from (out-of-memory recovery).
+    _write_back_caps = calibrating.write_back_caps
+    # The library's error for TensorFlow's error from a step, or None.
+    _replica_step_error = strategy_step_error
 
     def _emulator_ready(self) -> bool:
         return getattr(self._emulator, "workload", None) is not None
@@ -421,8 +415,7 @@ class HeteroCentralStorageStrategy(
                 batch_size, count = sub_step.chain_sizes[replica], sub_step.counts[replica]
             else:
                 count = 1
-            record = None if sub_step.record is None else functools.partial(
-                _micro_batch_report, sub_step.record, count=count)
+            record = None if sub_step.record is None else functools.partial(sub_step.record, count=count)
 
         return finish_replica_step(
             grads,
@@ -456,13 +449,6 @@ class HeteroCentralStorageStrategy(
         error, self._input_error = self._input_error, None
         return error if error is not None and raised_by_input_pipeline(exc, error) else None
 
-    def _replica_step_error(self, exc: Exception, replica_scopes=(), kind: str = "training"):
-        """The library's error for TensorFlow's ``exc`` from a step, or None
-        (:func:`hetero_cs.engine.memory.oom_recovery.strategy_step_error`)."""
-        from hetero_cs.engine.memory.oom_recovery import strategy_step_error
-
-        return strategy_step_error(self, exc, replica_scopes, kind)
-
     # ----------------------------------------------------------------------------------------------------------
     # Calibration
     # ----------------------------------------------------------------------------------------------------------
@@ -490,8 +476,6 @@ class HeteroCentralStorageStrategy(
             ConfigError: auto_balance on data without labels.
             CalibrationError, CalibrationOOMError: From calibration.
         """
-        from hetero_cs.engine import calibrating
-
         result = calibrating.calibrate(self, model, data, force=force, progress=progress)
         reference = self._balancer.reference_batch_size
         if reference is not None:
@@ -504,12 +488,4 @@ class HeteroCentralStorageStrategy(
         return result
 
     def _fit_callbacks(self, model, callbacks, arguments=None):
-        from hetero_cs.engine.faults.backup import with_backup
-        from hetero_cs.engine.callbacks import with_balance_callback
-
         return with_backup(self, with_balance_callback(self, callbacks), arguments)
-
-
-def _micro_batch_report(record, replica_id: int, examples: int, seconds: float, *, count: int) -> None:
-    """``finish_replica_step``'s report of an overlapped call's micro-batch(es), passed on with their count."""
-    record(replica_id, examples, seconds, count)

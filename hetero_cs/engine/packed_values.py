@@ -20,31 +20,24 @@ from hetero_cs.engine.step.input_slicing import cut, is_unbatched_marker
 class PackedBatchValues:
     """Mixin for a ``tf.distribute.Strategy`` whose distributed datasets yield whole global batches."""
 
-    def _global_batch_component(self, value) -> tuple | None:
-        """``(component,)``: the global batch a leaf of a distributed-dataset element holds (None for a "no data"
-        leaf such as missing sample weights); None for other values.
-
-        With one replica every per-replica value has one component, and a batch is already replica 0's slice.
-        """
-        if self.num_replicas_in_sync == 1 or self.extended.active_replicas_now() is not None:
-            return None  # one replica; or inside a call over some replicas, whose values have one part per replica
-        parts = _compat.components(value)
-        if parts is None or len(parts) != 1:
-            return None
-        return parts
-
     def _replica_slices(self, value, sizes=None) -> list | None:
         """The ``R`` slices of one global-batch leaf from a distributed dataset, or None for other values.
+
+        A leaf of a distributed-dataset element holds the global batch as its one component (None for a "no data"
+        leaf such as missing sample weights). With one replica every per-replica value has one component, and a
+        batch is already replica 0's slice.
 
         Args:
             value: A leaf of a distributed dataset's element (other values give None).
             sizes: int64 ``[R]``, this step's slice sizes; None outside a step: the plan in force for the batch's
                 size (it changes nothing of the plan lifecycle).
         """
-        held = self._global_batch_component(value)
-        if held is None:
+        if self.num_replicas_in_sync == 1 or self.extended.active_replicas_now() is not None:
+            return None  # one replica; or inside a call over some replicas, whose values have one part per replica
+        parts = _compat.components(value)
+        if parts is None or len(parts) != 1:
             return None
-        component, R = held[0], self.num_replicas_in_sync
+        component, R = parts[0], self.num_replicas_in_sync
         if is_unbatched_marker(component):  # None / Optional ("no sample weights"): the same for every replica
             return [component] * R
         if sizes is None:
@@ -138,19 +131,16 @@ class PackedBatchValues:
         if value is None:  # e.g. the missing sample weights of an (x, y, None) batch
             return None
         op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
+        whole_mean = axis is None and str(op).upper() == "MEAN"
         slices = self._replica_slices(value)
         if slices is not None:  # an element of a distributed dataset: reduce its per-replica slices
             if is_unbatched_marker(slices[0]):
                 return slices[0]
-            if axis is None and str(op).upper() == "MEAN":
+            if whole_mean:
                 return tensors.largest(slices)
             value = _compat.per_replica(slices)
-        if (
-            axis is None
-            and str(op).upper() == "MEAN"
-            and isinstance(value, tf.distribute.DistributedValues)
-            and tensors.known_unequal_shapes(self.experimental_local_results(value))
-        ):
+        if whole_mean and isinstance(value, tf.distribute.DistributedValues) and tensors.known_unequal_shapes(
+                self.experimental_local_results(value)):
             return tensors.largest(self.experimental_local_results(value))
         return super().reduce(reduce_op, value, axis=axis)
 

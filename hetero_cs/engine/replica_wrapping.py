@@ -14,9 +14,11 @@ import tensorflow as tf
 from hetero_cs.engine import _compat
 from hetero_cs.engine.step import tensors
 from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step.sub_steps import current_sub_step
 from hetero_cs.engine._compat.batch_flow import BatchFlow, seed_replica_step
 from hetero_cs.engine._compat.loss_reader import check_predictions, shares_of_logs
 from hetero_cs.devices.device_errors import naming_the_replica
+from hetero_cs.devices.step_clock import emulated_memory_gate, sampled_wall_clock_stamp, wall_clock_stamp
 from hetero_cs.errors import ConfigError
 
 
@@ -39,38 +41,27 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in strategy.experimental_local_results(v)
         )
 
-    from hetero_cs.engine.step.sub_steps import current_sub_step
-
     sub_step = current_sub_step()  # a sub-step of an overlapped micro-batched call (traced in this thread)
-    batch_index = next((i for i, v in enumerate(flat) if id(v) in batch_ids), None)
-    if batch_index is None:
-        batch_index = next((i for i, v in enumerate(flat) if is_batched_per_replica(v)), None)
     # The leaves each replica receives its own slice of: one row per example (the loss reader's seeds).
-    row_leaves = {i for i, v in enumerate(flat) if id(v) in batch_ids or is_batched_per_replica(v)}
-    global_batch_size = None
-    step_start = None
+    row_leaves = [i for i, v in enumerate(flat) if id(v) in batch_ids or is_batched_per_replica(v)]
+    batch_index = next((i for i in row_leaves if id(flat[i]) in batch_ids), row_leaves[0] if row_leaves else None)
+    global_batch_size = step_start = None
+    sampled = strategy._sampled_timing and timed is not None  # one decision per step: every replica agrees
     if batch_index is not None:
         components = strategy.experimental_local_results(flat[batch_index])
         with tf.device(strategy._parameter_device):
-            global_batch_size = tf.add_n([tensors.leading_dim(c) for c in components])
-            micro = getattr(strategy, "_micro_batching", None)
-            if micro is not None:  # a sub-step of a micro-batched step weighs by the whole step's B
-                global_batch_size = micro.full_batch_size(global_batch_size)
+            # A sub-step of a micro-batched step weighs by the whole step's B.
+            global_batch_size = strategy._micro_batching.full_batch_size(
+                tf.add_n([tensors.leading_dim(c) for c in components]))
             # In an overlapped call each replica's micro-batch starts when its previous one ends, not when the
             # step starts: its clock starts in the replica (below), and the call has no shared start.
             if strategy._timing_enabled and sub_step is None:
-                from hetero_cs.devices.step_clock import sampled_wall_clock_stamp, wall_clock_stamp
-
                 # One clock start per step, when the step's input is there: every replica's step time runs
                 # from it (what a real device's does: input and parameters reach it after the step starts).
                 anchor = tensors.dense_part(components[0])  # data, so never constant-folded
-                if strategy._sampled_timing and timed is not None:  # one decision per step: every replica agrees
-                    step_start = sampled_wall_clock_stamp(anchor, timed)
-                else:
-                    step_start = wall_clock_stamp(anchor)
+                step_start = sampled_wall_clock_stamp(anchor, timed) if sampled else wall_clock_stamp(anchor)
                 if handoff is not None:  # the host's end of this step is timed from the same start
-                    handoff.start_stamp = step_start
-                    handoff.sampled_start = strategy._sampled_timing and timed is not None
+                    handoff.start_stamp, handoff.sampled_start = step_start, sampled
     if strategy._emulator is not None and not strategy._emulator_ready():
         raise ConfigError(
             "Emulated devices need the model's size before the first step. model.fit does this for you; "
@@ -79,14 +70,11 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         )
 
     # Traced inside evaluate or predict (fit's validation pass included): an inference step.
-    inferring = getattr(strategy, "_input_roles", None) is not None and strategy._input_roles.inferring_now
-    roles = getattr(strategy, "_input_roles", None)
-    keras_loop = roles is not None and roles.keras_loop_now
-    logs = keras_loop and roles.keras_logs_now
+    roles = strategy._input_roles
+    inferring, keras_loop, logs = roles.inferring_now, roles.keras_loop_now, roles.keras_logs_now
 
     def replica_fn(*call_args, **call_kwargs):
-        context = tf.distribute.get_replica_context()
-        replica_id = _compat.replica_id_in_sync_group(context)
+        replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
         previous = sub_step.ends.get(replica_id) if sub_step is not None else None
         if previous:
             # One micro-batch at a time on this card: this one starts once the replica's previous one has its
@@ -100,10 +88,10 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         if batch_index is not None and batch_index < len(call_flat):
             batched = call_flat[batch_index]  # this replica's component of the batch leaf
         else:  # no per-replica batch: the first argument with a batch dimension
-            leaves = [t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
-            batched = next((t for t in leaves if t.shape.rank is None or t.shape.rank >= 1), None)
+            batched = next((t for t in call_flat if isinstance(t, (tf.Tensor, tf.RaggedTensor))
+                            and (t.shape.rank is None or t.shape.rank >= 1)), None)
         batch_size = tensors.leading_dim(batched) if batched is not None else tf.constant(0, tf.int32)
-        start, sampled = step_start, step_start is not None and strategy._sampled_timing and timed is not None
+        start = step_start
         if sub_step is not None and sub_step.end_stamps.get(replica_id):
             start = sub_step.end_stamps[replica_id][-1]  # back to back: where its previous micro-batch stopped
         # On real devices the micro-batches of an overlapped call are timed as one chain per card, from its first
@@ -112,10 +100,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         chained = sub_step is not None and strategy._emulator is None
         if chained and replica_id in sub_step.chain_starts:
             start = sub_step.chain_starts[replica_id]
-        timed_here = strategy._timing_enabled
-        if start is None and timed_here and batched is not None:
-            from hetero_cs.devices.step_clock import wall_clock_stamp
-
+        if start is None and strategy._timing_enabled and batched is not None:
             start = wall_clock_stamp(tensors.dense_part(batched))
             if chained:
                 sub_step.chain_starts[replica_id] = start
@@ -125,15 +110,13 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             batch_size=batch_size,
             global_batch_size=global_batch_size,
             start_stamp=start,
-            sampled_timing=sampled,
+            sampled_timing=step_start is not None and sampled,
             shared_start=step_start is not None,
             handoff=handoff,
             sub_step=sub_step,
             flow=BatchFlow(replica_id),
         )
         if strategy._emulator is not None and batched is not None:
-            from hetero_cs.devices.step_clock import emulated_memory_gate
-
             # An emulated slice too large for its device fails here, before the replica computes anything (no
             # loss or metric of the failed step is formed), as a GPU fails at its first large allocation.
             call_args, call_kwargs = emulated_memory_gate(

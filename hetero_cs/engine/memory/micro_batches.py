@@ -47,6 +47,7 @@ import time
 import tensorflow as tf
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
+from hetero_cs.engine._compat import global_batch_size_of
 from hetero_cs.engine.memory.micro_batch_state import NORMALISED_LOSS, _WHY, MicroBatchState
 from hetero_cs.engine.memory.micro_batch_trials import OverlapTrials
 from hetero_cs.engine.memory.overlapped_calls import OverlappedCalls, rows_of
@@ -384,8 +385,6 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         Raises:
             MicroBatchError: An evaluation whose loss is normalised by the batch (see the module docstring).
         """
-        from hetero_cs.engine._compat import global_batch_size_of
-
         B = global_batch_size_of(data)
         caps = self._strategy.balancer.max_batch_sizes
         capacity = capacity_of(caps)
