@@ -44,6 +44,7 @@ import zipfile
 import keras
 import numpy as np
 
+from hetero_cs.engine import _compat
 from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR, backup_dir, register, write_atomically
 from hetero_cs.errors import ConfigError
 
@@ -141,8 +142,6 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        from hetero_cs.engine import _compat
-
         self._run.update(model=_fingerprint(self.model), steps=(self.params or {}).get("steps"))
         try:
             register(self._dir, [self._record_path.name, *self._slots()])
@@ -278,8 +277,6 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._history.append({k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0})
 
     def on_train_end(self, logs=None):
-        from hetero_cs.engine import _compat
-
         _compat.set_initial_epoch(self.model, None)
         self._restore_history()
         self._strategy._resume_skip = 0  # noqa: SLF001

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 
 from hetero_cs.devices.device_errors import DeviceFault, first_line
-from hetero_cs.errors import ConfigError, DeviceFaultError
+from hetero_cs.errors import ConfigError, DeviceFaultError, InfeasiblePlanError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -92,8 +92,6 @@ class DeviceFailover:
             failed_batch_size: The replica's slice in the step that failed.
             global_batch_size: The batch to retry.
         """
-        from hetero_cs.errors import InfeasiblePlanError
-
         replica_id = fault.replica_id
         balancer = self._strategy.balancer
         card = self.card(replica_id)
