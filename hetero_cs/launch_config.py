@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
+from hetero_cs.supervisor import checked_int
 
 MAX_WORKERS = 256
 """Most worker processes one launch starts on this machine (each is a TensorFlow process)."""
@@ -107,10 +108,7 @@ def _example_names(count: int) -> list[str]:
 
 def check_workers(num_workers) -> int:
     """``num_workers`` if it is an int in [1, MAX_WORKERS], else ConfigError."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS:
-        raise ConfigError(f"--workers must be an int in [1, {MAX_WORKERS}] (processes on this machine). "
-                          f"Received: {num_workers!r}.")
-    return num_workers
+    return checked_int(num_workers, "--workers", 1, MAX_WORKERS, "processes on this machine")
 
 
 def worker_gpus(gpus: Sequence, num_workers: int) -> list[list] | None:
