@@ -23,8 +23,7 @@ from hetero_cs.errors import ConfigError, InputError
 class MultiWorkerInput:
     """Mixin of HeteroMultiWorkerMirroredStrategy (before MultiWorkerMirroredStrategy in its bases): its input.
 
-    Reads the strategy's ``_num_local``, ``_first_replica``, ``_agreed``, ``_timing``, ``_balancer``,
-    ``_agreed_sizes`` and ``_local_sizes``.
+    Reads the strategy's ``_num_local``, ``_first_replica``, ``_timing``, ``_balancer`` and ``_step_sizes``.
     """
 
     # ----------------------------------------------------------------------------------------------------------
@@ -128,12 +127,7 @@ class MultiWorkerInput:
         host = self._input_host
         with tf.device(host):
             global_batch_size = tensors.leading_dim(first[0] if isinstance(first, tuple) else first)
-        # The split is decided here, before any replica starts: agreed by the cluster, or from B alone.
-        if self._agreed:
-            sizes = self._agreed_sizes(global_batch_size)
-        else:
-            with tf.device(host):
-                sizes = self._local_step_sizes(global_batch_size)
+        sizes = self._step_sizes(global_batch_size)  # decided before any replica starts
         with tf.device(host):
             start = None
             if self._timing:
@@ -206,12 +200,6 @@ class MultiWorkerInput:
                 return shares_of_logs(replica_step, outputs, keep_replicated=True)
 
         return replica_fn
-
-    def _local_step_sizes(self, global_batch_size):
-        """Fixed or even split: the split of this global batch (int32 [R]) from ``B`` alone, the same everywhere."""
-        sizes = tf.numpy_function(self._local_sizes, [global_batch_size], tf.int64, name="hetero_cs_plan")
-        sizes.set_shape([self.num_replicas_in_sync])
-        return tf.cast(sizes, tf.int32)
 
 
 _UNBATCHED = object()  # _global_batch's answer for a per-replica value of one component that holds no batch
