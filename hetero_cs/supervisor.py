@@ -90,12 +90,7 @@ def nth_remaining(index: int, excluded: Sequence[int]) -> int:
     >>> nth_remaining(1, [1])   # cards 0, 2, 3 are left: the script's card 1 is card 2
     2
     """
-    position = -1
-    for _ in range(index + 1):
-        position += 1
-        while position in excluded:
-            position += 1
-    return position
+    return [p for p in range(index + len(excluded) + 1) if p not in excluded][index]
 
 
 def default_backup_dir(command: Sequence[str]) -> pathlib.Path:
