@@ -313,7 +313,7 @@ class Launch:
                 # The others find out themselves within seconds (a WorkerLostError naming the worker, from
                 # TensorFlow's collectives and coordination service) and end with a clean error; a SIGINT in the
                 # middle of that would end them in a raw KeyboardInterrupt trace from inside TensorFlow instead.
-                waited = self._let_others_end(_SELF_STOP_S)
+                waited = _all_exit(self._processes, min(_SELF_STOP_S, self._grace_s), self._stop)
                 self._note(f"worker {index} exited with status {status}; "
                            + ("the others ended on their own" if waited else "stopping the others"))
                 self._stop_all()
@@ -327,15 +327,6 @@ class Launch:
                 return 0
             time.sleep(_POLL_S)
 
-    def _let_others_end(self, timeout_s: float) -> bool:
-        """Waits up to ``timeout_s`` (cut short by a stop signal) for every worker to exit; True when they did."""
-        deadline = time.monotonic() + min(timeout_s, self._grace_s)
-        while time.monotonic() < deadline and not self._stop.is_set():
-            if all(p.poll() is not None for p in self._processes):
-                return True
-            time.sleep(_POLL_S)
-        return all(p.poll() is not None for p in self._processes)
-
     def _note(self, message: str) -> None:
         self._write(f"[launch] {message}\n")
 
@@ -343,15 +334,11 @@ class Launch:
         """SIGINT to every running worker's process group, SIGTERM after grace_s / 2, SIGKILL after grace_s;
         returns when all have exited."""
         running = [p for p in self._processes if p.poll() is None]
-        start = time.monotonic()
-        for sig, after_s in ((signal.SIGINT, 0.0), (signal.SIGTERM, self._grace_s / 2)):
-            while time.monotonic() < start + after_s and any(p.poll() is None for p in running):
-                time.sleep(_POLL_S)
+        for sig in (signal.SIGINT, signal.SIGTERM):
             for process in running:
                 if process.poll() is None:
                     signal_group(process, sig)
-        while time.monotonic() < start + self._grace_s and any(p.poll() is None for p in running):
-            time.sleep(_POLL_S)
+            _all_exit(running, self._grace_s / 2)
         killed = [self._processes.index(p) for p in running if p.poll() is None]
         for process in self._processes:
             # The group too: a worker that exited may have left children behind.
@@ -361,6 +348,16 @@ class Launch:
         if killed:
             self._note(f"worker(s) {killed} did not stop within {self._grace_s:g} s of SIGINT and SIGTERM; "
                        f"killed (SIGKILL)")
+
+
+def _all_exit(processes: list, timeout_s: float, stop: threading.Event | None = None) -> bool:
+    """Waits up to ``timeout_s`` (cut short when ``stop`` is set) for ``processes`` to exit; True when they did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        if all(p.poll() is not None for p in processes):
+            return True
+        time.sleep(_POLL_S)
+    return all(p.poll() is not None for p in processes)
 
 
 def add_launch_arguments(parser) -> None:
