@@ -108,10 +108,8 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
 
 
 def checked_command(command, verb: str) -> list[str]:
@@ -176,10 +174,8 @@ def lines_of(stream):
 
 def signal_group(process: subprocess.Popen, sig: int) -> None:
     """Sends ``sig`` to ``process``'s group (it leads one: :func:`start_child`), with what it left behind there."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def exit_status(code: int) -> int:
@@ -269,11 +265,9 @@ class Supervisor:
         self._stop_deadline = float("inf")
 
     def _note(self, message: str) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self._output.write(f"[hetero-cs run] {message}\n")
             self._output.flush()
-        except (OSError, ValueError):
-            pass
 
     def _check_backup_dir(self) -> None:
         """Creates the library's subdirectory and its manifest: a ConfigError naming --backup-dir when it cannot."""
@@ -304,11 +298,9 @@ class Supervisor:
         """Passes the script's standard error on, keeping its last lines."""
         for line in lines_of(stream):
             self._tail.append(line)
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(line)
                 sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -325,16 +317,13 @@ class Supervisor:
         self._child = child = start_child(self._command, self._environment(), stderr=subprocess.PIPE)
         pump = threading.Thread(target=self._pump, args=(child.stderr,), daemon=True)
         pump.start()
-        while True:
-            try:
-                code = child.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() > self._stop_deadline:  # a stop signal passed on was not obeyed in time
-                    self._note(f"the script did not stop within {self._grace_s:g} s of signal {self._stop_signal}: "
-                               f"killing it (SIGKILL)")
-                    self._signal_child(signal.SIGKILL)
-                    self._stop_deadline = float("inf")
+        while (code := child.poll()) is None:
+            time.sleep(0.05)
+            if time.monotonic() > self._stop_deadline:  # a stop signal passed on was not obeyed in time
+                self._note(f"the script did not stop within {self._grace_s:g} s of signal {self._stop_signal}: "
+                           f"killing it (SIGKILL)")
+                self._signal_child(signal.SIGKILL)
+                self._stop_deadline = float("inf")
         signal_group(child, signal.SIGKILL)  # what the script left behind there: its pipe would keep the pump waiting
         pump.join(timeout=10.0)
         return exit_status(code)
@@ -406,10 +395,8 @@ class Supervisor:
                     if status == 0 and self._stop_signal is None:
                         remove_written(self.owned_dir)
                         if self._created_dir:
-                            try:
+                            with contextlib.suppress(OSError):
                                 self.backup_dir.rmdir()  # only when empty
-                            except OSError:
-                                pass
                         if self.lost_names:
                             self._note(f"the script succeeded after {self.restarts} restart(s), without "
                                        f"{'; '.join(self.lost_names)}")
