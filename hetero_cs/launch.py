@@ -99,17 +99,15 @@ class Launch:
         self._grace_s = checked_grace_s(grace_s)
         self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, 1000,
                                          "relaunches of the cluster after a worker failed")
-        if emulate is not None:
-            emulate = check_emulate(emulate, num_workers)
+        self._emulate = None if emulate is None else check_emulate(emulate, num_workers)
         from hetero_cs.devices.gpu_health import visible_gpus
 
         # Each worker's own GPUs, by UUID (None: no GPU, or emulated cards); a lost card is NVML's to say.
-        self._gpus = worker_gpus(visible_gpus() if emulate is None else [], num_workers)
+        self._gpus = worker_gpus(visible_gpus() if self._emulate is None else [], num_workers)
         self._evidence: list = []  # (Gpu, why) of the cards NVML showed failed in the last launch
         self.restarts = 0
         self._tails: list[collections.deque] = []  # each worker's last lines, to tell why it failed
         self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
-        self._emulate = None if emulate is None else list(emulate)
         # HETERO_CS_MAX_BATCH_SIZES's caps (set by hand, or after an out-of-memory relaunch), one per replica.
         self._caps: list[int | None] | None = read_caps(os.environ.get(CAPS_ENV_VAR, ""))
         # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.

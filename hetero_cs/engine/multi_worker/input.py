@@ -14,8 +14,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments
-from hetero_cs.engine.step import tensors
-from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step import replica_state, tensors
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.errors import ConfigError, InputError
 
@@ -121,8 +120,7 @@ class MultiWorkerInput:
             else:
                 batches[i] = held
         if not batches:
-            args, kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
-            return args, kwargs, None
+            return (*tf.nest.pack_sequence_as((args, kwargs), flat), None)
         first = next(iter(batches.values()))
         host = self._input_host
         with tf.device(host):
@@ -145,8 +143,7 @@ class MultiWorkerInput:
                 with tf.device(_device_of(component) or host):  # where it lives: the host for a dataset's element
                     slices.append(component[starts[replica]:ends[replica]])
             flat[i] = _compat.per_replica(slices)
-        args, kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
-        return args, kwargs, (sizes, global_batch_size, start, frozenset(batches))
+        return (*tf.nest.pack_sequence_as((args, kwargs), flat), (sizes, global_batch_size, start, frozenset(batches)))
 
     def _global_batch(self, leaf):
         """What a ``run`` argument leaf holds: the global batch once (a tensor), once per local replica (a tuple of
@@ -179,8 +176,7 @@ class MultiWorkerInput:
         first = self._first_replica
 
         def replica_fn(*call_args, **call_kwargs):
-            from hetero_cs.engine._compat.batch_flow import BatchFlow
-            from hetero_cs.engine._compat.batch_flow import seed_replica_step
+            from hetero_cs.engine._compat.batch_flow import BatchFlow, seed_replica_step
 
             replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
             replica_step = replica_state.ReplicaStep(
