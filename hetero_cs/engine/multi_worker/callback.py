@@ -45,8 +45,7 @@ class MultiWorkerCallback(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         self._strategy.prepare_emulation(self.model)
 
-    def on_predict_begin(self, logs=None):
-        self._strategy.prepare_emulation(self.model)
+    on_predict_begin = on_test_begin
 
     def on_epoch_begin(self, epoch, logs=None):
         self._strategy.pop_reported_step_times()  # the epoch's own steps only (not the last validation's)

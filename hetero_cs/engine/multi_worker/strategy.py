@@ -171,12 +171,11 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
                 f"{len(emulate)} names, num_replicas_in_sync={R} ({R // self._num_local} workers x "
                 f"{self._num_local} local replicas). Give exactly {R} names."
             )
-        self._emulator = None
+        self._emulator = None if emulate is None else emulator or emulation.Emulator(list(emulate))
         if emulate is not None:
             # An Emulator is not sent between workers: each worker builds its own from the same script, applies
             # only its own replicas' waits and drifts (cluster replica ids), and sets the time scale from the first
             # global batch, which is the same on every worker.
-            self._emulator = emulator if emulator is not None else emulation.Emulator(list(emulate))
             local = list(emulate)[self._first_replica:self._first_replica + self._num_local]
             logger.warning(
                 "hetero_cs: timings are EMULATED - this worker's replicas %s emulate %s (real compute on the CPU "
@@ -315,7 +314,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         if hasattr(callbacks, "callbacks"):  # a keras.callbacks.CallbackList: the caller built it, keep it
             return callbacks
         callbacks = list(callbacks or [])
-        if not _has_ours(callbacks):
+        if not any(isinstance(c, MultiWorkerCallback) for c in callbacks):
             callbacks.insert(0, MultiWorkerCallback(self))
         return callbacks
 
@@ -379,9 +378,3 @@ def _restart_caps(num_replicas: int) -> list[int | None] | None:
     logger.warning("hetero_cs: memory caps lowered to %s=%s (hetero-cs launch sets it when it relaunches a job after "
                    "a replica ran out of memory).", CAPS_ENV_VAR, text)
     return caps
-
-
-def _has_ours(callbacks) -> bool:
-    from hetero_cs.engine.multi_worker.callback import MultiWorkerCallback
-
-    return any(isinstance(c, MultiWorkerCallback) for c in callbacks)
