@@ -2,8 +2,8 @@
 
 Under :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy` the split of every global batch is decided by the chief
 alone (global replica 0) and reaches every worker inside the step through one all-reduce (see
-:mod:`hetero_cs.engine.multi_worker.strategy`); every other worker only reports its own replicas' step times through the
-same all-reduce. This object is what the chief consults: it never touches TensorFlow.
+:mod:`hetero_cs.engine.multi_worker.agreement`); every other worker only reports its own replicas' step times
+through the same all-reduce. This object is what the chief consults: it never touches TensorFlow.
 
 Calibration happens *in* training. Any split is exact (each replica's loss weighs ``b_i / B``), so the first steps
 can serve probe splits - each replica's share of the even split times 1.0, 0.5 and 1.5 in rotation - and each
