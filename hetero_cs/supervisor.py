@@ -28,7 +28,9 @@ outside: it runs the script, and when the script fails because a card was lost i
   signal N); a stop by signal N exits 128 + N and keeps the backups. Bad arguments, or a --backup-dir that cannot be
   written: 2.
 
-This module imports neither TensorFlow nor pynvml at import time.
+``hetero-cs launch`` (:mod:`hetero_cs.launch`) runs its workers with this module's helpers too: the checks of the
+command and the options, starting a child in its own process group, reading its lines, signalling its group and
+handing stop signals over. This module imports neither TensorFlow nor pynvml at import time.
 """
 
 from __future__ import annotations
