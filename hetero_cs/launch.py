@@ -56,6 +56,8 @@ from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
 from hetero_cs.launch_config import check_emulate, check_workers, free_ports, parse_emulate, tf_config, worker_gpus
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
 from hetero_cs.supervisor import (
+    DEFAULT_GRACE_S,
+    MAX_RESTARTS,
     checked_command,
     checked_grace_s,
     checked_int,
@@ -68,7 +70,6 @@ from hetero_cs.supervisor import (
 )
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
-DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
 _SELF_STOP_S = 10.0  # after a worker failed: how long the others may take to end on their own before SIGINT
 _TAIL_LINES = 200  # each worker's last lines kept to tell why it failed
@@ -97,7 +98,7 @@ class Launch:
         self._command = checked_command(command, "launch")
         self._num_workers = check_workers(num_workers)
         self._grace_s = checked_grace_s(grace_s)
-        self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, 1000,
+        self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS,
                                          "relaunches of the cluster after a worker failed")
         self._emulate = None if emulate is None else check_emulate(emulate, num_workers)
         from hetero_cs.devices.gpu_health import visible_gpus

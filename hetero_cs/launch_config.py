@@ -5,6 +5,7 @@ No TensorFlow is imported here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Sequence
@@ -25,17 +26,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     Another process may take one before a worker binds it; the worker then fails to start and the launch fails
     with its error (rerun it).
     """
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-            ports.append(sock.getsockname()[1])
-    finally:
+    with contextlib.ExitStack() as held:  # every socket stays bound until all ports are read: they differ
+        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
         for sock in sockets:
-            sock.close()
-    return ports
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def tf_config(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> str:
