@@ -31,8 +31,7 @@ def supported_range() -> str:
 
 def installed_version(name: str) -> str:
     """The version of ``name`` this process runs (the loaded module's ``__version__``), or what pip installed."""
-    module = sys.modules.get(name)
-    version = getattr(module, "__version__", None)
+    version = getattr(sys.modules.get(name), "__version__", None)
     if version:
         return str(version)
     try:
