@@ -249,19 +249,13 @@ class Launch:
         own = re.compile(rf"StepOOMError: model\.\w+ ran out of memory on worker (\d+), .*{caps_text}")
         told = re.compile(rf"WorkerLostError: model\.\w+ stopped on worker \d+: worker (\d+) stopped, out of memory "
                           rf".*?{caps_text}")
-        workers, named = set(), []
-        for tail in self._tails:
-            for line in tail:
-                match = own.search(line) or told.search(line)
-                if match is not None:
-                    workers.add(int(match.group(1)))
-                    named.append(read_caps(match.group(2)))
-        named = [caps for caps in named if caps is not None]
+        found = [match for tail in self._tails for line in tail if (match := own.search(line) or told.search(line))]
+        named = [caps for caps in (read_caps(match.group(2)) for match in found) if caps is not None]
         if self._caps is not None:
             named.append(self._caps)
-        if not workers or len({len(caps) for caps in named}) != 1:
+        if not found or len({len(caps) for caps in named}) != 1:
             return None
-        return sorted(workers), lowest_caps(*named)
+        return sorted({int(match.group(1)) for match in found}), lowest_caps(*named)
 
     def _run_cluster(self) -> int:
         """One launch of the N workers: starts them, waits, and returns the exit status."""
