@@ -12,9 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hetero_cs.planning._curves import _Curves
-from hetero_cs.planning.cost_model import CostModel, _breakpoints
-
-_INF = math.inf
+from hetero_cs.planning.cost_model import CostModel, _breakpoints, decreasing_error
 
 
 def _knot_tables(
@@ -24,7 +22,7 @@ def _knot_tables(
 
     Between knots each curve is exactly linear (the models have closed-form breakpoints).
     """
-    curves = _Curves(models, lows, [0] * len(models), 1)
+    curves = _Curves(models)
     rows_x, rows_t = [], []
     for i, model in enumerate(models):
         low, high = lows[i], highs[i]
@@ -33,7 +31,7 @@ def _knot_tables(
         ts = [curves.time(i, x) for x in xs]
         for a in range(1, len(ts)):
             if ts[a] < ts[a - 1]:
-                raise curves.decreasing(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
+                raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
         rows_x.append(xs)
         rows_t.append(ts)
     width = max(2, max(len(r) for r in rows_x))
@@ -66,7 +64,7 @@ def _fill(X: np.ndarray, T: np.ndarray, level: float, *, strict: bool = False) -
 def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
     """min{T: sum_i x_i(T) >= B} on knot tables (x_i at its lowest knot below its curve), -inf if that holds B."""
     if X[:, 0].sum() >= B:
-        return -_INF
+        return -math.inf
     levels = np.unique(T)
     if _fill(X, T, float(levels[0])).sum() >= B:  # below levels[0] every x_i is at its lowest knot
         return float(levels[0])

@@ -45,7 +45,8 @@ from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
 from hetero_cs.planning.sampling import interval_steps
-from hetero_cs.planning.solver import _checked_caps, plan_from_split
+from hetero_cs.planning._curves import _checked_caps
+from hetero_cs.planning.solver import plan_from_split
 
 logger = logging.getLogger(__name__)
 

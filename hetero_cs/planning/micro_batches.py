@@ -36,6 +36,7 @@ Pure Python: no TensorFlow, no NVML.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,9 @@ from typing import Any
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, line_of, near_equal_micro_batches
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, even_batch_split
+from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
 __all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
            "plan_micro_batches", "plan_overlapped_micro_batches", "prefer_overlapped"]
@@ -129,11 +132,7 @@ class MicroBatchPlan:
         """The sub-steps of each traced call, in order: one per call when ``overlapped``, else one each."""
         if not self.overlapped:
             return tuple((p,) for p in self.sub_step_plans)
-        sizes, start, calls = self.call_sub_steps or (self.num_sub_steps,), 0, []
-        for n in sizes:
-            calls.append(self.sub_step_plans[start:start + n])
-            start += n
-        return tuple(calls)
+        return tuple(_cut(self.sub_step_plans, self.call_sub_steps or (self.num_sub_steps,)))
 
     @property
     def num_calls(self) -> int:
@@ -230,9 +229,6 @@ class MicroBatchPlan:
         Raises:
             ConfigError: Not one cap per replica, or a replica with examples and a cap of 0.
         """
-        from hetero_cs.planning.cost_model import idle_free, near_equal_micro_batches
-        from hetero_cs.planning.solver import plan_from_split
-
         sizes = plan.per_replica_batch_sizes
         caps = list(max_batch_sizes)
         if len(caps) != len(sizes) or any(c is not None and c < 1 and b > 0 for b, c in zip(sizes, caps)):
@@ -280,9 +276,10 @@ def _sizes_text(sizes: Sequence[int]) -> str:
     return " and ".join(f"{size} ({sizes.count(size)}x)" if len(distinct) > 1 else str(size) for size in distinct)
 
 
-def _equal_sizes(global_batch_size: int, num_sub_steps: int) -> list[int]:
-    q, r = divmod(global_batch_size, num_sub_steps)
-    return [q + 1] * r + [q] * (num_sub_steps - r)
+def _no_room_error() -> InfeasiblePlanError:
+    return InfeasiblePlanError(
+        "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' memory "
+        "(another process may hold it), use a smaller model, or train on other devices.")
 
 
 def plan_micro_batches(
@@ -318,15 +315,11 @@ def plan_micro_batches(
         ConfigError: ``B`` not an integer >= 1, ``capacity`` not None or an integer >= 0.
         InfeasiblePlanError: ``capacity`` is 0: no replica can hold one example.
     """
-    B = global_batch_size
-    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
-        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: global_batch_size={B!r}.")
+    B = _checked_global_batch_size(global_batch_size, allow_zero=False)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ConfigError(f"capacity must be None or an integer >= 0 (examples). Received: capacity={capacity!r}.")
     if capacity == 0:
-        raise InfeasiblePlanError(
-            "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
-            "memory (another process may hold it), use a smaller model, or train on other devices.")
+        raise _no_room_error()
     overhead = float(sub_step_overhead_s)
     if not math.isfinite(overhead) or overhead < 0:
         raise ConfigError(f"sub_step_overhead_s must be a finite number of seconds >= 0. Received: "
@@ -340,14 +333,11 @@ def plan_micro_batches(
         return plans[size]
 
     def makespan(K: int) -> float | None:
-        times = [plan_of(size).predicted_makespan_s for size in set(_equal_sizes(B, K))]
-        if any(t is None for t in times):
-            return None
-        sizes = _equal_sizes(B, K)
-        return float(sum(plan_of(size).predicted_makespan_s for size in sizes)) + K * overhead
+        times = [plan_of(size).predicted_makespan_s for size in even_batch_split(B, K)]
+        return None if None in times else float(sum(times)) + K * overhead
 
     def built(K: int, single: float | None) -> MicroBatchPlan:
-        return MicroBatchPlan(tuple(plan_of(size) for size in _equal_sizes(B, K)), single_step_makespan_s=single,
+        return MicroBatchPlan(tuple(plan_of(size) for size in even_batch_split(B, K)), single_step_makespan_s=single,
                               sub_step_overhead_s=overhead)
 
     single = makespan(1) if k_min == 1 else None
@@ -374,8 +364,6 @@ def micro_batched_curves(cost_models, max_batch_sizes) -> list:
     """Each replica's time for ``b`` examples run as micro-batches within its cap, back to back
     (:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel`); an uncapped replica's model as it is, and a cap
     of 0 left to :func:`zero_caps` (such a replica takes no example)."""
-    from hetero_cs.planning.cost_model import MicroBatchedCostModel
-
     return [model if cap is None or cap < 1 else MicroBatchedCostModel(model, int(cap))
             for model, cap in zip(cost_models, max_batch_sizes)]
 
@@ -435,19 +423,12 @@ def plan_overlapped_micro_batches(
         >>> plan.per_replica_batch_sizes, plan.micro_batch_sizes, plan.micro_batch_counts
         ((75, 21), (15, 21), (5, 1))
     """
-    from hetero_cs.planning.cost_model import MicroBatchedCostModel
-    from hetero_cs.planning.solver import solve_batch_split
-
-    B = global_batch_size
-    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
-        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: global_batch_size={B!r}.")
+    B = _checked_global_batch_size(global_batch_size, allow_zero=False)
     models, caps = list(cost_models), list(max_batch_sizes)
     if len(caps) != len(models):
         raise ConfigError(f"max_batch_sizes needs one entry per replica ({len(models)}). Received: {caps!r}.")
     if all(cap is not None and cap < 1 for cap in caps):
-        raise InfeasiblePlanError(
-            "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
-            "memory (another process may hold it), use a smaller model, or train on other devices.")
+        raise _no_room_error()
     curves = micro_batched_curves(models, caps)
     split = _linear_split(models, caps, B)
     if split is None:  # not all lines: the minimum-makespan solver, exact for any non-decreasing curve
@@ -465,7 +446,7 @@ def plan_overlapped_micro_batches(
     n = -(-K // SUB_STEPS_PER_CALL)
     best = _spread(parts, n, models, single_step_makespan_s, host_overhead_s)
     for calls in range(n, min(n + 8, B) + 1):
-        sizes = _equal_sizes(B, calls)
+        sizes = even_batch_split(B, calls)
         per_size = {size: plan_overlapped_micro_batches(size, models, caps, host_overhead_s=host_overhead_s,
                                                         max_sub_steps=SUB_STEPS_PER_CALL) for size in set(sizes)}
         if any(plan is None for plan in per_size.values()):
@@ -479,28 +460,11 @@ def plan_overlapped_micro_batches(
     return best
 
 
-def _line_of(model) -> tuple[float, float, bool] | None:
-    """``(a, c, idle_free)`` when ``model`` is ``t(b) = a + c b`` (maybe scaled, maybe with ``t(0) = 0``), else None."""
-    from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, ScaledCostModel
-
-    factor, idle = 1.0, False
-    while True:
-        if isinstance(model, IdleFreeCostModel):
-            idle, model = True, model.base
-        elif isinstance(model, ScaledCostModel):
-            factor, model = factor * model.factor, model.base
-        else:
-            break
-    if type(model) is not LinearCostModel:
-        return None
-    return factor * model.fixed_overhead_s, factor * model.seconds_per_example, idle
-
-
 def _linear_split(models, caps, B: int) -> tuple[int, ...] | None:
     """The minimum-makespan split of ``B`` under micro-batched lines, in closed form (None unless every model is a
     line with a positive slope and ``t(0) = 0``): the least ``T`` at which the cards hold ``B`` examples in all,
     by bisection over the cards' own step times, each card's most examples within ``T`` exact."""
-    lines = [_line_of(m) for m in models]
+    lines = [line_of(m) for m in models]
     if any(line is None or line[1] <= 0 or not line[2] for line in lines):
         return None
 
@@ -554,11 +518,11 @@ def _linear_split(models, caps, B: int) -> tuple[int, ...] | None:
 def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:
     """Each card's micro-batches (``parts[i]``, largest first) spread evenly over ``n`` calls; within a call, sub-step
     ``j`` gives each card its ``j``-th micro-batch there."""
-    groups = [[_equal_sizes_of(p, g, n) for p in parts] for g in range(n)]
     sub_steps, call_sub_steps = [], []
-    groups = [group for group in groups if any(group)]
-    for group in groups:
+    for group in zip(*(_cut(p, even_batch_split(len(p), n)) for p in parts)):
         depth = max(len(p) for p in group)
+        if not depth:
+            continue  # a call no card has a micro-batch in
         call_sub_steps.append(depth)
         for j in range(depth):
             sizes = tuple(p[j] if j < len(p) else 0 for p in group)
@@ -570,11 +534,10 @@ def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s
                           call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
 
 
-def _equal_sizes_of(items: list, group: int, groups: int) -> list:
-    """The ``group``-th of ``groups`` near-equal consecutive parts of ``items`` (earlier parts one longer)."""
-    q, r = divmod(len(items), groups)
-    start = group * q + min(group, r)
-    return items[start:start + q + (1 if group < r else 0)]
+def _cut(items: Sequence, sizes: Sequence[int]) -> list:
+    """``items`` cut into consecutive pieces of ``sizes`` examples each (they sum to ``len(items)``)."""
+    ends = list(itertools.accumulate(sizes))
+    return [items[end - size:end] for size, end in zip(sizes, ends)]
 
 
 def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchPlan | None, *,
