@@ -238,10 +238,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             if not self._rebalance_policy_given:
                 self._rebalance_policy = dataclasses.replace(self._rebalance_policy, min_batch_size=0 if free else 1)
                 self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=self._max_batch_sizes)
-            if self._cost_models is not None:  # priced again and solved again, at once (no guard trial)
-                self.set_cost_models([without_idle_pricing(m) for m in self._cost_models],
-                                     max_batch_sizes=self._max_batch_sizes,
-                                     reference_batch_size=self._reference_batch_size, trial=False)
+            if self._cost_models is not None:
+                self._set_models_again(self._max_batch_sizes)
 
     def set_max_batch_sizes(self, max_batch_sizes: Sequence[int | None] | None) -> None:
         """Sets the per-replica memory caps (examples per step, None entries: uncapped) without new cost models.
@@ -258,15 +256,18 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), R, 0)
         with self._lock:
             if self._cost_models is not None:
-                self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=caps,
-                                     reference_batch_size=self._reference_batch_size, trial=False,
-                                     contention_factors=self._contention_factors)
+                self._set_models_again(caps)
                 return
             self._max_batch_sizes = caps
             self._memory.reset(caps)
             self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
-            self._plans_by_batch.clear()
-            self._in_force_by_size.clear()
+            self._forget_plans()
+
+    def _set_models_again(self, max_batch_sizes: list[int | None] | None) -> None:
+        """The models in force priced again and solved again under ``max_batch_sizes``, at once (no guard trial)."""
+        self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=max_batch_sizes,
+                             reference_batch_size=self._reference_batch_size, trial=False,
+                             contention_factors=self._contention_factors)
 
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
@@ -299,15 +300,6 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             raise ConfigError(
                 f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
             )
-        if max_batch_sizes is not None and not isinstance(max_batch_sizes, (str, bytes)):
-            try:
-                count = len(max_batch_sizes)
-            except TypeError:
-                count = None
-            if count is not None and count != R:
-                raise ConfigError(
-                    f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
-                )
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
         excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
         if excluded:
@@ -340,11 +332,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 raise
             self._rebalancer = rebalancer
             self._memory.reset(caps)
-            self._guard.abandon()
+            self._forget_plans()
             self._forget_alone_checks()
-            self._models_before_replan = None
-            self._plans_by_batch.clear()
-            self._in_force_by_size.clear()
             if plan is None:  # solved (and tried) when the first global batch arrives
                 self._trial_on_first_batch = trial
                 return
@@ -501,10 +490,15 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
         B = plan.global_batch_size
         if self._plan is not None and self._plan.global_batch_size == B:
-            current = self._plan
-        else:
-            current = BatchPlan(even_batch_split(B, self._num_replicas), B)
-        return plan_from_split(current.per_replica_batch_sizes, self._cost_models)
+            return plan_from_split(self._plan.per_replica_batch_sizes, self._cost_models)
+        return plan_from_split(even_batch_split(B, self._num_replicas), self._cost_models)
+
+    def _forget_plans(self) -> None:
+        """What the plans were solved under changed: a running trial ends and every size is solved again."""
+        self._guard.abandon()
+        self._models_before_replan = None
+        self._plans_by_batch.clear()
+        self._in_force_by_size.clear()
 
     def _commit(self, plan: BatchPlan) -> None:
         changed = plan != self._plan
@@ -557,9 +551,9 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             self._maybe_check_alone()
             return
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
-        self._models_before_replan = None if forced else self._cost_models
+        previous = self._cost_models
+        self._forget_plans()  # (no trial runs here)
+        self._models_before_replan = None if forced else previous
         self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
-        self._plans_by_batch.clear()
-        self._in_force_by_size.clear()
         self._adopt(new_plan, trial=not forced)
 

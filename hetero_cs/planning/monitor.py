@@ -29,6 +29,7 @@ import numpy as np
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
+from hetero_cs.planning.plan import _is_int
 from hetero_cs.planning.step_pairing import StepPairing, StepSample  # noqa: F401 - StepSample re-exported
 from hetero_cs.errors import CalibrationError, ConfigError
 
@@ -90,7 +91,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
 
     def __init__(self, num_replicas: int, *, window_steps: int = 16):
         for name, value in (("num_replicas", num_replicas), ("window_steps", window_steps)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer. Received: {name}={value!r}.")
         self._num_replicas = int(num_replicas)
         self._window_steps = int(window_steps)
@@ -148,17 +149,12 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             ConfigError: If replica_id is out of range, batch_size is negative or not an integer, or step_key is
                 not hashable.
         """
-        if isinstance(replica_id, bool) or not isinstance(replica_id, (int, np.integer)) or not (
-            0 <= replica_id < self._num_replicas
-        ):
+        if not _is_int(replica_id) or not 0 <= replica_id < self._num_replicas:
             raise ConfigError(
-                f"replica_id must be an integer in [0, {self._num_replicas}). Received: replica_id={replica_id!r}."
-            )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
-            raise ConfigError(
-                f"batch_size must be a non-negative integer (examples in the replica's slice). "
-                f"Received: batch_size={batch_size!r} for replica_id={replica_id}."
-            )
+                f"replica_id must be an integer in [0, {self._num_replicas}). Received: replica_id={replica_id!r}.")
+        if not _is_int(batch_size) or batch_size < 0:
+            raise ConfigError(f"batch_size must be a non-negative integer (examples in the replica's slice). "
+                              f"Received: batch_size={batch_size!r} for replica_id={replica_id}.")
         if step_key is not None:
             try:
                 hash(step_key)
@@ -215,7 +211,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             sizes = times = counts = None
         if (
             sizes is None or not len(sizes) == len(times) == len(counts) == R
-            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in sizes + counts)
+            or any(not _is_int(v) or v < 0 for v in sizes + counts)
             or any(b > 0 and k < 1 for b, k in zip(sizes, counts))
             or not all(math.isfinite(t) and t >= 0 for t in times)
         ):
@@ -348,12 +344,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             CalibrationError: If base_models is None and no replica has a step with b_i > 0 and t_i > 0 in the
                 window (record some steps first, or pass base models).
         """
-        if base_models is not None and len(base_models) != self._num_replicas:
-            raise ConfigError(
-                f"base_models must hold one cost model per replica. Received: len(base_models)={len(base_models)}, "
-                f"num_replicas={self._num_replicas}."
-            )
         if base_models is not None:
+            self._check_one_per_replica("base_models", base_models)
             relative, common = self._relative_levels(base_models)
             models = []
             for i, base in enumerate(base_models):
@@ -400,11 +392,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         Raises:
             ConfigError: If cost_models does not have length R.
         """
-        if len(cost_models) != self._num_replicas:
-            raise ConfigError(
-                f"cost_models must hold one cost model per replica. Received: len(cost_models)={len(cost_models)}, "
-                f"num_replicas={self._num_replicas}."
-            )
+        self._check_one_per_replica("cost_models", cost_models)
         levels = self._levels(cost_models)
         relative, _ = self._relative_levels(cost_models, levels)
         result = np.zeros(self._num_replicas)
@@ -416,11 +404,13 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             recent = _shift_start(usable)
             if recent is not None and q.size == usable.size:
                 q = q[recent:]  # the speed changed: only the steps since say how precisely the new level is known
-            center = _median(q)
-            if center > 0:
-                mad = _median(np.abs(q - center))
-                result[i] = 1.2533 * 1.4826 * mad / center / math.sqrt(q.size)
+            result[i] = median_and_error(q)[1]
         return result
+
+    def _check_one_per_replica(self, name: str, models: Sequence[CostModel]) -> None:
+        if len(models) != self._num_replicas:
+            raise ConfigError(f"{name} must hold one cost model per replica. Received: len({name})={len(models)}, "
+                              f"num_replicas={self._num_replicas}.")
 
     def _levels(self, cost_models: Sequence[CostModel]) -> np.ndarray:
         """q[k, i] = t_i / model_i.predict_step_time_s(b_i) at window step k, shape [S, R]; NaN where b_i = 0 or the
@@ -488,6 +478,16 @@ def _median(values: np.ndarray) -> float:
         return math.nan
     middle = n // 2
     return float(ordered[middle]) if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+
+
+def median_and_error(values: np.ndarray) -> tuple[float, float]:
+    """The median of ``values`` (1-D, n >= 1) and its relative standard error, 1.2533 * 1.4826 * MAD / median /
+    sqrt(n): 1.4826 * MAD estimates the standard deviation robustly (consistent for normal noise), and 1.2533 / sqrt(n)
+    is the standard error of a median of n such samples. The error is 0 when the median is not positive."""
+    center = _median(values)
+    if not center > 0:
+        return center, 0.0
+    return center, 1.2533 * 1.4826 * _median(np.abs(values - center)) / center / math.sqrt(values.size)
 
 
 def _shift_start(levels: np.ndarray) -> int | None:
