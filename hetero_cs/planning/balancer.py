@@ -33,7 +33,7 @@ from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel, check_cost_model, idle_free, without_idle_pricing
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.choice import _violates, choose_plan
 from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size

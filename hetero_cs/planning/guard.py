@@ -45,14 +45,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -116,30 +115,17 @@ class GuardPolicy:
                 f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'."
             )
         for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
-        for name, low_name in (("max_pairs", "min_pairs"), ("max_backoff_steps", "backoff_steps")):
-            value, low = getattr(self, name), getattr(self, low_name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ConfigError(
-                    f"{name} must be an integer >= {low_name}={low}. Received: {name}={value!r}."
-                )
-        ratio = self.decisive_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio) or ratio <= 1:
-            raise ConfigError(f"decisive_ratio must be a finite number > 1. Received: decisive_ratio={ratio!r}.")
-        below = self.alone_check_below
-        if isinstance(below, bool) or not isinstance(below, numbers.Real) or math.isnan(below) or below < 1:
-            raise ConfigError(
-                f"alone_check_below must be a number >= 1 (1.0 never checks a plan on its prediction alone, math.inf "
-                f"checks every plan). Received: alone_check_below={below!r}."
-            )
-        margin = self.alone_check_margin
-        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or math.isnan(margin) or margin < 0:
-            raise ConfigError(
-                f"alone_check_margin must be a number >= 0 (0.05 = 5 %; math.inf never measures the plan against "
-                f"the fastest card alone on its measured speed). Received: alone_check_margin={margin!r}."
-            )
+            check_range(name, getattr(self, name), low, integer=True)
+        check_range("max_pairs", self.max_pairs, self.min_pairs, integer=True, hint="at least min_pairs")
+        check_range("max_backoff_steps", self.max_backoff_steps, self.backoff_steps, integer=True, hint="at least backoff_steps")
+        check_range("decisive_ratio", self.decisive_ratio, 1, low_open=True)
+        check_range("alone_check_below", self.alone_check_below, 1, high_open=False, hint="1.0 never checks a plan on "
+                    "its prediction alone, math.inf checks every plan")
+        check_range("alone_check_margin", self.alone_check_margin, 0, high_open=False, hint="0.05 = 5 %; math.inf "
+                    "never measures the plan against the fastest card alone on its measured speed")
+        check_range("early_gain", self.early_gain, 0, 1, low_open=True)
+        check_range("min_gain", self.min_gain, 0, 1)
+        check_range("significance", self.significance, 0, 1, low_open=True)
         if 2.0 ** -(2 * self.max_pairs) >= self.significance:
             raise ConfigError(
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
@@ -152,15 +138,6 @@ class GuardPolicy:
                 f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "
                 f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}."
             )
-        for name, lo, hi, lo_open in (
-            ("early_gain", 0.0, 1.0, True), ("min_gain", 0.0, 1.0, False), ("significance", 0.0, 1.0, True)
-        ):
-            value = getattr(self, name)
-            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            ok = ok and (lo < value if lo_open else lo <= value) and value < hi
-            if not ok:
-                bracket = "(" if lo_open else "["
-                raise ConfigError(f"{name} must be a number in {bracket}{lo}, {hi}). Received: {name}={value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

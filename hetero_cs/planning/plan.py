@@ -79,6 +79,20 @@ def finite_real(value: Any) -> bool:
         return False
 
 
+def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = True, integer: bool = False, hint: str = "") -> None:
+    """Raises ConfigError ``"{name} must be <a number> <in the range> (<hint>). Received: {name}={value!r}."`` unless
+    ``value`` is a real number (an integer when ``integer``; never a bool or NaN) from ``low`` to ``high``, each end
+    open or closed as asked. A range open above infinity holds finite numbers only."""
+    real = _is_int(value) if integer else _is_real(value) and not math.isnan(value)
+    if real and (low < value if low_open else low <= value) and (value < high if high_open else value <= high):
+        return
+    kind = "an integer" if integer else "a finite number" if high == math.inf and high_open else "a number"
+    bounds = (f"{'>' if low_open else '>='} {low}" if high == math.inf else
+              f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+    raise ConfigError(f"{name} must be {kind} {bounds}{f' ({hint})' if hint else ''}. Received: {name}={value!r}.")
+
+
 def short_repr(values: Any, limit: int = 200) -> str:
     """repr(values), cut to limit characters (and safe for ints too long for Python to print)."""
     try:

@@ -18,8 +18,8 @@ import numpy as np
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.plan import BatchPlan
-from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer, _is_int
+from hetero_cs.planning.plan import BatchPlan, _is_int
+from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 
 
 @dataclasses.dataclass(frozen=True)
