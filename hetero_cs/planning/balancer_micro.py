@@ -78,7 +78,8 @@ class MicroBatchedSteps:
             current = BatchPlan(tuple(int(b) for b in batch_sizes), int(sum(int(b) for b in batch_sizes)))
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             proposal = self._micro_rebalancer.propose(
-                self._micro_last_look_step, current, micro_batched_curves(measured, caps), num_samples=self._monitor.num_samples,
+                self._micro_last_look_step, current, micro_batched_curves(measured, caps),
+                num_samples=self._monitor.num_samples,
                 relative_standard_errors=self._monitor.relative_standard_errors(measured))
             if proposal is None:
                 return False

@@ -570,8 +570,8 @@ def predictor(model: Any, replica_id: int | None = None) -> Any:
     """``model.predict_step_time_s``, or InvalidCostModelError naming the replica when it has none."""
     predict = getattr(model, "predict_step_time_s", None)
     if not callable(predict):
-        raise InvalidCostModelError(f"{_who(replica_id)} has no predict_step_time_s method. Received: {model!r}. Pass a "
-                                    "CostModel such as LinearCostModel or PiecewiseLinearCostModel.")
+        raise InvalidCostModelError(f"{_who(replica_id)} has no predict_step_time_s method. Received: {model!r}. "
+                                    "Pass a CostModel such as LinearCostModel or PiecewiseLinearCostModel.")
     return predict
 
 

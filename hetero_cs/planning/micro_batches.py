@@ -45,7 +45,7 @@ from typing import Any
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
 from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, line_of, near_equal_micro_batches
-from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, even_batch_split
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, even_batch_split, ms_text
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
 __all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
@@ -62,6 +62,9 @@ An overlapped plan with more runs as several calls of at most this many, each en
 MAX_OVERLAPPED_SUB_STEPS = 65536
 """The most sub-steps an overlapped plan has (4096 calls; calls of the same shape share one trace, and each costs the
 host about a millisecond); a plan needing more runs as sub-steps with a barrier each."""
+
+
+_FIGURES = ("single_step_makespan_s", "sub_step_overhead_s", "overlapped")  # MicroBatchPlan's fields beside its plans
 
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
@@ -192,9 +195,7 @@ class MicroBatchPlan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; inverse of :meth:`from_dict`."""
         return {"sub_step_plans": [p.to_dict() for p in self.sub_step_plans],
-                "single_step_makespan_s": self.single_step_makespan_s,
-                "sub_step_overhead_s": self.sub_step_overhead_s, "overlapped": self.overlapped,
-                "call_sub_steps": list(self.call_sub_steps)}
+                **{key: getattr(self, key) for key in _FIGURES}, "call_sub_steps": list(self.call_sub_steps)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
@@ -207,10 +208,7 @@ class MicroBatchPlan:
             raise ConfigError(f"MicroBatchPlan.from_dict needs the mapping MicroBatchPlan.to_dict() writes, with "
                               f"'sub_step_plans'. Received: {data!r}.")
         return cls(tuple(BatchPlan.from_dict(p) for p in data["sub_step_plans"]),
-                   single_step_makespan_s=data.get("single_step_makespan_s"),
-                   sub_step_overhead_s=data.get("sub_step_overhead_s", 0.0),
-                   overlapped=bool(data.get("overlapped", False)),
-                   call_sub_steps=tuple(data.get("call_sub_steps", ())))
+                   call_sub_steps=tuple(data.get("call_sub_steps", ())), **{k: data[k] for k in _FIGURES if k in data})
 
     @classmethod
     def of_slices(cls, plan: BatchPlan, max_batch_sizes: Sequence[int | None],
@@ -254,18 +252,15 @@ class MicroBatchPlan:
                                           self.micro_batch_counts)):
             lines.append(f"{i:>7}  {b:>8}  {m if k else 'idle':>11}  {k:>5}")
 
-        def ms(value: float | None) -> str:
-            return "n/a" if value is None else f"{value * 1e3:.3f} ms"
-
         speedup = self.predicted_speedup_vs_single_step
         single = "does not fit" if self.predicted_makespan_s is not None else "n/a"  # n/a: nothing predicted
         calls = "" if self.num_calls == 1 else f"in {self.num_calls} calls of up to {SUB_STEPS_PER_CALL} sub-steps, "
         how = (f"{calls}each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host "
                f"time per {'call' if calls else 'step'}" if self.overlapped else
                f"a barrier after each sub-step, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
-        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} ({how})",
+        lines += [f"predicted makespan: {ms_text(self.predicted_makespan_s)} ({how})",
                   f"in one step within the caps: "
-                  f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
+                  f"{ms_text(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
         if speedup is not None:
             lines.append(f"predicted speedup vs one step: {speedup:.3f}x")
         return "\n".join(lines)

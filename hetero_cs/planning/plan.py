@@ -18,7 +18,7 @@ import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -208,16 +208,7 @@ class BatchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict with every field (lists for tuples); inverse of :meth:`from_dict`."""
-        return {
-            "per_replica_batch_sizes": list(self.per_replica_batch_sizes),
-            "global_batch_size": self.global_batch_size,
-            "predicted_makespan_s": self.predicted_makespan_s,
-            "even_split_makespan_s": self.even_split_makespan_s,
-            "ideal_makespan_s": self.ideal_makespan_s,
-            "predicted_step_times_s": (
-                None if self.predicted_step_times_s is None else list(self.predicted_step_times_s)
-            ),
-        }
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BatchPlan:
@@ -236,14 +227,7 @@ class BatchPlan:
                 f"BatchPlan dict keys are {list(_KEYS)} (the last four optional). Received: unknown={unknown}, "
                 f"missing={missing}. Write it with BatchPlan.to_dict()."
             )
-        return cls(
-            per_replica_batch_sizes=data["per_replica_batch_sizes"],
-            global_batch_size=data["global_batch_size"],
-            predicted_makespan_s=data.get("predicted_makespan_s"),
-            even_split_makespan_s=data.get("even_split_makespan_s"),
-            ideal_makespan_s=data.get("ideal_makespan_s"),
-            predicted_step_times_s=data.get("predicted_step_times_s"),
-        )
+        return cls(**data)
 
     def to_json(self) -> str:
         """Returns the plan as a JSON object (floats written exactly, so from_json gives an equal plan)."""
@@ -278,18 +262,20 @@ class BatchPlan:
                          f"without them, or there are fewer examples than replicas, or their share or memory cap is "
                          f"0: a card that cannot hold one example, or one set aside after a device error)")
 
-        def ms(value: float | None) -> str:
-            return "n/a" if value is None else f"{value * 1e3:.3f} ms"
-
         speedup, efficiency = self.predicted_speedup_vs_even, self.efficiency
         lines += [
-            f"predicted makespan: {ms(self.predicted_makespan_s)}",
-            f"even split makespan: {ms(self.even_split_makespan_s)}",
-            f"ideal makespan: {ms(self.ideal_makespan_s)}",
+            f"predicted makespan: {ms_text(self.predicted_makespan_s)}",
+            f"even split makespan: {ms_text(self.even_split_makespan_s)}",
+            f"ideal makespan: {ms_text(self.ideal_makespan_s)}",
             f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
             f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}",
         ]
         return "\n".join(lines)
+
+
+def ms_text(seconds: float | None) -> str:
+    """``seconds`` as ``"12.345 ms"``, or ``"n/a"`` for None (a figure nothing predicted)."""
+    return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
 
 def _checked_global_batch_size(global_batch_size: Any, *, allow_zero: bool) -> int:
