@@ -90,8 +90,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         memory_policy: MemoryRecoveryPolicy | None = None, idle_replicas_free: bool = False,
         on_trial: Callable[[BatchPlan], None] | None = None,
     ):
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+        self._memory = MemoryCaps(num_replicas, memory_policy)  # (ConfigError unless num_replicas is an int >= 1)
         self._num_replicas = num_replicas
         self._lock = threading.RLock()
         self._shares = None if shares is None else tuple(float(s) for s in shares)
@@ -128,7 +127,6 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         self._last_look_step = -(10**9)
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
-        self._memory = MemoryCaps(num_replicas, memory_policy)
         self._inference_plans: tuple = (None, {})  # (what they were solved under, {B: plan}); plan_for_inference
 
     # ------------------------------------------------------------------------------------------------------------

@@ -181,14 +181,17 @@ class MemoryCaps:
         Raises:
             ConfigError: If ``replica_id`` is out of range.
         """
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
-            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
-        old = self._cap(replica_id)
+        old = self._cap(self._checked_replica(replica_id))
         if replica_id not in self._excluded:
             self._excluded.append(replica_id)
         change = CapChange(replica_id, old, 0, "excluded", int(batch_size))
         self.history.append(change)
         return change
+
+    def _checked_replica(self, replica_id: int) -> int:
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
+            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
+        return replica_id
 
     def _cap(self, replica_id: int) -> int | None:
         if replica_id in self._excluded:
@@ -207,8 +210,7 @@ class MemoryCaps:
         Raises:
             ConfigError: If ``replica_id`` is out of range or ``batch_size`` is not an int >= 1.
         """
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
-            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
+        self._checked_replica(replica_id)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(
                 f"batch_size={batch_size!r} must be an int >= 1 (the slice that ran out of memory; an empty slice "
