@@ -216,9 +216,7 @@ class PiecewiseLinearCostModel:
                 )
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "step_times_s", times)
-        slope = 0.0
-        if len(sizes) >= 2:
-            slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])) if len(sizes) >= 2 else 0.0
         object.__setattr__(self, "_last_slope_s", slope)
 
     def predict_step_time_s(self, batch_size: int) -> float:

@@ -163,10 +163,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                     f"step_key must be hashable (a value every replica of the step shares). Received: "
                     f"step_key={step_key!r} of type {type(step_key).__name__}."
                 ) from None
-        try:
-            step_time_s = float(step_time_s)
-        except (TypeError, ValueError):
-            step_time_s = math.nan
+        step_time_s = _seconds(step_time_s)
         valid = math.isfinite(step_time_s) and step_time_s >= 0.0
         with self._lock:
             if not valid and not self._warned_invalid:
@@ -240,10 +237,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             step_key: The step's key, as its replicas reported it (:meth:`record`).
             step_time_s: Seconds from the step's start to the end of its update, on the replicas' clock.
         """
-        try:
-            step_time_s = float(step_time_s)
-        except (TypeError, ValueError):
-            return
+        step_time_s = _seconds(step_time_s)
         if not (math.isfinite(step_time_s) and step_time_s >= 0.0):
             return
         with self._lock:
@@ -464,6 +458,14 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if not (math.isfinite(factor) and factor > 0):
             return base  # Only zero times observed: no usable correction.
         return ScaledCostModel(base, factor)
+
+
+def _seconds(value: object) -> float:
+    """``value`` as a float of seconds; NaN when it is not a number (then no valid time)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _median(values: np.ndarray) -> float:
