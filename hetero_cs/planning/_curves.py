@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
-from hetero_cs.planning.cost_model import CostModel, checked_prediction, predictor
+from hetero_cs.planning.cost_checks import checked_prediction, predictor
+from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.plan import _is_int
 
 

@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from hetero_cs.planning._curves import _Curves
-from hetero_cs.planning.cost_model import CostModel, _breakpoints, decreasing_error
+from hetero_cs.planning.cost_checks import decreasing_error
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
+
+
+def _breakpoints(model: Any) -> tuple[int, ...] | None:
+    """The batch sizes where ``model`` changes slope, if it is piecewise linear in closed form; else None.
+
+    Used by the solver's fast path: between consecutive breakpoints (and beyond the outer ones) the model is
+    exactly linear in the batch size. Only :class:`LinearCostModel` (no breakpoint), :class:`PiecewiseLinearCostModel`
+    (its knots) and a :class:`ScaledCostModel` of those qualify.
+    """
+    if type(model) is ScaledCostModel:
+        return _breakpoints(model.base)
+    if type(model) is PiecewiseLinearCostModel:
+        return model.batch_sizes
+    return () if type(model) is LinearCostModel else None
 
 
 def _knot_tables(

@@ -30,7 +30,8 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning.cost_model import CostModel, check_cost_model, idle_free, without_idle_pricing
+from hetero_cs.planning.cost_checks import check_cost_model
+from hetero_cs.planning.cost_model import CostModel, idle_free, without_idle_pricing
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import _violates, choose_plan
