@@ -9,7 +9,8 @@
   split by a plan solved for its own size);
 * the :class:`~hetero_cs.planning.monitor.StepTimeMonitor` the replicas report step times to, the
   :class:`~hetero_cs.planning.rebalance.Rebalancer` that proposes re-plans from it, and the
-  :class:`~hetero_cs.planning.guard.PlanGuard` that keeps a proposed plan only if it measured faster;
+  :class:`~hetero_cs.planning.guard.PlanGuard` that keeps a proposed plan only if it measured faster
+  (:mod:`hetero_cs.planning.balancer_trials`);
 * when per-replica timing is worth its cost (``timing_due``): every step while a decision needs samples, else
   one step in ``timing_interval_steps``;
 * the memory caps in force, lowered after an out-of-memory step and grown back slowly (``recover_from_oom``,
@@ -34,24 +35,24 @@ from hetero_cs.planning.cost_checks import check_cost_model
 from hetero_cs.planning.cost_model import CostModel, idle_free, without_idle_pricing
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.choice import _violates, choose_plan
+from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
 from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
 from hetero_cs.planning.balancer_micro import MicroBatchedSteps
+from hetero_cs.planning.balancer_trials import GuardTrials
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
-from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
+from hetero_cs.planning.plan import BatchPlan, _is_int
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
 from hetero_cs.planning.sampling import interval_steps
 from hetero_cs.planning._curves import _checked_caps
-from hetero_cs.planning.solver import plan_from_split
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
+class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -397,19 +398,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 self._process_measurements()
             plan = self.plan_for(b)
             if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
-                self._trial_served += 1
-                if self._trial_served > 3 * self._guard.policy.max_trial_steps and self._guard.observed_steps == 0:
-                    logger.warning(
-                        "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
-                        "a Keras optimizer is not timed); keeping %s unmeasured.",
-                        self._trial_served, list(self._guard.candidate.per_replica_batch_sizes),
-                    )
-                    candidate = self._guard.candidate
-                    self._guard.abandon()
-                    self._models_before_replan = None
-                    self._commit(candidate)
-                    return candidate
-                return self._guard.plan_to_serve()
+                return self._serve_trial()
             if b == self._reference_batch_size and plan is self._plan:
                 return self._maybe_probe(plan)  # now and then one example on a card the plan leaves idle
             return plan
@@ -460,38 +449,6 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             idle_free=self._idle_free,
         )
 
-    def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
-        """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
-        incumbent = self._incumbent_for(plan)
-        if (
-            trial and self.guard_enabled and incumbent is not None
-            and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
-            and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)
-        ):
-            self._commit(incumbent)
-            self._start_trial(incumbent, plan)
-            return
-        self._commit(plan)
-
-    def _start_trial(self, incumbent: BatchPlan, candidate: BatchPlan, *, against_alone: bool = False) -> None:
-        """Starts a guard trial of ``candidate`` against ``incumbent``, the plan in force."""
-        self._trial_served = 0
-        # Steps measured before the trial belong to neither side of it.
-        self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
-        recent = [sample.makespan_s for sample in self._monitor.window()
-                  if tuple(sample.per_replica_batch_sizes) == incumbent.per_replica_batch_sizes][-5:]
-        self._guard.start(incumbent, candidate, step=self._monitor.completed_steps, against_alone=against_alone,
-                          incumbent_recent_s=sorted(recent)[len(recent) // 2] if recent else None)
-        if self._on_trial is not None:
-            self._on_trial(candidate)
-
-    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan | None:
-        """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
-        B = plan.global_batch_size
-        if self._plan is not None and self._plan.global_batch_size == B:
-            return plan_from_split(self._plan.per_replica_batch_sizes, self._cost_models)
-        return plan_from_split(even_batch_split(B, self._num_replicas), self._cost_models)
-
     def _forget_plans(self) -> None:
         """What the plans were solved under changed: a running trial ends and every size is solved again."""
         self._guard.abandon()
@@ -517,26 +474,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             return
         self._handled_steps = completed
         if self._guard.in_trial:
-            for sample in self._monitor.window():
-                if sample.step <= self._observed_step:
-                    continue
-                self._observed_step = sample.step
-                decision = self._guard.observe(sample.per_replica_batch_sizes, sample.makespan_s, step=completed)
-                if decision is not None:
-                    restored, self._models_before_replan = self._models_before_replan, None
-                    if decision.kept:
-                        self._commit(self._plan_of(decision.candidate_per_replica_batch_sizes))
-                    elif restored is not None:  # refuted models: back to those the plan in force was made with
-                        self._cost_models = restored
-                        self._plans_by_batch.clear()
-                        self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
-                                                     max_batch_sizes=self._max_batch_sizes))
-                    if decision.against_alone:  # checked, kept or not: not checked again under these models
-                        self._alone_checked.add(decision.incumbent_per_replica_batch_sizes)
-                    elif decision.kept:
-                        self._forget_alone_checks()  # a kept re-plan's measured models are new models
-                    self._maybe_check_alone()  # the plan now in force, against the fastest card alone
-                    break
+            self._observe_trial(completed)
             return
         if completed - self._last_look_step < self._look_interval_steps():
             return
