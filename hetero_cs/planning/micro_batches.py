@@ -36,6 +36,7 @@ Pure Python: no TensorFlow, no NVML.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -44,8 +45,9 @@ from typing import Any
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
-from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, line_of, near_equal_micro_batches
-from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, even_batch_split, ms_text
+from hetero_cs.planning._micro_lines import _linear_split
+from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, near_equal_micro_batches
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range, even_batch_split, ms_text
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
 __all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
@@ -315,17 +317,10 @@ def plan_micro_batches(
         raise ConfigError(f"capacity must be None or an integer >= 0 (examples). Received: capacity={capacity!r}.")
     if capacity == 0:
         raise _no_room_error()
+    check_range("sub_step_overhead_s", sub_step_overhead_s, 0, hint="seconds")
     overhead = float(sub_step_overhead_s)
-    if not math.isfinite(overhead) or overhead < 0:
-        raise ConfigError(f"sub_step_overhead_s must be a finite number of seconds >= 0. Received: "
-                          f"sub_step_overhead_s={sub_step_overhead_s!r}.")
     k_min = 1 if capacity is None or B <= capacity else math.ceil(B / capacity)
-    plans: dict[int, BatchPlan] = {}
-
-    def plan_of(size: int) -> BatchPlan:
-        if size not in plans:
-            plans[size] = solve(size)
-        return plans[size]
+    plan_of = functools.cache(solve)  # each sub-step size solved once
 
     def makespan(K: int) -> float | None:
         times = [plan_of(size).predicted_makespan_s for size in even_batch_split(B, K)]
@@ -453,61 +448,6 @@ def plan_overlapped_micro_batches(
         if candidate.predicted_makespan_s < best.predicted_makespan_s:
             best = candidate
     return best
-
-
-def _linear_split(models, caps, B: int) -> tuple[int, ...] | None:
-    """The minimum-makespan split of ``B`` under micro-batched lines, in closed form (None unless every model is a
-    line with a positive slope and ``t(0) = 0``): the least ``T`` at which the cards hold ``B`` examples in all,
-    by bisection over the cards' own step times, each card's most examples within ``T`` exact."""
-    lines = [line_of(m) for m in models]
-    if any(line is None or line[1] <= 0 or not line[2] for line in lines):
-        return None
-
-    def time_of(i: int, b: int) -> float:
-        if b == 0:
-            return 0.0
-        a, c, _ = lines[i]
-        cap = caps[i]
-        return (1 if cap is None else -(-b // cap)) * a + c * b
-
-    def most_within(i: int, T: float) -> int:
-        a, c, _ = lines[i]
-        cap = caps[i]
-        if cap is not None and cap < 1:
-            return 0
-        if cap is None:
-            return max(0, math.floor((T - a) / c + 1e-9)) if T >= a + c else 0
-        best, k_star = 0, T / (a + c * cap) if a + c * cap > 0 else 0.0
-        for k in {max(1, math.floor(k_star)), max(1, math.ceil(k_star)), max(1, math.ceil(k_star) + 1)}:
-            b = min(k * cap, math.floor((T - k * a) / c + 1e-9))
-            if b > (k - 1) * cap:  # k micro-batches hold more than k - 1 do
-                best = max(best, b)
-        while best > 0 and time_of(i, best) > T:  # guard the float floor
-            best -= 1
-        return best
-
-    R = len(models)
-    low, high = 0.0, max(time_of(i, B) for i in range(R) if caps[i] is None or caps[i] >= 1)
-    for _ in range(200):
-        if high - low <= 1e-12 * max(1.0, high):
-            break
-        middle = (low + high) / 2
-        if sum(most_within(i, middle) for i in range(R)) >= B:
-            high = middle
-        else:
-            low = middle
-    # The makespan is one card's time at some slice: the least such time that holds B (exact, not the bisection's).
-    candidates = sorted({time_of(i, most_within(i, high)) for i in range(R)})
-    T = next((t for t in candidates if sum(most_within(i, t) for i in range(R)) >= B), None)
-    if T is None:  # a slope so small beside the fixed cost that float rounding loses examples: the solver decides
-        return None
-    split = [most_within(i, T) for i in range(R)]
-    excess = sum(split) - B
-    for i in reversed(range(R)):  # fewer examples never take longer: trim the excess from the last cards
-        cut = min(excess, split[i])
-        split[i] -= cut
-        excess -= cut
-    return tuple(split)
 
 
 def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:
