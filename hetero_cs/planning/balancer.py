@@ -44,7 +44,7 @@ from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
 from hetero_cs.planning.balancer_micro import MicroBatchedSteps
 from hetero_cs.planning.balancer_trials import GuardTrials
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
-from hetero_cs.planning.plan import BatchPlan, _is_int
+from hetero_cs.planning.plan import BatchPlan, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
 from hetero_cs.planning.sampling import interval_steps
@@ -304,11 +304,9 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
         excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
         if excluded:
             caps = [0 if i in excluded else cap for i, cap in enumerate(caps or [None] * R)]
-        if reference_batch_size is not None and (not _is_int(reference_batch_size) or reference_batch_size < 1):
-            raise ConfigError(
-                f"reference_batch_size must be an integer >= 1 (the full global batch) or None. Received: "
-                f"reference_batch_size={reference_batch_size!r}."
-            )
+        if reference_batch_size is not None:
+            check_range("reference_batch_size", reference_batch_size, 1, integer=True,
+                        hint="the full global batch, or None")
         for i, model in enumerate(models):
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:

@@ -279,11 +279,7 @@ def ms_text(seconds: float | None) -> str:
 
 
 def _checked_global_batch_size(global_batch_size: Any, *, allow_zero: bool) -> int:
-    low = 0 if allow_zero else 1
-    if not _is_int(global_batch_size) or global_batch_size < low:
-        raise ConfigError(
-            f"global_batch_size must be an integer >= {low}. Received: global_batch_size={global_batch_size!r}."
-        )
+    check_range("global_batch_size", global_batch_size, 0 if allow_zero else 1, integer=True)
     return int(global_batch_size)
 
 
@@ -307,8 +303,7 @@ def even_batch_split(global_batch_size: int, num_replicas: int) -> tuple[int, ..
         (3, 3, 2, 2)
     """
     B = _checked_global_batch_size(global_batch_size, allow_zero=True)
-    if not _is_int(num_replicas) or num_replicas < 1:
-        raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+    check_range("num_replicas", num_replicas, 1, integer=True)
     q, r = divmod(B, int(num_replicas))
     return tuple(q + 1 if i < r else q for i in range(int(num_replicas)))
 
