@@ -29,7 +29,7 @@ import numpy as np
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.cost_model import CostModel, ScaledCostModel
-from hetero_cs.planning.plan import _is_int
+from hetero_cs.planning.plan import _is_int, check_range
 from hetero_cs.planning.robust_stats import _fit_linear_model, _median, _shift_start, median_and_error
 from hetero_cs.planning.step_pairing import StepPairing, StepSample  # noqa: F401 - StepSample re-exported
 from hetero_cs.errors import CalibrationError, ConfigError
@@ -136,9 +136,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             ConfigError: If replica_id is out of range, batch_size is negative or not an integer, or step_key is
                 not hashable.
         """
-        if not _is_int(replica_id) or not 0 <= replica_id < self._num_replicas:
-            raise ConfigError(
-                f"replica_id must be an integer in [0, {self._num_replicas}). Received: replica_id={replica_id!r}.")
+        check_range("replica_id", replica_id, 0, self._num_replicas, integer=True)
         if not _is_int(batch_size) or batch_size < 0:
             raise ConfigError(f"batch_size must be a non-negative integer (examples in the replica's slice). "
                               f"Received: batch_size={batch_size!r} for replica_id={replica_id}.")
