@@ -221,7 +221,7 @@ def test_set_cost_models_of_the_wrong_length():
     expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)]), ConfigError, ValueError,
            r"one cost model per replica: got 1 for R=3")
     expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)] * 3, max_batch_sizes=[8]), ConfigError,
-           ValueError, r"len\(max_batch_sizes\)=1, R=3")
+           ValueError, r"len\(max_batch_sizes\)=1 but there are R=3")
 
 
 def test_set_cost_models_with_caps_that_cannot_hold_the_batch():
