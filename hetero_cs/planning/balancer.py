@@ -38,13 +38,13 @@ from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
-from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
+from hetero_cs.planning.balancer_memory import MemoryRecovery
 from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
 from hetero_cs.planning.balancer_micro import MicroBatchedSteps
 from hetero_cs.planning.balancer_trials import GuardTrials
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
-from hetero_cs.planning.plan import BatchPlan, check_range
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
 from hetero_cs.planning.sampling import interval_steps
@@ -356,7 +356,7 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
         Raises:
             ConfigError: ``global_batch_size`` is not an integer >= 1.
         """
-        b = _checked_global_batch_size(global_batch_size)
+        b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
             if self._reference_batch_size is None or b > self._reference_batch_size:
                 self._reference_batch_size = b
@@ -389,7 +389,7 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
         """
         if not training:
             return self.plan_for_inference(global_batch_size)
-        b = _checked_global_batch_size(global_batch_size)
+        b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
             self._served += 1
             if self.timing_needed:

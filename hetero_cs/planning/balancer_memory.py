@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
-from hetero_cs.errors import ConfigError, InfeasiblePlanError
+from hetero_cs.errors import InfeasiblePlanError
 from hetero_cs.planning.memory_caps import CapChange, MemoryCaps
-from hetero_cs.planning.plan import BatchPlan, _is_int
+from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.rebalance import Rebalancer
 
 
@@ -116,15 +116,3 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         self._max_batch_sizes = caps
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
         self._forget_plans()
-
-
-def _checked_global_batch_size(global_batch_size: object) -> int:
-    """``global_batch_size`` as an int >= 1, or a ConfigError (shared by the Balancer's entry points)."""
-    if not _is_int(global_batch_size):
-        raise ConfigError(
-            f"global_batch_size must be an integer >= 1 (examples per step). Received: "
-            f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."
-        )
-    if global_batch_size < 1:
-        raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
-    return int(global_batch_size)

@@ -207,7 +207,7 @@ def test_set_batch_split_rejects_and_keeps_the_split(shares, match):
 @pytest.mark.parametrize("size", [0, -1])
 def test_plan_for_a_global_batch_below_one(size):
     expect(lambda: fixed_split_strategy().plan_for(size), ConfigError, ValueError,
-           rf"global_batch_size must be >= 1. Received: global_batch_size={size}")
+           rf"global_batch_size must be an integer >= 1. Received: global_batch_size={size}")
 
 
 @pytest.mark.parametrize("size", ["abc", None, 2.7])
