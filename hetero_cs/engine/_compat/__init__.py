@@ -36,7 +36,9 @@ import logging
 import threading
 
 from hetero_cs.engine._compat.distribute import DeepcopiedStrategy, HeteroExtended, ReplicaCountStrategy, register_replica_count_conversion, distribute_on_host
-from hetero_cs.engine._compat.context import STRATEGY_MARKER, components, current_hetero_strategy, global_batch_size_of, is_hetero_strategy, per_replica, replica_id_in_sync_group
+from hetero_cs.engine._compat.context import (
+    components, current_hetero_strategy, current_multi_worker_strategy, global_batch_size_of, id_in_cluster, in_keras_entry_point, is_hetero_strategy, is_multi_worker_strategy, keras_entry_point, MULTI_WORKER_MARKER, per_replica, replica_id_in_sync_group, STRATEGY_MARKER,
+)
 from hetero_cs._supported import supported_range, unsupported_installed
 from hetero_cs.engine._compat.loss_scale import _patch_loss_scale_optimizer
 from hetero_cs.engine._compat.symbols import check_private_symbols
@@ -62,7 +64,6 @@ from hetero_cs.engine._compat.losses import (
     _patch_mean_metric,
 )
 from hetero_cs.engine._compat.multi_worker import clone_function, _patch_reduce_per_replica, install_multi_worker, is_tf_function, local_cpu_replicas, mark_distributed_dataset, skip_partial_batch_agreement
-from hetero_cs.engine._compat.context import MULTI_WORKER_MARKER, current_multi_worker_strategy, id_in_cluster, in_keras_entry_point, is_multi_worker_strategy, keras_entry_point
 from hetero_cs.engine._compat.tape import _patch_gradient_tape
 from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
 from hetero_cs.engine._compat.replica_pass import _patch_inference_steps, _patch_train_step

@@ -26,11 +26,8 @@ def is_multi_worker_strategy(strategy: Any) -> bool:
 
 
 def current_multi_worker_strategy():
-    """The current strategy if it is a HeteroMultiWorkerMirroredStrategy running a replica step here, else None."""
-    if replica_state.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    return strategy if is_multi_worker_strategy(strategy) else None
+    """The current strategy if it is our multi-worker one running a replica step in this thread, else None."""
+    return _current(is_multi_worker_strategy)
 
 
 def in_keras_entry_point() -> bool:
@@ -67,23 +64,32 @@ def is_hetero_strategy(strategy: Any) -> bool:
     return bool(getattr(strategy, STRATEGY_MARKER, False))
 
 
-def current_weighting_strategy():
-    """The current strategy if it is one of ours (central storage or multi-worker) running a replica step in this
-    thread, else None: the b_i / B loss weighting applies under both."""
+def is_ours(strategy: Any) -> bool:
+    """True under either of our strategies (the b_i / B weighting applies under both)."""
+    return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+
+
+def strategy_of(model) -> Any:
+    """The strategy whose scope created ``model``, or None."""
+    # Private: Keras keeps the strategy whose scope created a model in _distribute_strategy (None: none).
+    return getattr(model, "_distribute_strategy", None)
+
+
+def _current(accept) -> Any:
     if replica_state.current_replica_step() is None:
         return None
     strategy = tf.distribute.get_strategy()
-    if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
-        return strategy
-    return None
+    return strategy if accept(strategy) else None
+
+
+def current_weighting_strategy():
+    """The current strategy if it is one of ours running a replica step in this thread, else None."""
+    return _current(is_ours)
 
 
 def current_hetero_strategy():
-    """Returns the current strategy if it is ours and a replica step is running in this thread, else None."""
-    if replica_state.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    return strategy if is_hetero_strategy(strategy) else None
+    """The current strategy if it is our central-storage one running a replica step in this thread, else None."""
+    return _current(is_hetero_strategy)
 
 
 def replica_id_in_sync_group(replica_context) -> int:

@@ -38,9 +38,7 @@ import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
-from hetero_cs.engine._compat.context import (
-    current_weighting_strategy, is_hetero_strategy, is_multi_worker_strategy, note_for_micro_batches,
-)
+from hetero_cs.engine._compat.context import current_weighting_strategy, is_ours, note_for_micro_batches, strategy_of
 from hetero_cs.engine._compat.batch_kinds import MIXED
 from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
 from hetero_cs.engine._compat.variables import _central_in_replica_context
@@ -292,8 +290,8 @@ def _patch_compute_loss() -> None:
     @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):
         result = original_compile(self, *args, **kwargs)
-        strategy = getattr(self, "_distribute_strategy", None)
-        if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
+        strategy = strategy_of(self)
+        if is_ours(strategy):
             _wrap_compute_loss_overrides(type(self), Trainer)
         return result
 

@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine._compat.context import (
-    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy,
+    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy, strategy_of,
 )
 from hetero_cs.engine._compat.symbols import require
 
@@ -202,7 +202,7 @@ def _patch_entry_points() -> None:
 
         @functools.wraps(original)
         def method(self, *args, **kwargs):
-            strategy = getattr(self, "_distribute_strategy", None)
+            strategy = strategy_of(self)
             if not is_multi_worker_strategy(strategy):
                 return original(self, *args, **kwargs)
             if original.__name__ == "fit":

@@ -13,8 +13,9 @@ import tensorflow as tf
 from hetero_cs.engine.step import fused_update
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, loss_scale
-from hetero_cs.engine._compat.context import current_hetero_strategy, current_weighting_strategy, is_hetero_strategy
-from hetero_cs.engine._compat.context import current_multi_worker_strategy
+from hetero_cs.engine._compat.context import (
+    current_hetero_strategy, current_multi_worker_strategy, current_weighting_strategy, is_hetero_strategy,
+)
 from hetero_cs.engine._compat.variables import _central_in_replica_context, _clip_state
 
 def _patch_optimizer() -> None:

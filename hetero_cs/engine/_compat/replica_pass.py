@@ -24,8 +24,7 @@ import tensorflow as tf
 from hetero_cs.engine._compat import replica_xla
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import symbols
-from hetero_cs.engine._compat.context import is_hetero_strategy
-from hetero_cs.engine._compat.context import is_multi_worker_strategy
+from hetero_cs.engine._compat.context import is_multi_worker_strategy, is_ours, strategy_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +45,8 @@ def _patch_train_step() -> None:
     @functools.wraps(original)
     def train_step(self, data):
         step = replica_state.current_replica_step()
-        strategy = getattr(self, "_distribute_strategy", None)
-        if step is None or step.global_batch_size is None or not _ours(strategy) or not self.trainable_weights:
+        strategy = strategy_of(self)
+        if step is None or step.global_batch_size is None or not is_ours(strategy) or not self.trainable_weights:
             return original(self, data)
         jit = replica_xla.applies(self)
         multi_worker = is_multi_worker_strategy(strategy)
@@ -73,8 +72,8 @@ def _patch_train_step() -> None:
 
     @functools.wraps(original_resolve)
     def _resolve_auto_jit_compile(self):
-        strategy = getattr(self, "_distribute_strategy", None)
-        if not _ours(strategy):
+        strategy = strategy_of(self)
+        if not is_ours(strategy):
             return original_resolve(self)
         self._distribute_strategy = None  # noqa: SLF001
         try:
@@ -95,7 +94,7 @@ def _patch_inference_steps() -> None:
 
         def inference_step(self, data, _original=original, _predict=name == "predict_step"):
             step = replica_state.current_replica_step()
-            strategy = getattr(self, "_distribute_strategy", None)
+            strategy = strategy_of(self)
             if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
                 return _original(self, data)
             cap = strategy.micro_batching.inference_cap(self, step.replica_id)
@@ -118,7 +117,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
 
-    micro = _strategy(model).micro_batching
+    micro = strategy_of(model).micro_batching
     if not predict and not micro.evaluates_in_micro_batches(model, lambda: _all_reduces_in_test_step(
             model, keras_step, data)):
         return keras_step(model, data)  # one pass past the cap, as every other replica's (logged once)
@@ -138,7 +137,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
         part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
                                                            for v in (x, y, sample_weight)))
-        part = _memory_checked(_strategy(model), step, part, size)
+        part = _memory_checked(strategy_of(model), step, part, size)
         micro = dataclasses.replace(step, batch_size=size)
         _seed(micro, rows=part)
         with replica_state.replica_step(micro):
@@ -158,7 +157,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
     _, outputs = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1, tf.int32), outputs),
                                parallel_iterations=1)
-    _strategy(model).micro_batching.note_micro_batched_inference(model)
+    strategy_of(model).micro_batching.note_micro_batched_inference(model)
     if predict:
         outputs = [array.concat() for array in outputs]
     return tf.nest.pack_sequence_as(first, outputs)
@@ -195,10 +194,6 @@ def _all_reduces_in_test_step(model, keras_step, data) -> bool:
             raise
         return True
     return False
-
-
-def _ours(strategy) -> bool:
-    return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
 
 
 def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap: int | None = None,
@@ -295,7 +290,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
                   "batch's mask or sample weights, or a layer that synchronises replicas)")
         _fall_back(model, jit, skip_when_empty, reason)
         if find_micro:
-            micro = _strategy(model).micro_batching
+            micro = strategy_of(model).micro_batching
             micro.refuse(model, micro.NORMALISED_LOSS)
         return None
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
@@ -303,12 +298,12 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         _fall_back(model, jit, skip_when_empty,
                    f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
         if find_micro:
-            micro = _strategy(model).micro_batching
+            micro = strategy_of(model).micro_batching
             micro.refuse(model, micro.METRIC_STATE)
         return None
     if find_micro:
         layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
-        if layer_state and not _strategy(model).micro_batching.accepts_layer_state(model, layer_state):
+        if layer_state and not strategy_of(model).micro_batching.accepts_layer_state(model, layer_state):
             micro_cap = None  # refused (logged): this slice runs in one pass, within the caps the plans now keep
     if micro_cap is None and not (jit or skip_when_empty):
         return None  # traced only to find the above: Keras' own step runs
@@ -353,7 +348,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
 
     weights, state, scale = arguments[0], arguments[1], arguments[2]
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
-    strategy = _strategy(model)
+    strategy = strategy_of(model)
     emulator = strategy.emulator
     emulated = emulator is not None and step.start_stamp is not None
     # The chain's clock: where the last micro-batch's emulated time ended (a constant when nothing is emulated).
@@ -446,9 +441,6 @@ def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written
         model.optimizer.apply_gradients(zip(gradients, trainable))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-
-def _strategy(model):
-    return getattr(model, "_distribute_strategy", None)
 
 
 def _seed(step, *, rows, replicated=()) -> None:

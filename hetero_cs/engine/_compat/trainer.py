@@ -17,8 +17,7 @@ import tensorflow as tf
 from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.layers import all_sublayers
-from hetero_cs.engine._compat.context import is_hetero_strategy
-from hetero_cs.engine._compat.context import is_multi_worker_strategy
+from hetero_cs.engine._compat.context import is_hetero_strategy, is_ours, strategy_of
 from hetero_cs.errors import ConfigError, DeviceFaultError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -35,8 +34,7 @@ def _patch_fit() -> None:
 
     @functools.wraps(original_fit)
     def fit(self, *args, **kwargs):
-        # Private: Keras keeps the strategy whose scope created the model in _distribute_strategy (None: none).
-        strategy = getattr(self, "_distribute_strategy", None)
+        strategy = strategy_of(self)
         _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
             return original_fit(self, *args, **kwargs)
@@ -106,7 +104,7 @@ def _refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
     emulated devices our advice to call strategy.calibrate comes first and leads there.
     """
     current = tf.distribute.get_strategy()
-    if model_strategy is not None or not (is_hetero_strategy(current) or is_multi_worker_strategy(current)):
+    if model_strategy is not None or not is_ours(current):
         return
     raise ConfigError(_create_and_compile_in_scope(
         f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
@@ -144,7 +142,7 @@ def _patch_make_train_function() -> None:
     @functools.wraps(original)
     def make_train_function(self, force=False):
         result = original(self, force=force)
-        strategy = getattr(self, "_distribute_strategy", None)
+        strategy = strategy_of(self)
         function = self.train_function
         if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
             return result
@@ -291,8 +289,8 @@ def _without_whole_step_xla(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def make(self, force=False):
-        strategy = getattr(self, "_distribute_strategy", None)
-        ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+        strategy = strategy_of(self)
+        ours = is_ours(strategy)
         if ours:
             from hetero_cs.engine._compat import replica_xla
 
@@ -318,7 +316,7 @@ def _wrapping_inference(original: Callable, attribute: str) -> Callable:
     @functools.wraps(original)
     def make(self, force=False):
         result = original(self, force=force)
-        strategy = getattr(self, "_distribute_strategy", None)
+        strategy = strategy_of(self)
         function = getattr(self, attribute)
         if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
             return result
@@ -382,7 +380,7 @@ def _patch_evaluate_and_predict() -> None:
     def reraise_input_errors(original: Callable) -> Callable:
         @functools.wraps(original)
         def method(self, *args, **kwargs):
-            strategy = getattr(self, "_distribute_strategy", None)
+            strategy = strategy_of(self)
             if not is_hetero_strategy(strategy):
                 return original(self, *args, **kwargs)
             strategy._input_error = None  # noqa: SLF001
@@ -474,11 +472,11 @@ def _patch_symbolic_build() -> None:
 
     @functools.wraps(original)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = getattr(self, "_distribute_strategy", None)
+        strategy = strategy_of(self)
         # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
         distributed = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(distributed, "source_element_spec", None)
-        ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+        ours = is_ours(strategy)
         if not ours or data_batch is not None or spec is None:
             return original(self, iterator=iterator, data_batch=data_batch)
         from hetero_cs.engine.step.input_slicing import is_unbatched_marker

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
-from hetero_cs.engine._compat.context import current_weighting_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.context import current_weighting_strategy, is_hetero_strategy, strategy_of
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
 
 _clip_state = threading.local()
@@ -105,7 +105,7 @@ def _central_in_replica_context(variable):
     if (
         inner is not None
         and tf.distribute.in_cross_replica_context() is False
-        and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+        and is_hetero_strategy(strategy_of(inner))
         # Outside every strategy scope TensorFlow's default replica context also reports "not cross-replica": a
         # reset there (metric.reset_state() after fit, Keras' reset_metrics) is a plain assign, not a delta
         # (a NaN total would otherwise stay NaN: NaN + (0 - NaN)).
