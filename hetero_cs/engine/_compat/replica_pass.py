@@ -16,7 +16,6 @@ forward pass, the loss and the gradient, becomes one function of the weights, wh
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import tensorflow as tf
@@ -25,6 +24,7 @@ from hetero_cs.engine._compat import replica_xla
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.context import is_multi_worker_strategy, is_ours, strategy_of
+from hetero_cs.engine._compat.symbols import patch
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +34,13 @@ def keras_train_step():
     return symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer").train_step
 
 
-def _patch_train_step() -> None:
+def patch_train_step() -> None:
     # Under our strategies, inside a replica step of a model compiled with XLA per replica
     # (hetero_cs.engine._compat.replica_xla.applies), or of one whose idle replicas skip their pass under the multi-worker
     # strategy (hetero_cs.engine.step.replica_xla.multi_worker_skips), Keras' train step runs cut (_cut_step);
     # elsewhere Keras' own runs.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-    original = TensorFlowTrainer.train_step
-
-    @functools.wraps(original)
-    def train_step(self, data):
+    @patch(symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"), "train_step")
+    def train_step(original, self, data):
         step = replica_state.current_replica_step()
         strategy = strategy_of(self)
         if step is None or step.global_batch_size is None or not is_ours(strategy) or not self.trainable_weights:
@@ -61,48 +58,40 @@ def _patch_train_step() -> None:
         outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap, find_micro=finding)
         return original(self, data) if outputs is None else outputs
 
-    TensorFlowTrainer.train_step = train_step
-
     # Keras resolves compile(jit_compile="auto") to False under every tf.distribute strategy. Under our strategies
     # it resolves as it would for one device (Keras' own rule: a device other than the CPU is
     # present and every layer supports XLA). Private: Trainer._resolve_auto_jit_compile is that rule; it reads
     # self._distribute_strategy, which the model has, so the strategy is hidden from it for the call.
-    Trainer = symbols.require("keras.src.trainers.trainer", "Trainer")
-    original_resolve = Trainer._resolve_auto_jit_compile  # noqa: SLF001
-
-    @functools.wraps(original_resolve)
-    def _resolve_auto_jit_compile(self):
+    @patch(symbols.require("keras.src.trainers.trainer", "Trainer"), "_resolve_auto_jit_compile")
+    def _resolve_auto_jit_compile(original, self):
         strategy = strategy_of(self)
         if not is_ours(strategy):
-            return original_resolve(self)
+            return original(self)
         self._distribute_strategy = None  # noqa: SLF001
         try:
-            return original_resolve(self)
+            return original(self)
         finally:
             self._distribute_strategy = strategy  # noqa: SLF001
 
-    Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile  # noqa: SLF001
 
-
-def _patch_inference_steps() -> None:
+def patch_inference_steps() -> None:
     # Under the multi-worker strategy, a replica whose slice of an evaluate or predict batch exceeds its card's memory
     # cap runs Keras' own test_step or predict_step on each micro-batch in turn (_micro_batched_inference);
     # elsewhere Keras' own runs.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
     for name in ("test_step", "predict_step"):
-        original = getattr(TensorFlowTrainer, name)
+        patch(TensorFlowTrainer, name)(_inference_step)
 
-        def inference_step(self, data, _original=original, _predict=name == "predict_step"):
-            step = replica_state.current_replica_step()
-            strategy = strategy_of(self)
-            if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
-                return _original(self, data)
-            cap = strategy.micro_batching.inference_cap(self, step.replica_id)
-            if cap is None:
-                return _original(self, _memory_checked(strategy, step, data, step.batch_size))
-            return _micro_batched_inference(self, _original, data, step, cap, predict=_predict)
 
-        setattr(TensorFlowTrainer, name, functools.wraps(original)(inference_step))
+def _inference_step(original, self, data):
+    step = replica_state.current_replica_step()
+    strategy = strategy_of(self)
+    if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
+        return original(self, data)
+    cap = strategy.micro_batching.inference_cap(self, step.replica_id)
+    if cap is None:
+        return original(self, _memory_checked(strategy, step, data, step.batch_size))
+    return _micro_batched_inference(self, original, data, step, cap, predict=original.__name__ == "predict_step")
 
 
 def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict: bool):
