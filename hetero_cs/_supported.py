@@ -9,7 +9,6 @@ Keras 3.15.x). Pure: importing this module loads neither TensorFlow nor Keras.
 
 from __future__ import annotations
 
-import re
 import sys
 
 # name -> (lowest supported, first unsupported), as in setup.cfg: tensorflow>=2.16.2,<2.22 and keras>=3.8,<3.16.
@@ -32,8 +31,7 @@ def supported_range() -> str:
 
 def installed_version(name: str) -> str:
     """The version of ``name`` this process runs (the loaded module's ``__version__``), or what pip installed."""
-    module = sys.modules.get(name)
-    version = getattr(module, "__version__", None)
+    version = getattr(sys.modules.get(name), "__version__", None)
     if version:
         return str(version)
     try:
@@ -49,26 +47,21 @@ def installed_versions() -> str:
     return ", ".join(f"{name} {installed_version(name)}" for name in SUPPORTED_VERSIONS)
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """The leading release numbers of ``version``: ``"2.22.0rc1"`` -> (2, 22, 0)."""
-    parts = []
-    for part in version.split("."):
-        match = re.match(r"\d+", part)
-        if match is None:
-            break
-        parts.append(int(match.group()))
-        if match.end() != len(part):
-            break
-    return tuple(parts)
-
-
 def unsupported_installed() -> list[str]:
-    """The installed packages outside the supported range, e.g. ``["keras 3.16.0"]`` (unknown versions: none)."""
+    """The installed packages outside the supported range, e.g. ``["keras 3.16.0"]`` (unknown versions: none).
+
+    Pre-releases count as their release (``2.22.0rc1`` is 2.22.0), as the ranges in setup.cfg mean them.
+    """
+    from packaging.version import InvalidVersion, Version  # TensorFlow's and Keras' own dependency
+
     outside = []
     for name, (low, high) in SUPPORTED_VERSIONS.items():
         version = installed_version(name)
-        release = _release(version)
-        if release and not (_release(low) <= release < _release(high)):
+        try:
+            release = Version(version).release
+        except InvalidVersion:
+            continue
+        if not Version(low).release <= release < Version(high).release:
             outside.append(f"{name} {version}")
     return outside
 

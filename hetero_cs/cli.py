@@ -62,12 +62,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     return run_calibrate(args)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from calibration.__main__ import run_plan
-
-    return run_plan(args)
-
-
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -88,20 +82,10 @@ def _bench(args: argparse.Namespace) -> int:
     return int(balance_main(args.bench_args) or 0)
 
 
-def _launch(args: argparse.Namespace) -> int:
-    from hetero_cs.launch import run_launch
-
-    return run_launch(args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from hetero_cs.supervisor import run_supervised
-
-    return run_supervised(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from calibration.__main__ import add_calibrate_arguments, add_plan_arguments
+    from calibration.__main__ import add_calibrate_arguments, add_plan_arguments, run_plan
+    from hetero_cs.launch import add_launch_arguments, run_launch
+    from hetero_cs.supervisor import add_run_arguments, run_supervised
 
     parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -116,24 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Solve and print the batch plan of a calibrated profile (or of catalog "
                                         "devices) for a global batch size.")
     add_plan_arguments(plan)
-    plan.set_defaults(run=_plan)
+    plan.set_defaults(run=run_plan)
     bench = verbs.add_parser(
         "bench", help="run benchmarks/balance.py (emulated mixes); options after `bench` go to it", add_help=False
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
-    from hetero_cs.launch import add_launch_arguments
-
     launch = verbs.add_parser("launch", help="run a command as N MultiWorkerMirroredStrategy workers on 127.0.0.1")
     add_launch_arguments(launch)
-    launch.set_defaults(run=_launch)
-    from hetero_cs.supervisor import add_run_arguments
-
+    launch.set_defaults(run=run_launch)
     run_help = "run a training script, restarting it without a card it lost (resumes from fit's backup)"
     run = verbs.add_parser("run", help=run_help,
                            description=run_help[0].upper() + run_help[1:] + ": see docs/failover.md.")
     add_run_arguments(run)
-    run.set_defaults(run=_run)
+    run.set_defaults(run=run_supervised)
     return parser
 
 
@@ -153,10 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hetero-cs {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # Our output was closed (`| head`): stop quietly, and point stdout at /dev/null so that the interpreter's
-        # last flush does not fail as well (the recipe of Python's `signal` docs, "Note on SIGPIPE").
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        from hetero_cs.supervisor import silence
+
+        silence(sys.stdout)  # our output was closed (`| head`): stop quietly
         return 128 + 13  # as a shell reports a process ended by SIGPIPE
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -53,23 +52,25 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from hetero_cs.errors import ConfigError
-from hetero_cs.launch_config import (  # noqa: F401 - re-exported: part of this module's API before the split
-    MAX_WORKERS,
-    check_emulate,
-    check_workers,
-    free_ports,
-    parse_emulate,
-    tf_config,
-    worker_gpus,
-)
+from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
+from hetero_cs.launch_config import check_emulate, check_workers, free_ports, parse_emulate, tf_config, worker_gpus
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
-from hetero_cs.supervisor import die_with_parent
+from hetero_cs.supervisor import (
+    DEFAULT_GRACE_S,
+    MAX_RESTARTS,
+    checked_command,
+    checked_grace_s,
+    checked_int,
+    exit_status,
+    lines_of,
+    signal_group,
+    silence,
+    start_child,
+    stop_signals_to,
+)
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
-DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
-_MAX_LINE_BYTES = 1 << 16
 _SELF_STOP_S = 10.0  # after a worker failed: how long the others may take to end on their own before SIGINT
 _TAIL_LINES = 200  # each worker's last lines kept to tell why it failed
 _DRAIN_S = 1.0  # after the workers exited: how long their output may still arrive before leftover children die
@@ -94,39 +95,22 @@ class Launch:
 
     def __init__(self, command: Sequence[str], *, num_workers: int, emulate: Sequence[str] | None = None,
                  grace_s: float = DEFAULT_GRACE_S, output: TextIO | None = None, max_restarts: int = 0):
-        if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
-            raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
-                              f"{command!r}.")
-        if not command:
-            raise ConfigError("hetero-cs launch needs a command after `--`, e.g. -- python train.py.")
-        check_workers(num_workers)
-        if isinstance(grace_s, bool) or not (isinstance(grace_s, (int, float)) and 0 < grace_s <= MAX_GRACE_S):
-            raise ConfigError(f"grace_s must be a number of seconds in (0, {MAX_GRACE_S:g}]. Received: "
-                              f"grace_s={grace_s!r}.")
-        if not command[0] or shutil.which(command[0]) is None:
-            what = ("not executable (chmod +x it, or run it through its interpreter)"
-                    if os.path.isfile(command[0]) else "no such executable file (on PATH or as a path)")
-            raise ConfigError(f"cannot run {command[0]!r}: {what}. Received the command {list(command)!r}.")
-        if emulate is not None:
-            emulate = check_emulate(emulate, num_workers)
+        self._command = checked_command(command, "launch")
+        self._num_workers = check_workers(num_workers)
+        self._grace_s = checked_grace_s(grace_s)
+        self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS,
+                                         "relaunches of the cluster after a worker failed")
+        self._emulate = None if emulate is None else check_emulate(emulate, num_workers)
         from hetero_cs.devices.gpu_health import visible_gpus
 
         # Each worker's own GPUs, by UUID (None: no GPU, or emulated cards); a lost card is NVML's to say.
-        self._gpus = worker_gpus(visible_gpus() if emulate is None else [], num_workers)
+        self._gpus = worker_gpus(visible_gpus() if self._emulate is None else [], num_workers)
         self._evidence: list = []  # (Gpu, why) of the cards NVML showed failed in the last launch
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 1000:
-            raise ConfigError(f"--max-restarts must be an int in [0, 1000] (relaunches of the cluster after a worker "
-                              f"failed). Received: {max_restarts!r}.")
-        self._max_restarts = max_restarts
         self.restarts = 0
         self._tails: list[collections.deque] = []  # each worker's last lines, to tell why it failed
         self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
-        self._command = list(command)
-        self._num_workers = num_workers
-        self._emulate = None if emulate is None else list(emulate)
         # HETERO_CS_MAX_BATCH_SIZES's caps (set by hand, or after an out-of-memory relaunch), one per replica.
         self._caps: list[int | None] | None = read_caps(os.environ.get(CAPS_ENV_VAR, ""))
-        self._grace_s = float(grace_s)
         # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.
         self._output = output or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - lives as long as the launch
         self._print_lock = threading.Lock()
@@ -139,7 +123,7 @@ class Launch:
         env = dict(os.environ)
         env["TF_CONFIG"] = tf_config(ports, index)
         env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
-        env["HETERO_CS_RESTART"] = str(self.restarts)
+        env[RESTART_ENV_VAR] = str(self.restarts)
         if self._emulate is not None:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
         if self._caps is not None:
@@ -149,15 +133,10 @@ class Launch:
         return env
 
     def _pump(self, index: int, stream) -> None:
-        prefix = f"[worker {index}] "
-        # Drained to the end, so a worker never blocks on a full pipe; a line longer than _MAX_LINE_BYTES is
-        # printed in pieces (each prefixed), so one endless line cannot fill the launcher's memory.
-        tail = self._tails[index]
-        for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            tail.append(line)
-            self._write(prefix + line + "\n")
-        stream.close()
+        for line in lines_of(stream):  # a piece of an endless line is prefixed too
+            line = line.rstrip("\n")
+            self._tails[index].append(line)
+            self._write(f"[worker {index}] {line}\n")
 
     def _write(self, text: str) -> None:
         """Writes and flushes one line; once our own output is closed (e.g. `| head -1`), drops every line."""
@@ -172,22 +151,10 @@ class Launch:
                     self._output.write(text.encode(encoding, errors="replace").decode(encoding))
                 self._output.flush()
             except (BrokenPipeError, ValueError, OSError):
+                # The text layer still holds the unwritten line: without silence() Python would exit with status
+                # 120 at its last flush instead of the workers' status.
                 self._writable = False
-                self._silence_output()
-
-    def _silence_output(self) -> None:
-        """Points the closed output's file descriptor at /dev/null. The text layer still holds the unwritten line;
-        without this, the interpreter's last flush at exit fails too and Python exits with status 120 instead of
-        the workers' status (the recipe in Python's `signal` docs, "Note on SIGPIPE")."""
-        try:
-            fd = self._output.fileno()
-        except (AttributeError, ValueError, OSError):
-            return  # not backed by a file descriptor: nothing is flushed to it at exit
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, fd)
-        finally:
-            os.close(devnull)
+                silence(self._output)
 
     def run(self) -> int:
         """Starts the workers, waits for them, and returns the exit status (see the module docstring); with
@@ -282,19 +249,13 @@ class Launch:
         own = re.compile(rf"StepOOMError: model\.\w+ ran out of memory on worker (\d+), .*{caps_text}")
         told = re.compile(rf"WorkerLostError: model\.\w+ stopped on worker \d+: worker (\d+) stopped, out of memory "
                           rf".*?{caps_text}")
-        workers, named = set(), []
-        for tail in self._tails:
-            for line in tail:
-                match = own.search(line) or told.search(line)
-                if match is not None:
-                    workers.add(int(match.group(1)))
-                    named.append(read_caps(match.group(2)))
-        named = [caps for caps in named if caps is not None]
+        found = [match for tail in self._tails for line in tail if (match := own.search(line) or told.search(line))]
+        named = [caps for caps in (read_caps(match.group(2)) for match in found) if caps is not None]
         if self._caps is not None:
             named.append(self._caps)
-        if not workers or len({len(caps) for caps in named}) != 1:
+        if not found or len({len(caps) for caps in named}) != 1:
             return None
-        return sorted(workers), lowest_caps(*named)
+        return sorted({int(match.group(1)) for match in found}), lowest_caps(*named)
 
     def _run_cluster(self) -> int:
         """One launch of the N workers: starts them, waits, and returns the exit status."""
@@ -303,50 +264,31 @@ class Launch:
         self._tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(self._num_workers)]
         ports = free_ports(self._num_workers)
         pumps = []
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                previous[sig] = signal.signal(sig, self._on_signal)
-        status = 0
-        try:
-            for index in range(self._num_workers):
-                try:
-                    process = subprocess.Popen(
-                        self._command, env=self._environment(ports, index), stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                        preexec_fn=die_with_parent,
-                    )
-                except OSError as exc:  # e.g. a script without a #! line, or whose #! names a missing interpreter
-                    raise ConfigError(
-                        f"cannot run {self._command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script "
-                        f"needs a first line #!/path/to/interpreter naming an interpreter that exists, or run it "
-                        f"through one (-- python script.py). Received the command {self._command!r}."
-                    ) from None
-                self._processes.append(process)
-            # Pumps start once every worker is started: preexec_fn runs between fork and exec, which is safe only
-            # while this process has no other threads.
-            for index, process in enumerate(self._processes):
-                pump = threading.Thread(target=self._pump, args=(index, process.stdout), daemon=True)
-                pump.start()
-                pumps.append(pump)
-            status = self._wait()
-        except BaseException:
-            self._stop_all()
-            raise
-        finally:
-            # The workers have exited. Their output may still arrive for a moment; a pipe still open after that is
-            # held by a child a worker left behind in its process group, which is killed with the group.
-            deadline = time.monotonic() + _DRAIN_S
-            for pump in pumps:
-                pump.join(timeout=max(0.0, deadline - time.monotonic()))
-            for process in self._processes:  # children a worker left behind, even after a clean exit
-                _signal_group(process, signal.SIGKILL)
-            for pump in pumps:
-                pump.join(timeout=self._grace_s)
-            self._write("")  # flushes now, so the interpreter's flush at exit cannot fail on a closed output
-            for sig, handler in previous.items():  # last: a signal until here still stops what is left
-                signal.signal(sig, handler)
-        return status
+        with stop_signals_to(self._on_signal):  # restored last: a signal until then still stops what is left
+            try:
+                for index in range(self._num_workers):
+                    self._processes.append(start_child(self._command, self._environment(ports, index),
+                                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+                # Pumps start once every worker is started: preexec_fn runs between fork and exec, which is safe
+                # only while this process has no other threads.
+                for index, process in enumerate(self._processes):
+                    pumps.append(threading.Thread(target=self._pump, args=(index, process.stdout), daemon=True))
+                    pumps[-1].start()
+                return self._wait()
+            except BaseException:
+                self._stop_all()
+                raise
+            finally:
+                # The workers have exited. Their output may still arrive for a moment; a pipe still open after that
+                # is held by a child a worker left behind in its process group, which is killed with the group.
+                deadline = time.monotonic() + _DRAIN_S
+                for pump in pumps:
+                    pump.join(timeout=max(0.0, deadline - time.monotonic()))
+                for process in self._processes:  # children a worker left behind, even after a clean exit
+                    signal_group(process, signal.SIGKILL)
+                for pump in pumps:
+                    pump.join(timeout=self._grace_s)
+                self._write("")  # flushes now, so the interpreter's flush at exit cannot fail on a closed output
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop.set()
@@ -360,11 +302,11 @@ class Launch:
             if failed and status == 0:
                 index, code = failed[0]
                 self._failed = (index, code)
-                status = _exit_status(code)
+                status = exit_status(code)
                 # The others find out themselves within seconds (a WorkerLostError naming the worker, from
                 # TensorFlow's collectives and coordination service) and end with a clean error; a SIGINT in the
                 # middle of that would end them in a raw KeyboardInterrupt trace from inside TensorFlow instead.
-                waited = self._let_others_end(_SELF_STOP_S)
+                waited = _all_exit(self._processes, min(_SELF_STOP_S, self._grace_s), self._stop)
                 self._note(f"worker {index} exited with status {status}; "
                            + ("the others ended on their own" if waited else "stopping the others"))
                 self._stop_all()
@@ -378,15 +320,6 @@ class Launch:
                 return 0
             time.sleep(_POLL_S)
 
-    def _let_others_end(self, timeout_s: float) -> bool:
-        """Waits up to ``timeout_s`` (cut short by a stop signal) for every worker to exit; True when they did."""
-        deadline = time.monotonic() + min(timeout_s, self._grace_s)
-        while time.monotonic() < deadline and not self._stop.is_set():
-            if all(p.poll() is not None for p in self._processes):
-                return True
-            time.sleep(_POLL_S)
-        return all(p.poll() is not None for p in self._processes)
-
     def _note(self, message: str) -> None:
         self._write(f"[launch] {message}\n")
 
@@ -394,19 +327,15 @@ class Launch:
         """SIGINT to every running worker's process group, SIGTERM after grace_s / 2, SIGKILL after grace_s;
         returns when all have exited."""
         running = [p for p in self._processes if p.poll() is None]
-        start = time.monotonic()
-        for sig, after_s in ((signal.SIGINT, 0.0), (signal.SIGTERM, self._grace_s / 2)):
-            while time.monotonic() < start + after_s and any(p.poll() is None for p in running):
-                time.sleep(_POLL_S)
+        for sig in (signal.SIGINT, signal.SIGTERM):
             for process in running:
                 if process.poll() is None:
-                    _signal_group(process, sig)
-        while time.monotonic() < start + self._grace_s and any(p.poll() is None for p in running):
-            time.sleep(_POLL_S)
+                    signal_group(process, sig)
+            _all_exit(running, self._grace_s / 2)
         killed = [self._processes.index(p) for p in running if p.poll() is None]
         for process in self._processes:
             # The group too: a worker that exited may have left children behind.
-            _signal_group(process, signal.SIGKILL)
+            signal_group(process, signal.SIGKILL)
         for process in running:
             process.wait()
         if killed:
@@ -414,19 +343,14 @@ class Launch:
                        f"killed (SIGKILL)")
 
 
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)  # start_new_session=True: the worker leads its own group
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-MAX_GRACE_S = 3600.0
-"""Longest wait from the first stop signal to SIGKILL, seconds."""
-
-
-def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code
+def _all_exit(processes: list, timeout_s: float, stop: threading.Event | None = None) -> bool:
+    """Waits up to ``timeout_s`` (cut short when ``stop`` is set) for ``processes`` to exit; True when they did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        if all(p.poll() is not None for p in processes):
+            return True
+        time.sleep(_POLL_S)
+    return all(p.poll() is not None for p in processes)
 
 
 def add_launch_arguments(parser) -> None:
@@ -447,10 +371,6 @@ def add_launch_arguments(parser) -> None:
 
 def run_launch(args) -> int:
     """``hetero-cs launch`` from parsed arguments; returns the exit status."""
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
     check_workers(args.workers)  # before the --emulate list is measured against it
-    emulate = parse_emulate(args.emulate, args.workers)
-    return Launch(command, num_workers=args.workers, emulate=emulate, grace_s=args.grace_s,
-                  max_restarts=args.max_restarts).run()
+    return Launch(args.command, num_workers=args.workers, emulate=parse_emulate(args.emulate, args.workers),
+                  grace_s=args.grace_s, max_restarts=args.max_restarts).run()

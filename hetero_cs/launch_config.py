@@ -5,12 +5,14 @@ No TensorFlow is imported here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Sequence
 
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
+from hetero_cs.supervisor import checked_int
 
 MAX_WORKERS = 256
 """Most worker processes one launch starts on this machine (each is a TensorFlow process)."""
@@ -24,17 +26,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     Another process may take one before a worker binds it; the worker then fails to start and the launch fails
     with its error (rerun it).
     """
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-            ports.append(sock.getsockname()[1])
-    finally:
+    with contextlib.ExitStack() as held:  # every socket stays bound until all ports are read: they differ
+        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
         for sock in sockets:
-            sock.close()
-    return ports
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def tf_config(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> str:
@@ -107,10 +103,7 @@ def _example_names(count: int) -> list[str]:
 
 def check_workers(num_workers) -> int:
     """``num_workers`` if it is an int in [1, MAX_WORKERS], else ConfigError."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= MAX_WORKERS:
-        raise ConfigError(f"--workers must be an int in [1, {MAX_WORKERS}] (processes on this machine). "
-                          f"Received: {num_workers!r}.")
-    return num_workers
+    return checked_int(num_workers, "--workers", 1, MAX_WORKERS, "processes on this machine")
 
 
 def worker_gpus(gpus: Sequence, num_workers: int) -> list[list] | None:

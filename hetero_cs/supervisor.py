@@ -28,11 +28,14 @@ outside: it runs the script, and when the script fails because a card was lost i
   signal N); a stop by signal N exits 128 + N and keeps the backups. Bad arguments, or a --backup-dir that cannot be
   written: 2.
 
-This module imports neither TensorFlow nor pynvml at import time.
+``hetero-cs launch`` (:mod:`hetero_cs.launch`) runs its workers with this module's helpers too: the checks of the
+command and the options, starting a child in its own process group, reading its lines, signalling its group and
+handing stop signals over. This module imports neither TensorFlow nor pynvml at import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -53,6 +56,8 @@ from hetero_cs.errors import ConfigError
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_GRACE_S = 10.0
+MAX_GRACE_S = 3600.0
+"""Longest wait from the first stop signal to SIGKILL, seconds."""
 MAX_RESTARTS = 1000
 _MAX_LINE_BYTES = 1 << 16
 _RECENT_LINES = 200  # a lost card's line is among the script's last lines on standard error
@@ -87,12 +92,7 @@ def nth_remaining(index: int, excluded: Sequence[int]) -> int:
     >>> nth_remaining(1, [1])   # cards 0, 2, 3 are left: the script's card 1 is card 2
     2
     """
-    position = -1
-    for _ in range(index + 1):
-        position += 1
-        while position in excluded:
-            position += 1
-    return position
+    return [p for p in range(index + len(excluded) + 1) if p not in excluded][index]
 
 
 def default_backup_dir(command: Sequence[str]) -> pathlib.Path:
@@ -110,10 +110,107 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+
+
+def checked_command(command, verb: str) -> list[str]:
+    """``command`` (argv; a leading ``--`` dropped) as a list, checked: ``hetero-cs run`` and ``launch`` share it.
+
+    Raises:
+        ConfigError: Not a list of str, empty, or its program is not an executable file (on PATH or as a path).
+    """
+    if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
+        raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
+                          f"{command!r}.")
+    command = list(command[1:] if command[:1] == ["--"] else command)
+    if not command:
+        raise ConfigError(f"hetero-cs {verb} needs a command after `--`, e.g. hetero-cs {verb} -- python train.py.")
+    if not command[0] or shutil.which(command[0]) is None:
+        what = ("not executable (chmod +x it, or run it through its interpreter)"
+                if os.path.isfile(command[0]) else "no such executable file (on PATH or as a path)")
+        raise ConfigError(f"cannot run {command[0]!r}: {what}. Received the command {command!r}.")
+    return command
+
+
+def checked_int(value, option: str, low: int, high: int, meaning: str) -> int:
+    """``value`` if it is an int in ``[low, high]``, else a ConfigError naming ``option`` and its ``meaning``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{option} must be an int in [{low}, {high}] ({meaning}). Received: {value!r}.")
+    return value
+
+
+def checked_grace_s(grace_s) -> float:
+    """``grace_s`` (seconds from a stop signal to SIGKILL) as a float in (0, MAX_GRACE_S], else a ConfigError."""
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 < grace_s <= MAX_GRACE_S:
+        raise ConfigError(f"--grace-s: grace_s must be a number of seconds in (0, {MAX_GRACE_S:g}]. Received: "
+                          f"grace_s={grace_s!r}.")
+    return float(grace_s)
+
+
+def start_child(command: list[str], env: dict[str, str], **pipes) -> subprocess.Popen:
+    """Starts ``command`` in a process group of its own, without standard input, dying with this process.
+
+    Raises:
+        ConfigError: The command cannot run (e.g. a script without a ``#!`` line, or whose ``#!`` names a missing
+            interpreter).
+    """
+    try:
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=die_with_parent, **pipes)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot run {command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script needs a first line "
+            f"#!/path/to/interpreter naming an interpreter that exists, or run it through one (-- python "
+            f"script.py). Received the command {command!r}.") from None
+
+
+def lines_of(stream):
+    """The lines a child writes to ``stream``, decoded, until it closes; a line longer than 64 KiB comes in pieces,
+    so one endless line cannot fill this process's memory. Drained to the end: the child never blocks on a full pipe.
+    """
+    for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
+        yield raw.decode(errors="replace")
+    stream.close()
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Sends ``sig`` to ``process``'s group (it leads one: :func:`start_child`), with what it left behind there."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def exit_status(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a child killed by signal N."""
+    return 128 - code if code < 0 else code
+
+
+@contextlib.contextmanager
+def stop_signals_to(handler):
+    """Within: SIGINT, SIGTERM and SIGHUP call ``handler`` (only the main thread can set handlers); then the
+    previous handlers again."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def silence(stream) -> None:
+    """Points a closed output's file descriptor (e.g. ``| head``) at /dev/null, so that the interpreter's last flush
+    at exit does not fail too (the recipe of Python's `signal` docs, "Note on SIGPIPE")."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, OSError):
+        return  # not backed by a file descriptor: nothing is flushed to it at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 class Supervisor:
@@ -139,27 +236,15 @@ class Supervisor:
         from hetero_cs.devices.gpu_health import visible_gpus
         from hetero_cs.engine.faults.supervised_run import OWNED_DIR
 
-        if isinstance(command, (str, bytes)) or not all(isinstance(part, str) for part in (command or ())):
-            raise ConfigError(f"The command must be a list of str (argv), e.g. ['python', 'train.py']. Received: "
-                              f"{command!r}.")
-        if not command:
-            raise ConfigError("hetero-cs run needs a command after `--`, e.g. hetero-cs run -- python train.py.")
-        if not command[0] or shutil.which(command[0]) is None:
-            raise ConfigError(f"cannot run {command[0]!r}: no such executable file (on PATH or as a path). Received "
-                              f"the command {list(command)!r}.")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= MAX_RESTARTS:
-            raise ConfigError(f"--max-restarts must be an int in [0, {MAX_RESTARTS}] (restarts after a lost card). "
-                              f"Received: {max_restarts!r}.")
-        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 < grace_s <= 3600:
-            raise ConfigError(f"--grace-s must be a number of seconds in (0, 3600]. Received: {grace_s!r}.")
-        self._command = list(command)
-        self._max_restarts = max_restarts
-        self._allow_cpu, self._retry_transient, self._grace_s = bool(allow_cpu), bool(retry_transient), grace_s
+        self._command = checked_command(command, "run")
+        self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS, "restarts after a lost card")
+        self._allow_cpu, self._retry_transient = bool(allow_cpu), bool(retry_transient)
+        self._grace_s = checked_grace_s(grace_s)
         if backup_dir is not None and not str(backup_dir).strip():
             raise ConfigError("--backup-dir is empty; give a directory for fit's backups (created if missing), or "
                               "leave it out for the default under the cache directory.")
         try:
-            self.backup_dir = pathlib.Path(backup_dir) if backup_dir is not None else default_backup_dir(command)
+            self.backup_dir = pathlib.Path(backup_dir) if backup_dir is not None else default_backup_dir(self._command)
         except Exception as exc:  # noqa: BLE001 - the cache directory cannot be used (ProfileCacheError, OSError)
             raise ConfigError(f"no directory for fit's backups: the default one, under the cache directory, cannot "
                               f"be used ({exc}). Give one with --backup-dir DIR (a writable directory), or set "
@@ -182,11 +267,9 @@ class Supervisor:
         self._stop_deadline = float("inf")
 
     def _note(self, message: str) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self._output.write(f"[hetero-cs run] {message}\n")
             self._output.flush()
-        except (OSError, ValueError):
-            pass
 
     def _check_backup_dir(self) -> None:
         """Creates the library's subdirectory and its manifest: a ConfigError naming --backup-dir when it cannot."""
@@ -215,15 +298,11 @@ class Supervisor:
 
     def _pump(self, stream) -> None:
         """Passes the script's standard error on, keeping its last lines."""
-        for raw in iter(lambda: stream.readline(_MAX_LINE_BYTES), b""):
-            line = raw.decode(errors="replace")
+        for line in lines_of(stream):
             self._tail.append(line)
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(line)
                 sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
-        stream.close()
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -233,39 +312,23 @@ class Supervisor:
     def _signal_child(self, signum: int) -> None:
         child = self._child
         if child is not None and child.poll() is None:
-            try:
-                os.killpg(child.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(child, signum)
 
     def _run_once(self) -> int:
         self._tail.clear()
-        try:
-            child = subprocess.Popen(self._command, env=self._environment(), stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot run {self._command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script needs a "
-                f"first line #!/path/to/interpreter, or run it through one (-- python script.py).") from None
-        self._child = child
+        self._child = child = start_child(self._command, self._environment(), stderr=subprocess.PIPE)
         pump = threading.Thread(target=self._pump, args=(child.stderr,), daemon=True)
         pump.start()
-        while True:
-            try:
-                code = child.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() > self._stop_deadline:  # a stop signal passed on was not obeyed in time
-                    self._note(f"the script did not stop within {self._grace_s:g} s of signal {self._stop_signal}: "
-                               f"killing it (SIGKILL)")
-                    self._signal_child(signal.SIGKILL)
-                    self._stop_deadline = float("inf")
-        try:  # what the script left behind in its process group (it leads one): its pipe would keep the pump waiting
-            os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        while (code := child.poll()) is None:
+            time.sleep(0.05)
+            if time.monotonic() > self._stop_deadline:  # a stop signal passed on was not obeyed in time
+                self._note(f"the script did not stop within {self._grace_s:g} s of signal {self._stop_signal}: "
+                           f"killing it (SIGKILL)")
+                self._signal_child(signal.SIGKILL)
+                self._stop_deadline = float("inf")
+        signal_group(child, signal.SIGKILL)  # what the script left behind there: its pipe would keep the pump waiting
         pump.join(timeout=10.0)
-        return 128 - code if code < 0 else code
+        return exit_status(code)
 
     def _exclude_gpus(self, found: list, status: int) -> bool:
         """Leaves the GPUs in ``found`` ((Gpu, evidence) pairs) out of the next run; False when none would be left
@@ -323,11 +386,7 @@ class Supervisor:
         from hetero_cs.engine.faults.supervised_run import MANIFEST, remove_written, written
 
         self._check_backup_dir()
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                previous[sig] = signal.signal(sig, self._on_signal)
-        try:
+        with stop_signals_to(self._on_signal):
             if any(name.startswith("fit_") for name in written(self.owned_dir)) and any(
                     self.owned_dir.glob("fit_*.json")):
                 self._note(f"resuming from the backups in {self.owned_dir} (remove that directory to start over)")
@@ -338,10 +397,8 @@ class Supervisor:
                     if status == 0 and self._stop_signal is None:
                         remove_written(self.owned_dir)
                         if self._created_dir:
-                            try:
+                            with contextlib.suppress(OSError):
                                 self.backup_dir.rmdir()  # only when empty
-                            except OSError:
-                                pass
                         if self.lost_names:
                             self._note(f"the script succeeded after {self.restarts} restart(s), without "
                                        f"{'; '.join(self.lost_names)}")
@@ -364,9 +421,6 @@ class Supervisor:
                 self.restarts += 1
                 self._note(f"the script failed after {time.monotonic() - started:.1f} s: {what} (restart "
                            f"{self.restarts} of at most {self._max_restarts}); fit resumes from its last backup")
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def add_run_arguments(parser) -> None:
@@ -388,8 +442,5 @@ def add_run_arguments(parser) -> None:
 
 def run_supervised(args) -> int:
     """``hetero-cs run`` from parsed arguments; returns the exit status."""
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    return Supervisor(command, max_restarts=args.max_restarts, backup_dir=args.backup_dir,
+    return Supervisor(args.command, max_restarts=args.max_restarts, backup_dir=args.backup_dir,
                       allow_cpu=args.allow_cpu, retry_transient=args.retry_transient, grace_s=args.grace_s).run()

@@ -45,8 +45,7 @@ class MultiWorkerCallback(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         self._strategy.prepare_emulation(self.model)
 
-    def on_predict_begin(self, logs=None):
-        self._strategy.prepare_emulation(self.model)
+    on_predict_begin = on_test_begin
 
     def on_epoch_begin(self, epoch, logs=None):
         self._strategy.pop_reported_step_times()  # the epoch's own steps only (not the last validation's)
@@ -54,11 +53,9 @@ class MultiWorkerCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self._strategy.is_chief:
             return
-        figures = {}
         plan = self._strategy.plan
-        if plan is not None:
-            for i, b in enumerate(plan.per_replica_batch_sizes):
-                figures[f"replica_{i}_batch_size"] = float(b)
+        split = () if plan is None else plan.per_replica_batch_sizes
+        figures = {f"replica_{i}_batch_size": float(b) for i, b in enumerate(split)}
         if self._strategy.agreed:
             times = self._strategy.pop_reported_step_times()
             R = self._strategy.num_replicas_in_sync
@@ -67,8 +64,7 @@ class MultiWorkerCallback(keras.callbacks.Callback):
             for i in range(R):
                 figures[f"replica_{i}_step_ms"] = statistics.median(t[i] for t in times) * 1e3 if times else math.nan
             self._guard_logged = add_guard_logs(figures, self._strategy.balancer, self._guard_logged)
-        stats = getattr(self._strategy, "_fit_stats", None)
-        if stats is not None:
-            stats.record(figures)
+        if self._strategy.stats is not None:
+            self._strategy.stats.record(figures)
         if logs is not None:
             logs.update(figures if self._log_everything else {k: v for k, v in figures.items() if k in self.IN_LOGS})

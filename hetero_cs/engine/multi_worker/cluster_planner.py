@@ -2,8 +2,8 @@
 
 Under :class:`hetero_cs.HeteroMultiWorkerMirroredStrategy` the split of every global batch is decided by the chief
 alone (global replica 0) and reaches every worker inside the step through one all-reduce (see
-:mod:`hetero_cs.engine.multi_worker.strategy`); every other worker only reports its own replicas' step times through the
-same all-reduce. This object is what the chief consults: it never touches TensorFlow.
+:mod:`hetero_cs.engine.multi_worker.agreement`); every other worker only reports its own replicas' step times
+through the same all-reduce. This object is what the chief consults: it never touches TensorFlow.
 
 Calibration happens *in* training. Any split is exact (each replica's loss weighs ``b_i / B``), so the first steps
 can serve probe splits - each replica's share of the even split times 1.0, 0.5 and 1.5 in rotation - and each
@@ -56,7 +56,6 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         self._points: list[tuple[list[int], list[float]]] = []  # per replica: sizes, times
         self._step_index = 0  # steps served (all sizes), to pair reports with what was served
         self._served_sizes: dict[int, tuple[int, ...]] = {}
-        self.calibration_points: list[tuple[int, ...]] | None = None
         self._caps: list[int | None] | None = None  # per-replica memory caps in examples, None: uncapped
         self._micro_batched = False  # slices past a cap run as micro-batches (else the caps bound the slices)
 
@@ -72,13 +71,11 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         Raises:
             ConfigError: From :meth:`Balancer.set_max_batch_sizes`.
         """
-        from hetero_cs.planning.micro_batches import zero_caps
-
         caps = None if max_batch_sizes is None else list(max_batch_sizes)
-        self._balancer.set_max_batch_sizes(
-            None if caps is None else (zero_caps(caps) if micro_batched else caps))
+        micro_batched = bool(micro_batched) and caps is not None
+        self._balancer.set_max_batch_sizes(_solver_caps(caps, micro_batched))
         with self._lock:
-            self._caps, self._micro_batched = caps, bool(micro_batched) and caps is not None
+            self._caps, self._micro_batched = caps, micro_batched
 
     @property
     def calibrating(self) -> bool:
@@ -132,13 +129,8 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         others = [i for i in range(R) if i not in small and self._caps[i] != 0]
         if not small or not others or rest < len(others):
             return None
-        split = split_by_shares(rest, [factors[i] for i in others])
-        sizes = [0] * R
-        for i, b in small.items():
-            sizes[i] = b
-        for i, b in zip(others, split):
-            sizes[i] = int(b)
-        return tuple(sizes)
+        sizes = small | dict(zip(others, split_by_shares(rest, [factors[i] for i in others])))
+        return tuple(int(sizes.get(i, 0)) for i in range(R))
 
     def hold_steps(self) -> int:
         """How many steps after the one just served keep its split without agreeing (>= 0).
@@ -211,19 +203,19 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         known = [m for m in models if m is not None]
         models = [m if m is not None else max(known, key=lambda k: k.predict_step_time_s(1)) for m in models]
         self._calibrating = False
-        self.calibration_points = [tuple(p) for p, _ in self._points]
         logger.info(
             "hetero_cs multi-worker calibration from %d training steps: %s",
             len(self._points),
             "; ".join(f"replica {i}: {d}" for i, d in enumerate(descriptions)),
         )
-        if self._caps is None:
-            self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference)
-        elif self._micro_batched:
-            from hetero_cs.planning.micro_batches import zero_caps
+        if self._micro_batched:
+            models = micro_batched_curves(models, self._caps)
+        self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference,
+                                       max_batch_sizes=_solver_caps(self._caps, self._micro_batched))
 
-            self._balancer.set_cost_models(micro_batched_curves(models, self._caps), trial=True,
-                                           max_batch_sizes=zero_caps(self._caps), reference_batch_size=self._reference)
-        else:
-            self._balancer.set_cost_models(models, trial=True, max_batch_sizes=self._caps,
-                                           reference_batch_size=self._reference)
+
+def _solver_caps(caps: list[int | None] | None, micro_batched: bool) -> list[int | None] | None:
+    """The caps the Balancer solves within: where slices run as micro-batches, only a cap of 0 binds a split."""
+    from hetero_cs.planning.micro_batches import zero_caps
+
+    return zero_caps(caps) if micro_batched else caps

@@ -14,8 +14,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments
-from hetero_cs.engine.step import tensors
-from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step import replica_state, tensors
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.errors import ConfigError, InputError
 
@@ -23,8 +22,7 @@ from hetero_cs.errors import ConfigError, InputError
 class MultiWorkerInput:
     """Mixin of HeteroMultiWorkerMirroredStrategy (before MultiWorkerMirroredStrategy in its bases): its input.
 
-    Reads the strategy's ``_num_local``, ``_first_replica``, ``_agreed``, ``_timing``, ``_balancer``,
-    ``_agreed_sizes`` and ``_local_sizes``.
+    Reads the strategy's ``_num_local``, ``_first_replica``, ``_timing``, ``_balancer`` and ``_step_sizes``.
     """
 
     # ----------------------------------------------------------------------------------------------------------
@@ -122,18 +120,12 @@ class MultiWorkerInput:
             else:
                 batches[i] = held
         if not batches:
-            args, kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
-            return args, kwargs, None
+            return (*tf.nest.pack_sequence_as((args, kwargs), flat), None)
         first = next(iter(batches.values()))
         host = self._input_host
         with tf.device(host):
             global_batch_size = tensors.leading_dim(first[0] if isinstance(first, tuple) else first)
-        # The split is decided here, before any replica starts: agreed by the cluster, or from B alone.
-        if self._agreed:
-            sizes = self._agreed_sizes(global_batch_size)
-        else:
-            with tf.device(host):
-                sizes = self._local_step_sizes(global_batch_size)
+        sizes = self._step_sizes(global_batch_size)  # decided before any replica starts
         with tf.device(host):
             start = None
             if self._timing:
@@ -151,8 +143,7 @@ class MultiWorkerInput:
                 with tf.device(_device_of(component) or host):  # where it lives: the host for a dataset's element
                     slices.append(component[starts[replica]:ends[replica]])
             flat[i] = _compat.per_replica(slices)
-        args, kwargs = tf.nest.pack_sequence_as((args, kwargs), flat)
-        return args, kwargs, (sizes, global_batch_size, start, frozenset(batches))
+        return (*tf.nest.pack_sequence_as((args, kwargs), flat), (sizes, global_batch_size, start, frozenset(batches)))
 
     def _global_batch(self, leaf):
         """What a ``run`` argument leaf holds: the global batch once (a tensor), once per local replica (a tuple of
@@ -185,8 +176,7 @@ class MultiWorkerInput:
         first = self._first_replica
 
         def replica_fn(*call_args, **call_kwargs):
-            from hetero_cs.engine._compat.batch_flow import BatchFlow
-            from hetero_cs.engine._compat.batch_flow import seed_replica_step
+            from hetero_cs.engine._compat.batch_flow import BatchFlow, seed_replica_step
 
             replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
             replica_step = replica_state.ReplicaStep(
@@ -206,12 +196,6 @@ class MultiWorkerInput:
                 return shares_of_logs(replica_step, outputs, keep_replicated=True)
 
         return replica_fn
-
-    def _local_step_sizes(self, global_batch_size):
-        """Fixed or even split: the split of this global batch (int32 [R]) from ``B`` alone, the same everywhere."""
-        sizes = tf.numpy_function(self._local_sizes, [global_batch_size], tf.int64, name="hetero_cs_plan")
-        sizes.set_shape([self.num_replicas_in_sync])
-        return tf.cast(sizes, tf.int32)
 
 
 _UNBATCHED = object()  # _global_batch's answer for a per-replica value of one component that holds no batch

@@ -70,16 +70,17 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
     Raises:
         ConfigError: Not a sequence of ``num_replicas`` entries, or an entry that is not an integer >= 0 or None.
     """
+    from hetero_cs.planning.plan import ordered_values
+
     if max_batch_sizes is None:
         return None
-    if hasattr(max_batch_sizes, "tolist") and not isinstance(max_batch_sizes, (str, bytes)):
-        max_batch_sizes = max_batch_sizes.tolist()  # a numpy array of caps
-    if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, Sequence):
+    given = ordered_values(max_batch_sizes)  # a list, tuple or 1-D array
+    if given is None:
         raise ConfigError(
             f"max_batch_sizes must be a list of one memory cap per replica of the cluster (examples its card holds "
             f"at once; None: no cap), in task-index then local order. Received: max_batch_sizes={max_batch_sizes!r}.")
     caps = [c if c is None or isinstance(c, bool) or not isinstance(c, numbers.Integral) else int(c)
-            for c in max_batch_sizes]
+            for c in given]
     bad = [c for c in caps if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0)]
     if len(caps) != num_replicas or bad:
         raise ConfigError(
@@ -115,7 +116,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._restart_caps = restart_caps
         self._caps: list[int | None] | None = None  # in force for the model being fit
         self._active = False  # this model's slices past a cap run as micro-batches
-        self._model_id: int | None = None
         self._refused: set[str] = set()  # found while tracing this model's step
         self._refused_by_model: dict[int, set[str]] = {}  # id(model) -> what its traced step found
         self._found: set[str] = set()  # everything that keeps this model's slices within the caps
@@ -126,7 +126,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
-        self.micro_batched_inference_traces = 0  # evaluate and predict replica steps traced with micro-batches
         self._evaluates_whole: dict[int, bool] = {}  # id(model) -> its test step all-reduces inside a replica
 
     @property
@@ -172,10 +171,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             models = [getattr(m, "base", m) for m in models]  # one micro-batch is one step of the card's own model
         return MicroBatchPlan.of_slices(BatchPlan(tuple(split), sum(split)), self._caps, models)
 
-    def _pending_ready(self, model) -> bool:
-        """Whether emulated caps for ``model`` can be read now: called from :meth:`cap_of` at the first trace."""
-        return self._strategy.emulator.workload is not None and self._deciding_at_trace
-
     def cap_of(self, replica_id: int) -> int | None:
         """In a replica step: the cap its slice is micro-batched within, or None (one pass)."""
         if self._pending is not None:  # fit's first trace: the model is built now
@@ -187,11 +182,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
                         self.prepare(*pending)
                     finally:
                         self._deciding_at_trace = False
-        if not self._active or self._caps is None:
-            return None
-        cap = self._caps[int(replica_id)]
-        # A slice holds at most 2**31 - 1 examples (int32 sizes): a larger cap (a roomy card, a tiny model) is that.
-        return None if cap is None or cap < 1 else min(int(cap), _LARGEST_SLICE)
+        return _slice_cap(self._caps if self._active else None, replica_id)
 
     def prepare(self, model, keras_train_step) -> None:
         """Before ``fit``: the caps for ``model`` and whether its slices run as micro-batches; tells the planner.
@@ -200,7 +191,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             MicroBatchError: No replica can hold one example, or ``micro_batches=True`` for a model whose step
                 cannot be micro-batched exactly (a trainable BatchNormalization, ``use_ema``).
         """
-        if self._given is None and self._strategy.emulator is not None and not self._pending_ready(model):
+        emulator = self._strategy.emulator
+        if self._given is None and emulator is not None and (emulator.workload is None or not self._deciding_at_trace):
             # Emulated caps need the model's size with its optimizer built (the workload the emulated memory check
             # uses, set by fit before its first step): decided when fit traces its first step, before any step runs.
             self._set(None, False)
@@ -212,7 +204,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         with self._lock:
             # What a model's traced step found stays found: Keras keeps the step traced, and a later fit of the
             # same model does not trace (or find) it again.
-            self._model_id = id(model)
             self._refused = self._refused_by_model.setdefault(id(model), set())
         if caps is None or all(c is None for c in caps):
             self._set(None, False)
@@ -304,20 +295,14 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if self.setting is False:
             return None
         caps = self._caps
-        if caps is None:
+        if caps is None:  # before fit: the emulated memory's caps once the model's size is known
             emulator = self._strategy.emulator
-            emulated = self._emulated_caps(model) if self._given is None and emulator is not None and \
-                emulator.workload is not None else None
-            caps = lowest_caps(emulated, self.known_caps)
-        if caps is None:
-            return None
-        cap = caps[int(replica_id)]
-        return None if cap is None or cap < 1 else min(int(cap), _LARGEST_SLICE)
+            sized = self._given is None and emulator is not None and emulator.workload is not None
+            caps = lowest_caps(self._emulated_caps(model) if sized else None, self.known_caps)
+        return _slice_cap(caps, replica_id)
 
     def note_micro_batched_inference(self, model) -> None:
-        """While an evaluate or predict replica step is traced with micro-batched slices (counted, logged once)."""
-        with self._lock:
-            self.micro_batched_inference_traces += 1
+        """While an evaluate or predict replica step is traced with micro-batched slices (logged once)."""
         self._log_once(("inference", id(model)), logging.INFO,
                        "hetero_cs: memory caps %s examples per replica in evaluate and predict: a slice past its cap "
                        "runs as micro-batches within it.", self.known_caps)
@@ -386,3 +371,12 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
                 return
             self._logged.add(key)
         logger.log(level, message, *args)
+
+
+def _slice_cap(caps: list[int | None] | None, replica_id: int) -> int | None:
+    """The cap a replica's slice runs as micro-batches within, or None (one pass: no cap, or one of 0).
+
+    A slice holds at most 2**31 - 1 examples (int32 sizes): a larger cap (a roomy card, a tiny model) is that.
+    """
+    cap = None if caps is None else caps[int(replica_id)]
+    return None if cap is None or cap < 1 else min(int(cap), _LARGEST_SLICE)

@@ -60,8 +60,7 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
     ``"evaluate"`` or ``"predict"``) on this worker, or None when ``exc`` is not out of memory
     (:mod:`hetero_cs.devices.device_errors` decides, as on one machine)."""
     from hetero_cs.engine._compat import id_in_cluster
-    from hetero_cs.devices.device_errors import first_line
-    from hetero_cs.devices.device_errors import OOM_FORMS, classify
+    from hetero_cs.devices.device_errors import OOM_FORMS, classify, first_line
     from hetero_cs.planning.cost_model import near_equal_micro_batches
 
     local = list(strategy.extended.worker_devices)
@@ -70,7 +69,6 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
         return None
     first = getattr(strategy, "_first_replica", 0)
     R = strategy.num_replicas_in_sync
-    worker = id_in_cluster(strategy)
     emulated = _EMULATED.search(str(exc))
     replica_id = held = None
     if emulated is not None:  # the emulator numbers the replicas of the whole cluster and says what the slice held
@@ -81,6 +79,7 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
     else:
         device = oom.device
     split = strategy.last_split
+    B = None if split is None else int(sum(split))
     micro = strategy.micro_batching
     caps = micro.known_caps
     cap = None if caps is None or replica_id is None else caps[replica_id]
@@ -89,19 +88,18 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
     if held is None and slice_size:
         held = max(near_equal_micro_batches(slice_size, cap)) if as_micro else slice_size
     what = f"{oom.form}: {type(exc).__name__}: {first_line(exc, OOM_FORMS)}"
-    stop = (f"On several machines the step cannot be run again in place: TensorFlow aborts every worker's "
-            f"collectives once one fails in the middle of a step, so the job stops (the other workers were told and "
-            f"stop too, with a WorkerLostError). No update of this step was applied.")
-    where = f"worker {worker}"
+    stop = ("On several machines the step cannot be run again in place: TensorFlow aborts every worker's "
+            "collectives once one fails in the middle of a step, so the job stops (the other workers were told and "
+            "stop too, with a WorkerLostError). No update of this step was applied.")
+    where = f"worker {id_in_cluster(strategy)}"
     if replica_id is None or not held:
         error = StepOOMError(
             f"model.{verb} ran out of memory on {where}{f' ({device})' if device else ''} ({what}), and the error "
             f"names no replica, so no cap can be lowered. {stop} Free that device's memory (another process may "
             f"hold it), or give each card's memory cap as max_batch_sizes on every worker. The original error is "
             f"chained below.",
-            device=device, global_batch_size=None if split is None else int(sum(split)), last_error=exc)
+            device=device, global_batch_size=B, last_error=exc)
         return ClusterOutOfMemory(error, f"out of memory on {device or 'one of its devices'}", None)
-    B = int(sum(split)) if split is not None else None
     holding = (f"with {held} examples at once, a micro-batch of its slice of {slice_size} within its cap {cap}"
                if as_micro else f"with {held} examples at once, its slice"
                + (f" of a global batch of {B}" if B is not None else ""))

@@ -9,67 +9,36 @@ Replica ``i``'s loss is weighted ``b_i / B`` (the shared Keras patches of :mod:`
 gradients are SUM-all-reduced by TensorFlow's own collectives: one step on any split equals one single-device step
 on the whole batch. A last partial batch ``B' < B`` is split by a plan for ``B'`` and weighted by ``B'``.
 
-Agreement. With a fixed ``batch_split`` or an even split, the plan of a batch depends on its size alone, so every
-worker computes the same one. With ``auto_balance`` the chief (global replica 0) decides. Before the replicas of a
-step start, each worker asks its schedule whether this step agrees; if so, every replica contributes one small
-vector to a single SUM all-reduce (``Strategy.reduce``, i.e. TensorFlow's collective ops over gRPC, no transport of
-our own): the chief writes the split of this batch and how many following steps hold it, every replica writes the
-step time it measured in its last step. So every worker adopts the chief's plan in the same step, and the chief's
-:class:`~hetero_cs.planning.balancer.Balancer` (via :class:`~hetero_cs.engine.multi_worker.cluster_planner.ClusterPlanner`)
-sees every replica's times. While calibrating and while the Balancer decides (a guard trial, a filling monitor
-window) every step agrees; in steady state one step in N, with N chosen so the agreement costs at most 1 % of the
-step (:data:`hetero_cs.planning.sampling.AGREEMENT_COST_S`); a batch of another size within a hold (a last partial
-batch) is split in proportion to the held split. The split is a tensor value, never a traced constant, and the
-choice to agree follows from agreed values alone: a plan change or a hold cannot retrace one worker and not
-another, or run a collective on one worker only (either would mismatch the collectives and hang).
+Agreement: :mod:`hetero_cs.engine.multi_worker.agreement`.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments
 from hetero_cs.engine.step import replica_state
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
+from hetero_cs.engine.multi_worker.agreement import PlanAgreement
 from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner
 from hetero_cs.engine.multi_worker.input import MultiWorkerInput
-from hetero_cs.errors import ConfigError, HeteroCSError, InputError
+from hetero_cs.errors import ConfigError, HeteroCSError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.plan import BatchPlan, split_by_shares
+from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
-_AGREEMENT_FIELDS = 3  # per replica in the agreement vector: the chief's split, step times, slice sizes
-_MAX_REPORTED_STEPS = 100_000
-
-
-def _keeping_errors(method):
-    """A plan function of a step (run by ``tf.numpy_function``, whose errors TensorFlow reports as
-    ``InvalidArgumentError``) that keeps the library's error it raises, so that ``fit`` raises it as itself."""
-    @functools.wraps(method)
-    def keeping(self, *args):
-        try:
-            return method(self, *args)
-        except HeteroCSError as exc:
-            with self._lock:
-                self._plan_error = exc
-            raise
-
-    return keeping
 
 
 class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, MultiWorkerInput,
-                                        tf.distribute.MultiWorkerMirroredStrategy):
+                                        PlanAgreement, tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
 
     Variables are mirrored on every replica, as under MultiWorkerMirroredStrategy; the cluster comes from
@@ -202,12 +171,11 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
                 f"{len(emulate)} names, num_replicas_in_sync={R} ({R // self._num_local} workers x "
                 f"{self._num_local} local replicas). Give exactly {R} names."
             )
-        self._emulator = None
+        self._emulator = None if emulate is None else emulator or emulation.Emulator(list(emulate))
         if emulate is not None:
             # An Emulator is not sent between workers: each worker builds its own from the same script, applies
             # only its own replicas' waits and drifts (cluster replica ids), and sets the time scale from the first
             # global batch, which is the same on every worker.
-            self._emulator = emulator if emulator is not None else emulation.Emulator(list(emulate))
             local = list(emulate)[self._first_replica:self._first_replica + self._num_local]
             logger.warning(
                 "hetero_cs: timings are EMULATED - this worker's replicas %s emulate %s (real compute on the CPU "
@@ -219,15 +187,8 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._planner = ClusterPlanner(self._balancer, calibrate=self._agreed)
         self._timing = self._agreed or self._emulator is not None
         self._lock = threading.Lock()
-        self._last_step: dict[int, tuple[int, float]] = {}  # this worker's replicas: (b_i, step time) of the last step
-        self._served_index = -1  # the chief's index of the step being agreed (pairs reports with what was served)
-        self._hold: tuple[np.ndarray, int] | None = None  # the agreed split and the steps left that keep it
-        self._steps = [0, 0]  # [steps that agreed, steps that kept a held split] on this worker
-        self._last_split: tuple[int, ...] | None = None
-        # The chief's, per timed step: [R] seconds (bounded: evaluate and predict report too, and nobody may read).
-        self._reported_step_times: collections.deque = collections.deque(maxlen=_MAX_REPORTED_STEPS)
+        self._start_agreement()
         self._time_scale_set = False
-        self._plan_error: Exception | None = None  # the library's error a step's plan function raised (fit re-raises)
         from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches, checked_caps
 
         self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
@@ -284,13 +245,6 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         return self._last_split
 
     @property
-    def agreement_counts(self) -> tuple[int, int]:
-        """(steps that ran the plan agreement, steps that kept the split agreed before) on this worker, since the
-        strategy was built; the same on every worker. (0, 0) without auto_balance."""
-        with self._lock:
-            return tuple(self._steps)
-
-    @property
     def calibrating(self) -> bool:
         """On the chief: True while it still serves probe splits (auto_balance, before the fit). False elsewhere."""
         return self.is_chief and self._planner.calibrating
@@ -319,148 +273,12 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._balancer.set_idle_replicas_free(skips)
         self._micro_slices.prepare(model, keras_train_step)
 
-    def _agreed_sizes(self, global_batch_size):
-        """auto_balance: the split of this global batch (int32 [R]), agreed by every worker (cross-replica context).
-
-        Each worker asks its schedule first: within a hold the chief announced at the last agreement (steps left,
-        whatever their batch size), every worker keeps that split and runs no collective; otherwise every local
-        replica adds its part of the agreement vector to one SUM all-reduce (``Strategy.reduce``, TensorFlow's own
-        collectives) and the worker adopts the chief's split and hold. The schedule follows from agreed values
-        alone, so every worker takes the same branch of the ``tf.cond`` in the same step, and both branches are
-        traced everywhere (no worker retraces alone)."""
-        R = self.num_replicas_in_sync
-        with self.scope():
-            agree, held = tf.numpy_function(
-                self._schedule, [global_batch_size], [tf.bool, tf.int64], name="hetero_cs_plan_schedule")
-            agree.set_shape([])
-            held.set_shape([R])
-
-            def agreement():
-                vectors = []
-                for k, device in enumerate(self.extended.worker_devices):
-                    with tf.device(device):
-                        vector = tf.numpy_function(
-                            functools.partial(self._proposal, self._first_replica + k), [global_batch_size],
-                            tf.float64, name="hetero_cs_plan_proposal")
-                        vector.set_shape([_AGREEMENT_FIELDS * R + 1])
-                        vectors.append(vector)
-                agreed = self.reduce(tf.distribute.ReduceOp.SUM, _compat.per_replica(vectors), axis=None)
-                sizes = tf.numpy_function(
-                    self._adopt, [agreed, global_batch_size], tf.int64, name="hetero_cs_plan_adopt")
-                sizes.set_shape([R])
-                return sizes
-
-            sizes = tf.cond(agree, agreement, lambda: tf.identity(held))
-        return tf.cast(sizes, tf.int32)
-
     def _out_of_memory_here(self, verb: str, exc: BaseException, replica_scopes, model=None):
         """The ClusterOutOfMemory for ``exc`` on this worker, or None (read by Keras' wrapped fit, evaluate and
         predict: :func:`hetero_cs.engine.multi_worker.oom.out_of_memory_here`)."""
         from hetero_cs.engine.multi_worker.oom import out_of_memory_here
 
         return out_of_memory_here(self, verb, exc, replica_scopes, model=model)
-
-    def _kept_plan_error(self, exc) -> Exception | None:
-        """The library's error a plan function of a step raised (:func:`_keeping_errors`), if TensorFlow's ``exc``
-        carries it, else None; the kept error is dropped either way (``exc=None``: only dropped)."""
-        with self._lock:
-            error, self._plan_error = self._plan_error, None
-        if error is None or exc is None or str(error).splitlines()[0][:80] not in str(exc):
-            return None
-        return error
-
-    @_keeping_errors
-    def _local_sizes(self, global_batch_size) -> np.ndarray:
-        B = int(global_batch_size)
-        self._micro_slices.check_batch(B)
-        self._ensure_time_scale(B)
-        sizes = self._balancer.plan_for(B).per_replica_batch_sizes
-        self._last_split = tuple(sizes)
-        return np.asarray(sizes, dtype=np.int64)
-
-    @_keeping_errors
-    def _schedule(self, global_batch_size):
-        """(agree in this step?, the split of this step if held [R]).
-
-        A hold announced by the chief covers the next steps whatever their batch size: the choice depends on agreed
-        values only, so every worker makes it alike even when one reads other data than the rest (a choice made
-        from the batch size would send that worker alone into the agreement's collective, and the cluster would
-        hang; the agreement step after the hold catches the mismatch). A batch of another size than the held split's
-        (a last partial batch) is split in proportion to it."""
-        B = int(global_batch_size)
-        if B < 1:
-            raise InputError(
-                f"An empty global batch reached HeteroMultiWorkerMirroredStrategy (global_batch_size={B}): a step "
-                f"needs at least one example. Drop empty batches from the dataset (e.g. Dataset.filter on the batch "
-                f"size)."
-            )
-        self._micro_slices.check_batch(B)  # every worker alike, before any collective of the step
-        with self._lock:
-            hold = self._hold
-            if hold is not None and hold[1] > 0:
-                sizes = hold[0] if int(hold[0].sum()) == B else np.asarray(split_by_shares(B, hold[0]), np.int64)
-                self._hold = (hold[0], hold[1] - 1)
-                self._steps[1] += 1
-                self._last_split = tuple(int(b) for b in sizes)
-                return np.bool_(False), sizes
-            self._hold = None
-            self._steps[0] += 1
-        return np.bool_(True), np.zeros(self.num_replicas_in_sync, dtype=np.int64)
-
-    @_keeping_errors
-    def _proposal(self, replica_id: int, global_batch_size) -> np.ndarray:
-        """One replica's part of the agreement vector: [chief's split (R), step times (R), slice sizes (R), hold].
-
-        Every replica writes the time and slice size of the last step it ran (a held step or the previous
-        agreement's: the same split either way); the chief (replica 0) also writes the split and how many of the
-        following steps hold it."""
-        R = self.num_replicas_in_sync
-        B = int(global_batch_size)
-        self._ensure_time_scale(B)
-        vector = np.zeros(_AGREEMENT_FIELDS * R + 1, dtype=np.float64)
-        if replica_id == 0:
-            sizes, index = self._planner.sizes(B)
-            self._served_index = index
-            vector[:R] = sizes
-            vector[-1] = self._planner.hold_steps()
-        with self._lock:
-            last = self._last_step.pop(replica_id, None)
-        if last is not None:
-            vector[2 * R + replica_id], vector[R + replica_id] = last
-        return vector
-
-    @_keeping_errors
-    def _adopt(self, agreed, global_batch_size) -> np.ndarray:
-        """The worker adopts the chief's split and hold; the chief's planner gets every replica's last step."""
-        R = self.num_replicas_in_sync
-        sizes = np.rint(agreed[:R]).astype(np.int64)
-        if int(sizes.sum()) != int(global_batch_size):
-            raise InputError(
-                f"The workers do not read the same data: this worker's global batch has {int(global_batch_size)} "
-                f"examples but the chief split {int(sizes.sum())} ({sizes.tolist()}). Every worker must iterate the "
-                f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
-            )
-        with self._lock:
-            self._hold = (sizes, int(round(float(agreed[-1]))))
-            self._last_split = tuple(int(b) for b in sizes)
-        if self.is_chief and self._served_index > 0:
-            # The times are those of the last step, cut by the last agreement's split (the planner's step index
-            # counts agreements) unless it was a held batch of another size: the planner pairs them by slice size.
-            times = [float(t) for t in agreed[R:2 * R]]
-            slice_sizes = [int(round(float(b))) for b in agreed[2 * R:3 * R]]
-            self._planner.report(self._served_index - 1, times, slice_sizes=slice_sizes)
-            if min(times) > 0.0:
-                with self._lock:
-                    self._reported_step_times.append(times)
-        return sizes
-
-    def pop_reported_step_times(self) -> list[list[float]]:
-        """The chief's view: every replica's step time (seconds) of each timed step since the last call, as
-        reported through the agreement (empty on other workers and without auto_balance). For the epoch logs."""
-        with self._lock:
-            times = list(self._reported_step_times)
-            self._reported_step_times.clear()
-        return times
 
     def _ensure_time_scale(self, global_batch_size: int) -> None:
         """Emulation: the time scale comes from the first global batch (the same on every worker)."""
@@ -490,17 +308,13 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
             emulator=None if step.waited_per_micro_batch else self._emulator, record=self._record_step_time,
         )
 
-    def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
-        with self._lock:
-            self._last_step[int(replica_id)] = (int(batch_size), float(step_time_s))
-
     def _keras_callbacks(self, callbacks):
         from hetero_cs.engine.multi_worker.callback import MultiWorkerCallback
 
         if hasattr(callbacks, "callbacks"):  # a keras.callbacks.CallbackList: the caller built it, keep it
             return callbacks
         callbacks = list(callbacks or [])
-        if not _has_ours(callbacks):
+        if not any(isinstance(c, MultiWorkerCallback) for c in callbacks):
             callbacks.insert(0, MultiWorkerCallback(self))
         return callbacks
 
@@ -564,9 +378,3 @@ def _restart_caps(num_replicas: int) -> list[int | None] | None:
     logger.warning("hetero_cs: memory caps lowered to %s=%s (hetero-cs launch sets it when it relaunches a job after "
                    "a replica ran out of memory).", CAPS_ENV_VAR, text)
     return caps
-
-
-def _has_ours(callbacks) -> bool:
-    from hetero_cs.engine.multi_worker.callback import MultiWorkerCallback
-
-    return any(isinstance(c, MultiWorkerCallback) for c in callbacks)
