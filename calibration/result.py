@@ -164,7 +164,8 @@ class DeviceProfile:
         Raises:
             ProfileCacheError: If a key is unknown or missing, or a value is invalid.
         """
-        return _from_dict(cls, data, {"relative_noise"}, lambda d: {"cost_model": cost_model_from_dict(d["cost_model"])})
+        return _from_dict(cls, data, {"relative_noise"},
+                          lambda data: {"cost_model": cost_model_from_dict(data["cost_model"])})
 
     @property
     def holds_no_example(self) -> bool:
@@ -235,7 +236,9 @@ class CalibrationResult:
         object.__setattr__(self, "profiles", tuple(self.profiles))
         if self.contention_factors is not None:
             factors = self.contention_factors
-            factors = () if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__") else [*factors]
+            if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__"):
+                factors = ()
+            factors = tuple(factors)
             if len(factors) != len(self.profiles) or not all(_is_finite_real(f) and f >= 1 for f in factors):
                 raise ProfileCacheError(
                     f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
