@@ -20,6 +20,7 @@ The pure part (``normalize_pci_bus_id``, ``parse_cuda_visible_devices``, ``read_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -149,10 +150,7 @@ def parse_cuda_visible_devices(value: str | None) -> list[str] | None:
 
 def _uuid_body(uuid: str) -> str:
     body = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if body.startswith(prefix):
-            return body[len(prefix):]
-    return body
+    return body[4:] if body.startswith(("gpu-", "mig-")) else body
 
 
 def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[NvmlRecord], *,
@@ -216,11 +214,9 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
 
     library = None
     for candidate in (("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")):
-        try:
+        with contextlib.suppress(OSError):
             library = ctypes.CDLL(candidate)
             break
-        except OSError:
-            continue
     if library is None:
         return {}
     try:
@@ -252,13 +248,10 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
 
 
 def _host_description() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
     import platform
 
     return platform.processor() or platform.machine() or "host CPU"
@@ -267,18 +260,13 @@ def _host_description() -> str:
 def _host_memory_bytes() -> tuple[int | None, int | None]:
     """(total, available) host memory in bytes, or None where the OS does not say."""
     total = available = None
-    try:
+    with contextlib.suppress(AttributeError, ValueError, OSError):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        pass
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
     return total, available
 
 
