@@ -77,8 +77,7 @@ def _name_list(text: str) -> list[str]:
 
 
 def _size_list(text: str) -> list[int]:
-    sizes = [_positive_int(part) for part in _name_list(text)]
-    return sorted(set(sizes))
+    return sorted({_positive_int(part) for part in _name_list(text)})
 
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -437,15 +437,10 @@ class DeviceProbe:
         if not self.tracks_memory:
             return None
         wanted = tf.DeviceSpec.from_string(self.device).device_index or 0
-        logical_index = 0
-        for physical in tf.config.list_physical_devices("GPU"):
-            configs = tf.config.get_logical_device_configuration(physical) or [None]
-            for config in configs:
-                if logical_index == wanted:
-                    limit_mb = getattr(config, "memory_limit", None)
-                    return int(limit_mb) * 1024 * 1024 if limit_mb else None
-                logical_index += 1
-        return None
+        configs = [config for physical in tf.config.list_physical_devices("GPU")
+                   for config in tf.config.get_logical_device_configuration(physical) or [None]]
+        limit_mb = getattr(configs[wanted], "memory_limit", None) if wanted < len(configs) else None
+        return int(limit_mb) * 1024 * 1024 if limit_mb else None
 
 
 def extrapolate_memory_cap(
