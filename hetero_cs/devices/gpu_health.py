@@ -78,8 +78,8 @@ class CardWatch:
     """NVML's view of ``gpus`` while a script runs: ``with CardWatch(gpus) as watch: ...; watch.lost()``.
 
     Entering reads each card's uncorrected ECC count and listens for critical Xid events (a thread); :meth:`lost`
-    then lists the cards with evidence of a fault. Nothing when NVML is missing (``lost`` is then [] and
-    ``available`` False).
+    then stops listening, reads the events NVML queued, and lists the cards with evidence of a fault. Nothing when
+    NVML is missing (``lost`` is then [] and ``available`` False).
     """
 
     def __init__(self, gpus: Sequence[Gpu]) -> None:
@@ -108,9 +108,7 @@ class CardWatch:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        self._settle()
         if self._nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
@@ -124,6 +122,24 @@ class CardWatch:
                                                                nvml.NVML_VOLATILE_ECC))
         except Exception as exc:  # noqa: BLE001 - not supported (no ECC), or the card is lost
             return type(exc).__name__ == "NVMLError_GPUIsLost", None
+
+    def _settle(self) -> None:
+        """Stops listening, once the events NVML has queued are read."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _record_next(self, wait, events, timeout_ms: int) -> bool:
+        """Records the next critical Xid event within ``timeout_ms``; False when none came."""
+        try:
+            data = wait(events, timeout_ms)
+        except Exception:  # noqa: BLE001 - NVMLError_Timeout: no event in that time
+            return False
+        uuid = self._nvml.nvmlDeviceGetUUID(data.device)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        with self._lock:
+            self._xids.setdefault(uuid, []).append(int(data.eventData))
+        return True
 
     def _listen(self) -> None:
         """Records critical Xid events per UUID until the watch ends (nothing where NVML has no events)."""
@@ -139,14 +155,9 @@ class CardWatch:
                                                   nvml.nvmlEventTypeXidCriticalError, events)
             wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
             while not self._stop.is_set():
-                try:
-                    data = wait(events, 200)
-                except Exception:  # noqa: BLE001 - NVMLError_Timeout: no event in 200 ms
-                    continue
-                uuid = nvml.nvmlDeviceGetUUID(data.device)
-                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-                with self._lock:
-                    self._xids.setdefault(uuid, []).append(int(data.eventData))
+                self._record_next(wait, events, 200)
+            while self._record_next(wait, events, 50):  # the events NVML queued before the watch stopped
+                pass
         finally:
             with contextlib.suppress(Exception):
                 nvml.nvmlEventSetFree(events)
@@ -156,6 +167,7 @@ class CardWatch:
         lines, for the kernel's Xid lines."""
         if not self.available:
             return []
+        self._settle()  # every event of the script's run read, however busy the host
         kernel = [found for found in map(kernel_xid, lines) if found is not None]
         found = []
         for gpu in self.gpus:

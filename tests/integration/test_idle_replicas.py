@@ -495,3 +495,30 @@ def test_a_set_keeps_its_branch_however_many_others_come():
     for sizes in ([1, 0], [0, 1], [1, 0]):
         bounded.note(sizes, training=True)
     assert bounded.for_trace(training=True) == ((0,), (1,)) and MAX_SETS_PER_REPLICA * 2 >= 2
+
+
+def test_regression_fit_on_arrays_whose_last_batch_has_fewer_examples_than_replicas_runs_no_0_example_slice():
+    # The oracle's program: images through BatchNormalization and Conv2DTranspose, batch_split [1, 3, 4, 1], 11
+    # examples in batches of 9. The last batch of 2 is cut [0, 1, 1, 0]; its set had no branch when the step was
+    # traced, so replicas 0 and 3 ran 0-example slices and BatchNormalization's reshape failed there. fit on arrays
+    # now knows that batch before the first trace and gives its set a branch.
+    def model_of(seed):
+        init = keras.initializers.GlorotUniform
+        model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.BatchNormalization(),
+                                  keras.layers.Conv2DTranspose(2, 2, kernel_initializer=init(seed=seed)),
+                                  keras.layers.Flatten(), keras.layers.Dense(1, kernel_initializer=init(seed=seed + 1))])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(11, 4, 4, 1)).astype(np.float32)
+    y = rng.normal(size=(11, 1)).astype(np.float32)
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3", "/cpu:4"], batch_split=[1, 3, 4, 1],
+                                            profile_cache=False)
+    reference = model_of(3)
+    with strategy.scope():
+        model = model_of(3)
+    model.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)

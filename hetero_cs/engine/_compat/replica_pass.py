@@ -112,8 +112,8 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     activations in memory at a time), each as a replica step of its own ``m_ij`` examples: its loss weighs
     ``m_ij / B``, its metric updates add up, and predict's outputs are put back together in order. The first
     micro-batch runs before the loop (it gives the outputs' structure; an empty slice runs it on 0 rows, as Keras'
-    own step would), the rest in a ``tf.while_loop``. Returns what the last micro-batch's step returned (evaluate's
-    logs are read from the summed metric state afterwards) or, for predict, every row's prediction."""
+    own step would), the rest in a ``tf.while_loop``. Returns the metrics' results once every micro-batch has updated
+    them (evaluate) or every row's prediction (predict)."""
     # Private: Keras' own unpacking and packing of (x, y, sample_weight), as its test_step and predict_step unpack.
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -159,9 +159,14 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     _, outputs = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1, tf.int32), outputs),
                                parallel_iterations=1)
     _strategy(model).micro_batching.note_micro_batched_inference(model)
-    if predict:
-        outputs = [array.concat() for array in outputs]
-    return tf.nest.pack_sequence_as(first, outputs)
+    if not predict:
+        # Keras' own test_step returns its metrics' results: read once every micro-batch has updated them (the
+        # loop's last values, which the loss reader cannot follow through a loop whose count is the slice's).
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            return model.get_metrics_result()
+    predictions = tf.nest.pack_sequence_as(first, [array.concat() for array in outputs])
+    step.flow.seed_rows(predictions)  # the slice's rows in order, put back together from its micro-batches
+    return predictions
 
 
 def _memory_checked(strategy, step, data, examples):
@@ -415,6 +420,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     if emulated:  # the step's gradients leave only after the last micro-batch's emulated time
         gradients = tie_to_stamp(gradients, chain)
     y_pred = tf.nest.pack_sequence_as(y_pred_spec, [array.concat() for array in predictions])
+    step.flow.seed_rows(y_pred)  # the slice's rows in order, put back together from its micro-batches
     strategy.micro_batching.note_micro_batched(model)
     # The loss is a b_i / B share: the sum of the micro-batches' m_ij / B shares.
     step = dataclasses.replace(step, waited_per_micro_batch=emulated)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -43,6 +44,12 @@ def _patch_fit() -> None:
         note_per_example_randomness(self)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
+        if bound.arguments.get("steps_per_epoch") is None:  # an epoch of arrays ends on a batch of N % B examples
+            examples, batch_size = _examples_and_batch_size((), bound.arguments, batch_size_position=0)
+            split = bound.arguments.get("validation_split") or 0.0
+            if examples is not None and 0.0 < split < 1.0:
+                examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
+            idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
         callbacks = bound.arguments.get("callbacks")
         bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks, bound.arguments)  # noqa: SLF001
         strategy._input_error = None  # noqa: SLF001

@@ -139,25 +139,28 @@ class ActiveSets(DeepcopiedWithNewLocks):
         self.mark_traced_function(getattr(model, attribute, None), version)
 
 
-def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | None) -> None:
-    """Notes, for inference steps, the set of active replicas of a pass's last batch when it is smaller than ``R``.
+def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | None, *,
+                          training: bool = False) -> None:
+    """Notes the set of active replicas of a pass's last batch when it is smaller than ``R``.
 
-    ``evaluate`` or ``predict`` over ``num_examples`` arrays in batches of ``batch_size`` ends on a batch of
-    ``N % B`` examples; when that is less than ``R`` some replicas idle. Its plan (``plan_for_inference``, which
-    changes nothing of training's plans) is known before the pass, so its set gets a branch in the first trace
-    instead of running its idle replicas on 0-example slices (some kernels fail there: Conv2D with oneDNN on a CPU).
-    Datasets, whose last batch is unknown before it comes, are not anticipated; nor are training steps (fit traces
-    again after the first epoch).
+    ``fit``, ``evaluate`` or ``predict`` over ``num_examples`` arrays in batches of ``batch_size`` ends on a batch of
+    ``N % B`` examples; when that is less than ``R`` some replicas idle. Its plan (``plan_for``, or
+    ``plan_for_inference``, which changes nothing of training's plans) is known before the pass, so its set gets a
+    branch in the first trace instead of running its idle replicas on 0-example slices (some kernels fail there:
+    Conv2D with oneDNN on a CPU). Datasets, whose last batch is unknown before it comes, are not anticipated.
     """
     from hetero_cs.errors import HeteroCSError
 
     if not num_examples or not batch_size or not 0 < num_examples % batch_size < strategy.num_replicas_in_sync:
         return
+    balancer = strategy._balancer  # noqa: SLF001
     try:
-        plan = strategy._balancer.plan_for_inference(num_examples % batch_size)  # noqa: SLF001
+        if training:
+            balancer.plan_for(batch_size)  # the reference first, as the first batch makes it
+        plan = (balancer.plan_for if training else balancer.plan_for_inference)(num_examples % batch_size)
     except HeteroCSError:
         return  # no plan for this size (caps): its step fails or runs with its own error, as before
-    strategy._active_sets.note(plan.per_replica_batch_sizes, training=False)  # noqa: SLF001
+    strategy._active_sets.note(plan.per_replica_batch_sizes, training=training)  # noqa: SLF001
 
 
 def served_sizes(sizes: Sequence[int], traced) -> tuple[int, ...]:
