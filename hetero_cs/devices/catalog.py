@@ -352,9 +352,10 @@ def compute_dtype_of(policy: str) -> str:
 
 
 MEMORY_OVERRIDE_SEPARATOR = "@"
-LINK_OVERRIDE_SEPARATOR = "~"
-_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x([0-9]+)\s*$", re.IGNORECASE | re.ASCII)
 """Separates a catalog name from a memory override in an emulated device name: ``"T4@48MB"``."""
+LINK_OVERRIDE_SEPARATOR = "~"
+"""Separates a catalog name (and its memory override) from a host-link override: ``"P100~x1"``."""
+_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x([0-9]+)\s*$", re.IGNORECASE | re.ASCII)
 
 _MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
