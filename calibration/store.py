@@ -332,8 +332,6 @@ class ProfileStore:
         True
     """
 
-    profile_key = staticmethod(profile_key)
-
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Args:
             directory: Cache directory (created on the first save); None means default_cache_dir().

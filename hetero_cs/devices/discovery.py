@@ -14,8 +14,9 @@ TensorFlow alone, with one warning per process. Nothing here initialises TensorF
 ``discover_devices`` uses only ``tf.config`` calls that leave them unconfigured, so it may run before
 ``setup_logical_devices`` or ``set_memory_growth``.
 
-The pure part (``normalize_pci_bus_id``, ``parse_cuda_visible_devices``, ``read_nvml_records``,
-``join_gpu_records``, ``format_device_table``) needs neither TensorFlow nor a driver.
+The pure part (``parse_cuda_visible_devices``, ``join_gpu_records``, ``format_device_table``, and
+:mod:`hetero_cs.devices.nvml`'s ``normalize_pci_bus_id`` and ``read_nvml_records``) needs neither TensorFlow nor a
+driver.
 """
 
 from __future__ import annotations
@@ -30,12 +31,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 
-from hetero_cs.devices.nvml import (  # noqa: F401 - re-exported (part of this module's API before the split)
-    NvmlRecord,
-    _query_nvml,
-    normalize_pci_bus_id,
-    read_nvml_records,
-)
+from hetero_cs.devices.nvml import NvmlRecord, _query_nvml, normalize_pci_bus_id
 from hetero_cs.errors import DeviceError
 
 logger = logging.getLogger(__name__)
