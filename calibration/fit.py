@@ -164,13 +164,10 @@ def _max_relative_error(model: CostModel, sizes: np.ndarray, times: np.ndarray) 
 
 def _leave_one_out_error(kind: FitKind, sizes: np.ndarray, times: np.ndarray, counts: np.ndarray) -> float | None:
     """Largest relative error predicting each interior point from the same kind of fit to the others."""
-    if sizes.size < 3:
-        return None
-    errors = []
-    for i in range(1, sizes.size - 1):
+    def error_without(i: int) -> float:
         keep = np.arange(sizes.size) != i
         others = (sizes[keep], times[keep])
         model = _fit_linear(*others, counts[keep]) if kind == "linear" else _fit_piecewise(*others)
-        predicted = model.predict_step_time_s(int(sizes[i]))
-        errors.append(abs(predicted - times[i]) / max(times[i], _MIN_TIME_S))
-    return float(max(errors))
+        return _max_relative_error(model, sizes[i:i + 1], times[i:i + 1])
+
+    return max(map(error_without, range(1, sizes.size - 1))) if sizes.size >= 3 else None
