@@ -282,8 +282,7 @@ def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[i
             return calibrations[i].probe.run_step(int(sizes[i]))
 
         with ThreadPoolExecutor(len(working), thread_name_prefix="hetero_cs_contention") as pool:
-            futures = {i: pool.submit(together, i) for i in working}
-        results = {i: future.result() for i, future in futures.items()}  # a step's error is raised here
+            results = dict(zip(working, pool.map(together, working)))  # a step's error is raised here
         if round_index:
             for i in working:
                 alone_s[i].append(alone[i])
