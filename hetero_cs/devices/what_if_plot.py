@@ -143,14 +143,11 @@ def _summed(rows: list, counts: list) -> list:
 
 def _draw_throughput(axes, result: dict[str, Any]) -> None:
     B = result["global_batch_size"]
-    labels, values, colors = ["this plan"], [result["examples_per_s"]], [_BUSY]
+    columns = [("this plan", result["examples_per_s"], _BUSY)]
     if result["even_split_step_s"] is not None:
-        labels.append("even split")
-        values.append(B / result["even_split_step_s"])
-        colors.append(_OTHER)
-    labels.append(f"{result['fastest_card']} alone")
-    values.append(B / result["fastest_card_step_s"])
-    colors.append(_OTHER)
+        columns.append(("even split", B / result["even_split_step_s"], _OTHER))
+    columns.append((f"{result['fastest_card']} alone", B / result["fastest_card_step_s"], _OTHER))
+    labels, values, colors = (list(column) for column in zip(*columns))
     bars = axes.bar(range(len(values)), values, color=colors)
     axes.set_xticks(range(len(values)), labels, fontsize=8)
     for bar, value in zip(bars, values):
