@@ -71,11 +71,9 @@ except ImportError:  # pragma: no cover - not on the platforms tested here
 
 def default_cache_dir() -> pathlib.Path:
     """Returns $HETERO_CS_CACHE_DIR, else $XDG_CACHE_HOME/hetero_cs, else ~/.cache/hetero_cs (not created)."""
-    explicit = os.environ.get("HETERO_CS_CACHE_DIR")
-    if explicit:
+    if explicit := os.environ.get("HETERO_CS_CACHE_DIR"):
         return pathlib.Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
         return pathlib.Path(xdg).expanduser() / "hetero_cs"
     return pathlib.Path.home() / ".cache" / "hetero_cs"
 
