@@ -293,9 +293,8 @@ def _list_tf_devices() -> list[tuple[str, str, TfGpuRecord | None]]:
                 record = TfGpuRecord(index=index, pci_bus_id=bus_id, name=details.get("device_name"),
                                      compute_capability=tuple(capability) if capability else None, uuid=uuid)
             count = len(tf.config.get_logical_device_configuration(physical) or []) or 1
-            for _ in range(count):
-                listed.append((f"/device:{device_type}:{logical_index}", device_type, record))
-                logical_index += 1
+            listed += [(f"/device:{device_type}:{logical_index + k}", device_type, record) for k in range(count)]
+            logical_index += count
     return listed
 
 
@@ -340,14 +339,10 @@ def discover_devices() -> list[DeviceInfo]:
         cuda_device_order=os.environ.get("CUDA_DEVICE_ORDER"))))
     cpu_description = _host_description() if any(kind == "CPU" for _, kind, _ in tf_devices) else ""
     host_total, host_free = _host_memory_bytes()
-    devices = []
-    for name, kind, record in tf_devices:
-        if record is None:  # a CPU device
-            devices.append(DeviceInfo(name=name, device_type="CPU", description=cpu_description,
-                                      memory_total_bytes=host_total, memory_free_bytes=host_free))
-            continue
-        devices.append(gpu_device_info(name, record, joined.get(record)))
-    return devices
+    cpu = dict(device_type="CPU", description=cpu_description, memory_total_bytes=host_total,
+               memory_free_bytes=host_free)
+    return [DeviceInfo(name=name, **cpu) if record is None else gpu_device_info(name, record, joined.get(record))
+            for name, _, record in tf_devices]  # a CPU device has no TfGpuRecord
 
 
 def gpu_device_info(name: str, record: TfGpuRecord, nvml: NvmlRecord | None) -> DeviceInfo:
