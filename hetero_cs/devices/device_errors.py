@@ -52,10 +52,9 @@ REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
 def tag_replica(exc: Exception, replica_id: int) -> None:
     """Marks an error raised eagerly in replica ``replica_id``'s function (the first replica to tag it wins)."""
     if getattr(exc, REPLICA_ID_ATTRIBUTE, None) is None:
-        try:
+        # An exception type that takes no attributes is left as it is: the op-name path below still applies.
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(exc, REPLICA_ID_ATTRIBUTE, int(replica_id))
-        except (AttributeError, TypeError):
-            pass  # an exception type that takes no attributes: the op-name path below still applies
 
 
 @contextlib.contextmanager
