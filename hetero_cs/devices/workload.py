@@ -129,8 +129,7 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
             f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
     if batch_size == 0:
         return 0.0
-    bandwidth = spec.pcie_bandwidth_bytes_per_s
-    transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
+    transfer_s = workload.parameter_bytes / spec.pcie_bandwidth_bytes_per_s  # the host CPU's is inf: 0 s
     peak_tflops = spec.peak_tflops(workload.compute_dtype, tf32=workload.tensor_float_32)
     per_example_s = (3.0 * workload.flops_per_example / (peak_tflops * 1e12 * compute_efficiency)
                      + ACTIVATION_PASSES * workload.activation_bytes_per_example / spec.memory_bandwidth_bytes_per_s)
