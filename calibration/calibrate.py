@@ -32,7 +32,7 @@ from typing import Any
 
 from calibration import probe as probe_lib
 from calibration import timing
-from calibration.result import CalibrationResult, DeviceProfile
+from calibration.result import CalibrationResult
 from calibration.cache_check import _cached_profile_mismatch
 from calibration.device_timing import _DeviceCalibration, _refit_at_plan, _time_interleaved, _time_together
 from calibration.store import ProfileStore, profile_key

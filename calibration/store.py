@@ -36,7 +36,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from calibration.result import CalibrationResult
 from hetero_cs.errors import ConfigError, ProfileCacheError
