@@ -28,9 +28,9 @@ def start_tensorflow_quietly(verbose: bool = False) -> None:
     them (``--verbose`` of the CLI and the main job). Listing physical devices does not start the runtime, so
     logical devices can still be set up afterwards.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if verbose:
         return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     try:
@@ -125,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if not args.verbose:
+        # TensorFlow's C++ INFO and WARNING lines stay off here and in the scripts `run` and `launch` start (they
+        # inherit it): a card failure would else print each op's traceback and "Local rendezvous is aborting" lines
+        # around the two WARNING lines of hetero_cs that tell it. A value the user set stands.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     for name in ("hetero_cs", "calibration"):  # our progress at INFO; TensorFlow's own INFO lines stay quiet
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:

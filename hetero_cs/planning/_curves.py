@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hetero_cs.errors import ConfigError, InfeasiblePlanError, InvalidCostModelError
-from hetero_cs.planning.cost_model import CostModel, not_a_number_error, prediction_seconds
-
-_INF = math.inf
+from hetero_cs.errors import ConfigError, InfeasiblePlanError
+from hetero_cs.planning.cost_checks import checked_prediction, predictor
+from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.plan import _is_int
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Input checks
 # ----------------------------------------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 _INT_HINTS = {
     "global_batch_size": "Pass the number of examples in one optimizer step, e.g. 256.",
     "min_batch_size": "Pass 0 to let a replica sit idle, or 1 (the default) to give every replica work.",
@@ -37,6 +31,17 @@ def _checked_int(name: str, value: Any, *, low: int) -> int:
     return int(value)
 
 
+def _checked_problem(cost_models: Sequence[CostModel], global_batch_size: Any, max_batch_sizes: Any,
+                     min_batch_size: Any) -> tuple[list[CostModel], int, int, list[int | None]]:
+    """The checked inputs of one split (models, B, min_batch_size, caps); raises as ``solve_batch_split`` says."""
+    models = _checked_models(cost_models)
+    B = _checked_int("global_batch_size", global_batch_size, low=1)
+    min_b = _checked_int("min_batch_size", min_batch_size, low=0)
+    caps = _checked_caps(max_batch_sizes, len(models), min_b)
+    _check_feasible(B, len(models), min_b, caps)
+    return models, B, min_b, caps
+
+
 def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
     try:
         models = list(cost_models)
@@ -48,11 +53,7 @@ def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
             "LinearCostModel(fixed_overhead_s, seconds_per_example))."
         )
     for i, model in enumerate(models):
-        if not callable(getattr(model, "predict_step_time_s", None)):
-            raise InvalidCostModelError(
-                f"cost_models[{i}] has no predict_step_time_s method. Received: {model!r}. Pass a CostModel "
-                "such as LinearCostModel or PiecewiseLinearCostModel."
-            )
+        predictor(model, i)
     return models
 
 
@@ -110,9 +111,9 @@ def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> N
 
 
 class _Curves:
-    """Checked, counted evaluation of each replica's cost model on its grid lo[i] + j * step."""
+    """Checked, counted evaluation of each replica's cost model (on its grid lo[i] + j * step, for the selection)."""
 
-    def __init__(self, models: Sequence[CostModel], lo: Sequence[int], length: Sequence[int], step: int):
+    def __init__(self, models: Sequence[CostModel], lo: Sequence[int] = (), length: Sequence[int] = (), step: int = 1):
         self.predict = [m.predict_step_time_s for m in models]
         self.lo = list(lo)
         self.length = list(length)
@@ -121,29 +122,7 @@ class _Curves:
 
     def time(self, i: int, batch_size: int) -> float:
         self.evaluations += 1
-        try:
-            raw = self.predict[i](batch_size)
-        except Exception as exc:  # noqa: BLE001 - any failure of a user's model is reported with its replica
-            raise InvalidCostModelError(
-                f"cost_models[{i}].predict_step_time_s({batch_size}) failed: {exc}. A cost model returns seconds "
-                "as a float for any batch size >= 0."
-            ) from exc
-        value = prediction_seconds(raw)
-        if value is None:  # a string, None, a list...: float() would take some of them silently
-            raise not_a_number_error(f"cost_models[{i}]", batch_size, raw)
-        if not 0.0 <= value < _INF:
-            raise InvalidCostModelError(
-                f"cost_models[{i}].predict_step_time_s({batch_size}) returned {value!r}; step times must be finite "
-                f"and >= 0 seconds. Recalibrate replica {i} or fix its cost model."
-            )
-        return value
-
-    def decreasing(self, i: int, b0: int, t0: float, b1: int, t1: float) -> InvalidCostModelError:
-        return InvalidCostModelError(
-            f"cost_models[{i}] predicts a shorter step for a larger batch: predict_step_time_s({b0})={t0!r} s > "
-            f"predict_step_time_s({b1})={t1!r} s. Cost models must be non-decreasing in batch_size; fit replica "
-            f"{i}'s measurements with calibration's isotonic fit (calibration.fit.fit_cost_model)."
-        )
+        return checked_prediction(self.predict[i], batch_size, i)
 
 
 @dataclass(frozen=True)
@@ -153,7 +132,6 @@ class _Grid:
     lo: list[int]
     length: list[int]
     M: int
-    remainder_replica: int | None
 
 
 def _first_at_least(minimum: int, offset: int, k: int) -> int:
@@ -164,20 +142,15 @@ def _first_at_least(minimum: int, offset: int, k: int) -> int:
 def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Grid:
     rem = B % k
     offsets = [0] * R
-    remainder_replica = None
-    if rem:
+    if rem:  # the lowest-index replica whose cap admits it holds the remainder
         first = _first_at_least(min_b, rem, k)
-        for i, cap in enumerate(caps):
-            if cap is None or first <= cap:
-                remainder_replica = i
-                break
-        if remainder_replica is None:
+        holder = next((i for i, cap in enumerate(caps) if cap is None or first <= cap), None)
+        if holder is None:
             raise InfeasiblePlanError(
                 f"global_batch_size={B} is not a multiple of multiple_of={k}, so one replica must take a slice of "
                 f"{rem} (mod {k}), at least {first} examples, but every cap is smaller: {_caps_listing(caps)}. "
-                f"Use a global batch size that is a multiple of {k}, a smaller multiple_of, or larger caps."
-            )
-        offsets[remainder_replica] = rem
+                f"Use a global batch size that is a multiple of {k}, a smaller multiple_of, or larger caps.")
+        offsets[holder] = rem
     lo = [_first_at_least(min_b, o, k) for o in offsets]
     hi = [None if c is None else o + (c - o) // k * k for c, o in zip(caps, offsets)]
     empty = [i for i in range(R) if hi[i] is not None and hi[i] < lo[i]]  # type: ignore[operator]
@@ -203,4 +176,4 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Gr
             f"multiple_of={k}: the largest legal slices {largest} sum to {sum(largest)} ({_caps_listing(caps)}). "
             f"Lower the global batch size, use a smaller multiple_of, or raise the caps."
         )
-    return _Grid(lo, length, M, remainder_replica)
+    return _Grid(lo, length, M)

@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from hetero_cs.planning._curves import _Curves
-from hetero_cs.planning.cost_model import CostModel, _breakpoints
+from hetero_cs.planning.cost_checks import decreasing_error
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 
-_INF = math.inf
+
+def _breakpoints(model: Any) -> tuple[int, ...] | None:
+    """The batch sizes where ``model`` changes slope, if it is piecewise linear in closed form; else None.
+
+    Used by the solver's fast path: between consecutive breakpoints (and beyond the outer ones) the model is
+    exactly linear in the batch size. Only :class:`LinearCostModel` (no breakpoint), :class:`PiecewiseLinearCostModel`
+    (its knots) and a :class:`ScaledCostModel` of those qualify.
+    """
+    if type(model) is ScaledCostModel:
+        return _breakpoints(model.base)
+    if type(model) is PiecewiseLinearCostModel:
+        return model.batch_sizes
+    return () if type(model) is LinearCostModel else None
 
 
 def _knot_tables(
@@ -24,7 +38,7 @@ def _knot_tables(
 
     Between knots each curve is exactly linear (the models have closed-form breakpoints).
     """
-    curves = _Curves(models, lows, [0] * len(models), 1)
+    curves = _Curves(models)
     rows_x, rows_t = [], []
     for i, model in enumerate(models):
         low, high = lows[i], highs[i]
@@ -33,7 +47,7 @@ def _knot_tables(
         ts = [curves.time(i, x) for x in xs]
         for a in range(1, len(ts)):
             if ts[a] < ts[a - 1]:
-                raise curves.decreasing(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
+                raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
         rows_x.append(xs)
         rows_t.append(ts)
     width = max(2, max(len(r) for r in rows_x))
@@ -66,7 +80,7 @@ def _fill(X: np.ndarray, T: np.ndarray, level: float, *, strict: bool = False) -
 def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
     """min{T: sum_i x_i(T) >= B} on knot tables (x_i at its lowest knot below its curve), -inf if that holds B."""
     if X[:, 0].sum() >= B:
-        return -_INF
+        return -math.inf
     levels = np.unique(T)
     if _fill(X, T, float(levels[0])).sum() >= B:  # below levels[0] every x_i is at its lowest knot
         return float(levels[0])

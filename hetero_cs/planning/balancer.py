@@ -9,7 +9,8 @@
   split by a plan solved for its own size);
 * the :class:`~hetero_cs.planning.monitor.StepTimeMonitor` the replicas report step times to, the
   :class:`~hetero_cs.planning.rebalance.Rebalancer` that proposes re-plans from it, and the
-  :class:`~hetero_cs.planning.guard.PlanGuard` that keeps a proposed plan only if it measured faster;
+  :class:`~hetero_cs.planning.guard.PlanGuard` that keeps a proposed plan only if it measured faster
+  (:mod:`hetero_cs.planning.balancer_trials`);
 * when per-replica timing is worth its cost (``timing_due``): every step while a decision needs samples, else
   one step in ``timing_interval_steps``;
 * the memory caps in force, lowered after an out-of-memory step and grown back slowly (``recover_from_oom``,
@@ -30,26 +31,28 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning.cost_model import CostModel, check_cost_model, idle_free, without_idle_pricing
+from hetero_cs.planning.cost_checks import check_cost_model
+from hetero_cs.planning.cost_model import CostModel, idle_free, without_idle_pricing
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.choice import MIN_PREDICTED_GAIN, _violates, choose_plan  # noqa: F401 - re-exported
+from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.balancer_inference import InferencePlans
 from hetero_cs.planning.balancer_shares import FixedShares
-from hetero_cs.planning.balancer_memory import MemoryRecovery, _checked_global_batch_size
+from hetero_cs.planning.balancer_memory import MemoryRecovery
 from hetero_cs.planning.balancer_probe import IdleProbes
 from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
 from hetero_cs.planning.balancer_micro import MicroBatchedSteps
+from hetero_cs.planning.balancer_trials import GuardTrials
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
-from hetero_cs.planning.plan import BatchPlan, _is_int, even_batch_split
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MAX_TIMING_INTERVAL_STEPS, TIMING_COST_S
 from hetero_cs.planning.sampling import interval_steps
-from hetero_cs.planning.solver import _checked_caps, plan_from_split
+from hetero_cs.planning._curves import _checked_caps
 
 logger = logging.getLogger(__name__)
 
-class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
+class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -89,8 +92,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         memory_policy: MemoryRecoveryPolicy | None = None, idle_replicas_free: bool = False,
         on_trial: Callable[[BatchPlan], None] | None = None,
     ):
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+        self._memory = MemoryCaps(num_replicas, memory_policy)  # (ConfigError unless num_replicas is an int >= 1)
         self._num_replicas = num_replicas
         self._lock = threading.RLock()
         self._shares = None if shares is None else tuple(float(s) for s in shares)
@@ -127,7 +129,6 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         self._last_look_step = -(10**9)
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
-        self._memory = MemoryCaps(num_replicas, memory_policy)
         self._inference_plans: tuple = (None, {})  # (what they were solved under, {B: plan}); plan_for_inference
 
     # ------------------------------------------------------------------------------------------------------------
@@ -237,10 +238,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             if not self._rebalance_policy_given:
                 self._rebalance_policy = dataclasses.replace(self._rebalance_policy, min_batch_size=0 if free else 1)
                 self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=self._max_batch_sizes)
-            if self._cost_models is not None:  # priced again and solved again, at once (no guard trial)
-                self.set_cost_models([without_idle_pricing(m) for m in self._cost_models],
-                                     max_batch_sizes=self._max_batch_sizes,
-                                     reference_batch_size=self._reference_batch_size, trial=False)
+            if self._cost_models is not None:
+                self._set_models_again(self._max_batch_sizes)
 
     def set_max_batch_sizes(self, max_batch_sizes: Sequence[int | None] | None) -> None:
         """Sets the per-replica memory caps (examples per step, None entries: uncapped) without new cost models.
@@ -257,15 +256,18 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), R, 0)
         with self._lock:
             if self._cost_models is not None:
-                self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=caps,
-                                     reference_batch_size=self._reference_batch_size, trial=False,
-                                     contention_factors=self._contention_factors)
+                self._set_models_again(caps)
                 return
             self._max_batch_sizes = caps
             self._memory.reset(caps)
             self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
-            self._plans_by_batch.clear()
-            self._in_force_by_size.clear()
+            self._forget_plans()
+
+    def _set_models_again(self, max_batch_sizes: list[int | None] | None) -> None:
+        """The models in force priced again and solved again under ``max_batch_sizes``, at once (no guard trial)."""
+        self.set_cost_models([without_idle_pricing(m) for m in self._cost_models], max_batch_sizes=max_batch_sizes,
+                             reference_batch_size=self._reference_batch_size, trial=False,
+                             contention_factors=self._contention_factors)
 
     def set_cost_models(
         self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
@@ -298,24 +300,13 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             raise ConfigError(
                 f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
             )
-        if max_batch_sizes is not None and not isinstance(max_batch_sizes, (str, bytes)):
-            try:
-                count = len(max_batch_sizes)
-            except TypeError:
-                count = None
-            if count is not None and count != R:
-                raise ConfigError(
-                    f"Need one cap per replica: len(max_batch_sizes)={count}, R={R}. Use None for no cap."
-                )
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
         excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
         if excluded:
             caps = [0 if i in excluded else cap for i, cap in enumerate(caps or [None] * R)]
-        if reference_batch_size is not None and (not _is_int(reference_batch_size) or reference_batch_size < 1):
-            raise ConfigError(
-                f"reference_batch_size must be an integer >= 1 (the full global batch) or None. Received: "
-                f"reference_batch_size={reference_batch_size!r}."
-            )
+        if reference_batch_size is not None:
+            check_range("reference_batch_size", reference_batch_size, 1, integer=True,
+                        hint="the full global batch, or None")
         for i, model in enumerate(models):
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:
@@ -339,11 +330,8 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
                 raise
             self._rebalancer = rebalancer
             self._memory.reset(caps)
-            self._guard.abandon()
+            self._forget_plans()
             self._forget_alone_checks()
-            self._models_before_replan = None
-            self._plans_by_batch.clear()
-            self._in_force_by_size.clear()
             if plan is None:  # solved (and tried) when the first global batch arrives
                 self._trial_on_first_batch = trial
                 return
@@ -368,7 +356,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         Raises:
             ConfigError: ``global_batch_size`` is not an integer >= 1.
         """
-        b = _checked_global_batch_size(global_batch_size)
+        b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
             if self._reference_batch_size is None or b > self._reference_batch_size:
                 self._reference_batch_size = b
@@ -401,26 +389,14 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
         """
         if not training:
             return self.plan_for_inference(global_batch_size)
-        b = _checked_global_batch_size(global_batch_size)
+        b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
             self._served += 1
             if self.timing_needed:
                 self._process_measurements()
             plan = self.plan_for(b)
             if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
-                self._trial_served += 1
-                if self._trial_served > 3 * self._guard.policy.max_trial_steps and self._guard.observed_steps == 0:
-                    logger.warning(
-                        "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
-                        "a Keras optimizer is not timed); keeping %s unmeasured.",
-                        self._trial_served, list(self._guard.candidate.per_replica_batch_sizes),
-                    )
-                    candidate = self._guard.candidate
-                    self._guard.abandon()
-                    self._models_before_replan = None
-                    self._commit(candidate)
-                    return candidate
-                return self._guard.plan_to_serve()
+                return self._serve_trial()
             if b == self._reference_batch_size and plan is self._plan:
                 return self._maybe_probe(plan)  # now and then one example on a card the plan leaves idle
             return plan
@@ -471,39 +447,12 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             idle_free=self._idle_free,
         )
 
-    def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
-        """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
-        incumbent = self._incumbent_for(plan)
-        if (
-            trial and self.guard_enabled and incumbent is not None
-            and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
-            and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)
-        ):
-            self._commit(incumbent)
-            self._start_trial(incumbent, plan)
-            return
-        self._commit(plan)
-
-    def _start_trial(self, incumbent: BatchPlan, candidate: BatchPlan, *, against_alone: bool = False) -> None:
-        """Starts a guard trial of ``candidate`` against ``incumbent``, the plan in force."""
-        self._trial_served = 0
-        # Steps measured before the trial belong to neither side of it.
-        self._observed_step = max([self._observed_step, *(s.step for s in self._monitor.window())])
-        recent = [sample.makespan_s for sample in self._monitor.window()
-                  if tuple(sample.per_replica_batch_sizes) == incumbent.per_replica_batch_sizes][-5:]
-        self._guard.start(incumbent, candidate, step=self._monitor.completed_steps, against_alone=against_alone,
-                          incumbent_recent_s=sorted(recent)[len(recent) // 2] if recent else None)
-        if self._on_trial is not None:
-            self._on_trial(candidate)
-
-    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan | None:
-        """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
-        B = plan.global_batch_size
-        if self._plan is not None and self._plan.global_batch_size == B:
-            current = self._plan
-        else:
-            current = BatchPlan(even_batch_split(B, self._num_replicas), B)
-        return plan_from_split(current.per_replica_batch_sizes, self._cost_models)
+    def _forget_plans(self) -> None:
+        """What the plans were solved under changed: a running trial ends and every size is solved again."""
+        self._guard.abandon()
+        self._models_before_replan = None
+        self._plans_by_batch.clear()
+        self._in_force_by_size.clear()
 
     def _commit(self, plan: BatchPlan) -> None:
         changed = plan != self._plan
@@ -523,26 +472,7 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             return
         self._handled_steps = completed
         if self._guard.in_trial:
-            for sample in self._monitor.window():
-                if sample.step <= self._observed_step:
-                    continue
-                self._observed_step = sample.step
-                decision = self._guard.observe(sample.per_replica_batch_sizes, sample.makespan_s, step=completed)
-                if decision is not None:
-                    restored, self._models_before_replan = self._models_before_replan, None
-                    if decision.kept:
-                        self._commit(self._plan_of(decision.candidate_per_replica_batch_sizes))
-                    elif restored is not None:  # refuted models: back to those the plan in force was made with
-                        self._cost_models = restored
-                        self._plans_by_batch.clear()
-                        self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
-                                                     max_batch_sizes=self._max_batch_sizes))
-                    if decision.against_alone:  # checked, kept or not: not checked again under these models
-                        self._alone_checked.add(decision.incumbent_per_replica_batch_sizes)
-                    elif decision.kept:
-                        self._forget_alone_checks()  # a kept re-plan's measured models are new models
-                    self._maybe_check_alone()  # the plan now in force, against the fastest card alone
-                    break
+            self._observe_trial(completed)
             return
         if completed - self._last_look_step < self._look_interval_steps():
             return
@@ -556,9 +486,9 @@ class Balancer(MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneChe
             self._maybe_check_alone()
             return
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
-        self._models_before_replan = None if forced else self._cost_models
+        previous = self._cost_models
+        self._forget_plans()  # (no trial runs here)
+        self._models_before_replan = None if forced else previous
         self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
-        self._plans_by_batch.clear()
-        self._in_force_by_size.clear()
         self._adopt(new_plan, trial=not forced)
 

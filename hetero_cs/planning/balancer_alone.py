@@ -36,7 +36,7 @@ import numpy as np
 
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import ScaledCostModel
-from hetero_cs.planning.monitor import _median
+from hetero_cs.planning.robust_stats import median_and_error
 from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.solver import plan_from_split
 
@@ -147,14 +147,13 @@ class AloneCheck:
 
 def measured_makespan(samples, sizes: tuple[int, ...]) -> tuple[float, int, float] | None:
     """The replicas' median makespan over the ``samples`` (StepSample) that ran ``sizes``, seconds; their count; and
-    the relative standard error of that median (1.2533 * 1.4826 * MAD / median / sqrt(n), as the monitor's noise
-    margin). None without such a sample."""
+    the relative standard error of that median (:func:`~hetero_cs.planning.robust_stats.median_and_error`, as the
+    monitor's noise margin). None without such a sample."""
     times = np.array([s.replica_makespan_s for s in samples if tuple(s.per_replica_batch_sizes) == sizes])
     if not times.size:
         return None
-    median_s = _median(times)
-    mad_s = _median(np.abs(times - median_s))
-    return median_s, times.size, 1.2533 * 1.4826 * mad_s / median_s / math.sqrt(times.size) if median_s > 0 else 0.0
+    median_s, error = median_and_error(times)
+    return median_s, times.size, error
 
 
 def _checked_contention(factors, num_replicas: int) -> list[float]:

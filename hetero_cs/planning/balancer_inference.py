@@ -20,9 +20,8 @@ from __future__ import annotations
 import logging
 
 from hetero_cs.errors import InfeasiblePlanError
-from hetero_cs.planning.balancer_memory import _checked_global_batch_size
 from hetero_cs.planning.choice import choose_plan
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size
 
 logger = logging.getLogger("hetero_cs.planning.balancer")  # the messages users filter on
 
@@ -54,7 +53,7 @@ class InferencePlans:
         Raises:
             ConfigError: ``global_batch_size`` is not an integer >= 1.
         """
-        b = _checked_global_batch_size(global_batch_size)
+        b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
             if self._plan is not None and self._plan.global_batch_size == b:
                 return self._plan

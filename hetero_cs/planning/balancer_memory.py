@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
-from hetero_cs.errors import ConfigError
+from hetero_cs.errors import InfeasiblePlanError
 from hetero_cs.planning.memory_caps import CapChange, MemoryCaps
-from hetero_cs.planning.plan import BatchPlan, _is_int
+from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.rebalance import Rebalancer
 
 
@@ -54,10 +54,8 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
             InfeasiblePlanError: The caps can no longer hold ``global_batch_size`` examples (the cap stays lowered).
         """
         with self._lock:
-            change = self._memory.record_out_of_memory(replica_id, failed_batch_size)
-            self._monitor.abandon_open_steps()
-            self._apply_memory_caps()
-            return self.plan_for(global_batch_size), change
+            return self._plan_to_retry(self._memory.record_out_of_memory(replica_id, failed_batch_size),
+                                       global_batch_size)
 
     def lower_cap(self, replica_id: int, failed_batch_size: int) -> CapChange:
         """After an evaluation or prediction step ran out of memory on one replica: lowers its cap.
@@ -69,8 +67,6 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         Raises:
             ConfigError: ``replica_id`` out of range, or ``failed_batch_size`` not an int >= 1.
         """
-        from hetero_cs.errors import InfeasiblePlanError
-
         with self._lock:
             change = self._memory.record_out_of_memory(replica_id, failed_batch_size)
             self._apply_memory_caps()
@@ -97,10 +93,7 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                 left); the replica stays excluded.
         """
         with self._lock:
-            change = self._memory.exclude(replica_id, failed_batch_size)
-            self._monitor.abandon_open_steps()
-            self._apply_memory_caps()
-            return self.plan_for(global_batch_size), change
+            return self._plan_to_retry(self._memory.exclude(replica_id, failed_batch_size), global_batch_size)
 
     def record_step_success(self, per_replica_batch_sizes: Sequence[int]) -> list[CapChange]:
         """Notes a step that completed with these slices; a lowered cap may grow back (the plan is re-solved)."""
@@ -112,23 +105,14 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                     self.plan_for(self._reference_batch_size)
             return changes
 
+    def _plan_to_retry(self, change: CapChange, global_batch_size: int) -> tuple[BatchPlan, CapChange]:
+        """After a failed step: its partial reports dropped, the plan of the batch to retry within the new caps."""
+        self._monitor.abandon_open_steps()
+        self._apply_memory_caps()
+        return self.plan_for(global_batch_size), change
+
     def _apply_memory_caps(self) -> None:
         caps = self._memory.caps
         self._max_batch_sizes = caps
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
-        self._guard.abandon()
-        self._models_before_replan = None
-        self._plans_by_batch.clear()
-        self._in_force_by_size.clear()
-
-
-def _checked_global_batch_size(global_batch_size: object) -> int:
-    """``global_batch_size`` as an int >= 1, or a ConfigError (shared by the Balancer's entry points)."""
-    if not _is_int(global_batch_size):
-        raise ConfigError(
-            f"global_batch_size must be an integer >= 1 (examples per step). Received: "
-            f"global_batch_size={global_batch_size!r}. Pass the number of examples per step."
-        )
-    if global_batch_size < 1:
-        raise ConfigError(f"global_batch_size must be >= 1. Received: global_batch_size={global_batch_size}.")
-    return int(global_batch_size)
+        self._forget_plans()

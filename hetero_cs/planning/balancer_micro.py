@@ -46,7 +46,7 @@ class MicroBatchedSteps:
 
     def _init_micro_batched_steps(self) -> None:
         self._micro_rebalancer: Rebalancer | None = None
-        self._micro_rebalancer_caps: tuple | None = None
+        self._micro_rebalancer_caps: list | None = None
         self._micro_last_look_step = -(10**9)
         self._micro_replans = 0
 
@@ -68,24 +68,18 @@ class MicroBatchedSteps:
         """
         with self._lock:
             self._monitor.record_micro_batched_step(batch_sizes, step_times_s, micro_batches)
-            if not self.rebalance_enabled or self._shares is not None or self._cost_models is None:
+            if not self.rebalance_enabled or self._cost_models is None or not self._micro_look_due():
                 return False
-            completed = self._monitor.completed_steps
-            if completed - self._micro_last_look_step < self._look_interval_steps():
-                return False
-            self._micro_last_look_step = completed
             caps = list(self._max_batch_sizes or [None] * self._num_replicas)
-            key = tuple(cap == 0 for cap in caps)
-            if self._micro_rebalancer is None or self._micro_rebalancer_caps != key:
+            if self._micro_rebalancer is None or self._micro_rebalancer_caps != zero_caps(caps):
                 # Micro-batched slices are not capped (each micro-batch is); a card with a cap of 0 stays out.
-                self._micro_rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=zero_caps(caps))
-                self._micro_rebalancer_caps = key
-
-            B = int(sum(int(b) for b in batch_sizes))
-            current = BatchPlan(tuple(int(b) for b in batch_sizes), B)
+                self._micro_rebalancer_caps = zero_caps(caps)
+                self._micro_rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=self._micro_rebalancer_caps)
+            current = BatchPlan(tuple(int(b) for b in batch_sizes), int(sum(int(b) for b in batch_sizes)))
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             proposal = self._micro_rebalancer.propose(
-                completed, current, micro_batched_curves(measured, caps), num_samples=self._monitor.num_samples,
+                self._micro_last_look_step, current, micro_batched_curves(measured, caps),
+                num_samples=self._monitor.num_samples,
                 relative_standard_errors=self._monitor.relative_standard_errors(measured))
             if proposal is None:
                 return False
@@ -105,17 +99,15 @@ class MicroBatchedSteps:
         """
         with self._lock:
             plan, caps = self._plan, self._max_batch_sizes
-            if (not self.rebalance_enabled or self._shares is not None or self._cost_models is None or caps is None
+            if (not self.rebalance_enabled or self._cost_models is None or caps is None
                     or plan is None or plan.global_batch_size != int(global_batch_size)
                     or self._monitor.num_samples < self._rebalance_policy.min_samples):
                 return False
             sizes = plan.per_replica_batch_sizes
             if not any(cap is not None and 0 < cap <= b for b, cap in zip(sizes, caps)):
                 return False  # no card is held at its cap: the one-step re-planner sees everything
-            completed = self._monitor.completed_steps
-            if completed - self._micro_last_look_step < self._look_interval_steps():
+            if not self._micro_look_due():
                 return False
-            self._micro_last_look_step = completed
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             deadband = float(self._rebalance_policy.deadband)
             moved = max(abs(float(new.predict_step_time_s(b)) / float(old.predict_step_time_s(b)) - 1.0)
@@ -136,13 +128,18 @@ class MicroBatchedSteps:
             self._take_measured_models(measured)
             return True
 
+    def _micro_look_due(self) -> bool:
+        """Whether a look at micro-batched steps is due (the look interval passed); it then counts as taken."""
+        completed = self._monitor.completed_steps
+        if completed - self._micro_last_look_step < self._look_interval_steps():
+            return False
+        self._micro_last_look_step = completed
+        return True
+
     def _take_measured_models(self, measured) -> None:
         self._cost_models = measured
         self._micro_replans += 1
-        self._guard.abandon()
-        self._models_before_replan = None
-        self._plans_by_batch.clear()
-        self._in_force_by_size.clear()
+        self._forget_plans()
         reference = self._reference_batch_size
         if reference is not None:
             self._commit(self._solve(reference))

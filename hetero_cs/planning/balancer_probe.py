@@ -49,8 +49,7 @@ class IdleProbes:
         for i, b in enumerate(sizes):
             if b > 0 or i not in self._last_worked:
                 self._last_worked[i] = served
-        if not (self.rebalance_enabled and self._shares is None and self.timing_needed) \
-                or plan.global_batch_size < self._num_replicas or 0 not in sizes:
+        if not self.rebalance_enabled or plan.global_batch_size < self._num_replicas or 0 not in sizes:
             return plan
         caps = self._max_batch_sizes or [None] * self._num_replicas
         idle = [i for i, b in enumerate(sizes) if b == 0 and caps[i] != 0]

@@ -43,34 +43,18 @@ class FixedShares:
                 return  # already auto-balanced (or even): nothing changes, a running trial goes on
             previous = (self._shares, self._auto_plan, dict(self._plans_by_batch), dict(self._in_force_by_size))
             try:
-                self._set_batch_split(shares)
+                if shares is not None and self._shares is None:
+                    self._auto_plan = self._plan  # the plan to come back to
+                self._shares = None if shares is None else tuple(float(s) for s in shares)
+                B, restored = self._reference_batch_size, self._auto_plan if shares is None else None
+                if restored is not None and restored.global_batch_size != B:
+                    restored = None  # the auto-balanced plan of another global batch: solved anew
+                plan = restored if restored is not None or B is None else self._solve(B)
+                self._forget_plans()
+                if restored is not None:
+                    self._auto_plan = None
+                if plan is not None:
+                    self._commit(plan)
             except Exception:
-                self._shares, self._auto_plan = previous[0], previous[1]
-                self._plans_by_batch, self._in_force_by_size = previous[2], previous[3]
+                self._shares, self._auto_plan, self._plans_by_batch, self._in_force_by_size = previous
                 raise
-
-    def _set_batch_split(self, shares: Sequence[float] | None) -> None:
-        if shares is not None and self._shares is None:
-            self._auto_plan = self._plan  # the plan to come back to
-        new_shares = None if shares is None else tuple(float(s) for s in shares)
-        B = self._reference_batch_size
-        restored = self._auto_plan if shares is None else None
-        if B is not None and not (restored is not None and restored.global_batch_size == B):
-            old, self._shares = self._shares, new_shares
-            try:
-                plan = self._solve(B)
-            finally:
-                self._shares = old
-        self._shares = new_shares
-        self._guard.abandon()
-        self._models_before_replan = None
-        self._plans_by_batch.clear()
-        self._in_force_by_size.clear()
-        if B is None:
-            return
-        if restored is not None and restored.global_batch_size == B:
-            self._auto_plan = None
-            self._commit(restored)
-            return
-        self._commit(plan)
-

@@ -9,8 +9,8 @@ batch_size (:class:`CostModel`). This module provides the three the library buil
 * :class:`ScaledCostModel` - ``factor * base(b)``, the online monitor's correction of a calibrated model.
 
 All three are frozen dataclasses validated on construction, serialise with ``to_dict()`` (a ``"kind"`` key plus
-the fields) and load with :func:`cost_model_from_dict`. :func:`check_cost_model` validates any model's predictions
-at given batch sizes; the solver uses the same rules.
+the fields) and load with :func:`cost_model_from_dict`. :func:`hetero_cs.planning.cost_checks.check_cost_model`
+validates any model's predictions at given batch sizes; the solver uses the same rules.
 
 Pure Python: no TensorFlow, no NVML.
 """
@@ -20,14 +20,13 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-
-from hetero_cs.errors import ConfigError, InvalidCostModelError
+from hetero_cs.errors import InvalidCostModelError
+from hetero_cs.planning.cost_checks import _check_base, _check_batch_size
+from hetero_cs.planning.plan import _is_int, _is_real, even_batch_split
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,6 @@ __all__ = [
     "MicroBatchedCostModel",
     "PiecewiseLinearCostModel",
     "ScaledCostModel",
-    "check_cost_model",
     "cost_model_from_dict",
 ]
 
@@ -55,26 +53,6 @@ class CostModel(Protocol):
     def predict_step_time_s(self, batch_size: int) -> float:
         """Returns the predicted step time in seconds for ``batch_size`` examples."""
         ...
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_batch_size(batch_size: Any) -> None:
-    if type(batch_size) is int:  # the common case, checked first because the solver calls this often
-        if batch_size >= 0:
-            return
-    elif _is_int(batch_size) and batch_size >= 0:
-        return
-    raise ConfigError(
-        f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. "
-        "Pass the number of examples of one replica's slice."
-    )
 
 
 def _check_keys(kind: str, data: Mapping[str, Any], required: set[str]) -> None:
@@ -143,10 +121,6 @@ class LinearCostModel:
         """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
         _check_keys("linear", data, {"fixed_overhead_s", "seconds_per_example"})
         return cls(data["fixed_overhead_s"], data["seconds_per_example"])
-
-    def _breakpoints(self) -> tuple[int, ...]:
-        """Batch sizes where the curve changes slope (none): the solver's closed-form path uses it."""
-        return ()
 
 
 @dataclass(frozen=True)
@@ -220,9 +194,7 @@ class PiecewiseLinearCostModel:
                 )
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "step_times_s", times)
-        slope = 0.0
-        if len(sizes) >= 2:
-            slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])) if len(sizes) >= 2 else 0.0
         object.__setattr__(self, "_last_slope_s", slope)
 
     def predict_step_time_s(self, batch_size: int) -> float:
@@ -248,9 +220,6 @@ class PiecewiseLinearCostModel:
         _check_keys("piecewise_linear", data, {"batch_sizes", "step_times_s"})
         return cls(data["batch_sizes"], data["step_times_s"])  # __post_init__ checks they are sequences
 
-    def _breakpoints(self) -> tuple[int, ...]:
-        return self.batch_sizes
-
 
 @dataclass(frozen=True)
 class ScaledCostModel:
@@ -275,10 +244,7 @@ class ScaledCostModel:
     factor: float
 
     def __post_init__(self) -> None:
-        if not callable(getattr(self.base, "predict_step_time_s", None)):
-            raise InvalidCostModelError(
-                f"ScaledCostModel.base must have a predict_step_time_s method. Received: base={self.base!r}."
-            )
+        _check_base(self)
         if not _is_real(self.factor) or not math.isfinite(self.factor) or self.factor <= 0:
             raise InvalidCostModelError(
                 f"ScaledCostModel.factor must be a finite number > 0. Received: factor={self.factor!r}. "
@@ -310,9 +276,6 @@ class ScaledCostModel:
         _check_keys("scaled", data, {"factor", "base"})
         return cls(cost_model_from_dict(data["base"]), data["factor"])
 
-    def _breakpoints(self) -> tuple[int, ...] | None:
-        return _breakpoints(self.base)
-
 
 @dataclass(frozen=True)
 class IdleFreeCostModel:
@@ -334,10 +297,7 @@ class IdleFreeCostModel:
     base: CostModel
 
     def __post_init__(self) -> None:
-        if not callable(getattr(self.base, "predict_step_time_s", None)):
-            raise InvalidCostModelError(
-                f"IdleFreeCostModel.base must have a predict_step_time_s method. Received: base={self.base!r}."
-            )
+        _check_base(self)
 
     def predict_step_time_s(self, batch_size: int) -> float:
         """0.0 for ``batch_size == 0``; else ``base.predict_step_time_s(batch_size)``, in seconds."""
@@ -422,9 +382,7 @@ class MicroBatchedCostModel:
     _running_max: list = field(default_factory=lambda: [], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not callable(getattr(self.base, "predict_step_time_s", None)):
-            raise InvalidCostModelError(
-                f"MicroBatchedCostModel.base must have a predict_step_time_s method. Received: base={self.base!r}.")
+        _check_base(self)
         if not _is_int(self.max_micro_batch_size) or self.max_micro_batch_size < 1:
             raise InvalidCostModelError(
                 f"MicroBatchedCostModel.max_micro_batch_size must be an integer >= 1 (the examples the card holds at "
@@ -448,7 +406,7 @@ class MicroBatchedCostModel:
         """``max_{b' <= b}`` of the micro-batches' summed step times, in seconds."""
         _check_batch_size(batch_size)
         b = int(batch_size)
-        if _linear(self.base):  # k a + c b: non-decreasing as it is
+        if line_of(self.base) is not None:  # k a + c b: non-decreasing as it is
             return self._raw_s(b)
         known = self._running_max
         while len(known) <= b:
@@ -473,19 +431,21 @@ def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) 
             f"max_micro_batch_size={max_micro_batch_size!r}.")
     if b <= 0:
         return []
-    if max_micro_batch_size is None:
-        return [b]
-    k = -(-b // int(max_micro_batch_size))
-    q, r = divmod(b, k)
-    return [q + 1] * r + [q] * (k - r)
+    count = 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))  # ceil(b / cap)
+    return list(even_batch_split(b, count))
 
 
-def _linear(model: Any) -> bool:
-    """Whether ``model`` is a :class:`LinearCostModel`, maybe scaled or idle-free (wrappers that keep it linear in
-    ``b >= 1``)."""
+def line_of(model: Any) -> tuple[float, float, bool] | None:
+    """``(a, c, idle_free)`` when ``model`` is ``t(b) = a + c b`` for ``b >= 1``: a :class:`LinearCostModel`, maybe
+    scaled or idle-free (``t(0) = 0``, then ``idle_free`` is True); else None."""
+    factor, idle = 1.0, False
     while isinstance(model, (IdleFreeCostModel, ScaledCostModel)):
-        model = model.base
-    return type(model) is LinearCostModel
+        if isinstance(model, ScaledCostModel):
+            factor *= model.factor
+        idle, model = idle or isinstance(model, IdleFreeCostModel), model.base
+    if type(model) is not LinearCostModel:
+        return None
+    return factor * model.fixed_overhead_s, factor * model.seconds_per_example, idle
 
 
 def idle_free(cost_models: Sequence[CostModel]) -> list[CostModel]:
@@ -536,106 +496,3 @@ def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
             "Write it with the model's to_dict()."
         )
     return _KINDS[data["kind"]].from_dict(data)
-
-
-def _breakpoints(model: Any) -> tuple[int, ...] | None:
-    """The batch sizes where ``model`` changes slope, if it is piecewise linear in closed form; else None.
-
-    Used by the solver's fast path: between consecutive breakpoints (and beyond the outer ones) the model is
-    exactly linear in the batch size. Only the three classes of this module qualify.
-    """
-    if type(model) in (LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel):
-        return model._breakpoints()
-    return None
-
-
-def check_cost_model(model: Any, batch_sizes: Sequence[int], *, replica_id: int | None = None) -> np.ndarray:
-    """Evaluates ``model`` at ``batch_sizes`` and checks the predictions are usable.
-
-    Args:
-        model: A :class:`CostModel`.
-        batch_sizes: Batch sizes to check, integers >= 0, shape [N]; they are checked in increasing order.
-        replica_id: The replica the model belongs to, named in error messages (None: not named).
-
-    Returns:
-        The predicted step times in seconds, float64 array of shape [N], in the order of ``batch_sizes``.
-
-    Raises:
-        InvalidCostModelError: If the model has no ``predict_step_time_s``, a prediction is not a number (a
-            string, None, a list: see prediction_seconds), NaN, infinite or negative, or predictions decrease with batch size (the message names the replica, the
-            batch sizes and the values).
-    """
-    who = "cost model" if replica_id is None else f"cost_models[{replica_id}]"
-    predict = getattr(model, "predict_step_time_s", None)
-    if not callable(predict):
-        raise InvalidCostModelError(
-            f"{who} has no predict_step_time_s method. Received: {model!r}. Pass a CostModel such as "
-            "LinearCostModel or PiecewiseLinearCostModel."
-        )
-    sizes = [int(b) for b in batch_sizes]
-    times = np.empty(len(sizes), dtype=np.float64)
-    for k, b in enumerate(sizes):
-        times[k] = _checked_prediction(predict, b, who)
-    order = np.argsort(np.asarray(sizes, dtype=np.int64), kind="stable")
-    for a, c in zip(order[:-1], order[1:]):
-        if sizes[c] > sizes[a] and times[c] < times[a]:
-            raise _decreasing_error(who, sizes[a], float(times[a]), sizes[c], float(times[c]))
-    return times
-
-
-def prediction_seconds(value: Any) -> float | None:
-    """A prediction as a float of seconds, or None when it is not a real number.
-
-    Real numbers are Python and NumPy ints and floats and 0-d real arrays; a string ("0.5"), None, a list, a bool
-    or an array of several values is not a prediction, even where float() would take it. An int too large for a
-    float gives inf (not finite, so refused by the callers).
-    """
-    if isinstance(value, bool) or not (
-        isinstance(value, numbers.Real)
-        or (getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", "") in "iuf")
-    ):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
-
-
-def not_a_number_error(who: str, batch_size: int, value: Any) -> InvalidCostModelError:
-    """The error for a prediction that prediction_seconds refused."""
-    try:
-        shown = repr(value)
-    except Exception:  # noqa: BLE001 - a user's object may fail to print; its type still says enough
-        shown = "<unprintable>"
-    return InvalidCostModelError(
-        f"{who}.predict_step_time_s({batch_size}) did not return a number: it returned {shown[:80]} "
-        f"({type(value).__name__}). A cost model returns seconds as a float (or int); fix its predict_step_time_s."
-    )
-
-
-def _checked_prediction(predict: Any, batch_size: int, who: str) -> float:
-    """Calls ``predict(batch_size)``; returns it as a float or raises InvalidCostModelError."""
-    try:
-        raw = predict(batch_size)
-    except (TypeError, ValueError) as exc:
-        raise InvalidCostModelError(
-            f"{who}.predict_step_time_s({batch_size}) did not return a number: {exc}. A cost model returns "
-            "seconds as a float."
-        ) from exc
-    value = prediction_seconds(raw)
-    if value is None:
-        raise not_a_number_error(who, batch_size, raw)
-    if not math.isfinite(value) or value < 0:
-        raise InvalidCostModelError(
-            f"{who}.predict_step_time_s({batch_size}) returned {value!r}; step times must be finite and >= 0 "
-            "seconds. Recalibrate the device or fix the cost model."
-        )
-    return value
-
-
-def _decreasing_error(who: str, b0: int, t0: float, b1: int, t1: float) -> InvalidCostModelError:
-    return InvalidCostModelError(
-        f"{who} predicts a shorter step for a larger batch: predict_step_time_s({b0})={t0!r} s > "
-        f"predict_step_time_s({b1})={t1!r} s. Cost models must be non-decreasing in batch_size; fit the "
-        "measurements with calibration's isotonic fit (calibration.fit.fit_cost_model)."
-    )

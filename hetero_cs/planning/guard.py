@@ -45,14 +45,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -116,30 +115,18 @@ class GuardPolicy:
                 f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'."
             )
         for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}.")
-        for name, low_name in (("max_pairs", "min_pairs"), ("max_backoff_steps", "backoff_steps")):
-            value, low = getattr(self, name), getattr(self, low_name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ConfigError(
-                    f"{name} must be an integer >= {low_name}={low}. Received: {name}={value!r}."
-                )
-        ratio = self.decisive_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio) or ratio <= 1:
-            raise ConfigError(f"decisive_ratio must be a finite number > 1. Received: decisive_ratio={ratio!r}.")
-        below = self.alone_check_below
-        if isinstance(below, bool) or not isinstance(below, numbers.Real) or math.isnan(below) or below < 1:
-            raise ConfigError(
-                f"alone_check_below must be a number >= 1 (1.0 never checks a plan on its prediction alone, math.inf "
-                f"checks every plan). Received: alone_check_below={below!r}."
-            )
-        margin = self.alone_check_margin
-        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or math.isnan(margin) or margin < 0:
-            raise ConfigError(
-                f"alone_check_margin must be a number >= 0 (0.05 = 5 %; math.inf never measures the plan against "
-                f"the fastest card alone on its measured speed). Received: alone_check_margin={margin!r}."
-            )
+            check_range(name, getattr(self, name), low, integer=True)
+        check_range("max_pairs", self.max_pairs, self.min_pairs, integer=True, hint="at least min_pairs")
+        check_range("max_backoff_steps", self.max_backoff_steps, self.backoff_steps, integer=True,
+                    hint="at least backoff_steps")
+        check_range("decisive_ratio", self.decisive_ratio, 1, low_open=True)
+        check_range("alone_check_below", self.alone_check_below, 1, high_open=False, hint="1.0 never checks a plan on "
+                    "its prediction alone, math.inf checks every plan")
+        check_range("alone_check_margin", self.alone_check_margin, 0, high_open=False, hint="0.05 = 5 %; math.inf "
+                    "never measures the plan against the fastest card alone on its measured speed")
+        check_range("early_gain", self.early_gain, 0, 1, low_open=True)
+        check_range("min_gain", self.min_gain, 0, 1)
+        check_range("significance", self.significance, 0, 1, low_open=True)
         if 2.0 ** -(2 * self.max_pairs) >= self.significance:
             raise ConfigError(
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
@@ -152,15 +139,6 @@ class GuardPolicy:
                 f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "
                 f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}."
             )
-        for name, lo, hi, lo_open in (
-            ("early_gain", 0.0, 1.0, True), ("min_gain", 0.0, 1.0, False), ("significance", 0.0, 1.0, True)
-        ):
-            value = getattr(self, name)
-            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            ok = ok and (lo < value if lo_open else lo <= value) and value < hi
-            if not ok:
-                bracket = "(" if lo_open else "["
-                raise ConfigError(f"{name} must be a number in {bracket}{lo}, {hi}). Received: {name}={value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,20 +206,9 @@ class PlanGuard:
             raise ConfigError(f"policy must be a GuardPolicy. Received: policy={policy!r}.")
         self._policy = policy
         self._quiet = bool(quiet)
-        self._incumbent: BatchPlan | None = None
-        self._candidate: BatchPlan | None = None
-        self._served = 0
-        self._trial_steps = 0
-        self._pending_candidate_s: float | None = None  # the last candidate makespan, waiting for its incumbent
-        self._ratios: list[float] = []
-        self._last_decision: GuardDecision | None = None
+        self._trial: _Trial | None = None
         self._consecutive_reverts = 0
-        self._num_reverts = 0
         self._blocked_until_step = -1
-        self._against_alone = False
-        self._candidate_warm = False
-        self._incumbent_warm = False
-        self._incumbent_recent_s: float | None = None
         self._decisions: list[GuardDecision] = []
 
     @property
@@ -252,22 +219,22 @@ class PlanGuard:
     @property
     def in_trial(self) -> bool:
         """True while a candidate is being measured."""
-        return self._candidate is not None
+        return self._trial is not None
 
     @property
     def incumbent(self) -> BatchPlan | None:
         """The plan in force during a trial, else None."""
-        return self._incumbent
+        return None if self._trial is None else self._trial.incumbent
 
     @property
     def candidate(self) -> BatchPlan | None:
         """The plan being tried, else None."""
-        return self._candidate
+        return None if self._trial is None else self._trial.candidate
 
     @property
     def last_decision(self) -> GuardDecision | None:
         """The last trial's decision (None before the first)."""
-        return self._last_decision
+        return self._decisions[-1] if self._decisions else None
 
     @property
     def decisions(self) -> tuple[GuardDecision, ...]:
@@ -277,21 +244,21 @@ class PlanGuard:
     @property
     def against_alone(self) -> bool:
         """True while the running trial measures the fastest card alone against the plan in force."""
-        return self._candidate is not None and self._against_alone
+        return self._trial is not None and self._trial.against_alone
 
     @property
     def observed_steps(self) -> int:
         """Measured steps the running trial has taken so far (0 outside a trial)."""
-        return self._trial_steps if self._candidate is not None else 0
+        return 0 if self._trial is None else self._trial.steps
 
     @property
     def num_reverts(self) -> int:
-        """How many trials ended in a revert so far."""
-        return self._num_reverts
+        """How many trials of a proposed plan ended in a revert so far."""
+        return sum(1 for d in self._decisions if not d.kept and not d.against_alone)
 
     def may_start(self, step: int) -> bool:
         """True when no trial runs and the back-off after the last revert has passed at ``step``."""
-        return self._candidate is None and step >= self._blocked_until_step
+        return self._trial is None and step >= self._blocked_until_step
 
     def start(self, incumbent: BatchPlan, candidate: BatchPlan, *, step: int, against_alone: bool = False,
               incumbent_recent_s: float | None = None) -> None:
@@ -307,8 +274,7 @@ class PlanGuard:
         """
         if not isinstance(incumbent, BatchPlan) or not isinstance(candidate, BatchPlan):
             raise ConfigError(
-                f"A trial compares two BatchPlans. Received: incumbent={incumbent!r}, candidate={candidate!r}."
-            )
+                f"A trial compares two BatchPlans. Received: incumbent={incumbent!r}, candidate={candidate!r}.")
         if (
             incumbent.global_batch_size != candidate.global_batch_size
             or len(incumbent.per_replica_batch_sizes) != len(candidate.per_replica_batch_sizes)
@@ -316,22 +282,9 @@ class PlanGuard:
         ):
             raise ConfigError(
                 f"A trial compares two different splits of one global batch. Received: incumbent="
-                f"{list(incumbent.per_replica_batch_sizes)}, candidate={list(candidate.per_replica_batch_sizes)}."
-            )
-        self._incumbent, self._candidate = incumbent, candidate
-        self._against_alone = bool(against_alone)
-        self._served = 0
-        self._trial_steps = 0
-        self._pending_candidate_s = None
-        # The candidate's first measured step is a warm-up, not a sample: a new set of idle replicas traces the step
-        # again, and the first run of each split pays for it (graph set-up; with XLA per replica, the compilation of
-        # each new slice size, measured at 24x a step). So does the incumbent's first step after that trace: it is
-        # one when it is far slower than the incumbent's steps just before the trial (a plan in force that turned
-        # slow is slow before the trial too), or when none was measured before it (a trial right after calibration).
-        self._candidate_warm = False
-        self._incumbent_warm = False
-        self._incumbent_recent_s = None if incumbent_recent_s is None else float(incumbent_recent_s)
-        self._ratios = []
+                f"{list(incumbent.per_replica_batch_sizes)}, candidate={list(candidate.per_replica_batch_sizes)}.")
+        self._trial = _Trial(incumbent, candidate, bool(against_alone),
+                             None if incumbent_recent_s is None else float(incumbent_recent_s))
         (logger.debug if self._quiet else logger.info)(
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
             "significant)", list(candidate.per_replica_batch_sizes),
@@ -341,12 +294,12 @@ class PlanGuard:
 
     def plan_to_serve(self) -> BatchPlan | None:
         """The plan for the next full global batch the input pipeline cuts during a trial (None outside one)."""
-        if self._candidate is None:
+        trial = self._trial
+        if trial is None:
             return None
-        pattern = self._policy.pattern
-        letter = pattern[self._served % len(pattern)]
-        self._served += 1
-        return self._candidate if letter == "C" else self._incumbent
+        letter = self._policy.pattern[trial.served % len(self._policy.pattern)]
+        trial.served += 1
+        return trial.candidate if letter == "C" else trial.incumbent
 
     def observe(self, per_replica_batch_sizes: Sequence[int], makespan_s: float, *, step: int) -> GuardDecision | None:
         """Takes one measured step; returns the decision when this step ends the trial, else None.
@@ -367,35 +320,34 @@ class PlanGuard:
                 f"observe takes the step's slices (a sequence of integers) and its makespan in seconds (a number). "
                 f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}."
             ) from None
-        if self._candidate is None:
+        trial = self._trial
+        if trial is None:
             return None
-        self._trial_steps += 1
+        trial.steps += 1
         usable = math.isfinite(makespan_s) and makespan_s > 0
-        if usable and sizes == self._candidate.per_replica_batch_sizes:
-            if self._candidate_warm:
-                self._pending_candidate_s = float(makespan_s)
-            self._candidate_warm = True
-        elif usable and sizes == self._incumbent.per_replica_batch_sizes and not self._incumbent_warm and (
-                self._incumbent_recent_s is None
-                or makespan_s > self._policy.decisive_ratio * self._incumbent_recent_s):
-            self._incumbent_warm = True  # a warm-up: dropped, once
-        elif usable and sizes == self._incumbent.per_replica_batch_sizes and self._pending_candidate_s is not None:
-            self._incumbent_warm = True
-            self._ratios.append(self._pending_candidate_s / float(makespan_s))
-            self._pending_candidate_s = None
+        incumbent = usable and sizes == trial.incumbent.per_replica_batch_sizes
+        if usable and sizes == trial.candidate.per_replica_batch_sizes:
+            if trial.candidate_warm:
+                trial.pending_candidate_s = makespan_s
+            trial.candidate_warm = True
+        elif incumbent and not trial.incumbent_warm and (
+                trial.incumbent_recent_s is None
+                or makespan_s > self._policy.decisive_ratio * trial.incumbent_recent_s):
+            trial.incumbent_warm = True  # a warm-up: dropped, once
+        elif incumbent and trial.pending_candidate_s is not None:
+            trial.incumbent_warm = True
+            trial.ratios.append(trial.pending_candidate_s / makespan_s)
+            trial.pending_candidate_s = None
         decision = self._decide(step)
         return None if decision is None else self._finish(decision)
 
     def abandon(self) -> None:
         """Ends a trial without a decision (the plans it compared are obsolete, e.g. new cost models)."""
-        self._incumbent = self._candidate = None
-        self._against_alone = False
-        self._pending_candidate_s = None
-        self._ratios = []
+        self._trial = None
 
     def _decide(self, step: int) -> GuardDecision | None:
-        policy = self._policy
-        ratios = np.asarray(self._ratios, dtype=np.float64)
+        policy, trial = self._policy, self._trial
+        ratios = np.asarray(trial.ratios, dtype=np.float64)
         n = len(ratios)
         median = float(np.median(ratios)) if n else math.nan
         if n and np.all(ratios < 1.0 / policy.decisive_ratio):
@@ -414,38 +366,28 @@ class PlanGuard:
             if median < 1.0 - policy.min_gain and n < 2 * policy.max_pairs:
                 return None  # faster on the median but not yet significant (a noisy host): measure up to twice as long
             return self._decision(step, REVERTED, median, p_value, "not measurably faster")
-        if self._trial_steps >= policy.max_trial_steps:
-            return self._decision(step, REVERTED, median, None, f"only {n} pairs in {self._trial_steps} steps")
+        if trial.steps >= policy.max_trial_steps:
+            return self._decision(step, REVERTED, median, None, f"only {n} pairs in {trial.steps} steps")
         return None
 
     def _decision(self, step: int, outcome: str, median: float, p_value: float | None, why: str) -> GuardDecision:
+        trial = self._trial
         return GuardDecision(
-            step=int(step),
-            outcome=outcome,
-            incumbent_per_replica_batch_sizes=tuple(self._incumbent.per_replica_batch_sizes),
-            candidate_per_replica_batch_sizes=tuple(self._candidate.per_replica_batch_sizes),
-            num_pairs=len(self._ratios),
-            median_ratio=median,
-            p_value=p_value,
-            reason=why,
-            against_alone=self._against_alone,
-        )
+            step=int(step), outcome=outcome, incumbent_per_replica_batch_sizes=trial.incumbent.per_replica_batch_sizes,
+            candidate_per_replica_batch_sizes=trial.candidate.per_replica_batch_sizes, num_pairs=len(trial.ratios),
+            median_ratio=median, p_value=p_value, reason=why, against_alone=trial.against_alone)
 
     def _finish(self, decision: GuardDecision) -> GuardDecision:
         policy = self._policy
         if decision.kept:
             self._consecutive_reverts = 0
-        elif decision.against_alone:
-            pass  # the plan in force measured faster than the fastest card alone: nothing was refuted
-        else:
+        elif not decision.against_alone:  # (a plan in force that beat the fastest card alone refuted nothing)
             if decision.step - self._blocked_until_step > policy.max_backoff_steps:
                 self._consecutive_reverts = 0  # the last revert is long past: start the back-off from the bottom
             backoff = min(policy.backoff_steps * 2 ** self._consecutive_reverts, policy.max_backoff_steps)
             self._consecutive_reverts += 1
-            self._num_reverts += 1
             self._blocked_until_step = decision.step + backoff
             decision = dataclasses.replace(decision, next_trial_step=self._blocked_until_step)
-        self._last_decision = decision
         self._decisions.append(decision)
         p_text = "" if decision.p_value is None else f", p={decision.p_value:.3g}"
         after = "" if decision.next_trial_step is None else f"; no new trial before step {decision.next_trial_step}"
@@ -458,6 +400,28 @@ class PlanGuard:
         )
         self.abandon()
         return decision
+
+
+@dataclasses.dataclass
+class _Trial:
+    """What one running trial has measured so far (:meth:`PlanGuard.start`)."""
+
+    incumbent: BatchPlan
+    candidate: BatchPlan
+    against_alone: bool
+    # The incumbent's makespan just before the trial (s), or None. The candidate's first measured step is a warm-up,
+    # not a sample: a new set of idle replicas traces the step again, and the first run of each split pays for it
+    # (graph set-up; with XLA per replica, the compilation of each new slice size, measured at 24x a step). So does
+    # the incumbent's first step after that trace: it is one when it is far slower than the incumbent's steps just
+    # before the trial (a plan in force that turned slow is slow before the trial too), or when none was measured
+    # before it (a trial right after calibration).
+    incumbent_recent_s: float | None
+    served: int = 0  # batches served by the pattern
+    steps: int = 0  # measured steps observed
+    pending_candidate_s: float | None = None  # the last candidate makespan, waiting for its incumbent
+    ratios: list[float] = dataclasses.field(default_factory=list)  # candidate / incumbent makespan per pair
+    candidate_warm: bool = False
+    incumbent_warm: bool = False
 
 
 def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:

@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 
 from hetero_cs.errors import ConfigError
+from hetero_cs.planning.plan import check_range
 
 
 HISTORY_LENGTH = 256
@@ -124,8 +125,7 @@ class MemoryCaps:
     """
 
     def __init__(self, num_replicas: int, policy: MemoryRecoveryPolicy | None = None) -> None:
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+        check_range("num_replicas", num_replicas, 1, integer=True)
         self._num_replicas = num_replicas
         self.policy = policy or MemoryRecoveryPolicy()
         self._excluded: list[int] = []  # kept by reset: a failed card does not come back with new cost models
@@ -181,14 +181,17 @@ class MemoryCaps:
         Raises:
             ConfigError: If ``replica_id`` is out of range.
         """
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
-            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
-        old = self._cap(replica_id)
+        old = self._cap(self._checked_replica(replica_id))
         if replica_id not in self._excluded:
             self._excluded.append(replica_id)
         change = CapChange(replica_id, old, 0, "excluded", int(batch_size))
         self.history.append(change)
         return change
+
+    def _checked_replica(self, replica_id: int) -> int:
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
+            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
+        return replica_id
 
     def _cap(self, replica_id: int) -> int | None:
         if replica_id in self._excluded:
@@ -207,12 +210,9 @@ class MemoryCaps:
         Raises:
             ConfigError: If ``replica_id`` is out of range or ``batch_size`` is not an int >= 1.
         """
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
-            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {self._num_replicas}).")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(
-                f"batch_size={batch_size!r} must be an int >= 1 (the slice that ran out of memory; an empty slice "
-                "cannot).")
+        self._checked_replica(replica_id)
+        check_range("batch_size", batch_size, 1, integer=True,
+                    hint="the slice that ran out of memory; an empty slice cannot")
         old = self._cap(replica_id)
         smaller = [b for b in self._recent[replica_id] if b < batch_size]
         # Slices as large as the one that failed no longer fit (memory shrank): forgotten.

@@ -36,6 +36,8 @@ Pure Python: no TensorFlow, no NVML.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +45,10 @@ from typing import Any
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning._micro_lines import _linear_split
+from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, near_equal_micro_batches
+from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range, even_batch_split, ms_text
+from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
 __all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
            "plan_micro_batches", "plan_overlapped_micro_batches", "prefer_overlapped"]
@@ -59,6 +64,9 @@ An overlapped plan with more runs as several calls of at most this many, each en
 MAX_OVERLAPPED_SUB_STEPS = 65536
 """The most sub-steps an overlapped plan has (4096 calls; calls of the same shape share one trace, and each costs the
 host about a millisecond); a plan needing more runs as sub-steps with a barrier each."""
+
+
+_FIGURES = ("single_step_makespan_s", "sub_step_overhead_s", "overlapped")  # MicroBatchPlan's fields beside its plans
 
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
@@ -129,11 +137,7 @@ class MicroBatchPlan:
         """The sub-steps of each traced call, in order: one per call when ``overlapped``, else one each."""
         if not self.overlapped:
             return tuple((p,) for p in self.sub_step_plans)
-        sizes, start, calls = self.call_sub_steps or (self.num_sub_steps,), 0, []
-        for n in sizes:
-            calls.append(self.sub_step_plans[start:start + n])
-            start += n
-        return tuple(calls)
+        return tuple(_cut(self.sub_step_plans, self.call_sub_steps or (self.num_sub_steps,)))
 
     @property
     def num_calls(self) -> int:
@@ -193,9 +197,7 @@ class MicroBatchPlan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; inverse of :meth:`from_dict`."""
         return {"sub_step_plans": [p.to_dict() for p in self.sub_step_plans],
-                "single_step_makespan_s": self.single_step_makespan_s,
-                "sub_step_overhead_s": self.sub_step_overhead_s, "overlapped": self.overlapped,
-                "call_sub_steps": list(self.call_sub_steps)}
+                **{key: getattr(self, key) for key in _FIGURES}, "call_sub_steps": list(self.call_sub_steps)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
@@ -208,10 +210,7 @@ class MicroBatchPlan:
             raise ConfigError(f"MicroBatchPlan.from_dict needs the mapping MicroBatchPlan.to_dict() writes, with "
                               f"'sub_step_plans'. Received: {data!r}.")
         return cls(tuple(BatchPlan.from_dict(p) for p in data["sub_step_plans"]),
-                   single_step_makespan_s=data.get("single_step_makespan_s"),
-                   sub_step_overhead_s=data.get("sub_step_overhead_s", 0.0),
-                   overlapped=bool(data.get("overlapped", False)),
-                   call_sub_steps=tuple(data.get("call_sub_steps", ())))
+                   call_sub_steps=tuple(data.get("call_sub_steps", ())), **{k: data[k] for k in _FIGURES if k in data})
 
     @classmethod
     def of_slices(cls, plan: BatchPlan, max_batch_sizes: Sequence[int | None],
@@ -230,9 +229,6 @@ class MicroBatchPlan:
         Raises:
             ConfigError: Not one cap per replica, or a replica with examples and a cap of 0.
         """
-        from hetero_cs.planning.cost_model import idle_free, near_equal_micro_batches
-        from hetero_cs.planning.solver import plan_from_split
-
         sizes = plan.per_replica_batch_sizes
         caps = list(max_batch_sizes)
         if len(caps) != len(sizes) or any(c is not None and c < 1 and b > 0 for b, c in zip(sizes, caps)):
@@ -258,18 +254,15 @@ class MicroBatchPlan:
                                           self.micro_batch_counts)):
             lines.append(f"{i:>7}  {b:>8}  {m if k else 'idle':>11}  {k:>5}")
 
-        def ms(value: float | None) -> str:
-            return "n/a" if value is None else f"{value * 1e3:.3f} ms"
-
         speedup = self.predicted_speedup_vs_single_step
         single = "does not fit" if self.predicted_makespan_s is not None else "n/a"  # n/a: nothing predicted
         calls = "" if self.num_calls == 1 else f"in {self.num_calls} calls of up to {SUB_STEPS_PER_CALL} sub-steps, "
         how = (f"{calls}each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host "
                f"time per {'call' if calls else 'step'}" if self.overlapped else
                f"a barrier after each sub-step, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
-        lines += [f"predicted makespan: {ms(self.predicted_makespan_s)} ({how})",
+        lines += [f"predicted makespan: {ms_text(self.predicted_makespan_s)} ({how})",
                   f"in one step within the caps: "
-                  f"{ms(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
+                  f"{ms_text(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
         if speedup is not None:
             lines.append(f"predicted speedup vs one step: {speedup:.3f}x")
         return "\n".join(lines)
@@ -280,9 +273,10 @@ def _sizes_text(sizes: Sequence[int]) -> str:
     return " and ".join(f"{size} ({sizes.count(size)}x)" if len(distinct) > 1 else str(size) for size in distinct)
 
 
-def _equal_sizes(global_batch_size: int, num_sub_steps: int) -> list[int]:
-    q, r = divmod(global_batch_size, num_sub_steps)
-    return [q + 1] * r + [q] * (num_sub_steps - r)
+def _no_room_error() -> InfeasiblePlanError:
+    return InfeasiblePlanError(
+        "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' memory "
+        "(another process may hold it), use a smaller model, or train on other devices.")
 
 
 def plan_micro_batches(
@@ -318,36 +312,22 @@ def plan_micro_batches(
         ConfigError: ``B`` not an integer >= 1, ``capacity`` not None or an integer >= 0.
         InfeasiblePlanError: ``capacity`` is 0: no replica can hold one example.
     """
-    B = global_batch_size
-    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
-        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: global_batch_size={B!r}.")
+    B = _checked_global_batch_size(global_batch_size, allow_zero=False)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ConfigError(f"capacity must be None or an integer >= 0 (examples). Received: capacity={capacity!r}.")
     if capacity == 0:
-        raise InfeasiblePlanError(
-            "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
-            "memory (another process may hold it), use a smaller model, or train on other devices.")
+        raise _no_room_error()
+    check_range("sub_step_overhead_s", sub_step_overhead_s, 0, hint="seconds")
     overhead = float(sub_step_overhead_s)
-    if not math.isfinite(overhead) or overhead < 0:
-        raise ConfigError(f"sub_step_overhead_s must be a finite number of seconds >= 0. Received: "
-                          f"sub_step_overhead_s={sub_step_overhead_s!r}.")
     k_min = 1 if capacity is None or B <= capacity else math.ceil(B / capacity)
-    plans: dict[int, BatchPlan] = {}
-
-    def plan_of(size: int) -> BatchPlan:
-        if size not in plans:
-            plans[size] = solve(size)
-        return plans[size]
+    plan_of = functools.cache(solve)  # each sub-step size solved once
 
     def makespan(K: int) -> float | None:
-        times = [plan_of(size).predicted_makespan_s for size in set(_equal_sizes(B, K))]
-        if any(t is None for t in times):
-            return None
-        sizes = _equal_sizes(B, K)
-        return float(sum(plan_of(size).predicted_makespan_s for size in sizes)) + K * overhead
+        times = [plan_of(size).predicted_makespan_s for size in even_batch_split(B, K)]
+        return None if None in times else float(sum(times)) + K * overhead
 
     def built(K: int, single: float | None) -> MicroBatchPlan:
-        return MicroBatchPlan(tuple(plan_of(size) for size in _equal_sizes(B, K)), single_step_makespan_s=single,
+        return MicroBatchPlan(tuple(plan_of(size) for size in even_batch_split(B, K)), single_step_makespan_s=single,
                               sub_step_overhead_s=overhead)
 
     single = makespan(1) if k_min == 1 else None
@@ -374,8 +354,6 @@ def micro_batched_curves(cost_models, max_batch_sizes) -> list:
     """Each replica's time for ``b`` examples run as micro-batches within its cap, back to back
     (:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel`); an uncapped replica's model as it is, and a cap
     of 0 left to :func:`zero_caps` (such a replica takes no example)."""
-    from hetero_cs.planning.cost_model import MicroBatchedCostModel
-
     return [model if cap is None or cap < 1 else MicroBatchedCostModel(model, int(cap))
             for model, cap in zip(cost_models, max_batch_sizes)]
 
@@ -435,19 +413,12 @@ def plan_overlapped_micro_batches(
         >>> plan.per_replica_batch_sizes, plan.micro_batch_sizes, plan.micro_batch_counts
         ((75, 21), (15, 21), (5, 1))
     """
-    from hetero_cs.planning.cost_model import MicroBatchedCostModel
-    from hetero_cs.planning.solver import solve_batch_split
-
-    B = global_batch_size
-    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
-        raise ConfigError(f"global_batch_size must be an integer >= 1. Received: global_batch_size={B!r}.")
+    B = _checked_global_batch_size(global_batch_size, allow_zero=False)
     models, caps = list(cost_models), list(max_batch_sizes)
     if len(caps) != len(models):
         raise ConfigError(f"max_batch_sizes needs one entry per replica ({len(models)}). Received: {caps!r}.")
     if all(cap is not None and cap < 1 for cap in caps):
-        raise InfeasiblePlanError(
-            "No replica can hold one example (every memory cap is 0), so no micro-batch fits. Free the devices' "
-            "memory (another process may hold it), use a smaller model, or train on other devices.")
+        raise _no_room_error()
     curves = micro_batched_curves(models, caps)
     split = _linear_split(models, caps, B)
     if split is None:  # not all lines: the minimum-makespan solver, exact for any non-decreasing curve
@@ -465,7 +436,7 @@ def plan_overlapped_micro_batches(
     n = -(-K // SUB_STEPS_PER_CALL)
     best = _spread(parts, n, models, single_step_makespan_s, host_overhead_s)
     for calls in range(n, min(n + 8, B) + 1):
-        sizes = _equal_sizes(B, calls)
+        sizes = even_batch_split(B, calls)
         per_size = {size: plan_overlapped_micro_batches(size, models, caps, host_overhead_s=host_overhead_s,
                                                         max_sub_steps=SUB_STEPS_PER_CALL) for size in set(sizes)}
         if any(plan is None for plan in per_size.values()):
@@ -479,86 +450,14 @@ def plan_overlapped_micro_batches(
     return best
 
 
-def _line_of(model) -> tuple[float, float, bool] | None:
-    """``(a, c, idle_free)`` when ``model`` is ``t(b) = a + c b`` (maybe scaled, maybe with ``t(0) = 0``), else None."""
-    from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, ScaledCostModel
-
-    factor, idle = 1.0, False
-    while True:
-        if isinstance(model, IdleFreeCostModel):
-            idle, model = True, model.base
-        elif isinstance(model, ScaledCostModel):
-            factor, model = factor * model.factor, model.base
-        else:
-            break
-    if type(model) is not LinearCostModel:
-        return None
-    return factor * model.fixed_overhead_s, factor * model.seconds_per_example, idle
-
-
-def _linear_split(models, caps, B: int) -> tuple[int, ...] | None:
-    """The minimum-makespan split of ``B`` under micro-batched lines, in closed form (None unless every model is a
-    line with a positive slope and ``t(0) = 0``): the least ``T`` at which the cards hold ``B`` examples in all,
-    by bisection over the cards' own step times, each card's most examples within ``T`` exact."""
-    lines = [_line_of(m) for m in models]
-    if any(line is None or line[1] <= 0 or not line[2] for line in lines):
-        return None
-
-    def time_of(i: int, b: int) -> float:
-        if b == 0:
-            return 0.0
-        a, c, _ = lines[i]
-        cap = caps[i]
-        return (1 if cap is None else -(-b // cap)) * a + c * b
-
-    def most_within(i: int, T: float) -> int:
-        a, c, _ = lines[i]
-        cap = caps[i]
-        if cap is not None and cap < 1:
-            return 0
-        if cap is None:
-            return max(0, math.floor((T - a) / c + 1e-9)) if T >= a + c else 0
-        best, k_star = 0, T / (a + c * cap) if a + c * cap > 0 else 0.0
-        for k in {max(1, math.floor(k_star)), max(1, math.ceil(k_star)), max(1, math.ceil(k_star) + 1)}:
-            b = min(k * cap, math.floor((T - k * a) / c + 1e-9))
-            if b > (k - 1) * cap:  # k micro-batches hold more than k - 1 do
-                best = max(best, b)
-        while best > 0 and time_of(i, best) > T:  # guard the float floor
-            best -= 1
-        return best
-
-    R = len(models)
-    low, high = 0.0, max(time_of(i, B) for i in range(R) if caps[i] is None or caps[i] >= 1)
-    for _ in range(200):
-        if high - low <= 1e-12 * max(1.0, high):
-            break
-        middle = (low + high) / 2
-        if sum(most_within(i, middle) for i in range(R)) >= B:
-            high = middle
-        else:
-            low = middle
-    # The makespan is one card's time at some slice: the least such time that holds B (exact, not the bisection's).
-    candidates = sorted({time_of(i, most_within(i, high)) for i in range(R)})
-    T = next((t for t in candidates if sum(most_within(i, t) for i in range(R)) >= B), None)
-    if T is None:  # a slope so small beside the fixed cost that float rounding loses examples: the solver decides
-        return None
-    split = [most_within(i, T) for i in range(R)]
-    excess = sum(split) - B
-    for i in reversed(range(R)):  # fewer examples never take longer: trim the excess from the last cards
-        cut = min(excess, split[i])
-        split[i] -= cut
-        excess -= cut
-    return tuple(split)
-
-
 def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:
     """Each card's micro-batches (``parts[i]``, largest first) spread evenly over ``n`` calls; within a call, sub-step
     ``j`` gives each card its ``j``-th micro-batch there."""
-    groups = [[_equal_sizes_of(p, g, n) for p in parts] for g in range(n)]
     sub_steps, call_sub_steps = [], []
-    groups = [group for group in groups if any(group)]
-    for group in groups:
+    for group in zip(*(_cut(p, even_batch_split(len(p), n)) for p in parts)):
         depth = max(len(p) for p in group)
+        if not depth:
+            continue  # a call no card has a micro-batch in
         call_sub_steps.append(depth)
         for j in range(depth):
             sizes = tuple(p[j] if j < len(p) else 0 for p in group)
@@ -570,11 +469,10 @@ def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s
                           call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
 
 
-def _equal_sizes_of(items: list, group: int, groups: int) -> list:
-    """The ``group``-th of ``groups`` near-equal consecutive parts of ``items`` (earlier parts one longer)."""
-    q, r = divmod(len(items), groups)
-    start = group * q + min(group, r)
-    return items[start:start + q + (1 if group < r else 0)]
+def _cut(items: Sequence, sizes: Sequence[int]) -> list:
+    """``items`` cut into consecutive pieces of ``sizes`` examples each (they sum to ``len(items)``)."""
+    ends = list(itertools.accumulate(sizes))
+    return [items[end - size:end] for size, end in zip(sizes, ends)]
 
 
 def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchPlan | None, *,

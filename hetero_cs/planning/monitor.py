@@ -28,28 +28,16 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
-from hetero_cs.planning.cost_model import CostModel, LinearCostModel, ScaledCostModel
+from hetero_cs.planning.cost_model import CostModel, ScaledCostModel
+from hetero_cs.planning.plan import _is_int, check_range
+from hetero_cs.planning.robust_stats import _fit_linear_model, _median, _shift_start, median_and_error
 from hetero_cs.planning.step_pairing import StepPairing, StepSample  # noqa: F401 - StepSample re-exported
 from hetero_cs.errors import CalibrationError, ConfigError
 
 logger = logging.getLogger(__name__)
 
-# An affine fit t = a + c*b from the window is used only when its slice sizes span at least this factor
-# (max b / min b). Over a narrower range the slope is mostly noise: with 10 % timing noise and slices 48 vs 50,
-# the fitted slope is off by ~100 %, and the intercept absorbs the error. The proportional model t = c*b is a
-# secant through the origin instead; re-planning on secants converges to equal finishing times.
-_MIN_SIZE_SPREAD_FOR_AFFINE_FIT = 2.0
-
 # Incomplete steps kept beyond the window before the oldest is dropped (a replica that never reports).
 _EXTRA_PENDING_STEPS = 64
-
-# Shift detection: when a replica's last SHIFT_STEPS relative levels all lie more than SHIFT_THRESHOLD above (or
-# below) the median of its earlier ones in the window, its speed changed; its estimate then uses only those recent
-# steps instead of waiting for the window median to flip (window_steps // 2 + 1 steps). With up to 10 % uniform
-# per-replica noise a false shift is impossible (every sample would have to be 15 % off); with 10 % lognormal noise
-# its odds are about 4e-5 per replica per step - and the guard measures any re-plan it causes.
-SHIFT_STEPS = 4
-SHIFT_THRESHOLD = 0.15
 
 
 class StepTimeMonitor(DeepcopiedWithNewLocks):
@@ -75,7 +63,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         num_replicas: R >= 1, the number of replicas reporting.
         window_steps: >= 1, how many of the most recent complete steps the estimates use. A step change in a
             device's speed moves the estimate after SHIFT_STEPS (4) steps once the shift is clear (see
-            ``SHIFT_THRESHOLD``), else after window_steps // 2 + 1 steps (the median).
+            ``robust_stats.SHIFT_THRESHOLD``), else after window_steps // 2 + 1 steps (the median).
 
     Raises:
         ConfigError: If num_replicas or window_steps is not a positive integer.
@@ -90,7 +78,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
 
     def __init__(self, num_replicas: int, *, window_steps: int = 16):
         for name, value in (("num_replicas", num_replicas), ("window_steps", window_steps)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer. Received: {name}={value!r}.")
         self._num_replicas = int(num_replicas)
         self._window_steps = int(window_steps)
@@ -148,17 +136,10 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             ConfigError: If replica_id is out of range, batch_size is negative or not an integer, or step_key is
                 not hashable.
         """
-        if isinstance(replica_id, bool) or not isinstance(replica_id, (int, np.integer)) or not (
-            0 <= replica_id < self._num_replicas
-        ):
-            raise ConfigError(
-                f"replica_id must be an integer in [0, {self._num_replicas}). Received: replica_id={replica_id!r}."
-            )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
-            raise ConfigError(
-                f"batch_size must be a non-negative integer (examples in the replica's slice). "
-                f"Received: batch_size={batch_size!r} for replica_id={replica_id}."
-            )
+        check_range("replica_id", replica_id, 0, self._num_replicas, integer=True)
+        if not _is_int(batch_size) or batch_size < 0:
+            raise ConfigError(f"batch_size must be a non-negative integer (examples in the replica's slice). "
+                              f"Received: batch_size={batch_size!r} for replica_id={replica_id}.")
         if step_key is not None:
             try:
                 hash(step_key)
@@ -167,10 +148,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                     f"step_key must be hashable (a value every replica of the step shares). Received: "
                     f"step_key={step_key!r} of type {type(step_key).__name__}."
                 ) from None
-        try:
-            step_time_s = float(step_time_s)
-        except (TypeError, ValueError):
-            step_time_s = math.nan
+        step_time_s = _seconds(step_time_s)
         valid = math.isfinite(step_time_s) and step_time_s >= 0.0
         with self._lock:
             if not valid and not self._warned_invalid:
@@ -215,7 +193,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             sizes = times = counts = None
         if (
             sizes is None or not len(sizes) == len(times) == len(counts) == R
-            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in sizes + counts)
+            or any(not _is_int(v) or v < 0 for v in sizes + counts)
             or any(b > 0 and k < 1 for b, k in zip(sizes, counts))
             or not all(math.isfinite(t) and t >= 0 for t in times)
         ):
@@ -244,10 +222,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             step_key: The step's key, as its replicas reported it (:meth:`record`).
             step_time_s: Seconds from the step's start to the end of its update, on the replicas' clock.
         """
-        try:
-            step_time_s = float(step_time_s)
-        except (TypeError, ValueError):
-            return
+        step_time_s = _seconds(step_time_s)
         if not (math.isfinite(step_time_s) and step_time_s >= 0.0):
             return
         with self._lock:
@@ -348,12 +323,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             CalibrationError: If base_models is None and no replica has a step with b_i > 0 and t_i > 0 in the
                 window (record some steps first, or pass base models).
         """
-        if base_models is not None and len(base_models) != self._num_replicas:
-            raise ConfigError(
-                f"base_models must hold one cost model per replica. Received: len(base_models)={len(base_models)}, "
-                f"num_replicas={self._num_replicas}."
-            )
         if base_models is not None:
+            self._check_one_per_replica("base_models", base_models)
             relative, common = self._relative_levels(base_models)
             models = []
             for i, base in enumerate(base_models):
@@ -400,11 +371,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         Raises:
             ConfigError: If cost_models does not have length R.
         """
-        if len(cost_models) != self._num_replicas:
-            raise ConfigError(
-                f"cost_models must hold one cost model per replica. Received: len(cost_models)={len(cost_models)}, "
-                f"num_replicas={self._num_replicas}."
-            )
+        self._check_one_per_replica("cost_models", cost_models)
         levels = self._levels(cost_models)
         relative, _ = self._relative_levels(cost_models, levels)
         result = np.zeros(self._num_replicas)
@@ -416,11 +383,13 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             recent = _shift_start(usable)
             if recent is not None and q.size == usable.size:
                 q = q[recent:]  # the speed changed: only the steps since say how precisely the new level is known
-            center = _median(q)
-            if center > 0:
-                mad = _median(np.abs(q - center))
-                result[i] = 1.2533 * 1.4826 * mad / center / math.sqrt(q.size)
+            result[i] = median_and_error(q)[1]
         return result
+
+    def _check_one_per_replica(self, name: str, models: Sequence[CostModel]) -> None:
+        if len(models) != self._num_replicas:
+            raise ConfigError(f"{name} must hold one cost model per replica. Received: len({name})={len(models)}, "
+                              f"num_replicas={self._num_replicas}.")
 
     def _levels(self, cost_models: Sequence[CostModel]) -> np.ndarray:
         """q[k, i] = t_i / model_i.predict_step_time_s(b_i) at window step k, shape [S, R]; NaN where b_i = 0 or the
@@ -476,48 +445,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         return ScaledCostModel(base, factor)
 
 
-def _median(values: np.ndarray) -> float:
-    """The median of a 1-D array (the mean of the two middle values for an even count), as ``np.median`` gives it.
-
-    The window holds at most a few dozen values, where sorting a Python list costs a few microseconds and
-    ``np.median`` about 25: a look computes several medians per replica, and it runs beside the training step.
-    """
-    ordered = sorted(values.tolist())
-    n = len(ordered)
-    if n == 0:
+def _seconds(value: object) -> float:
+    """``value`` as a float of seconds; NaN when it is not a number (then no valid time)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
         return math.nan
-    middle = n // 2
-    return float(ordered[middle]) if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
-
-
-def _shift_start(levels: np.ndarray) -> int | None:
-    """Index where the last SHIFT_STEPS levels start if they all moved past SHIFT_THRESHOLD of the earlier median.
-
-    ``levels`` is one replica's finite relative levels, oldest first; at least SHIFT_STEPS earlier ones are needed.
-    """
-    if levels.size < 2 * SHIFT_STEPS:
-        return None
-    start = levels.size - SHIFT_STEPS
-    recent, before = levels[start:], _median(levels[:start])
-    if before <= 0:
-        return None
-    if np.all(recent > before * (1.0 + SHIFT_THRESHOLD)) or np.all(recent < before * (1.0 - SHIFT_THRESHOLD)):
-        return start
-    return None
-
-
-def _fit_linear_model(sizes: np.ndarray, times_s: np.ndarray) -> LinearCostModel | None:
-    """Fits t = a + c*b to one replica's window samples (shape [S] each); None if no usable sample."""
-    usable = (sizes > 0) & (times_s > 0)
-    b = sizes[usable]
-    t = times_s[usable]
-    if b.size == 0:
-        return None
-    if b.max() >= _MIN_SIZE_SPREAD_FOR_AFFINE_FIT * b.min():
-        i, j = np.triu_indices(b.size, k=1)
-        distinct = b[i] != b[j]
-        slope = _median((t[j][distinct] - t[i][distinct]) / (b[j][distinct] - b[i][distinct]))
-        intercept = _median(t - slope * b)
-        if slope > 0 and intercept >= 0:
-            return LinearCostModel(intercept, slope)
-    return LinearCostModel(0.0, _median(t / b))

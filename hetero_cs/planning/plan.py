@@ -18,7 +18,7 @@ import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -77,6 +77,20 @@ def finite_real(value: Any) -> bool:
         return math.isfinite(float(value))
     except OverflowError:
         return False
+
+
+def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = True, integer: bool = False, hint: str = "") -> None:
+    """Raises ConfigError ``"{name} must be <a number> <in the range> (<hint>). Received: {name}={value!r}."`` unless
+    ``value`` is a real number (an integer when ``integer``; never a bool or NaN) from ``low`` to ``high``, each end
+    open or closed as asked. A range open above infinity holds finite numbers only."""
+    real = _is_int(value) if integer else _is_real(value) and not math.isnan(value)
+    if real and (low < value if low_open else low <= value) and (value < high if high_open else value <= high):
+        return
+    kind = "an integer" if integer else "a finite number" if high == math.inf and high_open else "a number"
+    bounds = (f"{'>' if low_open else '>='} {low}" if high == math.inf else
+              f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+    raise ConfigError(f"{name} must be {kind} {bounds}{f' ({hint})' if hint else ''}. Received: {name}={value!r}.")
 
 
 def short_repr(values: Any, limit: int = 200) -> str:
@@ -194,16 +208,7 @@ class BatchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict with every field (lists for tuples); inverse of :meth:`from_dict`."""
-        return {
-            "per_replica_batch_sizes": list(self.per_replica_batch_sizes),
-            "global_batch_size": self.global_batch_size,
-            "predicted_makespan_s": self.predicted_makespan_s,
-            "even_split_makespan_s": self.even_split_makespan_s,
-            "ideal_makespan_s": self.ideal_makespan_s,
-            "predicted_step_times_s": (
-                None if self.predicted_step_times_s is None else list(self.predicted_step_times_s)
-            ),
-        }
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BatchPlan:
@@ -222,14 +227,7 @@ class BatchPlan:
                 f"BatchPlan dict keys are {list(_KEYS)} (the last four optional). Received: unknown={unknown}, "
                 f"missing={missing}. Write it with BatchPlan.to_dict()."
             )
-        return cls(
-            per_replica_batch_sizes=data["per_replica_batch_sizes"],
-            global_batch_size=data["global_batch_size"],
-            predicted_makespan_s=data.get("predicted_makespan_s"),
-            even_split_makespan_s=data.get("even_split_makespan_s"),
-            ideal_makespan_s=data.get("ideal_makespan_s"),
-            predicted_step_times_s=data.get("predicted_step_times_s"),
-        )
+        return cls(**data)
 
     def to_json(self) -> str:
         """Returns the plan as a JSON object (floats written exactly, so from_json gives an equal plan)."""
@@ -264,26 +262,24 @@ class BatchPlan:
                          f"without them, or there are fewer examples than replicas, or their share or memory cap is "
                          f"0: a card that cannot hold one example, or one set aside after a device error)")
 
-        def ms(value: float | None) -> str:
-            return "n/a" if value is None else f"{value * 1e3:.3f} ms"
-
         speedup, efficiency = self.predicted_speedup_vs_even, self.efficiency
         lines += [
-            f"predicted makespan: {ms(self.predicted_makespan_s)}",
-            f"even split makespan: {ms(self.even_split_makespan_s)}",
-            f"ideal makespan: {ms(self.ideal_makespan_s)}",
+            f"predicted makespan: {ms_text(self.predicted_makespan_s)}",
+            f"even split makespan: {ms_text(self.even_split_makespan_s)}",
+            f"ideal makespan: {ms_text(self.ideal_makespan_s)}",
             f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
             f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}",
         ]
         return "\n".join(lines)
 
 
+def ms_text(seconds: float | None) -> str:
+    """``seconds`` as ``"12.345 ms"``, or ``"n/a"`` for None (a figure nothing predicted)."""
+    return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
 def _checked_global_batch_size(global_batch_size: Any, *, allow_zero: bool) -> int:
-    low = 0 if allow_zero else 1
-    if not _is_int(global_batch_size) or global_batch_size < low:
-        raise ConfigError(
-            f"global_batch_size must be an integer >= {low}. Received: global_batch_size={global_batch_size!r}."
-        )
+    check_range("global_batch_size", global_batch_size, 0 if allow_zero else 1, integer=True)
     return int(global_batch_size)
 
 
@@ -307,8 +303,7 @@ def even_batch_split(global_batch_size: int, num_replicas: int) -> tuple[int, ..
         (3, 3, 2, 2)
     """
     B = _checked_global_batch_size(global_batch_size, allow_zero=True)
-    if not _is_int(num_replicas) or num_replicas < 1:
-        raise ConfigError(f"num_replicas must be an integer >= 1. Received: num_replicas={num_replicas!r}.")
+    check_range("num_replicas", num_replicas, 1, integer=True)
     q, r = divmod(B, int(num_replicas))
     return tuple(q + 1 if i < r else q for i in range(int(num_replicas)))
 

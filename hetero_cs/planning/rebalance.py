@@ -35,12 +35,10 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, _is_int, check_range
 from hetero_cs.planning.solver import solve_batch_split
 
 logger = logging.getLogger(__name__)
@@ -56,10 +54,6 @@ NOT_DUE = "not_due"
 
 # Lower bound of a level factor 1 - noise_sigmas * u when u is so large that the factor would not be positive.
 _MIN_LEVEL_FACTOR = 1e-6
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,34 +91,11 @@ class RebalancePolicy:
     check_interval_steps: int = 1
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.deadband, bool)
-            or not isinstance(self.deadband, (int, float, np.floating, np.integer))
-            or not (0.0 <= float(self.deadband) < 1.0)
-        ):
-            raise ConfigError(
-                f"deadband must be a number in [0, 1) (a relative makespan gain; 0.05 = 5 %). "
-                f"Received: deadband={self.deadband!r}."
-            )
-        if (
-            isinstance(self.noise_sigmas, bool)
-            or not isinstance(self.noise_sigmas, (int, float, np.floating, np.integer))
-            or not (0.0 <= float(self.noise_sigmas) < math.inf)
-        ):
-            raise ConfigError(
-                f"noise_sigmas must be a finite number >= 0 (standard errors; the default is 1.5). "
-                f"Received: noise_sigmas={self.noise_sigmas!r}."
-            )
-        for name, minimum in (
-            ("cooldown_steps", 0),
-            ("min_samples", 1),
-            ("multiple_of", 1),
-            ("min_batch_size", 0),
-            ("check_interval_steps", 1),
-        ):
-            value = getattr(self, name)
-            if not _is_int(value) or value < minimum:
-                raise ConfigError(f"{name} must be an integer >= {minimum}. Received: {name}={value!r}.")
+        check_range("deadband", self.deadband, 0, 1, hint="a relative makespan gain; 0.05 = 5 %")
+        check_range("noise_sigmas", self.noise_sigmas, 0, hint="standard errors; the default is 1.5")
+        for name, minimum in (("cooldown_steps", 0), ("min_samples", 1), ("multiple_of", 1), ("min_batch_size", 0),
+                              ("check_interval_steps", 1)):
+            check_range(name, getattr(self, name), minimum, integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,31 +317,26 @@ class Rebalancer:
                 return None
 
         cost_models = get_models()
-        if not forced:
-            current_times_s = [float(m.predict_step_time_s(b)) for m, b in zip(cost_models, old_sizes)]
-            current_makespan_s = max(current_times_s)
-            if 0 < current_makespan_s < math.inf and min(current_times_s) >= (1.0 - self._policy.deadband) * (
-                current_makespan_s
-            ):
-                # No split can gain more than the deadband: to finish a fraction g > deadband earlier, every
-                # replica (each already within the deadband of the makespan) would have to shed examples, and the
-                # slices still sum to B. So the decision is known without solving (which costs most of a look).
-                self._last_decision = RebalanceDecision(
-                    step, BALANCED, old_sizes, current_makespan_s=current_makespan_s
-                )
-                return None
+        # Every replica counts, an idle one (b_i = 0) with t_i(0), as in plan_from_split and solve_batch_split.
+        current_times_s = [float(m.predict_step_time_s(b)) for m, b in zip(cost_models, old_sizes)]
+        current_makespan_s = max(current_times_s)
+        deadband = float(self._policy.deadband)
+        if not forced and 0 < current_makespan_s < math.inf and min(current_times_s) >= (1.0 - deadband) * (
+                current_makespan_s):
+            # No split can gain more than the deadband: to finish a fraction g > deadband earlier, every replica
+            # (each already within the deadband of the makespan) would have to shed examples, and the slices still
+            # sum to B. So the decision is known without solving (which costs most of a look).
+            self._last_decision = RebalanceDecision(step, BALANCED, old_sizes, current_makespan_s=current_makespan_s)
+            return None
         errors = self._check_errors(get_errors(cost_models), len(old_sizes))
-        global_batch_size = current_plan.global_batch_size
-        new_plan = solve_batch_split(
-            cost_models,
-            global_batch_size,
-            max_batch_sizes=caps,
-            min_batch_size=_feasible_min_batch_size(self._policy.min_batch_size, global_batch_size, len(old_sizes)),
-            multiple_of=self._policy.multiple_of,
-        )
+        # A global batch smaller than R * min_batch_size is legal (a small B, or a last partial batch): the strategy
+        # already cuts it with some replicas idle, so the re-planner lowers the smallest slice to B // R rather than
+        # make it infeasible (B = 2 on R = 3 with the default min_batch_size=1 re-plans with 0).
+        B = current_plan.global_batch_size
+        new_plan = solve_batch_split(cost_models, B, max_batch_sizes=caps, multiple_of=self._policy.multiple_of,
+                                     min_batch_size=min(self._policy.min_batch_size, B // len(old_sizes)))
         new_sizes = tuple(int(b) for b in new_plan.per_replica_batch_sizes)
-        current_makespan_s = _makespan_s(old_sizes, cost_models)
-        new_makespan_s = _makespan_s(new_sizes, cost_models)
+        new_makespan_s = new_plan.predicted_makespan_s
         gain = _relative_gain(current_makespan_s, new_makespan_s)
         worst_case_gain = gain
         z = float(self._policy.noise_sigmas)
@@ -379,7 +345,6 @@ class Rebalancer:
                 _makespan_s(old_sizes, cost_models, [max(1.0 - z * u, _MIN_LEVEL_FACTOR) for u in errors]),
                 _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]),
             )
-        deadband = float(self._policy.deadband)
         if new_sizes == old_sizes:
             outcome = UNCHANGED
         elif forced or worst_case_gain > deadband:
@@ -416,25 +381,11 @@ class Rebalancer:
         return values
 
 
-def _feasible_min_batch_size(min_batch_size: int, global_batch_size: int, num_replicas: int) -> int:
-    """policy.min_batch_size, lowered to B // R when B < R * min_batch_size (then not every replica can get it).
-
-    A global batch smaller than R * min_batch_size is legal (a small B, or a last partial batch): the strategy
-    already cuts it with some replicas idle, so the re-planner must not make it infeasible. B = 2 on R = 3 with
-    the default min_batch_size=1 re-plans with min_batch_size=0.
-    """
-    return min(min_batch_size, global_batch_size // num_replicas)
-
-
-def _makespan_s(
-    sizes: Sequence[int], cost_models: Sequence[CostModel], level_factors: Sequence[float] | None = None
-) -> float:
-    """max_i f_i * t_i(b_i) in seconds: the split's makespan under the models, each level scaled by f_i (default 1).
+def _makespan_s(sizes: Sequence[int], cost_models: Sequence[CostModel], level_factors: Sequence[float]) -> float:
+    """max_i f_i * t_i(b_i) in seconds: the split's makespan under the models, each level scaled by f_i.
 
     Every replica counts, an idle one (b_i = 0) with t_i(0), as in plan_from_split and solve_batch_split.
     """
-    if level_factors is None:
-        level_factors = [1.0] * len(sizes)
     return max(f * float(m.predict_step_time_s(int(b))) for m, b, f in zip(cost_models, sizes, level_factors))
 
 

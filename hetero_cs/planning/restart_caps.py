@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
+from hetero_cs.planning.plan import check_range
 
 CAPS_ENV_VAR = "HETERO_CS_MAX_BATCH_SIZES"
 NO_CAP = "none"
@@ -103,18 +104,17 @@ def lowered_caps(caps: Sequence[int | None] | None, num_replicas: int, replica_i
     did not fit, and the card then takes no example), or stays lower if it was already; the others keep theirs.
 
     Raises:
-        ValueError: ``replica_id`` outside ``[0, num_replicas)``, ``examples`` < 1, or a backoff outside (0, 1).
+        ConfigError: ``replica_id`` not an integer in ``[0, num_replicas)``, ``examples`` not an integer >= 1, or a
+            backoff outside (0, 1).
 
     Examples:
         >>> lowered_caps(None, 3, 1, 9)
         [None, 4, None]
     """
-    if not 0 <= int(replica_id) < num_replicas:
-        raise ValueError(f"replica_id={replica_id} is not one of the {num_replicas} replicas")
-    if int(examples) < 1:
-        raise ValueError(f"examples={examples}: a replica runs out of memory holding at least one example")
-    if not 0.0 < backoff_factor < 1.0:
-        raise ValueError(f"backoff_factor={backoff_factor} must be in (0, 1)")
+    check_range("replica_id", replica_id, 0, num_replicas, integer=True, hint="one of the cluster's replicas")
+    check_range("examples", examples, 1, integer=True,
+                hint="a replica runs out of memory holding at least one example")
+    check_range("backoff_factor", backoff_factor, 0, 1, low_open=True)
     result = [None] * num_replicas if caps is None else list(caps)
     lowered = math.floor(int(examples) * backoff_factor)
     current = result[int(replica_id)]

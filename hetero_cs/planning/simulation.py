@@ -9,7 +9,6 @@ is a deterministic function of a seed. The property tests and ``benchmarks/rebal
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,8 +17,8 @@ import numpy as np
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.monitor import StepTimeMonitor
-from hetero_cs.planning.plan import BatchPlan
-from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer, _is_int
+from hetero_cs.planning.plan import BatchPlan, check_range
+from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +90,10 @@ def simulate_training(
         >>> [(s.step, trace[s.step + 1].per_replica_batch_sizes) for s in trace if s.replanned]
         [(103, (43, 21))]
     """
-    if not _is_int(steps) or steps < 0:
-        raise ConfigError(f"steps must be a non-negative integer. Received: steps={steps!r}.")
+    check_range("steps", steps, 0, integer=True)
     if not (0.0 <= relative_noise < 1.0):
         raise ConfigError(f"relative_noise must be in [0, 1). Received: relative_noise={relative_noise!r}.")
-    if not (lognormal_sigma >= 0.0 and math.isfinite(lognormal_sigma)):
-        raise ConfigError(f"lognormal_sigma must be finite and >= 0. Received: lognormal_sigma={lognormal_sigma!r}.")
+    check_range("lognormal_sigma", lognormal_sigma, 0)
     rng = np.random.default_rng(seed)
     plan = initial_plan
     num_replicas = len(plan.per_replica_batch_sizes)
@@ -184,15 +181,11 @@ def simulate_balancer(
         ConfigError: If an argument is out of range, or ``true_models_at_step`` returns a number of models other
             than the balancer's replica count.
     """
-    if not _is_int(steps) or steps < 0 or not _is_int(prefetch) or prefetch < 0:
-        raise ConfigError(f"steps and prefetch must be integers >= 0. Received: steps={steps!r}, prefetch={prefetch!r}.")
-    if not (0.0 <= relative_noise < 1.0) or not (0.0 <= common_noise_sigma < math.inf) or not (
-            1.0 <= contention < math.inf):
-        raise ConfigError(
-            f"relative_noise must be in [0, 1), common_noise_sigma finite and >= 0 and contention finite and >= 1. "
-            f"Received: relative_noise={relative_noise!r}, common_noise_sigma={common_noise_sigma!r}, "
-            f"contention={contention!r}."
-        )
+    check_range("steps", steps, 0, integer=True)
+    check_range("prefetch", prefetch, 0, integer=True)
+    check_range("relative_noise", relative_noise, 0, 1)
+    check_range("common_noise_sigma", common_noise_sigma, 0)
+    check_range("contention", contention, 1)
     rng = np.random.default_rng(seed)
     queue = [balancer.serve(global_batch_size) for _ in range(prefetch)]
     trace: list[BalancedStep] = []

@@ -41,26 +41,19 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning._curves import (
-    _INF,
-    _check_feasible,
-    _checked_caps,
-    _checked_int,
-    _checked_models,
-    _Curves,
-    _Grid,
-    _grid,
-    _is_int,
-)
-from hetero_cs.planning._knots import _closed_form_ideal, _fill, _ideal_tables, _knot_tables, _lowest_level
-from hetero_cs.planning.cost_model import CostModel, _breakpoints, check_cost_model, holds_no_example
-from hetero_cs.planning.plan import BatchPlan, _as_tuple, even_batch_split
+from hetero_cs.planning._curves import _checked_int, _checked_models, _checked_problem, _Curves, _Grid, _grid
+from hetero_cs.planning._knots import _breakpoints, _closed_form_ideal, _fill, _ideal_tables, _knot_tables
+from hetero_cs.planning._knots import _lowest_level
+from hetero_cs.planning.cost_checks import decreasing_error
+from hetero_cs.planning.cost_model import CostModel, holds_no_example
+from hetero_cs.planning.plan import BatchPlan, _as_tuple, _is_int, even_batch_split
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +119,9 @@ def solve_batch_split(
         >>> round(plan.predicted_speedup_vs_even, 2), round(plan.efficiency, 3)
         (1.9, 0.996)
     """
-    models = _checked_models(cost_models)
+    models, B, min_b, caps = _checked_problem(cost_models, global_batch_size, max_batch_sizes, min_batch_size)
     R = len(models)
-    B = _checked_int("global_batch_size", global_batch_size, low=1)
-    min_b = _checked_int("min_batch_size", min_batch_size, low=0)
     k = _checked_int("multiple_of", multiple_of, low=1)
-    caps = _checked_caps(max_batch_sizes, R, min_b)
-    _check_feasible(B, R, min_b, caps)
     grid = _grid(B, R, min_b, k, caps)
     curves = _Curves(models, grid.lo, grid.length, k)
 
@@ -157,20 +146,9 @@ def solve_batch_split(
         path = "generic"
 
     sizes = tuple(lo + c * k for lo, c in zip(grid.lo, counts))
-    even_s = max(curves.time(i, b) for i, b in enumerate(even_batch_split(B, R)))
-    if any(holds_no_example(m) for m in models) and B >= R:
-        even_s = None  # a device that holds no example cannot take an even share: no even split to compare with
-    makespan_s = max(step_times)
     logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k, path,
                  curves.evaluations, sizes)
-    return BatchPlan(
-        per_replica_batch_sizes=sizes,
-        global_batch_size=B,
-        predicted_makespan_s=makespan_s,
-        even_split_makespan_s=even_s,
-        ideal_makespan_s=min(ideal_s, makespan_s),
-        predicted_step_times_s=tuple(step_times),
-    )
+    return _priced_plan(sizes, step_times, ideal_s, models, curves.time)
 
 
 def ideal_makespan_s(
@@ -211,12 +189,7 @@ def ideal_makespan_s(
         >>> round(ideal_makespan_s(models, 6, min_batch_size=0), 12)  # x = (4.5, 1.5)
         0.0045
     """
-    models = _checked_models(cost_models)
-    R = len(models)
-    B = _checked_int("global_batch_size", global_batch_size, low=1)
-    min_b = _checked_int("min_batch_size", min_batch_size, low=0)
-    caps = _checked_caps(max_batch_sizes, R, min_b)
-    _check_feasible(B, R, min_b, caps)
+    models, B, min_b, caps = _checked_problem(cost_models, global_batch_size, max_batch_sizes, min_batch_size)
     if all(_breakpoints(m) is not None for m in models):
         return _closed_form_ideal(*_ideal_tables(models, B, min_b, caps), B)
     return _generic_ideal(models, B, min_b, caps)
@@ -263,31 +236,31 @@ def plan_from_split(
         raise ConfigError(
             f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}."
         )
-    total = sum(b for b in sizes if _is_int(b))
+    plan = BatchPlan(sizes, sum(b for b in sizes if _is_int(b)))  # validates the slices before any model is called
     if cost_models is None:
-        return BatchPlan(sizes, total)
-    BatchPlan(sizes, total)  # validates the slices before any model is called
+        return plan
     models = list(cost_models)
     if len(models) != len(sizes):
-        raise ConfigError(
-            f"cost_models must hold one model per slice. Received: len(cost_models)={len(models)}, "
-            f"per_replica_batch_sizes={sizes}."
-        )
-    times = tuple(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, sizes)))
-    even = even_batch_split(total, len(sizes))
-    even_s = max(float(check_cost_model(m, [b], replica_id=i)[0]) for i, (m, b) in enumerate(zip(models, even)))
-    if any(holds_no_example(m) and b > 0 for m, b in zip(models, even)):
-        even_s = None  # a device that holds no example cannot take an even share: no even split to compare with
-    makespan_s = max(times)
-    ideal_s = ideal_makespan_s(models, total, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
-    return BatchPlan(
-        sizes,
-        total,
-        predicted_makespan_s=makespan_s,
-        even_split_makespan_s=even_s,
-        ideal_makespan_s=min(ideal_s, makespan_s),
-        predicted_step_times_s=times,
-    )
+        raise ConfigError(f"cost_models must hold one model per slice. Received: len(cost_models)={len(models)}, "
+                          f"per_replica_batch_sizes={plan.per_replica_batch_sizes}.")
+    curves = _Curves(_checked_models(models))
+    times = [curves.time(i, b) for i, b in enumerate(plan.per_replica_batch_sizes)]
+    ideal_s = ideal_makespan_s(models, plan.global_batch_size, max_batch_sizes=max_batch_sizes,
+                               min_batch_size=min_batch_size)
+    return _priced_plan(plan.per_replica_batch_sizes, times, ideal_s, models, curves.time)
+
+
+def _priced_plan(sizes: tuple[int, ...], step_times: Sequence[float], ideal_s: float, models: Sequence[CostModel],
+                 time: Any) -> BatchPlan:
+    """The plan of ``sizes`` with its step times, the even split's makespan under ``time(i, b)`` (None where a device
+    that holds no example would get some: no even split can run) and the ideal bound, at most the makespan."""
+    B = sum(sizes)
+    even = even_batch_split(B, len(sizes))
+    even_s = None if any(holds_no_example(m) and b > 0 for m, b in zip(models, even)) else max(
+        time(i, b) for i, b in enumerate(even))
+    makespan_s = max(step_times)
+    return BatchPlan(sizes, B, predicted_makespan_s=makespan_s, even_split_makespan_s=even_s,
+                     ideal_makespan_s=min(ideal_s, makespan_s), predicted_step_times_s=tuple(step_times))
 
 
 def _select(curves: _Curves, counts: list[int], step_times: list[float], remaining: int) -> None:
@@ -307,9 +280,9 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
         b = lo[i] + j * k
         t = time(i, b)
         if t < step_times[i]:
-            raise curves.decreasing(i, lo[i] + counts[i] * k, step_times[i], b, t)
+            raise decreasing_error(i, lo[i] + counts[i] * k, step_times[i], b, t)
         if above_j[i] > j and t > above_t[i]:
-            raise curves.decreasing(i, b, t, lo[i] + above_j[i] * k, above_t[i])
+            raise decreasing_error(i, b, t, lo[i] + above_j[i] * k, above_t[i])
         return t
 
     while remaining > 0:
@@ -360,22 +333,22 @@ def _select_with_ideal(
     lo, length, time = curves.lo, curves.length, curves.time
     R = len(counts)
     chosen = np.array(step_times, dtype=np.float64)
-    nxt = np.full(R, _INF)
+    nxt = np.full(R, math.inf)
     heap = []
     for i in range(R):
         if counts[i] < length[i]:
             b = lo[i] + counts[i] + 1
             t = time(i, b)
             if t < step_times[i]:
-                raise curves.decreasing(i, b - 1, step_times[i], b, t)
+                raise decreasing_error(i, b - 1, step_times[i], b, t)
             nxt[i] = t
             heap.append((t, b, i))
     heapq.heapify(heap)
-    last = max((step_times[i] for i in range(R) if counts[i] > 0), default=-_INF)
+    last = max((step_times[i] for i in range(R) if counts[i] > 0), default=-math.inf)
     whole = sum(lo) + sum(counts)
     ideal = None
     while True:
-        upper = heap[0][0] if heap else _INF
+        upper = heap[0][0] if heap else math.inf
         if ideal is None and last < upper:
             low = max(last, base_s)
             if low < upper:
@@ -400,11 +373,11 @@ def _select_with_ideal(
         if counts[i] < length[i]:
             t2 = time(i, b + 1)
             if t2 < t:
-                raise curves.decreasing(i, b, t, b + 1, t2)
+                raise decreasing_error(i, b, t, b + 1, t2)
             nxt[i] = t2
             heapq.heappush(heap, (t2, b + 1, i))
         else:
-            nxt[i] = _INF
+            nxt[i] = math.inf
     return max(base_s, last) if ideal is None else ideal
 
 

@@ -207,7 +207,7 @@ def test_set_batch_split_rejects_and_keeps_the_split(shares, match):
 @pytest.mark.parametrize("size", [0, -1])
 def test_plan_for_a_global_batch_below_one(size):
     expect(lambda: fixed_split_strategy().plan_for(size), ConfigError, ValueError,
-           rf"global_batch_size must be >= 1. Received: global_batch_size={size}")
+           rf"global_batch_size must be an integer >= 1. Received: global_batch_size={size}")
 
 
 @pytest.mark.parametrize("size", ["abc", None, 2.7])
@@ -221,7 +221,7 @@ def test_set_cost_models_of_the_wrong_length():
     expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)]), ConfigError, ValueError,
            r"one cost model per replica: got 1 for R=3")
     expect(lambda: under.set_cost_models([LinearCostModel(0.0, 1e-3)] * 3, max_batch_sizes=[8]), ConfigError,
-           ValueError, r"len\(max_batch_sizes\)=1, R=3")
+           ValueError, r"len\(max_batch_sizes\)=1 but there are R=3")
 
 
 def test_set_cost_models_with_caps_that_cannot_hold_the_batch():

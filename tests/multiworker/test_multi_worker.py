@@ -311,6 +311,7 @@ def test_a_global_batch_16x_what_the_cards_hold_trains_auto_balanced_with_accumu
     stdout = _launch(tmp_path, 2, "--split", "auto", "--epochs", "8", "--batch", "32", "--accumulate", "2",
                      "--max-batch-sizes", "1,1", emulate="A10,T4")
     assert "hetero_cs multi-worker calibration from 6 training steps" in stdout, stdout[-4000:]
+    assert "memory caps [1, 1] examples per replica (from max_batch_sizes)" in stdout, stdout[-4000:]
     micro = json.loads((tmp_path / "micro_worker0.json").read_text())
     assert micro["sizes"] == [1, 1] and sum(micro["counts"]) == 6, micro  # the last batch: 6 micro-batches of 1
     _assert_equal_to_reference(tmp_path, 2, expected)

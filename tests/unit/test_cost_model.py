@@ -13,9 +13,9 @@ from hetero_cs.planning.cost_model import (
     LinearCostModel,
     PiecewiseLinearCostModel,
     ScaledCostModel,
-    check_cost_model,
     cost_model_from_dict,
 )
+from hetero_cs.planning.cost_checks import check_cost_model
 from hetero_cs.errors import ConfigError, InvalidCostModelError
 from hetero_cs.planning.solver import solve_batch_split
 

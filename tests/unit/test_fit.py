@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from calibration.fit import FitResult, fit_cost_model
-from hetero_cs.planning.cost_model import LinearCostModel, PiecewiseLinearCostModel, check_cost_model
+from hetero_cs.planning.cost_checks import check_cost_model
+from hetero_cs.planning.cost_model import LinearCostModel, PiecewiseLinearCostModel
 from hetero_cs.errors import ConfigError
 
 SIZES = (1, 4, 16, 64, 256)

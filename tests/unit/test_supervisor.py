@@ -77,6 +77,16 @@ def test_a_script_that_fails_for_another_reason_is_not_restarted(tmp_path):
     assert "exited with status 3 and no card was lost: not restarting" in output.getvalue()
 
 
+@pytest.mark.parametrize("verbose, level", [(False, "2"), (True, "unset")])
+def test_the_script_run_starts_with_tensorflows_own_warnings_off_unless_verbose(tmp_path, monkeypatch, verbose, level):
+    # A card failure in the script is told by hetero_cs' two WARNING lines; TensorFlow's C++ report of each failed
+    # attempt (tracebacks, "Local rendezvous is aborting") is over 100 lines at its WARNING level.
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    command = script(tmp_path, f"sys.exit(0 if os.environ.get('TF_CPP_MIN_LOG_LEVEL', 'unset') == {level!r} else 5)\n")
+    argv = ["-v"] * verbose + ["run", "--backup-dir", str(tmp_path / "b"), "--", *command]
+    assert main(argv) == 0
+
+
 def write_backup(names="'fit_0.json'"):
     return f"""
         import pathlib

@@ -115,6 +115,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._given = max_batch_sizes
         self._restart_caps = restart_caps
         self._caps: list[int | None] | None = None  # in force for the model being fit
+        self._caps_source = ""  # where they come from, for the log
         self._active = False  # this model's slices past a cap run as micro-batches
         self._refused: set[str] = set()  # found while tracing this model's step
         self._refused_by_model: dict[int, set[str]] = {}  # id(model) -> what its traced step found
@@ -198,9 +199,11 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._set(None, False)
             self._pending = (model, keras_train_step)
             return
-        from hetero_cs.planning.restart_caps import lowest_caps
+        from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, lowest_caps
 
         caps = lowest_caps(self._given if self._given is not None else self._emulated_caps(model), self._restart_caps)
+        self._caps_source = ("max_batch_sizes" if self._given is not None else "the emulated cards' memory") + (
+            f", lowered by {CAPS_ENV_VAR}" if self._restart_caps is not None else "")
         with self._lock:
             # What a model's traced step found stays found: Keras keeps the step traced, and a later fit of the
             # same model does not trace (or find) it again.
@@ -209,7 +212,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._set(None, False)
             return
         if all(c is not None and c < 1 for c in caps):
-            from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, format_caps
+            from hetero_cs.planning.restart_caps import format_caps
 
             source = (f" (lowered by {CAPS_ENV_VAR}={format_caps(self._restart_caps)}, set when a job is relaunched "
                       f"after out of memory)" if self._restart_caps is not None else "")
@@ -281,8 +284,9 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         with self._lock:
             self.micro_batched_traces += 1
         self._log_once(("on", id(model)), logging.INFO,
-                       "hetero_cs: memory caps %s examples per replica: a slice past its cap runs as micro-batches "
-                       "within it, and every step stays one single-device step on the whole global batch.", self._caps)
+                       "hetero_cs: memory caps %s examples per replica (from %s): a slice past its cap runs as "
+                       "micro-batches within it, and every step stays one single-device step on the whole global "
+                       "batch.", self._caps, self._caps_source)
 
     def inference_cap(self, model, replica_id: int) -> int | None:
         """In an ``evaluate`` or ``predict`` replica step: the cap its slice is micro-batched within, or None (one
