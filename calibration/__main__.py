@@ -22,9 +22,10 @@ import argparse
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from calibration.user_model import model_spec
+from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE
 from hetero_cs.errors import ConfigError, HeteroCSError
 
 __all__ = ["add_calibrate_arguments", "add_plan_arguments", "main", "plan_main", "run_calibrate", "run_plan"]
@@ -35,46 +36,37 @@ DEFAULT_EMULATED_DEVICES = ("A10", "T4", "P100")
 """Emulated when the machine has no GPU and --emulate is not given."""
 
 
-def _int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    return _int_at_least(text, 1)
+def _positive_float(maximum: float) -> Callable[[str], float]:
+    """An argparse type: a finite number in (0, maximum]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    return _int_at_least(text, 0)
-
-
-def _positive_float(text: str, maximum: float = math.inf) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    if value > maximum:
-        raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
-    return value
-
-
-def _time_scale(text: str) -> float:
-    from hetero_cs.devices.catalog import MAX_TIME_SCALE
-
-    return _positive_float(text, MAX_TIME_SCALE)
-
-
-def _target_step_ms(text: str) -> float:
-    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S
-
-    return _positive_float(text, MAX_EMULATED_MAKESPAN_S * 1e3)
+_positive_int = _int_at_least(1)
 
 
 def _name_list(text: str) -> list[str]:
@@ -85,8 +77,7 @@ def _name_list(text: str) -> list[str]:
 
 
 def _size_list(text: str) -> list[int]:
-    sizes = [_positive_int(part) for part in _name_list(text)]
-    return sorted(set(sizes))
+    return sorted({_positive_int(part) for part in _name_list(text)})
 
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -103,14 +94,14 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--global-batch-size", type=_positive_int, default=256, metavar="B",
                         help="examples per optimizer step (default: 256)")
     parser.add_argument("--trials", type=_positive_int, default=5, help="timed steps per probe size (default: 5)")
-    parser.add_argument("--warmup-steps", type=_non_negative_int, default=2,
+    parser.add_argument("--warmup-steps", type=_int_at_least(0), default=2,
                         help="untimed steps per probe size (default: 2)")
     parser.add_argument("--probe-batch-sizes", type=_size_list, default=None, metavar="SIZES",
                         help="comma-separated probe sizes (default: 5 geometric sizes up to B)")
-    parser.add_argument("--time-scale", type=_time_scale, default=None,
+    parser.add_argument("--time-scale", type=_positive_float(MAX_TIME_SCALE), default=None,
                         help="emulation time scale, at most 1000 (default: chosen so an even-split step takes "
                              "--target-step-ms)")
-    parser.add_argument("--target-step-ms", type=_target_step_ms, default=100.0,
+    parser.add_argument("--target-step-ms", type=_positive_float(MAX_EMULATED_MAKESPAN_S * 1e3), default=100.0,
                         help="emulated even-split step time when --time-scale is not given, at most 5000 (default: "
                              "100, as HeteroCentralStorageStrategy)")
     cache = parser.add_mutually_exclusive_group()
@@ -147,7 +138,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="examples per optimizer step (default: the profile's plan's; needed with --devices)")
     parser.add_argument("--multiple-of", type=_positive_int, default=1,
                         help="every slice a multiple of this (default: 1)")
-    parser.add_argument("--min-batch-size", type=_non_negative_int, default=None,
+    parser.add_argument("--min-batch-size", type=_int_at_least(0), default=None,
                         help="smallest slice per replica; 0 lets a replica sit idle (default: 1, or 0 when the "
                              "profile has a device that cannot hold one example)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")

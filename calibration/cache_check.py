@@ -8,6 +8,7 @@ from typing import Any
 
 from calibration import probe as probe_lib
 from calibration.result import CalibrationResult
+from hetero_cs.planning.plan import even_batch_split
 
 logger = logging.getLogger("calibration.calibrate")  # the messages users filter on
 
@@ -27,9 +28,9 @@ def _cached_profile_mismatch(cached: CalibrationResult, model: Any, sample_batch
 
     R = len(devices)
     if cached.plan is not None and cached.plan.global_batch_size == global_batch_size:
-        sizes = list(cached.plan.per_replica_batch_sizes)
+        sizes = cached.plan.per_replica_batch_sizes
     else:
-        sizes = [global_batch_size // R + (1 if i < global_batch_size % R else 0) for i in range(R)]
+        sizes = even_batch_split(global_batch_size, R)
     sizes = [max(1, b if p.max_batch_size is None else min(b, p.max_batch_size))
              for b, p in zip(sizes, cached.profiles)]
     # A device that could not hold one example was not timed, and is not now: it stays idle as cached.

@@ -20,6 +20,7 @@ it was (see calibration.probe).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import numbers
@@ -31,7 +32,7 @@ from typing import Any
 
 from calibration import probe as probe_lib
 from calibration import timing
-from calibration.result import CalibrationResult, DeviceProfile
+from calibration.result import CalibrationResult
 from calibration.cache_check import _cached_profile_mismatch
 from calibration.device_timing import _DeviceCalibration, _refit_at_plan, _time_interleaved, _time_together
 from calibration.store import ProfileStore, profile_key
@@ -54,28 +55,18 @@ DEFAULT_NUM_PROBES = 5
 
 
 def _canonical_device(device: str) -> str:
-    import tensorflow as tf
+    from hetero_cs.devices.device_errors import canonical
 
-    if not isinstance(device, str) or not device.strip():
-        raise DeviceError(
-            f"Device names must be non-empty strings like '/device:GPU:0'. Received: device={device!r}."
-        )
-    text = device.strip()
-    try:
-        spec = tf.DeviceSpec.from_string(text if text.startswith("/") else "/device:" + text)
-    except ValueError as exc:
-        raise DeviceError(
-            f"Cannot parse device name={device!r}. Use names like '/device:GPU:0' or '/cpu:1'."
-        ) from exc
-    if not spec.device_type:
-        raise DeviceError(f"Device name={device!r} has no device type; use names like '/device:GPU:0'.")
-    return f"/device:{spec.device_type.upper()}:{spec.device_index or 0}"
+    name = canonical(device) if isinstance(device, str) and device.strip() else None
+    if name is None:
+        raise DeviceError(f"Cannot parse device name={device!r}. Use names like '/device:GPU:0' or '/cpu:1'.")
+    return name
 
 
 def _check_devices(devices: Sequence[str], parameter_device: str) -> tuple[list[str], str]:
     import tensorflow as tf
 
-    if isinstance(devices, str) or not devices or not all(isinstance(d, str) and d for d in devices):
+    if isinstance(devices, str) or not devices:
         raise DeviceError(
             f"devices must be a non-empty sequence of device names, e.g. ['/device:GPU:0', '/device:GPU:1']. "
             f"Received: devices={devices!r}."
@@ -123,6 +114,15 @@ def _check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}. Received: {name}={value!r}.")
     return int(value)
+
+
+def _positive_ints(name: str, value: Any, *, example: str, none_allowed: bool = False) -> list[int | None]:
+    """``value`` as a list of ints >= 1 (None entries kept where ``none_allowed``)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or not (values := list(value)):
+        raise ConfigError(f"{name} must be a non-empty sequence of ints >= 1, e.g. {example}. Received: "
+                          f"{name}={value!r}.")
+    return [None if v is None and none_allowed else _check_positive_int(f"{name}[{i}]", v)
+            for i, v in enumerate(values)]
 
 
 def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int, cap: int | None) -> tuple[int, ...]:
@@ -234,32 +234,17 @@ def calibrate(
     global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
     warmup_steps = _check_positive_int("warmup_steps", warmup_steps, minimum=0)
     trials = _check_positive_int("trials", trials)
-    if max_batch_sizes is None:
-        caps: list[int | None] = [None] * num_replicas
-    else:
-        if isinstance(max_batch_sizes, (str, bytes)) or not hasattr(max_batch_sizes, "__iter__"):
-            raise ConfigError(
-                f"max_batch_sizes must be None or one cap per device (int >= 1, or None for no cap). Received: "
-                f"max_batch_sizes={max_batch_sizes!r}."
-            )
-        caps = list(max_batch_sizes)
+    caps: list[int | None] = [None] * num_replicas
+    if max_batch_sizes is not None:
+        caps = _positive_ints("max_batch_sizes", max_batch_sizes, example="[64, None] (None: no cap)",
+                              none_allowed=True)
         if len(caps) != num_replicas:
             raise ConfigError(
                 f"max_batch_sizes needs one entry per device. Received: len(max_batch_sizes)={len(caps)}, "
                 f"len(devices)={num_replicas}."
             )
-        caps = [None if cap is None else _check_positive_int(f"max_batch_sizes[{i}]", cap)
-                for i, cap in enumerate(caps)]
     if probe_batch_sizes is not None:
-        given = probe_batch_sizes
-        if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__") or not (
-                probe_batch_sizes := list(given)):
-            raise ConfigError(
-                f"probe_batch_sizes must be a non-empty sequence of ints >= 1, e.g. [1, 4, 16, 64]. Received: "
-                f"probe_batch_sizes={given!r}."
-            )
-        probe_batch_sizes = [_check_positive_int(f"probe_batch_sizes[{i}]", b)
-                             for i, b in enumerate(probe_batch_sizes)]
+        probe_batch_sizes = _positive_ints("probe_batch_sizes", probe_batch_sizes, example="[1, 4, 16, 64]")
     if emulator is not None:
         if emulator.num_replicas != num_replicas:
             raise ConfigError(
@@ -271,14 +256,13 @@ def calibrate(
 
             emulator.set_workload(estimate_workload(model))
 
-    if store is True:
-        store = None
-    if store is not False and store is not None and not isinstance(store, ProfileStore):
+    if store is None or store is True:
+        store = ProfileStore()
+    elif store is not False and not isinstance(store, ProfileStore):
         raise ConfigError(f"store must be a ProfileStore, None or False. Received: store={store!r}.")
     gpu_facts = _gpu_facts() if any(":GPU:" in d for d in devices) else {}
     key = None
     if store is not False:
-        store = store if store is not None else ProfileStore()
         signature = (
             f"{probe_lib.input_signature(sample_batch)}|global_batch_size={global_batch_size}"
             f"|probe_batch_sizes={None if probe_batch_sizes is None else sorted(set(probe_batch_sizes))}"
@@ -311,8 +295,6 @@ def calibrate(
 
     start_s = time.perf_counter()
     sizes_per_device = [_device_probe_sizes(probe_batch_sizes, global_batch_size, cap) for cap in caps]
-    labels = [device if emulator is None else f"{device} (emulated {emulator.specs[i].name})"
-              for i, device in enumerate(devices)]
     # Keras' own progress bar, as in model.fit: a live bar on a terminal, one line per phase when the output goes
     # to a file or pipe. Phase 1 warms every probe size up and finds memory caps, one device after another; phase
     # 2 times all devices interleaved.
@@ -328,18 +310,16 @@ def calibrate(
                   flush=True)
         warm_bar = keras.utils.Progbar(sum(len(s) for s in sizes_per_device), verbose=verbose, unit_name="size")
         for replica_id, (device, sizes) in enumerate(zip(devices, sizes_per_device)):
-            logger.info("Warming up replica %d, %s, at probe_batch_sizes=%s", replica_id, labels[replica_id],
-                        list(sizes))
             probe = probe_lib.DeviceProbe(
                 model, sample_batch, device=device, parameter_device=parameter_device, loss=loss,
                 replica_id=replica_id, emulator=emulator,
             )
-            memory_limit_bytes = None
-            if probe.tracks_memory:
-                memory_limit_bytes = probe.memory_limit_bytes() or getattr(
-                    gpu_facts.get(device), "memory_total_bytes", None)
-            calibration = _DeviceCalibration(probe, cap=caps[replica_id], memory_limit_bytes=memory_limit_bytes,
-                                             warmup_steps=warmup_steps)
+            limit_bytes = probe.memory_limit_bytes() or getattr(gpu_facts.get(device), "memory_total_bytes", None)
+            calibration = _DeviceCalibration(probe, cap=caps[replica_id], memory_limit_bytes=limit_bytes,
+                                             warmup_steps=warmup_steps,
+                                             emulated_as=None if emulator is None else emulator.specs[replica_id].name)
+            logger.info("Warming up replica %d, %s, at probe_batch_sizes=%s", replica_id, calibration.label,
+                        list(sizes))
             calibration.prepare(sizes, on_warm=lambda b: warm_bar.add(1, [("batch_size", b)]))
             calibrations.append(calibration)
         if all(c.cap == 0 for c in calibrations):
@@ -359,23 +339,19 @@ def calibrate(
             print(f"hetero_cs calibration: timing {num_replicas} device(s) interleaved, {trials} trial(s) per probe "
                   f"batch size", flush=True)
         time_bar = keras.utils.Progbar(warmed * trials, verbose=verbose, unit_name="step")
-        ticks = [0]
+        steps = itertools.count(1)
 
         def tick() -> None:
-            ticks[0] += 1
-            if ticks[0] <= warmed * trials:  # repeated rounds (noise) run past the bar's target: it stays full
-                time_bar.update(ticks[0])
+            if (step := next(steps)) <= time_bar.target:  # repeated rounds (noise) run past the bar's target
+                time_bar.update(step)
 
-        noise = _time_interleaved(calibrations, trials, tick=tick)
-        profiles = []
-        for replica_id, calibration in enumerate(calibrations):
-            emulated_as = None if emulator is None else emulator.specs[replica_id].name
-            profile = calibration.profile(emulated_as=emulated_as)
-            profiles.append(profile)
+        _time_interleaved(calibrations, trials, tick=tick)
+        profiles = [calibration.profile() for calibration in calibrations]
+        for replica_id, (calibration, profile) in enumerate(zip(calibrations, profiles)):
             logger.info(
                 "Calibrated replica %d, %s: %s, max_batch_size=%s, fit_error=%.1f%%, noise=%.1f%%", replica_id,
-                labels[replica_id], profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
-                noise[replica_id] * 100,
+                calibration.label, profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
+                profile.relative_noise * 100,
             )
         result = CalibrationResult(profiles=tuple(profiles), wall_time_s=0.0, emulated=emulator is not None)
         result = dataclasses.replace(result, plan=_solve(result, global_batch_size))
@@ -383,10 +359,10 @@ def calibrate(
             profiles, plan = _refit_at_plan(
                 calibrations, profiles, result.plan,
                 lambda models: _solve(dataclasses.replace(result, profiles=tuple(models)), global_batch_size),
-                trials=trials, emulated_as=[p.emulated_as for p in profiles])
+                trials=trials)
             result = dataclasses.replace(result, profiles=tuple(profiles), plan=plan)
-        working = [] if result.plan is None else [b for b in result.plan.per_replica_batch_sizes if b > 0]
-        if len(working) > 1:  # the cards side by side, as a training step runs them; then the plan again
+        if result.plan is not None and sum(b > 0 for b in result.plan.per_replica_batch_sizes) > 1:
+            # the cards side by side, as a training step runs them; then the plan again
             factors = _time_together(calibrations, result.plan.per_replica_batch_sizes)
             logger.info("Calibration: all cards at once at %s took %s their time alone; solving the plan again.",
                         list(result.plan.per_replica_batch_sizes), ", ".join(f"x{f:.3f}" for f in factors))
@@ -396,7 +372,7 @@ def calibrate(
     # DEBUG: the table every caller prints or logs next (CalibrationResult.format_table) opens with the same line.
     logger.debug("Calibration of %d device(s) took %.2f s%s.", num_replicas, result.wall_time_s,
                 " (emulated timings)" if emulator is not None else "")
-    if store is not False and key is not None:
+    if key is not None:
         try:
             store.save(key, result)
             result = dataclasses.replace(result, cache_key=key)

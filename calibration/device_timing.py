@@ -12,6 +12,7 @@ import logging
 import statistics
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from calibration import fit as fit_lib
@@ -43,8 +44,11 @@ CONTENTION_ROUNDS = 3
 class _DeviceCalibration:
     """Calibrates one device: warm-up and memory cap first, then timed samples taken when the caller says."""
 
-    def __init__(self, probe: Any, *, cap: int | None, memory_limit_bytes: int | None, warmup_steps: int) -> None:
+    def __init__(self, probe: Any, *, cap: int | None, memory_limit_bytes: int | None, warmup_steps: int,
+                 emulated_as: str | None = None) -> None:
         self.probe = probe
+        self.emulated_as = emulated_as  # the catalog device this one plays, or None
+        self.label = probe.device if emulated_as is None else f"{probe.device} (emulated {emulated_as})"
         self.cap = cap
         self.memory_limit_bytes = memory_limit_bytes
         self.warmup_steps = warmup_steps
@@ -97,16 +101,21 @@ class _DeviceCalibration:
             if on_warm is not None:
                 on_warm(batch_size)
         if failed_size is not None:
-            self._find_cap(list(sizes), failed_size)
+            self._find_cap(failed_size)
         self.samples_s = {b: [] for b in self.sizes}
 
     def time_once(self, batch_size: int) -> None:
         """One timed step at batch_size (a size that fits), appended to its samples."""
+        # the caller holds preserved_model_state around the whole calibration
+        self.samples_s[batch_size].append(self._after_warm_up(batch_size, self.probe.run_step))
+
+    def _after_warm_up(self, batch_size: int, run: Callable[[int], Any]) -> Any:
+        """``run(batch_size)`` at a size that fitted before: running out of memory now is another process's doing."""
         import tensorflow as tf
         from hetero_cs.devices.device_errors import is_out_of_memory
 
-        try:  # the caller holds preserved_model_state around the whole calibration
-            self.samples_s[batch_size].append(self.probe.run_step(batch_size))
+        try:
+            return run(batch_size)
         except tf.errors.OpError as exc:
             if not is_out_of_memory(exc):
                 raise self._step_error(batch_size, exc) from exc
@@ -118,20 +127,16 @@ class _DeviceCalibration:
 
     def relative_noise(self) -> float:
         """Median over sizes of MAD / median of the timed samples (0.02 = 2 %); 0 before any sample."""
-        values = []
-        for samples in self.samples_s.values():
-            if samples:
-                stats = timing.summarize_trials(samples)
-                if stats.median_s > 0:
-                    values.append(stats.mad_s / stats.median_s)
-        return float(sorted(values)[len(values) // 2]) if values else 0.0
+        stats = [timing.summarize_trials(samples) for samples in self.samples_s.values() if samples]
+        ratios = sorted(s.mad_s / s.median_s for s in stats if s.median_s > 0)
+        return float(ratios[len(ratios) // 2]) if ratios else 0.0
 
-    def profile(self, *, emulated_as: str | None) -> DeviceProfile:
+    def profile(self) -> DeviceProfile:
         """Summarises the samples, fits the cost model and returns the device's profile."""
         if self.cap == 0:  # nothing fitted, nothing timed: the device sits idle
             return DeviceProfile(device=self.probe.device, cost_model=OutOfMemoryCostModel(), max_batch_size=0,
                                  fit_error=0.0, probe_batch_sizes=(), median_step_times_s=(), mad_s=(),
-                                 emulated_as=emulated_as)
+                                 emulated_as=self.emulated_as)
         stats = [timing.summarize_trials(self.samples_s[b]) for b in self.sizes]
         result = self.fit = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats],
                                                    anchor_batch_size=self.anchor)
@@ -143,7 +148,7 @@ class _DeviceCalibration:
             probe_batch_sizes=tuple(self.sizes),
             median_step_times_s=tuple(s.median_s for s in stats),
             mad_s=tuple(s.mad_s for s in stats),
-            emulated_as=emulated_as,
+            emulated_as=self.emulated_as,
             relative_noise=self.relative_noise(),
         )
 
@@ -164,26 +169,23 @@ class _DeviceCalibration:
         self.sizes = sorted(self.samples_s)
         return new
 
-    def _find_cap(self, sizes: list[int], failed_size: int) -> None:
+    def _find_cap(self, failed_size: int) -> None:
         """After an OOM at failed_size: bounded search for the largest size that fits; it becomes the cap."""
-        import tensorflow as tf
-        from hetero_cs.devices.device_errors import is_out_of_memory
-
         device = self.probe.device
-        largest_fitting = self.sizes[-1] if self.sizes else None
-        if largest_fitting is None:
-            if failed_size > 1 and self.probe.fits(1):
-                largest_fitting = 1
-            else:
-                # Not even one example fits: the device sits idle (cap 0) and the others train. calibrate() raises
-                # CalibrationOOMError when this is true of every device.
-                self.cap = 0
-                self.out_of_memory_at = sorted({1, failed_size})
-                logger.warning(
-                    "%s cannot hold one example of this model (out of memory at batch_sizes=%s): it gets no examples "
-                    "(memory cap 0). A smaller model or mixed precision may let it take part.",
-                    device, self.out_of_memory_at)
-                return
+        if self.sizes:
+            largest_fitting = self.sizes[-1]
+        elif failed_size > 1 and self.probe.fits(1):
+            largest_fitting = 1
+        else:
+            # Not even one example fits: the device sits idle (cap 0) and the others train. calibrate() raises
+            # CalibrationOOMError when this is true of every device.
+            self.cap = 0
+            self.out_of_memory_at = sorted({1, failed_size})
+            logger.warning(
+                "%s cannot hold one example of this model (out of memory at batch_sizes=%s): it gets no examples "
+                "(memory cap 0). A smaller model or mixed precision may let it take part.",
+                device, self.out_of_memory_at)
+            return
         guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
         cap = probe_lib.search_memory_cap(
             self.probe.fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
@@ -191,15 +193,7 @@ class _DeviceCalibration:
         logger.info("%s: memory cap max_batch_size=%d (out of memory at %d)", device, cap, failed_size)
         self.cap = cap if self.cap is None else min(self.cap, cap)
         if not self.sizes or cap > self.sizes[-1]:
-            try:
-                self._warm(cap)
-            except tf.errors.OpError as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                raise CalibrationError(
-                    f"device={device!r} fitted batch_size={cap} once but ran out of memory when timing it. Another "
-                    "process may be using the device's memory; pass max_batch_sizes=[...] to cap it explicitly."
-                ) from exc
+            self._after_warm_up(cap, self._warm)
             self.sizes.append(cap)
 
 
@@ -214,17 +208,14 @@ def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
     instead of one device's whole calibration. Returns each device's relative noise.
     """
     R = len(calibrations)
-    timed = {id(c): list(c.sizes if sizes is None else sizes[i]) for i, c in enumerate(calibrations)}
-    longest = max((len(b) for b in timed.values()), default=0)
-    noise = [0.0] * R
+    timed = [list(c.sizes if sizes is None else sizes[i]) for i, c in enumerate(calibrations)]
     for round_index in range(MAX_TIMING_ROUNDS):
         for trial in range(trials):
             offset = (round_index * trials + trial) % R
-            order = [calibrations[(offset + i) % R] for i in range(R)]
-            for j in range(longest):
-                for calibration in order:
-                    if j < len(timed[id(calibration)]):
-                        calibration.time_once(timed[id(calibration)][j])
+            for j in range(max(map(len, timed), default=0)):
+                for i in ((offset + k) % R for k in range(R)):
+                    if j < len(timed[i]):
+                        calibrations[i].time_once(timed[i][j])
                         if tick is not None:
                             tick()
         noise = [c.relative_noise() for c in calibrations]
@@ -248,8 +239,7 @@ def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
 
 
 def _refit_at_plan(calibrations: Sequence[_DeviceCalibration], profiles: list[DeviceProfile], plan: Any,
-                   solve: Callable[[list], Any], *, trials: int,
-                   emulated_as: Sequence[str | None]) -> tuple[list[DeviceProfile], Any]:
+                   solve: Callable[[list], Any], *, trials: int) -> tuple[list[DeviceProfile], Any]:
     """Probes each device whose fit may miss its curve around the plan's slice, refits it through the time measured
     there, and solves again, until the plan's slices are probed (at most MAX_REFIT_ROUNDS rounds).
 
@@ -262,7 +252,7 @@ def _refit_at_plan(calibrations: Sequence[_DeviceCalibration], profiles: list[De
         logger.info("Calibration: probing the plan's slices %s again at %s and refitting",
                     list(plan.per_replica_batch_sizes), new)
         _time_interleaved(calibrations, trials, sizes=new)
-        profiles = [c.profile(emulated_as=name) for c, name in zip(calibrations, emulated_as)]
+        profiles = [c.profile() for c in calibrations]
         plan = solve(profiles)
         if plan is None:
             break
@@ -284,31 +274,18 @@ def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[i
     alone_s: dict[int, list[float]] = {i: [] for i in working}
     together_s: dict[int, list[float]] = {i: [] for i in working}
     for round_index in range(rounds + 1):
-        for i in working:
-            elapsed_s = calibrations[i].probe.run_step(int(sizes[i]))
-            if round_index:
-                alone_s[i].append(elapsed_s)
+        alone = {i: calibrations[i].probe.run_step(int(sizes[i])) for i in working}
         barrier = threading.Barrier(len(working))
-        results: dict[int, float] = {}
-        errors: list[BaseException] = []
 
-        def step(i: int) -> None:
-            try:
-                barrier.wait()
-                results[i] = calibrations[i].probe.run_step(int(sizes[i]))
-            except BaseException as exc:  # noqa: BLE001 - raised in the calling thread below
-                barrier.abort()
-                errors.append(exc)
+        def together(i: int) -> float:
+            barrier.wait()
+            return calibrations[i].probe.run_step(int(sizes[i]))
 
-        threads = [threading.Thread(target=step, args=(i,), name=f"hetero_cs_contention_{i}") for i in working]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        with ThreadPoolExecutor(len(working), thread_name_prefix="hetero_cs_contention") as pool:
+            results = dict(zip(working, pool.map(together, working)))  # a step's error is raised here
         if round_index:
             for i in working:
+                alone_s[i].append(alone[i])
                 together_s[i].append(results[i])
     return tuple(
         max(1.0, statistics.median(together_s[i]) / statistics.median(alone_s[i])) if i in alone_s else 1.0

@@ -113,18 +113,10 @@ def fit_cost_model(
         return FitResult(model, _max_relative_error(model, raw_sizes, raw_times), "linear", None)
 
     linear = _fit_linear(sizes, monotone, counts)
-    if _max_relative_error(linear, sizes, monotone) <= linear_tolerance:
-        kind: FitKind = "linear"
-        model = linear
-    else:
-        kind = "piecewise"
-        model = _fit_piecewise(sizes, monotone)
-    return FitResult(
-        cost_model=model,
-        fit_error=_max_relative_error(model, raw_sizes, raw_times),
-        kind=kind,
-        loo_error=_leave_one_out_error(kind, sizes, monotone, counts),
-    )
+    kind: FitKind = "linear" if _max_relative_error(linear, sizes, monotone) <= linear_tolerance else "piecewise"
+    model = linear if kind == "linear" else _fit_piecewise(sizes, monotone)
+    return FitResult(model, _max_relative_error(model, raw_sizes, raw_times), kind,
+                     _leave_one_out_error(kind, sizes, monotone, counts))
 
 
 def _validated_points(
@@ -172,15 +164,10 @@ def _max_relative_error(model: CostModel, sizes: np.ndarray, times: np.ndarray) 
 
 def _leave_one_out_error(kind: FitKind, sizes: np.ndarray, times: np.ndarray, counts: np.ndarray) -> float | None:
     """Largest relative error predicting each interior point from the same kind of fit to the others."""
-    if sizes.size < 3:
-        return None
-    errors = []
-    for i in range(1, sizes.size - 1):
+    def error_without(i: int) -> float:
         keep = np.arange(sizes.size) != i
-        if kind == "linear":
-            model: CostModel = _fit_linear(sizes[keep], times[keep], counts[keep])
-        else:
-            model = _fit_piecewise(sizes[keep], times[keep])
-        predicted = model.predict_step_time_s(int(sizes[i]))
-        errors.append(abs(predicted - times[i]) / max(times[i], _MIN_TIME_S))
-    return float(max(errors))
+        others = (sizes[keep], times[keep])
+        model = _fit_linear(*others, counts[keep]) if kind == "linear" else _fit_piecewise(*others)
+        return _max_relative_error(model, sizes[i:i + 1], times[i:i + 1])
+
+    return max(map(error_without, range(1, sizes.size - 1))) if sizes.size >= 3 else None

@@ -54,33 +54,25 @@ def build_model(name: str, *, input_shape: Sequence[int], num_classes: int, drop
         raise ConfigError(f"dropout_rate must be in [0, 1). Received: dropout_rate={dropout_rate!r}.")
     layers = keras.layers
     if name == "mlp":
-        return keras.Sequential(
-            [
-                keras.Input(shape),
-                layers.Flatten(),
-                layers.Dense(256, activation="relu"),
-                layers.Dense(256, activation="relu"),
-                layers.Dense(num_classes),
-            ],
-            name="mlp",
-        )
-    if name == "digits_cnn":
+        body = [
+            layers.Flatten(),
+            layers.Dense(256, activation="relu"),
+            layers.Dense(256, activation="relu"),
+        ]
+    elif name == "digits_cnn":
         if len(shape) != 3 or shape[0] < 2 or shape[1] < 2:
             raise ConfigError(
                 f"digits_cnn needs input_shape=(H, W, C) with H, W >= 2. Received: input_shape={shape!r}; "
                 "for scikit-learn's digits use (8, 8, 1)."
             )
-        return keras.Sequential(
-            [
-                keras.Input(shape),
-                layers.Conv2D(32, 3, padding="same", activation="relu"),
-                layers.Conv2D(64, 3, padding="same", activation="relu"),
-                layers.MaxPooling2D(2),
-                layers.Flatten(),
-                layers.Dense(128, activation="relu"),
-                layers.Dropout(dropout_rate),
-                layers.Dense(num_classes),
-            ],
-            name="digits_cnn",
-        )
-    raise ConfigError(f"Unknown model name={name!r}. Use one of {list(MODEL_NAMES)}.")
+        body = [
+            layers.Conv2D(32, 3, padding="same", activation="relu"),
+            layers.Conv2D(64, 3, padding="same", activation="relu"),
+            layers.MaxPooling2D(2),
+            layers.Flatten(),
+            layers.Dense(128, activation="relu"),
+            layers.Dropout(dropout_rate),
+        ]
+    else:
+        raise ConfigError(f"Unknown model name={name!r}. Use one of {list(MODEL_NAMES)}.")
+    return keras.Sequential([keras.Input(shape), *body, layers.Dense(num_classes)], name=name)

@@ -195,17 +195,11 @@ def preserved_model_state(model: Any) -> Iterator[None]:
             variable.assign(value)
 
 
-def _device_kind(device: str) -> str:
-    import tensorflow as tf
-
-    return (tf.DeviceSpec.from_string(device).device_type or "").upper()
-
-
 def _memory_device_name(device: str) -> str:
-    import tensorflow as tf
+    """'/device:GPU:1' -> 'GPU:1', as tf.config.experimental's memory calls name a device."""
+    from hetero_cs.devices.device_errors import canonical
 
-    spec = tf.DeviceSpec.from_string(device)
-    return f"{spec.device_type}:{spec.device_index or 0}"
+    return canonical(device).removeprefix("/device:")
 
 
 def _resolve_loss(model: Any, loss: LossFn | None) -> Callable[[Any, Any, Any, Any], Any]:
@@ -244,11 +238,11 @@ def sample_batch_size(sample_batch: Any) -> int:
     Raises:
         ConfigError: If the batch is not such a tuple, or its arrays disagree on the leading dimension or have none.
     """
-    leaves = [leaf for leaf in _flatten(_split_batch(sample_batch)) if leaf is not None]
-    sizes = set()
-    for leaf in leaves:
-        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        sizes.add(int(shape[0]) if shape and shape[0] is not None else -1)
+    import keras
+
+    shapes = [tuple(getattr(leaf, "shape", np.shape(leaf)))
+              for leaf in keras.tree.flatten(_split_batch(sample_batch)) if leaf is not None]
+    sizes = {int(shape[0]) if shape and shape[0] is not None else -1 for shape in shapes}
     if len(sizes) != 1 or min(sizes) < 1:
         raise ConfigError(
             "Every array of sample_batch needs the same leading batch dimension >= 1. Received: leading sizes "
@@ -257,25 +251,15 @@ def sample_batch_size(sample_batch: Any) -> int:
     return sizes.pop()
 
 
-def _flatten(structure: Any) -> list[Any]:
-    import keras
-
-    return list(keras.tree.flatten(structure))
-
-
-def _length(value: Any) -> str:
-    return str(len(value)) if hasattr(value, "__len__") else "?"
-
-
-def _split_batch(sample_batch: Any) -> tuple[Any, Any, Any]:
+def _split_batch(sample_batch: Any) -> tuple[Any, ...]:
+    """(x, y[, sample_weight]) as a tuple; a sample_weight of None is left out."""
     if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) not in (2, 3):
+        length = len(sample_batch) if hasattr(sample_batch, "__len__") else "?"
         raise ConfigError(
             "sample_batch must be a tuple (x, y) or (x, y, sample_weight) with a leading batch dimension. "
-            f"Received: {type(sample_batch).__name__} of length {_length(sample_batch)}."
+            f"Received: {type(sample_batch).__name__} of length {length}."
         )
-    x, y = sample_batch[0], sample_batch[1]
-    sample_weight = sample_batch[2] if len(sample_batch) == 3 else None
-    return x, y, sample_weight
+    return tuple(sample_batch[:2]) + tuple(w for w in sample_batch[2:] if w is not None)
 
 
 class DeviceProbe:
@@ -286,17 +270,8 @@ class DeviceProbe:
         >>> samples_s = probe.time_step(64, warmup_steps=2, trials=5)  # model unchanged afterwards
     """
 
-    def __init__(
-        self,
-        model: Any,
-        sample_batch: Any,
-        *,
-        device: str,
-        parameter_device: str = "/device:CPU:0",
-        loss: LossFn | None = None,
-        replica_id: int = 0,
-        emulator: Any = None,
-    ) -> None:
+    def __init__(self, model: Any, sample_batch: Any, *, device: str, parameter_device: str = "/device:CPU:0",
+                 loss: LossFn | None = None, replica_id: int = 0, emulator: Any = None) -> None:
         """Builds the probe step (traced lazily on the first call, once for all batch sizes).
 
         Args:
@@ -323,9 +298,8 @@ class DeviceProbe:
         self._model = model
         self._loss = _resolve_loss(model, loss)
         self.sample_size = sample_batch_size(sample_batch)
-        parts = tuple(part for part in _split_batch(sample_batch) if part is not None)  # (x, y[, sample_weight])
-        with tf.device(parameter_device):
-            self._sample = tf.nest.map_structure(tf.convert_to_tensor, parts)
+        with tf.device(parameter_device):  # (x, y[, sample_weight])
+            self._sample = tf.nest.map_structure(tf.convert_to_tensor, _split_batch(sample_batch))
         self._batches: dict[int, Any] = {}
         self._has_run = False
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), self._sample)
@@ -427,7 +401,7 @@ class DeviceProbe:
     @property
     def tracks_memory(self) -> bool:
         """True when the device reports peak memory: GPUs, and emulated devices (their memory model)."""
-        return _device_kind(self.device) == "GPU" or self.emulator is not None
+        return _memory_device_name(self.device).startswith("GPU:") or self.emulator is not None
 
     def reset_peak_memory(self) -> None:
         """Resets the device's peak-memory counter (no-op on devices that do not track memory)."""
@@ -463,15 +437,10 @@ class DeviceProbe:
         if not self.tracks_memory:
             return None
         wanted = tf.DeviceSpec.from_string(self.device).device_index or 0
-        logical_index = 0
-        for physical in tf.config.list_physical_devices("GPU"):
-            configs = tf.config.get_logical_device_configuration(physical) or [None]
-            for config in configs:
-                if logical_index == wanted:
-                    limit_mb = getattr(config, "memory_limit", None)
-                    return int(limit_mb) * 1024 * 1024 if limit_mb else None
-                logical_index += 1
-        return None
+        configs = [config for physical in tf.config.list_physical_devices("GPU")
+                   for config in tf.config.get_logical_device_configuration(physical) or [None]]
+        limit_mb = getattr(configs[wanted], "memory_limit", None) if wanted < len(configs) else None
+        return int(limit_mb) * 1024 * 1024 if limit_mb else None
 
 
 def extrapolate_memory_cap(

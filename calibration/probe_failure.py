@@ -35,8 +35,11 @@ def probe_step_error(exc: Exception, *, device: str, batch_size: int, model: Any
         A CalibrationError (one line) that names the data, its offending examples and the valid labels when the
         data explains the failure, else the device and TensorFlow's own message.
     """
-    cause = op_error_cause(exc)
-    problem = _data_problem(sample[: len(_PART_NAMES)], min(int(batch_size), int(sample_size)), model, str(exc))
+    from hetero_cs.devices.device_errors import op_message  # imports TensorFlow
+
+    cause = op_message(getattr(exc, "message", str(exc)), exc)
+    problem = _data_problem(sample[: len(_PART_NAMES)], min(int(batch_size), int(sample_size)), model, cause,
+                            str(exc))
     if problem is not None:
         return CalibrationError(
             f"The calibration batch's data is at fault, not device={device!r}: {problem}. The probe step at "
@@ -49,8 +52,9 @@ def probe_step_error(exc: Exception, *, device: str, batch_size: int, model: Any
     )
 
 
-def _data_problem(parts: Sequence[Any], used: int, model: Any, message: str) -> str | None:
-    """What is wrong with the values of the first ``used`` examples of the sample, or None."""
+def _data_problem(parts: Sequence[Any], used: int, model: Any, cause: str, message: str) -> str | None:
+    """What is wrong with the values of the first ``used`` examples of the sample, or None (``message``: TensorFlow's
+    error, ``cause``: its op's line)."""
     arrays = [np.asarray(part)[:used] for part in parts]
     for name, values in zip(_PART_NAMES, arrays):
         if values.dtype.kind == "f" and not np.all(np.isfinite(values)):
@@ -66,24 +70,13 @@ def _data_problem(parts: Sequence[Any], used: int, model: Any, message: str) -> 
         return (f"the labels y hold {_listing(sorted({int(v) for v in labels[bad]}))} at examples "
                 f"{_listing(np.unique(np.nonzero(bad)[0]))}; valid labels are {valid}")
     if classes is None and "label" in message.lower():  # TensorFlow's own kernel names the labels
-        return f"the labels y do not fit the model's output ({op_error_cause(message)})"
+        return f"the labels y do not fit the model's output ({cause})"
     return None
 
 
 def _listing(values: Any, limit: int = 5) -> str:
     values = [int(v) for v in values]
     return f"[{', '.join(str(v) for v in values[:limit])}{', ...' if len(values) > limit else ''}]"
-
-
-def op_error_cause(exc: Any) -> str:
-    """The line of a TensorFlow op error that says what went wrong (the op's own message), on one line."""
-    lines = [line.strip() for line in str(getattr(exc, "message", exc)).splitlines()]
-    marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
-    before = [line for line in lines[:marker] if line] if marker is not None else []
-    if before:
-        return before[-1]
-    skip = ("Graph execution error", "Detected at", "File ")
-    return next((line for line in lines if line and not line.startswith(skip)), type(exc).__name__)
 
 
 def _output_classes(model: Any) -> int | None:

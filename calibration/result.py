@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
+from hetero_cs.devices.catalog import _is_int
 from hetero_cs.errors import ProfileCacheError
+from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
 from hetero_cs.planning.plan import BatchPlan
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
@@ -29,6 +30,24 @@ def _check_keys(name: str, data: Mapping[str, Any], required: set[str], optional
             f"{name} has unknown keys {unknown} and/or misses keys {missing}. It was written by another version "
             "of hetero_cs or edited by hand; recalibrate to replace it."
         )
+
+
+def _to_dict(obj: Any, **values: Any) -> dict[str, Any]:
+    """A result's stored fields (``compare=False`` ones are not stored) as JSON values, tuples as lists."""
+    stored = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.compare}
+    return {name: list(value) if isinstance(value, tuple) else value for name, value in stored.items()} | values
+
+
+def _from_dict(cls: type, data: Mapping[str, Any], optional: set[str], parse: Callable[[Mapping], dict]) -> Any:
+    """``cls`` from ``_to_dict`` output, with ``parse(data)``'s values in place of the stored ones."""
+    _check_keys(cls.__name__, data, {f.name for f in dataclasses.fields(cls) if f.compare} - optional, optional)
+    try:
+        return cls(**{**data, **parse(data)})
+    except ProfileCacheError:
+        raise
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise ProfileCacheError(
+            f"{cls.__name__} data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it.") from exc
 
 
 def _is_finite_real(value: Any) -> bool:
@@ -96,28 +115,25 @@ class DeviceProfile:
                 f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. Received: "
                 f"emulated_as={self.emulated_as!r}."
             )
-        bad_times = [t for t in self.median_step_times_s + self.mad_s if not _is_finite_real(t)]
-        if bad_times:
+        if not all(_is_finite_real(t) and t >= 0 for t in self.median_step_times_s + self.mad_s):
             raise ProfileCacheError(
-                f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds. Received: "
+                f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds >= 0. Received: "
                 f"median_step_times_s={list(self.median_step_times_s)!r}, mad_s={list(self.mad_s)!r}."
             )
-        object.__setattr__(self, "probe_batch_sizes", tuple(int(b) for b in self.probe_batch_sizes))
-        object.__setattr__(self, "median_step_times_s", tuple(float(t) for t in self.median_step_times_s))
-        object.__setattr__(self, "mad_s", tuple(float(t) for t in self.mad_s))
+        for name, kind in (("probe_batch_sizes", int), ("median_step_times_s", float), ("mad_s", float)):
+            object.__setattr__(self, name, tuple(kind(v) for v in getattr(self, name)))
         if not isinstance(self.device, str) or not self.device:
             raise ProfileCacheError(f"DeviceProfile.device must be a non-empty string. Received: {self.device!r}.")
         if not callable(getattr(self.cost_model, "predict_step_time_s", None)):
             raise ProfileCacheError(
                 f"DeviceProfile.cost_model needs predict_step_time_s. Received: {type(self.cost_model).__name__}."
             )
-        if self.max_batch_size is not None and (
-            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 0
-        ):
+        if self.max_batch_size is not None and not (_is_int(self.max_batch_size) and self.max_batch_size >= 0):
             raise ProfileCacheError(
                 f"DeviceProfile.max_batch_size must be None or an int >= 0. Received: {self.max_batch_size!r}."
             )
         _finite_non_negative("DeviceProfile", "fit_error", self.fit_error)
+        _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)
         sizes, medians, mads = self.probe_batch_sizes, self.median_step_times_s, self.mad_s
         if self.holds_no_example:
             if sizes or medians or mads or not isinstance(self.cost_model, OutOfMemoryCostModel):
@@ -126,7 +142,6 @@ class DeviceProfile:
                     f"and an OutOfMemoryCostModel. Received: probe_batch_sizes={list(sizes)}, cost_model="
                     f"{self.cost_model!r}. Recalibrate to replace it."
                 )
-            _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)
             return
         if not sizes or len(medians) != len(sizes) or len(mads) != len(sizes):
             raise ProfileCacheError(
@@ -137,53 +152,20 @@ class DeviceProfile:
             raise ProfileCacheError(
                 f"DeviceProfile.probe_batch_sizes must be >= 1 and strictly increasing. Received: {sizes}."
             )
-        for value in medians + mads:
-            _finite_non_negative("DeviceProfile", "median_step_times_s/mad_s", value)
-        _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict; inverse of from_dict."""
-        return {
-            "device": self.device,
-            "cost_model": self.cost_model.to_dict(),
-            "max_batch_size": self.max_batch_size,
-            "fit_error": self.fit_error,
-            "probe_batch_sizes": list(self.probe_batch_sizes),
-            "median_step_times_s": list(self.median_step_times_s),
-            "mad_s": list(self.mad_s),
-            "emulated_as": self.emulated_as,
-            "relative_noise": self.relative_noise,
-        }
+        return _to_dict(self, cost_model=self.cost_model.to_dict())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
-        """Rebuilds a profile from to_dict output.
+        """Rebuilds a profile from to_dict output (``relative_noise`` may be missing: 0.0).
 
         Raises:
             ProfileCacheError: If a key is unknown or missing, or a value is invalid.
         """
-        required = {"device", "cost_model", "max_batch_size", "fit_error", "probe_batch_sizes",
-                    "median_step_times_s", "mad_s", "emulated_as"}
-        _check_keys("DeviceProfile", data, required, {"relative_noise"})
-        try:
-            cost_model = cost_model_from_dict(data["cost_model"])
-            return cls(
-                device=data["device"],
-                cost_model=cost_model,
-                max_batch_size=data["max_batch_size"],
-                fit_error=data["fit_error"],
-                probe_batch_sizes=data["probe_batch_sizes"],  # __post_init__ checks they are lists
-                median_step_times_s=data["median_step_times_s"],
-                mad_s=data["mad_s"],
-                emulated_as=data["emulated_as"],
-                relative_noise=data.get("relative_noise", 0.0),
-            )
-        except ProfileCacheError:
-            raise
-        except (TypeError, ValueError, KeyError, OverflowError) as exc:
-            raise ProfileCacheError(
-                f"DeviceProfile data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
-            ) from exc
+        return _from_dict(cls, data, {"relative_noise"},
+                          lambda data: {"cost_model": cost_model_from_dict(data["cost_model"])})
 
     @property
     def holds_no_example(self) -> bool:
@@ -254,8 +236,9 @@ class CalibrationResult:
         object.__setattr__(self, "profiles", tuple(self.profiles))
         if self.contention_factors is not None:
             factors = self.contention_factors
-            factors = () if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__") else tuple(
-                factors)
+            if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__"):
+                factors = ()
+            factors = tuple(factors)
             if len(factors) != len(self.profiles) or not all(_is_finite_real(f) and f >= 1 for f in factors):
                 raise ProfileCacheError(
                     f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
@@ -267,10 +250,9 @@ class CalibrationResult:
                 f"{self.profiles!r}."
             )
         _finite_non_negative("CalibrationResult", "wall_time_s", self.wall_time_s)
-        if not isinstance(self.emulated, bool):
-            raise ProfileCacheError(f"CalibrationResult.emulated must be a bool. Received: {self.emulated!r}.")
-        if not isinstance(self.from_cache, bool):
-            raise ProfileCacheError(f"CalibrationResult.from_cache must be a bool. Received: {self.from_cache!r}.")
+        for name in ("emulated", "from_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ProfileCacheError(f"CalibrationResult.{name} must be a bool. Received: {getattr(self, name)!r}.")
         if self.plan is not None and len(self.plan.per_replica_batch_sizes) != len(self.profiles):
             raise ProfileCacheError(
                 "CalibrationResult.plan must have one slice per profile. Received: "
@@ -300,41 +282,23 @@ class CalibrationResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict; inverse of from_dict."""
-        return {
-            "profiles": [p.to_dict() for p in self.profiles],
-            "wall_time_s": self.wall_time_s,
-            "emulated": self.emulated,
-            "plan": None if self.plan is None else self.plan.to_dict(),
-            "measured_makespan_s": self.measured_makespan_s,
-            "contention_factors": None if self.contention_factors is None else list(self.contention_factors),
-        }
+        return _to_dict(self, profiles=[p.to_dict() for p in self.profiles],
+                        plan=None if self.plan is None else self.plan.to_dict())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CalibrationResult:
-        """Rebuilds a result from to_dict output.
+        """Rebuilds a result from to_dict output (``contention_factors`` may be missing: None).
 
         Raises:
             ProfileCacheError: If a key is unknown or missing, or a value is invalid.
         """
-        _check_keys("CalibrationResult", data, {"profiles", "wall_time_s", "emulated", "plan", "measured_makespan_s"},
-                    {"contention_factors"})
-        if not isinstance(data["profiles"], list):
-            raise ProfileCacheError("CalibrationResult.profiles must be a list. Recalibrate to replace it.")
-        profiles = tuple(DeviceProfile.from_dict(p) for p in data["profiles"])
-        try:
-            plan = None if data["plan"] is None else BatchPlan.from_dict(data["plan"])
-        except (TypeError, ValueError, KeyError, OverflowError) as exc:
-            raise ProfileCacheError(
-                f"CalibrationResult.plan is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it."
-            ) from exc
-        return cls(
-            profiles=profiles,
-            wall_time_s=data["wall_time_s"],
-            emulated=data["emulated"],
-            plan=plan,
-            measured_makespan_s=data["measured_makespan_s"],
-            contention_factors=data.get("contention_factors"),
-        )
+        def parse(data: Mapping[str, Any]) -> dict[str, Any]:
+            if not isinstance(data["profiles"], list):
+                raise ProfileCacheError("CalibrationResult.profiles must be a list. Recalibrate to replace it.")
+            return {"profiles": tuple(DeviceProfile.from_dict(p) for p in data["profiles"]),
+                    "plan": None if data["plan"] is None else BatchPlan.from_dict(data["plan"])}
+
+        return _from_dict(cls, data, {"contention_factors"}, parse)
 
     def format_table(self) -> str:
         """A text table: replica, device, cost model, memory cap and fit error per device.
@@ -344,18 +308,9 @@ class CalibrationResult:
         source = ("EMULATED timings (catalog devices on logical CPU devices; not real hardware)"
                   if self.emulated else "measured timings")
         header = ("replica", "device", "emulated as", "cost model t(b) = a + c*b", "cap (ex)", "fit err", "noise")
-        rows = [
-            (
-                str(i),
-                p.device,
-                p.emulated_as or "-",
-                p.describe_cost_model(),
-                "none" if p.max_batch_size is None else str(p.max_batch_size),
-                f"{p.fit_error * 100:.1f} %",
-                f"{p.relative_noise * 100:.1f} %",
-            )
-            for i, p in enumerate(self.profiles)
-        ]
+        rows = [(str(i), p.device, p.emulated_as or "-", p.describe_cost_model(),
+                 "none" if p.max_batch_size is None else str(p.max_batch_size), f"{p.fit_error * 100:.1f} %",
+                 f"{p.relative_noise * 100:.1f} %") for i, p in enumerate(self.profiles)]
         widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
         took = (f"loaded from the profile cache (calibrated earlier in {self.wall_time_s:.2f} s)" if self.from_cache
                 else f"took {self.wall_time_s:.2f} s")

@@ -36,7 +36,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from calibration.result import CalibrationResult
 from hetero_cs.errors import ConfigError, ProfileCacheError
@@ -71,11 +70,9 @@ except ImportError:  # pragma: no cover - not on the platforms tested here
 
 def default_cache_dir() -> pathlib.Path:
     """Returns $HETERO_CS_CACHE_DIR, else $XDG_CACHE_HOME/hetero_cs, else ~/.cache/hetero_cs (not created)."""
-    explicit = os.environ.get("HETERO_CS_CACHE_DIR")
-    if explicit:
+    if explicit := os.environ.get("HETERO_CS_CACHE_DIR"):
         return pathlib.Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
         return pathlib.Path(xdg).expanduser() / "hetero_cs"
     return pathlib.Path.home() / ".cache" / "hetero_cs"
 
@@ -112,29 +109,18 @@ def profile_key(*, device_ids: Sequence[str], model_fingerprint: str, input_sign
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _document(result: CalibrationResult, key: str | None) -> dict[str, Any]:
-    document: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "result": result.to_dict()}
-    if key is not None:
-        document["key"] = key
-    return document
+def _write_result(path: pathlib.Path, result: CalibrationResult, key: str | None, *, what: str, fix: str) -> None:
+    """Writes one file atomically: ``{"schema_version", "key" (a cache entry's), "result"}``.
 
-
-def _result_from_document(document: Any, *, expected_key: str | None) -> CalibrationResult:
-    """Parses one file's JSON value; raises ProfileCacheError on any mismatch."""
-    if not isinstance(document, Mapping):
-        raise ProfileCacheError(f"top level is {type(document).__name__}, not an object")
-    unknown = sorted(set(document) - _FILE_KEYS)
-    if unknown:
-        raise ProfileCacheError(f"unknown keys {unknown}")
-    if document.get("schema_version") != SCHEMA_VERSION:
-        raise ProfileCacheError(
-            f"schema_version={document.get('schema_version')!r}, this version reads {SCHEMA_VERSION}"
-        )
-    if "result" not in document:
-        raise ProfileCacheError("no 'result' entry")
-    if expected_key is not None and document.get("key") != expected_key:
-        raise ProfileCacheError(f"key={document.get('key')!r} does not match the file name")
-    return CalibrationResult.from_dict(document["result"])
+    Raises:
+        ProfileCacheError: If the file cannot be written (the OSError is chained; the message names ``what`` and
+            gives ``fix``).
+    """
+    document = {"schema_version": SCHEMA_VERSION, "result": result.to_dict(), **({} if key is None else {"key": key})}
+    try:
+        _write_atomically(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise ProfileCacheError(f"Cannot write the {what} path={str(path)!r}: {exc}. {fix}") from exc
 
 
 _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -185,7 +171,19 @@ def _parse(text: str, *, expected_key: str | None) -> CalibrationResult:
     try:
         # NaN, Infinity and numbers too large for a float (1e400 reads as inf) parse; the field checks reject them
         # with the field's name.
-        return _result_from_document(json.loads(text), expected_key=expected_key)
+        document = json.loads(text)
+        if not isinstance(document, Mapping):
+            raise ProfileCacheError(f"top level is {type(document).__name__}, not an object")
+        if unknown := sorted(set(document) - _FILE_KEYS):
+            raise ProfileCacheError(f"unknown keys {unknown}")
+        if document.get("schema_version") != SCHEMA_VERSION:
+            raise ProfileCacheError(
+                f"schema_version={document.get('schema_version')!r}, this version reads {SCHEMA_VERSION}")
+        if "result" not in document:
+            raise ProfileCacheError("no 'result' entry")
+        if expected_key is not None and document.get("key") != expected_key:
+            raise ProfileCacheError(f"key={document.get('key')!r} does not match the file name")
+        return CalibrationResult.from_dict(document["result"])
     except ProfileCacheError:
         raise
     except RecursionError as exc:
@@ -195,21 +193,16 @@ def _parse(text: str, *, expected_key: str | None) -> CalibrationResult:
         raise ProfileCacheError(message) from exc
 
 
-def _temp_pattern(name: str) -> re.Pattern[str]:
-    """Our temporary files of `name`: tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp")."""
-    return re.compile(rf"^\.{re.escape(name)}\.[A-Za-z0-9_]+{re.escape(_TEMP_SUFFIX)}$")
-
-
-_STORE_TEMP_PATTERN = re.compile(rf"^\.[0-9a-f]{{64}}\.json\.[A-Za-z0-9_]+{re.escape(_TEMP_SUFFIX)}$")
-
-
-def _remove_stale_temp_files(directory: pathlib.Path, pattern: re.Pattern[str]) -> list[pathlib.Path]:
-    """Removes temporary files of ours (names matching pattern) that no live writer holds; returns them.
+def _remove_stale_temp_files(directory: pathlib.Path, name: str | None = None) -> list[pathlib.Path]:
+    """Removes temporary files of ours that no live writer holds; returns them. ``name``: only those of that file
+    (``tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp")``); None: those of any cache entry.
 
     A writer holds an exclusive advisory lock on its temporary file until it closes it; a killed writer's lock is
     gone. Without locks (Windows), files older than STALE_TEMP_AGE_S count as abandoned. Errors are ignored: this
     is housekeeping, and a file another process removes first is fine.
     """
+    ours = re.escape(name) if name is not None else r"[0-9a-f]{64}\.json"
+    pattern = re.compile(rf"^\.{ours}\.[A-Za-z0-9_]+{re.escape(_TEMP_SUFFIX)}$")
     removed = []
     try:
         candidates = [entry for entry in os.scandir(directory) if pattern.match(entry.name)]
@@ -221,22 +214,20 @@ def _remove_stale_temp_files(directory: pathlib.Path, pattern: re.Pattern[str]) 
             status = entry.stat(follow_symlinks=False)
             if not stat.S_ISREG(status.st_mode):
                 continue
-            age_s = now - status.st_mtime
-            if fcntl is None:
-                if age_s > STALE_TEMP_AGE_S:
-                    os.unlink(entry.path)
-                    removed.append(pathlib.Path(entry.path))
+            if now - status.st_mtime <= (STALE_TEMP_AGE_S if fcntl is None else _LOCKED_TEMP_AGE_S):
                 continue
-            if age_s <= _LOCKED_TEMP_AGE_S:
-                continue
-            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError): a writer is alive
-                if os.fstat(fd).st_ino == status.st_ino:
+            if fcntl is not None:
+                fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError): a writer is alive
+                    if os.fstat(fd).st_ino != status.st_ino:
+                        continue
                     os.unlink(entry.path)
-                    removed.append(pathlib.Path(entry.path))
-            finally:
-                os.close(fd)
+                finally:
+                    os.close(fd)
+            else:
+                os.unlink(entry.path)
+            removed.append(pathlib.Path(entry.path))
     if removed:
         logger.info("Removed %d abandoned temporary profile file(s) in %s", len(removed), directory)
     return removed
@@ -248,7 +239,7 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
     First removes temporary files an interrupted earlier write of the same path left behind.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_files(path.parent, _temp_pattern(path.name))
+    _remove_stale_temp_files(path.parent, path.name)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
     try:
         if fcntl is not None:
@@ -306,13 +297,7 @@ def save_result_file(path: str | os.PathLike[str], result: CalibrationResult) ->
     Raises:
         ProfileCacheError: If the file cannot be written (the OSError is chained).
     """
-    target = pathlib.Path(path)
-    try:
-        _write_atomically(target, json.dumps(_document(result, None), indent=1, sort_keys=True) + "\n")
-    except OSError as exc:
-        raise ProfileCacheError(
-            f"Cannot write the calibration profile path={str(target)!r}: {exc}. Choose a writable path."
-        ) from exc
+    _write_result(pathlib.Path(path), result, None, what="calibration profile", fix="Choose a writable path.")
 
 
 def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
@@ -334,7 +319,7 @@ def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
 
 
 class ProfileStore:
-    """A directory of cached CalibrationResults, one JSON file per profile_key.
+    """A directory of cached CalibrationResults, one JSON file per profile_key (``directory``: the cache directory).
 
     Examples:
         >>> store = ProfileStore("/tmp/hetero_cs_cache")
@@ -343,8 +328,6 @@ class ProfileStore:
         >>> store.load(key) is None  # a miss: calibrate, then store.save(key, result)
         True
     """
-
-    profile_key = staticmethod(profile_key)
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Args:
@@ -358,26 +341,21 @@ class ProfileStore:
             raise ConfigError(
                 f"ProfileStore directory must be a path (str or os.PathLike) or None. Received: directory={directory!r}."
             )
-        self._directory = pathlib.Path(directory).expanduser() if directory is not None else default_cache_dir()
-        if self._directory.exists() and not self._directory.is_dir():
+        self.directory = pathlib.Path(directory).expanduser() if directory is not None else default_cache_dir()
+        if self.directory.exists() and not self.directory.is_dir():
             if directory is not None:
                 source = f"directory={str(directory)!r}"
             elif os.environ.get("HETERO_CS_CACHE_DIR"):
                 source = f"HETERO_CS_CACHE_DIR={os.environ['HETERO_CS_CACHE_DIR']!r}"
             else:
-                source = f"the default cache directory {str(self._directory)!r}"
+                source = f"the default cache directory {str(self.directory)!r}"
             raise ConfigError(
                 f"The profile cache directory is not a directory: {source} names an existing file. Point it at a "
                 "directory (it is created if missing), or disable the cache (profile_cache=False, --no-cache)."
             )
 
     def __repr__(self) -> str:
-        return f"ProfileStore(directory={str(self._directory)!r})"
-
-    @property
-    def directory(self) -> pathlib.Path:
-        """The cache directory."""
-        return self._directory
+        return f"ProfileStore(directory={str(self.directory)!r})"
 
     def path(self, key: str) -> pathlib.Path:
         """The file that holds key's result.
@@ -387,7 +365,7 @@ class ProfileStore:
         """
         if not isinstance(key, str) or not _KEY_PATTERN.match(key):
             raise ConfigError(f"A profile key is a sha256 hex digest from profile_key(). Received: key={key!r}.")
-        return self._directory / f"{key}.json"
+        return self.directory / f"{key}.json"
 
     def load(self, key: str) -> CalibrationResult | None:
         """Returns the cached result for key, or None on a miss.
@@ -400,7 +378,7 @@ class ProfileStore:
             ConfigError: If key is malformed.
         """
         path = self.path(key)
-        _remove_stale_temp_files(self._directory, _STORE_TEMP_PATTERN)
+        _remove_stale_temp_files(self.directory)
         try:
             result = _parse(_read_text(path), expected_key=key)
         except FileNotFoundError:
@@ -428,12 +406,7 @@ class ProfileStore:
             ProfileCacheError: If the file cannot be written (the OSError is chained).
         """
         path = self.path(key)
-        try:
-            _write_atomically(path, json.dumps(_document(result, key), indent=1, sort_keys=True) + "\n")
-        except OSError as exc:
-            raise ProfileCacheError(
-                f"Cannot write the profile cache file path={str(path)!r}: {exc}. Set HETERO_CS_CACHE_DIR to a "
-                "writable directory, or disable the cache (profile_cache=False, --no-cache)."
-            ) from exc
+        _write_result(path, result, key, what="profile cache file", fix="Set HETERO_CS_CACHE_DIR to a writable "
+                      "directory, or disable the cache (profile_cache=False, --no-cache).")
         logger.debug("Profile cache saved: %s", path)
         return path

@@ -85,16 +85,12 @@ def build_calibration_model(spec: str, *, global_batch_size: int, seed: int = 0)
     """
     import keras
 
-    rng = np.random.default_rng(seed)
-    if spec in MODEL_NAMES:
-        shape = REFERENCE_INPUT_SHAPES[spec]
-        model = build_model(spec, input_shape=shape, num_classes=REFERENCE_NUM_CLASSES)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x = rng.standard_normal((global_batch_size, *shape)).astype(np.float32)
-        y = rng.integers(0, REFERENCE_NUM_CLASSES, size=global_batch_size).astype(np.int64)
-        return model, (x, y)
-    returned = load_model_function(spec)()
+    if spec in MODEL_NAMES:  # its sample batch is made up below, as for a function that returns no sample data
+        returned = build_model(spec, input_shape=REFERENCE_INPUT_SHAPES[spec], num_classes=REFERENCE_NUM_CLASSES)
+        returned.compile(optimizer=keras.optimizers.Adam(1e-3),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    else:
+        returned = load_model_function(spec)()
     model, sample = returned if isinstance(returned, tuple) and len(returned) == 2 else (returned, None)
     if not isinstance(model, keras.Model):
         raise ConfigError(
@@ -112,7 +108,7 @@ def build_calibration_model(spec: str, *, global_batch_size: int, seed: int = 0)
             "keras.Input(...) or call it once on a batch before returning it."
         )
     if sample is None:
-        return model, _made_up_batch(spec, model, global_batch_size, rng)
+        return model, _made_up_batch(spec, model, global_batch_size, np.random.default_rng(seed))
     if not isinstance(sample, (tuple, list)) or len(sample) not in (2, 3):
         raise ConfigError(
             f"--model={spec!r} returned sample data of type {type(sample).__name__}; give (x, y) or "

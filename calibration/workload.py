@@ -60,14 +60,9 @@ def _positions(layer: Any, channels: int) -> int:
 
 
 def _bytes(variables: Any) -> int:
-    seen: set[int] = set()
-    total = 0
-    for variable in variables:
-        if id(variable) in seen:
-            continue
-        seen.add(id(variable))
-        total += math.prod(int(d) for d in variable.shape) * _dtype_size_bytes(variable.dtype)
-    return int(total)
+    """The size of the variables, each counted once (a shared variable may be listed twice), in bytes."""
+    unique = {id(variable): variable for variable in variables}.values()
+    return int(sum(math.prod(int(d) for d in v.shape) * _dtype_size_bytes(v.dtype) for v in unique))
 
 
 def _leaves(model: Any, layers: list) -> list:
@@ -78,21 +73,16 @@ def _leaves(model: Any, layers: list) -> list:
 
 def _activation_bytes_per_example(model: Any, leaves: list) -> int:
     """Every leaf layer's output (and the model's inputs), bytes per example, from the built shapes."""
-    total = 0
+    def per_example_bytes(shape: tuple | None, dtype: Any) -> int:  # 0 where the shape is unknown
+        return (_per_example_elements(shape) or 0) * _dtype_size_bytes(dtype)
+
     try:
         inputs = list(getattr(model, "inputs", None) or ())
     except (AttributeError, ValueError, TypeError):  # a subclassed model has no symbolic inputs
         inputs = []
-    for tensor in inputs:
-        elements = _per_example_elements(tuple(tensor.shape))
-        total += (elements or 0) * _dtype_size_bytes(getattr(tensor, "dtype", "float32"))
-    for layer in leaves:
-        elements = _per_example_elements(_output_shape(layer))
-        if elements is None:
-            continue
-        dtype = getattr(layer, "compute_dtype", None) or "float32"
-        total += elements * _dtype_size_bytes(dtype)
-    return int(total)
+    return int(sum(per_example_bytes(tuple(t.shape), getattr(t, "dtype", "float32")) for t in inputs)
+               + sum(per_example_bytes(_output_shape(layer), getattr(layer, "compute_dtype", None) or "float32")
+                     for layer in leaves))
 
 
 def estimate_workload(model: Any) -> Workload:

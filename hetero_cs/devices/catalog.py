@@ -72,6 +72,16 @@ PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType({
 })
 
 
+def _is_real(value: Any) -> bool:
+    """A real number (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """Published figures of one device.
@@ -106,15 +116,11 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("DeviceSpec.name is empty; give the catalog key, e.g. name='A10'.")
-        for field in ("fp32_tflops", "fp16_tflops", "memory_bandwidth_bytes_per_s"):
+        for field in ("fp32_tflops", "fp16_tflops", "memory_bandwidth_bytes_per_s", "bf16_tflops", "tf32_tflops"):
             value = getattr(self, field)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be a finite number > 0.")
-        for field in ("bf16_tflops", "tf32_tflops"):
-            value = getattr(self, field)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be None (the card has no such "
-                                  f"arithmetic) or a finite number > 0.")
+            optional = "None (the card has no such arithmetic) or " if field in ("bf16_tflops", "tf32_tflops") else ""
+            if not (value is None and optional) and not (_is_real(value) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"DeviceSpec {self.name!r}: {field}={value!r} must be {optional}a finite number > 0.")
         if not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
             raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes={self.memory_bytes!r} must be an int > 0.")
         if (self.pcie_generation is None) != (self.pcie_lanes is None):
@@ -151,24 +157,25 @@ class DeviceSpec:
             >>> a10.peak_tflops("float32"), a10.peak_tflops("float32", tf32=False)  # TF32 tensor cores, CUDA cores
             (62.5, 31.2)
         """
-        dtype = compute_dtype_of(compute_dtype)
-        if dtype == "float32":
-            return self.tf32_tflops if tf32 and self.tf32_tflops is not None else self.fp32_tflops
-        if dtype == "float16":
-            return self.fp16_tflops
-        if self.bf16_tflops is None:
+        _, tflops = self._rate(compute_dtype, tf32)
+        if tflops is None:
             raise UnsupportedPrecisionError(
-                f"Emulated device {self.name} has no bfloat16 arithmetic (compute_dtype={dtype!r}): bfloat16 needs an "
+                f"Emulated device {self.name} has no bfloat16 arithmetic (compute_dtype='bfloat16'): bfloat16 needs an "
                 f"NVIDIA GPU of compute capability 8.0 or newer (A10, A100, H100, L4, RTX 3090). Use the policy "
-                f"'mixed_float16' on it, or leave it out.", device=self.name, compute_dtype=dtype)
-        return self.bf16_tflops
+                f"'mixed_float16' on it, or leave it out.", device=self.name, compute_dtype="bfloat16")
+        return tflops
 
     def rate_name(self, compute_dtype: str = "float32", *, tf32: bool = True) -> str:
         """Which of the card's rates ``peak_tflops`` gives: "fp32", "tf32", "fp16" or "bf16"."""
+        return self._rate(compute_dtype, tf32)[0]
+
+    def _rate(self, compute_dtype: str, tf32: bool) -> tuple[str, float | None]:
         dtype = compute_dtype_of(compute_dtype)
-        if dtype == "float32":
-            return "tf32" if tf32 and self.tf32_tflops is not None else "fp32"
-        return {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+        if dtype == "float16":
+            return "fp16", self.fp16_tflops
+        if dtype == "bfloat16":
+            return "bf16", self.bf16_tflops
+        return ("tf32", self.tf32_tflops) if tf32 and self.tf32_tflops is not None else ("fp32", self.fp32_tflops)
 
     @property
     def pcie_bandwidth_bytes_per_s(self) -> float:
@@ -323,16 +330,6 @@ CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
 })
 
 
-def _is_real(value: Any) -> bool:
-    """A real number (Python or numpy), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 _COMPUTE_DTYPES = {"float32": "float32", "mixed_float16": "float16", "float16": "float16",
                    "mixed_bfloat16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -355,9 +352,10 @@ def compute_dtype_of(policy: str) -> str:
 
 
 MEMORY_OVERRIDE_SEPARATOR = "@"
-LINK_OVERRIDE_SEPARATOR = "~"
-_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x([0-9]+)\s*$", re.IGNORECASE | re.ASCII)
 """Separates a catalog name from a memory override in an emulated device name: ``"T4@48MB"``."""
+LINK_OVERRIDE_SEPARATOR = "~"
+"""Separates a catalog name (and its memory override) from a host-link override: ``"P100~x1"``."""
+_LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x([0-9]+)\s*$", re.IGNORECASE | re.ASCII)
 
 _MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -384,7 +382,7 @@ def parse_memory_bytes(text: str) -> int:
     value = int(float(match.group(1)) * unit) if unit else 0
     if value < 1:
         raise ConfigError(
-            f"A memory size is a number and a unit ({', '.join(('B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB'))}), "
+            f"A memory size is a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB), "
             f"at least 1 byte, e.g. '48MB' or '1.5GiB'. Received: {text!r}.")
     return value
 
@@ -415,22 +413,19 @@ def get_device_spec(name: str) -> DeviceSpec:
         >>> spec.name, spec.pcie_generation, spec.pcie_lanes
         ('P100~x1', 3, 1)
     """
-    if isinstance(name, str):
-        head, link_separator, link_text = name.partition(LINK_OVERRIDE_SEPARATOR)
-        key_text, separator, memory_text = head.partition(MEMORY_OVERRIDE_SEPARATOR)
-        for key, spec in CATALOG.items():
-            if key.lower() == key_text.strip().lower():
-                if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
-                    # The name keeps the override: banners show it, a re-lookup by name (an Emulator passed on
-                    # as names) keeps the memory, and profile cache keys tell the two memories apart.
-                    spec = dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text),
-                                               name=f"{spec.name}{MEMORY_OVERRIDE_SEPARATOR}{memory_text.strip()}")
-                if link_separator:
-                    spec = _with_link(spec, link_text, name)
-                return spec
-    raise UnknownEmulatedDeviceError(
-        f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "
-        f"Use one of these names (case does not matter).")
+    head, link_separator, link_text = name.partition(LINK_OVERRIDE_SEPARATOR) if isinstance(name, str) else ("",) * 3
+    key_text, separator, memory_text = head.partition(MEMORY_OVERRIDE_SEPARATOR)
+    spec = next((spec for key, spec in CATALOG.items() if key.lower() == key_text.strip().lower()), None)
+    if spec is None:
+        raise UnknownEmulatedDeviceError(
+            f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "
+            f"Use one of these names (case does not matter).")
+    if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
+        # The name keeps the override: banners show it, a re-lookup by name (an Emulator passed on as names) keeps
+        # the memory, and profile cache keys tell the two memories apart.
+        spec = dataclasses.replace(spec, memory_bytes=parse_memory_bytes(memory_text),
+                                   name=f"{spec.name}{MEMORY_OVERRIDE_SEPARATOR}{memory_text.strip()}")
+    return _with_link(spec, link_text, name) if link_separator else spec
 
 
 def _with_link(spec: DeviceSpec, link_text: str, name: str) -> DeviceSpec:

@@ -52,10 +52,9 @@ REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
 def tag_replica(exc: Exception, replica_id: int) -> None:
     """Marks an error raised eagerly in replica ``replica_id``'s function (the first replica to tag it wins)."""
     if getattr(exc, REPLICA_ID_ATTRIBUTE, None) is None:
-        try:
+        # An exception type that takes no attributes is left as it is: the op-name path below still applies.
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(exc, REPLICA_ID_ATTRIBUTE, int(replica_id))
-        except (AttributeError, TypeError):
-            pass  # an exception type that takes no attributes: the op-name path below still applies
 
 
 @contextlib.contextmanager
@@ -139,10 +138,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def canonical(device: str) -> str | None:
     """``/job:localhost/replica:0/task:0/device:GPU:1``, ``/gpu:1``, ``GPU:1`` -> ``/device:GPU:1``; else None."""
     text = device.strip()
-    if not text.startswith("/"):
-        text = "/device:" + text
     try:
-        spec = tf.DeviceSpec.from_string(text)
+        spec = tf.DeviceSpec.from_string(text if text.startswith("/") else "/device:" + text)
     except (ValueError, TypeError):
         return None
     if spec.device_type is None or spec.device_index is None:
@@ -301,13 +298,16 @@ def first_line(exc: BaseException, forms=DEVICE_FAULT_FORMS) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def op_message(message: str, exc: Exception) -> str:
-    """The failing op's own line of TensorFlow's error message."""
+def op_message(message: str, exc: BaseException) -> str:
+    """The failing op's own line of TensorFlow's error message ``message`` (of ``exc``), on one line."""
     lines = [line.strip() for line in message.splitlines()]
     # TensorFlow puts the op's own message on the line before "[[{{node ...}}]]".
     marker = next((i for i, line in enumerate(lines) if line.startswith("[[{{node")), None)
     if marker is not None:
         before = [line for line in lines[:marker] if line]
-    else:  # eagerly: the op's own line ends in "[Op:NAME]" (Keras may wrap it in "Exception encountered ...")
-        before = [line for line in lines if "[Op:" in line][:1] or [line for line in lines if line][:1]
-    return (before[-1] if before else type(exc).__name__).strip()
+    else:  # eagerly: the op's own line ends in "[Op:NAME]" (Keras may wrap it in "Exception encountered ..."),
+        # else the first line that is not TensorFlow's framing of it
+        framing = ("Graph execution error", "Detected at", "File ")
+        before = [line for line in lines if "[Op:" in line][:1] or [
+            line for line in lines if line and not line.startswith(framing)][:1]
+    return before[-1] if before else type(exc).__name__

@@ -14,12 +14,14 @@ TensorFlow alone, with one warning per process. Nothing here initialises TensorF
 ``discover_devices`` uses only ``tf.config`` calls that leave them unconfigured, so it may run before
 ``setup_logical_devices`` or ``set_memory_growth``.
 
-The pure part (``normalize_pci_bus_id``, ``parse_cuda_visible_devices``, ``read_nvml_records``,
-``join_gpu_records``, ``format_device_table``) needs neither TensorFlow nor a driver.
+The pure part (``parse_cuda_visible_devices``, ``join_gpu_records``, ``format_device_table``, and
+:mod:`hetero_cs.devices.nvml`'s ``normalize_pci_bus_id`` and ``read_nvml_records``) needs neither TensorFlow nor a
+driver.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -29,12 +31,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 
-from hetero_cs.devices.nvml import (  # noqa: F401 - re-exported (part of this module's API before the split)
-    NvmlRecord,
-    _query_nvml,
-    normalize_pci_bus_id,
-    read_nvml_records,
-)
+from hetero_cs.devices.nvml import NvmlRecord, _query_nvml, normalize_pci_bus_id
 from hetero_cs.errors import DeviceError
 
 logger = logging.getLogger(__name__)
@@ -149,10 +146,7 @@ def parse_cuda_visible_devices(value: str | None) -> list[str] | None:
 
 def _uuid_body(uuid: str) -> str:
     body = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if body.startswith(prefix):
-            return body[len(prefix):]
-    return body
+    return body[4:] if body.startswith(("gpu-", "mig-")) else body
 
 
 def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[NvmlRecord], *,
@@ -216,11 +210,9 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
 
     library = None
     for candidate in (("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")):
-        try:
+        with contextlib.suppress(OSError):
             library = ctypes.CDLL(candidate)
             break
-        except OSError:
-            continue
     if library is None:
         return {}
     try:
@@ -252,13 +244,10 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
 
 
 def _host_description() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
     import platform
 
     return platform.processor() or platform.machine() or "host CPU"
@@ -267,18 +256,13 @@ def _host_description() -> str:
 def _host_memory_bytes() -> tuple[int | None, int | None]:
     """(total, available) host memory in bytes, or None where the OS does not say."""
     total = available = None
-    try:
+    with contextlib.suppress(AttributeError, ValueError, OSError):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        pass
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
     return total, available
 
 
@@ -309,9 +293,8 @@ def _list_tf_devices() -> list[tuple[str, str, TfGpuRecord | None]]:
                 record = TfGpuRecord(index=index, pci_bus_id=bus_id, name=details.get("device_name"),
                                      compute_capability=tuple(capability) if capability else None, uuid=uuid)
             count = len(tf.config.get_logical_device_configuration(physical) or []) or 1
-            for _ in range(count):
-                listed.append((f"/device:{device_type}:{logical_index}", device_type, record))
-                logical_index += 1
+            listed += [(f"/device:{device_type}:{logical_index + k}", device_type, record) for k in range(count)]
+            logical_index += count
     return listed
 
 
@@ -356,14 +339,10 @@ def discover_devices() -> list[DeviceInfo]:
         cuda_device_order=os.environ.get("CUDA_DEVICE_ORDER"))))
     cpu_description = _host_description() if any(kind == "CPU" for _, kind, _ in tf_devices) else ""
     host_total, host_free = _host_memory_bytes()
-    devices = []
-    for name, kind, record in tf_devices:
-        if record is None:  # a CPU device
-            devices.append(DeviceInfo(name=name, device_type="CPU", description=cpu_description,
-                                      memory_total_bytes=host_total, memory_free_bytes=host_free))
-            continue
-        devices.append(gpu_device_info(name, record, joined.get(record)))
-    return devices
+    cpu = dict(device_type="CPU", description=cpu_description, memory_total_bytes=host_total,
+               memory_free_bytes=host_free)
+    return [DeviceInfo(name=name, **cpu) if record is None else gpu_device_info(name, record, joined.get(record))
+            for name, _, record in tf_devices]  # a CPU device has no TfGpuRecord
 
 
 def gpu_device_info(name: str, record: TfGpuRecord, nvml: NvmlRecord | None) -> DeviceInfo:

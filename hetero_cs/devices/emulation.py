@@ -53,8 +53,16 @@ logger = logging.getLogger(__name__)
 
 
 def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
+    """As hetero_cs.planning.plan.even_batch_split, without NumPy (this module imports none)."""
     base, extra = divmod(global_batch_size, num_replicas)
     return [base + (1 if i < extra else 0) for i in range(num_replicas)]
+
+
+def _float_or_text(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # refused with the text by Emulator._check_scale
 
 
 class Emulator(DeepcopiedWithNewLocks):
@@ -109,20 +117,13 @@ class Emulator(DeepcopiedWithNewLocks):
                     f"(ids 0..{num_replicas - 1}); fix the drift's replica_id.")
         if workload is not None:
             self._check_workload(workload)
-        self._time_scale_fixed = False
-        self._time_scale_source = None  # what fixed the scale, for messages
-        scale = 1.0
+        self._time_scale_source = None  # what fixed the scale (the argument or the environment), for messages
+        scale, raw = 1.0, os.environ.get(TIME_SCALE_ENV_VAR, "").strip()
         if time_scale is not None:
             scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
-        elif os.environ.get(TIME_SCALE_ENV_VAR, "").strip():
-            raw = os.environ[TIME_SCALE_ENV_VAR].strip()
-            try:
-                value = float(raw)
-            except ValueError:
-                value = math.nan
+        elif raw:
             self._time_scale_source = f"{TIME_SCALE_ENV_VAR}={raw!r}"
-            scale = self._check_scale(value, self._time_scale_source)
-        self._time_scale_fixed = self._time_scale_source is not None
+            scale = self._check_scale(_float_or_text(raw), self._time_scale_source)
         self._lock = threading.Lock()
         self._workload = workload
         self._time_scale = scale
@@ -184,8 +185,7 @@ class Emulator(DeepcopiedWithNewLocks):
 
     def advance_to(self, step: int) -> None:
         """Sets every replica's step counter to ``step`` (>= 0), e.g. when training resumes from a checkpoint."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step={step!r} must be an int >= 0.")
+        self._check_step(step, none_allowed=False)
         with self._lock:
             self._steps = [step] * len(self._specs)
 
@@ -219,12 +219,12 @@ class Emulator(DeepcopiedWithNewLocks):
                 f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05, and at "
                 f"most MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g}.")
         with self._lock:
-            if self._time_scale_fixed and self._workload is None:
+            if self._time_scale_source is not None and self._workload is None:
                 return self._time_scale  # nothing to check it against yet
             workload = self._require_workload()
             split = _even_split(global_batch_size, len(self._specs))
             makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
-            if self._time_scale_fixed:
+            if self._time_scale_source is not None:
                 self._check_fixed_makespan(makespan_s, global_batch_size, target_makespan_s)
                 return self._time_scale
             self._time_scale = target_makespan_s / makespan_s
@@ -250,11 +250,7 @@ class Emulator(DeepcopiedWithNewLocks):
         return self._workload
 
     def _drift_factor(self, replica_id: int, step: int) -> float:
-        factor = 1.0
-        for item in self._drift:
-            if item.replica_id == replica_id and item.applies(step):
-                factor *= item.factor
-        return factor
+        return math.prod(d.factor for d in self._drift if d.replica_id == replica_id and d.applies(step))
 
     def _check_replica(self, replica_id: int) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
@@ -262,6 +258,11 @@ class Emulator(DeepcopiedWithNewLocks):
             raise ConfigError(
                 f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
                 f"num_replicas={len(self._specs)}.")
+
+    @staticmethod
+    def _check_step(step: int | None, *, none_allowed: bool = True) -> None:
+        if not (step is None and none_allowed) and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ConfigError(f"step={step!r} must be {'None or ' if none_allowed else ''}an int >= 0.")
 
     def _step_time_locked(self, replica_id: int, batch_size: int, step: int) -> float:
         base_s = emulated_step_time_s(self._specs[replica_id], batch_size, self._require_workload())
@@ -283,8 +284,7 @@ class Emulator(DeepcopiedWithNewLocks):
             EmulationError: If no Workload has been set.
         """
         self._check_replica(replica_id)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-            raise ConfigError(f"step={step!r} must be None or an int >= 0.")
+        self._check_step(step)
         with self._lock:
             return self._step_time_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step)
 
@@ -297,7 +297,7 @@ class Emulator(DeepcopiedWithNewLocks):
         """
         value = self._check_scale(value, source)
         with self._lock:
-            self._time_scale, self._time_scale_fixed, self._time_scale_source = value, True, source
+            self._time_scale, self._time_scale_source = value, source
 
     def without(self, replicas: Sequence[int]) -> "Emulator":
         """A new Emulator without the cards at positions ``replicas`` (a restart without a lost card).
@@ -393,8 +393,7 @@ class Emulator(DeepcopiedWithNewLocks):
             replica_id: In [0, R).
         """
         self._check_replica(replica_id)
-        limits = [d.memory_bytes for d in self._drift if d.replica_id == replica_id and d.memory_bytes is not None]
-        return min([self._specs[replica_id].memory_bytes, *limits])
+        return self._memory_locked(replica_id, None)
 
     def max_batch_size(self, replica_id: int, *, step: int | None = None) -> int | None:
         """The largest slice that fits the replica's memory at a step (0: none fits; None: unbounded).
@@ -425,9 +424,10 @@ class Emulator(DeepcopiedWithNewLocks):
             self._check_memory_locked(replica_id, batch_size, self._steps[replica_id] if step is None else step,
                                       training=training)
 
-    def _memory_locked(self, replica_id: int, step: int) -> int:
+    def _memory_locked(self, replica_id: int, step: int | None) -> int:
+        """The replica's memory at ``step`` (None: the least it ever has)."""
         limits = [d.memory_bytes for d in self._drift
-                  if d.replica_id == replica_id and d.memory_bytes is not None and d.applies(step)]
+                  if d.replica_id == replica_id and d.memory_bytes is not None and (step is None or d.applies(step))]
         return min([self._specs[replica_id].memory_bytes, *limits])
 
     def _check_memory_locked(self, replica_id: int, batch_size: int, step: int, *, training: bool = True) -> None:

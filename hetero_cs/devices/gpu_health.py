@@ -18,6 +18,7 @@ This module imports neither TensorFlow nor pynvml at import time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -73,10 +74,6 @@ def kernel_xid(line: str) -> tuple[str, int] | None:
     return f"{domain:08x}:{bus:02x}:{device:02x}", int(match.group(2))
 
 
-def _error_name(exc: BaseException) -> str:
-    return type(exc).__name__
-
-
 class CardWatch:
     """NVML's view of ``gpus`` while a script runs: ``with CardWatch(gpus) as watch: ...; watch.lost()``.
 
@@ -113,10 +110,8 @@ class CardWatch:
     def __exit__(self, *exc_info) -> None:
         self._settle()
         if self._nvml is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
-                pass
 
     def state(self, gpu: Gpu) -> tuple[bool, int | None]:
         """(lost, uncorrected volatile ECC count or None when NVML does not say) for ``gpu`` now."""
@@ -126,7 +121,7 @@ class CardWatch:
             return False, int(nvml.nvmlDeviceGetTotalEccErrors(handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                                                                nvml.NVML_VOLATILE_ECC))
         except Exception as exc:  # noqa: BLE001 - not supported (no ECC), or the card is lost
-            return _error_name(exc) == "NVMLError_GPUIsLost", None
+            return type(exc).__name__ == "NVMLError_GPUIsLost", None
 
     def _settle(self) -> None:
         """Stops listening, once the events NVML has queued are read."""
@@ -155,21 +150,17 @@ class CardWatch:
             return
         try:
             for gpu in self.gpus:
-                try:
+                with contextlib.suppress(Exception):  # not supported on this card
                     nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByUUID(gpu.uuid),
                                                   nvml.nvmlEventTypeXidCriticalError, events)
-                except Exception:  # noqa: BLE001 - not supported on this card
-                    pass
             wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
             while not self._stop.is_set():
                 self._record_next(wait, events, 200)
             while self._record_next(wait, events, 50):  # the events NVML queued before the watch stopped
                 pass
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 nvml.nvmlEventSetFree(events)
-            except Exception:  # noqa: BLE001
-                pass
 
     def lost(self, lines: Sequence[str] = ()) -> list[tuple[Gpu, str]]:
         """The cards with evidence of a fault now, each with that evidence in words; ``lines``: the script's last

@@ -7,6 +7,7 @@ shuts NVML down around the read, and reports why NVML cannot be used instead of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -95,25 +96,27 @@ def read_nvml_records(pynvml: Any) -> tuple[list[NvmlRecord], list[str]]:
             problems.append(f"{field} of {owner}: {type(exc).__name__}")
             return None
 
+    def record(handle: Any, uuid: str, **facts: Any) -> NvmlRecord:
+        """The record of one GPU or MIG slice: its name and memory, and ``facts``."""
+        name = optional("name", uuid, pynvml.nvmlDeviceGetName, handle)
+        memory = optional("memory", uuid, pynvml.nvmlDeviceGetMemoryInfo, handle)
+        return NvmlRecord(uuid=uuid, name=_text(name) if name is not None else None,
+                          memory_total_bytes=int(memory.total) if memory is not None else None,
+                          memory_free_bytes=int(memory.free) if memory is not None else None, **facts)
+
     records: list[NvmlRecord] = []
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         bus_id = normalize_pci_bus_id(pynvml.nvmlDeviceGetPciInfo(handle).busId)
-        name = optional("name", uuid, pynvml.nvmlDeviceGetName, handle)
-        memory = optional("memory", uuid, pynvml.nvmlDeviceGetMemoryInfo, handle)
         generation = optional("pcie_generation", uuid, pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)
         width = optional("pcie_width", uuid, pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle)
         capability = optional("compute_capability", uuid, pynvml.nvmlDeviceGetCudaComputeCapability, handle)
         mig_mode = optional("mig_mode", uuid, pynvml.nvmlDeviceGetMigMode, handle)
         mig_on = bool(mig_mode) and mig_mode[0] == getattr(pynvml, "NVML_DEVICE_MIG_ENABLE", 1)
-        common = dict(pcie_generation=generation, pcie_width=width,
+        common = dict(pci_bus_id=bus_id, pcie_generation=generation, pcie_width=width,
                       compute_capability=tuple(capability) if capability else None)
-        records.append(NvmlRecord(
-            uuid=uuid, pci_bus_id=bus_id, name=_text(name) if name is not None else None,
-            memory_total_bytes=int(memory.total) if memory is not None else None,
-            memory_free_bytes=int(memory.free) if memory is not None else None,
-            mig=mig_on, index=index, **common))
+        records.append(record(handle, uuid, mig=mig_on, index=index, **common))
         if not mig_on:
             continue
         slots = optional("mig_device_count", uuid, pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
@@ -122,14 +125,8 @@ def read_nvml_records(pynvml: Any) -> tuple[list[NvmlRecord], list[str]]:
                 mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except pynvml.NVMLError:  # NotFound: an empty slot.
                 continue
-            mig_uuid = _text(pynvml.nvmlDeviceGetUUID(mig_handle))
-            mig_name = optional("name", mig_uuid, pynvml.nvmlDeviceGetName, mig_handle)
-            mig_memory = optional("memory", mig_uuid, pynvml.nvmlDeviceGetMemoryInfo, mig_handle)
-            records.append(NvmlRecord(
-                uuid=mig_uuid, pci_bus_id=bus_id, name=_text(mig_name) if mig_name is not None else None,
-                memory_total_bytes=int(mig_memory.total) if mig_memory is not None else None,
-                memory_free_bytes=int(mig_memory.free) if mig_memory is not None else None,
-                mig=True, parent_uuid=uuid, **common))
+            records.append(record(mig_handle, _text(pynvml.nvmlDeviceGetUUID(mig_handle)), mig=True, parent_uuid=uuid,
+                                  **common))
     return records, problems
 
 
@@ -149,7 +146,5 @@ def _query_nvml() -> tuple[list[NvmlRecord] | None, list[str], str | None]:
     except pynvml.NVMLError as exc:
         return None, [], f"an NVML device query raised {type(exc).__name__}: {exc}"
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass

@@ -107,10 +107,7 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
                 time.sleep(remaining_s)
         end_s = time.perf_counter()
         if record is not None:
-            if keyed:
-                record(replica_id, examples, end_s - start_s, step_key=start_s)
-            else:
-                record(replica_id, examples, end_s - start_s)
+            record(replica_id, examples, end_s - start_s, **({"step_key": start_s} if keyed else {}))
         return np.float64(end_s)
 
     # With anchor=None the caller orders the op after the work with tf.control_dependencies around this call; the

@@ -168,9 +168,8 @@ def _even_split_s(models, caps, global_batch_size: int) -> float | None:
     if smallest == 0:
         return None
     sub_steps = 1 if smallest is None else max(1, math.ceil(global_batch_size / (R * smallest)))
-    sizes = [global_batch_size // sub_steps + (1 if j < global_batch_size % sub_steps else 0) for j in range(sub_steps)]
     return sum(max(model.predict_step_time_s(b) for model, b in zip(models, even_batch_split(size, R)))
-               for size in sizes)
+               for size in even_batch_split(global_batch_size, sub_steps))
 
 
 def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:

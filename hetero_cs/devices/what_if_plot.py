@@ -89,9 +89,13 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     cuts = result["sub_step_batch_sizes"]
     calls = result.get("call_sub_steps") if result.get("overlapped") else None
     if calls:  # each card runs its micro-batches back to back within a call: a call is one bar, waits at its end
-        busy, cuts = _by_calls(busy, calls), _by_calls(cuts, calls)
+        busy, cuts = _summed(busy, calls), _summed(cuts, calls)
     if len(busy) > _MAX_DRAWN_SUB_STEPS:  # one bar per sub-step would be unreadable (and slow): groups of them
-        busy, cuts = _grouped(busy, _MAX_DRAWN_SUB_STEPS), _grouped(cuts, _MAX_DRAWN_SUB_STEPS)
+        # (a group's length is then the sum of its sub-steps' slowest cards only approximately: drawn as the
+        # slowest card's sum)
+        size = -(-len(busy) // _MAX_DRAWN_SUB_STEPS)
+        counts = [size] * -(-len(busy) // size)
+        busy, cuts = _summed(busy, counts), _summed(cuts, counts)
     R = len(names)
     start, waited = 0.0, False
     first_busy = next(i for i in range(R) if busy[0][i] > 0)
@@ -131,32 +135,19 @@ def _draw_step(axes, result: dict[str, Any], names: list[str]) -> None:
     axes.legend(loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=2, fontsize=7, frameon=False)
 
 
-def _by_calls(rows: list, calls: list) -> list:
-    """``rows`` (one per sub-step) summed card by card over each call's sub-steps."""
-    summed, start = [], 0
-    for n in calls:
-        summed.append([sum(column) for column in zip(*rows[start:start + n])])
-        start += n
-    return summed
-
-
-def _grouped(rows: list, groups: int) -> list:
-    """``rows`` (one per sub-step) summed into ``groups`` consecutive groups, card by card. A group's length is then
-    the sum of its sub-steps' slowest cards only approximately (drawn as the slowest card's sum)."""
-    size = -(-len(rows) // groups)
-    return [[sum(column) for column in zip(*rows[start:start + size])] for start in range(0, len(rows), size)]
+def _summed(rows: list, counts: list) -> list:
+    """``rows`` (one per sub-step) summed card by card over consecutive runs of ``counts[k]`` sub-steps."""
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [[sum(column) for column in zip(*rows[start:start + n])] for start, n in zip(starts, counts)]
 
 
 def _draw_throughput(axes, result: dict[str, Any]) -> None:
     B = result["global_batch_size"]
-    labels, values, colors = ["this plan"], [result["examples_per_s"]], [_BUSY]
+    columns = [("this plan", result["examples_per_s"], _BUSY)]
     if result["even_split_step_s"] is not None:
-        labels.append("even split")
-        values.append(B / result["even_split_step_s"])
-        colors.append(_OTHER)
-    labels.append(f"{result['fastest_card']} alone")
-    values.append(B / result["fastest_card_step_s"])
-    colors.append(_OTHER)
+        columns.append(("even split", B / result["even_split_step_s"], _OTHER))
+    columns.append((f"{result['fastest_card']} alone", B / result["fastest_card_step_s"], _OTHER))
+    labels, values, colors = (list(column) for column in zip(*columns))
     bars = axes.bar(range(len(values)), values, color=colors)
     axes.set_xticks(range(len(values)), labels, fontsize=8)
     for bar, value in zip(bars, values):

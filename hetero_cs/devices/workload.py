@@ -11,7 +11,6 @@ pure: it imports neither TensorFlow nor Keras.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any
 
@@ -26,12 +25,9 @@ from hetero_cs.devices.catalog import (
 )
 from hetero_cs.errors import ConfigError
 
-logger = logging.getLogger("hetero_cs.devices.emulation")
-
-
-def _non_negative_int(owner: str, name: str, value: Any) -> None:
+def _check_non_negative_int(name: str, value: Any, what: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{owner}.{name}={value!r} must be an int >= 0.")
+        raise ConfigError(f"{name}={value!r} must be an int >= 0{what}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +61,12 @@ class Workload:
     tensor_float_32: bool = True
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.flops_per_example, (int, float)) and math.isfinite(self.flops_per_example)
-                and self.flops_per_example >= 0):
-            raise ConfigError(
-                f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
+        flops = self.flops_per_example
+        if not (_is_real(flops) and math.isfinite(flops) and flops >= 0):
+            raise ConfigError(f"Workload.flops_per_example={self.flops_per_example!r} must be a finite number >= 0.")
         for name in ("parameter_bytes", "optimizer_bytes", "activation_bytes_per_example", "non_trainable_bytes",
                      "layers"):
-            _non_negative_int("Workload", name, getattr(self, name))
+            _check_non_negative_int(f"Workload.{name}", getattr(self, name))
         object.__setattr__(self, "compute_dtype", compute_dtype_of(self.compute_dtype))
         if not isinstance(self.tensor_float_32, bool):
             raise ConfigError(f"Workload.tensor_float_32={self.tensor_float_32!r} must be True or False.")
@@ -123,8 +118,7 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
         T4, batch 256, MLP of 406,528 FLOPs and 814,120 parameter bytes (no layers or activations given):
         0.5 ms + 2 x 0.052 ms (PCIe gen3 x16) + 3 x 406,528 x 256 / (8.1e12 x 0.5) = 0.077 ms, in all ~0.68 ms.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    _check_non_negative_int("batch_size", batch_size, " (examples in the replica's slice)")
     if not (_is_real(compute_efficiency) and 0.0 < compute_efficiency <= 1.0):
         raise ConfigError(
             f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak "
@@ -135,8 +129,7 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
             f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
     if batch_size == 0:
         return 0.0
-    bandwidth = spec.pcie_bandwidth_bytes_per_s
-    transfer_s = 0.0 if math.isinf(bandwidth) else workload.parameter_bytes / bandwidth
+    transfer_s = workload.parameter_bytes / spec.pcie_bandwidth_bytes_per_s  # the host CPU's is inf: 0 s
     peak_tflops = spec.peak_tflops(workload.compute_dtype, tf32=workload.tensor_float_32)
     per_example_s = (3.0 * workload.flops_per_example / (peak_tflops * 1e12 * compute_efficiency)
                      + ACTIVATION_PASSES * workload.activation_bytes_per_example / spec.memory_bandwidth_bytes_per_s)
@@ -160,12 +153,10 @@ def slice_memory_bytes(workload: Workload, batch_size: int, *, training: bool = 
         >>> slice_memory_bytes(Workload(0.0, 1000, optimizer_bytes=2000, activation_bytes_per_example=50), 10)
         4500
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ConfigError(f"batch_size={batch_size!r} must be an int >= 0 (examples in the replica's slice).")
+    _check_non_negative_int("batch_size", batch_size, " (examples in the replica's slice)")
     if batch_size == 0:
         return 0
-    fixed = (workload.fixed_memory_bytes if training
-             else workload.parameter_bytes + workload.non_trainable_bytes)
+    fixed = workload.fixed_memory_bytes if training else workload.parameter_bytes + workload.non_trainable_bytes
     return fixed + workload.activation_bytes_per_example * batch_size
 
 
@@ -182,13 +173,3 @@ def max_examples_in_memory(workload: Workload, memory_bytes: int) -> int | None:
         return None
     return (memory_bytes - workload.fixed_memory_bytes) // workload.activation_bytes_per_example
 
-
-def _dtype_size_bytes(dtype: Any) -> int:
-    """Bytes per element of a Keras/numpy dtype name ('float32', 'bfloat16', ...)."""
-    import numpy as np
-
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:
-        digits = "".join(ch for ch in str(dtype) if ch.isdigit())
-        return max(1, int(digits) // 8) if digits else 4

@@ -59,11 +59,11 @@ def calibrate_on_curves(modes, global_batch_size, *, refit=True):
     for calibration in calibrations:
         calibration.prepare(probe_batch_sizes(global_batch_size, num=5))
     _time_interleaved(calibrations, trials=1)
-    profiles = [c.profile(emulated_as=None) for c in calibrations]
+    profiles = [c.profile() for c in calibrations]
     plan = solve(profiles, global_batch_size)
     if refit:
         profiles, plan = _refit_at_plan(calibrations, profiles, plan, lambda p: solve(p, global_batch_size),
-                                        trials=1, emulated_as=[None] * len(modes))
+                                        trials=1)
     return profiles, plan
 
 

@@ -15,15 +15,13 @@ import pytest
 from hetero_cs.devices import discovery as devices
 from hetero_cs.devices.discovery import (
     DeviceInfo,
-    NvmlRecord,
     TfGpuRecord,
     discover_devices,
     format_device_table,
     join_gpu_records,
-    normalize_pci_bus_id,
     parse_cuda_visible_devices,
-    read_nvml_records,
 )
+from hetero_cs.devices.nvml import NvmlRecord, normalize_pci_bus_id, read_nvml_records
 from hetero_cs.errors import DeviceError
 
 GIB = 2**30

@@ -35,71 +35,29 @@ from __future__ import annotations
 import logging
 import threading
 
-from hetero_cs.engine._compat.distribute import DeepcopiedStrategy, HeteroExtended, ReplicaCountStrategy, register_replica_count_conversion, distribute_on_host
-from hetero_cs.engine._compat.context import STRATEGY_MARKER, components, current_hetero_strategy, global_batch_size_of, is_hetero_strategy, per_replica, replica_id_in_sync_group
 from hetero_cs._supported import supported_range, unsupported_installed
-from hetero_cs.engine._compat.loss_scale import _patch_loss_scale_optimizer
-from hetero_cs.engine._compat.symbols import check_private_symbols
-from hetero_cs.engine._compat.optimizer import _patch_optimizer, iteration_counter
-from hetero_cs.engine._compat.trainer import (
-    _patch_evaluate_and_predict,
-    _patch_inference_functions,
-    _patch_fit,
-    _patch_make_train_function,
-    _patch_symbolic_build,
-    reduced_step_outputs,
-    set_initial_epoch,
+from hetero_cs.engine._compat import (
+    batch_norm, distribute, loss_scale, losses, multi_worker, optimizer, replica_pass, tape, trainer, variables,
 )
-from hetero_cs.engine._compat.batch_norm import _patch_batch_normalization
-from hetero_cs.engine._compat.layers import all_sublayers, batch_norms_in_training, layer_build_shapes
+from hetero_cs.engine._compat.context import (
+    components, global_batch_size_of, id_in_cluster, in_keras_entry_point, keras_entry_point, MULTI_WORKER_MARKER,
+    per_replica, replica_id_in_sync_group, STRATEGY_MARKER,
+)
+from hetero_cs.engine._compat.distribute import (
+    clone_function, DeepcopiedStrategy, distribute_on_host, HeteroExtended, is_tf_function, ReplicaCountStrategy,
+)
 from hetero_cs.engine._compat.input_state import FirstBatchReader
-from hetero_cs.engine._compat.losses import (
-    _patch_compute_loss,
-    _patch_layer_losses,
-    _patch_loss_reduction,
-    _patch_compute_average_loss,
-    _patch_loss_scaling,
-    _patch_mean_metric,
-)
-from hetero_cs.engine._compat.multi_worker import clone_function, _patch_reduce_per_replica, install_multi_worker, is_tf_function, local_cpu_replicas, mark_distributed_dataset, skip_partial_batch_agreement
-from hetero_cs.engine._compat.context import MULTI_WORKER_MARKER, current_multi_worker_strategy, id_in_cluster, in_keras_entry_point, is_multi_worker_strategy, keras_entry_point
-from hetero_cs.engine._compat.tape import _patch_gradient_tape
-from hetero_cs.engine._compat.variables import _patch_seed_generator, _patch_variable_assign_add
-from hetero_cs.engine._compat.replica_pass import _patch_inference_steps, _patch_train_step
+from hetero_cs.engine._compat.multi_worker import install_multi_worker, local_cpu_replicas, skip_partial_batch_agreement
+from hetero_cs.engine._compat.optimizer import iteration_counter
+from hetero_cs.engine._compat.symbols import check_private_symbols
+from hetero_cs.engine._compat.trainer import reduced_step_outputs, set_initial_epoch
 
 __all__ = [
-    "MULTI_WORKER_MARKER",
-    "STRATEGY_MARKER",
-    "clone_function",
-    "current_multi_worker_strategy",
-    "id_in_cluster",
-    "in_keras_entry_point",
-    "install_multi_worker",
-    "is_multi_worker_strategy",
-    "is_tf_function",
-    "keras_entry_point",
-    "local_cpu_replicas",
-    "mark_distributed_dataset",
-    "skip_partial_batch_agreement",
-    "DeepcopiedStrategy",
-    "ReplicaCountStrategy",
-    "FirstBatchReader",
-    "check_private_symbols",
-    "HeteroExtended",
-    "all_sublayers",
-    "batch_norms_in_training",
-    "components",
-    "current_hetero_strategy",
-    "distribute_on_host",
-    "global_batch_size_of",
-    "install",
-    "is_hetero_strategy",
-    "iteration_counter",
-    "layer_build_shapes",
-    "per_replica",
-    "reduced_step_outputs",
-    "replica_id_in_sync_group",
-    "set_initial_epoch",
+    "MULTI_WORKER_MARKER", "STRATEGY_MARKER", "DeepcopiedStrategy", "FirstBatchReader", "HeteroExtended",
+    "ReplicaCountStrategy", "check_private_symbols", "clone_function", "components", "distribute_on_host",
+    "global_batch_size_of", "id_in_cluster", "in_keras_entry_point", "install", "install_multi_worker",
+    "is_tf_function", "iteration_counter", "keras_entry_point", "local_cpu_replicas", "per_replica",
+    "reduced_step_outputs", "replica_id_in_sync_group", "set_initial_epoch", "skip_partial_batch_agreement",
 ]
 
 logger = logging.getLogger(__name__)
@@ -135,26 +93,26 @@ def install() -> None:
                 "still runs (UnsupportedVersionError if not), but results were not tested on this pair.",
                 " and ".join(outside), supported_range())
         _let_library_errors_through_autograph()
-        register_replica_count_conversion()
-        _patch_loss_scaling()
-        _patch_compute_average_loss()
-        _patch_loss_reduction()
-        _patch_layer_losses()
-        _patch_compute_loss()
-        _patch_mean_metric()
-        _patch_gradient_tape()
-        _patch_batch_normalization()
-        _patch_variable_assign_add()
-        _patch_optimizer()
-        _patch_loss_scale_optimizer()
-        _patch_seed_generator()
-        _patch_fit()
-        _patch_make_train_function()
-        _patch_evaluate_and_predict()
-        _patch_inference_functions()
-        _patch_symbolic_build()
-        _patch_train_step()
-        _patch_inference_steps()
-        _patch_reduce_per_replica()
+        distribute.register_replica_count_conversion()
+        losses.patch_loss_scaling()
+        losses.patch_compute_average_loss()
+        losses.patch_loss_reduction()
+        losses.patch_layer_losses()
+        losses.patch_compute_loss()
+        losses.patch_mean_metric()
+        tape.patch_gradient_tape()
+        batch_norm.patch_batch_normalization()
+        variables.patch_variable_assign_add()
+        optimizer.patch_optimizer()
+        loss_scale.patch_loss_scale_optimizer()
+        variables.patch_seed_generator()
+        trainer.patch_fit()
+        trainer.patch_make_train_function()
+        trainer.patch_evaluate_and_predict()
+        trainer.patch_inference_functions()
+        trainer.patch_symbolic_build()
+        replica_pass.patch_train_step()
+        replica_pass.patch_inference_steps()
+        multi_worker.patch_reduce_per_replica()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

@@ -19,13 +19,12 @@ It costs two all-reduces of per-channel vectors per layer and step, through the 
 
 from __future__ import annotations
 
-import functools
-
 import tensorflow as tf
 
 from hetero_cs.engine._compat.loss_reader import all_reduced_sum
 from hetero_cs.engine._compat.context import note_for_micro_batches
 from hetero_cs.engine._compat.losses import weighted_step
+from hetero_cs.engine._compat.symbols import patch
 
 
 def global_moments(inputs, axes, mask=None, epsilon: float = 1e-7):
@@ -65,20 +64,16 @@ def global_moments(inputs, axes, mask=None, epsilon: float = 1e-7):
     return mean, variance
 
 
-def _patch_batch_normalization() -> None:
+def patch_batch_normalization() -> None:
     # BatchNormalization._moments is where Keras computes a training batch's statistics (its call then normalises
     # by them and updates the moving statistics). Under our strategies, in a replica step that knows its global
     # batch, it returns the global batch's statistics instead (module docstring); elsewhere Keras' own runs.
     from keras.src import backend
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-    original = BatchNormalization._moments  # noqa: SLF001
-
-    @functools.wraps(original)
-    def _moments(self, inputs, mask):
+    @patch(BatchNormalization, "_moments")
+    def _moments(original, self, inputs, mask):
         if weighted_step() is None or tf.distribute.get_replica_context() is None:
             return original(self, inputs, mask)
         note_for_micro_batches("batch_norm")  # micro-batches would each normalise by their own statistics
         return global_moments(inputs, self._reduction_axes, mask, epsilon=backend.epsilon())  # noqa: SLF001
-
-    BatchNormalization._moments = _moments  # noqa: SLF001

@@ -7,6 +7,7 @@ module of it. The strategies are told apart by marker attributes, so that nothin
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -26,17 +27,28 @@ def is_multi_worker_strategy(strategy: Any) -> bool:
 
 
 def current_multi_worker_strategy():
-    """The current strategy if it is a HeteroMultiWorkerMirroredStrategy running a replica step here, else None."""
-    if replica_state.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    return strategy if is_multi_worker_strategy(strategy) else None
+    """The current strategy if it is our multi-worker one running a replica step in this thread, else None."""
+    return _current(is_multi_worker_strategy)
+
+
+@contextlib.contextmanager
+def set_locally(state: threading.local, **values):
+    """Within: ``state``'s attributes (this thread's) set to ``values``; put back as they were after (None when
+    unset)."""
+    previous = {name: getattr(state, name, None) for name in values}
+    for name, value in values.items():
+        setattr(state, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(state, name, value)
 
 
 def in_keras_entry_point() -> bool:
     """True inside a Keras ``fit``, ``evaluate`` or ``predict`` of a model under the multi-worker strategy (this
     thread), False in a custom loop."""
-    return getattr(_current_model, "model", None) is not None
+    return current_keras_model() is not None
 
 
 def current_keras_model():
@@ -44,11 +56,9 @@ def current_keras_model():
     return getattr(_current_model, "model", None)
 
 
-def entered(model, entry_point: str | None) -> tuple:
-    """Sets the model and entry point this thread runs (None, None: none); returns what was set before."""
-    previous = getattr(_current_model, "model", None), getattr(_current_model, "entry_point", None)
-    _current_model.model, _current_model.entry_point = model, entry_point
-    return previous
+def entered(model, entry_point: str):
+    """Within: this thread runs ``model``'s ``entry_point`` (a context manager)."""
+    return set_locally(_current_model, model=model, entry_point=entry_point)
 
 
 def keras_entry_point() -> str | None:
@@ -67,23 +77,41 @@ def is_hetero_strategy(strategy: Any) -> bool:
     return bool(getattr(strategy, STRATEGY_MARKER, False))
 
 
-def current_weighting_strategy():
-    """The current strategy if it is one of ours (central storage or multi-worker) running a replica step in this
-    thread, else None: the b_i / B loss weighting applies under both."""
+def is_ours(strategy: Any) -> bool:
+    """True under either of our strategies (the b_i / B weighting applies under both)."""
+    return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
+
+
+def strategy_of(model) -> Any:
+    """The strategy whose scope created ``model``, or None."""
+    # Private: Keras keeps the strategy whose scope created a model in _distribute_strategy (None: none).
+    return getattr(model, "_distribute_strategy", None)
+
+
+def _current(accept) -> Any:
     if replica_state.current_replica_step() is None:
         return None
     strategy = tf.distribute.get_strategy()
-    if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
-        return strategy
-    return None
+    return strategy if accept(strategy) else None
+
+
+def current_weighting_strategy():
+    """The current strategy if it is one of ours running a replica step in this thread, else None."""
+    return _current(is_ours)
 
 
 def current_hetero_strategy():
-    """Returns the current strategy if it is ours and a replica step is running in this thread, else None."""
-    if replica_state.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
-    return strategy if is_hetero_strategy(strategy) else None
+    """The current strategy if it is our central-storage one running a replica step in this thread, else None."""
+    return _current(is_hetero_strategy)
+
+
+def in_stateless_scope() -> bool:
+    """Whether Keras' stateless API runs here (``metric.stateless_update_state``, Keras' ``stateless_call``): it records
+    assignments instead of applying them, and the patches that reroute writes or losses step aside in it."""
+    # Private: Keras' StatelessScope, which its Variable methods check first.
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as in_keras_stateless_scope
+
+    return in_keras_stateless_scope()
 
 
 def replica_id_in_sync_group(replica_context) -> int:

@@ -5,7 +5,6 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -22,7 +21,7 @@ from tensorflow.python.distribute import input_lib, parameter_server_strategy  #
 from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks
-from hetero_cs.engine._compat.context import components, per_replica
+from hetero_cs.engine._compat.context import components, per_replica, set_locally
 from hetero_cs.engine.step.step_errors import CROSS_REPLICA_SCOPE
 
 
@@ -210,7 +209,6 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             hooks.verify(handoff.hooks)
         return result
 
-    @contextlib.contextmanager
     def _only_replicas(self, active):
         """Within: this thread's ``call_for_each_replica`` starts threads for the ``active`` replicas only.
 
@@ -221,19 +219,10 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         per-replica value here has one component per active replica, which must not be taken for a packed
         global batch (``PackedBatchValues``).
         """
-        state = self._hetero_active_state()
-        saved = getattr(state, "active", None)
-        state.active = tuple(active)
-        try:
-            yield
-        finally:
-            state.active = saved
+        return set_locally(self._hetero_active_state(), active=tuple(active))
 
     def _hetero_active_state(self):
-        state = self.__dict__.get("_hetero_active")
-        if state is None:
-            state = self.__dict__.setdefault("_hetero_active", threading.local())
-        return state
+        return self.__dict__.setdefault("_hetero_active", threading.local())
 
     def active_replicas_now(self):
         """The replica ids of the ``strategy.run`` call this thread is running over a subset, or None."""
@@ -283,11 +272,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         trace its own nested function and fail with "merge_call called while defining a new graph or a
         tf.function". So the lifting happens here first, with the same cache per function.
         """
-        # Private: tf.function's class and its _clone(python_function=...), exactly as mirrored_run uses them (a
-        # clone keeps the user's tf.function options: input_signature, reduce_retracing, jit_compile, ...).
-        from tensorflow.python.eager import def_function
-
-        if not isinstance(fn, def_function.Function):
+        if not is_tf_function(fn):
             return None
         cache = self.__dict__.setdefault("_hetero_lifted_functions", weakref.WeakKeyDictionary())
         lifted = cache.get(fn)
@@ -298,7 +283,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             def call_every_replica(*args, **kwargs):
                 return extended._call_for_each_replica(python_function, args, kwargs)  # noqa: SLF001
 
-            lifted = fn._clone(python_function=call_every_replica)  # noqa: SLF001
+            lifted = clone_function(fn, call_every_replica)
             if fn._jit_compile:  # noqa: SLF001
                 # A replica function compiled with XLA as a whole (a custom loop's tf.function(jit_compile=True))
                 # would read the variables on the parameter device, which XLA cannot, and its optimizer all-reduces
@@ -319,11 +304,9 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         return self._worker_device
 
 
+@functools.cache
 def _note_uncompiled() -> None:
     """Warns once that a custom loop's ``tf.function(jit_compile=True)`` replica function runs without XLA."""
-    if _warned_uncompiled:
-        return
-    _warned_uncompiled.append(True)
     logger.warning(
         "hetero_cs: strategy.run of a tf.function(jit_compile=True) runs its replica function without XLA under "
         "HeteroCentralStorageStrategy: XLA cannot read the variables on the parameter device, nor hold the "
@@ -331,7 +314,24 @@ def _note_uncompiled() -> None:
         "backward pass; the optimizer's update is compiled already (fused_update).")
 
 
-_warned_uncompiled: list = []
+
+def is_tf_function(fn) -> bool:
+    """Whether ``fn`` is a ``tf.function``."""
+    from tensorflow.python.eager import def_function  # Private: tf.function's class, as mirrored_run checks it.
+
+    return isinstance(fn, def_function.Function)
+
+
+def clone_function(fn, python_function):
+    """A clone of the ``tf.function`` ``fn`` running ``python_function``, with fn's options (input_signature,
+    reduce_retracing, jit_compile, ...).
+
+    tf.distribute's mirrored_run lifts one ``tf.function`` around every replica's call when ``strategy.run`` gets a
+    ``tf.function``; the strategy wraps the replica function (slices, weights, timing), and a plain closure would
+    lose that lifting (each replica thread would then fail with "merge_call called while defining a new graph").
+    """
+    # Private: tf.function's _clone(python_function=...), exactly as mirrored_run uses it.
+    return fn._clone(python_function=python_function)  # noqa: SLF001
 
 
 class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):

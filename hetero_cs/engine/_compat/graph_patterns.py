@@ -59,9 +59,7 @@ def linear_terms(value, is_term: Callable[[object], bool]) -> list | None:
         inputs = list(op.inputs)
         if kind in _PASS_THROUGH and inputs:
             stack.append((inputs[0], coeff))
-        elif kind in ("AddV2", "Add") and len(inputs) == 2:
-            stack.extend((t, coeff) for t in inputs)
-        elif kind == "AddN":
+        elif kind in ("AddV2", "Add", "AddN"):  # a sum of two (Add, AddV2) or of any number (AddN) of terms
             stack.extend((t, coeff) for t in inputs)
         elif kind == "Sub" and len(inputs) == 2:
             stack.extend([(inputs[0], coeff), (inputs[1], -coeff)])

@@ -27,13 +27,12 @@ and regardless of the optimizer).
 
 from __future__ import annotations
 
-import functools
-
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks
 from hetero_cs.engine._compat.context import current_hetero_strategy
+from hetero_cs.engine._compat.symbols import patch
 
 # What the replica threads and the thread that runs the merge share lives on the step's replica_state.StepHandoff (one
 # per strategy.run call, so a model tracing in another thread cannot take it): ``loss_scale_pending`` is
@@ -71,36 +70,29 @@ def iterations_increment(variable, value):
     return value * tf.cast(finite, value.dtype)
 
 
-def _patch_loss_scale_optimizer() -> None:
+def patch_loss_scale_optimizer() -> None:
     # LossScaleOptimizer._tf_apply is the TensorFlow path of LossScaleOptimizer.apply (the base apply_gradients
     # calls apply). Under our strategy, in replica context, it hands the (scaled) gradients to the inner optimizer
     # directly and marks the step as loss-scaled; the finiteness check, unscaling and the gated update then happen
     # once in the inner optimizer's cross-replica update (apply_or_skip). Anything else runs Keras' own code.
     from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-    original_tf_apply = LossScaleOptimizer._tf_apply  # noqa: SLF001
-
-    @functools.wraps(original_tf_apply)
-    def _tf_apply(self, grads, trainable_variables=None):
+    @patch(LossScaleOptimizer, "_tf_apply")
+    def _tf_apply(original, self, grads, trainable_variables=None):
         handoff = replica_state.current_step_handoff()
         if current_hetero_strategy() is None or tf.distribute.in_cross_replica_context() or handoff is None:
-            return original_tf_apply(self, grads, trainable_variables)
+            return original(self, grads, trainable_variables)
         hooks.fired(hooks.LOSS_SCALE_APPLY)
         handoff.loss_scale_pending = (self, _current_graph())
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
         return None
 
-    original_apply = LossScaleOptimizer.apply
-
-    @functools.wraps(original_apply)
-    def apply(self, grads, trainable_variables=None):
+    @patch(LossScaleOptimizer, "apply")
+    def apply(original, self, grads, trainable_variables=None):
         # Public entry of every loss-scaled step: records that this step needs both halves above (hooks.verify).
         if current_hetero_strategy() is not None and not tf.distribute.in_cross_replica_context():
             hooks.expect(hooks.LOSS_SCALE_APPLY, hooks.LOSS_SCALE_HOST, by="LossScaleOptimizer.apply")
-        return original_apply(self, grads, trainable_variables)
-
-    LossScaleOptimizer._tf_apply = _tf_apply  # noqa: SLF001
-    LossScaleOptimizer.apply = apply
+        return original(self, grads, trainable_variables)
 
 
 def _first_value(strategy, value):

@@ -7,7 +7,7 @@ must be its *share*: the part of the single-device loss that its examples contri
 is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places, and each is made exact here:
 
 * ``reduce_values`` (per-example losses, reduction ``"sum_over_batch_size"``): Keras' ``1 / R`` scaling becomes
-  ``w_i`` (:func:`_patch_loss_scaling`).
+  ``w_i`` (:func:`patch_loss_scaling`).
 * A loss that returns a scalar (a loss function that reduces itself): a slice mean, weighed ``w_i``. With
   reduction ``"sum"`` or None, or with sample weights or a mask, it cannot be weighed: ``LossPatternError``.
 * A mask (``mask_zero=True``, ``Masking``), and reduction ``"mean_with_sample_weight"``: the normaliser (unmasked
@@ -31,7 +31,6 @@ is one too.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 import tensorflow as tf
@@ -39,10 +38,11 @@ import tensorflow as tf
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.context import (
-    current_weighting_strategy, is_hetero_strategy, is_multi_worker_strategy, note_for_micro_batches,
+    current_weighting_strategy, in_stateless_scope, is_ours, note_for_micro_batches, set_locally, strategy_of,
 )
 from hetero_cs.engine._compat.batch_kinds import MIXED
 from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
+from hetero_cs.engine._compat.symbols import patch
 from hetero_cs.engine._compat.variables import _central_in_replica_context
 from hetero_cs.errors import BatchCouplingError, LossPatternError
 
@@ -63,7 +63,7 @@ def _register(step, value):
     return value
 
 
-def _patch_compute_average_loss() -> None:
+def patch_compute_average_loss() -> None:
     # tf.nn.compute_average_loss(per_example_loss) without global_batch_size takes the global batch to be the
     # replica's slice size times the replica count, so every replica's mean weighs 1/R instead of b_i/B: wrong on
     # any uneven split (and under stock strategies on a last batch that does not divide by R). Inside a replica step
@@ -73,93 +73,73 @@ def _patch_compute_average_loss() -> None:
     # nn_impl in TensorFlow before 2.13 is not supported anyway), which other TensorFlow code calls.
     from tensorflow.python.ops import nn_impl_distribute
 
-    original = nn_impl_distribute.compute_average_loss
-
-    @functools.wraps(original)
-    def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
-        if global_batch_size is None:
-            step = weighted_step()
-            if step is not None:
-                global_batch_size = step.global_batch_size
+    @patch(nn_impl_distribute, "compute_average_loss")
+    def compute_average_loss(original, per_example_loss, sample_weight=None, global_batch_size=None):
+        step = weighted_step() if global_batch_size is None else None
+        if step is not None:
+            global_batch_size = step.global_batch_size
         return original(per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size)
 
-    nn_impl_distribute.compute_average_loss = compute_average_loss
     tf.nn.compute_average_loss = compute_average_loss
 
     # tf.nn.scale_regularization_loss divides a term every replica adds by the replica count. A replica with 0
     # examples runs nothing under our central-storage strategy (hetero_cs.engine.step.idle_replicas), so only the active
     # replicas add it and 1/R would undercount it. Inside a replica step of our strategies it weighs b_i / B
     # instead, which sums to 1 over the replicas that hold the batch, idle ones or not.
-    original_scale = nn_impl_distribute.scale_regularization_loss
-
-    @functools.wraps(original_scale)
-    def scale_regularization_loss(regularization_loss):
+    @patch(nn_impl_distribute, "scale_regularization_loss")
+    def scale_regularization_loss(original, regularization_loss):
         step = weighted_step()
         if step is None:
-            return original_scale(regularization_loss)
+            return original(regularization_loss)
         total = tf.reduce_sum(regularization_loss)
-        share = tf.cast(step.batch_size, total.dtype) / tf.cast(step.global_batch_size, total.dtype)
-        return total * share
+        return total * tf.cast(step.batch_size, total.dtype) / tf.cast(step.global_batch_size, total.dtype)
 
-    nn_impl_distribute.scale_regularization_loss = scale_regularization_loss
     tf.nn.scale_regularization_loss = scale_regularization_loss
 
 
-def _patch_loss_scaling() -> None:
+def patch_loss_scaling() -> None:
     # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
     # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
     # call time (by Loss.__call__ via reduce_values, the TF trainer and compile_utils), so replacing the module
     # attributes reaches every caller. Under our strategy the factor is b_i / B instead.
     from keras.src.losses import loss as loss_module
 
-    original_scale = loss_module.scale_loss_for_distribution
-    original_unscale = loss_module.unscale_loss_for_distribution
-
-    @functools.wraps(original_scale)
-    def scale_loss_for_distribution(value):
+    @patch(loss_module, "scale_loss_for_distribution")
+    def scale_loss_for_distribution(original, value):
         step = weighted_step()
-        if step is not None:
-            hooks.fired(hooks.LOSS_SCALE)
-            return _register(step, share_of(step, value, what=f"the loss {_loss_name()}"))
-        return original_scale(value)
+        if step is None:
+            return original(value)
+        hooks.fired(hooks.LOSS_SCALE)
+        return _register(step, share_of(step, value, what=f"the loss {_loss_name()}"))
 
-    @functools.wraps(original_unscale)
-    def unscale_loss_for_distribution(value):
-        if weighted_step() is not None:
-            hooks.fired(hooks.LOSS_UNSCALE)
-            # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
-            return tf.math.divide_no_nan(value, replica_state.replica_weight(value.dtype))
-        return original_unscale(value)
-
-    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
-    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
+    @patch(loss_module, "unscale_loss_for_distribution")
+    def unscale_loss_for_distribution(original, value):
+        if weighted_step() is None:
+            return original(value)
+        hooks.fired(hooks.LOSS_UNSCALE)
+        # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
+        return tf.math.divide_no_nan(value, replica_state.replica_weight(value.dtype))
 
 
-def _patch_loss_reduction() -> None:
+def patch_loss_reduction() -> None:
     # Loss.__call__ reduces through the module attribute reduce_weighted_values (looked up at call time), so
     # replacing it reaches every Keras loss. Loss.__call__ itself is wrapped only to name the loss in errors.
     from keras.src.losses import loss as loss_module
 
-    original_reduce = loss_module.reduce_weighted_values
-    original_call = loss_module.Loss.__call__
-
-    @functools.wraps(original_call)
-    def call(self, y_true, y_pred, sample_weight=None):
+    @patch(loss_module.Loss, "__call__")
+    def call(original, self, y_true, y_pred, sample_weight=None):
         if weighted_step() is None:
-            return original_call(self, y_true, y_pred, sample_weight=sample_weight)
+            return original(self, y_true, y_pred, sample_weight=sample_weight)
         hooks.expect(hooks.LOSS_REDUCE, by=f"the loss {self.name!r} (Loss.__call__)")
-        previous = getattr(_current_loss, "loss", None)
-        _current_loss.loss = self
-        try:
-            return original_call(self, y_true, y_pred, sample_weight=sample_weight)
-        finally:
-            _current_loss.loss = previous
+        with set_locally(_current_loss, loss=self):
+            return original(self, y_true, y_pred, sample_weight=sample_weight)
 
-    @functools.wraps(original_reduce)
-    def reduce_weighted_values(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+    @patch(loss_module, "reduce_weighted_values")
+    def reduce_weighted_values(original, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
+                               dtype=None):
         step = weighted_step()
         if step is None:
-            return original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+            return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
         from keras.src import ops
 
         hooks.fired(hooks.LOSS_REDUCE)
@@ -176,15 +156,12 @@ def _patch_loss_reduction() -> None:
         if reduction in _MEAN_REDUCTIONS and not tf.executing_eagerly() and tuple(values.shape) != (0,):
             # Keras' reduce_values weighs a mean through the module's scale_loss_for_distribution (patched).
             hooks.expect(hooks.LOSS_SCALE, by=f"reduction={reduction!r} of a Keras loss")
-        result = original_reduce(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+        result = original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
         if reduction not in (None, "none") and result.shape.rank != 0:
             # Keras returns losses of static shape (0,) unreduced (eagerly, a 0-example slice): their share is a
             # scalar 0, not an empty vector (whose mean in the loss tracker would be NaN).
             result = tf.reduce_sum(result)
         return _register(step, result)
-
-    loss_module.Loss.__call__ = call
-    loss_module.reduce_weighted_values = reduce_weighted_values
 
 
 def _loss_name() -> str:
@@ -257,49 +234,37 @@ def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_mod
     return tf.math.divide_no_nan(numerator * ratio, normaliser)
 
 
-def _patch_compute_loss() -> None:
+def patch_compute_loss() -> None:
     # Trainer.compute_loss (Keras' own) sums shares: the compiled loss's and the scaled add_loss / regularization
     # terms; its result is remembered as a share. Trainer._compute_loss is what Keras' train_step and test_step
     # call, and compute_loss overrides of models compiled under our strategy are wrapped at compile: an override's
     # result is turned into a share there (_as_share). Other strategies call the originals.
     Trainer = symbols.require("keras.src.trainers.trainer", "Trainer")
 
-    original_compute_loss = Trainer.compute_loss
-    original_private = Trainer._compute_loss  # noqa: SLF001
-    original_compile = Trainer.compile
-
-    @functools.wraps(original_compute_loss)
-    def compute_loss(self, *args, **kwargs):
+    @patch(Trainer, "compute_loss")
+    def compute_loss(original, self, *args, **kwargs):
         with _library_errors_unwrapped():
-            result = original_compute_loss(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         step = weighted_step()
         if step is not None and result is not None:
             _register(step, result)
         return result
 
-    @functools.wraps(original_private)
-    def _compute_loss(self, *args, **kwargs):
-        step = weighted_step()
-        if step is None:
-            return original_private(self, *args, **kwargs)
+    @patch(Trainer, "_compute_loss")
+    def _compute_loss(original, self, *args, **kwargs):
+        if weighted_step() is None:
+            return original(self, *args, **kwargs)
         # Keras' train_step and test_step log this loss through unscale_loss_for_distribution (patched).
         hooks.expect(hooks.LOSS_UNSCALE, by="Trainer._compute_loss (the logged loss)")
-        before = len(step.loss_terms)
         with _library_errors_unwrapped():
-            result = original_private(self, *args, **kwargs)
-        return _as_share(result, step, before, type(self).__name__)
+            return _share_of(original, self, *args, **kwargs)
 
-    @functools.wraps(original_compile)
-    def compile(self, *args, **kwargs):
-        result = original_compile(self, *args, **kwargs)
-        strategy = getattr(self, "_distribute_strategy", None)
-        if is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy):
+    @patch(Trainer, "compile")
+    def compile(original, self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if is_ours(strategy_of(self)):
             _wrap_compute_loss_overrides(type(self), Trainer)
         return result
-
-    Trainer.compute_loss = compute_loss
-    Trainer._compute_loss = _compute_loss  # noqa: SLF001
-    Trainer.compile = compile
 
 
 @contextlib.contextmanager
@@ -326,26 +291,18 @@ def _wrap_compute_loss_overrides(model_class, trainer_class) -> None:
         if cls is trainer_class:
             return
         override = cls.__dict__.get("compute_loss")
-        if override is None or getattr(override, "_hetero_cs_share", False) or not callable(override):
-            continue
-
-        wrapped = _share_of(override)
-        setattr(cls, "compute_loss", wrapped)
+        if callable(override) and not getattr(override, "_hetero_cs_share", False):
+            patch(cls, "compute_loss")(_share_of)._hetero_cs_share = True
 
 
-def _share_of(override):
-    """``override`` (a compute_loss) returning this replica's share under our strategy, unchanged elsewhere."""
-
-    @functools.wraps(override)
-    def compute_loss(self, *args, **kwargs):
-        step = weighted_step()
-        if step is None:
-            return override(self, *args, **kwargs)
-        before = len(step.loss_terms)
-        return _as_share(override(self, *args, **kwargs), step, before, type(self).__name__)
-
-    compute_loss._hetero_cs_share = True
-    return compute_loss
+def _share_of(compute_loss, self, *args, **kwargs):
+    """``compute_loss(self, ...)`` (Keras' ``_compute_loss`` or an override of ``compute_loss``) as this replica's
+    share under our strategy, unchanged elsewhere."""
+    step = weighted_step()
+    if step is None:
+        return compute_loss(self, *args, **kwargs)
+    before = len(step.loss_terms)
+    return _as_share(compute_loss(self, *args, **kwargs), step, before, type(self).__name__)
 
 
 def _as_share(result, step, before: int, owner: str):
@@ -366,40 +323,35 @@ def _as_share(result, step, before: int, owner: str):
     return _register(step, share_of(step, result, what=f"the loss compute_loss of {owner} returned"))
 
 
-def _patch_mean_metric() -> None:
+def patch_mean_metric() -> None:
     # keras.metrics.Mean.update_state(scalar) without a sample weight counts 1 per call, so R replicas would count
     # R per step and the mean would come out R times too small (Keras' guide: a Mean tracking compute_loss's
     # value in a custom train_step), or average slices unweighted (per-output loss metrics). Under our strategy
     # such a scalar counts w_i = b_i / B per replica: one per step, as on one device.
     from keras.src.metrics.reduction_metrics import Mean
 
-    original_update = Mean.update_state
-
-    @functools.wraps(original_update)
-    def update_state(self, values, sample_weight=None):
-        if weighted_step() is not None and not _in_stateless_scope() and any(
+    @patch(Mean, "update_state")
+    def update_state(original, self, values, sample_weight=None):
+        if weighted_step() is not None and not in_stateless_scope() and any(
                 _central_in_replica_context(v) is not None for v in self.variables):
             hooks.expect(hooks.VARIABLE_WRITE, by=f"the metric {self.name!r} (Mean.update_state)")
         step = weighted_step() if sample_weight is None else None
-        if step is None or (_in_stateless_scope() and not getattr(_compiled, "replica_step", False)):
-            return original_update(self, values, sample_weight=sample_weight)
+        if step is None or (in_stateless_scope() and not getattr(_compiled, "replica_step", False)):
+            return original(self, values, sample_weight=sample_weight)
         tensor = values if isinstance(values, tf.Tensor) else tf.convert_to_tensor(values)
         if tensor.shape.rank != 0:
-            return original_update(self, values, sample_weight=sample_weight)
+            return original(self, values, sample_weight=sample_weight)
         # One device counts the step's value once: each replica adds its share with weight w_i (summed: the value,
         # with weight 1). A 0-example replica adds 0 with weight 0, never NaN.
         weight = replica_state.replica_weight(self.dtype)
         share = tf.cast(share_of(step, tensor, what=f"the value given to the Mean metric {self.name!r}"), self.dtype)
         tensor = tf.where(weight > 0, tf.math.divide_no_nan(share, weight), tf.zeros_like(share))
-        return original_update(self, tensor, sample_weight=weight)
-
-    Mean.update_state = update_state
+        return original(self, tensor, sample_weight=weight)
 
 
 _compiled = threading.local()  # .replica_step: a replica's compiled forward pass is being traced (see below)
 
 
-@contextlib.contextmanager
 def weighing_in_compiled_replica_step():
     """Within: a Mean updated in Keras' stateless scope still counts a scalar ``w_i`` (as in the plain step).
 
@@ -408,21 +360,10 @@ def weighing_in_compiled_replica_step():
     trackers are updated in there, and must be weighed as in the plain step. Keras' own stateless API elsewhere is
     left as it is.
     """
-    previous = getattr(_compiled, "replica_step", False)
-    _compiled.replica_step = True
-    try:
-        yield
-    finally:
-        _compiled.replica_step = previous
+    return set_locally(_compiled, replica_step=True)
 
 
-def _in_stateless_scope() -> bool:
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-
-    return in_stateless_scope()
-
-
-def _patch_layer_losses() -> None:
+def patch_layer_losses() -> None:
     # A Keras layer keeps the losses its call adds (add_loss, activity regularizers) in one list on the layer object,
     # cleared when a top-level call starts. The replicas call the same layer objects at once, in threads of their
     # own: a replica could read another's terms (measured: after a BatchNormalization, whose statistics all-reduce
@@ -430,10 +371,7 @@ def _patch_layer_losses() -> None:
     # loss was 7 % too high, the gradients right, since each tape sees its own thread only). Inside a replica step of
     # our strategies each replica keeps its own list, on its ReplicaStep; elsewhere Keras' own list is used.
     from keras import ops  # public: keras.src.backend.is_tensor is gone in keras-nightly 3.16.0.dev
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.layers.layer import Layer
-
-    original_add, original_own, original_clear = Layer.add_loss, Layer._get_own_losses, Layer._clear_losses  # noqa: SLF001
 
     def replica_list(layer):
         step = replica_state.current_replica_step()
@@ -441,31 +379,27 @@ def _patch_layer_losses() -> None:
             return None
         return step.layer_losses.setdefault(id(layer), [])
 
-    @functools.wraps(original_add)
-    def add_loss(self, loss):
+    @patch(Layer, "add_loss")
+    def add_loss(original, self, loss):
         own = replica_list(self)
         values = tf.nest.flatten(loss)
         if own is None or not all(ops.is_tensor(value) for value in values):
-            return original_add(self, loss)  # Keras' list, or Keras' error for a value that is not a tensor
+            return original(self, loss)  # Keras' list, or Keras' error for a value that is not a tensor
         own.extend(values)
         return None
 
-    @functools.wraps(original_own)
-    def _get_own_losses(self):
+    @patch(Layer, "_get_own_losses")
+    def _get_own_losses(original, self):
         own = replica_list(self)
-        return original_own(self) if own is None else list(own)
+        return original(self) if own is None else list(own)
 
-    @functools.wraps(original_clear)
-    def _clear_losses(self):
+    @patch(Layer, "_clear_losses")
+    def _clear_losses(original, self):
         own = replica_list(self)
         if own is None:
-            return original_clear(self)
+            return original(self)
         own.clear()
         for layer in getattr(self, "_layers", ()):  # Keras' own recursion (private: its tracked sublayers)
             layer._clear_losses()  # noqa: SLF001
         return None
-
-    Layer.add_loss = add_loss
-    Layer._get_own_losses = _get_own_losses  # noqa: SLF001
-    Layer._clear_losses = _clear_losses  # noqa: SLF001
 

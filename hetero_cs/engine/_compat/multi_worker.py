@@ -11,7 +11,7 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
    per-replica value, averages it across the cluster with ``strategy.reduce("MEAN", batch, axis=None)``. Under
    multi-worker mode that read is an extra collective over data the model does not need (the build needs only
    shapes and dtypes), and the read moves an iterator that reshuffles. Under our strategy the build takes the
-   shapes from the user dataset's element spec and reads nothing (``trainer._patch_symbolic_build``, shared with
+   shapes from the user dataset's element spec and reads nothing (``trainer.patch_symbolic_build``, shared with
    the central-storage strategy).
 2. ``reduce_per_replica`` reduces the step's logs (scalars) with ``strategy.reduce("MEAN", v, axis=0)`` in
    multi-worker mode, which fails on a scalar ("Invalid reduction dimension 0 for input with 0 dimensions"). And a
@@ -29,7 +29,7 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import logging
 import re
 import threading
@@ -37,10 +37,16 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from hetero_cs.devices.device_errors import device_fault, first_line, op_message
 from hetero_cs.engine._compat.context import (
-    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy,
+    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy, per_replica, set_locally,
+    strategy_of,
 )
-from hetero_cs.engine._compat.symbols import require
+from hetero_cs.engine._compat.loss_reader import is_log_share
+from hetero_cs.engine._compat.replica_pass import keras_train_step
+from hetero_cs.engine._compat.symbols import patch, require
+from hetero_cs.engine._compat.trainer import note_per_example_randomness
+from hetero_cs.errors import ConfigError, DeviceFaultError, ReplicaStepError, WorkerLostError
 
 logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
 
@@ -53,38 +59,10 @@ def skip_partial_batch_agreement(strategy) -> None:
     strategy.extended.experimental_enable_get_next_as_optional = False
 
 
-def clone_function(fn, python_function):
-    """A clone of the ``tf.function`` ``fn`` running ``python_function``, with fn's options (input_signature, ...).
-
-    tf.distribute's mirrored_run lifts one ``tf.function`` around every replica's call when ``strategy.run`` gets a
-    ``tf.function``; the strategy wraps the replica function (slices, weights, timing), and a plain closure would
-    lose that lifting (each replica thread would then fail with "merge_call called while defining a new graph").
-    """
-    # Private: tf.function's _clone(python_function=...), exactly as mirrored_run uses it.
-    return fn._clone(python_function=python_function)  # noqa: SLF001
-
-
-def is_tf_function(fn) -> bool:
-    from tensorflow.python.eager import def_function  # Private: tf.function's class, as mirrored_run checks it.
-
-    return isinstance(fn, def_function.Function)
-
-
-def mark_distributed_dataset(distributed, source) -> None:
-    """Gives a distributed dataset the attributes ``trainer._patch_symbolic_build`` reads (the user's dataset)."""
-    distributed.source_dataset = source
-    distributed.source_element_spec = source.element_spec
-
-
-def _patch_reduce_per_replica() -> None:
-    from keras.src.backend.tensorflow import trainer as trainer_module
-
-    original = trainer_module.reduce_per_replica
-    if getattr(original, "_hetero_cs", False):
-        return
-
-    @functools.wraps(original)
-    def reduce_per_replica(values, strategy, reduction):
+def patch_reduce_per_replica() -> None:
+    # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
+    @patch(require("keras.src.backend.tensorflow.trainer"), "reduce_per_replica")
+    def reduce_per_replica(original, values, strategy, reduction):
         if (reduction == "concat" and is_multi_worker_strategy(strategy)
                 and len(strategy.extended.worker_devices) > 1):
             # predict's outputs with several replicas per worker. Keras' _multi_worker_concat re-orders the gathered
@@ -136,12 +114,6 @@ def _patch_reduce_per_replica() -> None:
 
         return structure(reduce)
 
-    # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
-    from hetero_cs.engine._compat.loss_reader import is_log_share
-
-    reduce_per_replica._hetero_cs = True
-    trainer_module.reduce_per_replica = reduce_per_replica
-
 
 def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     """The model's metric results over the whole cluster, and ``shares`` (logged values, each replica's share)
@@ -152,8 +124,6 @@ def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     local values of all metric variables and logged shares travel in one vector (float64; exact for integer counts
     below 2**53), and each metric's result is computed from the summed values with Keras' ``stateless_result``.
     """
-    from hetero_cs.engine._compat.context import per_replica
-
     metrics = list(model.metrics) if model is not None else []
     variables = [v for metric in metrics for v in metric.variables]
     if not variables and not shares:
@@ -190,61 +160,42 @@ def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     return pythonify_logs(results), logged
 
 
-def _patch_entry_points() -> None:
+def patch_entry_points() -> None:
     # fit/evaluate/predict know the model: the reduce above needs it (set for the call, thread-local), and fit gets
     # the strategy's callback (emulated device sizes before the first step, plan and timing in the logs).
-    import inspect
-
     TensorFlowTrainer = require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+    for name in ("fit", "evaluate", "predict"):
+        patch(TensorFlowTrainer, name)(_with_model)
 
-    def with_model(original):
-        signature = inspect.signature(original)
 
-        @functools.wraps(original)
-        def method(self, *args, **kwargs):
-            strategy = getattr(self, "_distribute_strategy", None)
-            if not is_multi_worker_strategy(strategy):
-                return original(self, *args, **kwargs)
-            if original.__name__ == "fit":
-                from hetero_cs.engine._compat.trainer import note_per_example_randomness
-
-                note_per_example_randomness(self)
-                _refuse_loss_scaling(self)
-                from hetero_cs.engine._compat.replica_pass import keras_train_step
-
-                strategy._prepare_idle_replicas(self, keras_train_step())  # noqa: SLF001
-            _refuse_steps_per_execution(self)
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
-            previous = entered(self, original.__name__)
-            strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
-            try:
-                return original(*bound.args, **bound.kwargs)
-            except tf.errors.InvalidArgumentError as exc:
-                # The library's own error, raised where a step decides its split (a numpy_function, which TensorFlow
-                # reports as InvalidArgumentError): raised as itself, TensorFlow's chained. Some out-of-memory forms
-                # come as InvalidArgumentError too.
-                kept = strategy._kept_plan_error(exc)  # noqa: SLF001
-                if kept is None:
-                    kept = (_out_of_memory_here(strategy, original.__name__, exc, self)
-                            or _step_error_here(strategy, original.__name__, exc))
-                raise kept from exc
-            except _PEER_FAILURES as exc:
-                raise _worker_lost(strategy, original.__name__, exc) from exc
-            except tf.errors.OpError as exc:
-                error = (_out_of_memory_here(strategy, original.__name__, exc, self)
-                         or _device_fault_here(strategy, original.__name__, exc, (self.name,))
-                         or _step_error_here(strategy, original.__name__, exc))
-                raise error from exc
-            finally:
-                entered(*previous)
-
-        return method
-
-    TensorFlowTrainer.fit = with_model(TensorFlowTrainer.fit)
-    TensorFlowTrainer.evaluate = with_model(TensorFlowTrainer.evaluate)
-    TensorFlowTrainer.predict = with_model(TensorFlowTrainer.predict)
+def _with_model(original, self, *args, **kwargs):
+    strategy, verb = strategy_of(self), original.__name__
+    if not is_multi_worker_strategy(strategy):
+        return original(self, *args, **kwargs)
+    if verb == "fit":
+        note_per_example_randomness(self)
+        _refuse_loss_scaling(self)
+        strategy._prepare_idle_replicas(self, keras_train_step())  # noqa: SLF001
+    _refuse_steps_per_execution(self)
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
+    with entered(self, verb):
+        strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
+        try:
+            return original(*bound.args, **bound.kwargs)
+        except tf.errors.InvalidArgumentError as exc:
+            # The library's own error, raised where a step decides its split (a numpy_function, which TensorFlow
+            # reports as InvalidArgumentError): raised as itself, TensorFlow's chained. Some out-of-memory forms
+            # come as InvalidArgumentError too.
+            kept = strategy._kept_plan_error(exc) or _out_of_memory_here(strategy, verb, exc, self)  # noqa: SLF001
+            raise (kept or _step_error_here(strategy, verb, exc)) from exc
+        except _PEER_FAILURES as exc:
+            raise _worker_lost(strategy, verb, exc) from exc
+        except tf.errors.OpError as exc:
+            error = (_out_of_memory_here(strategy, verb, exc, self)
+                     or _device_fault_here(strategy, verb, exc, (self.name,)) or _step_error_here(strategy, verb, exc))
+            raise error from exc
 
 
 def _refuse_steps_per_execution(model) -> None:
@@ -252,8 +203,6 @@ def _refuse_steps_per_execution(model) -> None:
     # MultiWorkerMirroredStrategy (our strategy, even a fixed split without the agreement) that loop fails with "You
     # must feed a value for placeholder tensor 'while/body/.../while/cond/Placeholder_1'" (TF 2.21, 2 workers; not
     # tracked down). Refuse it with the fix instead of that message.
-    from hetero_cs.errors import ConfigError
-
     steps = getattr(model, "steps_per_execution", 1)
     if steps is not None and int(steps) > 1:
         raise ConfigError(
@@ -269,8 +218,6 @@ def _refuse_loss_scaling(model) -> None:
     # central-storage strategy only (hetero_cs.engine._compat.loss_scale), so refuse it here instead of hanging.
     from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-    from hetero_cs.errors import ConfigError
-
     if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer):
         raise ConfigError(
             "Loss scaling (mixed_float16's LossScaleOptimizer) is not supported under "
@@ -283,12 +230,8 @@ def _refuse_loss_scaling(model) -> None:
 # How TensorFlow's collectives report a peer that is gone: the coordination service's missed heartbeats or a
 # refused connection (Unavailable), a collective that waited past CommunicationOptions.timeout_seconds
 # (DeadlineExceeded), or a collective aborted because another one failed (Cancelled/Aborted).
-_PEER_FAILURES = (
-    tf.errors.UnavailableError,
-    tf.errors.DeadlineExceededError,
-    tf.errors.CancelledError,
-    tf.errors.AbortedError,
-)
+_PEER_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+                  tf.errors.AbortedError)
 
 
 def _tell_cluster(strategy, reason: str) -> None:
@@ -325,9 +268,6 @@ def _step_error_here(strategy, verb: str, exc: Exception):
     """A ReplicaStepError for any other error of this worker's step (a Python error inside it, a shape error), after
     telling every other worker (:func:`_tell_cluster`): they stop within seconds with a WorkerLostError that names it,
     instead of waiting in the collective."""
-    from hetero_cs.devices.device_errors import op_message
-    from hetero_cs.errors import ReplicaStepError
-
     cause = f"{type(exc).__name__}: {op_message(str(exc), exc)[:300]}"
     _tell_cluster(strategy, f"an error in its step ({cause})")
     return ReplicaStepError(
@@ -340,9 +280,6 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     """A DeviceFaultError for a device error on one of this worker's replicas (the rule of
     :mod:`hetero_cs.engine.faults.failover`), after telling every other worker (:func:`_tell_cluster`), or None for any
     other error."""
-    from hetero_cs.devices.device_errors import device_fault, first_line
-    from hetero_cs.errors import DeviceFaultError
-
     local = list(strategy.extended.worker_devices)
     fault = device_fault(exc, local, replica_scopes)
     if fault is None:
@@ -367,45 +304,37 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
 
 
 def _worker_lost(strategy, verb: str, exc: Exception):
-    from hetero_cs.errors import WorkerLostError
-
+    text, me = str(exc).strip(), id_in_cluster(strategy)
+    resume = "; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup."
+    reported = re.search(r"hetero_cs: worker (\d+) \([^)]*\) stopped: (.*?); the other workers", text, re.S)
+    if reported is not None:  # a worker told the cluster why it stopped (_tell_cluster)
+        worker, why = reported.groups()
+        told = f"worker {worker} stopped with {why}"
+        fix = f"Check that worker's card, then restart all workers without it{resume}"  # _device_fault_here
+        if why.startswith("out of memory"):  # _out_of_memory_here
+            caps = re.search(r"relaunch with (\w+=[\w,]+)", why)
+            told = f"worker {worker} stopped, {why}"
+            fix = (f"Restart all workers with {caps.group(1)} (hetero-cs launch --max-restarts N does so by itself; "
+                   f"see that worker's StepOOMError)" if caps else
+                   "See that worker's StepOOMError, then restart all workers") + resume
+        elif why.startswith("an error in its step"):  # _step_error_here
+            fix = "See that worker's ReplicaStepError, fix it, then restart all workers."
+        return WorkerLostError(f"model.{verb} stopped on worker {me}: {told}. Every worker runs the same steps in "
+                               f"lockstep, so the job cannot go on without it. {fix}")
     options = getattr(strategy.extended, "_communication_options", None)  # Private: the options MWMS was given.
     timeout_s = getattr(options, "timeout_seconds", None)
-    text = str(exc).strip()
     # TensorFlow's first line is often only "Graph execution error:"; the task that stopped answering is named
     # further down, as "/job:worker/replica:0/task:<i>".
-    lost = sorted({int(t) for t in re.findall(r"/job:worker/replica:\d+/task:(\d+)", text)}
-                  - {id_in_cluster(strategy)})
+    lost = sorted({int(t) for t in re.findall(r"/job:worker/replica:\d+/task:(\d+)", text)} - {me})
     detail = next((line.strip() for line in text.splitlines()
                    if re.search(r"heartbeat|unavailable|deadline|timed? ?out|connect|task:\d", line, re.I)),
                   text.splitlines()[0] if text else type(exc).__name__)
     who = (f"worker {lost[0]}" if len(lost) == 1 else f"workers {lost}") if lost else "another worker of the cluster"
-    reported = re.search(r"hetero_cs: worker (\d+) \([^)]*\) stopped: (.*?); the other workers", text, re.S)
-    if reported is not None and reported.group(2).startswith("out of memory"):  # told by _out_of_memory_here
-        caps = re.search(r"relaunch with (\w+=[\w,]+)", reported.group(2))
-        return WorkerLostError(
-            f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped, "
-            f"{reported.group(2)}. Every worker runs the same steps in lockstep, so the job cannot go on without it. "
-            + (f"Restart all workers with {caps.group(1)} (hetero-cs launch --max-restarts N does so by itself; see "
-               f"that worker's StepOOMError)" if caps else "See that worker's StepOOMError, then restart all workers")
-            + "; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup.")
-    if reported is not None and reported.group(2).startswith("an error in its step"):  # _step_error_here
-        return WorkerLostError(
-            f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped with "
-            f"{reported.group(2)}. Every worker runs the same steps in lockstep, so the job cannot go on without it. "
-            f"See that worker's ReplicaStepError, fix it, then restart all workers.")
-    if reported is not None:  # a device error another worker told the cluster of (_device_fault_here)
-        return WorkerLostError(
-            f"model.{verb} stopped on worker {id_in_cluster(strategy)}: worker {reported.group(1)} stopped with "
-            f"{reported.group(2)}. Every worker runs the same steps in lockstep, so the job cannot go on without it. "
-            f"Check that worker's card, then restart all workers without it; with keras.callbacks.BackupAndRestore "
-            f"the rerun resumes from the last backup.")
     return WorkerLostError(
-        f"model.{verb} stopped on worker {id_in_cluster(strategy)}: {who} is gone or not answering "
-        f"({type(exc).__name__}: {detail[:300]}). Every worker runs the same steps in lockstep, so the "
-        f"job cannot go on without it (collective timeout: "
-        f"{'none set' if timeout_s is None else f'{timeout_s:g} s'}). Check the other workers' logs, then restart "
-        f"all workers; with keras.callbacks.BackupAndRestore the rerun resumes from the last backup."
+        f"model.{verb} stopped on worker {me}: {who} is gone or not answering ({type(exc).__name__}: "
+        f"{detail[:300]}). Every worker runs the same steps in lockstep, so the job cannot go on without it "
+        f"(collective timeout: {'none set' if timeout_s is None else f'{timeout_s:g} s'}). Check the other workers' "
+        f"logs, then restart all workers{resume}"
     )
 
 
@@ -425,16 +354,13 @@ def local_cpu_replicas(count: int):
     global _local_devices_patched
     with _local_devices_lock:
         if not _local_devices_patched:
-            _patch_local_devices()
+            patch_local_devices()
             _local_devices_patched = True
-    _local_cpus.count = int(count)
-    try:
+    with set_locally(_local_cpus, count=int(count)):
         yield
-    finally:
-        _local_cpus.count = None
 
 
-def _patch_local_devices() -> None:
+def patch_local_devices() -> None:
     # Private: CollectiveAllReduceExtended._initialize_local_devices chooses a worker's local replicas: every GPU,
     # else exactly one CPU replica, and MultiWorkerMirroredStrategy has no argument to give them in a cluster (only
     # its single-worker path takes a device list, through the private _from_local_devices). Emulating several unlike
@@ -444,17 +370,12 @@ def _patch_local_devices() -> None:
     # (group size = replicas per worker x workers, the same on every worker).
     from tensorflow.python.distribute import collective_all_reduce_strategy
 
-    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
-    original = extended._initialize_local_devices  # noqa: SLF001
-
-    @functools.wraps(original)
-    def _initialize_local_devices(self, cluster_resolver, worker_device):
+    @patch(collective_all_reduce_strategy.CollectiveAllReduceExtended, "_initialize_local_devices")
+    def _initialize_local_devices(original, self, cluster_resolver, worker_device):
         count = getattr(_local_cpus, "count", None)
         if not count or count == 1:
             return original(self, cluster_resolver, worker_device)
         return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
-
-    extended._initialize_local_devices = _initialize_local_devices  # noqa: SLF001
 
 
 def install_multi_worker() -> None:
@@ -463,6 +384,5 @@ def install_multi_worker() -> None:
     with _install_lock:
         if _installed:
             return
-        _patch_reduce_per_replica()
-        _patch_entry_points()
+        patch_entry_points()
         _installed = True

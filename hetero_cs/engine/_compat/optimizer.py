@@ -10,14 +10,21 @@ import threading
 
 import tensorflow as tf
 
+from hetero_cs.devices.step_clock import stamp_step_end
 from hetero_cs.engine.step import fused_update
 from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step.sub_steps import SparseSum
 from hetero_cs.engine._compat import hooks, loss_scale
-from hetero_cs.engine._compat.context import current_hetero_strategy, current_weighting_strategy, is_hetero_strategy
-from hetero_cs.engine._compat.context import current_multi_worker_strategy
-from hetero_cs.engine._compat.variables import _central_in_replica_context, _clip_state
+from hetero_cs.engine._compat.context import (
+    current_hetero_strategy, current_multi_worker_strategy, current_weighting_strategy, is_hetero_strategy,
+    set_locally,
+)
+from hetero_cs.engine._compat.symbols import patch
+from hetero_cs.engine._compat.variables import _central_in_replica_context
+from hetero_cs.errors import ConfigError, MicroBatchError
 
-def _patch_optimizer() -> None:
+
+def patch_optimizer() -> None:
     # Keras' TF optimizer clips (clipnorm, global_clipnorm, clipvalue) each replica's gradient before the sum,
     # which is not the clipping of the full-batch gradient. Under our strategy clipping is skipped in replica
     # context and applied to the all-reduced (summed) gradient inside _all_reduce_sum_gradients, the last place
@@ -26,30 +33,35 @@ def _patch_optimizer() -> None:
     # apply: clipping after the SUM all-reduce (every replica clips the same summed gradient, as one device would),
     # and the replica's clock stops when its gradients are ready, before the all-reduce waits for the others.
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    original_clip = TFOptimizer._clip_gradients  # noqa: SLF001
-    original_all_reduce = TFOptimizer._all_reduce_sum_gradients  # noqa: SLF001
+    original_clip = TFOptimizer._clip_gradients  # noqa: SLF001 - Keras' own, for the clipping on the host
 
-    @functools.wraps(original_clip)
-    def _clip_gradients(self, grads):
-        if current_weighting_strategy() is not None and not getattr(_clip_state, "active", False):
+    @patch(TFOptimizer, "_clip_gradients")
+    def _clip_gradients(original, self, grads):
+        if current_weighting_strategy() is not None:
             hooks.fired(hooks.CLIP_SKIPPED)
             return grads
-        return original_clip(self, grads)
+        return original(self, grads)
 
-    @functools.wraps(original_all_reduce)
-    def _all_reduce_sum_gradients(self, grads_and_vars):
+    def _clip_on_host(optimizer, grads):
+        hooks.fired(hooks.CLIP_SUMMED)
+        return original_clip(optimizer, grads)
+
+    @patch(TFOptimizer, "_all_reduce_sum_gradients")
+    def _all_reduce_sum_gradients(original, self, grads_and_vars):
         multi_worker = current_multi_worker_strategy()
         if getattr(_reduced_already, "active", False):  # an accumulated update under the multi-worker strategy
             return list(grads_and_vars)
         if multi_worker is not None and tf.distribute.get_replica_context() is not None:
             grads_and_vars = [(shared_rows_dense(g), v) for g, v in grads_and_vars]
             grads = multi_worker._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
-            reduced = original_all_reduce(self, list(zip(grads, [v for _, v in grads_and_vars])))
-            return _clip_reduced(self, reduced)
+            reduced = original(self, list(zip(grads, [v for _, v in grads_and_vars])))
+            # Every replica clips the same summed gradient.
+            return list(zip(_clip_on_host(self, [g for g, _ in reduced]), [v for _, v in reduced]))
         strategy = current_hetero_strategy()
         if strategy is None or tf.distribute.get_replica_context() is None:
-            return original_all_reduce(self, grads_and_vars)
+            return original(self, grads_and_vars)
         hooks.fired(hooks.ALL_REDUCE)
         grads_and_vars = list(grads_and_vars)
         grads = strategy._on_replica_gradients([g for g, _ in grads_and_vars])  # noqa: SLF001
@@ -62,18 +74,19 @@ def _patch_optimizer() -> None:
         # The variable updates (cross-replica, in _distributed_tf_update_step) wait for it too: an update needs
         # only its own summed gradient, which may exist before another replica's backward pass fails.
         local = [g for g, _ in grads_and_vars if g is not None]
-        step = replica_state.current_replica_step()
-        if step is not None and step.sub_step is not None:
+        step = replica_state.current_replica_step()  # not None: current_hetero_strategy() says a replica step runs
+        if step.sub_step is not None:
             # An overlapped micro-batched call: this replica's next micro-batch starts once these gradients exist
             # (hetero_cs.engine.replica_wrapping). Writes that need no other replica do not wait for this
             # sub-step's barrier: the call is undone as a whole when any part of it fails (MicroBatching.run).
             step.sub_step.ends[step.replica_id] = tf.nest.flatten(local, expand_composites=True)
-        if local:
-            token = tf.distribute.get_replica_context().merge_call(_all_replicas_done, args=(local,))
-            if step is None or step.sub_step is None:
-                step.barrier[:] = [token]
-            if step.handoff is not None:  # for this call's update merge (another call has its own handoff)
-                step.handoff.barrier_token = token
+        if not local:
+            return grads_and_vars
+        token = tf.distribute.get_replica_context().merge_call(_all_replicas_done, args=(local,))
+        if step.sub_step is None:
+            step.barrier[:] = [token]
+        if step.handoff is not None:  # for this call's update merge (another call has its own handoff)
+            step.handoff.barrier_token = token
         # Summed on the parameter device only, and clipped there: Keras' all_reduce would broadcast each sum back to
         # every replica's device (the update then reads replica 0's copy), and clip on every replica. Loss-scaled
         # gradients are unscaled and clipped on the host in the update instead (loss_scale.apply_or_skip).
@@ -82,30 +95,12 @@ def _patch_optimizer() -> None:
         deferred = (loss_scale.pending_scaler(self) is not None or _micro_armed(strategy)
                     or bool(getattr(self, "gradient_accumulation_steps", None)))
         clip = None if deferred else functools.partial(_clip_on_host, self)
-        present = [g for g, _ in grads_and_vars if g is not None]
-        if not present:
-            return grads_and_vars
         # The clip function goes in the merge function, not its arguments (which are regrouped per replica).
         merge = functools.partial(_sum_on_parameter_device, clip=clip)
-        summed = iter(tf.distribute.get_replica_context().merge_call(merge, args=(present,)))
-        return [(None if g is None else next(summed), v) for g, v in grads_and_vars]
+        return _refill(grads_and_vars, tf.distribute.get_replica_context().merge_call(merge, args=(local,)))
 
-    def _clip_on_host(optimizer, grads):
-        hooks.fired(hooks.CLIP_SUMMED)
-        _clip_state.active = True
-        try:
-            return original_clip(optimizer, grads)
-        finally:
-            _clip_state.active = False
-
-    def _clip_reduced(optimizer, reduced):  # the multi-worker strategy: every replica clips the same summed gradient
-        return list(zip(_clip_on_host(optimizer, [g for g, _ in reduced]), [v for _, v in reduced]))
-
-    original_update_step = TFOptimizer._distributed_tf_update_step  # noqa: SLF001
-    original_decay = TFOptimizer._apply_weight_decay  # noqa: SLF001
-
-    @functools.wraps(original_decay)
-    def _apply_weight_decay(self, variables):
+    @patch(TFOptimizer, "_apply_weight_decay")
+    def _apply_weight_decay(original, self, variables):
         # Decoupled weight decay (AdamW, or any optimizer given weight_decay) is applied before the gradients are
         # summed, so it would run even when a replica's step fails. Under our strategy it is deferred to the update
         # merge below, where it runs first (the same order as in one device's step), behind the barrier.
@@ -114,10 +109,10 @@ def _patch_optimizer() -> None:
             hooks.fired(hooks.DECAY_DEFERRED)
             handoff.weight_decay = (self, list(variables))
             return None
-        return original_decay(self, variables)
+        return original(self, variables)
 
-    @functools.wraps(original_update_step)
-    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+    @patch(TFOptimizer, "_distributed_tf_update_step")
+    def _distributed_tf_update_step(original, self, distribution, grads_and_vars, learning_rate):
         # Cross-replica (merge_call), in the thread that runs the merge: this call's handoff holds what its replicas
         # left for it (consumed here). The token is from this step's graph only.
         handoff = replica_state.current_step_handoff()
@@ -126,7 +121,7 @@ def _patch_optimizer() -> None:
             token, decay, start = handoff.barrier_token, handoff.weight_decay, handoff.start_stamp
             handoff.barrier_token = handoff.weight_decay = None
         if not is_hetero_strategy(distribution):
-            return original_update_step(self, distribution, grads_and_vars, learning_rate)
+            return original(self, distribution, grads_and_vars, learning_rate)
         hooks.fired(hooks.UPDATE)
         current_graph = tf.compat.v1.get_default_graph()
         # Eager steps have no graph (and run in order): nothing to wait for.
@@ -139,43 +134,37 @@ def _patch_optimizer() -> None:
         def update(pairs):  # the host update: deferred weight decay first (one device's order), then Keras' own
             if decay is not None:
                 _weight_decay_cross_replica(self, distribution, decay)
-            return original_update_step(self, distribution, pairs, learning_rate)
+            return original(self, distribution, pairs, learning_rate)
 
         grads_and_vars = list(grads_and_vars)
         summed = [t for g, _ in grads_and_vars if g is not None for t in distribution.experimental_local_results(g)]
         if fused_update.applies(distribution.fused_update, self, summed):
             update = fused_update.compiled(update, distribution.parameter_device)
+
         def run_update(pairs, *, clip: bool = False):
             if scaler is not None:  # mixed_float16: judged, unscaled, clipped and gated on the host
                 hooks.fired(hooks.CLIP_SUMMED)
                 return loss_scale.apply_or_skip(
                     scaler, self, distribution, pairs, clip=functools.partial(original_clip, self), update=update)
             if clip:
-                kept = [g for g, _ in pairs if g is not None]
                 with tf.device(distribution.parameter_device):
-                    clipped = iter(_clip_on_host(self, kept))
-                pairs = [(None if g is None else next(clipped), v) for g, v in pairs]
+                    pairs = _refill(pairs, _clip_on_host(self, [g for g, _ in pairs if g is not None]))
             return update(pairs)
 
         with tf.control_dependencies(barrier):
-            micro = getattr(distribution, "_micro_batching", None)
-            result = _accumulating_update(self, distribution, micro, grads_and_vars, run_update)
+            result = _accumulating_update(self, distribution, grads_and_vars, run_update)
             if result is None:  # no micro-batching armed, no gradient_accumulation_steps
                 result = run_update(grads_and_vars)
         if getattr(start, "graph", None) is current_graph and not tf.executing_eagerly():
             # The host tail: the step ends when the update has written every variable (reads come after writes).
-            from hetero_cs.devices.step_clock import stamp_step_end
-
             with tf.device(distribution.parameter_device):
                 reads = [tf.identity(v) for _, v in grads_and_vars]  # tf variables here: a read each
                 stamp_step_end(start, reads, record=distribution._record_step_end,  # noqa: SLF001
                                sampled=handoff.sampled_start)
         return result
 
-    original_apply = TFOptimizer.apply  # BaseOptimizer.apply (public), where every gradient application goes
-
-    @functools.wraps(original_apply)
-    def apply(self, grads, trainable_variables=None):
+    @patch(TFOptimizer, "apply")  # BaseOptimizer.apply (public), where every gradient application goes
+    def apply(original, self, grads, trainable_variables=None):
         # Records what this optimizer step needs of the hooks above (hooks.verify checks them once traced): the
         # all-reduce and the host update always, clipping and weight decay when configured.
         if current_hetero_strategy() is not None and tf.distribute.get_replica_context() is not None:
@@ -185,47 +174,35 @@ def _patch_optimizer() -> None:
             if any(g is not None for g in grads):
                 hooks.expect_optimizer_step(
                     self, central_iterations=_central_in_replica_context(self.iterations) is not None)
-        return original_apply(self, grads, trainable_variables)
+        return original(self, grads, trainable_variables)
 
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    original_backend_apply = BaseOptimizer._backend_apply_gradients  # noqa: SLF001
-
-    @functools.wraps(original_backend_apply)
-    def _backend_apply_gradients(self, grads, trainable_variables):
+    @patch(BaseOptimizer, "_backend_apply_gradients")
+    def _backend_apply_gradients(original, self, grads, trainable_variables):
         # Keras' gradient accumulation keeps one accumulator per variable and adds to it inside a cond: under a
         # central-storage strategy that fails in graph mode (a merge call inside the cond) and, eagerly, adds each
         # replica's unreduced gradient. Under our strategy the step takes Keras' plain path (clipping and weight decay
         # are deferred to the host anyway), and the host update sums and applies every n-th step
         # (_accumulating_update): Keras' own rule, on the exact summed gradient.
+        if not getattr(self, "gradient_accumulation_steps", None) or tf.distribute.get_replica_context() is None:
+            return original(self, grads, trainable_variables)
         multi_worker = current_multi_worker_strategy()
-        if (getattr(self, "gradient_accumulation_steps", None) and multi_worker is not None
-                and tf.distribute.get_replica_context() is not None):
+        if multi_worker is not None:
             return _accumulate_across_workers(self, multi_worker, grads, trainable_variables,
-                                              functools.partial(_keras_clip_gradients(), self))
-        if (getattr(self, "gradient_accumulation_steps", None) and current_hetero_strategy() is not None
-                and tf.distribute.get_replica_context() is not None):
+                                              functools.partial(original_clip, self))
+        if current_hetero_strategy() is not None:
             grads = self._clip_gradients(grads)
             self._apply_weight_decay(trainable_variables)
             return self._backend_update_step(grads, trainable_variables, self.learning_rate)
-        return original_backend_apply(self, grads, trainable_variables)
-
-    BaseOptimizer._backend_apply_gradients = _backend_apply_gradients  # noqa: SLF001
-    TFOptimizer.apply = apply
-    TFOptimizer._clip_gradients = _clip_gradients  # noqa: SLF001
-    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients  # noqa: SLF001
-    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step  # noqa: SLF001
-    TFOptimizer._apply_weight_decay = _apply_weight_decay  # noqa: SLF001
+        return original(self, grads, trainable_variables)
 
 
 _reduced_already = threading.local()  # .active: the gradients of this update were all-reduced before the cond
 
 
-def _keras_clip_gradients():
-    """Keras' own ``TFOptimizer._clip_gradients`` (unpatched)."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    return TFOptimizer._clip_gradients.__wrapped__  # noqa: SLF001 - functools.wraps keeps Keras' own
+def _refill(pairs, values) -> list:
+    """``pairs`` of (gradient, variable) with each gradient that is not None replaced by the next of ``values``."""
+    values = iter(values)
+    return [(None if g is None else next(values), v) for g, v in pairs]
 
 
 def _accumulate_across_workers(optimizer, strategy, grads, trainable_variables, clip):
@@ -246,8 +223,7 @@ def _accumulate_across_workers(optimizer, strategy, grads, trainable_variables, 
     # on the average it applies).
     local = strategy._on_replica_gradients([shared_rows_dense(g) for g in grads])  # noqa: SLF001 - clock, then SUM
     context = tf.distribute.get_replica_context()
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in local if g is not None])
-    summed = iter(summed)
+    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in local if g is not None]))
     summed = [None if g is None else next(summed) for g in local]
     variables = list(trainable_variables)
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)]  # noqa: SLF001
@@ -257,11 +233,8 @@ def _accumulate_across_workers(optimizer, strategy, grads, trainable_variables, 
         averaged = [None if g is None else (g + a) / n for g, a in zip(step_grads, accumulators)]
         averaged = clip(averaged)
         optimizer._apply_weight_decay(variables)  # noqa: SLF001
-        _reduced_already.active = True
-        try:
+        with set_locally(_reduced_already, active=True):
             optimizer._backend_update_step(averaged, variables, optimizer.learning_rate)  # noqa: SLF001
-        finally:
-            _reduced_already.active = False
         optimizer._backend_reset_gradient_accumulators()  # noqa: SLF001
 
     def accumulate_step(step_grads):
@@ -296,7 +269,7 @@ def _micro_armed(strategy) -> bool:
     return micro is not None and micro.armed
 
 
-def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_update):
+def _accumulating_update(optimizer, distribution, grads_and_vars, run_update):
     """The host update of a step that may sum gradients over calls before applying them, or None when none does.
 
     Two things sum gradients on the host (in :meth:`MicroBatching.accumulators`, one host variable per trained
@@ -311,13 +284,12 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     3. The last sub-step, or Keras' n-th step: the update on (sums + its own) / n (n = 1 without Keras'
        accumulation), clipped here (or judged, unscaled and clipped under loss scaling); the sums are zeroed.
     """
+    micro = getattr(distribution, "_micro_batching", None)
     armed = micro is not None and micro.armed
     n = getattr(optimizer, "gradient_accumulation_steps", None) or None
     if not armed and n is None:
         return None
     if getattr(optimizer, "use_ema", False) and armed:
-        from hetero_cs.errors import MicroBatchError
-
         raise MicroBatchError(
             "An optimizer with use_ema=True cannot be micro-batched: its moving average would be updated once per "
             "micro-batch. Pass micro_batches=False to the strategy, or train without use_ema.")
@@ -341,11 +313,8 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     # entry, so a densified sum would not be the same step); the rows of a lookup that does not depend on the batch
     # are added row by row instead, as over replicas (_shared_rows_sum). Keras' accumulation sums densely, as it does
     # itself.
-    from hetero_cs.engine.step.sub_steps import SparseSum
-
-    micro_state = distribution._micro_batching  # noqa: SLF001
-    sums = [micro_state.sparse_accumulator(v, g) if isinstance(g, tf.IndexedSlices) and n is None
-            else micro_state.accumulators([v])[0] for g, v in present]
+    sums = [micro.sparse_accumulator(v, g) if isinstance(g, tf.IndexedSlices) and n is None
+            else micro.accumulators([v])[0] for g, v in present]
 
     def ordinary():
         run_update(pairs, clip=True)
@@ -363,10 +332,9 @@ def _accumulating_update(optimizer, distribution, micro, grads_and_vars, run_upd
     def apply_sums():
         with tf.device(device):
             scale = 1.0 / (n or 1)
-            totals = iter([s.total(g) if isinstance(s, SparseSum)
-                           else (tf.convert_to_tensor(g) + s.read_value()) * tf.cast(scale, s.dtype)
-                           for (g, _), s in zip(present, sums)])
-            total_pairs = [(None if g is None else next(totals), v) for g, v in pairs]
+            total_pairs = _refill(pairs, [s.total(g) if isinstance(s, SparseSum)
+                                          else (tf.convert_to_tensor(g) + s.read_value()) * tf.cast(scale, s.dtype)
+                                          for (g, _), s in zip(present, sums)])
         run_update(total_pairs, clip=True)
         done = tf.nest.flatten([g for g, _ in total_pairs if g is not None], expand_composites=True)
         with tf.device(device), tf.control_dependencies(done):
@@ -405,8 +373,6 @@ def _refuse_overridden_hooks(optimizer, base) -> None:
     for name, role in _HOOKED.items():
         if getattr(type(optimizer), name, None) is not getattr(base, name, None):
             owner = next((c for c in type(optimizer).__mro__ if name in vars(c)), type(optimizer))
-            from hetero_cs.errors import ConfigError
-
             raise ConfigError(
                 f"The optimizer {type(optimizer).__name__} overrides {name} (in {owner.__module__}.{owner.__qualname__}"
                 f"), which hetero_cs replaces for {role}; with the override the step would not equal one device's. "
@@ -419,8 +385,6 @@ def _refuse_ema(optimizer) -> None:
     # writes); TensorFlow refuses that in a replica step ("merge_call called while defining a new graph"), under
     # stock MirroredStrategy too. Refused before it, with the fix.
     if getattr(optimizer, "use_ema", False):
-        from hetero_cs.errors import ConfigError
-
         raise ConfigError(
             f"The optimizer {type(optimizer).__name__} has use_ema=True, which TensorFlow cannot run in a replica "
             f"step under a central-storage strategy (Keras updates the moving average inside a condition that "

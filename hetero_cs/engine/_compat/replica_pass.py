@@ -16,7 +16,6 @@ forward pass, the loss and the gradient, becomes one function of the weights, wh
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import tensorflow as tf
@@ -24,8 +23,8 @@ import tensorflow as tf
 from hetero_cs.engine._compat import replica_xla
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import symbols
-from hetero_cs.engine._compat.context import is_hetero_strategy
-from hetero_cs.engine._compat.context import is_multi_worker_strategy
+from hetero_cs.engine._compat.context import is_multi_worker_strategy, is_ours, strategy_of
+from hetero_cs.engine._compat.symbols import patch
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +34,16 @@ def keras_train_step():
     return symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer").train_step
 
 
-def _patch_train_step() -> None:
+def patch_train_step() -> None:
     # Under our strategies, inside a replica step of a model compiled with XLA per replica
     # (hetero_cs.engine._compat.replica_xla.applies), or of one whose idle replicas skip their pass under the multi-worker
     # strategy (hetero_cs.engine.step.replica_xla.multi_worker_skips), Keras' train step runs cut (_cut_step);
     # elsewhere Keras' own runs.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-    original = TensorFlowTrainer.train_step
-
-    @functools.wraps(original)
-    def train_step(self, data):
+    @patch(symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"), "train_step")
+    def train_step(original, self, data):
         step = replica_state.current_replica_step()
-        strategy = getattr(self, "_distribute_strategy", None)
-        if step is None or step.global_batch_size is None or not _ours(strategy) or not self.trainable_weights:
+        strategy = strategy_of(self)
+        if step is None or step.global_batch_size is None or not is_ours(strategy) or not self.trainable_weights:
             return original(self, data)
         jit = replica_xla.applies(self)
         multi_worker = is_multi_worker_strategy(strategy)
@@ -62,48 +58,40 @@ def _patch_train_step() -> None:
         outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap, find_micro=finding)
         return original(self, data) if outputs is None else outputs
 
-    TensorFlowTrainer.train_step = train_step
-
     # Keras resolves compile(jit_compile="auto") to False under every tf.distribute strategy. Under our strategies
     # it resolves as it would for one device (Keras' own rule: a device other than the CPU is
     # present and every layer supports XLA). Private: Trainer._resolve_auto_jit_compile is that rule; it reads
     # self._distribute_strategy, which the model has, so the strategy is hidden from it for the call.
-    Trainer = symbols.require("keras.src.trainers.trainer", "Trainer")
-    original_resolve = Trainer._resolve_auto_jit_compile  # noqa: SLF001
-
-    @functools.wraps(original_resolve)
-    def _resolve_auto_jit_compile(self):
-        strategy = getattr(self, "_distribute_strategy", None)
-        if not _ours(strategy):
-            return original_resolve(self)
+    @patch(symbols.require("keras.src.trainers.trainer", "Trainer"), "_resolve_auto_jit_compile")
+    def _resolve_auto_jit_compile(original, self):
+        strategy = strategy_of(self)
+        if not is_ours(strategy):
+            return original(self)
         self._distribute_strategy = None  # noqa: SLF001
         try:
-            return original_resolve(self)
+            return original(self)
         finally:
             self._distribute_strategy = strategy  # noqa: SLF001
 
-    Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile  # noqa: SLF001
 
-
-def _patch_inference_steps() -> None:
+def patch_inference_steps() -> None:
     # Under the multi-worker strategy, a replica whose slice of an evaluate or predict batch exceeds its card's memory
     # cap runs Keras' own test_step or predict_step on each micro-batch in turn (_micro_batched_inference);
     # elsewhere Keras' own runs.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
     for name in ("test_step", "predict_step"):
-        original = getattr(TensorFlowTrainer, name)
+        patch(TensorFlowTrainer, name)(_inference_step)
 
-        def inference_step(self, data, _original=original, _predict=name == "predict_step"):
-            step = replica_state.current_replica_step()
-            strategy = getattr(self, "_distribute_strategy", None)
-            if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
-                return _original(self, data)
-            cap = strategy.micro_batching.inference_cap(self, step.replica_id)
-            if cap is None:
-                return _original(self, _memory_checked(strategy, step, data, step.batch_size))
-            return _micro_batched_inference(self, _original, data, step, cap, predict=_predict)
 
-        setattr(TensorFlowTrainer, name, functools.wraps(original)(inference_step))
+def _inference_step(original, self, data):
+    step = replica_state.current_replica_step()
+    strategy = strategy_of(self)
+    if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
+        return original(self, data)
+    cap = strategy.micro_batching.inference_cap(self, step.replica_id)
+    if cap is None:
+        return original(self, _memory_checked(strategy, step, data, step.batch_size))
+    return _micro_batched_inference(self, original, data, step, cap, predict=original.__name__ == "predict_step")
 
 
 def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict: bool):
@@ -118,7 +106,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     from keras.src import tree
     from keras.src.trainers.data_adapters import data_adapter_utils
 
-    micro = _strategy(model).micro_batching
+    micro = strategy_of(model).micro_batching
     if not predict and not micro.evaluates_in_micro_batches(model, lambda: _all_reduces_in_test_step(
             model, keras_step, data)):
         return keras_step(model, data)  # one pass past the cap, as every other replica's (logged once)
@@ -138,7 +126,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
         part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
                                                            for v in (x, y, sample_weight)))
-        part = _memory_checked(_strategy(model), step, part, size)
+        part = _memory_checked(strategy_of(model), step, part, size)
         micro = dataclasses.replace(step, batch_size=size)
         _seed(micro, rows=part)
         with replica_state.replica_step(micro):
@@ -158,7 +146,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
     _, outputs = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1, tf.int32), outputs),
                                parallel_iterations=1)
-    _strategy(model).micro_batching.note_micro_batched_inference(model)
+    strategy_of(model).micro_batching.note_micro_batched_inference(model)
     if not predict:
         # Keras' own test_step returns its metrics' results: read once every micro-batch has updated them (the
         # loop's last values, which the loss reader cannot follow through a loop whose count is the slice's).
@@ -200,10 +188,6 @@ def _all_reduces_in_test_step(model, keras_step, data) -> bool:
             raise
         return True
     return False
-
-
-def _ours(strategy) -> bool:
-    return is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
 
 
 def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap: int | None = None,
@@ -300,7 +284,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
                   "batch's mask or sample weights, or a layer that synchronises replicas)")
         _fall_back(model, jit, skip_when_empty, reason)
         if find_micro:
-            micro = _strategy(model).micro_batching
+            micro = strategy_of(model).micro_batching
             micro.refuse(model, micro.NORMALISED_LOSS)
         return None
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
@@ -308,12 +292,12 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         _fall_back(model, jit, skip_when_empty,
                    f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
         if find_micro:
-            micro = _strategy(model).micro_batching
+            micro = strategy_of(model).micro_batching
             micro.refuse(model, micro.METRIC_STATE)
         return None
     if find_micro:
         layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
-        if layer_state and not _strategy(model).micro_batching.accepts_layer_state(model, layer_state):
+        if layer_state and not strategy_of(model).micro_batching.accepts_layer_state(model, layer_state):
             micro_cap = None  # refused (logged): this slice runs in one pass, within the caps the plans now keep
     if micro_cap is None and not (jit or skip_when_empty):
         return None  # traced only to find the above: Keras' own step runs
@@ -358,7 +342,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
 
     weights, state, scale = arguments[0], arguments[1], arguments[2]
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
-    strategy = _strategy(model)
+    strategy = strategy_of(model)
     emulator = strategy.emulator
     emulated = emulator is not None and step.start_stamp is not None
     # The chain's clock: where the last micro-batch's emulated time ended (a constant when nothing is emulated).
@@ -452,9 +436,6 @@ def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written
         model.optimizer.apply_gradients(zip(gradients, trainable))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-
-def _strategy(model):
-    return getattr(model, "_distribute_strategy", None)
 
 
 def _seed(step, *, rows, replicated=()) -> None:

@@ -47,6 +47,7 @@ import logging
 import re
 import weakref
 
+from hetero_cs.engine._compat.context import strategy_of
 from hetero_cs.engine._compat.layers import batch_norms_in_training
 from hetero_cs.errors import ConfigError
 
@@ -187,7 +188,7 @@ def multi_worker_fall_back(model, reason: str) -> None:
     _multi_worker_fell_back.add(model)
     logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).",
                 reason)
-    strategy = getattr(model, "_distribute_strategy", None)
+    strategy = strategy_of(model)
     balancer = getattr(strategy, "_balancer", None)
     if balancer is not None:
         balancer.set_idle_replicas_free(False)

@@ -13,6 +13,7 @@ are not listed; the multi-worker patches
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 # Keras' pluggable-backend refactor (keras#23397, in keras-nightly 3.16.0.dev since 2026-10) moved these homes. Each
@@ -88,16 +89,32 @@ def require(module_name: str, class_name: str | None = None):
     return found
 
 
+def patch(owner, name: str):
+    """Decorator: replaces ``owner.name`` (a class's method or a module's function) by the decorated function, which
+    is called with the original first, then the original's arguments. The replacement wraps the original
+    (``functools.wraps``: its ``__wrapped__`` is Keras' or TensorFlow's own)."""
+    original = getattr(owner, name)
+
+    def install(function):
+        @functools.wraps(original)
+        def patched(*args, **kwargs):
+            return function(original, *args, **kwargs)
+
+        setattr(owner, name, patched)
+        return patched
+
+    return install
+
+
 def missing_private_symbols() -> list[str]:
     """The dotted names of :data:`REQUIRED` that the installed Keras / TensorFlow lacks."""
     missing = []
     for module_name, class_name, attributes in REQUIRED:
-        owner = resolve(module_name, class_name)
+        owner, prefix = resolve(module_name, class_name), f"{module_name}.{class_name}" if class_name else module_name
         if owner is None:
-            missing.append(f"{module_name}.{class_name}" if class_name else module_name)
-            continue
-        prefix = f"{module_name}.{class_name}" if class_name else module_name
-        missing.extend(f"{prefix}.{name}" for name in attributes if not hasattr(owner, name))
+            missing.append(prefix)
+        else:
+            missing.extend(f"{prefix}.{name}" for name in attributes if not hasattr(owner, name))
     return missing
 
 

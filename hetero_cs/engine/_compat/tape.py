@@ -23,14 +23,15 @@ needs weighing, differentiated with respect to variables and tensors in one call
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 
 import tensorflow as tf
 
 from hetero_cs.engine._compat.loss_reader import _is_share, gradient_terms
+from hetero_cs.engine._compat.context import set_locally
 from hetero_cs.engine._compat.losses import weighted_step
+from hetero_cs.engine._compat.symbols import patch
 from hetero_cs.errors import LossPatternError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -38,15 +39,13 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")
 _state = threading.local()  # .in_jacobian: tape.jacobian's own gradient calls; .warned_eager
 
 
-def _patch_gradient_tape() -> None:
+def patch_gradient_tape() -> None:
     # tf.GradientTape.gradient is public API; it is wrapped (not replaced) and acts only inside a replica step of
     # our strategies that knows its global batch. Keras' own train_step differentiates compute_loss's result, a
     # share, which the wrapper leaves as it is. jacobian and batch_jacobian call gradient on slices of their target
     # (per-example gradients): those calls are TensorFlow's own.
-    original = tf.GradientTape.gradient
-
-    @functools.wraps(original)
-    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None, **kwargs):
+    @patch(tf.GradientTape, "gradient")
+    def gradient(original, self, target, sources, output_gradients=None, unconnected_gradients=None, **kwargs):
         if unconnected_gradients is not None:
             kwargs["unconnected_gradients"] = unconnected_gradients
         step = weighted_step()
@@ -57,27 +56,18 @@ def _patch_gradient_tape() -> None:
                 return original(self, terms, sources, output_gradients=coefficients, **kwargs)
         return original(self, target, sources, output_gradients=output_gradients, **kwargs)
 
-    tf.GradientTape.gradient = gradient
-    tf.GradientTape.batch_jacobian = _outside_weighting(tf.GradientTape.batch_jacobian)
-    tf.GradientTape.jacobian = _outside_weighting(tf.GradientTape.jacobian, scalar_is_gradient=True)
+    for name in ("jacobian", "batch_jacobian"):
+        patch(tf.GradientTape, name)(_outside_weighting)
 
 
-def _outside_weighting(method, scalar_is_gradient=False):
-    @functools.wraps(method)
-    def wrapped(self, target, sources, *args, **kwargs):
-        if (scalar_is_gradient and isinstance(target, tf.Tensor) and target.shape.rank == 0
-                and weighted_step() is not None):
-            # The jacobian of a scalar is its gradient, in the sources' shapes: weighed as a gradient is.
-            unconnected = kwargs.get("unconnected_gradients", tf.UnconnectedGradients.NONE)
-            return self.gradient(target, sources, unconnected_gradients=unconnected)
-        previous = getattr(_state, "in_jacobian", False)
-        _state.in_jacobian = True
-        try:
-            return method(self, target, sources, *args, **kwargs)
-        finally:
-            _state.in_jacobian = previous
-
-    return wrapped
+def _outside_weighting(original, self, target, sources, *args, **kwargs):
+    if (original.__name__ == "jacobian" and isinstance(target, tf.Tensor) and target.shape.rank == 0
+            and weighted_step() is not None):
+        # The jacobian of a scalar is its gradient, in the sources' shapes: weighed as a gradient is.
+        unconnected = kwargs.get("unconnected_gradients", tf.UnconnectedGradients.NONE)
+        return self.gradient(target, sources, unconnected_gradients=unconnected)
+    with set_locally(_state, in_jacobian=True):
+        return original(self, target, sources, *args, **kwargs)
 
 
 def _is_variable(source) -> bool:

@@ -5,42 +5,41 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
 import time
 import weakref
-from collections.abc import Callable
 
 import tensorflow as tf
 
+from hetero_cs.devices.device_errors import is_out_of_memory
 from hetero_cs.engine.step import idle_replicas
-from hetero_cs.engine._compat import symbols
+from hetero_cs.engine.step.input_slicing import is_unbatched_marker
+from hetero_cs.engine._compat import replica_xla, symbols
+from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_ours, strategy_of
 from hetero_cs.engine._compat.layers import all_sublayers
-from hetero_cs.engine._compat.context import is_hetero_strategy
-from hetero_cs.engine._compat.context import is_multi_worker_strategy
-from hetero_cs.errors import ConfigError, DeviceFaultError, StepOOMError
+from hetero_cs.engine._compat.replica_pass import keras_train_step
+from hetero_cs.engine._compat.symbols import patch
+from hetero_cs.errors import ConfigError, DeviceFaultError, InputError, StepOOMError
+from hetero_cs.planning.micro_batches import capacity_of
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
 
-def _patch_fit() -> None:
+def patch_fit() -> None:
     # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
     # callback that calibrates on the first global batch (auto_balance), and reports per-replica step times, the
     # straggler wait and the plan in the logs. Other strategies are untouched.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+    signature = inspect.signature(TensorFlowTrainer.fit)
 
-    original_fit = TensorFlowTrainer.fit
-    signature = inspect.signature(original_fit)
-
-    @functools.wraps(original_fit)
-    def fit(self, *args, **kwargs):
-        # Private: Keras keeps the strategy whose scope created the model in _distribute_strategy (None: none).
-        strategy = getattr(self, "_distribute_strategy", None)
+    @patch(TensorFlowTrainer, "fit")
+    def fit(original, self, *args, **kwargs):
+        strategy = strategy_of(self)
         _refuse_a_model_from_outside_the_scope(self, strategy)
         if not is_hetero_strategy(strategy):
-            return original_fit(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         note_per_example_randomness(self)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
@@ -57,7 +56,7 @@ def _patch_fit() -> None:
         distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
         try:
             with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
-                return original_fit(*bound.args, **bound.kwargs)
+                return original(*bound.args, **bound.kwargs)
         except StopIteration as exc:
             # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
             raise _empty_input_error("fit") from exc
@@ -66,23 +65,30 @@ def _patch_fit() -> None:
             if replica_error is None:
                 raise
             raise replica_error from exc
-        except DeviceFaultError as exc:  # a RuntimeError: before the clause below
-            if exc.__cause__ is None and exc.last_error is not None:  # re-chained, as a StepOOMError below
-                raise exc from exc.last_error
-            raise
+        except (DeviceFaultError, StepOOMError) as exc:  # a DeviceFaultError is a RuntimeError: before the clause below
+            _raise_with_tensorflow_cause(exc)
         except RuntimeError as exc:
             if "Mixing different tf.distribute.Strategy objects" not in str(exc):
                 raise
             raise ConfigError(_create_and_compile_in_scope(
                 "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
                 "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
-        except StepOOMError as exc:
-            # Keras' traceback filtering re-raises errors from inside fit "from None"; chain TensorFlow's again.
-            if exc.__cause__ is None and exc.last_error is not None:
-                raise exc from exc.last_error
-            raise
 
-    TensorFlowTrainer.fit = fit
+
+def _raise_with_tensorflow_cause(exc):
+    """Raises ``exc`` (a StepOOMError or DeviceFaultError) chained to TensorFlow's error again: Keras' traceback
+    filtering re-raises errors from inside fit, evaluate and predict "from None"."""
+    if exc.__cause__ is None and exc.last_error is not None:
+        raise exc from exc.last_error
+    raise exc
+
+
+def _next_batch(iterator):
+    """The next element of a distributed iterator, read eagerly; StopIteration at its end, as Keras' loops expect."""
+    try:
+        return iterator.get_next()
+    except tf.errors.OutOfRangeError:
+        raise StopIteration from None
 
 
 _randomness_noted: "weakref.WeakSet" = weakref.WeakSet()  # models whose random layers were named once
@@ -113,7 +119,7 @@ def _refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
     emulated devices our advice to call strategy.calibrate comes first and leads there.
     """
     current = tf.distribute.get_strategy()
-    if model_strategy is not None or not (is_hetero_strategy(current) or is_multi_worker_strategy(current)):
+    if model_strategy is not None or not is_ours(current):
         return
     raise ConfigError(_create_and_compile_in_scope(
         f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
@@ -132,7 +138,7 @@ def _create_and_compile_in_scope(what: str, strategy) -> str:
     )
 
 
-def _patch_make_train_function() -> None:
+def patch_make_train_function() -> None:
     # Keras' train function reads the next batch inside its tf.function (iterator.get_next()), so a step that
     # fails cannot run again on the same batch: the iterator has moved on. Under our strategy, with out-of-memory
     # recovery on and steps_per_execution == 1, the train function is wrapped: the batch is read eagerly from the
@@ -146,12 +152,10 @@ def _patch_make_train_function() -> None:
     # of idle replicas since it was traced (hetero_cs.engine.step.idle_replicas): the step then has a branch in which
     # those replicas do no work. Private: Keras keeps the traced step in model.train_function and calls it anew
     # for every step; make_train_function(force=True) builds a new one.
-    original = _without_whole_step_xla(TensorFlowTrainer.make_train_function)
-
-    @functools.wraps(original)
-    def make_train_function(self, force=False):
-        result = original(self, force=force)
-        strategy = getattr(self, "_distribute_strategy", None)
+    @patch(TensorFlowTrainer, "make_train_function")
+    def make_train_function(keras_make, self, force=False):
+        result = _made_without_whole_step_xla(keras_make, self, force)
+        strategy = strategy_of(self)
         function = self.train_function
         if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
             return result
@@ -174,7 +178,7 @@ def _patch_make_train_function() -> None:
                             f"sets {list(active_sets.for_trace(training=True))})" if idle_sets_new
                             else "global batches now run as micro-batches")
                 known = active_sets.version(training=True)
-                original(self, force=True)
+                _made_without_whole_step_xla(keras_make, self, force=True)
                 micro.forget_findings()  # found again while the new step is traced
                 current[0] = self.train_function
                 current[0]._hetero_micro = micro.armed
@@ -187,10 +191,7 @@ def _patch_make_train_function() -> None:
             single = None  # the one-step plan a micro-batching step was served, to time it for a guard trial
             if not (recovering or micro_batching):
                 return step(iterator)
-            try:
-                data = iterator.get_next()  # eager: the batch stays in hand for a retry or its sub-steps
-            except tf.errors.OutOfRangeError:
-                raise StopIteration from None
+            data = _next_batch(iterator)  # eager: the batch stays in hand for a retry or its sub-steps
 
             def one_step(batch):
                 if not recovering:
@@ -200,8 +201,6 @@ def _patch_make_train_function() -> None:
                 return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,), model=self)
 
             if micro_batching:
-                from hetero_cs.engine._compat.context import global_batch_size_of
-
                 # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
                 plan = micro.plan_to_run(global_batch_size_of(data), overlapped=not self.run_eagerly)
                 started = time.perf_counter()
@@ -223,8 +222,6 @@ def _patch_make_train_function() -> None:
                 # step of fixed shares or an even split had none before it).
                 if not (in_hand and micro.may_apply()):
                     raise
-                from hetero_cs.engine._compat.context import global_batch_size_of
-
                 plan = micro.plan_after_failure(global_batch_size_of(data), overlapped=not self.run_eagerly)
                 if plan.num_sub_steps == 1 or recovery is None or (
                         isinstance(exc, DeviceFaultError) and not recovery.failover.exclusions):
@@ -238,8 +235,6 @@ def _patch_make_train_function() -> None:
         train_function._hetero_wrapped = True
         self.train_function = train_function
         return result
-
-    TensorFlowTrainer.make_train_function = make_train_function
 
 
 def reduced_step_outputs(outputs, strategy):
@@ -255,10 +250,7 @@ def skip_applied_batches(model, strategy, iterator) -> dict:
     """Reads and drops the next ``steps_per_execution`` batches: a resumed epoch's batches that were applied before
     the restart (hetero_cs.engine.faults.backup). Returns the logs of the metrics as restored (empty before they exist)."""
     for _ in range(model.steps_per_execution):
-        try:
-            iterator.get_next()
-        except tf.errors.OutOfRangeError:
-            raise StopIteration from None
+        _next_batch(iterator)
         strategy._resume_skip -= 1  # noqa: SLF001
     try:
         return model.get_metrics_result()
@@ -272,21 +264,20 @@ def set_initial_epoch(model, epoch: int | None) -> None:
     model._initial_epoch = epoch
 
 
-def _patch_inference_functions() -> None:
+def patch_inference_functions() -> None:
     # An evaluation or prediction batch larger than what the training memory caps hold runs as sub-steps within
     # them (hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference), and one that runs out of memory lowers the
     # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run_inference); a step traced before
     # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-
-    for maker, attribute in (("make_test_function", "test_function"), ("make_predict_function", "predict_function")):
-        setattr(TensorFlowTrainer, maker, _wrapping_inference(
-            _without_whole_step_xla(getattr(TensorFlowTrainer, maker)), attribute))
+    for maker in ("make_test_function", "make_predict_function"):
+        patch(TensorFlowTrainer, maker)(_make_inference_function)
 
 
-def _without_whole_step_xla(original: Callable) -> Callable:
-    """Keras' ``make_*_function``, building under our strategies a step that XLA does not compile whole.
+def _made_without_whole_step_xla(keras_make, model, force=False):
+    """Keras' ``make_*_function`` (``keras_make``) run on ``model``, building under our strategies a step that XLA
+    does not compile whole.
 
     With ``jit_compile=True`` Keras wraps its whole distributed step (``strategy.run`` and the reduction of its
     outputs) in one ``tf.function(jit_compile=True)``. XLA cannot compile ours: the per-replica cut and timing run on
@@ -295,150 +286,120 @@ def _without_whole_step_xla(original: Callable) -> Callable:
     (hetero_cs.engine._compat.replica_xla). Private: Trainer._jit_compile is what the ``jit_compile`` property reads while
     Keras builds the step; it is restored right after, so ``model.jit_compile`` stays what the user compiled with.
     """
-
-    @functools.wraps(original)
-    def make(self, force=False):
-        strategy = getattr(self, "_distribute_strategy", None)
-        ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
-        if ours:
-            from hetero_cs.engine._compat import replica_xla
-
-            replica_xla.check_setting(self)  # jit_compile="yes" would ask XLA for the whole step
-        if not ours or getattr(self, "_jit_compile", None) is not True:
-            return original(self, force=force)
-        if original.__name__ == "make_train_function":
-            from hetero_cs.engine._compat.replica_pass import keras_train_step
-
-            replica_xla.warn_at_fit(self, keras_train_step())  # XLA per replica, or a warning saying why not
-        self._jit_compile = False  # noqa: SLF001
-        try:
-            return original(self, force=force)
-        finally:
-            self._jit_compile = True  # noqa: SLF001
-
-    return make
+    ours = is_ours(strategy_of(model))
+    if ours:
+        replica_xla.check_setting(model)  # jit_compile="yes" would ask XLA for the whole step
+    if not ours or getattr(model, "_jit_compile", None) is not True:
+        return keras_make(model, force=force)
+    if keras_make.__name__ == "make_train_function":
+        replica_xla.warn_at_fit(model, keras_train_step())  # XLA per replica, or a warning saying why not
+    model._jit_compile = False  # noqa: SLF001
+    try:
+        return keras_make(model, force=force)
+    finally:
+        model._jit_compile = True  # noqa: SLF001
 
 
-def _wrapping_inference(original: Callable, attribute: str) -> Callable:
-    predicting = attribute == "predict_function"
-
-    @functools.wraps(original)
-    def make(self, force=False):
-        result = original(self, force=force)
-        strategy = getattr(self, "_distribute_strategy", None)
-        function = getattr(self, attribute)
-        if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
-            return result
-        micro = strategy._micro_batching  # noqa: SLF001
-        function._hetero_micro = micro.armed
-        current = [function]
-
-        recovery = getattr(strategy, "_step_recovery", None)
-
-        def wrapped(data, nested=False):
-            if micro.armed and not getattr(current[0], "_hetero_micro", False):
-                original(self, force=True)
-                current[0] = getattr(self, attribute)
-                current[0]._hetero_micro = True
-                setattr(self, attribute, wrapped)
-            step = current[0]
-            recovering = not nested and recovery is not None and recovery.memory_recovery and recovery.armed()
-            if self.steps_per_execution != 1 or not (micro.may_apply() or recovering):
-                return step(data)
-            if predicting:  # Keras' predict loop reads the batch itself and passes [element]
-                element = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None
-            elif isinstance(data, tf.distribute.DistributedIterator):
-                try:
-                    element = data.get_next()
-                except tf.errors.OutOfRangeError:
-                    raise StopIteration from None
-            else:
-                return step(data)
-            if element is None:
-                return step(data)
-            from hetero_cs.engine._compat.context import global_batch_size_of
-            from hetero_cs.planning.micro_batches import capacity_of
-
-            def attempt(element):
-                size, capacity = global_batch_size_of(element), capacity_of(strategy.balancer.max_batch_sizes)
-                if nested or not micro.may_apply() or size is None or capacity is None or size <= capacity:
-                    return step([element])
-                micro.arm()  # the next call traces the step again, reading the sub-step state
-                return micro.run_inference(lambda batch: wrapped([batch], nested=True), element,
-                                           predicting=predicting)
-
-            if not recovering:
-                return attempt(element)
-            # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.memory.oom_recovery).
-            return recovery.run_inference(attempt, element, replica_scopes=(self.name,), model=self)
-
-        wrapped._hetero_wrapped = True
-        setattr(self, attribute, wrapped)
+def _make_inference_function(keras_make, self, force=False):
+    """Keras' ``make_test_function`` or ``make_predict_function`` (``keras_make``), its step wrapped under our
+    strategy (see :func:`patch_inference_functions`)."""
+    predicting = keras_make.__name__ == "make_predict_function"
+    attribute = "predict_function" if predicting else "test_function"
+    result = _made_without_whole_step_xla(keras_make, self, force)
+    strategy = strategy_of(self)
+    function = getattr(self, attribute)
+    if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
         return result
+    micro = strategy._micro_batching  # noqa: SLF001
+    function._hetero_micro = micro.armed
+    current = [function]
+    recovery = getattr(strategy, "_step_recovery", None)
 
-    return make
+    def wrapped(data, nested=False):
+        if micro.armed and not getattr(current[0], "_hetero_micro", False):
+            _made_without_whole_step_xla(keras_make, self, force=True)
+            current[0] = getattr(self, attribute)
+            current[0]._hetero_micro = True
+            setattr(self, attribute, wrapped)
+        step = current[0]
+        recovering = not nested and recovery is not None and recovery.memory_recovery and recovery.armed()
+        if self.steps_per_execution != 1 or not (micro.may_apply() or recovering):
+            return step(data)
+        if predicting:  # Keras' predict loop reads the batch itself and passes [element]
+            element = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None
+        elif isinstance(data, tf.distribute.DistributedIterator):
+            element = _next_batch(data)
+        else:
+            return step(data)
+        if element is None:
+            return step(data)
+
+        def attempt(element):
+            size, capacity = global_batch_size_of(element), capacity_of(strategy.balancer.max_batch_sizes)
+            if nested or not micro.may_apply() or size is None or capacity is None or size <= capacity:
+                return step([element])
+            micro.arm()  # the next call traces the step again, reading the sub-step state
+            return micro.run_inference(lambda batch: wrapped([batch], nested=True), element, predicting=predicting)
+
+        if not recovering:
+            return attempt(element)
+        # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.memory.oom_recovery).
+        return recovery.run_inference(attempt, element, replica_scopes=(self.name,), model=self)
+
+    wrapped._hetero_wrapped = True
+    setattr(self, attribute, wrapped)
+    return result
 
 
-def _patch_evaluate_and_predict() -> None:
+def patch_evaluate_and_predict() -> None:
     # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
     # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
     # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). They also mark
     # their inputs and steps as inference (hetero_cs.engine.step.input_roles). Other strategies are untouched.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+    for name in ("evaluate", "predict"):
+        patch(TensorFlowTrainer, name)(_evaluate_or_predict)
 
-    def reraise_input_errors(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def method(self, *args, **kwargs):
-            strategy = getattr(self, "_distribute_strategy", None)
-            if not is_hetero_strategy(strategy):
-                return original(self, *args, **kwargs)
-            strategy._input_error = None  # noqa: SLF001
-            # A step function traced before plans used a set of idle replicas is traced again, with a branch for
-            # it (hetero_cs.engine.step.idle_replicas). Private: Keras keeps its traced step functions in these attributes
-            # and traces them again when they are None.
-            attribute = "predict_function" if original.__name__ == "predict" else "test_function"
-            active_sets = strategy._active_sets  # noqa: SLF001
-            idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(
-                args, kwargs, batch_size_position=1 if original.__name__ == "predict" else 2))
-            active_sets.refresh(self, attribute, training=False)
-            known = active_sets.version(training=False)
-            try:
-                with strategy._input_roles.inferring(  # noqa: SLF001 - its inputs and steps infer
-                        predicting=original.__name__ == "predict"):
-                    return original(self, *args, **kwargs)
-            except (StopIteration, UnboundLocalError) as exc:
-                # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop
-                # ends before its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
-                if isinstance(exc, UnboundLocalError) and "batch_outputs" not in str(exc):
-                    raise
-                raise _empty_input_error(original.__name__) from exc
-            except tf.errors.OpError as exc:
-                input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
-                if input_error is not None:
-                    raise input_error from exc
-                from hetero_cs.devices.device_errors import is_out_of_memory
 
-                if not is_out_of_memory(exc):
-                    raise
-                # Out of memory, not recovered (recovery off, or not armed): the library's error naming the replica.
-                kind = "evaluation" if attribute == "test_function" else "prediction"
-                replica_error = strategy._replica_step_error(  # noqa: SLF001
-                    exc, replica_scopes=(self.name,), kind=kind)
-                if replica_error is None:
-                    raise
-                raise replica_error from exc
-            except StepOOMError as exc:
-                # Keras' traceback filtering re-raises errors from inside "from None"; chain TensorFlow's again.
-                if exc.__cause__ is None and exc.last_error is not None:
-                    raise exc from exc.last_error
-                raise
-            finally:
-                active_sets.mark_traced(self, attribute, known)
-
-        return method
-
-    TensorFlowTrainer.evaluate = reraise_input_errors(TensorFlowTrainer.evaluate)
-    TensorFlowTrainer.predict = reraise_input_errors(TensorFlowTrainer.predict)
+def _evaluate_or_predict(original, self, *args, **kwargs):
+    strategy, predicting = strategy_of(self), original.__name__ == "predict"
+    if not is_hetero_strategy(strategy):
+        return original(self, *args, **kwargs)
+    strategy._input_error = None  # noqa: SLF001
+    # A step function traced before plans used a set of idle replicas is traced again, with a branch for it
+    # (hetero_cs.engine.step.idle_replicas). Private: Keras keeps its traced step functions in these attributes and
+    # traces them again when they are None.
+    attribute = "predict_function" if predicting else "test_function"
+    active_sets = strategy._active_sets  # noqa: SLF001
+    idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(
+        args, kwargs, batch_size_position=1 if predicting else 2))
+    active_sets.refresh(self, attribute, training=False)
+    known = active_sets.version(training=False)
+    try:
+        with strategy._input_roles.inferring(predicting=predicting):  # noqa: SLF001 - its inputs and steps infer
+            return original(self, *args, **kwargs)
+    except (StopIteration, UnboundLocalError) as exc:
+        # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop ends before
+        # its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
+        if isinstance(exc, UnboundLocalError) and "batch_outputs" not in str(exc):
+            raise
+        raise _empty_input_error(original.__name__) from exc
+    except tf.errors.OpError as exc:
+        input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
+        if input_error is not None:
+            raise input_error from exc
+        if not is_out_of_memory(exc):
+            raise
+        # Out of memory, not recovered (recovery off, or not armed): the library's error naming the replica.
+        replica_error = strategy._replica_step_error(  # noqa: SLF001
+            exc, replica_scopes=(self.name,), kind="prediction" if predicting else "evaluation")
+        if replica_error is None:
+            raise
+        raise replica_error from exc
+    except StepOOMError as exc:
+        _raise_with_tensorflow_cause(exc)
+    finally:
+        active_sets.mark_traced(self, attribute, known)
 
 
 def _examples_and_batch_size(args, kwargs, *, batch_size_position: int) -> tuple[int | None, int | None]:
@@ -459,15 +420,13 @@ def _examples_and_batch_size(args, kwargs, *, batch_size_position: int) -> tuple
 
 def _empty_input_error(verb: str):
     """The InputError of fit, evaluate or predict given a dataset with no batch."""
-    from hetero_cs.errors import InputError
-
     return InputError(
         f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
         f"everything, or fewer examples than one batch with drop_remainder=True)."
     )
 
 
-def _patch_symbolic_build() -> None:
+def patch_symbolic_build() -> None:
     # Under any tf.distribute strategy, Keras' fit/evaluate/predict build the model and its metrics symbolically
     # from a first batch, which they read by opening an iterator over the data and discarding it. That extra
     # iteration moves a dataset that reshuffles on each iteration (Dataset.shuffle, a shuffling PyDataset), so
@@ -477,24 +436,17 @@ def _patch_symbolic_build() -> None:
     # (keras-team/keras#20585).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
-    original = TensorFlowTrainer._maybe_symbolic_build  # noqa: SLF001
-
-    @functools.wraps(original)
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = getattr(self, "_distribute_strategy", None)
+    @patch(TensorFlowTrainer, "_maybe_symbolic_build")
+    def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
+        strategy = strategy_of(self)
         # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
         distributed = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(distributed, "source_element_spec", None)
-        ours = is_hetero_strategy(strategy) or is_multi_worker_strategy(strategy)
-        if not ours or data_batch is not None or spec is None:
+        if not is_ours(strategy) or data_batch is not None or spec is None:
             return original(self, iterator=iterator, data_batch=data_batch)
-        from hetero_cs.engine.step.input_slicing import is_unbatched_marker
-
         source = distributed.source_dataset
         if source is not None and int(source.cardinality()) == 0:
             raise StopIteration  # what the original's read raises on a dataset known to be empty (fit: InputError)
         shapes = tf.nest.map_structure(lambda leaf: None if is_unbatched_marker(leaf) else leaf, spec)
         with strategy.scope():
             self._symbolic_build(data_batch=shapes)  # noqa: SLF001 - what the original calls with a real batch
-
-    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build  # noqa: SLF001

@@ -6,46 +6,38 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections.abc import Callable
-
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
-from hetero_cs.engine._compat.context import current_weighting_strategy, is_hetero_strategy
+from hetero_cs.engine._compat.context import (
+    current_weighting_strategy, in_stateless_scope, is_hetero_strategy, strategy_of,
+)
 from hetero_cs.engine._compat.graph_patterns import accumulates_into
+from hetero_cs.engine._compat.loss_scale import iterations_increment
+from hetero_cs.engine._compat.symbols import patch
 
-_clip_state = threading.local()
 # The barrier token and the deferred weight decay of a step go from its replica threads to the merge that applies
 # the update on the step's replica_state.StepHandoff (one per strategy.run call), not in module globals.
 
 
-
-def _patch_variable_assign_add() -> None:
+def patch_variable_assign_add() -> None:
     # Keras' Variable.assign_add(v) is assign(self + v). On a SUM-aggregated central variable in replica context,
     # each replica's `old + d_i` is then summed: new = N*old + sum(d_i), so metrics and the logged loss drift from
     # step 2 on. tf.Variable's native assign_add aggregates the deltas instead: new = old + sum(d_i).
     core = symbols.require("keras.src.backend.tensorflow.core")
 
-    def _route(original: Callable, native_name: str):
-        @functools.wraps(original)
-        def method(self, value):
-            inner = _central_in_replica_context(self)
-            if inner is not None:
-                hooks.fired(hooks.VARIABLE_WRITE)
-                if native_name == "assign_add":  # a loss-scaled step that was skipped counts no iteration
-                    from hetero_cs.engine._compat.loss_scale import iterations_increment
-
-                    value = iterations_increment(self, tf.cast(value, inner.dtype))
-                return getattr(inner, native_name)(_behind_barrier(value, inner.dtype))
+    def _route(original, self, value):
+        inner = _central_in_replica_context(self)
+        if inner is None:
             return original(self, value)
+        hooks.fired(hooks.VARIABLE_WRITE)
+        if original.__name__ == "assign_add":  # a loss-scaled step that was skipped counts no iteration
+            value = iterations_increment(self, tf.cast(value, inner.dtype))
+        return getattr(inner, original.__name__)(_behind_barrier(value, inner.dtype))
 
-        return method
-
-    core.Variable.assign_add = _route(core.Variable.assign_add, "assign_add")
-    core.Variable.assign_sub = _route(core.Variable.assign_sub, "assign_sub")
+    for name in ("assign_add", "assign_sub"):
+        patch(core.Variable, name)(_route)
 
     # Many Keras metrics (TruePositives, Precision, Recall, AUC, IoU, R2Score, ...) accumulate with
     # assign(self.var + delta) instead, the pattern Keras' Metric docstring shows. On a SUM-aggregated central
@@ -54,10 +46,8 @@ def _patch_variable_assign_add() -> None:
     # assign_add(delta): new = old + sum(d_i). Any other assign (setting the state to this
     # batch's statistic, or to 0) keeps the SUM semantics, sum_i v_i, which is right for additive statistics.
     # Eager values carry no graph: there the accumulate form is assumed (every built-in metric uses it).
-    original_assign = core.Variable.assign
-
-    @functools.wraps(original_assign)
-    def assign(self, value):
+    @patch(core.Variable, "assign")
+    def assign(original_assign, self, value):
         inner = _central_in_replica_context(self)
         aggregation = getattr(inner, "aggregation", None)
         if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or accumulates_into(value, inner)):
@@ -78,24 +68,17 @@ def _patch_variable_assign_add() -> None:
                 micro.note_layer_state(getattr(self, "path", None) or getattr(self, "name", "?"))
         return original_assign(self, value)
 
-    core.Variable.assign = assign
-
     # Keras' TFOptimizer.assign writes the tf.Variable behind a Keras variable directly (variable.value.assign),
     # past the reroute above. Nadam does that in replica context (its _u_product, every step), where the central
     # AggregatingVariable (aggregation NONE) raises "You must specify an aggregation method"; every replica computes
     # the same value from the same central state, so it goes through the Keras variable's assign: replica 0's
     # value, written once, behind the failure barrier.
-    optimizer_class = symbols.require("keras.src.backend.tensorflow.optimizer", "TFOptimizer")
-    original_optimizer_assign = optimizer_class.assign
-
-    @functools.wraps(original_optimizer_assign)
-    def optimizer_assign(self, variable, value):
+    @patch(symbols.require("keras.src.backend.tensorflow.optimizer", "TFOptimizer"), "assign")
+    def optimizer_assign(original, self, variable, value):
         if (isinstance(variable, core.Variable) and not isinstance(value, tf.IndexedSlices)
                 and _central_in_replica_context(variable) is not None):
             return variable.assign(value)
-        return original_optimizer_assign(self, variable, value)
-
-    optimizer_class.assign = optimizer_assign
+        return original(self, variable, value)
 
 
 def _central_in_replica_context(variable):
@@ -105,12 +88,12 @@ def _central_in_replica_context(variable):
     if (
         inner is not None
         and tf.distribute.in_cross_replica_context() is False
-        and is_hetero_strategy(getattr(inner, "_distribute_strategy", None))
+        and is_hetero_strategy(strategy_of(inner))
         # Outside every strategy scope TensorFlow's default replica context also reports "not cross-replica": a
         # reset there (metric.reset_state() after fit, Keras' reset_metrics) is a plain assign, not a delta
         # (a NaN total would otherwise stay NaN: NaN + (0 - NaN)).
         and is_hetero_strategy(getattr(tf.distribute.get_replica_context(), "strategy", None))
-        and not _in_keras_stateless_scope()
+        and not in_stateless_scope()
     ):
         return inner
     return None
@@ -136,15 +119,7 @@ def _assign_first_replica(strategy, variable, value):
     return strategy.extended.update(variable, lambda var, v: var.assign(v), args=(first,), group=True)
 
 
-def _in_keras_stateless_scope() -> bool:
-    # Keras' stateless API (metric.stateless_update_state, ...) records assignments instead of applying them; the
-    # Variable methods check this scope first, so the rerouting above must step aside in it.
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-
-    return in_stateless_scope()
-
-
-def _patch_seed_generator() -> None:
+def patch_seed_generator() -> None:
     # With ONLY_FIRST_REPLICA seed state every replica would draw the same dropout / noise seed within a step, so
     # the masks of different slices would be identical (correlated). Folding the replica id into the drawn seed
     # gives each replica its own stream; the state itself still advances once per call. Under the multi-worker
@@ -152,15 +127,11 @@ def _patch_seed_generator() -> None:
     # there too; the same fold applies.
     from keras.src.random.seed_generator import SeedGenerator
 
-    original_next = SeedGenerator.next
-
-    @functools.wraps(original_next)
-    def next_seed(self, ordered=True):
-        seed = original_next(self, ordered=ordered)
+    @patch(SeedGenerator, "next")
+    def next_seed(original, self, ordered=True):
+        seed = original(self, ordered=ordered)
         step = replica_state.current_replica_step()
         if step is not None and step.replica_id and current_weighting_strategy() is not None:
             offset = tf.constant([step.replica_id * 1_000_003, 0], dtype=seed.dtype)
             seed = seed + offset
         return seed
-
-    SeedGenerator.next = next_seed
