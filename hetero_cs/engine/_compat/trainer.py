@@ -83,6 +83,26 @@ def _raise_with_tensorflow_cause(exc):
     raise exc
 
 
+class _BatchInHand:
+    """Around a step whose batch was read: a StopIteration from inside is a bug, not the end of the data.
+
+    Keras' epoch loop ends the epoch (or, before any batch, the fit, as "the dataset is empty") on a StopIteration;
+    one escaping from a planner or a retry after the batch was read would end training silently. It becomes a
+    RuntimeError that says so.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, traceback):
+        if kind is not None and issubclass(kind, StopIteration):
+            raise RuntimeError("hetero_cs: a StopIteration was raised inside a training step whose batch was already "
+                               "read; it is not the end of the data, so training stops here instead of ending the "
+                               "epoch early. This is a bug in hetero_cs or in the model's train_step: please report "
+                               "it with the traceback.") from exc
+        return False
+
+
 def _next_batch(iterator):
     """The next element of a distributed iterator, read eagerly; StopIteration at its end, as Keras' loops expect."""
     try:
@@ -192,45 +212,46 @@ def patch_make_train_function() -> None:
             if not (recovering or micro_batching):
                 return step(iterator)
             data = _next_batch(iterator)  # eager: the batch stays in hand for a retry or its sub-steps
+            with _BatchInHand():
 
-            def one_step(batch):
-                if not recovering:
-                    return train_function([batch])
-                # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A
-                # retry whose new plan idles a replica first traces the step again (above).
-                return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,), model=self)
+                def one_step(batch):
+                    if not recovering:
+                        return train_function([batch])
+                    # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A
+                    # retry whose new plan idles a replica first traces the step again (above).
+                    return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,), model=self)
 
-            if micro_batching:
-                # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
-                plan = micro.plan_to_run(global_batch_size_of(data), overlapped=not self.run_eagerly)
-                started = time.perf_counter()
-                if plan.num_sub_steps > 1:
-                    micro.arm()  # the next call traces the step again, reading the sub-step state
-                    outputs = micro.run(self, one_step, data, plan)
-                    micro.observe_run(plan, time.perf_counter() - started)
+                if micro_batching:
+                    # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
+                    plan = micro.plan_to_run(global_batch_size_of(data), overlapped=not self.run_eagerly)
+                    started = time.perf_counter()
+                    if plan.num_sub_steps > 1:
+                        micro.arm()  # the next call traces the step again, reading the sub-step state
+                        outputs = micro.run(self, one_step, data, plan)
+                        micro.observe_run(plan, time.perf_counter() - started)
+                        return outputs
+                    single = plan
+                try:
+                    outputs = one_step(data)
+                    if single is not None:
+                        micro.last_run_as_planned = True
+                        micro.observe_run(single, time.perf_counter() - started)
                     return outputs
-                single = plan
-            try:
-                outputs = one_step(data)
-                if single is not None:
-                    micro.last_run_as_planned = True
-                    micro.observe_run(single, time.perf_counter() - started)
-                return outputs
-            except (DeviceFaultError, StepOOMError) as exc:
-                # A card was set aside, or lost memory, and the cards cannot hold the batch in one step any more:
-                # sub-steps, where allowed (the failed step changed nothing). Caps the failure just set count (a
-                # step of fixed shares or an even split had none before it).
-                if not (in_hand and micro.may_apply()):
-                    raise
-                plan = micro.plan_after_failure(global_batch_size_of(data), overlapped=not self.run_eagerly)
-                if plan.num_sub_steps == 1 or recovery is None or (
-                        isinstance(exc, DeviceFaultError) and not recovery.failover.exclusions):
-                    raise
-                logger.info("hetero_cs: the memory caps %s no longer hold a global batch of %d examples in one "
-                            "step; it runs as %d sub-steps.", self._distribute_strategy.balancer.max_batch_sizes,
-                            plan.global_batch_size, plan.num_sub_steps)
-                micro.arm()
-                return micro.run(self, one_step, data, plan)
+                except (DeviceFaultError, StepOOMError) as exc:
+                    # A card was set aside, or lost memory, and the cards cannot hold the batch in one step any more:
+                    # sub-steps, where allowed (the failed step changed nothing). Caps the failure just set count (a
+                    # step of fixed shares or an even split had none before it).
+                    if not (in_hand and micro.may_apply()):
+                        raise
+                    plan = micro.plan_after_failure(global_batch_size_of(data), overlapped=not self.run_eagerly)
+                    if plan.num_sub_steps == 1 or recovery is None or (
+                            isinstance(exc, DeviceFaultError) and not recovery.failover.exclusions):
+                        raise
+                    logger.info("hetero_cs: the memory caps %s no longer hold a global batch of %d examples in one "
+                                "step; it runs as %d sub-steps.", self._distribute_strategy.balancer.max_batch_sizes,
+                                plan.global_batch_size, plan.num_sub_steps)
+                    micro.arm()
+                    return micro.run(self, one_step, data, plan)
 
         train_function._hetero_wrapped = True
         self.train_function = train_function
