@@ -61,6 +61,7 @@ class BalanceCallback(keras.callbacks.Callback):
         self._samples = []
         self._last_step_seen = -1
         self._guard_logged = False
+        self._held_logs = HeldLogs()
 
     def on_train_begin(self, logs=None):
         strategy = self._strategy
@@ -78,6 +79,16 @@ class BalanceCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._samples = []
+        self._held_logs.release()  # the last epoch's progress bar has ended its line
+        if self.params.get("verbose") in (1, "auto"):  # Keras redraws one line per epoch with a progress bar
+            self._held_logs.hold()
+
+    def on_train_end(self, logs=None):
+        self.release_held_logs()
+
+    def release_held_logs(self) -> None:
+        """Passes on the log records held while the progress bar drew its line (``fit`` calls it when it raises)."""
+        self._held_logs.release()
 
     def on_train_batch_end(self, batch, logs=None):
         if batch == 0:
@@ -151,6 +162,42 @@ class BalanceCallback(keras.callbacks.Callback):
                 for key, value in figures.items():
                     tf.summary.scalar(f"epoch_{key}", value, step=epoch)
             writer.flush()
+
+
+class HeldLogs(logging.Filter):
+    """Holds hetero_cs' and calibration's log records while Keras' progress bar draws an epoch's line.
+
+    The bar redraws its line in place (a carriage return per update): a record printed meanwhile would land in the
+    middle of it. While held (from an epoch's start), each record of a ``hetero_cs.*`` or ``calibration.*`` logger
+    is kept, and :meth:`release` passes them on, in order and with their own time stamps, once the bar has ended its
+    line (the next epoch's start, the end of ``fit``, or ``fit`` raising).
+    """
+
+    ROOTS = ("hetero_cs", "calibration")
+
+    def __init__(self):
+        super().__init__()
+        self._records: list[logging.LogRecord] = []
+        self._loggers: list[logging.Logger] = []
+
+    def hold(self) -> None:
+        # A logger's filters see the records logged on it (not its children's): every logger of ours gets this one.
+        self._loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+                         if name.split(".")[0] in self.ROOTS]
+        for each in self._loggers:
+            each.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self._records.append(record)
+        return False
+
+    def release(self) -> None:
+        for each in self._loggers:
+            each.removeFilter(self)
+        self._loggers = []
+        records, self._records = self._records, []
+        for record in records:
+            logging.getLogger(record.name).handle(record)
 
 
 def with_balance_callback(strategy, callbacks) -> list:

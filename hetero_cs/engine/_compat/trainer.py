@@ -73,6 +73,9 @@ def patch_fit() -> None:
             raise ConfigError(_create_and_compile_in_scope(
                 "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
                 "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
+        finally:  # fit may raise mid-epoch: the log records held while its progress bar drew are passed on
+            for callback in bound.arguments["callbacks"]:
+                getattr(callback, "release_held_logs", lambda: None)()
 
 
 def _raise_with_tensorflow_cause(exc):
