@@ -507,6 +507,46 @@ def test_an_embedding_looked_up_without_the_batch_sums_its_rows_as_one_device_do
     assert_same_state(reference, model)
 
 
+class PositionsOfItsOwnLength(keras.Model):
+    """Keras' NER example: positions arange(T) with T read from each batch's shape (batches padded to their own
+    longest sequence), softmax tags, no Input layer (subclassed)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(30, 4, embeddings_initializer=keras.initializers.RandomNormal(seed=1))
+        self.positions = keras.layers.Embedding(16, 4, embeddings_initializer=keras.initializers.RandomNormal(seed=2))
+        self.tags = keras.layers.Dense(6, activation="softmax", kernel_initializer=keras.initializers.GlorotUniform(3))
+
+    def call(self, x):
+        return self.tags(self.tokens(x) + self.positions(keras.ops.arange(keras.ops.shape(x)[-1])))
+
+
+def test_regression_positions_of_a_batch_padded_to_its_own_length_sum_their_rows_as_one_device_does():
+    # The row count of arange(T) is not known while tracing here: the replicas' rows were concatenated, and Adam
+    # squared each replica's part of a row (Keras' NER example: weights 3e-2 off one device after 2 epochs).
+    rng = np.random.default_rng(0)
+    sentences = [rng.integers(1, 30, n) for n in rng.integers(3, 12, 40)]
+
+    def dataset():
+        rows = tf.data.Dataset.from_generator(lambda: ((s, s % 6) for s in sentences), output_signature=(
+            tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)))
+        return rows.apply(tf.data.experimental.assert_cardinality(len(sentences))).padded_batch(16)
+
+    def build():
+        model = PositionsOfItsOwnLength()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+        model(np.ones((1, 5), np.int64))
+        return model
+
+    reference = build()
+    with strategy_for([5, 0, 3]).scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    reference.fit(dataset(), epochs=2, verbose=0)
+    model.fit(dataset(), epochs=2, verbose=0)
+    assert_same_state(reference, model)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # A loss reduced by the user's own code, then tape.gradient (a train_step override, a custom loop)
 # ------------------------------------------------------------------------------------------------------------------

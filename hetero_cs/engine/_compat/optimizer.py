@@ -442,10 +442,36 @@ def shared_rows_dense(gradient):
     adds zeros of the same shape. A lookup of the batch (a row per example, the count unknown while tracing) stays
     sparse: its concatenation is one device's gradient.
     """
-    if isinstance(gradient, tf.IndexedSlices) and gradient.indices.shape.rank == 1 \
-            and gradient.indices.shape[0] is not None:
+    if isinstance(gradient, tf.IndexedSlices) and _rows_not_from_the_batch(gradient.indices):
         return tf.convert_to_tensor(gradient)
     return gradient
+
+
+_SHAPE_OPS = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
+
+
+def _rows_not_from_the_batch(indices) -> bool:
+    """Whether a sparse gradient's row indices do not come from the batch's values: a count known while tracing,
+    or (a sequence padded to its batch's own length: ``arange(T)`` with T read from the batch's shape) computed
+    from constants and shapes alone. Read from the graph of the replica step; False where it cannot be read."""
+    if indices.shape.rank != 1:
+        return False
+    if indices.shape[0] is not None:
+        return True
+    if not hasattr(indices, "op"):  # an eager tensor: its history is gone
+        return False
+    seen, pending = set(), [indices.op]
+    while pending:
+        op = pending.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in _SHAPE_OPS:
+            continue
+        if not op.inputs or len(seen) > 200:  # a placeholder, the batch, a variable, or too far to read
+            return False
+        pending.extend(t.op for t in op.inputs)
+    return True
 
 
 def _shared_rows_sum(strategy, per_replica_grad, device):
@@ -467,8 +493,8 @@ def _shared_rows_sum(strategy, per_replica_grad, device):
     first = parts[0]
     if len(parts) < 2 or not all(isinstance(p, tf.IndexedSlices) for p in parts):
         return None
-    rows = first.indices.shape[0]
-    if rows is None or any(p.indices.shape[0] != rows for p in parts):
+    if not all(_rows_not_from_the_batch(p.indices) for p in parts) or any(
+            p.indices.shape[0] != first.indices.shape[0] for p in parts):
         return None  # rows from the batch: TensorFlow's concatenation is one device's gradient
     with tf.device(device):
         checks = [tf.debugging.assert_equal(
