@@ -18,6 +18,7 @@ EMULATED = ("A10", "T4", "P100")
 DEVICES = setup_logical_devices(list(EMULATED))
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -273,7 +274,9 @@ def test_invalid_arguments(digits_cnn):
         calibrate(uncompiled, batch, devices=DEVICES[:1], store=False, progress=False)
 
 
-def test_explicit_loss_on_an_uncompiled_model(capsys):
+def test_explicit_loss_on_an_uncompiled_model(capsys, caplog):
+    # Headings are printed where INFO logging is off (the CLI's main, run by other tests, turns it on for good).
+    caplog.set_level(logging.WARNING, logger="calibration")
     model = build_model("mlp", input_shape=(8, 8, 1), num_classes=10)
     result = calibrate(model, _digits_batch(16), devices=DEVICES[:1], probe_batch_sizes=[4, 16], warmup_steps=1,
                        trials=1, store=False, progress=True,
