@@ -19,6 +19,11 @@ from hetero_cs.planning.plan import _is_int
 __all__ = ["check_cost_model"]
 
 
+MAX_SECONDS = 1e6
+"""The largest step time, fixed overhead or time per example a cost model accepts, in seconds (11.6 days): no
+measurement is larger, and a larger value (an edited profile) would overflow predictions at large batch sizes."""
+
+
 def _check_batch_size(batch_size: Any) -> None:
     if type(batch_size) is int:  # the common case, checked first because the solver calls this often
         if batch_size >= 0:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from hetero_cs.errors import InvalidCostModelError
-from hetero_cs.planning.cost_checks import _check_base, _check_batch_size
+from hetero_cs.planning.cost_checks import MAX_SECONDS, _check_base, _check_batch_size
 from hetero_cs.planning.plan import _is_int, _is_real, even_batch_split
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ class LinearCostModel:
     def __post_init__(self) -> None:
         for name in ("fixed_overhead_s", "seconds_per_example"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or value < 0:
+            if not _is_real(value) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
                 raise InvalidCostModelError(
-                    f"LinearCostModel.{name} must be a finite number >= 0 (seconds). Received: {name}={value!r}. "
-                    "Refit the model from calibration samples."
+                    f"LinearCostModel.{name} must be a number from 0 to {MAX_SECONDS:g} (seconds). Received: "
+                    f"{name}={value!r}. Refit the model from calibration samples."
                 )
             object.__setattr__(self, name, float(value))
 
@@ -177,11 +177,12 @@ class PiecewiseLinearCostModel:
                     f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
                     "repeated batch sizes (average their times)."
                 )
-        bad_times = [(b, t) for b, t in zip(sizes, times) if not _is_real(t) or not math.isfinite(t) or t < 0]
+        bad_times = [(b, t) for b, t in zip(sizes, times)
+                     if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= MAX_SECONDS]
         if bad_times:
             raise InvalidCostModelError(
-                "PiecewiseLinearCostModel.step_times_s must be finite and >= 0 seconds. Received (batch_size, "
-                f"step_time_s): {bad_times}. Drop failed measurements before fitting."
+                f"PiecewiseLinearCostModel.step_times_s must be from 0 to {MAX_SECONDS:g} seconds. Received "
+                f"(batch_size, step_time_s): {bad_times}. Drop failed measurements before fitting."
             )
         times = tuple(float(t) for t in times)
         for k in range(1, len(times)):

@@ -51,10 +51,12 @@ def test_linear_coerces_ints_to_float():
 
 @pytest.mark.parametrize("field,value", [("fixed_overhead_s", -0.001), ("fixed_overhead_s", math.nan),
                                          ("seconds_per_example", math.inf), ("seconds_per_example", "1"),
-                                         ("seconds_per_example", True)])
+                                         ("seconds_per_example", True),
+                                         # an edited profile: finite, but a prediction at batch 48 overflowed
+                                         ("seconds_per_example", 3.745194030963158e306), ("fixed_overhead_s", 2e6)])
 def test_linear_rejects_bad_fields(field, value):
     kwargs = {"fixed_overhead_s": 0.001, "seconds_per_example": 0.001, field: value}
-    with pytest.raises(InvalidCostModelError, match=rf"LinearCostModel\.{field} must be a finite number >= 0"):
+    with pytest.raises(InvalidCostModelError, match=rf"LinearCostModel\.{field} must be a number from 0 to 1e\+06"):
         LinearCostModel(**kwargs)
 
 
@@ -116,7 +118,8 @@ def test_piecewise_rejects_unsorted_batch_sizes():
     ((1, 2), (0.1,), r"len\(batch_sizes\)=2, len\(step_times_s\)=1"),
     ((-1, 2), (0.1, 0.2), r"integers >= 0.*offending: \[-1\]"),
     ((1, 2.5), (0.1, 0.2), r"offending: \[2\.5\]"),
-    ((1, 2), (0.1, math.nan), r"finite and >= 0 seconds.*\(2, nan\)"),
+    ((1, 2), (0.1, math.nan), r"from 0 to 1e\+06 seconds.*\(2, nan\)"),
+    ((1, 2), (0.1, 1e300), r"from 0 to 1e\+06 seconds.*\(2, 1e\+300\)"),
     ((1, 2), (-0.1, 0.2), r"\(1, -0\.1\)"),
 ])
 def test_piecewise_rejects_invalid_points(sizes, times, match):

@@ -19,6 +19,7 @@ from hetero_cs.engine._compat.context import (
     current_hetero_strategy, current_multi_worker_strategy, current_weighting_strategy, is_hetero_strategy,
     set_locally,
 )
+from hetero_cs.engine._compat.sparse_rows import shared_rows_dense, shared_rows_sum
 from hetero_cs.engine._compat.symbols import patch
 from hetero_cs.engine._compat.variables import _central_in_replica_context
 from hetero_cs.errors import ConfigError, MicroBatchError
@@ -311,7 +312,7 @@ def _accumulating_update(optimizer, distribution, grads_and_vars, run_update):
     # A sparse gradient (an Embedding's tf.IndexedSlices) stays sparse over sub-steps: its rows are concatenated, as
     # the sum over replicas concatenates them, so the update sees one device's IndexedSlices (Adam squares each row
     # entry, so a densified sum would not be the same step); the rows of a lookup that does not depend on the batch
-    # are added row by row instead, as over replicas (_shared_rows_sum). Keras' accumulation sums densely, as it does
+    # are added row by row instead, as over replicas (sparse_rows.shared_rows_sum). Keras' accumulation sums densely, as it does
     # itself.
     sums = [micro.sparse_accumulator(v, g) if isinstance(g, tf.IndexedSlices) and n is None
             else micro.accumulators([v])[0] for g, v in present]
@@ -418,7 +419,7 @@ def _sum_on_parameter_device(strategy, per_replica_grads, clip=None) -> list:
     where they are. ``tf.IndexedSlices`` (an Embedding's gradient) are summed as such.
     """
     device = strategy.parameter_device
-    shared = [_shared_rows_sum(strategy, g, device) for g in per_replica_grads]
+    shared = [shared_rows_sum(strategy, g, device) for g in per_replica_grads]
     reduced = strategy.extended.batch_reduce_to(
         tf.distribute.ReduceOp.SUM, [(g, device) for g, done in zip(per_replica_grads, shared) if done is None])
     sums = iter(strategy.experimental_local_results(r)[0] for r in reduced)
@@ -427,83 +428,6 @@ def _sum_on_parameter_device(strategy, per_replica_grads, clip=None) -> list:
         return sums
     with tf.device(device):
         return list(clip(sums))
-
-
-def shared_rows_dense(gradient):
-    """Under the multi-worker strategy: an Embedding's sparse gradient whose rows do not come from the batch, as a
-    dense tensor; any other gradient as it is.
-
-    Such a lookup (a Transformer's positions, ``Embedding(T, D)(arange(T))``) has a row count known while tracing
-    and one row per looked-up index, summed over the slice; one device's has the same rows summed over the whole
-    batch, and an optimizer that squares rows (Adam) squares those sums. TensorFlow's all-reduce of
-    ``tf.IndexedSlices`` concatenates the replicas' rows, and so would adding micro-batches' rows end to end: each
-    part of a row would be squared apart (measured: 7e-2 off one device after 4 Adam steps). Dense, the parts add
-    row by row (rows nobody looked up are zeros, as they are absent from one device's update), and an idle replica
-    adds zeros of the same shape. A lookup of the batch (a row per example, the count unknown while tracing) stays
-    sparse: its concatenation is one device's gradient.
-    """
-    if isinstance(gradient, tf.IndexedSlices) and _rows_not_from_the_batch(gradient.indices):
-        return tf.convert_to_tensor(gradient)
-    return gradient
-
-
-_SHAPE_OPS = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
-
-
-def _rows_not_from_the_batch(indices) -> bool:
-    """Whether a sparse gradient's row indices do not come from the batch's values: a count known while tracing,
-    or (a sequence padded to its batch's own length: ``arange(T)`` with T read from the batch's shape) computed
-    from constants and shapes alone. Read from the graph of the replica step; False where it cannot be read."""
-    if indices.shape.rank != 1:
-        return False
-    if indices.shape[0] is not None:
-        return True
-    if not hasattr(indices, "op"):  # an eager tensor: its history is gone
-        return False
-    seen, pending = set(), [indices.op]
-    while pending:
-        op = pending.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        if op.type in _SHAPE_OPS:
-            continue
-        if not op.inputs or len(seen) > 200:  # a placeholder, the batch, a variable, or too far to read
-            return False
-        pending.extend(t.op for t in op.inputs)
-    return True
-
-
-def _shared_rows_sum(strategy, per_replica_grad, device):
-    """The sum over the replicas of an Embedding's sparse gradient whose rows do not come from the batch, or None.
-
-    One device's gradient of a lookup that does not depend on the batch - a Transformer's positions,
-    ``Embedding(T, D)(arange(T))`` - has one row per looked-up index, summed over the whole batch; an optimizer that
-    squares rows (Adam) squares those sums. Each replica computes the same rows, summed over its slice, so the
-    replicas' values are added row by row. TensorFlow's sum of ``tf.IndexedSlices`` concatenates them instead, which
-    suits a lookup of the batch (one device also has a row per example there) but would hand Adam each replica's
-    part of a row to square apart (measured: 1e-2 off one device after 4 Adam steps). A lookup of the batch has a row
-    count that depends on the slice (unknown while the step is traced); this one's is known. Replicas that looked up
-    other indices after all (a lookup that depends on the replica) fail the step with an InvalidArgumentError rather
-    than add unlike rows.
-    """
-    if not isinstance(per_replica_grad, tf.distribute.DistributedValues):
-        return None
-    parts = strategy.experimental_local_results(per_replica_grad)
-    first = parts[0]
-    if len(parts) < 2 or not all(isinstance(p, tf.IndexedSlices) for p in parts):
-        return None
-    if not all(_rows_not_from_the_batch(p.indices) for p in parts) or any(
-            p.indices.shape[0] != first.indices.shape[0] for p in parts):
-        return None  # rows from the batch: TensorFlow's concatenation is one device's gradient
-    with tf.device(device):
-        checks = [tf.debugging.assert_equal(
-            p.indices, first.indices, message="hetero_cs: the replicas looked up different rows of an Embedding "
-            "whose lookup does not depend on the batch; their sparse gradients cannot be added row by row")
-            for p in parts[1:]]
-        with tf.control_dependencies(checks):
-            return tf.IndexedSlices(tf.add_n([p.values for p in parts]), tf.identity(first.indices),
-                                    first.dense_shape)
 
 
 def _all_replicas_done(strategy, per_replica_grads):

@@ -223,7 +223,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     from hetero_cs.engine._compat.losses import weighing_in_compiled_replica_step
-    from hetero_cs.engine._compat.optimizer import shared_rows_dense
+    from hetero_cs.engine._compat.sparse_rows import shared_rows_dense
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     trainable = list(model.trainable_variables)
