@@ -211,6 +211,22 @@ def test_a_non_linear_function_of_a_weighted_keras_loss_is_refused_naming_the_op
     assert int(model.optimizer.iterations) == 0
 
 
+class LogsTheBatchMaximum(keras.Sequential):
+    def train_step(self, data):
+        logs = super().train_step(data)
+        x, _ = data
+        return {**logs, "largest": tf.reduce_max(x)}
+
+
+def test_a_logged_maximum_is_refused_with_the_metric_advice():
+    with strategy_for(SPLIT).scope():
+        model = LogsTheBatchMaximum([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(hetero_cs.errors.LossPatternError, match="Max op .*Log it with a Keras metric instead"):
+        model.fit(*data(), batch_size=16, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refused although a split reproduces them (found porting official Keras examples): now read, and exact.
 # ---------------------------------------------------------------------------------------------------------------

@@ -457,6 +457,8 @@ def _refusal(what: str, op, why: str) -> LossPatternError:
         f"hetero_cs cannot split {what}: its {op.type} op {op.name!r} {why}. Each replica must give its share of one "
         f"device's value, and hetero_cs accepts only sums and means over the batch of per-example values, values "
         f"that do not depend on the batch, linear combinations of these with factors that do not depend on the "
-        f"batch, and a ratio of two such values (sum(loss * mask) / sum(mask)). Write the loss in those forms: "
-        f"e.g. a mean of per-example losses instead of its square root (log tf.sqrt of it as a metric), or return "
-        f"per-example losses and let a Keras loss reduce them.")
+        f"batch, and a ratio of two such values (sum(loss * mask) / sum(mask)). " + (
+            "Log it with a Keras metric instead (its state is reduced over the replicas), e.g. "
+            "keras.metrics.Mean or a metric of your own." if "logged value" in what else
+            "Write the loss in those forms: e.g. a mean of per-example losses instead of its square root (log "
+            "tf.sqrt of it as a metric), or return per-example losses and let a Keras loss reduce them."))
