@@ -69,10 +69,12 @@ def rule(op, kinds: list[Kind]) -> list[Kind]:
     if t in _PYTHON:
         return [mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs "
                           "cannot read; write it in TensorFlow ops, or, if it works example by example, mark its "
-                          "output with hetero_cs.per_example(...)")] * outputs
+                          "output with hetero_cs.per_example(...) (keras.layers.Lambda(hetero_cs.per_example) in a "
+                          "functional model)")] * outputs
     return [mixed(op, "is not an op hetero_cs knows (it cannot tell whether it keeps examples apart); if it "
                       "computes each example from that example alone, mark its output with "
-                      "hetero_cs.per_example(...)")] * outputs
+                      "hetero_cs.per_example(...) (keras.layers.Lambda(hetero_cs.per_example) in a functional "
+                      "model)")] * outputs
 
 
 # -- families of ops ------------------------------------------------------------------------------------------------
