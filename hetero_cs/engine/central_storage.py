@@ -328,7 +328,8 @@ class HeteroCentralStorageStrategy(
             if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
                 self._active_sets.note(plan.per_replica_batch_sizes, training=training)
-            sizes = served_sizes(plan.per_replica_batch_sizes, traced)
+            caps = self._balancer.max_batch_sizes or ()
+            sizes = served_sizes(plan.per_replica_batch_sizes, traced, [i for i, cap in enumerate(caps) if cap == 0])
             return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
             self._input_error = self._micro_batching.explained(exc, training=training)  # exc, or one saying why

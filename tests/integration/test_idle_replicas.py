@@ -480,6 +480,10 @@ def test_a_set_without_a_branch_runs_as_the_smallest_traced_superset():
     assert served_sizes([0, 0, 2], traced) == (0, 1, 1)
     assert served_sizes([2, 0, 0, 0], frozenset()) == (2, 0, 0, 0)  # fewer examples than replicas: as planned
     assert served_sizes([0, 3, 1], None) == (0, 3, 1)  # no branches (eager, one replica)
+    # A card set aside (cap 0) never gets an example: under load a set aside T4 ran a superset's one example and
+    # failed again (the emulated device error of docs/failover.md's example, a third retry).
+    assert served_sizes([0, 8, 0], traced, keep_idle=[0]) == (0, 7, 1)  # {1} runs as {1, 2}, not {0, 1}
+    assert served_sizes([0, 0, 8], traced, keep_idle=[1]) == (0, 0, 8)  # no superset without 1: as planned
 
 
 def test_a_set_keeps_its_branch_however_many_others_come():

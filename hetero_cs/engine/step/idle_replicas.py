@@ -163,7 +163,7 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
     strategy._active_sets.note(plan.per_replica_batch_sizes, training=training)  # noqa: SLF001
 
 
-def served_sizes(sizes: Sequence[int], traced) -> tuple[int, ...]:
+def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) -> tuple[int, ...]:
     """The sizes to cut a step with, given its plan's ``sizes`` and the sets the running step has branches for.
 
     A plan's set of active replicas may have no branch in the running step of a Keras loop (``traced``: its traced
@@ -173,8 +173,9 @@ def served_sizes(sizes: Sequence[int], traced) -> tuple[int, ...]:
     0-example slices, where some kernels fail (Conv2D with oneDNN on a CPU). It runs the smallest traced superset
     instead (the set of every replica is one), each replica that the superset adds given one example from the
     largest slice of the set, when the batch holds enough examples; else the plan's sizes stand (a batch with fewer
-    examples than replicas: exact, its idle replicas run on 0-example slices). ``model.fit`` traces its step again
-    before the next one, which then runs the plan's own set.
+    examples than replicas: exact, its idle replicas run on 0-example slices). A superset never holds a replica of
+    ``keep_idle`` (a card set aside after a device error, or one whose memory cap is 0). ``model.fit`` traces its
+    step again before the next one, which then runs the plan's own set.
     """
     sizes = tuple(int(b) for b in sizes)
     R = len(sizes)
@@ -182,6 +183,7 @@ def served_sizes(sizes: Sequence[int], traced) -> tuple[int, ...]:
     if traced is None or len(active) == R or tuple(sorted(active)) in traced:
         return sizes
     supersets = sorted((s for s in traced if active < set(s)), key=lambda s: (len(s), s)) + [tuple(range(R))]
+    supersets = [s for s in supersets if not set(s) & set(keep_idle)]  # a card set aside never gets an example
     superset = next((s for s in supersets if sum(sizes) >= len(s)), None)
     if superset is None:
         return sizes
