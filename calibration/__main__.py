@@ -36,15 +36,21 @@ DEFAULT_EMULATED_DEVICES = ("A10", "T4", "P100")
 """Emulated when the machine has no GPU and --emulate is not given."""
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= minimum."""
+MAX_PLANNED_BATCH = 10_000_000
+"""The largest global batch `hetero-cs plan` plans: a micro-batched plan's what-if walks its sub-steps (a batch of
+1e7 takes seconds; of 1e9, minutes and gigabytes)."""
+
+
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum (and <= maximum, if given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum:,}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
         return value
 
     return parse
@@ -134,8 +140,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="with --devices: whether float32 matmuls and convolutions run on TF32 tensor cores "
                              "where a card has them (Ampere and newer), as TensorFlow does by default (default: on; "
                              "off as after tf.config.experimental.enable_tensor_float_32_execution(False))")
-    parser.add_argument("--global-batch-size", type=_positive_int, default=None, metavar="B",
-                        help="examples per optimizer step (default: the profile's plan's; needed with --devices)")
+    parser.add_argument("--global-batch-size", type=_int_at_least(1, MAX_PLANNED_BATCH), default=None, metavar="B",
+                        help="examples per optimizer step, at most 10,000,000 (default: the profile's plan's; needed "
+                             "with --devices)")
     parser.add_argument("--multiple-of", type=_positive_int, default=1,
                         help="every slice a multiple of this (default: 1)")
     parser.add_argument("--min-batch-size", type=_int_at_least(0), default=None,

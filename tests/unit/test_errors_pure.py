@@ -513,9 +513,12 @@ def test_cli_plan_errors_exit_2_with_one_line_on_stderr(profile_document, capsys
 
 CLI_ARGUMENT_CASES = [
     ("batch_zero", ["plan", "--profile", "p.json", "--global-batch-size", "0"],
-     r"--global-batch-size: must be an integer >= 1, got '0'"),
+     r"--global-batch-size: must be an integer from 1 to 10,000,000, got '0'"),
     ("regression_batch_not_a_number", ["plan", "--profile", "p.json", "--global-batch-size", "abc"],
-     r"--global-batch-size: must be an integer >= 1, got 'abc'"),
+     r"--global-batch-size: must be an integer from 1 to 10,000,000, got 'abc'"),
+    # A what-if of 1e20 examples walked its sub-steps until the machine ran out of memory.
+    ("regression_batch_huge", ["plan", "--devices", "A10,T4", "--global-batch-size", "99999999999999999999"],
+     r"--global-batch-size: must be an integer from 1 to 10,000,000, got '99999999999999999999'"),
     ("regression_min_negative", ["plan", "--profile", "p.json", "--min-batch-size", "-1"],
      r"--min-batch-size: must be an integer >= 0, got '-1'"),
     ("multiple_of_zero", ["plan", "--profile", "p.json", "--multiple-of", "0"], r"--multiple-of: must be an integer"),
