@@ -280,7 +280,10 @@ def test_global_batch_size_must_be_a_positive_integer(B):
     ({"min_batch_size": -1}, "min_batch_size must be an integer >= 0"),
     ({"multiple_of": 0}, "multiple_of must be an integer >= 1"),
     ({"max_batch_sizes": [1, 2]}, r"len\(max_batch_sizes\)=2 but there are R=3 cost models"),
-    ({"max_batch_sizes": [1, 2.5, None]}, r"max_batch_sizes\[1\] must be an integer or None"),
+    ({"max_batch_sizes": [1, 2.5, None]}, r"max_batch_sizes\[1\] must be an integer >= 0 .* or None"),
+    # A negative cap was an InfeasiblePlanError whose fix (min_batch_size=0) was already the value in force.
+    ({"max_batch_sizes": [-1, None, None]}, r"max_batch_sizes\[0\] must be an integer >= 0 .* Received: "
+                                            r"max_batch_sizes\[0\]=-1"),
     ({"max_batch_sizes": 8}, "sequence of R=3 caps"),
 ])
 def test_bad_arguments_are_config_errors(kwargs, match):
