@@ -569,6 +569,19 @@ def test_a_model_compiled_outside_the_scope_says_to_compile_inside_it():
     assert isinstance(error.__cause__, RuntimeError) and "Mixing different" in str(error.__cause__)
 
 
+def test_regression_a_model_built_outside_the_scope_and_compiled_inside_says_to_create_it_inside():
+    # TensorFlow's own RuntimeError ('Need to be inside "with strategy.scope()"') reached the user at the first step.
+    under = strategy(DEVICES, auto_balance=False)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    with under.scope():
+        model.compile(optimizer="adam", loss="mse")
+    weights = model.get_weights()
+    expect(lambda: model.fit(X, Y, batch_size=6, epochs=1, verbose=0), ConfigError, ValueError,
+           r"variables were created outside `with strategy.scope\(\):`.*Create and compile the model inside")
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+
+
 def test_evaluate_and_predict_of_an_empty_dataset_raise_input_error():
     s = strategy(compute_devices=DEVICES, batch_split=[1, 1, 1])
     with s.scope():

@@ -141,6 +141,12 @@ def _refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
     step ("Mixing different tf.distribute.Strategy objects") once the optimizer makes a variable, and with
     emulated devices our advice to call strategy.calibrate comes first and leads there.
     """
+    # Private: a Keras optimizer keeps the strategy whose scope created it in _distribution_strategy.
+    compiled_under = getattr(getattr(model, "optimizer", None), "_distribution_strategy", None)
+    if model_strategy is None and is_ours(compiled_under):  # TensorFlow: 'Need to be inside "with strategy.scope()"'
+        raise ConfigError(_create_and_compile_in_scope(
+            "This model's variables were created outside `with strategy.scope():` (it was built outside the scope "
+            "and compiled inside it)", compiled_under))
     current = tf.distribute.get_strategy()
     if model_strategy is not None or not is_ours(current):
         return
