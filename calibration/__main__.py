@@ -219,8 +219,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(result.plan)
     if args.output:
         save_result_file(args.output, result)
-        print(f"profile written to {args.output}; use it with HeteroCentralStorageStrategy(profile={args.output!r}) "
-              "on the same devices and model")
+        emulated = [p.emulated_as for p in result.profiles] if result.emulated else None
+        given = f"emulate={emulated}, " if emulated else ""
+        print(f"profile written to {args.output}; use it with HeteroCentralStorageStrategy({given}"
+              f"profile={args.output!r}) on the same devices and model")
     return 0
 
 

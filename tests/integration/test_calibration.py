@@ -299,6 +299,8 @@ def test_cli_calibrates_writes_a_profile_and_plans(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 0
     assert "EMULATED" in printed and "BatchPlan" in printed
+    # The profile of emulated cards is used with the same emulate= (without it: a ConfigError, other devices).
+    assert f"HeteroCentralStorageStrategy(emulate={list(EMULATED)}, profile={str(output)!r})" in printed
     result = load_result_file(output)
     assert [p.emulated_as for p in result.profiles] == list(EMULATED)
     assert result.plan.global_batch_size == 64
