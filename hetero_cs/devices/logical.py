@@ -48,9 +48,10 @@ def setup_logical_devices(names: Sequence[str]) -> list[str]:
         get_device_spec(name)
     num_replicas = len(names)
     device_names = [f"/device:CPU:{i}" for i in range(1, num_replicas + 1)]
-    if _split_host_cpu(num_replicas + 1, num_replicas + 2, needed_for=f"names={list(names)}",
-                       fix="Call setup_logical_devices(...) before any TensorFlow op runs (first thing in main, or in "
-                           "a conftest)."):
+    if _split_host_cpu(num_replicas + 1, num_replicas + 2,
+                       needed_for=f"names={list(names)} (one per card and one for the host's parameters)",
+                       fix="Build HeteroCentralStorageStrategy(emulate=...) (or call setup_logical_devices(...)) "
+                           "before any TensorFlow op runs: first thing in main, or in a conftest."):
         logger.info("Emulated devices %s on %s.", list(names), device_names)
     return device_names
 

@@ -135,8 +135,9 @@ def test_constructor_rejects(kwargs, cls, builtin, match):
 def test_emulate_more_devices_than_tensorflow_was_started_with():
     existing = len(tf.config.list_logical_devices("CPU"))  # starts TensorFlow if nothing has yet
     expect(lambda: strategy(emulate=["T4"] * existing), EmulationError, RuntimeError,
-           rf"already initialised with logical_cpu_devices={existing}, but {existing + 1} are needed.*before any "
-           r"TensorFlow op runs")
+           rf"already initialised with logical_cpu_devices={existing}, but {existing + 1} are needed.*one per card "
+           r"and one for the host's parameters.*HeteroCentralStorageStrategy\(emulate=...\).*before any TensorFlow "
+           r"op runs")
 
 
 @pytest.mark.parametrize("where", ["constructor", "set_batch_split"])
