@@ -583,6 +583,34 @@ def test_regression_a_model_built_outside_the_scope_and_compiled_inside_says_to_
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
 
 
+class OnlyTrainStep(keras.Model):
+    """Keras' WGAN-GP example's shape: sub-layers and a train_step, no call()."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.dense(x) - y))
+        variables = self.dense.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return {"loss": loss}
+
+
+def test_regression_a_model_keras_cannot_build_from_the_first_batch_gets_a_config_error_that_says_why():
+    # Keras' own RuntimeError ("Unable to automatically build the model") reached the user from the symbolic build
+    # every tf.distribute strategy runs before the first step (one device trains this model).
+    with strategy(DEVICES, batch_split=[5, 0, 3]).scope():
+        model = OnlyTrainStep()
+        model.compile(optimizer="sgd")
+    expect(lambda: model.fit(X, Y, batch_size=6, epochs=1, verbose=0), ConfigError, ValueError,
+           r"(?s)Keras could not build OnlyTrainStep from its first batch's shapes.*Unable to automatically build.*"
+           r"set model.built = True")
+    assert int(model.optimizer.iterations) == 0
+
+
 def test_evaluate_and_predict_of_an_empty_dataset_raise_input_error():
     s = strategy(compute_devices=DEVICES, batch_split=[1, 1, 1])
     with s.scope():

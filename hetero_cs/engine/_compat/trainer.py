@@ -21,7 +21,7 @@ from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_str
 from hetero_cs.engine._compat.layers import all_sublayers
 from hetero_cs.engine._compat.replica_pass import keras_train_step
 from hetero_cs.engine._compat.symbols import patch
-from hetero_cs.errors import ConfigError, DeviceFaultError, InputError, StepOOMError
+from hetero_cs.errors import ConfigError, DeviceFaultError, HeteroCSError, InputError, StepOOMError
 from hetero_cs.planning.micro_batches import capacity_of
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -87,12 +87,8 @@ def _raise_with_tensorflow_cause(exc):
 
 
 class _BatchInHand:
-    """Around a step whose batch was read: a StopIteration from inside is a bug, not the end of the data.
-
-    Keras' epoch loop ends the epoch (or, before any batch, the fit, as "the dataset is empty") on a StopIteration;
-    one escaping from a planner or a retry after the batch was read would end training silently. It becomes a
-    RuntimeError that says so.
-    """
+    """Around a step whose batch was read: a StopIteration from inside (a planner's, a retry's) is a bug, not the end
+    of the data, which Keras' loop would take it for (ending the epoch, or fit as "the dataset is empty")."""
 
     def __enter__(self):
         return self
@@ -472,11 +468,31 @@ def patch_symbolic_build() -> None:
         # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
         distributed = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(distributed, "source_element_spec", None)
-        if not is_ours(strategy) or data_batch is not None or spec is None:
+        if not is_ours(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
+        if data_batch is not None or spec is None:
+            return _built_or_explained(self, lambda: original(self, iterator=iterator, data_batch=data_batch))
         source = distributed.source_dataset
         if source is not None and int(source.cardinality()) == 0:
             raise StopIteration  # what the original's read raises on a dataset known to be empty (fit: InputError)
         shapes = tf.nest.map_structure(lambda leaf: None if is_unbatched_marker(leaf) else leaf, spec)
         with strategy.scope():
-            self._symbolic_build(data_batch=shapes)  # noqa: SLF001 - what the original calls with a real batch
+            _built_or_explained(self, lambda: self._symbolic_build(data_batch=shapes))  # noqa: SLF001 - as the original
+
+
+def _built_or_explained(model, build):
+    """``build()``, Keras' symbolic build of ``model`` from its first batch's shapes; a ConfigError that says why
+    when Keras cannot build it that way (a model with only ``train_step``, or a batch whose leading axis is not the
+    examples, as the metric-learning example's stack of anchors and positives)."""
+    try:
+        return build()
+    except (ValueError, RuntimeError) as exc:
+        if isinstance(exc, HeteroCSError) or "Mixing different tf.distribute.Strategy" in str(exc):
+            raise  # ours, or an optimizer made outside the scope (fit's own ConfigError says so)
+        raise ConfigError(
+            f"Keras could not build {type(model).__name__} from its first batch's shapes, which it does before the "
+            f"first step under any tf.distribute strategy (one device builds a model at its first step): {exc} "
+            "Build the model before fit, evaluate or predict (call it once on a batch, or set model.built = True "
+            "once its sub-models are built), and give it batches whose leading axis holds the examples: a strategy "
+            "cuts every input component along it.") from exc
+
