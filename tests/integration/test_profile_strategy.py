@@ -90,7 +90,7 @@ def test_calibrate_your_own_model_then_train_with_its_profile_without_calibratin
                                                                                   capsys, function):
     output = tmp_path / "profile.json"
     assert _calibrate_cli(f"hcs_user_models.models:{function}", output) == 0
-    assert "HeteroCentralStorageStrategy(profile=" in capsys.readouterr().out
+    assert f"HeteroCentralStorageStrategy(emulate={EMULATED}, profile=" in capsys.readouterr().out
     profile = load_result_file(output)
     assert [p.emulated_as for p in profile.profiles] == EMULATED and profile.plan.global_batch_size == 48
 
