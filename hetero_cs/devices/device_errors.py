@@ -73,11 +73,14 @@ def naming_the_replica(replica_id):
         raise
 
 
+def _compiled_forms(table) -> tuple[tuple[str, re.Pattern], ...]:
+    """(name, compiled pattern) for each (name, pattern, flags) of ``table``."""
+    return tuple((name, re.compile(pattern, flags)) for name, pattern, flags in table)
+
+
 # (name, pattern) of each out-of-memory form an Internal/Unknown/InvalidArgument error may carry; the first match
 # names the form. A ResourceExhaustedError is out of memory whatever its text.
-OOM_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
-    (name, re.compile(pattern, flags))
-    for name, pattern, flags in (
+OOM_FORMS: tuple[tuple[str, re.Pattern], ...] = _compiled_forms((
         ("emulated", r"Emulated out of memory: replica=\d+", 0),
         ("allocator", r"\bOOM when allocating tensor", 0),
         ("allocator", r"ran out of memory trying to allocate", re.IGNORECASE),
@@ -88,8 +91,7 @@ OOM_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("scratch", r"Failed to allocate (?:\S+ )?(?:scratch|workspace)", re.IGNORECASE),
         ("cuda", r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|CUDA error: out of memory", 0),
         ("allocator", r"failed to allocate (?:device )?memory", re.IGNORECASE),
-    )
-)
+))
 
 _MESSAGE_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError, tf.errors.InvalidArgumentError)
 
@@ -220,9 +222,7 @@ def classify(exc: BaseException, compute_devices: Sequence[str],
 # (name, pattern) of each device-fault form: the hardware's faults only (an allow-list). A code that a program or a
 # build causes - no kernel image for the card, an invalid PTX, an invalid value or configuration, too many resources
 # for a launch, a misaligned address, a device in exclusive mode - is not among them. The first match names the form.
-DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
-    (name, re.compile(pattern, flags))
-    for name, pattern, flags in (
+DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = _compiled_forms((
         ("ecc", r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable", re.IGNORECASE),
         ("illegal address", r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress", 0),
         ("launch failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure", 0),
@@ -231,8 +231,7 @@ DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("sync", r"GPU sync failed", 0),
         ("cublas", r"CUBLAS_STATUS_EXECUTION_FAILED", 0),
         ("cudnn", r"CUDNN_STATUS_EXECUTION_FAILED", 0),
-    )
-)
+))
 # A device-side assert (an index out of range in a kernel) is the program's, and so is everything CUDA reports after
 # it (its errors are sticky: a launch failure, an illegal address, a failed sync follow it).
 _PROGRAM_ASSERT = re.compile(r"device-side assert|CUDA_ERROR_ASSERT|cudaErrorAssert", re.IGNORECASE)
