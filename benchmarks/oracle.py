@@ -47,6 +47,7 @@ def main(argv=None) -> int:
         except SilentDifference as failure:
             outcome = "differed"
             differences.append(str(failure))
+            print(f"\n{failure}\n", flush=True)  # at once: a later crash of the process must not lose it
         except BaseException as exc:  # hypothesis' reject(): one device could not run the program
             if type(exc).__name__ != "UnsatisfiedAssumption":
                 raise
