@@ -29,17 +29,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(_TESTS))
     import conftest  # noqa: F401 - configures the logical CPU devices before TensorFlow starts
-    from hypothesis import HealthCheck, Phase, given, seed, settings
+    from hypothesis import given
     from oracle_programs import programs
-    from test_oracle import SilentDifference, run_program
+    from test_oracle import SilentDifference, run_program, seeded_draw
 
     counts: dict = collections.defaultdict(collections.Counter)
     differences = []
     started = time.perf_counter()
 
-    @seed(args.seed)
-    @settings(max_examples=args.programs, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @seeded_draw(args.programs, args.seed, shrink=False)
     @given(program=programs())
     def run(program):
         try:

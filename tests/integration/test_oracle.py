@@ -7,9 +7,10 @@ match, or the program must be refused with a hetero_cs error before its first up
 ``MAY_REFUSE`` may be). A silent difference fails with the program printed as a script, shrunk to its smallest form.
 
 The default run draws 50 programs from a fixed seed (without mixed precision, at most two hidden layers, one of them
-recurrent or attention: the quickest to trace); ``tox -e slow`` draws 1,000 from the whole grammar, and 10 on two
-worker processes. ``test_the_oracle_fails_on_a_
-mutant`` shows the oracle can fail: with the ``b_i / B`` weight perturbed, or ``stop_gradient`` read as linear.
+recurrent or attention: the quickest to trace); ``tox -e slow`` draws 1,000 from the whole grammar (four seeded draws
+of 250, ``SLOW_DRAWS``, which ``benchmarks/oracle.py --seed`` repeats with counts by form), and 10 on two worker
+processes. ``test_the_oracle_fails_on_a_mutant`` shows the oracle can fail: with the ``b_i / B`` weight perturbed, or
+``stop_gradient`` read as linear.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
 import hetero_cs
 from fixed_splits import strategy_for
@@ -133,11 +134,28 @@ def test_random_programs_match_one_device_or_are_refused(program):
     run_program(program)
 
 
+SLOW_DRAWS = (2, 3, 4, 5)  # tox -e slow: four draws of 250 programs, one per seed, spread over the processes
+
+
+def seeded_draw(max_examples: int, draw: int, *, shrink: bool = True):
+    """The settings of the draw of ``max_examples`` programs from seed ``draw``, the same in ``tox -e slow`` and in
+    ``benchmarks/oracle.py --seed DRAW`` (which counts by form and does not shrink): both draw the same programs."""
+    phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
+
+    def decorate(test):
+        return seed(draw)(settings(max_examples=max_examples, deadline=None, database=None, phases=phases,
+                                   print_blob=False, suppress_health_check=list(HealthCheck))(test))
+    return decorate
+
+
 @pytest.mark.slow
-@oracle(1000)
-@given(program=programs())
-def test_a_thousand_random_programs_match_one_device_or_are_refused(program):
-    run_program(program)
+@pytest.mark.parametrize("draw", SLOW_DRAWS)
+def test_a_thousand_random_programs_match_one_device_or_are_refused(draw):
+    @seeded_draw(1000 // len(SLOW_DRAWS), draw)
+    @given(program=programs())
+    def check(program):
+        run_program(program)
+    check()
 
 
 def run_on_two_workers(program: Program, tmp_path) -> str:
