@@ -500,7 +500,7 @@ class ScalarMeanLoss(keras.losses.Loss):
     """A loss that reduces itself to a scalar mean."""
 
     def call(self, y_true, y_pred):
-        y_true = tf.cast(y_true, y_pred.dtype)
+        y_true = tf.cast(tf.reshape(y_true, [-1, 1]), y_pred.dtype)  # class labels come as (n,): not (n, n) pairs
         return tf.reduce_mean(tf.square(y_true - y_pred[..., :1]))
 ''',
     "MaskedRatioLoss": '''
