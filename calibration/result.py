@@ -7,7 +7,6 @@ importing TensorFlow and the CLI can print them.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from hetero_cs.devices.catalog import _is_int
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, finite_real
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
 
@@ -50,18 +49,8 @@ def _from_dict(cls: type, data: Mapping[str, Any], optional: set[str], parse: Ca
             f"{cls.__name__} data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it.") from exc
 
 
-def _is_finite_real(value: Any) -> bool:
-    """A real number (not a bool) that converts to a finite float; an int too large for a float is not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
-
-
 def _finite_non_negative(owner: str, name: str, value: Any) -> None:
-    if not _is_finite_real(value) or value < 0:
+    if not finite_real(value) or value < 0:
         shown = "an integer too large for a float" if isinstance(value, int) and abs(value) > 10**300 else repr(value)
         raise ProfileCacheError(f"{owner}.{name} must be a finite number >= 0. Received: {name}={shown}.")
 
@@ -115,7 +104,7 @@ class DeviceProfile:
                 f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. Received: "
                 f"emulated_as={self.emulated_as!r}."
             )
-        if not all(_is_finite_real(t) and t >= 0 for t in self.median_step_times_s + self.mad_s):
+        if not all(finite_real(t) and t >= 0 for t in self.median_step_times_s + self.mad_s):
             raise ProfileCacheError(
                 f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds >= 0. Received: "
                 f"median_step_times_s={list(self.median_step_times_s)!r}, mad_s={list(self.mad_s)!r}."
@@ -239,7 +228,7 @@ class CalibrationResult:
             if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__"):
                 factors = ()
             factors = tuple(factors)
-            if len(factors) != len(self.profiles) or not all(_is_finite_real(f) and f >= 1 for f in factors):
+            if len(factors) != len(self.profiles) or not all(finite_real(f) and f >= 1 for f in factors):
                 raise ProfileCacheError(
                     f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
                     f"contention_factors={self.contention_factors!r}. Recalibrate to replace it.")
