@@ -14,7 +14,7 @@ from typing import Any
 from hetero_cs.devices.catalog import _is_int
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
-from hetero_cs.planning.plan import BatchPlan, finite_real
+from hetero_cs.planning.plan import BatchPlan, finite_real, ordered_values
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
 
@@ -87,12 +87,11 @@ class DeviceProfile:
 
     def __post_init__(self) -> None:
         for name in ("probe_batch_sizes", "median_step_times_s", "mad_s"):
-            value = getattr(self, name)
-            if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
-                raise ProfileCacheError(
-                    f"DeviceProfile.{name} must be a list of numbers, one per probed size. Received: {name}={value!r}."
-                )
-            object.__setattr__(self, name, tuple(value))
+            values = ordered_values(getattr(self, name))
+            if values is None:
+                raise ProfileCacheError(f"DeviceProfile.{name} must be a list of numbers, one per probed size. "
+                                        f"Received: {name}={getattr(self, name)!r}.")
+            object.__setattr__(self, name, values)
         bad_sizes = [b for b in self.probe_batch_sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral)]
         if bad_sizes:
             raise ProfileCacheError(
@@ -224,10 +223,7 @@ class CalibrationResult:
     def __post_init__(self) -> None:
         object.__setattr__(self, "profiles", tuple(self.profiles))
         if self.contention_factors is not None:
-            factors = self.contention_factors
-            if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__"):
-                factors = ()
-            factors = tuple(factors)
+            factors = ordered_values(self.contention_factors) or ()
             if len(factors) != len(self.profiles) or not all(finite_real(f) and f >= 1 for f in factors):
                 raise ProfileCacheError(
                     f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
