@@ -258,11 +258,16 @@ def parse_memory_bytes(text: str) -> int:
 # fp16/bf16 tensor math with fp32 accumulation at half the rate of fp16 accumulation; mixed-precision training
 # accumulates in fp32, so that is their figure. Of the legacy cards that labs reuse beside newer ones, Pascal
 # consumer/inference dies (GP102) run fp16 arithmetic at 1/64 of fp32 and Kepler (GK210) has none, so their fp16
-# figure is the real (slow) rate. A "memory" is a size as parse_memory_bytes reads it (1 GB = 1e9 bytes, as in the
-# datasheets).
-CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
-    name: DeviceSpec(name=name, memory_bytes=parse_memory_bytes(figures.pop("memory")), **figures)
-    for name, figures in json.loads(pathlib.Path(__file__).with_name("catalog.json").read_text("utf-8")).items()})
+# figure is the real (slow) rate.
+def _read_catalog() -> dict[str, DeviceSpec]:
+    """The devices of catalog.json, in its order; an entry's "memory" is a size as :func:`parse_memory_bytes` reads
+    it (1 GB = 1e9 bytes, as in the datasheets), its other keys are DeviceSpec's fields."""
+    entries = json.loads(pathlib.Path(__file__).with_name("catalog.json").read_text(encoding="utf-8"))
+    return {name: DeviceSpec(name=name, memory_bytes=parse_memory_bytes(entry.pop("memory")), **entry)
+            for name, entry in entries.items()}
+
+
+CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType(_read_catalog())
 
 
 def get_device_spec(name: str) -> DeviceSpec:
