@@ -7,7 +7,6 @@ importing TensorFlow and the CLI can print them.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from hetero_cs.devices.catalog import _is_int
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, finite_real, ordered_values
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
 
@@ -50,18 +49,8 @@ def _from_dict(cls: type, data: Mapping[str, Any], optional: set[str], parse: Ca
             f"{cls.__name__} data is invalid: {str(exc).rstrip('.')}. Recalibrate to replace it.") from exc
 
 
-def _is_finite_real(value: Any) -> bool:
-    """A real number (not a bool) that converts to a finite float; an int too large for a float is not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
-
-
 def _finite_non_negative(owner: str, name: str, value: Any) -> None:
-    if not _is_finite_real(value) or value < 0:
+    if not finite_real(value) or value < 0:
         shown = "an integer too large for a float" if isinstance(value, int) and abs(value) > 10**300 else repr(value)
         raise ProfileCacheError(f"{owner}.{name} must be a finite number >= 0. Received: {name}={shown}.")
 
@@ -98,12 +87,11 @@ class DeviceProfile:
 
     def __post_init__(self) -> None:
         for name in ("probe_batch_sizes", "median_step_times_s", "mad_s"):
-            value = getattr(self, name)
-            if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
-                raise ProfileCacheError(
-                    f"DeviceProfile.{name} must be a list of numbers, one per probed size. Received: {name}={value!r}."
-                )
-            object.__setattr__(self, name, tuple(value))
+            values = ordered_values(getattr(self, name))
+            if values is None:
+                raise ProfileCacheError(f"DeviceProfile.{name} must be a list of numbers, one per probed size. "
+                                        f"Received: {name}={getattr(self, name)!r}.")
+            object.__setattr__(self, name, values)
         bad_sizes = [b for b in self.probe_batch_sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral)]
         if bad_sizes:
             raise ProfileCacheError(
@@ -115,7 +103,7 @@ class DeviceProfile:
                 f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. Received: "
                 f"emulated_as={self.emulated_as!r}."
             )
-        if not all(_is_finite_real(t) and t >= 0 for t in self.median_step_times_s + self.mad_s):
+        if not all(finite_real(t) and t >= 0 for t in self.median_step_times_s + self.mad_s):
             raise ProfileCacheError(
                 f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds >= 0. Received: "
                 f"median_step_times_s={list(self.median_step_times_s)!r}, mad_s={list(self.mad_s)!r}."
@@ -235,11 +223,8 @@ class CalibrationResult:
     def __post_init__(self) -> None:
         object.__setattr__(self, "profiles", tuple(self.profiles))
         if self.contention_factors is not None:
-            factors = self.contention_factors
-            if isinstance(factors, (str, bytes, Mapping)) or not hasattr(factors, "__iter__"):
-                factors = ()
-            factors = tuple(factors)
-            if len(factors) != len(self.profiles) or not all(_is_finite_real(f) and f >= 1 for f in factors):
+            factors = ordered_values(self.contention_factors) or ()
+            if len(factors) != len(self.profiles) or not all(finite_real(f) and f >= 1 for f in factors):
                 raise ProfileCacheError(
                     f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
                     f"contention_factors={self.contention_factors!r}. Recalibrate to replace it.")

@@ -2,7 +2,8 @@
 
 ``DeviceSpec`` holds one device's peak fp32/TF32/fp16/bf16 throughput, memory size and bandwidth and PCIe link;
 ``CATALOG`` maps names (data centre: A10, T4, P100, V100, A100, H100, H100SXM, H200, L4, L40S; workstation: RTXA6000,
-RTX3090, RTX4090; the legacy GTX1080Ti, P40, K80, RTX2080Ti; CPU) to specs and ``get_device_spec`` looks one up.
+RTX3090, RTX4090; the legacy GTX1080Ti, P40, K80, RTX2080Ti; CPU) to specs, read from ``catalog.json`` beside this
+module (each device's figures and their source), and ``get_device_spec`` looks one up.
 The emulator and the what-if (:func:`hetero_cs.devices.workload.emulated_step_time_s`) turn these figures into step
 times; calibration and the monitor never read them. This module imports neither TensorFlow nor pynvml.
 """
@@ -10,8 +11,10 @@ times; calibration and the monitor never read them. This module imports neither 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import pathlib
 import re
 import types
 from collections.abc import Mapping
@@ -189,145 +192,6 @@ class DeviceSpec:
         return PCIE_BYTES_PER_S_PER_LANE[self.pcie_generation] * self.pcie_lanes
 
 
-_GB = 10**9
-
-# Figures from NVIDIA's datasheets and architecture whitepapers (PCIe form factors unless the name says SXM). fp16,
-# bf16 and TF32 are the dense tensor-core figures (datasheets mark those "with sparsity" with an asterisk: dense is
-# half) with fp32 accumulation, as mixed-precision training runs; P100 has no tensor cores, so its fp16 is the
-# packed-half rate.
-CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType({
-    "A10": DeviceSpec(
-        name="A10", fp32_tflops=31.2, tf32_tflops=62.5, fp16_tflops=125.0, bf16_tflops=125.0, memory_bytes=24 * _GB,
-        memory_bandwidth_bytes_per_s=600e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA A10 Tensor Core GPU datasheet (single-slot FHFL PCIe card, 150 W; TF32 tensor 62.5 TF "
-                "dense, 125 with sparsity; BF16 tensor 125 TF dense, as FP16), "
-                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf")),
-    "T4": DeviceSpec(
-        name="T4", fp32_tflops=8.1, fp16_tflops=65.0, memory_bytes=16 * _GB,
-        memory_bandwidth_bytes_per_s=320e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA T4 Tensor Core GPU datasheet (low-profile PCIe card, 70 W; fp16 is mixed-precision "
-                "tensor; no BF16 in its list of precisions: Turing, compute capability 7.5), "
-                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
-                "t4-tensor-core-datasheet-951643.pdf")),
-    "P100": DeviceSpec(
-        name="P100", fp32_tflops=9.3, fp16_tflops=18.7, memory_bytes=16 * _GB,
-        memory_bandwidth_bytes_per_s=732e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA Tesla P100 PCIe datasheet (16 GB CoWoS HBM2 variant, 250 W; FP32, FP16 and FP64 only, no "
-                "BF16: Pascal, compute capability 6.0), "
-                "https://images.nvidia.com/content/tesla/pdf/nvidia-tesla-p100-PCIe-datasheet.pdf")),
-    "V100": DeviceSpec(
-        name="V100", fp32_tflops=14.0, fp16_tflops=112.0, memory_bytes=32 * _GB,
-        memory_bandwidth_bytes_per_s=900e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA V100 Tensor Core GPU datasheet, V100 PCIe column (32 GB variant; a 16 GB one also "
-                "exists; no BF16: Volta, compute capability 7.0), "
-                "https://images.nvidia.com/content/technologies/volta/pdf/"
-                "volta-v100-datasheet-update-us-1165301-r5.pdf")),
-    "A100": DeviceSpec(
-        name="A100", fp32_tflops=19.5, tf32_tflops=156.0, fp16_tflops=312.0, bf16_tflops=312.0,
-        memory_bytes=80 * _GB,
-        memory_bandwidth_bytes_per_s=1935e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe column (TF32 tensor 156 TF dense; BF16 "
-                "tensor 312 TF dense), "
-                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")),
-    "H100": DeviceSpec(
-        name="H100", fp32_tflops=51.0, tf32_tflops=378.0, fp16_tflops=756.0, bf16_tflops=756.0,
-        memory_bytes=80 * _GB, memory_bandwidth_bytes_per_s=2.0e12, pcie_generation=5, pcie_lanes=16,
-        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (TF32 tensor 756 TF and fp16 and bf16 "
-                "tensor 1,513 TF are with sparsity; dense is half), https://resources.nvidia.com/en-us-tensor-core/"
-                "nvidia-tensor-core-gpu-datasheet")),
-    "H100SXM": DeviceSpec(
-        name="H100SXM", fp32_tflops=67.0, tf32_tflops=494.7, fp16_tflops=989.4, bf16_tflops=989.4,
-        memory_bytes=80 * _GB, memory_bandwidth_bytes_per_s=3.35e12, pcie_generation=5, pcie_lanes=16,
-        source=("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (FP32 67 TF; TF32 tensor 989 TF and "
-                "BF16/FP16 tensor 1,979 TF with sparsity, dense half: 494.7 and 989.4 as NVIDIA H100 Tensor Core "
-                "GPU Architecture whitepaper's H100 SXM5 table gives; 80 GB HBM3, 3.35 TB/s; host link PCIe 5.0 "
-                "x16), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet")),
-    "H200": DeviceSpec(
-        name="H200", fp32_tflops=67.0, tf32_tflops=494.7, fp16_tflops=989.4, bf16_tflops=989.4,
-        memory_bytes=141 * _GB, memory_bandwidth_bytes_per_s=4.8e12, pcie_generation=5, pcie_lanes=16,
-        source=("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (FP32 67 TF; TF32 tensor 989 TF and "
-                "BF16/FP16 tensor 1,979 TF with sparsity, dense half, as the H100 SXM's; 141 GB HBM3e, 4.8 TB/s; "
-                "PCIe 5.0 x16), https://www.nvidia.com/en-us/data-center/h200/")),
-    "L4": DeviceSpec(
-        name="L4", fp32_tflops=30.3, tf32_tflops=60.0, fp16_tflops=121.0, bf16_tflops=121.0,
-        memory_bytes=24 * _GB, memory_bandwidth_bytes_per_s=300e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA L4 Tensor Core GPU datasheet (low-profile PCIe card, 72 W, Ada; FP32 30.3 TF; TF32 tensor "
-                "120 TF and BF16/FP16 tensor 242 TF with sparsity, dense half; 24 GB GDDR6, 300 GB/s; PCIe 4.0 "
-                "x16), https://www.nvidia.com/en-us/data-center/l4/")),
-    "L40S": DeviceSpec(
-        name="L40S", fp32_tflops=91.6, tf32_tflops=183.0, fp16_tflops=362.05, bf16_tflops=362.05,
-        memory_bytes=48 * _GB, memory_bandwidth_bytes_per_s=864e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA L40S GPU datasheet (dual-slot PCIe card, 350 W, Ada; FP32 91.6 TF; TF32 tensor 183 TF, "
-                "BF16/FP16 tensor 362.05 TF dense (366 and 733 with sparsity); 48 GB GDDR6, 864 GB/s; PCIe 4.0 "
-                "x16), https://www.nvidia.com/en-us/data-center/l40s/")),
-    # Workstation cards. GeForce cards run fp16/bf16 tensor math with fp32 accumulation at half the rate of fp16
-    # accumulation; mixed-precision training accumulates in fp32, so that is the figure here.
-    "RTXA6000": DeviceSpec(
-        name="RTXA6000", fp32_tflops=38.7, tf32_tflops=77.4, fp16_tflops=154.8, bf16_tflops=154.8,
-        memory_bytes=48 * _GB, memory_bandwidth_bytes_per_s=768e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA RTX A6000 datasheet (FP32 38.7 TF, tensor 309.7 TF with sparsity; 48 GB GDDR6, 768 GB/s; "
-                "PCIe 4.0 x16), https://www.nvidia.com/content/dam/en-zz/Solutions/design-visualization/"
-                "quadro-product-literature/proviz-print-nvidia-rtx-a6000-datasheet-us-nvidia-1454980-r9-web.pdf; "
-                "dense TF32 77.4 and FP16/BF16 154.8 TF with fp32 accumulation from NVIDIA Ampere GA102 GPU "
-                "Architecture whitepaper, appendix table for the RTX A6000")),
-    "RTX3090": DeviceSpec(
-        name="RTX3090", fp32_tflops=35.6, tf32_tflops=35.6, fp16_tflops=71.0, bf16_tflops=71.0,
-        memory_bytes=24 * _GB, memory_bandwidth_bytes_per_s=936e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA Ampere GA102 GPU Architecture whitepaper, GeForce RTX 3090 column (FP32 35.6 TF; dense "
-                "TF32 tensor 35.6 TF; FP16 and BF16 tensor with fp32 accumulate 71 TF dense (twice that with fp16 "
-                "accumulation or with sparsity); 24 GB GDDR6X at 19.5 Gbps on 384 bits = 936 GB/s; PCIe 4.0 x16), "
-                "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf")),
-    "RTX4090": DeviceSpec(
-        name="RTX4090", fp32_tflops=82.6, tf32_tflops=82.6, fp16_tflops=165.2, bf16_tflops=165.2,
-        memory_bytes=24 * _GB, memory_bandwidth_bytes_per_s=1008e9, pcie_generation=4, pcie_lanes=16,
-        source=("NVIDIA Ada GPU Architecture whitepaper, GeForce RTX 4090 column (FP32 82.6 TF; dense TF32 "
-                "tensor 82.6 TF; FP16 and BF16 tensor with fp32 accumulate 165.2 TF dense (twice that with "
-                "fp16 accumulation or with sparsity); 24 GB GDDR6X at 21 Gbps on 384 bits = 1,008 GB/s; PCIe 4.0 x16), "
-                "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf")),
-    # Legacy cards that labs reuse beside newer ones. Pascal consumer/inference dies (GP102) run fp16 arithmetic at
-    # 1/64 of fp32 and Kepler (GK210) has no fp16 arithmetic at all, so their fp16 figure is the real (slow) rate.
-    "GTX1080Ti": DeviceSpec(
-        name="GTX1080Ti", fp32_tflops=11.3, fp16_tflops=0.177, memory_bytes=11 * _GB,
-        memory_bandwidth_bytes_per_s=484e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA GeForce GTX 1080 Ti specifications (3584 CUDA cores, 1582 MHz boost -> 2 x 3584 x 1.582e9 "
-                "= 11.3 TFLOP/s fp32; 11 GB GDDR5X at 11 Gbps on 352 bits = 484 GB/s; PCIe 3.0 x16), "
-                "https://www.nvidia.com/en-us/geforce/graphics-cards/geforce-gtx-1080-ti/specifications/; fp16 "
-                "at 1/64 of fp32 on GP102 (NVIDIA Pascal tuning guide, CUDA C Programming Guide arithmetic "
-                "instruction throughput table, compute capability 6.1)")),
-    "P40": DeviceSpec(
-        name="P40", fp32_tflops=12.0, fp16_tflops=0.188, memory_bytes=24 * _GB,
-        memory_bandwidth_bytes_per_s=346e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA Tesla P40 datasheet (12 TFLOP/s single precision with boost, 24 GB GDDR5, 346 GB/s, "
-                "PCIe 3.0 x16, 250 W), https://images.nvidia.com/content/pdf/tesla/"
-                "184427-Tesla-P40-Datasheet-NV-Final-Letter-Web.pdf; fp16 at 1/64 of fp32 on GP102 (CUDA C "
-                "Programming Guide throughput table, compute capability 6.1)")),
-    "K80": DeviceSpec(
-        name="K80", fp32_tflops=4.37, fp16_tflops=4.37, memory_bytes=12 * _GB,
-        memory_bandwidth_bytes_per_s=240e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA Tesla K80 datasheet, per GPU die (the board holds two GK210 dies, each a separate CUDA "
-                "device): 8.73 TFLOP/s fp32 with GPU Boost per board -> 4.37 per die; 24 GB GDDR5 and 480 GB/s "
-                "per board -> 12 GB and 240 GB/s per die; PCIe 3.0 x16 (shared by both dies behind an on-board "
-                "switch); NVIDIA Tesla K80 board specification BD-07317-001 gives the same figures; Kepler has "
-                "no fp16 arithmetic, so fp16 = fp32")),
-    "RTX2080Ti": DeviceSpec(
-        name="RTX2080Ti", fp32_tflops=13.4, fp16_tflops=53.8, memory_bytes=11 * _GB,
-        memory_bandwidth_bytes_per_s=616e9, pcie_generation=3, pcie_lanes=16,
-        source=("NVIDIA Turing GPU Architecture whitepaper (WP-09183-001), appendix table for the GeForce RTX "
-                "2080 Ti reference card: 13.4 TFLOP/s fp32 at 1545 MHz boost, 53.8 TFLOP/s fp16 tensor with fp32 "
-                "accumulate (what mixed-precision training uses; 107.6 with fp16 accumulate), 11 GB GDDR6 at "
-                "14 Gbps on 352 bits = 616 GB/s, PCIe 3.0 x16), https://images.nvidia.com/aem-dam/en-zz/"
-                "Solutions/design-visualization/technologies/turing-architecture/"
-                "NVIDIA-Turing-Architecture-Whitepaper.pdf")),
-    "CPU": DeviceSpec(
-        name="CPU", fp32_tflops=1.28, fp16_tflops=1.28, bf16_tflops=1.28, memory_bytes=128 * 2**30,
-        memory_bandwidth_bytes_per_s=204.8e9, pcie_generation=None, pcie_lanes=None,
-        source=("Assumption, not a datasheet: a typical 16-core AVX2 server socket at 2.5 GHz sustained, "
-                "2 FMA units x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle/core -> 1.28 TFLOP/s fp32 (no native fp16 "
-                "or bf16 arithmetic, so fp16 = bf16 = fp32: TensorFlow converts); 8 channels DDR4-3200 -> "
-                "204.8 GB/s; 128 GiB of host memory; "
-                "parameters and gradients stay in host memory, so no PCIe transfer")),
-})
 
 
 _COMPUTE_DTYPES = {"float32": "float32", "mixed_float16": "float16", "float16": "float16",
@@ -385,6 +249,25 @@ def parse_memory_bytes(text: str) -> int:
             f"A memory size is a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB), "
             f"at least 1 byte, e.g. '48MB' or '1.5GiB'. Received: {text!r}.")
     return value
+
+
+# The figures are NVIDIA's datasheets and architecture whitepapers (PCIe form factors unless the name says SXM), one
+# entry per device in catalog.json beside this module, each with its "source". fp16, bf16 and TF32 are the dense
+# tensor-core figures (datasheets mark those "with sparsity" with an asterisk: dense is half) with fp32 accumulation,
+# as mixed-precision training runs; P100 has no tensor cores, so its fp16 is the packed-half rate. GeForce cards run
+# fp16/bf16 tensor math with fp32 accumulation at half the rate of fp16 accumulation; mixed-precision training
+# accumulates in fp32, so that is their figure. Of the legacy cards that labs reuse beside newer ones, Pascal
+# consumer/inference dies (GP102) run fp16 arithmetic at 1/64 of fp32 and Kepler (GK210) has none, so their fp16
+# figure is the real (slow) rate.
+def _read_catalog() -> dict[str, DeviceSpec]:
+    """The devices of catalog.json, in its order; an entry's "memory" is a size as :func:`parse_memory_bytes` reads
+    it (1 GB = 1e9 bytes, as in the datasheets), its other keys are DeviceSpec's fields."""
+    entries = json.loads(pathlib.Path(__file__).with_name("catalog.json").read_text(encoding="utf-8"))
+    return {name: DeviceSpec(name=name, memory_bytes=parse_memory_bytes(entry.pop("memory")), **entry)
+            for name, entry in entries.items()}
+
+
+CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType(_read_catalog())
 
 
 def get_device_spec(name: str) -> DeviceSpec:
