@@ -45,7 +45,6 @@ from typing import Any
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
-from hetero_cs.planning._micro_lines import _linear_split
 from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, near_equal_micro_batches
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range, even_batch_split, ms_text
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
@@ -420,9 +419,8 @@ def plan_overlapped_micro_batches(
     if all(cap is not None and cap < 1 for cap in caps):
         raise _no_room_error()
     curves = micro_batched_curves(models, caps)
-    split = _linear_split(models, caps, B)
-    if split is None:  # not all lines: the minimum-makespan solver, exact for any non-decreasing curve
-        split = solve_batch_split(curves, B, max_batch_sizes=zero_caps(caps), min_batch_size=0).per_replica_batch_sizes
+    # The minimum-makespan solver, exact for any non-decreasing curve (a micro-batched line costs O(1) to evaluate).
+    split = solve_batch_split(curves, B, max_batch_sizes=zero_caps(caps), min_batch_size=0).per_replica_batch_sizes
     parts = [curve.micro_batches(b) if isinstance(curve, MicroBatchedCostModel) else ([b] if b else [])
              for curve, b in zip(curves, split)]
     K = max(len(p) for p in parts)
