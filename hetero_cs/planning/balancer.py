@@ -36,13 +36,9 @@ from hetero_cs.planning.cost_model import CostModel, idle_free, without_idle_pri
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import choose_plan
-from hetero_cs.planning.balancer_inference import InferencePlans
-from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery
-from hetero_cs.planning.balancer_probe import IdleProbes
-from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
-from hetero_cs.planning.balancer_micro import MicroBatchedSteps
-from hetero_cs.planning.balancer_trials import GuardTrials
+from hetero_cs.planning.balancer_plans import OtherPlans
+from hetero_cs.planning.balancer_trials import GuardTrials, _checked_contention
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -52,7 +48,7 @@ from hetero_cs.planning._curves import _checked_caps
 
 logger = logging.getLogger(__name__)
 
-class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
+class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:

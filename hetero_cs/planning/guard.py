@@ -28,7 +28,7 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    ``max_backoff_steps`` after the previous back-off ended.
 4. **The fastest card alone.** A plan that spreads the batch over several cards is also a prediction that they
    beat the fastest of them alone. Where the plan in force measures slower than predicted, or slower than the
-   fastest card's predicted time alone (:mod:`hetero_cs.planning.balancer_alone` says when exactly), the owner runs
+   fastest card's predicted time alone (:mod:`hetero_cs.planning.balancer_trials` says when exactly), the owner runs
    one more trial with the same rules: the fastest card alone as the candidate, the plan in force as the incumbent
    (``start(..., against_alone=True)``). Kept, the other cards sit idle; reverted, the plan stays and no back-off
    follows (the check refuted nothing that was proposed).
