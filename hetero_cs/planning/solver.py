@@ -48,9 +48,8 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning._curves import _checked_int, _checked_models, _checked_problem, _Curves, _Grid, _grid
-from hetero_cs.planning._knots import _breakpoints, _closed_form_ideal, _fill, _ideal_tables, _knot_tables
-from hetero_cs.planning._knots import _lowest_level
+from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem, _closed_form_ideal
+from hetero_cs.planning._curves import _Curves, _fill, _Grid, _grid, _ideal_tables, _knot_tables, _lowest_level
 from hetero_cs.planning.cost_checks import decreasing_error
 from hetero_cs.planning.cost_model import CostModel, holds_no_example
 from hetero_cs.planning.plan import BatchPlan, _as_tuple, _is_int, even_batch_split
