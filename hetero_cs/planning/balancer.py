@@ -26,7 +26,6 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -46,7 +45,6 @@ from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MA
 from hetero_cs.planning.sampling import interval_steps
 from hetero_cs.planning._curves import _checked_caps
 
-logger = logging.getLogger(__name__)
 
 class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.

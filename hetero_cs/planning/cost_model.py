@@ -18,7 +18,6 @@ Pure Python: no TensorFlow, no NVML.
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +26,6 @@ from typing import Any, Protocol, runtime_checkable
 from hetero_cs.errors import InvalidCostModelError
 from hetero_cs.planning.cost_checks import MAX_SECONDS, _check_base, _check_batch_size
 from hetero_cs.planning.plan import _is_int, _is_real, even_batch_split
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "CostModel",

@@ -14,7 +14,6 @@ Pure Python: no TensorFlow, no NVML.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence, Set
@@ -23,8 +22,6 @@ from fractions import Fraction
 from typing import Any
 
 from hetero_cs.errors import BatchSplitError, ConfigError
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BatchPlan", "even_batch_split", "split_by_shares"]
 
