@@ -10,8 +10,9 @@ faster; a refuted re-plan restores the cost models the plan in force was made wi
 them beat the new card alone. The solver already answers it on the cost models (it leaves a card out wherever that
 is predicted faster), but the models are a prediction, made from each card timed on its own: cards that run
 together contend for the host (its cores, PCIe lanes behind one switch, host memory bandwidth), a card calibrated on
-a busy host or one that slows down can make a plan that spreads the batch slower than its fastest card alone. So the guard measures the two side by side in one
-more trial (:mod:`hetero_cs.planning.guard`, item 4) when the plan in force, a plan that uses two cards or more,
+a busy host or one that slows down can make a plan that spreads the batch slower than its fastest card alone. So
+the guard measures the two side by side in one more trial (:mod:`hetero_cs.planning.guard`, item 4) when the plan in
+force, a plan that uses two cards or more,
 
 * measures slower than its prediction by more than the noise margin (``GuardPolicy.alone_check_margin``, or
   ``noise_sigmas`` standard errors of the measured median, whichever is larger): the predictions do not hold here,
