@@ -203,9 +203,8 @@ def _breakpoints(model: Any) -> tuple[int, ...] | None:
     return () if type(model) is LinearCostModel else None
 
 
-def _knot_tables(
-    models: Sequence[CostModel], lows: Sequence[int], highs: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
+def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
+                 highs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Knots (x, t_i(x)) of each replica's curve on [lows[i], highs[i]], shapes [R, K], padded with the last knot.
 
     Between knots each curve is exactly linear (the models have closed-form breakpoints).
@@ -228,9 +227,8 @@ def _knot_tables(
     return X, T
 
 
-def _ideal_tables(
-    models: Sequence[CostModel], B: int, min_b: int, caps: Sequence[int | None]
-) -> tuple[np.ndarray, np.ndarray]:
+def _ideal_tables(models: Sequence[CostModel], B: int, min_b: int,
+                  caps: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray]:
     """Knot tables on [min_b, cap_i]; a replica never needs more than B - (R - 1) * min_b, its cap if it has none."""
     most = B - (len(models) - 1) * min_b
     return _knot_tables(models, [min_b] * len(models), [most if c is None else min(c, most) for c in caps])

@@ -79,13 +79,11 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         (75, 25)
     """
 
-    def __init__(
-        self, num_replicas: int, *, auto_balance: bool = True, rebalance: bool = True,
-        shares: Sequence[float] | None = None, guard: bool = True, rebalance_policy: RebalancePolicy | None = None,
-        guard_policy: GuardPolicy | None = None, on_plan: Callable[[BatchPlan], None] | None = None,
-        memory_policy: MemoryRecoveryPolicy | None = None, idle_replicas_free: bool = False,
-        on_trial: Callable[[BatchPlan], None] | None = None,
-    ):
+    def __init__(self, num_replicas: int, *, auto_balance: bool = True, rebalance: bool = True,
+                 shares: Sequence[float] | None = None, guard: bool = True,
+                 rebalance_policy: RebalancePolicy | None = None, guard_policy: GuardPolicy | None = None,
+                 on_plan: Callable[[BatchPlan], None] | None = None, memory_policy: MemoryRecoveryPolicy | None = None,
+                 idle_replicas_free: bool = False, on_trial: Callable[[BatchPlan], None] | None = None):
         self._memory = MemoryCaps(num_replicas, memory_policy)  # (ConfigError unless num_replicas is an int >= 1)
         self._num_replicas = num_replicas
         self._lock = threading.RLock()
@@ -263,11 +261,9 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
                              reference_batch_size=self._reference_batch_size, trial=False,
                              contention_factors=self._contention_factors)
 
-    def set_cost_models(
-        self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
-        trial: bool = False, reference_batch_size: int | None = None,
-        contention_factors: Sequence[float] | None = None,
-    ) -> None:
+    def set_cost_models(self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
+                        trial: bool = False, reference_batch_size: int | None = None,
+                        contention_factors: Sequence[float] | None = None) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
 
         Args:

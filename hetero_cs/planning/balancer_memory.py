@@ -70,9 +70,8 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         """The memory caps in force (calibrated, lowered by out-of-memory steps, grown back) and their history."""
         return self._memory
 
-    def recover_from_oom(
-        self, replica_id: int, failed_batch_size: int, global_batch_size: int
-    ) -> tuple[BatchPlan, CapChange]:
+    def recover_from_oom(self, replica_id: int, failed_batch_size: int,
+                         global_batch_size: int) -> tuple[BatchPlan, CapChange]:
         """After a step ran out of memory on one replica: lowers its cap and re-solves the plan within the caps.
 
         The plan for ``global_batch_size`` (the batch to retry) is solved within the new caps and, for the

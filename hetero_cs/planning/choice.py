@@ -15,17 +15,9 @@ MIN_PREDICTED_GAIN = 0.02
 """An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
 
-def choose_plan(
-    global_batch_size: int,
-    num_replicas: int,
-    *,
-    shares: Sequence[float] | None,
-    auto_balance: bool,
-    cost_models: Sequence[CostModel] | None,
-    max_batch_sizes: Sequence[int | None] | None,
-    log_ties: bool = True,
-    idle_free: bool = False,
-) -> BatchPlan:
+def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[float] | None, auto_balance: bool,
+                cost_models: Sequence[CostModel] | None, max_batch_sizes: Sequence[int | None] | None,
+                log_ties: bool = True, idle_free: bool = False) -> BatchPlan:
     """The plan for one global batch of B examples on R replicas.
 
     Fixed ``shares`` win; without them, no auto-balance or no cost models give the even split (either one, when
@@ -68,9 +60,7 @@ def _violates(split: Sequence[int], caps: Sequence[int | None] | None) -> bool:
     return caps is not None and any(c is not None and b > c for b, c in zip(split, caps))
 
 
-def _split_within_caps(
-    global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]
-) -> tuple[int, ...]:
+def _split_within_caps(global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]) -> tuple[int, ...]:
     """The split closest to ``shares`` within ``caps``: the minimum-makespan split for step times b_i / share_i
     (a replica with share 0 gets nothing). Raises InfeasiblePlanError when the caps cannot hold the batch."""
     from hetero_cs.planning.cost_model import LinearCostModel

@@ -278,16 +278,9 @@ def _no_room_error() -> InfeasiblePlanError:
         "(another process may hold it), use a smaller model, or train on other devices.")
 
 
-def plan_micro_batches(
-    global_batch_size: int,
-    solve: Callable[[int], BatchPlan],
-    *,
-    capacity: int | None,
-    min_gain: float = MIN_PREDICTED_GAIN,
-    max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
-    sub_step_overhead_s: float = 0.0,
-    incumbent_sub_steps: int | None = None,
-) -> MicroBatchPlan:
+def plan_micro_batches(global_batch_size: int, solve: Callable[[int], BatchPlan], *, capacity: int | None,
+                       min_gain: float = MIN_PREDICTED_GAIN, max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
+                       sub_step_overhead_s: float = 0.0, incumbent_sub_steps: int | None = None) -> MicroBatchPlan:
     """The sub-steps to train one global batch of ``B`` examples in (see the module docstring).
 
     Args:
@@ -362,15 +355,10 @@ def zero_caps(max_batch_sizes) -> list:
     return [0 if cap is not None and cap < 1 else None for cap in max_batch_sizes]
 
 
-def plan_overlapped_micro_batches(
-    global_batch_size: int,
-    cost_models: Sequence[Any],
-    max_batch_sizes: Sequence[int | None],
-    *,
-    host_overhead_s: float = 0.0,
-    single_step_makespan_s: float | None = None,
-    max_sub_steps: int = MAX_OVERLAPPED_SUB_STEPS,
-) -> MicroBatchPlan | None:
+def plan_overlapped_micro_batches(global_batch_size: int, cost_models: Sequence[Any],
+                                  max_batch_sizes: Sequence[int | None], *, host_overhead_s: float = 0.0,
+                                  single_step_makespan_s: float | None = None,
+                                  max_sub_steps: int = MAX_OVERLAPPED_SUB_STEPS) -> MicroBatchPlan | None:
     """The fastest overlapped plan: each card runs its ``b_i`` examples as micro-batches within its cap, back to back.
 
     Minimises ``max_i T_i(b_i)`` over integer splits of ``B``, where ``T_i`` is

@@ -410,9 +410,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 levels[usable, i] = times_s[usable, i] / per_step_s[usable]
         return levels
 
-    def _relative_levels(
-        self, cost_models: Sequence[CostModel], levels: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _relative_levels(self, cost_models: Sequence[CostModel],
+                         levels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per-step levels with the step's common mode divided out, and the common modes.
 
         With q = :meth:`_levels` (positive levels only; a zero time says nothing about speed) and g[k] the geometric

@@ -164,9 +164,7 @@ class Rebalancer:
         (55, 45)
     """
 
-    def __init__(
-        self, policy: RebalancePolicy | None = None, *, max_batch_sizes: Sequence[int | None] | None = None
-    ):
+    def __init__(self, policy: RebalancePolicy | None = None, *, max_batch_sizes: Sequence[int | None] | None = None):
         policy = RebalancePolicy() if policy is None else policy
         if not isinstance(policy, RebalancePolicy):
             raise ConfigError(f"policy must be a RebalancePolicy. Received: policy={policy!r}.")
@@ -200,15 +198,9 @@ class Rebalancer:
         """Every decision that switched plans, oldest first (bounded in practice by the cooldown)."""
         return tuple(self._switches)
 
-    def propose(
-        self,
-        step: int,
-        current_plan: BatchPlan,
-        cost_models: Sequence[CostModel],
-        *,
-        num_samples: int | None = None,
-        relative_standard_errors: Sequence[float] | None = None,
-    ) -> BatchPlan | None:
+    def propose(self, step: int, current_plan: BatchPlan, cost_models: Sequence[CostModel], *,
+                num_samples: int | None = None,
+                relative_standard_errors: Sequence[float] | None = None) -> BatchPlan | None:
         """Returns a better plan for current_plan.global_batch_size, or None to keep the current one.
 
         Solves the optimal split under cost_models (``solve_batch_split`` with the policy's constraints and the
@@ -243,13 +235,8 @@ class Rebalancer:
             )
         return self._propose(step, current_plan, lambda: cost_models, lambda _: relative_standard_errors, num_samples)
 
-    def propose_from_monitor(
-        self,
-        monitor: StepTimeMonitor,
-        current_plan: BatchPlan,
-        *,
-        base_models: Sequence[CostModel] | None = None,
-    ) -> BatchPlan | None:
+    def propose_from_monitor(self, monitor: StepTimeMonitor, current_plan: BatchPlan, *,
+                             base_models: Sequence[CostModel] | None = None) -> BatchPlan | None:
         """``propose`` with the step, sample count, cost models and their errors read from a monitor.
 
         The monitor's models are computed only when a decision is due (not during cooldown). This is the call to
@@ -279,14 +266,9 @@ class Rebalancer:
             monitor.relative_standard_errors, monitor.num_samples,
         )
 
-    def _propose(
-        self,
-        step: int,
-        current_plan: BatchPlan,
-        get_models: Callable[[], Sequence[CostModel]],
-        get_errors: Callable[[Sequence[CostModel]], Sequence[float] | None],
-        num_samples: int | None,
-    ) -> BatchPlan | None:
+    def _propose(self, step: int, current_plan: BatchPlan, get_models: Callable[[], Sequence[CostModel]],
+                 get_errors: Callable[[Sequence[CostModel]], Sequence[float] | None],
+                 num_samples: int | None) -> BatchPlan | None:
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step must be a non-negative integer. Received: step={step!r}.")
         if self._last_step is not None and step < self._last_step:

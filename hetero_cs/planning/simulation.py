@@ -40,19 +40,10 @@ class SimulatedStep:
     replanned: bool
 
 
-def simulate_training(
-    true_models_at_step: Callable[[int], Sequence[CostModel]],
-    initial_plan: BatchPlan,
-    *,
-    steps: int,
-    policy: RebalancePolicy | None = None,
-    base_models: Sequence[CostModel] | None = None,
-    window_steps: int = 16,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    relative_noise: float = 0.0,
-    lognormal_sigma: float = 0.0,
-    seed: int = 0,
-) -> list[SimulatedStep]:
+def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]], initial_plan: BatchPlan, *, steps: int,
+                      policy: RebalancePolicy | None = None, base_models: Sequence[CostModel] | None = None,
+                      window_steps: int = 16, max_batch_sizes: Sequence[int | None] | None = None,
+                      relative_noise: float = 0.0, lognormal_sigma: float = 0.0, seed: int = 0) -> list[SimulatedStep]:
     """Drives a StepTimeMonitor and a Rebalancer with synthetic step times (no TensorFlow, no sleeping).
 
     At each step, replica i's observed time is true_models_at_step(step)[i].predict_step_time_s(b_i) times a
@@ -139,18 +130,9 @@ class BalancedStep:
     in_trial: bool
 
 
-def simulate_balancer(
-    balancer: Any,
-    true_models_at_step: Callable[[int], Sequence[CostModel]],
-    global_batch_size: int,
-    *,
-    steps: int,
-    prefetch: int = 0,
-    relative_noise: float = 0.0,
-    common_noise_sigma: float = 0.0,
-    contention: float = 1.0,
-    seed: int = 0,
-) -> list[BalancedStep]:
+def simulate_balancer(balancer: Any, true_models_at_step: Callable[[int], Sequence[CostModel]], global_batch_size: int,
+                      *, steps: int, prefetch: int = 0, relative_noise: float = 0.0, common_noise_sigma: float = 0.0,
+                      contention: float = 1.0, seed: int = 0) -> list[BalancedStep]:
     """Drives a :class:`~hetero_cs.planning.balancer.Balancer` as an engine would, with synthetic step times.
 
     Each step, the engine asks ``balancer.serve(B)`` for the slices of a batch that runs ``prefetch`` steps later
