@@ -56,8 +56,7 @@ def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
     if not models:
         raise ConfigError(
             "cost_models is empty: give one cost model per replica (e.g. from calibration.calibrate, or "
-            "LinearCostModel(fixed_overhead_s, seconds_per_example))."
-        )
+            "LinearCostModel(fixed_overhead_s, seconds_per_example)).")
     for i, model in enumerate(models):
         predictor(model, i)
     return models
@@ -71,27 +70,23 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
     ):
         raise ConfigError(
             f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
-            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128]."
-        )
+            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128].")
     caps = list(max_batch_sizes)
     if len(caps) != R:
         raise ConfigError(
             f"max_batch_sizes must hold one cap per replica: len(max_batch_sizes)={len(caps)} but there are "
-            f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap."
-        )
+            f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap.")
     for i, cap in enumerate(caps):
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(
                 f"max_batch_sizes[{i}] must be an integer >= 0 (examples; 0 leaves the replica idle) or None (no "
-                f"cap). Received: max_batch_sizes[{i}]={cap!r}."
-            )
+                f"cap). Received: max_batch_sizes[{i}]={cap!r}.")
     low = [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]
     if low:
         listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)
         raise InfeasiblePlanError(
             f"{listing} below min_batch_size={min_b}: such a replica cannot hold even the smallest slice. "
-            "Pass min_batch_size=0 (lets it sit idle), raise its cap, or leave the device out."
-        )
+            "Pass min_batch_size=0 (lets it sit idle), raise its cap, or leave the device out.")
     return [None if c is None else int(c) for c in caps]
 
 
@@ -104,16 +99,14 @@ def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> N
         raise InfeasiblePlanError(
             f"global_batch_size={B} is less than num_replicas={R} x min_batch_size={min_b} = {R * min_b}: every "
             "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
-            "raise the global batch size, or use fewer replicas."
-        )
+            "raise the global batch size, or use fewer replicas.")
     if all(c is not None for c in caps):
         total = sum(c for c in caps if c is not None)
         if total < B:
             raise InfeasiblePlanError(
                 f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum to {total} "
                 f"({_caps_listing(caps)}). Lower the global batch size to at most {total}, raise the caps "
-                "(recalibrate the memory limits), or add replicas."
-            )
+                "(recalibrate the memory limits), or add replicas.")
 
 
 
@@ -166,14 +159,12 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Gr
         raise InfeasiblePlanError(
             f"{listing} admits no slice that is a multiple of multiple_of={k} and >= min_batch_size={min_b} "
             f"(the smallest legal slice is {lo[empty[0]]}). Pass min_batch_size=0, a smaller multiple_of, or "
-            "raise the cap."
-        )
+            "raise the cap.")
     if sum(lo) > B:
         raise InfeasiblePlanError(
             f"global_batch_size={B} cannot be split into slices that are multiples of multiple_of={k} and >= "
             f"min_batch_size={min_b}: the smallest legal slices {lo} sum to {sum(lo)} > {B}. Pass "
-            "min_batch_size=0, a smaller multiple_of, or a larger global batch size."
-        )
+            "min_batch_size=0, a smaller multiple_of, or a larger global batch size.")
     M = (B - sum(lo)) // k
     length = [M if h is None else min(M, (h - l) // k) for h, l in zip(hi, lo)]
     if sum(length) < M:
@@ -181,8 +172,7 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Gr
         raise InfeasiblePlanError(
             f"global_batch_size={B} exceeds the total capacity once slices are rounded to multiples of "
             f"multiple_of={k}: the largest legal slices {largest} sum to {sum(largest)} ({_caps_listing(caps)}). "
-            f"Lower the global batch size, use a smaller multiple_of, or raise the caps."
-        )
+            f"Lower the global batch size, use a smaller multiple_of, or raise the caps.")
     return _Grid(lo, length, M)
 
 

@@ -288,8 +288,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         R = self._num_replicas
         if len(models) != R:
             raise ConfigError(
-                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
-            )
+                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order.")
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
         excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
         if excluded:
@@ -434,8 +433,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         return choose_plan(
             global_batch_size, self._num_replicas, shares=self._shares, auto_balance=self._auto_balance,
             cost_models=self._cost_models, max_batch_sizes=self._max_batch_sizes, log_ties=reference,
-            idle_free=self._idle_free,
-        )
+            idle_free=self._idle_free)
 
     def _forget_plans(self) -> None:
         """What the plans were solved under changed: a running trial ends and every size is solved again."""

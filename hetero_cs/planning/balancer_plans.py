@@ -146,8 +146,7 @@ class OtherPlans:
             logger.info(
                 "hetero_cs: an evaluation/prediction batch of %d examples is more than the training memory caps %s "
                 "hold; it is split %s without them (an inference step keeps no activations for a backward pass).",
-                global_batch_size, list(self._max_batch_sizes), list(plan.per_replica_batch_sizes),
-            )
+                global_batch_size, list(self._max_batch_sizes), list(plan.per_replica_batch_sizes))
             return plan
 
     def _init_probes(self) -> None:

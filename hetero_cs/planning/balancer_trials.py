@@ -94,8 +94,7 @@ class GuardTrials:
             logger.warning(
                 "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
                 "a Keras optimizer is not timed); keeping %s unmeasured.",
-                self._trial_served, list(self._guard.candidate.per_replica_batch_sizes),
-            )
+                self._trial_served, list(self._guard.candidate.per_replica_batch_sizes))
             candidate = self._guard.candidate
             self._guard.abandon()
             self._models_before_replan = None

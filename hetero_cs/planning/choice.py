@@ -40,8 +40,7 @@ def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[f
     holds_none = max_batch_sizes is not None and any(cap == 0 for cap in max_batch_sizes)  # that card takes none
     min_batch_size = 1 if global_batch_size >= num_replicas and not idle_free and not holds_none else 0
     plan = solve_batch_split(
-        cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size
-    )
+        cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
     even = even_batch_split(global_batch_size, num_replicas)
     speedup = plan.predicted_speedup_vs_even
     caps_allow_even = max_batch_sizes is None or all(cap is None or b <= cap for b, cap in zip(even, max_batch_sizes))
@@ -50,8 +49,7 @@ def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[f
             logging.INFO if log_ties else logging.DEBUG,
             "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
             "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
-            list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even),
-        )
+            list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even))
         return plan_from_split(even, cost_models, max_batch_sizes=max_batch_sizes)
     return plan
 

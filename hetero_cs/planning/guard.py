@@ -112,8 +112,7 @@ class GuardPolicy:
         ):
             raise ConfigError(
                 f"pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', with every "
-                f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'."
-            )
+                f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'.")
         for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
             check_range(name, getattr(self, name), low, integer=True)
         check_range("max_pairs", self.max_pairs, self.min_pairs, integer=True, hint="at least min_pairs")
@@ -131,14 +130,12 @@ class GuardPolicy:
             raise ConfigError(
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
                 f"one-sided p-value of {2 * self.max_pairs} pairs is {2.0 ** -(2 * self.max_pairs):.3g}). Raise "
-                f"max_pairs or significance."
-            )
+                f"max_pairs or significance.")
         needed = math.ceil(len(p) / p.count("I")) * 2 * self.max_pairs
         if self.max_trial_steps < needed:
             raise ConfigError(
                 f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "
-                f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}."
-            )
+                f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +286,7 @@ class PlanGuard:
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
             "significant)", list(candidate.per_replica_batch_sizes),
             " (the fastest card alone)" if against_alone else "", list(incumbent.per_replica_batch_sizes), step,
-            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs,
-        )
+            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs)
 
     def plan_to_serve(self) -> BatchPlan | None:
         """The plan for the next full global batch the input pipeline cuts during a trial (None outside one)."""
@@ -396,8 +392,7 @@ class PlanGuard:
             decision.outcome, list(decision.candidate_per_replica_batch_sizes),
             " (the fastest card alone)" if decision.against_alone else "",
             list(decision.incumbent_per_replica_batch_sizes), decision.median_ratio, decision.num_pairs, p_text,
-            decision.reason, after,
-        )
+            decision.reason, after)
         self.abandon()
         return decision
 

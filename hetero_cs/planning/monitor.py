@@ -157,8 +157,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                     "Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be finite "
                     "and >= 0. Steps with invalid times are left out of the statistics; further ones are not "
                     "reported.",
-                    step_time_s, replica_id,
-                )
+                    step_time_s, replica_id)
             done = self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)
             if done is not None:
                 self._completed_steps += 1
@@ -200,8 +199,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             raise ConfigError(
                 f"A micro-batched step needs, per replica (R={R}), its examples b_i >= 0, its time t_i >= 0 in "
                 f"seconds and its micro-batch count k_i >= 1 where b_i > 0. Received: batch_sizes={batch_sizes!r}, "
-                f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}."
-            )
+                f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}.")
         key = object()  # this step's own key: its reports pair with nothing else
         with self._lock:
             done = None
@@ -343,8 +341,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if not known:
             raise CalibrationError(
                 f"Cannot estimate any replica's speed: the window holds no step where a replica had a positive "
-                f"slice and a positive time (num_samples={len(sizes)}). Record steps first, or pass base_models."
-            )
+                f"slice and a positive time (num_samples={len(sizes)}). Record steps first, or pass base_models.")
         positive = sizes[sizes > 0]
         reference_batch_size = max(1, int(round(_median(positive)))) if positive.size else 1
         slowest = max(known, key=lambda m: m.predict_step_time_s(reference_batch_size))

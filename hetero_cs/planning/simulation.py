@@ -102,8 +102,7 @@ def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]],
             monitor.record(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
         new_plan = rebalancer.propose_from_monitor(monitor, plan, base_models=base_models)
         trace.append(
-            SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None)
-        )
+            SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None))
         if new_plan is not None:
             plan = new_plan
     return trace
@@ -179,8 +178,7 @@ def simulate_balancer(balancer: Any, true_models_at_step: Callable[[int], Sequen
         if len(true_models) != len(sizes):
             raise ConfigError(
                 f"true_models_at_step({step}) returned {len(true_models)} cost models for {len(sizes)} replicas. "
-                f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)})."
-            )
+                f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)}).")
         true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
         if sum(1 for b in sizes if b > 0) > 1:
             true_s = true_s * contention
@@ -189,8 +187,7 @@ def simulate_balancer(balancer: Any, true_models_at_step: Callable[[int], Sequen
         in_force = balancer.plan
         trace.append(BalancedStep(
             step, sizes, tuple(in_force.per_replica_batch_sizes) if in_force is not None else sizes,
-            float(times_s.max()), float(true_s.max()), balancer.guard.in_trial,
-        ))
+            float(times_s.max()), float(true_s.max()), balancer.guard.in_trial))
         for replica_id in rng.permutation(len(sizes)):
             balancer.record_step_time(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
     return trace

@@ -218,8 +218,7 @@ def plan_from_split(per_replica_batch_sizes: Sequence[int], cost_models: Sequenc
     sizes = _as_tuple(per_replica_batch_sizes)
     if sizes is None:
         raise ConfigError(
-            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}."
-        )
+            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}.")
     plan = BatchPlan(sizes, sum(b for b in sizes if _is_int(b)))  # validates the slices before any model is called
     if cost_models is None:
         return plan
