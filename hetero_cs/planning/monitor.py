@@ -323,7 +323,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         """
         if base_models is not None:
             self._check_one_per_replica("base_models", base_models)
-            relative, common = self._relative_levels(base_models)
+            relative, common = self._relative_levels(self._levels(base_models))
             models = []
             for i, base in enumerate(base_models):
                 model = self._scaled_model(base, relative[:, i], common)
@@ -370,7 +370,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         """
         self._check_one_per_replica("cost_models", cost_models)
         levels = self._levels(cost_models)
-        relative, _ = self._relative_levels(cost_models, levels)
+        relative, _ = self._relative_levels(levels)
         result = np.zeros(self._num_replicas)
         for i in range(self._num_replicas):
             q = levels[:, i][np.isfinite(levels[:, i])]
@@ -407,17 +407,15 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 levels[usable, i] = times_s[usable, i] / per_step_s[usable]
         return levels
 
-    def _relative_levels(self, cost_models: Sequence[CostModel],
-                         levels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _relative_levels(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-step levels with the step's common mode divided out, and the common modes.
 
-        With q = :meth:`_levels` (positive levels only; a zero time says nothing about speed) and g[k] the geometric
-        mean of step k's positive levels - the factor by which the whole step ran slow or fast (the host got busy, a
-        garbage collection), which hits every replica alike and says nothing about their relative speeds - returns
-        (q / g, g), shapes [S, R] and [S].
+        With q = ``levels`` (:meth:`_levels`; positive levels only: a zero time says nothing about speed) and g[k]
+        the geometric mean of step k's positive levels - the factor by which the whole step ran slow or fast (the
+        host got busy, a garbage collection), which hits every replica alike and says nothing about their relative
+        speeds - returns (q / g, g), shapes [S, R] and [S].
         """
-        if levels is None:
-            levels = self._levels(cost_models)
         levels = np.where(levels > 0, levels, np.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
             finite = np.isfinite(levels)
