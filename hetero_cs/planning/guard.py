@@ -219,11 +219,6 @@ class PlanGuard:
         return self._trial is not None
 
     @property
-    def incumbent(self) -> BatchPlan | None:
-        """The plan in force during a trial, else None."""
-        return None if self._trial is None else self._trial.incumbent
-
-    @property
     def candidate(self) -> BatchPlan | None:
         """The plan being tried, else None."""
         return None if self._trial is None else self._trial.candidate
