@@ -1,7 +1,13 @@
-"""Checked inputs of the solver and checked, counted evaluation of the replicas' cost models (pure)."""
+"""The solver's internals (pure): its checked inputs, the checked and counted evaluation of the replicas' cost
+models, the grid of legal slices, and the knot tables of its closed-form path.
+
+The closed-form path: every model of this library is exactly linear between known breakpoints, so the continuous
+relaxation "every replica stops where its time reaches T" is solved on the knots with numpy.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
-from hetero_cs.planning.cost_checks import checked_prediction, predictor
-from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.cost_checks import checked_prediction, decreasing_error, predictor
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel
 from hetero_cs.planning.plan import _is_int
 
 
@@ -50,8 +56,7 @@ def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
     if not models:
         raise ConfigError(
             "cost_models is empty: give one cost model per replica (e.g. from calibration.calibrate, or "
-            "LinearCostModel(fixed_overhead_s, seconds_per_example))."
-        )
+            "LinearCostModel(fixed_overhead_s, seconds_per_example)).")
     for i, model in enumerate(models):
         predictor(model, i)
     return models
@@ -65,27 +70,23 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
     ):
         raise ConfigError(
             f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
-            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128]."
-        )
+            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128].")
     caps = list(max_batch_sizes)
     if len(caps) != R:
         raise ConfigError(
             f"max_batch_sizes must hold one cap per replica: len(max_batch_sizes)={len(caps)} but there are "
-            f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap."
-        )
+            f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap.")
     for i, cap in enumerate(caps):
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise ConfigError(
                 f"max_batch_sizes[{i}] must be an integer >= 0 (examples; 0 leaves the replica idle) or None (no "
-                f"cap). Received: max_batch_sizes[{i}]={cap!r}."
-            )
+                f"cap). Received: max_batch_sizes[{i}]={cap!r}.")
     low = [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]
     if low:
         listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)
         raise InfeasiblePlanError(
             f"{listing} below min_batch_size={min_b}: such a replica cannot hold even the smallest slice. "
-            "Pass min_batch_size=0 (lets it sit idle), raise its cap, or leave the device out."
-        )
+            "Pass min_batch_size=0 (lets it sit idle), raise its cap, or leave the device out.")
     return [None if c is None else int(c) for c in caps]
 
 
@@ -98,16 +99,14 @@ def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> N
         raise InfeasiblePlanError(
             f"global_batch_size={B} is less than num_replicas={R} x min_batch_size={min_b} = {R * min_b}: every "
             "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
-            "raise the global batch size, or use fewer replicas."
-        )
+            "raise the global batch size, or use fewer replicas.")
     if all(c is not None for c in caps):
         total = sum(c for c in caps if c is not None)
         if total < B:
             raise InfeasiblePlanError(
                 f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum to {total} "
                 f"({_caps_listing(caps)}). Lower the global batch size to at most {total}, raise the caps "
-                "(recalibrate the memory limits), or add replicas."
-            )
+                "(recalibrate the memory limits), or add replicas.")
 
 
 
@@ -160,14 +159,12 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Gr
         raise InfeasiblePlanError(
             f"{listing} admits no slice that is a multiple of multiple_of={k} and >= min_batch_size={min_b} "
             f"(the smallest legal slice is {lo[empty[0]]}). Pass min_batch_size=0, a smaller multiple_of, or "
-            "raise the cap."
-        )
+            "raise the cap.")
     if sum(lo) > B:
         raise InfeasiblePlanError(
             f"global_batch_size={B} cannot be split into slices that are multiples of multiple_of={k} and >= "
             f"min_batch_size={min_b}: the smallest legal slices {lo} sum to {sum(lo)} > {B}. Pass "
-            "min_batch_size=0, a smaller multiple_of, or a larger global batch size."
-        )
+            "min_batch_size=0, a smaller multiple_of, or a larger global batch size.")
     M = (B - sum(lo)) // k
     length = [M if h is None else min(M, (h - l) // k) for h, l in zip(hi, lo)]
     if sum(length) < M:
@@ -175,6 +172,92 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Gr
         raise InfeasiblePlanError(
             f"global_batch_size={B} exceeds the total capacity once slices are rounded to multiples of "
             f"multiple_of={k}: the largest legal slices {largest} sum to {sum(largest)} ({_caps_listing(caps)}). "
-            f"Lower the global batch size, use a smaller multiple_of, or raise the caps."
-        )
+            f"Lower the global batch size, use a smaller multiple_of, or raise the caps.")
     return _Grid(lo, length, M)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Knot tables (the closed-form path)
+# ----------------------------------------------------------------------------------------------------------------
+def _breakpoints(model: Any) -> tuple[int, ...] | None:
+    """The batch sizes where ``model`` changes slope, if it is piecewise linear in closed form; else None.
+
+    Used by the solver's fast path: between consecutive breakpoints (and beyond the outer ones) the model is
+    exactly linear in the batch size. Only :class:`LinearCostModel` (no breakpoint), :class:`PiecewiseLinearCostModel`
+    (its knots) and a :class:`ScaledCostModel` of those qualify.
+    """
+    if type(model) is ScaledCostModel:
+        return _breakpoints(model.base)
+    if type(model) is PiecewiseLinearCostModel:
+        return model.batch_sizes
+    return () if type(model) is LinearCostModel else None
+
+
+def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
+                 highs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Knots (x, t_i(x)) of each replica's curve on [lows[i], highs[i]], shapes [R, K], padded with the last knot.
+
+    Between knots each curve is exactly linear (the models have closed-form breakpoints).
+    """
+    curves = _Curves(models)
+    rows_x, rows_t = [], []
+    for i, model in enumerate(models):
+        low, high = lows[i], highs[i]
+        inner = [b for b in _breakpoints(model) if low < b < high]  # type: ignore[union-attr]
+        xs = [low, *inner] + ([high] if high > low else [])
+        ts = [curves.time(i, x) for x in xs]
+        for a in range(1, len(ts)):
+            if ts[a] < ts[a - 1]:
+                raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
+        rows_x.append(xs)
+        rows_t.append(ts)
+    width = max(2, max(len(r) for r in rows_x))
+    X = np.array([r + [r[-1]] * (width - len(r)) for r in rows_x], dtype=np.float64)
+    T = np.array([r + [r[-1]] * (width - len(r)) for r in rows_t], dtype=np.float64)
+    return X, T
+
+
+def _ideal_tables(models: Sequence[CostModel], B: int, min_b: int,
+                  caps: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Knot tables on [min_b, cap_i]; a replica never needs more than B - (R - 1) * min_b, its cap if it has none."""
+    most = B - (len(models) - 1) * min_b
+    return _knot_tables(models, [min_b] * len(models), [most if c is None else min(c, most) for c in caps])
+
+
+def _fill(X: np.ndarray, T: np.ndarray, level: float, *, strict: bool = False) -> np.ndarray:
+    """x_i(level) = max{x: t_i(x) <= level} per replica (its left limit when strict), shape [R]."""
+    below = (T < level) if strict else (T <= level)
+    count = below.sum(axis=1)
+    width = X.shape[1]
+    rows = np.arange(X.shape[0])
+    j = np.clip(count, 1, width - 1)
+    x0, x1, t0, t1 = X[rows, j - 1], X[rows, j], T[rows, j - 1], T[rows, j]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inside = x0 + (level - t0) * ((x1 - x0) / (t1 - t0))
+    return np.where(count == 0, X[:, 0], np.where(count == width, X[:, -1], inside))
+
+
+def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
+    """min{T: sum_i x_i(T) >= B} on knot tables (x_i at its lowest knot below its curve), -inf if that holds B."""
+    if X[:, 0].sum() >= B:
+        return -math.inf
+    levels = np.unique(T)
+    if _fill(X, T, float(levels[0])).sum() >= B:  # below levels[0] every x_i is at its lowest knot
+        return float(levels[0])
+    lo_idx, hi_idx = 0, len(levels) - 1  # sum x(levels[lo]) < B <= sum x(levels[hi]) (the last knots hold B)
+    while hi_idx - lo_idx > 1:
+        mid = (lo_idx + hi_idx) // 2
+        if _fill(X, T, float(levels[mid])).sum() >= B:
+            hi_idx = mid
+        else:
+            lo_idx = mid
+    a, b = float(levels[lo_idx]), float(levels[hi_idx])
+    at_a = float(_fill(X, T, a).sum())
+    before_b = float(_fill(X, T, b, strict=True).sum())  # sum x is linear on [a, b), then may jump at b
+    level = a + (B - at_a) * (b - a) / (before_b - at_a) if before_b >= B else b
+    return min(max(level, a), b)
+
+
+def _closed_form_ideal(X: np.ndarray, T: np.ndarray, B: int) -> float:
+    """The ideal bound of :func:`ideal_makespan_s` from :func:`_ideal_tables`."""
+    return max(float(T[:, 0].max()), _lowest_level(X, T, B))

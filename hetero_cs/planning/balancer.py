@@ -26,7 +26,6 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -36,13 +35,9 @@ from hetero_cs.planning.cost_model import CostModel, idle_free, without_idle_pri
 from hetero_cs.planning.guard import GuardDecision, GuardPolicy, PlanGuard
 from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import choose_plan
-from hetero_cs.planning.balancer_inference import InferencePlans
-from hetero_cs.planning.balancer_shares import FixedShares
 from hetero_cs.planning.balancer_memory import MemoryRecovery
-from hetero_cs.planning.balancer_probe import IdleProbes
-from hetero_cs.planning.balancer_alone import AloneCheck, _checked_contention
-from hetero_cs.planning.balancer_micro import MicroBatchedSteps
-from hetero_cs.planning.balancer_trials import GuardTrials
+from hetero_cs.planning.balancer_plans import OtherPlans
+from hetero_cs.planning.balancer_trials import GuardTrials, _checked_contention
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -50,9 +45,8 @@ from hetero_cs.planning.sampling import LOOK_COST_S, MAX_LOOK_INTERVAL_STEPS, MA
 from hetero_cs.planning.sampling import interval_steps
 from hetero_cs.planning._curves import _checked_caps
 
-logger = logging.getLogger(__name__)
 
-class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdleProbes, AloneCheck, MicroBatchedSteps):
+class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
     """Chooses, serves, watches and re-plans the per-replica split of every global batch.
 
     Args:
@@ -85,13 +79,11 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
         (75, 25)
     """
 
-    def __init__(
-        self, num_replicas: int, *, auto_balance: bool = True, rebalance: bool = True,
-        shares: Sequence[float] | None = None, guard: bool = True, rebalance_policy: RebalancePolicy | None = None,
-        guard_policy: GuardPolicy | None = None, on_plan: Callable[[BatchPlan], None] | None = None,
-        memory_policy: MemoryRecoveryPolicy | None = None, idle_replicas_free: bool = False,
-        on_trial: Callable[[BatchPlan], None] | None = None,
-    ):
+    def __init__(self, num_replicas: int, *, auto_balance: bool = True, rebalance: bool = True,
+                 shares: Sequence[float] | None = None, guard: bool = True,
+                 rebalance_policy: RebalancePolicy | None = None, guard_policy: GuardPolicy | None = None,
+                 on_plan: Callable[[BatchPlan], None] | None = None, memory_policy: MemoryRecoveryPolicy | None = None,
+                 idle_replicas_free: bool = False, on_trial: Callable[[BatchPlan], None] | None = None):
         self._memory = MemoryCaps(num_replicas, memory_policy)  # (ConfigError unless num_replicas is an int >= 1)
         self._num_replicas = num_replicas
         self._lock = threading.RLock()
@@ -269,11 +261,9 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
                              reference_batch_size=self._reference_batch_size, trial=False,
                              contention_factors=self._contention_factors)
 
-    def set_cost_models(
-        self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
-        trial: bool = False, reference_batch_size: int | None = None,
-        contention_factors: Sequence[float] | None = None,
-    ) -> None:
+    def set_cost_models(self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None,
+                        trial: bool = False, reference_batch_size: int | None = None,
+                        contention_factors: Sequence[float] | None = None) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan.
 
         Args:
@@ -298,8 +288,7 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
         R = self._num_replicas
         if len(models) != R:
             raise ConfigError(
-                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order."
-            )
+                f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order.")
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
         excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
         if excluded:
@@ -444,8 +433,7 @@ class Balancer(GuardTrials, MemoryRecovery, InferencePlans, FixedShares, IdlePro
         return choose_plan(
             global_batch_size, self._num_replicas, shares=self._shares, auto_balance=self._auto_balance,
             cost_models=self._cost_models, max_batch_sizes=self._max_batch_sizes, log_ties=reference,
-            idle_free=self._idle_free,
-        )
+            idle_free=self._idle_free)
 
     def _forget_plans(self) -> None:
         """What the plans were solved under changed: a running trial ends and every size is solved again."""

@@ -1,20 +1,53 @@
-"""The Balancer's out-of-memory recovery: lower a replica's cap, re-solve within the caps, grow caps back (pure).
+"""The Balancer's memory: out-of-memory recovery (lower a replica's cap, re-solve within the caps, grow caps back)
+and the watch over micro-batched steps (their times reach the monitor, and drift re-plans them) (pure).
 
 Part of :class:`hetero_cs.planning.balancer.Balancer` (a base class of it, in its own module for size); the cap
 policy itself is :class:`hetero_cs.planning.memory_caps.MemoryCaps`. An engine calls :meth:`recover_from_oom`
 when a replica's step ran out of memory (then retries the same global batch with the plan it returns) and
-:meth:`record_step_success` after each step that completed. This module imports neither TensorFlow nor pynvml.
+:meth:`record_step_success` after each step that completed.
+
+**Micro-batched steps.** A global batch that the memory caps cannot hold in one step (or that runs faster as
+micro-batches) is run by the engine as one traced call in which each card runs its micro-batches back to back
+(:mod:`hetero_cs.engine.memory.micro_batches`). Such a step is not cut through
+:meth:`~hetero_cs.planning.balancer.Balancer.serve`, so without this watch its times would reach nobody: a card that
+slowed down would keep its share for the rest of the run.
+
+After each such step the engine reports every card's examples, time and micro-batch count
+(:meth:`MemoryRecovery.record_micro_batched_step`). The monitor takes it as one step (its makespan is the
+step's), and estimates each card's speed from its mean micro-batch, one step of the card's cost model. Every
+``look interval`` steps the re-balance policy (deadband, noise margin, cooldown; :mod:`hetero_cs.planning.rebalance`)
+compares the split in use with the split solved under the monitor's models, both priced as micro-batches
+(:class:`~hetero_cs.planning.cost_model.MicroBatchedCostModel` within each card's cap). When it would re-plan, the
+balancer adopts the monitor's models; the engine's micro-batch plans, solved from the balancer's models, follow at
+the next step. There is no guard trial here: the micro-batched split is not served through the guard's pattern,
+and the policy's noise margin stands in for it.
+
+The other way round: while steps run as one step within the caps with a card held at its cap (a card that drifted
+slower was planned out of its micro-batches), the engine asks before each step
+(:meth:`MemoryRecovery.consider_micro_batched_models`). Every look interval, when the monitor's models differ
+from those in force by more than the deadband at the slices in use, and a split priced as micro-batches under the
+monitor's models beats the step in use by more than the deadband, the balancer takes the monitor's models: the
+engine then plans micro-batches again (and the guard tries them side by side before keeping them). So a card that
+recovers gets its micro-batches back; the re-planner of one-step plans cannot see that, since the cap holds its
+slice where it is.
+
+This module imports neither TensorFlow nor pynvml.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.errors import InfeasiblePlanError
 from hetero_cs.planning.memory_caps import CapChange, MemoryCaps
+from hetero_cs.planning.micro_batches import micro_batched_curves, zero_caps
 from hetero_cs.planning.plan import BatchPlan
 from hetero_cs.planning.rebalance import Rebalancer
+from hetero_cs.planning.solver import solve_batch_split
+
+logger = logging.getLogger("hetero_cs.planning.balancer")
 
 
 class MemoryRecovery(DeepcopiedWithNewLocks):
@@ -37,9 +70,8 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         """The memory caps in force (calibrated, lowered by out-of-memory steps, grown back) and their history."""
         return self._memory
 
-    def recover_from_oom(
-        self, replica_id: int, failed_batch_size: int, global_batch_size: int
-    ) -> tuple[BatchPlan, CapChange]:
+    def recover_from_oom(self, replica_id: int, failed_batch_size: int,
+                         global_batch_size: int) -> tuple[BatchPlan, CapChange]:
         """After a step ran out of memory on one replica: lowers its cap and re-solves the plan within the caps.
 
         The plan for ``global_batch_size`` (the batch to retry) is solved within the new caps and, for the
@@ -116,3 +148,104 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         self._max_batch_sizes = caps
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
         self._forget_plans()
+
+    def _init_micro_batched_steps(self) -> None:
+        self._micro_rebalancer: Rebalancer | None = None
+        self._micro_rebalancer_caps: list | None = None
+        self._micro_last_look_step = -(10**9)
+        self._micro_replans = 0
+
+    @property
+    def micro_batched_replans(self) -> int:
+        """How many times the models behind micro-batched steps were replaced from measured step times."""
+        return self._micro_replans
+
+    def record_micro_batched_step(self, batch_sizes: Sequence[int], step_times_s: Sequence[float],
+                                  micro_batches: Sequence[int]) -> bool:
+        """Records a micro-batched step (replica i: ``b_i`` examples in ``k_i`` micro-batches, ``t_i`` seconds in
+        all) and re-plans from the monitor when the re-balance policy says so (see the module docstring).
+
+        Returns:
+            True when the cost models were replaced (the engine's micro-batch plans are solved again from them).
+
+        Raises:
+            ConfigError: As :meth:`StepTimeMonitor.record_micro_batched_step`.
+        """
+        with self._lock:
+            self._monitor.record_micro_batched_step(batch_sizes, step_times_s, micro_batches)
+            if not self.rebalance_enabled or self._cost_models is None or not self._micro_look_due():
+                return False
+            caps = list(self._max_batch_sizes or [None] * self._num_replicas)
+            if self._micro_rebalancer is None or self._micro_rebalancer_caps != zero_caps(caps):
+                # Micro-batched slices are not capped (each micro-batch is); a card with a cap of 0 stays out.
+                self._micro_rebalancer_caps = zero_caps(caps)
+                self._micro_rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=self._micro_rebalancer_caps)
+            current = BatchPlan(tuple(int(b) for b in batch_sizes), int(sum(int(b) for b in batch_sizes)))
+            measured = self._monitor.updated_cost_models(self._calibrated_models)
+            proposal = self._micro_rebalancer.propose(
+                self._micro_last_look_step, current, micro_batched_curves(measured, caps),
+                num_samples=self._monitor.num_samples,
+                relative_standard_errors=self._monitor.relative_standard_errors(measured))
+            if proposal is None:
+                return False
+            logger.info(
+                "hetero_cs: micro-batched steps measured the cards' speeds off their models: their micro-batches "
+                "are planned again from the measured times (%s -> %s examples per replica predicted).",
+                list(current.per_replica_batch_sizes), list(proposal.per_replica_batch_sizes))
+            self._take_measured_models(measured)
+            return True
+
+    def consider_micro_batched_models(self, global_batch_size: int) -> bool:
+        """Before a step of ``global_batch_size`` that would run as one step within the caps: takes the monitor's
+        models when micro-batches priced by them would beat that step (see the module docstring).
+
+        Returns:
+            True when the cost models were replaced (the engine's plans are solved again from them).
+        """
+        with self._lock:
+            plan, caps = self._plan, self._max_batch_sizes
+            if (not self.rebalance_enabled or self._cost_models is None or caps is None
+                    or plan is None or plan.global_batch_size != int(global_batch_size)
+                    or self._monitor.num_samples < self._rebalance_policy.min_samples):
+                return False
+            sizes = plan.per_replica_batch_sizes
+            if not any(cap is not None and 0 < cap <= b for b, cap in zip(sizes, caps)):
+                return False  # no card is held at its cap: the one-step re-planner sees everything
+            if not self._micro_look_due():
+                return False
+            measured = self._monitor.updated_cost_models(self._calibrated_models)
+            deadband = float(self._rebalance_policy.deadband)
+            moved = max(abs(float(new.predict_step_time_s(b)) / float(old.predict_step_time_s(b)) - 1.0)
+                        for new, old, b in zip(measured, self._cost_models, sizes)
+                        if b > 0 and float(old.predict_step_time_s(b)) > 0)
+            if not moved > deadband:
+                return False  # the models in force still describe the cards
+            current_s = max(float(m.predict_step_time_s(b)) for m, b in zip(measured, sizes))
+            best = solve_batch_split(micro_batched_curves(measured, caps), int(global_batch_size),
+                                    max_batch_sizes=zero_caps(caps), min_batch_size=0)
+            if not best.predicted_makespan_s < (1.0 - deadband) * current_s:
+                return False
+            logger.info(
+                "hetero_cs: the cards measured off their models while a card is held at its cap: micro-batches "
+                "planned from the measured times are predicted %.3f of the step in use (%s -> %s examples per "
+                "replica); they are planned again, and tried against it.",
+                best.predicted_makespan_s / current_s, list(sizes), list(best.per_replica_batch_sizes))
+            self._take_measured_models(measured)
+            return True
+
+    def _micro_look_due(self) -> bool:
+        """Whether a look at micro-batched steps is due (the look interval passed); it then counts as taken."""
+        completed = self._monitor.completed_steps
+        if completed - self._micro_last_look_step < self._look_interval_steps():
+            return False
+        self._micro_last_look_step = completed
+        return True
+
+    def _take_measured_models(self, measured) -> None:
+        self._cost_models = measured
+        self._micro_replans += 1
+        self._forget_plans()
+        reference = self._reference_batch_size
+        if reference is not None:
+            self._commit(self._solve(reference))
+

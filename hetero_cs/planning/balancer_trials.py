@@ -1,18 +1,51 @@
-"""The Balancer's guard trials: starting one, serving it, feeding it the measured steps, acting on its verdict (pure).
+"""The Balancer's guard trials (starting one, serving it, feeding it the measured steps, acting on its verdict) and
+its check of a plan against the fastest card alone, measured side by side in one more trial (pure).
 
 Part of :class:`hetero_cs.planning.balancer.Balancer` (a base class of it, in its own module for size). A solved plan
 that differs from the plan in force is tried against it (:class:`~hetero_cs.planning.guard.PlanGuard`): the guard says
 which of the two each training batch runs, compares the paired makespans and keeps the candidate only if it measured
-faster; a refuted re-plan restores the cost models the plan in force was made with. This module imports neither
-TensorFlow nor pynvml.
+faster; a refuted re-plan restores the cost models the plan in force was made with.
+
+**The fastest card alone.** The first question a user with one new card beside old ones asks is whether all of
+them beat the new card alone. The solver already answers it on the cost models (it leaves a card out wherever that
+is predicted faster), but the models are a prediction, made from each card timed on its own: cards that run
+together contend for the host (its cores, PCIe lanes behind one switch, host memory bandwidth), a card calibrated on
+a busy host or one that slows down can make a plan that spreads the batch slower than its fastest card alone. So
+the guard measures the two side by side in one more trial (:mod:`hetero_cs.planning.guard`, item 4) when the plan in
+force, a plan that uses two cards or more,
+
+* measures slower than its prediction by more than the noise margin (``GuardPolicy.alone_check_margin``, or
+  ``noise_sigmas`` standard errors of the measured median, whichever is larger): the predictions do not hold here,
+  and that the plan beats the card alone was one of them; or
+* measures slower than the fastest card's predicted time alone (by more than the measurement's noise); or
+* is predicted less than ``GuardPolicy.alone_check_below`` times faster than the fastest card alone (off by
+  default: a plan whose prediction holds needs no measurement).
+
+"Measures" is the median makespan of the replicas (the span the cost models predict) over the monitor's window
+steps that ran the plan's slices, at least the re-balancer's ``min_samples`` of them. Kept, the fastest card runs
+the whole batch and the others sit idle (the idle probes and the re-planner bring them back when they help);
+reverted, the plan stays, with no back-off.
+
+Each plan in force is checked at most once per set of cost models (a check that was interrupted, by fixed shares set
+mid-trial for example, runs again later): a re-plan that the guard keeps may be checked again, a reverted one is not
+(the plan in force did not change). No check runs right after the guard measured that very split (the card alone)
+slower. The re-planner looks first: a plan that a drifting card made slow is re-planned, not checked.
+
+This module imports neither TensorFlow nor pynvml.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
+
+from hetero_cs.errors import ConfigError
 from hetero_cs.planning.choice import _violates
+from hetero_cs.planning.cost_model import ScaledCostModel
 from hetero_cs.planning.plan import BatchPlan, even_batch_split
+from hetero_cs.planning.robust_stats import median_and_error
 from hetero_cs.planning.solver import plan_from_split
 
 logger = logging.getLogger("hetero_cs.planning.balancer")
@@ -61,8 +94,7 @@ class GuardTrials:
             logger.warning(
                 "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
                 "a Keras optimizer is not timed); keeping %s unmeasured.",
-                self._trial_served, list(self._guard.candidate.per_replica_batch_sizes),
-            )
+                self._trial_served, list(self._guard.candidate.per_replica_batch_sizes))
             candidate = self._guard.candidate
             self._guard.abandon()
             self._models_before_replan = None
@@ -93,3 +125,121 @@ class GuardTrials:
                 self._forget_alone_checks()  # a kept re-plan's measured models are new models
             self._maybe_check_alone()  # the plan now in force, against the fastest card alone
             return
+
+    def _init_alone_check(self) -> None:
+        self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked under the current models
+        self._contention_factors = [1.0] * self._num_replicas  # set_cost_models: each card beside the others
+
+    def _forget_alone_checks(self) -> None:
+        """New cost models: every plan may be checked again."""
+        self._alone_checked.clear()
+
+    def _alone_models(self) -> list:
+        """The cost models of each card stepping alone: its model over its contention factor."""
+        return [m if f == 1.0 else ScaledCostModel(m, 1.0 / f)
+                for m, f in zip(self._cost_models, self._contention_factors)]
+
+    def _plan_of(self, sizes) -> BatchPlan:
+        """The plan of these slices with its predicted times: a card that works alone does not contend."""
+        alone = sum(1 for b in sizes if b > 0) == 1
+        return plan_from_split(sizes, self._alone_models() if alone else self._cost_models,
+                               max_batch_sizes=self._max_batch_sizes)
+
+    def fastest_alone_plan(self, global_batch_size: int) -> BatchPlan | None:
+        """The whole global batch on the card predicted fastest alone, among those whose memory cap holds it.
+
+        A card alone does not contend with others for the host: its predicted time is its cost model's over its
+        contention factor (``set_cost_models(..., contention_factors=...)``).
+
+        Returns:
+            The plan (one replica with ``global_batch_size`` examples, the rest idle) with its predicted step times,
+            or None before cost models exist or when no card's cap holds the whole batch.
+        """
+        with self._lock:
+            models = self._cost_models
+            if models is None:
+                return None
+            caps = self._max_batch_sizes or [None] * self._num_replicas
+            B = int(global_batch_size)
+            holding = [i for i in range(self._num_replicas) if caps[i] is None or caps[i] >= B]
+            if not holding:
+                return None
+            alone = self._alone_models()
+            fastest = min(holding, key=lambda i: (alone[i].predict_step_time_s(B), i))
+            split = [0] * self._num_replicas
+            split[fastest] = B
+            return self._plan_of(split)
+
+    def _maybe_check_alone(self) -> None:
+        """Starts a guard trial of the fastest card alone against the plan in force, where it is due (see above)."""
+        plan = self._plan
+        if (
+            # Only an engine whose idle replicas run nothing (central storage) gains by leaving cards out.
+            not self._idle_free or not self.guard_enabled or self._shares is not None or plan is None
+            or self._guard.in_trial
+            or plan.global_batch_size != self._reference_batch_size
+        ):
+            return
+        sizes = plan.per_replica_batch_sizes
+        if sum(1 for b in sizes if b > 0) < 2 or sizes in self._alone_checked:
+            return
+        alone = self.fastest_alone_plan(plan.global_batch_size)
+        plan_s = plan.predicted_makespan_s
+        alone_s = None if alone is None else alone.predicted_makespan_s
+        last = self._guard.last_decision
+        if (
+            alone is None or alone.per_replica_batch_sizes == sizes or plan_s is None or alone_s is None
+            or not plan_s > 0
+            # The guard has just measured that very split slower: no second trial of it (its back-off stands).
+            or (last is not None and not last.kept
+                and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)
+        ):
+            self._alone_checked.add(sizes)  # nothing to check for this plan under these models
+            return
+        why = self._alone_check_reason(sizes, plan_s, alone_s)
+        if why is None:
+            return  # not due now; later steps may measure it slower
+        logger.info("hetero_cs guard: %s %s (replica %d alone); measuring both side by side", list(sizes), why,
+                    alone.per_replica_batch_sizes.index(plan.global_batch_size))
+        self._start_trial(plan, alone, against_alone=True)
+
+    def _alone_check_reason(self, sizes: tuple[int, ...], plan_s: float, alone_s: float) -> str | None:
+        """Why the plan of ``sizes`` (predicted ``plan_s``) is due a check against the card alone (predicted
+        ``alone_s``), or None."""
+        policy = self._guard.policy
+        if alone_s / plan_s < policy.alone_check_below:
+            return f"is predicted only {alone_s / plan_s:.3f}x faster than the fastest card alone"
+        if math.isinf(policy.alone_check_margin):
+            return None
+        measured = measured_makespan(self._monitor.window(), sizes)
+        if measured is None or measured[1] < self._rebalance_policy.min_samples:
+            return None
+        median_s, n, error = measured
+        noise = self._rebalance_policy.noise_sigmas * error
+        if median_s > alone_s * (1.0 + noise):
+            return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), slower than the fastest card's "
+                    f"predicted {alone_s * 1e3:.3f} ms alone")
+        if median_s > plan_s * (1.0 + max(policy.alone_check_margin, noise)):
+            return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), {median_s / plan_s:.3f}x its "
+                    f"predicted {plan_s * 1e3:.3f} ms: the predictions do not hold here")
+        return None
+
+
+def measured_makespan(samples, sizes: tuple[int, ...]) -> tuple[float, int, float] | None:
+    """The replicas' median makespan over the ``samples`` (StepSample) that ran ``sizes``, seconds; their count; and
+    the relative standard error of that median (:func:`~hetero_cs.planning.robust_stats.median_and_error`, as the
+    monitor's noise margin). None without such a sample."""
+    times = np.array([s.replica_makespan_s for s in samples if tuple(s.per_replica_batch_sizes) == sizes])
+    if not times.size:
+        return None
+    median_s, error = median_and_error(times)
+    return median_s, times.size, error
+
+
+def _checked_contention(factors, num_replicas: int) -> list[float]:
+    """``set_cost_models``' contention factors: one finite number >= 1 per replica (None: 1.0 each)."""
+    checked = [1.0] * num_replicas if factors is None else [float(f) for f in factors]
+    if len(checked) != num_replicas or not all(1.0 <= f < math.inf for f in checked):
+        raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={num_replicas}). "
+                          f"Received: contention_factors={factors!r}.")
+    return checked

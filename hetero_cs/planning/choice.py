@@ -15,17 +15,9 @@ MIN_PREDICTED_GAIN = 0.02
 """An auto-balanced plan replaces the even split only if it is predicted at least 2 % faster (noise margin)."""
 
 
-def choose_plan(
-    global_batch_size: int,
-    num_replicas: int,
-    *,
-    shares: Sequence[float] | None,
-    auto_balance: bool,
-    cost_models: Sequence[CostModel] | None,
-    max_batch_sizes: Sequence[int | None] | None,
-    log_ties: bool = True,
-    idle_free: bool = False,
-) -> BatchPlan:
+def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[float] | None, auto_balance: bool,
+                cost_models: Sequence[CostModel] | None, max_batch_sizes: Sequence[int | None] | None,
+                log_ties: bool = True, idle_free: bool = False) -> BatchPlan:
     """The plan for one global batch of B examples on R replicas.
 
     Fixed ``shares`` win; without them, no auto-balance or no cost models give the even split (either one, when
@@ -48,8 +40,7 @@ def choose_plan(
     holds_none = max_batch_sizes is not None and any(cap == 0 for cap in max_batch_sizes)  # that card takes none
     min_batch_size = 1 if global_batch_size >= num_replicas and not idle_free and not holds_none else 0
     plan = solve_batch_split(
-        cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size
-    )
+        cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
     even = even_batch_split(global_batch_size, num_replicas)
     speedup = plan.predicted_speedup_vs_even
     caps_allow_even = max_batch_sizes is None or all(cap is None or b <= cap for b, cap in zip(even, max_batch_sizes))
@@ -58,8 +49,7 @@ def choose_plan(
             logging.INFO if log_ties else logging.DEBUG,
             "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
             "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
-            list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even),
-        )
+            list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even))
         return plan_from_split(even, cost_models, max_batch_sizes=max_batch_sizes)
     return plan
 
@@ -68,9 +58,7 @@ def _violates(split: Sequence[int], caps: Sequence[int | None] | None) -> bool:
     return caps is not None and any(c is not None and b > c for b, c in zip(split, caps))
 
 
-def _split_within_caps(
-    global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]
-) -> tuple[int, ...]:
+def _split_within_caps(global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]) -> tuple[int, ...]:
     """The split closest to ``shares`` within ``caps``: the minimum-makespan split for step times b_i / share_i
     (a replica with share 0 gets nothing). Raises InfeasiblePlanError when the caps cannot hold the batch."""
     from hetero_cs.planning.cost_model import LinearCostModel

@@ -32,8 +32,7 @@ def _check_batch_size(batch_size: Any) -> None:
         return
     raise ConfigError(
         f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. "
-        "Pass the number of examples of one replica's slice."
-    )
+        "Pass the number of examples of one replica's slice.")
 
 
 def _check_base(model: Any) -> None:

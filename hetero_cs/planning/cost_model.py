@@ -18,7 +18,6 @@ Pure Python: no TensorFlow, no NVML.
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +26,6 @@ from typing import Any, Protocol, runtime_checkable
 from hetero_cs.errors import InvalidCostModelError
 from hetero_cs.planning.cost_checks import MAX_SECONDS, _check_base, _check_batch_size
 from hetero_cs.planning.plan import _is_int, _is_real, even_batch_split
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "CostModel",
@@ -64,8 +61,7 @@ def _check_keys(kind: str, data: Mapping[str, Any], required: set[str]) -> None:
     if unknown or missing:
         raise InvalidCostModelError(
             f"A {kind} cost model dict has keys {sorted(required)} (plus 'kind'). Received: unknown={unknown}, "
-            f"missing={missing}. Write it with to_dict()."
-        )
+            f"missing={missing}. Write it with to_dict().")
     if "kind" in data and data["kind"] != kind:
         raise InvalidCostModelError(f"Expected kind={kind!r}. Received: kind={data['kind']!r}.")
 
@@ -97,8 +93,7 @@ class LinearCostModel:
             if not _is_real(value) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
                 raise InvalidCostModelError(
                     f"LinearCostModel.{name} must be a number from 0 to {MAX_SECONDS:g} (seconds). Received: "
-                    f"{name}={value!r}. Refit the model from calibration samples."
-                )
+                    f"{name}={value!r}. Refit the model from calibration samples.")
             object.__setattr__(self, name, float(value))
 
     def predict_step_time_s(self, batch_size: int) -> float:
@@ -161,29 +156,25 @@ class PiecewiseLinearCostModel:
         if not sizes or len(sizes) != len(times):
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs as many step times as batch sizes, at least one. Received: "
-                f"len(batch_sizes)={len(sizes)}, len(step_times_s)={len(times)}."
-            )
+                f"len(batch_sizes)={len(sizes)}, len(step_times_s)={len(times)}.")
         bad = [b for b in sizes if not _is_int(b) or b < 0]
         if bad:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.batch_sizes must be integers >= 0. Received: batch_sizes={list(sizes)} "
-                f"(offending: {bad})."
-            )
+                f"(offending: {bad}).")
         sizes = tuple(int(b) for b in sizes)
         for k in range(1, len(sizes)):
             if sizes[k] <= sizes[k - 1]:
                 raise InvalidCostModelError(
                     "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
                     f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
-                    "repeated batch sizes (average their times)."
-                )
+                    "repeated batch sizes (average their times).")
         bad_times = [(b, t) for b, t in zip(sizes, times)
                      if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= MAX_SECONDS]
         if bad_times:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.step_times_s must be from 0 to {MAX_SECONDS:g} seconds. Received "
-                f"(batch_size, step_time_s): {bad_times}. Drop failed measurements before fitting."
-            )
+                f"(batch_size, step_time_s): {bad_times}. Drop failed measurements before fitting.")
         times = tuple(float(t) for t in times)
         for k in range(1, len(times)):
             if times[k] < times[k - 1]:
@@ -191,8 +182,7 @@ class PiecewiseLinearCostModel:
                     "PiecewiseLinearCostModel.step_times_s must be non-decreasing in batch size. Received: "
                     f"step time {times[k - 1]!r} s at batch_size={sizes[k - 1]} but {times[k]!r} s at "
                     f"batch_size={sizes[k]}. Fit the measurements with calibration's isotonic fit "
-                    "(calibration.fit.fit_cost_model), which makes them monotone."
-                )
+                    "(calibration.fit.fit_cost_model), which makes them monotone.")
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "step_times_s", times)
         slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])) if len(sizes) >= 2 else 0.0
@@ -249,8 +239,7 @@ class ScaledCostModel:
         if not _is_real(self.factor) or not math.isfinite(self.factor) or self.factor <= 0:
             raise InvalidCostModelError(
                 f"ScaledCostModel.factor must be a finite number > 0. Received: factor={self.factor!r}. "
-                "A factor comes from measured / predicted step times; drop non-positive measurements."
-            )
+                "A factor comes from measured / predicted step times; drop non-positive measurements.")
         object.__setattr__(self, "factor", float(self.factor))
 
     def predict_step_time_s(self, batch_size: int) -> float:
@@ -267,8 +256,7 @@ class ScaledCostModel:
         if not callable(to_dict):
             raise InvalidCostModelError(
                 f"ScaledCostModel.to_dict needs a base with to_dict(). Received: base={self.base!r}. Use one of "
-                "LinearCostModel, PiecewiseLinearCostModel or ScaledCostModel as the base."
-            )
+                "LinearCostModel, PiecewiseLinearCostModel or ScaledCostModel as the base.")
         return {"kind": "scaled", "factor": self.factor, "base": to_dict()}
 
     @classmethod
@@ -494,6 +482,5 @@ def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
         kind = data.get("kind") if isinstance(data, Mapping) else None
         raise InvalidCostModelError(
             f"A cost model dict needs 'kind' in {sorted(_KINDS)}. Received: kind={kind!r} in {data!r}. "
-            "Write it with the model's to_dict()."
-        )
+            "Write it with the model's to_dict().")
     return _KINDS[data["kind"]].from_dict(data)

@@ -28,7 +28,7 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    ``max_backoff_steps`` after the previous back-off ended.
 4. **The fastest card alone.** A plan that spreads the batch over several cards is also a prediction that they
    beat the fastest of them alone. Where the plan in force measures slower than predicted, or slower than the
-   fastest card's predicted time alone (:mod:`hetero_cs.planning.balancer_alone` says when exactly), the owner runs
+   fastest card's predicted time alone (:mod:`hetero_cs.planning.balancer_trials` says when exactly), the owner runs
    one more trial with the same rules: the fastest card alone as the candidate, the plan in force as the incumbent
    (``start(..., against_alone=True)``). Kept, the other cards sit idle; reverted, the plan stays and no back-off
    follows (the check refuted nothing that was proposed).
@@ -112,8 +112,7 @@ class GuardPolicy:
         ):
             raise ConfigError(
                 f"pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', with every "
-                f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'."
-            )
+                f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'.")
         for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
             check_range(name, getattr(self, name), low, integer=True)
         check_range("max_pairs", self.max_pairs, self.min_pairs, integer=True, hint="at least min_pairs")
@@ -131,14 +130,12 @@ class GuardPolicy:
             raise ConfigError(
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
                 f"one-sided p-value of {2 * self.max_pairs} pairs is {2.0 ** -(2 * self.max_pairs):.3g}). Raise "
-                f"max_pairs or significance."
-            )
+                f"max_pairs or significance.")
         needed = math.ceil(len(p) / p.count("I")) * 2 * self.max_pairs
         if self.max_trial_steps < needed:
             raise ConfigError(
                 f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "
-                f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}."
-            )
+                f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +219,6 @@ class PlanGuard:
         return self._trial is not None
 
     @property
-    def incumbent(self) -> BatchPlan | None:
-        """The plan in force during a trial, else None."""
-        return None if self._trial is None else self._trial.incumbent
-
-    @property
     def candidate(self) -> BatchPlan | None:
         """The plan being tried, else None."""
         return None if self._trial is None else self._trial.candidate
@@ -289,8 +281,7 @@ class PlanGuard:
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
             "significant)", list(candidate.per_replica_batch_sizes),
             " (the fastest card alone)" if against_alone else "", list(incumbent.per_replica_batch_sizes), step,
-            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs,
-        )
+            self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs)
 
     def plan_to_serve(self) -> BatchPlan | None:
         """The plan for the next full global batch the input pipeline cuts during a trial (None outside one)."""
@@ -396,8 +387,7 @@ class PlanGuard:
             decision.outcome, list(decision.candidate_per_replica_batch_sizes),
             " (the fastest card alone)" if decision.against_alone else "",
             list(decision.incumbent_per_replica_batch_sizes), decision.median_ratio, decision.num_pairs, p_text,
-            decision.reason, after,
-        )
+            decision.reason, after)
         self.abandon()
         return decision
 

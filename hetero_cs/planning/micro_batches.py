@@ -45,7 +45,6 @@ from typing import Any
 
 from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
-from hetero_cs.planning._micro_lines import _linear_split
 from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, near_equal_micro_batches
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range, even_batch_split, ms_text
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
@@ -279,16 +278,9 @@ def _no_room_error() -> InfeasiblePlanError:
         "(another process may hold it), use a smaller model, or train on other devices.")
 
 
-def plan_micro_batches(
-    global_batch_size: int,
-    solve: Callable[[int], BatchPlan],
-    *,
-    capacity: int | None,
-    min_gain: float = MIN_PREDICTED_GAIN,
-    max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
-    sub_step_overhead_s: float = 0.0,
-    incumbent_sub_steps: int | None = None,
-) -> MicroBatchPlan:
+def plan_micro_batches(global_batch_size: int, solve: Callable[[int], BatchPlan], *, capacity: int | None,
+                       min_gain: float = MIN_PREDICTED_GAIN, max_extra_sub_steps: int = MAX_EXTRA_SUB_STEPS,
+                       sub_step_overhead_s: float = 0.0, incumbent_sub_steps: int | None = None) -> MicroBatchPlan:
     """The sub-steps to train one global batch of ``B`` examples in (see the module docstring).
 
     Args:
@@ -363,15 +355,10 @@ def zero_caps(max_batch_sizes) -> list:
     return [0 if cap is not None and cap < 1 else None for cap in max_batch_sizes]
 
 
-def plan_overlapped_micro_batches(
-    global_batch_size: int,
-    cost_models: Sequence[Any],
-    max_batch_sizes: Sequence[int | None],
-    *,
-    host_overhead_s: float = 0.0,
-    single_step_makespan_s: float | None = None,
-    max_sub_steps: int = MAX_OVERLAPPED_SUB_STEPS,
-) -> MicroBatchPlan | None:
+def plan_overlapped_micro_batches(global_batch_size: int, cost_models: Sequence[Any],
+                                  max_batch_sizes: Sequence[int | None], *, host_overhead_s: float = 0.0,
+                                  single_step_makespan_s: float | None = None,
+                                  max_sub_steps: int = MAX_OVERLAPPED_SUB_STEPS) -> MicroBatchPlan | None:
     """The fastest overlapped plan: each card runs its ``b_i`` examples as micro-batches within its cap, back to back.
 
     Minimises ``max_i T_i(b_i)`` over integer splits of ``B``, where ``T_i`` is
@@ -420,9 +407,8 @@ def plan_overlapped_micro_batches(
     if all(cap is not None and cap < 1 for cap in caps):
         raise _no_room_error()
     curves = micro_batched_curves(models, caps)
-    split = _linear_split(models, caps, B)
-    if split is None:  # not all lines: the minimum-makespan solver, exact for any non-decreasing curve
-        split = solve_batch_split(curves, B, max_batch_sizes=zero_caps(caps), min_batch_size=0).per_replica_batch_sizes
+    # The minimum-makespan solver, exact for any non-decreasing curve (a micro-batched line costs O(1) to evaluate).
+    split = solve_batch_split(curves, B, max_batch_sizes=zero_caps(caps), min_batch_size=0).per_replica_batch_sizes
     parts = [curve.micro_batches(b) if isinstance(curve, MicroBatchedCostModel) else ([b] if b else [])
              for curve, b in zip(curves, split)]
     K = max(len(p) for p in parts)

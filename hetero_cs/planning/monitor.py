@@ -157,8 +157,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                     "Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be finite "
                     "and >= 0. Steps with invalid times are left out of the statistics; further ones are not "
                     "reported.",
-                    step_time_s, replica_id,
-                )
+                    step_time_s, replica_id)
             done = self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)
             if done is not None:
                 self._completed_steps += 1
@@ -200,8 +199,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             raise ConfigError(
                 f"A micro-batched step needs, per replica (R={R}), its examples b_i >= 0, its time t_i >= 0 in "
                 f"seconds and its micro-batch count k_i >= 1 where b_i > 0. Received: batch_sizes={batch_sizes!r}, "
-                f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}."
-            )
+                f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}.")
         key = object()  # this step's own key: its reports pair with nothing else
         with self._lock:
             done = None
@@ -325,7 +323,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         """
         if base_models is not None:
             self._check_one_per_replica("base_models", base_models)
-            relative, common = self._relative_levels(base_models)
+            relative, common = self._relative_levels(self._levels(base_models))
             models = []
             for i, base in enumerate(base_models):
                 model = self._scaled_model(base, relative[:, i], common)
@@ -343,8 +341,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if not known:
             raise CalibrationError(
                 f"Cannot estimate any replica's speed: the window holds no step where a replica had a positive "
-                f"slice and a positive time (num_samples={len(sizes)}). Record steps first, or pass base_models."
-            )
+                f"slice and a positive time (num_samples={len(sizes)}). Record steps first, or pass base_models.")
         positive = sizes[sizes > 0]
         reference_batch_size = max(1, int(round(_median(positive)))) if positive.size else 1
         slowest = max(known, key=lambda m: m.predict_step_time_s(reference_batch_size))
@@ -373,7 +370,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         """
         self._check_one_per_replica("cost_models", cost_models)
         levels = self._levels(cost_models)
-        relative, _ = self._relative_levels(cost_models, levels)
+        relative, _ = self._relative_levels(levels)
         result = np.zeros(self._num_replicas)
         for i in range(self._num_replicas):
             q = levels[:, i][np.isfinite(levels[:, i])]
@@ -410,18 +407,15 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 levels[usable, i] = times_s[usable, i] / per_step_s[usable]
         return levels
 
-    def _relative_levels(
-        self, cost_models: Sequence[CostModel], levels: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _relative_levels(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-step levels with the step's common mode divided out, and the common modes.
 
-        With q = :meth:`_levels` (positive levels only; a zero time says nothing about speed) and g[k] the geometric
-        mean of step k's positive levels - the factor by which the whole step ran slow or fast (the host got busy, a
-        garbage collection), which hits every replica alike and says nothing about their relative speeds - returns
-        (q / g, g), shapes [S, R] and [S].
+        With q = ``levels`` (:meth:`_levels`; positive levels only: a zero time says nothing about speed) and g[k]
+        the geometric mean of step k's positive levels - the factor by which the whole step ran slow or fast (the
+        host got busy, a garbage collection), which hits every replica alike and says nothing about their relative
+        speeds - returns (q / g, g), shapes [S, R] and [S].
         """
-        if levels is None:
-            levels = self._levels(cost_models)
         levels = np.where(levels > 0, levels, np.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
             finite = np.isfinite(levels)

@@ -14,7 +14,6 @@ Pure Python: no TensorFlow, no NVML.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence, Set
@@ -23,8 +22,6 @@ from fractions import Fraction
 from typing import Any
 
 from hetero_cs.errors import BatchSplitError, ConfigError
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BatchPlan", "even_batch_split", "split_by_shares"]
 
@@ -146,14 +143,12 @@ class BatchPlan:
         if not sizes:
             raise ConfigError(
                 "BatchPlan.per_replica_batch_sizes must be a non-empty sequence of integers. Received: "
-                f"per_replica_batch_sizes={self.per_replica_batch_sizes!r}."
-            )
+                f"per_replica_batch_sizes={self.per_replica_batch_sizes!r}.")
         bad = [(i, b) for i, b in enumerate(sizes) if not _is_int(b) or b < 0]
         if bad:
             raise ConfigError(
                 "BatchPlan.per_replica_batch_sizes must hold integers >= 0. Received: "
-                f"per_replica_batch_sizes={tuple(sizes)!r} (offending (replica, value): {bad})."
-            )
+                f"per_replica_batch_sizes={tuple(sizes)!r} (offending (replica, value): {bad}).")
         sizes = tuple(int(b) for b in sizes)
         B = self.global_batch_size
         if not _is_int(B) or B <= 0:
@@ -161,8 +156,7 @@ class BatchPlan:
         if sum(sizes) != B:
             raise ConfigError(
                 f"per_replica_batch_sizes={sizes} sum to {sum(sizes)}, not global_batch_size={B}. Every example "
-                "of the global batch goes to exactly one replica; fix the slices or the global batch size."
-            )
+                "of the global batch goes to exactly one replica; fix the slices or the global batch size.")
         object.__setattr__(self, "per_replica_batch_sizes", sizes)
         object.__setattr__(self, "global_batch_size", int(B))
         for name in _OPTIONAL_FIGURES:
@@ -175,11 +169,9 @@ class BatchPlan:
             if times is None or len(times) != len(sizes):
                 raise ConfigError(
                     "BatchPlan.predicted_step_times_s must be None or hold one time per replica. Received: "
-                    f"predicted_step_times_s={self.predicted_step_times_s!r} for {len(sizes)} replicas."
-                )
+                    f"predicted_step_times_s={self.predicted_step_times_s!r} for {len(sizes)} replicas.")
             object.__setattr__(
-                self, "predicted_step_times_s", tuple(_checked_seconds("predicted_step_times_s", t) for t in times)
-            )
+                self, "predicted_step_times_s", tuple(_checked_seconds("predicted_step_times_s", t) for t in times))
 
     @property
     def num_replicas(self) -> int:
@@ -225,8 +217,7 @@ class BatchPlan:
         if unknown or missing:
             raise ConfigError(
                 f"BatchPlan dict keys are {list(_KEYS)} (the last four optional). Received: unknown={unknown}, "
-                f"missing={missing}. Write it with BatchPlan.to_dict()."
-            )
+                f"missing={missing}. Write it with BatchPlan.to_dict().")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -342,26 +333,22 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
         raise BatchSplitError(
             f"shares must be a non-empty sequence of numbers (an ordered one: list, tuple or 1-D array), one per "
             f"replica in replica order. Received: shares={short_repr(given)}{unordered_note(given)}. Pass e.g. "
-            "[2, 1, 1] to give replica 0 half the batch."
-        )
+            "[2, 1, 1] to give replica 0 half the batch.")
     bad = [(i, s) for i, s in enumerate(shares) if not finite_real(s) or s < 0]
     if bad:
         raise BatchSplitError(
             f"shares must be finite numbers >= 0. Received: shares={short_repr(list(shares))} (offending (replica, "
-            f"share): {short_repr(bad)}). Give each replica a non-negative relative share, e.g. [2, 1, 1]."
-        )
+            f"share): {short_repr(bad)}). Give each replica a non-negative relative share, e.g. [2, 1, 1].")
     if not math.isfinite(sum(float(s) for s in shares)):
         raise BatchSplitError(
             f"shares sum to more than a float holds: shares={short_repr(list(shares))}. Only their ratios matter; "
-            "scale them down, e.g. [2, 1, 1]."
-        )
+            "scale them down, e.g. [2, 1, 1].")
     exact = [_exact_fraction(s) for s in shares]
     total = sum(exact)
     if total == 0:
         raise BatchSplitError(
             f"shares are all zero: shares={list(shares)!r}. At least one replica needs a positive share, e.g. "
-            "[1] * num_replicas for an even split."
-        )
+            "[1] * num_replicas for an even split.")
     quotas = [B * s / total for s in exact]
     sizes = [math.floor(q) for q in quotas]
     leftover = B - sum(sizes)

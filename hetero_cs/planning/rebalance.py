@@ -164,9 +164,7 @@ class Rebalancer:
         (55, 45)
     """
 
-    def __init__(
-        self, policy: RebalancePolicy | None = None, *, max_batch_sizes: Sequence[int | None] | None = None
-    ):
+    def __init__(self, policy: RebalancePolicy | None = None, *, max_batch_sizes: Sequence[int | None] | None = None):
         policy = RebalancePolicy() if policy is None else policy
         if not isinstance(policy, RebalancePolicy):
             raise ConfigError(f"policy must be a RebalancePolicy. Received: policy={policy!r}.")
@@ -174,8 +172,7 @@ class Rebalancer:
             if any(m is not None and (not _is_int(m) or m < 0) for m in max_batch_sizes):
                 raise ConfigError(
                     f"max_batch_sizes must hold non-negative integers (examples per replica) or None (no cap). "
-                    f"Received: max_batch_sizes={list(max_batch_sizes)!r}."
-                )
+                    f"Received: max_batch_sizes={list(max_batch_sizes)!r}.")
             max_batch_sizes = tuple(None if m is None else int(m) for m in max_batch_sizes)
         self._policy = policy
         self._max_batch_sizes = max_batch_sizes
@@ -200,15 +197,9 @@ class Rebalancer:
         """Every decision that switched plans, oldest first (bounded in practice by the cooldown)."""
         return tuple(self._switches)
 
-    def propose(
-        self,
-        step: int,
-        current_plan: BatchPlan,
-        cost_models: Sequence[CostModel],
-        *,
-        num_samples: int | None = None,
-        relative_standard_errors: Sequence[float] | None = None,
-    ) -> BatchPlan | None:
+    def propose(self, step: int, current_plan: BatchPlan, cost_models: Sequence[CostModel], *,
+                num_samples: int | None = None,
+                relative_standard_errors: Sequence[float] | None = None) -> BatchPlan | None:
         """Returns a better plan for current_plan.global_batch_size, or None to keep the current one.
 
         Solves the optimal split under cost_models (``solve_batch_split`` with the policy's constraints and the
@@ -239,17 +230,11 @@ class Rebalancer:
         if len(cost_models) != num_replicas:
             raise ConfigError(
                 f"cost_models must hold one model per replica of current_plan. Received: "
-                f"len(cost_models)={len(cost_models)}, current slices={list(current_plan.per_replica_batch_sizes)}."
-            )
+                f"len(cost_models)={len(cost_models)}, current slices={list(current_plan.per_replica_batch_sizes)}.")
         return self._propose(step, current_plan, lambda: cost_models, lambda _: relative_standard_errors, num_samples)
 
-    def propose_from_monitor(
-        self,
-        monitor: StepTimeMonitor,
-        current_plan: BatchPlan,
-        *,
-        base_models: Sequence[CostModel] | None = None,
-    ) -> BatchPlan | None:
+    def propose_from_monitor(self, monitor: StepTimeMonitor, current_plan: BatchPlan, *,
+                             base_models: Sequence[CostModel] | None = None) -> BatchPlan | None:
         """``propose`` with the step, sample count, cost models and their errors read from a monitor.
 
         The monitor's models are computed only when a decision is due (not during cooldown). This is the call to
@@ -271,36 +256,27 @@ class Rebalancer:
             raise ConfigError(
                 f"The monitor and current_plan disagree on the replica count. Received: "
                 f"monitor.num_replicas={monitor.num_replicas}, "
-                f"current slices={list(current_plan.per_replica_batch_sizes)}."
-            )
+                f"current slices={list(current_plan.per_replica_batch_sizes)}.")
 
         return self._propose(
             monitor.completed_steps, current_plan, lambda: monitor.updated_cost_models(base_models),
-            monitor.relative_standard_errors, monitor.num_samples,
-        )
+            monitor.relative_standard_errors, monitor.num_samples)
 
-    def _propose(
-        self,
-        step: int,
-        current_plan: BatchPlan,
-        get_models: Callable[[], Sequence[CostModel]],
-        get_errors: Callable[[Sequence[CostModel]], Sequence[float] | None],
-        num_samples: int | None,
-    ) -> BatchPlan | None:
+    def _propose(self, step: int, current_plan: BatchPlan, get_models: Callable[[], Sequence[CostModel]],
+                 get_errors: Callable[[Sequence[CostModel]], Sequence[float] | None],
+                 num_samples: int | None) -> BatchPlan | None:
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step must be a non-negative integer. Received: step={step!r}.")
         if self._last_step is not None and step < self._last_step:
             raise ConfigError(
                 f"step must not decrease between calls. Received: step={step} after step={self._last_step}. "
-                f"Use a new Rebalancer when step counting restarts."
-            )
+                f"Use a new Rebalancer when step counting restarts.")
         old_sizes = tuple(int(b) for b in current_plan.per_replica_batch_sizes)
         caps = self._max_batch_sizes
         if caps is not None and len(caps) != len(old_sizes):
             raise ConfigError(
                 f"max_batch_sizes must hold one cap per replica of current_plan. Received: "
-                f"max_batch_sizes={list(caps)}, current slices={list(old_sizes)}."
-            )
+                f"max_batch_sizes={list(caps)}, current slices={list(old_sizes)}.")
         self._last_step = int(step)
         forced = caps is not None and any(m is not None and b > m for b, m in zip(old_sizes, caps))
         if not forced:
@@ -343,8 +319,7 @@ class Rebalancer:
         if errors is not None and z > 0 and any(u > 0 for u in errors):
             worst_case_gain = _relative_gain(
                 _makespan_s(old_sizes, cost_models, [max(1.0 - z * u, _MIN_LEVEL_FACTOR) for u in errors]),
-                _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]),
-            )
+                _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]))
         if new_sizes == old_sizes:
             outcome = UNCHANGED
         elif forced or worst_case_gain > deadband:
@@ -354,8 +329,7 @@ class Rebalancer:
         else:
             outcome = BELOW_DEADBAND
         decision = RebalanceDecision(
-            step, outcome, old_sizes, new_sizes, current_makespan_s, new_makespan_s, gain, worst_case_gain, forced
-        )
+            step, outcome, old_sizes, new_sizes, current_makespan_s, new_makespan_s, gain, worst_case_gain, forced)
         self._last_decision = decision
         if outcome != REPLANNED:
             return None
@@ -364,8 +338,7 @@ class Rebalancer:
         logger.info(
             "re-planned at step %d: %s -> %s, predicted makespan %.3f ms -> %.3f ms (gain %.1f %%)%s",
             step, list(old_sizes), list(new_sizes), current_makespan_s * 1e3, new_makespan_s * 1e3, gain * 100,
-            " (the old plan exceeded a memory cap)" if forced else "",
-        )
+            " (the old plan exceeded a memory cap)" if forced else "")
         return new_plan
 
     @staticmethod
@@ -376,8 +349,7 @@ class Rebalancer:
         if len(values) != num_replicas or not all(math.isfinite(u) and u >= 0 for u in values):
             raise ConfigError(
                 f"relative_standard_errors must hold one finite value >= 0 per replica. Received: "
-                f"relative_standard_errors={values}, num_replicas={num_replicas}."
-            )
+                f"relative_standard_errors={values}, num_replicas={num_replicas}.")
         return values
 
 

@@ -40,19 +40,10 @@ class SimulatedStep:
     replanned: bool
 
 
-def simulate_training(
-    true_models_at_step: Callable[[int], Sequence[CostModel]],
-    initial_plan: BatchPlan,
-    *,
-    steps: int,
-    policy: RebalancePolicy | None = None,
-    base_models: Sequence[CostModel] | None = None,
-    window_steps: int = 16,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    relative_noise: float = 0.0,
-    lognormal_sigma: float = 0.0,
-    seed: int = 0,
-) -> list[SimulatedStep]:
+def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]], initial_plan: BatchPlan, *, steps: int,
+                      policy: RebalancePolicy | None = None, base_models: Sequence[CostModel] | None = None,
+                      window_steps: int = 16, max_batch_sizes: Sequence[int | None] | None = None,
+                      relative_noise: float = 0.0, lognormal_sigma: float = 0.0, seed: int = 0) -> list[SimulatedStep]:
     """Drives a StepTimeMonitor and a Rebalancer with synthetic step times (no TensorFlow, no sleeping).
 
     At each step, replica i's observed time is true_models_at_step(step)[i].predict_step_time_s(b_i) times a
@@ -111,8 +102,7 @@ def simulate_training(
             monitor.record(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
         new_plan = rebalancer.propose_from_monitor(monitor, plan, base_models=base_models)
         trace.append(
-            SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None)
-        )
+            SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None))
         if new_plan is not None:
             plan = new_plan
     return trace
@@ -139,18 +129,9 @@ class BalancedStep:
     in_trial: bool
 
 
-def simulate_balancer(
-    balancer: Any,
-    true_models_at_step: Callable[[int], Sequence[CostModel]],
-    global_batch_size: int,
-    *,
-    steps: int,
-    prefetch: int = 0,
-    relative_noise: float = 0.0,
-    common_noise_sigma: float = 0.0,
-    contention: float = 1.0,
-    seed: int = 0,
-) -> list[BalancedStep]:
+def simulate_balancer(balancer: Any, true_models_at_step: Callable[[int], Sequence[CostModel]], global_batch_size: int,
+                      *, steps: int, prefetch: int = 0, relative_noise: float = 0.0, common_noise_sigma: float = 0.0,
+                      contention: float = 1.0, seed: int = 0) -> list[BalancedStep]:
     """Drives a :class:`~hetero_cs.planning.balancer.Balancer` as an engine would, with synthetic step times.
 
     Each step, the engine asks ``balancer.serve(B)`` for the slices of a batch that runs ``prefetch`` steps later
@@ -197,8 +178,7 @@ def simulate_balancer(
         if len(true_models) != len(sizes):
             raise ConfigError(
                 f"true_models_at_step({step}) returned {len(true_models)} cost models for {len(sizes)} replicas. "
-                f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)})."
-            )
+                f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)}).")
         true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
         if sum(1 for b in sizes if b > 0) > 1:
             true_s = true_s * contention
@@ -207,8 +187,7 @@ def simulate_balancer(
         in_force = balancer.plan
         trace.append(BalancedStep(
             step, sizes, tuple(in_force.per_replica_batch_sizes) if in_force is not None else sizes,
-            float(times_s.max()), float(true_s.max()), balancer.guard.in_trial,
-        ))
+            float(times_s.max()), float(true_s.max()), balancer.guard.in_trial))
         for replica_id in rng.permutation(len(sizes)):
             balancer.record_step_time(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
     return trace

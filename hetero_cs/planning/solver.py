@@ -48,9 +48,8 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning._curves import _checked_int, _checked_models, _checked_problem, _Curves, _Grid, _grid
-from hetero_cs.planning._knots import _breakpoints, _closed_form_ideal, _fill, _ideal_tables, _knot_tables
-from hetero_cs.planning._knots import _lowest_level
+from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem, _closed_form_ideal
+from hetero_cs.planning._curves import _Curves, _fill, _Grid, _grid, _ideal_tables, _knot_tables, _lowest_level
 from hetero_cs.planning.cost_checks import decreasing_error
 from hetero_cs.planning.cost_model import CostModel, holds_no_example
 from hetero_cs.planning.plan import BatchPlan, _as_tuple, _is_int, even_batch_split
@@ -64,14 +63,9 @@ __all__ = ["ideal_makespan_s", "plan_from_split", "solve_batch_split"]
 _WARM_START_MARGIN = 1e-9
 
 
-def solve_batch_split(
-    cost_models: Sequence[CostModel],
-    global_batch_size: int,
-    *,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    min_batch_size: int = 1,
-    multiple_of: int = 1,
-) -> BatchPlan:
+def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, *,
+                      max_batch_sizes: Sequence[int | None] | None = None, min_batch_size: int = 1,
+                      multiple_of: int = 1) -> BatchPlan:
     """Splits one global batch across replicas to minimise the step makespan, exactly, over integers.
 
     Minimises max_i t_i(b_i) subject to sum_i b_i = B and min_batch_size <= b_i <= cap_i, for any
@@ -151,13 +145,8 @@ def solve_batch_split(
     return _priced_plan(sizes, step_times, ideal_s, models, curves.time)
 
 
-def ideal_makespan_s(
-    cost_models: Sequence[CostModel],
-    global_batch_size: int,
-    *,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    min_batch_size: int = 1,
-) -> float:
+def ideal_makespan_s(cost_models: Sequence[CostModel], global_batch_size: int, *,
+                     max_batch_sizes: Sequence[int | None] | None = None, min_batch_size: int = 1) -> float:
     """The continuous lower bound on the makespan: examples infinitely divisible.
 
     Each t_i is extended to real batch sizes x by linear interpolation between consecutive integers (for this
@@ -196,13 +185,8 @@ def ideal_makespan_s(
 
 
 
-def plan_from_split(
-    per_replica_batch_sizes: Sequence[int],
-    cost_models: Sequence[Any] | None = None,
-    *,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    min_batch_size: int = 0,
-) -> BatchPlan:
+def plan_from_split(per_replica_batch_sizes: Sequence[int], cost_models: Sequence[Any] | None = None, *,
+                    max_batch_sizes: Sequence[int | None] | None = None, min_batch_size: int = 0) -> BatchPlan:
     """Wraps a given split in a BatchPlan, with its predicted figures when cost models are given.
 
     With cost models, predicted_step_times_s is t_i(b_i), predicted_makespan_s their maximum,
@@ -234,8 +218,7 @@ def plan_from_split(
     sizes = _as_tuple(per_replica_batch_sizes)
     if sizes is None:
         raise ConfigError(
-            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}."
-        )
+            f"per_replica_batch_sizes must be a sequence of integers. Received: {per_replica_batch_sizes!r}.")
     plan = BatchPlan(sizes, sum(b for b in sizes if _is_int(b)))  # validates the slices before any model is called
     if cost_models is None:
         return plan
@@ -317,9 +300,8 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
             above_j[i], above_t[i] = (b - lo[i]) // k, t
 
 
-def _select_with_ideal(
-    curves: _Curves, counts: list[int], step_times: list[float], M: int, B: int, base_s: float
-) -> float:
+def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[float], M: int, B: int,
+                       base_s: float) -> float:
     """Unit steps only: chooses the M smallest keys (in place, as _select) and returns the ideal bound.
 
     The ideal T lies where the chosen set is "all steps with time <= T": there x_i(T) = slice_i + a fraction of
@@ -390,9 +372,8 @@ def _generic_ideal(models: Sequence[CostModel], B: int, min_b: int, caps: Sequen
     return _select_with_ideal(curves, [0] * R, step_times, M, B, max(step_times))
 
 
-def _warm_selection(
-    curves: _Curves, grid: _Grid, tables: tuple[np.ndarray, np.ndarray], relaxed: float
-) -> tuple[list[int], list[float]]:
+def _warm_selection(curves: _Curves, grid: _Grid, tables: tuple[np.ndarray, np.ndarray],
+                    relaxed: float) -> tuple[list[int], list[float]]:
     """The selection started from the continuous relaxation, certified; the generic selection if not certified.
 
     Relax the grid problem: x_i real in [lo_i, largest legal slice], curves as given, and ignore the idle-slice

@@ -175,8 +175,7 @@ class StepPairing:
             logger.warning(
                 "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
                 "ahead. Every replica must call record() once per step, also with a 0-example slice.",
-                index, behind, self._max_pending,
-            )
+                index, behind, self._max_pending)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,5 +248,4 @@ class StepSample:
             straggler_wait_s=float(waits_s.mean()),
             total_idle_s=float(waits_s.sum()),
             balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
-            per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches),
-        )
+            per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches))

@@ -147,9 +147,9 @@ def test_a_long_fit_with_re_planning_and_probes_traces_its_step_once_per_new_set
     # probed with one example every 10 steps here (every 40 by default). Before, each card was probed on its own
     # (the sets {0, 1} and {0, 2}), and only the 2 most recently used sets kept a branch, so every probe traced the
     # train step again (10 retraces here; 43 in 900 steps of the main job, memory growing with each).
-    from hetero_cs.planning import balancer_probe
+    from hetero_cs.planning import balancer_plans
 
-    monkeypatch.setattr(balancer_probe, "PROBE_INTERVAL_STEPS", 10)
+    monkeypatch.setattr(balancer_plans, "PROBE_INTERVAL_STEPS", 10)
     monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", "10")
     monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
     drift = [Drift(replica_id=i, factor=20.0, from_step=10, until_step=100) for i in (1, 2)]

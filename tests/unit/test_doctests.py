@@ -6,8 +6,8 @@ import importlib
 import pytest
 
 MODULES = [
-    "hetero_cs.planning.balancer", "hetero_cs.planning.balancer_inference", "hetero_cs.planning.balancer_memory",
-    "hetero_cs.planning.balancer_shares", "hetero_cs.planning.cost_model", "hetero_cs.planning.guard",
+    "hetero_cs.planning.balancer", "hetero_cs.planning.balancer_plans", "hetero_cs.planning.balancer_memory",
+    "hetero_cs.planning.cost_model", "hetero_cs.planning.guard",
     "hetero_cs.planning.micro_batches",
     "hetero_cs.planning.monitor", "hetero_cs.planning.plan", "hetero_cs.planning.simulation",
     "hetero_cs.planning.solver", "hetero_cs.devices.workload",

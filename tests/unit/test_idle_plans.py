@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.balancer_probe import PROBE_INTERVAL_STEPS
+from hetero_cs.planning.balancer_plans import PROBE_INTERVAL_STEPS
 from hetero_cs.planning.cost_model import IdleFreeCostModel, LinearCostModel, ScaledCostModel
 from hetero_cs.planning.guard import GuardPolicy
 from hetero_cs.planning.monitor import StepTimeMonitor

@@ -189,7 +189,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         balancer = self._strategy.balancer
         if overlapped and self.setting is not False:
             # A card held at its cap whose models went stale (it drifted, then recovered): measured models may
-            # bring its micro-batches back (hetero_cs.planning.balancer_micro).
+            # bring its micro-batches back (hetero_cs.planning.balancer_memory).
             balancer.consider_micro_batched_models(int(global_batch_size))
         plan = self.plan_for(global_batch_size, overlapped=overlapped)
         if not plan.overlapped or not balancer.guard_enabled:
