@@ -28,9 +28,9 @@ from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.engine.multi_worker.agreement import PlanAgreement
 from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner
 from hetero_cs.engine.multi_worker.input import MultiWorkerInput
+from hetero_cs.engine.strategy_state import SharedState
 from hetero_cs.errors import ConfigError, HeteroCSError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 
 
 class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, MultiWorkerInput,
-                                        PlanAgreement, tf.distribute.MultiWorkerMirroredStrategy):
+                                        PlanAgreement, SharedState, tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
 
     Variables are mirrored on every replica, as under MultiWorkerMirroredStrategy; the cluster comes from
@@ -189,48 +189,19 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._lock = threading.Lock()
         self._start_agreement()
         self._time_scale_set = False
+        self._fit_stats = None  # the last fit's figures (MultiWorkerCallback)
         from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches, checked_caps
 
-        self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
+        self._micro_batching = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
                                                      restart_caps=_restart_caps(R))
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
     # ----------------------------------------------------------------------------------------------------------
     @property
-    def stats(self):
-        """The last fit's per-epoch figures on the chief (:class:`hetero_cs.engine.callbacks.FitStats`), or None."""
-        return getattr(self, "_fit_stats", None)
-
-    @property
-    def plan(self) -> BatchPlan | None:
-        """The plan in force for the full global batch, None before the first global batch.
-
-        With a fixed or even split every worker knows it. With auto_balance only the chief's Balancer plans (the
-        other workers receive each step's split inside the step), so it is None on the other workers."""
-        return self._balancer.plan
-
-    @property
-    def balancer(self) -> Balancer:
-        """This worker's :class:`~hetero_cs.planning.balancer.Balancer` (the chief's is the one that decides)."""
-        return self._balancer
-
-    @property
-    def micro_batching(self):
-        """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches`):
-        ``max_batch_sizes`` (the caps in force), ``active`` and ``last_plan`` (each replica's micro-batch size and
-        count in the last step)."""
-        return self._micro_slices
-
-    @property
     def is_chief(self) -> bool:
         """True on the worker that holds replica 0 and decides the plan."""
         return self._first_replica == 0
-
-    @property
-    def emulator(self):
-        """The :class:`hetero_cs.emulation.Emulator` (every replica of the cluster), or None on real devices."""
-        return self._emulator
 
     @property
     def agreed(self) -> bool:
@@ -271,7 +242,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
 
         skips = getattr(type(model), "train_step", None) is keras_train_step and replica_xla.multi_worker_skips(model)
         self._balancer.set_idle_replicas_free(skips)
-        self._micro_slices.prepare(model, keras_train_step)
+        self._micro_batching.prepare(model, keras_train_step)
 
     def _out_of_memory_here(self, verb: str, exc: BaseException, replica_scopes, model=None):
         """The ClusterOutOfMemory for ``exc`` on this worker, or None (read by Keras' wrapped fit, evaluate and
