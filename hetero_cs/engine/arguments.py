@@ -235,11 +235,12 @@ def validate_compute_devices(compute_devices) -> list:
     return list(compute_devices)
 
 
-def validate_fused_update(fused_update) -> None:
-    """Raises ConfigError unless ``fused_update`` is None, True or False."""
-    if fused_update is None or isinstance(fused_update, bool):
-        return
-    raise ConfigError(
-        f"fused_update must be None (the default: Keras' own optimizers), True or False. Received: "
-        f"fused_update={fused_update!r}. Pass fused_update=False to run the optimizer's update without XLA."
-    )
+def validate_setting(name: str, value, choices: str) -> None:
+    """Raises ConfigError unless the setting ``name`` is None, True or False; ``choices`` says what each means."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{name} must be {choices}. Received: {name}={value!r}.")
+
+
+MICRO_BATCHES_CHOICES = (
+    "None (micro-batch where it is exact and helps), True (also accept per-micro-batch statistics: "
+    "BatchNormalization's on one machine, a layer's own state on both strategies) or False (never)")

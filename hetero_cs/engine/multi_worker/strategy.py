@@ -107,9 +107,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         max_batch_sizes: Sequence[int | None] | None = None,
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance)
-        from hetero_cs.engine.memory.micro_batches import validate_setting
-
-        validate_setting(micro_batches)
+        arguments.validate_setting("micro_batches", micro_batches, arguments.MICRO_BATCHES_CHOICES)
         if profile_cache not in (None, False):
             raise ConfigError(
                 f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "
