@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from hetero_cs.devices.catalog import (
+    MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR, get_device_spec)
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
 from hetero_cs.planning.plan import finite_real, ordered_values, short_repr, unordered_note
 
@@ -25,7 +27,6 @@ def emulation_names(emulate) -> tuple:
         ConfigError: ``emulate`` is not a non-empty list of names (or an Emulator).
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
-    from hetero_cs.devices.catalog import get_device_spec
     from hetero_cs.devices.emulation import Emulator
 
     if emulate is None:
@@ -175,8 +176,6 @@ def emulated_makespan_target_s() -> float:
     Raises:
         ConfigError: If the variable is not a number in that range (the message names the variable).
     """
-    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR
-
     raw = os.environ.get(TARGET_MAKESPAN_ENV_VAR, "").strip()
     if not raw:
         return 0.1

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments
 from hetero_cs.engine.step import replica_state
-from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
+from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER, setup_worker_replica_cpus
 from hetero_cs.engine.multi_worker.agreement import PlanAgreement
 from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner
 from hetero_cs.engine.multi_worker.input import MultiWorkerInput
@@ -149,8 +149,6 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.
         local_replicas = 1 if emulate is None else _emulated_local_replicas(len(emulate), source)
         if local_replicas > 1:  # several emulated devices per worker: one logical CPU device per local replica
-            from hetero_cs.devices.logical import setup_worker_replica_cpus
-
             setup_worker_replica_cpus(local_replicas)
         with _compat.local_cpu_replicas(local_replicas):
             super().__init__(communication_options=communication_options)
