@@ -228,7 +228,8 @@ class SupervisedBackup(keras.callbacks.Callback):
             fields += [(f"counts[{name!r}]", counts.get(name), int) for name in ("model", "optimizer", "metrics")]
             for label, value, kind in fields:  # in order: a counts that is no dict is named before its entries
                 if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
-                    raise ValueError(f"{label}={value!r} is not " + ("an int >= 0" if kind is int else f"a {kind.__name__}"))
+                    wanted = "an int >= 0" if kind is int else f"a {kind.__name__}"
+                    raise ValueError(f"{label}={value!r} is not {wanted}")
             if record["arrays"] not in self._slots():
                 raise ValueError(f"arrays={record['arrays']!r} is not one of this fit's files {self._slots()}")
             with np.load(self._dir / record["arrays"]) as stored:
