@@ -13,7 +13,7 @@ from hetero_cs.planning.plan import BatchPlan
 
 
 class SharedState:
-    """Read-only properties of both strategies (plan, balancer, emulator, micro-batching, statistics)."""
+    """Read-only properties of both strategies (plan, balancer, emulator, statistics)."""
 
     @property
     def plan(self) -> BatchPlan | None:
@@ -30,15 +30,6 @@ class SharedState:
         """The last fit's per-epoch figures (:class:`hetero_cs.engine.callbacks.FitStats`; on the chief under the
         multi-worker strategy), or None before one."""
         return self._fit_stats
-
-    @property
-    def micro_batching(self):
-        """Micro-batching: under the central-storage strategy a
-        :class:`hetero_cs.engine.memory.micro_batches.MicroBatching` (``last_plan``, step counts); under the
-        multi-worker strategy a :class:`hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches`
-        (``max_batch_sizes``: the caps in force, ``active``, ``last_plan``: each replica's micro-batch size and count
-        in the last step)."""
-        return self._micro_batching
 
     @property
     def balancer(self) -> Balancer:
@@ -58,6 +49,11 @@ class StrategyState(SharedState):
 
     fused_update = property(lambda self: self._fused_update,
                             doc="The ``fused_update`` setting: None (Keras' optimizers, dense gradients), True, False.")
+
+    @property
+    def micro_batching(self):
+        """Micro-batching (:class:`hetero_cs.engine.memory.micro_batches.MicroBatching`): ``last_plan``, step counts."""
+        return self._micro_batching
 
     compute_devices = property(lambda self: self._compute_devices, doc="The replicas' devices, in replica-id order.")
 

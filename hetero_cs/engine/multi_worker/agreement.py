@@ -51,7 +51,7 @@ class PlanAgreement:
     each step, the same on every worker.
 
     Reads the strategy's ``_agreed``, ``_first_replica``, ``_input_host``, ``_planner``, ``_balancer``,
-    ``_micro_batching``, ``_lock`` and ``_ensure_time_scale``.
+    ``_micro_slices``, ``_lock`` and ``_ensure_time_scale``.
     """
 
     def _start_agreement(self) -> None:
@@ -122,7 +122,7 @@ class PlanAgreement:
     @_keeping_errors
     def _local_sizes(self, global_batch_size) -> np.ndarray:
         B = int(global_batch_size)
-        self._micro_batching.check_batch(B)
+        self._micro_slices.check_batch(B)
         self._ensure_time_scale(B)
         sizes = self._balancer.plan_for(B).per_replica_batch_sizes
         self._last_split = tuple(sizes)
@@ -144,7 +144,7 @@ class PlanAgreement:
                 f"needs at least one example. Drop empty batches from the dataset (e.g. Dataset.filter on the batch "
                 f"size)."
             )
-        self._micro_batching.check_batch(B)  # every worker alike, before any collective of the step
+        self._micro_slices.check_batch(B)  # every worker alike, before any collective of the step
         with self._lock:
             hold = self._hold
             if hold is not None and hold[1] > 0:

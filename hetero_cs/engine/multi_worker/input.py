@@ -98,7 +98,7 @@ class MultiWorkerInput:
                 "(model.fit, evaluate and predict do it for you).")
         args, kwargs, step = self._cut_inputs(args, kwargs or {})
         if custom_loop and step is not None:  # a batch was cut: caps given for fit do not apply here (said once)
-            self._micro_batching.note_custom_loop()
+            self._micro_slices.note_custom_loop()
         if _compat.is_tf_function(fn):
             wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function, step))
         else:

@@ -188,12 +188,20 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._fit_stats = None  # the last fit's figures (MultiWorkerCallback)
         from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches, checked_caps
 
-        self._micro_batching = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
+        self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
                                                      restart_caps=_restart_caps(R))
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
     # ----------------------------------------------------------------------------------------------------------
+    @property
+    def micro_batching(self):
+        """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches`):
+        ``max_batch_sizes`` (the caps in force), ``active`` and ``last_plan`` (each replica's micro-batch size and
+        count in the last step). (Its attribute is not ``_micro_batching``: ``_compat`` reads that name as the
+        central-storage strategy's micro-batching.)"""
+        return self._micro_slices
+
     @property
     def is_chief(self) -> bool:
         """True on the worker that holds replica 0 and decides the plan."""
@@ -238,7 +246,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
 
         skips = getattr(type(model), "train_step", None) is keras_train_step and replica_xla.multi_worker_skips(model)
         self._balancer.set_idle_replicas_free(skips)
-        self._micro_batching.prepare(model, keras_train_step)
+        self._micro_slices.prepare(model, keras_train_step)
 
     def _out_of_memory_here(self, verb: str, exc: BaseException, replica_scopes, model=None):
         """The ClusterOutOfMemory for ``exc`` on this worker, or None (read by Keras' wrapped fit, evaluate and
