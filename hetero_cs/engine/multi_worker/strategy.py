@@ -188,6 +188,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._fit_stats = None  # the last fit's figures (MultiWorkerCallback)
         from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches, checked_caps
 
+        # Not named _micro_batching: _compat reads that name as the central-storage strategy's micro-batching.
         self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
                                                      restart_caps=_restart_caps(R))
 
@@ -198,8 +199,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
     def micro_batching(self):
         """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches`):
         ``max_batch_sizes`` (the caps in force), ``active`` and ``last_plan`` (each replica's micro-batch size and
-        count in the last step). (Its attribute is not ``_micro_batching``: ``_compat`` reads that name as the
-        central-storage strategy's micro-batching.)"""
+        count in the last step)."""
         return self._micro_slices
 
     @property
