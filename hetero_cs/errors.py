@@ -10,7 +10,18 @@ from __future__ import annotations
 
 
 class HeteroCSError(Exception):
-    """Base of every error hetero_cs raises on purpose."""
+    """Base of every error hetero_cs raises on purpose.
+
+    Keyword arguments set the attributes a subclass declares (as class attributes, which are their defaults), e.g.
+    ``StepOOMError(message, replica_id=1)``; any other keyword is a TypeError.
+    """
+
+    def __init__(self, *args, **attributes):
+        super().__init__(*args)
+        for name, value in attributes.items():
+            if not hasattr(type(self), name) or hasattr(Exception, name):
+                raise TypeError(f"{type(self).__name__} has no attribute {name!r} to set")
+            setattr(self, name, value)
 
 
 class ConfigError(HeteroCSError, ValueError):
@@ -85,10 +96,8 @@ class UnsupportedPrecisionError(HeteroCSError, ValueError):
     Attributes: ``device`` (the device or catalog name), ``compute_dtype`` (e.g. ``"bfloat16"``).
     """
 
-    def __init__(self, message: str, *, device: str | None = None, compute_dtype: str | None = None):
-        super().__init__(message)
-        self.device = device
-        self.compute_dtype = compute_dtype
+    device: str | None = None
+    compute_dtype: str | None = None
 
 
 class EmulationError(HeteroCSError, RuntimeError):
@@ -111,15 +120,11 @@ class StepOOMError(HeteroCSError, MemoryError):
     error of the last attempt, also chained as ``__cause__``).
     """
 
-    def __init__(self, message: str, *, replica_id: int | None = None, device: str | None = None,
-                 caps_tried: tuple = (), global_batch_size: int | None = None,
-                 last_error: BaseException | None = None):
-        super().__init__(message)
-        self.replica_id = replica_id
-        self.device = device
-        self.caps_tried = tuple(caps_tried)
-        self.global_batch_size = global_batch_size
-        self.last_error = last_error
+    replica_id: int | None = None
+    device: str | None = None
+    caps_tried: tuple = ()
+    global_batch_size: int | None = None
+    last_error: BaseException | None = None
 
 
 class EmulatedOutOfMemoryError(HeteroCSError, MemoryError):
@@ -129,12 +134,9 @@ class EmulatedOutOfMemoryError(HeteroCSError, MemoryError):
     Attributes: ``replica_id``, ``needed_bytes``, ``memory_bytes``.
     """
 
-    def __init__(self, message: str, *, replica_id: int | None = None, needed_bytes: int | None = None,
-                 memory_bytes: int | None = None):
-        super().__init__(message)
-        self.replica_id = replica_id
-        self.needed_bytes = needed_bytes
-        self.memory_bytes = memory_bytes
+    replica_id: int | None = None
+    needed_bytes: int | None = None
+    memory_bytes: int | None = None
 
 
 class EmulatedDeviceError(HeteroCSError, RuntimeError):
@@ -145,12 +147,9 @@ class EmulatedDeviceError(HeteroCSError, RuntimeError):
     ``device_name`` (the catalog name) and ``step`` (the replica's step that failed).
     """
 
-    def __init__(self, message: str, *, replica_id: int | None = None, device_name: str | None = None,
-                 step: int | None = None):
-        super().__init__(message)
-        self.replica_id = replica_id
-        self.device_name = device_name
-        self.step = step
+    replica_id: int | None = None
+    device_name: str | None = None
+    step: int | None = None
 
 
 class ProfileCacheError(HeteroCSError, ValueError):
@@ -168,10 +167,8 @@ class NotInReplicaStepError(HeteroCSError, RuntimeError):
 class ReplicaStepError(HeteroCSError, RuntimeError):
     """A training step failed inside one replica; the model and optimizer state were left as they were."""
 
-    def __init__(self, message: str, *, replica_id: int | None = None, device: str | None = None):
-        super().__init__(message)
-        self.replica_id = replica_id
-        self.device = device
+    replica_id: int | None = None
+    device: str | None = None
 
 
 class DeviceFaultError(ReplicaStepError):
@@ -183,11 +180,8 @@ class DeviceFaultError(ReplicaStepError):
     chained as ``__cause__``).
     """
 
-    def __init__(self, message: str, *, replica_id: int | None = None, device: str | None = None,
-                 excluded: tuple = (), last_error: BaseException | None = None):
-        super().__init__(message, replica_id=replica_id, device=device)
-        self.excluded = tuple(excluded)
-        self.last_error = last_error
+    excluded: tuple = ()
+    last_error: BaseException | None = None
 
 
 class WorkerLostError(HeteroCSError, RuntimeError):

@@ -63,6 +63,7 @@ from hetero_cs.supervisor import (
     checked_int,
     exit_status,
     lines_of,
+    lost_card_in,
     signal_group,
     silence,
     start_child,
@@ -224,8 +225,6 @@ class Launch:
         """The worker whose card failed, or None: on GPUs, the one holding a card NVML showed failed (never a line
         of text alone); on emulated cards, the worker whose device error (DeviceFaultError) or lost card its own or
         another worker's last lines name."""
-        from hetero_cs.supervisor import lost_card_in
-
         if self._gpus is not None:
             return next((i for gpu, _ in self._evidence for i, gpus in enumerate(self._gpus) if gpu in gpus), None)
 

@@ -51,7 +51,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
-from hetero_cs.engine.faults.supervised_run import BACKUP_DIR_ENV_VAR, EXCLUDED_ENV_VAR, RESTART_ENV_VAR
+from hetero_cs.engine.faults.supervised_run import (
+    BACKUP_DIR_ENV_VAR, EXCLUDED_ENV_VAR, MANIFEST, OWNED_DIR, RESTART_ENV_VAR, register, remove_written, written)
 from hetero_cs.errors import ConfigError
 
 DEFAULT_MAX_RESTARTS = 3
@@ -234,7 +235,6 @@ class Supervisor:
                  backup_dir: str | os.PathLike | None = None, output: TextIO | None = None, allow_cpu: bool = False,
                  retry_transient: bool = False, grace_s: float = DEFAULT_GRACE_S) -> None:
         from hetero_cs.devices.gpu_health import visible_gpus
-        from hetero_cs.engine.faults.supervised_run import OWNED_DIR
 
         self._command = checked_command(command, "run")
         self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS, "restarts after a lost card")
@@ -273,8 +273,6 @@ class Supervisor:
 
     def _check_backup_dir(self) -> None:
         """Creates the library's subdirectory and its manifest: a ConfigError naming --backup-dir when it cannot."""
-        from hetero_cs.engine.faults.supervised_run import register
-
         try:
             register(self.owned_dir, ["profiles.json", "profiles.meta.json"])
         except OSError as exc:
@@ -383,7 +381,6 @@ class Supervisor:
         """Runs the script until it succeeds, fails for another reason, or runs out of restarts; returns the exit
         status (see the module docstring)."""
         from hetero_cs.devices.gpu_health import CardWatch
-        from hetero_cs.engine.faults.supervised_run import MANIFEST, remove_written, written
 
         self._check_backup_dir()
         with stop_signals_to(self._on_signal):

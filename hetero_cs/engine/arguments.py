@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from hetero_cs.devices.catalog import (
+    MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR, get_device_spec)
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
 from hetero_cs.planning.plan import finite_real, ordered_values, short_repr, unordered_note
 
@@ -25,7 +27,6 @@ def emulation_names(emulate) -> tuple:
         ConfigError: ``emulate`` is not a non-empty list of names (or an Emulator).
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
-    from hetero_cs.devices.catalog import get_device_spec
     from hetero_cs.devices.emulation import Emulator
 
     if emulate is None:
@@ -175,8 +176,6 @@ def emulated_makespan_target_s() -> float:
     Raises:
         ConfigError: If the variable is not a number in that range (the message names the variable).
     """
-    from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR
-
     raw = os.environ.get(TARGET_MAKESPAN_ENV_VAR, "").strip()
     if not raw:
         return 0.1
@@ -235,11 +234,12 @@ def validate_compute_devices(compute_devices) -> list:
     return list(compute_devices)
 
 
-def validate_fused_update(fused_update) -> None:
-    """Raises ConfigError unless ``fused_update`` is None, True or False."""
-    if fused_update is None or isinstance(fused_update, bool):
-        return
-    raise ConfigError(
-        f"fused_update must be None (the default: Keras' own optimizers), True or False. Received: "
-        f"fused_update={fused_update!r}. Pass fused_update=False to run the optimizer's update without XLA."
-    )
+def validate_setting(name: str, value, choices: str) -> None:
+    """Raises ConfigError unless the setting ``name`` is None, True or False; ``choices`` says what each means."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{name} must be {choices}. Received: {name}={value!r}.")
+
+
+MICRO_BATCHES_CHOICES = (
+    "None (micro-batch where it is exact and helps), True (also accept per-micro-batch statistics: "
+    "BatchNormalization's on one machine, a layer's own state on both strategies) or False (never)")

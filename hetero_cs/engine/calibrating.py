@@ -237,11 +237,6 @@ def write_back_caps(strategy) -> None:
 
 
 def _store(strategy):
+    """The strategy's profile cache: False (none), its ProfileStore, or one for its directory (None: the default)."""
     cache = strategy._profile_cache
-    if cache is False:
-        return False
-    if cache is None:
-        return ProfileStore()
-    if isinstance(cache, (str, os.PathLike)):
-        return ProfileStore(cache)
-    return cache
+    return cache if cache is False or isinstance(cache, ProfileStore) else ProfileStore(cache)

@@ -9,13 +9,56 @@ import statistics
 
 import keras
 
-from hetero_cs.engine import calibrating
-from hetero_cs.errors import ConfigError
+from hetero_cs.engine import arguments, calibrating
 
 logger = logging.getLogger(__name__)
 
 
-class BalanceCallback(keras.callbacks.Callback):
+class FiguresCallback(keras.callbacks.Callback):
+    """What both strategies' callbacks share: each epoch's figures go to ``strategy.stats`` (a :class:`FitStats`),
+    and those named in ``IN_LOGS`` (all of them with ``log_everything=True``) to the epoch logs.
+
+    Args:
+        strategy: The hetero_cs strategy the model was built under.
+        log_everything: Put every figure in the epoch logs, not only those of ``IN_LOGS``.
+    """
+
+    IN_LOGS: tuple[str, ...] = ()
+
+    def __init__(self, strategy, *, log_everything: bool = False):
+        super().__init__()
+        arguments.validate_flags(log_everything=log_everything)
+        self._strategy = strategy
+        self._log_everything = log_everything
+        self._guard_logged = False
+
+    def on_train_begin(self, logs=None):
+        self._strategy._fit_stats = FitStats()  # noqa: SLF001 - this fit's figures (strategy.stats)
+
+    def _publish(self, figures: dict, logs) -> dict:
+        """Records the epoch's ``figures`` and puts those due in ``logs``; returns the figures left out of them."""
+        self._strategy._fit_stats.record(figures)  # noqa: SLF001 - set by on_train_begin
+        shown = figures if self._log_everything else {k: v for k, v in figures.items() if k in self.IN_LOGS}
+        if logs is not None:
+            logs.update(shown)
+        return {k: v for k, v in figures.items() if k not in shown}
+
+    def _add_guard_figures(self, figures: dict) -> None:
+        """Adds ``guard_kept`` (NaN before the first decision), ``guard_in_trial`` and ``guard_reverts`` while the
+        guard is on, and NaN for all three in later epochs once it is off (a ``batch_split`` set in training), so
+        History's lists stay aligned with the epochs."""
+        balancer = self._strategy.balancer
+        if balancer.guard_enabled:
+            decision = balancer.last_guard_decision
+            figures["guard_kept"] = math.nan if decision is None else (1.0 if decision.kept else 0.0)
+            figures["guard_in_trial"] = 1.0 if balancer.guard.in_trial else 0.0
+            figures["guard_reverts"] = float(balancer.guard.num_reverts)
+            self._guard_logged = True
+        elif self._guard_logged:
+            figures["guard_kept"] = figures["guard_in_trial"] = figures["guard_reverts"] = math.nan
+
+
+class BalanceCallback(FiguresCallback):
     """Connects ``model.fit`` to a HeteroCentralStorageStrategy.
 
     ``model.fit`` adds it by itself under the strategy; add it yourself only to control its position in the list.
@@ -51,21 +94,16 @@ class BalanceCallback(keras.callbacks.Callback):
     """The figures the epoch logs (and so the progress bar) carry by default."""
 
     def __init__(self, strategy, *, log_everything: bool = False, tensorboard_dirs=()):
-        super().__init__()
-        if not isinstance(log_everything, bool):
-            raise ConfigError(f"log_everything must be True or False. Received: log_everything={log_everything!r}.")
-        self._strategy = strategy
-        self._log_everything = log_everything
+        super().__init__(strategy, log_everything=log_everything)
         self._tensorboard_dirs = tuple(str(d) for d in tensorboard_dirs)
         self._writers: dict = {}
         self._samples = []
         self._last_step_seen = -1
-        self._guard_logged = False
         self._held_logs = HeldLogs()
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         strategy = self._strategy
-        strategy._fit_stats = FitStats()  # noqa: SLF001 - this fit's figures (strategy.stats)
         calibrating.check_policy_support(strategy, self.model)  # mixed_bfloat16 on a GPU without bf16: refused
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
         # A fixed or even split without emulation needs nothing before the first batch: no batch is read then.
@@ -116,12 +154,7 @@ class BalanceCallback(keras.callbacks.Callback):
                     statistics.median(s.makespan_s for s in full) * 1e3,
                     "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps",
                 )
-        figures = self._figures(plan)
-        self._strategy._fit_stats.record(figures)  # noqa: SLF001 - set by on_train_begin
-        if logs is not None:
-            logs.update(figures if self._log_everything else {k: v for k, v in figures.items() if k in self.IN_LOGS})
-        self._write_tensorboard(epoch, {k: v for k, v in figures.items()
-                                        if self._log_everything is False and k not in self.IN_LOGS})
+        self._write_tensorboard(epoch, self._publish(self._figures(plan), logs))
 
     def _figures(self, plan) -> dict:
         """Every figure of the epoch (see the class docstring), keys in a stable order."""
@@ -136,7 +169,7 @@ class BalanceCallback(keras.callbacks.Callback):
             figures["oom_recoveries"] = float(recovery.recoveries)
             figures.update({f"replica_{i}_memory_cap": math.nan if cap is None else float(cap)
                             for i, cap in enumerate(balancer.max_batch_sizes or [None] * R)})
-        self._guard_logged = add_guard_logs(figures, balancer, self._guard_logged)
+        self._add_guard_figures(figures)
         if not (samples or self._strategy._timing_enabled):  # noqa: SLF001 - timed: NaN keeps History aligned
             return figures
 
@@ -239,17 +272,3 @@ class FitStats:
         """The last epoch's figures (empty before the first epoch ends)."""
         return {key: values[-1] for key, values in self.history.items() if values}
 
-
-def add_guard_logs(logs: dict, balancer, logged_before: bool) -> bool:
-    """Adds ``guard_kept`` (NaN before the first decision), ``guard_in_trial`` and ``guard_reverts`` to an epoch's
-    logs while the guard is on, and NaN for all three in later epochs once it is off (a ``batch_split`` set in
-    training), so History's lists stay aligned with the epochs. Returns whether the keys were added."""
-    if balancer.guard_enabled:
-        decision = balancer.last_guard_decision
-        logs["guard_kept"] = math.nan if decision is None else (1.0 if decision.kept else 0.0)
-        logs["guard_in_trial"] = 1.0 if balancer.guard.in_trial else 0.0
-        logs["guard_reverts"] = float(balancer.guard.num_reverts)
-        return True
-    if logged_before:
-        logs["guard_kept"] = logs["guard_in_trial"] = logs["guard_reverts"] = math.nan
-    return logged_before

@@ -23,7 +23,7 @@ from hetero_cs.engine.callbacks import with_balance_callback
 from hetero_cs.engine.faults import supervised_run
 from hetero_cs.engine.faults.backup import with_backup
 from hetero_cs.engine.faults.failover import check_setting
-from hetero_cs.engine.memory.micro_batches import MicroBatching, validate_setting
+from hetero_cs.engine.memory.micro_batches import MicroBatching
 from hetero_cs.engine.memory.oom_recovery import StepRecovery, strategy_step_error
 from hetero_cs.engine.packed_values import PackedBatchValues
 from hetero_cs.engine.replica_wrapping import wrap_replica_fn
@@ -173,8 +173,9 @@ class HeteroCentralStorageStrategy(
             )
         arguments.validate_profile_cache(profile_cache)
         memory_policy = arguments.memory_policy(oom_recovery)
-        arguments.validate_fused_update(fused_update)
-        validate_setting(micro_batches)
+        arguments.validate_setting("fused_update", fused_update, "None (the default: Keras' own optimizers), True "
+                                   "or False (False runs the optimizer's update without XLA)")
+        arguments.validate_setting("micro_batches", micro_batches, arguments.MICRO_BATCHES_CHOICES)
         check_setting(on_device_error)
         batch_split = supervised_run.shares_without_lost_gpus(batch_split, len(devices), emulate is not None)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))

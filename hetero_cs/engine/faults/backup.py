@@ -221,16 +221,15 @@ class SupervisedBackup(keras.callbacks.Callback):
         """The record and every array of the backup, checked; a ConfigError when either cannot be read."""
         try:
             record = json.loads(self._record_path.read_text())
-            for key, kind in (("epoch", int), ("batches", int), ("epochs", int), ("step", int), ("complete", bool),
-                              ("arrays", str), ("counts", dict), ("history", list)):
-                if not isinstance(record.get(key), kind) or (kind is int and isinstance(record[key], bool)) or (
-                        kind is int and record[key] < 0):
-                    raise ValueError(f"{key}={record.get(key)!r} is not a {kind.__name__}"
-                                     + (" >= 0" if kind is int else ""))
-            for name in ("model", "optimizer", "metrics"):
-                count = record["counts"].get(name)
-                if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                    raise ValueError(f"counts[{name!r}]={count!r} is not an int >= 0")
+            fields = [(key, record.get(key), kind) for key, kind in (
+                ("epoch", int), ("batches", int), ("epochs", int), ("step", int), ("complete", bool), ("arrays", str),
+                ("counts", dict), ("history", list))]
+            counts = record["counts"] if isinstance(record.get("counts"), dict) else {}
+            fields += [(f"counts[{name!r}]", counts.get(name), int) for name in ("model", "optimizer", "metrics")]
+            for label, value, kind in fields:  # in order: a counts that is no dict is named before its entries
+                if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+                    wanted = "an int >= 0" if kind is int else f"a {kind.__name__}"
+                    raise ValueError(f"{label}={value!r} is not {wanted}")
             if record["arrays"] not in self._slots():
                 raise ValueError(f"arrays={record['arrays']!r} is not one of this fit's files {self._slots()}")
             with np.load(self._dir / record["arrays"]) as stored:

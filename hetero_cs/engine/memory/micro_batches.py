@@ -52,7 +52,7 @@ from hetero_cs.engine.memory.micro_batch_state import NORMALISED_LOSS, _WHY, Mic
 from hetero_cs.engine.memory.micro_batch_trials import OverlapTrials
 from hetero_cs.engine.memory.overlapped_calls import OverlappedCalls, rows_of
 from hetero_cs.engine.step.model_state import restore, saved_state
-from hetero_cs.errors import ConfigError, DeviceFaultError, InfeasiblePlanError, MicroBatchError, StepOOMError
+from hetero_cs.errors import DeviceFaultError, InfeasiblePlanError, MicroBatchError, StepOOMError
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.micro_batches import (
     MicroBatchPlan,
@@ -67,15 +67,6 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")
 
 #: How many sub-steps of one step may fail out of memory before the step gives up (each failure lowers a cap).
 _MAX_SUB_STEP_FAILURES = 32
-
-
-def validate_setting(micro_batches) -> None:
-    """Raises ConfigError unless ``micro_batches`` is None, True or False."""
-    if micro_batches is not None and not isinstance(micro_batches, bool):
-        raise ConfigError(
-            f"micro_batches must be None (micro-batch where it is exact and helps), True (also accept "
-            f"per-micro-batch statistics: BatchNormalization's on one machine, a layer's own state on both "
-            f"strategies) or False (never). Received: micro_batches={micro_batches!r}.")
 
 
 class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):

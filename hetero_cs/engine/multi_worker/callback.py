@@ -5,13 +5,10 @@ from __future__ import annotations
 import math
 import statistics
 
-import keras
-
-from hetero_cs.engine.callbacks import FitStats, add_guard_logs
-from hetero_cs.errors import ConfigError
+from hetero_cs.engine.callbacks import FiguresCallback
 
 
-class MultiWorkerCallback(keras.callbacks.Callback):
+class MultiWorkerCallback(FiguresCallback):
     """Connects Keras' loops to a :class:`~hetero_cs.HeteroMultiWorkerMirroredStrategy` (added for you).
 
     * ``on_*_begin``: sizes emulated devices for the model (the model is built by then).
@@ -30,16 +27,8 @@ class MultiWorkerCallback(keras.callbacks.Callback):
 
     IN_LOGS = ("makespan_ms",)
 
-    def __init__(self, strategy, *, log_everything: bool = False):
-        super().__init__()
-        if not isinstance(log_everything, bool):
-            raise ConfigError(f"log_everything must be True or False. Received: log_everything={log_everything!r}.")
-        self._strategy = strategy
-        self._log_everything = log_everything
-        self._guard_logged = False
-
     def on_train_begin(self, logs=None):
-        self._strategy._fit_stats = FitStats()  # noqa: SLF001 - this fit's figures (strategy.stats)
+        super().on_train_begin(logs)
         self._strategy.prepare_emulation(self.model)
 
     def on_test_begin(self, logs=None):
@@ -63,8 +52,5 @@ class MultiWorkerCallback(keras.callbacks.Callback):
             figures["makespan_ms"] = statistics.median(max(t) for t in times) * 1e3 if times else math.nan
             for i in range(R):
                 figures[f"replica_{i}_step_ms"] = statistics.median(t[i] for t in times) * 1e3 if times else math.nan
-            self._guard_logged = add_guard_logs(figures, self._strategy.balancer, self._guard_logged)
-        if self._strategy.stats is not None:
-            self._strategy.stats.record(figures)
-        if logs is not None:
-            logs.update(figures if self._log_everything else {k: v for k, v in figures.items() if k in self.IN_LOGS})
+            self._add_guard_figures(figures)
+        self._publish(figures, logs)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.choice import _split_within_caps, _violates
+from hetero_cs.planning.cost_model import near_equal_micro_batches
+from hetero_cs.planning.micro_batches import micro_batched_curves, zero_caps
 from hetero_cs.planning.plan import split_by_shares
 from hetero_cs.planning.sampling import AGREEMENT_COST_S, MAX_AGREEMENT_INTERVAL_STEPS, interval_steps
 
@@ -172,8 +174,6 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         from calibration.fit import fit_cost_model
         from calibration.result import describe_cost_model
 
-        from hetero_cs.planning.cost_model import near_equal_micro_batches
-        from hetero_cs.planning.micro_batches import micro_batched_curves
 
         R = self._balancer.num_replicas
         caps = self._caps or [None] * R
@@ -216,6 +216,4 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
 
 def _solver_caps(caps: list[int | None] | None, micro_batched: bool) -> list[int | None] | None:
     """The caps the Balancer solves within: where slices run as micro-batches, only a cap of 0 binds a split."""
-    from hetero_cs.planning.micro_batches import zero_caps
-
     return zero_caps(caps) if micro_batched else caps

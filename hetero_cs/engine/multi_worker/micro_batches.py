@@ -40,7 +40,11 @@ import threading
 from collections.abc import Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
+from hetero_cs.devices.workload import max_examples_in_memory
 from hetero_cs.errors import ConfigError, MicroBatchError
+from hetero_cs.planning.micro_batches import MicroBatchPlan
+from hetero_cs.planning.plan import BatchPlan, ordered_values
+from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, format_caps, lowest_caps
 
 logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
 
@@ -70,8 +74,6 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
     Raises:
         ConfigError: Not a sequence of ``num_replicas`` entries, or an entry that is not an integer >= 0 or None.
     """
-    from hetero_cs.planning.plan import ordered_values
-
     if max_batch_sizes is None:
         return None
     given = ordered_values(max_batch_sizes)  # a list, tuple or 1-D array
@@ -137,8 +139,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
     @property
     def known_caps(self) -> list[int | None] | None:
         """The caps in force since ``fit``, else ``max_batch_sizes`` lowered by a restart's caps (None without)."""
-        from hetero_cs.planning.restart_caps import lowest_caps
-
         caps = self._caps
         return list(caps) if caps is not None else lowest_caps(self._given, self._restart_caps)
 
@@ -161,9 +161,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         """How the last step's slices ran, as a :class:`~hetero_cs.planning.MicroBatchPlan` (each replica's
         micro-batch size and count, and their predicted times on the chief), or None before a step or without
         micro-batching."""
-        from hetero_cs.planning.micro_batches import MicroBatchPlan
-        from hetero_cs.planning.plan import BatchPlan
-
         split = self._strategy.last_split
         if not self._active or split is None:
             return None
@@ -199,8 +196,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._set(None, False)
             self._pending = (model, keras_train_step)
             return
-        from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, lowest_caps
-
         caps = lowest_caps(self._given if self._given is not None else self._emulated_caps(model), self._restart_caps)
         self._caps_source = ("max_batch_sizes" if self._given is not None else "the emulated cards' memory") + (
             f", lowered by {CAPS_ENV_VAR}" if self._restart_caps is not None else "")
@@ -212,8 +207,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             self._set(None, False)
             return
         if all(c is not None and c < 1 for c in caps):
-            from hetero_cs.planning.restart_caps import format_caps
-
             source = (f" (lowered by {CAPS_ENV_VAR}={format_caps(self._restart_caps)}, set when a job is relaunched "
                       f"after out of memory)" if self._restart_caps is not None else "")
             raise MicroBatchError(
@@ -294,8 +287,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         caps, else the emulated memory's), a safe bound: inference holds less per example than training. Every model
         may run its inference slices as micro-batches (no state is written and BatchNormalization uses its moving
         statistics there), unless ``micro_batches=False``."""
-        from hetero_cs.planning.restart_caps import lowest_caps
-
         if self.setting is False:
             return None
         caps = self._caps
@@ -358,8 +349,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if emulator is None:
             return None
         self._strategy.prepare_emulation(model)
-        from hetero_cs.devices.workload import max_examples_in_memory
-
         # The least memory each emulated card ever has (its catalog size or NAME@SIZE override, or a Drift's lower
         # limit): a cap that holds then holds at every step.
         return [max_examples_in_memory(emulator.workload, emulator.lowest_memory_bytes(i))

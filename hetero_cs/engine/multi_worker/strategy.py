@@ -24,13 +24,13 @@ import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments
 from hetero_cs.engine.step import replica_state
-from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
+from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER, setup_worker_replica_cpus
 from hetero_cs.engine.multi_worker.agreement import PlanAgreement
 from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner
 from hetero_cs.engine.multi_worker.input import MultiWorkerInput
+from hetero_cs.engine.strategy_state import SharedState
 from hetero_cs.errors import ConfigError, HeteroCSError
 from hetero_cs.planning.balancer import Balancer
-from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 
 
 class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, MultiWorkerInput,
-                                        PlanAgreement, tf.distribute.MultiWorkerMirroredStrategy):
+                                        PlanAgreement, SharedState, tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy whose replicas take plan-sized slices of each global batch, weighted exactly.
 
     Variables are mirrored on every replica, as under MultiWorkerMirroredStrategy; the cluster comes from
@@ -107,9 +107,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         max_batch_sizes: Sequence[int | None] | None = None,
     ):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance)
-        from hetero_cs.engine.memory.micro_batches import validate_setting
-
-        validate_setting(micro_batches)
+        arguments.validate_setting("micro_batches", micro_batches, arguments.MICRO_BATCHES_CHOICES)
         if profile_cache not in (None, False):
             raise ConfigError(
                 f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "
@@ -151,8 +149,6 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         # nothing above touches TensorFlow's runtime, and the Keras patches are installed after.
         local_replicas = 1 if emulate is None else _emulated_local_replicas(len(emulate), source)
         if local_replicas > 1:  # several emulated devices per worker: one logical CPU device per local replica
-            from hetero_cs.devices.logical import setup_worker_replica_cpus
-
             setup_worker_replica_cpus(local_replicas)
         with _compat.local_cpu_replicas(local_replicas):
             super().__init__(communication_options=communication_options)
@@ -189,32 +185,16 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._lock = threading.Lock()
         self._start_agreement()
         self._time_scale_set = False
+        self._fit_stats = None  # the last fit's figures (MultiWorkerCallback)
         from hetero_cs.engine.multi_worker.micro_batches import MultiWorkerMicroBatches, checked_caps
 
+        # Not named _micro_batching: _compat reads that name as the central-storage strategy's micro-batching.
         self._micro_slices = MultiWorkerMicroBatches(self, micro_batches, checked_caps(max_batch_sizes, R),
                                                      restart_caps=_restart_caps(R))
 
     # ----------------------------------------------------------------------------------------------------------
     # Public state
     # ----------------------------------------------------------------------------------------------------------
-    @property
-    def stats(self):
-        """The last fit's per-epoch figures on the chief (:class:`hetero_cs.engine.callbacks.FitStats`), or None."""
-        return getattr(self, "_fit_stats", None)
-
-    @property
-    def plan(self) -> BatchPlan | None:
-        """The plan in force for the full global batch, None before the first global batch.
-
-        With a fixed or even split every worker knows it. With auto_balance only the chief's Balancer plans (the
-        other workers receive each step's split inside the step), so it is None on the other workers."""
-        return self._balancer.plan
-
-    @property
-    def balancer(self) -> Balancer:
-        """This worker's :class:`~hetero_cs.planning.balancer.Balancer` (the chief's is the one that decides)."""
-        return self._balancer
-
     @property
     def micro_batching(self):
         """This strategy's micro-batched slices (:class:`hetero_cs.engine.multi_worker.micro_batches.MultiWorkerMicroBatches`):
@@ -226,11 +206,6 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
     def is_chief(self) -> bool:
         """True on the worker that holds replica 0 and decides the plan."""
         return self._first_replica == 0
-
-    @property
-    def emulator(self):
-        """The :class:`hetero_cs.emulation.Emulator` (every replica of the cluster), or None on real devices."""
-        return self._emulator
 
     @property
     def agreed(self) -> bool:

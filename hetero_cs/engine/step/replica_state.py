@@ -136,8 +136,9 @@ class StepHandoff:
 
 
 @contextmanager
-def _this_threads(name: str, value: Any) -> Iterator[Any]:
-    """Sets ``name`` of this thread's state to ``value`` for the block, then restores what it was."""
+def this_threads(name: str, value: Any) -> Iterator[Any]:
+    """Sets ``name`` of this thread's state to ``value`` for the block, then restores what it was (read it with
+    ``this_threads_value(name)``)."""
     previous = getattr(_state, name, None)
     setattr(_state, name, value)
     try:
@@ -148,7 +149,7 @@ def _this_threads(name: str, value: Any) -> Iterator[Any]:
 
 def step_handoff(handoff: StepHandoff):
     """Makes ``handoff`` this thread's for the block: the thread that runs ``strategy.run``, and so its merges."""
-    return _this_threads("handoff", handoff)
+    return this_threads("handoff", handoff)
 
 
 def current_step_handoff() -> StepHandoff | None:
@@ -157,17 +158,22 @@ def current_step_handoff() -> StepHandoff | None:
     step = current_replica_step()
     if step is not None and step.handoff is not None:
         return step.handoff
-    return getattr(_state, "handoff", None)
+    return this_threads_value("handoff")
+
+
+def this_threads_value(name: str) -> Any:
+    """What :func:`this_threads` set ``name`` to in this thread's block, or None outside it."""
+    return getattr(_state, name, None)
 
 
 def replica_step(step: ReplicaStep):
     """Makes ``step`` the current replica step of this thread for the duration of the block."""
-    return _this_threads("step", step)
+    return this_threads("step", step)
 
 
 def current_replica_step() -> ReplicaStep | None:
     """Returns the replica step this thread is running, or None outside a HeteroCentralStorageStrategy replica."""
-    return getattr(_state, "step", None)
+    return this_threads_value("step")
 
 
 def current_hooks():

@@ -8,12 +8,12 @@ overlapped sub-step it is tracing (:func:`current_sub_step`), and sums sparse gr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from typing import Any
 
 import tensorflow as tf
+
+from hetero_cs.engine.step.replica_state import this_threads, this_threads_value
 
 
 @dataclasses.dataclass
@@ -68,22 +68,14 @@ class SubStepTrace:
         return self.applies and self.index == self.count - 1
 
 
-_tracing = threading.local()
-
-
 def current_sub_step() -> SubStepTrace | None:
     """The overlapped sub-step this thread is tracing (the thread that runs ``strategy.run``), or None."""
-    return getattr(_tracing, "sub_step", None)
+    return this_threads_value("sub_step")
 
 
-@contextlib.contextmanager
 def tracing_sub_step(sub_step: SubStepTrace):
-    previous = current_sub_step()
-    _tracing.sub_step = sub_step
-    try:
-        yield sub_step
-    finally:
-        _tracing.sub_step = previous
+    """Makes ``sub_step`` the one this thread traces for the block."""
+    return this_threads("sub_step", sub_step)
 
 
 class SparseSum:
