@@ -105,18 +105,20 @@ def shares_of_logs(step, outputs, *, keep_replicated: bool = False):
         if keep_replicated and flow_of(step).kind(value).what == REP:
             return value
         shared = share_of(step, value, what=f"a logged value the train or test step returns ({value.name})")
-        _log_shares.setdefault(shared.graph, set()).add(shared.ref())
+        _log_shares.setdefault(shared.graph, set()).add(shared.name)
         return shared
 
     return tf.nest.map_structure(share, outputs)
 
 
-_log_shares: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> refs of the log shares made in it
+# graph -> names of the log shares made in it. Names, not tensors: a tensor holds its graph, and a value that holds
+# its key would keep every traced step's graph alive (measured: +17 MB per model trained in one process).
+_log_shares: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def is_log_share(tensor) -> bool:
     """True for a tensor :func:`shares_of_logs` made (a logged value, given as this replica's share)."""
-    return not tf.executing_eagerly() and tensor.ref() in _log_shares.get(tensor.graph, ())
+    return not tf.executing_eagerly() and tensor.name in _log_shares.get(tensor.graph, ())
 
 
 def check_predictions(step, outputs):
