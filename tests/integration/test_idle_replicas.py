@@ -526,3 +526,66 @@ def test_regression_fit_on_arrays_whose_last_batch_has_fewer_examples_than_repli
     reference.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_regression_a_set_past_the_bound_is_cut_as_a_superset_in_every_step_of_fit():
+    # The oracle's program (seed 2): a strategy over four cards re-split many times, so that the set of
+    # batch_split [0, 0, 0, 3] got no branch of its own (the bound of traced sets was reached). Its first step ran as
+    # a traced superset, but the plan was published to the graph's plan cache all the same, and the steps after it
+    # read the plan's own sizes from there: branch 0, idle replicas on 0-example slices, oneDNN's Conv2D failed
+    # ("ReluGrad ... must have the same size and shape"). Such a plan is now cut as a superset in every step.
+    import itertools
+
+    from hetero_cs.engine.step.idle_replicas import MAX_SETS_PER_REPLICA
+
+    def cnn(seed):
+        init = keras.initializers.GlorotUniform
+        model = keras.Sequential([keras.Input((6, 6, 2)),
+                                  keras.layers.Conv2D(3, 3, activation="relu", kernel_initializer=init(seed=seed)),
+                                  keras.layers.Flatten(), keras.layers.Dense(1, kernel_initializer=init(seed=seed + 1))])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    strategy = HeteroCentralStorageStrategy([f"/cpu:{i}" for i in range(1, 5)], auto_balance=False, rebalance=False,
+                                            batch_split=[1, 1, 1, 1], profile_cache=False)
+    for bits in itertools.product([0, 1], repeat=4):  # every other set of active replicas, past the bound
+        if 0 < sum(bits) < 4 and bits != (0, 0, 0, 1):
+            strategy.set_batch_split([2 * b for b in bits])
+    assert len(strategy._active_sets.for_trace(training=True)) == MAX_SETS_PER_REPLICA * 4  # noqa: SLF001
+    strategy.set_batch_split([0, 0, 0, 3])
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(12, 6, 6, 2)).astype(np.float32)  # three steps of 4 examples
+    y = rng.normal(size=(12, 1)).astype(np.float32)
+    reference = cnn(5)
+    with strategy.scope():
+        model = cnn(5)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_regression_a_trained_model_leaves_no_traced_graph_behind():
+    # The log shares of every traced step were remembered by tensor in a dictionary weakly keyed by graph: a tensor
+    # holds its graph, so no graph with a log share ever died (+17 MB per model trained in one process; the oracle's
+    # long runs grew to 6 GB). Once the model is gone, so are its traced graphs.
+    import gc
+
+    from hetero_cs.engine._compat import loss_reader
+
+    def train_one():
+        strategy = strategy_for(3, [2, 0, 2])
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        x = np.ones((8, 3), np.float32)
+        model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+        model.evaluate(x, x[:, :1], batch_size=4, verbose=0)
+
+    train_one()
+    gc.collect()
+    before = len(loss_reader._log_shares)  # noqa: SLF001
+    for _ in range(3):
+        train_one()
+    gc.collect()
+    assert len(loss_reader._log_shares) <= before, (before, len(loss_reader._log_shares))  # noqa: SLF001
