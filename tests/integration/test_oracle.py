@@ -7,8 +7,8 @@ match, or the program must be refused with a hetero_cs error before its first up
 ``MAY_REFUSE`` may be). A silent difference fails with the program printed as a script, shrunk to its smallest form.
 
 The default run draws 50 programs from a fixed seed (without mixed precision, at most two hidden layers, one of them
-recurrent or attention: the quickest to trace); ``tox -e slow`` draws 1,000 from the whole grammar (four seeded draws
-of 250, ``SLOW_DRAWS``, which ``benchmarks/oracle.py --seed`` repeats with counts by form), and 10 on two worker
+recurrent or attention: the quickest to trace); ``tox -e slow`` draws 1,000 from the whole grammar (eight seeded draws
+of 125, ``SLOW_DRAWS``, which ``benchmarks/oracle.py --seed`` repeats with counts by form), and 10 on two worker
 processes. ``test_the_oracle_fails_on_a_mutant`` shows the oracle can fail: with the ``b_i / B`` weight perturbed, or
 ``stop_gradient`` read as linear.
 """
@@ -134,7 +134,9 @@ def test_random_programs_match_one_device_or_are_refused(program):
     run_program(program)
 
 
-SLOW_DRAWS = (2, 3, 4, 5)  # tox -e slow: four draws of 250 programs, one per seed, spread over the processes
+# tox -e slow: eight draws of 125 programs, one per seed, spread over the processes (a process that trains
+# programs grows by about 35 MB a program, Keras' own state included, so no draw runs all 1,000 in one).
+SLOW_DRAWS = tuple(range(2, 10))
 
 
 def seeded_draw(max_examples: int, draw: int, *, shrink: bool = True):
