@@ -49,10 +49,12 @@ def main(argv=None) -> int:
         except BaseException as exc:  # hypothesis' reject(): one device could not run the program
             if type(exc).__name__ != "UnsatisfiedAssumption":
                 raise
-            outcome = "invalid"
+            counts[program.kind]["invalid"] += 1
+            print(f"     invalid  {program.kind}", flush=True)
+            raise  # hypothesis draws another, as in the test: N valid programs, the test's own draw
         counts[program.kind][outcome] += 1
-        print(f"{sum(map(sum, (c.values() for c in counts.values()))):4d}/{args.programs} {outcome:8s} "
-              f"{program.kind}", flush=True)
+        valid = sum(row[key] for row in counts.values() for key in ("exact", "refused", "differed"))
+        print(f"{valid:4d}/{args.programs} {outcome:8s} {program.kind}", flush=True)
 
     run()
     total = collections.Counter()
