@@ -36,7 +36,7 @@ import weakref
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
-from hetero_cs.engine._compat.batch_flow import BatchFlow
+from hetero_cs.engine._compat.batch_flow import BatchFlow, flow_of
 from hetero_cs.engine._compat.batch_kinds import COUNT, MIXED, REP, ROWS, SHAPE, axes
 from hetero_cs.errors import BatchCouplingError, LossPatternError
 
@@ -66,13 +66,6 @@ class _Reading:
     leaves: list = dataclasses.field(default_factory=list)
     memo: dict = dataclasses.field(default_factory=dict)
     all_reduced: bool = False
-
-
-def flow_of(step) -> BatchFlow:
-    """The replica step's batch-flow analysis (made empty when its wrapper made none: nothing is then proven)."""
-    if step.flow is None:
-        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
-    return step.flow
 
 
 def share_of(step, value, *, what: str = "the loss"):
