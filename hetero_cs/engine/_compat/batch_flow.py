@@ -200,14 +200,20 @@ class BatchFlow:
         return result
 
 
+def flow_of(step) -> BatchFlow:
+    """The replica step's batch-flow analysis (made empty when its wrapper made none: nothing is then proven)."""
+    if step.flow is None:
+        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
+    return step.flow
+
+
 def seed_replica_step(step, *row_groups) -> None:
     """Tells ``step``'s batch-flow analysis what the strategy knows: each group's tensors are this replica's slice
     (one row per example), ``b_i`` is its number of examples and ``B`` is the same on every replica."""
-    if step.flow is None:
-        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
+    flow = flow_of(step)
     for rows in row_groups:
-        step.flow.seed_rows(rows)
+        flow.seed_rows(rows)
     if isinstance(step.batch_size, tf.Tensor):
-        step.flow.seed_count(step.batch_size)
+        flow.seed_count(step.batch_size)
     if isinstance(step.global_batch_size, tf.Tensor):
-        step.flow.seed_replicated(step.global_batch_size)
+        flow.seed_replicated(step.global_batch_size)

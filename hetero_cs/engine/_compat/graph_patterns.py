@@ -14,24 +14,16 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from hetero_cs.engine._compat.batch_kinds import axes, static
+
 _PASS_THROUGH = ("Identity", "Cast", "StopGradient")
 _MAX_OPS = 256  # bound on the ops visited per question (a linear combination of a few terms needs far fewer)
 
 
 def _constant_scalar(tensor) -> float | None:
-    """The value of a rank-0 (or one-element) constant tensor in the graph, else None."""
-    op = tensor.op
-    while op.type in ("Identity", "Cast") and op.inputs:
-        op = op.inputs[0].op
-    if op.type != "Const":
-        return None
-    try:
-        value = tf.get_static_value(op.outputs[0])
-    except (TypeError, ValueError):
-        return None
-    if value is None or np.size(value) != 1:
-        return None
-    return float(np.reshape(value, ()))
+    """The value of a one-element tensor that tracing computes (a constant, maybe cast), else None."""
+    value = static(tensor)
+    return None if value is None or np.size(value) != 1 else float(np.reshape(value, ()))
 
 
 def linear_terms(value, is_term: Callable[[object], bool]) -> list | None:
@@ -97,8 +89,8 @@ def _sums_whole_stack(sum_op) -> bool:
     packed = sum_op.inputs[0]
     if packed.shape.rank != 1 or any(t.shape.rank != 0 for t in packed.op.inputs):
         return False
-    axis = tf.get_static_value(sum_op.inputs[1])
-    return axis is not None and set(np.ravel(axis).tolist()) <= {0, -1}
+    axis = axes(sum_op.inputs[1], 1)
+    return axis is not None and set(axis) <= {0}
 
 
 def accumulates_into(value, variable) -> bool:

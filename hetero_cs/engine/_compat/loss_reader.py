@@ -36,7 +36,7 @@ import weakref
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
-from hetero_cs.engine._compat.batch_flow import BatchFlow
+from hetero_cs.engine._compat.batch_flow import BatchFlow, flow_of
 from hetero_cs.engine._compat.batch_kinds import COUNT, MIXED, REP, ROWS, SHAPE, axes
 from hetero_cs.errors import BatchCouplingError, LossPatternError
 
@@ -68,13 +68,6 @@ class _Reading:
     all_reduced: bool = False
 
 
-def flow_of(step) -> BatchFlow:
-    """The replica step's batch-flow analysis (made empty when its wrapper made none: nothing is then proven)."""
-    if step.flow is None:
-        object.__setattr__(step, "flow", BatchFlow(step.replica_id))
-    return step.flow
-
-
 def share_of(step, value, *, what: str = "the loss"):
     """This replica's share of one device's ``value`` (see the module docstring), a tensor of ``value``'s shape.
 
@@ -85,8 +78,7 @@ def share_of(step, value, *, what: str = "the loss"):
     if tf.executing_eagerly():  # no graph to read: a value of hetero_cs's is a share, any other a slice mean
         return value if _is_share(step, value) else _weigh(value)
     reading = _Reading(step, flow_of(step))
-    mode, share = _read(reading, value, what, 0)
-    return share if mode == SHARE else _weigh(share)
+    return _as_share(*_read(reading, value, what, 0))
 
 
 def shares_of_logs(step, outputs, *, keep_replicated: bool = False):
@@ -155,30 +147,18 @@ def gradient_terms(step, targets, output_gradients, *, what: str = "the loss"):
     gradient is what the share's gradient takes from it, found by differentiating the share rebuilt from them.
     """
     flow = flow_of(step)
-    pending = []
-    for target, outer in zip(targets, output_gradients):
-        if _is_share(step, target) or flow.kind(target).what == ROWS:
-            pending.append((target, outer, None))
-            continue
-        pending.append((target, outer, "read"))
-    if all(how is None for _, _, how in pending):
+    weighed = [not (_is_share(step, target) or flow.kind(target).what == ROWS) for target in targets]
+    if not any(weighed):
         return None
     reading = _Reading(step, flow)
     with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
         reading.tape = tape
         total = []
-        for target, outer, how in pending:
-            if how is None:
-                reading.leaves.append(target)
-                tape.watch(target)
-                share = target
-            else:
-                mode, share = _read(reading, target, what, 0)
-                share = share if mode == SHARE else _weigh(share)
+        for target, outer, read in zip(targets, output_gradients, weighed):
+            share = _as_share(*_read(reading, target, what, 0)) if read else _leaf(reading, target)
             if outer is not None:
                 share = share * tf.stop_gradient(tf.cast(outer, share.dtype))
-            total.append(tf.reduce_sum(tf.cast(share, tf.float32)) if share.dtype != tf.float32
-                         else tf.reduce_sum(share))
+            total.append(tf.reduce_sum(tf.cast(share, tf.float32)))
         combined = tf.add_n(total)
     leaves = list({id(t): t for t in reading.leaves}.values())
     adjoints = tape.gradient(combined, leaves, unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -261,25 +241,19 @@ def _read_uncached(reading, tensor, what, depth):
     if linear is None:
         raise _refusal(what, op, "is not linear in the examples' values")
     data = _data_inputs(op, linear)
-    inputs, changed, modes = list(op.inputs), False, []
+    inputs, modes = list(op.inputs), []
     for index, inner in enumerate(op.inputs):
         if index not in data:
-            if flow.kind(inner).what not in (REP,):
+            if flow.kind(inner).what != REP:
                 raise _refusal(what, op, f"takes its {_ordinal(index)} input from the examples' values")
             continue
-        mode, share = _read(reading, inner, what, depth + 1)
+        mode, inputs[index] = _read(reading, inner, what, depth + 1)
         modes.append(mode)
-        inputs[index] = share
     if all(mode == GLOBAL for mode in modes):
         return GLOBAL, _leaf(reading, tensor)
-    for index in data:
-        mode = modes[sorted(data).index(index)]
-        if mode == GLOBAL:
-            inputs[index] = _weigh(inputs[index])
-        changed = changed or inputs[index] is not op.inputs[index]
-    if not changed and reading.tape is None:
-        return SHARE, tensor
-    return SHARE, _reemit(op, inputs)
+    for index, mode in zip(sorted(data), modes):
+        inputs[index] = _as_share(mode, inputs[index])
+    return SHARE, _rebuilt(reading, tensor, inputs)
 
 
 def _data_inputs(op, linear) -> set:
@@ -334,9 +308,7 @@ def _product(reading, op, tensor, what, depth):
     if mode_a == GLOBAL and mode_b == GLOBAL:
         return GLOBAL, _leaf(reading, tensor)
     if SHARE in (mode_a, mode_b) and GLOBAL in (mode_a, mode_b):
-        if reading.tape is None and share_a is a and share_b is b:
-            return SHARE, tensor
-        return SHARE, _reemit(op, [share_a, share_b])
+        return SHARE, _rebuilt(reading, tensor, [share_a, share_b])
     raise _refusal(what, op, "multiplies two values computed from the batch (not linear: one device would multiply "
                              "the whole batch's values)")
 
@@ -366,9 +338,7 @@ def _quotient(reading, op, tensor, what, depth):
     if mode_d == GLOBAL:
         if mode_n == GLOBAL:
             return GLOBAL, _leaf(reading, tensor)
-        if reading.tape is None and share_n is numerator and share_d is denominator:
-            return SHARE, tensor
-        return SHARE, _reemit(op, [share_n, share_d])
+        return SHARE, _rebuilt(reading, tensor, [share_n, share_d])
     # A ratio of batch aggregates (sum(loss * mask) / sum(mask)): one device divides the whole batch's numerator by
     # the whole batch's denominator. Both are all-reduced (without gradient), every replica divides its numerator's
     # share by the global denominator, and the quotient rule's term for the denominator is added with value 0.
@@ -412,8 +382,12 @@ def _note_all_reduce(reading) -> None:
     note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
 
 
-def _reemit(op, inputs):
-    """``op`` again, on ``inputs`` (same dtypes), with its own attributes."""
+def _rebuilt(reading, tensor, inputs):
+    """``tensor``'s op on ``inputs`` (same dtypes): ``tensor`` itself when they are its own and no tape records the
+    reading, else the op again, with its own attributes."""
+    op = tensor.op
+    if reading.tape is None and all(new is old for new, old in zip(inputs, op.inputs)):
+        return tensor
     return _REEMIT[op.type](op, inputs)
 
 

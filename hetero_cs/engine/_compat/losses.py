@@ -15,7 +15,7 @@ is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places,
 * ``compute_loss``: a result that is Keras' own is already a share; an override's own scalar terms and the layers'
   ``add_loss`` values (``ops.mean`` of the batch, ``ops.sum(self.losses)``) are slice means and weigh ``w_i``, except
   terms visibly summed over the batch (``tf.reduce_sum`` along it), which are kept as they are; found through the
-  graph (:func:`hetero_cs.engine._compat.graph_patterns.linear_terms`).
+  graph by the loss reader (:func:`hetero_cs.engine._compat.loss_reader.share_of`).
 * ``keras.metrics.Mean`` given one scalar per step without a sample weight (the loss tracker of Keras' guide, a
   per-output loss metric): a share counts as ``share / w_i`` with weight ``w_i``, any other scalar (a slice mean)
   with weight ``w_i``; over the replicas that is one value per step, as on one device.

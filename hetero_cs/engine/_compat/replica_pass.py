@@ -111,19 +111,11 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
             model, keras_step, data)):
         return keras_step(model, data)  # one pass past the cap, as every other replica's (logged once)
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    rows = tf.cast(step.batch_size, tf.int64)
-    count = tf.maximum((rows + (cap - 1)) // cap, 1)  # int64: a cap past int32 (see _micro_batched)
-    quotient = tf.cast(rows // count, tf.int32)
-    remainder = tf.cast(rows - count * tf.cast(quotient, tf.int64), tf.int32)
-    count = tf.cast(count, tf.int32)
+    count, micro_batch = _near_equal_micro_batches(step.batch_size, cap)
+    count = tf.maximum(count, 1)  # an empty slice runs the first micro-batch on 0 rows
 
     def run(j):
-        begin = j * quotient + tf.minimum(j, remainder)
-        size = quotient + tf.cast(j < remainder, tf.int32)
-
-        def rows_of(value):
-            return None if value is None else value[begin:begin + size]
-
+        size, rows_of = micro_batch(j)
         part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
                                                            for v in (x, y, sample_weight)))
         part = _memory_checked(strategy_of(model), step, part, size)
@@ -134,11 +126,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
     first = run(tf.constant(0, tf.int32))
     flat = tf.nest.flatten(first)
-    if predict:
-        outputs = [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
-                   .write(0, t) for t in flat]
-    else:
-        outputs = flat
+    outputs = [array.write(0, t) for array, t in zip(_row_arrays(flat, count), flat)] if predict else flat
 
     def body(j, outputs):
         result = tf.nest.flatten(run(j))
@@ -347,32 +335,16 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     emulated = emulator is not None and step.start_stamp is not None
     # The chain's clock: where the last micro-batch's emulated time ended (a constant when nothing is emulated).
     stamp = step.start_stamp if emulated else tf.zeros([], tf.float64)
-    # In int64: a cap from a roomy card's memory and a tiny model can exceed int32 (rows + cap - 1 would wrap to a
-    # negative count, and the slice would run no micro-batch at all). The results fit int32 (at most the rows).
-    rows = tf.cast(step.batch_size, tf.int64)
-    count = (rows + (cap - 1)) // cap  # k_i: 0 for an empty slice
-    quotient = tf.cast(rows // tf.maximum(count, 1), tf.int32)
-    remainder = tf.cast(rows - count * tf.cast(quotient, tf.int64), tf.int32)
-    count = tf.cast(count, tf.int32)
-
-    predictions = [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
-                   for t in tf.nest.flatten(y_pred_spec)]
+    count, micro_batch = _near_equal_micro_batches(step.batch_size, cap)  # k_i: 0 for an empty slice
+    predictions = _row_arrays(tf.nest.flatten(y_pred_spec), count)
     dense = [i for i, g in enumerate(gradient_spec) if g is not None and not isinstance(g, tf.IndexedSlices)]
     sparse = [i for i, g in enumerate(gradient_spec) if isinstance(g, tf.IndexedSlices)]
-    sparse_parts = [(tf.TensorArray(gradient_spec[i].values.dtype, size=count, infer_shape=False,
-                                    element_shape=[None, *gradient_spec[i].values.shape[1:]]),
-                     tf.TensorArray(gradient_spec[i].indices.dtype, size=count, infer_shape=False,
-                                    element_shape=[None])) for i in sparse]
+    sparse_parts = [tuple(_row_arrays([gradient_spec[i].values, gradient_spec[i].indices], count)) for i in sparse]
 
     def body(j, chain, loss, dense_sums, sparse_parts, metric_sums, written_state, predictions):
         if emulated:  # the next micro-batch starts when the last one's emulated time is over
             j = tie_to_stamp(j, chain)
-        begin = j * quotient + tf.minimum(j, remainder)
-        size = quotient + tf.cast(j < remainder, tf.int32)
-
-        def rows_of(value):
-            return None if value is None else value[begin:begin + size]
-
+        size, rows_of = micro_batch(j)
         current = list(state)
         for i, value in zip(written, written_state):
             current[i] = value
@@ -410,6 +382,31 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     step = dataclasses.replace(step, waited_per_micro_batch=emulated)
     return _finish(model, step, (x, y, sample_weight), y_pred, loss, gradients, trainable,
                    zip(written, new_state), zip(added, sums), non_trainable, metric_state)
+
+
+def _near_equal_micro_batches(batch_size, cap: int):
+    """``(k, micro_batch)`` for a slice of ``batch_size`` examples (a tensor) within ``cap``: the ``k = ceil(b / cap)``
+    near-equal micro-batches (0 for an empty slice) that :func:`hetero_cs.planning.cost_model.near_equal_micro_batches`
+    gives the plans, and ``micro_batch(j)``: micro-batch ``j``'s size and a function that cuts a value (or None) to
+    its rows."""
+    # In int64: a cap from a roomy card's memory and a tiny model can exceed int32 (rows + cap - 1 would wrap to a
+    # negative count, and the slice would run no micro-batch at all). The results fit int32 (at most the rows).
+    rows = tf.cast(batch_size, tf.int64)
+    count = (rows + (cap - 1)) // cap
+    quotient = tf.cast(rows // tf.maximum(count, 1), tf.int32)
+    remainder = tf.cast(rows - count * tf.cast(quotient, tf.int64), tf.int32)
+
+    def micro_batch(j):
+        begin, size = j * quotient + tf.minimum(j, remainder), quotient + tf.cast(j < remainder, tf.int32)
+        return size, lambda value: None if value is None else value[begin:begin + size]
+
+    return tf.cast(count, tf.int32), micro_batch
+
+
+def _row_arrays(tensors, count) -> list:
+    """One TensorArray of ``count`` parts per tensor of ``tensors``, each part some rows of it (concatenated after)."""
+    return [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
+            for t in tensors]
 
 
 def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written, sums_added, non_trainable,
