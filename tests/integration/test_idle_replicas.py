@@ -407,8 +407,10 @@ def test_a_custom_loop_calibrated_before_its_trace_leaves_the_cards_the_fastest_
     rng = np.random.default_rng(3)
     x, y = rng.normal(size=(12, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, size=(12,)).astype(np.int32)
     strategy.calibrate(model, (x, y), progress=False)
+    # The card measured fastest alone has a branch (on a loaded host the solved plan may leave a card alone too:
+    # calibration times three alike CPUs, so which one is fastest, and by how much, is the load's choice).
     alone = [s for s in strategy._active_sets.for_trace(training=True) if len(s) == 1]
-    assert len(alone) == 1, strategy._active_sets.for_trace(training=True)  # the card measured fastest alone
+    assert alone, strategy._active_sets.for_trace(training=True)
 
     def step_fn(batch):
         features, labels = batch
