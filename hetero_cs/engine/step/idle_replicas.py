@@ -199,9 +199,9 @@ def anticipate_custom_loop(strategy, *, training: bool) -> bool:
 def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) -> tuple[int, ...]:
     """The sizes to cut a step with, given its plan's ``sizes`` and the sets the running step has branches for.
 
-    A plan's set of active replicas may have no branch in the running step of a Keras loop (``traced``: its traced
-    sets; None in a custom loop, which is never traced again, or for a step without branches, eagerly or with one
-    replica): a plan that changed while the step starts (the re-planner proposes, the guard starts a trial, inside
+    A plan's set of active replicas may have no branch in the running step of a Keras loop, or of a custom loop
+    under fixed shares or the even split (``traced``: its traced sets; None in a custom loop under auto-balance,
+    which is never traced again, or for a step without branches, eagerly or with one replica): a plan that changed while the step starts (the re-planner proposes, the guard starts a trial, inside
     the call that serves the step), a set past :data:`MAX_SETS_PER_REPLICA`. Its branch 0 would run the idle replicas on
     0-example slices, where some kernels fail (Conv2D with oneDNN on a CPU). It runs the smallest traced superset
     instead (the set of every replica is one), each replica that the superset adds given one example from the
