@@ -591,3 +591,58 @@ def test_regression_a_trained_model_leaves_no_traced_graph_behind():
         train_one()
     gc.collect()
     assert len(loss_reader._log_shares) <= before, (before, len(loss_reader._log_shares))  # noqa: SLF001
+
+
+def test_regression_a_custom_loop_whose_shares_round_a_replica_to_0_examples_runs_no_0_example_conv():
+    # The slow oracle's draw 9: a custom loop over batch_split [4, 1, 3, 1] with B = 5 (cut [2, 1, 2, 0]) and a last
+    # batch of 1 (cut [1, 0, 0, 0]). The loop's step was traced before any plan was served, so neither set had a
+    # branch: replica 3 ran its Conv1D on an empty slice in branch 0 at the first step, where oneDNN fails ("Must
+    # provide as many biases as the last dimension of the input tensor"), as TensorFlow's own error. Under fixed
+    # shares a full batch now runs as a traced superset (every replica with a share gets an example) and the sets of
+    # batches smaller than that get branches when the loop is traced. (Whether the kernel fails on 0 rows depends on
+    # oneDNN's path; the rows each replica's step ran on are what is checked.)
+    def conv1d(seed):
+        init = keras.initializers.GlorotUniform
+        inputs = keras.Input((5, 3))
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Conv1D(4, 2, padding="same",
+                                                                      kernel_initializer=init(seed))(inputs))
+        return keras.Model(inputs, keras.layers.Dense(1, kernel_initializer=init(seed + 1))(h))
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(6, 5, 3)).astype(np.float32)
+    y = rng.normal(size=(6, 1)).astype(np.float32)
+    strategy = HeteroCentralStorageStrategy([f"/cpu:{i}" for i in range(1, 5)], batch_split=[4, 1, 3, 1],
+                                            profile_cache=False)
+
+    def train(runner):
+        with runner.scope():
+            model = conv1d(4)
+            optimizer = keras.optimizers.SGD(0.1)
+            optimizer.build(model.trainable_variables)
+
+        def step_fn(xb, yb):
+            # Runs where the replica's step runs: not at all for an idle replica, with 0 rows on an empty slice.
+            tf.numpy_function(lambda n: rows.append(int(n)) or np.int64(0), [tf.shape(xb)[0]], tf.int64, stateful=True)
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+
+        @tf.function
+        def step(batch):
+            return runner.reduce("SUM", runner.run(step_fn, args=batch), axis=None)
+
+        losses = []
+        for _ in range(2):
+            for batch in runner.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5)):
+                losses.append(float(step(batch)))
+        return losses, model.get_weights()
+
+    rows: list = []
+    ref_losses, ref_weights = train(tf.distribute.get_strategy())
+    rows.clear()
+    losses, weights = train(strategy)
+    assert rows and 0 not in rows, rows  # no replica ran its step on an empty slice
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+    for got, want in zip(weights, ref_weights):
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -133,15 +133,18 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         R = len(self._compute_devices)
         # In a graph: one branch per set of active replicas that plans use, picked when the step starts
         # (hetero_cs.engine.step.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
-        sets = None
+        sets, supersets = None, strategy._input_roles.keras_loop_now  # noqa: SLF001
         if not tf.executing_eagerly() and R > 1:
             training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
+            if not supersets:  # a custom loop: traced once, before any of its plans is served
+                supersets = idle_replicas.anticipate_custom_loop(strategy, training=training_step)
             sets = strategy._active_sets.for_trace(training=training_step)  # noqa: SLF001
         # In Keras' own loops, which trace their step again when a new set appears, a plan whose set has no branch
-        # here runs as a traced superset for that one step (idle_replicas.served_sizes). A custom loop's step is
-        # never traced again: its idle replicas run on 0-example slices in branch 0 (exact), rather than give an
+        # here runs as a traced superset for that one step (idle_replicas.served_sizes); in a custom loop under
+        # fixed shares or the even split too, in every step (its zeros come from rounding). A custom loop's step
+        # under auto-balance runs its idle replicas on 0-example slices in branch 0 (exact), rather than give an
         # example to a card the plan left out, maybe one far slower.
-        traced = sets if sets is not None and strategy._input_roles.keras_loop_now else None  # noqa: SLF001
+        traced = sets if sets is not None and supersets else None
         args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs, traced=traced)  # noqa: SLF001
         if sizes is None or R == 1:
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None)

@@ -23,7 +23,9 @@ once per new set at most (for three cards, at most the six sets there are), neve
 step runs, a set past the bound) runs the smallest superset that has one, its extra replicas given one example each
 from the largest slices (:func:`served_sizes`): exact, no replica runs a 0-example slice (some kernels fail there:
 Conv2D with oneDNN on a CPU), and the set's own branch comes with the next trace. A custom loop's ``tf.function``
-keeps the sets it was traced with (trace it after ``strategy.calibrate``); a set met later runs in branch 0, its
+keeps the sets it was traced with (trace it after ``strategy.calibrate``); under fixed shares or the even split it
+also gets the sets of batches too small for every replica with a share, and runs a plan without a branch as a
+superset in every step (:func:`anticipate_custom_loop`); under auto-balance a set met later runs in branch 0, its
 idle replicas on 0-example slices: exact, but not idle. Every branch costs each step a little (TensorFlow walks the
 branches not taken).
 
@@ -161,6 +163,37 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
     except HeteroCSError:
         return  # no plan for this size (caps): its step fails or runs with its own error, as before
     strategy._active_sets.note(plan.per_replica_batch_sizes, training=training)  # noqa: SLF001
+
+
+def anticipate_custom_loop(strategy, *, training: bool) -> bool:
+    """For a custom loop's step being traced: True when its plans may run as a traced superset (fixed shares, the
+    even split); then also notes the sets of the plans that cut batches too small for every replica with a share.
+
+    A custom loop's ``tf.function`` is traced once, before any plan of it is served, so a set of active replicas
+    that only a served plan reveals has no branch there. Under fixed shares or the even split every 0 of a plan comes
+    from rounding a positive share (``batch_split=[4, 1, 3, 1]`` cuts ``B = 5`` as ``[2, 1, 2, 0]``), so giving that
+    replica one example of the largest slice (:func:`served_sizes`) is as exact and leaves out no card on purpose; a
+    batch with fewer examples than the replicas with a share (a last partial batch) has no such superset, so its
+    plans' sets (at most ``R - 1``, known before any step: the policy's plans need no measurement) get branches
+    now. Under auto-balance a 0 is the solver's choice (a card left out for being slow), so nothing changes: such a
+    plan's idle replicas run on 0-example slices in branch 0, exact, and no card gets an example it was spared.
+    """
+    from hetero_cs.errors import HeteroCSError
+    from hetero_cs.planning.choice import choose_plan
+
+    balancer = strategy._balancer  # noqa: SLF001
+    if balancer.auto_balance:
+        return False
+    shares = balancer.shares
+    with_share = [i for i in range(balancer.num_replicas) if shares is None or shares[i] > 0]
+    for batch_size in range(1, len(with_share)):
+        try:
+            plan = choose_plan(batch_size, balancer.num_replicas, shares=shares, auto_balance=False, cost_models=None,
+                               max_batch_sizes=balancer.max_batch_sizes, log_ties=False)
+        except HeteroCSError:
+            continue  # no plan for this size (caps): its step fails with its own error, as before
+        strategy._active_sets.note(plan.per_replica_batch_sizes, training=training)  # noqa: SLF001
+    return True
 
 
 def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) -> tuple[int, ...]:
