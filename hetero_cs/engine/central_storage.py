@@ -327,10 +327,8 @@ class HeteroCentralStorageStrategy(
             if 0 in plan.per_replica_batch_sizes:
                 self._empty_slices.note(plan)
                 self._active_sets.note(plan.per_replica_batch_sizes, training=training)
-            caps, shares = self._balancer.max_batch_sizes or (), self._balancer.shares or ()
-            # A superset never adds a card set aside, one whose memory cap is 0, or one whose share is 0.
-            keep_idle = {i for i, cap in enumerate(caps) if cap == 0} | {i for i, s in enumerate(shares) if s == 0}
-            sizes = served_sizes(plan.per_replica_batch_sizes, traced, sorted(keep_idle))
+            caps = self._balancer.max_batch_sizes or ()
+            sizes = served_sizes(plan.per_replica_batch_sizes, traced, [i for i, cap in enumerate(caps) if cap == 0])
             if plan is self._balancer.plan:
                 # The plan in force: later full batches may read it from the graph, unless its set of active replicas
                 # has no branch in this step (it runs as a superset, cut here step by step: read from the graph, its
