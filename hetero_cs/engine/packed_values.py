@@ -83,10 +83,7 @@ class PackedBatchValues:
         here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64
         ``[R]`` slice sizes, both None when no global batch came.
         """
-        batches = [leaf for leaf in tf.nest.flatten((args, kwargs or {}))
-                   if isinstance(leaf, tf.distribute.DistributedValues)
-                   and len(_compat.components(leaf) or ()) == 1
-                   and not is_unbatched_marker(_compat.components(leaf)[0])]
+        batches = self._global_batches(args, kwargs)
         if not batches:
             return args, kwargs, [], None, None
         training = not self._input_roles.inferring_now  # traced inside evaluate or predict: an inference step
@@ -103,6 +100,19 @@ class PackedBatchValues:
         created: list = []
         return (self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed,
                 sizes)
+
+    @staticmethod
+    def _global_batches(args, kwargs) -> list:
+        """The global batches among ``strategy.run``'s arguments (a distributed dataset's elements)."""
+        return [leaf for leaf in tf.nest.flatten((args, kwargs or {}))
+                if isinstance(leaf, tf.distribute.DistributedValues)
+                and len(_compat.components(leaf) or ()) == 1
+                and not is_unbatched_marker(_compat.components(leaf)[0])]
+
+    def _static_batch_size(self, args, kwargs) -> int | None:
+        """The static size of the global batch in a traced step's arguments; None when unknown or absent."""
+        dims = [_compat.components(leaf)[0].shape[0] for leaf in self._global_batches(args, kwargs)]
+        return dims[0] if dims and None not in dims else None
 
     def experimental_local_results(self, value):
         """Like ``tf.distribute``'s; an element of a distributed dataset gives its ``R`` per-replica slices.

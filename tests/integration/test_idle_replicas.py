@@ -593,14 +593,16 @@ def test_regression_a_trained_model_leaves_no_traced_graph_behind():
     assert len(loss_reader._log_shares) <= before, (before, len(loss_reader._log_shares))  # noqa: SLF001
 
 
-def test_regression_a_custom_loop_whose_shares_round_a_replica_to_0_examples_runs_no_0_example_conv():
+@pytest.mark.parametrize("drop_remainder", [False, True], ids=["partial_last_batch", "static_batch_size"])
+def test_regression_a_custom_loop_whose_shares_round_a_replica_to_0_examples_runs_no_0_example_conv(drop_remainder):
     # The slow oracle's draw 9: a custom loop over batch_split [4, 1, 3, 1] with B = 5 (cut [2, 1, 2, 0]) and a last
     # batch of 1 (cut [1, 0, 0, 0]). The loop's step was traced before any plan was served, so neither set had a
     # branch: replica 3 ran its Conv1D on an empty slice in branch 0 at the first step, where oneDNN fails ("Must
     # provide as many biases as the last dimension of the input tensor"), as TensorFlow's own error. Under fixed
     # shares a full batch now runs as a traced superset (every replica with a share gets an example) and the sets of
     # batches smaller than that get branches when the loop is traced. (Whether the kernel fails on 0 rows depends on
-    # oneDNN's path; the rows each replica's step ran on are what is checked.)
+    # oneDNN's path; the rows each replica's step ran on are what is checked.) A batch of one static size of at least
+    # the replicas with a share (drop_remainder) gets no branches for smaller batches.
     def conv1d(seed):
         init = keras.initializers.GlorotUniform
         inputs = keras.Input((5, 3))
@@ -634,7 +636,7 @@ def test_regression_a_custom_loop_whose_shares_round_a_replica_to_0_examples_run
 
         losses = []
         for _ in range(2):
-            for batch in runner.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5)):
+            for batch in runner.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5, drop_remainder)):
                 losses.append(float(step(batch)))
         return losses, model.get_weights()
 
@@ -643,6 +645,7 @@ def test_regression_a_custom_loop_whose_shares_round_a_replica_to_0_examples_run
     rows.clear()
     losses, weights = train(strategy)
     assert rows and 0 not in rows, rows  # no replica ran its step on an empty slice
+    assert ((0,) in strategy._active_sets.for_trace(training=True)) is not drop_remainder  # noqa: SLF001 - B' = 1's set
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
     for got, want in zip(weights, ref_weights):
         np.testing.assert_allclose(got, want, atol=1e-5)

@@ -137,7 +137,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         if not tf.executing_eagerly() and R > 1:
             training_step = not strategy._input_roles.inferring_now  # noqa: SLF001
             if not supersets:  # a custom loop: traced once, before any of its plans is served
-                supersets = idle_replicas.anticipate_custom_loop(strategy, training=training_step)
+                static = strategy._static_batch_size(args, kwargs)  # noqa: SLF001 - None: any size
+                supersets = idle_replicas.anticipate_custom_loop(strategy, training=training_step, batch_size=static)
             sets = strategy._active_sets.for_trace(training=training_step)  # noqa: SLF001
         # In Keras' own loops, which trace their step again when a new set appears, a plan whose set has no branch
         # here runs as a traced superset for that one step (idle_replicas.served_sizes); in a custom loop under

@@ -165,9 +165,10 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
     strategy._active_sets.note(plan.per_replica_batch_sizes, training=training)  # noqa: SLF001
 
 
-def anticipate_custom_loop(strategy, *, training: bool) -> bool:
+def anticipate_custom_loop(strategy, *, training: bool, batch_size: int | None) -> bool:
     """For a custom loop's step being traced: True when its plans may run as a traced superset (fixed shares, the
-    even split); then also notes the sets of the plans that cut batches too small for every replica with a share.
+    even split); then also notes the sets of the plans that cut batches too small for every replica with a share,
+    those of ``batch_size`` examples only when the traced batch has that static size (``None``: any size).
 
     A custom loop's ``tf.function`` is traced once, before any plan of it is served, so a set of active replicas
     that only a served plan reveals has no branch there. Under fixed shares or the even split every 0 of a plan comes
@@ -186,9 +187,10 @@ def anticipate_custom_loop(strategy, *, training: bool) -> bool:
         return False
     shares = balancer.shares
     with_share = [i for i in range(balancer.num_replicas) if shares is None or shares[i] > 0]
-    for batch_size in range(1, len(with_share)):
+    small = range(1, len(with_share)) if batch_size is None else [b for b in [batch_size] if b < len(with_share)]
+    for size in small:
         try:
-            plan = choose_plan(batch_size, balancer.num_replicas, shares=shares, auto_balance=False, cost_models=None,
+            plan = choose_plan(size, balancer.num_replicas, shares=shares, auto_balance=False, cost_models=None,
                                max_batch_sizes=balancer.max_batch_sizes, log_ties=False)
         except HeteroCSError:
             continue  # no plan for this size (caps): its step fails with its own error, as before
