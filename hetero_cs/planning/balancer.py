@@ -390,6 +390,13 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
                 return self._maybe_probe(plan)  # now and then one example on a card the plan leaves idle
             return plan
 
+    def step_traced_again(self) -> None:
+        """Called before the first step of a training step function traced again: the steps measured so far are
+        fed to a running guard trial first, then each of its plans' next step is a warm-up (PlanGuard.warm_up_again)."""
+        with self._lock:
+            self._process_measurements()
+            self._guard.warm_up_again()
+
     def record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
                          step_key: Hashable | None = None) -> None:
         """One replica's measured step, keyed by its step when ``step_key`` is given (see StepTimeMonitor.record)."""

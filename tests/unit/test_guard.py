@@ -132,6 +132,25 @@ def test_the_incumbents_first_step_far_slower_than_before_the_trial_is_a_warm_up
     assert decision.kept and decision.num_pairs == 1
 
 
+def test_after_the_step_is_traced_again_each_plans_next_step_is_a_warm_up():
+    """Regression: a fit's retrace at an epoch's start (its last partial batch's set of idle replicas) made the
+    incumbent's next step 30x slower (each branch's first run); that one pair kept a plan "over 4x faster" that
+    measured 1.01-1.10x faster."""
+    def trial(traced_again: bool):
+        guard = PlanGuard()
+        guard.start(EVEN, SOLVED, step=0)  # right after calibration: the incumbent's first step is a warm-up
+        for seconds in [1.0, 0.09, 0.10]:  # C (warm-up), C, I (warm-up): no pair yet
+            assert guard.observe(guard.plan_to_serve().per_replica_batch_sizes, seconds, step=0) is None
+        if traced_again:
+            guard.warm_up_again()
+        return run_trial(guard, lambda k: 0.09, lambda k: 3.0 if k == 2 else 0.10)
+
+    assert trial(traced_again=False).reason == "over 4x faster in every pair"  # the retrace's pair decided alone
+    decision = trial(traced_again=True)
+    assert "over" not in decision.reason and decision.median_ratio == pytest.approx(0.9), decision
+    PlanGuard().warm_up_again()  # no trial: nothing to do
+
+
 def test_back_off_doubles_after_consecutive_reverts_and_resets_after_a_keep():
     policy = GuardPolicy(backoff_steps=10, max_backoff_steps=25)
     guard = PlanGuard(policy)

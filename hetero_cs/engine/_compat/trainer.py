@@ -203,6 +203,7 @@ def patch_make_train_function() -> None:
                             f"sets {list(active_sets.for_trace(training=True))})" if idle_sets_new
                             else "global batches now run as micro-batches")
                 known = active_sets.version(training=True)
+                strategy._balancer.step_traced_again()  # noqa: SLF001 - a guard trial's next steps pay for the trace
                 _made_without_whole_step_xla(keras_make, self, force=True)
                 micro.forget_findings()  # found again while the new step is traced
                 current[0] = self.train_function
