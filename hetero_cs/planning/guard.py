@@ -366,7 +366,10 @@ class PlanGuard:
                 return self._decision(step, KEPT, median, p_value, "measurably faster")
             if median < 1.0 - policy.min_gain and n < 2 * policy.max_pairs:
                 return None  # faster on the median but not yet significant (a noisy host): measure up to twice as long
-            return self._decision(step, REVERTED, median, p_value, "not measurably faster")
+            small_gain = median < 1.0 and p_value < policy.significance  # faster, measurably, by too little
+            why = f"faster by {1.0 - median:.1%}, below min_gain {policy.min_gain:.0%}" if small_gain else \
+                "not measurably faster"
+            return self._decision(step, REVERTED, median, p_value, why)
         if trial.steps >= policy.max_trial_steps:
             return self._decision(step, REVERTED, median, None, f"only {n} pairs in {trial.steps} steps")
         return None

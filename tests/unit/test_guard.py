@@ -61,6 +61,14 @@ def test_a_consistent_small_gain_is_kept_by_the_test():
     assert decision.p_value is not None and decision.p_value < 0.05
 
 
+def test_a_measurable_gain_below_min_gain_is_reverted_and_says_so():
+    guard = PlanGuard()
+    guard.start(EVEN, SOLVED, step=0)
+    decision = run_trial(guard, lambda k: 0.0993 + 1e-5 * (k % 3), lambda k: 0.10)
+    assert decision.outcome == REVERTED and decision.p_value < 0.05
+    assert decision.reason.startswith("faster by 0.") and "below min_gain 1%" in decision.reason, decision.reason
+
+
 def test_a_tie_is_reverted():
     """Measurably faster means an effect and evidence; pure noise around 1.0 has neither."""
     rng = np.random.default_rng(1)
