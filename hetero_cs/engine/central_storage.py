@@ -324,11 +324,11 @@ class HeteroCentralStorageStrategy(
         try:
             plan = self._balancer.serve(int(global_batch_size), training=training)
             timed = not self._sampled_timing or (training and self._balancer.timing_due())
-            if 0 in plan.per_replica_batch_sizes:
-                self._empty_slices.note(plan)
-                self._active_sets.note(plan.per_replica_batch_sizes, training=training)
             caps = self._balancer.max_batch_sizes or ()
             sizes = served_sizes(plan.per_replica_batch_sizes, traced, [i for i, cap in enumerate(caps) if cap == 0])
+            if 0 in plan.per_replica_batch_sizes:
+                self._empty_slices.note(plan, sizes)
+                self._active_sets.note(plan.per_replica_batch_sizes, training=training)
             if plan is self._balancer.plan:
                 # The plan in force: later full batches may read it from the graph, unless its set of active replicas
                 # has no branch in this step (it runs as a superset, cut here step by step: read from the graph, its

@@ -113,13 +113,22 @@ class EmptySliceNotes:
         self.last_plan = None  # the last BatchPlan with a 0-example slice, for the advice in a failed step's error
         self._logged_sizes: set[int] = set()
 
-    def note(self, plan) -> None:
+    def note(self, plan, served) -> None:
+        """``plan`` leaves a replica 0 examples; ``served``: the sizes the running step cuts instead (a superset)."""
         self.last_plan = plan
         if plan.global_batch_size not in self._logged_sizes:
             self._logged_sizes.add(plan.global_batch_size)
             # The advice for kernels that fail on 0-example inputs goes with the error of a step that fails (above),
             # not here: an idle replica runs nothing, and only a step traced before its set was first used runs
             # empty slices.
-            logger.info("hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do no "
-                        "work in that step.", plan.global_batch_size, list(plan.per_replica_batch_sizes),
-                        [i for i, b in enumerate(plan.per_replica_batch_sizes) if b == 0])
+            sizes = list(plan.per_replica_batch_sizes)
+            idle = [i for i, b in enumerate(sizes) if b == 0]
+            if tuple(served) == tuple(sizes):
+                logger.info("hetero_cs: a global batch of %d examples is cut %s: replica(s) %s get 0 examples and do "
+                            "no work in that step.", plan.global_batch_size, sizes, idle)
+                return
+            logger.info("hetero_cs: a global batch of %d examples is cut %s by the plan, but the running step was "
+                        "traced without a branch that leaves replica(s) %s idle: it runs as %s (each added replica "
+                        "given one example of the largest slices; exact). model.fit traces its step again; a custom "
+                        "loop keeps its trace (set batch_split before tracing it).", plan.global_batch_size, sizes,
+                        idle, [int(b) for b in served])
