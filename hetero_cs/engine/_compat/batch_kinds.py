@@ -54,6 +54,9 @@ def same_rows(a: Tag | None, b: Tag | None) -> bool:
 
 
 def mixed(op, why: str) -> Kind:
+    if "tensordot" in op.name.lower():  # its Reshape/MatMul names say nothing of the contraction that mixes rows
+        why += (" (a tensordot that contracts the batch axis, e.g. tensordot(u, v, 2); for one dot product per "
+                "example use keras.ops.sum(u * v, axis=-1))")
     return Kind(MIXED, reason=f"{op.type} op {op.name!r} {why}")
 
 
