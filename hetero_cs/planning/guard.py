@@ -248,6 +248,11 @@ class PlanGuard:
         """How many trials of a proposed plan ended in a revert so far."""
         return sum(1 for d in self._decisions if not d.kept and not d.against_alone)
 
+    @property
+    def num_pairs(self) -> int:
+        """The paired steps the running trial measured so far (0 outside one)."""
+        return 0 if self._trial is None else len(self._trial.ratios)
+
     def may_start(self, step: int) -> bool:
         """True when no trial runs and the back-off after the last revert has passed at ``step``."""
         return self._trial is None and step >= self._blocked_until_step

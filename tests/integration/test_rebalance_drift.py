@@ -177,3 +177,18 @@ def test_a_long_fit_with_re_planning_and_probes_traces_its_step_once_per_new_set
     # any time), which the plan that leaves both cards out uses; perhaps once more for a set the recovery meets.
     assert len(retraced) <= 1 and all(epoch < 12 for epoch in retraced), (traces, plans)
     assert (0,) in strategy._active_sets.for_trace(training=True)
+
+
+def test_a_guard_trial_still_running_when_fit_ends_is_said(fast_emulation, caplog):
+    # The quick-start's last guard line was "guard: trying [256, 0, 0] ..." with no verdict after it: fit had ended.
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=["A10", "T4", "P100"], rebalance=False)
+    train(strategy, epochs=1, steps_per_epoch=1)  # calibrated; the plan is in force
+    incumbent = strategy.plan
+    candidate = hetero_cs.BatchPlan((128, 0, 0), 128) if incumbent.per_replica_batch_sizes[0] != 128 else \
+        hetero_cs.BatchPlan((0, 128, 0), 128)
+    strategy.balancer.guard.start(incumbent, candidate, step=0)  # two steps below cannot give it a pair
+    with caplog.at_level("INFO", logger="hetero_cs.engine.callbacks"):
+        train(strategy, epochs=1, steps_per_epoch=2)
+    assert strategy.balancer.guard.in_trial
+    assert f"the trial of {list(candidate.per_replica_batch_sizes)} had measured 0 of its pairs when fit ended" \
+        in caplog.text, caplog.text
