@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     for c in configs:
         log(f"   {c.label:<46} {ms(c.median_step_s):>12} {'on' if c.name in timed_on else 'off':>19}")
     log(f"   hetero_cs even / stock        = {results['overhead_ratio']:.3f}   (goal <= {OVERHEAD_GOAL})")
-    log(f"   batch size unknown while tracing (branches for smaller batches) / known = "
-        f"{results['any_size_ratio']:.3f}")
+    log(f"   batch size unknown while tracing / known (custom loop, even split) = {results['any_size_ratio']:.3f}")
     log(f"   hetero_cs auto_balance / stock = {results['auto_balance_ratio']:.3f}   (plan "
         f"{results['hetero_auto_plan']}; includes per-replica timing)")
     log(f"   step only (no input pipeline): hetero_cs even / stock = {results['step_only_ratio']:.3f}")
