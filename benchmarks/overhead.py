@@ -7,6 +7,9 @@ identical devices (3 logical CPU compute devices, CPU:0 holds the variables), tr
 * ``stock``: tf.distribute.experimental.CentralStorageStrategy (even split);
 * ``hetero_even``: HeteroCentralStorageStrategy(auto_balance=False, rebalance=False), per-replica timing off;
 * ``hetero_even_timed``: the same with per-replica timing on (HETERO_CS_TIMING=1 when the strategy is built);
+* ``hetero_even_any_size``: ``hetero_even`` on the same batches from ``dataset.batch(B)``, whose size is unknown while
+  tracing: the step then has a branch for each batch smaller than the replicas (a last partial batch), which every
+  step pays for a little;
 * ``hetero_auto``: HeteroCentralStorageStrategy(auto_balance=True, rebalance=True), calibrated by the library
   (timing on, because re-balancing reads it);
 * ``stock_step`` and ``hetero_step``: stock and hetero_cs (even, timing off) fed fixed per-replica values of the
@@ -54,6 +57,7 @@ LABELS = {
     "stock": "stock CentralStorageStrategy",
     "hetero_even": "hetero_cs even split, timing off",
     "hetero_even_timed": "hetero_cs even split, timing on",
+    "hetero_even_any_size": "hetero_cs even split, batch size unknown",
     "hetero_auto": "hetero_cs auto_balance (+rebalance)",
     "stock_step": "stock CSS, step only (no input pipeline)",
     "hetero_step": "hetero_cs even, step only (no input pipeline)",
@@ -141,7 +145,12 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     batch = _common.synthetic_batch("mlp", B, seed=args.seed)
     dataset = _common.batch_dataset(batch)
 
-    def new_config(name: str, strategy: Any, *, calibrate: bool = False, step_only: bool = False) -> _common.Config:
+    # The same batches with their size unknown while tracing (dataset.batch without drop_remainder): a custom loop's
+    # step under the even split then gets a branch for each batch smaller than the replicas (a last partial batch).
+    any_size = tf.data.Dataset.from_tensor_slices(batch).repeat().batch(B)
+
+    def new_config(name: str, strategy: Any, *, calibrate: bool = False, step_only: bool = False,
+                   data: Any = None) -> _common.Config:
         keras.utils.set_random_seed(args.seed)
         with strategy.scope():
             model = _common.build_model("mlp", seed=args.seed)
@@ -156,7 +165,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         if step_only:
             source = _common.fixed_distributed_batch(strategy, batch, even_batch_split(B, args.replicas))
         else:
-            source = iter(strategy.experimental_distribute_dataset(dataset))
+            source = iter(strategy.experimental_distribute_dataset(dataset if data is None else data))
         train_step = _common.make_train_step(strategy, model, optimizer, global_batch_size=B,
                                              from_iterator=not step_only)
         return _common.Config(name, LABELS[name], train_step, source, monitor=monitor, strategy=strategy)
@@ -166,6 +175,8 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     with timing_env(False):
         configs.append(new_config("hetero_even", HeteroCentralStorageStrategy(
             devices, auto_balance=False, rebalance=False, profile_cache=False)))
+        configs.append(new_config("hetero_even_any_size", HeteroCentralStorageStrategy(
+            devices, auto_balance=False, rebalance=False, profile_cache=False), data=any_size))
     with timing_env(True):
         configs.append(new_config("hetero_even_timed", HeteroCentralStorageStrategy(
             devices, auto_balance=False, rebalance=False, profile_cache=False)))
@@ -222,6 +233,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         "overhead_ratio": paired_ratio(by_name["hetero_even"], by_name["stock"]),
         "auto_balance_ratio": paired_ratio(by_name["hetero_auto"], by_name["stock"]),
         "timing_ratio": paired_ratio(by_name["hetero_even_timed"], by_name["hetero_even"]),
+        "any_size_ratio": paired_ratio(by_name["hetero_even_any_size"], by_name["hetero_even"]),
         "step_only_ratio": paired_ratio(by_name["hetero_step"], by_name["stock_step"]),
         "control_ratio": paired_ratio(by_name["stock_again"], by_name["stock"]),
         "keras_step_ratio": paired_ratio(by_name["keras_hetero"], by_name["keras_stock"]),
@@ -241,6 +253,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     for c in configs:
         log(f"   {c.label:<46} {ms(c.median_step_s):>12} {'on' if c.name in timed_on else 'off':>19}")
     log(f"   hetero_cs even / stock        = {results['overhead_ratio']:.3f}   (goal <= {OVERHEAD_GOAL})")
+    log(f"   batch size unknown while tracing / known (custom loop, even split) = {results['any_size_ratio']:.3f}")
     log(f"   hetero_cs auto_balance / stock = {results['auto_balance_ratio']:.3f}   (plan "
         f"{results['hetero_auto_plan']}; includes per-replica timing)")
     log(f"   step only (no input pipeline): hetero_cs even / stock = {results['step_only_ratio']:.3f}")
