@@ -53,7 +53,7 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from calibration.__main__ import run_calibrate
+    from calibration.cli import run_calibrate
     from calibration.store import check_output_path
 
     if args.output is not None:
@@ -83,7 +83,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from calibration.__main__ import add_calibrate_arguments, add_plan_arguments, run_plan
+    from calibration.cli import add_calibrate_arguments, add_plan_arguments, run_plan
     from hetero_cs.launch import add_launch_arguments, run_launch
     from hetero_cs.supervisor import add_run_arguments, run_supervised
 

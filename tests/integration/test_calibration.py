@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from calibration import probe as probe_module  # noqa: E402
-from calibration.__main__ import main, plan_main  # noqa: E402
+from calibration.__main__ import main  # noqa: E402
 from calibration.calibrate import calibrate  # noqa: E402
 from calibration.models import build_model  # noqa: E402
 from calibration.probe import (  # noqa: E402
@@ -41,6 +41,7 @@ from calibration.probe import (  # noqa: E402
 )
 from calibration.store import ProfileStore, load_result_file  # noqa: E402
 from calibration.result import CalibrationResult  # noqa: E402
+from hetero_cs.cli import main as cli_main  # noqa: E402
 from hetero_cs.planning.cost_model import idle_free  # noqa: E402
 from hetero_cs.planning.solver import solve_batch_split  # noqa: E402
 from hetero_cs.errors import CalibrationError, CalibrationOOMError, ConfigError, DeviceError  # noqa: E402
@@ -305,12 +306,12 @@ def test_cli_calibrates_writes_a_profile_and_plans(tmp_path, capsys):
     assert [p.emulated_as for p in result.profiles] == list(EMULATED)
     assert result.plan.global_batch_size == 64
 
-    assert plan_main(["--profile", str(output), "--global-batch-size", "96", "--json"]) == 0
+    assert cli_main(["plan", "--profile", str(output), "--global-batch-size", "96", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["global_batch_size"] == 96 and sum(plan["per_replica_batch_sizes"]) == 96
 
     output.write_text("{}")
-    assert plan_main(["--profile", str(output)]) == 2
+    assert cli_main(["plan", "--profile", str(output)]) == 2
     assert "Recalibrate" in capsys.readouterr().err
 
 

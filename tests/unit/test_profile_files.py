@@ -258,7 +258,7 @@ def test_check_output_path_rejects(tmp_path, case):
 
 @pytest.mark.parametrize("case", ["directory", "under_a_file", "unwritable_directory"])
 def test_regression_cli_calibrate_checks_output_before_calibrating(tmp_path, capsys, monkeypatch, case):
-    from calibration import __main__ as calibration_main
+    from calibration import cli as calibration_main
 
     def calibrating(*args, **kwargs):
         raise AssertionError("--output must be checked before any device is set up or probed")
