@@ -80,45 +80,42 @@ class _DeviceCalibration:
 
     def prepare(self, sizes: Sequence[int], on_warm: Callable[[int], None] | None = None) -> None:
         """Warms every size up in increasing order, stopping at the first out-of-memory, then finds the cap."""
-        import tensorflow as tf
-        from hetero_cs.devices.device_errors import is_out_of_memory
-
-        failed_size: int | None = None
         for batch_size in sizes:
-            try:
-                self._warm(batch_size)
-            except HeteroCSError:
-                raise
-            except tf.errors.OpError as exc:
-                if not is_out_of_memory(exc):  # every form a GPU raises it in (hetero_cs.devices.device_errors)
-                    raise self._step_error(batch_size, exc) from exc
-                failed_size = batch_size
+            if self._out_of_memory(batch_size, self._warm) is not None:
                 logger.info("%s: out of memory at batch_size=%d", self.probe.device, batch_size)
+                self._find_cap(batch_size)
                 break
-            except (ValueError, TypeError) as exc:
-                raise self._step_error(batch_size, exc) from exc
             self.sizes.append(batch_size)
             if on_warm is not None:
                 on_warm(batch_size)
-        if failed_size is not None:
-            self._find_cap(failed_size)
         self.samples_s = {b: [] for b in self.sizes}
 
-    def time_once(self, batch_size: int) -> None:
-        """One timed step at batch_size (a size that fits), appended to its samples."""
-        # the caller holds preserved_model_state around the whole calibration
-        self.samples_s[batch_size].append(self._after_warm_up(batch_size, self.probe.run_step))
-
-    def _after_warm_up(self, batch_size: int, run: Callable[[int], Any]) -> Any:
-        """``run(batch_size)`` at a size that fitted before: running out of memory now is another process's doing."""
+    def _out_of_memory(self, batch_size: int, run: Callable[[int], Any]) -> Exception | None:
+        """Runs ``run(batch_size)``; returns TensorFlow's error when the device ran out of memory (in any form a GPU
+        raises it in: hetero_cs.devices.device_errors), else None; any other failure raises a CalibrationError."""
         import tensorflow as tf
         from hetero_cs.devices.device_errors import is_out_of_memory
 
         try:
-            return run(batch_size)
+            run(batch_size)
+        except HeteroCSError:
+            raise
         except tf.errors.OpError as exc:
             if not is_out_of_memory(exc):
                 raise self._step_error(batch_size, exc) from exc
+            return exc
+        except (ValueError, TypeError) as exc:
+            raise self._step_error(batch_size, exc) from exc
+        return None
+
+    def time_once(self, batch_size: int) -> None:
+        """One timed step at batch_size (a size that fits), appended to its samples."""
+        # the caller holds preserved_model_state around the whole calibration
+        self._after_warm_up(batch_size, lambda b: self.samples_s[b].append(self.probe.run_step(b)))
+
+    def _after_warm_up(self, batch_size: int, run: Callable[[int], Any]) -> None:
+        """``run(batch_size)`` at a size that fitted before: running out of memory now is another process's doing."""
+        if (exc := self._out_of_memory(batch_size, run)) is not None:
             raise CalibrationError(
                 f"device={self.probe.device!r} ran batch_size={batch_size} during warm-up but ran out of memory "
                 "when timing it. Another process may be using the device's memory; pass max_batch_sizes=[...] to "
