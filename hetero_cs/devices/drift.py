@@ -13,12 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hetero_cs.devices.catalog import _is_real
+from hetero_cs.devices.catalog import _is_int, _is_real
 from hetero_cs.errors import ConfigError
-
-
-def _is_plain_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +70,9 @@ class Drift:
             raise ConfigError(
                 f"Drift(replica_id={self.replica_id}, lost=True) has until_step={self.until_step!r}: a lost card "
                 "ends the process at from_step, so leave until_step=None (use fails=True for a fault that ends).")
-        if not _is_plain_int(self.replica_id) or self.replica_id < 0:
+        if not _is_int(self.replica_id) or self.replica_id < 0:
             raise ConfigError(f"Drift.replica_id={self.replica_id!r} must be an int >= 0.")
-        if self.memory_bytes is not None and (not _is_plain_int(self.memory_bytes) or self.memory_bytes < 1):
+        if self.memory_bytes is not None and (not _is_int(self.memory_bytes) or self.memory_bytes < 1):
             raise ConfigError(
                 f"Drift.memory_bytes={self.memory_bytes!r} must be None or an int >= 1 (bytes left to the device).")
         if self.factor is None:
@@ -88,9 +84,9 @@ class Drift:
             object.__setattr__(self, "factor", 1.0)
         if not (_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0):
             raise ConfigError(f"Drift.factor={self.factor!r} must be a finite number > 0 (2.0 = twice as slow).")
-        if not _is_plain_int(self.from_step) or self.from_step < 0:
+        if not _is_int(self.from_step) or self.from_step < 0:
             raise ConfigError(f"Drift.from_step={self.from_step!r} must be an int >= 0.")
-        if self.until_step is not None and (not _is_plain_int(self.until_step) or self.until_step <= self.from_step):
+        if self.until_step is not None and (not _is_int(self.until_step) or self.until_step <= self.from_step):
             raise ConfigError(
                 f"Drift.until_step={self.until_step!r} must be None or an int > from_step={self.from_step}.")
 
