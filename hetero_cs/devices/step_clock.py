@@ -34,6 +34,13 @@ def _perf_counter(_probe: Any) -> Any:
     return np.float64(time.perf_counter())
 
 
+def _host_scalar(fn: Callable[..., Any], inputs: list, name: str, *, stateful: bool = False) -> tf.Tensor:
+    """``fn(*inputs)`` run on the host by a ``tf.numpy_function``, as a float64 scalar tensor."""
+    value = tf.numpy_function(fn, inputs, tf.float64, stateful=stateful, name=name)
+    value.set_shape([])
+    return value
+
+
 def wall_clock_stamp(anchor: Any) -> tf.Tensor:
     """``time.perf_counter()`` taken once ``anchor`` has been computed, as a float64 scalar tensor.
 
@@ -49,10 +56,7 @@ def wall_clock_stamp(anchor: Any) -> tf.Tensor:
     Returns:
         A float64 scalar, seconds on the ``time.perf_counter`` clock.
     """
-    stamp = tf.numpy_function(_perf_counter, [_probe_scalar(anchor)], tf.float64, stateful=False,
-                              name="wall_clock_stamp")
-    stamp.set_shape([])
-    return stamp
+    return _host_scalar(_perf_counter, [_probe_scalar(anchor)], "wall_clock_stamp")
 
 
 def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,
@@ -113,11 +117,8 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
     # With anchor=None the caller orders the op after the work with tf.control_dependencies around this call; the
     # start stamp (a run-time value) keeps it from being constant-folded.
     probe = tf.constant(0.0, tf.float64) if anchor is None else _probe_scalar(anchor)
-    end = tf.numpy_function(
-        _end, [tf.cast(start_stamp, tf.float64), probe, tf.cast(batch_size, tf.int64)],
-        tf.float64, stateful=False, name=f"end_replica_step_{replica_id}")
-    end.set_shape([])
-    return end
+    return _host_scalar(_end, [tf.cast(start_stamp, tf.float64), probe, tf.cast(batch_size, tf.int64)],
+                        f"end_replica_step_{replica_id}")
 
 
 def stamp_step_end(start_stamp: Any, after: Sequence[Any], *, record: Callable[[float, float], None],
@@ -143,9 +144,7 @@ def stamp_step_end(start_stamp: Any, after: Sequence[Any], *, record: Callable[[
         return np.float64(0.0)
 
     def stamp():
-        done = tf.numpy_function(_end, [tf.cast(start_stamp, tf.float64)], tf.float64, stateful=True,
-                                 name="end_host_step")
-        return tf.reshape(done, [])
+        return _host_scalar(_end, [tf.cast(start_stamp, tf.float64)], "end_host_step", stateful=True)
 
     with tf.control_dependencies(list(after)):
         if sampled:
@@ -181,9 +180,8 @@ def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_
         emulator.check_memory(replica_id, int(size), training=training)
         return np.float64(0.0)
 
-    passed = tf.numpy_function(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)], tf.float64,
-                               stateful=False, name=f"emulated_memory_check_{replica_id}")
-    passed.set_shape([])
+    passed = _host_scalar(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)],
+                          f"emulated_memory_check_{replica_id}")
     return tie_to_stamp(structure, passed)
 
 
