@@ -108,6 +108,13 @@ class _DeviceCalibration:
             raise self._step_error(batch_size, exc) from exc
         return None
 
+    def _fits(self, batch_size: int) -> bool:
+        """Runs one step (the memory cap's search); False if the device ran out of memory."""
+        if self._out_of_memory(batch_size, self.probe.run_step) is None:
+            return True
+        logger.info("%s: batch_size=%d does not fit in memory", self.probe.device, batch_size)
+        return False
+
     def time_once(self, batch_size: int) -> None:
         """One timed step at batch_size (a size that fits), appended to its samples."""
         # the caller holds preserved_model_state around the whole calibration
@@ -171,7 +178,7 @@ class _DeviceCalibration:
         device = self.probe.device
         if self.sizes:
             largest_fitting = self.sizes[-1]
-        elif failed_size > 1 and self.probe.fits(1):
+        elif failed_size > 1 and self._fits(1):
             largest_fitting = 1
         else:
             # Not even one example fits: the device sits idle (cap 0) and the others train. calibrate() raises
@@ -185,7 +192,7 @@ class _DeviceCalibration:
             return
         guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
         cap = probe_lib.search_memory_cap(
-            self.probe.fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
+            self._fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
         )
         logger.info("%s: memory cap max_batch_size=%d (out of memory at %d)", device, cap, failed_size)
         self.cap = cap if self.cap is None else min(self.cap, cap)

@@ -8,8 +8,7 @@ hetero_cs.emulation's wall-clock stamps and its replica waits as long as the emu
 
 A probe never changes the model: no gradient is applied, and every non-trainable variable (BatchNormalization moving
 statistics, Dropout seed state) and metric variable is snapshotted before probing and restored after
-(``preserved_model_state``; ``DeviceProbe.time_step`` and ``DeviceProbe.fits`` do it themselves, ``run_step`` does
-not).
+(``preserved_model_state``; ``DeviceProbe.time_step`` does it itself, ``run_step`` does not).
 
 TensorFlow is imported inside functions, so importing this module does not initialise TensorFlow;
 ``model_fingerprint`` and ``search_memory_cap`` never need it.
@@ -350,8 +349,8 @@ class DeviceProbe:
         """Runs one step; returns its seconds from the input's arrival to the gradients' arrival on the parameter
         device, stamped in the step: the training monitor's span and clock (so calibrated and measured times compare).
 
-        This moves BatchNormalization statistics and seed state like any training-mode call; time_step and fits
-        restore them, or wrap calls in preserved_model_state.
+        This moves BatchNormalization statistics and seed state like any training-mode call; time_step restores
+        them, or wrap calls in preserved_model_state.
 
         Raises:
             tf.errors.OpError: e.g. out of memory, in any form (the caller decides what to do).
@@ -376,21 +375,6 @@ class DeviceProbe:
             for _ in range(warmup_steps):
                 self.run_step(batch_size)
             return [self.run_step(batch_size) for _ in range(trials)]
-
-    def fits(self, batch_size: int) -> bool:
-        """Runs one step; False if the device ran out of memory, True otherwise."""
-        import tensorflow as tf
-
-        from hetero_cs.devices.device_errors import is_out_of_memory
-        try:
-            with preserved_model_state(self._model):
-                self.run_step(batch_size)
-        except tf.errors.OpError as exc:
-            if not is_out_of_memory(exc):  # every form a GPU raises it in, not only ResourceExhaustedError
-                raise
-            logger.info("%s: batch_size=%d does not fit in memory", self.device, batch_size)
-            return False
-        return True
 
     def step_error(self, exc: Exception, batch_size: int) -> CalibrationError:
         """The CalibrationError for a probe step that failed with TensorFlow's ``exc`` at ``batch_size``: it blames
