@@ -121,7 +121,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._last_look_step = -(10**9)
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
-        self._inference_plans: tuple = (None, {})  # (what they were solved under, {B: plan}); plan_for_inference
+        # plan_for_inference's plans by size, until what they were solved under changes (_forget_plans, _commit).
+        self._inference_plans: dict[int, BatchPlan] = {}
 
     # ------------------------------------------------------------------------------------------------------------
     # State
@@ -448,10 +449,12 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._models_before_replan = None
         self._plans_by_batch.clear()
         self._in_force_by_size.clear()
+        self._inference_plans.clear()
 
     def _commit(self, plan: BatchPlan) -> None:
         changed = plan != self._plan
         self._plan = plan
+        self._inference_plans.clear()  # (also when the models behind an equal plan changed: a refuted re-plan)
         self._plans_by_batch[plan.global_batch_size] = plan
         self._in_force_by_size[plan.global_batch_size] = plan
         # Plans for other (partial-batch) sizes came from the same models only if this plan did.
