@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
@@ -61,8 +61,6 @@ def _violates(split: Sequence[int], caps: Sequence[int | None] | None) -> bool:
 def _split_within_caps(global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]) -> tuple[int, ...]:
     """The split closest to ``shares`` within ``caps``: the minimum-makespan split for step times b_i / share_i
     (a replica with share 0 gets nothing). Raises InfeasiblePlanError when the caps cannot hold the batch."""
-    from hetero_cs.planning.cost_model import LinearCostModel
-
     models = [LinearCostModel(0.0, 1.0 / s if s > 0 else 1.0) for s in shares]
     capped = [0 if s <= 0 else c for s, c in zip(shares, caps)]
     plan = solve_batch_split(models, global_batch_size, max_batch_sizes=capped, min_batch_size=0)
