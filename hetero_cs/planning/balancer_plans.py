@@ -180,4 +180,3 @@ class OtherPlans:
         self._probe_due = True
         self._probes += 1
         return plan_from_split(probe, self._cost_models, max_batch_sizes=self._max_batch_sizes)
-
