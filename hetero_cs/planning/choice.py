@@ -43,8 +43,7 @@ def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[f
         cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
     even = even_batch_split(global_batch_size, num_replicas)
     speedup = plan.predicted_speedup_vs_even
-    caps_allow_even = max_batch_sizes is None or all(cap is None or b <= cap for b, cap in zip(even, max_batch_sizes))
-    if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
+    if not _violates(even, max_batch_sizes) and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
         logger.log(
             logging.INFO if log_ties else logging.DEBUG,
             "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
