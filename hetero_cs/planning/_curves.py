@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -125,21 +124,14 @@ class _Curves:
         return checked_prediction(self.predict[i], batch_size, i)
 
 
-@dataclass(frozen=True)
-class _Grid:
-    """Legal slices of replica i: lo[i] + j * k for j = 0..length[i]; M steps of k examples to hand out."""
-
-    lo: list[int]
-    length: list[int]
-    M: int
-
-
 def _first_at_least(minimum: int, offset: int, k: int) -> int:
     """The smallest v >= minimum with v = offset (mod k), for 0 <= offset < k."""
     return offset + -(-max(0, minimum - offset) // k) * k
 
 
-def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Grid:
+def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> tuple[list[int], list[int], int]:
+    """(lo, length, M): the legal slices of replica i are lo[i] + j * k for j = 0..length[i], and M steps of k
+    examples are to hand out beyond lo."""
     rem = B % k
     offsets = [0] * R
     if rem:  # the lowest-index replica whose cap admits it holds the remainder
@@ -173,7 +165,7 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> _Gr
             f"global_batch_size={B} exceeds the total capacity once slices are rounded to multiples of "
             f"multiple_of={k}: the largest legal slices {largest} sum to {sum(largest)} ({_caps_listing(caps)}). "
             f"Lower the global batch size, use a smaller multiple_of, or raise the caps.")
-    return _Grid(lo, length, M)
+    return lo, length, M
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -118,10 +118,11 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
         self._models_before_replan: list[CostModel] | None = None  # restored when the guard reverts a re-plan
-        self._last_look_step = -(10**9)
+        self._last_looks = {"plan": -(10**9), "micro": -(10**9)}  # the completed steps at the last looks
         self._observed_step = -1  # the last monitor step fed to the guard
         self._trial_served = 0
-        self._inference_plans: tuple = (None, {})  # (what they were solved under, {B: plan}); plan_for_inference
+        # plan_for_inference's plans by size, until what they were solved under changes (_forget_plans, _commit).
+        self._inference_plans: dict[int, BatchPlan] = {}
 
     # ------------------------------------------------------------------------------------------------------------
     # State
@@ -428,9 +429,15 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         sample = self._monitor.last_step()
         return interval_steps(TIMING_COST_S, sample and sample.makespan_s, MAX_TIMING_INTERVAL_STEPS)
 
-    def _look_interval_steps(self) -> int:
-        sample = self._monitor.last_step()
-        return interval_steps(LOOK_COST_S, sample and sample.makespan_s, MAX_LOOK_INTERVAL_STEPS)
+    def _look_due(self, kind: str) -> bool:
+        """Whether a look of ``kind`` ("plan": re-plan or check against the card alone; "micro": micro-batched
+        steps) is due, ``interval_steps(LOOK_COST_S, ...)`` steps after the last; it then counts as taken."""
+        completed, sample = self._monitor.completed_steps, self._monitor.last_step()
+        if completed - self._last_looks[kind] < interval_steps(LOOK_COST_S, sample and sample.makespan_s,
+                                                               MAX_LOOK_INTERVAL_STEPS):
+            return False
+        self._last_looks[kind] = completed
+        return True
 
     # ------------------------------------------------------------------------------------------------------------
     # Internals (called with the lock held)
@@ -448,15 +455,15 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._models_before_replan = None
         self._plans_by_batch.clear()
         self._in_force_by_size.clear()
+        self._inference_plans.clear()
 
     def _commit(self, plan: BatchPlan) -> None:
         changed = plan != self._plan
         self._plan = plan
-        self._plans_by_batch[plan.global_batch_size] = plan
+        self._inference_plans.clear()  # (also when the models behind an equal plan changed: a refuted re-plan)
+        # Plans for other (partial-batch) sizes came from the same models only if this plan did: dropped.
+        self._plans_by_batch = {plan.global_batch_size: plan}
         self._in_force_by_size[plan.global_batch_size] = plan
-        # Plans for other (partial-batch) sizes came from the same models only if this plan did.
-        for size in [k for k in self._plans_by_batch if k != plan.global_batch_size]:
-            del self._plans_by_batch[size]
         if changed and self._on_plan is not None:
             self._on_plan(plan)
 
@@ -469,9 +476,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         if self._guard.in_trial:
             self._observe_trial(completed)
             return
-        if completed - self._last_look_step < self._look_interval_steps():
+        if not self._look_due("plan"):
             return
-        self._last_look_step = completed
         new_plan = None
         if (self.rebalance_enabled and self._plan is not None and self._cost_models is not None
                 and (not self.guard_enabled or self._guard.may_start(completed))):

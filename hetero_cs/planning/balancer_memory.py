@@ -152,7 +152,6 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
     def _init_micro_batched_steps(self) -> None:
         self._micro_rebalancer: Rebalancer | None = None
         self._micro_rebalancer_caps: list | None = None
-        self._micro_last_look_step = -(10**9)
         self._micro_replans = 0
 
     @property
@@ -173,7 +172,7 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         """
         with self._lock:
             self._monitor.record_micro_batched_step(batch_sizes, step_times_s, micro_batches)
-            if not self.rebalance_enabled or self._cost_models is None or not self._micro_look_due():
+            if not self.rebalance_enabled or self._cost_models is None or not self._look_due("micro"):
                 return False
             caps = list(self._max_batch_sizes or [None] * self._num_replicas)
             if self._micro_rebalancer is None or self._micro_rebalancer_caps != zero_caps(caps):
@@ -183,7 +182,7 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
             current = BatchPlan(tuple(int(b) for b in batch_sizes), int(sum(int(b) for b in batch_sizes)))
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             proposal = self._micro_rebalancer.propose(
-                self._micro_last_look_step, current, micro_batched_curves(measured, caps),
+                self._last_looks["micro"], current, micro_batched_curves(measured, caps),
                 num_samples=self._monitor.num_samples,
                 relative_standard_errors=self._monitor.relative_standard_errors(measured))
             if proposal is None:
@@ -211,7 +210,7 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
             sizes = plan.per_replica_batch_sizes
             if not any(cap is not None and 0 < cap <= b for b, cap in zip(sizes, caps)):
                 return False  # no card is held at its cap: the one-step re-planner sees everything
-            if not self._micro_look_due():
+            if not self._look_due("micro"):
                 return False
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             deadband = float(self._rebalance_policy.deadband)
@@ -232,14 +231,6 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                 best.predicted_makespan_s / current_s, list(sizes), list(best.per_replica_batch_sizes))
             self._take_measured_models(measured)
             return True
-
-    def _micro_look_due(self) -> bool:
-        """Whether a look at micro-batched steps is due (the look interval passed); it then counts as taken."""
-        completed = self._monitor.completed_steps
-        if completed - self._micro_last_look_step < self._look_interval_steps():
-            return False
-        self._micro_last_look_step = completed
-        return True
 
     def _take_measured_models(self, measured) -> None:
         self._cost_models = measured

@@ -119,15 +119,9 @@ class OtherPlans:
         with self._lock:
             if self._plan is not None and self._plan.global_batch_size == b:
                 return self._plan
-            key = (self._plan, self._shares, self._auto_balance, None if self._max_batch_sizes is None
-                   else tuple(self._max_batch_sizes), self._cost_models)
-            cached_key, plans = self._inference_plans
-            if cached_key is None or not _same_key(cached_key, key):
-                plans = {}
-                self._inference_plans = (key, plans)
-            plan = plans.get(b)
+            plan = self._inference_plans.get(b)
             if plan is None:
-                plan = plans[b] = self._solve_for_inference(b)
+                plan = self._inference_plans[b] = self._solve_for_inference(b)
             return plan
 
     def _solve_for_inference(self, global_batch_size: int) -> BatchPlan:
@@ -186,8 +180,3 @@ class OtherPlans:
         self._probe_due = True
         self._probes += 1
         return plan_from_split(probe, self._cost_models, max_batch_sizes=self._max_batch_sizes)
-
-
-def _same_key(a: tuple, b: tuple) -> bool:
-    # The cost models are compared by identity: the Balancer replaces the list whenever a model changes.
-    return a[:-1] == b[:-1] and a[-1] is b[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hetero_cs.planning.cost_model import CostModel
+from hetero_cs.planning.cost_model import CostModel, LinearCostModel
 from hetero_cs.planning.plan import BatchPlan, even_batch_split, split_by_shares
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
@@ -43,8 +43,7 @@ def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[f
         cost_models, global_batch_size, max_batch_sizes=max_batch_sizes, min_batch_size=min_batch_size)
     even = even_batch_split(global_batch_size, num_replicas)
     speedup = plan.predicted_speedup_vs_even
-    caps_allow_even = max_batch_sizes is None or all(cap is None or b <= cap for b, cap in zip(even, max_batch_sizes))
-    if caps_allow_even and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
+    if not _violates(even, max_batch_sizes) and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
         logger.log(
             logging.INFO if log_ties else logging.DEBUG,
             "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
@@ -61,8 +60,6 @@ def _violates(split: Sequence[int], caps: Sequence[int | None] | None) -> bool:
 def _split_within_caps(global_batch_size: int, shares: Sequence[float], caps: Sequence[int | None]) -> tuple[int, ...]:
     """The split closest to ``shares`` within ``caps``: the minimum-makespan split for step times b_i / share_i
     (a replica with share 0 gets nothing). Raises InfeasiblePlanError when the caps cannot hold the batch."""
-    from hetero_cs.planning.cost_model import LinearCostModel
-
     models = [LinearCostModel(0.0, 1.0 / s if s > 0 else 1.0) for s in shares]
     capped = [0 if s <= 0 else c for s, c in zip(shares, caps)]
     plan = solve_batch_split(models, global_batch_size, max_batch_sizes=capped, min_batch_size=0)

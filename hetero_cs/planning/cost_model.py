@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from hetero_cs.errors import InvalidCostModelError
@@ -66,8 +66,27 @@ def _check_keys(kind: str, data: Mapping[str, Any], required: set[str]) -> None:
         raise InvalidCostModelError(f"Expected kind={kind!r}. Received: kind={data['kind']!r}.")
 
 
+class _Stored:
+    """``to_dict`` and ``from_dict`` of a cost model dataclass: its ``KIND`` under ``"kind"``, then its fields."""
+
+    KIND = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns ``{"kind": KIND}`` plus the fields (tuples as lists), e.g. ``{"kind": "linear",
+        "fixed_overhead_s": ..., "seconds_per_example": ...}``."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return {"kind": self.KIND, **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
+        names = [f.name for f in fields(cls) if f.init]
+        _check_keys(cls.KIND, data, set(names))
+        return cls(**{name: data[name] for name in names})  # __post_init__ checks the values
+
+
 @dataclass(frozen=True)
-class LinearCostModel:
+class LinearCostModel(_Stored):
     """Affine step time: ``t(b) = fixed_overhead_s + seconds_per_example * b`` seconds.
 
     Attributes:
@@ -84,6 +103,7 @@ class LinearCostModel:
         (0.015, 10000.0)
     """
 
+    KIND = "linear"
     fixed_overhead_s: float
     seconds_per_example: float
 
@@ -106,20 +126,8 @@ class LinearCostModel:
         """Marginal throughput ``1 / seconds_per_example`` in examples per second (``inf`` when it is 0)."""
         return math.inf if self.seconds_per_example == 0 else 1.0 / self.seconds_per_example
 
-    def to_dict(self) -> dict[str, Any]:
-        """Returns ``{"kind": "linear", "fixed_overhead_s": ..., "seconds_per_example": ...}``."""
-        return {"kind": "linear", "fixed_overhead_s": self.fixed_overhead_s,
-                "seconds_per_example": self.seconds_per_example}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LinearCostModel:
-        """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
-        _check_keys("linear", data, {"fixed_overhead_s", "seconds_per_example"})
-        return cls(data["fixed_overhead_s"], data["seconds_per_example"])
-
-
 @dataclass(frozen=True)
-class PiecewiseLinearCostModel:
+class PiecewiseLinearCostModel(_Stored):
     """Monotone piecewise-linear step time through measured points ``(batch_sizes[k], step_times_s[k])``.
 
     Between points the time is interpolated linearly; below the first point it is constant at the first time
@@ -140,6 +148,7 @@ class PiecewiseLinearCostModel:
         [0.01, 0.01, 0.014, 0.034]
     """
 
+    KIND = "piecewise_linear"
     batch_sizes: tuple[int, ...]
     step_times_s: tuple[float, ...]
     _last_slope_s: float = field(init=False, repr=False, compare=False)
@@ -200,20 +209,8 @@ class PiecewiseLinearCostModel:
         x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
         return y0 + (y1 - y0) * ((batch_size - x0) / (x1 - x0))
 
-    def to_dict(self) -> dict[str, Any]:
-        """Returns ``{"kind": "piecewise_linear", "batch_sizes": [...], "step_times_s": [...]}``."""
-        return {"kind": "piecewise_linear", "batch_sizes": list(self.batch_sizes),
-                "step_times_s": list(self.step_times_s)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PiecewiseLinearCostModel:
-        """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
-        _check_keys("piecewise_linear", data, {"batch_sizes", "step_times_s"})
-        return cls(data["batch_sizes"], data["step_times_s"])  # __post_init__ checks they are sequences
-
-
 @dataclass(frozen=True)
-class ScaledCostModel:
+class ScaledCostModel(_Stored):
     """``t(b) = factor * base.predict_step_time_s(b)``: a calibrated model corrected by a measured ratio.
 
     The online monitor uses it when a device drifts (thermal throttling, a co-tenant): ``factor`` is the robust
@@ -231,6 +228,7 @@ class ScaledCostModel:
         0.04
     """
 
+    KIND = "scaled"
     base: CostModel
     factor: float
 
@@ -257,12 +255,12 @@ class ScaledCostModel:
             raise InvalidCostModelError(
                 f"ScaledCostModel.to_dict needs a base with to_dict(). Received: base={self.base!r}. Use one of "
                 "LinearCostModel, PiecewiseLinearCostModel or ScaledCostModel as the base.")
-        return {"kind": "scaled", "factor": self.factor, "base": to_dict()}
+        return {"kind": self.KIND, "factor": self.factor, "base": to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScaledCostModel:
         """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
-        _check_keys("scaled", data, {"factor", "base"})
+        _check_keys(cls.KIND, data, {"factor", "base"})
         return cls(cost_model_from_dict(data["base"]), data["factor"])
 
 
@@ -299,7 +297,7 @@ OUT_OF_MEMORY_SECONDS_PER_EXAMPLE = 86_400.0
 
 
 @dataclass(frozen=True)
-class OutOfMemoryCostModel:
+class OutOfMemoryCostModel(_Stored):
     """The cost model of a device that cannot hold one example (calibration ran out of memory at a batch of 1).
 
     Nothing could be timed there, so there is no step time to report: ``t(0) = 0`` (it does no work) and
@@ -313,20 +311,12 @@ class OutOfMemoryCostModel:
         (0.0, 172800.0)
     """
 
+    KIND = "out_of_memory"
+
     def predict_step_time_s(self, batch_size: int) -> float:
         """0.0 for ``batch_size == 0``, else ``OUT_OF_MEMORY_SECONDS_PER_EXAMPLE * batch_size`` seconds."""
         _check_batch_size(batch_size)
         return OUT_OF_MEMORY_SECONDS_PER_EXAMPLE * batch_size
-
-    def to_dict(self) -> dict[str, Any]:
-        """Returns ``{"kind": "out_of_memory"}``."""
-        return {"kind": "out_of_memory"}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> OutOfMemoryCostModel:
-        """Inverse of :meth:`to_dict`. Unknown keys raise."""
-        _check_keys("out_of_memory", data, set())
-        return cls()
 
 
 def holds_no_example(model: Any) -> bool:
@@ -452,12 +442,8 @@ def without_idle_pricing(model: CostModel) -> CostModel:
     return model
 
 
-_KINDS: dict[str, Any] = {
-    "linear": LinearCostModel,
-    "piecewise_linear": PiecewiseLinearCostModel,
-    "scaled": ScaledCostModel,
-    "out_of_memory": OutOfMemoryCostModel,
-}
+_KINDS: dict[str, Any] = {kind.KIND: kind for kind in (LinearCostModel, PiecewiseLinearCostModel, ScaledCostModel,
+                                                      OutOfMemoryCostModel)}
 
 
 def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:

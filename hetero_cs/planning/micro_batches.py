@@ -47,6 +47,7 @@ from hetero_cs.errors import ConfigError, InfeasiblePlanError
 from hetero_cs.planning.choice import MIN_PREDICTED_GAIN
 from hetero_cs.planning.cost_model import MicroBatchedCostModel, idle_free, near_equal_micro_batches
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range, even_batch_split, ms_text
+from hetero_cs.planning.plan import ratio
 from hetero_cs.planning.solver import plan_from_split, solve_batch_split
 
 __all__ = ["MAX_EXTRA_SUB_STEPS", "MAX_OVERLAPPED_SUB_STEPS", "SUB_STEPS_PER_CALL", "MicroBatchPlan", "capacity_of",
@@ -189,9 +190,7 @@ class MicroBatchPlan:
     @property
     def predicted_speedup_vs_single_step(self) -> float | None:
         """``single_step_makespan_s / predicted_makespan_s``, or None when either is unknown."""
-        if self.single_step_makespan_s is None or not self.predicted_makespan_s:
-            return None
-        return self.single_step_makespan_s / self.predicted_makespan_s
+        return ratio(self.single_step_makespan_s, self.predicted_makespan_s)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; inverse of :meth:`from_dict`."""

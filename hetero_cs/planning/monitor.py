@@ -263,12 +263,10 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         replicas' cost models: a micro-batched step counts with each replica's mean micro-batch (b/k, t/k)."""
         with self._lock:
             samples = tuple(self._window)
-        sizes = np.array([s.per_replica_batch_sizes for s in samples], dtype=np.float64)
-        times_s = np.array([s.per_replica_step_times_s for s in samples], dtype=np.float64)
-        counts = np.array([s.per_replica_micro_batches or (1,) * self._num_replicas for s in samples],
-                          dtype=np.float64)
-        shape = (len(samples), self._num_replicas)
-        sizes, times_s, counts = sizes.reshape(shape), times_s.reshape(shape), counts.reshape(shape)
+        R = self._num_replicas  # (reshaped: an empty window is [0, R] too)
+        sizes = np.array([s.per_replica_batch_sizes for s in samples], dtype=np.float64).reshape(-1, R)
+        times_s = np.array([s.per_replica_step_times_s for s in samples], dtype=np.float64).reshape(-1, R)
+        counts = np.array([s.per_replica_micro_batches or (1,) * R for s in samples], dtype=np.float64).reshape(-1, R)
         # A mean micro-batch of b/k examples is not an integer in general; the models are evaluated at its
         # rounded size (micro-batches of near-equal sizes differ by one example at most).
         return np.rint(sizes / counts), times_s / counts

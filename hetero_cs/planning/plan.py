@@ -187,16 +187,12 @@ class BatchPlan:
     @property
     def predicted_speedup_vs_even(self) -> float | None:
         """even_split_makespan_s / predicted_makespan_s, or None when either is unknown or the makespan is 0."""
-        if self.even_split_makespan_s is None or not self.predicted_makespan_s:
-            return None
-        return self.even_split_makespan_s / self.predicted_makespan_s
+        return ratio(self.even_split_makespan_s, self.predicted_makespan_s)
 
     @property
     def efficiency(self) -> float | None:
         """ideal_makespan_s / predicted_makespan_s in [0, 1], or None when either is unknown or the makespan is 0."""
-        if self.ideal_makespan_s is None or not self.predicted_makespan_s:
-            return None
-        return self.ideal_makespan_s / self.predicted_makespan_s
+        return ratio(self.ideal_makespan_s, self.predicted_makespan_s)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict with every field (lists for tuples); inverse of :meth:`from_dict`."""
@@ -262,6 +258,11 @@ class BatchPlan:
             f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}",
         ]
         return "\n".join(lines)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is unknown (None) or the denominator is 0."""
+    return None if numerator is None or not denominator else numerator / denominator
 
 
 def ms_text(seconds: float | None) -> str:

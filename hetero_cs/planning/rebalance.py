@@ -35,6 +35,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
+from hetero_cs.planning.choice import _violates
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning.monitor import StepTimeMonitor
@@ -278,7 +279,7 @@ class Rebalancer:
                 f"max_batch_sizes must hold one cap per replica of current_plan. Received: "
                 f"max_batch_sizes={list(caps)}, current slices={list(old_sizes)}.")
         self._last_step = int(step)
-        forced = caps is not None and any(m is not None and b > m for b, m in zip(old_sizes, caps))
+        forced = _violates(old_sizes, caps)
         if not forced:
             interval = self._policy.check_interval_steps
             if interval > 1 and self._last_look_step is not None and step - self._last_look_step < interval:

@@ -88,11 +88,7 @@ def lowest_caps(*cap_lists: Sequence[int | None] | None) -> list[int | None] | N
         return None
     if len({len(caps) for caps in given}) != 1:
         raise ValueError(f"cap lists of different lengths: {given}")
-    lowest = []
-    for entries in zip(*given):
-        known = [int(c) for c in entries if c is not None]
-        lowest.append(min(known) if known else None)
-    return lowest
+    return [min((int(c) for c in entries if c is not None), default=None) for entries in zip(*given)]
 
 
 def lowered_caps(caps: Sequence[int | None] | None, num_replicas: int, replica_id: int, examples: int,

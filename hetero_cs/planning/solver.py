@@ -49,7 +49,7 @@ import numpy as np
 
 from hetero_cs.errors import ConfigError
 from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem, _closed_form_ideal
-from hetero_cs.planning._curves import _Curves, _fill, _Grid, _grid, _ideal_tables, _knot_tables, _lowest_level
+from hetero_cs.planning._curves import _Curves, _fill, _grid, _ideal_tables, _knot_tables, _lowest_level
 from hetero_cs.planning.cost_checks import decreasing_error
 from hetero_cs.planning.cost_model import CostModel, holds_no_example
 from hetero_cs.planning.plan import BatchPlan, _as_tuple, _is_int, even_batch_split
@@ -116,8 +116,8 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
     models, B, min_b, caps = _checked_problem(cost_models, global_batch_size, max_batch_sizes, min_batch_size)
     R = len(models)
     k = _checked_int("multiple_of", multiple_of, low=1)
-    grid = _grid(B, R, min_b, k, caps)
-    curves = _Curves(models, grid.lo, grid.length, k)
+    lo, length, M = _grid(B, R, min_b, k, caps)
+    curves = _Curves(models, lo, length, k)
 
     closed_form = all(_breakpoints(m) is not None for m in models)
     if closed_form:
@@ -125,21 +125,21 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
         relaxed = _lowest_level(*tables, B)
         ideal_s = max(float(tables[1][:, 0].max()), relaxed)
         if k > 1:  # (with k = 1 the grid is [min_b, min(cap_i, B - (R - 1) * min_b)], the ideal's own tables)
-            tables = _knot_tables(models, grid.lo, [lo + n * k for lo, n in zip(grid.lo, grid.length)])
+            tables = _knot_tables(models, lo, [low + n * k for low, n in zip(lo, length)])
             relaxed = _lowest_level(*tables, B)
-        counts, step_times = _warm_selection(curves, grid, tables, relaxed)
+        counts, step_times = _warm_selection(curves, M, tables, relaxed)
         path = "closed-form"
     else:
         counts = [0] * R
-        step_times = [curves.time(i, b) for i, b in enumerate(grid.lo)]
+        step_times = [curves.time(i, b) for i, b in enumerate(lo)]
         if k == 1:  # the unit-step selection is also the one the ideal bound needs
-            ideal_s = _select_with_ideal(curves, counts, step_times, grid.M, B, max(step_times))
+            ideal_s = _select_with_ideal(curves, counts, step_times, M, B, max(step_times))
         else:
-            _select(curves, counts, step_times, grid.M)
+            _select(curves, counts, step_times, M)
             ideal_s = _generic_ideal(models, B, min_b, caps)
         path = "generic"
 
-    sizes = tuple(lo + c * k for lo, c in zip(grid.lo, counts))
+    sizes = tuple(low + c * k for low, c in zip(lo, counts))
     logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k, path,
                  curves.evaluations, sizes)
     return _priced_plan(sizes, step_times, ideal_s, models, curves.time)
@@ -372,7 +372,7 @@ def _generic_ideal(models: Sequence[CostModel], B: int, min_b: int, caps: Sequen
     return _select_with_ideal(curves, [0] * R, step_times, M, B, max(step_times))
 
 
-def _warm_selection(curves: _Curves, grid: _Grid, tables: tuple[np.ndarray, np.ndarray],
+def _warm_selection(curves: _Curves, M: int, tables: tuple[np.ndarray, np.ndarray],
                     relaxed: float) -> tuple[list[int], list[float]]:
     """The selection started from the continuous relaxation, certified; the generic selection if not certified.
 
@@ -383,20 +383,20 @@ def _warm_selection(curves: _Curves, grid: _Grid, tables: tuple[np.ndarray, np.n
     chosen key is below every replica's next key - proves the result is the M smallest keys whatever rounding did.
 
     Args:
-        curves: Evaluation on the grid.
-        grid: The legal slices.
+        curves: Evaluation on the grid of legal slices.
+        M: The steps to hand out beyond the smallest legal slices.
         tables: Knot tables on exactly [lo_i, largest legal slice_i].
         relaxed: T_r, ``_lowest_level(*tables, B)``.
     """
-    lo, length, k = grid.lo, grid.length, curves.step
+    lo, length, k = curves.lo, curves.length, curves.step
     R = len(lo)
     counts = [0] * R
     if relaxed > 0:
         x = _fill(*tables, relaxed * (1.0 - _WARM_START_MARGIN)).tolist()
         counts = [max(0, min(n, int((xi - l) // k))) for xi, l, n in zip(x, lo, length)]
-    if sum(counts) <= grid.M:
+    if sum(counts) <= M:
         step_times = [curves.time(i, lo[i] + counts[i] * k) for i in range(R)]
-        _select(curves, counts, step_times, grid.M - sum(counts))
+        _select(curves, counts, step_times, M - sum(counts))
         last = max(((step_times[i], lo[i] + counts[i] * k, i) for i in range(R) if counts[i] > 0), default=None)
         if last is None:
             return counts, step_times
@@ -407,5 +407,5 @@ def _warm_selection(curves: _Curves, grid: _Grid, tables: tuple[np.ndarray, np.n
     logger.debug("solve_batch_split: warm start not certified; using the generic selection")
     counts = [0] * R
     step_times = [curves.time(i, b) for i, b in enumerate(lo)]
-    _select(curves, counts, step_times, grid.M)
+    _select(curves, counts, step_times, M)
     return counts, step_times
