@@ -91,29 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at DEBUG, and show TensorFlow's own start-up lines")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch,run}")
-    devices = verbs.add_parser("devices", help="list compute devices (TensorFlow joined with NVML facts)")
-    devices.set_defaults(run=_devices)
-    calibrate = verbs.add_parser("calibrate", help="time each device on a reference model and write a profile")
-    add_calibrate_arguments(calibrate)
-    calibrate.set_defaults(run=_calibrate)
-    plan = verbs.add_parser("plan", help="solve and print the batch plan of a profile for a global batch size",
-                            description="Solve and print the batch plan of a calibrated profile (or of catalog "
-                                        "devices) for a global batch size.")
-    add_plan_arguments(plan)
-    plan.set_defaults(run=run_plan)
-    bench = verbs.add_parser(
-        "bench", help="run benchmarks/balance.py (emulated mixes); options after `bench` go to it", add_help=False
-    )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(run=_bench)
-    launch = verbs.add_parser("launch", help="run a command as N MultiWorkerMirroredStrategy workers on 127.0.0.1")
-    add_launch_arguments(launch)
-    launch.set_defaults(run=run_launch)
     run_help = "run a training script, restarting it without a card it lost (resumes from fit's backup)"
-    run = verbs.add_parser("run", help=run_help,
-                           description=run_help[0].upper() + run_help[1:] + ": see docs/failover.md.")
-    add_run_arguments(run)
-    run.set_defaults(run=run_supervised)
+    for name, run, add_arguments, options in (
+        ("devices", _devices, None, dict(help="list compute devices (TensorFlow joined with NVML facts)")),
+        ("calibrate", _calibrate, add_calibrate_arguments,
+         dict(help="time each device on a reference model and write a profile")),
+        ("plan", run_plan, add_plan_arguments,
+         dict(help="solve and print the batch plan of a profile for a global batch size",
+              description="Solve and print the batch plan of a calibrated profile (or of catalog devices) for a "
+                          "global batch size.")),
+        ("bench", _bench, lambda bench: bench.add_argument("bench_args", nargs=argparse.REMAINDER),
+         dict(help="run benchmarks/balance.py (emulated mixes); options after `bench` go to it", add_help=False)),
+        ("launch", run_launch, add_launch_arguments,
+         dict(help="run a command as N MultiWorkerMirroredStrategy workers on 127.0.0.1")),
+        ("run", run_supervised, add_run_arguments,
+         dict(help=run_help, description=run_help[0].upper() + run_help[1:] + ": see docs/failover.md.")),
+    ):
+        verb = verbs.add_parser(name, **options)
+        if add_arguments is not None:
+            add_arguments(verb)
+        verb.set_defaults(run=run)
     return parser
 
 
