@@ -54,10 +54,9 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         self._probe_steps = int(probe_steps)
         self._reference: int | None = None
         self._served = 0  # steps of the reference size served while calibrating
-        self._probe_sizes: dict[int, tuple[int, ...]] = {}  # step index -> probe split served
         self._points: list[tuple[list[int], list[float]]] = []  # per replica: sizes, times
         self._step_index = 0  # steps served (all sizes), to pair reports with what was served
-        self._served_sizes: dict[int, tuple[int, ...]] = {}
+        self._splits: dict[int, tuple[tuple[int, ...], bool]] = {}  # step index -> (split served, a probe?)
         self._caps: list[int | None] | None = None  # per-replica memory caps in examples, None: uncapped
         self._micro_batched = False  # slices past a cap run as micro-batches (else the caps bound the slices)
 
@@ -110,10 +109,10 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
                         caps = self._balancer.max_batch_sizes
                         if _violates(sizes, caps):  # no probe past a memory cap (or on a card that holds none)
                             sizes = tuple(int(b) for b in _split_within_caps(B, shares, caps))
-                        self._probe_sizes[index] = sizes
+                        self._splits[index] = (sizes, True)
                         return sizes, index
             sizes = tuple(int(b) for b in self._balancer.serve(B).per_replica_batch_sizes)
-            self._served_sizes[index] = sizes
+            self._splits[index] = (sizes, False)
             return sizes, index
 
     def _around_caps(self, B: int, factors: list[float]) -> tuple[int, ...] | None:
@@ -154,18 +153,15 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         otherwise (a held batch of another size) are dropped."""
         times = [float(t) for t in per_replica_step_times_s]
         with self._lock:
-            probe = self._probe_sizes.pop(step_index, None)
-            served = self._served_sizes.pop(step_index, None)
-            if any(t <= 0.0 for t in times):
+            served, probe = self._splits.pop(step_index, (None, False))
+            if served is None or any(t <= 0.0 for t in times):
                 return
-            if slice_sizes is not None and tuple(int(b) for b in slice_sizes) != (probe or served):
+            if slice_sizes is not None and tuple(int(b) for b in slice_sizes) != served:
                 return
-            if probe is not None:
-                self._points.append((list(probe), times))
+            if probe:
+                self._points.append((list(served), times))
                 if len(self._points) >= self._probe_steps and self._calibrating:
                     self._fit()
-                return
-            if served is None:
                 return
             for i, (b, t) in enumerate(zip(served, times)):
                 self._balancer.record_step_time(i, b, t)
