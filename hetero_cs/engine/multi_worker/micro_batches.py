@@ -125,7 +125,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         self._logged: set = set()
         self._paths: list[str] = []  # the layer state behind LAYER_STATE
         self._pending = None  # (model, keras_train_step) whose emulated caps wait for fit's first trace
-        self._deciding_at_trace = False
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
@@ -175,22 +174,19 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
             with self._prepare_lock:
                 pending, self._pending = self._pending, None
                 if pending is not None:
-                    self._deciding_at_trace = True
-                    try:
-                        self.prepare(*pending)
-                    finally:
-                        self._deciding_at_trace = False
+                    self.prepare(*pending, at_first_trace=True)
         return _slice_cap(self._caps if self._active else None, replica_id)
 
-    def prepare(self, model, keras_train_step) -> None:
+    def prepare(self, model, keras_train_step, *, at_first_trace: bool = False) -> None:
         """Before ``fit``: the caps for ``model`` and whether its slices run as micro-batches; tells the planner.
+        Emulated caps wait for fit's first trace (``at_first_trace``), where the model's size is known.
 
         Raises:
             MicroBatchError: No replica can hold one example, or ``micro_batches=True`` for a model whose step
                 cannot be micro-batched exactly (a trainable BatchNormalization, ``use_ema``).
         """
         emulator = self._strategy.emulator
-        if self._given is None and emulator is not None and (emulator.workload is None or not self._deciding_at_trace):
+        if self._given is None and emulator is not None and (emulator.workload is None or not at_first_trace):
             # Emulated caps need the model's size with its optimizer built (the workload the emulated memory check
             # uses, set by fit before its first step): decided when fit traces its first step, before any step runs.
             self._set(None, False)
