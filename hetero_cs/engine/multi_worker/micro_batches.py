@@ -210,13 +210,10 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
                 f"Give the cards more memory (an emulated card: NAME@SIZE), a smaller model, or other max_batch_sizes.")
         from hetero_cs.engine._compat import replica_xla
 
-        found = set()
-        if replica_xla.batch_norms_in_training(model):
-            found.add(BATCH_NORM)
-        if getattr(type(model), "train_step", None) is not keras_train_step:
-            found.add(TRAIN_STEP)
-        if getattr(getattr(model, "optimizer", None), "use_ema", False):
-            found.add(EMA)
+        found = {finding for finding, present in (
+            (BATCH_NORM, replica_xla.batch_norms_in_training(model)),
+            (TRAIN_STEP, getattr(type(model), "train_step", None) is not keras_train_step),
+            (EMA, getattr(getattr(model, "optimizer", None), "use_ema", False))) if present}
         if self.setting is True and found:
             raise MicroBatchError(
                 f"micro_batches=True, but this model's step cannot be micro-batched on "
