@@ -34,11 +34,10 @@ import tensorflow as tf
 
 from hetero_cs.devices.device_errors import OutOfMemory, classify, device_fault
 from hetero_cs.devices.workload import max_examples_in_memory
-from hetero_cs.engine._compat import global_batch_size_of, replica_xla
+from hetero_cs.engine._compat import global_batch_size_of
 from hetero_cs.engine.faults.failover import DeviceFailover
-from hetero_cs.engine.step.fused_update import compile_error
 from hetero_cs.engine.step.model_state import restore, saved_state
-from hetero_cs.engine.step.step_errors import replica_step_error
+from hetero_cs.engine.step.step_errors import replica_step_error, xla_compile_error
 from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -283,8 +282,7 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     ReplicaStepError naming the replica (an out-of-memory error's by :mod:`hetero_cs.devices.device_errors`).
     ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name).
     """
-    known = (strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
-             or replica_xla.compile_error(exc))
+    known = strategy._input_error_raised(exc) or xla_compile_error(exc)  # noqa: SLF001
     if known is not None:
         return known
     oom = classify(exc, strategy.compute_devices, replica_scopes)
