@@ -308,7 +308,7 @@ def set_initial_epoch(model, epoch: int | None) -> None:
 def patch_inference_functions() -> None:
     # An evaluation or prediction batch larger than what the training memory caps hold runs as sub-steps within
     # them (hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference), and one that runs out of memory lowers the
-    # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run_inference); a step traced before
+    # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run); a step traced before
     # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
@@ -385,7 +385,7 @@ def _make_inference_function(keras_make, self, force=False):
         if not recovering:
             return attempt(element)
         # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.memory.oom_recovery).
-        return recovery.run_inference(attempt, element, replica_scopes=(self.name,), model=self)
+        return recovery.run(attempt, element, replica_scopes=(self.name,), model=self, training=False)
 
     wrapped._hetero_wrapped = True
     setattr(self, attribute, wrapped)
