@@ -428,7 +428,7 @@ def _evaluate_or_predict(original, self, strategy, bound):
     except StepOOMError as exc:
         _raise_with_tensorflow_cause(exc)
     finally:
-        active_sets.mark_traced(self, attribute, known)
+        active_sets.mark_traced_function(getattr(self, attribute, None), known)
 
 
 def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | None, int | None]:
