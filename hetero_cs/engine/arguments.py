@@ -64,16 +64,26 @@ def canonical_device(name: str) -> str:
     return f"/device:{spec.device_type.upper()}:{spec.device_index}"
 
 
-def default_compute_devices(parameter_device: str) -> list[str]:
-    gpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
-    if gpus:
-        return gpus
-    cpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")]
-    others = [d for d in cpus if d != parameter_device]
-    return others or cpus[:1]
+def checked_devices(compute_devices, parameter_device: str) -> list[str]:
+    """``compute_devices`` as canonical device names, checked against ``parameter_device`` (canonical) and the
+    devices TensorFlow sees. None: every GPU; with no GPU, every logical CPU device except the parameter device. A
+    single name is one device.
 
-
-def validate_devices(devices: list[str], parameter_device: str) -> None:
+    Raises:
+        ConfigError: ``compute_devices`` is not a list of names.
+        DeviceError: An empty, unparsable, unknown or repeated name, or the parameter device among several.
+    """
+    if compute_devices is None:
+        gpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
+        cpus = [canonical_device(d.name) for d in tf.config.list_logical_devices("CPU")]
+        compute_devices = gpus or [d for d in cpus if d != parameter_device] or cpus[:1]
+    elif isinstance(compute_devices, str):
+        compute_devices = [compute_devices]
+    elif not isinstance(compute_devices, (list, tuple)):  # each name is checked by canonical_device
+        raise ConfigError(
+            f"compute_devices must be a list of device names, e.g. ['/gpu:0', '/gpu:1'], or None for every GPU. "
+            f"Received: compute_devices={compute_devices!r}.")
+    devices = [canonical_device(d) for d in compute_devices]
     if not devices:
         raise DeviceError("compute_devices is empty. Give at least one device, e.g. ['/gpu:0'].")
     if len(set(devices)) != len(devices):
@@ -91,6 +101,7 @@ def validate_devices(devices: list[str], parameter_device: str) -> None:
             f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create "
             f"logical devices first with hetero_cs.emulation.setup_logical_devices([...]) or pass emulate=[...]."
         )
+    return devices
 
 
 def checked_shares(batch_split, num_replicas: int) -> list:
@@ -221,17 +232,6 @@ def validate_flags(**flags) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be True or False. Received: {name}={value!r} "
                               f"({type(value).__name__}).")
-
-
-def validate_compute_devices(compute_devices) -> list:
-    """``compute_devices`` as a list of device names (a single name is one device); ConfigError otherwise."""
-    if isinstance(compute_devices, str):
-        return [compute_devices]
-    if not isinstance(compute_devices, (list, tuple)):  # each name is checked by canonical_device
-        raise ConfigError(
-            f"compute_devices must be a list of device names, e.g. ['/gpu:0', '/gpu:1'], or None for every GPU. "
-            f"Received: compute_devices={compute_devices!r}.")
-    return list(compute_devices)
 
 
 def validate_setting(name: str, value, choices: str) -> None:

@@ -161,11 +161,7 @@ class HeteroCentralStorageStrategy(
 
             compute_devices = setup_logical_devices(list(emulate))
         parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
-        if compute_devices is None:
-            compute_devices = arguments.default_compute_devices(parameter_device)
-        compute_devices = arguments.validate_compute_devices(compute_devices)
-        devices = [arguments.canonical_device(d) for d in compute_devices]
-        arguments.validate_devices(devices, parameter_device)
+        devices = arguments.checked_devices(compute_devices, parameter_device)
         if emulate is not None and len(emulate) != len(devices):
             raise ConfigError(
                 f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "

@@ -47,7 +47,7 @@ from hetero_cs.engine._compat.distribute import (
     clone_function, DeepcopiedStrategy, distribute_on_host, HeteroExtended, is_tf_function, ReplicaCountStrategy,
 )
 from hetero_cs.engine._compat.input_state import FirstBatchReader
-from hetero_cs.engine._compat.multi_worker import install_multi_worker, local_cpu_replicas, skip_partial_batch_agreement
+from hetero_cs.engine._compat.multi_worker import local_cpu_replicas, skip_partial_batch_agreement
 from hetero_cs.engine._compat.optimizer import iteration_counter
 from hetero_cs.engine._compat.symbols import check_private_symbols
 from hetero_cs.engine._compat.trainer import reduced_step_outputs, set_initial_epoch
@@ -55,7 +55,7 @@ from hetero_cs.engine._compat.trainer import reduced_step_outputs, set_initial_e
 __all__ = [
     "MULTI_WORKER_MARKER", "STRATEGY_MARKER", "DeepcopiedStrategy", "FirstBatchReader", "HeteroExtended",
     "ReplicaCountStrategy", "check_private_symbols", "clone_function", "components", "distribute_on_host",
-    "global_batch_size_of", "id_in_cluster", "in_keras_entry_point", "install", "install_multi_worker",
+    "global_batch_size_of", "id_in_cluster", "in_keras_entry_point", "install",
     "is_tf_function", "iteration_counter", "keras_entry_point", "local_cpu_replicas", "per_replica",
     "reduced_step_outputs", "replica_id_in_sync_group", "set_initial_epoch", "skip_partial_batch_agreement",
 ]
@@ -106,9 +106,8 @@ def install() -> None:
         optimizer.patch_optimizer()
         loss_scale.patch_loss_scale_optimizer()
         variables.patch_seed_generator()
-        trainer.patch_fit()
+        trainer.patch_entry_points()
         trainer.patch_make_train_function()
-        trainer.patch_evaluate_and_predict()
         trainer.patch_inference_functions()
         trainer.patch_symbolic_build()
         replica_pass.patch_train_step()

@@ -29,7 +29,6 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import re
 import threading
@@ -40,12 +39,10 @@ import tensorflow as tf
 from hetero_cs.devices.device_errors import device_fault, first_line, op_message
 from hetero_cs.engine._compat.context import (
     current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy, per_replica, set_locally,
-    strategy_of,
 )
 from hetero_cs.engine._compat.loss_reader import is_log_share
 from hetero_cs.engine._compat.replica_pass import keras_train_step
 from hetero_cs.engine._compat.symbols import patch, require
-from hetero_cs.engine._compat.trainer import note_per_example_randomness
 from hetero_cs.errors import ConfigError, DeviceFaultError, ReplicaStepError, WorkerLostError
 
 logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
@@ -160,25 +157,16 @@ def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     return pythonify_logs(results), logged
 
 
-def patch_entry_points() -> None:
-    # fit/evaluate/predict know the model: the reduce above needs it (set for the call, thread-local), and fit gets
-    # the strategy's callback (emulated device sizes before the first step, plan and timing in the logs).
-    TensorFlowTrainer = require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-    for name in ("fit", "evaluate", "predict"):
-        patch(TensorFlowTrainer, name)(_with_model)
-
-
-def _with_model(original, self, *args, **kwargs):
-    strategy, verb = strategy_of(self), original.__name__
-    if not is_multi_worker_strategy(strategy):
-        return original(self, *args, **kwargs)
+def run_entry_point(original, self, strategy, bound):
+    """``fit``, ``evaluate`` or ``predict`` (``original``, with its arguments ``bound``) under the multi-worker
+    strategy (patched in :func:`hetero_cs.engine._compat.trainer.patch_entry_points`): the reduce above needs the
+    model (set for the call, thread-local), and each gets the strategy's callback (emulated device sizes before the
+    first step, plan and timing in the logs)."""
+    verb = original.__name__
     if verb == "fit":
-        note_per_example_randomness(self)
         _refuse_loss_scaling(self)
         strategy._prepare_idle_replicas(self, keras_train_step())  # noqa: SLF001
     _refuse_steps_per_execution(self)
-    bound = inspect.signature(original).bind(self, *args, **kwargs)
-    bound.apply_defaults()
     bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
     with entered(self, verb):
         strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
@@ -338,10 +326,6 @@ def _worker_lost(strategy, verb: str, exc: Exception):
     )
 
 
-_install_lock = threading.Lock()
-_installed = False
-
-
 _local_cpus = threading.local()  # .count while a HeteroMultiWorkerMirroredStrategy with CPU replicas is built here
 _local_devices_lock = threading.Lock()
 _local_devices_patched = False
@@ -376,13 +360,3 @@ def patch_local_devices() -> None:
         if not count or count == 1:
             return original(self, cluster_resolver, worker_device)
         return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
-
-
-def install_multi_worker() -> None:
-    """Installs the multi-worker patches once per process (after the shared ones)."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        patch_entry_points()
-        _installed = True

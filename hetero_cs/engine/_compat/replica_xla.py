@@ -44,7 +44,6 @@ applied.
 from __future__ import annotations
 
 import logging
-import re
 import weakref
 
 from hetero_cs.engine._compat.context import strategy_of
@@ -52,9 +51,6 @@ from hetero_cs.engine._compat.layers import batch_norms_in_training
 from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-# The name TensorFlow's errors quote for a replica's compiled function (see compile_error).
-FUNCTION_NAME = "hetero_cs_replica_forward_backward"
 
 _warned: weakref.WeakSet = weakref.WeakSet()
 _fell_back: weakref.WeakSet = weakref.WeakSet()
@@ -140,33 +136,6 @@ def _warn_once(model, reason: str) -> None:
     _warned.add(model)
     logger.warning("hetero_cs: compile(jit_compile=True) asked for XLA, but %s. It trains exactly, as with "
                    "jit_compile=False; compile with jit_compile=False to silence this.", reason)
-
-
-def compile_error(exc: Exception) -> ConfigError | None:
-    """A ConfigError with the fix when TensorFlow's ``exc`` says XLA could not compile a replica's forward and
-    backward pass, else None.
-
-    That happens with a layer or loss whose ops XLA has no kernel for (``tf.py_function``, string ops), or one that
-    reads a variable the model does not track (XLA cannot read it on the parameter device).
-    """
-    import tensorflow as tf
-
-    if not isinstance(exc, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
-        return None
-    message = str(exc)
-    if FUNCTION_NAME not in message and "tfvariable_on_a_different_device" not in message:
-        return None
-    if not re.search(r"XLA|compile|jit|located in device", message, re.IGNORECASE):
-        return None
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    reason = next((line for line in lines if "unsupported operations" in line or "located in device" in line),
-                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)),
-                       type(exc).__name__))
-    reason = reason[:500].rstrip(".") + "."
-    return ConfigError(
-        f"XLA could not compile a replica's forward and backward pass (compile(jit_compile=True)): {reason} "
-        f"Compile the model with jit_compile=False to train without XLA; nothing of this step was applied."
-    )
 
 
 # -- idle replicas under the multi-worker strategy: they skip their pass unless the model's step needs it --------

@@ -7,8 +7,8 @@ the patches are installed or, worse, in the middle of a step. :func:`check_priva
 first and raises :class:`~hetero_cs.errors.UnsupportedVersionError` naming all that are missing, the installed
 versions and the supported range. Names read from instances at run time (``_iterations``, ``_value``, a replica
 context's ``_replica_id_in_sync_group``, the extended object's ``_worker_device``) are not classes' attributes and
-are not listed; the multi-worker patches
-(``install_multi_worker``) and the module-level imports of ``distribute.py`` are not covered either.
+are not listed; the multi-worker strategy's own patch (``multi_worker.patch_local_devices``) and the module-level
+imports of ``distribute.py`` are not covered either.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ from hetero_cs.devices.device_errors import is_out_of_memory
 from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.engine._compat import replica_xla, symbols
-from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_ours, strategy_of
+from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_multi_worker_strategy
+from hetero_cs.engine._compat.context import is_ours, strategy_of
 from hetero_cs.engine._compat.layers import all_sublayers
+from hetero_cs.engine._compat.multi_worker import run_entry_point
 from hetero_cs.engine._compat.replica_pass import keras_train_step
 from hetero_cs.engine._compat.symbols import patch
 from hetero_cs.errors import ConfigError, DeviceFaultError, HeteroCSError, InputError, StepOOMError
@@ -27,55 +29,67 @@ from hetero_cs.planning.micro_batches import capacity_of
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
 
-def patch_fit() -> None:
-    # Model.fit is the one entry point that knows both the model and the data: under our strategy it gets a
-    # callback that calibrates on the first global batch (auto_balance), and reports per-replica step times, the
-    # straggler wait and the plan in the logs. Other strategies are untouched.
+def patch_entry_points() -> None:
+    # fit, evaluate and predict are the entry points that know both the model and the data. Under our strategies
+    # each binds its arguments once and runs the strategy's version: under the central-storage strategy fit gets a
+    # callback that calibrates on the first global batch (auto_balance) and reports per-replica step times, the
+    # straggler wait and the plan in the logs, and the three mark their inputs and steps (training or inference) and
+    # raise the library's errors for TensorFlow's; the multi-worker strategy's is multi_worker.run_entry_point. Other
+    # strategies are untouched.
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-    signature = inspect.signature(TensorFlowTrainer.fit)
+    for name in ("fit", "evaluate", "predict"):
+        patch(TensorFlowTrainer, name)(_entry_point)
 
-    @patch(TensorFlowTrainer, "fit")
-    def fit(original, self, *args, **kwargs):
-        strategy = strategy_of(self)
+
+def _entry_point(original, self, *args, **kwargs):
+    strategy, verb = strategy_of(self), original.__name__
+    if verb == "fit":
         _refuse_a_model_from_outside_the_scope(self, strategy)
-        if not is_hetero_strategy(strategy):
-            return original(self, *args, **kwargs)
+    if not is_ours(strategy):
+        return original(self, *args, **kwargs)
+    if verb == "fit":
         note_per_example_randomness(self)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        if bound.arguments.get("steps_per_epoch") is None:  # an epoch of arrays ends on a batch of N % B examples
-            examples, batch_size = _examples_and_batch_size((), bound.arguments, batch_size_position=0)
-            split = bound.arguments.get("validation_split") or 0.0
-            if examples is not None and 0.0 < split < 1.0:
-                examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
-            idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
-        callbacks = bound.arguments.get("callbacks")
-        bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks, bound.arguments)  # noqa: SLF001
-        strategy._input_error = None  # noqa: SLF001
-        # fit distributes its training data first and validation data later (hetero_cs.engine.step.input_roles).
-        distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
-        try:
-            with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
-                return original(*bound.args, **bound.kwargs)
-        except StopIteration as exc:
-            # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
-            raise _empty_input_error("fit") from exc
-        except tf.errors.OpError as exc:
-            replica_error = strategy._replica_step_error(exc, replica_scopes=(self.name,))  # noqa: SLF001
-            if replica_error is None:
-                raise
-            raise replica_error from exc
-        except (DeviceFaultError, StepOOMError) as exc:  # a DeviceFaultError is a RuntimeError: before the clause below
-            _raise_with_tensorflow_cause(exc)
-        except RuntimeError as exc:
-            if "Mixing different tf.distribute.Strategy objects" not in str(exc):
-                raise
-            raise ConfigError(_create_and_compile_in_scope(
-                "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
-                "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
-        finally:  # fit may raise mid-epoch: the log records held while its progress bar drew are passed on
-            for callback in bound.arguments["callbacks"]:
-                getattr(callback, "release_held_logs", lambda: None)()
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    if is_multi_worker_strategy(strategy):
+        return run_entry_point(original, self, strategy, bound)
+    strategy._input_error = None  # noqa: SLF001
+    return (_fit if verb == "fit" else _evaluate_or_predict)(original, self, strategy, bound)
+
+
+def _fit(original, self, strategy, bound):
+    """``fit`` under the central-storage strategy (see :func:`patch_entry_points`)."""
+    examples, batch_size = _examples_and_batch_size(bound.arguments, steps="steps_per_epoch")
+    split = bound.arguments.get("validation_split") or 0.0
+    if examples is not None and 0.0 < split < 1.0:  # an epoch of arrays ends on a batch of N % B examples
+        examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
+    idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
+    callbacks = bound.arguments.get("callbacks")
+    bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks, bound.arguments)  # noqa: SLF001
+    # fit distributes its training data first and validation data later (hetero_cs.engine.step.input_roles).
+    distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
+    try:
+        with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
+            return original(*bound.args, **bound.kwargs)
+    except StopIteration as exc:
+        # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
+        raise _empty_input_error("fit") from exc
+    except tf.errors.OpError as exc:
+        replica_error = strategy._replica_step_error(exc, replica_scopes=(self.name,))  # noqa: SLF001
+        if replica_error is None:
+            raise
+        raise replica_error from exc
+    except (DeviceFaultError, StepOOMError) as exc:  # a DeviceFaultError is a RuntimeError: before the clause below
+        _raise_with_tensorflow_cause(exc)
+    except RuntimeError as exc:
+        if "Mixing different tf.distribute.Strategy objects" not in str(exc):
+            raise
+        raise ConfigError(_create_and_compile_in_scope(
+            "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
+            "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
+    finally:  # fit may raise mid-epoch: the log records held while its progress bar drew are passed on
+        for callback in bound.arguments["callbacks"]:
+            getattr(callback, "release_held_logs", lambda: None)()
 
 
 def _raise_with_tensorflow_cause(exc):
@@ -294,7 +308,7 @@ def set_initial_epoch(model, epoch: int | None) -> None:
 def patch_inference_functions() -> None:
     # An evaluation or prediction batch larger than what the training memory caps hold runs as sub-steps within
     # them (hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference), and one that runs out of memory lowers the
-    # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run_inference); a step traced before
+    # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run); a step traced before
     # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
@@ -371,40 +385,28 @@ def _make_inference_function(keras_make, self, force=False):
         if not recovering:
             return attempt(element)
         # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.memory.oom_recovery).
-        return recovery.run_inference(attempt, element, replica_scopes=(self.name,), model=self)
+        return recovery.run(attempt, element, replica_scopes=(self.name,), model=self, training=False)
 
     wrapped._hetero_wrapped = True
     setattr(self, attribute, wrapped)
     return result
 
 
-def patch_evaluate_and_predict() -> None:
-    # A bad batch is found inside the input pipeline (a tf.numpy_function), so TensorFlow reports it as an
-    # InvalidArgumentError around our message. fit re-raises the library's own error (above); evaluate and predict
-    # do the same here, when TensorFlow's error is that one (a step's own error is raised as it is). They also mark
-    # their inputs and steps as inference (hetero_cs.engine.step.input_roles). Other strategies are untouched.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-    for name in ("evaluate", "predict"):
-        patch(TensorFlowTrainer, name)(_evaluate_or_predict)
-
-
-def _evaluate_or_predict(original, self, *args, **kwargs):
-    strategy, predicting = strategy_of(self), original.__name__ == "predict"
-    if not is_hetero_strategy(strategy):
-        return original(self, *args, **kwargs)
-    strategy._input_error = None  # noqa: SLF001
+def _evaluate_or_predict(original, self, strategy, bound):
+    """``evaluate`` or ``predict`` under the central-storage strategy (see :func:`patch_entry_points`). A bad batch,
+    found in the input pipeline, raises the library's own error, not TensorFlow's around it (as fit does)."""
+    predicting = original.__name__ == "predict"
     # A step function traced before plans used a set of idle replicas is traced again, with a branch for it
     # (hetero_cs.engine.step.idle_replicas). Private: Keras keeps its traced step functions in these attributes and
     # traces them again when they are None.
     attribute = "predict_function" if predicting else "test_function"
     active_sets = strategy._active_sets  # noqa: SLF001
-    idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(
-        args, kwargs, batch_size_position=1 if predicting else 2))
+    idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(bound.arguments))
     active_sets.refresh(self, attribute, training=False)
     known = active_sets.version(training=False)
     try:
         with strategy._input_roles.inferring(predicting=predicting):  # noqa: SLF001 - its inputs and steps infer
-            return original(self, *args, **kwargs)
+            return original(*bound.args, **bound.kwargs)
     except (StopIteration, UnboundLocalError) as exc:
         # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop ends before
         # its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
@@ -426,23 +428,22 @@ def _evaluate_or_predict(original, self, *args, **kwargs):
     except StepOOMError as exc:
         _raise_with_tensorflow_cause(exc)
     finally:
-        active_sets.mark_traced(self, attribute, known)
+        active_sets.mark_traced_function(getattr(self, attribute, None), known)
 
 
-def _examples_and_batch_size(args, kwargs, *, batch_size_position: int) -> tuple[int | None, int | None]:
-    """``(N, B)`` of an evaluate or predict call on arrays (Keras' default batch size 32), else ``(None, None)``."""
-    x = kwargs.get("x", args[0] if args else None)
-    if kwargs.get("steps") is not None or x is None or isinstance(x, (tf.data.Dataset,
-                                                                      tf.distribute.DistributedDataset)):
+def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | None, int | None]:
+    """``(N, B)`` of a fit, evaluate or predict call on arrays (``arguments``: its bound arguments; Keras' default
+    batch size 32), else ``(None, None)`` (a dataset, or a number of ``steps``)."""
+    x = arguments.get("x")
+    if arguments.get(steps) is not None or x is None or isinstance(x, (tf.data.Dataset,
+                                                                        tf.distribute.DistributedDataset)):
         return None, None
     leaves = tf.nest.flatten(x)
     first = leaves[0] if leaves else None
     shape = getattr(first, "shape", None)
     if shape is None or len(shape) == 0 or shape[0] is None:
         return None, None
-    positional = args[batch_size_position] if len(args) > batch_size_position else None
-    batch_size = kwargs.get("batch_size", positional if isinstance(positional, int) else None)
-    return int(shape[0]), int(batch_size or 32)
+    return int(shape[0]), int(arguments.get("batch_size") or 32)
 
 
 def _empty_input_error(verb: str):

@@ -95,13 +95,12 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         self._call_cache: dict = {}  # (plan, id(model)) -> its overlapped calls
         self._barrier_steps = 0
         self._micro_times: list = []  # (replica, examples, seconds, micro-batches) reported during an overlapped call
-        self._barrier_of: dict = {}  # id(overlapped plan) -> (it, the plan it replaced)
         self._trials = OverlapTrials()
         self.last_run_as_planned = True  # whether the last step ran as its plan said (no fallback, no refusal)
 
     def __deepcopy__(self, memo: dict) -> "MicroBatching":
         # A copy traces its own overlapped calls (a traced function and its tensors are not copied).
-        for cache in (self._overlapped_functions, self._call_cache, self._barrier_of):
+        for cache in (self._overlapped_functions, self._call_cache):
             memo[id(cache)] = type(cache)()
         memo[id(self._trials)] = OverlapTrials()
         return super().__deepcopy__(memo)
@@ -135,6 +134,11 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         Raises:
             MicroBatchError: No replica can hold one example.
         """
+        return self._plan_and_replaced(global_batch_size, cost_models, max_batch_sizes, overlapped)[0]
+
+    def _plan_and_replaced(self, global_batch_size: int, cost_models, max_batch_sizes, overlapped: bool) -> tuple:
+        """:meth:`plan_for`'s plan, and the plan an overlapped one replaces (for the guard's side-by-side trial,
+        :meth:`plan_to_run`; None for any other plan)."""
         B = int(global_batch_size)
         models, caps = self._models_and_caps(cost_models, max_batch_sizes)
         overhead = self.sub_step_overhead_s()
@@ -143,7 +147,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         with self._lock:
             cached, incumbent = self._plans.get(key), self._in_use.get(B)
         if cached is not None:
-            return cached[1]
+            return cached[1:]
         try:
             plan = plan_micro_batches(
                 B, lambda b: self.plan_for_sub_step(b, cost_models=models, max_batch_sizes=caps),
@@ -151,17 +155,16 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
             overlapped = self._overlapped_plan(B, models, caps, plan) if overlapped else None
         except InfeasiblePlanError as exc:
             raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
+        replaced = None
+        if overlapped is not None:  # it replaces the plan of sub-steps with a barrier each (or of one step)
+            replaced, plan = plan, overlapped
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
-                self._barrier_of.clear()
-            if overlapped is not None:  # what it replaces, for the guard's side-by-side trial (plan_to_run)
-                self._barrier_of[id(overlapped)] = (overlapped, plan)
-                plan = overlapped
-            self._plans[key] = (models, plan)  # the models stay referenced: their ids in the key stay theirs
+            self._plans[key] = (models, plan, replaced)  # the models stay referenced: their ids in the key stay theirs
             if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
                 self._in_use[B] = plan.num_sub_steps
-        return plan
+        return plan, replaced
 
     def plan_after_failure(self, global_batch_size: int, *, overlapped: bool = True) -> MicroBatchPlan:
         """The sub-steps for a batch whose one step failed out of memory even after its retries: :meth:`plan_for`'s,
@@ -182,16 +185,12 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
             # A card held at its cap whose models went stale (it drifted, then recovered): measured models may
             # bring its micro-batches back (hetero_cs.planning.balancer_memory).
             balancer.consider_micro_batched_models(int(global_batch_size))
-        plan = self.plan_for(global_batch_size, overlapped=overlapped)
-        if not plan.overlapped or not balancer.guard_enabled:
-            return plan
-        with self._lock:
-            entry = self._barrier_of.get(id(plan))
-        if entry is None or entry[0] is not plan:
+        plan, replaced = self._plan_and_replaced(global_batch_size, None, None, overlapped)
+        if replaced is None or not balancer.guard_enabled:
             return plan
         models, caps = self._models_and_caps()  # those plan_for used
         key = (int(global_batch_size), tuple(id(m) for m in models or ()), None if caps is None else tuple(caps))
-        return self._trials.choose(key, plan, entry[1], balancer.guard.policy, pin=models)
+        return self._trials.choose(key, plan, replaced, balancer.guard.policy, pin=models)
 
     def observe_run(self, plan: MicroBatchPlan, seconds: float) -> None:
         """A step that :meth:`plan_to_run` served took ``seconds`` of wall clock (host work included)."""

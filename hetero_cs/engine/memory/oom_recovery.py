@@ -34,11 +34,10 @@ import tensorflow as tf
 
 from hetero_cs.devices.device_errors import OutOfMemory, classify, device_fault
 from hetero_cs.devices.workload import max_examples_in_memory
-from hetero_cs.engine._compat import global_batch_size_of, replica_xla
+from hetero_cs.engine._compat import global_batch_size_of
 from hetero_cs.engine.faults.failover import DeviceFailover
-from hetero_cs.engine.step.fused_update import compile_error
 from hetero_cs.engine.step.model_state import restore, saved_state
-from hetero_cs.engine.step.step_errors import replica_step_error
+from hetero_cs.engine.step.step_errors import replica_step_error, xla_compile_error
 from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError, InfeasiblePlanError, StepOOMError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -116,15 +115,21 @@ class StepRecovery:
         return possible
 
     def run(self, step: Callable[[Any], Any], data: Any, *, replica_scopes: Sequence[str] = (),
-            model: Any = None) -> Any:
+            model: Any = None, training: bool = True) -> Any:
         """``step(data)``, retried on the same global batch (re-cut by the new plan) after an out-of-memory step
-        or a device error (:mod:`hetero_cs.engine.faults.failover`).
+        or, in training, a device error (:mod:`hetero_cs.engine.faults.failover`).
 
         ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name), for blame
         by op name (:mod:`hetero_cs.devices.device_errors`). ``model``: the Keras model being fit; its non-trained and
         metric variables, which the replicas of a failed attempt may have updated before one of them failed (a
-        BatchNormalization's moving statistics, the loss tracker), are put back before each retry. Other errors
-        pass through unchanged.
+        BatchNormalization's moving statistics, the loss tracker), are put back before each retry, so an evaluation
+        also counts each example once. Other errors pass through unchanged.
+
+        ``training`` False: an evaluation or prediction batch. The replica blamed gets a lower cap
+        (:meth:`~hetero_cs.planning.balancer.Balancer.lower_cap`, shared with training: an inference slice that does
+        not fit would not fit a training step either), and the whole batch runs again: cut within the new caps, or
+        as sub-steps within them when they cannot hold it in one step (``step`` decides;
+        :meth:`hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference`).
 
         Raises:
             StepOOMError: Still out of memory after ``max_retries`` retries, the caps cannot hold the batch, the
@@ -133,8 +138,9 @@ class StepRecovery:
         strategy = self._strategy
         balancer = strategy.balancer
         global_batch_size = global_batch_size_of(data)
-        if global_batch_size is None or len(strategy.compute_devices) == 1:  # one replica: nothing to move elsewhere
-            return step(data)
+        if training and (global_batch_size is None or len(strategy.compute_devices) == 1):
+            return step(data)  # one replica: nothing to move elsewhere
+        kind = "training" if training else _INFERENCE
         retries = balancer.memory_caps.policy.max_retries
         tried: dict[int, list[int]] = {}
         faults: dict[int, int] = {}  # device errors per replica in this batch (hetero_cs.engine.faults.failover)
@@ -145,67 +151,42 @@ class StepRecovery:
                 outputs = step(data)
             except (tf.errors.OpError, EmulatedOutOfMemoryError, EmulatedDeviceError) as exc:  # eager: as themselves
                 restore(saved)  # whatever follows (a retry, sub-steps, the error) starts from the state before
-                fault = device_fault(exc, strategy.compute_devices, replica_scopes)
+                fault = device_fault(exc, strategy.compute_devices, replica_scopes) if training else None
                 if fault is not None and fault.replica_id is not None:
                     sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001
                     self.failover.handle(fault, exc, faults, sizes[fault.replica_id], global_batch_size)
                     continue  # the same batch, on the same plan once, then on the others
-                blamed = self._blamed(exc, replica_scopes, tried, global_batch_size)
+                blamed = self._blamed(exc, replica_scopes, tried, global_batch_size, step=kind)
                 if blamed is None:
                     raise  # not out of memory: a shape error, a failed input pipeline, ... as it is
                 replica_id, size = blamed
-                try:  # the cap falls even when this was the last retry: what follows (sub-steps) starts from it
-                    plan, change = balancer.recover_from_oom(replica_id, size, global_batch_size)
-                except InfeasiblePlanError:
-                    self._note(balancer.memory_caps.history[-1])
-                    raise self._error(replica_id, tried, global_batch_size, exc,
-                                      f"the caps now {balancer.max_batch_sizes} cannot hold the batch in one step"
-                                      ) from exc
+                retry = []  # an inference batch is cut again when it runs
+                if training:
+                    try:  # the cap falls even when this was the last retry: what follows (sub-steps) starts from it
+                        plan, change = balancer.recover_from_oom(replica_id, size, global_batch_size)
+                    except InfeasiblePlanError:
+                        self._note(balancer.memory_caps.history[-1])
+                        raise self._error(replica_id, tried, global_batch_size, exc,
+                                          f"the caps now {balancer.max_batch_sizes} cannot hold the batch in one step"
+                                          ) from exc
+                    retry = list(plan.per_replica_batch_sizes)
+                    if attempt == retries:
+                        self._note(change)
                 if attempt == retries:
-                    self._note(change)
                     raise self._error(replica_id, tried, global_batch_size, exc,
-                                      f"it still ran out of memory after {retries} retries") from exc
+                                      f"it still ran out of memory after {retries} retries", step=kind) from exc
+                if not training:
+                    change = balancer.lower_cap(replica_id, size)
                 self.recoveries += 1
                 attempt += 1
-                self.max_retries_used = max(self.max_retries_used, attempt)
-                self._note(change, retry=list(plan.per_replica_batch_sizes))
+                if training:
+                    self.max_retries_used = max(self.max_retries_used, attempt)
+                self._note(change, retry=retry)
                 continue  # the retried step cuts the batch by the plan in force now (the guard's trial is over)
-            for change in balancer.record_step_success(strategy._slicer.last_step_sizes()):  # noqa: SLF001
-                self._note(change)
+            if training:
+                for change in balancer.record_step_success(strategy._slicer.last_step_sizes()):  # noqa: SLF001
+                    self._note(change)
             return outputs
-
-    def run_inference(self, attempt: Callable[[Any], Any], element: Any, *, replica_scopes: Sequence[str] = (),
-                      model: Any = None) -> Any:
-        """``attempt(element)`` for an evaluation or prediction batch, retried after an out-of-memory step.
-
-        The replica blamed gets a lower cap (:meth:`~hetero_cs.planning.balancer.Balancer.lower_cap`, shared with
-        training: an inference slice that does not fit would not fit a training step either), and the whole batch
-        runs again: cut within the new caps, or as sub-steps within them when they cannot hold it in one step
-        (``attempt`` decides; :meth:`hetero_cs.engine.memory.micro_batches.MicroBatching.run_inference`). The metrics of
-        ``model`` are put back first, so an evaluation counts each example once.
-
-        Raises:
-            StepOOMError: As :meth:`run`; errors that are not out of memory pass through unchanged.
-        """
-        global_batch_size = global_batch_size_of(element)
-        retries = self._strategy.balancer.memory_caps.policy.max_retries
-        saved = saved_state(model) if model is not None else None
-        tried: dict[int, list[int]] = {}
-        for retry in range(retries + 1):
-            try:
-                return attempt(element)
-            except (tf.errors.OpError, EmulatedOutOfMemoryError) as exc:
-                restore(saved)
-                blamed = self._blamed(exc, replica_scopes, tried, global_batch_size, step=_INFERENCE)
-                if blamed is None:
-                    raise
-                if retry == retries:
-                    raise self._error(blamed[0], tried, global_batch_size, exc,
-                                      f"it still ran out of memory after {retries} retries", step=_INFERENCE) from exc
-                change = self._strategy.balancer.lower_cap(*blamed)
-                self.recoveries += 1
-                self._note(change, retry=[])
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _blamed(self, exc: Exception, replica_scopes, tried: dict, global_batch_size, step: str = "training"):
         """``(replica, its slice in the step that failed)`` that an out-of-memory ``exc`` blames (the slice noted in
@@ -283,8 +264,7 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     ReplicaStepError naming the replica (an out-of-memory error's by :mod:`hetero_cs.devices.device_errors`).
     ``replica_scopes``: name scopes only replicas' ops run under (``fit`` passes the model's name).
     """
-    known = (strategy._input_error_raised(exc) or compile_error(exc)  # noqa: SLF001
-             or replica_xla.compile_error(exc))
+    known = strategy._input_error_raised(exc) or xla_compile_error(exc)  # noqa: SLF001
     if known is not None:
         return known
     oom = classify(exc, strategy.compute_devices, replica_scopes)

@@ -153,7 +153,6 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         with _compat.local_cpu_replicas(local_replicas):
             super().__init__(communication_options=communication_options)
         _compat.install()
-        _compat.install_multi_worker()
         setattr(self, _compat.MULTI_WORKER_MARKER, True)
         _compat.skip_partial_batch_agreement(self)  # every worker reads the same batches: no per-step "has data?"
 

@@ -25,12 +25,9 @@ optimizer whose update uses an op XLA cannot compile fails at its first step, an
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
-
-from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ def compiled(update: Callable[[list], object], device: str) -> Callable[[list], 
     """
 
     def run(grads_and_vars: list) -> tf.Tensor:
-        def hetero_cs_fused_update():  # the name TensorFlow's errors quote (see compile_error)
+        def hetero_cs_fused_update():  # the name TensorFlow's errors quote (step_errors.xla_compile_error)
             update(grads_and_vars)
             return tf.constant(True)
 
@@ -79,25 +76,3 @@ def compiled(update: Callable[[list], object], device: str) -> Callable[[list], 
             return tf.function(hetero_cs_fused_update, jit_compile=True, autograph=False)()
 
     return run
-
-
-def compile_error(exc: Exception) -> ConfigError | None:
-    """A ConfigError with the fix when TensorFlow's ``exc`` says XLA could not compile the fused update, else None.
-
-    That happens with ``fused_update=True`` and an optimizer whose update uses an op XLA has no kernel for (a
-    ``tf.py_function``, a string op, ...); Keras' own optimizers compile.
-    """
-    if not isinstance(exc, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
-        return None
-    message = str(exc)
-    if "hetero_cs_fused_update" not in message or not re.search(r"XLA|compile|jit", message, re.IGNORECASE):
-        return None
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    # TensorFlow's message starts with "Graph execution error:" and stack notes; the line that names the op is it.
-    reason = next((line for line in lines if "unsupported operations" in line),
-                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)), type(exc).__name__))
-    return ConfigError(
-        f"XLA could not compile the optimizer's update on the parameter device (fused_update): {reason[:500]} "
-        f"Pass fused_update=False to HeteroCentralStorageStrategy to run the update without XLA, or None (the "
-        f"default) to compile only Keras' own optimizers."
-    )

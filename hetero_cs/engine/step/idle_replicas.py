@@ -135,11 +135,6 @@ class ActiveSets(DeepcopiedWithNewLocks):
         if function is not None and function not in self.traced_with:
             self.traced_with[function] = version
 
-    def mark_traced(self, model, attribute: str, version: int) -> None:
-        """:meth:`mark_traced_function` for ``model``'s step function ``attribute`` (made during a call that started
-        at ``version``)."""
-        self.mark_traced_function(getattr(model, attribute, None), version)
-
 
 def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | None, *,
                           training: bool = False) -> None:

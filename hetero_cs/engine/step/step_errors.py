@@ -1,6 +1,7 @@
 """What a failed training step is reported as: the replica and device it failed on, and what to do.
 
-Also the advice for 0-example slices, which some TensorFlow kernels cannot run.
+Also the advice for 0-example slices, which some TensorFlow kernels cannot run, and the error for a function that XLA
+could not compile (:func:`xla_compile_error`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import logging
 import re
 
 from hetero_cs.devices.device_errors import REPLICA_ID_ATTRIBUTE, op_message
-from hetero_cs.errors import ReplicaStepError
+from hetero_cs.errors import ConfigError, ReplicaStepError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
@@ -87,6 +88,48 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     return ReplicaStepError(
         f"The {kind} step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
         f"{applied}{advice} The original error is chained below.", replica_id=replica_id, device=device)
+
+
+#: The names TensorFlow's errors quote for the functions hetero_cs compiles with XLA (the fused host update of
+#: :mod:`hetero_cs.engine.step.fused_update`, a replica's pass of :mod:`hetero_cs.engine._compat.replica_xla`), each
+#: with what it compiles and the fix. A replica's pass that reads a variable the model does not track is named by
+#: TensorFlow's "tfvariable_on_a_different_device" instead (XLA cannot read it on the parameter device).
+_XLA_FUNCTIONS = {
+    "hetero_cs_fused_update": (
+        "the optimizer's update on the parameter device (fused_update)",
+        "Pass fused_update=False to HeteroCentralStorageStrategy to run the update without XLA, or None (the default) "
+        "to compile only Keras' own optimizers."),
+    "hetero_cs_replica_forward_backward": (
+        "a replica's forward and backward pass (compile(jit_compile=True))",
+        "Compile the model with jit_compile=False to train without XLA; nothing of this step was applied."),
+}
+
+
+def xla_compile_error(exc: Exception) -> ConfigError | None:
+    """A ConfigError with the fix when TensorFlow's ``exc`` says XLA could not compile one of our compiled functions
+    (:data:`_XLA_FUNCTIONS`), else None.
+
+    That happens with an op XLA has no kernel for (``tf.py_function``, string ops): in a layer or loss
+    (``compile(jit_compile=True)``), or in a custom optimizer's update (``fused_update=True``; Keras' own optimizers
+    compile).
+    """
+    import tensorflow as tf
+
+    if not isinstance(exc, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
+        return None
+    message = str(exc)
+    name = next((name for name in _XLA_FUNCTIONS if name in message), None)
+    if name is None and "tfvariable_on_a_different_device" in message:
+        name = "hetero_cs_replica_forward_backward"
+    if name is None or not re.search(r"XLA|compile|jit|located in device", message, re.IGNORECASE):
+        return None
+    # TensorFlow's message starts with "Graph execution error:" and stack notes; the line that names the op is it.
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    reason = next((line for line in lines if "unsupported operations" in line or "located in device" in line),
+                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)),
+                       type(exc).__name__))
+    what, fix = _XLA_FUNCTIONS[name]
+    return ConfigError(f"XLA could not compile {what}: {reason[:500].rstrip('.')}. {fix}")
 
 
 def _empty_cut(empty, plan) -> str:
