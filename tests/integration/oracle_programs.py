@@ -24,7 +24,7 @@ LOSSES = (
     "compute_loss_mean", "compute_loss_sum", "add_loss_keras", "add_loss_tensor", "regularizers", "loss_class_scalar",
     "masked_ratio", "stop_gradient", "nonlinear", "in_batch", "concat_batch",
 )
-LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision")
+LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision", "on_batch")
 CUSTOM_LOSSES = ("compute_average_loss", "reduce_mean", "reduce_mean_over_replicas", "reduce_sum_over_b",
                  "masked_ratio", "boolean_mask_mean", "stop_gradient", "nonlinear", "in_batch", "regularized",
                  "l2_loss", "learned_weight")
@@ -556,6 +556,8 @@ def _train(program: Program) -> str:
     if program.loss == "class_weight":
         fit_args.append("class_weight={0: 0.5, 1: 1.0, 2: 2.0}")
     policy = "mixed_float16" if program.loop == "mixed_precision" else None
+    if program.loop == "on_batch":
+        return _on_batch(program, fit_args, evaluate_args)
     return f'''
 def train(strategy, record=None):
     """Trains the program under ``strategy`` (None: one device); fills and returns ``record``: what the oracle
@@ -579,6 +581,46 @@ def train(strategy, record=None):
         return record
     finally:
         keras.mixed_precision.set_global_policy("float32")
+'''
+
+
+def _on_batch(program: Program, fit_args: list, evaluate_args: list) -> str:
+    """train_on_batch over the batches fit would make, then test_on_batch and predict_on_batch on all the data."""
+    weighted = "sample_weight=weights" in fit_args
+    train_args = ", ".join(["*rows((x, y), start)", "return_dict=True"]
+                           + (["sample_weight=rows(weights, start)"] if weighted else [])
+                           + [a for a in fit_args if a.startswith("class_weight=")])
+    test_args = ", ".join(["x", "y", "return_dict=True"] + (["sample_weight=weights"] if weighted else []))
+    return f'''
+def rows(value, start):
+    """The rows [start, start + BATCH_SIZE) of an array, or of each array of a list or tuple."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(rows(v, start) for v in value)
+    return value[start:start + BATCH_SIZE]
+
+
+def train(strategy, record=None):
+    """train_on_batch over the batches, then test_on_batch and predict_on_batch (None: one device)."""
+    record = {{}} if record is None else record
+    x, y, weights = make_data()
+    if strategy is None:
+        model = build_model()
+    else:
+        with strategy.scope():
+            model = build_model()
+    record.update(model=model, initial=[w.copy() for w in model.get_weights()], phase="fit")
+    history = {{}}
+    examples = len(weights)
+    for _ in range(EPOCHS):
+        for start in range(0, examples, BATCH_SIZE):
+            for name, value in model.train_on_batch({train_args}).items():
+                history.setdefault(name, []).append(value)
+    record.update(weights=model.get_weights(), history=history,
+                  optimizer=[np.asarray(v) for v in model.optimizer.variables], phase="evaluate")
+    record["evaluate"] = model.test_on_batch({test_args})
+    record["phase"] = "predict"
+    record["predict"] = model.predict_on_batch(x)
+    return record
 '''
 
 

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from hetero_cs import HeteroCentralStorageStrategy, LinearCostModel
+from hetero_cs.errors import ReplicaStepError
 
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 
@@ -66,10 +67,45 @@ def test_an_emulated_device_holds_an_evaluation_slice_its_training_step_could_no
     workload = Workload(1e3, parameter_bytes=1_000, optimizer_bytes=2_000, activation_bytes_per_example=100,
                         non_trainable_bytes=500)
     emulator = Emulator(["T4@6000B"] * 3, workload=workload, time_scale=1e-6)  # training holds 15, inference 45
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, auto_balance=False, profile_cache=False)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, auto_balance=False, profile_cache=False,
+                                            oom_recovery=False)
     model = compiled(strategy)
     x, y = data(96)
     logits = model.predict(x, batch_size=96, verbose=0)  # 32 examples a replica
     np.testing.assert_allclose(logits, model(x, training=False).numpy(), rtol=1e-5, atol=1e-6)
-    with pytest.raises(tf.errors.ResourceExhaustedError, match="Emulated out of memory"):
-        model.train_on_batch(x[:48], y[:48])  # 48 examples on every replica: more than a training step holds
+    with pytest.raises(ReplicaStepError, match="Emulated out of memory") as raised:
+        model.fit(x, y, batch_size=96, epochs=1, verbose=0)  # the same 32 a replica: more than a training step holds
+    cause = raised.value
+    while cause is not None and not isinstance(cause, tf.errors.ResourceExhaustedError):
+        cause = cause.__cause__
+    assert cause is not None, raised.value
+
+
+def test_regression_the_on_batch_methods_cut_the_batch_and_return_one_devices_values():
+    # A review found predict_on_batch(x[:30]) returning (90, 3) and test_on_batch a loss and accuracy counted 3
+    # times: Keras hands the plain batch to every replica. They now run as fit, evaluate and predict on that batch.
+    strategy = HeteroCentralStorageStrategy(DEVICES, batch_split=[3, 1, 2], profile_cache=False)
+    model = compiled(strategy)
+    with strategy.scope():
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    keras.utils.set_random_seed(1)
+    reference = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3)])
+    reference.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    reference.set_weights(model.get_weights())
+    x, y = data(30)
+    weights = np.random.default_rng(2).random(30).astype(np.float32)
+    for step in range(2):  # Keras resets the metrics on every call: the second call's values are its own
+        expected = reference.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+        got = model.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+        assert got.keys() == expected.keys()
+        np.testing.assert_allclose([got[k] for k in expected], list(expected.values()), rtol=1e-5)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.test_on_batch(x, y), reference.test_on_batch(x, y), rtol=1e-5)
+    predictions = model.predict_on_batch(x)
+    assert predictions.shape == (30, 3)
+    np.testing.assert_allclose(predictions, reference.predict_on_batch(x), rtol=1e-5, atol=1e-6)
+    assert strategy.plan.per_replica_batch_sizes == (15, 5, 10)  # the batch was cut by the shares

@@ -134,6 +134,14 @@ def test_random_programs_match_one_device_or_are_refused(program):
     run_program(program)
 
 
+@oracle(4)
+@given(program=programs(loops=("on_batch",), max_layers=2, max_recurrent=1))
+def test_random_on_batch_programs_match_one_device_or_are_refused(program):
+    # train_on_batch, test_on_batch and predict_on_batch run as fit, evaluate and predict on their one batch
+    # (hetero_cs.engine._compat.on_batch); the quick draw above does not draw this loop.
+    run_program(program)
+
+
 # tox -e slow: eight draws of 125 programs, one per seed, spread over the processes (a process that trains
 # programs grows by about 35 MB a program, Keras' own state included, so no draw runs all 1,000 in one).
 SLOW_DRAWS = tuple(range(2, 10))

@@ -14,12 +14,12 @@ the parts of a per-replica value), ``layers`` (a model's sublayers), ``distribut
 and input), ``variables`` (Keras variables and seeds), ``losses`` (loss reduction, compute_loss, loss tracking),
 ``tape`` (``tf.GradientTape.gradient`` of a loss the user reduced), ``optimizer`` (Keras' TensorFlow optimizer),
 ``loss_scale`` (its LossScaleOptimizer: mixed_float16), ``batch_norm`` (BatchNormalization's statistics over the
-global batch), ``trainer`` (fit, evaluate, predict), ``replica_pass`` (Keras' train step cut at each replica's
-forward and backward pass), ``replica_xla`` (that pass under XLA), ``multi_worker`` (Keras on the multi-worker
-strategy), ``input_state`` (reading a first batch without moving the dataset) and ``graph_patterns``. The loss
-reader (``loss_reader``, on the batch-flow analysis of ``batch_flow``, ``batch_kinds``, ``batch_rules`` and
-``batch_shapes``) reads traced graphs through TensorFlow's private graph attributes. Nothing outside this package
-imports a private TensorFlow or Keras name.
+global batch), ``trainer`` (fit, evaluate, predict), ``on_batch`` (``train_on_batch`` and the others as those),
+``replica_pass`` (Keras' train step cut at each replica's forward and backward pass), ``replica_xla`` (that pass
+under XLA), ``multi_worker`` (Keras on the multi-worker strategy), ``input_state`` (reading a first batch without
+moving the dataset) and ``graph_patterns``. The loss reader (``loss_reader``, on the batch-flow analysis of
+``batch_flow``, ``batch_kinds``, ``batch_rules`` and ``batch_shapes``) reads traced graphs through TensorFlow's
+private graph attributes. Nothing outside this package imports a private TensorFlow or Keras name.
 
 This package may import :mod:`hetero_cs.engine.step` and the layers below it (planning, devices), never the rest of
 the engine.
@@ -37,7 +37,8 @@ import threading
 
 from hetero_cs._supported import supported_range, unsupported_installed
 from hetero_cs.engine._compat import (
-    batch_norm, distribute, loss_scale, losses, multi_worker, optimizer, replica_pass, tape, trainer, variables,
+    batch_norm, distribute, loss_scale, losses, multi_worker, on_batch, optimizer, replica_pass, tape, trainer,
+    variables,
 )
 from hetero_cs.engine._compat.context import (
     components, global_batch_size_of, id_in_cluster, in_keras_entry_point, keras_entry_point, MULTI_WORKER_MARKER,
@@ -110,6 +111,7 @@ def install() -> None:
         trainer.patch_make_train_function()
         trainer.patch_inference_functions()
         trainer.patch_symbolic_build()
+        on_batch.patch_on_batch()
         replica_pass.patch_train_step()
         replica_pass.patch_inference_steps()
         multi_worker.patch_reduce_per_replica()

@@ -183,8 +183,8 @@ def patch_make_train_function() -> None:
     # recovery on and steps_per_execution == 1, the train function is wrapped: the batch is read eagerly from the
     # distributed iterator, then the step runs through Keras' own path for batches given as a Python iterable
     # (`function([data])` -> one_step_on_data(data), the same reduce_retracing tf.function), so a retry re-runs the
-    # same traced step on the same batch, re-cut by a new plan, without retracing. Other strategies, other
-    # steps_per_execution and train_on_batch (a generator) take Keras' path unchanged.
+    # same traced step on the same batch, re-cut by a new plan, without retracing. Other strategies and other
+    # steps_per_execution take Keras' path unchanged (train_on_batch runs as fit: _compat.on_batch).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     # Under our strategy the train function is also traced again, right before a step, when plans have used a set

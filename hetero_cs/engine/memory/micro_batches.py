@@ -240,8 +240,8 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
             return exc
         return MicroBatchError(
             f"{str(exc).strip()} Micro-batches would train this batch, but this step runs it as one step: they run "
-            f"in model.fit, evaluate and predict with steps_per_execution=1 (the default), not in custom loops, "
-            f"train_on_batch or with steps_per_execution > 1. Compile with steps_per_execution=1, or use a smaller "
+            f"in model.fit, evaluate and predict with steps_per_execution=1 (the default, train_on_batch included), "
+            f"not in custom loops or with steps_per_execution > 1. Compile with steps_per_execution=1, or use a smaller "
             f"global batch.")
 
     def reference_batch_size(self, global_batch_size: int, cost_models, max_batch_sizes) -> int:

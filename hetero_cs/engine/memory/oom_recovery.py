@@ -274,7 +274,7 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
     if fault is not None and fault.replica_id is not None:  # a failing card, not retried here: a DeviceFaultError
         recovery = getattr(strategy, "_step_recovery", None)
         failover = recovery.failover if recovery is not None else DeviceFailover(strategy, "raise")
-        why = ("this step was not run by model.fit with the batch in hand (a custom loop, train_on_batch, "
+        why = ("this step was not run by model.fit with the batch in hand (a custom loop, "
                "steps_per_execution > 1 or one replica), so it was not retried")
         return failover.error(fault.replica_id, exc, why, restored=False)
     return replica_step_error(
