@@ -337,3 +337,39 @@ def test_library_errors_raised_while_tracing_keep_their_type():
 
     with pytest.raises(hetero_cs.NotInReplicaStepError):
         weight_outside_a_replica()
+
+
+def test_regression_current_global_batch_size_on_one_replica_is_the_batch():
+    # A review: examples/custom_loop.py on a CPU-only machine without emulation (one replica) failed with
+    # NotInReplicaStepError: tf.distribute hands one replica its batch as plain tensors, which named no global batch.
+    strategy = HeteroCentralStorageStrategy(["/cpu:1"], auto_balance=False, profile_cache=False)
+    x, y = data(n=20)
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras.optimizers.SGD(0.1)
+    reference = make_model()
+    reference.set_weights(model.get_weights())
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    @tf.function
+    def train_step(element):
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
+                                                  global_batch_size=hetero_cs.current_global_batch_size())
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return hetero_cs.current_global_batch_size()
+
+        return strategy.run(step_fn, args=element)
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 8, 8 and a last batch of 4
+    sizes = [int(train_step(element)) for element in strategy.experimental_distribute_dataset(dataset)]
+    assert sizes == [8, 8, 4]
+    reference_optimizer = keras.optimizers.SGD(0.1)
+    for start in range(0, 20, 8):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_fn(y[start:start + 8], reference(x[start:start + 8], training=True)))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        reference_optimizer.apply_gradients(zip(grads, reference.trainable_variables))
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

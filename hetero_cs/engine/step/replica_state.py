@@ -184,6 +184,10 @@ def current_hooks():
 
 def _require_step() -> ReplicaStep:
     step = current_replica_step()
+    if step is not None and step.global_batch_size is None and step.batch_size is not None and _one_replica():
+        # One replica: tf.distribute hands it a distributed dataset's batch as plain tensors, so no per-replica
+        # value marks the global batch; the replica's batch (its first argument with a batch dimension) is all of it.
+        return dataclasses.replace(step, global_batch_size=step.batch_size)
     if step is None or step.global_batch_size is None:
         raise NotInReplicaStepError(
             "This accessor only works inside a replica function run by HeteroCentralStorageStrategy.run with "
@@ -193,10 +197,17 @@ def _require_step() -> ReplicaStep:
     return step
 
 
+def _one_replica() -> bool:
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync == 1
+
+
 def current_global_batch_size():
     """Returns ``B``, the global batch size of the step being run, as an int32 scalar tensor.
 
-    It is the sum of all replicas' slice sizes of this step, so it is right for a last partial batch too.
+    It is the sum of all replicas' slice sizes of this step, so it is right for a last partial batch too. With one
+    replica it is the replica's batch (its first argument with a batch dimension).
 
     Raises:
         NotInReplicaStepError: Outside a replica function of HeteroCentralStorageStrategy.
