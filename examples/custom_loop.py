@@ -21,12 +21,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=10, help="training epochs (default 10)")
+    parser.add_argument("--global-batch-size", type=int, default=256, help="examples per optimizer step (default 256)")
     parser.add_argument("--emulate", default="A10,T4,P100", help="catalog devices to emulate, or 'none'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--traceback", action="store_true", help="on a hetero_cs error, show the full traceback")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also show TensorFlow's start-up lines")
     args = parser.parse_args(argv)
+    if args.epochs < 1 or args.global_batch_size < 1:
+        parser.error("--epochs and --global-batch-size must be >= 1")
 
+    from hetero_cs.cli import start_tensorflow_quietly
+
+    start_tensorflow_quietly(args.verbose)  # TensorFlow's C++ start-up lines only with --verbose
     import tensorflow as tf
 
     from hetero_cs import emulation
@@ -112,4 +119,14 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception as exc:  # a clear one-line message for hetero_cs' own errors, the traceback otherwise
+        from hetero_cs.errors import HeteroCSError
+
+        if not isinstance(exc, HeteroCSError) or "--traceback" in sys.argv[1:]:
+            raise
+        print(f"custom_loop.py: error: {exc}", file=sys.stderr)
+        if exc.__cause__ is not None:  # e.g. the TensorFlow error behind a ReplicaStepError
+            print("(add --traceback to see the error it was raised from)", file=sys.stderr)
+        sys.exit(2)
