@@ -227,7 +227,8 @@ def _resolve_loss(model: Any, loss: LossFn | None) -> Callable[[Any, Any, Any, A
         return _resolve_loss(model, model.loss)
     raise CalibrationError(
         f"Calibration needs a loss to time the backward pass, but model={getattr(model, 'name', model)!r} is not "
-        "compiled and no loss was given. Compile the model first or pass loss=keras.losses.<Loss>()."
+        "compiled and no loss was given. Compile the model first (model.compile(optimizer=..., loss=...)), or, "
+        "calling calibration.calibrate directly, pass loss=keras.losses.<Loss>()."
     )
 
 

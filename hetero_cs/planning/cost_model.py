@@ -464,7 +464,7 @@ def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
         >>> cost_model_from_dict({"kind": "linear", "fixed_overhead_s": 0.002, "seconds_per_example": 1e-4})
         LinearCostModel(fixed_overhead_s=0.002, seconds_per_example=0.0001)
     """
-    if not isinstance(data, Mapping) or data.get("kind") not in _KINDS:
+    if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str) or data["kind"] not in _KINDS:
         kind = data.get("kind") if isinstance(data, Mapping) else None
         raise InvalidCostModelError(
             f"A cost model dict needs 'kind' in {sorted(_KINDS)}. Received: kind={kind!r} in {data!r}. "

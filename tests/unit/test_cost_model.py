@@ -182,6 +182,7 @@ def test_from_dict_without_kind_is_accepted_by_the_class():
      r"unknown=\['extra'\], missing=\[\]"),
     ({"kind": "piecewise_linear", "batch_sizes": [1]}, r"missing=\['step_times_s'\]"),
     ({"kind": "scaled", "factor": 2.0, "base": {"kind": "nope"}}, "kind='nope'"),
+    ({"kind": ["linear"]}, r"kind=\['linear'\]"),  # regression: an unhashable kind raised TypeError
 ])
 def test_cost_model_from_dict_rejects_bad_dicts(data, match):
     with pytest.raises(InvalidCostModelError, match=match):
