@@ -62,6 +62,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     return run_calibrate(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from calibration.cli import run_plan
+
+    if getattr(args, "model", None) is not None:  # a model sizes the what-if's workload: TensorFlow loads
+        start_tensorflow_quietly(args.verbose)
+    return run_plan(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -83,7 +91,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from calibration.cli import add_calibrate_arguments, add_plan_arguments, run_plan
+    from calibration.cli import add_calibrate_arguments, add_plan_arguments
     from hetero_cs.launch import add_launch_arguments, run_launch
     from hetero_cs.supervisor import add_run_arguments, run_supervised
 
@@ -96,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("devices", _devices, None, dict(help="list compute devices (TensorFlow joined with NVML facts)")),
         ("calibrate", _calibrate, add_calibrate_arguments,
          dict(help="time each device on a reference model and write a profile")),
-        ("plan", run_plan, add_plan_arguments,
+        ("plan", _plan, add_plan_arguments,
          dict(help="solve and print the batch plan of a profile for a global batch size",
               description="Solve and print the batch plan of a calibrated profile (or of catalog devices) for a "
                           "global batch size.")),
