@@ -556,9 +556,12 @@ def _train(program: Program) -> str:
     if program.loss == "class_weight":
         fit_args.append("class_weight={0: 0.5, 1: 1.0, 2: 2.0}")
     policy = "mixed_float16" if program.loop == "mixed_precision" else None
+    helpers, fit = "", f"history = model.fit({', '.join(fit_args)}).history"
+    evaluate = f"model.evaluate({', '.join(evaluate_args)})"
+    predict = "model.predict(x, batch_size=BATCH_SIZE, verbose=0)"
     if program.loop == "on_batch":
-        return _on_batch(program, fit_args, evaluate_args)
-    return f'''
+        helpers, fit, evaluate, predict = _on_batch(fit_args, evaluate_args)
+    return helpers + f'''
 def train(strategy, record=None):
     """Trains the program under ``strategy`` (None: one device); fills and returns ``record``: what the oracle
     compares, and how far it got (``phase``) should the strategy refuse the program."""
@@ -572,56 +575,39 @@ def train(strategy, record=None):
             with strategy.scope():
                 model = build_model()
         record.update(model=model, initial=[w.copy() for w in model.get_weights()], phase="fit")
-        history = model.fit({", ".join(fit_args)})
-        record.update(weights=model.get_weights(), history=history.history,
+{textwrap.indent(fit, " " * 8)}
+        record.update(weights=model.get_weights(), history=history,
                       optimizer=[np.asarray(v) for v in model.optimizer.variables], phase="evaluate")
-        record["evaluate"] = model.evaluate({", ".join(evaluate_args)})
+        record["evaluate"] = {evaluate}
         record["phase"] = "predict"
-        record["predict"] = model.predict(x, batch_size=BATCH_SIZE, verbose=0)
+        record["predict"] = {predict}
         return record
     finally:
         keras.mixed_precision.set_global_policy("float32")
 '''
 
 
-def _on_batch(program: Program, fit_args: list, evaluate_args: list) -> str:
-    """train_on_batch over the batches fit would make, then test_on_batch and predict_on_batch on all the data."""
-    weighted = "sample_weight=weights" in fit_args
-    train_args = ", ".join(["*rows((x, y), start)", "return_dict=True"]
-                           + (["sample_weight=rows(weights, start)"] if weighted else [])
-                           + [a for a in fit_args if a.startswith("class_weight=")])
-    test_args = ", ".join(["x", "y", "return_dict=True"] + (["sample_weight=weights"] if weighted else []))
-    return f'''
+def _on_batch(fit_args: list, evaluate_args: list) -> tuple[str, str, str, str]:
+    """The on_batch loop's parts of ``train``: train_on_batch over the batches fit would make (the same weights and
+    class weights), then test_on_batch and predict_on_batch on all the data."""
+    per_batch = {"x": "*rows((x, y), start)", "sample_weight=weights": "sample_weight=rows(weights, start)"}
+    train_args = [per_batch.get(a, a) for a in fit_args
+                  if a in per_batch or a.startswith("class_weight=")] + ["return_dict=True"]
+    test_args = [a for a in evaluate_args if not a.startswith(("batch_size=", "verbose="))]
+    helpers = '''
 def rows(value, start):
     """The rows [start, start + BATCH_SIZE) of an array, or of each array of a list or tuple."""
     if isinstance(value, (list, tuple)):
         return type(value)(rows(v, start) for v in value)
     return value[start:start + BATCH_SIZE]
 
-
-def train(strategy, record=None):
-    """train_on_batch over the batches, then test_on_batch and predict_on_batch (None: one device)."""
-    record = {{}} if record is None else record
-    x, y, weights = make_data()
-    if strategy is None:
-        model = build_model()
-    else:
-        with strategy.scope():
-            model = build_model()
-    record.update(model=model, initial=[w.copy() for w in model.get_weights()], phase="fit")
-    history = {{}}
-    examples = len(weights)
-    for _ in range(EPOCHS):
-        for start in range(0, examples, BATCH_SIZE):
-            for name, value in model.train_on_batch({train_args}).items():
-                history.setdefault(name, []).append(value)
-    record.update(weights=model.get_weights(), history=history,
-                  optimizer=[np.asarray(v) for v in model.optimizer.variables], phase="evaluate")
-    record["evaluate"] = model.test_on_batch({test_args})
-    record["phase"] = "predict"
-    record["predict"] = model.predict_on_batch(x)
-    return record
 '''
+    fit = f"""history = {{}}
+for _ in range(EPOCHS):
+    for start in range(0, len(weights), BATCH_SIZE):
+        for name, value in model.train_on_batch({', '.join(train_args)}).items():
+            history.setdefault(name, []).append(value)"""
+    return helpers, fit, f"model.test_on_batch({', '.join(test_args)})", "model.predict_on_batch(x)"
 
 
 def _custom_loop(program: Program) -> str:
