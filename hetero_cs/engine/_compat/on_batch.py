@@ -15,11 +15,11 @@ other strategies, and under the multi-worker strategy (whose workers each read t
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.context import is_hetero_strategy, strategy_of
 from hetero_cs.engine._compat.symbols import patch
+from hetero_cs.engine._compat.trainer import _examples_and_batch_size
+from hetero_cs.errors import InputError
 
 
 def patch_on_batch() -> None:
@@ -52,15 +52,12 @@ def patch_on_batch() -> None:
 
 
 def _examples(x) -> int:
-    """The examples in the batch ``x`` (its first leaf's leading dimension)."""
-    leaves = tf.nest.flatten(x)
-    shape = getattr(leaves[0], "shape", None) if leaves else None
-    if shape is None or len(shape) == 0 or shape[0] is None:
-        from hetero_cs.errors import InputError
-
+    """The examples in the batch ``x`` (its first leaf's leading dimension), read as fit reads arrays."""
+    examples, _ = _examples_and_batch_size({"x": x})
+    if examples is None:
         raise InputError(f"*_on_batch needs a batch of arrays or tensors with a leading batch dimension. Received: "
-                         f"x of shape {shape}. Pass numpy arrays or tensors of shape (batch, ...).")
-    return int(shape[0])
+                         f"x of type {type(x).__name__}. Pass numpy arrays or tensors of shape (batch, ...).")
+    return examples
 
 
 def _as_returned(model, logs: dict, return_dict: bool):
