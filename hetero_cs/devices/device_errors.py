@@ -1,4 +1,5 @@
-"""What a TensorFlow error says about a device: out of memory, a hardware fault, and which replica it names.
+"""Device names (canonical, checked against TensorFlow's devices), and what a TensorFlow error says about a device:
+out of memory, a hardware fault, and which replica it names.
 
 Read from the error alone (its class and text), as a GPU raises it; NVML's evidence about a card is
 :mod:`hetero_cs.devices.gpu_health`'s.
@@ -43,7 +44,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError
+from hetero_cs.errors import DeviceError, EmulatedDeviceError, EmulatedOutOfMemoryError
 
 REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
 """Set on an op error raised by a replica function that ran eagerly: eager errors name no op, so no replica scope."""
@@ -137,28 +138,62 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return oom_form(exc) is not None
 
 
-def canonical(device: str) -> str | None:
-    """``/job:localhost/replica:0/task:0/device:GPU:1``, ``/gpu:1``, ``GPU:1`` -> ``/device:GPU:1``; else None."""
-    text = device.strip()
+def canonical_device(name: str) -> str:
+    """``/job:localhost/replica:0/task:0/device:GPU:1``, ``/gpu:1``, ``GPU:1`` -> ``/device:GPU:1``.
+
+    Raises:
+        DeviceError: ``name`` is not a non-empty string, cannot be parsed, or lacks a type or an index.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise DeviceError(f"Device names must be non-empty strings. Received: device={name!r}.")
+    text = name.strip()
     try:
         spec = tf.DeviceSpec.from_string(text if text.startswith("/") else "/device:" + text)
-    except (ValueError, TypeError):
-        return None
+    except (ValueError, TypeError) as exc:
+        raise DeviceError(f"Cannot parse device name={name!r}. Use names like '/device:GPU:0' or '/cpu:1'.") from exc
     if spec.device_type is None or spec.device_index is None:
-        return None
+        raise DeviceError(f"Device name={name!r} needs a type and an index, like '/device:GPU:0' or '/cpu:1'.")
     return f"/device:{spec.device_type.upper()}:{spec.device_index}"
+
+
+def checked_device_names(names: Sequence[str], parameter_device: str, *, argument: str) -> tuple[list[str], str]:
+    """``names`` (the argument called ``argument``) and ``parameter_device`` as canonical device names, each name
+    once and each a device TensorFlow sees.
+
+    Raises:
+        DeviceError: A name is not a device name, ``names`` repeats a device, or TensorFlow does not see one.
+    """
+    devices = [canonical_device(d) for d in names]
+    parameter = canonical_device(parameter_device)
+    if len(set(devices)) != len(devices):
+        raise DeviceError(f"{argument} repeats a device: {devices}. List each device once.")
+    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    unknown = [d for d in [*devices, parameter] if d not in known]
+    if unknown:
+        raise DeviceError(
+            f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create logical "
+            f"devices first with hetero_cs.emulation.setup_logical_devices([...]) before TensorFlow starts, or "
+            f"emulate catalog cards (emulate=[...]).")
+    return devices, parameter
+
+
+def _device_named(text: str) -> str | None:
+    """A device a message names (``text``), canonical; None where ``text`` is no device name."""
+    with contextlib.suppress(DeviceError):
+        return canonical_device(text)
+    return None
 
 
 def named_device(message: str) -> str | None:
     """The device (canonical) where the memory ran out, as the message names it; None when it names none."""
     for pattern in (_ALLOCATOR_CLAUSE, _COPY_DESTINATION):
         match = pattern.search(message)
-        if match and canonical(match.group(1)):
-            return canonical(match.group(1))
+        if match and _device_named(match.group(1)):
+            return _device_named(match.group(1))
     match = _ALLOCATOR_NAME.search(message)
     if match:
         return f"/device:GPU:{match.group(2) or match.group(3)}"
-    mentioned = {canonical(m.group(1)) for m in _ANY_DEVICE.finditer(message)} - {None}
+    mentioned = {_device_named(m.group(1)) for m in _ANY_DEVICE.finditer(message)} - {None}
     return mentioned.pop() if len(mentioned) == 1 else None
 
 
@@ -193,7 +228,7 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
             return replica_id, compute_devices[replica_id], "emulated"
     device = named_device(message)
     if device is not None:
-        on_device = [i for i, d in enumerate(compute_devices) if canonical(d) == device]
+        on_device = [i for i, d in enumerate(compute_devices) if _device_named(d) == device]
         if len(on_device) == 1:
             return on_device[0], device, "device"
         if not on_device:
