@@ -364,6 +364,9 @@ def test_calibrate_direct_device_names():
                                    progress=False), DeviceError, ValueError, r"name='banana'")
     expect(lambda: run_calibration(model, (X, Y), devices=[], store=False), DeviceError, ValueError,
            r"devices=\[\]")
+    # The strategy's check: the same words for a device named twice (the argument's name aside).
+    expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1", "CPU:1"], store=False), DeviceError, ValueError,
+           r"devices repeats a device: \['/device:CPU:1', '/device:CPU:1'\]. List each device once")
     expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], max_batch_sizes=[0], store=False),
            ConfigError, ValueError, r"max_batch_sizes\[0\]=0")
     expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], probe_batch_sizes=[4, -1], store=False),
