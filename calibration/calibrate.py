@@ -54,35 +54,15 @@ DEFAULT_NUM_PROBES = 5
 """Probe sizes per device when probe_batch_sizes is None (geometric from 1 to the largest size)."""
 
 
-def _canonical_device(device: str) -> str:
-    from hetero_cs.devices.device_errors import canonical
-
-    name = canonical(device) if isinstance(device, str) and device.strip() else None
-    if name is None:
-        raise DeviceError(f"Cannot parse device name={device!r}. Use names like '/device:GPU:0' or '/cpu:1'.")
-    return name
-
-
 def _check_devices(devices: Sequence[str], parameter_device: str) -> tuple[list[str], str]:
-    import tensorflow as tf
+    from hetero_cs.devices.device_errors import checked_device_names  # imports TensorFlow
 
     if isinstance(devices, str) or not devices:
         raise DeviceError(
             f"devices must be a non-empty sequence of device names, e.g. ['/device:GPU:0', '/device:GPU:1']. "
             f"Received: devices={devices!r}."
         )
-    canonical = [_canonical_device(d) for d in devices]
-    if len(set(canonical)) != len(canonical):
-        raise DeviceError(f"Each compute device may appear once. Received: devices={list(devices)!r}.")
-    available = {_canonical_device(d.name) for d in tf.config.list_logical_devices()}
-    parameter = _canonical_device(parameter_device)
-    unknown = [d for d in [*canonical, parameter] if d not in available]
-    if unknown:
-        raise DeviceError(
-            f"Unknown device(s) {unknown}; TensorFlow has {sorted(available)}. For emulation, call "
-            "hetero_cs.emulation.setup_logical_devices(names) before TensorFlow initialises."
-        )
-    return canonical, parameter
+    return checked_device_names(devices, parameter_device, argument="devices")
 
 
 def _gpu_facts() -> dict[str, Any]:

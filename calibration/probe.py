@@ -196,9 +196,9 @@ def preserved_model_state(model: Any) -> Iterator[None]:
 
 def _memory_device_name(device: str) -> str:
     """'/device:GPU:1' -> 'GPU:1', as tf.config.experimental's memory calls name a device."""
-    from hetero_cs.devices.device_errors import canonical
+    from hetero_cs.devices.device_errors import canonical_device
 
-    return canonical(device).removeprefix("/device:")
+    return canonical_device(device).removeprefix("/device:")
 
 
 def _resolve_loss(model: Any, loss: LossFn | None) -> Callable[[Any, Any, Any, Any], Any]:

@@ -14,21 +14,9 @@ from typing import Any
 from hetero_cs.devices.catalog import _is_int
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
-from hetero_cs.planning.plan import BatchPlan, finite_real, ordered_values
+from hetero_cs.planning.plan import BatchPlan, check_keys, finite_real, ordered_values
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
-
-
-def _check_keys(name: str, data: Mapping[str, Any], required: set[str], optional: set[str] = frozenset()) -> None:
-    if not isinstance(data, Mapping):
-        raise ProfileCacheError(f"{name} must be a JSON object. Received: {type(data).__name__}.")
-    unknown = sorted(set(data) - required - optional)
-    missing = sorted(required - set(data))
-    if unknown or missing:
-        raise ProfileCacheError(
-            f"{name} has unknown keys {unknown} and/or misses keys {missing}. It was written by another version "
-            "of hetero_cs or edited by hand; recalibrate to replace it."
-        )
 
 
 def _to_dict(obj: Any, **values: Any) -> dict[str, Any]:
@@ -39,7 +27,11 @@ def _to_dict(obj: Any, **values: Any) -> dict[str, Any]:
 
 def _from_dict(cls: type, data: Mapping[str, Any], optional: set[str], parse: Callable[[Mapping], dict]) -> Any:
     """``cls`` from ``_to_dict`` output, with ``parse(data)``'s values in place of the stored ones."""
-    _check_keys(cls.__name__, data, {f.name for f in dataclasses.fields(cls) if f.compare} - optional, optional)
+    required = {f.name for f in dataclasses.fields(cls) if f.compare} - optional
+    check_keys(data, required, optional, error=ProfileCacheError, what=cls.__name__,
+               wrong_keys=lambda unknown, missing: (
+                   f"{cls.__name__} has unknown keys {unknown} and/or misses keys {missing}. It was written by "
+                   f"another version of hetero_cs or edited by hand; recalibrate to replace it."))
     try:
         return cls(**{**data, **parse(data)})
     except ProfileCacheError:

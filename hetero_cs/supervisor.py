@@ -51,6 +51,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetero_cs.devices.fault_texts import STICKY_TEXT
 from hetero_cs.engine.faults.supervised_run import (
     BACKUP_DIR_ENV_VAR, EXCLUDED_ENV_VAR, MANIFEST, OWNED_DIR, RESTART_ENV_VAR, register, remove_written, written)
 from hetero_cs.errors import ConfigError
@@ -65,10 +66,6 @@ _RECENT_LINES = 200  # a lost card's line is among the script's last lines on st
 _OUTSIDE = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # deaths that come from outside
 
 _EMULATED_LOST = re.compile(r"hetero_cs emulation: lost replica=(\d+) \(([^)]*)\)")
-STICKY = re.compile(r"CUDA_ERROR_(?:ECC_UNCORRECTABLE|ILLEGAL_ADDRESS|LAUNCH_FAILED|HARDWARE_STACK_ERROR|"
-                    r"ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS|ASSERT)|uncorrectable ECC error|illegal memory access|"
-                    r"unspecified launch failure|device-side assert|GPU is lost|fallen off the bus", re.IGNORECASE)
-"""The text of a sticky CUDA error: the program's or the card's; NVML tells which."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,7 +357,7 @@ class Supervisor:
         if found:
             return None if not self._exclude_gpus(found, status) else "it lost {}. Restarting it without {}".format(
                 "; ".join(f"{gpu} ({why})" for gpu, why in found), "any GPU" if self._on_cpu else "that card")
-        sticky = next((line.strip() for line in reversed(lines) if STICKY.search(line)), None)
+        sticky = next((line.strip() for line in reversed(lines) if STICKY_TEXT.search(line)), None)
         if sticky is None:
             self._note(f"the script exited with status {status} and no card was lost: not restarting (a failure of "
                        f"the script itself is passed on)")

@@ -1,4 +1,5 @@
-"""What a TensorFlow error says about a device: out of memory, a hardware fault, and which replica it names.
+"""Device names (canonical, checked against TensorFlow's devices), and what a TensorFlow error says about a device:
+out of memory, a hardware fault, and which replica it names.
 
 Read from the error alone (its class and text), as a GPU raises it; NVML's evidence about a card is
 :mod:`hetero_cs.devices.gpu_health`'s.
@@ -6,17 +7,18 @@ Read from the error alone (its class and text), as a GPU raises it; NVML's evide
 **Out of memory** (:func:`classify`): any ``ResourceExhaustedError`` (the allocator's ``"OOM when allocating tensor
 ... by allocator GPU_1_bfc"``, XLA's ``"Out of memory while trying to allocate N bytes"``, an emulated device's
 ``"Emulated out of memory: replica=<i>"``), and an ``InternalError``, ``UnknownError`` or ``InvalidArgumentError``
-whose text shows one of :data:`OOM_FORMS`: a failed host-to-device copy (``"Dst tensor is not initialized"``), cuBLAS
+whose text shows one of ``OOM_FORMS``: a failed host-to-device copy (``"Dst tensor is not initialized"``), cuBLAS
 or cuDNN failing to allocate, a scratch or workspace buffer, CUDA's ``CUDA_ERROR_OUT_OF_MEMORY``. Each is evidence of
 an allocation that failed. A library's name is not: "Blas GEMM launch failed" or a cuDNN handle that could not be
 created follow a broken driver as often as a full card, and pass on with their own type.
 
 **A hardware fault** (:func:`device_fault`): not out of memory; raised as ``InternalError`` or ``UnknownError`` (or
-an :class:`~hetero_cs.errors.EmulatedDeviceError` eagerly); its text shows one of :data:`DEVICE_FAULT_FORMS` (an
+an :class:`~hetero_cs.errors.EmulatedDeviceError` eagerly); its text shows one of ``DEVICE_FAULT_FORMS`` (an
 uncorrectable ECC error, an illegal memory access, a launch failure, a hardware stack error, a lost GPU, a failed
 sync, cuBLAS or cuDNN failing to execute: an allow-list, so codes a program or a build causes are not among them);
 and neither a device-side assert (everything CUDA reports after one is the program's) nor a Python traceback (a
-Python error in the step, except the emulator's fault). :data:`STICKY_FORMS` break the card's CUDA context.
+Python error in the step, except the emulator's fault). ``STICKY_FORMS`` break the card's CUDA context. The forms'
+texts are :mod:`hetero_cs.devices.fault_texts`' (the supervisor reads them too).
 
 **The replica blamed** (:func:`blamed_replica`), in this order:
 
@@ -43,7 +45,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError
+from hetero_cs.devices.fault_texts import DEVICE_FAULT_FORMS, OOM_FORMS, PROGRAM_ASSERT, STICKY_FORMS
+from hetero_cs.errors import DeviceError, EmulatedDeviceError, EmulatedOutOfMemoryError
 
 REPLICA_ID_ATTRIBUTE = "_hetero_cs_replica_id"
 """Set on an op error raised by a replica function that ran eagerly: eager errors name no op, so no replica scope."""
@@ -72,26 +75,6 @@ def naming_the_replica(replica_id):
         tag_replica(exc, tf.get_static_value(replica_id))
         raise
 
-
-def _compiled_forms(table) -> tuple[tuple[str, re.Pattern], ...]:
-    """(name, compiled pattern) for each (name, pattern, flags) of ``table``."""
-    return tuple((name, re.compile(pattern, flags)) for name, pattern, flags in table)
-
-
-# (name, pattern) of each out-of-memory form an Internal/Unknown/InvalidArgument error may carry; the first match
-# names the form. A ResourceExhaustedError is out of memory whatever its text.
-OOM_FORMS: tuple[tuple[str, re.Pattern], ...] = _compiled_forms((
-        ("emulated", r"Emulated out of memory: replica=\d+", 0),
-        ("allocator", r"\bOOM when allocating tensor", 0),
-        ("allocator", r"ran out of memory trying to allocate", re.IGNORECASE),
-        ("xla", r"Out of memory while trying to allocate", re.IGNORECASE),
-        ("host-to-device copy", r"Dst tensor is not initialized", 0),
-        ("cublas", r"CUBLAS_STATUS_ALLOC_FAILED", 0),
-        ("cudnn", r"CUDNN_STATUS_ALLOC_FAILED", 0),
-        ("scratch", r"Failed to allocate (?:\S+ )?(?:scratch|workspace)", re.IGNORECASE),
-        ("cuda", r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|CUDA error: out of memory", 0),
-        ("allocator", r"failed to allocate (?:device )?memory", re.IGNORECASE),
-))
 
 _MESSAGE_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError, tf.errors.InvalidArgumentError)
 
@@ -137,28 +120,62 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return oom_form(exc) is not None
 
 
-def canonical(device: str) -> str | None:
-    """``/job:localhost/replica:0/task:0/device:GPU:1``, ``/gpu:1``, ``GPU:1`` -> ``/device:GPU:1``; else None."""
-    text = device.strip()
+def canonical_device(name: str) -> str:
+    """``/job:localhost/replica:0/task:0/device:GPU:1``, ``/gpu:1``, ``GPU:1`` -> ``/device:GPU:1``.
+
+    Raises:
+        DeviceError: ``name`` is not a non-empty string, cannot be parsed, or lacks a type or an index.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise DeviceError(f"Device names must be non-empty strings. Received: device={name!r}.")
+    text = name.strip()
     try:
         spec = tf.DeviceSpec.from_string(text if text.startswith("/") else "/device:" + text)
-    except (ValueError, TypeError):
-        return None
+    except (ValueError, TypeError) as exc:
+        raise DeviceError(f"Cannot parse device name={name!r}. Use names like '/device:GPU:0' or '/cpu:1'.") from exc
     if spec.device_type is None or spec.device_index is None:
-        return None
+        raise DeviceError(f"Device name={name!r} needs a type and an index, like '/device:GPU:0' or '/cpu:1'.")
     return f"/device:{spec.device_type.upper()}:{spec.device_index}"
+
+
+def checked_device_names(names: Sequence[str], parameter_device: str, *, argument: str) -> tuple[list[str], str]:
+    """``names`` (the argument called ``argument``) and ``parameter_device`` as canonical device names, each name
+    once and each a device TensorFlow sees.
+
+    Raises:
+        DeviceError: A name is not a device name, ``names`` repeats a device, or TensorFlow does not see one.
+    """
+    devices = [canonical_device(d) for d in names]
+    parameter = canonical_device(parameter_device)
+    if len(set(devices)) != len(devices):
+        raise DeviceError(f"{argument} repeats a device: {devices}. List each device once.")
+    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    unknown = [d for d in [*devices, parameter] if d not in known]
+    if unknown:
+        raise DeviceError(
+            f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create logical "
+            f"devices first with hetero_cs.emulation.setup_logical_devices([...]) before TensorFlow starts, or "
+            f"emulate catalog cards (emulate=[...]).")
+    return devices, parameter
+
+
+def _device_named(text: str) -> str | None:
+    """A device a message names (``text``), canonical; None where ``text`` is no device name."""
+    with contextlib.suppress(DeviceError):
+        return canonical_device(text)
+    return None
 
 
 def named_device(message: str) -> str | None:
     """The device (canonical) where the memory ran out, as the message names it; None when it names none."""
     for pattern in (_ALLOCATOR_CLAUSE, _COPY_DESTINATION):
         match = pattern.search(message)
-        if match and canonical(match.group(1)):
-            return canonical(match.group(1))
+        if match and _device_named(match.group(1)):
+            return _device_named(match.group(1))
     match = _ALLOCATOR_NAME.search(message)
     if match:
         return f"/device:GPU:{match.group(2) or match.group(3)}"
-    mentioned = {canonical(m.group(1)) for m in _ANY_DEVICE.finditer(message)} - {None}
+    mentioned = {_device_named(m.group(1)) for m in _ANY_DEVICE.finditer(message)} - {None}
     return mentioned.pop() if len(mentioned) == 1 else None
 
 
@@ -193,7 +210,7 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
             return replica_id, compute_devices[replica_id], "emulated"
     device = named_device(message)
     if device is not None:
-        on_device = [i for i, d in enumerate(compute_devices) if canonical(d) == device]
+        on_device = [i for i, d in enumerate(compute_devices) if _device_named(d) == device]
         if len(on_device) == 1:
             return on_device[0], device, "device"
         if not on_device:
@@ -219,31 +236,10 @@ def classify(exc: BaseException, compute_devices: Sequence[str],
     return OutOfMemory(form=form, device=device, replica_id=replica_id, blame=blame)
 
 
-# (name, pattern) of each device-fault form: the hardware's faults only (an allow-list). A code that a program or a
-# build causes - no kernel image for the card, an invalid PTX, an invalid value or configuration, too many resources
-# for a launch, a misaligned address, a device in exclusive mode - is not among them. The first match names the form.
-DEVICE_FAULT_FORMS: tuple[tuple[str, re.Pattern], ...] = _compiled_forms((
-        ("ecc", r"uncorrectable ECC error|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable", re.IGNORECASE),
-        ("illegal address", r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress", 0),
-        ("launch failure", r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure", 0),
-        ("hardware stack", r"CUDA_ERROR_HARDWARE_STACK_ERROR|cudaErrorHardwareStackError", 0),
-        ("lost", r"GPU is lost|fallen off the bus", re.IGNORECASE),
-        ("sync", r"GPU sync failed", 0),
-        ("cublas", r"CUBLAS_STATUS_EXECUTION_FAILED", 0),
-        ("cudnn", r"CUDNN_STATUS_EXECUTION_FAILED", 0),
-))
-# A device-side assert (an index out of range in a kernel) is the program's, and so is everything CUDA reports after
-# it (its errors are sticky: a launch failure, an illegal address, a failed sync follow it).
-_PROGRAM_ASSERT = re.compile(r"device-side assert|CUDA_ERROR_ASSERT|cudaErrorAssert", re.IGNORECASE)
 # TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
 # with its traceback: a program error, unless it is the emulator's fault.
 _PYTHON_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 _FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
-# The forms after which CUDA's context on that card is broken (sticky errors): every later op there fails, so neither
-# a retry nor the other cards can go on in this process. An emulated fault is not sticky.
-STICKY_FORMS = frozenset({"ecc", "illegal address", "launch failure", "hardware stack", "lost", "sync"})
-
-
 @dataclasses.dataclass(frozen=True)
 class DeviceFault:
     """A device error read from TensorFlow's error: its form, and the replica and device it names (or None)."""
@@ -261,7 +257,7 @@ def fault_form(exc: BaseException) -> str | None:
     if not isinstance(exc, _FAULT_CLASSES) or is_out_of_memory(exc):
         return None
     message = str(exc)
-    if _PROGRAM_ASSERT.search(message):
+    if PROGRAM_ASSERT.search(message):
         return None
     if _PYTHON_TRACEBACK.search(message):  # a Python error inside the step: the program's, or the emulator's fault
         return "ecc" if "EmulatedDeviceError" in message else None

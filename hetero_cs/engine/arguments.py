@@ -14,6 +14,8 @@ import tensorflow as tf
 
 from hetero_cs.devices.catalog import (
     MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR, get_device_spec)
+# canonical_device is also the strategy's (arguments.canonical_device).
+from hetero_cs.devices.device_errors import canonical_device, checked_device_names  # noqa: F401
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
 from hetero_cs.planning.plan import finite_real, ordered_values, short_repr, unordered_note
 
@@ -44,26 +46,6 @@ def emulation_names(emulate) -> tuple:
     return None, names
 
 
-def canonical_device(name: str) -> str:
-    """'/cpu:1', 'CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
-    if not isinstance(name, str) or not name.strip():
-        raise DeviceError(f"Device names must be non-empty strings. Received: device={name!r}.")
-    text = name.strip()
-    if not text.startswith("/"):
-        text = "/device:" + text
-    try:
-        spec = tf.DeviceSpec.from_string(text)
-    except ValueError as exc:
-        raise DeviceError(
-            f"Cannot parse device name {name!r}. Use names like '/device:GPU:0' or '/cpu:1'."
-        ) from exc
-    if spec.device_type is None or spec.device_index is None:
-        raise DeviceError(
-            f"Device name {name!r} needs a type and an index, like '/device:GPU:0' or '/cpu:1'."
-        )
-    return f"/device:{spec.device_type.upper()}:{spec.device_index}"
-
-
 def checked_devices(compute_devices, parameter_device: str) -> list[str]:
     """``compute_devices`` as canonical device names, checked against ``parameter_device`` (canonical) and the
     devices TensorFlow sees. None: every GPU; with no GPU, every logical CPU device except the parameter device. A
@@ -83,23 +65,14 @@ def checked_devices(compute_devices, parameter_device: str) -> list[str]:
         raise ConfigError(
             f"compute_devices must be a list of device names, e.g. ['/gpu:0', '/gpu:1'], or None for every GPU. "
             f"Received: compute_devices={compute_devices!r}.")
-    devices = [canonical_device(d) for d in compute_devices]
-    if not devices:
+    if not compute_devices:
         raise DeviceError("compute_devices is empty. Give at least one device, e.g. ['/gpu:0'].")
-    if len(set(devices)) != len(devices):
-        raise DeviceError(f"compute_devices repeats a device: {devices}. List each device once.")
+    devices, _ = checked_device_names(compute_devices, parameter_device, argument="compute_devices")
     if parameter_device in devices and len(devices) > 1:
         raise DeviceError(
             f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
             f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it from "
             f"compute_devices."
-        )
-    known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
-    unknown = [d for d in [*devices, parameter_device] if d not in known]
-    if unknown:
-        raise DeviceError(
-            f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create "
-            f"logical devices first with hetero_cs.emulation.setup_logical_devices([...]) or pass emulate=[...]."
         )
     return devices
 

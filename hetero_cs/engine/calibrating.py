@@ -198,7 +198,7 @@ def first_global_batch(strategy, data):
     except StopIteration:
         raise InputError("The dataset is empty; calibration needs one global batch.") from None
     except tf.errors.OpError as exc:
-        error, strategy._input_error = strategy._input_error, None
+        error = strategy._input_error_raised(exc)  # None: TensorFlow's error is not the one it kept
         if error is None:
             raise
         raise error from exc

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from hetero_cs.errors import InvalidCostModelError
 from hetero_cs.planning.cost_checks import MAX_SECONDS, _check_base, _check_batch_size
-from hetero_cs.planning.plan import _is_int, _is_real, even_batch_split
+from hetero_cs.planning.plan import _is_int, _is_real, check_keys, even_batch_split
 
 __all__ = [
     "CostModel",
@@ -53,15 +53,10 @@ class CostModel(Protocol):
 
 
 def _check_keys(kind: str, data: Mapping[str, Any], required: set[str]) -> None:
-    if not isinstance(data, Mapping):
-        raise InvalidCostModelError(f"A {kind} cost model dict must be a mapping. Received: {data!r}.")
-    keys = set(data) - {"kind"}
-    unknown = sorted(keys - required)
-    missing = sorted(required - keys)
-    if unknown or missing:
-        raise InvalidCostModelError(
-            f"A {kind} cost model dict has keys {sorted(required)} (plus 'kind'). Received: unknown={unknown}, "
-            f"missing={missing}. Write it with to_dict().")
+    check_keys(data, required, {"kind"}, error=InvalidCostModelError, what=f"A {kind} cost model dict",
+               wrong_keys=lambda unknown, missing: (
+                   f"A {kind} cost model dict has keys {sorted(required)} (plus 'kind'). Received: "
+                   f"unknown={unknown}, missing={missing}. Write it with to_dict()."))
     if "kind" in data and data["kind"] != kind:
         raise InvalidCostModelError(f"Expected kind={kind!r}. Received: kind={data['kind']!r}.")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
@@ -97,6 +97,19 @@ def short_repr(values: Any, limit: int = 200) -> str:
     except ValueError:  # int larger than sys.get_int_max_str_digits()
         text = f"<{type(values).__name__} too large to print>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_keys(data: Any, required: Iterable[str], optional: Iterable[str] = (), *, error: type[Exception],
+               what: str, wrong_keys: Callable[[list, list], str]) -> None:
+    """Checks a stored dict before it is read: raises ``error`` where ``data`` is not a mapping (a message naming
+    ``what``), has a key outside ``required`` and ``optional``, or lacks a required one (the message
+    ``wrong_keys(unknown, missing)`` words, from both sorted lists)."""
+    if not isinstance(data, Mapping):
+        raise error(f"{what} needs a mapping. Received: {short_repr(data)}.")
+    unknown = sorted(set(data) - set(required) - set(optional))
+    missing = sorted(set(required) - set(data))
+    if unknown or missing:
+        raise error(wrong_keys(unknown, missing))
 
 
 def _checked_seconds(name: str, value: Any) -> float:
@@ -206,14 +219,10 @@ class BatchPlan:
             ConfigError: If data is not a mapping, a key is unknown, a required key is missing, or a value is
                 invalid.
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"BatchPlan.from_dict needs a mapping. Received: {data!r}.")
-        unknown = sorted(set(data) - set(_KEYS))
-        missing = [k for k in _KEYS[:2] if k not in data]
-        if unknown or missing:
-            raise ConfigError(
-                f"BatchPlan dict keys are {list(_KEYS)} (the last four optional). Received: unknown={unknown}, "
-                f"missing={missing}. Write it with BatchPlan.to_dict().")
+        check_keys(data, _KEYS[:2], _KEYS[2:], error=ConfigError, what="BatchPlan.from_dict",
+                   wrong_keys=lambda unknown, missing: (
+                       f"BatchPlan dict keys are {list(_KEYS)} (the last four optional). Received: "
+                       f"unknown={unknown}, missing={missing}. Write it with BatchPlan.to_dict()."))
         return cls(**data)
 
     def to_json(self) -> str:

@@ -88,7 +88,7 @@ CONSTRUCTOR_CASES = [
     ("explicit_parameter_device_computes", dict(compute_devices=["/cpu:1", "/cpu:2"], parameter_device="/cpu:2"),
      DeviceError, ValueError, r"parameter device /device:CPU:2 is also a compute device"),
     ("not_a_device", dict(compute_devices=["not a device"]), DeviceError, ValueError,
-     r"Cannot parse device name 'not a device'. Use names like '/device:GPU:0' or '/cpu:1'"),
+     r"Cannot parse device name='not a device'. Use names like '/device:GPU:0' or '/cpu:1'"),
     ("empty_name", dict(compute_devices=[""]), DeviceError, ValueError, r"non-empty strings. Received: device=''"),
     ("none_name", dict(compute_devices=[None]), DeviceError, ValueError, r"device=None"),
     ("no_index", dict(compute_devices=["/cpu"]), DeviceError, ValueError, r"'/cpu' needs a type and an index"),
@@ -364,6 +364,9 @@ def test_calibrate_direct_device_names():
                                    progress=False), DeviceError, ValueError, r"name='banana'")
     expect(lambda: run_calibration(model, (X, Y), devices=[], store=False), DeviceError, ValueError,
            r"devices=\[\]")
+    # The strategy's check: the same words for a device named twice (the argument's name aside).
+    expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1", "CPU:1"], store=False), DeviceError, ValueError,
+           r"devices repeats a device: \['/device:CPU:1', '/device:CPU:1'\]. List each device once")
     expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], max_batch_sizes=[0], store=False),
            ConfigError, ValueError, r"max_batch_sizes\[0\]=0")
     expect(lambda: run_calibration(model, (X, Y), devices=["/cpu:1"], probe_batch_sizes=[4, -1], store=False),

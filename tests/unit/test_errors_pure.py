@@ -566,3 +566,14 @@ def test_the_wheel_ships_the_benchmarks_package_that_bench_runs():
     include = config["options.packages.find"]["include"].split()
     found = setuptools.find_packages(where=str(root), include=include)
     assert "benchmarks" in found and "hetero_cs" in found and "calibration" in found
+
+
+@pytest.mark.parametrize("read, error, match", [
+    (lambda: BatchPlan.from_dict([1, 2]), ConfigError, r"BatchPlan\.from_dict needs a mapping. Received: \[1, 2\]"),
+    (lambda: LinearCostModel.from_dict([1, 2]), InvalidCostModelError,
+     r"A linear cost model dict needs a mapping. Received: \[1, 2\]"),
+    (lambda: DeviceProfile.from_dict([1, 2]), ProfileCacheError, r"DeviceProfile needs a mapping. Received: \[1, 2\]"),
+], ids=["plan", "cost_model", "profile"])
+def test_every_stored_dict_that_is_not_a_mapping_is_refused_in_the_same_words_with_its_own_type(read, error, match):
+    with pytest.raises(error, match=match):
+        read()

@@ -168,3 +168,19 @@ def test_an_unusable_cache_directory_is_a_config_error_that_names_backup_dir(mon
     monkeypatch.setattr(module, "default_backup_dir", no_cache)
     with pytest.raises(ConfigError, match="Give one with --backup-dir DIR"):
         Supervisor([sys.executable, "-c", "pass"])
+
+
+def test_the_supervisors_sticky_text_is_the_error_readers_sticky_forms_and_the_programs_sticky_codes():
+    from hetero_cs.devices.fault_texts import DEVICE_FAULT_FORMS, STICKY_FORMS, STICKY_TEXT
+
+    card = {"ecc": "CUDA_ERROR_ECC_UNCORRECTABLE", "illegal address": "cudaErrorIllegalAddress",
+            "launch failure": "unspecified launch failure", "hardware stack": "CUDA_ERROR_HARDWARE_STACK_ERROR",
+            "lost": "the GPU has fallen off the bus", "sync": "GPU sync failed"}
+    assert set(card) == STICKY_FORMS
+    for name, line in card.items():  # a sticky card fault to the error reader is one to the supervisor too
+        assert next(form for form, pattern in DEVICE_FAULT_FORMS if pattern.search(line)) == name
+        assert STICKY_TEXT.search(line), line
+    for line in ("device-side assert triggered", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS"):
+        assert STICKY_TEXT.search(line), line  # the program's, sticky too: NVML tells whose
+    for line in ("CUBLAS_STATUS_EXECUTION_FAILED", "OOM when allocating tensor", "ValueError: bad input"):
+        assert not STICKY_TEXT.search(line), line

@@ -13,7 +13,7 @@ text, and nothing of that step has been applied (the host's update waits for eve
    exclusion is logged (WARNING, naming the card), and the same global batch is retried on the others.
 
 No example is lost or applied twice: the batch that failed is the batch retried. This holds only where the card's CUDA
-context still works. A sticky CUDA error (:data:`~hetero_cs.devices.device_errors.STICKY_FORMS`: an uncorrectable ECC error, an illegal address, a
+context still works. A sticky CUDA error (:data:`~hetero_cs.devices.fault_texts.STICKY_FORMS`: an uncorrectable ECC error, an illegal address, a
 launch failure, a hardware stack error, a lost card, a failed sync) breaks it: every later op on that card fails in
 this process. Such an error is neither retried nor set aside: the step ends with :class:`DeviceFaultError`, and
 ``hetero-cs run`` decides from NVML whether the card is lost (:mod:`hetero_cs.supervisor`). In-process exclusion is

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat
+from hetero_cs.engine.step.step_errors import raised_by_input_pipeline
 from hetero_cs.errors import HeteroCSError, InputError
 from hetero_cs.planning.plan import split_by_shares
 
@@ -115,9 +116,7 @@ class PlanAgreement:
         carries it, else None; the kept error is dropped either way (``exc=None``: only dropped)."""
         with self._lock:
             error, self._plan_error = self._plan_error, None
-        if error is None or exc is None or str(error).splitlines()[0][:80] not in str(exc):
-            return None
-        return error
+        return error if error is not None and exc is not None and raised_by_input_pipeline(exc, error) else None
 
     @_keeping_errors
     def _local_sizes(self, global_batch_size) -> np.ndarray:

@@ -138,7 +138,8 @@ def _empty_cut(empty, plan) -> str:
 
 
 def raised_by_input_pipeline(exc: Exception, input_error: Exception) -> bool:
-    """Whether TensorFlow's op error ``exc`` is ``input_error``, raised in the input pipeline's numpy_function.
+    """Whether TensorFlow's op error ``exc`` is ``input_error``, raised in the input pipeline's numpy_function (or,
+    under the multi-worker strategy, in a step's plan function).
 
     TensorFlow reports a Python exception raised inside ``tf.numpy_function`` as an op error whose message holds
     ``"<class name>: <message>"``. The pipeline runs ahead of the steps (it prefetches), so the error it kept may
