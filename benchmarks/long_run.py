@@ -9,15 +9,15 @@ the named devices' times; the library only sees measured wall times).
 
 It reports:
 
-* ``retraces``: how often fit traced its train step again (logged by the library at INFO), and the sets of active
-  replicas the step has branches for at the end;
+* ``retraces``: how often fit traced its train step again (logged by the library at INFO: once per set of active
+  replicas its plans run), and the sets of active replicas plans used;
 * ``rss_mb``: the process's resident memory after steps 200, 1,000 and the last; ``rss_growth_after_200`` =
   (last - step 200) / step 200 (goal < 0.05);
 * ``probe_step_over_plain``: the median wall time of the steps that probed an idle card over the median of the
   plain steps of the same plan, from step 200 on (goal <= 1.5). A probe step pays the probed card's own time for one
   example (its fixed cost, times the drift), which ``probe_modelled_over_plain`` gives from the emulator's models;
   ``probe_over_modelled`` (the first over the second, per probe) is what the library adds: a step traced again for a
-  new set of active replicas made it 7-10x before.
+  new set of active replicas made it 7-10x before sets kept their traces.
 
 ``--xla`` compiles with ``jit_compile=True`` (XLA per replica). ``--quick``: 600 steps, slow in [200, 450).
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     results["rss_growth_after_200"] = (last - first) / first if first and last else None
     results["goals"] = {"rss_growth_after_200": RSS_GROWTH_GOAL, "probe_step_over_plain": PROBE_COST_GOAL}
     log("\n== results (timings EMULATED; wall clock of this host, which other work shares)")
-    log(f"   retraces {results['retraces']} (at steps {retraces.steps}); traced sets {results['traced_sets']}")
+    log(f"   retraces {results['retraces']} (at steps {retraces.steps}); sets plans used {results['traced_sets']}")
     log(f"   rss {first:.0f} MB at step 200, {last:.0f} MB at step {args.steps}: growth "
         f"{results['rss_growth_after_200'] * 100:+.1f} % (goal < {RSS_GROWTH_GOAL * 100:.0f} %)")
     if ratios:

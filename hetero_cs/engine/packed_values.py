@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat
-from hetero_cs.engine.step import tensors
+from hetero_cs.engine.step import idle_replicas, tensors
 from hetero_cs.engine.step.input_slicing import cut, is_unbatched_marker
 
 
@@ -94,7 +94,8 @@ class PackedBatchValues:
             sizes, timed = sub_step.sizes, tf.constant(True)
         else:
             sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
-                                                   training=training, traced=traced)
+                                                   training=training, traced=traced,
+                                                   handed=idle_replicas.set_of_traced_step() is not None)
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
             return args, kwargs, [], timed, None
         created: list = []

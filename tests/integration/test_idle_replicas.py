@@ -295,6 +295,35 @@ def test_fit_traces_its_step_again_before_the_first_step_that_idles_a_replica(wh
     assert counts[0] == counts[2] == 4 and counts[1] == 1, counts  # replica 1 worked in the first step only
 
 
+def test_fit_traces_its_step_once_per_set_of_active_replicas_it_runs_and_a_set_met_again_traces_nothing():
+    # fit runs a step traced for its plan's set of active replicas alone (idle_replicas.StepPerSet): a new set traces
+    # one function, its own, with only its replicas' passes, and a set met before traces nothing (with branches, each
+    # new set traced the whole step again, every set's passes in it).
+    splits = {0: [2, 2, 2], 1: [3, 0, 3], 2: [2, 2, 2], 3: [3, 0, 3], 4: [0, 6, 0], 5: [3, 0, 3]}
+    strategy = strategy_for(3, [1, 1, 1])
+    with strategy.scope():
+        model = bn_model(4)
+    reference = bn_model(4)
+    traced = []
+    keras_train_step = model.train_step
+
+    def train_step(data):
+        traced.append(data)  # once per replica pass in a trace
+        return keras_train_step(data)
+
+    model.train_step = train_step
+
+    class Resplit(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            strategy.set_batch_split(splits[batch])
+
+    x, y = data(36)
+    reference.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0, callbacks=[Resplit()])
+    assert_same_state(reference, model)
+    assert len(traced) == 3 + 2 + 1, len(traced)  # the sets (0, 1, 2), (0, 2) and (1,), each traced once
+
+
 def test_predict_and_strategy_run_eagerly_give_an_idle_replica_an_empty_batch():
     strategy = strategy_for(3, [2, 0, 1])
     x, y = data(6, seed=3)

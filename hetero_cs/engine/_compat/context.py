@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
+from hetero_cs.errors import ConfigError
 
 STRATEGY_MARKER = "_is_hetero_central_storage_strategy"
 MULTI_WORKER_MARKER = "_is_hetero_multi_worker_strategy"
@@ -159,3 +160,36 @@ def note_for_micro_batches(finding: str) -> None:
     micro = getattr(current_weighting_strategy(), "_micro_batching", None)
     if micro is not None:
         micro.note(finding)
+
+
+def refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
+    """A ConfigError when fit runs inside one of our strategies' scope on a model created outside any scope.
+
+    Keras then trains under the strategy in scope, on variables that belong to none: TensorFlow fails inside the
+    step ("Mixing different tf.distribute.Strategy objects") once the optimizer makes a variable, and with
+    emulated devices our advice to call strategy.calibrate comes first and leads there.
+    """
+    # Private: a Keras optimizer keeps the strategy whose scope created it in _distribution_strategy.
+    compiled_under = getattr(getattr(model, "optimizer", None), "_distribution_strategy", None)
+    if model_strategy is None and is_ours(compiled_under):  # TensorFlow: 'Need to be inside "with strategy.scope()"'
+        raise ConfigError(create_and_compile_in_scope(
+            "This model's variables were created outside `with strategy.scope():` (it was built outside the scope "
+            "and compiled inside it)", compiled_under))
+    current = tf.distribute.get_strategy()
+    if model_strategy is not None or not is_ours(current):
+        return
+    raise ConfigError(create_and_compile_in_scope(
+        f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
+        f"belong to no strategy, but model.fit runs inside the scope of a {type(current).__name__}", current))
+
+
+def create_and_compile_in_scope(what: str, strategy) -> str:
+    return (
+        f"{what}. TensorFlow cannot train variables of one strategy under another (it fails with 'Mixing different "
+        f"tf.distribute.Strategy objects'). Create and compile the model inside the strategy's scope, then fit:\n"
+        f"    strategy = {type(strategy).__name__}(...)\n"
+        f"    with strategy.scope():\n"
+        f"        model = build_model()\n"
+        f"        model.compile(optimizer=..., loss=...)\n"
+        f"    model.fit(...)"
+    )

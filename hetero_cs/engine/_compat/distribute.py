@@ -109,7 +109,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     2. Every replica function is wrapped by the container strategy (per-replica slice sizes, timing), and a
        global batch among its arguments (see :func:`distribute_on_host`) is cut into the replicas' slices.
     3. A step runs only the replicas its cut gives examples: one branch per set of active replicas that plans use,
-       picked when the step starts (:mod:`hetero_cs.engine.step.idle_replicas`); ``worker_devices``,
+       picked when the step starts, or a step traced for one set (``idle_replicas.StepPerSet``, model.fit's
+       train step) (:mod:`hetero_cs.engine.step.idle_replicas`); ``worker_devices``,
        ``_get_replica_id_in_sync_group`` and the reductions answer for the active replicas while such a call runs.
     """
 
@@ -131,6 +132,10 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
             return lifted(*(args or ()), **(kwargs or {}))
         strategy = self._container_strategy()
         R = len(self._compute_devices)
+        per_set = idle_replicas.set_of_traced_step()
+        if per_set is not None and not tf.executing_eagerly():  # fit's step for one set: its sizes were served
+            args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, None if sizes is None else per_set[0])
         # In a graph: one branch per set of active replicas that plans use, picked when the step starts
         # (hetero_cs.engine.step.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
         sets, supersets = None, strategy._input_roles.keras_loop_now  # noqa: SLF001

@@ -18,7 +18,8 @@ from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.engine._compat import replica_xla, symbols
 from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_multi_worker_strategy
-from hetero_cs.engine._compat.context import is_ours, strategy_of
+from hetero_cs.engine._compat.context import create_and_compile_in_scope, is_ours, strategy_of
+from hetero_cs.engine._compat.context import refuse_a_model_from_outside_the_scope
 from hetero_cs.engine._compat.layers import all_sublayers
 from hetero_cs.engine._compat.multi_worker import run_entry_point
 from hetero_cs.engine._compat.replica_pass import keras_train_step
@@ -44,7 +45,7 @@ def patch_entry_points() -> None:
 def _entry_point(original, self, *args, **kwargs):
     strategy, verb = strategy_of(self), original.__name__
     if verb == "fit":
-        _refuse_a_model_from_outside_the_scope(self, strategy)
+        refuse_a_model_from_outside_the_scope(self, strategy)
     if not is_ours(strategy):
         return original(self, *args, **kwargs)
     if verb == "fit":
@@ -84,7 +85,7 @@ def _fit(original, self, strategy, bound):
     except RuntimeError as exc:
         if "Mixing different tf.distribute.Strategy objects" not in str(exc):
             raise
-        raise ConfigError(_create_and_compile_in_scope(
+        raise ConfigError(create_and_compile_in_scope(
             "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
             "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
     finally:  # fit may raise mid-epoch: the log records held while its progress bar drew are passed on
@@ -144,39 +145,6 @@ def note_per_example_randomness(model) -> None:
                     "runs).", ", ".join(random))
 
 
-def _refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
-    """A ConfigError when fit runs inside one of our strategies' scope on a model created outside any scope.
-
-    Keras then trains under the strategy in scope, on variables that belong to none: TensorFlow fails inside the
-    step ("Mixing different tf.distribute.Strategy objects") once the optimizer makes a variable, and with
-    emulated devices our advice to call strategy.calibrate comes first and leads there.
-    """
-    # Private: a Keras optimizer keeps the strategy whose scope created it in _distribution_strategy.
-    compiled_under = getattr(getattr(model, "optimizer", None), "_distribution_strategy", None)
-    if model_strategy is None and is_ours(compiled_under):  # TensorFlow: 'Need to be inside "with strategy.scope()"'
-        raise ConfigError(_create_and_compile_in_scope(
-            "This model's variables were created outside `with strategy.scope():` (it was built outside the scope "
-            "and compiled inside it)", compiled_under))
-    current = tf.distribute.get_strategy()
-    if model_strategy is not None or not is_ours(current):
-        return
-    raise ConfigError(_create_and_compile_in_scope(
-        f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
-        f"belong to no strategy, but model.fit runs inside the scope of a {type(current).__name__}", current))
-
-
-def _create_and_compile_in_scope(what: str, strategy) -> str:
-    return (
-        f"{what}. TensorFlow cannot train variables of one strategy under another (it fails with 'Mixing different "
-        f"tf.distribute.Strategy objects'). Create and compile the model inside the strategy's scope, then fit:\n"
-        f"    strategy = {type(strategy).__name__}(...)\n"
-        f"    with strategy.scope():\n"
-        f"        model = build_model()\n"
-        f"        model.compile(optimizer=..., loss=...)\n"
-        f"    model.fit(...)"
-    )
-
-
 def patch_make_train_function() -> None:
     # Keras' train function reads the next batch inside its tf.function (iterator.get_next()), so a step that
     # fails cannot run again on the same batch: the iterator has moved on. Under our strategy, with out-of-memory
@@ -205,10 +173,11 @@ def patch_make_train_function() -> None:
         current = [function]
 
         micro = strategy._micro_batching  # noqa: SLF001
+        set_steps = None
+        if not is_multi_worker_strategy(strategy) and strategy.num_replicas_in_sync > 1:
+            set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function))
 
-        def train_function(iterator):
-            if strategy._resume_skip > 0 and isinstance(iterator, tf.distribute.DistributedIterator):  # noqa: SLF001
-                return skip_applied_batches(self, strategy, iterator)
+        def trace_again_if_needed():
             idle_sets_new = active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True)
             # A step traced before micro-batching was armed does not read its host state: traced again once.
             micro_new = micro.armed and not getattr(current[0], "_hetero_micro", False)
@@ -218,28 +187,39 @@ def patch_make_train_function() -> None:
                             else "global batches now run as micro-batches")
                 known = active_sets.version(training=True)
                 strategy._balancer.step_traced_again()  # noqa: SLF001 - a guard trial's next steps pay for the trace
-                _made_without_whole_step_xla(keras_make, self, force=True)
+                current[0] = _made_step(keras_make, self, train_function)
                 micro.forget_findings()  # found again while the new step is traced
-                current[0] = self.train_function
                 current[0]._hetero_micro = micro.armed
                 active_sets.mark_traced_function(current[0], known)
-                self.train_function = train_function
-            step = current[0]
+
+        def per_set() -> bool:
+            # A step traced per set of active replicas (idle_replicas.StepPerSet) reads no micro-batching state.
+            return set_steps is not None and not micro.armed and not self.run_eagerly
+
+        def train_function(iterator):
+            if strategy._resume_skip > 0 and isinstance(iterator, tf.distribute.DistributedIterator):  # noqa: SLF001
+                return skip_applied_batches(self, strategy, iterator)
             in_hand = self.steps_per_execution == 1 and isinstance(iterator, tf.distribute.DistributedIterator)
+            if not (in_hand and per_set()):
+                trace_again_if_needed()
+            step = current[0]
             recovering = recovery is not None and in_hand and recovery.armed()
             micro_batching = in_hand and micro.may_apply()
             single = None  # the one-step plan a micro-batching step was served, to time it for a guard trial
-            if not (recovering or micro_batching):
+            if not (recovering or micro_batching or (in_hand and per_set())):
                 return step(iterator)
-            data = _next_batch(iterator)  # eager: the batch stays in hand for a retry or its sub-steps
+            data = _next_batch(iterator)  # eager: the batch stays in hand for a retry, its sub-steps, its plan
             with _BatchInHand():
+
+                def run(batch):
+                    return set_steps(batch, global_batch_size_of(batch)) if per_set() else train_function([batch])
 
                 def one_step(batch):
                     if not recovering:
-                        return train_function([batch])
+                        return run(batch)
                     # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A
-                    # retry whose new plan idles a replica first traces the step again (above).
-                    return recovery.run(lambda b: train_function([b]), batch, replica_scopes=(self.name,), model=self)
+                    # retry whose new plan idles a replica runs that set's step.
+                    return recovery.run(run, batch, replica_scopes=(self.name,), model=self)
 
                 if micro_batching:
                     # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
@@ -276,6 +256,13 @@ def patch_make_train_function() -> None:
         train_function._hetero_wrapped = True
         self.train_function = train_function
         return result
+
+
+def _made_step(keras_make, model, wrapper):
+    """A new, untraced Keras train function of ``model`` (Keras keeps ``wrapper`` as ``model.train_function``)."""
+    _made_without_whole_step_xla(keras_make, model, force=True)
+    made, model.train_function = model.train_function, wrapper
+    return made
 
 
 def reduced_step_outputs(outputs, strategy):

@@ -10,7 +10,9 @@ decided when the step starts, inside that graph. tf.distribute runs the replica 
 every cross-replica point (the gradient sum, BatchNormalization's statistics, a variable write), so a replica's work
 cannot sit in a branch of its own. Instead the whole call has one branch per *set of active replicas* that plans use
 (only those threads run, with their own replica ids and devices), and the step picks the branch of its set
-(``tf.switch_case``) when it starts. The set of every replica is always branch 0.
+(``tf.switch_case``) when it starts. The set of every replica is always branch 0. ``model.fit``'s train step, which
+reads its batch before the step, instead serves the step's plan first and runs a step traced for the plan's set
+alone, one function per set (:class:`StepPerSet`): no branch op, no other set's work in its graph.
 
 Which sets get a branch, and how often a step is traced. Every set that a plan served, solved or tried so far uses
 (:class:`ActiveSets`, fed by the strategy when a plan comes into force, a guard trial starts or ``batch_split`` is
@@ -18,8 +20,9 @@ set; calibration adds the fastest card alone, which the guard may measure at any
 ``MAX_SETS_PER_REPLICA * R`` sets. A set keeps its branch: a trial or a plan that comes back finds its branch traced,
 and a probe gives every idle card one example at once (the set of every replica), so a long run traces its step
 once per new set at most (for three cards, at most the six sets there are), never again for sets it met before.
-``model.fit`` traces its train step again right before a step when a new set appeared (:meth:`ActiveSets.version`),
-``evaluate`` and ``predict`` when they start. In those, a step whose plan's set has no branch (one met while the
+A step with branches is traced again right before a step when a new set appeared (:meth:`ActiveSets.version`):
+``model.fit``'s where it runs one (``steps_per_execution`` above 1, micro-batches), ``evaluate`` and ``predict`` when
+they start. In those, a step whose plan's set has no branch (one met while the
 step runs, a set past the bound) runs the smallest superset that has one, its extra replicas given one example each
 from the largest slices (:func:`served_sizes`): exact, no replica runs a 0-example slice (some kernels fail there:
 Conv2D with oneDNN on a CPU), and the set's own branch comes with the next trace. A custom loop's ``tf.function``
@@ -57,6 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
+from hetero_cs.engine.step import replica_state
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +138,57 @@ class ActiveSets(DeepcopiedWithNewLocks):
         """Records that the Keras step ``function`` is (or will be, at its first call) traced at ``version``."""
         if function is not None and function not in self.traced_with:
             self.traced_with[function] = version
+
+
+def traced_for_set(active: tuple[int, ...] | None):
+    """For the block: the step traced (or run) in this thread is one of :class:`StepPerSet`'s, for exactly the
+    replicas ``active`` (None: every replica), and reads the sizes handed to it (``PlanSlicer.handed``)."""
+    return replica_state.this_threads("step_set", (active,))
+
+
+def set_of_traced_step() -> tuple | None:
+    """``(active,)`` inside :func:`traced_for_set`'s block, else None."""
+    return replica_state.this_threads_value("step_set")
+
+
+class StepPerSet:
+    """``model.fit``'s train step traced once per set of active replicas, each as its own function, without branches.
+
+    Called with a global batch in hand (read before the step), it serves the step's plan first, in Python (the
+    strategy's slice sizes, as a step with branches serves them when it starts), hands the sizes to the step, and runs
+    the step traced for the plan's set: only those replicas' work is in its graph, so the step walks no branch of
+    another set, and a set met later (a re-plan that leaves a card out, a probe, a guard trial) traces one more
+    function, its own, once, rather than the whole step with a branch more. Every set met so far keeps its function,
+    up to ``MAX_SETS_PER_REPLICA * R`` sets besides the set of every replica; past that a plan's set without one runs
+    as the smallest traced superset (:func:`served_sizes`).
+
+    Args:
+        strategy: The central-storage strategy.
+        make: Returns a new, untraced Keras train function (called once per set).
+    """
+
+    def __init__(self, strategy, make: Callable[[], Callable]):
+        self._strategy = strategy
+        self._make = make
+        self._steps: dict = {}
+
+    def __call__(self, batch, batch_size: int):
+        strategy = self._strategy
+        num_replicas = strategy.num_replicas_in_sync
+        sets = [s for s in self._steps if s is not None]
+        traced = frozenset(sets) if len(sets) >= MAX_SETS_PER_REPLICA * num_replicas else None
+        decided = strategy._slice_sizes(batch_size, training=True, traced=traced)  # noqa: SLF001
+        active = tuple(i for i in range(num_replicas) if decided[i] > 0)
+        key = None if len(active) == num_replicas else active
+        step = self._steps.get(key)
+        if step is None:
+            if self._steps:
+                logger.info("hetero_cs: tracing the train step again, for the active replicas %s (once per set of "
+                            "active replicas).", list(active))
+                strategy._balancer.step_traced_again()  # noqa: SLF001 - a guard trial's next steps pay for the trace
+            step = self._steps[key] = self._make()
+        with strategy._slicer.handed(decided), traced_for_set(key):  # noqa: SLF001
+            return step([batch])
 
 
 def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | None, *,

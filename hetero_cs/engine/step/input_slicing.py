@@ -22,6 +22,7 @@ from there inside the graph; any other batch (the first one, a last partial batc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -124,6 +125,10 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             # The sizes the last step started with (read after a failed step: which replica had how many examples).
             self._last_sizes = tf.Variable([0] * self._num_replicas, dtype=tf.int64, trainable=False,
                                            name="hetero_cs_last_step_sizes")
+            # The sizes served before a step that reads them instead of deciding (see `handed`).
+            self._handed = tf.Variable([0] * (self._num_replicas + 1), dtype=tf.int64, trainable=False,
+                                       name="hetero_cs_handed_step_plan")
+        self._hand_lock = threading.Lock()
 
     @property
     def num_replicas(self) -> int:
@@ -156,7 +161,17 @@ class PlanSlicer(DeepcopiedWithNewLocks):
                 self._cache.assign(value)
                 self._published = value
 
-    def step_sizes(self, global_batch_size, *, training: bool = True, traced=None) -> tuple[tf.Tensor, tf.Tensor]:
+    @contextlib.contextmanager
+    def handed(self, decided: np.ndarray):
+        """For the block: a step that reads its sizes (``step_sizes(..., handed=True)``) reads ``decided``, the
+        ``[b_0, ..., b_{R-1}, timed]`` that ``slice_sizes`` returned for its batch before it (one such step at a
+        time: a block waits for another thread's)."""
+        with self._hand_lock:
+            self._handed.assign(decided)
+            yield
+
+    def step_sizes(self, global_batch_size, *, training: bool = True, traced=None,
+                   handed: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
         """This step's slice sizes and whether to time it, decided now (call it once per step, before the cut).
 
         Args:
@@ -164,6 +179,7 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             training: False for an evaluation or prediction step (its plan leaves training's alone).
             traced: The sets of active replicas the step has branches for (passed on to ``slice_sizes`` as the
                 keyword ``traced``), or None.
+            handed: The step reads the sizes served before it (:meth:`handed`) instead of deciding them.
 
         Returns:
             ``(sizes, timed)``: an int64 tensor ``[R]`` summing to ``B``, and a bool scalar.
@@ -178,7 +194,9 @@ class PlanSlicer(DeepcopiedWithNewLocks):
                                             tf.int64, stateful=True, name="hetero_cs_step_plan")
                 return tf.reshape(decided, [R + 1])
 
-            if self._cache is None:
+            if handed:
+                decided = self._handed.read_value()
+            elif self._cache is None:
                 decided = python_sizes()
             else:
                 cached = self._cache.read_value()
