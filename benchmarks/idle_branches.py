@@ -1,15 +1,17 @@
-"""Benchmark: what the branches for sets of idle replicas cost a step, and what a retrace of the step costs in memory.
+"""Benchmark: a card alone inside a strategy of several, the cost of noted sets of idle replicas, a retrace's memory.
 
 What it measures. ``model.fit`` on the benchmarks' CNN (B = 256) under ``HeteroCentralStorageStrategy`` on an emulated
 mix (default A10,T4,P100) at an emulated step of ``--target-ms`` (default 5 ms, where the real compute on the CPU
-dominates and a step's own overhead shows). A step has one branch per set of active replicas that plans used
-(:mod:`hetero_cs.engine.step.idle_replicas`); TensorFlow lowers the branch op to switch/merge, so every step walks the
-ops of the branches it does not take. Side by side, in interleaved rounds:
+dominates and a step's own overhead shows). fit traces its train step once per set of active replicas, each a
+function that runs only its set (:class:`hetero_cs.engine.step.idle_replicas.StepPerSet`); a step with branches (one
+per set that plans used: evaluate, predict, a custom loop) walks the ops of the branches it does not take, as
+TensorFlow lowers the branch op to switch/merge. Side by side, in interleaved rounds:
 
-* ``default_even`` / ``default_alone``: the strategy as fit leaves it (calibration adds the fastest card alone: one
-  branch beside the every-replica branch), pinned to the even split and to replica 0 alone;
-* ``all_sets_even`` / ``all_sets_alone``: the same with a branch for every set of active replicas there is (for three
-  cards, six), what tracing every set in advance would cost each step;
+* ``default_even`` / ``default_alone``: the strategy as fit leaves it (calibration notes the fastest card alone),
+  pinned to the even split and to replica 0 alone;
+* ``all_sets_even`` / ``all_sets_alone``: the same with every set of active replicas there is noted before the first
+  trace (for three cards, six): what a step with a branch for each would cost; fit's step per set costs the same as
+  the default's;
 * ``one_card``: replica 0's device alone in a one-replica strategy (same emulated card and time scale), what the
   main job compares with (``speedup_vs_fastest``).
 

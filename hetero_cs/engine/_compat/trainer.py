@@ -147,18 +147,19 @@ def note_per_example_randomness(model) -> None:
 
 def patch_make_train_function() -> None:
     # Keras' train function reads the next batch inside its tf.function (iterator.get_next()), so a step that
-    # fails cannot run again on the same batch: the iterator has moved on. Under our strategy, with out-of-memory
-    # recovery on and steps_per_execution == 1, the train function is wrapped: the batch is read eagerly from the
-    # distributed iterator, then the step runs through Keras' own path for batches given as a Python iterable
-    # (`function([data])` -> one_step_on_data(data), the same reduce_retracing tf.function), so a retry re-runs the
-    # same traced step on the same batch, re-cut by a new plan, without retracing. Other strategies and other
+    # fails cannot run again on the same batch, and its plan is decided inside the step. Under our strategy with
+    # steps_per_execution == 1 the train function is wrapped: the batch is read eagerly from the distributed iterator,
+    # then the step runs through Keras' own path for batches given as a Python iterable (`function([data])` ->
+    # one_step_on_data(data), a reduce_retracing tf.function): fit's step is served its plan first and runs the
+    # function traced for the plan's set of active replicas (idle_replicas.StepPerSet: one Keras train function per
+    # set), and a retry re-runs the same batch, re-cut by a new plan, without retracing. Other strategies and other
     # steps_per_execution take Keras' path unchanged (train_on_batch runs as fit: _compat.on_batch).
     TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
-    # Under our strategy the train function is also traced again, right before a step, when plans have used a set
-    # of idle replicas since it was traced (hetero_cs.engine.step.idle_replicas): the step then has a branch in which
-    # those replicas do no work. Private: Keras keeps the traced step in model.train_function and calls it anew
-    # for every step; make_train_function(force=True) builds a new one.
+    # Where one train function runs every set (steps_per_execution above 1, micro-batches), it is traced again, right
+    # before a step, when plans have used a set of idle replicas since it was traced (idle_replicas): the step then
+    # has a branch in which those replicas do no work. Private: Keras keeps the traced step in model.train_function
+    # and calls it anew for every step; make_train_function(force=True) builds a new one.
     @patch(TensorFlowTrainer, "make_train_function")
     def make_train_function(keras_make, self, force=False):
         result = _made_without_whole_step_xla(keras_make, self, force)

@@ -18,6 +18,8 @@ Where the slice sizes come from. With online re-balancing, the guard or sampled 
 whether to time this step. When nothing changes the plan between steps (a fixed or even split), the plan in force
 is kept in a small host variable, ``[B, b_0, ..., b_{R-1}]``, and a batch of exactly ``B`` examples reads its sizes
 from there inside the graph; any other batch (the first one, a last partial batch) still goes to Python.
+``model.fit``'s train step, which reads its batch before the step, is served in Python just before it and reads the
+sizes handed to it (:meth:`PlanSlicer.handed`; see :class:`hetero_cs.engine.step.idle_replicas.StepPerSet`).
 """
 
 from __future__ import annotations
