@@ -131,6 +131,7 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             self._handed = tf.Variable([0] * (self._num_replicas + 1), dtype=tf.int64, trainable=False,
                                        name="hetero_cs_handed_step_plan")
         self._hand_lock = threading.Lock()
+        self._handed_value: tuple[int, ...] | None = None  # what the handed variable holds
 
     @property
     def num_replicas(self) -> int:
@@ -169,7 +170,10 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         ``[b_0, ..., b_{R-1}, timed]`` that ``slice_sizes`` returned for its batch before it (one such step at a
         time: a block waits for another thread's)."""
         with self._hand_lock:
-            self._handed.assign(decided)
+            value = tuple(int(b) for b in decided)
+            if value != self._handed_value:  # an eager write costs a step ~0.1 ms; most steps repeat the last plan
+                self._handed.assign(value)
+                self._handed_value = value
             yield
 
     def step_sizes(self, global_batch_size, *, training: bool = True, traced=None,
