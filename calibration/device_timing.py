@@ -64,10 +64,17 @@ class _DeviceCalibration:
 
         if isinstance(exc, tf.errors.OpError):
             return self.probe.step_error(exc, batch_size)  # names the data when the batch's values are at fault
-        return CalibrationError(  # raised while tracing the step, e.g. Keras' "No loss to compute"
-            f"The probe step could not be built on device={self.probe.device!r}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else exc!r}. Check that the model is compiled with a "
-            "loss and accepts the sample batch (model(x, training=True) and its loss)."
+        root = exc  # raised while tracing the step, e.g. Keras' "No loss to compute" under a traced "in user code:"
+        while root.__cause__ is not None:
+            root = root.__cause__
+        lines = [line.strip() for line in str(root).splitlines() if line.strip()] or [repr(root)]
+        detail = (lines[-1] if lines[0] == "in user code:" else lines[0]).removeprefix(f"{type(root).__name__}: ")
+        return CalibrationError(
+            f"The probe step could not be built on device={self.probe.device!r}: {type(root).__name__}: "
+            f"{detail.rstrip('.')}. Calibration times a step of the model's "
+            "compiled loss: check that the model is compiled with a loss and accepts the sample batch "
+            "(model(x, training=True) and its loss), or give the split yourself (batch_split=[...], or "
+            "auto_balance=False for an even split)."
         )
 
     def _warm(self, batch_size: int) -> None:
