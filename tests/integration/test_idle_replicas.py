@@ -324,6 +324,33 @@ def test_fit_traces_its_step_once_per_set_of_active_replicas_it_runs_and_a_set_m
     assert len(traced) == 3 + 2 + 1, len(traced)  # the sets (0, 1, 2), (0, 2) and (1,), each traced once
 
 
+def test_regression_fit_gives_no_example_to_a_replica_with_a_0_share_however_many_sets_it_met():
+    # Four cards, more sets of active replicas in one fit than the branches' bound (2 per replica): the ninth set ran
+    # as a traced superset, one example each to cards with a 0 share (under auto-balance, a card left out for being
+    # 50x slower, so the guard never measured the plan it was trying). fit now traces each set's own step.
+    import itertools
+
+    sets = [bits for bits in itertools.product([0, 1], repeat=4) if 0 < sum(bits) < 4][:10]
+    strategy = strategy_for(4, [1, 1, 1, 1])
+    with strategy.scope():
+        model = bn_model(6)
+    reference = bn_model(6)
+    ran = []
+
+    class Resplit(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            strategy.set_batch_split([2 * b for b in sets[batch]])
+
+        def on_train_batch_end(self, batch, logs=None):
+            ran.append(strategy._slicer.last_step_sizes())  # noqa: SLF001
+
+    x, y = data(8 * len(sets))
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[Resplit()])
+    assert_same_state(reference, model)
+    assert [tuple(int(b > 0) for b in sizes) for sizes in ran] == sets
+
+
 def test_predict_and_strategy_run_eagerly_give_an_idle_replica_an_empty_batch():
     strategy = strategy_for(3, [2, 0, 1])
     x, y = data(6, seed=3)
@@ -559,12 +586,14 @@ def test_regression_fit_on_arrays_whose_last_batch_has_fewer_examples_than_repli
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_regression_a_set_past_the_bound_is_cut_as_a_superset_in_every_step_of_fit():
+def test_regression_a_set_past_the_branch_bound_runs_its_own_step_in_fit():
     # The oracle's program (seed 2): a strategy over four cards re-split many times, so that the set of
     # batch_split [0, 0, 0, 3] got no branch of its own (the bound of traced sets was reached). Its first step ran as
     # a traced superset, but the plan was published to the graph's plan cache all the same, and the steps after it
     # read the plan's own sizes from there: branch 0, idle replicas on 0-example slices, oneDNN's Conv2D failed
-    # ("ReluGrad ... must have the same size and shape"). Such a plan is now cut as a superset in every step.
+    # ("ReluGrad ... must have the same size and shape"). Later such a plan was cut as a superset in every step,
+    # giving cards with a 0 share an example each (under auto-balance, a card left out for being 50x slower). fit now
+    # runs every set in a step of its own, past the branches' bound too: the replicas with a 0 share get nothing.
     import itertools
 
     from hetero_cs.engine.step.idle_replicas import MAX_SETS_PER_REPLICA
@@ -594,6 +623,7 @@ def test_regression_a_set_past_the_bound_is_cut_as_a_superset_in_every_step_of_f
     reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5)
+    assert strategy._slicer.last_step_sizes() == (0, 0, 0, 4)  # noqa: SLF001
 
 
 def test_regression_a_trained_model_leaves_no_traced_graph_behind():

@@ -159,8 +159,8 @@ class StepPerSet:
     the step traced for the plan's set: only those replicas' work is in its graph, so the step walks no branch of
     another set, and a set met later (a re-plan that leaves a card out, a probe, a guard trial) traces one more
     function, its own, once, rather than the whole step with a branch more. Every set met so far keeps its function,
-    up to ``MAX_SETS_PER_REPLICA * R`` sets besides the set of every replica; past that a plan's set without one runs
-    as the smallest traced superset (:func:`served_sizes`).
+    with no bound (a function costs no step any time, only its trace's memory, as a new input shape does on one
+    device): no replica ever gets an example its plan spared it.
 
     Args:
         strategy: The central-storage strategy.
@@ -175,9 +175,7 @@ class StepPerSet:
     def __call__(self, batch, batch_size: int):
         strategy = self._strategy
         num_replicas = strategy.num_replicas_in_sync
-        sets = [s for s in self._steps if s is not None]
-        traced = frozenset(sets) if len(sets) >= MAX_SETS_PER_REPLICA * num_replicas else None
-        decided = strategy._slice_sizes(batch_size, training=True, traced=traced)  # noqa: SLF001
+        decided = strategy._slice_sizes(batch_size, training=True)  # noqa: SLF001
         active = tuple(i for i in range(num_replicas) if decided[i] > 0)
         key = None if len(active) == num_replicas else active
         step = self._steps.get(key)
