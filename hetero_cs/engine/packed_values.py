@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hetero_cs.engine import _compat
-from hetero_cs.engine.step import idle_replicas, tensors
+from hetero_cs.engine.step import tensors
 from hetero_cs.engine.step.input_slicing import cut, is_unbatched_marker
 
 
@@ -72,12 +72,13 @@ class PackedBatchValues:
 
         return tf.nest.map_structure(convert, structure)
 
-    def _unpack_inputs(self, args, kwargs, traced=None):
+    def _unpack_inputs(self, args, kwargs, traced=None, handed=False):
         """``strategy.run``'s arguments with every global batch replaced by per-replica slices, cut by the plan this
         step decides now (before any replica runs).
 
         ``traced``: the sets of active replicas the step has branches for (see
         :func:`hetero_cs.engine.step.idle_replicas.served_sizes`), or None.
+        ``handed``: the step reads the sizes served before it (``PlanSlicer.handed``: model.fit's step per set).
 
         Returns ``(args, kwargs, batch_leaves, timed, sizes)``; ``batch_leaves`` are the per-replica slices made
         here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64
@@ -94,8 +95,7 @@ class PackedBatchValues:
             sizes, timed = sub_step.sizes, tf.constant(True)
         else:
             sizes, timed = self._slicer.step_sizes(tensors.leading_dim(_compat.components(batches[0])[0]),
-                                                   training=training, traced=traced,
-                                                   handed=idle_replicas.set_of_traced_step() is not None)
+                                                   training=training, traced=traced, handed=handed)
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
             return args, kwargs, [], timed, None
         created: list = []

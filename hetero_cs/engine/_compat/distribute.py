@@ -134,7 +134,8 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         R = len(self._compute_devices)
         per_set = idle_replicas.set_of_traced_step()
         if per_set is not None and not tf.executing_eagerly():  # fit's step for one set: its sizes were served
-            args, kwargs, batch_leaves, timed, sizes = strategy._unpack_inputs(args, kwargs)  # noqa: SLF001
+            unpacked = strategy._unpack_inputs(args, kwargs, handed=True)  # noqa: SLF001
+            args, kwargs, batch_leaves, timed, sizes = unpacked
             return self._call_active(fn, args, kwargs, batch_leaves, timed, None if sizes is None else per_set[0])
         # In a graph: one branch per set of active replicas that plans use, picked when the step starts
         # (hetero_cs.engine.step.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
