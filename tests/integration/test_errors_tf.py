@@ -644,3 +644,26 @@ def test_an_optimizer_that_overrides_a_hooked_method_is_refused():
            r"OwnClipping overrides _clip_gradients .*summed gradient.*Use an optimizer that does not override it")
     for got, want in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_evaluate_inside_fit_keeps_fits_pending_input_error():
+    # fit's pipeline reads a batch ahead and keeps its error until the step that needs it fails; an evaluate run by a
+    # callback in between (its own entry point) must not drop it, or fit would raise TensorFlow's error, not ours.
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
+                                            profile_cache=False)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    batches = [(X[:4], Y[:4]), (X[:4], Y[:4]), (X[:4], Y[:3])]  # the third batch's components disagree
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches),
+        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)),
+    )
+    good = tf.data.Dataset.from_tensors((X[:4], Y[:4]))
+
+    class EvaluateEachBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.evaluate(good, verbose=0)
+
+    with pytest.raises(InputError, match=r"different leading \(batch\) dimensions \[4, 3\]"):
+        model.fit(dataset, epochs=1, verbose=0, callbacks=[EvaluateEachBatch()])
