@@ -536,6 +536,33 @@ def test_a_masked_loss_is_refused_even_with_the_opt_in():
         np.testing.assert_array_equal(got, want)
 
 
+def test_two_outputs_with_loss_weights_are_micro_batched_exactly():
+    # Each output's loss tracker gets the loss unscaled (its share divided by b_ij / B): no batch aggregate, so the
+    # model is micro-batched (regression: the loss reader took the tracker's value for a loss normalised by the
+    # batch and refused the micro-batches).
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        model = keras.Model(inputs, [keras.layers.Dense(3, name="cls")(hidden), keras.layers.Dense(1, name="reg")(hidden)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+                      loss_weights=[1.0, 0.5])
+        return model
+
+    B = 2 * CAPACITY
+    x, y, _ = labelled(B + B // 3)
+    targets = [y, x[:, :1]]
+    reference = build()
+    reference_history = reference.fit(x, targets, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, targets, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert strategy.micro_batching.micro_batched_steps == 2
+    assert_same_training(model, history, reference, reference_history)
+
+
 @pytest.mark.filterwarnings("ignore:Calibration finished, but no plan fits")
 def test_micro_batches_false_keeps_the_caps_error():
     B = 2 * CAPACITY

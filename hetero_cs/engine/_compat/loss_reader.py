@@ -322,8 +322,9 @@ def _is_weighed_mean(flow, tensor) -> bool:
 
 def _quotient(reading, op, tensor, what, depth):
     numerator, denominator = op.inputs
-    if _is_replica_count(reading.step, denominator):
-        # x / strategy.num_replicas_in_sync: the stock idiom for an even split; one device divides by 1.
+    if _is_one_on_one_device(reading.step, denominator):
+        # x / strategy.num_replicas_in_sync (the stock idiom for an even split), or x / the replica's weight b_i / B
+        # (Keras' logged loss, unscaled: a per-output loss tracker's value): one device divides by 1.
         mode, share = _read(reading, numerator, what, depth + 1)
         return SHARE, _as_share(mode, share)
     mode_n, share_n = _read(reading, numerator, what, depth + 1)
@@ -357,12 +358,15 @@ def _quotient(reading, op, tensor, what, depth):
     return SHARE, first - second
 
 
-def _is_replica_count(step, tensor) -> bool:
+def _is_one_on_one_device(step, tensor) -> bool:
+    """Whether ``tensor`` is ``strategy.num_replicas_in_sync`` (``B / b_i``) or the replica's weight (``b_i / B``)
+    of this step, as it is or cast: a factor that is 1 on one device."""
+    marked = step.replica_counts | step.weights
     while tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
-        if tensor.ref() in step.replica_counts:
+        if tensor.ref() in marked:
             return True
         tensor = tensor.op.inputs[0]
-    return tensor.ref() in step.replica_counts
+    return tensor.ref() in marked
 
 
 def all_reduced_sum(values):
