@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from calibration import probe as probe_lib
 from calibration.result import CalibrationResult
 from hetero_cs.planning.plan import even_batch_split
 
@@ -21,24 +20,21 @@ all devices share (a busier or quieter host), for a cached profile to be reused;
 recorded noise when that is larger."""
 
 
-def _cached_profile_mismatch(cached: CalibrationResult, model: Any, sample_batch: Any, *, devices: Sequence[str],
-                             parameter_device: str, loss: Any, emulator: Any, global_batch_size: int) -> str | None:
-    """None when a few timed steps agree with the cached profile's predictions, else a one-line reason."""
+def _cached_profile_mismatch(cached: CalibrationResult, make_probe: Callable[[int], Any], *, devices: Sequence[str],
+                             global_batch_size: int) -> str | None:
+    """None when a few timed steps agree with the cached profile's predictions, else a one-line reason
+    (``make_probe(i)``: the DeviceProbe of replica i, on ``devices[i]``)."""
     import numpy as np
 
-    R = len(devices)
-    if cached.plan is not None and cached.plan.global_batch_size == global_batch_size:
-        sizes = cached.plan.per_replica_batch_sizes
-    else:
-        sizes = even_batch_split(global_batch_size, R)
+    same_batch = cached.plan is not None and cached.plan.global_batch_size == global_batch_size
+    sizes = cached.plan.per_replica_batch_sizes if same_batch else even_batch_split(global_batch_size, len(devices))
     sizes = [max(1, b if p.max_batch_size is None else min(b, p.max_batch_size))
              for b, p in zip(sizes, cached.profiles)]
     # A device that could not hold one example was not timed, and is not now: it stays idle as cached.
     timed = [i for i, p in enumerate(cached.profiles) if not p.holds_no_example]
     if len(timed) < 2:
         return None  # relative speeds need two devices
-    probes = {i: probe_lib.DeviceProbe(model, sample_batch, device=devices[i], parameter_device=parameter_device,
-                                       loss=loss, replica_id=i, emulator=emulator) for i in timed}
+    probes = {i: make_probe(i) for i in timed}
     for i in timed:
         probes[i].time_step(sizes[i], warmup_steps=0, trials=1)  # traces and warms the step; not counted
     samples: dict[int, list[float]] = {i: [] for i in timed}

@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import numbers
 import sys
 import time
 import warnings
@@ -44,7 +43,7 @@ from hetero_cs.errors import (
     InfeasiblePlanError,
     ProfileCacheError,
 )
-from hetero_cs.planning.plan import BatchPlan
+from hetero_cs.planning.plan import BatchPlan, check_range
 
 __all__ = ["calibrate"]
 
@@ -80,8 +79,7 @@ def _device_ids(devices: Sequence[str], emulator: Any, gpu_facts: dict[str, Any]
     ids = []
     for i, device in enumerate(devices):
         parts = [device]
-        info = gpu_facts.get(device)
-        if info is not None:
+        if (info := gpu_facts.get(device)) is not None:
             parts.append(f"{info.description}|{info.uuid or ''}|{info.memory_total_bytes or ''}")
         if emulator is not None:
             parts.append(f"emulated={emulator.specs[i].name}@time_scale={emulator.time_scale:.9g}"
@@ -91,8 +89,7 @@ def _device_ids(devices: Sequence[str], emulator: Any, gpu_facts: dict[str, Any]
 
 
 def _check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}. Received: {name}={value!r}.")
+    check_range(name, value, minimum, integer=True)  # ConfigError "{name} must be an integer >= {minimum}. ..."
     return int(value)
 
 
@@ -241,6 +238,11 @@ def calibrate(
     elif store is not False and not isinstance(store, ProfileStore):
         raise ConfigError(f"store must be a ProfileStore, None or False. Received: store={store!r}.")
     gpu_facts = _gpu_facts() if any(":GPU:" in d for d in devices) else {}
+
+    def make_probe(i: int) -> Any:  # probe_lib.DeviceProbe is looked up when called (a test replaces it)
+        return probe_lib.DeviceProbe(model, sample_batch, device=devices[i], parameter_device=parameter_device,
+                                     loss=loss, replica_id=i, emulator=emulator)
+
     key = None
     if store is not False:
         signature = (
@@ -261,8 +263,7 @@ def calibrate(
             if check_cached:
                 with probe_lib.preserved_model_state(model):
                     mismatch = _cached_profile_mismatch(
-                        cached, model, sample_batch, devices=devices, parameter_device=parameter_device, loss=loss,
-                        emulator=emulator, global_batch_size=global_batch_size,
+                        cached, make_probe, devices=devices, global_batch_size=global_batch_size,
                     )
             if mismatch is None:
                 logger.info("Calibration profile cache hit (%s)%s; skipping calibration.", store.path(key),
@@ -290,10 +291,7 @@ def calibrate(
                   flush=True)
         warm_bar = keras.utils.Progbar(sum(len(s) for s in sizes_per_device), verbose=verbose, unit_name="size")
         for replica_id, (device, sizes) in enumerate(zip(devices, sizes_per_device)):
-            probe = probe_lib.DeviceProbe(
-                model, sample_batch, device=device, parameter_device=parameter_device, loss=loss,
-                replica_id=replica_id, emulator=emulator,
-            )
+            probe = make_probe(replica_id)
             limit_bytes = probe.memory_limit_bytes() or getattr(gpu_facts.get(device), "memory_total_bytes", None)
             calibration = _DeviceCalibration(probe, cap=caps[replica_id], memory_limit_bytes=limit_bytes,
                                              warmup_steps=warmup_steps,

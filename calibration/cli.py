@@ -187,8 +187,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from calibration.workload import estimate_workload
     from hetero_cs.devices.emulation import Emulator
 
-    parameter_device = "/device:CPU:0"
-    devices, parameter_device = _check_devices(devices, parameter_device)  # DeviceError before TF's own ValueError
+    devices, parameter_device = _check_devices(devices, "/device:CPU:0")  # DeviceError before TF's own ValueError
     if args.policy is not None:
         import keras
 
@@ -203,11 +202,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         emulator = Emulator(emulated, workload=estimate_workload(model), time_scale=args.time_scale)
         emulator.calibrate_time_scale(batch, target_makespan_s=args.target_step_ms / 1e3)
         print("\n".join(emulator.describe(batch)))
-    store = False if args.no_cache else ProfileStore(args.cache_dir)
     result = calibrate(
         model, sample, devices=devices, parameter_device=parameter_device, global_batch_size=batch,
         emulator=emulator, probe_batch_sizes=args.probe_batch_sizes, warmup_steps=args.warmup_steps, trials=args.trials,
-        store=store, progress=not args.no_progress,
+        store=False if args.no_cache else ProfileStore(args.cache_dir), progress=not args.no_progress,
     )
     print(result.format_table())
     if result.plan is not None:

@@ -59,11 +59,8 @@ class _DeviceCalibration:
         self.fit: fit_lib.FitResult | None = None
         self.anchor: int | None = None  # the plan's slice the fit passes through (fit_cost_model's anchor)
 
-    def _step_error(self, batch_size: int, exc: Exception) -> CalibrationError:
-        import tensorflow as tf
-
-        if isinstance(exc, tf.errors.OpError):
-            return self.probe.step_error(exc, batch_size)  # names the data when the batch's values are at fault
+    def _step_error(self, exc: Exception) -> CalibrationError:
+        """The CalibrationError for a ValueError or TypeError the step raised (an op's error: probe.step_error)."""
         root = exc  # raised while tracing the step, e.g. Keras' "No loss to compute" under a traced "in user code:"
         while root.__cause__ is not None:
             root = root.__cause__
@@ -108,11 +105,11 @@ class _DeviceCalibration:
         except HeteroCSError:
             raise
         except tf.errors.OpError as exc:
-            if not is_out_of_memory(exc):
-                raise self._step_error(batch_size, exc) from exc
+            if not is_out_of_memory(exc):  # names the data when the batch's values are at fault
+                raise self.probe.step_error(exc, batch_size) from exc
             return exc
         except (ValueError, TypeError) as exc:
-            raise self._step_error(batch_size, exc) from exc
+            raise self._step_error(exc) from exc
         return None
 
     def _fits(self, batch_size: int) -> bool:
@@ -209,7 +206,7 @@ class _DeviceCalibration:
 
 
 def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
-                      tick: Callable[[], None] | None = None,
+                      tick: Callable[[], None] = lambda: None,
                       sizes: Sequence[Sequence[int]] | None = None) -> list[float]:
     """Times every device at every size (or at ``sizes``, one list per device), round-robin, ``trials`` times,
     repeating (bounded) while it is too noisy.
@@ -227,8 +224,7 @@ def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
                 for i in ((offset + k) % R for k in range(R)):
                     if j < len(timed[i]):
                         calibrations[i].time_once(timed[i][j])
-                        if tick is not None:
-                            tick()
+                        tick()
         noise = [c.relative_noise() for c in calibrations]
         worst = max(range(R), key=lambda i: noise[i])
         if noise[worst] <= NOISE_LIMIT:

@@ -65,11 +65,9 @@ class FitResult:
     def __post_init__(self) -> None:
         if self.kind not in ("linear", "piecewise"):
             raise ConfigError(f"FitResult.kind must be 'linear' or 'piecewise'. Received: kind={self.kind!r}.")
-        for name in ("fit_error", "loo_error"):
-            value = getattr(self, name)
-            if value is None and name == "loo_error":
-                continue
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+        for name, value in (("fit_error", self.fit_error), ("loo_error", self.loo_error)):
+            if (value is not None or name == "fit_error") and not (
+                    isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
                 raise ConfigError(f"FitResult.{name} must be finite and >= 0. Received: {name}={value!r}.")
 
 

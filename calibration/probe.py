@@ -102,10 +102,8 @@ def dtype_policy_name(model: Any) -> str:
 
 
 def _leaf_signature(leaf: Any, include_batch_dim: bool) -> str:
-    shape = list(getattr(leaf, "shape", np.shape(leaf)))
-    dtype = getattr(leaf, "dtype", None)
-    dtype_name = getattr(dtype, "name", None) or str(np.asarray(leaf).dtype)
-    dims = [str(d) for d in shape]
+    dtype_name = getattr(getattr(leaf, "dtype", None), "name", None) or str(np.asarray(leaf).dtype)
+    dims = [str(d) for d in getattr(leaf, "shape", np.shape(leaf))]
     if dims and not include_batch_dim:
         dims[0] = "*"
     return f"{dtype_name}[{','.join(dims)}]"
@@ -218,11 +216,8 @@ def _resolve_loss(model: Any, loss: LossFn | None) -> Callable[[Any, Any, Any, A
 
         return explicit
     if getattr(model, "compiled", False) and hasattr(model, "compute_loss"):
-
-        def compiled(x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
-            return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-
-        return compiled
+        return lambda x, y, y_pred, sample_weight: model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                                                      sample_weight=sample_weight, training=True)
     if callable(getattr(model, "loss", None)):
         return _resolve_loss(model, model.loss)
     raise CalibrationError(

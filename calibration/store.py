@@ -203,18 +203,16 @@ def _remove_stale_temp_files(directory: pathlib.Path, name: str | None = None) -
     """
     ours = re.escape(name) if name is not None else r"[0-9a-f]{64}\.json"
     pattern = re.compile(rf"^\.{ours}\.[A-Za-z0-9_]+{re.escape(_TEMP_SUFFIX)}$")
-    removed = []
     try:
         candidates = [entry for entry in os.scandir(directory) if pattern.match(entry.name)]
     except OSError:
-        return removed
-    now = time.time()
+        return []
+    removed, now = [], time.time()
     for entry in candidates:
         with contextlib.suppress(OSError):
             status = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(status.st_mode):
-                continue
-            if now - status.st_mtime <= (STALE_TEMP_AGE_S if fcntl is None else _LOCKED_TEMP_AGE_S):
+            if not stat.S_ISREG(status.st_mode) or (
+                    now - status.st_mtime <= (STALE_TEMP_AGE_S if fcntl is None else _LOCKED_TEMP_AGE_S)):
                 continue
             if fcntl is not None:
                 fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))

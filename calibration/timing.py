@@ -44,9 +44,8 @@ class TimingStats:
     n_outliers: int
 
     def __post_init__(self) -> None:
-        values = {"median_s": self.median_s, "mad_s": self.mad_s, "min_s": self.min_s, "max_s": self.max_s}
-        for name, value in values.items():
-            if not (math.isfinite(value) and value >= 0.0):
+        for name in ("median_s", "mad_s", "min_s", "max_s"):
+            if not (math.isfinite(value := getattr(self, name)) and value >= 0.0):
                 raise ConfigError(f"TimingStats.{name} must be finite and >= 0. Received: {name}={value!r}.")
         if not self.min_s <= self.median_s <= self.max_s:
             raise ConfigError(
@@ -137,11 +136,8 @@ def probe_batch_sizes(max_batch_size: int, *, num: int = 5, min_batch_size: int 
             "probe_batch_sizes needs max_batch_size >= min_batch_size. Received: "
             f"max_batch_size={max_batch_size}, min_batch_size={min_batch_size}."
         )
-    if num == 1:
-        return (int(max_batch_size),)
-    sizes = np.rint(np.geomspace(min_batch_size, max_batch_size, num=num)).astype(np.int64)
-    sizes = np.clip(sizes, min_batch_size, max_batch_size)
-    sizes[0], sizes[-1] = min_batch_size, max_batch_size
+    sizes = np.rint(np.geomspace(min_batch_size, max_batch_size, num=num)).astype(np.int64)  # within the bounds
+    sizes[0], sizes[-1] = min_batch_size, max_batch_size  # num == 1: [max_batch_size]
     return tuple(int(b) for b in np.unique(sizes))
 
 

@@ -148,6 +148,5 @@ def _random(rng: np.random.Generator, shape: tuple, dtype: Any) -> np.ndarray:
 
 
 def _loss_name(loss: Any) -> str:
-    if isinstance(loss, str):
-        return loss
-    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
+    return loss if isinstance(loss, str) else (
+        getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__)

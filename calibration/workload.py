@@ -65,12 +65,6 @@ def _bytes(variables: Any) -> int:
     return int(sum(math.prod(int(d) for d in v.shape) * _dtype_size_bytes(v.dtype) for v in unique))
 
 
-def _leaves(model: Any, layers: list) -> list:
-    """The layers that run kernels: not containers (their leaves are counted) nor input layers."""
-    return [layer for layer in layers if not (layer is model or getattr(layer, "layers", None)
-                                              or type(layer).__name__ == "InputLayer")]
-
-
 def _activation_bytes_per_example(model: Any, leaves: list) -> int:
     """Every leaf layer's output (and the model's inputs), bytes per example, from the built shapes."""
     def per_example_bytes(shape: tuple | None, dtype: Any) -> int:  # 0 where the shape is unknown
@@ -123,7 +117,9 @@ def estimate_workload(model: Any) -> Workload:
             f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
             f"model.build(input_shape) or call it on one batch.")
     layers = all_sublayers(model)
-    leaves = _leaves(model, layers)
+    # The layers that run kernels: not containers (their leaves are counted) nor input layers.
+    leaves = [layer for layer in layers if not (layer is model or getattr(layer, "layers", None)
+                                                or type(layer).__name__ == "InputLayer")]
     convs = tuple(c for c in (getattr(keras.layers, n, None) for n in ("Conv1D", "Conv2D", "Conv3D")) if c)
     flops = 0.0
     for layer in layers:

@@ -44,8 +44,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
 
     check_policy_support(strategy, model)
     emulation_pending = strategy._emulator is not None and not strategy._emulator_ready()
-    if (strategy._balancer.auto_balance and not (force or emulation_pending)
-            and _done(strategy, model_fingerprint(model), force)):
+    fingerprint = model_fingerprint(model) if strategy._balancer.auto_balance else None
+    if fingerprint is not None and not (force or emulation_pending) and _done(strategy, fingerprint, force):
         return strategy._calibration  # calibrated already: no batch is read
     batch = first_global_batch(strategy, data)
     batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
@@ -59,10 +59,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
             "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
         )
-    fingerprint = model_fingerprint(model) if strategy._balancer.auto_balance else None
-    restarted = None
-    if fingerprint is not None and strategy._profile is None:  # a restart without a lost card
-        restarted = profiles_before_restart(strategy, fingerprint, global_batch_size)
+    restarted = (profiles_before_restart(strategy, fingerprint, global_batch_size)  # a restart without a lost card
+                 if fingerprint is not None and strategy._profile is None else None)
     if emulation_pending:
         target_s = arguments.emulated_makespan_target_s()  # before anything changes: a bad value leaves no trace
         strategy._emulator.set_workload(estimate_workload(model))
@@ -166,8 +164,7 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
     profiled = [arguments.canonical_device(d) for d in result.devices]
     profiled_as = [p.emulated_as if p.emulated_as else None for p in result.profiles]
     wanted_as = list(emulate) if emulate is not None else [None] * len(devices)
-    if profiled != list(devices) or [emulated_identity(n) for n in profiled_as] != [
-            emulated_identity(n) for n in wanted_as]:
+    if profiled != list(devices) or [*map(emulated_identity, profiled_as)] != [*map(emulated_identity, wanted_as)]:
         def describe(names, emulated):
             return f"{names}" + (f" emulating {emulated}" if any(emulated) else " (not emulated)")
 
