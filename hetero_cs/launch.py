@@ -121,10 +121,9 @@ class Launch:
         self._signal = signal.SIGINT  # the signal that asked to stop (Ctrl-C unless told otherwise)
 
     def _environment(self, ports: Sequence[int], index: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env["TF_CONFIG"] = tf_config(ports, index)
-        env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
-        env[RESTART_ENV_VAR] = str(self.restarts)
+        # PYTHONUNBUFFERED: lines arrive as they are printed
+        env = {**os.environ, "TF_CONFIG": tf_config(ports, index), "PYTHONUNBUFFERED": "1",
+               RESTART_ENV_VAR: str(self.restarts)}
         if self._emulate is not None:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
         if self._caps is not None:
@@ -166,12 +165,10 @@ class Launch:
             with CardWatch([gpu for gpus in self._gpus or [] for gpu in gpus]) as watch:
                 status = self._run_cluster()
                 self._evidence = watch.lost([line for tail in self._tails for line in tail]) if status else []
-            if status == 0 or self._stop.is_set() or self._failed is None or self.restarts >= self._max_restarts:
-                if status != 0 and self._max_restarts and self.restarts >= self._max_restarts and \
-                        not self._stop.is_set():
-                    self._note(f"not relaunching: --max-restarts={self._max_restarts} relaunch(es) used")
-                return status
-            if not self._relaunch(status):
+            if status != 0 and self._max_restarts and self.restarts >= self._max_restarts and not self._stop.is_set():
+                self._note(f"not relaunching: --max-restarts={self._max_restarts} relaunch(es) used")
+            if status == 0 or self._stop.is_set() or self._failed is None or self.restarts >= self._max_restarts \
+                    or not self._relaunch(status):
                 return status
 
     def _relaunch(self, status: int) -> bool:
@@ -294,13 +291,11 @@ class Launch:
         self._signal = signum
 
     def _wait(self) -> int:
-        status = 0
         while True:
             codes = [p.poll() for p in self._processes]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed and status == 0:
-                index, code = failed[0]
-                self._failed = (index, code)
+            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None:
+                self._failed = index, code = failed
                 status = exit_status(code)
                 # The others find out themselves within seconds (a WorkerLostError naming the worker, from
                 # TensorFlow's collectives and coordination service) and end with a clean error; a SIGINT in the

@@ -66,13 +66,8 @@ one example (fp32; see docs/emulation.md)."""
 # Usable bandwidth per lane and direction after line encoding, in bytes/s (PCI-SIG base specifications):
 # gen1 2.5 GT/s and gen2 5 GT/s use 8b/10b; gen3 8 GT/s, gen4 16 GT/s, gen5 32 GT/s use 128b/130b.
 # Real DMA throughput is a further ~10-20 % lower (TLP headers); the emulation uses these link rates.
-PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType({
-    1: 0.250e9,
-    2: 0.500e9,
-    3: 0.985e9,
-    4: 1.969e9,
-    5: 3.938e9,
-})
+PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType(
+    {1: 0.250e9, 2: 0.500e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9})
 
 
 def _is_real(value: Any) -> bool:

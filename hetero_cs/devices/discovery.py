@@ -30,6 +30,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
+from uuid import UUID
 
 from hetero_cs.devices.nvml import NvmlRecord, _query_nvml, normalize_pci_bus_id
 from hetero_cs.errors import DeviceError
@@ -149,6 +150,11 @@ def _uuid_body(uuid: str) -> str:
     return body[4:] if body.startswith(("gpu-", "mig-")) else body
 
 
+def _only(candidates: list) -> NvmlRecord | None:
+    """The one candidate, or None when there are none or several (an ambiguous match is no match)."""
+    return candidates[0] if len(candidates) == 1 else None
+
+
 def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[NvmlRecord], *,
                      cuda_visible_devices: str | None,
                      cuda_device_order: str | None = None) -> list[NvmlRecord | None]:
@@ -180,16 +186,12 @@ def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[Nvml
         match: NvmlRecord | None = None
         if entry is not None and not entry.isdigit():
             wanted = entry.lower()
-            candidates = [r for r in nvml_records if r.uuid.lower() == wanted]
-            candidates = candidates or [r for r in nvml_records if r.uuid.lower().startswith(wanted)]
-            if len(candidates) == 1:
-                match = candidates[0]
+            match = _only([r for r in nvml_records if r.uuid.lower() == wanted]
+                          or [r for r in nvml_records if r.uuid.lower().startswith(wanted)])
         if match is None and gpu.uuid:
-            candidates = [r for r in nvml_records if _uuid_body(r.uuid) == _uuid_body(gpu.uuid)]
-            match = candidates[0] if len(candidates) == 1 else None
+            match = _only([r for r in nvml_records if _uuid_body(r.uuid) == _uuid_body(gpu.uuid)])
         if match is None and gpu.pci_bus_id:
-            candidates = [r for r in gpus_by_bus if r.pci_bus_id == gpu.pci_bus_id]
-            match = candidates[0] if len(candidates) == 1 else None
+            match = _only([r for r in gpus_by_bus if r.pci_bus_id == gpu.pci_bus_id])
         if match is None and (cuda_device_order or "").strip().upper() == "PCI_BUS_ID":
             position = int(entry) if entry is not None and entry.isdigit() else gpu.index
             match = gpus_by_bus[position] if position < len(gpus_by_bus) else None
@@ -234,8 +236,7 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
             raw = (ctypes.c_ubyte * 16)()
             uuid = None
             if get_uuid is not None and get_uuid(raw, device) == 0:
-                h = bytes(raw).hex()
-                uuid = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+                uuid = str(UUID(bytes=bytes(raw)))  # 8-4-4-4-12 lower-case hex
             identities[ordinal] = (bus_id, uuid)
         return identities
     except (OSError, AttributeError, DeviceError) as exc:

@@ -44,7 +44,7 @@ from hetero_cs.devices.catalog import (
     get_device_spec,
 )
 from hetero_cs.devices.drift import Drift
-from hetero_cs.devices.workload import Workload, emulated_step_time_s, slice_memory_bytes
+from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
 
 __all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s"]
@@ -224,23 +224,20 @@ class Emulator(DeepcopiedWithNewLocks):
             workload = self._require_workload()
             split = _even_split(global_batch_size, len(self._specs))
             makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
-            if self._time_scale_source is not None:
-                self._check_fixed_makespan(makespan_s, global_batch_size, target_makespan_s)
+            if self._time_scale_source is not None:  # fixed: it may not stretch the step beyond the longest
+                if self._time_scale * makespan_s > MAX_EMULATED_MAKESPAN_S:
+                    raise ConfigError(
+                        f"{self._time_scale_source} (value {self._time_scale:g}) stretches this model's emulated "
+                        f"even-split step at global_batch_size={global_batch_size} to "
+                        f"{self._time_scale * makespan_s:.3g} s, above MAX_EMULATED_MAKESPAN_S="
+                        f"{MAX_EMULATED_MAKESPAN_S:g} s. Use at most {MAX_EMULATED_MAKESPAN_S / makespan_s:.3g} (e.g. "
+                        f"{target_makespan_s / makespan_s:.3g} for a {target_makespan_s * 1e3:g} ms step), or leave it "
+                        f"unset and the scale is chosen for you.")
                 return self._time_scale
             self._time_scale = target_makespan_s / makespan_s
             logger.info("Emulation time_scale=%.4g (even-split makespan %.4g s emulated -> %.4g s).",
                         self._time_scale, makespan_s, target_makespan_s)
             return self._time_scale
-
-    def _check_fixed_makespan(self, unscaled_s: float, global_batch_size: int, target_makespan_s: float) -> None:
-        scaled_s = self._time_scale * unscaled_s
-        if scaled_s > MAX_EMULATED_MAKESPAN_S:
-            raise ConfigError(
-                f"{self._time_scale_source} (value {self._time_scale:g}) stretches this model's emulated even-split "
-                f"step at global_batch_size={global_batch_size} to {scaled_s:.3g} s, above "
-                f"MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g} s. Use at most "
-                f"{MAX_EMULATED_MAKESPAN_S / unscaled_s:.3g} (e.g. {target_makespan_s / unscaled_s:.3g} for a "
-                f"{target_makespan_s * 1e3:g} ms step), or leave it unset and the scale is chosen for you.")
 
     def _require_workload(self) -> Workload:
         if self._workload is None:
@@ -248,9 +245,6 @@ class Emulator(DeepcopiedWithNewLocks):
                 "The emulator has no Workload. Pass workload= to Emulator(...) or call "
                 "emulator.set_workload(estimate_workload(model)).")
         return self._workload
-
-    def _drift_factor(self, replica_id: int, step: int) -> float:
-        return math.prod(d.factor for d in self._drift if d.replica_id == replica_id and d.applies(step))
 
     def _check_replica(self, replica_id: int) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
@@ -266,7 +260,8 @@ class Emulator(DeepcopiedWithNewLocks):
 
     def _step_time_locked(self, replica_id: int, batch_size: int, step: int) -> float:
         base_s = emulated_step_time_s(self._specs[replica_id], batch_size, self._require_workload())
-        return self._time_scale * self._drift_factor(replica_id, step) * base_s
+        return self._time_scale * math.prod(d.factor for d in self._drift if d.replica_id == replica_id
+                                            and d.applies(step)) * base_s
 
     def step_time_s(self, replica_id: int, batch_size: int, *, step: int | None = None) -> float:
         """Emulated step time of a replica, without advancing anything.
@@ -327,10 +322,8 @@ class Emulator(DeepcopiedWithNewLocks):
 
     def _check_health_locked(self, replica_id: int, step: int) -> None:
         """Raises (``fails``) or aborts the process (``lost``) when a drift says the card fails at ``step``."""
-        for item in self._drift:
-            if item.replica_id != replica_id:
-                continue
-            name = self._specs[replica_id].name
+        name = self._specs[replica_id].name
+        for item in (d for d in self._drift if d.replica_id == replica_id):
             if item.lost and step >= item.from_step:
                 # What a sticky CUDA error does: TensorFlow logs the driver's error, then the process aborts.
                 sys.stderr.write(
@@ -401,8 +394,6 @@ class Emulator(DeepcopiedWithNewLocks):
         Raises:
             EmulationError: If no Workload has been set.
         """
-        from hetero_cs.devices.workload import max_examples_in_memory
-
         memory = self.memory_bytes(replica_id, step=step)
         return max_examples_in_memory(self.workload or self._require_workload(), memory)
 
@@ -461,9 +452,8 @@ class Emulator(DeepcopiedWithNewLocks):
                      f"drift"]
             for i, spec in enumerate(self._specs):
                 link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
-                step_text = "-"
-                if split is not None:
-                    step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
+                step_text = "-" if split is None else (
+                    f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})")
                 drift_text = ", ".join(d.describe() for d in self._drift if d.replica_id == i) or "-"
                 rate = f"{spec.peak_tflops(dtype, tf32=tf32):.1f} {spec.rate_name(dtype, tf32=tf32)}"
                 lines.append(f"{i:>7}  {spec.name:<{width}} {rate:>10} {link:>9}  {step_text:>18}  {drift_text}")

@@ -30,10 +30,6 @@ def _probe_scalar(anchor: Any) -> tf.Tensor:
     return tf.reduce_sum(tf.cast(flat, tf.float64))
 
 
-def _perf_counter(_probe: Any) -> Any:
-    return np.float64(time.perf_counter())
-
-
 def _host_scalar(fn: Callable[..., Any], inputs: list, name: str, *, stateful: bool = False) -> tf.Tensor:
     """``fn(*inputs)`` run on the host by a ``tf.numpy_function``, as a float64 scalar tensor."""
     value = tf.numpy_function(fn, inputs, tf.float64, stateful=stateful, name=name)
@@ -56,7 +52,7 @@ def wall_clock_stamp(anchor: Any) -> tf.Tensor:
     Returns:
         A float64 scalar, seconds on the ``time.perf_counter`` clock.
     """
-    return _host_scalar(_perf_counter, [_probe_scalar(anchor)], "wall_clock_stamp")
+    return _host_scalar(lambda _probe: np.float64(time.perf_counter()), [_probe_scalar(anchor)], "wall_clock_stamp")
 
 
 def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,

@@ -16,13 +16,14 @@ Pure Python: no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from hetero_cs.devices.catalog import DeviceSpec, get_device_spec
 from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory
-from hetero_cs.errors import ConfigError
+from hetero_cs.errors import ConfigError, InfeasiblePlanError, MicroBatchError
 from hetero_cs.planning.cost_model import idle_free
 from hetero_cs.planning.micro_batches import (
     MicroBatchPlan,
@@ -175,11 +176,7 @@ def _even_split_s(models, caps, global_batch_size: int) -> float | None:
 def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:
     """The plan the engine would choose: sub-steps with a barrier each (or one step), or, with two or more cards,
     the overlapped plan where it is predicted faster (:func:`~hetero_cs.planning.micro_batches.prefer_overlapped`)."""
-    from hetero_cs.errors import InfeasiblePlanError, MicroBatchError
-
-    def solve(b: int):
-        return solve_batch_split(models, b, max_batch_sizes=caps, min_batch_size=0)
-
+    solve = functools.partial(solve_batch_split, models, max_batch_sizes=caps, min_batch_size=0)  # solve(b)
     try:
         barrier = plan_micro_batches(global_batch_size, solve, capacity=capacity_of(caps))
         if len(models) < 2 or all(cap is None for cap in caps):

@@ -97,15 +97,6 @@ def _variable_groups(model) -> dict[str, list]:
             "metrics": list(model.metrics_variables)}
 
 
-def _fingerprint(model) -> str | None:
-    from calibration.probe import model_fingerprint
-
-    try:
-        return model_fingerprint(model)
-    except ConfigError:  # not built: no variables
-        return None
-
-
 class SupervisedBackup(keras.callbacks.Callback):
     """Backs a supervised ``fit`` up, and resumes it exactly from its last backup (see the module docstring).
 
@@ -142,7 +133,13 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        self._run.update(model=_fingerprint(self.model), steps=(self.params or {}).get("steps"))
+        from calibration.probe import model_fingerprint
+
+        try:
+            fingerprint = model_fingerprint(self.model)
+        except ConfigError:  # not built: no variables
+            fingerprint = None
+        self._run.update(model=fingerprint, steps=(self.params or {}).get("steps"))
         try:
             register(self._dir, [self._record_path.name, *self._slots()])
         except OSError as exc:
@@ -284,9 +281,8 @@ class SupervisedBackup(keras.callbacks.Callback):
     def _restore_history(self) -> None:
         """Puts the epochs finished before the restart in front of fit's History (``model.history``), so the
         History a resumed fit returns holds every epoch, as an uninterrupted fit's does."""
-        if self.resumed_from is None:
-            return
-        before = self.resumed_from["history"][:self._resume_epoch if not self.resumed_from["complete"] else None]
+        record = self.resumed_from
+        before = record["history"][:None if record["complete"] else self._resume_epoch] if record is not None else []
         if not before:
             return
         history = getattr(self.model, "history", None)

@@ -69,15 +69,12 @@ class DeviceFailover:
         ``"raise"``, to put the model's statistics and metrics back before raising): on a GPU, or on emulated
         devices whose drift makes a card fail (``Drift(fails=True)``)."""
         strategy = self._strategy
-        if any("GPU" in device.upper() for device in strategy.compute_devices):
-            return True
-        return bool(getattr(strategy.emulator, "may_fail", False))
+        return any("GPU" in device.upper() for device in strategy.compute_devices) or bool(
+            getattr(strategy.emulator, "may_fail", False))
 
     def card(self, replica_id: int) -> str:
         """``"/device:CPU:2 (emulated T4)"`` or ``"/device:GPU:1"``: the card, as log lines name it."""
-        strategy = self._strategy
-        device = strategy.compute_devices[replica_id]
-        emulator = strategy.emulator
+        device, emulator = self._strategy.compute_devices[replica_id], self._strategy.emulator
         return f"{device} (emulated {emulator.specs[replica_id].name})" if emulator is not None else device
 
     def handle(self, fault: DeviceFault, exc: BaseException, faults: dict[int, int], failed_batch_size: int,
