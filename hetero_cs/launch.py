@@ -52,6 +52,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetero_cs.devices.gpu_health import CardWatch, visible_gpus
 from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
 from hetero_cs.launch_config import check_emulate, check_workers, free_ports, parse_emulate, tf_config, worker_gpus
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
@@ -102,8 +103,6 @@ class Launch:
         self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS,
                                          "relaunches of the cluster after a worker failed")
         self._emulate = None if emulate is None else check_emulate(emulate, num_workers)
-        from hetero_cs.devices.gpu_health import visible_gpus
-
         # Each worker's own GPUs, by UUID (None: no GPU, or emulated cards); a lost card is NVML's to say.
         self._gpus = worker_gpus(visible_gpus() if self._emulate is None else [], num_workers)
         self._evidence: list = []  # (Gpu, why) of the cards NVML showed failed in the last launch
@@ -159,8 +158,6 @@ class Launch:
     def run(self) -> int:
         """Starts the workers, waits for them, and returns the exit status (see the module docstring); with
         ``max_restarts``, relaunches the cluster after a failure that a relaunch can get past (:meth:`_relaunch`)."""
-        from hetero_cs.devices.gpu_health import CardWatch
-
         while True:
             with CardWatch([gpu for gpus in self._gpus or [] for gpu in gpus]) as watch:
                 status = self._run_cluster()

@@ -47,11 +47,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
 from hetero_cs.devices.fault_texts import STICKY_TEXT
+from hetero_cs.devices.gpu_health import CardWatch, visible_gpus
 from hetero_cs.engine.faults.supervised_run import (
     BACKUP_DIR_ENV_VAR, EXCLUDED_ENV_VAR, MANIFEST, OWNED_DIR, RESTART_ENV_VAR, register, remove_written, written)
 from hetero_cs.errors import ConfigError
@@ -182,9 +182,8 @@ def exit_status(code: int) -> int:
 def stop_signals_to(handler):
     """Within: SIGINT, SIGTERM and SIGHUP call ``handler`` (only the main thread can set handlers); then the
     previous handlers again."""
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if main}
     try:
         yield
     finally:
@@ -226,8 +225,6 @@ class Supervisor:
     def __init__(self, command: Sequence[str], *, max_restarts: int = DEFAULT_MAX_RESTARTS,
                  backup_dir: str | os.PathLike | None = None, output: TextIO | None = None, allow_cpu: bool = False,
                  retry_transient: bool = False, grace_s: float = DEFAULT_GRACE_S) -> None:
-        from hetero_cs.devices.gpu_health import visible_gpus
-
         self._command = checked_command(command, "run")
         self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS, "restarts after a lost card")
         self._allow_cpu, self._retry_transient = bool(allow_cpu), bool(retry_transient)
@@ -251,9 +248,8 @@ class Supervisor:
         self.excluded: list[int] = []  # positions in the script's first device list (emulate=, or the GPUs)
         self.lost_names: list[str] = []  # as the supervisor's lines name them
         self.restarts = 0
-        self._retried = False
-        self._on_cpu = False
-        self._tail: deque = deque(maxlen=_RECENT_LINES)
+        self._retried = self._on_cpu = False  # restarted after a sticky error with healthy cards; on the CPU now
+        self._tail: collections.deque = collections.deque(maxlen=_RECENT_LINES)
         self._child: subprocess.Popen | None = None
         self._stop_signal: int | None = None
         self._stop_deadline = float("inf")
@@ -351,8 +347,6 @@ class Supervisor:
     def run(self) -> int:
         """Runs the script until it succeeds, fails for another reason, or runs out of restarts; returns the exit
         status (see the module docstring)."""
-        from hetero_cs.devices.gpu_health import CardWatch
-
         try:  # the library's subdirectory and its manifest: a ConfigError naming --backup-dir when they cannot be made
             register(self.owned_dir, ["profiles.json", "profiles.meta.json"])
         except OSError as exc:

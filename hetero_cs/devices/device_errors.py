@@ -108,8 +108,7 @@ def oom_form(exc: BaseException) -> str | None:
         return "emulated"
     if not isinstance(exc, tf.errors.OpError):
         return None
-    message = str(exc)
-    form = next((name for name, pattern in OOM_FORMS if pattern.search(message)), None)
+    form = next((name for name, pattern in OOM_FORMS if pattern.search(str(exc))), None)
     if isinstance(exc, tf.errors.ResourceExhaustedError):
         return form or "resource exhausted"
     return form if isinstance(exc, _MESSAGE_CLASSES) else None
@@ -192,9 +191,8 @@ def op_name_replica(message: str, num_replicas: int, replica_scopes: Sequence[st
         return replica_id if 0 <= replica_id < num_replicas else None
     scopes = name.split("/")[:-1]
     known = [*REPLICA_ONLY_SCOPES, *(s for s in replica_scopes if s)]
-    if any(scope == k or re.fullmatch(rf"{re.escape(k)}_\d+", scope) for scope in scopes for k in known):
-        return 0 if num_replicas > 0 else None
-    return None
+    replica_0 = any(scope == k or re.fullmatch(rf"{re.escape(k)}_\d+", scope) for scope in scopes for k in known)
+    return 0 if replica_0 and num_replicas > 0 else None
 
 
 def blamed_replica(exc: BaseException, compute_devices: Sequence[str],

@@ -229,15 +229,11 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
             device = ctypes.c_int(0)
             if library.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
                 continue
-            buffer = ctypes.create_string_buffer(64)
-            bus_id = None
-            if library.cuDeviceGetPCIBusId(buffer, ctypes.c_int(64), device) == 0:
-                bus_id = normalize_pci_bus_id(buffer.value)
-            raw = (ctypes.c_ubyte * 16)()
-            uuid = None
-            if get_uuid is not None and get_uuid(raw, device) == 0:
-                uuid = str(UUID(bytes=bytes(raw)))  # 8-4-4-4-12 lower-case hex
-            identities[ordinal] = (bus_id, uuid)
+            buffer, raw = ctypes.create_string_buffer(64), (ctypes.c_ubyte * 16)()
+            found = library.cuDeviceGetPCIBusId(buffer, ctypes.c_int(64), device) == 0
+            bus_id = normalize_pci_bus_id(buffer.value) if found else None
+            found = get_uuid is not None and get_uuid(raw, device) == 0
+            identities[ordinal] = (bus_id, str(UUID(bytes=bytes(raw))) if found else None)  # UUID: 8-4-4-4-12 hex
         return identities
     except (OSError, AttributeError, DeviceError) as exc:
         logger.debug("CUDA driver query failed: %s", exc)
@@ -275,15 +271,14 @@ def _list_tf_devices() -> list[tuple[str, str, TfGpuRecord | None]]:
     """
     import tensorflow as tf
 
-    identities: dict[int, tuple[str | None, str | None]] | None = None
+    # {CUDA ordinal: (pci_bus_id, uuid)}, asked of the CUDA driver only when TensorFlow sees a GPU
+    identities = _cuda_driver_identities() if tf.config.get_visible_devices("GPU") else {}
     listed: list[tuple[str, str, TfGpuRecord | None]] = []
     for device_type in ("CPU", "GPU"):
         logical_index = 0
         for physical in tf.config.get_visible_devices(device_type):
             record = None
             if device_type == "GPU":
-                if identities is None:
-                    identities = _cuda_driver_identities()
                 index = int(physical.name.rsplit(":", 1)[1])
                 try:
                     details = tf.config.experimental.get_device_details(physical)
@@ -321,8 +316,7 @@ def discover_devices() -> list[DeviceInfo]:
     """
     tf_devices = _list_tf_devices()
     nvml_records, problems, reason = _query_nvml()
-    has_gpu = any(kind == "GPU" for _, kind, _ in tf_devices)
-    if reason is not None and not has_gpu:
+    if reason is not None and not any(kind == "GPU" for _, kind, _ in tf_devices):
         # No GPU to describe (a CPU-only or emulated run): nothing is missing, so no warning.
         logger.info("NVML is unavailable (%s); TensorFlow sees no GPU.", reason)
     elif reason is not None and _first_time("nvml-unavailable"):

@@ -141,8 +141,7 @@ def _query_nvml() -> tuple[list[NvmlRecord] | None, list[str], str | None]:
     except pynvml.NVMLError as exc:
         return None, [], f"nvmlInit() raised {type(exc).__name__}: {exc}"
     try:
-        records, problems = read_nvml_records(pynvml)
-        return records, problems, None
+        return (*read_nvml_records(pynvml), None)
     except pynvml.NVMLError as exc:
         return None, [], f"an NVML device query raised {type(exc).__name__}: {exc}"
     finally:

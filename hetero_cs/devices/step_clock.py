@@ -202,12 +202,10 @@ def tie_to_stamp(structure: Any, stamp: Any) -> Any:
     zero = tf.cast(tf.math.is_nan(stamp), tf.float64)
 
     def tie(value: Any) -> Any:
-        if value is None:
-            return None
         if isinstance(value, tf.IndexedSlices):
             return tf.IndexedSlices(tie(value.values), value.indices, value.dense_shape)
         if not isinstance(value, (tf.Tensor, tf.Variable)) and not tf.is_tensor(value):
-            return value
+            return value  # None, or not a tensor
         dtype = tf.as_dtype(value.dtype)
         if not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
             return value

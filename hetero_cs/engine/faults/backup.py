@@ -153,11 +153,10 @@ class SupervisedBackup(keras.callbacks.Callback):
             return
         record, arrays = self._read()
         self._check_same_run(record)
-        groups = _variable_groups(self.model)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built and record["counts"]["optimizer"]:
             optimizer.build(self.model.trainable_variables)  # its variables exist before they are restored
-            groups = _variable_groups(self.model)
+        groups = _variable_groups(self.model)
         for name, variables in groups.items():
             if len(variables) != record["counts"][name] or any(
                     f"{name}_{i}" not in arrays or tuple(v.shape) != arrays[f"{name}_{i}"].shape
