@@ -82,11 +82,10 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         from benchmarks.balance import main as balance_main
     except ImportError as exc:  # the wheel ships the benchmarks package: an install that lost it
-        raise ConfigError(
-            f"`hetero-cs bench` runs the benchmarks package (benchmarks/balance.py), which the hetero_cs wheel "
-            f"installs beside hetero_cs, but it could not be imported ({exc}). Reinstall hetero_cs "
-            f"(pip install --force-reinstall hetero_cs), or run `python benchmarks/balance.py` in a source checkout."
-        ) from exc
+        raise ConfigError(f"`hetero-cs bench` runs the benchmarks package (benchmarks/balance.py), which the hetero_cs "
+                          f"wheel installs beside hetero_cs, but it could not be imported ({exc}). Reinstall hetero_cs "
+                          f"(pip install --force-reinstall hetero_cs), or run `python benchmarks/balance.py` in a "
+                          f"source checkout.") from exc
     return int(balance_main(args.bench_args) or 0)
 
 
@@ -125,10 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hetero-cs` console script; returns the exit status (0 ok, 2 a hetero_cs error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to benchmarks/balance.py, --help included
-        args = argparse.Namespace(verb="bench", bench_args=argv[1:], run=_bench, verbose=False)
-    else:
-        args = build_parser().parse_args(argv)
+    # Everything after `bench` belongs to benchmarks/balance.py, --help included.
+    args = (argparse.Namespace(verb="bench", bench_args=argv[1:], run=_bench, verbose=False) if argv[:1] == ["bench"]
+            else build_parser().parse_args(argv))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if not args.verbose:
         # TensorFlow's C++ INFO and WARNING lines stay off here and in the scripts `run` and `launch` start (they

@@ -107,15 +107,12 @@ class Launch:
         self._gpus = worker_gpus(visible_gpus() if self._emulate is None else [], num_workers)
         self._evidence: list = []  # (Gpu, why) of the cards NVML showed failed in the last launch
         self.restarts = 0
-        self._tails: list[collections.deque] = []  # each worker's last lines, to tell why it failed
-        self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
         # HETERO_CS_MAX_BATCH_SIZES's caps (set by hand, or after an out-of-memory relaunch), one per replica.
         self._caps: list[int | None] | None = read_caps(os.environ.get(CAPS_ENV_VAR, ""))
         # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.
         self._output = output or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - lives as long as the launch
         self._print_lock = threading.Lock()
         self._writable = True  # False once our own output is closed
-        self._processes: list[subprocess.Popen] = []
         self._stop = threading.Event()
         self._signal = signal.SIGINT  # the signal that asked to stop (Ctrl-C unless told otherwise)
 
@@ -252,8 +249,9 @@ class Launch:
 
     def _run_cluster(self) -> int:
         """One launch of the N workers: starts them, waits, and returns the exit status."""
-        self._processes = []
-        self._failed = None
+        self._processes: list[subprocess.Popen] = []
+        self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
+        # Each worker's last lines, to tell why it failed.
         self._tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(self._num_workers)]
         ports = free_ports(self._num_workers)
         pumps = []
@@ -347,16 +345,15 @@ def _all_exit(processes: list, timeout_s: float, stop: threading.Event | None = 
 def add_launch_arguments(parser) -> None:
     """The ``hetero-cs launch`` options."""
     parser.add_argument("--workers", type=int, required=True, help="number of worker processes (N >= 1)")
-    parser.add_argument("--emulate", default=None,
-                        help="the catalog devices of each worker, comma-separated (e.g. A10,T4); several replicas "
-                             "per worker joined by + (e.g. A10+T4,P100+T4); sets HETERO_CS_EMULATE")
-    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
-                        help=f"seconds from SIGINT (SIGTERM at half) to SIGKILL when stopping workers (default "
-                             f"{DEFAULT_GRACE_S:g})")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="relaunch the cluster after a failure at most this often (default 0): without a worker "
-                             "whose card failed, with a lower memory cap after a replica ran out of memory (in "
-                             "HETERO_CS_MAX_BATCH_SIZES), or with every worker after a worker killed by a signal")
+    parser.add_argument("--emulate", default=None, help="the catalog devices of each worker, comma-separated (e.g. "
+                        "A10,T4); several replicas per worker joined by + (e.g. A10+T4,P100+T4); sets "
+                        "HETERO_CS_EMULATE")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, help=f"seconds from SIGINT (SIGTERM at "
+                        f"half) to SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--max-restarts", type=int, default=0, help="relaunch the cluster after a failure at most "
+                        "this often (default 0): without a worker whose card failed, with a lower memory cap after a "
+                        "replica ran out of memory (in HETERO_CS_MAX_BATCH_SIZES), or with every worker after a worker "
+                        "killed by a signal")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 
 

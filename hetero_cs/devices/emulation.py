@@ -104,17 +104,15 @@ class Emulator(DeepcopiedWithNewLocks):
         self._specs = tuple(get_device_spec(name) for name in names)
         num_replicas = len(self._specs)
         if isinstance(drift, (Drift, str, bytes)) or not isinstance(drift, Iterable):
-            raise ConfigError(
-                f"drift must be a sequence of Drift instances. Received: drift={drift!r}. Wrap a single drift in a "
-                "list: drift=[Drift(replica_id=1, factor=2.0, from_step=200)].")
+            raise ConfigError(f"drift must be a sequence of Drift instances. Received: drift={drift!r}. Wrap a single "
+                              f"drift in a list: drift=[Drift(replica_id=1, factor=2.0, from_step=200)].")
         self._drift = tuple(drift)
         for item in self._drift:
             if not isinstance(item, Drift):
                 raise ConfigError(f"drift entries must be Drift instances; received: {item!r}.")
             if item.replica_id >= num_replicas:
-                raise ConfigError(
-                    f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} "
-                    f"(ids 0..{num_replicas - 1}); fix the drift's replica_id.")
+                raise ConfigError(f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} (ids "
+                                  f"0..{num_replicas - 1}); fix the drift's replica_id.")
         if workload is not None:
             self._check_workload(workload)
         self._time_scale_source = None  # what fixed the scale (the argument or the environment), for messages
@@ -132,10 +130,9 @@ class Emulator(DeepcopiedWithNewLocks):
     @staticmethod
     def _check_scale(value: float, label: str) -> float:
         if not _is_real(value) or not math.isfinite(value) or not 0 < value <= MAX_TIME_SCALE:
-            raise ConfigError(
-                f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time, and at most "
-                f"MAX_TIME_SCALE={MAX_TIME_SCALE:g} (there the emulated launch overhead alone takes 0.5 s per step)."
-            )
+            raise ConfigError(f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time, and at "
+                              f"most MAX_TIME_SCALE={MAX_TIME_SCALE:g} (there the emulated launch overhead alone takes "
+                              f"0.5 s per step).")
         return float(value)
 
     @property
@@ -215,9 +212,8 @@ class Emulator(DeepcopiedWithNewLocks):
         global_batch_size = int(global_batch_size)
         if not (_is_real(target_makespan_s) and math.isfinite(target_makespan_s)
                 and 0 < target_makespan_s <= MAX_EMULATED_MAKESPAN_S):
-            raise ConfigError(
-                f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05, and at "
-                f"most MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g}.")
+            raise ConfigError(f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. "
+                              f"0.05, and at most MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g}.")
         with self._lock:
             if self._time_scale_source is not None and self._workload is None:
                 return self._time_scale  # nothing to check it against yet
@@ -241,17 +237,15 @@ class Emulator(DeepcopiedWithNewLocks):
 
     def _require_workload(self) -> Workload:
         if self._workload is None:
-            raise EmulationError(
-                "The emulator has no Workload. Pass workload= to Emulator(...) or call "
-                "emulator.set_workload(estimate_workload(model)).")
+            raise EmulationError("The emulator has no Workload. Pass workload= to Emulator(...) or call "
+                                 "emulator.set_workload(estimate_workload(model)).")
         return self._workload
 
     def _check_replica(self, replica_id: int) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
                 or not 0 <= replica_id < len(self._specs):
-            raise ConfigError(
-                f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
-                f"num_replicas={len(self._specs)}.")
+            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
+                              f"num_replicas={len(self._specs)}.")
 
     @staticmethod
     def _check_step(step: int | None, *, none_allowed: bool = True) -> None:
@@ -326,10 +320,9 @@ class Emulator(DeepcopiedWithNewLocks):
         for item in (d for d in self._drift if d.replica_id == replica_id):
             if item.lost and step >= item.from_step:
                 # What a sticky CUDA error does: TensorFlow logs the driver's error, then the process aborts.
-                sys.stderr.write(
-                    f"hetero_cs emulation: lost replica={replica_id} ({name}) at its step {step}: "
-                    f"CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered (emulated sticky CUDA "
-                    f"error); the process aborts\n")
+                sys.stderr.write(f"hetero_cs emulation: lost replica={replica_id} ({name}) at its step {step}: "
+                                 f"CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered (emulated sticky "
+                                 f"CUDA error); the process aborts\n")
                 sys.stderr.flush()
                 os.abort()
             if item.fails and item.applies(step):
