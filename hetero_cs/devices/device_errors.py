@@ -201,10 +201,8 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
     message = str(exc)
     num_replicas = len(compute_devices)
     emulated = re.search(r"Emulated out of memory: replica=(\d+)", message)
-    if emulated:
-        replica_id = int(emulated.group(1))
-        if 0 <= replica_id < num_replicas:
-            return replica_id, compute_devices[replica_id], "emulated"
+    if emulated and int(emulated.group(1)) < num_replicas:
+        return int(emulated.group(1)), compute_devices[int(emulated.group(1))], "emulated"
     device = named_device(message)
     if device is not None:
         on_device = [i for i, d in enumerate(compute_devices) if _device_named(d) == device]

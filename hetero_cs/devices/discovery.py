@@ -48,10 +48,9 @@ _WARNED_ONCE_LOCK = threading.Lock()
 
 def _first_time(key: str) -> bool:
     with _WARNED_ONCE_LOCK:
-        if key in _WARNED_ONCE:
-            return False
+        first = key not in _WARNED_ONCE
         _WARNED_ONCE.add(key)
-        return True
+    return first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +94,9 @@ class DeviceInfo:
     def __post_init__(self) -> None:
         if not self.name:
             raise DeviceError("DeviceInfo.name is empty; give the TF device name, e.g. name='/device:GPU:0'.")
-        if self.device_type not in DEVICE_TYPES:
-            raise DeviceError(f"DeviceInfo device_type={self.device_type!r} must be one of {DEVICE_TYPES}.")
-        if self.source not in SOURCES:
-            raise DeviceError(f"DeviceInfo source={self.source!r} must be one of {SOURCES}.")
+        for field, allowed in (("device_type", DEVICE_TYPES), ("source", SOURCES)):
+            if getattr(self, field) not in allowed:
+                raise DeviceError(f"DeviceInfo {field}={getattr(self, field)!r} must be one of {allowed}.")
         for field in ("memory_total_bytes", "memory_free_bytes", "pcie_generation", "pcie_width"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

@@ -116,15 +116,14 @@ class Emulator(DeepcopiedWithNewLocks):
         if workload is not None:
             self._check_workload(workload)
         self._time_scale_source = None  # what fixed the scale (the argument or the environment), for messages
-        scale, raw = 1.0, os.environ.get(TIME_SCALE_ENV_VAR, "").strip()
+        self._time_scale, raw = 1.0, os.environ.get(TIME_SCALE_ENV_VAR, "").strip()
         if time_scale is not None:
-            scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
+            self._time_scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
         elif raw:
             self._time_scale_source = f"{TIME_SCALE_ENV_VAR}={raw!r}"
-            scale = self._check_scale(_float_or_text(raw), self._time_scale_source)
+            self._time_scale = self._check_scale(_float_or_text(raw), self._time_scale_source)
         self._lock = threading.Lock()
         self._workload = workload
-        self._time_scale = scale
         self._steps = [0] * num_replicas
 
     @staticmethod
@@ -437,8 +436,7 @@ class Emulator(DeepcopiedWithNewLocks):
             workload, scale = self._workload, self._time_scale
             split = (_even_split(global_batch_size, len(self._specs))
                      if global_batch_size and workload is not None else None)
-            dtype, tf32 = ("float32", True) if workload is None else (workload.compute_dtype,
-                                                                      workload.tensor_float_32)
+            dtype, tf32 = ("float32", True) if workload is None else (workload.compute_dtype, workload.tensor_float_32)
             width = max([6] + [len(spec.name) for spec in self._specs])  # "T4@48MB" is wider than "A10"
             lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
                      f"{'replica':>7}  {'device':<{width}} {'peak TF':>10} {'PCIe':>9}  {'step (even split)':>18}  "

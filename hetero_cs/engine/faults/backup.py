@@ -174,9 +174,8 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._slot = record["arrays"]
         self.resumed_from = record
         _compat.set_initial_epoch(self.model, record["epochs"] if record["complete"] else self._epoch)
-        emulator = self._strategy.emulator
-        if emulator is not None:
-            emulator.advance_to(record["step"])  # drift schedules go on from the step resumed at
+        if self._strategy.emulator is not None:  # drift schedules go on from the step resumed at
+            self._strategy.emulator.advance_to(record["step"])
         if record["complete"]:
             logger.warning("hetero_cs: this fit had finished before the restart (%s): it is skipped, with its final "
                            "variables restored (optimizer step %d).", self._record_path, record["step"])
