@@ -231,10 +231,8 @@ def classify(exc: BaseException, compute_devices: Sequence[str],
     return OutOfMemory(form=form, device=device, replica_id=replica_id, blame=blame)
 
 
-# TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
-# with its traceback: a program error, unless it is the emulator's fault.
-_PYTHON_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
-_FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceFault:
     """A device error read from TensorFlow's error: its form, and the replica and device it names (or None)."""
@@ -249,12 +247,14 @@ def fault_form(exc: BaseException) -> str | None:
     """The device-fault form ``exc`` shows (a name from :data:`DEVICE_FAULT_FORMS`), or None: see the module rule."""
     if isinstance(exc, EmulatedDeviceError):  # an emulated fault raised as itself by an eager step
         return "ecc"
-    if not isinstance(exc, _FAULT_CLASSES) or is_out_of_memory(exc):
+    if not isinstance(exc, (tf.errors.InternalError, tf.errors.UnknownError)) or is_out_of_memory(exc):
         return None
     message = str(exc)
     if PROGRAM_ASSERT.search(message):
         return None
-    if _PYTHON_TRACEBACK.search(message):  # a Python error inside the step: the program's, or the emulator's fault
+    # TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
+    # with its traceback: a program error, unless it is the emulator's fault.
+    if "Traceback (most recent call last)" in message:
         return "ecc" if "EmulatedDeviceError" in message else None
     return next((name for name, pattern in DEVICE_FAULT_FORMS if pattern.search(message)), None)
 
