@@ -240,9 +240,8 @@ class Launch:
         told = re.compile(rf"WorkerLostError: model\.\w+ stopped on worker \d+: worker (\d+) stopped, out of memory "
                           rf".*?{caps_text}")
         found = [match for tail in self._tails for line in tail if (match := own.search(line) or told.search(line))]
-        named = [caps for caps in (read_caps(match.group(2)) for match in found) if caps is not None]
-        if self._caps is not None:
-            named.append(self._caps)
+        # The caps each names, and those in force.
+        named = [caps for caps in (*(read_caps(match.group(2)) for match in found), self._caps) if caps is not None]
         if not found or len({len(caps) for caps in named}) != 1:
             return None
         return sorted({int(match.group(1)) for match in found}), lowest_caps(*named)

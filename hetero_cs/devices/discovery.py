@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
-import re
 import sys
 import threading
 import warnings
@@ -133,14 +133,10 @@ def parse_cuda_visible_devices(value: str | None) -> list[str] | None:
     """
     if value is None:
         return None
-    entries: list[str] = []
-    for raw in value.split(","):
-        entry = raw.strip()
-        if re.fullmatch(r"\d+", entry) or entry.upper().startswith(("GPU-", "MIG-")):
-            entries.append(entry)
-        else:  # "", "-1", garbage: CUDA ignores this entry and every later one.
-            break
-    return entries
+    # Up to the first entry that is neither an index nor a UUID ("", "-1", garbage): CUDA ignores it and every
+    # later one.
+    entries = (raw.strip() for raw in value.split(","))
+    return list(itertools.takewhile(lambda e: e.isdecimal() or e.upper().startswith(("GPU-", "MIG-")), entries))
 
 
 def _uuid_body(uuid: str) -> str:
@@ -215,10 +211,8 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
     if library is None:
         return {}
     try:
-        if library.cuInit(0) != 0:
-            return {}
         count = ctypes.c_int(0)
-        if library.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        if library.cuInit(0) != 0 or library.cuDeviceGetCount(ctypes.byref(count)) != 0:
             return {}
         get_uuid = getattr(library, "cuDeviceGetUuid_v2", None) or getattr(library, "cuDeviceGetUuid", None)
         identities: dict[int, tuple[str | None, str | None]] = {}
@@ -328,10 +322,9 @@ def discover_devices() -> list[DeviceInfo]:
     joined = dict(zip(gpu_records, join_gpu_records(
         gpu_records, nvml_records or [], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         cuda_device_order=os.environ.get("CUDA_DEVICE_ORDER"))))
-    cpu_description = _host_description() if any(kind == "CPU" for _, kind, _ in tf_devices) else ""
     host_total, host_free = _host_memory_bytes()
-    cpu = dict(device_type="CPU", description=cpu_description, memory_total_bytes=host_total,
-               memory_free_bytes=host_free)
+    cpu = dict(device_type="CPU", memory_total_bytes=host_total, memory_free_bytes=host_free,
+               description=_host_description() if any(kind == "CPU" for _, kind, _ in tf_devices) else "")
     return [DeviceInfo(name=name, **cpu) if record is None else gpu_device_info(name, record, joined.get(record))
             for name, _, record in tf_devices]  # a CPU device has no TfGpuRecord
 

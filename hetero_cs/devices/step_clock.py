@@ -269,10 +269,9 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
             else:
                 end = end()
         sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
-        known = [(n, i) for i, n in enumerate(sizes) if n is not None]
+        known = [(n, i) for i, n in enumerate(sizes) if n is not None]  # the smallest gradient is tied
         index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
-        tied = list(grads)
-        tied[index] = tie_to_stamp(tied[index], end)
+        tied = [tie_to_stamp(g, end) if i == index else g for i, g in enumerate(grads)]
         if end_stamps is not None:
             end_stamps.append(end)
     return tied

@@ -90,7 +90,6 @@ class DeviceFailover:
         """
         replica_id = fault.replica_id
         balancer = self._strategy.balancer
-        card = self.card(replica_id)
         if self.on_device_error == "raise":
             raise self.error(replica_id, exc, "on_device_error='raise'") from exc
         if fault.sticky:
@@ -103,7 +102,7 @@ class DeviceFailover:
         if faults[replica_id] == 1:
             self.retries += 1
             logger.warning("hetero_cs: device error on replica %d, %s (%s); retrying the same global batch once.",
-                           replica_id, card, first_line(exc))
+                           replica_id, self.card(replica_id), first_line(exc))
             return None
         left = [i for i, cap in enumerate(balancer.memory_caps.caps) if cap != 0 and i != replica_id]
         if not left:
@@ -120,7 +119,7 @@ class DeviceFailover:
         logger.warning(
             "hetero_cs: replica %d, %s, failed twice with a device error (%s): it is excluded from training (0 "
             "examples from now on, nothing runs on it). Retrying the same global batch cut %s on the other cards.",
-            replica_id, card, first_line(exc), list(plan.per_replica_batch_sizes))
+            replica_id, self.card(replica_id), first_line(exc), list(plan.per_replica_batch_sizes))
         return plan
 
     def error(self, replica_id: int, exc: BaseException, why: str, *, restored: bool = True) -> DeviceFaultError:
