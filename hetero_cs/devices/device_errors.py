@@ -186,8 +186,7 @@ def op_name_replica(message: str, num_replicas: int, replica_scopes: Sequence[st
     match = (re.search(r"(?:^|/)hetero_replica_(\d+)/", name) or re.search(r"(?:^|/)replica_(\d+)/", name)
              or re.search(r"end_replica_step_(\d+)", name))
     if match:
-        replica_id = int(match.group(1))
-        return replica_id if 0 <= replica_id < num_replicas else None
+        return int(match.group(1)) if int(match.group(1)) < num_replicas else None
     scopes = name.split("/")[:-1]
     known = [*REPLICA_ONLY_SCOPES, *(s for s in replica_scopes if s)]
     replica_0 = any(scope == k or re.fullmatch(rf"{re.escape(k)}_\d+", scope) for scope in scopes for k in known)
@@ -208,8 +207,7 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
         on_device = [i for i, d in enumerate(compute_devices) if _device_named(d) == device]
         if len(on_device) == 1:
             return on_device[0], device, "device"
-        if not on_device:
-            return None, device, None  # the parameter device, or a device that runs no replica
+        # Several replicas there: the op's name decides. None: the parameter device, or a device that runs no replica.
         by_name = op_name_replica(message, num_replicas, replica_scopes)
         return (by_name, device, "op name") if by_name in on_device else (None, device, None)
     tagged = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly (run_eagerly=True)
