@@ -316,9 +316,8 @@ class Launch:
         returns when all have exited."""
         running = [p for p in self._processes if p.poll() is None]
         for sig in (signal.SIGINT, signal.SIGTERM):
-            for process in running:
-                if process.poll() is None:
-                    signal_group(process, sig)
+            for process in [p for p in running if p.poll() is None]:
+                signal_group(process, sig)
             _all_exit(running, self._grace_s / 2)
         killed = [self._processes.index(p) for p in running if p.poll() is None]
         for process in self._processes:

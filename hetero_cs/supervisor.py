@@ -250,8 +250,7 @@ class Supervisor:
         self._retried = self._on_cpu = False  # restarted after a sticky error with healthy cards; on the CPU now
         self._tail: collections.deque = collections.deque(maxlen=_RECENT_LINES)
         self._child: subprocess.Popen | None = None
-        self._stop_signal: int | None = None
-        self._stop_deadline = float("inf")
+        self._stop_signal, self._stop_deadline = None, float("inf")  # a stop signal passed on; when its grace ends
 
     def _note(self, message: str) -> None:
         with contextlib.suppress(OSError, ValueError):

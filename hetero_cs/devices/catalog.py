@@ -167,12 +167,9 @@ class DeviceSpec:
         return self._rate(compute_dtype, tf32)[0]
 
     def _rate(self, compute_dtype: str, tf32: bool) -> tuple[str, float | None]:
-        dtype = compute_dtype_of(compute_dtype)
-        if dtype == "float16":
-            return "fp16", self.fp16_tflops
-        if dtype == "bfloat16":
-            return "bf16", self.bf16_tflops
-        return ("tf32", self.tf32_tflops) if tf32 and self.tf32_tflops is not None else ("fp32", self.fp32_tflops)
+        float32 = ("tf32", self.tf32_tflops) if tf32 and self.tf32_tflops is not None else ("fp32", self.fp32_tflops)
+        return {"float16": ("fp16", self.fp16_tflops), "bfloat16": ("bf16", self.bf16_tflops)}.get(
+            compute_dtype_of(compute_dtype), float32)
 
     @property
     def pcie_bandwidth_bytes_per_s(self) -> float:
@@ -310,9 +307,8 @@ def _with_link(spec: DeviceSpec, link_text: str, name: str) -> DeviceSpec:
         raise ConfigError(
             f"{name!r}: a link override comes last, 'NAME[@MEMORY]~xLANES' or '~genGxLANES', with 1-32 lanes and "
             f"generation 1-5, e.g. 'P100~x1' (a one-lane riser) or 'T4@8GB~gen2x4'. Received: {link_text!r}.")
-    generation = int(match.group(1)) if match.group(1) else spec.pcie_generation
-    return dataclasses.replace(spec, pcie_generation=generation, pcie_lanes=lanes,
-                               name=f"{spec.name}{LINK_OVERRIDE_SEPARATOR}{link_text.strip()}")
+    return dataclasses.replace(spec, pcie_generation=int(match.group(1)) if match.group(1) else spec.pcie_generation,
+                               pcie_lanes=lanes, name=f"{spec.name}{LINK_OVERRIDE_SEPARATOR}{link_text.strip()}")
 
 
 def emulated_identity(name) -> tuple | None:

@@ -83,8 +83,7 @@ class CardWatch:
 
     def __init__(self, gpus: Sequence[Gpu]) -> None:
         self.gpus = list(gpus)
-        self.available = False
-        self._nvml = None
+        self._nvml, self.available = None, False  # pynvml once NVML answered
         self._start: dict[str, int | None] = {}
         self._xids: dict[str, list[int]] = {}
         self._stop = threading.Event()

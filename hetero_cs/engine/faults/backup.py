@@ -114,11 +114,10 @@ class SupervisedBackup(keras.callbacks.Callback):
         with _ORDINAL_LOCK:
             self._ordinal = next(_FIT_ORDINALS)
         self._record_path = self._dir / f"fit_{self._ordinal}.json"
-        self._epoch = 0
-        self._batches = 0  # batches of the current epoch applied
+        self._epoch, self._batches = 0, 0  # the current epoch, and its batches applied
         self._resume_metrics: list | None = None  # metric values to put back when the resumed epoch begins
-        self._resume_epoch: int | None = None
-        self._resume_batches = 0  # batches of the resumed epoch applied before the restart (skipped now)
+        # The resumed epoch (None: not resumed), and its batches applied before the restart (skipped now).
+        self._resume_epoch, self._resume_batches = None, 0
         self._history: list[dict] = []  # each finished epoch's logs (fit's History), kept in every backup
         self._slot: str | None = None  # the arrays the record names now
         self._last_end = time.perf_counter()  # when the last backup (or fit's start) ended
