@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch,run}")
     run_help = "run a training script, restarting it without a card it lost (resumes from fit's backup)"
     for name, run, add_arguments, options in (
-        ("devices", _devices, None, dict(help="list compute devices (TensorFlow joined with NVML facts)")),
+        ("devices", _devices, lambda verb: None, dict(help="list compute devices (TensorFlow joined with NVML facts)")),
         ("calibrate", _calibrate, add_calibrate_arguments,
          dict(help="time each device on a reference model and write a profile")),
         ("plan", _plan, add_plan_arguments,
@@ -115,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
          dict(help=run_help, description=run_help[0].upper() + run_help[1:] + ": see docs/failover.md.")),
     ):
         verb = verbs.add_parser(name, **options)
-        if add_arguments is not None:
-            add_arguments(verb)
+        add_arguments(verb)
         verb.set_defaults(run=run)
     return parser
 
