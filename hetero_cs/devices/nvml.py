@@ -119,8 +119,7 @@ def read_nvml_records(pynvml: Any) -> tuple[list[NvmlRecord], list[str]]:
         records.append(record(handle, uuid, mig=mig_on, index=index, **common))
         if not mig_on:
             continue
-        slots = optional("mig_device_count", uuid, pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
-        for slot in range(slots):
+        for slot in range(optional("mig_device_count", uuid, pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
             try:
                 mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except pynvml.NVMLError:  # NotFound: an empty slot.

@@ -175,9 +175,8 @@ def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_
         emulator.check_memory(replica_id, int(size), training=training)
         return np.float64(0.0)
 
-    passed = _host_scalar(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)],
-                          f"emulated_memory_check_{replica_id}")
-    return tie_to_stamp(structure, passed)
+    return tie_to_stamp(structure, _host_scalar(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)],
+                                                f"emulated_memory_check_{replica_id}"))
 
 
 def tie_to_stamp(structure: Any, stamp: Any) -> Any:
