@@ -241,8 +241,7 @@ class Emulator(DeepcopiedWithNewLocks):
         return self._workload
 
     def _check_replica(self, replica_id: int) -> None:
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
-                or not 0 <= replica_id < len(self._specs):
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < len(self._specs):
             raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
                               f"num_replicas={len(self._specs)}.")
 
