@@ -35,9 +35,14 @@ from hetero_cs.planning.micro_batches import (
 from hetero_cs.planning.plan import even_batch_split
 from hetero_cs.planning.solver import solve_batch_split
 
-DEFAULT_WORKLOAD = Workload(flops_per_example=7_715_946_496, parameter_bytes=102_334_368,
-                            optimizer_bytes=2 * 102_334_368, activation_bytes_per_example=148_480_848,
-                            non_trainable_bytes=212_480, layers=176)
+DEFAULT_WORKLOAD = Workload(
+    flops_per_example=7_715_946_496,
+    parameter_bytes=102_334_368,
+    optimizer_bytes=2 * 102_334_368,
+    activation_bytes_per_example=148_480_848,
+    non_trainable_bytes=212_480,
+    layers=176,
+)
 """ResNet-50 on 224x224x3 images in float32 (TF32 where a card has it, TensorFlow's default), trained with Adam: the
 figures ``hetero_cs.devices.workload.estimate_workload(keras.applications.ResNet50(weights=None))`` gives (Keras
 3.15; 7.7 GFLOP per example forward, two per multiply-add, as He et al. 2016 count 3.8e9 multiply-adds; 25.6 M
@@ -125,18 +130,25 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
     busy = [[model.predict_step_time_s(b) for model, b in zip(models, p.per_replica_batch_sizes)]
             for p in plan.sub_step_plans]
     return {
-        "devices": [spec.name for spec in specs], "global_batch_size": B,
-        "predicted_step_s": step_s, "examples_per_s": B / step_s,
+        "devices": [spec.name for spec in specs],
+        "global_batch_size": B,
+        "predicted_step_s": step_s,
+        "examples_per_s": B / step_s,
         "per_replica_batch_sizes": list(plan.per_replica_batch_sizes),
-        "micro_batch_sizes": list(plan.micro_batch_sizes), "micro_batch_counts": list(plan.micro_batch_counts),
-        "sub_steps": plan.num_sub_steps, "memory_caps": caps,
+        "micro_batch_sizes": list(plan.micro_batch_sizes),
+        "micro_batch_counts": list(plan.micro_batch_counts),
+        "sub_steps": plan.num_sub_steps,
+        "memory_caps": caps,
         "idle": [i for i, k in enumerate(plan.micro_batch_counts) if k == 0],
         "sub_step_batch_sizes": [list(p.per_replica_batch_sizes) for p in plan.sub_step_plans],
-        "sub_step_busy_s": busy, "predicted_busy_s": [sum(row[i] for row in busy) for i in range(R)],
+        "sub_step_busy_s": busy,
+        "predicted_busy_s": [sum(row[i] for row in busy) for i in range(R)],
         "overlapped": plan.overlapped,
         "call_sub_steps": [len(call) for call in plan.calls] if plan.overlapped else None,
-        "even_split_step_s": even_s, "speedup_vs_even": None if even_s is None else even_s / step_s,
-        "fastest_card": specs[fastest].name, "fastest_card_step_s": alone[fastest],
+        "even_split_step_s": even_s,
+        "speedup_vs_even": None if even_s is None else even_s / step_s,
+        "fastest_card": specs[fastest].name,
+        "fastest_card_step_s": alone[fastest],
         "speedup_vs_fastest": alone[fastest] / step_s,
         "compute_rates": [spec.rate_name(workload.compute_dtype, tf32=workload.tensor_float_32) for spec in specs],
         "peak_tflops": [spec.peak_tflops(workload.compute_dtype, tf32=workload.tensor_float_32) for spec in specs],
