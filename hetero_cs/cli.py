@@ -82,11 +82,10 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         from benchmarks.balance import main as balance_main
     except ImportError as exc:  # the wheel ships the benchmarks package: an install that lost it
-        raise ConfigError(
-            f"`hetero-cs bench` runs the benchmarks package (benchmarks/balance.py), which the hetero_cs wheel "
-            f"installs beside hetero_cs, but it could not be imported ({exc}). Reinstall hetero_cs "
-            f"(pip install --force-reinstall hetero_cs), or run `python benchmarks/balance.py` in a source checkout."
-        ) from exc
+        raise ConfigError(f"`hetero-cs bench` runs the benchmarks package (benchmarks/balance.py), which the hetero_cs "
+                          f"wheel installs beside hetero_cs, but it could not be imported ({exc}). Reinstall hetero_cs "
+                          f"(pip install --force-reinstall hetero_cs), or run `python benchmarks/balance.py` in a "
+                          f"source checkout.") from exc
     return int(balance_main(args.bench_args) or 0)
 
 
@@ -101,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{devices,calibrate,plan,bench,launch,run}")
     run_help = "run a training script, restarting it without a card it lost (resumes from fit's backup)"
     for name, run, add_arguments, options in (
-        ("devices", _devices, None, dict(help="list compute devices (TensorFlow joined with NVML facts)")),
+        ("devices", _devices, lambda verb: None, dict(help="list compute devices (TensorFlow joined with NVML facts)")),
         ("calibrate", _calibrate, add_calibrate_arguments,
          dict(help="time each device on a reference model and write a profile")),
         ("plan", _plan, add_plan_arguments,
@@ -116,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
          dict(help=run_help, description=run_help[0].upper() + run_help[1:] + ": see docs/failover.md.")),
     ):
         verb = verbs.add_parser(name, **options)
-        if add_arguments is not None:
-            add_arguments(verb)
+        add_arguments(verb)
         verb.set_defaults(run=run)
     return parser
 
@@ -125,10 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hetero-cs` console script; returns the exit status (0 ok, 2 a hetero_cs error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to benchmarks/balance.py, --help included
-        args = argparse.Namespace(verb="bench", bench_args=argv[1:], run=_bench, verbose=False)
-    else:
-        args = build_parser().parse_args(argv)
+    # Everything after `bench` belongs to benchmarks/balance.py, --help included.
+    args = (argparse.Namespace(verb="bench", bench_args=argv[1:], run=_bench, verbose=False) if argv[:1] == ["bench"]
+            else build_parser().parse_args(argv))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if not args.verbose:
         # TensorFlow's C++ INFO and WARNING lines stay off here and in the scripts `run` and `launch` start (they

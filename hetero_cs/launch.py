@@ -52,6 +52,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from hetero_cs.devices.gpu_health import CardWatch, visible_gpus
 from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
 from hetero_cs.launch_config import check_emulate, check_workers, free_ports, parse_emulate, tf_config, worker_gpus
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
@@ -102,29 +103,23 @@ class Launch:
         self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS,
                                          "relaunches of the cluster after a worker failed")
         self._emulate = None if emulate is None else check_emulate(emulate, num_workers)
-        from hetero_cs.devices.gpu_health import visible_gpus
-
         # Each worker's own GPUs, by UUID (None: no GPU, or emulated cards); a lost card is NVML's to say.
         self._gpus = worker_gpus(visible_gpus() if self._emulate is None else [], num_workers)
         self._evidence: list = []  # (Gpu, why) of the cards NVML showed failed in the last launch
         self.restarts = 0
-        self._tails: list[collections.deque] = []  # each worker's last lines, to tell why it failed
-        self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
         # HETERO_CS_MAX_BATCH_SIZES's caps (set by hand, or after an out-of-memory relaunch), one per replica.
         self._caps: list[int | None] | None = read_caps(os.environ.get(CAPS_ENV_VAR, ""))
         # No stdout at all (started with `>&-`): the lines go nowhere, but the workers' pipes are still drained.
         self._output = output or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - lives as long as the launch
         self._print_lock = threading.Lock()
         self._writable = True  # False once our own output is closed
-        self._processes: list[subprocess.Popen] = []
         self._stop = threading.Event()
         self._signal = signal.SIGINT  # the signal that asked to stop (Ctrl-C unless told otherwise)
 
     def _environment(self, ports: Sequence[int], index: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env["TF_CONFIG"] = tf_config(ports, index)
-        env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
-        env[RESTART_ENV_VAR] = str(self.restarts)
+        # PYTHONUNBUFFERED: lines arrive as they are printed
+        env = {**os.environ, "TF_CONFIG": tf_config(ports, index), "PYTHONUNBUFFERED": "1",
+               RESTART_ENV_VAR: str(self.restarts)}
         if self._emulate is not None:
             env[EMULATE_ENV_VAR] = ",".join(self._emulate)
         if self._caps is not None:
@@ -160,18 +155,14 @@ class Launch:
     def run(self) -> int:
         """Starts the workers, waits for them, and returns the exit status (see the module docstring); with
         ``max_restarts``, relaunches the cluster after a failure that a relaunch can get past (:meth:`_relaunch`)."""
-        from hetero_cs.devices.gpu_health import CardWatch
-
         while True:
             with CardWatch([gpu for gpus in self._gpus or [] for gpu in gpus]) as watch:
                 status = self._run_cluster()
                 self._evidence = watch.lost([line for tail in self._tails for line in tail]) if status else []
-            if status == 0 or self._stop.is_set() or self._failed is None or self.restarts >= self._max_restarts:
-                if status != 0 and self._max_restarts and self.restarts >= self._max_restarts and \
-                        not self._stop.is_set():
-                    self._note(f"not relaunching: --max-restarts={self._max_restarts} relaunch(es) used")
-                return status
-            if not self._relaunch(status):
+            if status != 0 and self._max_restarts and self.restarts >= self._max_restarts and not self._stop.is_set():
+                self._note(f"not relaunching: --max-restarts={self._max_restarts} relaunch(es) used")
+            if status == 0 or self._stop.is_set() or self._failed is None or self.restarts >= self._max_restarts \
+                    or not self._relaunch(status):
                 return status
 
     def _relaunch(self, status: int) -> bool:
@@ -249,17 +240,17 @@ class Launch:
         told = re.compile(rf"WorkerLostError: model\.\w+ stopped on worker \d+: worker (\d+) stopped, out of memory "
                           rf".*?{caps_text}")
         found = [match for tail in self._tails for line in tail if (match := own.search(line) or told.search(line))]
-        named = [caps for caps in (read_caps(match.group(2)) for match in found) if caps is not None]
-        if self._caps is not None:
-            named.append(self._caps)
+        # The caps each names, and those in force.
+        named = [caps for caps in (*(read_caps(match.group(2)) for match in found), self._caps) if caps is not None]
         if not found or len({len(caps) for caps in named}) != 1:
             return None
         return sorted({int(match.group(1)) for match in found}), lowest_caps(*named)
 
     def _run_cluster(self) -> int:
         """One launch of the N workers: starts them, waits, and returns the exit status."""
-        self._processes = []
-        self._failed = None
+        self._processes: list[subprocess.Popen] = []
+        self._failed: tuple[int, int] | None = None  # (worker, exit code) of the first failure
+        # Each worker's last lines, to tell why it failed.
         self._tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(self._num_workers)]
         ports = free_ports(self._num_workers)
         pumps = []
@@ -294,13 +285,11 @@ class Launch:
         self._signal = signum
 
     def _wait(self) -> int:
-        status = 0
         while True:
             codes = [p.poll() for p in self._processes]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed and status == 0:
-                index, code = failed[0]
-                self._failed = (index, code)
+            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None:
+                self._failed = index, code = failed
                 status = exit_status(code)
                 # The others find out themselves within seconds (a WorkerLostError naming the worker, from
                 # TensorFlow's collectives and coordination service) and end with a clean error; a SIGINT in the
@@ -327,9 +316,8 @@ class Launch:
         returns when all have exited."""
         running = [p for p in self._processes if p.poll() is None]
         for sig in (signal.SIGINT, signal.SIGTERM):
-            for process in running:
-                if process.poll() is None:
-                    signal_group(process, sig)
+            for process in [p for p in running if p.poll() is None]:
+                signal_group(process, sig)
             _all_exit(running, self._grace_s / 2)
         killed = [self._processes.index(p) for p in running if p.poll() is None]
         for process in self._processes:
@@ -355,16 +343,15 @@ def _all_exit(processes: list, timeout_s: float, stop: threading.Event | None = 
 def add_launch_arguments(parser) -> None:
     """The ``hetero-cs launch`` options."""
     parser.add_argument("--workers", type=int, required=True, help="number of worker processes (N >= 1)")
-    parser.add_argument("--emulate", default=None,
-                        help="the catalog devices of each worker, comma-separated (e.g. A10,T4); several replicas "
-                             "per worker joined by + (e.g. A10+T4,P100+T4); sets HETERO_CS_EMULATE")
-    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
-                        help=f"seconds from SIGINT (SIGTERM at half) to SIGKILL when stopping workers (default "
-                             f"{DEFAULT_GRACE_S:g})")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="relaunch the cluster after a failure at most this often (default 0): without a worker "
-                             "whose card failed, with a lower memory cap after a replica ran out of memory (in "
-                             "HETERO_CS_MAX_BATCH_SIZES), or with every worker after a worker killed by a signal")
+    parser.add_argument("--emulate", default=None, help="the catalog devices of each worker, comma-separated (e.g. "
+                        "A10,T4); several replicas per worker joined by + (e.g. A10+T4,P100+T4); sets "
+                        "HETERO_CS_EMULATE")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, help=f"seconds from SIGINT (SIGTERM at "
+                        f"half) to SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--max-restarts", type=int, default=0, help="relaunch the cluster after a failure at most "
+                        "this often (default 0): without a worker whose card failed, with a lower memory cap after a "
+                        "replica ran out of memory (in HETERO_CS_MAX_BATCH_SIZES), or with every worker after a worker "
+                        "killed by a signal")
     parser.add_argument("command", nargs="+", help="the command every worker runs, after `--`")
 
 

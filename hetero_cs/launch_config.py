@@ -10,6 +10,7 @@ import json
 import socket
 from collections.abc import Sequence
 
+from hetero_cs.devices.catalog import get_device_spec
 from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER
 from hetero_cs.errors import ConfigError
 from hetero_cs.supervisor import checked_int
@@ -52,9 +53,8 @@ def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
             numbers of replicas.
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
-    if text is None:
-        return None
-    return check_emulate([name.strip() for name in text.split(",")], num_workers, written=text)
+    return None if text is None else check_emulate([name.strip() for name in text.split(",")], num_workers,
+                                                    written=text)
 
 
 def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None = None) -> list[str]:
@@ -89,11 +89,8 @@ def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None
             f"{MAX_EMULATED_REPLICAS_PER_WORKER} per worker are supported (more stalled in testing: their emulated "
             f"waits block beside the CPU collectives). Use more --workers with fewer devices each."
         )
-    from hetero_cs.devices.catalog import get_device_spec
-
-    for group in groups:
-        for part in group:
-            get_device_spec(part)
+    for part in [part for group in groups for part in group]:
+        get_device_spec(part)  # an UnknownEmulatedDeviceError for a name the catalog does not know
     return ["+".join(group) for group in groups]
 
 

@@ -35,8 +35,8 @@ handing stop signals over. This module imports neither TensorFlow nor pynvml at 
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 import hashlib
 import os
 import pathlib
@@ -47,11 +47,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
 from hetero_cs.devices.fault_texts import STICKY_TEXT
+from hetero_cs.devices.gpu_health import CardWatch, visible_gpus
 from hetero_cs.engine.faults.supervised_run import (
     BACKUP_DIR_ENV_VAR, EXCLUDED_ENV_VAR, MANIFEST, OWNED_DIR, RESTART_ENV_VAR, register, remove_written, written)
 from hetero_cs.errors import ConfigError
@@ -68,14 +68,9 @@ _OUTSIDE = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # dea
 _EMULATED_LOST = re.compile(r"hetero_cs emulation: lost replica=(\d+) \(([^)]*)\)")
 
 
-@dataclasses.dataclass(frozen=True)
-class LostCard:
-    """An emulated card the script died of: its ``index`` in ``emulate=`` order as the script saw it, its catalog
-    ``name`` and the ``line`` that named it."""
-
-    index: int
-    name: str
-    line: str
+# An emulated card the script died of: its ``index`` in ``emulate=`` order as the script saw it, its catalog ``name``
+# and the ``line`` that named it.
+LostCard = collections.namedtuple("LostCard", "index name line")
 
 
 def lost_card_in(line: str) -> LostCard | None:
@@ -187,9 +182,8 @@ def exit_status(code: int) -> int:
 def stop_signals_to(handler):
     """Within: SIGINT, SIGTERM and SIGHUP call ``handler`` (only the main thread can set handlers); then the
     previous handlers again."""
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if main}
     try:
         yield
     finally:
@@ -231,8 +225,6 @@ class Supervisor:
     def __init__(self, command: Sequence[str], *, max_restarts: int = DEFAULT_MAX_RESTARTS,
                  backup_dir: str | os.PathLike | None = None, output: TextIO | None = None, allow_cpu: bool = False,
                  retry_transient: bool = False, grace_s: float = DEFAULT_GRACE_S) -> None:
-        from hetero_cs.devices.gpu_health import visible_gpus
-
         self._command = checked_command(command, "run")
         self._max_restarts = checked_int(max_restarts, "--max-restarts", 0, MAX_RESTARTS, "restarts after a lost card")
         self._allow_cpu, self._retry_transient = bool(allow_cpu), bool(retry_transient)
@@ -256,35 +248,22 @@ class Supervisor:
         self.excluded: list[int] = []  # positions in the script's first device list (emulate=, or the GPUs)
         self.lost_names: list[str] = []  # as the supervisor's lines name them
         self.restarts = 0
-        self._retried = False
-        self._on_cpu = False
-        self._tail: deque = deque(maxlen=_RECENT_LINES)
+        self._retried = self._on_cpu = False  # restarted after a sticky error with healthy cards; on the CPU now
+        self._tail: collections.deque = collections.deque(maxlen=_RECENT_LINES)
         self._child: subprocess.Popen | None = None
-        self._stop_signal: int | None = None
-        self._stop_deadline = float("inf")
+        self._stop_signal, self._stop_deadline = None, float("inf")  # a stop signal passed on; when its grace ends
 
     def _note(self, message: str) -> None:
         with contextlib.suppress(OSError, ValueError):
             self._output.write(f"[hetero-cs run] {message}\n")
             self._output.flush()
 
-    def _check_backup_dir(self) -> None:
-        """Creates the library's subdirectory and its manifest: a ConfigError naming --backup-dir when it cannot."""
-        try:
-            register(self.owned_dir, ["profiles.json", "profiles.meta.json"])
-        except OSError as exc:
-            raise ConfigError(
-                f"--backup-dir {str(self.backup_dir)!r} cannot be written ({type(exc).__name__}: {exc}). Give a "
-                f"writable directory with room for a copy of the model and its optimizer (--backup-dir DIR).") from exc
-
     def _remaining_gpus(self) -> list:
         return [gpu for i, gpu in enumerate(self._gpus) if i not in self.excluded]
 
     def _environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env[RESTART_ENV_VAR] = str(self.restarts)
-        env[BACKUP_DIR_ENV_VAR] = str(self.owned_dir)
-        env["PYTHONUNBUFFERED"] = "1"
+        env = {**os.environ, RESTART_ENV_VAR: str(self.restarts), BACKUP_DIR_ENV_VAR: str(self.owned_dir),
+               "PYTHONUNBUFFERED": "1"}
         if self.excluded:
             env[EXCLUDED_ENV_VAR] = ",".join(str(i) for i in sorted(self.excluded))
         if self._gpus:
@@ -302,12 +281,8 @@ class Supervisor:
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
         self._stop_deadline = min(self._stop_deadline, time.monotonic() + self._grace_s)
-        self._signal_child(signum)
-
-    def _signal_child(self, signum: int) -> None:
-        child = self._child
-        if child is not None and child.poll() is None:
-            signal_group(child, signum)
+        if self._child is not None and self._child.poll() is None:
+            signal_group(self._child, signum)
 
     def _run_once(self) -> int:
         self._tail.clear()
@@ -319,29 +294,11 @@ class Supervisor:
             if time.monotonic() > self._stop_deadline:  # a stop signal passed on was not obeyed in time
                 self._note(f"the script did not stop within {self._grace_s:g} s of signal {self._stop_signal}: "
                            f"killing it (SIGKILL)")
-                self._signal_child(signal.SIGKILL)
+                signal_group(child, signal.SIGKILL)
                 self._stop_deadline = float("inf")
         signal_group(child, signal.SIGKILL)  # what the script left behind there: its pipe would keep the pump waiting
         pump.join(timeout=10.0)
         return exit_status(code)
-
-    def _exclude_gpus(self, found: list, status: int) -> bool:
-        """Leaves the GPUs in ``found`` ((Gpu, evidence) pairs) out of the next run; False when none would be left
-        and the CPU is not allowed (the line then says so)."""
-        for gpu, why in found:
-            self.excluded.append(self._gpus.index(gpu))
-            self.lost_names.append(f"{gpu} ({why})")
-        if self._remaining_gpus():
-            return True
-        lost = "; ".join(self.lost_names)
-        if not self._allow_cpu:
-            self._note(f"the script lost its last GPU: {lost}. No GPU is left, so it is not restarted (it would train "
-                       f"on the CPU). Replace the card, or run with --allow-cpu to go on on the CPU. Status {status}. "
-                       f"Backups kept in {self.owned_dir}")
-            return False
-        self._on_cpu = True
-        self._note(f"no GPU is left ({lost}); --allow-cpu: restarting on the CPU (CUDA_VISIBLE_DEVICES='')")
-        return True
 
     def _decide(self, status: int, watch) -> str | None:
         """After a failure: why and how the script is restarted, in words, or None to pass the status on."""
@@ -353,9 +310,21 @@ class Supervisor:
             what = f"the emulated {card.name} at position {position} of emulate="
             self.lost_names.append(what)
             return f"it lost {what} (its line: {card.line[:200]}). Restarting it without that card"
-        found = watch.lost(lines)
+        found = watch.lost(lines)  # (Gpu, evidence) pairs: those GPUs are left out of the next run
         if found:
-            return None if not self._exclude_gpus(found, status) else "it lost {}. Restarting it without {}".format(
+            for gpu, why in found:
+                self.excluded.append(self._gpus.index(gpu))
+                self.lost_names.append(f"{gpu} ({why})")
+            if not self._remaining_gpus():
+                lost = "; ".join(self.lost_names)
+                if not self._allow_cpu:
+                    self._note(f"the script lost its last GPU: {lost}. No GPU is left, so it is not restarted (it "
+                               f"would train on the CPU). Replace the card, or run with --allow-cpu to go on on the "
+                               f"CPU. Status {status}. Backups kept in {self.owned_dir}")
+                    return None
+                self._on_cpu = True
+                self._note(f"no GPU is left ({lost}); --allow-cpu: restarting on the CPU (CUDA_VISIBLE_DEVICES='')")
+            return "it lost {}. Restarting it without {}".format(
                 "; ".join(f"{gpu} ({why})" for gpu, why in found), "any GPU" if self._on_cpu else "that card")
         sticky = next((line.strip() for line in reversed(lines) if STICKY_TEXT.search(line)), None)
         if sticky is None:
@@ -377,9 +346,12 @@ class Supervisor:
     def run(self) -> int:
         """Runs the script until it succeeds, fails for another reason, or runs out of restarts; returns the exit
         status (see the module docstring)."""
-        from hetero_cs.devices.gpu_health import CardWatch
-
-        self._check_backup_dir()
+        try:  # the library's subdirectory and its manifest: a ConfigError naming --backup-dir when they cannot be made
+            register(self.owned_dir, ["profiles.json", "profiles.meta.json"])
+        except OSError as exc:
+            raise ConfigError(
+                f"--backup-dir {str(self.backup_dir)!r} cannot be written ({type(exc).__name__}: {exc}). Give a "
+                f"writable directory with room for a copy of the model and its optimizer (--backup-dir DIR).") from exc
         with stop_signals_to(self._on_signal):
             if any(name.startswith("fit_") for name in written(self.owned_dir)) and any(
                     self.owned_dir.glob("fit_*.json")):

@@ -66,13 +66,8 @@ one example (fp32; see docs/emulation.md)."""
 # Usable bandwidth per lane and direction after line encoding, in bytes/s (PCI-SIG base specifications):
 # gen1 2.5 GT/s and gen2 5 GT/s use 8b/10b; gen3 8 GT/s, gen4 16 GT/s, gen5 32 GT/s use 128b/130b.
 # Real DMA throughput is a further ~10-20 % lower (TLP headers); the emulation uses these link rates.
-PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType({
-    1: 0.250e9,
-    2: 0.500e9,
-    3: 0.985e9,
-    4: 1.969e9,
-    5: 3.938e9,
-})
+PCIE_BYTES_PER_S_PER_LANE: Mapping[int, float] = types.MappingProxyType(
+    {1: 0.250e9, 2: 0.500e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9})
 
 
 def _is_real(value: Any) -> bool:
@@ -173,12 +168,9 @@ class DeviceSpec:
         return self._rate(compute_dtype, tf32)[0]
 
     def _rate(self, compute_dtype: str, tf32: bool) -> tuple[str, float | None]:
-        dtype = compute_dtype_of(compute_dtype)
-        if dtype == "float16":
-            return "fp16", self.fp16_tflops
-        if dtype == "bfloat16":
-            return "bf16", self.bf16_tflops
-        return ("tf32", self.tf32_tflops) if tf32 and self.tf32_tflops is not None else ("fp32", self.fp32_tflops)
+        float32 = ("tf32", self.tf32_tflops) if tf32 and self.tf32_tflops is not None else ("fp32", self.fp32_tflops)
+        return {"float16": ("fp16", self.fp16_tflops), "bfloat16": ("bf16", self.bf16_tflops)}.get(
+            compute_dtype_of(compute_dtype), float32)
 
     @property
     def pcie_bandwidth_bytes_per_s(self) -> float:
@@ -321,9 +313,8 @@ def _with_link(spec: DeviceSpec, link_text: str, name: str) -> DeviceSpec:
         raise ConfigError(
             f"{name!r}: a link override comes last, 'NAME[@MEMORY]~xLANES' or '~genGxLANES', with 1-32 lanes and "
             f"generation 1-5, e.g. 'P100~x1' (a one-lane riser) or 'T4@8GB~gen2x4'. Received: {link_text!r}.")
-    generation = int(match.group(1)) if match.group(1) else spec.pcie_generation
-    return dataclasses.replace(spec, pcie_generation=generation, pcie_lanes=lanes,
-                               name=f"{spec.name}{LINK_OVERRIDE_SEPARATOR}{link_text.strip()}")
+    return dataclasses.replace(spec, pcie_generation=int(match.group(1)) if match.group(1) else spec.pcie_generation,
+                               pcie_lanes=lanes, name=f"{spec.name}{LINK_OVERRIDE_SEPARATOR}{link_text.strip()}")
 
 
 def emulated_identity(name) -> tuple | None:

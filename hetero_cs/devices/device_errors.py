@@ -108,8 +108,7 @@ def oom_form(exc: BaseException) -> str | None:
         return "emulated"
     if not isinstance(exc, tf.errors.OpError):
         return None
-    message = str(exc)
-    form = next((name for name, pattern in OOM_FORMS if pattern.search(message)), None)
+    form = next((name for name, pattern in OOM_FORMS if pattern.search(str(exc))), None)
     if isinstance(exc, tf.errors.ResourceExhaustedError):
         return form or "resource exhausted"
     return form if isinstance(exc, _MESSAGE_CLASSES) else None
@@ -188,13 +187,11 @@ def op_name_replica(message: str, num_replicas: int, replica_scopes: Sequence[st
     match = (re.search(r"(?:^|/)hetero_replica_(\d+)/", name) or re.search(r"(?:^|/)replica_(\d+)/", name)
              or re.search(r"end_replica_step_(\d+)", name))
     if match:
-        replica_id = int(match.group(1))
-        return replica_id if 0 <= replica_id < num_replicas else None
+        return int(match.group(1)) if int(match.group(1)) < num_replicas else None
     scopes = name.split("/")[:-1]
     known = [*REPLICA_ONLY_SCOPES, *(s for s in replica_scopes if s)]
-    if any(scope == k or re.fullmatch(rf"{re.escape(k)}_\d+", scope) for scope in scopes for k in known):
-        return 0 if num_replicas > 0 else None
-    return None
+    replica_0 = any(scope == k or re.fullmatch(rf"{re.escape(k)}_\d+", scope) for scope in scopes for k in known)
+    return 0 if replica_0 and num_replicas > 0 else None
 
 
 def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
@@ -204,17 +201,14 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
     message = str(exc)
     num_replicas = len(compute_devices)
     emulated = re.search(r"Emulated out of memory: replica=(\d+)", message)
-    if emulated:
-        replica_id = int(emulated.group(1))
-        if 0 <= replica_id < num_replicas:
-            return replica_id, compute_devices[replica_id], "emulated"
+    if emulated and int(emulated.group(1)) < num_replicas:
+        return int(emulated.group(1)), compute_devices[int(emulated.group(1))], "emulated"
     device = named_device(message)
     if device is not None:
         on_device = [i for i, d in enumerate(compute_devices) if _device_named(d) == device]
         if len(on_device) == 1:
             return on_device[0], device, "device"
-        if not on_device:
-            return None, device, None  # the parameter device, or a device that runs no replica
+        # Several replicas there: the op's name decides. None: the parameter device, or a device that runs no replica.
         by_name = op_name_replica(message, num_replicas, replica_scopes)
         return (by_name, device, "op name") if by_name in on_device else (None, device, None)
     tagged = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly (run_eagerly=True)
@@ -236,10 +230,8 @@ def classify(exc: BaseException, compute_devices: Sequence[str],
     return OutOfMemory(form=form, device=device, replica_id=replica_id, blame=blame)
 
 
-# TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
-# with its traceback: a program error, unless it is the emulator's fault.
-_PYTHON_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
-_FAULT_CLASSES = (tf.errors.InternalError, tf.errors.UnknownError)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceFault:
     """A device error read from TensorFlow's error: its form, and the replica and device it names (or None)."""
@@ -254,12 +246,14 @@ def fault_form(exc: BaseException) -> str | None:
     """The device-fault form ``exc`` shows (a name from :data:`DEVICE_FAULT_FORMS`), or None: see the module rule."""
     if isinstance(exc, EmulatedDeviceError):  # an emulated fault raised as itself by an eager step
         return "ecc"
-    if not isinstance(exc, _FAULT_CLASSES) or is_out_of_memory(exc):
+    if not isinstance(exc, (tf.errors.InternalError, tf.errors.UnknownError)) or is_out_of_memory(exc):
         return None
     message = str(exc)
     if PROGRAM_ASSERT.search(message):
         return None
-    if _PYTHON_TRACEBACK.search(message):  # a Python error inside the step: the program's, or the emulator's fault
+    # TensorFlow reports a Python exception raised inside a step (tf.numpy_function, tf.py_function) as UnknownError
+    # with its traceback: a program error, unless it is the emulator's fault.
+    if "Traceback (most recent call last)" in message:
         return "ecc" if "EmulatedDeviceError" in message else None
     return next((name for name, pattern in DEVICE_FAULT_FORMS if pattern.search(message)), None)
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
-import re
 import sys
 import threading
 import warnings
 from collections.abc import Sequence
+from uuid import UUID
 
 from hetero_cs.devices.nvml import NvmlRecord, _query_nvml, normalize_pci_bus_id
 from hetero_cs.errors import DeviceError
@@ -47,10 +48,9 @@ _WARNED_ONCE_LOCK = threading.Lock()
 
 def _first_time(key: str) -> bool:
     with _WARNED_ONCE_LOCK:
-        if key in _WARNED_ONCE:
-            return False
+        first = key not in _WARNED_ONCE
         _WARNED_ONCE.add(key)
-        return True
+    return first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +94,9 @@ class DeviceInfo:
     def __post_init__(self) -> None:
         if not self.name:
             raise DeviceError("DeviceInfo.name is empty; give the TF device name, e.g. name='/device:GPU:0'.")
-        if self.device_type not in DEVICE_TYPES:
-            raise DeviceError(f"DeviceInfo device_type={self.device_type!r} must be one of {DEVICE_TYPES}.")
-        if self.source not in SOURCES:
-            raise DeviceError(f"DeviceInfo source={self.source!r} must be one of {SOURCES}.")
+        for field, allowed in (("device_type", DEVICE_TYPES), ("source", SOURCES)):
+            if getattr(self, field) not in allowed:
+                raise DeviceError(f"DeviceInfo {field}={getattr(self, field)!r} must be one of {allowed}.")
         for field in ("memory_total_bytes", "memory_free_bytes", "pcie_generation", "pcie_width"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -134,19 +133,20 @@ def parse_cuda_visible_devices(value: str | None) -> list[str] | None:
     """
     if value is None:
         return None
-    entries: list[str] = []
-    for raw in value.split(","):
-        entry = raw.strip()
-        if re.fullmatch(r"\d+", entry) or entry.upper().startswith(("GPU-", "MIG-")):
-            entries.append(entry)
-        else:  # "", "-1", garbage: CUDA ignores this entry and every later one.
-            break
-    return entries
+    # Up to the first entry that is neither an index nor a UUID ("", "-1", garbage): CUDA ignores it and every
+    # later one.
+    entries = (raw.strip() for raw in value.split(","))
+    return list(itertools.takewhile(lambda e: e.isdecimal() or e.upper().startswith(("GPU-", "MIG-")), entries))
 
 
 def _uuid_body(uuid: str) -> str:
     body = uuid.strip().lower()
     return body[4:] if body.startswith(("gpu-", "mig-")) else body
+
+
+def _only(candidates: list) -> NvmlRecord | None:
+    """The one candidate, or None when there are none or several (an ambiguous match is no match)."""
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[NvmlRecord], *,
@@ -180,16 +180,12 @@ def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[Nvml
         match: NvmlRecord | None = None
         if entry is not None and not entry.isdigit():
             wanted = entry.lower()
-            candidates = [r for r in nvml_records if r.uuid.lower() == wanted]
-            candidates = candidates or [r for r in nvml_records if r.uuid.lower().startswith(wanted)]
-            if len(candidates) == 1:
-                match = candidates[0]
+            match = _only([r for r in nvml_records if r.uuid.lower() == wanted]
+                          or [r for r in nvml_records if r.uuid.lower().startswith(wanted)])
         if match is None and gpu.uuid:
-            candidates = [r for r in nvml_records if _uuid_body(r.uuid) == _uuid_body(gpu.uuid)]
-            match = candidates[0] if len(candidates) == 1 else None
+            match = _only([r for r in nvml_records if _uuid_body(r.uuid) == _uuid_body(gpu.uuid)])
         if match is None and gpu.pci_bus_id:
-            candidates = [r for r in gpus_by_bus if r.pci_bus_id == gpu.pci_bus_id]
-            match = candidates[0] if len(candidates) == 1 else None
+            match = _only([r for r in gpus_by_bus if r.pci_bus_id == gpu.pci_bus_id])
         if match is None and (cuda_device_order or "").strip().upper() == "PCI_BUS_ID":
             position = int(entry) if entry is not None and entry.isdigit() else gpu.index
             match = gpus_by_bus[position] if position < len(gpus_by_bus) else None
@@ -216,10 +212,8 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
     if library is None:
         return {}
     try:
-        if library.cuInit(0) != 0:
-            return {}
         count = ctypes.c_int(0)
-        if library.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        if library.cuInit(0) != 0 or library.cuDeviceGetCount(ctypes.byref(count)) != 0:
             return {}
         get_uuid = getattr(library, "cuDeviceGetUuid_v2", None) or getattr(library, "cuDeviceGetUuid", None)
         identities: dict[int, tuple[str | None, str | None]] = {}
@@ -227,16 +221,11 @@ def _cuda_driver_identities() -> dict[int, tuple[str | None, str | None]]:
             device = ctypes.c_int(0)
             if library.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
                 continue
-            buffer = ctypes.create_string_buffer(64)
-            bus_id = None
-            if library.cuDeviceGetPCIBusId(buffer, ctypes.c_int(64), device) == 0:
-                bus_id = normalize_pci_bus_id(buffer.value)
-            raw = (ctypes.c_ubyte * 16)()
-            uuid = None
-            if get_uuid is not None and get_uuid(raw, device) == 0:
-                h = bytes(raw).hex()
-                uuid = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-            identities[ordinal] = (bus_id, uuid)
+            buffer, raw = ctypes.create_string_buffer(64), (ctypes.c_ubyte * 16)()
+            found = library.cuDeviceGetPCIBusId(buffer, ctypes.c_int(64), device) == 0
+            bus_id = normalize_pci_bus_id(buffer.value) if found else None
+            found = get_uuid is not None and get_uuid(raw, device) == 0
+            identities[ordinal] = (bus_id, str(UUID(bytes=bytes(raw))) if found else None)  # UUID: 8-4-4-4-12 hex
         return identities
     except (OSError, AttributeError, DeviceError) as exc:
         logger.debug("CUDA driver query failed: %s", exc)
@@ -274,15 +263,14 @@ def _list_tf_devices() -> list[tuple[str, str, TfGpuRecord | None]]:
     """
     import tensorflow as tf
 
-    identities: dict[int, tuple[str | None, str | None]] | None = None
+    # {CUDA ordinal: (pci_bus_id, uuid)}, asked of the CUDA driver only when TensorFlow sees a GPU
+    identities = _cuda_driver_identities() if tf.config.get_visible_devices("GPU") else {}
     listed: list[tuple[str, str, TfGpuRecord | None]] = []
     for device_type in ("CPU", "GPU"):
         logical_index = 0
         for physical in tf.config.get_visible_devices(device_type):
             record = None
             if device_type == "GPU":
-                if identities is None:
-                    identities = _cuda_driver_identities()
                 index = int(physical.name.rsplit(":", 1)[1])
                 try:
                     details = tf.config.experimental.get_device_details(physical)
@@ -320,8 +308,7 @@ def discover_devices() -> list[DeviceInfo]:
     """
     tf_devices = _list_tf_devices()
     nvml_records, problems, reason = _query_nvml()
-    has_gpu = any(kind == "GPU" for _, kind, _ in tf_devices)
-    if reason is not None and not has_gpu:
+    if reason is not None and not any(kind == "GPU" for _, kind, _ in tf_devices):
         # No GPU to describe (a CPU-only or emulated run): nothing is missing, so no warning.
         logger.info("NVML is unavailable (%s); TensorFlow sees no GPU.", reason)
     elif reason is not None and _first_time("nvml-unavailable"):
@@ -337,10 +324,9 @@ def discover_devices() -> list[DeviceInfo]:
     joined = dict(zip(gpu_records, join_gpu_records(
         gpu_records, nvml_records or [], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         cuda_device_order=os.environ.get("CUDA_DEVICE_ORDER"))))
-    cpu_description = _host_description() if any(kind == "CPU" for _, kind, _ in tf_devices) else ""
     host_total, host_free = _host_memory_bytes()
-    cpu = dict(device_type="CPU", description=cpu_description, memory_total_bytes=host_total,
-               memory_free_bytes=host_free)
+    cpu = dict(device_type="CPU", memory_total_bytes=host_total, memory_free_bytes=host_free,
+               description=_host_description() if any(kind == "CPU" for _, kind, _ in tf_devices) else "")
     return [DeviceInfo(name=name, **cpu) if record is None else gpu_device_info(name, record, joined.get(record))
             for name, _, record in tf_devices]  # a CPU device has no TfGpuRecord
 

@@ -44,7 +44,7 @@ from hetero_cs.devices.catalog import (
     get_device_spec,
 )
 from hetero_cs.devices.drift import Drift
-from hetero_cs.devices.workload import Workload, emulated_step_time_s, slice_memory_bytes
+from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
 
 __all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s"]
@@ -104,38 +104,34 @@ class Emulator(DeepcopiedWithNewLocks):
         self._specs = tuple(get_device_spec(name) for name in names)
         num_replicas = len(self._specs)
         if isinstance(drift, (Drift, str, bytes)) or not isinstance(drift, Iterable):
-            raise ConfigError(
-                f"drift must be a sequence of Drift instances. Received: drift={drift!r}. Wrap a single drift in a "
-                "list: drift=[Drift(replica_id=1, factor=2.0, from_step=200)].")
+            raise ConfigError(f"drift must be a sequence of Drift instances. Received: drift={drift!r}. Wrap a single "
+                              f"drift in a list: drift=[Drift(replica_id=1, factor=2.0, from_step=200)].")
         self._drift = tuple(drift)
         for item in self._drift:
             if not isinstance(item, Drift):
                 raise ConfigError(f"drift entries must be Drift instances; received: {item!r}.")
             if item.replica_id >= num_replicas:
-                raise ConfigError(
-                    f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} "
-                    f"(ids 0..{num_replicas - 1}); fix the drift's replica_id.")
+                raise ConfigError(f"Drift replica_id={item.replica_id} but there are num_replicas={num_replicas} (ids "
+                                  f"0..{num_replicas - 1}); fix the drift's replica_id.")
         if workload is not None:
             self._check_workload(workload)
         self._time_scale_source = None  # what fixed the scale (the argument or the environment), for messages
-        scale, raw = 1.0, os.environ.get(TIME_SCALE_ENV_VAR, "").strip()
+        self._time_scale, raw = 1.0, os.environ.get(TIME_SCALE_ENV_VAR, "").strip()
         if time_scale is not None:
-            scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
+            self._time_scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
         elif raw:
             self._time_scale_source = f"{TIME_SCALE_ENV_VAR}={raw!r}"
-            scale = self._check_scale(_float_or_text(raw), self._time_scale_source)
+            self._time_scale = self._check_scale(_float_or_text(raw), self._time_scale_source)
         self._lock = threading.Lock()
         self._workload = workload
-        self._time_scale = scale
         self._steps = [0] * num_replicas
 
     @staticmethod
     def _check_scale(value: float, label: str) -> float:
         if not _is_real(value) or not math.isfinite(value) or not 0 < value <= MAX_TIME_SCALE:
-            raise ConfigError(
-                f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time, and at most "
-                f"MAX_TIME_SCALE={MAX_TIME_SCALE:g} (there the emulated launch overhead alone takes 0.5 s per step)."
-            )
+            raise ConfigError(f"{label} (value {value!r}) must be a finite number > 0, e.g. 1.0 for real time, and at "
+                              f"most MAX_TIME_SCALE={MAX_TIME_SCALE:g} (there the emulated launch overhead alone takes "
+                              f"0.5 s per step).")
         return float(value)
 
     @property
@@ -215,49 +211,39 @@ class Emulator(DeepcopiedWithNewLocks):
         global_batch_size = int(global_batch_size)
         if not (_is_real(target_makespan_s) and math.isfinite(target_makespan_s)
                 and 0 < target_makespan_s <= MAX_EMULATED_MAKESPAN_S):
-            raise ConfigError(
-                f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. 0.05, and at "
-                f"most MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g}.")
+            raise ConfigError(f"target_makespan_s={target_makespan_s!r} must be a finite number of seconds > 0, e.g. "
+                              f"0.05, and at most MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g}.")
         with self._lock:
             if self._time_scale_source is not None and self._workload is None:
                 return self._time_scale  # nothing to check it against yet
             workload = self._require_workload()
             split = _even_split(global_batch_size, len(self._specs))
             makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
-            if self._time_scale_source is not None:
-                self._check_fixed_makespan(makespan_s, global_batch_size, target_makespan_s)
+            if self._time_scale_source is not None:  # fixed: it may not stretch the step beyond the longest
+                if self._time_scale * makespan_s > MAX_EMULATED_MAKESPAN_S:
+                    raise ConfigError(
+                        f"{self._time_scale_source} (value {self._time_scale:g}) stretches this model's emulated "
+                        f"even-split step at global_batch_size={global_batch_size} to "
+                        f"{self._time_scale * makespan_s:.3g} s, above MAX_EMULATED_MAKESPAN_S="
+                        f"{MAX_EMULATED_MAKESPAN_S:g} s. Use at most {MAX_EMULATED_MAKESPAN_S / makespan_s:.3g} (e.g. "
+                        f"{target_makespan_s / makespan_s:.3g} for a {target_makespan_s * 1e3:g} ms step), or leave it "
+                        f"unset and the scale is chosen for you.")
                 return self._time_scale
             self._time_scale = target_makespan_s / makespan_s
             logger.info("Emulation time_scale=%.4g (even-split makespan %.4g s emulated -> %.4g s).",
                         self._time_scale, makespan_s, target_makespan_s)
             return self._time_scale
 
-    def _check_fixed_makespan(self, unscaled_s: float, global_batch_size: int, target_makespan_s: float) -> None:
-        scaled_s = self._time_scale * unscaled_s
-        if scaled_s > MAX_EMULATED_MAKESPAN_S:
-            raise ConfigError(
-                f"{self._time_scale_source} (value {self._time_scale:g}) stretches this model's emulated even-split "
-                f"step at global_batch_size={global_batch_size} to {scaled_s:.3g} s, above "
-                f"MAX_EMULATED_MAKESPAN_S={MAX_EMULATED_MAKESPAN_S:g} s. Use at most "
-                f"{MAX_EMULATED_MAKESPAN_S / unscaled_s:.3g} (e.g. {target_makespan_s / unscaled_s:.3g} for a "
-                f"{target_makespan_s * 1e3:g} ms step), or leave it unset and the scale is chosen for you.")
-
     def _require_workload(self) -> Workload:
         if self._workload is None:
-            raise EmulationError(
-                "The emulator has no Workload. Pass workload= to Emulator(...) or call "
-                "emulator.set_workload(estimate_workload(model)).")
+            raise EmulationError("The emulator has no Workload. Pass workload= to Emulator(...) or call "
+                                 "emulator.set_workload(estimate_workload(model)).")
         return self._workload
 
-    def _drift_factor(self, replica_id: int, step: int) -> float:
-        return math.prod(d.factor for d in self._drift if d.replica_id == replica_id and d.applies(step))
-
     def _check_replica(self, replica_id: int) -> None:
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) \
-                or not 0 <= replica_id < len(self._specs):
-            raise ConfigError(
-                f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
-                f"num_replicas={len(self._specs)}.")
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < len(self._specs):
+            raise ConfigError(f"replica_id={replica_id!r} must be an int in [0, {len(self._specs)}) for "
+                              f"num_replicas={len(self._specs)}.")
 
     @staticmethod
     def _check_step(step: int | None, *, none_allowed: bool = True) -> None:
@@ -266,7 +252,8 @@ class Emulator(DeepcopiedWithNewLocks):
 
     def _step_time_locked(self, replica_id: int, batch_size: int, step: int) -> float:
         base_s = emulated_step_time_s(self._specs[replica_id], batch_size, self._require_workload())
-        return self._time_scale * self._drift_factor(replica_id, step) * base_s
+        return self._time_scale * math.prod(d.factor for d in self._drift if d.replica_id == replica_id
+                                            and d.applies(step)) * base_s
 
     def step_time_s(self, replica_id: int, batch_size: int, *, step: int | None = None) -> float:
         """Emulated step time of a replica, without advancing anything.
@@ -327,16 +314,13 @@ class Emulator(DeepcopiedWithNewLocks):
 
     def _check_health_locked(self, replica_id: int, step: int) -> None:
         """Raises (``fails``) or aborts the process (``lost``) when a drift says the card fails at ``step``."""
-        for item in self._drift:
-            if item.replica_id != replica_id:
-                continue
-            name = self._specs[replica_id].name
+        name = self._specs[replica_id].name
+        for item in (d for d in self._drift if d.replica_id == replica_id):
             if item.lost and step >= item.from_step:
                 # What a sticky CUDA error does: TensorFlow logs the driver's error, then the process aborts.
-                sys.stderr.write(
-                    f"hetero_cs emulation: lost replica={replica_id} ({name}) at its step {step}: "
-                    f"CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered (emulated sticky CUDA "
-                    f"error); the process aborts\n")
+                sys.stderr.write(f"hetero_cs emulation: lost replica={replica_id} ({name}) at its step {step}: "
+                                 f"CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered (emulated sticky "
+                                 f"CUDA error); the process aborts\n")
                 sys.stderr.flush()
                 os.abort()
             if item.fails and item.applies(step):
@@ -401,8 +385,6 @@ class Emulator(DeepcopiedWithNewLocks):
         Raises:
             EmulationError: If no Workload has been set.
         """
-        from hetero_cs.devices.workload import max_examples_in_memory
-
         memory = self.memory_bytes(replica_id, step=step)
         return max_examples_in_memory(self.workload or self._require_workload(), memory)
 
@@ -453,17 +435,15 @@ class Emulator(DeepcopiedWithNewLocks):
             workload, scale = self._workload, self._time_scale
             split = (_even_split(global_batch_size, len(self._specs))
                      if global_batch_size and workload is not None else None)
-            dtype, tf32 = ("float32", True) if workload is None else (workload.compute_dtype,
-                                                                      workload.tensor_float_32)
+            dtype, tf32 = ("float32", True) if workload is None else (workload.compute_dtype, workload.tensor_float_32)
             width = max([6] + [len(spec.name) for spec in self._specs])  # "T4@48MB" is wider than "A10"
             lines = [f"EMULATED devices (times below are emulated, not measured; time_scale={scale:.4g})",
                      f"{'replica':>7}  {'device':<{width}} {'peak TF':>10} {'PCIe':>9}  {'step (even split)':>18}  "
                      f"drift"]
             for i, spec in enumerate(self._specs):
                 link = "host" if spec.pcie_generation is None else f"gen{spec.pcie_generation} x{spec.pcie_lanes}"
-                step_text = "-"
-                if split is not None:
-                    step_text = f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})"
+                step_text = "-" if split is None else (
+                    f"{self._step_time_locked(i, split[i], self._steps[i]) * 1e3:.3f} ms ({split[i]})")
                 drift_text = ", ".join(d.describe() for d in self._drift if d.replica_id == i) or "-"
                 rate = f"{spec.peak_tflops(dtype, tf32=tf32):.1f} {spec.rate_name(dtype, tf32=tf32)}"
                 lines.append(f"{i:>7}  {spec.name:<{width}} {rate:>10} {link:>9}  {step_text:>18}  {drift_text}")

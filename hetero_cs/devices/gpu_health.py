@@ -60,9 +60,8 @@ def visible_gpus() -> list[Gpu]:
     cuda = [discovery.TfGpuRecord(index=k, pci_bus_id=bus, uuid=uuid) for k, (bus, uuid) in sorted(identities.items())]
     joined = discovery.join_gpu_records(cuda, records, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                                         cuda_device_order=os.environ.get("CUDA_DEVICE_ORDER"))
-    if any(record is None for record in joined):
-        return []
-    return [Gpu(k.index, r.uuid, r.pci_bus_id, r.name) for k, r in zip(cuda, joined)]
+    return [] if any(record is None for record in joined) else [
+        Gpu(k.index, r.uuid, r.pci_bus_id, r.name) for k, r in zip(cuda, joined)]
 
 
 def kernel_xid(line: str) -> tuple[str, int] | None:
@@ -84,8 +83,7 @@ class CardWatch:
 
     def __init__(self, gpus: Sequence[Gpu]) -> None:
         self.gpus = list(gpus)
-        self.available = False
-        self._nvml = None
+        self._nvml, self.available = None, False  # pynvml once NVML answered
         self._start: dict[str, int | None] = {}
         self._xids: dict[str, list[int]] = {}
         self._stop = threading.Event()

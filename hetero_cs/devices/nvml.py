@@ -119,8 +119,7 @@ def read_nvml_records(pynvml: Any) -> tuple[list[NvmlRecord], list[str]]:
         records.append(record(handle, uuid, mig=mig_on, index=index, **common))
         if not mig_on:
             continue
-        slots = optional("mig_device_count", uuid, pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
-        for slot in range(slots):
+        for slot in range(optional("mig_device_count", uuid, pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
             try:
                 mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             except pynvml.NVMLError:  # NotFound: an empty slot.
@@ -141,8 +140,7 @@ def _query_nvml() -> tuple[list[NvmlRecord] | None, list[str], str | None]:
     except pynvml.NVMLError as exc:
         return None, [], f"nvmlInit() raised {type(exc).__name__}: {exc}"
     try:
-        records, problems = read_nvml_records(pynvml)
-        return records, problems, None
+        return (*read_nvml_records(pynvml), None)
     except pynvml.NVMLError as exc:
         return None, [], f"an NVML device query raised {type(exc).__name__}: {exc}"
     finally:

@@ -30,10 +30,6 @@ def _probe_scalar(anchor: Any) -> tf.Tensor:
     return tf.reduce_sum(tf.cast(flat, tf.float64))
 
 
-def _perf_counter(_probe: Any) -> Any:
-    return np.float64(time.perf_counter())
-
-
 def _host_scalar(fn: Callable[..., Any], inputs: list, name: str, *, stateful: bool = False) -> tf.Tensor:
     """``fn(*inputs)`` run on the host by a ``tf.numpy_function``, as a float64 scalar tensor."""
     value = tf.numpy_function(fn, inputs, tf.float64, stateful=stateful, name=name)
@@ -56,7 +52,7 @@ def wall_clock_stamp(anchor: Any) -> tf.Tensor:
     Returns:
         A float64 scalar, seconds on the ``time.perf_counter`` clock.
     """
-    return _host_scalar(_perf_counter, [_probe_scalar(anchor)], "wall_clock_stamp")
+    return _host_scalar(lambda _probe: np.float64(time.perf_counter()), [_probe_scalar(anchor)], "wall_clock_stamp")
 
 
 def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,
@@ -180,9 +176,8 @@ def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_
         emulator.check_memory(replica_id, int(size), training=training)
         return np.float64(0.0)
 
-    passed = _host_scalar(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)],
-                          f"emulated_memory_check_{replica_id}")
-    return tie_to_stamp(structure, passed)
+    return tie_to_stamp(structure, _host_scalar(_check, [tf.cast(batch_size, tf.int64), _probe_scalar(anchor)],
+                                                f"emulated_memory_check_{replica_id}"))
 
 
 def tie_to_stamp(structure: Any, stamp: Any) -> Any:
@@ -206,12 +201,10 @@ def tie_to_stamp(structure: Any, stamp: Any) -> Any:
     zero = tf.cast(tf.math.is_nan(stamp), tf.float64)
 
     def tie(value: Any) -> Any:
-        if value is None:
-            return None
         if isinstance(value, tf.IndexedSlices):
             return tf.IndexedSlices(tie(value.values), value.indices, value.dense_shape)
         if not isinstance(value, (tf.Tensor, tf.Variable)) and not tf.is_tensor(value):
-            return value
+            return value  # None, or not a tensor
         dtype = tf.as_dtype(value.dtype)
         if not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
             return value
@@ -277,10 +270,9 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
             else:
                 end = end()
         sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
-        known = [(n, i) for i, n in enumerate(sizes) if n is not None]
+        known = [(n, i) for i, n in enumerate(sizes) if n is not None]  # the smallest gradient is tied
         index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
-        tied = list(grads)
-        tied[index] = tie_to_stamp(tied[index], end)
+        tied = [tie_to_stamp(g, end) if i == index else g for i, g in enumerate(grads)]
         if end_stamps is not None:
             end_stamps.append(end)
     return tied

@@ -16,14 +16,15 @@ Pure Python: no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from hetero_cs.devices.catalog import DeviceSpec, get_device_spec
 from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory
-from hetero_cs.errors import ConfigError
-from hetero_cs.planning.cost_model import idle_free
+from hetero_cs.errors import ConfigError, InfeasiblePlanError, MicroBatchError
+from hetero_cs.planning.cost_model import LinearCostModel, idle_free
 from hetero_cs.planning.micro_batches import (
     MicroBatchPlan,
     capacity_of,
@@ -62,14 +63,10 @@ class CatalogCostModel:
 def _as_line(model):
     """The catalog model as the :class:`LinearCostModel` it is (a fixed cost plus a cost per example), so that the
     planners take their closed-form paths (a batch of a million examples plans in milliseconds); as it is if not."""
-    from hetero_cs.planning.cost_model import LinearCostModel
-
     c = model.predict_step_time_s(2) - model.predict_step_time_s(1)
     a = model.predict_step_time_s(1) - c  # from one example on (an idle card's 0 is the planners' own rule)
     far = model.predict_step_time_s(65536)
-    if a < 0 or c <= 0 or abs(far - (a + 65536 * c)) > 1e-9 * max(1.0, far):
-        return model
-    return LinearCostModel(a, c)
+    return model if a < 0 or c <= 0 or abs(far - (a + 65536 * c)) > 1e-9 * max(1.0, far) else LinearCostModel(a, c)
 
 
 def mix(devices: Sequence[str], *, add: Sequence[str] = (), drop: Sequence[str] = ()) -> list[str]:
@@ -175,11 +172,7 @@ def _even_split_s(models, caps, global_batch_size: int) -> float | None:
 def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:
     """The plan the engine would choose: sub-steps with a barrier each (or one step), or, with two or more cards,
     the overlapped plan where it is predicted faster (:func:`~hetero_cs.planning.micro_batches.prefer_overlapped`)."""
-    from hetero_cs.errors import InfeasiblePlanError, MicroBatchError
-
-    def solve(b: int):
-        return solve_batch_split(models, b, max_batch_sizes=caps, min_batch_size=0)
-
+    solve = functools.partial(solve_batch_split, models, max_batch_sizes=caps, min_batch_size=0)  # solve(b)
     try:
         barrier = plan_micro_batches(global_batch_size, solve, capacity=capacity_of(caps))
         if len(models) < 2 or all(cap is None for cap in caps):

@@ -61,8 +61,7 @@ def plot_what_if(result: dict[str, Any], path) -> Path:
     caps = result["memory_caps"]
     names = [f"{i}: {name}" + ("" if caps[i] is None else f"\n(holds {caps[i]})") for i, name in
              enumerate(result["devices"])]
-    R = len(names)
-    figure = Figure(figsize=(12, 1.8 + 0.7 * R), layout="constrained")
+    figure = Figure(figsize=(12, 1.8 + 0.7 * len(names)), layout="constrained")
     FigureCanvasAgg(figure)
     timeline, throughput = figure.subplots(1, 2, width_ratios=[2.2, 1])
     _draw_step(timeline, result, names)

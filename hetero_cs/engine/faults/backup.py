@@ -97,15 +97,6 @@ def _variable_groups(model) -> dict[str, list]:
             "metrics": list(model.metrics_variables)}
 
 
-def _fingerprint(model) -> str | None:
-    from calibration.probe import model_fingerprint
-
-    try:
-        return model_fingerprint(model)
-    except ConfigError:  # not built: no variables
-        return None
-
-
 class SupervisedBackup(keras.callbacks.Callback):
     """Backs a supervised ``fit`` up, and resumes it exactly from its last backup (see the module docstring).
 
@@ -123,11 +114,10 @@ class SupervisedBackup(keras.callbacks.Callback):
         with _ORDINAL_LOCK:
             self._ordinal = next(_FIT_ORDINALS)
         self._record_path = self._dir / f"fit_{self._ordinal}.json"
-        self._epoch = 0
-        self._batches = 0  # batches of the current epoch applied
+        self._epoch, self._batches = 0, 0  # the current epoch, and its batches applied
         self._resume_metrics: list | None = None  # metric values to put back when the resumed epoch begins
-        self._resume_epoch: int | None = None
-        self._resume_batches = 0  # batches of the resumed epoch applied before the restart (skipped now)
+        # The resumed epoch (None: not resumed), and its batches applied before the restart (skipped now).
+        self._resume_epoch, self._resume_batches = None, 0
         self._history: list[dict] = []  # each finished epoch's logs (fit's History), kept in every backup
         self._slot: str | None = None  # the arrays the record names now
         self._last_end = time.perf_counter()  # when the last backup (or fit's start) ended
@@ -142,7 +132,13 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        self._run.update(model=_fingerprint(self.model), steps=(self.params or {}).get("steps"))
+        from calibration.probe import model_fingerprint
+
+        try:
+            fingerprint = model_fingerprint(self.model)
+        except ConfigError:  # not built: no variables
+            fingerprint = None
+        self._run.update(model=fingerprint, steps=(self.params or {}).get("steps"))
         try:
             register(self._dir, [self._record_path.name, *self._slots()])
         except OSError as exc:
@@ -156,11 +152,10 @@ class SupervisedBackup(keras.callbacks.Callback):
             return
         record, arrays = self._read()
         self._check_same_run(record)
-        groups = _variable_groups(self.model)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built and record["counts"]["optimizer"]:
             optimizer.build(self.model.trainable_variables)  # its variables exist before they are restored
-            groups = _variable_groups(self.model)
+        groups = _variable_groups(self.model)
         for name, variables in groups.items():
             if len(variables) != record["counts"][name] or any(
                     f"{name}_{i}" not in arrays or tuple(v.shape) != arrays[f"{name}_{i}"].shape
@@ -179,9 +174,8 @@ class SupervisedBackup(keras.callbacks.Callback):
         self._slot = record["arrays"]
         self.resumed_from = record
         _compat.set_initial_epoch(self.model, record["epochs"] if record["complete"] else self._epoch)
-        emulator = self._strategy.emulator
-        if emulator is not None:
-            emulator.advance_to(record["step"])  # drift schedules go on from the step resumed at
+        if self._strategy.emulator is not None:  # drift schedules go on from the step resumed at
+            self._strategy.emulator.advance_to(record["step"])
         if record["complete"]:
             logger.warning("hetero_cs: this fit had finished before the restart (%s): it is skipped, with its final "
                            "variables restored (optimizer step %d).", self._record_path, record["step"])
@@ -284,9 +278,8 @@ class SupervisedBackup(keras.callbacks.Callback):
     def _restore_history(self) -> None:
         """Puts the epochs finished before the restart in front of fit's History (``model.history``), so the
         History a resumed fit returns holds every epoch, as an uninterrupted fit's does."""
-        if self.resumed_from is None:
-            return
-        before = self.resumed_from["history"][:self._resume_epoch if not self.resumed_from["complete"] else None]
+        record = self.resumed_from
+        before = record["history"][:None if record["complete"] else self._resume_epoch] if record is not None else []
         if not before:
             return
         history = getattr(self.model, "history", None)

@@ -69,15 +69,12 @@ class DeviceFailover:
         ``"raise"``, to put the model's statistics and metrics back before raising): on a GPU, or on emulated
         devices whose drift makes a card fail (``Drift(fails=True)``)."""
         strategy = self._strategy
-        if any("GPU" in device.upper() for device in strategy.compute_devices):
-            return True
-        return bool(getattr(strategy.emulator, "may_fail", False))
+        return any("GPU" in device.upper() for device in strategy.compute_devices) or bool(
+            getattr(strategy.emulator, "may_fail", False))
 
     def card(self, replica_id: int) -> str:
         """``"/device:CPU:2 (emulated T4)"`` or ``"/device:GPU:1"``: the card, as log lines name it."""
-        strategy = self._strategy
-        device = strategy.compute_devices[replica_id]
-        emulator = strategy.emulator
+        device, emulator = self._strategy.compute_devices[replica_id], self._strategy.emulator
         return f"{device} (emulated {emulator.specs[replica_id].name})" if emulator is not None else device
 
     def handle(self, fault: DeviceFault, exc: BaseException, faults: dict[int, int], failed_batch_size: int,
@@ -94,7 +91,6 @@ class DeviceFailover:
         """
         replica_id = fault.replica_id
         balancer = self._strategy.balancer
-        card = self.card(replica_id)
         if self.on_device_error == "raise":
             raise self.error(replica_id, exc, "on_device_error='raise'") from exc
         if fault.sticky:
@@ -107,7 +103,7 @@ class DeviceFailover:
         if faults[replica_id] == 1:
             self.retries += 1
             logger.warning("hetero_cs: device error on replica %d, %s (%s); retrying the same global batch once.",
-                           replica_id, card, first_line(exc))
+                           replica_id, self.card(replica_id), first_line(exc))
             return None
         left = [i for i, cap in enumerate(balancer.memory_caps.caps) if cap != 0 and i != replica_id]
         if not left:
@@ -124,7 +120,7 @@ class DeviceFailover:
         logger.warning(
             "hetero_cs: replica %d, %s, failed twice with a device error (%s): it is excluded from training (0 "
             "examples from now on, nothing runs on it). Retrying the same global batch cut %s on the other cards.",
-            replica_id, card, first_line(exc), list(plan.per_replica_batch_sizes))
+            replica_id, self.card(replica_id), first_line(exc), list(plan.per_replica_batch_sizes))
         return plan
 
     def error(self, replica_id: int, exc: BaseException, why: str, *, restored: bool = True) -> DeviceFaultError:

@@ -40,10 +40,9 @@ def keep_for_restart(strategy, result, fingerprint: str, global_batch_size: int)
     directory = backup_dir()
     if directory is None:
         return
-    emulator = strategy.emulator
     meta = {"positions": _positions(len(strategy.compute_devices)), "fingerprint": fingerprint,
             "global_batch_size": int(global_batch_size),
-            "time_scale": None if emulator is None else float(emulator.time_scale)}
+            "time_scale": None if strategy.emulator is None else float(strategy.emulator.time_scale)}
     try:
         register(directory, [PROFILES, META])
         save_result_file(directory / PROFILES, result)
@@ -73,9 +72,8 @@ def profiles_before_restart(strategy, fingerprint: str, global_batch_size: int):
         return None
     profiles = [dataclasses.replace(kept.profiles[meta["positions"].index(p)], device=device)
                 for p, device in zip(positions, strategy.compute_devices)]
-    emulator = strategy.emulator
-    if emulator is not None and meta.get("time_scale"):
-        emulator.fix_time_scale(meta["time_scale"], "the time scale of the profiles before the restart")
+    if strategy.emulator is not None and meta.get("time_scale"):
+        strategy.emulator.fix_time_scale(meta["time_scale"], "the time scale of the profiles before the restart")
     logger.warning("hetero_cs: planning from the profiles calibrated before the restart (%s), for the cards at "
                    "positions %s of the first run: not calibrating again.", directory / PROFILES, positions)
     return CalibrationResult(profiles=tuple(profiles), wall_time_s=0.0, emulated=kept.emulated)

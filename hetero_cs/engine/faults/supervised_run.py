@@ -123,14 +123,10 @@ def leave_out_excluded(emulator, names, compute_devices, batch_split):
                    [names[i] for i in positions], EXCLUDED_ENV_VAR, text,
                    [n for i, n in enumerate(names) if i not in positions])
     keep = [i for i in range(len(names)) if i not in positions]
-    if emulator is not None:
-        emulator = emulator.without(positions)
-    names = [names[i] for i in keep]
-    if compute_devices is not None:
-        compute_devices = [list(compute_devices)[i] for i in keep]
-    if isinstance(batch_split, (list, tuple)) and len(batch_split) == len(positions) + len(keep):
+    if isinstance(batch_split, (list, tuple)) and len(batch_split) == len(names):  # one share per card
         batch_split = [batch_split[i] for i in keep]
-    return emulator, names, compute_devices, batch_split
+    return (None if emulator is None else emulator.without(positions), [names[i] for i in keep],
+            None if compute_devices is None else [list(compute_devices)[i] for i in keep], batch_split)
 
 
 def excluded_positions() -> list[int]:
