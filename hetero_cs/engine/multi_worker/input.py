@@ -161,8 +161,7 @@ class MultiWorkerInput:
             raise InputError(
                 f"strategy.run got a per-replica argument of {len(parts)} components; this worker runs "
                 f"{self._num_local} replicas. Pass global batches: an element of this strategy's distributed "
-                f"dataset, a tensor, or a per-replica value with the global batch once per local replica."
-            )
+                f"dataset, a tensor, or a per-replica value with the global batch once per local replica.")
         return tuple(parts) if _is_batched(parts[0]) else None
 
     def _wrap_replica_fn(self, fn, step=None):
@@ -181,8 +180,7 @@ class MultiWorkerInput:
             replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
             replica_step = replica_state.ReplicaStep(
                 replica_id=replica_id, device=devices[replica_id - first], batch_size=sizes[replica_id],
-                global_batch_size=global_batch_size, start_stamp=start, flow=BatchFlow(replica_id),
-            )
+                global_batch_size=global_batch_size, start_stamp=start, flow=BatchFlow(replica_id))
             seed_replica_step(replica_step, [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs)))
                                              if i in row_leaves])
             with replica_state.replica_step(replica_step):
@@ -205,8 +203,7 @@ def _is_batched(value) -> bool:
     if isinstance(value, tf.SparseTensor):
         raise InputError(
             "HeteroMultiWorkerMirroredStrategy cuts every batch component along its first axis, which a "
-            "tf.SparseTensor does not support here. Convert it with tf.sparse.to_dense in the dataset."
-        )
+            "tf.SparseTensor does not support here. Convert it with tf.sparse.to_dense in the dataset.")
     if is_unbatched_marker(value):
         return False
     if isinstance(value, tf.RaggedTensor):
