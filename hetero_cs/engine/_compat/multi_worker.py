@@ -38,7 +38,8 @@ import tensorflow as tf
 
 from hetero_cs.devices.device_errors import device_fault, first_line, op_message
 from hetero_cs.engine._compat.context import (
-    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy, per_replica, set_locally)
+    current_keras_model, entered, id_in_cluster, is_hetero_strategy, is_multi_worker_strategy, per_replica, set_locally,
+)
 from hetero_cs.engine._compat.loss_reader import is_log_share
 from hetero_cs.engine._compat.replica_pass import keras_train_step
 from hetero_cs.engine._compat.symbols import patch, require
@@ -176,7 +177,8 @@ def _refuse_steps_per_execution(model) -> None:
     if steps is not None and int(steps) > 1:
         raise ConfigError(
             f"steps_per_execution={int(steps)} is not supported under HeteroMultiWorkerMirroredStrategy (Keras' "
-            f"multi-step loop fails there). Compile with steps_per_execution=1 (the default).")
+            f"multi-step loop fails there). Compile with steps_per_execution=1 (the default)."
+        )
 
 
 def _refuse_loss_scaling(model) -> None:
@@ -191,7 +193,8 @@ def _refuse_loss_scaling(model) -> None:
             "Loss scaling (mixed_float16's LossScaleOptimizer) is not supported under "
             "HeteroMultiWorkerMirroredStrategy: an overflow in one worker's slice would make that worker skip the "
             "gradient all-reduce the others wait in. Use mixed_bfloat16 (no loss scaling) or float32 on several "
-            "machines, or HeteroCentralStorageStrategy on one machine.")
+            "machines, or HeteroCentralStorageStrategy on one machine."
+        )
 
 
 # How TensorFlow's collectives report a peer that is gone: the coordination service's missed heartbeats or a
@@ -301,7 +304,8 @@ def _worker_lost(strategy, verb: str, exc: Exception):
         f"model.{verb} stopped on worker {me}: {who} is gone or not answering ({type(exc).__name__}: "
         f"{detail[:300]}). Every worker runs the same steps in lockstep, so the job cannot go on without it "
         f"(collective timeout: {'none set' if timeout_s is None else f'{timeout_s:g} s'}). Check the other workers' "
-        f"logs, then restart all workers{resume}")
+        f"logs, then restart all workers{resume}"
+    )
 
 
 _local_cpus = threading.local()  # .count while a HeteroMultiWorkerMirroredStrategy with CPU replicas is built here
