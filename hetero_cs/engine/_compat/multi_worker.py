@@ -60,8 +60,7 @@ def patch_reduce_per_replica() -> None:
     # one_step_on_data looks the function up as a module global at trace time, so this reaches every caller.
     @patch(require("keras.src.backend.tensorflow.trainer"), "reduce_per_replica")
     def reduce_per_replica(original, values, strategy, reduction):
-        if (reduction == "concat" and is_multi_worker_strategy(strategy)
-                and len(strategy.extended.worker_devices) > 1):
+        if reduction == "concat" and is_multi_worker_strategy(strategy) and len(strategy.extended.worker_devices) > 1:
             # predict's outputs with several replicas per worker. Keras' _multi_worker_concat re-orders the gathered
             # slices as local replica 0 of every worker, then local replica 1, ..., which is not where our replicas'
             # slices come from: each cuts its contiguous part of the global batch in cluster replica order (task,
@@ -72,31 +71,23 @@ def patch_reduce_per_replica() -> None:
         if not (multi_worker or is_hetero_strategy(strategy)) or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)
 
-        def local(value):
-            return strategy.experimental_local_results(value) if isinstance(value, tf.distribute.DistributedValues) \
-                else (value,)
-
         def logged_share(value) -> bool:  # each replica gave its share of one device's value (loss_reader)
-            first = local(value)[0]
-            if not (isinstance(first, tf.Tensor) and first.shape.rank == 0 and first.dtype.is_floating):
-                return False
-            return is_log_share(first) if multi_worker else isinstance(value, tf.distribute.DistributedValues)
+            distributed = isinstance(value, tf.distribute.DistributedValues)
+            first = strategy.experimental_local_results(value)[0] if distributed else value
+            return (isinstance(first, tf.Tensor) and first.shape.rank == 0 and first.dtype.is_floating
+                    and (is_log_share(first) if multi_worker else distributed))
 
-        def walk(key, value, visit):
+        def structure(visit, value=values, key=None):
             if isinstance(value, dict):  # nested logs: a train_step override returning {"compile_metrics": {...}}
-                return {inner: walk(inner, item, visit) for inner, item in value.items()}
+                return {inner: structure(visit, item, inner) for inner, item in value.items()}
+            if value is values:  # logs that are not a dict: each leaf, without a key
+                return tf.nest.map_structure(lambda v: visit(None, v), values)
             return visit(key, value)
-
-        def structure(visit):
-            if isinstance(values, dict):
-                return walk(None, values, visit)
-            return tf.nest.map_structure(lambda v: visit(None, v), values)
 
         shares = []
         structure(lambda key, value: shares.append(value) if logged_share(value) else None)
-        model = current_keras_model()
         if multi_worker:  # metric results and logged shares summed over the cluster in one all-reduce
-            results, sums = summed_logs(model if isinstance(values, dict) else None, strategy, shares)
+            results, sums = summed_logs(current_keras_model() if isinstance(values, dict) else None, strategy, shares)
         else:
             results, sums = {}, [strategy.reduce("SUM", value, axis=None) for value in shares]
         sums = iter(sums)
@@ -106,8 +97,7 @@ def patch_reduce_per_replica() -> None:
                 return next(sums)
             if key in results:  # a metric's result (read from each replica's own metric state): the cluster's
                 return results[key]
-            return original(value, strategy, reduction) if isinstance(value, tf.distribute.DistributedValues) \
-                else value
+            return original(value, strategy, reduction) if isinstance(value, tf.distribute.DistributedValues) else value
 
         return structure(reduce)
 
@@ -132,25 +122,17 @@ def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     components += [strategy.experimental_local_results(share) if isinstance(share, tf.distribute.DistributedValues)
                    else (share,) for share in shares]
     shapes = [tuple(v.shape) for v in variables] + [()] * len(shares)
-    sizes = [int(np.prod(shape)) if shape else 1 for shape in shapes]
-    vectors = []
-    for local in range(len(components[0])):
-        vectors.append(tf.concat([tf.reshape(tf.cast(c[local], tf.float64), [-1]) for c in components], axis=0))
+    vectors = [tf.concat([tf.reshape(tf.cast(c[local], tf.float64), [-1]) for c in components], axis=0)
+               for local in range(len(components[0]))]
     summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica(vectors), axis=None)
-    pieces = [tf.reshape(piece, shape) for piece, shape in zip(tf.split(summed, sizes), shapes)]
-    logged = [tf.cast(piece, share.dtype if isinstance(share, tf.Tensor) else
-                      strategy.experimental_local_results(share)[0].dtype)
-              for piece, share in zip(pieces[len(variables):], shares)]
-    pieces = [tf.cast(piece, v.dtype) for piece, v in zip(pieces, variables)]
-    results, start = {}, 0
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    pieces = [tf.cast(tf.reshape(piece, shape), c[0].dtype)  # each in its own dtype again
+              for piece, shape, c in zip(tf.split(summed, sizes), shapes, components)]
+    logged, pieces = pieces[len(variables):], iter(pieces[:len(variables)])
+    results = {}
     for metric in metrics:
-        count = len(metric.variables)
-        result = metric.stateless_result(pieces[start:start + count])
-        start += count
-        if isinstance(result, dict):
-            results.update(result)
-        else:
-            results[metric.name] = result
+        result = metric.stateless_result([next(pieces) for _ in metric.variables])
+        results.update(result if isinstance(result, dict) else {metric.name: result})
     # Private: Keras' own flattening of nested result dicts, as get_metrics_result ends (tensors stay tensors here).
     from keras.src.utils.python_utils import pythonify_logs
 
@@ -272,10 +254,10 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     fault = device_fault(exc, local, replica_scopes)
     if fault is None:
         return None
-    local_id = fault.replica_id
+    local_id, first = fault.replica_id, strategy._first_replica  # noqa: SLF001 - ours
     emulated = re.search(r"emulated device fault on replica=(\d+)", str(exc))
     if emulated is not None:  # the emulator numbers the replicas of the whole cluster
-        offset = int(emulated.group(1)) - getattr(strategy, "_first_replica", 0)
+        offset = int(emulated.group(1)) - first
         local_id = offset if 0 <= offset < len(local) else None
     worker = id_in_cluster(strategy)
     device = local[local_id] if local_id is not None else "one of its devices"
@@ -287,7 +269,7 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
         f"of this step was applied. Check the card (nvidia-smi -q: ECC errors, Xid events), then restart the job "
         f"without it (leave it out of CUDA_VISIBLE_DEVICES on this worker); with keras.callbacks.BackupAndRestore the "
         f"rerun resumes from the last backup. The original error is chained below.",
-        replica_id=None if local_id is None else getattr(strategy, "_first_replica", 0) + local_id,
+        replica_id=None if local_id is None else first + local_id,
         device=None if local_id is None else device, last_error=exc)
 
 
@@ -309,8 +291,8 @@ def _worker_lost(strategy, verb: str, exc: Exception):
             fix = "See that worker's ReplicaStepError, fix it, then restart all workers."
         return WorkerLostError(f"model.{verb} stopped on worker {me}: {told}. Every worker runs the same steps in "
                                f"lockstep, so the job cannot go on without it. {fix}")
-    options = getattr(strategy.extended, "_communication_options", None)  # Private: the options MWMS was given.
-    timeout_s = getattr(options, "timeout_seconds", None)
+    # Private: the options MWMS was given.
+    timeout_s = getattr(getattr(strategy.extended, "_communication_options", None), "timeout_seconds", None)
     # TensorFlow's first line is often only "Graph execution error:"; the task that stopped answering is named
     # further down, as "/job:worker/replica:0/task:<i>".
     lost = sorted({int(t) for t in re.findall(r"/job:worker/replica:\d+/task:(\d+)", text)} - {me})

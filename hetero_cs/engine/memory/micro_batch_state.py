@@ -41,8 +41,7 @@ class MicroBatchState:
     """
 
     def __init__(self, strategy, setting: bool | None):
-        self._strategy = strategy
-        self.setting = setting
+        self._strategy, self.setting = strategy, setting
         self._lock = threading.Lock()
         self._logged: set = set()
         self._state = None  # int64 [2] host variable [B, accumulate]: [0, 0] outside micro-batched steps

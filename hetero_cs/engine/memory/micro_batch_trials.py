@@ -67,8 +67,7 @@ class OverlapTrials:
                     _describe(incumbent), (incumbent.predicted_makespan_s or 0) * 1e3)
                 entry = self._trials[key] = (guard, overlapped, incumbent)
             guard, candidate, old = entry
-            served = guard.plan_to_serve()
-            plan = candidate if served is guard.candidate else old
+            plan = candidate if guard.plan_to_serve() is guard.candidate else old
             self._served = (key, plan)
             return plan
 
@@ -76,14 +75,11 @@ class OverlapTrials:
         """The step served by :meth:`choose` took ``seconds`` (wall clock, host work included); ``as_planned`` is
         False when it ran otherwise (a failed overlapped call re-run with barriers, a refusal): not a sample."""
         with self._lock:
-            served, self._served = self._served, None
-            if served is None or served[1] is not plan:
+            key, served = self._served or (None, None)
+            self._served = None
+            if served is not plan or key not in self._trials:
                 return
-            key = served[0]
-            entry = self._trials.get(key)
-            if entry is None:
-                return
-            guard = entry[0]
+            guard, candidate, incumbent = self._trials[key]
             self._observed += 1
             sizes = plan.per_replica_batch_sizes if as_planned else ()
             decision = guard.observe(sizes, seconds if as_planned else float("nan"), step=self._observed)
@@ -95,9 +91,8 @@ class OverlapTrials:
             logger.info(
                 "hetero_cs guard: the micro-batched plan %s %s: its steps took %.3f of %s's (median over %d "
                 "pairs); %s from now on, until the cost models or caps change.",
-                list(entry[1].per_replica_batch_sizes), decision.outcome, decision.median_ratio,
-                _describe(entry[2]), decision.num_pairs,
-                "it runs" if decision.kept else f"{_describe(entry[2])} runs")
+                list(candidate.per_replica_batch_sizes), decision.outcome, decision.median_ratio,
+                _describe(incumbent), decision.num_pairs, "it runs" if decision.kept else f"{_describe(incumbent)} runs")
 
     def _remember(self, key, verdict: bool) -> None:
         if len(self._verdicts) >= _MAX_KEYS:
@@ -109,6 +104,5 @@ class OverlapTrials:
 
 
 def _describe(plan: MicroBatchPlan) -> str:
-    if plan.num_sub_steps == 1:
-        return f"one step {list(plan.per_replica_batch_sizes)}"
-    return f"{plan.num_sub_steps} sub-steps with a barrier each"
+    return (f"one step {list(plan.per_replica_batch_sizes)}" if plan.num_sub_steps == 1
+            else f"{plan.num_sub_steps} sub-steps with a barrier each")

@@ -55,12 +55,7 @@ from hetero_cs.engine.step.model_state import restore, saved_state
 from hetero_cs.errors import DeviceFaultError, InfeasiblePlanError, MicroBatchError, StepOOMError
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.micro_batches import (
-    MicroBatchPlan,
-    capacity_of,
-    plan_micro_batches,
-    plan_overlapped_micro_batches,
-    prefer_overlapped,
-)
+    MicroBatchPlan, capacity_of, plan_micro_batches, plan_overlapped_micro_batches, prefer_overlapped)
 from hetero_cs.planning.plan import even_batch_split
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -90,10 +85,8 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         self._step_overheads: collections.deque = collections.deque(maxlen=32)
         # (id(model), each sub-step's active replicas, applies) -> (model ref, the traced call), least recent first
         self._overlapped_functions: collections.OrderedDict = collections.OrderedDict()
-        self.overlapped_steps = 0
-        self.fallbacks = 0
+        self.overlapped_steps, self.fallbacks = 0, 0  # steps run overlapped; overlapped calls that failed
         self._call_cache: dict = {}  # (plan, id(model)) -> its overlapped calls
-        self._barrier_steps = 0
         self._micro_times: list = []  # (replica, examples, seconds, micro-batches) reported during an overlapped call
         self._trials = OverlapTrials()
         self.last_run_as_planned = True  # whether the last step ran as its plan said (no fallback, no refusal)
@@ -155,9 +148,8 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
             overlapped = self._overlapped_plan(B, models, caps, plan) if overlapped else None
         except InfeasiblePlanError as exc:
             raise MicroBatchError(f"{exc} Memory caps now: {caps} examples per replica.") from exc
-        replaced = None
-        if overlapped is not None:  # it replaces the plan of sub-steps with a barrier each (or of one step)
-            replaced, plan = plan, overlapped
+        # An overlapped plan replaces the plan of sub-steps with a barrier each (or of one step).
+        replaced, plan = (plan, overlapped) if overlapped is not None else (None, plan)
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
@@ -254,17 +246,14 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
 
         plan = self.plan_for(global_batch_size, cost_models=idle_free(list(cost_models)),
                              max_batch_sizes=list(max_batch_sizes))
-        if plan.overlapped and global_batch_size <= capacity:
-            return global_batch_size  # its sub-steps are not steps anything else runs; the batch fits one step
-        return max(plan.sub_step_sizes)
+        # An overlapped plan's sub-steps are not steps anything else runs: where the batch fits one step, it is B.
+        return global_batch_size if plan.overlapped and global_batch_size <= capacity else max(plan.sub_step_sizes)
 
     def forget_findings(self) -> None:
         """A train step is about to be traced anew (another model, or a retrace): what it cannot keep exact is found
         again while it is traced, and its first micro-batched step checks it again; overlapped calls are traced
         again too."""
-        self._found = set()
-        self._state_paths = set()
-        self._checked = False
+        self._found, self._state_paths, self._checked = set(), set(), False
         with self._lock:
             self._overlapped_functions.clear()
             self._call_cache.clear()
@@ -290,15 +279,14 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         refusal = self._refusal()
         if refusal is not None:
             return self._one_step_instead(step, data, plan, refusal)
-        if plan.overlapped:
-            return self._run_overlapped(model, step, data, plan)
-        return self._run_sub_steps(model, step, data, plan)
+        return (self._run_overlapped if plan.overlapped else self._run_sub_steps)(model, step, data, plan)
 
     def _run_sub_steps(self, model, step, data, plan: MicroBatchPlan):
         """Runs ``plan``'s sub-steps one call each (a barrier at the end of each); see :meth:`run`."""
         B = plan.global_batch_size
         checking = not self._checked
-        warm = self._barrier_steps > 0  # the first such step traces: its time is not the host's time per sub-step
+        # The first such step traces: its time is not the host's time per sub-step.
+        warm = self.micro_batched_steps > self.overlapped_steps  # steps with a barrier per sub-step ran before
         saved = saved_state(model) if checking else None
         sizes = list(plan.sub_step_sizes)
         if not checking:
@@ -315,8 +303,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
                             f"{self._strategy.balancer.max_batch_sizes}); the step of {B} examples cannot go on.")
                     sizes[j:j + 1] = even_batch_split(size, math.ceil(size / capacity))
                     continue
-                last = j == len(sizes) - 1
-                self._state.assign([B, 0 if last else 1])
+                self._state.assign([B, 0 if j == len(sizes) - 1 else 1])  # the last sub-step applies the sum
                 started = time.perf_counter()
                 try:
                     outputs = step(rows_of(data, start, start + size))
@@ -336,8 +323,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
                     with self._lock:  # not the first micro-batched step, which traces
                         self._overheads.append(max(0.0, time.perf_counter() - started - predicted))
                 if checking:
-                    checking = False
-                    self._checked = True
+                    checking, self._checked = False, True
                     refusal = self._refusal()
                     if refusal is not None:  # found while the first sub-step was traced: undo it, one step instead
                         self._zero()
@@ -353,7 +339,6 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         finally:
             self._state.assign([0, 0])
         self.micro_batched_steps += 1
-        self._barrier_steps += 1
         return outputs
 
     def plan_for_sub_step(self, size: int, *, cost_models=None, max_batch_sizes=None):
@@ -394,9 +379,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
                 start += size
         finally:
             self._state.assign([0, 0])
-        if not predicting:
-            return outputs[-1]
-        return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs) if predicting else outputs[-1]
 
     def _one_step_instead(self, step, data, plan: MicroBatchPlan, refusal: str):
         self.last_run_as_planned = False

@@ -70,8 +70,7 @@ def unblamed_oom_error(oom: OutOfMemory, exc: Exception, *, parameter_device: st
         f"The training step ran out of memory ({oom.form}: {type(exc).__name__}) and could not be recovered. {why} "
         f"No update of this step was applied: variables and optimizer state are as they were before it. {fix} The "
         f"original error is chained below.",
-        replica_id=None, device=oom.device, global_batch_size=global_batch_size, last_error=exc,
-    )
+        replica_id=None, device=oom.device, global_batch_size=global_batch_size, last_error=exc)
 
 
 class StepRecovery:
@@ -89,7 +88,6 @@ class StepRecovery:
         self.failover = DeviceFailover(strategy, on_device_error)  # failing cards (hetero_cs.engine.faults.failover)
         self._possible_by_size: dict[int | None, bool] = {}
         self.recoveries = 0  # retries after an out-of-memory step, since construction
-        self.cap_changes = 0  # cap drops and growths since construction
         self.max_retries_used = 0  # the most retries one global batch needed
 
     def armed(self) -> bool:
@@ -100,19 +98,14 @@ class StepRecovery:
         ``memory_bytes``) cannot hold a slice of the whole global batch. Decided once per global batch size. Also
         where a card may fail and ``on_device_error="exclude"`` (:meth:`DeviceFailover.possible`).
         """
-        if self.failover.possible():
+        if self.failover.possible() or (self.memory_recovery and self._always):
             return True
         if not self.memory_recovery:
             return False
-        if self._always:
-            return True
-        strategy = self._strategy
-        global_batch_size = strategy.balancer.reference_batch_size
-        possible = self._possible_by_size.get(global_batch_size)
-        if possible is None:
-            possible = _out_of_memory_possible(strategy.compute_devices, strategy.emulator, global_batch_size)
-            self._possible_by_size[global_batch_size] = possible
-        return possible
+        strategy, B = self._strategy, self._strategy.balancer.reference_batch_size
+        if B not in self._possible_by_size:
+            self._possible_by_size[B] = _out_of_memory_possible(strategy.compute_devices, strategy.emulator, B)
+        return self._possible_by_size[B]
 
     def run(self, step: Callable[[Any], Any], data: Any, *, replica_scopes: Sequence[str] = (),
             model: Any = None, training: bool = True) -> Any:
@@ -156,27 +149,33 @@ class StepRecovery:
                     sizes = strategy._slicer.last_step_sizes()  # noqa: SLF001
                     self.failover.handle(fault, exc, faults, sizes[fault.replica_id], global_batch_size)
                     continue  # the same batch, on the same plan once, then on the others
-                blamed = self._blamed(exc, replica_scopes, tried, global_batch_size, step=kind)
-                if blamed is None:
-                    raise  # not out of memory: a shape error, a failed input pipeline, ... as it is
-                replica_id, size = blamed
-                retry = []  # an inference batch is cut again when it runs
+                # The replica an out-of-memory error blames, and its slice in the attempt that failed.
+                oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
+                if oom is None:
+                    raise  # not out of memory, or recovery off: a shape error, a failed input pipeline, ... as it is
+                if oom.replica_id is None:
+                    raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
+                                             global_batch_size=global_batch_size) from exc
+                replica_id = oom.replica_id
+                size = strategy._slicer.last_step_sizes()[replica_id]  # noqa: SLF001 - the cut the attempt started with
+                tried.setdefault(replica_id, []).append(size)
+                if size == 0:
+                    raise self._error(replica_id, tried, global_batch_size, exc, _NO_EXAMPLE, step=kind) from exc
                 if training:
                     try:  # the cap falls even when this was the last retry: what follows (sub-steps) starts from it
                         plan, change = balancer.recover_from_oom(replica_id, size, global_batch_size)
                     except InfeasiblePlanError:
                         self._note(balancer.memory_caps.history[-1])
-                        raise self._error(replica_id, tried, global_batch_size, exc,
-                                          f"the caps now {balancer.max_batch_sizes} cannot hold the batch in one step"
-                                          ) from exc
+                        why = f"the caps now {balancer.max_batch_sizes} cannot hold the batch in one step"
+                        raise self._error(replica_id, tried, global_batch_size, exc, why) from exc
                     retry = list(plan.per_replica_batch_sizes)
                     if attempt == retries:
                         self._note(change)
                 if attempt == retries:
                     raise self._error(replica_id, tried, global_batch_size, exc,
                                       f"it still ran out of memory after {retries} retries", step=kind) from exc
-                if not training:
-                    change = balancer.lower_cap(replica_id, size)
+                if not training:  # an inference batch is cut again when it runs
+                    change, retry = balancer.lower_cap(replica_id, size), []
                 self.recoveries += 1
                 attempt += 1
                 if training:
@@ -188,28 +187,7 @@ class StepRecovery:
                     self._note(change)
             return outputs
 
-    def _blamed(self, exc: Exception, replica_scopes, tried: dict, global_batch_size, step: str = "training"):
-        """``(replica, its slice in the step that failed)`` that an out-of-memory ``exc`` blames (the slice noted in
-        ``tried``), or None when ``exc`` is not out of memory or recovery is off.
-
-        Raises:
-            StepOOMError: The error names no replica, or the replica it names had no example.
-        """
-        strategy = self._strategy
-        oom = classify(exc, strategy.compute_devices, replica_scopes) if self.memory_recovery else None
-        if oom is None:
-            return None
-        if oom.replica_id is None:
-            raise unblamed_oom_error(oom, exc, parameter_device=strategy.parameter_device,
-                                     global_batch_size=global_batch_size) from exc
-        size = strategy._slicer.last_step_sizes()[oom.replica_id]  # noqa: SLF001 - the cut the attempt started with
-        tried.setdefault(oom.replica_id, []).append(size)
-        if size == 0:
-            raise self._error(oom.replica_id, tried, global_batch_size, exc, _NO_EXAMPLE, step=step) from exc
-        return oom.replica_id, size
-
     def _note(self, change, retry: list[int] | None = None) -> None:
-        self.cap_changes += 1
         device = self._strategy.compute_devices[change.replica_id]
         if retry == []:  # an inference batch: cut again when it runs
             logger.warning("hetero_cs: out of memory on %s in an evaluation or prediction step: %s; retrying the same "
@@ -237,8 +215,7 @@ class StepRecovery:
                "batch_size in evaluate or predict (in fit: validation_batch_size)")
             + " or model, or leave the device out of compute_devices. The original error is chained below.",
             replica_id=replica_id, device=device, caps_tried=tuple(caps_tried),
-            global_batch_size=global_batch_size, last_error=exc,
-        )
+            global_batch_size=global_batch_size, last_error=exc)
 
 
 def _out_of_memory_possible(compute_devices: Sequence[str], emulator: Any, global_batch_size: int | None) -> bool:

@@ -60,8 +60,7 @@ class OverlappedCalls:
             if refusal is not None:
                 return self._one_step_instead(step, data, plan, refusal)
         self._log_plan(plan)
-        optimizer = getattr(model, "optimizer", None)
-        iterations = None if optimizer is None else _compat.iteration_counter(optimizer)
+        iterations = _compat.iteration_counter(getattr(model, "optimizer", None))  # None without an optimizer
         saved = saved_state(model, extra=() if iterations is None else (iterations,))
         with self._lock:
             self._micro_times = []
@@ -71,9 +70,11 @@ class OverlappedCalls:
             for function, arguments in calls:
                 outputs = function(*arguments(data))  # returns once the call ran
                 function._hetero_ran = True
-        except Exception as exc:  # noqa: BLE001 - every failure is undone, then the barrier path decides
+        except BaseException as exc:  # every failure is undone, then the barrier path decides (an Exception's)
             self._zero()
             restore(saved)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                raise
             self.fallbacks += 1
             self.last_run_as_planned = False
             logger.info("hetero_cs: the overlapped micro-batched step failed (%s: %s); running this batch of %d "
@@ -85,10 +86,6 @@ class OverlappedCalls:
             # Even one sub-step runs through the sub-step loop: one that runs out of memory again, beyond what the
             # lowered caps hold, is cut finer there instead of failing the step.
             return self._run_sub_steps(model, step, data, barrier)
-        except BaseException:
-            self._zero()
-            restore(saved)
-            raise
         predicted = plan.predicted_makespan_s
         if warm and predicted is not None:  # a call's first run traces: its time is not the host's
             with self._lock:
@@ -152,10 +149,9 @@ class OverlappedCalls:
         """The traced overlapped call for ``model`` and these sub-steps' shape (how many, each one's active replicas,
         whether the call applies the sums); called as ``function(rows, cuts, B)``."""
         R = self._strategy.balancer.num_replicas
-        actives = tuple(
-            None if all(b > 0 for b in p.per_replica_batch_sizes)
-            else tuple(i for i, b in enumerate(p.per_replica_batch_sizes) if b > 0)
-            for p in sub_step_plans)
+        # Each sub-step's active replicas (None: every replica).
+        actives = tuple(None if all(b > 0 for b in p.per_replica_batch_sizes)
+                        else tuple(i for i, b in enumerate(p.per_replica_batch_sizes) if b > 0) for p in sub_step_plans)
         key = (id(model), actives, applies)
         with self._lock:
             found = self._overlapped_functions.get(key)
@@ -175,7 +171,6 @@ class OverlappedCalls:
             with tf.device(strategy._parameter_device):  # noqa: SLF001 - host scalars, read by the host's clock
                 chain_sizes = {i: tf.reduce_sum(tf.reshape(cuts, [K, R])[:, i]) for i in last_of}
             start = tf.constant(0, tf.int64)
-            outputs = None
             for j in range(K):
                 size = tf.reduce_sum(cuts[j])
                 rows = rows_of(data, start, start + size)
@@ -184,9 +179,8 @@ class OverlappedCalls:
                                         applies=applies, last_of=last_of, counts=counts, chain_sizes=chain_sizes,
                                         chain_starts=chain_starts, record=record)
                 with tracing_sub_step(sub_step):
-                    outputs = strategy.run(model.train_step, args=(rows,))
-                    outputs = _compat.reduced_step_outputs(outputs, strategy)
-            return outputs
+                    outputs = _compat.reduced_step_outputs(strategy.run(model.train_step, args=(rows,)), strategy)
+            return outputs  # the last sub-step's (K >= 1)
 
         function = tf.function(overlapped_call, autograph=False, reduce_retracing=True)
         with self._lock:
@@ -202,8 +196,7 @@ def rows_of(data, start: int, end: int):
 
     def cut(leaf):
         parts = _compat.components(leaf)
-        if parts is None or len(parts) != 1 or is_unbatched_marker(parts[0]):
-            return leaf
-        return _compat.per_replica([parts[0][start:end]])
+        whole = parts is not None and len(parts) == 1 and not is_unbatched_marker(parts[0])  # a whole global batch
+        return _compat.per_replica([parts[0][start:end]]) if whole else leaf
 
     return tf.nest.map_structure(cut, data, expand_composites=False)

@@ -168,9 +168,7 @@ class PlanAgreement:
         self._ensure_time_scale(B)
         vector = np.zeros(_AGREEMENT_FIELDS * R + 1, dtype=np.float64)
         if replica_id == 0:
-            sizes, index = self._planner.sizes(B)
-            self._served_index = index
-            vector[:R] = sizes
+            vector[:R], self._served_index = self._planner.sizes(B)  # the split, and the step it is served for
             vector[-1] = self._planner.hold_steps()
         with self._lock:
             last = self._last_step.pop(replica_id, None)
@@ -196,8 +194,7 @@ class PlanAgreement:
             # The times are those of the last step, cut by the last agreement's split (the planner's step index
             # counts agreements) unless it was a held batch of another size: the planner pairs them by slice size.
             times = [float(t) for t in agreed[R:2 * R]]
-            slice_sizes = [int(round(float(b))) for b in agreed[2 * R:3 * R]]
-            self._planner.report(self._served_index - 1, times, slice_sizes=slice_sizes)
+            self._planner.report(self._served_index - 1, times, slice_sizes=np.rint(agreed[2 * R:3 * R]).tolist())
             if min(times) > 0.0:
                 with self._lock:
                     self._reported_step_times.append(times)

@@ -47,10 +47,9 @@ class MultiWorkerCallback(FiguresCallback):
         figures = {f"replica_{i}_batch_size": float(b) for i, b in enumerate(split)}
         if self._strategy.agreed:
             times = self._strategy.pop_reported_step_times()
-            R = self._strategy.num_replicas_in_sync
             # Every epoch carries every key (NaN: nothing measured), so the lists stay aligned with the epochs.
             figures["makespan_ms"] = statistics.median(max(t) for t in times) * 1e3 if times else math.nan
-            for i in range(R):
+            for i in range(self._strategy.num_replicas_in_sync):
                 figures[f"replica_{i}_step_ms"] = statistics.median(t[i] for t in times) * 1e3 if times else math.nan
             self._add_guard_figures(figures)
         self._publish(figures, logs)

@@ -50,8 +50,7 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
             raise ValueError(f"probe_steps must be >= {len(PROBE_FACTORS)}. Received: probe_steps={probe_steps}.")
         self._balancer = balancer
         self._lock = threading.Lock()
-        self._calibrating = bool(calibrate)
-        self._probe_steps = int(probe_steps)
+        self._calibrating, self._probe_steps = bool(calibrate), int(probe_steps)
         self._reference: int | None = None
         self._served = 0  # steps of the reference size served while calibrating
         self._points: list[tuple[list[int], list[float]]] = []  # per replica: sizes, times
@@ -74,7 +73,8 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         """
         caps = None if max_batch_sizes is None else list(max_batch_sizes)
         micro_batched = bool(micro_batched) and caps is not None
-        self._balancer.set_max_batch_sizes(_solver_caps(caps, micro_batched))
+        # The caps the Balancer solves within: where slices run as micro-batches, only a cap of 0 binds a split.
+        self._balancer.set_max_batch_sizes(zero_caps(caps) if micro_batched else caps)
         with self._lock:
             self._caps, self._micro_batched = caps, micro_batched
 
@@ -103,9 +103,8 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
                     if 0 <= probe < self._probe_steps:
                         R = self._balancer.num_replicas
                         shares = [PROBE_FACTORS[(i + probe) % len(PROBE_FACTORS)] for i in range(R)]
-                        sizes = self._around_caps(B, shares) if self._micro_batched else None
-                        if sizes is None:
-                            sizes = tuple(int(b) for b in split_by_shares(B, shares))
+                        sizes = ((self._around_caps(B, shares) if self._micro_batched else None)
+                                 or tuple(int(b) for b in split_by_shares(B, shares)))
                         caps = self._balancer.max_batch_sizes
                         if _violates(sizes, caps):  # no probe past a memory cap (or on a card that holds none)
                             sizes = tuple(int(b) for b in _split_within_caps(B, shares, caps))
@@ -154,9 +153,8 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         times = [float(t) for t in per_replica_step_times_s]
         with self._lock:
             served, probe = self._splits.pop(step_index, (None, False))
-            if served is None or any(t <= 0.0 for t in times):
-                return
-            if slice_sizes is not None and tuple(int(b) for b in slice_sizes) != served:
+            if (served is None or any(t <= 0.0 for t in times)
+                    or (slice_sizes is not None and tuple(int(b) for b in slice_sizes) != served)):
                 return
             if probe:
                 self._points.append((list(served), times))
@@ -170,7 +168,6 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         from calibration.fit import fit_cost_model
         from calibration.result import describe_cost_model
 
-
         R = self._balancer.num_replicas
         caps = self._caps or [None] * R
         models, descriptions = [], []
@@ -178,11 +175,9 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
             # A replica's probes with 0 examples (a global batch below 2R) say nothing about its speed. A slice run
             # as k near-equal micro-batches is k steps of the card's model: its mean micro-batch is the point (the
             # examples rounded: they differ by at most one between its micro-batches).
-            points = []
-            for probe, step_times in self._points:
-                k = len(near_equal_micro_batches(probe[i], caps[i] if self._micro_batched and caps[i] else None))
-                if k:
-                    points.append((max(1, round(probe[i] / k)), step_times[i] / k))
+            cap = caps[i] if self._micro_batched and caps[i] else None
+            points = [(max(1, round(probe[i] / k)), step_times[i] / k) for probe, step_times in self._points
+                      if (k := len(near_equal_micro_batches(probe[i], cap)))]
             if not points and caps[i] == 0:  # a card that holds no example takes none: any model will do
                 models.append(None)
                 descriptions.append("holds no example (memory cap 0)")
@@ -199,17 +194,10 @@ class ClusterPlanner(DeepcopiedWithNewLocks):
         known = [m for m in models if m is not None]
         models = [m if m is not None else max(known, key=lambda k: k.predict_step_time_s(1)) for m in models]
         self._calibrating = False
-        logger.info(
-            "hetero_cs multi-worker calibration from %d training steps: %s",
-            len(self._points),
-            "; ".join(f"replica {i}: {d}" for i, d in enumerate(descriptions)),
-        )
+        logger.info("hetero_cs multi-worker calibration from %d training steps: %s", len(self._points),
+                    "; ".join(f"replica {i}: {d}" for i, d in enumerate(descriptions)))
         if self._micro_batched:
             models = micro_batched_curves(models, self._caps)
         self._balancer.set_cost_models(models, trial=True, reference_batch_size=self._reference,
-                                       max_batch_sizes=_solver_caps(self._caps, self._micro_batched))
+                                       max_batch_sizes=zero_caps(self._caps) if self._micro_batched else self._caps)
 
-
-def _solver_caps(caps: list[int | None] | None, micro_batched: bool) -> list[int | None] | None:
-    """The caps the Balancer solves within: where slices run as micro-batches, only a cap of 0 binds a split."""
-    return zero_caps(caps) if micro_batched else caps

@@ -99,10 +99,8 @@ class MultiWorkerInput:
         args, kwargs, step = self._cut_inputs(args, kwargs or {})
         if custom_loop and step is not None:  # a batch was cut: caps given for fit do not apply here (said once)
             self._micro_slices.note_custom_loop()
-        if _compat.is_tf_function(fn):
-            wrapped = _compat.clone_function(fn, self._wrap_replica_fn(fn.python_function, step))
-        else:
-            wrapped = self._wrap_replica_fn(fn, step)
+        wrapped = (_compat.clone_function(fn, self._wrap_replica_fn(fn.python_function, step))
+                   if _compat.is_tf_function(fn) else self._wrap_replica_fn(fn, step))
         return super().run(wrapped, args=args, kwargs=kwargs, options=options)
 
     def _cut_inputs(self, args, kwargs):
@@ -113,11 +111,9 @@ class MultiWorkerInput:
         batches = {}  # leaf index -> the global batch once (a tensor), or once per local replica (a tuple)
         for i, leaf in enumerate(flat):
             held = self._global_batch(leaf)
-            if held is None:
-                continue
             if held is _UNBATCHED:  # a scalar or "no data" held once: every replica receives it as it is
                 flat[i] = _compat.components(leaf)[0]
-            else:
+            elif held is not None:
                 batches[i] = held
         if not batches:
             return (*tf.nest.pack_sequence_as((args, kwargs), flat), None)
@@ -161,8 +157,7 @@ class MultiWorkerInput:
             raise InputError(
                 f"strategy.run got a per-replica argument of {len(parts)} components; this worker runs "
                 f"{self._num_local} replicas. Pass global batches: an element of this strategy's distributed "
-                f"dataset, a tensor, or a per-replica value with the global batch once per local replica."
-            )
+                f"dataset, a tensor, or a per-replica value with the global batch once per local replica.")
         return tuple(parts) if _is_batched(parts[0]) else None
 
     def _wrap_replica_fn(self, fn, step=None):
@@ -172,17 +167,15 @@ class MultiWorkerInput:
             return fn
         sizes, global_batch_size, start, row_leaves = step
         entry_point = _compat.keras_entry_point()  # this thread's; the replica functions run in threads of their own
-        devices = self.extended.worker_devices
-        first = self._first_replica
 
         def replica_fn(*call_args, **call_kwargs):
             from hetero_cs.engine._compat.batch_flow import BatchFlow, seed_replica_step
 
             replica_id = _compat.replica_id_in_sync_group(tf.distribute.get_replica_context())
             replica_step = replica_state.ReplicaStep(
-                replica_id=replica_id, device=devices[replica_id - first], batch_size=sizes[replica_id],
-                global_batch_size=global_batch_size, start_stamp=start, flow=BatchFlow(replica_id),
-            )
+                replica_id=replica_id, device=self.extended.worker_devices[replica_id - self._first_replica],
+                batch_size=sizes[replica_id], global_batch_size=global_batch_size, start_stamp=start,
+                flow=BatchFlow(replica_id))
             seed_replica_step(replica_step, [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs)))
                                              if i in row_leaves])
             with replica_state.replica_step(replica_step):
@@ -191,9 +184,8 @@ class MultiWorkerInput:
                     return outputs  # a custom loop's: the user reduces them
                 from hetero_cs.engine._compat.loss_reader import check_predictions, shares_of_logs
 
-                if entry_point == "predict":
-                    return check_predictions(replica_step, outputs)
-                return shares_of_logs(replica_step, outputs, keep_replicated=True)
+                return (check_predictions(replica_step, outputs) if entry_point == "predict"
+                        else shares_of_logs(replica_step, outputs, keep_replicated=True))
 
         return replica_fn
 
@@ -205,17 +197,11 @@ def _is_batched(value) -> bool:
     if isinstance(value, tf.SparseTensor):
         raise InputError(
             "HeteroMultiWorkerMirroredStrategy cuts every batch component along its first axis, which a "
-            "tf.SparseTensor does not support here. Convert it with tf.sparse.to_dense in the dataset."
-        )
-    if is_unbatched_marker(value):
-        return False
-    if isinstance(value, tf.RaggedTensor):
-        return True
-    return tf.is_tensor(value) and value.shape.rank != 0
+            "tf.SparseTensor does not support here. Convert it with tf.sparse.to_dense in the dataset.")
+    return not is_unbatched_marker(value) and (
+        isinstance(value, tf.RaggedTensor) or (tf.is_tensor(value) and value.shape.rank != 0))
 
 
 def _device_of(value) -> str:
     """The device a tensor is on ('' when not known, e.g. a ragged tensor or a symbolic tensor not yet placed)."""
-    if not isinstance(value, tf.Tensor):
-        return ""
-    return getattr(value, "device", "") or ""
+    return (getattr(value, "device", "") or "") if isinstance(value, tf.Tensor) else ""

@@ -81,8 +81,7 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
         raise ConfigError(
             f"max_batch_sizes must be a list of one memory cap per replica of the cluster (examples its card holds "
             f"at once; None: no cap), in task-index then local order. Received: max_batch_sizes={max_batch_sizes!r}.")
-    caps = [c if c is None or isinstance(c, bool) or not isinstance(c, numbers.Integral) else int(c)
-            for c in given]
+    caps = [int(c) if isinstance(c, numbers.Integral) and not isinstance(c, bool) else c for c in given]
     bad = [c for c in caps if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0)]
     if len(caps) != num_replicas or bad:
         raise ConfigError(
@@ -112,10 +111,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
 
     def __init__(self, strategy, setting: bool | None, max_batch_sizes: list[int | None] | None,
                  restart_caps: list[int | None] | None = None):
-        self._strategy = strategy
-        self.setting = setting
-        self._given = max_batch_sizes
-        self._restart_caps = restart_caps
+        self._strategy, self.setting = strategy, setting
+        self._given, self._restart_caps = max_batch_sizes, restart_caps
         self._caps: list[int | None] | None = None  # in force for the model being fit
         self._caps_source = ""  # where they come from, for the log
         self._active = False  # this model's slices past a cap run as micro-batches
@@ -164,8 +161,8 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         if not self._active or split is None:
             return None
         models = self._strategy.balancer.calibrated_models
-        if models is not None:
-            models = [getattr(m, "base", m) for m in models]  # one micro-batch is one step of the card's own model
+        # One micro-batch is one step of the card's own model.
+        models = None if models is None else [getattr(m, "base", m) for m in models]
         return MicroBatchPlan.of_slices(BatchPlan(tuple(split), sum(split)), self._caps, models)
 
     def cap_of(self, replica_id: int) -> int | None:
@@ -316,18 +313,16 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         """At every step, on every worker alike: a global batch the caps cannot hold without micro-batches is a
         MicroBatchError here (before any collective), naming why micro-batches are off."""
         caps = self._caps
-        if caps is None or self._active or any(c is None for c in caps):
+        if caps is None or self._active or any(c is None for c in caps) or int(global_batch_size) <= sum(caps):
             return
-        capacity = sum(caps)
-        if int(global_batch_size) > capacity:
-            with self._lock:
-                found = set(self._found)
-            why = self._why(found) if found and self.setting is not False else "micro_batches=False"
-            raise MicroBatchError(
-                f"A global batch of {int(global_batch_size)} examples does not fit the replicas' memory in one step "
-                f"(memory caps {caps} examples per replica, {capacity} in all), and its slices are not micro-batched: "
-                f"{why}. Use a global batch of at most {capacity}"
-                + (", or micro_batches=None" if self.setting is False else "") + ".")
+        with self._lock:
+            found = set(self._found)
+        why = self._why(found) if found and self.setting is not False else "micro_batches=False"
+        raise MicroBatchError(
+            f"A global batch of {int(global_batch_size)} examples does not fit the replicas' memory in one step "
+            f"(memory caps {caps} examples per replica, {sum(caps)} in all), and its slices are not micro-batched: "
+            f"{why}. Use a global batch of at most {sum(caps)}"
+            + (", or micro_batches=None" if self.setting is False else "") + ".")
 
     # --------------------------------------------------------------------------------------------------------------
     def _set(self, caps, active: bool) -> None:
@@ -348,8 +343,7 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
                 for i in range(emulator.num_replicas)]
 
     def _why(self, found) -> str:
-        paths = self._paths
-        return "; ".join(_WHY[f].format(paths=", ".join(paths[:4])) for f in sorted(found))
+        return "; ".join(_WHY[f].format(paths=", ".join(self._paths[:4])) for f in sorted(found))
 
     def _log_once(self, key, level: int, message: str, *args) -> None:
         with self._lock:

@@ -67,8 +67,7 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
     oom = classify(exc, local, replica_scopes)
     if oom is None:
         return None
-    first = getattr(strategy, "_first_replica", 0)
-    R = strategy.num_replicas_in_sync
+    first = strategy._first_replica  # noqa: SLF001
     emulated = _EMULATED.search(str(exc))
     replica_id = held = None
     if emulated is not None:  # the emulator numbers the replicas of the whole cluster and says what the slice held
@@ -78,9 +77,8 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
         replica_id, device = first + oom.replica_id, local[oom.replica_id]
     else:
         device = oom.device
-    split = strategy.last_split
+    micro, split = strategy.micro_batching, strategy.last_split
     B = None if split is None else int(sum(split))
-    micro = strategy.micro_batching
     caps = micro.known_caps
     cap = None if caps is None or replica_id is None else caps[replica_id]
     slice_size = None if split is None or replica_id is None else int(split[replica_id])
@@ -103,7 +101,7 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
     holding = (f"with {held} examples at once, a micro-batch of its slice of {slice_size} within its cap {cap}"
                if as_micro else f"with {held} examples at once, its slice"
                + (f" of a global batch of {B}" if B is not None else ""))
-    restart = lowered_caps(caps, R, replica_id, held)
+    restart = lowered_caps(caps, strategy.num_replicas_in_sync, replica_id, held)
     text = format_caps(restart)
     error = StepOOMError(
         f"model.{verb} ran out of memory on {where}, replica {replica_id} ({device}), {holding} ({what}). {stop} "
@@ -114,7 +112,6 @@ def out_of_memory_here(strategy, verb: str, exc: BaseException, replica_scopes: 
         f"change the math, its examples move to the other cards), and with keras.callbacks.BackupAndRestore the "
         f"restarted job resumes from its last backup. The original error is chained below.",
         replica_id=replica_id, device=device, caps_tried=(held,), global_batch_size=B, last_error=exc)
-    return ClusterOutOfMemory(
-        error, f"out of memory on replica {replica_id} ({device}), {holding}; relaunch with {CAPS_ENV_VAR}={text}",
-        restart)
+    reason = f"out of memory on replica {replica_id} ({device}), {holding}; relaunch with {CAPS_ENV_VAR}={text}"
+    return ClusterOutOfMemory(error, reason, restart)
 

@@ -28,6 +28,7 @@ from hetero_cs.devices.logical import MAX_EMULATED_REPLICAS_PER_WORKER, setup_wo
 from hetero_cs.engine.multi_worker.agreement import PlanAgreement
 from hetero_cs.engine.multi_worker.cluster_planner import ClusterPlanner
 from hetero_cs.engine.multi_worker.input import MultiWorkerInput
+from hetero_cs.engine.multi_worker.oom import out_of_memory_here
 from hetero_cs.engine.strategy_state import SharedState
 from hetero_cs.errors import ConfigError, HeteroCSError
 from hetero_cs.planning.balancer import Balancer
@@ -247,12 +248,9 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         self._balancer.set_idle_replicas_free(skips)
         self._micro_slices.prepare(model, keras_train_step)
 
-    def _out_of_memory_here(self, verb: str, exc: BaseException, replica_scopes, model=None):
-        """The ClusterOutOfMemory for ``exc`` on this worker, or None (read by Keras' wrapped fit, evaluate and
-        predict: :func:`hetero_cs.engine.multi_worker.oom.out_of_memory_here`)."""
-        from hetero_cs.engine.multi_worker.oom import out_of_memory_here
-
-        return out_of_memory_here(self, verb, exc, replica_scopes, model=model)
+    # ``_out_of_memory_here(verb, exc, replica_scopes, model=None)``: the ClusterOutOfMemory for ``exc`` on this
+    # worker, or None (read by Keras' wrapped fit, evaluate and predict, which cannot import this package).
+    _out_of_memory_here = out_of_memory_here
 
     def _ensure_time_scale(self, global_batch_size: int) -> None:
         """Emulation: the time scale comes from the first global batch (the same on every worker)."""
