@@ -111,9 +111,14 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._rebalancer = Rebalancer(self._rebalance_policy)
         self._guard = PlanGuard(guard_policy)
         self._served = 0  # global batches served: steady-state timing picks every N-th
-        self._init_probes()
-        self._init_alone_check()
-        self._init_micro_batched_steps()
+        self._last_worked: dict[int, int] = {}  # probes: replica -> the served count when it last had examples
+        self._probe_due = False  # the batch just served is a probe: time it
+        self._probes = 0
+        self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked against the card alone
+        self._contention_factors = [1.0] * num_replicas  # set_cost_models: each card beside the others
+        self._micro_rebalancer: Rebalancer | None = None  # the watch over micro-batched steps (balancer_memory)
+        self._micro_rebalancer_caps: list | None = None
+        self._micro_replans = 0
         self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
@@ -321,7 +326,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             self._rebalancer = rebalancer
             self._memory.reset(caps)
             self._forget_plans()
-            self._forget_alone_checks()
+            self._alone_checked.clear()  # new cost models: every plan may be checked again
             if plan is None:  # solved (and tried) when the first global batch arrives
                 self._trial_on_first_batch = trial
                 return
@@ -411,7 +416,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         with self._lock:
             if not self.timing_needed:
                 return False
-            probe = self._take_probe_due()  # the step just served gives a left-out card one example
+            probe, self._probe_due = self._probe_due, False  # the step just served gives a left-out card one example
             if self.samples_needed() or probe:
                 return True
             return self._served % self.timing_interval_steps() == 0

@@ -149,11 +149,6 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
         self._forget_plans()
 
-    def _init_micro_batched_steps(self) -> None:
-        self._micro_rebalancer: Rebalancer | None = None
-        self._micro_rebalancer_caps: list | None = None
-        self._micro_replans = 0
-
     @property
     def micro_batched_replans(self) -> int:
         """How many times the models behind micro-batched steps were replaced from measured step times."""

@@ -143,19 +143,10 @@ class OtherPlans:
                 global_batch_size, list(self._max_batch_sizes), list(plan.per_replica_batch_sizes))
             return plan
 
-    def _init_probes(self) -> None:
-        self._last_worked: dict[int, int] = {}  # replica -> the served count when it last had examples
-        self._probe_due = False  # the batch just served is a probe: time it
-        self._probes = 0
-
     @property
     def probes(self) -> int:
         """How many probe steps were served so far (one example on a card the plan left idle)."""
         return self._probes
-
-    def _take_probe_due(self) -> bool:
-        due, self._probe_due = self._probe_due, False
-        return due
 
     def _maybe_probe(self, plan: BatchPlan) -> BatchPlan:
         """``plan`` (the plan in force for a full training batch, outside a guard trial), or a probe of it."""

@@ -122,17 +122,9 @@ class GuardTrials:
             if decision.against_alone:  # checked, kept or not: not checked again under these models
                 self._alone_checked.add(decision.incumbent_per_replica_batch_sizes)
             elif decision.kept:
-                self._forget_alone_checks()  # a kept re-plan's measured models are new models
+                self._alone_checked.clear()  # a kept re-plan's measured models are new models: every plan checked again
             self._maybe_check_alone()  # the plan now in force, against the fastest card alone
             return
-
-    def _init_alone_check(self) -> None:
-        self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked under the current models
-        self._contention_factors = [1.0] * self._num_replicas  # set_cost_models: each card beside the others
-
-    def _forget_alone_checks(self) -> None:
-        """New cost models: every plan may be checked again."""
-        self._alone_checked.clear()
 
     def _alone_models(self) -> list:
         """The cost models of each card stepping alone: its model over its contention factor."""

@@ -106,10 +106,7 @@ class GuardPolicy:
 
     def __post_init__(self) -> None:
         p = self.pattern
-        if (
-            not isinstance(p, str) or set(p) - {"C", "I"} or "C" not in p or "I" not in p
-            or p[0] == "I" or "II" in p
-        ):
+        if not isinstance(p, str) or set(p) - {"C", "I"} or "C" not in p or "I" not in p or p[0] == "I" or "II" in p:
             raise ConfigError(
                 f"pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', with every "
                 f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'.")

@@ -5,6 +5,7 @@ the start of a level shift, and the Theil-Sen affine fit of one replica's sample
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 
@@ -26,17 +27,14 @@ SHIFT_THRESHOLD = 0.15
 
 
 def _median(values: np.ndarray) -> float:
-    """The median of a 1-D array (the mean of the two middle values for an even count), as ``np.median`` gives it.
+    """The median of a 1-D array (the mean of the two middle values for an even count), as ``np.median`` gives it;
+    NaN when it is empty.
 
-    The window holds at most a few dozen values, where sorting a Python list costs a few microseconds and
-    ``np.median`` about 25: a look computes several medians per replica, and it runs beside the training step.
+    The window holds at most a few dozen values, where sorting a Python list (``statistics.median``) costs a few
+    microseconds and ``np.median`` about 25: a look computes several medians per replica, and it runs beside the
+    training step.
     """
-    ordered = sorted(values.tolist())
-    n = len(ordered)
-    if n == 0:
-        return math.nan
-    middle = n // 2
-    return float(ordered[middle]) if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+    return float(statistics.median(values.tolist())) if values.size else math.nan
 
 
 def median_and_error(values: np.ndarray) -> tuple[float, float]:

@@ -316,16 +316,21 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
     R = len(counts)
     chosen = np.array(step_times, dtype=np.float64)
     nxt = np.full(R, math.inf)
-    heap = []
-    for i in range(R):
+    heap: list[tuple[float, int, int]] = []
+
+    def push(i: int) -> None:
+        """Replica i's next unit step onto the heap, its time in nxt[i] (inf when it has none)."""
+        nxt[i] = math.inf
         if counts[i] < length[i]:
             b = lo[i] + counts[i] + 1
             t = time(i, b)
             if t < step_times[i]:
                 raise decreasing_error(i, b - 1, step_times[i], b, t)
             nxt[i] = t
-            heap.append((t, b, i))
-    heapq.heapify(heap)
+            heapq.heappush(heap, (t, b, i))
+
+    for i in range(R):
+        push(i)
     last = max((step_times[i] for i in range(R) if counts[i] > 0), default=-math.inf)
     whole = sum(lo) + sum(counts)
     ideal = None
@@ -352,14 +357,7 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
         chosen[i] = t
         whole += 1
         remaining -= 1
-        if counts[i] < length[i]:
-            t2 = time(i, b + 1)
-            if t2 < t:
-                raise decreasing_error(i, b, t, b + 1, t2)
-            nxt[i] = t2
-            heapq.heappush(heap, (t2, b + 1, i))
-        else:
-            nxt[i] = math.inf
+        push(i)
     return max(base_s, last) if ideal is None else ideal
 
 

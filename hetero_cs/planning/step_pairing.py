@@ -119,10 +119,7 @@ class StepPairing:
         if entry is None:
             entry = self._pending[step] = PendingStep(step, self._num_replicas)
             while len(self._pending) > self._max_pending:
-                oldest = next(iter(self._pending))
-                del self._pending[oldest]
-                self._first_open_step = oldest + 1
-                self._warn_dropped(oldest, [i for i in range(self._num_replicas) if self._next_step[i] <= oldest])
+                self._first_open_step = self._drop_oldest(self._pending) + 1
         if not entry.add(replica_id, batch_size, step_time_s, valid):
             return None
         del self._pending[step]
@@ -147,10 +144,7 @@ class StepPairing:
             self._next_keyed_index = index + 1
             entry = self._keyed[key] = PendingStep(index, self._num_replicas)
             while len(self._keyed) > self._max_pending:
-                oldest_key = next(iter(self._keyed))
-                oldest = self._keyed.pop(oldest_key)
-                self._closed_keys.append(oldest_key)
-                self._warn_dropped(oldest.index, [i for i, done in enumerate(oldest.reported) if not done])
+                self._closed_keys.append(self._drop_oldest(self._keyed))
         elif entry.reported[replica_id]:
             if not self._warned_duplicate:
                 self._warned_duplicate = True
@@ -169,13 +163,17 @@ class StepPairing:
         self._first_open_step = max(self._first_open_step, nxt)
         return entry
 
-    def _warn_dropped(self, index: int, behind: list[int]) -> None:
+    def _drop_oldest(self, pending: dict) -> Hashable:
+        """Drops the oldest step of ``pending`` (by order or by key: a replica never reported it); returns its key."""
+        key = next(iter(pending))
+        step = pending.pop(key)
         if not self._warned_dropped:
             self._warned_dropped = True
             logger.warning(
                 "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
                 "ahead. Every replica must call record() once per step, also with a 0-example slice.",
-                index, behind, self._max_pending)
+                step.index, [i for i, done in enumerate(step.reported) if not done], self._max_pending)
+        return key
 
 
 @dataclasses.dataclass(frozen=True)
