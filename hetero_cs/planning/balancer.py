@@ -308,22 +308,14 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             models = idle_free(models)
         factors = _checked_contention(contention_factors, R)
         with self._lock:
-            # Solve with the new models before committing anything, so a failure leaves everything as it was.
-            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size,
-                        self._contention_factors)
-            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
-            self._contention_factors = factors
+            # Solve with the new models before changing anything, so a failure leaves everything as it was.
+            B = self._reference_batch_size
             if reference_batch_size is not None:
-                self._reference_batch_size = max(self._reference_batch_size or 0, int(reference_batch_size))
-            try:
-                B = self._reference_batch_size
-                plan = self._solve(B) if B is not None else None
-                rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
-            except Exception:
-                (self._calibrated_models, self._cost_models, self._max_batch_sizes,
-                 self._reference_batch_size, self._contention_factors) = previous
-                raise
-            self._rebalancer = rebalancer
+                B = max(B or 0, int(reference_batch_size))
+            plan = None if B is None else self._solve(B, cost_models=models, max_batch_sizes=caps, log_ties=True)
+            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            self._contention_factors, self._reference_batch_size = factors, B
+            self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             self._memory.reset(caps)
             self._forget_plans()
             self._alone_checked.clear()  # new cost models: every plan may be checked again
@@ -447,12 +439,13 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
     # ------------------------------------------------------------------------------------------------------------
     # Internals (called with the lock held)
     # ------------------------------------------------------------------------------------------------------------
-    def _solve(self, global_batch_size: int) -> BatchPlan:
-        reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
-        return choose_plan(
-            global_batch_size, self._num_replicas, shares=self._shares, auto_balance=self._auto_balance,
-            cost_models=self._cost_models, max_batch_sizes=self._max_batch_sizes, log_ties=reference,
-            idle_free=self._idle_free)
+    def _solve(self, global_batch_size: int, **given) -> BatchPlan:
+        """``choose_plan`` under the shares, models and caps in force, or the ``given`` ones (its keywords); a tie is
+        logged at INFO for the reference size (not a last partial batch)."""
+        arguments = dict(shares=self._shares, auto_balance=self._auto_balance, cost_models=self._cost_models,
+                         max_batch_sizes=self._max_batch_sizes, idle_free=self._idle_free,
+                         log_ties=self._reference_batch_size in (None, global_batch_size))
+        return choose_plan(global_batch_size, self._num_replicas, **{**arguments, **given})
 
     def _forget_plans(self) -> None:
         """What the plans were solved under changed: a running trial ends and every size is solved again."""

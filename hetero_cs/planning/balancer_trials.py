@@ -57,15 +57,12 @@ class GuardTrials:
     def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
         """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
         incumbent = self._incumbent_for(plan)
-        if (
-            trial and self.guard_enabled and incumbent is not None
-            and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
-            and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)
-        ):
+        if (trial and self.guard_enabled and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
+                and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)):
             self._commit(incumbent)
             self._start_trial(incumbent, plan)
-            return
-        self._commit(plan)
+        else:
+            self._commit(plan)
 
     def _start_trial(self, incumbent: BatchPlan, candidate: BatchPlan, *, against_alone: bool = False) -> None:
         """Starts a guard trial of ``candidate`` against ``incumbent``, the plan in force."""
@@ -79,12 +76,12 @@ class GuardTrials:
         if self._on_trial is not None:
             self._on_trial(candidate)
 
-    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan | None:
+    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan:
         """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
         B = plan.global_batch_size
-        if self._plan is not None and self._plan.global_batch_size == B:
-            return plan_from_split(self._plan.per_replica_batch_sizes, self._cost_models)
-        return plan_from_split(even_batch_split(B, self._num_replicas), self._cost_models)
+        in_force = self._plan is not None and self._plan.global_batch_size == B
+        split = self._plan.per_replica_batch_sizes if in_force else even_batch_split(B, self._num_replicas)
+        return plan_from_split(split, self._cost_models)
 
     def _serve_trial(self) -> BatchPlan:
         """The side of the running trial to serve next; the candidate, kept unmeasured, when no step of the trial
@@ -148,8 +145,7 @@ class GuardTrials:
             or None before cost models exist or when no card's cap holds the whole batch.
         """
         with self._lock:
-            models = self._cost_models
-            if models is None:
+            if self._cost_models is None:
                 return None
             caps = self._max_batch_sizes or [None] * self._num_replicas
             B = int(global_batch_size)
@@ -158,34 +154,25 @@ class GuardTrials:
                 return None
             alone = self._alone_models()
             fastest = min(holding, key=lambda i: (alone[i].predict_step_time_s(B), i))
-            split = [0] * self._num_replicas
-            split[fastest] = B
-            return self._plan_of(split)
+            return self._plan_of([B if i == fastest else 0 for i in range(self._num_replicas)])
 
     def _maybe_check_alone(self) -> None:
         """Starts a guard trial of the fastest card alone against the plan in force, where it is due (see above)."""
         plan = self._plan
-        if (
-            # Only an engine whose idle replicas run nothing (central storage) gains by leaving cards out.
-            not self._idle_free or not self.guard_enabled or self._shares is not None or plan is None
-            or self._guard.in_trial
-            or plan.global_batch_size != self._reference_batch_size
-        ):
+        # Only an engine whose idle replicas run nothing (central storage) gains by leaving cards out.
+        if (not self._idle_free or not self.guard_enabled or self._shares is not None or plan is None
+                or self._guard.in_trial or plan.global_batch_size != self._reference_batch_size):
             return
         sizes = plan.per_replica_batch_sizes
         if sum(1 for b in sizes if b > 0) < 2 or sizes in self._alone_checked:
             return
         alone = self.fastest_alone_plan(plan.global_batch_size)
-        plan_s = plan.predicted_makespan_s
-        alone_s = None if alone is None else alone.predicted_makespan_s
+        plan_s, alone_s = plan.predicted_makespan_s, None if alone is None else alone.predicted_makespan_s
         last = self._guard.last_decision
-        if (
-            alone is None or alone.per_replica_batch_sizes == sizes or plan_s is None or alone_s is None
-            or not plan_s > 0
-            # The guard has just measured that very split slower: no second trial of it (its back-off stands).
-            or (last is not None and not last.kept
-                and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)
-        ):
+        if (alone_s is None or alone.per_replica_batch_sizes == sizes or plan_s is None or not plan_s > 0
+                # The guard has just measured that very split slower: no second trial of it (its back-off stands).
+                or (last is not None and not last.kept
+                    and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)):
             self._alone_checked.add(sizes)  # nothing to check for this plan under these models
             return
         why = self._alone_check_reason(sizes, plan_s, alone_s)
