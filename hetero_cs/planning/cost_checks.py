@@ -25,10 +25,8 @@ measurement is larger, and a larger value (an edited profile) would overflow pre
 
 
 def _check_batch_size(batch_size: Any) -> None:
-    if type(batch_size) is int:  # the common case, checked first because the solver calls this often
-        if batch_size >= 0:
-            return
-    elif _is_int(batch_size) and batch_size >= 0:
+    # A plain int, the common case, is checked first because the solver calls this often.
+    if (type(batch_size) is int or _is_int(batch_size)) and batch_size >= 0:
         return
     raise ConfigError(
         f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. "

@@ -155,10 +155,8 @@ class MemoryCaps:
         known = []
         for i in range(self._num_replicas):
             cap, done = self._cap(i), max(self._recent[i], default=0)
-            if cap is not None and (self._lowered[i] is None or done >= cap):
-                known.append(cap)
-            else:
-                known.append(done if cap is None else min(done, cap))
+            # (a lowered cap that no step held yet is above every slice done: those say what fits)
+            known.append(cap if cap is not None and (self._lowered[i] is None or done >= cap) else done)
         return known
 
     @property
@@ -196,10 +194,7 @@ class MemoryCaps:
     def _cap(self, replica_id: int) -> int | None:
         if replica_id in self._excluded:
             return 0
-        base, lowered = self._base[replica_id], self._lowered[replica_id]
-        if lowered is None:
-            return base
-        return lowered if base is None else min(base, lowered)
+        return min((c for c in (self._base[replica_id], self._lowered[replica_id]) if c is not None), default=None)
 
     def record_out_of_memory(self, replica_id: int, batch_size: int) -> CapChange:
         """Lowers ``replica_id``'s cap after its step ran out of memory with a slice of ``batch_size`` examples.
@@ -251,10 +246,8 @@ class MemoryCaps:
             grown = max(old + 1, int(math.ceil(old * self.policy.growth_factor)))
             base = self._base[i]
             limit = base if base is not None else global_batch_size
-            if limit is not None and grown >= limit:
-                self._lowered[i], self._grown[i] = None, False
-            else:
-                self._lowered[i], self._grown[i] = grown, True
+            back_to_base = limit is not None and grown >= limit  # (the global batch, without a calibrated cap)
+            self._lowered[i], self._grown[i] = (None, False) if back_to_base else (grown, True)
             self._since_change[i] = 0
             change = CapChange(i, old, self._cap(i), "grow", max(self._recent[i], default=0))
             self.history.append(change)

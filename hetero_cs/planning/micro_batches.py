@@ -177,15 +177,12 @@ class MicroBatchPlan:
         plus the host's overhead once per call of up to :data:`SUB_STEPS_PER_CALL` sub-steps (each card runs its
         micro-batches back to back), summed over the calls."""
         if self.overlapped:
-            columns = [p.predicted_step_times_s for p in self.sub_step_plans]
-            if any(c is None for c in columns):
+            if any(p.predicted_step_times_s is None for p in self.sub_step_plans):
                 return None
             return sum(max(float(sum(column)) for column in zip(*(p.predicted_step_times_s for p in call)))
                        + self.sub_step_overhead_s for call in self.calls)
         times = [p.predicted_makespan_s for p in self.sub_step_plans]
-        if any(t is None for t in times):
-            return None
-        return float(sum(times)) + self.num_sub_steps * self.sub_step_overhead_s
+        return None if None in times else float(sum(times)) + self.num_sub_steps * self.sub_step_overhead_s
 
     @property
     def predicted_speedup_vs_single_step(self) -> float | None:

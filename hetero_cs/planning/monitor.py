@@ -140,24 +140,19 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if not _is_int(batch_size) or batch_size < 0:
             raise ConfigError(f"batch_size must be a non-negative integer (examples in the replica's slice). "
                               f"Received: batch_size={batch_size!r} for replica_id={replica_id}.")
-        if step_key is not None:
-            try:
-                hash(step_key)
-            except TypeError:
-                raise ConfigError(
-                    f"step_key must be hashable (a value every replica of the step shares). Received: "
-                    f"step_key={step_key!r} of type {type(step_key).__name__}."
-                ) from None
+        try:
+            hash(step_key)
+        except TypeError:
+            raise ConfigError(f"step_key must be hashable (a value every replica of the step shares). Received: "
+                              f"step_key={step_key!r} of type {type(step_key).__name__}.") from None
         step_time_s = _seconds(step_time_s)
         valid = math.isfinite(step_time_s) and step_time_s >= 0.0
         with self._lock:
             if not valid and not self._warned_invalid:
                 self._warned_invalid = True
-                logger.warning(
-                    "Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be finite "
-                    "and >= 0. Steps with invalid times are left out of the statistics; further ones are not "
-                    "reported.",
-                    step_time_s, replica_id)
+                logger.warning("Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be "
+                               "finite and >= 0. Steps with invalid times are left out of the statistics; further ones "
+                               "are not reported.", step_time_s, replica_id)
             done = self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)
             if done is not None:
                 self._completed_steps += 1

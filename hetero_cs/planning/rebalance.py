@@ -321,14 +321,8 @@ class Rebalancer:
             worst_case_gain = _relative_gain(
                 _makespan_s(old_sizes, cost_models, [max(1.0 - z * u, _MIN_LEVEL_FACTOR) for u in errors]),
                 _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]))
-        if new_sizes == old_sizes:
-            outcome = UNCHANGED
-        elif forced or worst_case_gain > deadband:
-            outcome = REPLANNED
-        elif gain > deadband:
-            outcome = WITHIN_NOISE
-        else:
-            outcome = BELOW_DEADBAND
+        outcome = (UNCHANGED if new_sizes == old_sizes else REPLANNED if forced or worst_case_gain > deadband
+                   else WITHIN_NOISE if gain > deadband else BELOW_DEADBAND)
         decision = RebalanceDecision(
             step, outcome, old_sizes, new_sizes, current_makespan_s, new_makespan_s, gain, worst_case_gain, forced)
         self._last_decision = decision
