@@ -65,8 +65,7 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
     if max_batch_sizes is None:
         return [None] * R
     if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, (Sequence, np.ndarray)) or (
-        isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1
-    ):
+            isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1):
         raise ConfigError(
             f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
             f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128].")

@@ -92,10 +92,8 @@ def checked_prediction(predict: Any, batch_size: int, replica_id: int | None = N
     except Exception as exc:  # noqa: BLE001 - any failure of a user's model is reported with its replica
         raise InvalidCostModelError(f"{who}.predict_step_time_s({batch_size}) failed: {exc}. A cost model returns "
                                     "seconds as a float for any batch size >= 0.") from exc
-    if isinstance(raw, bool) or not (
-        isinstance(raw, numbers.Real)
-        or (getattr(raw, "ndim", None) == 0 and getattr(getattr(raw, "dtype", None), "kind", "") in "iuf")
-    ):
+    if isinstance(raw, bool) or not (isinstance(raw, numbers.Real) or (
+            getattr(raw, "ndim", None) == 0 and getattr(getattr(raw, "dtype", None), "kind", "") in "iuf")):
         try:
             shown = repr(raw)
         except Exception:  # noqa: BLE001 - a user's object may fail to print; its type still says enough

@@ -148,8 +148,7 @@ class PiecewiseLinearCostModel(_Stored):
         except TypeError as exc:
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs sequences batch_sizes and step_times_s. Received: "
-                f"batch_sizes={self.batch_sizes!r}, step_times_s={self.step_times_s!r}."
-            ) from exc
+                f"batch_sizes={self.batch_sizes!r}, step_times_s={self.step_times_s!r}.") from exc
         if not sizes or len(sizes) != len(times):
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs as many step times as batch sizes, at least one. Received: "

@@ -269,14 +269,10 @@ class PlanGuard:
         if not isinstance(incumbent, BatchPlan) or not isinstance(candidate, BatchPlan):
             raise ConfigError(
                 f"A trial compares two BatchPlans. Received: incumbent={incumbent!r}, candidate={candidate!r}.")
-        if (
-            incumbent.global_batch_size != candidate.global_batch_size
-            or len(incumbent.per_replica_batch_sizes) != len(candidate.per_replica_batch_sizes)
-            or incumbent.per_replica_batch_sizes == candidate.per_replica_batch_sizes
-        ):
-            raise ConfigError(
-                f"A trial compares two different splits of one global batch. Received: incumbent="
-                f"{list(incumbent.per_replica_batch_sizes)}, candidate={list(candidate.per_replica_batch_sizes)}.")
+        old, new = incumbent.per_replica_batch_sizes, candidate.per_replica_batch_sizes
+        if incumbent.global_batch_size != candidate.global_batch_size or len(old) != len(new) or old == new:
+            raise ConfigError(f"A trial compares two different splits of one global batch. Received: incumbent="
+                              f"{list(old)}, candidate={list(new)}.")
         self._trial = _Trial(incumbent, candidate, bool(against_alone),
                              None if incumbent_recent_s is None else float(incumbent_recent_s))
         (logger.debug if self._quiet else logger.info)(

@@ -185,12 +185,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             sizes, times, counts = (list(batch_sizes), [float(t) for t in step_times_s], list(micro_batches))
         except (TypeError, ValueError):
             sizes = times = counts = None
-        if (
-            sizes is None or not len(sizes) == len(times) == len(counts) == R
-            or any(not _is_int(v) or v < 0 for v in sizes + counts)
-            or any(b > 0 and k < 1 for b, k in zip(sizes, counts))
-            or not all(math.isfinite(t) and t >= 0 for t in times)
-        ):
+        if (sizes is None or not len(sizes) == len(times) == len(counts) == R
+                or any(not _is_int(v) or v < 0 for v in sizes + counts)
+                or any(b > 0 and k < 1 for b, k in zip(sizes, counts)) or not all(0 <= t < math.inf for t in times)):
             raise ConfigError(
                 f"A micro-batched step needs, per replica (R={R}), its examples b_i >= 0, its time t_i >= 0 in "
                 f"seconds and its micro-batch count k_i >= 1 where b_i > 0. Received: batch_sizes={batch_sizes!r}, "
@@ -327,9 +324,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 models.append(model)
             return models
         sizes, times_s = self._window_arrays()
-        fitted: list[CostModel | None] = [
-            _fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)
-        ]
+        fitted = [_fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)]
         known = [m for m in fitted if m is not None]
         if not known:
             raise CalibrationError(

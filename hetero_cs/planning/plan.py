@@ -244,11 +244,9 @@ class BatchPlan:
 
     def __str__(self) -> str:
         times = self.predicted_step_times_s
-        lines = [
-            f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} "
-            f"replica{'' if self.num_replicas == 1 else 's'}",
-            f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}",
-        ]
+        lines = [f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} "
+                 f"replica{'' if self.num_replicas == 1 else 's'}",
+                 f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}"]
         for i, (b, w) in enumerate(zip(self.per_replica_batch_sizes, self.replica_weights)):
             step = "idle" if b == 0 else "n/a" if times is None else f"{times[i] * 1e3:.3f}"
             lines.append(f"{i:>7}  {b:>7}  {w:>7.4f}  {step:>17}")
@@ -259,13 +257,11 @@ class BatchPlan:
                          f"0: a card that cannot hold one example, or one set aside after a device error)")
 
         speedup, efficiency = self.predicted_speedup_vs_even, self.efficiency
-        lines += [
-            f"predicted makespan: {ms_text(self.predicted_makespan_s)}",
-            f"even split makespan: {ms_text(self.even_split_makespan_s)}",
-            f"ideal makespan: {ms_text(self.ideal_makespan_s)}",
-            f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
-            f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}",
-        ]
+        lines += [f"predicted makespan: {ms_text(self.predicted_makespan_s)}",
+                  f"even split makespan: {ms_text(self.even_split_makespan_s)}",
+                  f"ideal makespan: {ms_text(self.ideal_makespan_s)}",
+                  f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
+                  f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}"]
         return "\n".join(lines)
 
 
