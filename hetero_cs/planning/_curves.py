@@ -248,7 +248,3 @@ def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
     level = a + (B - at_a) * (b - a) / (before_b - at_a) if before_b >= B else b
     return min(max(level, a), b)
 
-
-def _closed_form_ideal(X: np.ndarray, T: np.ndarray, B: int) -> float:
-    """The ideal bound of :func:`ideal_makespan_s` from :func:`_ideal_tables`."""
-    return max(float(T[:, 0].max()), _lowest_level(X, T, B))

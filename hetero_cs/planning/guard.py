@@ -307,8 +307,7 @@ class PlanGuard:
         except TypeError:
             raise ConfigError(
                 f"observe takes the step's slices (a sequence of integers) and its makespan in seconds (a number). "
-                f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}."
-            ) from None
+                f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}.") from None
         trial = self._trial
         if trial is None:
             return None

@@ -385,12 +385,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             for i, model in enumerate(cost_models):
                 column = sizes[:, i]
                 positive = column > 0
-                distinct = np.unique(column[positive])
-                if not distinct.size:
-                    continue
-                predicted_s = np.array([float(model.predict_step_time_s(int(b))) for b in distinct])
+                distinct, inverse = np.unique(column[positive], return_inverse=True)
                 per_step_s = np.full(column.shape, np.nan)
-                per_step_s[positive] = predicted_s[np.searchsorted(distinct, column[positive])]
+                per_step_s[positive] = np.array([float(model.predict_step_time_s(int(b))) for b in distinct])[inverse]
                 usable = np.isfinite(per_step_s) & (per_step_s > 0)
                 levels[usable, i] = times_s[usable, i] / per_step_s[usable]
         return levels

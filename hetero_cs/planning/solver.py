@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem, _closed_form_ideal
+from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem
 from hetero_cs.planning._curves import _Curves, _fill, _grid, _ideal_tables, _knot_tables, _lowest_level
 from hetero_cs.planning.cost_checks import decreasing_error
 from hetero_cs.planning.cost_model import CostModel, holds_no_example
@@ -128,7 +128,6 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
             tables = _knot_tables(models, lo, [low + n * k for low, n in zip(lo, length)])
             relaxed = _lowest_level(*tables, B)
         counts, step_times = _warm_selection(curves, M, tables, relaxed)
-        path = "closed-form"
     else:
         counts = [0] * R
         step_times = [curves.time(i, b) for i, b in enumerate(lo)]
@@ -137,11 +136,10 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
         else:
             _select(curves, counts, step_times, M)
             ideal_s = _generic_ideal(models, B, min_b, caps)
-        path = "generic"
 
     sizes = tuple(low + c * k for low, c in zip(lo, counts))
-    logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k, path,
-                 curves.evaluations, sizes)
+    logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k,
+                 "closed-form" if closed_form else "generic", curves.evaluations, sizes)
     return _priced_plan(sizes, step_times, ideal_s, models, curves.time)
 
 
@@ -180,7 +178,8 @@ def ideal_makespan_s(cost_models: Sequence[CostModel], global_batch_size: int, *
     """
     models, B, min_b, caps = _checked_problem(cost_models, global_batch_size, max_batch_sizes, min_batch_size)
     if all(_breakpoints(m) is not None for m in models):
-        return _closed_form_ideal(*_ideal_tables(models, B, min_b, caps), B)
+        X, T = _ideal_tables(models, B, min_b, caps)
+        return max(float(T[:, 0].max()), _lowest_level(X, T, B))
     return _generic_ideal(models, B, min_b, caps)
 
 
