@@ -250,8 +250,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             ConfigError: Not one cap per replica, or a cap that is not an integer >= 0 or None.
             InfeasiblePlanError: With cost models set, the caps cannot hold the reference global batch.
         """
-        R = self._num_replicas
-        caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), R, 0)
+        caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), self._num_replicas, 0)
         with self._lock:
             if self._cost_models is not None:
                 self._set_models_again(caps)

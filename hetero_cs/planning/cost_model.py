@@ -397,8 +397,7 @@ def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) 
             f"max_micro_batch_size={max_micro_batch_size!r}.")
     if b <= 0:
         return []
-    count = 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))  # ceil(b / cap)
-    return list(even_batch_split(b, count))
+    return list(even_batch_split(b, 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))))  # ceil
 
 
 def line_of(model: Any) -> tuple[float, float, bool] | None:

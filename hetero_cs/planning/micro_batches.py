@@ -410,13 +410,15 @@ def plan_overlapped_micro_batches(global_batch_size: int, cost_models: Sequence[
     K = max(len(p) for p in parts)
     if K > max_sub_steps:
         return None
+    overlapped = functools.partial(MicroBatchPlan, single_step_makespan_s=single_step_makespan_s,
+                                   sub_step_overhead_s=float(host_overhead_s), overlapped=True)
     if K <= SUB_STEPS_PER_CALL:
-        return _spread(parts, 1, models, single_step_makespan_s, host_overhead_s)
+        return _spread(parts, 1, models, overlapped)
     # More sub-steps than one call holds. Two ways to cut the step into calls, the faster kept: (a) this split with
     # each card's micro-batches spread evenly over n calls; (b) n calls of about B / n examples, each its own
     # overlapped plan (balanced within the call, so no card waits long at a call's end, whatever its micro-batch).
     n = -(-K // SUB_STEPS_PER_CALL)
-    best = _spread(parts, n, models, single_step_makespan_s, host_overhead_s)
+    best = _spread(parts, n, models, overlapped)
     for calls in range(n, min(n + 8, B) + 1):
         sizes = even_batch_split(B, calls)
         per_size = {size: plan_overlapped_micro_batches(size, models, caps, host_overhead_s=host_overhead_s,
@@ -424,17 +426,15 @@ def plan_overlapped_micro_batches(global_batch_size: int, cost_models: Sequence[
         if any(plan is None for plan in per_size.values()):
             continue
         steps = [q for size in sizes for q in per_size[size].sub_step_plans]
-        candidate = MicroBatchPlan(tuple(steps), single_step_makespan_s=single_step_makespan_s,
-                                   sub_step_overhead_s=float(host_overhead_s), overlapped=True,
-                                   call_sub_steps=tuple(per_size[size].num_sub_steps for size in sizes))
+        candidate = overlapped(tuple(steps), call_sub_steps=tuple(per_size[size].num_sub_steps for size in sizes))
         if candidate.predicted_makespan_s < best.predicted_makespan_s:
             best = candidate
     return best
 
 
-def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:
+def _spread(parts: list, n: int, models, overlapped: Callable[..., MicroBatchPlan]) -> MicroBatchPlan:
     """Each card's micro-batches (``parts[i]``, largest first) spread evenly over ``n`` calls; within a call, sub-step
-    ``j`` gives each card its ``j``-th micro-batch there."""
+    ``j`` gives each card its ``j``-th micro-batch there; ``overlapped`` makes the plan of the sub-steps."""
     sub_steps, call_sub_steps = [], []
     for group in zip(*(_cut(p, even_batch_split(len(p), n)) for p in parts)):
         depth = max(len(p) for p in group)
@@ -446,15 +446,12 @@ def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s
             times = tuple(float(models[i].predict_step_time_s(b)) if b else 0.0 for i, b in enumerate(sizes))
             sub_steps.append(BatchPlan(sizes, sum(sizes), predicted_makespan_s=max(times),
                                        predicted_step_times_s=times))
-    return MicroBatchPlan(tuple(sub_steps), single_step_makespan_s=single_step_makespan_s,
-                          sub_step_overhead_s=float(host_overhead_s), overlapped=True,
-                          call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
+    return overlapped(tuple(sub_steps), call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
 
 
 def _cut(items: Sequence, sizes: Sequence[int]) -> list:
     """``items`` cut into consecutive pieces of ``sizes`` examples each (they sum to ``len(items)``)."""
-    ends = list(itertools.accumulate(sizes))
-    return [items[end - size:end] for size, end in zip(sizes, ends)]
+    return [items[end - size:end] for size, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchPlan | None, *,

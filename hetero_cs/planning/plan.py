@@ -357,9 +357,8 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
             "[1] * num_replicas for an even split.")
     quotas = [B * s / total for s in exact]
     sizes = [math.floor(q) for q in quotas]
-    leftover = B - sum(sizes)
-    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
-    for i in by_remainder[:leftover]:
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))  # largest remainder first
+    for i in by_remainder[:B - sum(sizes)]:
         sizes[i] += 1
     return tuple(int(b) for b in sizes)
 

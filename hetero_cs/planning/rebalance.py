@@ -227,8 +227,7 @@ class Rebalancer:
             InfeasiblePlanError: From the solver, if no split satisfies the caps and policy constraints (a global
                 batch below R * policy.min_batch_size is not such a case: see RebalancePolicy.min_batch_size).
         """
-        num_replicas = len(current_plan.per_replica_batch_sizes)
-        if len(cost_models) != num_replicas:
+        if len(cost_models) != len(current_plan.per_replica_batch_sizes):
             raise ConfigError(
                 f"cost_models must hold one model per replica of current_plan. Received: "
                 f"len(cost_models)={len(cost_models)}, current slices={list(current_plan.per_replica_batch_sizes)}.")

@@ -92,9 +92,8 @@ def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]],
     rebalancer = Rebalancer(policy, max_batch_sizes=max_batch_sizes)
     trace: list[SimulatedStep] = []
     for step in range(steps):
-        true_models = true_models_at_step(step)
         sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
-        true_times_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
+        true_times_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models_at_step(step), sizes)])
         noise = rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, num_replicas)
         noise *= np.exp(rng.normal(0.0, lognormal_sigma, num_replicas))
         times_s = true_times_s * noise

@@ -102,10 +102,7 @@ class StepPairing:
 
     def abandon_open_steps(self) -> None:
         """Drops every incomplete step and lines the by-order counters up (complete steps are not affected)."""
-        nxt = max(max(self._next_step), self._next_keyed_index)
-        self._next_step = [nxt] * self._num_replicas
-        self._pending.clear()
-        self._first_open_step = nxt
+        self._line_up(max(max(self._next_step), self._next_keyed_index))
         self._closed_keys.extend(self._keyed)
         self._keyed.clear()
 
@@ -157,11 +154,14 @@ class StepPairing:
         del self._keyed[key]
         self._closed_keys.append(key)
         # Every replica has reported this step: reports without a key continue behind it, lined up.
-        nxt = max(max(self._next_step), entry.index + 1)
-        self._next_step = [nxt] * self._num_replicas
-        self._pending = {k: v for k, v in self._pending.items() if k >= nxt}
-        self._first_open_step = max(self._first_open_step, nxt)
+        self._line_up(max(max(self._next_step), entry.index + 1))
         return entry
+
+    def _line_up(self, step: int) -> None:
+        """Every replica's next report without a key belongs to ``step``; incomplete steps before it are dropped."""
+        self._next_step = [step] * self._num_replicas
+        self._pending = {k: v for k, v in self._pending.items() if k >= step}
+        self._first_open_step = max(self._first_open_step, step)
 
     def _drop_oldest(self, pending: dict) -> Hashable:
         """Drops the oldest step of ``pending`` (by order or by key: a replica never reported it); returns its key."""
