@@ -383,9 +383,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             plan = self.plan_for(b)
             if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
                 return self._serve_trial()
-            if b == self._reference_batch_size and plan is self._plan:
-                return self._maybe_probe(plan)  # now and then one example on a card the plan leaves idle
-            return plan
+            # The plan in force for a full batch: now and then a probe of it (one example on a card it leaves idle).
+            return self._maybe_probe(plan) if b == self._reference_batch_size and plan is self._plan else plan
 
     def step_traced_again(self) -> None:
         """Called before the first step of a training step function traced again: the steps measured so far are
@@ -408,9 +407,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             if not self.timing_needed:
                 return False
             probe, self._probe_due = self._probe_due, False  # the step just served gives a left-out card one example
-            if self.samples_needed() or probe:
-                return True
-            return self._served % self.timing_interval_steps() == 0
+            return self.samples_needed() or probe or self._served % self.timing_interval_steps() == 0
 
     def samples_needed(self) -> bool:
         """True while a decision waits for every step's times: a guard trial runs, or the monitor's window holds

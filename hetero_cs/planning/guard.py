@@ -428,6 +428,4 @@ def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:
     """One-sided Wilcoxon signed-rank p-value for "the log ratios are centred below 0" (scipy.stats.wilcoxon)."""
     from scipy import stats
 
-    if not np.any(log_ratios != 0):
-        return 1.0
-    return float(stats.wilcoxon(log_ratios, alternative="less").pvalue)
+    return float(stats.wilcoxon(log_ratios, alternative="less").pvalue) if np.any(log_ratios != 0) else 1.0

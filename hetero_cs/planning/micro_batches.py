@@ -71,9 +71,7 @@ _FIGURES = ("single_step_makespan_s", "sub_step_overhead_s", "overlapped")  # Mi
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
     """How many examples all replicas hold together: ``sum(caps)``, or None when some replica is uncapped."""
-    if max_batch_sizes is None or any(cap is None for cap in max_batch_sizes):
-        return None
-    return int(sum(max_batch_sizes))
+    return None if max_batch_sizes is None or None in max_batch_sizes else int(sum(max_batch_sizes))
 
 
 @dataclass(frozen=True)

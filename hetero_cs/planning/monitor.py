@@ -419,9 +419,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if recent is not None:  # the replica's speed changed: estimate it from the steps since
             relative, common = relative[recent:], common[recent:]
         factor = _median(relative) * _median(common)
-        if not (math.isfinite(factor) and factor > 0):
-            return base  # Only zero times observed: no usable correction.
-        return ScaledCostModel(base, factor)
+        # (only zero times observed: no usable correction)
+        return ScaledCostModel(base, factor) if math.isfinite(factor) and factor > 0 else base
 
 
 def _seconds(value: object) -> float:

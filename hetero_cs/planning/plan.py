@@ -39,9 +39,7 @@ def _is_real(value: Any) -> bool:
 
 def _as_tuple(values: Any) -> tuple | None:
     """values as a tuple if it is a non-string iterable (list, tuple, numpy array), else None."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        return None
-    return tuple(values)
+    return None if isinstance(values, (str, bytes)) or not isinstance(values, Iterable) else tuple(values)
 
 
 def ordered_values(values: Any) -> tuple | None:
@@ -50,11 +48,8 @@ def ordered_values(values: Any) -> tuple | None:
     Sets, dicts and other iterables without an index order (generators included) give None: their iteration order
     is not a replica order, so taking it would reorder shares silently.
     """
-    if isinstance(values, (str, bytes, Mapping, Set)):
-        return None
-    if isinstance(values, Sequence) or getattr(values, "ndim", None) == 1:
-        return tuple(values)
-    return None
+    ordered = isinstance(values, Sequence) or getattr(values, "ndim", None) == 1
+    return tuple(values) if ordered and not isinstance(values, (str, bytes, Mapping, Set)) else None
 
 
 def unordered_note(values: Any) -> str:

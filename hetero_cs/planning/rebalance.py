@@ -355,8 +355,6 @@ def _makespan_s(sizes: Sequence[int], cost_models: Sequence[CostModel], level_fa
     return max(f * float(m.predict_step_time_s(int(b))) for m, b, f in zip(cost_models, sizes, level_factors))
 
 
-def _relative_gain(current_makespan_s: float, new_makespan_s: float) -> float:
-    """(current - new) / current; 0 when current is not a positive finite time."""
-    if current_makespan_s > 0 and math.isfinite(current_makespan_s):
-        return (current_makespan_s - new_makespan_s) / current_makespan_s
-    return 0.0
+def _relative_gain(current_s: float, new_s: float) -> float:
+    """(current - new) / current makespan; 0 when current is not a positive finite time."""
+    return (current_s - new_s) / current_s if current_s > 0 and math.isfinite(current_s) else 0.0
