@@ -192,8 +192,7 @@ def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
     """
     curves = _Curves(models)
     rows_x, rows_t = [], []
-    for i, model in enumerate(models):
-        low, high = lows[i], highs[i]
+    for i, (model, low, high) in enumerate(zip(models, lows, highs)):
         inner = [b for b in _breakpoints(model) if low < b < high]  # type: ignore[union-attr]
         xs = [low, *inner] + ([high] if high > low else [])
         ts = [curves.time(i, x) for x in xs]
@@ -202,10 +201,8 @@ def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
                 raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
         rows_x.append(xs)
         rows_t.append(ts)
-    width = max(2, max(len(r) for r in rows_x))
-    X = np.array([r + [r[-1]] * (width - len(r)) for r in rows_x], dtype=np.float64)
-    T = np.array([r + [r[-1]] * (width - len(r)) for r in rows_t], dtype=np.float64)
-    return X, T
+    width = max(2, max(len(r) for r in rows_x))  # each row padded with its last knot
+    return tuple(np.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=float) for rows in (rows_x, rows_t))
 
 
 def _ideal_tables(models: Sequence[CostModel], B: int, min_b: int,

@@ -277,8 +277,7 @@ class PlanGuard:
                              None if incumbent_recent_s is None else float(incumbent_recent_s))
         (logger.debug if self._quiet else logger.info)(
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
-            "significant)", list(candidate.per_replica_batch_sizes),
-            " (the fastest card alone)" if against_alone else "", list(incumbent.per_replica_batch_sizes), step,
+            "significant)", list(new), " (the fastest card alone)" if against_alone else "", list(old), step,
             self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs)
 
     def plan_to_serve(self) -> BatchPlan | None:

@@ -281,10 +281,8 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
                 if j < length[i]:
                     heapq.heappush(heap, (probe(i, j + 1), b + k, i))
             return
-        heap = []
-        for i in active:
-            j = counts[i] + min(s, length[i] - counts[i])
-            heap.append((probe(i, j), lo[i] + j * k, i))
+        ends = [counts[i] + min(s, length[i] - counts[i]) for i in active]  # each replica's next chunk
+        heap = [(probe(i, j), lo[i] + j * k, i) for i, j in zip(active, ends)]
         heapq.heapify(heap)
         # The smallest probe's chunk has at most len(heap) * s - len(heap) + 1 keys at or below it: all chosen.
         while heap and remaining >= len(heap) * s:
