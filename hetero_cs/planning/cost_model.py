@@ -309,11 +309,10 @@ class OutOfMemoryCostModel(_Stored):
 def holds_no_example(model: Any) -> bool:
     """True when ``model`` is (or wraps, through ``base``) an :class:`OutOfMemoryCostModel`: its device takes no
     example, so a split that gives it some (the even split, for comparison) cannot run."""
-    seen = 0
-    while model is not None and seen < 16:
+    for _ in range(16):  # (a chain of bases, followed 16 deep at most)
         if isinstance(model, OutOfMemoryCostModel):
             return True
-        model, seen = getattr(model, "base", None), seen + 1
+        model = getattr(model, "base", None)
     return False
 
 
@@ -405,8 +404,7 @@ def line_of(model: Any) -> tuple[float, float, bool] | None:
     scaled or idle-free (``t(0) = 0``, then ``idle_free`` is True); else None."""
     factor, idle = 1.0, False
     while isinstance(model, (IdleFreeCostModel, ScaledCostModel)):
-        if isinstance(model, ScaledCostModel):
-            factor *= model.factor
+        factor *= getattr(model, "factor", 1.0)  # (an IdleFreeCostModel has none)
         idle, model = idle or isinstance(model, IdleFreeCostModel), model.base
     if type(model) is not LinearCostModel:
         return None

@@ -177,7 +177,6 @@ class Rebalancer:
             max_batch_sizes = tuple(None if m is None else int(m) for m in max_batch_sizes)
         self._policy = policy
         self._max_batch_sizes = max_batch_sizes
-        self._last_switch_step: int | None = None
         self._last_look_step: int | None = None
         self._last_step: int | None = None
         self._last_decision: RebalanceDecision | None = None
@@ -288,7 +287,7 @@ class Rebalancer:
             if num_samples is not None and num_samples < self._policy.min_samples:
                 self._last_decision = RebalanceDecision(step, TOO_FEW_SAMPLES, old_sizes)
                 return None
-            if self._last_switch_step is not None and step - self._last_switch_step < self._policy.cooldown_steps:
+            if self._switches and step - self._switches[-1].step < self._policy.cooldown_steps:
                 self._last_decision = RebalanceDecision(step, COOLDOWN, old_sizes)
                 return None
 
@@ -322,12 +321,10 @@ class Rebalancer:
                 _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]))
         outcome = (UNCHANGED if new_sizes == old_sizes else REPLANNED if forced or worst_case_gain > deadband
                    else WITHIN_NOISE if gain > deadband else BELOW_DEADBAND)
-        decision = RebalanceDecision(
+        self._last_decision = decision = RebalanceDecision(
             step, outcome, old_sizes, new_sizes, current_makespan_s, new_makespan_s, gain, worst_case_gain, forced)
-        self._last_decision = decision
         if outcome != REPLANNED:
             return None
-        self._last_switch_step = int(step)
         self._switches.append(decision)
         logger.info(
             "re-planned at step %d: %s -> %s, predicted makespan %.3f ms -> %.3f ms (gain %.1f %%)%s",
