@@ -115,10 +115,9 @@ class OtherPlans:
         with self._lock:
             if self._plan is not None and self._plan.global_batch_size == b:
                 return self._plan
-            plan = self._inference_plans.get(b)
-            if plan is None:
-                plan = self._inference_plans[b] = self._solve_for_inference(b)
-            return plan
+            if b not in self._inference_plans:
+                self._inference_plans[b] = self._solve_for_inference(b)
+            return self._inference_plans[b]
 
     def _solve_for_inference(self, global_batch_size: int) -> BatchPlan:
         try:

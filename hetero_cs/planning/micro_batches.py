@@ -233,9 +233,8 @@ class MicroBatchPlan:
             cost_models = idle_free(list(cost_models))
         steps = tuple(plan_from_split([chain[j] if j < len(chain) else 0 for chain in chains], cost_models)
                       for j in range(K))
-        single = None  # the same split in one step, where every slice fits its cap
-        if cost_models is not None and all(c is None or b <= c for b, c in zip(sizes, caps)):
-            single = plan_from_split(list(sizes), cost_models).predicted_makespan_s
+        fits = cost_models is not None and all(c is None or b <= c for b, c in zip(sizes, caps))
+        single = plan_from_split(list(sizes), cost_models).predicted_makespan_s if fits else None  # all in one step
         return cls(steps, single_step_makespan_s=single, overlapped=True, call_sub_steps=(K,))
 
     def __str__(self) -> str:
