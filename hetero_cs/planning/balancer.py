@@ -481,9 +481,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             self._maybe_check_alone()
             return
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
-        previous = self._cost_models
         self._forget_plans()  # (no trial runs here)
-        self._models_before_replan = None if forced else previous
+        self._models_before_replan = None if forced else self._cost_models
         self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
         self._adopt(new_plan, trial=not forced)
 

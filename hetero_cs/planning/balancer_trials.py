@@ -112,8 +112,7 @@ class GuardTrials:
             if decision.kept:
                 self._commit(self._plan_of(decision.candidate_per_replica_batch_sizes))
             elif restored is not None:  # refuted models: back to those the plan in force was made with
-                self._cost_models = restored
-                self._plans_by_batch.clear()
+                self._cost_models = restored  # (_commit drops the plans of other sizes)
                 self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
                                              max_batch_sizes=self._max_batch_sizes))
             if decision.against_alone:  # checked, kept or not: not checked again under these models

@@ -170,16 +170,14 @@ def simulate_balancer(balancer: Any, true_models_at_step: Callable[[int], Sequen
     trace: list[BalancedStep] = []
     for step in range(steps):
         queue.append(balancer.serve(global_batch_size))
-        plan = queue.pop(0)
-        sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
+        sizes = tuple(int(b) for b in queue.pop(0).per_replica_batch_sizes)
         true_models = true_models_at_step(step)
         if len(true_models) != len(sizes):
             raise ConfigError(
                 f"true_models_at_step({step}) returned {len(true_models)} cost models for {len(sizes)} replicas. "
                 f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)}).")
         true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
-        if sum(1 for b in sizes if b > 0) > 1:
-            true_s = true_s * contention
+        true_s = true_s * (contention if sum(1 for b in sizes if b > 0) > 1 else 1.0)  # cards that work together
         common = float(np.exp(rng.normal(0.0, common_noise_sigma)))
         times_s = true_s * common * rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, len(sizes))
         in_force = balancer.plan
