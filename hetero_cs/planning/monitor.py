@@ -270,12 +270,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             Float array of shape [R], examples per second; NaN for a replica without such a step in the window.
         """
         sizes, times_s = self._window_arrays()
-        result = np.full(self._num_replicas, np.nan)
-        for i in range(self._num_replicas):
-            usable = (sizes[:, i] > 0) & (times_s[:, i] > 0)
-            if usable.any():
-                result[i] = _median(sizes[usable, i] / times_s[usable, i])
-        return result
+        usable = (sizes > 0) & (times_s > 0)  # (the median of none is NaN)
+        return np.array([_median(sizes[usable[:, i], i] / times_s[usable[:, i], i]) for i in range(self._num_replicas)])
 
     def updated_cost_models(self, base_models: Sequence[CostModel] | None = None) -> list[CostModel]:
         """Per-replica cost models corrected by the window's observations.

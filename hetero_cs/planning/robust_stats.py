@@ -56,18 +56,14 @@ def _shift_start(levels: np.ndarray) -> int | None:
         return None
     start = levels.size - SHIFT_STEPS
     recent, before = levels[start:], _median(levels[:start])
-    if before <= 0:
-        return None
-    if np.all(recent > before * (1.0 + SHIFT_THRESHOLD)) or np.all(recent < before * (1.0 - SHIFT_THRESHOLD)):
-        return start
-    return None
+    up, down = np.all(recent > before * (1.0 + SHIFT_THRESHOLD)), np.all(recent < before * (1.0 - SHIFT_THRESHOLD))
+    return start if before > 0 and (up or down) else None
 
 
 def _fit_linear_model(sizes: np.ndarray, times_s: np.ndarray) -> LinearCostModel | None:
     """Fits t = a + c*b to one replica's window samples (shape [S] each); None if no usable sample."""
     usable = (sizes > 0) & (times_s > 0)
-    b = sizes[usable]
-    t = times_s[usable]
+    b, t = sizes[usable], times_s[usable]
     if b.size == 0:
         return None
     if b.max() >= _MIN_SIZE_SPREAD_FOR_AFFINE_FIT * b.min():
