@@ -31,8 +31,7 @@ _INT_HINTS = {
 
 def _checked_int(name: str, value: Any, *, low: int) -> int:
     if not _is_int(value) or value < low:
-        hint = _INT_HINTS.get(name, "")
-        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}. {hint}".rstrip())
+        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}. {_INT_HINTS[name]}")
     return int(value)
 
 

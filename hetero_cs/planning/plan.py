@@ -171,9 +171,8 @@ class BatchPlan:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _checked_seconds(name, value))
-        times = self.predicted_step_times_s
-        if times is not None:
-            times = _as_tuple(times)
+        if self.predicted_step_times_s is not None:
+            times = _as_tuple(self.predicted_step_times_s)
             if times is None or len(times) != len(sizes):
                 raise ConfigError(
                     "BatchPlan.predicted_step_times_s must be None or hold one time per replica. Received: "

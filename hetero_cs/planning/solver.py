@@ -338,20 +338,15 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
             if low < upper:
                 gaps = nxt - chosen  # > 0: nxt >= upper > low >= chosen
                 examples = whole + float(np.sum((low - chosen) / gaps))
-                if examples >= B:
-                    ideal = low
-                else:
-                    rate = float(np.sum(1.0 / gaps))
-                    if rate > 0:
-                        root = low + (B - examples) / rate
-                        if root < upper:
-                            ideal = root
+                rate = float(np.sum(1.0 / gaps))  # examples per second of T on this piece
+                root = low if examples >= B else (low + (B - examples) / rate if rate > 0 else math.inf)
+                if root < upper:
+                    ideal = root
         if remaining == 0:
             break
         t, b, i = heapq.heappop(heap)
         counts[i] += 1
-        step_times[i] = last = t
-        chosen[i] = t
+        step_times[i] = chosen[i] = last = t
         whole += 1
         remaining -= 1
         push(i)
