@@ -98,7 +98,7 @@ class LinearCostModel(_Stored):
     def __post_init__(self) -> None:
         for name in ("fixed_overhead_s", "seconds_per_example"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
+            if not (_is_real(value) and 0 <= value <= MAX_SECONDS):  # (NaN and inf fail the range)
                 raise InvalidCostModelError(
                     f"LinearCostModel.{name} must be a number from 0 to {MAX_SECONDS:g} (seconds). Received: "
                     f"{name}={value!r}. Refit the model from calibration samples.")
@@ -165,8 +165,7 @@ class PiecewiseLinearCostModel(_Stored):
                     "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
                     f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
                     "repeated batch sizes (average their times).")
-        bad_times = [(b, t) for b, t in zip(sizes, times)
-                     if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= MAX_SECONDS]
+        bad_times = [(b, t) for b, t in zip(sizes, times) if not (_is_real(t) and 0 <= t <= MAX_SECONDS)]  # NaN too
         if bad_times:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.step_times_s must be from 0 to {MAX_SECONDS:g} seconds. Received "

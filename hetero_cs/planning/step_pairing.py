@@ -43,18 +43,16 @@ class PendingStep:
         batch_sizes: b_i, examples in each replica's slice (0 where not yet reported).
         step_times_s: t_i in seconds (0.0 where not yet reported; may hold an invalid time, see ``valid``).
         reported: Whether each replica has reported.
-        count: How many replicas have reported, in [0, R].
         valid: False once any report of the step carried an invalid time (NaN, infinite or negative).
     """
 
-    __slots__ = ("index", "batch_sizes", "step_times_s", "reported", "count", "valid")
+    __slots__ = ("index", "batch_sizes", "step_times_s", "reported", "valid")
 
     def __init__(self, index: int, num_replicas: int):
         self.index = index
         self.batch_sizes = [0] * num_replicas
         self.step_times_s = [0.0] * num_replicas
         self.reported = [False] * num_replicas
-        self.count = 0
         self.valid = True
 
     def add(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool) -> bool:
@@ -62,9 +60,8 @@ class PendingStep:
         self.batch_sizes[replica_id] = batch_size
         self.step_times_s[replica_id] = step_time_s
         self.reported[replica_id] = True
-        self.count += 1
         self.valid = self.valid and valid
-        return self.count == len(self.reported)
+        return all(self.reported)
 
 
 class StepPairing:
