@@ -253,8 +253,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
     def _window_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Batch sizes and times of the window, each of shape [S, R] (S = samples in the window), per step of the
         replicas' cost models: a micro-batched step counts with each replica's mean micro-batch (b/k, t/k)."""
-        with self._lock:
-            samples = tuple(self._window)
+        samples = self.window()
         R = self._num_replicas  # (reshaped: an empty window is [0, R] too)
         sizes = np.array([s.per_replica_batch_sizes for s in samples], dtype=np.float64).reshape(-1, R)
         times_s = np.array([s.per_replica_step_times_s for s in samples], dtype=np.float64).reshape(-1, R)
