@@ -344,8 +344,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         """
         b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
-            if self._reference_batch_size is None or b > self._reference_batch_size:
-                self._reference_batch_size = b
+            self._reference_batch_size = max(self._reference_batch_size or 0, b)  # the largest size seen
             plan = self._plans_by_batch.get(b)
             if plan is None:
                 plan = self._solve(b)

@@ -125,8 +125,7 @@ class OtherPlans:
         except InfeasiblePlanError:
             # A card with a cap of 0 stays out (set aside for a device error, or unable to hold one training
             # example: inference may not fit either); the other caps are lifted.
-            in_force = self._max_batch_sizes or [None] * self._num_replicas
-            out = set(self._memory.excluded) | {i for i, cap in enumerate(in_force) if cap == 0}
+            out = set(self._memory.excluded) | {i for i, cap in enumerate(self._max_batch_sizes or ()) if cap == 0}
             caps = [0 if i in out else None for i in range(self._num_replicas)] if out else None
             plan = self._solve(global_batch_size, log_ties=False, max_batch_sizes=caps)
             logger.info(

@@ -455,14 +455,10 @@ def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchP
     Compared on the cards' time alone (each plan's host time per call taken out): the host's time is measured only
     for the path that runs, and a barrier plan pays at least an overlapped call's in each of its sub-steps.
     """
-    if overlapped_plan is None or overlapped_plan.num_sub_steps < 2:
+    if overlapped_plan is None or overlapped_plan.num_sub_steps < 2 or overlapped_plan.predicted_makespan_s is None:
         return barrier_plan
-    ours, theirs = overlapped_plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
-    if ours is None:
-        return barrier_plan
-    ours -= overlapped_plan.num_calls * overlapped_plan.sub_step_overhead_s
+    ours = overlapped_plan.predicted_makespan_s - overlapped_plan.num_calls * overlapped_plan.sub_step_overhead_s
+    theirs = barrier_plan.predicted_makespan_s
     if theirs is not None:
         theirs -= barrier_plan.num_sub_steps * barrier_plan.sub_step_overhead_s
-        if ours * (1.0 + min_gain) > theirs:
-            return barrier_plan
-    return overlapped_plan
+    return barrier_plan if theirs is not None and ours * (1.0 + min_gain) > theirs else overlapped_plan
