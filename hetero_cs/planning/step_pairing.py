@@ -231,16 +231,11 @@ class StepSample:
         # An idle replica (0 examples, 0 s: it ran nothing) does not wait for the straggler; it is left out of the
         # straggler statistics. A replica that ran a 0-example slice took time, and counts.
         working = (np.asarray(batch_sizes) > 0) | (times > 0)
-        if not working.any():
-            working = np.ones_like(working)
+        working = working if working.any() else np.ones_like(working)  # (none worked: all count)
         waits_s = makespan_s - times[working]
-        return cls(
-            step=int(step),
-            per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
-            per_replica_step_times_s=tuple(float(t) for t in times),
-            makespan_s=makespan_s,
-            straggler_replica=int(np.argmax(times)),
-            straggler_wait_s=float(waits_s.mean()),
-            total_idle_s=float(waits_s.sum()),
-            balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
-            per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches))
+        return cls(step=int(step), per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
+                   per_replica_step_times_s=tuple(float(t) for t in times), makespan_s=makespan_s,
+                   straggler_replica=int(np.argmax(times)), straggler_wait_s=float(waits_s.mean()),
+                   total_idle_s=float(waits_s.sum()),
+                   balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
+                   per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches))
