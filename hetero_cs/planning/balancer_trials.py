@@ -189,10 +189,12 @@ class GuardTrials:
             return f"is predicted only {alone_s / plan_s:.3f}x faster than the fastest card alone"
         if math.isinf(policy.alone_check_margin):
             return None
-        measured = measured_makespan(self._monitor.window(), sizes)
-        if measured is None or measured[1] < self._rebalance_policy.min_samples:
+        # Measured: the replicas' median makespan over the window's steps that ran ``sizes``, and the relative
+        # standard error of that median (robust_stats.median_and_error, as the monitor's noise margin).
+        times = np.array([s.replica_makespan_s for s in self._monitor.window() if s.per_replica_batch_sizes == sizes])
+        if times.size < self._rebalance_policy.min_samples:  # (min_samples >= 1)
             return None
-        median_s, n, error = measured
+        (median_s, error), n = median_and_error(times), times.size
         noise = self._rebalance_policy.noise_sigmas * error
         if median_s > alone_s * (1.0 + noise):
             return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), slower than the fastest card's "
@@ -201,17 +203,6 @@ class GuardTrials:
             return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), {median_s / plan_s:.3f}x its "
                     f"predicted {plan_s * 1e3:.3f} ms: the predictions do not hold here")
         return None
-
-
-def measured_makespan(samples, sizes: tuple[int, ...]) -> tuple[float, int, float] | None:
-    """The replicas' median makespan over the ``samples`` (StepSample) that ran ``sizes``, seconds; their count; and
-    the relative standard error of that median (:func:`~hetero_cs.planning.robust_stats.median_and_error`, as the
-    monitor's noise margin). None without such a sample."""
-    times = np.array([s.replica_makespan_s for s in samples if tuple(s.per_replica_batch_sizes) == sizes])
-    if not times.size:
-        return None
-    median_s, error = median_and_error(times)
-    return median_s, times.size, error
 
 
 def _checked_contention(factors, num_replicas: int) -> list[float]:
