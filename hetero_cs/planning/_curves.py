@@ -243,4 +243,3 @@ def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
     before_b = float(_fill(X, T, b, strict=True).sum())  # sum x is linear on [a, b), then may jump at b
     level = a + (B - at_a) * (b - a) / (before_b - at_a) if before_b >= B else b
     return min(max(level, a), b)
-

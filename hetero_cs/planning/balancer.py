@@ -26,6 +26,7 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -37,7 +38,7 @@ from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.balancer_memory import MemoryRecovery
 from hetero_cs.planning.balancer_plans import OtherPlans
-from hetero_cs.planning.balancer_trials import GuardTrials, _checked_contention
+from hetero_cs.planning.balancer_trials import GuardTrials
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -305,7 +306,10 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:
             models = idle_free(models)
-        factors = _checked_contention(contention_factors, R)
+        factors = [1.0] * R if contention_factors is None else [float(f) for f in contention_factors]
+        if len(factors) != R or not all(1.0 <= f < math.inf for f in factors):
+            raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={R}). "
+                              f"Received: contention_factors={contention_factors!r}.")
         with self._lock:
             # Solve with the new models before changing anything, so a failure leaves everything as it was.
             B = self._reference_batch_size

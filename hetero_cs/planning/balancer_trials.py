@@ -41,7 +41,6 @@ import math
 
 import numpy as np
 
-from hetero_cs.errors import ConfigError
 from hetero_cs.planning.choice import _violates
 from hetero_cs.planning.cost_model import ScaledCostModel
 from hetero_cs.planning.plan import BatchPlan, even_batch_split
@@ -203,12 +202,3 @@ class GuardTrials:
             return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), {median_s / plan_s:.3f}x its "
                     f"predicted {plan_s * 1e3:.3f} ms: the predictions do not hold here")
         return None
-
-
-def _checked_contention(factors, num_replicas: int) -> list[float]:
-    """``set_cost_models``' contention factors: one finite number >= 1 per replica (None: 1.0 each)."""
-    checked = [1.0] * num_replicas if factors is None else [float(f) for f in factors]
-    if len(checked) != num_replicas or not all(1.0 <= f < math.inf for f in checked):
-        raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={num_replicas}). "
-                          f"Received: contention_factors={factors!r}.")
-    return checked
