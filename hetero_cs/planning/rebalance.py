@@ -303,7 +303,12 @@ class Rebalancer:
             # sum to B. So the decision is known without solving (which costs most of a look).
             self._last_decision = RebalanceDecision(step, BALANCED, old_sizes, current_makespan_s=current_makespan_s)
             return None
-        errors = self._check_errors(get_errors(cost_models), len(old_sizes))
+        errors = get_errors(cost_models)
+        if errors is not None:
+            errors = [float(u) for u in errors]
+            if len(errors) != len(old_sizes) or not all(0 <= u < math.inf for u in errors):
+                raise ConfigError(f"relative_standard_errors must hold one finite value >= 0 per replica. Received: "
+                                  f"relative_standard_errors={errors}, num_replicas={len(old_sizes)}.")
         # A global batch smaller than R * min_batch_size is legal (a small B, or a last partial batch): the strategy
         # already cuts it with some replicas idle, so the re-planner lowers the smallest slice to B // R rather than
         # make it infeasible (B = 2 on R = 3 with the default min_batch_size=1 re-plans with 0).
@@ -331,17 +336,6 @@ class Rebalancer:
             step, list(old_sizes), list(new_sizes), current_makespan_s * 1e3, new_makespan_s * 1e3, gain * 100,
             " (the old plan exceeded a memory cap)" if forced else "")
         return new_plan
-
-    @staticmethod
-    def _check_errors(errors: Sequence[float] | None, num_replicas: int) -> list[float] | None:
-        if errors is None:
-            return None
-        values = [float(u) for u in errors]
-        if len(values) != num_replicas or not all(math.isfinite(u) and u >= 0 for u in values):
-            raise ConfigError(
-                f"relative_standard_errors must hold one finite value >= 0 per replica. Received: "
-                f"relative_standard_errors={values}, num_replicas={num_replicas}.")
-        return values
 
 
 def _makespan_s(sizes: Sequence[int], cost_models: Sequence[CostModel], level_factors: Sequence[float]) -> float:
