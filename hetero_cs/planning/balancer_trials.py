@@ -55,7 +55,11 @@ class GuardTrials:
 
     def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
         """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
-        incumbent = self._incumbent_for(plan)
+        # The plan it replaces: the plan in force for its global batch, else the even split.
+        B = plan.global_batch_size
+        in_force = self._plan is not None and self._plan.global_batch_size == B
+        split = self._plan.per_replica_batch_sizes if in_force else even_batch_split(B, self._num_replicas)
+        incumbent = plan_from_split(split, self._cost_models)
         if (trial and self.guard_enabled and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
                 and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)):
             self._commit(incumbent)
@@ -74,13 +78,6 @@ class GuardTrials:
                           incumbent_recent_s=sorted(recent)[len(recent) // 2] if recent else None)
         if self._on_trial is not None:
             self._on_trial(candidate)
-
-    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan:
-        """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
-        B = plan.global_batch_size
-        in_force = self._plan is not None and self._plan.global_batch_size == B
-        split = self._plan.per_replica_batch_sizes if in_force else even_batch_split(B, self._num_replicas)
-        return plan_from_split(split, self._cost_models)
 
     def _serve_trial(self) -> BatchPlan:
         """The side of the running trial to serve next; the candidate, kept unmeasured, when no step of the trial
