@@ -95,8 +95,7 @@ def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]],
         sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
         true_times_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models_at_step(step), sizes)])
         noise = rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, num_replicas)
-        noise *= np.exp(rng.normal(0.0, lognormal_sigma, num_replicas))
-        times_s = true_times_s * noise
+        times_s = true_times_s * (noise * np.exp(rng.normal(0.0, lognormal_sigma, num_replicas)))
         for replica_id in rng.permutation(num_replicas):  # Any report order, as from executor threads.
             monitor.record(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
         new_plan = rebalancer.propose_from_monitor(monitor, plan, base_models=base_models)
