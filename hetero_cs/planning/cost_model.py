@@ -27,8 +27,15 @@ from hetero_cs.errors import InvalidCostModelError
 from hetero_cs.planning.cost_checks import MAX_SECONDS, _check_base, _check_batch_size
 from hetero_cs.planning.plan import _is_int, _is_real, check_keys, even_batch_split
 
-__all__ = ["CostModel", "IdleFreeCostModel", "LinearCostModel", "MicroBatchedCostModel", "PiecewiseLinearCostModel",
-           "ScaledCostModel", "cost_model_from_dict"]
+__all__ = [
+    "CostModel",
+    "IdleFreeCostModel",
+    "LinearCostModel",
+    "MicroBatchedCostModel",
+    "PiecewiseLinearCostModel",
+    "ScaledCostModel",
+    "cost_model_from_dict",
+]
 
 
 @runtime_checkable
