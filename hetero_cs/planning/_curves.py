@@ -31,8 +31,7 @@ _INT_HINTS = {
 
 def _checked_int(name: str, value: Any, *, low: int) -> int:
     if not _is_int(value) or value < low:
-        hint = _INT_HINTS.get(name, "")
-        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}. {hint}".rstrip())
+        raise ConfigError(f"{name} must be an integer >= {low}. Received: {name}={value!r}. {_INT_HINTS[name]}")
     return int(value)
 
 
@@ -65,8 +64,7 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
     if max_batch_sizes is None:
         return [None] * R
     if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, (Sequence, np.ndarray)) or (
-        isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1
-    ):
+            isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1):
         raise ConfigError(
             f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
             f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128].")
@@ -193,8 +191,7 @@ def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
     """
     curves = _Curves(models)
     rows_x, rows_t = [], []
-    for i, model in enumerate(models):
-        low, high = lows[i], highs[i]
+    for i, (model, low, high) in enumerate(zip(models, lows, highs)):
         inner = [b for b in _breakpoints(model) if low < b < high]  # type: ignore[union-attr]
         xs = [low, *inner] + ([high] if high > low else [])
         ts = [curves.time(i, x) for x in xs]
@@ -203,10 +200,8 @@ def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
                 raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
         rows_x.append(xs)
         rows_t.append(ts)
-    width = max(2, max(len(r) for r in rows_x))
-    X = np.array([r + [r[-1]] * (width - len(r)) for r in rows_x], dtype=np.float64)
-    T = np.array([r + [r[-1]] * (width - len(r)) for r in rows_t], dtype=np.float64)
-    return X, T
+    width = max(2, max(len(r) for r in rows_x))  # each row padded with its last knot
+    return tuple(np.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=float) for rows in (rows_x, rows_t))
 
 
 def _ideal_tables(models: Sequence[CostModel], B: int, min_b: int,
@@ -248,8 +243,3 @@ def _lowest_level(X: np.ndarray, T: np.ndarray, B: int) -> float:
     before_b = float(_fill(X, T, b, strict=True).sum())  # sum x is linear on [a, b), then may jump at b
     level = a + (B - at_a) * (b - a) / (before_b - at_a) if before_b >= B else b
     return min(max(level, a), b)
-
-
-def _closed_form_ideal(X: np.ndarray, T: np.ndarray, B: int) -> float:
-    """The ideal bound of :func:`ideal_makespan_s` from :func:`_ideal_tables`."""
-    return max(float(T[:, 0].max()), _lowest_level(X, T, B))

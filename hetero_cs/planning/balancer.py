@@ -26,6 +26,7 @@ This module is pure: it imports neither TensorFlow nor pynvml.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -37,7 +38,7 @@ from hetero_cs.planning.monitor import StepTimeMonitor
 from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.balancer_memory import MemoryRecovery
 from hetero_cs.planning.balancer_plans import OtherPlans
-from hetero_cs.planning.balancer_trials import GuardTrials, _checked_contention
+from hetero_cs.planning.balancer_trials import GuardTrials
 from hetero_cs.planning.memory_caps import MemoryCaps, MemoryRecoveryPolicy
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, check_range
 from hetero_cs.planning.rebalance import RebalancePolicy, Rebalancer
@@ -111,9 +112,14 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._rebalancer = Rebalancer(self._rebalance_policy)
         self._guard = PlanGuard(guard_policy)
         self._served = 0  # global batches served: steady-state timing picks every N-th
-        self._init_probes()
-        self._init_alone_check()
-        self._init_micro_batched_steps()
+        self._last_worked: dict[int, int] = {}  # probes: replica -> the served count when it last had examples
+        self._probe_due = False  # the batch just served is a probe: time it
+        self._probes = 0
+        self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked against the card alone
+        self._contention_factors = [1.0] * num_replicas  # set_cost_models: each card beside the others
+        self._micro_rebalancer: Rebalancer | None = None  # the watch over micro-batched steps (balancer_memory)
+        self._micro_rebalancer_caps: list | None = None
+        self._micro_replans = 0
         self._auto_plan: BatchPlan | None = None  # the auto-balanced plan in force when fixed shares were set
         self._trial_on_first_batch = False  # set_cost_models(trial=True) before the reference size was known
         self._handled_steps = 0
@@ -245,8 +251,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             ConfigError: Not one cap per replica, or a cap that is not an integer >= 0 or None.
             InfeasiblePlanError: With cost models set, the caps cannot hold the reference global batch.
         """
-        R = self._num_replicas
-        caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), R, 0)
+        caps = None if max_batch_sizes is None else _checked_caps(list(max_batch_sizes), self._num_replicas, 0)
         with self._lock:
             if self._cost_models is not None:
                 self._set_models_again(caps)
@@ -301,27 +306,22 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             check_cost_model(model, [0, 1], replica_id=i)
         if self._idle_free:
             models = idle_free(models)
-        factors = _checked_contention(contention_factors, R)
+        factors = [1.0] * R if contention_factors is None else [float(f) for f in contention_factors]
+        if len(factors) != R or not all(1.0 <= f < math.inf for f in factors):
+            raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={R}). "
+                              f"Received: contention_factors={contention_factors!r}.")
         with self._lock:
-            # Solve with the new models before committing anything, so a failure leaves everything as it was.
-            previous = (self._calibrated_models, self._cost_models, self._max_batch_sizes, self._reference_batch_size,
-                        self._contention_factors)
-            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
-            self._contention_factors = factors
+            # Solve with the new models before changing anything, so a failure leaves everything as it was.
+            B = self._reference_batch_size
             if reference_batch_size is not None:
-                self._reference_batch_size = max(self._reference_batch_size or 0, int(reference_batch_size))
-            try:
-                B = self._reference_batch_size
-                plan = self._solve(B) if B is not None else None
-                rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
-            except Exception:
-                (self._calibrated_models, self._cost_models, self._max_batch_sizes,
-                 self._reference_batch_size, self._contention_factors) = previous
-                raise
-            self._rebalancer = rebalancer
+                B = max(B or 0, int(reference_batch_size))
+            plan = None if B is None else self._solve(B, cost_models=models, max_batch_sizes=caps, log_ties=True)
+            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            self._contention_factors, self._reference_batch_size = factors, B
+            self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             self._memory.reset(caps)
             self._forget_plans()
-            self._forget_alone_checks()
+            self._alone_checked.clear()  # new cost models: every plan may be checked again
             if plan is None:  # solved (and tried) when the first global batch arrives
                 self._trial_on_first_batch = trial
                 return
@@ -348,8 +348,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         """
         b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
-            if self._reference_batch_size is None or b > self._reference_batch_size:
-                self._reference_batch_size = b
+            self._reference_batch_size = max(self._reference_batch_size or 0, b)  # the largest size seen
             plan = self._plans_by_batch.get(b)
             if plan is None:
                 plan = self._solve(b)
@@ -387,9 +386,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             plan = self.plan_for(b)
             if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
                 return self._serve_trial()
-            if b == self._reference_batch_size and plan is self._plan:
-                return self._maybe_probe(plan)  # now and then one example on a card the plan leaves idle
-            return plan
+            # The plan in force for a full batch: now and then a probe of it (one example on a card it leaves idle).
+            return self._maybe_probe(plan) if b == self._reference_batch_size and plan is self._plan else plan
 
     def step_traced_again(self) -> None:
         """Called before the first step of a training step function traced again: the steps measured so far are
@@ -411,10 +409,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         with self._lock:
             if not self.timing_needed:
                 return False
-            probe = self._take_probe_due()  # the step just served gives a left-out card one example
-            if self.samples_needed() or probe:
-                return True
-            return self._served % self.timing_interval_steps() == 0
+            probe, self._probe_due = self._probe_due, False  # the step just served gives a left-out card one example
+            return self.samples_needed() or probe or self._served % self.timing_interval_steps() == 0
 
     def samples_needed(self) -> bool:
         """True while a decision waits for every step's times: a guard trial runs, or the monitor's window holds
@@ -442,12 +438,13 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
     # ------------------------------------------------------------------------------------------------------------
     # Internals (called with the lock held)
     # ------------------------------------------------------------------------------------------------------------
-    def _solve(self, global_batch_size: int) -> BatchPlan:
-        reference = self._reference_batch_size in (None, global_batch_size)  # not a last partial batch
-        return choose_plan(
-            global_batch_size, self._num_replicas, shares=self._shares, auto_balance=self._auto_balance,
-            cost_models=self._cost_models, max_batch_sizes=self._max_batch_sizes, log_ties=reference,
-            idle_free=self._idle_free)
+    def _solve(self, global_batch_size: int, **given) -> BatchPlan:
+        """``choose_plan`` under the shares, models and caps in force, or the ``given`` ones (its keywords); a tie is
+        logged at INFO for the reference size (not a last partial batch)."""
+        arguments = dict(shares=self._shares, auto_balance=self._auto_balance, cost_models=self._cost_models,
+                         max_batch_sizes=self._max_batch_sizes, idle_free=self._idle_free,
+                         log_ties=self._reference_batch_size in (None, global_batch_size))
+        return choose_plan(global_batch_size, self._num_replicas, **{**arguments, **given})
 
     def _forget_plans(self) -> None:
         """What the plans were solved under changed: a running trial ends and every size is solved again."""
@@ -487,9 +484,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             self._maybe_check_alone()
             return
         forced = self._rebalancer.last_decision is not None and self._rebalancer.last_decision.forced
-        previous = self._cost_models
         self._forget_plans()  # (no trial runs here)
-        self._models_before_replan = None if forced else previous
+        self._models_before_replan = None if forced else self._cost_models
         self._cost_models = self._monitor.updated_cost_models(self._calibrated_models)
         self._adopt(new_plan, trial=not forced)
 

@@ -144,15 +144,9 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         return self.plan_for(global_batch_size), change
 
     def _apply_memory_caps(self) -> None:
-        caps = self._memory.caps
-        self._max_batch_sizes = caps
+        self._max_batch_sizes = caps = self._memory.caps
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
         self._forget_plans()
-
-    def _init_micro_batched_steps(self) -> None:
-        self._micro_rebalancer: Rebalancer | None = None
-        self._micro_rebalancer_caps: list | None = None
-        self._micro_replans = 0
 
     @property
     def micro_batched_replans(self) -> int:
@@ -236,7 +230,6 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         self._cost_models = measured
         self._micro_replans += 1
         self._forget_plans()
-        reference = self._reference_batch_size
-        if reference is not None:
-            self._commit(self._solve(reference))
+        if self._reference_batch_size is not None:
+            self._commit(self._solve(self._reference_batch_size))
 

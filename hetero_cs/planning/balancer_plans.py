@@ -36,7 +36,6 @@ import logging
 from collections.abc import Sequence
 
 from hetero_cs.errors import BatchSplitError, InfeasiblePlanError
-from hetero_cs.planning.choice import choose_plan
 from hetero_cs.planning.plan import BatchPlan, _checked_global_batch_size, ordered_values, split_by_shares
 from hetero_cs.planning.solver import plan_from_split
 
@@ -74,23 +73,20 @@ class OtherPlans:
         with self._lock:
             if shares is None and self._shares is None:
                 return  # already auto-balanced (or even): nothing changes, a running trial goes on
-            previous = (self._shares, self._auto_plan, dict(self._plans_by_batch), dict(self._in_force_by_size))
-            try:
-                if shares is not None and self._shares is None:
-                    self._auto_plan = self._plan  # the plan to come back to
-                self._shares = None if shares is None else tuple(float(s) for s in shares)
-                B, restored = self._reference_batch_size, self._auto_plan if shares is None else None
-                if restored is not None and restored.global_batch_size != B:
-                    restored = None  # the auto-balanced plan of another global batch: solved anew
-                plan = restored if restored is not None or B is None else self._solve(B)
-                self._forget_plans()
-                if restored is not None:
-                    self._auto_plan = None
-                if plan is not None:
-                    self._commit(plan)
-            except Exception:
-                self._shares, self._auto_plan, self._plans_by_batch, self._in_force_by_size = previous
-                raise
+            shares = None if shares is None else tuple(float(s) for s in shares)
+            B, restored = self._reference_batch_size, self._auto_plan if shares is None else None
+            if restored is not None and restored.global_batch_size != B:
+                restored = None  # the auto-balanced plan of another global batch: solved anew
+            # Solved before anything changes, so a failure leaves everything as it was.
+            plan = restored if restored is not None or B is None else self._solve(B, shares=shares)
+            if shares is not None and self._shares is None:
+                self._auto_plan = self._plan  # the plan to come back to
+            elif restored is not None:
+                self._auto_plan = None
+            self._shares = shares
+            self._forget_plans()
+            if plan is not None:
+                self._commit(plan)
 
     def plan_for_inference(self, global_batch_size: int) -> BatchPlan:
         """The plan to cut an evaluation or prediction batch of ``global_batch_size`` examples with.
@@ -119,43 +115,29 @@ class OtherPlans:
         with self._lock:
             if self._plan is not None and self._plan.global_batch_size == b:
                 return self._plan
-            plan = self._inference_plans.get(b)
-            if plan is None:
-                plan = self._inference_plans[b] = self._solve_for_inference(b)
-            return plan
+            if b not in self._inference_plans:
+                self._inference_plans[b] = self._solve_for_inference(b)
+            return self._inference_plans[b]
 
     def _solve_for_inference(self, global_batch_size: int) -> BatchPlan:
-        arguments = dict(shares=self._shares, auto_balance=self._auto_balance, cost_models=self._cost_models,
-                         log_ties=False, idle_free=self._idle_free)
         try:
-            return choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=self._max_batch_sizes,
-                               **arguments)
+            return self._solve(global_batch_size, log_ties=False)
         except InfeasiblePlanError:
             # A card with a cap of 0 stays out (set aside for a device error, or unable to hold one training
             # example: inference may not fit either); the other caps are lifted.
-            in_force = self._max_batch_sizes or [None] * self._num_replicas
-            out = set(self._memory.excluded) | {i for i, cap in enumerate(in_force) if cap == 0}
+            out = set(self._memory.excluded) | {i for i, cap in enumerate(self._max_batch_sizes or ()) if cap == 0}
             caps = [0 if i in out else None for i in range(self._num_replicas)] if out else None
-            plan = choose_plan(global_batch_size, self._num_replicas, max_batch_sizes=caps, **arguments)
+            plan = self._solve(global_batch_size, log_ties=False, max_batch_sizes=caps)
             logger.info(
                 "hetero_cs: an evaluation/prediction batch of %d examples is more than the training memory caps %s "
                 "hold; it is split %s without them (an inference step keeps no activations for a backward pass).",
                 global_batch_size, list(self._max_batch_sizes), list(plan.per_replica_batch_sizes))
             return plan
 
-    def _init_probes(self) -> None:
-        self._last_worked: dict[int, int] = {}  # replica -> the served count when it last had examples
-        self._probe_due = False  # the batch just served is a probe: time it
-        self._probes = 0
-
     @property
     def probes(self) -> int:
         """How many probe steps were served so far (one example on a card the plan left idle)."""
         return self._probes
-
-    def _take_probe_due(self) -> bool:
-        due, self._probe_due = self._probe_due, False
-        return due
 
     def _maybe_probe(self, plan: BatchPlan) -> BatchPlan:
         """``plan`` (the plan in force for a full training batch, outside a guard trial), or a probe of it."""

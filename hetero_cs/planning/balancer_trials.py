@@ -41,7 +41,6 @@ import math
 
 import numpy as np
 
-from hetero_cs.errors import ConfigError
 from hetero_cs.planning.choice import _violates
 from hetero_cs.planning.cost_model import ScaledCostModel
 from hetero_cs.planning.plan import BatchPlan, even_batch_split
@@ -56,16 +55,17 @@ class GuardTrials:
 
     def _adopt(self, plan: BatchPlan, *, trial: bool) -> None:
         """Makes ``plan`` the plan, through a guard trial when asked and it differs from the plan in force."""
-        incumbent = self._incumbent_for(plan)
-        if (
-            trial and self.guard_enabled and incumbent is not None
-            and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
-            and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)
-        ):
+        # The plan it replaces: the plan in force for its global batch, else the even split.
+        B = plan.global_batch_size
+        in_force = self._plan is not None and self._plan.global_batch_size == B
+        split = self._plan.per_replica_batch_sizes if in_force else even_batch_split(B, self._num_replicas)
+        incumbent = plan_from_split(split, self._cost_models)
+        if (trial and self.guard_enabled and incumbent.per_replica_batch_sizes != plan.per_replica_batch_sizes
+                and not _violates(incumbent.per_replica_batch_sizes, self._max_batch_sizes)):
             self._commit(incumbent)
             self._start_trial(incumbent, plan)
-            return
-        self._commit(plan)
+        else:
+            self._commit(plan)
 
     def _start_trial(self, incumbent: BatchPlan, candidate: BatchPlan, *, against_alone: bool = False) -> None:
         """Starts a guard trial of ``candidate`` against ``incumbent``, the plan in force."""
@@ -78,13 +78,6 @@ class GuardTrials:
                           incumbent_recent_s=sorted(recent)[len(recent) // 2] if recent else None)
         if self._on_trial is not None:
             self._on_trial(candidate)
-
-    def _incumbent_for(self, plan: BatchPlan) -> BatchPlan | None:
-        """The plan a candidate for ``plan.global_batch_size`` replaces: the plan in force, else the even split."""
-        B = plan.global_batch_size
-        if self._plan is not None and self._plan.global_batch_size == B:
-            return plan_from_split(self._plan.per_replica_batch_sizes, self._cost_models)
-        return plan_from_split(even_batch_split(B, self._num_replicas), self._cost_models)
 
     def _serve_trial(self) -> BatchPlan:
         """The side of the running trial to serve next; the candidate, kept unmeasured, when no step of the trial
@@ -115,24 +108,15 @@ class GuardTrials:
             if decision.kept:
                 self._commit(self._plan_of(decision.candidate_per_replica_batch_sizes))
             elif restored is not None:  # refuted models: back to those the plan in force was made with
-                self._cost_models = restored
-                self._plans_by_batch.clear()
+                self._cost_models = restored  # (_commit drops the plans of other sizes)
                 self._commit(plan_from_split(self._plan.per_replica_batch_sizes, restored,
                                              max_batch_sizes=self._max_batch_sizes))
             if decision.against_alone:  # checked, kept or not: not checked again under these models
                 self._alone_checked.add(decision.incumbent_per_replica_batch_sizes)
             elif decision.kept:
-                self._forget_alone_checks()  # a kept re-plan's measured models are new models
+                self._alone_checked.clear()  # a kept re-plan's measured models are new models: every plan checked again
             self._maybe_check_alone()  # the plan now in force, against the fastest card alone
             return
-
-    def _init_alone_check(self) -> None:
-        self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked under the current models
-        self._contention_factors = [1.0] * self._num_replicas  # set_cost_models: each card beside the others
-
-    def _forget_alone_checks(self) -> None:
-        """New cost models: every plan may be checked again."""
-        self._alone_checked.clear()
 
     def _alone_models(self) -> list:
         """The cost models of each card stepping alone: its model over its contention factor."""
@@ -156,8 +140,7 @@ class GuardTrials:
             or None before cost models exist or when no card's cap holds the whole batch.
         """
         with self._lock:
-            models = self._cost_models
-            if models is None:
+            if self._cost_models is None:
                 return None
             caps = self._max_batch_sizes or [None] * self._num_replicas
             B = int(global_batch_size)
@@ -166,34 +149,25 @@ class GuardTrials:
                 return None
             alone = self._alone_models()
             fastest = min(holding, key=lambda i: (alone[i].predict_step_time_s(B), i))
-            split = [0] * self._num_replicas
-            split[fastest] = B
-            return self._plan_of(split)
+            return self._plan_of([B if i == fastest else 0 for i in range(self._num_replicas)])
 
     def _maybe_check_alone(self) -> None:
         """Starts a guard trial of the fastest card alone against the plan in force, where it is due (see above)."""
         plan = self._plan
-        if (
-            # Only an engine whose idle replicas run nothing (central storage) gains by leaving cards out.
-            not self._idle_free or not self.guard_enabled or self._shares is not None or plan is None
-            or self._guard.in_trial
-            or plan.global_batch_size != self._reference_batch_size
-        ):
+        # Only an engine whose idle replicas run nothing (central storage) gains by leaving cards out.
+        if (not self._idle_free or not self.guard_enabled or self._shares is not None or plan is None
+                or self._guard.in_trial or plan.global_batch_size != self._reference_batch_size):
             return
         sizes = plan.per_replica_batch_sizes
         if sum(1 for b in sizes if b > 0) < 2 or sizes in self._alone_checked:
             return
         alone = self.fastest_alone_plan(plan.global_batch_size)
-        plan_s = plan.predicted_makespan_s
-        alone_s = None if alone is None else alone.predicted_makespan_s
+        plan_s, alone_s = plan.predicted_makespan_s, None if alone is None else alone.predicted_makespan_s
         last = self._guard.last_decision
-        if (
-            alone is None or alone.per_replica_batch_sizes == sizes or plan_s is None or alone_s is None
-            or not plan_s > 0
-            # The guard has just measured that very split slower: no second trial of it (its back-off stands).
-            or (last is not None and not last.kept
-                and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)
-        ):
+        if (alone_s is None or alone.per_replica_batch_sizes == sizes or plan_s is None or not plan_s > 0
+                # The guard has just measured that very split slower: no second trial of it (its back-off stands).
+                or (last is not None and not last.kept
+                    and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)):
             self._alone_checked.add(sizes)  # nothing to check for this plan under these models
             return
         why = self._alone_check_reason(sizes, plan_s, alone_s)
@@ -211,10 +185,12 @@ class GuardTrials:
             return f"is predicted only {alone_s / plan_s:.3f}x faster than the fastest card alone"
         if math.isinf(policy.alone_check_margin):
             return None
-        measured = measured_makespan(self._monitor.window(), sizes)
-        if measured is None or measured[1] < self._rebalance_policy.min_samples:
+        # Measured: the replicas' median makespan over the window's steps that ran ``sizes``, and the relative
+        # standard error of that median (robust_stats.median_and_error, as the monitor's noise margin).
+        times = np.array([s.replica_makespan_s for s in self._monitor.window() if s.per_replica_batch_sizes == sizes])
+        if times.size < self._rebalance_policy.min_samples:  # (min_samples >= 1)
             return None
-        median_s, n, error = measured
+        (median_s, error), n = median_and_error(times), times.size
         noise = self._rebalance_policy.noise_sigmas * error
         if median_s > alone_s * (1.0 + noise):
             return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), slower than the fastest card's "
@@ -223,23 +199,3 @@ class GuardTrials:
             return (f"measured {median_s * 1e3:.3f} ms a step (median of {n}), {median_s / plan_s:.3f}x its "
                     f"predicted {plan_s * 1e3:.3f} ms: the predictions do not hold here")
         return None
-
-
-def measured_makespan(samples, sizes: tuple[int, ...]) -> tuple[float, int, float] | None:
-    """The replicas' median makespan over the ``samples`` (StepSample) that ran ``sizes``, seconds; their count; and
-    the relative standard error of that median (:func:`~hetero_cs.planning.robust_stats.median_and_error`, as the
-    monitor's noise margin). None without such a sample."""
-    times = np.array([s.replica_makespan_s for s in samples if tuple(s.per_replica_batch_sizes) == sizes])
-    if not times.size:
-        return None
-    median_s, error = median_and_error(times)
-    return median_s, times.size, error
-
-
-def _checked_contention(factors, num_replicas: int) -> list[float]:
-    """``set_cost_models``' contention factors: one finite number >= 1 per replica (None: 1.0 each)."""
-    checked = [1.0] * num_replicas if factors is None else [float(f) for f in factors]
-    if len(checked) != num_replicas or not all(1.0 <= f < math.inf for f in checked):
-        raise ConfigError(f"contention_factors must hold one finite number >= 1 per replica (R={num_replicas}). "
-                          f"Received: contention_factors={factors!r}.")
-    return checked

@@ -61,6 +61,5 @@ def _split_within_caps(global_batch_size: int, shares: Sequence[float], caps: Se
     """The split closest to ``shares`` within ``caps``: the minimum-makespan split for step times b_i / share_i
     (a replica with share 0 gets nothing). Raises InfeasiblePlanError when the caps cannot hold the batch."""
     models = [LinearCostModel(0.0, 1.0 / s if s > 0 else 1.0) for s in shares]
-    capped = [0 if s <= 0 else c for s, c in zip(shares, caps)]
-    plan = solve_batch_split(models, global_batch_size, max_batch_sizes=capped, min_batch_size=0)
-    return plan.per_replica_batch_sizes
+    caps = [0 if s <= 0 else c for s, c in zip(shares, caps)]
+    return solve_batch_split(models, global_batch_size, max_batch_sizes=caps, min_batch_size=0).per_replica_batch_sizes

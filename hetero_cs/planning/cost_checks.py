@@ -25,10 +25,8 @@ measurement is larger, and a larger value (an edited profile) would overflow pre
 
 
 def _check_batch_size(batch_size: Any) -> None:
-    if type(batch_size) is int:  # the common case, checked first because the solver calls this often
-        if batch_size >= 0:
-            return
-    elif _is_int(batch_size) and batch_size >= 0:
+    # A plain int, the common case, is checked first because the solver calls this often.
+    if (type(batch_size) is int or _is_int(batch_size)) and batch_size >= 0:
         return
     raise ConfigError(
         f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. "
@@ -94,10 +92,8 @@ def checked_prediction(predict: Any, batch_size: int, replica_id: int | None = N
     except Exception as exc:  # noqa: BLE001 - any failure of a user's model is reported with its replica
         raise InvalidCostModelError(f"{who}.predict_step_time_s({batch_size}) failed: {exc}. A cost model returns "
                                     "seconds as a float for any batch size >= 0.") from exc
-    if isinstance(raw, bool) or not (
-        isinstance(raw, numbers.Real)
-        or (getattr(raw, "ndim", None) == 0 and getattr(getattr(raw, "dtype", None), "kind", "") in "iuf")
-    ):
+    if isinstance(raw, bool) or not (isinstance(raw, numbers.Real) or (
+            getattr(raw, "ndim", None) == 0 and getattr(getattr(raw, "dtype", None), "kind", "") in "iuf")):
         try:
             shown = repr(raw)
         except Exception:  # noqa: BLE001 - a user's object may fail to print; its type still says enough

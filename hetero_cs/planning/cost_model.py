@@ -105,7 +105,7 @@ class LinearCostModel(_Stored):
     def __post_init__(self) -> None:
         for name in ("fixed_overhead_s", "seconds_per_example"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
+            if not (_is_real(value) and 0 <= value <= MAX_SECONDS):  # (NaN and inf fail the range)
                 raise InvalidCostModelError(
                     f"LinearCostModel.{name} must be a number from 0 to {MAX_SECONDS:g} (seconds). Received: "
                     f"{name}={value!r}. Refit the model from calibration samples.")
@@ -155,8 +155,7 @@ class PiecewiseLinearCostModel(_Stored):
         except TypeError as exc:
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs sequences batch_sizes and step_times_s. Received: "
-                f"batch_sizes={self.batch_sizes!r}, step_times_s={self.step_times_s!r}."
-            ) from exc
+                f"batch_sizes={self.batch_sizes!r}, step_times_s={self.step_times_s!r}.") from exc
         if not sizes or len(sizes) != len(times):
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs as many step times as batch sizes, at least one. Received: "
@@ -173,8 +172,7 @@ class PiecewiseLinearCostModel(_Stored):
                     "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
                     f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
                     "repeated batch sizes (average their times).")
-        bad_times = [(b, t) for b, t in zip(sizes, times)
-                     if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= MAX_SECONDS]
+        bad_times = [(b, t) for b, t in zip(sizes, times) if not (_is_real(t) and 0 <= t <= MAX_SECONDS)]  # NaN too
         if bad_times:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.step_times_s must be from 0 to {MAX_SECONDS:g} seconds. Received "
@@ -317,11 +315,10 @@ class OutOfMemoryCostModel(_Stored):
 def holds_no_example(model: Any) -> bool:
     """True when ``model`` is (or wraps, through ``base``) an :class:`OutOfMemoryCostModel`: its device takes no
     example, so a split that gives it some (the even split, for comparison) cannot run."""
-    seen = 0
-    while model is not None and seen < 16:
+    for _ in range(16):  # (a chain of bases, followed 16 deep at most)
         if isinstance(model, OutOfMemoryCostModel):
             return True
-        model, seen = getattr(model, "base", None), seen + 1
+        model = getattr(model, "base", None)
     return False
 
 
@@ -405,8 +402,7 @@ def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) 
             f"max_micro_batch_size={max_micro_batch_size!r}.")
     if b <= 0:
         return []
-    count = 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))  # ceil(b / cap)
-    return list(even_batch_split(b, count))
+    return list(even_batch_split(b, 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))))  # ceil
 
 
 def line_of(model: Any) -> tuple[float, float, bool] | None:
@@ -414,8 +410,7 @@ def line_of(model: Any) -> tuple[float, float, bool] | None:
     scaled or idle-free (``t(0) = 0``, then ``idle_free`` is True); else None."""
     factor, idle = 1.0, False
     while isinstance(model, (IdleFreeCostModel, ScaledCostModel)):
-        if isinstance(model, ScaledCostModel):
-            factor *= model.factor
+        factor *= getattr(model, "factor", 1.0)  # (an IdleFreeCostModel has none)
         idle, model = idle or isinstance(model, IdleFreeCostModel), model.base
     if type(model) is not LinearCostModel:
         return None

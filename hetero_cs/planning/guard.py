@@ -106,10 +106,7 @@ class GuardPolicy:
 
     def __post_init__(self) -> None:
         p = self.pattern
-        if (
-            not isinstance(p, str) or set(p) - {"C", "I"} or "C" not in p or "I" not in p
-            or p[0] == "I" or "II" in p
-        ):
+        if not isinstance(p, str) or set(p) - {"C", "I"} or "C" not in p or "I" not in p or p[0] == "I" or "II" in p:
             raise ConfigError(
                 f"pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', with every "
                 f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'.")
@@ -272,20 +269,15 @@ class PlanGuard:
         if not isinstance(incumbent, BatchPlan) or not isinstance(candidate, BatchPlan):
             raise ConfigError(
                 f"A trial compares two BatchPlans. Received: incumbent={incumbent!r}, candidate={candidate!r}.")
-        if (
-            incumbent.global_batch_size != candidate.global_batch_size
-            or len(incumbent.per_replica_batch_sizes) != len(candidate.per_replica_batch_sizes)
-            or incumbent.per_replica_batch_sizes == candidate.per_replica_batch_sizes
-        ):
-            raise ConfigError(
-                f"A trial compares two different splits of one global batch. Received: incumbent="
-                f"{list(incumbent.per_replica_batch_sizes)}, candidate={list(candidate.per_replica_batch_sizes)}.")
+        old, new = incumbent.per_replica_batch_sizes, candidate.per_replica_batch_sizes
+        if incumbent.global_batch_size != candidate.global_batch_size or len(old) != len(new) or old == new:
+            raise ConfigError(f"A trial compares two different splits of one global batch. Received: incumbent="
+                              f"{list(old)}, candidate={list(new)}.")
         self._trial = _Trial(incumbent, candidate, bool(against_alone),
                              None if incumbent_recent_s is None else float(incumbent_recent_s))
         (logger.debug if self._quiet else logger.info)(
             "guard: trying %s%s against %s from step %d (pattern %s, %d-%d pairs, up to %d while the gain is not yet "
-            "significant)", list(candidate.per_replica_batch_sizes),
-            " (the fastest card alone)" if against_alone else "", list(incumbent.per_replica_batch_sizes), step,
+            "significant)", list(new), " (the fastest card alone)" if against_alone else "", list(old), step,
             self._policy.pattern, self._policy.min_pairs, self._policy.max_pairs, 2 * self._policy.max_pairs)
 
     def plan_to_serve(self) -> BatchPlan | None:
@@ -314,8 +306,7 @@ class PlanGuard:
         except TypeError:
             raise ConfigError(
                 f"observe takes the step's slices (a sequence of integers) and its makespan in seconds (a number). "
-                f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}."
-            ) from None
+                f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}.") from None
         trial = self._trial
         if trial is None:
             return None
@@ -436,6 +427,4 @@ def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:
     """One-sided Wilcoxon signed-rank p-value for "the log ratios are centred below 0" (scipy.stats.wilcoxon)."""
     from scipy import stats
 
-    if not np.any(log_ratios != 0):
-        return 1.0
-    return float(stats.wilcoxon(log_ratios, alternative="less").pvalue)
+    return float(stats.wilcoxon(log_ratios, alternative="less").pvalue) if np.any(log_ratios != 0) else 1.0

@@ -63,8 +63,7 @@ class MemoryRecoveryPolicy:
         if not (isinstance(self.backoff_factor, (int, float)) and 0.0 < self.backoff_factor < 1.0):
             raise ConfigError(
                 f"MemoryRecoveryPolicy.backoff_factor={self.backoff_factor!r} must be a number in (0, 1), e.g. 0.5.")
-        if not (isinstance(self.growth_factor, (int, float)) and math.isfinite(self.growth_factor)
-                and self.growth_factor > 1.0):
+        if not (isinstance(self.growth_factor, (int, float)) and 1.0 < self.growth_factor < math.inf):
             raise ConfigError(
                 f"MemoryRecoveryPolicy.growth_factor={self.growth_factor!r} must be a finite number > 1, e.g. 1.25.")
         for name in ("max_retries", "recent_steps", "grow_after_steps", "max_grow_after_steps"):
@@ -155,10 +154,8 @@ class MemoryCaps:
         known = []
         for i in range(self._num_replicas):
             cap, done = self._cap(i), max(self._recent[i], default=0)
-            if cap is not None and (self._lowered[i] is None or done >= cap):
-                known.append(cap)
-            else:
-                known.append(done if cap is None else min(done, cap))
+            # (a lowered cap that no step held yet is above every slice done: those say what fits)
+            known.append(cap if cap is not None and (self._lowered[i] is None or done >= cap) else done)
         return known
 
     @property
@@ -184,9 +181,7 @@ class MemoryCaps:
         old = self._cap(self._checked_replica(replica_id))
         if replica_id not in self._excluded:
             self._excluded.append(replica_id)
-        change = CapChange(replica_id, old, 0, "excluded", int(batch_size))
-        self.history.append(change)
-        return change
+        return self._noted(CapChange(replica_id, old, 0, "excluded", int(batch_size)))
 
     def _checked_replica(self, replica_id: int) -> int:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or not 0 <= replica_id < self._num_replicas:
@@ -196,10 +191,7 @@ class MemoryCaps:
     def _cap(self, replica_id: int) -> int | None:
         if replica_id in self._excluded:
             return 0
-        base, lowered = self._base[replica_id], self._lowered[replica_id]
-        if lowered is None:
-            return base
-        return lowered if base is None else min(base, lowered)
+        return min((c for c in (self._base[replica_id], self._lowered[replica_id]) if c is not None), default=None)
 
     def record_out_of_memory(self, replica_id: int, batch_size: int) -> CapChange:
         """Lowers ``replica_id``'s cap after its step ran out of memory with a slice of ``batch_size`` examples.
@@ -225,9 +217,7 @@ class MemoryCaps:
         self._grown[replica_id] = False
         self._lowered[replica_id] = new
         self._since_change[replica_id] = 0
-        change = CapChange(replica_id, old, new, "out_of_memory", batch_size)
-        self.history.append(change)
-        return change
+        return self._noted(CapChange(replica_id, old, new, "out_of_memory", batch_size))
 
     def record_success(self, per_replica_batch_sizes: Sequence[int],
                        global_batch_size: int | None = None) -> list[CapChange]:
@@ -249,14 +239,14 @@ class MemoryCaps:
                 continue
             old = self._cap(i)
             grown = max(old + 1, int(math.ceil(old * self.policy.growth_factor)))
-            base = self._base[i]
-            limit = base if base is not None else global_batch_size
-            if limit is not None and grown >= limit:
-                self._lowered[i], self._grown[i] = None, False
-            else:
-                self._lowered[i], self._grown[i] = grown, True
+            limit = self._base[i] if self._base[i] is not None else global_batch_size
+            back_to_base = limit is not None and grown >= limit  # (the global batch, without a calibrated cap)
+            self._lowered[i], self._grown[i] = (None, False) if back_to_base else (grown, True)
             self._since_change[i] = 0
-            change = CapChange(i, old, self._cap(i), "grow", max(self._recent[i], default=0))
-            self.history.append(change)
-            changes.append(change)
+            changes.append(self._noted(CapChange(i, old, self._cap(i), "grow", max(self._recent[i], default=0))))
         return changes
+
+    def _noted(self, change: CapChange) -> CapChange:
+        """``change``, added to :attr:`history`."""
+        self.history.append(change)
+        return change

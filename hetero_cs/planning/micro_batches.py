@@ -71,9 +71,7 @@ _FIGURES = ("single_step_makespan_s", "sub_step_overhead_s", "overlapped")  # Mi
 
 def capacity_of(max_batch_sizes: Sequence[int | None] | None) -> int | None:
     """How many examples all replicas hold together: ``sum(caps)``, or None when some replica is uncapped."""
-    if max_batch_sizes is None or any(cap is None for cap in max_batch_sizes):
-        return None
-    return int(sum(max_batch_sizes))
+    return None if max_batch_sizes is None or None in max_batch_sizes else int(sum(max_batch_sizes))
 
 
 @dataclass(frozen=True)
@@ -177,15 +175,12 @@ class MicroBatchPlan:
         plus the host's overhead once per call of up to :data:`SUB_STEPS_PER_CALL` sub-steps (each card runs its
         micro-batches back to back), summed over the calls."""
         if self.overlapped:
-            columns = [p.predicted_step_times_s for p in self.sub_step_plans]
-            if any(c is None for c in columns):
+            if any(p.predicted_step_times_s is None for p in self.sub_step_plans):
                 return None
             return sum(max(float(sum(column)) for column in zip(*(p.predicted_step_times_s for p in call)))
                        + self.sub_step_overhead_s for call in self.calls)
         times = [p.predicted_makespan_s for p in self.sub_step_plans]
-        if any(t is None for t in times):
-            return None
-        return float(sum(times)) + self.num_sub_steps * self.sub_step_overhead_s
+        return None if None in times else float(sum(times)) + self.num_sub_steps * self.sub_step_overhead_s
 
     @property
     def predicted_speedup_vs_single_step(self) -> float | None:
@@ -238,9 +233,8 @@ class MicroBatchPlan:
             cost_models = idle_free(list(cost_models))
         steps = tuple(plan_from_split([chain[j] if j < len(chain) else 0 for chain in chains], cost_models)
                       for j in range(K))
-        single = None  # the same split in one step, where every slice fits its cap
-        if cost_models is not None and all(c is None or b <= c for b, c in zip(sizes, caps)):
-            single = plan_from_split(list(sizes), cost_models).predicted_makespan_s
+        fits = cost_models is not None and all(c is None or b <= c for b, c in zip(sizes, caps))
+        single = plan_from_split(list(sizes), cost_models).predicted_makespan_s if fits else None  # all in one step
         return cls(steps, single_step_makespan_s=single, overlapped=True, call_sub_steps=(K,))
 
     def __str__(self) -> str:
@@ -317,28 +311,24 @@ def plan_micro_batches(global_batch_size: int, solve: Callable[[int], BatchPlan]
         times = [plan_of(size).predicted_makespan_s for size in even_batch_split(B, K)]
         return None if None in times else float(sum(times)) + K * overhead
 
-    def built(K: int, single: float | None) -> MicroBatchPlan:
-        return MicroBatchPlan(tuple(plan_of(size) for size in even_batch_split(B, K)), single_step_makespan_s=single,
-                              sub_step_overhead_s=overhead)
-
     single = makespan(1) if k_min == 1 else None
     best_k, best = k_min, makespan(k_min)
-    if best is None:  # nothing predicted: the fewest sub-steps that fit
-        return built(k_min, None)
-    smallest = (plan_of(1).predicted_makespan_s or 0.0) + overhead  # no sub-step costs less than one example's
-    for K in range(k_min + 1, min(B, k_min + max_extra_sub_steps) + 1):
-        if smallest > 0 and K * smallest >= best:
-            break
-        value = makespan(K)
-        if value is not None and value < best:
-            best_k, best = K, value
-    if single is not None and best_k != 1 and best * (1.0 + min_gain) > single:
-        best_k, best = 1, single  # not clearly faster than the one step that fits
-    if incumbent_sub_steps is not None and incumbent_sub_steps != best_k and k_min <= incumbent_sub_steps <= B:
-        kept = makespan(incumbent_sub_steps)
-        if kept is not None and best * (1.0 + min_gain) > kept:
-            best_k = incumbent_sub_steps  # not clearly faster than the K in use
-    return built(best_k, single)
+    if best is not None:  # (else nothing is predicted, and single is None: the fewest sub-steps that fit)
+        smallest = (plan_of(1).predicted_makespan_s or 0.0) + overhead  # no sub-step costs less than one example's
+        for K in range(k_min + 1, min(B, k_min + max_extra_sub_steps) + 1):
+            if smallest > 0 and K * smallest >= best:
+                break
+            value = makespan(K)
+            if value is not None and value < best:
+                best_k, best = K, value
+        if single is not None and best_k != 1 and best * (1.0 + min_gain) > single:
+            best_k, best = 1, single  # not clearly faster than the one step that fits
+        if incumbent_sub_steps is not None and incumbent_sub_steps != best_k and k_min <= incumbent_sub_steps <= B:
+            kept = makespan(incumbent_sub_steps)
+            if kept is not None and best * (1.0 + min_gain) > kept:
+                best_k = incumbent_sub_steps  # not clearly faster than the K in use
+    return MicroBatchPlan(tuple(plan_of(size) for size in even_batch_split(B, best_k)), single_step_makespan_s=single,
+                          sub_step_overhead_s=overhead)
 
 
 def micro_batched_curves(cost_models, max_batch_sizes) -> list:
@@ -413,13 +403,15 @@ def plan_overlapped_micro_batches(global_batch_size: int, cost_models: Sequence[
     K = max(len(p) for p in parts)
     if K > max_sub_steps:
         return None
+    overlapped = functools.partial(MicroBatchPlan, single_step_makespan_s=single_step_makespan_s,
+                                   sub_step_overhead_s=float(host_overhead_s), overlapped=True)
     if K <= SUB_STEPS_PER_CALL:
-        return _spread(parts, 1, models, single_step_makespan_s, host_overhead_s)
+        return _spread(parts, 1, models, overlapped)
     # More sub-steps than one call holds. Two ways to cut the step into calls, the faster kept: (a) this split with
     # each card's micro-batches spread evenly over n calls; (b) n calls of about B / n examples, each its own
     # overlapped plan (balanced within the call, so no card waits long at a call's end, whatever its micro-batch).
     n = -(-K // SUB_STEPS_PER_CALL)
-    best = _spread(parts, n, models, single_step_makespan_s, host_overhead_s)
+    best = _spread(parts, n, models, overlapped)
     for calls in range(n, min(n + 8, B) + 1):
         sizes = even_batch_split(B, calls)
         per_size = {size: plan_overlapped_micro_batches(size, models, caps, host_overhead_s=host_overhead_s,
@@ -427,17 +419,15 @@ def plan_overlapped_micro_batches(global_batch_size: int, cost_models: Sequence[
         if any(plan is None for plan in per_size.values()):
             continue
         steps = [q for size in sizes for q in per_size[size].sub_step_plans]
-        candidate = MicroBatchPlan(tuple(steps), single_step_makespan_s=single_step_makespan_s,
-                                   sub_step_overhead_s=float(host_overhead_s), overlapped=True,
-                                   call_sub_steps=tuple(per_size[size].num_sub_steps for size in sizes))
+        candidate = overlapped(tuple(steps), call_sub_steps=tuple(per_size[size].num_sub_steps for size in sizes))
         if candidate.predicted_makespan_s < best.predicted_makespan_s:
             best = candidate
     return best
 
 
-def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s) -> MicroBatchPlan:
+def _spread(parts: list, n: int, models, overlapped: Callable[..., MicroBatchPlan]) -> MicroBatchPlan:
     """Each card's micro-batches (``parts[i]``, largest first) spread evenly over ``n`` calls; within a call, sub-step
-    ``j`` gives each card its ``j``-th micro-batch there."""
+    ``j`` gives each card its ``j``-th micro-batch there; ``overlapped`` makes the plan of the sub-steps."""
     sub_steps, call_sub_steps = [], []
     for group in zip(*(_cut(p, even_batch_split(len(p), n)) for p in parts)):
         depth = max(len(p) for p in group)
@@ -449,15 +439,12 @@ def _spread(parts: list, n: int, models, single_step_makespan_s, host_overhead_s
             times = tuple(float(models[i].predict_step_time_s(b)) if b else 0.0 for i, b in enumerate(sizes))
             sub_steps.append(BatchPlan(sizes, sum(sizes), predicted_makespan_s=max(times),
                                        predicted_step_times_s=times))
-    return MicroBatchPlan(tuple(sub_steps), single_step_makespan_s=single_step_makespan_s,
-                          sub_step_overhead_s=float(host_overhead_s), overlapped=True,
-                          call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
+    return overlapped(tuple(sub_steps), call_sub_steps=tuple(call_sub_steps) if len(call_sub_steps) > 1 else ())
 
 
 def _cut(items: Sequence, sizes: Sequence[int]) -> list:
     """``items`` cut into consecutive pieces of ``sizes`` examples each (they sum to ``len(items)``)."""
-    ends = list(itertools.accumulate(sizes))
-    return [items[end - size:end] for size, end in zip(sizes, ends)]
+    return [items[end - size:end] for size, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchPlan | None, *,
@@ -468,14 +455,10 @@ def prefer_overlapped(barrier_plan: MicroBatchPlan, overlapped_plan: MicroBatchP
     Compared on the cards' time alone (each plan's host time per call taken out): the host's time is measured only
     for the path that runs, and a barrier plan pays at least an overlapped call's in each of its sub-steps.
     """
-    if overlapped_plan is None or overlapped_plan.num_sub_steps < 2:
+    if overlapped_plan is None or overlapped_plan.num_sub_steps < 2 or overlapped_plan.predicted_makespan_s is None:
         return barrier_plan
-    ours, theirs = overlapped_plan.predicted_makespan_s, barrier_plan.predicted_makespan_s
-    if ours is None:
-        return barrier_plan
-    ours -= overlapped_plan.num_calls * overlapped_plan.sub_step_overhead_s
+    ours = overlapped_plan.predicted_makespan_s - overlapped_plan.num_calls * overlapped_plan.sub_step_overhead_s
+    theirs = barrier_plan.predicted_makespan_s
     if theirs is not None:
         theirs -= barrier_plan.num_sub_steps * barrier_plan.sub_step_overhead_s
-        if ours * (1.0 + min_gain) > theirs:
-            return barrier_plan
-    return overlapped_plan
+    return barrier_plan if theirs is not None and ours * (1.0 + min_gain) > theirs else overlapped_plan

@@ -140,24 +140,19 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if not _is_int(batch_size) or batch_size < 0:
             raise ConfigError(f"batch_size must be a non-negative integer (examples in the replica's slice). "
                               f"Received: batch_size={batch_size!r} for replica_id={replica_id}.")
-        if step_key is not None:
-            try:
-                hash(step_key)
-            except TypeError:
-                raise ConfigError(
-                    f"step_key must be hashable (a value every replica of the step shares). Received: "
-                    f"step_key={step_key!r} of type {type(step_key).__name__}."
-                ) from None
+        try:
+            hash(step_key)
+        except TypeError:
+            raise ConfigError(f"step_key must be hashable (a value every replica of the step shares). Received: "
+                              f"step_key={step_key!r} of type {type(step_key).__name__}.") from None
         step_time_s = _seconds(step_time_s)
         valid = math.isfinite(step_time_s) and step_time_s >= 0.0
         with self._lock:
             if not valid and not self._warned_invalid:
                 self._warned_invalid = True
-                logger.warning(
-                    "Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be finite "
-                    "and >= 0. Steps with invalid times are left out of the statistics; further ones are not "
-                    "reported.",
-                    step_time_s, replica_id)
+                logger.warning("Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be "
+                               "finite and >= 0. Steps with invalid times are left out of the statistics; further ones "
+                               "are not reported.", step_time_s, replica_id)
             done = self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)
             if done is not None:
                 self._completed_steps += 1
@@ -190,21 +185,17 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             sizes, times, counts = (list(batch_sizes), [float(t) for t in step_times_s], list(micro_batches))
         except (TypeError, ValueError):
             sizes = times = counts = None
-        if (
-            sizes is None or not len(sizes) == len(times) == len(counts) == R
-            or any(not _is_int(v) or v < 0 for v in sizes + counts)
-            or any(b > 0 and k < 1 for b, k in zip(sizes, counts))
-            or not all(math.isfinite(t) and t >= 0 for t in times)
-        ):
+        if (sizes is None or not len(sizes) == len(times) == len(counts) == R
+                or any(not _is_int(v) or v < 0 for v in sizes + counts)
+                or any(b > 0 and k < 1 for b, k in zip(sizes, counts)) or not all(0 <= t < math.inf for t in times)):
             raise ConfigError(
                 f"A micro-batched step needs, per replica (R={R}), its examples b_i >= 0, its time t_i >= 0 in "
                 f"seconds and its micro-batch count k_i >= 1 where b_i > 0. Received: batch_sizes={batch_sizes!r}, "
                 f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}.")
         key = object()  # this step's own key: its reports pair with nothing else
         with self._lock:
-            done = None
-            for i in range(R):
-                done = self._pairing.add(i, int(sizes[i]), times[i], True, key) or done
+            # Under this step's own key, the last of its replicas' reports completes it.
+            done = [self._pairing.add(i, int(sizes[i]), times[i], True, key) for i in range(R)][-1]
             self._completed_steps += 1
             self._window.append(StepSample.from_times(
                 done.index, done.batch_sizes, done.step_times_s, micro_batches=[max(1, int(k)) for k in counts]))
@@ -261,8 +252,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
     def _window_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Batch sizes and times of the window, each of shape [S, R] (S = samples in the window), per step of the
         replicas' cost models: a micro-batched step counts with each replica's mean micro-batch (b/k, t/k)."""
-        with self._lock:
-            samples = tuple(self._window)
+        samples = self.window()
         R = self._num_replicas  # (reshaped: an empty window is [0, R] too)
         sizes = np.array([s.per_replica_batch_sizes for s in samples], dtype=np.float64).reshape(-1, R)
         times_s = np.array([s.per_replica_step_times_s for s in samples], dtype=np.float64).reshape(-1, R)
@@ -278,12 +268,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             Float array of shape [R], examples per second; NaN for a replica without such a step in the window.
         """
         sizes, times_s = self._window_arrays()
-        result = np.full(self._num_replicas, np.nan)
-        for i in range(self._num_replicas):
-            usable = (sizes[:, i] > 0) & (times_s[:, i] > 0)
-            if usable.any():
-                result[i] = _median(sizes[usable, i] / times_s[usable, i])
-        return result
+        usable = (sizes > 0) & (times_s > 0)  # (the median of none is NaN)
+        return np.array([_median(sizes[usable[:, i], i] / times_s[usable[:, i], i]) for i in range(self._num_replicas)])
 
     def updated_cost_models(self, base_models: Sequence[CostModel] | None = None) -> list[CostModel]:
         """Per-replica cost models corrected by the window's observations.
@@ -332,9 +318,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 models.append(model)
             return models
         sizes, times_s = self._window_arrays()
-        fitted: list[CostModel | None] = [
-            _fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)
-        ]
+        fitted = [_fit_linear_model(sizes[:, i], times_s[:, i]) for i in range(self._num_replicas)]
         known = [m for m in fitted if m is not None]
         if not known:
             raise CalibrationError(
@@ -395,12 +379,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             for i, model in enumerate(cost_models):
                 column = sizes[:, i]
                 positive = column > 0
-                distinct = np.unique(column[positive])
-                if not distinct.size:
-                    continue
-                predicted_s = np.array([float(model.predict_step_time_s(int(b))) for b in distinct])
+                distinct, inverse = np.unique(column[positive], return_inverse=True)
                 per_step_s = np.full(column.shape, np.nan)
-                per_step_s[positive] = predicted_s[np.searchsorted(distinct, column[positive])]
+                per_step_s[positive] = np.array([float(model.predict_step_time_s(int(b))) for b in distinct])[inverse]
                 usable = np.isfinite(per_step_s) & (per_step_s > 0)
                 levels[usable, i] = times_s[usable, i] / per_step_s[usable]
         return levels
@@ -432,9 +413,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if recent is not None:  # the replica's speed changed: estimate it from the steps since
             relative, common = relative[recent:], common[recent:]
         factor = _median(relative) * _median(common)
-        if not (math.isfinite(factor) and factor > 0):
-            return base  # Only zero times observed: no usable correction.
-        return ScaledCostModel(base, factor)
+        # (only zero times observed: no usable correction)
+        return ScaledCostModel(base, factor) if math.isfinite(factor) and factor > 0 else base
 
 
 def _seconds(value: object) -> float:

@@ -39,9 +39,7 @@ def _is_real(value: Any) -> bool:
 
 def _as_tuple(values: Any) -> tuple | None:
     """values as a tuple if it is a non-string iterable (list, tuple, numpy array), else None."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        return None
-    return tuple(values)
+    return None if isinstance(values, (str, bytes)) or not isinstance(values, Iterable) else tuple(values)
 
 
 def ordered_values(values: Any) -> tuple | None:
@@ -50,11 +48,8 @@ def ordered_values(values: Any) -> tuple | None:
     Sets, dicts and other iterables without an index order (generators included) give None: their iteration order
     is not a replica order, so taking it would reorder shares silently.
     """
-    if isinstance(values, (str, bytes, Mapping, Set)):
-        return None
-    if isinstance(values, Sequence) or getattr(values, "ndim", None) == 1:
-        return tuple(values)
-    return None
+    ordered = isinstance(values, Sequence) or getattr(values, "ndim", None) == 1
+    return tuple(values) if ordered and not isinstance(values, (str, bytes, Mapping, Set)) else None
 
 
 def unordered_note(values: Any) -> str:
@@ -176,9 +171,8 @@ class BatchPlan:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _checked_seconds(name, value))
-        times = self.predicted_step_times_s
-        if times is not None:
-            times = _as_tuple(times)
+        if self.predicted_step_times_s is not None:
+            times = _as_tuple(self.predicted_step_times_s)
             if times is None or len(times) != len(sizes):
                 raise ConfigError(
                     "BatchPlan.predicted_step_times_s must be None or hold one time per replica. Received: "
@@ -244,11 +238,9 @@ class BatchPlan:
 
     def __str__(self) -> str:
         times = self.predicted_step_times_s
-        lines = [
-            f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} "
-            f"replica{'' if self.num_replicas == 1 else 's'}",
-            f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}",
-        ]
+        lines = [f"BatchPlan: global_batch_size={self.global_batch_size} on {self.num_replicas} "
+                 f"replica{'' if self.num_replicas == 1 else 's'}",
+                 f"{'replica':>7}  {'slice':>7}  {'weight':>7}  {'predicted step ms':>17}"]
         for i, (b, w) in enumerate(zip(self.per_replica_batch_sizes, self.replica_weights)):
             step = "idle" if b == 0 else "n/a" if times is None else f"{times[i] * 1e3:.3f}"
             lines.append(f"{i:>7}  {b:>7}  {w:>7.4f}  {step:>17}")
@@ -259,13 +251,11 @@ class BatchPlan:
                          f"0: a card that cannot hold one example, or one set aside after a device error)")
 
         speedup, efficiency = self.predicted_speedup_vs_even, self.efficiency
-        lines += [
-            f"predicted makespan: {ms_text(self.predicted_makespan_s)}",
-            f"even split makespan: {ms_text(self.even_split_makespan_s)}",
-            f"ideal makespan: {ms_text(self.ideal_makespan_s)}",
-            f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
-            f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}",
-        ]
+        lines += [f"predicted makespan: {ms_text(self.predicted_makespan_s)}",
+                  f"even split makespan: {ms_text(self.even_split_makespan_s)}",
+                  f"ideal makespan: {ms_text(self.ideal_makespan_s)}",
+                  f"predicted speedup vs even: {'n/a' if speedup is None else f'{speedup:.3f}x'}",
+                  f"efficiency (ideal / predicted): {'n/a' if efficiency is None else f'{efficiency:.3f}'}"]
         return "\n".join(lines)
 
 
@@ -361,9 +351,8 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
             "[1] * num_replicas for an even split.")
     quotas = [B * s / total for s in exact]
     sizes = [math.floor(q) for q in quotas]
-    leftover = B - sum(sizes)
-    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
-    for i in by_remainder[:leftover]:
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))  # largest remainder first
+    for i in by_remainder[:B - sum(sizes)]:
         sizes[i] += 1
     return tuple(int(b) for b in sizes)
 

@@ -177,7 +177,6 @@ class Rebalancer:
             max_batch_sizes = tuple(None if m is None else int(m) for m in max_batch_sizes)
         self._policy = policy
         self._max_batch_sizes = max_batch_sizes
-        self._last_switch_step: int | None = None
         self._last_look_step: int | None = None
         self._last_step: int | None = None
         self._last_decision: RebalanceDecision | None = None
@@ -227,8 +226,7 @@ class Rebalancer:
             InfeasiblePlanError: From the solver, if no split satisfies the caps and policy constraints (a global
                 batch below R * policy.min_batch_size is not such a case: see RebalancePolicy.min_batch_size).
         """
-        num_replicas = len(current_plan.per_replica_batch_sizes)
-        if len(cost_models) != num_replicas:
+        if len(cost_models) != len(current_plan.per_replica_batch_sizes):
             raise ConfigError(
                 f"cost_models must hold one model per replica of current_plan. Received: "
                 f"len(cost_models)={len(cost_models)}, current slices={list(current_plan.per_replica_batch_sizes)}.")
@@ -289,7 +287,7 @@ class Rebalancer:
             if num_samples is not None and num_samples < self._policy.min_samples:
                 self._last_decision = RebalanceDecision(step, TOO_FEW_SAMPLES, old_sizes)
                 return None
-            if self._last_switch_step is not None and step - self._last_switch_step < self._policy.cooldown_steps:
+            if self._switches and step - self._switches[-1].step < self._policy.cooldown_steps:
                 self._last_decision = RebalanceDecision(step, COOLDOWN, old_sizes)
                 return None
 
@@ -305,7 +303,12 @@ class Rebalancer:
             # sum to B. So the decision is known without solving (which costs most of a look).
             self._last_decision = RebalanceDecision(step, BALANCED, old_sizes, current_makespan_s=current_makespan_s)
             return None
-        errors = self._check_errors(get_errors(cost_models), len(old_sizes))
+        errors = get_errors(cost_models)
+        if errors is not None:
+            errors = [float(u) for u in errors]
+            if len(errors) != len(old_sizes) or not all(0 <= u < math.inf for u in errors):
+                raise ConfigError(f"relative_standard_errors must hold one finite value >= 0 per replica. Received: "
+                                  f"relative_standard_errors={errors}, num_replicas={len(old_sizes)}.")
         # A global batch smaller than R * min_batch_size is legal (a small B, or a last partial batch): the strategy
         # already cuts it with some replicas idle, so the re-planner lowers the smallest slice to B // R rather than
         # make it infeasible (B = 2 on R = 3 with the default min_batch_size=1 re-plans with 0).
@@ -321,37 +324,18 @@ class Rebalancer:
             worst_case_gain = _relative_gain(
                 _makespan_s(old_sizes, cost_models, [max(1.0 - z * u, _MIN_LEVEL_FACTOR) for u in errors]),
                 _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]))
-        if new_sizes == old_sizes:
-            outcome = UNCHANGED
-        elif forced or worst_case_gain > deadband:
-            outcome = REPLANNED
-        elif gain > deadband:
-            outcome = WITHIN_NOISE
-        else:
-            outcome = BELOW_DEADBAND
-        decision = RebalanceDecision(
+        outcome = (UNCHANGED if new_sizes == old_sizes else REPLANNED if forced or worst_case_gain > deadband
+                   else WITHIN_NOISE if gain > deadband else BELOW_DEADBAND)
+        self._last_decision = decision = RebalanceDecision(
             step, outcome, old_sizes, new_sizes, current_makespan_s, new_makespan_s, gain, worst_case_gain, forced)
-        self._last_decision = decision
         if outcome != REPLANNED:
             return None
-        self._last_switch_step = int(step)
         self._switches.append(decision)
         logger.info(
             "re-planned at step %d: %s -> %s, predicted makespan %.3f ms -> %.3f ms (gain %.1f %%)%s",
             step, list(old_sizes), list(new_sizes), current_makespan_s * 1e3, new_makespan_s * 1e3, gain * 100,
             " (the old plan exceeded a memory cap)" if forced else "")
         return new_plan
-
-    @staticmethod
-    def _check_errors(errors: Sequence[float] | None, num_replicas: int) -> list[float] | None:
-        if errors is None:
-            return None
-        values = [float(u) for u in errors]
-        if len(values) != num_replicas or not all(math.isfinite(u) and u >= 0 for u in values):
-            raise ConfigError(
-                f"relative_standard_errors must hold one finite value >= 0 per replica. Received: "
-                f"relative_standard_errors={values}, num_replicas={num_replicas}.")
-        return values
 
 
 def _makespan_s(sizes: Sequence[int], cost_models: Sequence[CostModel], level_factors: Sequence[float]) -> float:
@@ -362,8 +346,6 @@ def _makespan_s(sizes: Sequence[int], cost_models: Sequence[CostModel], level_fa
     return max(f * float(m.predict_step_time_s(int(b))) for m, b, f in zip(cost_models, sizes, level_factors))
 
 
-def _relative_gain(current_makespan_s: float, new_makespan_s: float) -> float:
-    """(current - new) / current; 0 when current is not a positive finite time."""
-    if current_makespan_s > 0 and math.isfinite(current_makespan_s):
-        return (current_makespan_s - new_makespan_s) / current_makespan_s
-    return 0.0
+def _relative_gain(current_s: float, new_s: float) -> float:
+    """(current - new) / current makespan; 0 when current is not a positive finite time."""
+    return (current_s - new_s) / current_s if current_s > 0 and math.isfinite(current_s) else 0.0

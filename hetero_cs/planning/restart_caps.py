@@ -108,8 +108,7 @@ def lowered_caps(caps: Sequence[int | None] | None, num_replicas: int, replica_i
         [None, 4, None]
     """
     check_range("replica_id", replica_id, 0, num_replicas, integer=True, hint="one of the cluster's replicas")
-    check_range("examples", examples, 1, integer=True,
-                hint="a replica runs out of memory holding at least one example")
+    check_range("examples", examples, 1, integer=True, hint="a replica runs out of memory holding at least one example")
     check_range("backoff_factor", backoff_factor, 0, 1, low_open=True)
     result = [None] * num_replicas if caps is None else list(caps)
     lowered = math.floor(int(examples) * backoff_factor)

@@ -5,6 +5,7 @@ the start of a level shift, and the Theil-Sen affine fit of one replica's sample
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 
@@ -26,17 +27,14 @@ SHIFT_THRESHOLD = 0.15
 
 
 def _median(values: np.ndarray) -> float:
-    """The median of a 1-D array (the mean of the two middle values for an even count), as ``np.median`` gives it.
+    """The median of a 1-D array (the mean of the two middle values for an even count), as ``np.median`` gives it;
+    NaN when it is empty.
 
-    The window holds at most a few dozen values, where sorting a Python list costs a few microseconds and
-    ``np.median`` about 25: a look computes several medians per replica, and it runs beside the training step.
+    The window holds at most a few dozen values, where sorting a Python list (``statistics.median``) costs a few
+    microseconds and ``np.median`` about 25: a look computes several medians per replica, and it runs beside the
+    training step.
     """
-    ordered = sorted(values.tolist())
-    n = len(ordered)
-    if n == 0:
-        return math.nan
-    middle = n // 2
-    return float(ordered[middle]) if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+    return float(statistics.median(values.tolist())) if values.size else math.nan
 
 
 def median_and_error(values: np.ndarray) -> tuple[float, float]:
@@ -58,18 +56,14 @@ def _shift_start(levels: np.ndarray) -> int | None:
         return None
     start = levels.size - SHIFT_STEPS
     recent, before = levels[start:], _median(levels[:start])
-    if before <= 0:
-        return None
-    if np.all(recent > before * (1.0 + SHIFT_THRESHOLD)) or np.all(recent < before * (1.0 - SHIFT_THRESHOLD)):
-        return start
-    return None
+    up, down = np.all(recent > before * (1.0 + SHIFT_THRESHOLD)), np.all(recent < before * (1.0 - SHIFT_THRESHOLD))
+    return start if before > 0 and (up or down) else None
 
 
 def _fit_linear_model(sizes: np.ndarray, times_s: np.ndarray) -> LinearCostModel | None:
     """Fits t = a + c*b to one replica's window samples (shape [S] each); None if no usable sample."""
     usable = (sizes > 0) & (times_s > 0)
-    b = sizes[usable]
-    t = times_s[usable]
+    b, t = sizes[usable], times_s[usable]
     if b.size == 0:
         return None
     if b.max() >= _MIN_SIZE_SPREAD_FOR_AFFINE_FIT * b.min():

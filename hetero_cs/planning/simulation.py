@@ -92,17 +92,14 @@ def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]],
     rebalancer = Rebalancer(policy, max_batch_sizes=max_batch_sizes)
     trace: list[SimulatedStep] = []
     for step in range(steps):
-        true_models = true_models_at_step(step)
         sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
-        true_times_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
+        true_times_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models_at_step(step), sizes)])
         noise = rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, num_replicas)
-        noise *= np.exp(rng.normal(0.0, lognormal_sigma, num_replicas))
-        times_s = true_times_s * noise
+        times_s = true_times_s * (noise * np.exp(rng.normal(0.0, lognormal_sigma, num_replicas)))
         for replica_id in rng.permutation(num_replicas):  # Any report order, as from executor threads.
             monitor.record(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
         new_plan = rebalancer.propose_from_monitor(monitor, plan, base_models=base_models)
-        trace.append(
-            SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None))
+        trace.append(SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None))
         if new_plan is not None:
             plan = new_plan
     return trace
@@ -172,16 +169,14 @@ def simulate_balancer(balancer: Any, true_models_at_step: Callable[[int], Sequen
     trace: list[BalancedStep] = []
     for step in range(steps):
         queue.append(balancer.serve(global_batch_size))
-        plan = queue.pop(0)
-        sizes = tuple(int(b) for b in plan.per_replica_batch_sizes)
+        sizes = tuple(int(b) for b in queue.pop(0).per_replica_batch_sizes)
         true_models = true_models_at_step(step)
         if len(true_models) != len(sizes):
             raise ConfigError(
                 f"true_models_at_step({step}) returned {len(true_models)} cost models for {len(sizes)} replicas. "
                 f"Return one true cost model per replica of the balancer (num_replicas={len(sizes)}).")
         true_s = np.array([float(m.predict_step_time_s(b)) for m, b in zip(true_models, sizes)])
-        if sum(1 for b in sizes if b > 0) > 1:
-            true_s = true_s * contention
+        true_s = true_s * (contention if sum(1 for b in sizes if b > 0) > 1 else 1.0)  # cards that work together
         common = float(np.exp(rng.normal(0.0, common_noise_sigma)))
         times_s = true_s * common * rng.uniform(1.0 - relative_noise, 1.0 + relative_noise, len(sizes))
         in_force = balancer.plan

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from hetero_cs.errors import ConfigError
-from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem, _closed_form_ideal
+from hetero_cs.planning._curves import _breakpoints, _checked_int, _checked_models, _checked_problem
 from hetero_cs.planning._curves import _Curves, _fill, _grid, _ideal_tables, _knot_tables, _lowest_level
 from hetero_cs.planning.cost_checks import decreasing_error
 from hetero_cs.planning.cost_model import CostModel, holds_no_example
@@ -128,7 +128,6 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
             tables = _knot_tables(models, lo, [low + n * k for low, n in zip(lo, length)])
             relaxed = _lowest_level(*tables, B)
         counts, step_times = _warm_selection(curves, M, tables, relaxed)
-        path = "closed-form"
     else:
         counts = [0] * R
         step_times = [curves.time(i, b) for i, b in enumerate(lo)]
@@ -137,11 +136,10 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
         else:
             _select(curves, counts, step_times, M)
             ideal_s = _generic_ideal(models, B, min_b, caps)
-        path = "generic"
 
     sizes = tuple(low + c * k for low, c in zip(lo, counts))
-    logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k, path,
-                 curves.evaluations, sizes)
+    logger.debug("solve_batch_split: R=%d B=%d k=%d path=%s evaluations=%d sizes=%s", R, B, k,
+                 "closed-form" if closed_form else "generic", curves.evaluations, sizes)
     return _priced_plan(sizes, step_times, ideal_s, models, curves.time)
 
 
@@ -180,7 +178,8 @@ def ideal_makespan_s(cost_models: Sequence[CostModel], global_batch_size: int, *
     """
     models, B, min_b, caps = _checked_problem(cost_models, global_batch_size, max_batch_sizes, min_batch_size)
     if all(_breakpoints(m) is not None for m in models):
-        return _closed_form_ideal(*_ideal_tables(models, B, min_b, caps), B)
+        X, T = _ideal_tables(models, B, min_b, caps)
+        return max(float(T[:, 0].max()), _lowest_level(X, T, B))
     return _generic_ideal(models, B, min_b, caps)
 
 
@@ -254,8 +253,8 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
     """
     R = len(counts)
     lo, length, k, time = curves.lo, curves.length, curves.step, curves.time
-    above_j = [-1] * R  # an evaluated, not chosen step of replica i (memo and monotonicity check), or -1
-    above_t = [0.0] * R
+    # An evaluated, not chosen step of replica i and its time (memo and monotonicity check), or -1.
+    above_j, above_t = [-1] * R, [0.0] * R
 
     def probe(i: int, j: int) -> float:
         if above_j[i] == j:
@@ -270,25 +269,12 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
 
     while remaining > 0:
         active = [i for i in range(R) if counts[i] < length[i]]
-        s = remaining // (2 * len(active))
-        if s < 2:  # one step at a time: a plain greedy merge
-            heap = [(probe(i, counts[i] + 1), lo[i] + (counts[i] + 1) * k, i) for i in active]
-            heapq.heapify(heap)
-            while remaining > 0:
-                t, b, i = heapq.heappop(heap)
-                j = counts[i] + 1
-                counts[i], step_times[i], above_j[i] = j, t, -1
-                remaining -= 1
-                if j < length[i]:
-                    heapq.heappush(heap, (probe(i, j + 1), b + k, i))
-            return
-        heap = []
-        for i in active:
-            j = counts[i] + min(s, length[i] - counts[i])
-            heap.append((probe(i, j), lo[i] + j * k, i))
+        s = max(1, remaining // (2 * len(active)))  # (s < 2: one step at a time, a plain greedy merge, to the end)
+        ends = [counts[i] + min(s, length[i] - counts[i]) for i in active]  # each replica's next chunk
+        heap = [(probe(i, j), lo[i] + j * k, i) for i, j in zip(active, ends)]
         heapq.heapify(heap)
         # The smallest probe's chunk has at most len(heap) * s - len(heap) + 1 keys at or below it: all chosen.
-        while heap and remaining >= len(heap) * s:
+        while heap and remaining >= (1 if s == 1 else len(heap) * s):
             t, b, i = heapq.heappop(heap)
             j = (b - lo[i]) // k
             remaining -= j - counts[i]
@@ -296,6 +282,8 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
             if j < length[i]:
                 j2 = j + min(s, length[i] - j)
                 heapq.heappush(heap, (probe(i, j2), lo[i] + j2 * k, i))
+        if s == 1:
+            return
         for t, b, i in heap:
             above_j[i], above_t[i] = (b - lo[i]) // k, t
 
@@ -316,16 +304,21 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
     R = len(counts)
     chosen = np.array(step_times, dtype=np.float64)
     nxt = np.full(R, math.inf)
-    heap = []
-    for i in range(R):
+    heap: list[tuple[float, int, int]] = []
+
+    def push(i: int) -> None:
+        """Replica i's next unit step onto the heap, its time in nxt[i] (inf when it has none)."""
+        nxt[i] = math.inf
         if counts[i] < length[i]:
             b = lo[i] + counts[i] + 1
             t = time(i, b)
             if t < step_times[i]:
                 raise decreasing_error(i, b - 1, step_times[i], b, t)
             nxt[i] = t
-            heap.append((t, b, i))
-    heapq.heapify(heap)
+            heapq.heappush(heap, (t, b, i))
+
+    for i in range(R):
+        push(i)
     last = max((step_times[i] for i in range(R) if counts[i] > 0), default=-math.inf)
     whole = sum(lo) + sum(counts)
     ideal = None
@@ -336,30 +329,18 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
             if low < upper:
                 gaps = nxt - chosen  # > 0: nxt >= upper > low >= chosen
                 examples = whole + float(np.sum((low - chosen) / gaps))
-                if examples >= B:
-                    ideal = low
-                else:
-                    rate = float(np.sum(1.0 / gaps))
-                    if rate > 0:
-                        root = low + (B - examples) / rate
-                        if root < upper:
-                            ideal = root
+                rate = float(np.sum(1.0 / gaps))  # examples per second of T on this piece
+                root = low if examples >= B else (low + (B - examples) / rate if rate > 0 else math.inf)
+                if root < upper:
+                    ideal = root
         if remaining == 0:
             break
         t, b, i = heapq.heappop(heap)
         counts[i] += 1
-        step_times[i] = last = t
-        chosen[i] = t
+        step_times[i] = chosen[i] = last = t
         whole += 1
         remaining -= 1
-        if counts[i] < length[i]:
-            t2 = time(i, b + 1)
-            if t2 < t:
-                raise decreasing_error(i, b, t, b + 1, t2)
-            nxt[i] = t2
-            heapq.heappush(heap, (t2, b + 1, i))
-        else:
-            nxt[i] = math.inf
+        push(i)
     return max(base_s, last) if ideal is None else ideal
 
 

@@ -43,18 +43,16 @@ class PendingStep:
         batch_sizes: b_i, examples in each replica's slice (0 where not yet reported).
         step_times_s: t_i in seconds (0.0 where not yet reported; may hold an invalid time, see ``valid``).
         reported: Whether each replica has reported.
-        count: How many replicas have reported, in [0, R].
         valid: False once any report of the step carried an invalid time (NaN, infinite or negative).
     """
 
-    __slots__ = ("index", "batch_sizes", "step_times_s", "reported", "count", "valid")
+    __slots__ = ("index", "batch_sizes", "step_times_s", "reported", "valid")
 
     def __init__(self, index: int, num_replicas: int):
         self.index = index
         self.batch_sizes = [0] * num_replicas
         self.step_times_s = [0.0] * num_replicas
         self.reported = [False] * num_replicas
-        self.count = 0
         self.valid = True
 
     def add(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool) -> bool:
@@ -62,9 +60,8 @@ class PendingStep:
         self.batch_sizes[replica_id] = batch_size
         self.step_times_s[replica_id] = step_time_s
         self.reported[replica_id] = True
-        self.count += 1
         self.valid = self.valid and valid
-        return self.count == len(self.reported)
+        return all(self.reported)
 
 
 class StepPairing:
@@ -102,10 +99,7 @@ class StepPairing:
 
     def abandon_open_steps(self) -> None:
         """Drops every incomplete step and lines the by-order counters up (complete steps are not affected)."""
-        nxt = max(max(self._next_step), self._next_keyed_index)
-        self._next_step = [nxt] * self._num_replicas
-        self._pending.clear()
-        self._first_open_step = nxt
+        self._line_up(max(max(self._next_step), self._next_keyed_index))
         self._closed_keys.extend(self._keyed)
         self._keyed.clear()
 
@@ -119,10 +113,7 @@ class StepPairing:
         if entry is None:
             entry = self._pending[step] = PendingStep(step, self._num_replicas)
             while len(self._pending) > self._max_pending:
-                oldest = next(iter(self._pending))
-                del self._pending[oldest]
-                self._first_open_step = oldest + 1
-                self._warn_dropped(oldest, [i for i in range(self._num_replicas) if self._next_step[i] <= oldest])
+                self._first_open_step = self._drop_oldest(self._pending) + 1
         if not entry.add(replica_id, batch_size, step_time_s, valid):
             return None
         del self._pending[step]
@@ -147,10 +138,7 @@ class StepPairing:
             self._next_keyed_index = index + 1
             entry = self._keyed[key] = PendingStep(index, self._num_replicas)
             while len(self._keyed) > self._max_pending:
-                oldest_key = next(iter(self._keyed))
-                oldest = self._keyed.pop(oldest_key)
-                self._closed_keys.append(oldest_key)
-                self._warn_dropped(oldest.index, [i for i, done in enumerate(oldest.reported) if not done])
+                self._closed_keys.append(self._drop_oldest(self._keyed))
         elif entry.reported[replica_id]:
             if not self._warned_duplicate:
                 self._warned_duplicate = True
@@ -163,19 +151,26 @@ class StepPairing:
         del self._keyed[key]
         self._closed_keys.append(key)
         # Every replica has reported this step: reports without a key continue behind it, lined up.
-        nxt = max(max(self._next_step), entry.index + 1)
-        self._next_step = [nxt] * self._num_replicas
-        self._pending = {k: v for k, v in self._pending.items() if k >= nxt}
-        self._first_open_step = max(self._first_open_step, nxt)
+        self._line_up(max(max(self._next_step), entry.index + 1))
         return entry
 
-    def _warn_dropped(self, index: int, behind: list[int]) -> None:
+    def _line_up(self, step: int) -> None:
+        """Every replica's next report without a key belongs to ``step``; incomplete steps before it are dropped."""
+        self._next_step = [step] * self._num_replicas
+        self._pending = {k: v for k, v in self._pending.items() if k >= step}
+        self._first_open_step = max(self._first_open_step, step)
+
+    def _drop_oldest(self, pending: dict) -> Hashable:
+        """Drops the oldest step of ``pending`` (by order or by key: a replica never reported it); returns its key."""
+        key = next(iter(pending))
+        step = pending.pop(key)
         if not self._warned_dropped:
             self._warned_dropped = True
             logger.warning(
                 "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
                 "ahead. Every replica must call record() once per step, also with a 0-example slice.",
-                index, behind, self._max_pending)
+                step.index, [i for i, done in enumerate(step.reported) if not done], self._max_pending)
+        return key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,16 +231,11 @@ class StepSample:
         # An idle replica (0 examples, 0 s: it ran nothing) does not wait for the straggler; it is left out of the
         # straggler statistics. A replica that ran a 0-example slice took time, and counts.
         working = (np.asarray(batch_sizes) > 0) | (times > 0)
-        if not working.any():
-            working = np.ones_like(working)
+        working = working if working.any() else np.ones_like(working)  # (none worked: all count)
         waits_s = makespan_s - times[working]
-        return cls(
-            step=int(step),
-            per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
-            per_replica_step_times_s=tuple(float(t) for t in times),
-            makespan_s=makespan_s,
-            straggler_replica=int(np.argmax(times)),
-            straggler_wait_s=float(waits_s.mean()),
-            total_idle_s=float(waits_s.sum()),
-            balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
-            per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches))
+        return cls(step=int(step), per_replica_batch_sizes=tuple(int(b) for b in batch_sizes),
+                   per_replica_step_times_s=tuple(float(t) for t in times), makespan_s=makespan_s,
+                   straggler_replica=int(np.argmax(times)), straggler_wait_s=float(waits_s.mean()),
+                   total_idle_s=float(waits_s.sum()),
+                   balance_efficiency=float(times[working].mean() / makespan_s) if makespan_s > 0 else 1.0,
+                   per_replica_micro_batches=None if micro_batches is None else tuple(int(k) for k in micro_batches))
