@@ -253,8 +253,8 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
     """
     R = len(counts)
     lo, length, k, time = curves.lo, curves.length, curves.step, curves.time
-    # An evaluated, not chosen step of replica i and its time (memo and monotonicity check), or -1.
-    above_j, above_t = [-1] * R, [0.0] * R
+    above_j = [-1] * R  # an evaluated, not chosen step of replica i (memo and monotonicity check), or -1
+    above_t = [0.0] * R
 
     def probe(i: int, j: int) -> float:
         if above_j[i] == j:
@@ -269,12 +269,23 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
 
     while remaining > 0:
         active = [i for i in range(R) if counts[i] < length[i]]
-        s = max(1, remaining // (2 * len(active)))  # (s < 2: one step at a time, a plain greedy merge, to the end)
+        s = remaining // (2 * len(active))
+        if s < 2:  # one step at a time: a plain greedy merge
+            heap = [(probe(i, counts[i] + 1), lo[i] + (counts[i] + 1) * k, i) for i in active]
+            heapq.heapify(heap)
+            while remaining > 0:
+                t, b, i = heapq.heappop(heap)
+                j = counts[i] + 1
+                counts[i], step_times[i], above_j[i] = j, t, -1
+                remaining -= 1
+                if j < length[i]:
+                    heapq.heappush(heap, (probe(i, j + 1), b + k, i))
+            return
         ends = [counts[i] + min(s, length[i] - counts[i]) for i in active]  # each replica's next chunk
         heap = [(probe(i, j), lo[i] + j * k, i) for i, j in zip(active, ends)]
         heapq.heapify(heap)
         # The smallest probe's chunk has at most len(heap) * s - len(heap) + 1 keys at or below it: all chosen.
-        while heap and remaining >= (1 if s == 1 else len(heap) * s):
+        while heap and remaining >= len(heap) * s:
             t, b, i = heapq.heappop(heap)
             j = (b - lo[i]) // k
             remaining -= j - counts[i]
@@ -282,8 +293,6 @@ def _select(curves: _Curves, counts: list[int], step_times: list[float], remaini
             if j < length[i]:
                 j2 = j + min(s, length[i] - j)
                 heapq.heappush(heap, (probe(i, j2), lo[i] + j2 * k, i))
-        if s == 1:
-            return
         for t, b, i in heap:
             above_j[i], above_t[i] = (b - lo[i]) // k, t
 
