@@ -194,8 +194,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 f"step_times_s={step_times_s!r}, micro_batches={micro_batches!r}.")
         key = object()  # this step's own key: its reports pair with nothing else
         with self._lock:
-            # Under this step's own key, the last of its replicas' reports completes it.
-            done = [self._pairing.add(i, int(sizes[i]), times[i], True, key) for i in range(R)][-1]
+            done = None
+            for i in range(R):  # under this step's own key, the last of its replicas' reports completes it
+                done = self._pairing.add(i, int(sizes[i]), times[i], True, key) or done
             self._completed_steps += 1
             self._window.append(StepSample.from_times(
                 done.index, done.batch_sizes, done.step_times_s, micro_batches=[max(1, int(k)) for k in counts]))
