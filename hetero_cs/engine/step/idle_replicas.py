@@ -281,10 +281,6 @@ def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) ->
     return tuple(split)
 
 
-def _set_code(active: Sequence[int]) -> int:
-    return int(sum(1 << i for i in active))
-
-
 def branch_index(sizes, sets: Sequence[Sequence[int]], num_replicas: int):
     """In the graph: the branch of this step's sizes (``k + 1`` for ``sets[k]``; 0 for any other set).
 
@@ -295,7 +291,7 @@ def branch_index(sizes, sets: Sequence[Sequence[int]], num_replicas: int):
     """
     weights = tf.constant([1 << i for i in range(num_replicas)], tf.int64)
     code = tf.reduce_sum(tf.where(sizes > 0, weights, tf.zeros_like(weights)))
-    codes = tf.constant([-1] + [_set_code(s) for s in sets], tf.int64)
+    codes = tf.constant([-1] + [sum(1 << i for i in s) for s in sets], tf.int64)
     matches = tf.cast(tf.equal(codes, code), tf.int32)
     return tf.cast(tf.argmax(matches), tf.int32)  # no match: 0 (argmax of all-equal values is the first)
 

@@ -101,10 +101,8 @@ class SparseSum:
 
     def add(self, gradient):
         """Adds ``gradient``'s rows; returns the write."""
-        if self.shared:
-            return tf.group(self.values.assign_add(gradient.values), self.indices.assign(gradient.indices))
-        return tf.group(self.values.assign(tf.concat([self.values.read_value(), gradient.values], 0)),
-                        self.indices.assign(tf.concat([self.indices.read_value(), gradient.indices], 0)))
+        total = self.total(gradient)
+        return tf.group(self.values.assign(total.values), self.indices.assign(total.indices))
 
     def total(self, gradient) -> tf.IndexedSlices:
         """The rows so far with ``gradient``'s, as one ``tf.IndexedSlices``."""
