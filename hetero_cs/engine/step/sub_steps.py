@@ -90,7 +90,6 @@ class SparseSum:
 
     def __init__(self, row_shape, dtype, index_dtype, dense_shape, rows: int | None = None):
         row_shape = tf.TensorShape(row_shape)
-        self._dense_shape = dense_shape
         self.shared = rows is not None
         leading = rows if self.shared else 0
         self.values = tf.Variable(tf.zeros([leading, *row_shape.as_list()], dtype),
