@@ -7,13 +7,13 @@ module of it. The strategies are told apart by marker attributes, so that nothin
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any
 
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step.replica_state import set_locally
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.errors import ConfigError
 
@@ -32,18 +32,6 @@ def current_multi_worker_strategy():
     return _current(is_multi_worker_strategy)
 
 
-@contextlib.contextmanager
-def set_locally(state: threading.local, **values):
-    """Within: ``state``'s attributes (this thread's) set to ``values``; put back as they were after (None when
-    unset)."""
-    previous = {name: getattr(state, name, None) for name in values}
-    for name, value in values.items():
-        setattr(state, name, value)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            setattr(state, name, value)
 
 
 def in_keras_entry_point() -> bool:

@@ -101,9 +101,7 @@ def expect_optimizer_step(optimizer, *, central_iterations: bool) -> None:
 
 def verify(record: StepHooks | None) -> None:
     """Raises UnsupportedVersionError when a hook the traced step needs did not run."""
-    if record is None:
-        return
-    missing = record.missing()
+    missing = [] if record is None else record.missing()
     if not missing:
         return
     from hetero_cs._supported import version_advice

@@ -45,29 +45,29 @@ def _current_graph():
     return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
+def _noted_in_this_graph(field: str):
+    """The step handoff's ``field`` (a tuple whose last item is its graph) when it was noted in the graph being
+    traced (or eagerly, when executing eagerly), else None."""
+    handoff = replica_state.current_step_handoff()
+    noted = None if handoff is None else getattr(handoff, field)
+    return noted if noted is not None and noted[-1] is _current_graph() else None
+
+
 def pending_scaler(inner_optimizer):
     """The LossScaleOptimizer that is applying gradients through ``inner_optimizer`` in this step, else None."""
-    handoff = replica_state.current_step_handoff()
-    pending = None if handoff is None else handoff.loss_scale_pending
-    if pending is None:
+    pending = _noted_in_this_graph("loss_scale_pending")
+    if pending is None or getattr(pending[0], "inner_optimizer", None) is not inner_optimizer:
         return None
-    scaler, graph = pending
-    if getattr(scaler, "inner_optimizer", None) is not inner_optimizer or graph is not _current_graph():
-        return None
-    return scaler
+    return pending[0]
 
 
 def iterations_increment(variable, value):
     """``value`` times this step's finiteness when ``variable`` is the iteration counter of an inner optimizer
     whose step was judged by :func:`apply_or_skip` in this graph; ``value`` unchanged otherwise."""
-    handoff = replica_state.current_step_handoff()
-    judged = None if handoff is None else handoff.loss_scale_finite
-    if judged is None:
+    judged = _noted_in_this_graph("loss_scale_finite")
+    if judged is None or variable is not getattr(judged[0], "_iterations", None):
         return value
-    inner, finite, graph = judged
-    if variable is not getattr(inner, "_iterations", None) or graph is not _current_graph():
-        return value
-    return value * tf.cast(finite, value.dtype)
+    return value * tf.cast(judged[1], value.dtype)  # (inner optimizer, finite, graph)
 
 
 def patch_loss_scale_optimizer() -> None:

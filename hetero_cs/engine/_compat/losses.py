@@ -44,7 +44,7 @@ from hetero_cs.engine._compat.batch_kinds import MIXED
 from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
 from hetero_cs.engine._compat.symbols import patch
 from hetero_cs.engine._compat.variables import _central_in_replica_context
-from hetero_cs.errors import BatchCouplingError, LossPatternError
+from hetero_cs.errors import BatchCouplingError, HeteroCSError, LossPatternError
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _current_loss = threading.local()  # the Loss object being called in this thread (for error messages)
@@ -278,8 +278,6 @@ def _library_errors_unwrapped():
     try:
         yield
     except ValueError as exc:
-        from hetero_cs.errors import HeteroCSError
-
         if isinstance(exc.__cause__, HeteroCSError) and not isinstance(exc, HeteroCSError):
             raise exc.__cause__ from None
         raise

@@ -270,18 +270,13 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         # layer of the user's own that all-reduces. No per-replica function can hold it.
         reason = ("the forward pass or the loss all-reduces across replicas (a loss normalised by the whole global "
                   "batch's mask or sample weights, or a layer that synchronises replicas)")
-        _fall_back(model, jit, skip_when_empty, reason)
-        if find_micro:
-            micro = strategy_of(model).micro_batching
-            micro.refuse(model, micro.NORMALISED_LOSS)
+        _fall_back(model, jit, skip_when_empty, reason, refusal="NORMALISED_LOSS" if find_micro else None)
         return None
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
     if other:
         _fall_back(model, jit, skip_when_empty,
-                   f"the loss updates metric state that is not a sum ({', '.join(other[:3])})")
-        if find_micro:
-            micro = strategy_of(model).micro_batching
-            micro.refuse(model, micro.METRIC_STATE)
+                   f"the loss updates metric state that is not a sum ({', '.join(other[:3])})",
+                   refusal="METRIC_STATE" if find_micro else None)
         return None
     if find_micro:
         layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
@@ -480,11 +475,17 @@ def _empty_outputs(outputs, weights, state, written):
     return empty
 
 
-def _fall_back(model, jit: bool, skip_when_empty: bool, reason: str) -> None:
+def _fall_back(model, jit: bool, skip_when_empty: bool, reason: str, *, refusal: str | None) -> None:
+    """Found while tracing: the replica pass cannot be cut into its own function because of ``reason``; with
+    ``refusal`` (the name of one of the micro-batching's findings) the model's slices may not run as micro-batches
+    either."""
     if jit:
         replica_xla.fall_back(model, f"{reason}, which a per-replica XLA function cannot hold")
     if skip_when_empty:
         replica_xla.multi_worker_fall_back(model, reason)
+    if refusal is not None:
+        micro = strategy_of(model).micro_batching
+        micro.refuse(model, getattr(micro, refusal))
 
 
 def _additive_metrics() -> tuple:

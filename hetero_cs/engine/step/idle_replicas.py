@@ -61,6 +61,7 @@ import tensorflow as tf
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.engine.step import replica_state
+from hetero_cs.errors import HeteroCSError
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +200,6 @@ def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | 
     branch in the first trace instead of running its idle replicas on 0-example slices (some kernels fail there:
     Conv2D with oneDNN on a CPU). Datasets, whose last batch is unknown before it comes, are not anticipated.
     """
-    from hetero_cs.errors import HeteroCSError
-
     if not num_examples or not batch_size or not 0 < num_examples % batch_size < strategy.num_replicas_in_sync:
         return
     balancer = strategy._balancer  # noqa: SLF001
@@ -227,7 +226,6 @@ def anticipate_custom_loop(strategy, *, training: bool, batch_size: int | None) 
     now. Under auto-balance a 0 is the solver's choice (a card left out for being slow), so nothing changes: such a
     plan's idle replicas run on 0-example slices in branch 0, exact, and no card gets an example it was spared.
     """
-    from hetero_cs.errors import HeteroCSError
     from hetero_cs.planning.choice import choose_plan
 
     balancer = strategy._balancer  # noqa: SLF001
@@ -281,10 +279,6 @@ def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) ->
     return tuple(split)
 
 
-def _set_code(active: Sequence[int]) -> int:
-    return int(sum(1 << i for i in active))
-
-
 def branch_index(sizes, sets: Sequence[Sequence[int]], num_replicas: int):
     """In the graph: the branch of this step's sizes (``k + 1`` for ``sets[k]``; 0 for any other set).
 
@@ -295,7 +289,7 @@ def branch_index(sizes, sets: Sequence[Sequence[int]], num_replicas: int):
     """
     weights = tf.constant([1 << i for i in range(num_replicas)], tf.int64)
     code = tf.reduce_sum(tf.where(sizes > 0, weights, tf.zeros_like(weights)))
-    codes = tf.constant([-1] + [_set_code(s) for s in sets], tf.int64)
+    codes = tf.constant([-1] + [sum(1 << i for i in s) for s in sets], tf.int64)
     matches = tf.cast(tf.equal(codes, code), tf.int32)
     return tf.cast(tf.argmax(matches), tf.int32)  # no match: 0 (argmax of all-equal values is the first)
 

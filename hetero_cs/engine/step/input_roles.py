@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
+from hetero_cs.engine.step.replica_state import set_locally
 
 
 class _ThreadRoles(threading.local):
@@ -51,24 +52,15 @@ class InputRoles(DeepcopiedWithNewLocks):
                 it distributes itself is validation data.
         """
         state = self._state
-        saved = (state.fitting, state.training_input_pending)
-        state.fitting, state.training_input_pending = state.fitting + 1, bool(training_input_pending)
-        try:
+        with set_locally(state, fitting=state.fitting + 1, training_input_pending=bool(training_input_pending)):
             yield
-        finally:
-            state.fitting, state.training_input_pending = saved
 
     @contextmanager
     def inferring(self, *, predicting: bool = False) -> Iterator[None]:
         """Marks an ``evaluate`` or ``predict`` call (fit's validation pass included)."""
         state = self._state
-        state.inferring += 1
-        state.predicting += int(predicting)
-        try:
+        with set_locally(state, inferring=state.inferring + 1, predicting=state.predicting + int(predicting)):
             yield
-        finally:
-            state.inferring -= 1
-            state.predicting -= int(predicting)
 
     @property
     def inferring_now(self) -> bool:

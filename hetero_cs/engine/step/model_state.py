@@ -21,16 +21,11 @@ import tensorflow as tf
 _SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _variables(model) -> list:
-    return list({id(v): v for v in list(model.non_trainable_variables) + list(model.metrics_variables)}.values())
-
-
 def saved_state(model, extra=()) -> list:
     """``(variable, value)`` of the model's non-trained and metric variables and of ``extra`` (values copied, not
     aliased), in one call."""
-    variables = _variables(model)
-    known = {id(v) for v in variables}
-    variables += [v for v in extra if id(v) not in known]
+    everything = [*model.non_trainable_variables, *model.metrics_variables, *extra]
+    variables = list({id(v): v for v in everything}.values())  # each once, in that order
     if not variables:
         return []
     key = tuple(id(v) for v in variables)

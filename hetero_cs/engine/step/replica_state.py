@@ -136,15 +136,23 @@ class StepHandoff:
 
 
 @contextmanager
-def this_threads(name: str, value: Any) -> Iterator[Any]:
+def set_locally(state: threading.local, **values) -> Iterator[None]:
+    """Within: ``state``'s attributes (this thread's) set to ``values``; put back as they were after (None when
+    unset)."""
+    previous = {name: getattr(state, name, None) for name in values}
+    for name, value in values.items():
+        setattr(state, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(state, name, value)
+
+
+def this_threads(name: str, value: Any):
     """Sets ``name`` of this thread's state to ``value`` for the block, then restores what it was (read it with
     ``this_threads_value(name)``)."""
-    previous = getattr(_state, name, None)
-    setattr(_state, name, value)
-    try:
-        yield value
-    finally:
-        setattr(_state, name, previous)
+    return set_locally(_state, **{name: value})
 
 
 def step_handoff(handoff: StepHandoff):

@@ -90,7 +90,6 @@ class SparseSum:
 
     def __init__(self, row_shape, dtype, index_dtype, dense_shape, rows: int | None = None):
         row_shape = tf.TensorShape(row_shape)
-        self._dense_shape = dense_shape
         self.shared = rows is not None
         leading = rows if self.shared else 0
         self.values = tf.Variable(tf.zeros([leading, *row_shape.as_list()], dtype),
@@ -101,10 +100,8 @@ class SparseSum:
 
     def add(self, gradient):
         """Adds ``gradient``'s rows; returns the write."""
-        if self.shared:
-            return tf.group(self.values.assign_add(gradient.values), self.indices.assign(gradient.indices))
-        return tf.group(self.values.assign(tf.concat([self.values.read_value(), gradient.values], 0)),
-                        self.indices.assign(tf.concat([self.indices.read_value(), gradient.indices], 0)))
+        total = self.total(gradient)
+        return tf.group(self.values.assign(total.values), self.indices.assign(total.indices))
 
     def total(self, gradient) -> tf.IndexedSlices:
         """The rows so far with ``gradient``'s, as one ``tf.IndexedSlices``."""

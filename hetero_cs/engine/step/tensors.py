@@ -33,20 +33,16 @@ def leading_dim_value(value) -> int:
 
 def largest(slices):
     """The slice with the most examples where that is known without running anything, else the first one."""
-    sizes = [s.shape[0] if s.shape.rank else None for s in slices]
-    known = [n if n is not None else -1 for n in sizes]
+    known = [s.shape[0] if s.shape.rank and s.shape[0] is not None else -1 for s in slices]
     return slices[int(np.argmax(known))]
 
 
 def known_unequal_shapes(components) -> bool:
     """True when every component's shape is fully known and they are not all equal (uneven eager slices)."""
-    shapes = []
-    for c in components:
-        shape = getattr(c, "shape", None)
-        if shape is None or shape.rank is None or None in shape.as_list():
-            return False
-        shapes.append(tuple(shape.as_list()))
-    return len(set(shapes)) > 1
+    shapes = [getattr(c, "shape", None) for c in components]
+    if any(shape is None or not shape.is_fully_defined() for shape in shapes):
+        return False
+    return len({tuple(shape.as_list()) for shape in shapes}) > 1
 
 
 def first_batch(data):
