@@ -256,8 +256,10 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             if self._cost_models is not None:
                 self._set_models_again(caps)
                 return
-            self._max_batch_sizes = caps
             self._memory.reset(caps)
+            if self._memory.excluded:  # a replica set aside after a device failure keeps its cap of 0
+                caps = self._memory.caps
+            self._max_batch_sizes = caps
             self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             self._forget_plans()
 

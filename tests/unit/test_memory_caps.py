@@ -233,6 +233,17 @@ def test_monitor_abandon_open_steps_keeps_complete_steps_and_realigns_replicas()
     assert monitor.last_step().per_replica_batch_sizes == (6, 2)
 
 
+def test_an_excluded_replica_keeps_a_cap_of_0_through_caps_set_without_cost_models():
+    # The multi-worker strategy sets caps before it has cost models (Balancer.set_max_batch_sizes): a replica set
+    # aside before that must not get a cap back (regression: the caps were stored as given).
+    balancer = Balancer(3, rebalance=False, guard=False, idle_replicas_free=True, auto_balance=False)
+    plan, _ = balancer.exclude_replica(1, 30, 90)
+    assert plan.per_replica_batch_sizes[1] == 0
+    balancer.set_max_batch_sizes([64, 64, None])
+    assert balancer.max_batch_sizes == [64, 0, None]
+    assert balancer.plan_for(90).per_replica_batch_sizes[1] == 0
+
+
 def test_an_excluded_replica_keeps_a_cap_of_0_through_successes_and_new_cost_models():
     balancer = Balancer(3, rebalance=False, guard=False, idle_replicas_free=True)
     balancer.set_cost_models([LinearCostModel(1e-3, 1e-3)] * 3, reference_batch_size=90)
