@@ -90,6 +90,19 @@ def trained_like_one_device(global_batch_size, examples, *, epochs=1, drift=(), 
     return strategy
 
 
+def built_like_one_device(build, x, y, global_batch_size):
+    """``build()``'s model fit on ``(x, y)`` under the strategy (on the capped cards, fixed time scale) and on one
+    device; asserts they train alike and returns the strategy."""
+    reference = build()
+    reference_history = reference.fit(x, y, batch_size=global_batch_size, epochs=1, shuffle=False, verbose=0)
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=global_batch_size, epochs=1, shuffle=False, verbose=0)
+    assert_same_training(model, history, reference, reference_history)
+    return strategy
+
+
 def test_a_batch_sixteen_times_what_the_cards_hold_trains_exactly():
     # B = 16 x 144: at least 16 sub-steps per batch; a full batch and a partial one (sample weights, clipping, an
     # L2 regulariser, plain and weighted metrics).
@@ -388,14 +401,8 @@ def test_an_embeddings_sparse_gradient_stays_sparse_over_sub_steps(positions):
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
         return model
 
-    reference = embedder()
-    reference_history = reference.fit(tokens, labels, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
-    with strategy.scope():
-        model = embedder()
-    history = model.fit(tokens, labels, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    strategy = built_like_one_device(embedder, tokens, labels, B)
     assert strategy.micro_batching.micro_batched_steps == 2
-    assert_same_training(model, history, reference, reference_history)
 
 
 @pytest.mark.slow  # 9 s
@@ -544,7 +551,8 @@ def test_two_outputs_with_loss_weights_are_micro_batched_exactly():
         keras.utils.set_random_seed(5)
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(16, activation="relu")(inputs)
-        model = keras.Model(inputs, [keras.layers.Dense(3, name="cls")(hidden), keras.layers.Dense(1, name="reg")(hidden)])
+        outputs = [keras.layers.Dense(3, name="cls")(hidden), keras.layers.Dense(1, name="reg")(hidden)]
+        model = keras.Model(inputs, outputs)
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
                       loss_weights=[1.0, 0.5])
@@ -552,15 +560,8 @@ def test_two_outputs_with_loss_weights_are_micro_batched_exactly():
 
     B = 2 * CAPACITY
     x, y, _ = labelled(B + B // 3)
-    targets = [y, x[:, :1]]
-    reference = build()
-    reference_history = reference.fit(x, targets, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator(), profile_cache=False, rebalance=False)
-    with strategy.scope():
-        model = build()
-    history = model.fit(x, targets, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    strategy = built_like_one_device(build, x, [y, x[:, :1]], B)
     assert strategy.micro_batching.micro_batched_steps == 2
-    assert_same_training(model, history, reference, reference_history)
 
 
 @pytest.mark.filterwarnings("ignore:Calibration finished, but no plan fits")
