@@ -57,6 +57,14 @@ def small_model(under: HeteroCentralStorageStrategy, features: int = 4):
     return model
 
 
+def dataset_of(batches):
+    """A dataset of these ``(x, y)`` batches as they are (4 features, 1 target; a batch may be bad)."""
+    return tf.data.Dataset.from_generator(
+        lambda: iter(batches),
+        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)),
+    )
+
+
 def expect(fn, cls, builtin, match):
     """Runs fn; asserts it raises cls (a HeteroCSError) catchable as builtin, with a message matching match."""
     with pytest.raises(builtin, match=match) as info:
@@ -519,10 +527,7 @@ def test_evaluate_and_predict_raise_the_input_error_of_a_bad_batch():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
     batches = [(X[:4], Y[:4]), (X[:4], Y[:3])]  # the second batch's components disagree: 4 and 3 examples
-    dataset = tf.data.Dataset.from_generator(
-        lambda: iter(batches),
-        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)),
-    )
+    dataset = dataset_of(batches)
     with pytest.raises(InputError, match=r"different leading \(batch\) dimensions \[4, 3\]"):
         model.evaluate(dataset, verbose=0)
     with pytest.raises(InputError, match=r"different leading \(batch\) dimensions \[4, 3\]"):
@@ -649,16 +654,9 @@ def test_an_optimizer_that_overrides_a_hooked_method_is_refused():
 def test_an_evaluate_inside_fit_keeps_fits_pending_input_error():
     # fit's pipeline reads a batch ahead and keeps its error until the step that needs it fails; an evaluate run by a
     # callback in between (its own entry point) must not drop it, or fit would raise TensorFlow's error, not ours.
-    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2"], auto_balance=False, rebalance=False,
-                                            profile_cache=False)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
+    model = small_model(fixed_split_strategy())
     batches = [(X[:4], Y[:4]), (X[:4], Y[:4]), (X[:4], Y[:3])]  # the third batch's components disagree
-    dataset = tf.data.Dataset.from_generator(
-        lambda: iter(batches),
-        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 1], tf.float32)),
-    )
+    dataset = dataset_of(batches)
     good = tf.data.Dataset.from_tensors((X[:4], Y[:4]))
 
     class EvaluateEachBatch(keras.callbacks.Callback):
