@@ -92,7 +92,8 @@ class OverlapTrials:
                 "hetero_cs guard: the micro-batched plan %s %s: its steps took %.3f of %s's (median over %d "
                 "pairs); %s from now on, until the cost models or caps change.",
                 list(candidate.per_replica_batch_sizes), decision.outcome, decision.median_ratio,
-                _describe(incumbent), decision.num_pairs, "it runs" if decision.kept else f"{_describe(incumbent)} runs")
+                _describe(incumbent), decision.num_pairs,
+                "it runs" if decision.kept else f"{_describe(incumbent)} runs")
 
     def _remember(self, key, verdict: bool) -> None:
         if len(self._verdicts) >= _MAX_KEYS:
