@@ -29,9 +29,12 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
 4. **The fastest card alone.** A plan that spreads the batch over several cards is also a prediction that they
    beat the fastest of them alone. Where the plan in force measures slower than predicted, or slower than the
    fastest card's predicted time alone (:mod:`hetero_cs.planning.balancer_trials` says when exactly), the owner runs
-   one more trial with the same rules: the fastest card alone as the candidate, the plan in force as the incumbent
-   (``start(..., against_alone=True)``). Kept, the other cards sit idle; reverted, the plan stays and no back-off
-   follows (the check refuted nothing that was proposed).
+   one more trial: the fastest card alone as the candidate, the plan in force as the incumbent
+   (``start(..., against_alone=True)``). The burden of proof is the plan's, since the card alone is what the
+   library promises never to be slower than: the trial decides by the rules of item 2 whether the plan in force is
+   measurably faster than the card alone, and only then does the plan stay (reverted); otherwise, a tie included,
+   the card alone is kept and the other cards sit idle. A revert here costs no back-off (the check refuted nothing
+   that was proposed). A trial that gets no pairs in ``max_trial_steps`` steps reverts, here too.
 
 Which plan a step ran with is read from the sizes the step reported (``StepSample.per_replica_batch_sizes``), not
 from what was served, so batches cut before a switch (an engine that cuts ahead of the step) are attributed right;
@@ -147,7 +150,8 @@ class GuardDecision:
         num_pairs: Paired measurements the decision used.
         median_ratio: median of candidate / incumbent makespan over the pairs (< 1: the candidate was faster);
             NaN when there were no pairs.
-        p_value: The one-sided Wilcoxon p-value when the test decided, else None (an early decision or no pairs).
+        p_value: The one-sided Wilcoxon p-value when the test decided, else None (an early decision or no pairs);
+            for a check against the fastest card alone, that of "the plan in force is faster than the card alone".
         reason: One line for the log.
         against_alone: True when the candidate was the fastest card alone, measured against the plan in force
             (a check of the plan, not a proposal: its revert causes no back-off).
@@ -343,8 +347,28 @@ class PlanGuard:
         self._trial = None
 
     def _decide(self, step: int) -> GuardDecision | None:
-        policy, trial = self._policy, self._trial
+        trial = self._trial
         ratios = np.asarray(trial.ratios, dtype=np.float64)
+        if not trial.against_alone:
+            decision = self._decide_ratios(step, ratios)
+        else:
+            # The burden of proof is the plan's (item 4): decided as a trial of the plan in force against the card
+            # alone, whose outcome is then turned round.
+            decision = self._decide_ratios(step, 1.0 / ratios)
+            if decision is not None:
+                alone_stays = not decision.kept
+                decision = dataclasses.replace(
+                    decision, outcome=KEPT if alone_stays else REVERTED, median_ratio=1.0 / decision.median_ratio,
+                    reason=f"the plan in force was {decision.reason}" + (", so the card alone stays" if alone_stays
+                                                                         else ""))
+        if decision is None and trial.steps >= self._policy.max_trial_steps:
+            median = float(np.median(ratios)) if len(ratios) else math.nan
+            return self._decision(step, REVERTED, median, None, f"only {len(ratios)} pairs in {trial.steps} steps")
+        return decision
+
+    def _decide_ratios(self, step: int, ratios: np.ndarray) -> GuardDecision | None:
+        """Item 2's decision on the paired ratios ``ratios`` (candidate over incumbent), or None: measure on."""
+        policy = self._policy
         n = len(ratios)
         median = float(np.median(ratios)) if n else math.nan
         if n and np.all(ratios < 1.0 / policy.decisive_ratio):
@@ -366,8 +390,6 @@ class PlanGuard:
             why = f"faster by {1.0 - median:.1%}, below min_gain {policy.min_gain:.0%}" if small_gain else \
                 "not measurably faster"
             return self._decision(step, REVERTED, median, p_value, why)
-        if trial.steps >= policy.max_trial_steps:
-            return self._decision(step, REVERTED, median, None, f"only {n} pairs in {trial.steps} steps")
         return None
 
     def _decision(self, step: int, outcome: str, median: float, p_value: float | None, why: str) -> GuardDecision:

@@ -54,6 +54,18 @@ def test_a_plan_slower_than_predicted_but_faster_than_the_card_alone_stays_and_t
     assert balancer.guard.num_reverts == 0 and balancer.guard.may_start(check.step)
 
 
+def test_a_plan_that_only_ties_with_the_card_alone_gives_way_to_it():
+    # The second card takes 17 ms more a step than calibrated: the plan measures 0.105 s, as the A10 alone does.
+    # The burden of proof is the plan's: not measurably faster than the card alone, it gives way to it (the old
+    # rule, which asked the card alone to prove itself, kept the plan on a tie).
+    balancer = balancer_for()
+    simulate_balancer(balancer, lambda step: truth(0.017), B, steps=80, relative_noise=0.02)
+    first, check = balancer.guard.decisions
+    assert first.kept and check.against_alone and check.kept
+    assert 0.95 < check.median_ratio < 1.05 and "not measurably faster, so the card alone stays" in check.reason
+    assert balancer.plan.per_replica_batch_sizes == (B, 0)
+
+
 def test_a_plan_that_measures_as_predicted_is_not_checked_even_when_its_predicted_gain_is_small():
     # The plan is predicted only 1.19x faster than the A10 alone; it measures so, and that is no reason to spend a
     # trial on the A10 alone (the old rule checked every plan predicted less than 1.25x faster).
