@@ -11,17 +11,14 @@ loop reads before it runs a step as sub-steps (:meth:`MicroBatchState._refusal`)
 from __future__ import annotations
 
 import logging
-import threading
 
 import tensorflow as tf
 
+from hetero_cs.engine.memory.trace_findings import BATCH_NORM, LAYER_STATE, NORMALISED_LOSS, TraceFindings
 from hetero_cs.engine.step.sub_steps import SparseSum, current_sub_step
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
-BATCH_NORM = "batch_norm"
-NORMALISED_LOSS = "normalised_loss"
-LAYER_STATE = "layer_state"
 _WHY = {
     BATCH_NORM: "BatchNormalization in training normalises each micro-batch by its own statistics (one device "
                 "normalises by the whole batch's) and updates its moving statistics once per micro-batch",
@@ -32,7 +29,7 @@ _WHY = {
 }
 
 
-class MicroBatchState:
+class MicroBatchState(TraceFindings):
     """The host state micro-batched steps read, and their trace's findings (the micro-batching's base class).
 
     Args:
@@ -40,14 +37,12 @@ class MicroBatchState:
         setting: ``micro_batches``: None, True or False (see the strategy).
     """
 
+    _WHY, _logger = _WHY, logger
+
     def __init__(self, strategy, setting: bool | None):
-        self._strategy, self.setting = strategy, setting
-        self._lock = threading.Lock()
-        self._logged: set = set()
+        super().__init__(strategy, setting)
         self._state = None  # int64 [2] host variable [B, accumulate]: [0, 0] outside micro-batched steps
         self._accumulators: dict = {}  # variable ref -> host variable holding the sum of the sub-steps' gradients
-        self._found: set[str] = set()  # what traces found that micro-batching cannot keep exact (BATCH_NORM, ...)
-        self._state_paths: set[str] = set()  # the layer state variables behind LAYER_STATE
         self._checked = False  # a micro-batched step ran with the findings of its trace known
 
     @property
@@ -122,24 +117,20 @@ class MicroBatchState:
         if str(path).endswith(("moving_mean", "moving_variance")):
             return
         self._found.add(LAYER_STATE)
-        self._state_paths.add(str(path))
-
-    def _why(self, finding: str) -> str:
-        return _WHY[finding].format(paths=", ".join(sorted(self._state_paths)[:4]))
+        self._paths.add(str(path))
 
     def _refusal(self) -> str | None:
         """Why this model's step cannot run as sub-steps (what its trace found and ``setting`` does not accept), or
         None; logs once what ``micro_batches=True`` accepts."""
         found = set(self._found)
         if self.setting is True:
-            accepted = sorted(found & {BATCH_NORM, LAYER_STATE})
-            found -= {BATCH_NORM, LAYER_STATE}
-            if accepted and ("approximation", tuple(accepted)) not in self._logged:
-                self._logged.add(("approximation", tuple(accepted)))
-                logger.warning("hetero_cs: micro_batches=True: %s; this model's micro-batched steps approximate one "
-                               "device's step there (everything else stays exact).",
-                               "; ".join(self._why(f) for f in accepted))
-        return "; ".join(self._why(f) for f in sorted(found)) or None
+            accepted = found & {BATCH_NORM, LAYER_STATE}
+            found -= accepted
+            if accepted:
+                self._log_once(("approximation", tuple(sorted(accepted))), logging.WARNING,
+                               "hetero_cs: micro_batches=True: %s; this model's micro-batched steps approximate one "
+                               "device's step there (everything else stays exact).", self._why(accepted))
+        return self._why(found) or None
 
 
 def _key(variable):

@@ -253,7 +253,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         """A train step is about to be traced anew (another model, or a retrace): what it cannot keep exact is found
         again while it is traced, and its first micro-batched step checks it again; overlapped calls are traced
         again too."""
-        self._found, self._state_paths, self._checked = set(), set(), False
+        self._found, self._paths, self._checked = set(), set(), False
         with self._lock:
             self._overlapped_functions.clear()
             self._call_cache.clear()
@@ -394,10 +394,9 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
                 f"this model's step exact: {refusal}. {advice}"
                 + ("" if NORMALISED_LOSS in self._found else ", or accept the approximation with "
                    "HeteroCentralStorageStrategy(..., micro_batches=True)") + ".")
-        if ("kept", plan.global_batch_size) not in self._logged:
-            self._logged.add(("kept", plan.global_batch_size))
-            logger.info("hetero_cs: not micro-batching this model (%s): batches of %d examples keep one step within "
-                        "the memory caps.", refusal, plan.global_batch_size)
+        self._log_once(("kept", plan.global_batch_size), logging.INFO, "hetero_cs: not micro-batching this model "
+                       "(%s): batches of %d examples keep one step within the memory caps.", refusal,
+                       plan.global_batch_size)
         return step(data)
 
     def _log_plan(self, plan: MicroBatchPlan) -> None:

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.devices.workload import max_examples_in_memory
+from hetero_cs.engine.memory.trace_findings import BATCH_NORM, LAYER_STATE, NORMALISED_LOSS, TraceFindings
 from hetero_cs.errors import ConfigError, MicroBatchError
 from hetero_cs.planning.micro_batches import MicroBatchPlan
 from hetero_cs.planning.plan import BatchPlan, ordered_values
@@ -48,9 +49,6 @@ from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, format_caps, lowest_ca
 
 logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
 
-BATCH_NORM = "batch_norm"
-NORMALISED_LOSS = "normalised_loss"
-LAYER_STATE = "layer_state"
 METRIC_STATE = "metric_state"
 TRAIN_STEP = "train_step"
 EMA = "ema"
@@ -94,7 +92,7 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
 _LARGEST_SLICE = 2**31 - 1
 
 
-class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
+class MultiWorkerMicroBatches(TraceFindings, DeepcopiedWithNewLocks):
     """A multi-worker strategy's micro-batching: the caps, whether this model's slices run as micro-batches, and
     the last step's micro-batches (``strategy.micro_batching``).
 
@@ -108,21 +106,18 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
     """
 
     NORMALISED_LOSS, METRIC_STATE = NORMALISED_LOSS, METRIC_STATE  # what the replica pass finds while tracing
+    _WHY, _logger = _WHY, logger
 
     def __init__(self, strategy, setting: bool | None, max_batch_sizes: list[int | None] | None,
                  restart_caps: list[int | None] | None = None):
-        self._strategy, self.setting = strategy, setting
+        super().__init__(strategy, setting)  # the findings and logs (hetero_cs.engine.memory.trace_findings)
         self._given, self._restart_caps = max_batch_sizes, restart_caps
         self._caps: list[int | None] | None = None  # in force for the model being fit
         self._caps_source = ""  # where they come from, for the log
         self._active = False  # this model's slices past a cap run as micro-batches
         self._refused: set[str] = set()  # found while tracing this model's step
         self._refused_by_model: dict[int, set[str]] = {}  # id(model) -> what its traced step found
-        self._found: set[str] = set()  # everything that keeps this model's slices within the caps
-        self._logged: set = set()
-        self._paths: list[str] = []  # the layer state behind LAYER_STATE
         self._pending = None  # (model, keras_train_step) whose emulated caps wait for fit's first trace
-        self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         self.micro_batched_traces = 0  # replica steps traced with micro-batched slices (every local replica)
         self._evaluates_whole: dict[int, bool] = {}  # id(model) -> its test step all-reduces inside a replica
@@ -241,15 +236,14 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
 
     def accepts_layer_state(self, model, paths: Sequence[str]) -> bool:
         """While a replica step is traced: whether micro-batches may set layer state ``paths`` once each."""
-        paths = sorted(str(p) for p in paths)
-        if self.setting is True:
-            self._log_once(("approximation", tuple(paths)), logging.WARNING,
-                           "hetero_cs: micro_batches=True: %s; this model's micro-batched slices approximate one "
-                           "device's step there (everything else stays exact).",
-                           _WHY[LAYER_STATE].format(paths=", ".join(paths[:4])))
-            return True
+        paths = {str(p) for p in paths}
         with self._lock:
             self._paths = paths
+        if self.setting is True:
+            self._log_once(("approximation", tuple(sorted(paths))), logging.WARNING,
+                           "hetero_cs: micro_batches=True: %s; this model's micro-batched slices approximate one "
+                           "device's step there (everything else stays exact).", self._why({LAYER_STATE}))
+            return True
         self.refuse(model, LAYER_STATE)
         return False
 
@@ -341,16 +335,6 @@ class MultiWorkerMicroBatches(DeepcopiedWithNewLocks):
         # limit): a cap that holds then holds at every step.
         return [max_examples_in_memory(emulator.workload, emulator.lowest_memory_bytes(i))
                 for i in range(emulator.num_replicas)]
-
-    def _why(self, found) -> str:
-        return "; ".join(_WHY[f].format(paths=", ".join(self._paths[:4])) for f in sorted(found))
-
-    def _log_once(self, key, level: int, message: str, *args) -> None:
-        with self._lock:
-            if key in self._logged:
-                return
-            self._logged.add(key)
-        logger.log(level, message, *args)
 
 
 def _slice_cap(caps: list[int | None] | None, replica_id: int) -> int | None:
