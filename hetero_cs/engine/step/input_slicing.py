@@ -155,10 +155,8 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         """
         if self._cache is None:
             return
-        if plan is None:
-            value = (_UNSET,) * (self._num_replicas + 1)
-        else:
-            value = (int(plan.global_batch_size), *(int(b) for b in plan.per_replica_batch_sizes))
+        value = ((_UNSET,) * (self._num_replicas + 1) if plan is None
+                 else (int(plan.global_batch_size), *(int(b) for b in plan.per_replica_batch_sizes)))
         with self._lock:
             if value != self._published:
                 self._cache.assign(value)
@@ -227,9 +225,8 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         leaves = tf.nest.flatten(spec)
         if not leaves:
             raise InputError("The dataset's elements are empty structures; there is nothing to split.")
-        for leaf in leaves:
-            if is_unbatched_marker(leaf):
-                continue  # a None component (e.g. no sample weights): nothing to cut
+        batched = [leaf for leaf in leaves if not is_unbatched_marker(leaf)]  # None (no sample weights): no cut
+        for leaf in batched:
             if isinstance(leaf, tf.SparseTensorSpec):
                 raise InputError(
                     f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica slices; got "
@@ -242,7 +239,6 @@ class PlanSlicer(DeepcopiedWithNewLocks):
                     f"Every dataset component needs a leading batch dimension to be split across replicas; got "
                     f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
                 )
-        batched = [leaf for leaf in leaves if not is_unbatched_marker(leaf)]
         if not batched:
             raise InputError(
                 f"The dataset's elements hold only None or Optional components; there is nothing to split: {spec}."

@@ -21,9 +21,7 @@ def dense_part(tensor):
 
 
 def leading_dim_value(value) -> int:
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        shape = np.shape(value)
+    shape = np.shape(value)  # its .shape (a TensorShape, a NumPy shape), else the array's it converts to
     if len(shape) == 0:
         raise InputError(
             f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
