@@ -133,13 +133,8 @@ def warn_unused_input_options(options) -> None:
         raise InputError(
             f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}."
         )
-    fields = (
-        "experimental_fetch_to_device",
-        "experimental_replication_mode",
-        "experimental_place_dataset_on_device",
-        "experimental_per_replica_buffer_size",
-    )
-    changed = {f: getattr(options, f) for f in fields if getattr(options, f) != getattr(_DEFAULT_INPUT_OPTIONS, f)}
+    # InputOptions is a namedtuple: fetch to device, replication mode, placement on device, per-replica buffer size.
+    changed = {f: v for f, v in options._asdict().items() if v != getattr(_DEFAULT_INPUT_OPTIONS, f)}
     if changed:
         logger.warning(
             "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "

@@ -325,11 +325,10 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
 
     def batched(parts) -> bool:
         shape = parts[0].shape
-        if shape.rank is None or shape.rank < 1:
+        if not shape.rank:  # a scalar, or of unknown rank
             return False
-        if sizes is None:
-            return shape[0] is None
-        return all(p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active))
+        return shape[0] is None if sizes is None else all(
+            p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active))
 
     def fill(template, is_batch):
         shape = template.shape
@@ -342,9 +341,7 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
                 return tf.zeros(tf.concat([[0], tf.shape(template)[1:]], axis=0), template.dtype)
             if keras_step and not (shape.rank == 0 and template.dtype.is_floating):
                 return tf.identity(template)  # a logged floating scalar is a share: an idle replica's is 0
-            if shape.is_fully_defined():
-                return tf.zeros(shape, template.dtype)
-            return tf.zeros_like(template)
+            return tf.zeros(shape, template.dtype) if shape.is_fully_defined() else tf.zeros_like(template)
 
     def expand(value):
         parts = components(value)

@@ -248,18 +248,16 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             raise bad_batch_error(known, spec)
         if self._check_batch is None:
             return dataset.prefetch(1)
-        # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
-        # structure) as one argument.
-        is_tuple = type(spec) is tuple
-        check_batch = self._check_batch
 
         def checked(*args):
-            element = args if is_tuple else args[0]
+            # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
+            # structure) as one argument.
+            element = args if type(spec) is tuple else args[0]
             flat = tf.nest.flatten(element, expand_composites=False)
             dims = tf.stack([leading_dim(t, tf.int64) for t in flat if not is_unbatched_marker(t)])
             good = tf.logical_and(tf.reduce_all(tf.equal(dims, dims[0])), dims[0] > 0)
             verdict = tf.cond(good, lambda: tf.constant(0, tf.int64), lambda: tf.reshape(tf.numpy_function(
-                check_batch, tf.unstack(dims), tf.int64, stateful=True), []))
+                self._check_batch, tf.unstack(dims), tf.int64, stateful=True), []))
             with tf.control_dependencies([verdict]):
                 kept = [t if is_unbatched_marker(t) else tf.identity(t) for t in flat]
             return tf.nest.pack_sequence_as(element, kept)
