@@ -365,11 +365,10 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
     """
     if not idle or (start_stamp is None and emulator is None):
         return
-    ids = [int(i) for i in idle]
 
     def _report(start):
         start_s = float(start)
-        for i in ids:
+        for i in idle:
             if emulator is not None:
                 emulator.delay_s(i, 0)  # advances the counter; 0 examples: 0 s, no memory needed
             if record is not None and start_s >= 0.0:  # a sampled step that is not timed has a negative stamp
