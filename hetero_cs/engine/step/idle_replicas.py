@@ -268,7 +268,7 @@ def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) ->
     if traced is None or active is None or active in traced:
         return sizes
     supersets = sorted((s for s in traced if set(active) < set(s)), key=lambda s: (len(s), s)) + [tuple(range(R))]
-    # The first with enough examples for its replicas; a card set aside never gets an example.
+    # The smallest with enough examples for its replicas; a card set aside never gets an example.
     superset = next((s for s in supersets if sum(sizes) >= len(s) and not set(s) & set(keep_idle)), None)
     if superset is None:
         return sizes
