@@ -122,11 +122,10 @@ class BalanceCallback(FiguresCallback):
     def on_train_end(self, logs=None):
         self.release_held_logs()
         guard = self._strategy.balancer.guard
-        candidate = guard.candidate
-        if candidate is not None:  # else the trial's last line ("guard: trying ...") reads as if it still decides
+        if guard.candidate is not None:  # else the trial's last line ("guard: trying ...") reads as if it still decides
             logger.info("hetero_cs guard: the trial of %s had measured %d of its pairs when fit ended; it goes on in "
                         "the next fit on this strategy (until then the plan in force is %s).",
-                        list(candidate.per_replica_batch_sizes), guard.num_pairs,
+                        list(guard.candidate.per_replica_batch_sizes), guard.num_pairs,
                         list(self._strategy.plan.per_replica_batch_sizes))
 
     def release_held_logs(self) -> None:
