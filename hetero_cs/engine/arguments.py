@@ -90,14 +90,12 @@ def checked_shares(batch_split, num_replicas: int) -> list:
             f"batch_split must be a sequence of relative shares, one per replica in replica order. Received: "
             f"batch_split={short_repr(batch_split)}{unordered_note(batch_split)}. Example: batch_split=[2, 1, 1]."
         )
-    shares = list(shares)
     if len(shares) != num_replicas:
         raise BatchSplitError(
             f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
             f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
         )
-    bad = [s for s in shares if not finite_real(s) or s < 0]
-    if bad or not any(s > 0 for s in shares):
+    if any(not finite_real(s) or s < 0 for s in shares) or not any(s > 0 for s in shares):
         raise BatchSplitError(
             f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
             f"batch_split={short_repr(list(shares))}. Example: batch_split=[2, 1, 1] gives replica 0 half of each "
@@ -108,7 +106,7 @@ def checked_shares(batch_split, num_replicas: int) -> list:
             f"batch_split shares sum to more than a float holds: batch_split={short_repr(list(shares))}. Only their "
             f"ratios matter; scale them down, e.g. batch_split=[2, 1, 1]."
         )
-    return shares
+    return list(shares)
 
 
 def validate_profile_cache(profile_cache) -> None:
@@ -133,13 +131,8 @@ def warn_unused_input_options(options) -> None:
         raise InputError(
             f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}."
         )
-    fields = (
-        "experimental_fetch_to_device",
-        "experimental_replication_mode",
-        "experimental_place_dataset_on_device",
-        "experimental_per_replica_buffer_size",
-    )
-    changed = {f: getattr(options, f) for f in fields if getattr(options, f) != getattr(_DEFAULT_INPUT_OPTIONS, f)}
+    # InputOptions is a namedtuple: fetch to device, replication mode, placement on device, per-replica buffer size.
+    changed = {f: v for f, v in options._asdict().items() if v != getattr(_DEFAULT_INPUT_OPTIONS, f)}
     if changed:
         logger.warning(
             "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "

@@ -43,7 +43,7 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
     from calibration import calibrate as run_calibration  # looked up when called (a test replaces it)
 
     check_policy_support(strategy, model)
-    emulation_pending = strategy._emulator is not None and not strategy._emulator_ready()
+    emulation_pending = strategy._emulation_pending()
     fingerprint = model_fingerprint(model) if strategy._balancer.auto_balance else None
     if fingerprint is not None and not (force or emulation_pending) and _done(strategy, fingerprint, force):
         return strategy._calibration  # calibrated already: no batch is read

@@ -107,9 +107,7 @@ class BalanceCallback(FiguresCallback):
         calibrating.check_policy_support(strategy, self.model)  # mixed_bfloat16 on a GPU without bf16: refused
         data = strategy._source_dataset  # noqa: SLF001 - the dataset fit is about to iterate
         # A fixed or even split without emulation needs nothing before the first batch: no batch is read then.
-        needed = strategy.balancer.auto_balance or (
-            strategy.emulator is not None and not strategy._emulator_ready()  # noqa: SLF001
-        )
+        needed = strategy.balancer.auto_balance or strategy._emulation_pending()  # noqa: SLF001
         if data is not None and needed:
             # fit(verbose=0) keeps calibration quiet too; its progress bars otherwise show while fit starts.
             strategy.calibrate(self.model, data, progress=self.params.get("verbose", 1) != 0)
@@ -124,11 +122,10 @@ class BalanceCallback(FiguresCallback):
     def on_train_end(self, logs=None):
         self.release_held_logs()
         guard = self._strategy.balancer.guard
-        candidate = guard.candidate
-        if candidate is not None:  # else the trial's last line ("guard: trying ...") reads as if it still decides
+        if guard.candidate is not None:  # else the trial's last line ("guard: trying ...") reads as if it still decides
             logger.info("hetero_cs guard: the trial of %s had measured %d of its pairs when fit ended; it goes on in "
                         "the next fit on this strategy (until then the plan in force is %s).",
-                        list(candidate.per_replica_batch_sizes), guard.num_pairs,
+                        list(guard.candidate.per_replica_batch_sizes), guard.num_pairs,
                         list(self._strategy.plan.per_replica_batch_sizes))
 
     def release_held_logs(self) -> None:

@@ -188,11 +188,9 @@ class HeteroCentralStorageStrategy(
 
         self._compute_devices = tuple(devices)
         self._parameter_device = parameter_device
-        if emulator is None and emulate is not None:
-            from hetero_cs.devices.emulation import Emulator
+        from hetero_cs.devices.emulation import Emulator
 
-            emulator = Emulator(list(emulate))
-        self._emulator = emulator
+        self._emulator = emulator = emulator or (None if emulate is None else Emulator(list(emulate)))
         if emulator is not None:
             logger.warning(
                 "hetero_cs: timings are EMULATED - replicas %s emulate %s on logical CPU devices (real compute on "
@@ -392,8 +390,9 @@ class HeteroCentralStorageStrategy(
     # The library's error for TensorFlow's error from a step, or None.
     _replica_step_error = strategy_step_error
 
-    def _emulator_ready(self) -> bool:
-        return getattr(self._emulator, "workload", None) is not None
+    def _emulation_pending(self) -> bool:
+        """Whether the emulated devices still wait for the model's size (emulation, before calibration)."""
+        return self._emulator is not None and getattr(self._emulator, "workload", None) is None
 
     def _on_replica_gradients(self, grads: list) -> list:
         """Called in replica context when a replica's gradients are ready: copies them to the host, where the
@@ -409,13 +408,11 @@ class HeteroCentralStorageStrategy(
             # replica runs a different number of them): its time goes to the call's report, which the engine
             # hands to the monitor as one step after the call (MicroBatching). Emulated cards end (and report)
             # each micro-batch, whose waits need it; on real devices a card's chain ends at its last micro-batch.
-            replica = step.replica_id
+            count = 1  # an emulated card ends each micro-batch
             if self._emulator is None:
-                if sub_step.index != sub_step.last_of.get(replica):
+                if sub_step.index != sub_step.last_of.get(step.replica_id):
                     return grads  # a middle micro-batch: no clock
-                batch_size, count = sub_step.chain_sizes[replica], sub_step.counts[replica]
-            else:
-                count = 1
+                batch_size, count = sub_step.chain_sizes[step.replica_id], sub_step.counts[step.replica_id]
             record = None if sub_step.record is None else functools.partial(sub_step.record, count=count)
 
         return finish_replica_step(

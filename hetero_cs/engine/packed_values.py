@@ -47,10 +47,9 @@ class PackedBatchValues:
 
     def _inspection_sizes(self, global_batch_size):
         """The plan in force for a batch of this size, outside a step (a Python call that advances nothing)."""
-        balancer = self._balancer
 
         def sizes_of(b):
-            return np.asarray(balancer.plan_for_inference(int(b)).per_replica_batch_sizes, dtype=np.int64)
+            return np.asarray(self._balancer.plan_for_inference(int(b)).per_replica_batch_sizes, dtype=np.int64)
 
         sizes = tf.numpy_function(sizes_of, [tf.cast(global_batch_size, tf.int64)], tf.int64, stateful=True)
         return tf.reshape(sizes, [self.num_replicas_in_sync])

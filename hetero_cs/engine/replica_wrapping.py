@@ -62,7 +62,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
                 step_start = sampled_wall_clock_stamp(anchor, timed) if sampled else wall_clock_stamp(anchor)
                 if handoff is not None:  # the host's end of this step is timed from the same start
                     handoff.start_stamp, handoff.sampled_start = step_start, sampled
-    if strategy._emulator is not None and not strategy._emulator_ready():
+    if strategy._emulation_pending():
         raise ConfigError(
             "Emulated devices need the model's size before the first step. model.fit does this for you; "
             "before a model.evaluate or model.predict that comes before any fit, and in a custom loop before "

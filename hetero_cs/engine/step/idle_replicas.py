@@ -70,6 +70,14 @@ logger = logging.getLogger(__name__)
 MAX_SETS_PER_REPLICA = 2
 
 
+def active_set(sizes: Sequence[int]) -> tuple[int, ...] | None:
+    """The replicas with ``b_i > 0`` of a cut's ``sizes`` (a sorted tuple), or None when every replica has examples:
+    what :class:`ActiveSets` notes, what :class:`StepPerSet` keys its steps by and what :func:`served_sizes` finds a
+    branch for."""
+    active = tuple(i for i, b in enumerate(sizes) if int(b) > 0)
+    return None if len(active) == len(sizes) else active
+
+
 class ActiveSets(DeepcopiedWithNewLocks):
     """The sets of active replicas that plans have used, per kind of step (thread-safe).
 
@@ -101,8 +109,8 @@ class ActiveSets(DeepcopiedWithNewLocks):
 
     def note(self, batch_sizes: Sequence[int], *, training: bool) -> None:
         """Records the set of replicas with ``b_i > 0`` in a plan (a plan without a 0 adds nothing)."""
-        active = tuple(i for i, b in enumerate(batch_sizes) if int(b) > 0)
-        if not active or len(active) == self._num_replicas:
+        active = active_set(batch_sizes)
+        if not active:
             return
         with self._lock:
             sets = self._sets[bool(training)]
@@ -118,9 +126,7 @@ class ActiveSets(DeepcopiedWithNewLocks):
     def for_trace(self, *, training: bool) -> tuple[tuple[int, ...], ...]:
         """The sets a step of this kind traced now gets branches for."""
         with self._lock:
-            sets = list(self._sets[True])
-            if not training:
-                sets += [s for s in self._sets[False] if s not in sets]
+            sets = self._sets[True] if training else {*self._sets[True], *self._sets[False]}
             return tuple(sorted(sets))
 
     def version(self, *, training: bool) -> int:
@@ -175,15 +181,13 @@ class StepPerSet:
 
     def __call__(self, batch, batch_size: int):
         strategy = self._strategy
-        num_replicas = strategy.num_replicas_in_sync
-        decided = strategy._slice_sizes(batch_size, training=True)  # noqa: SLF001
-        active = tuple(i for i in range(num_replicas) if decided[i] > 0)
-        key = None if len(active) == num_replicas else active
+        decided = strategy._slice_sizes(batch_size, training=True)  # noqa: SLF001 - the sizes, then whether timed
+        key = active_set(decided[:strategy.num_replicas_in_sync])
         step = self._steps.get(key)
         if step is None:
             if self._steps:
                 logger.info("hetero_cs: tracing the train step again, for the active replicas %s (once per set of "
-                            "active replicas).", list(active))
+                            "active replicas).", list(key or range(strategy.num_replicas_in_sync)))
                 strategy._balancer.step_traced_again()  # noqa: SLF001 - a guard trial's next steps pay for the trace
             step = self._steps[key] = self._make()
         with strategy._slicer.handed(decided), traced_for_set(key):  # noqa: SLF001
@@ -260,12 +264,12 @@ def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) ->
     """
     sizes = tuple(int(b) for b in sizes)
     R = len(sizes)
-    active = {i for i, b in enumerate(sizes) if b > 0}
-    if traced is None or len(active) == R or tuple(sorted(active)) in traced:
+    active = active_set(sizes)
+    if traced is None or active is None or active in traced:
         return sizes
-    supersets = sorted((s for s in traced if active < set(s)), key=lambda s: (len(s), s)) + [tuple(range(R))]
-    supersets = [s for s in supersets if not set(s) & set(keep_idle)]  # a card set aside never gets an example
-    superset = next((s for s in supersets if sum(sizes) >= len(s)), None)
+    supersets = sorted((s for s in traced if set(active) < set(s)), key=lambda s: (len(s), s)) + [tuple(range(R))]
+    # The smallest with enough examples for its replicas; a card set aside never gets an example.
+    superset = next((s for s in supersets if sum(sizes) >= len(s) and not set(s) & set(keep_idle)), None)
     if superset is None:
         return sizes
     split = list(sizes)
@@ -321,36 +325,29 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
 
     def batched(parts) -> bool:
         shape = parts[0].shape
-        if shape.rank is None or shape.rank < 1:
+        if not shape.rank:  # a scalar, or of unknown rank
             return False
-        if sizes is None:
-            return shape[0] is None
-        return all(p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active))
+        return shape[0] is None if sizes is None else all(
+            p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active))
 
     def fill(template, is_batch):
         shape = template.shape
         with tf.device(host):
             if is_batch:
-                inner = shape[1:]
                 if isinstance(template, tf.RaggedTensor):
                     return template[:0]
-                if inner.is_fully_defined():
-                    return tf.zeros([0, *inner.as_list()], template.dtype)
+                if shape[1:].is_fully_defined():
+                    return tf.zeros([0, *shape[1:].as_list()], template.dtype)
                 return tf.zeros(tf.concat([[0], tf.shape(template)[1:]], axis=0), template.dtype)
             if keras_step and not (shape.rank == 0 and template.dtype.is_floating):
                 return tf.identity(template)  # a logged floating scalar is a share: an idle replica's is 0
-            if shape.is_fully_defined():
-                return tf.zeros(shape, template.dtype)
-            return tf.zeros_like(template)
+            return tf.zeros(shape, template.dtype) if shape.is_fully_defined() else tf.zeros_like(template)
 
     def expand(value):
         parts = components(value)
-        if parts is None or len(parts) != count:
-            if count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):  # one active replica: not regrouped
-                parts = (value,)
-            else:
-                return value
-        if isinstance(value, tf.Variable):
+        if (parts is None or len(parts) != count) and count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):
+            parts = (value,)  # one active replica: its output is not regrouped
+        if parts is None or len(parts) != count or isinstance(value, tf.Variable):
             return value
         first, is_batch = parts[0], batched(parts)
         return per_replica([parts[slot[r]] if r in slot else fill(first, is_batch) for r in range(num_replicas)])
@@ -368,15 +365,13 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
     """
     if not idle or (start_stamp is None and emulator is None):
         return
-    ids = [int(i) for i in idle]
 
     def _report(start):
         start_s = float(start)
-        if emulator is not None:
-            for i in ids:
+        for i in idle:
+            if emulator is not None:
                 emulator.delay_s(i, 0)  # advances the counter; 0 examples: 0 s, no memory needed
-        if record is not None and start_s >= 0.0:  # a sampled step that is not timed has a negative stamp
-            for i in ids:
+            if record is not None and start_s >= 0.0:  # a sampled step that is not timed has a negative stamp
                 record(i, 0, 0.0, step_key=start_s)
         return np.float64(0.0)
 

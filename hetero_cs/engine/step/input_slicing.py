@@ -155,10 +155,8 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         """
         if self._cache is None:
             return
-        if plan is None:
-            value = (_UNSET,) * (self._num_replicas + 1)
-        else:
-            value = (int(plan.global_batch_size), *(int(b) for b in plan.per_replica_batch_sizes))
+        value = ((_UNSET,) * (self._num_replicas + 1) if plan is None
+                 else (int(plan.global_batch_size), *(int(b) for b in plan.per_replica_batch_sizes)))
         with self._lock:
             if value != self._published:
                 self._cache.assign(value)
@@ -227,9 +225,8 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         leaves = tf.nest.flatten(spec)
         if not leaves:
             raise InputError("The dataset's elements are empty structures; there is nothing to split.")
-        for leaf in leaves:
-            if is_unbatched_marker(leaf):
-                continue  # a None component (e.g. no sample weights): nothing to cut
+        batched = [leaf for leaf in leaves if not is_unbatched_marker(leaf)]  # None (no sample weights): no cut
+        for leaf in batched:
             if isinstance(leaf, tf.SparseTensorSpec):
                 raise InputError(
                     f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica slices; got "
@@ -242,7 +239,6 @@ class PlanSlicer(DeepcopiedWithNewLocks):
                     f"Every dataset component needs a leading batch dimension to be split across replicas; got "
                     f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
                 )
-        batched = [leaf for leaf in leaves if not is_unbatched_marker(leaf)]
         if not batched:
             raise InputError(
                 f"The dataset's elements hold only None or Optional components; there is nothing to split: {spec}."
@@ -252,18 +248,16 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             raise bad_batch_error(known, spec)
         if self._check_batch is None:
             return dataset.prefetch(1)
-        # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
-        # structure) as one argument.
-        is_tuple = type(spec) is tuple
-        check_batch = self._check_batch
 
         def checked(*args):
-            element = args if is_tuple else args[0]
+            # tf.data unpacks a plain tuple into the function's arguments, but passes a namedtuple (or any other
+            # structure) as one argument.
+            element = args if type(spec) is tuple else args[0]
             flat = tf.nest.flatten(element, expand_composites=False)
             dims = tf.stack([leading_dim(t, tf.int64) for t in flat if not is_unbatched_marker(t)])
             good = tf.logical_and(tf.reduce_all(tf.equal(dims, dims[0])), dims[0] > 0)
             verdict = tf.cond(good, lambda: tf.constant(0, tf.int64), lambda: tf.reshape(tf.numpy_function(
-                check_batch, tf.unstack(dims), tf.int64, stateful=True), []))
+                self._check_batch, tf.unstack(dims), tf.int64, stateful=True), []))
             with tf.control_dependencies([verdict]):
                 kept = [t if is_unbatched_marker(t) else tf.identity(t) for t in flat]
             return tf.nest.pack_sequence_as(element, kept)

@@ -163,10 +163,7 @@ def step_handoff(handoff: StepHandoff):
 def current_step_handoff() -> StepHandoff | None:
     """The handoff of the ``strategy.run`` call this thread works for: as its replica (the replica step's), or as
     the thread running its merges (set by :func:`step_handoff`); None outside both."""
-    step = current_replica_step()
-    if step is not None and step.handoff is not None:
-        return step.handoff
-    return this_threads_value("handoff")
+    return getattr(current_replica_step(), "handoff", None) or this_threads_value("handoff")
 
 
 def this_threads_value(name: str) -> Any:
@@ -186,13 +183,15 @@ def current_replica_step() -> ReplicaStep | None:
 
 def current_hooks():
     """The hook record of the step this thread works on (its ``strategy.run`` call's handoff's), or None."""
-    handoff = current_step_handoff()
-    return None if handoff is None else handoff.hooks
+    return getattr(current_step_handoff(), "hooks", None)
 
 
 def _require_step() -> ReplicaStep:
+    import tensorflow as tf
+
     step = current_replica_step()
-    if step is not None and step.global_batch_size is None and step.batch_size is not None and _one_replica():
+    if (step is not None and step.global_batch_size is None and step.batch_size is not None
+            and tf.distribute.get_strategy().num_replicas_in_sync == 1):
         # One replica: tf.distribute hands it a distributed dataset's batch as plain tensors, so no per-replica
         # value marks the global batch; the replica's batch (its first argument with a batch dimension) is all of it.
         return dataclasses.replace(step, global_batch_size=step.batch_size)
@@ -203,12 +202,6 @@ def _require_step() -> ReplicaStep:
             "pass to strategy.run."
         )
     return step
-
-
-def _one_replica() -> bool:
-    import tensorflow as tf
-
-    return tf.distribute.get_strategy().num_replicas_in_sync == 1
 
 
 def current_global_batch_size():

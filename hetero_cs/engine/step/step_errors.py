@@ -55,9 +55,8 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
         scope = (re.search(r"(?:^|/)hetero_replica_(\d+)/", match.group(1))
                  or re.search(r"(?:^|/)replica_(\d+)/", match.group(1)))
         replica_id = int(scope.group(1)) if scope else 0
-    empty = empty_slice_plan
-    if empty is not None and failed_sizes is not None and 0 not in failed_sizes:
-        empty = None  # every slice of the step that failed held examples
+    # Every slice of the step that failed held examples: a 0-example slice of another cut is not this step's.
+    empty = None if failed_sizes is not None and 0 not in failed_sizes else empty_slice_plan
     zeros = [] if empty is None else [i for i, b in enumerate(empty.per_replica_batch_sizes) if b == 0]
     cause, plan = op_message(message, exc), list(plan.per_replica_batch_sizes) if plan else None
     applied = ("No update of this step was applied: variables and optimizer state are as they were before it. "
@@ -81,10 +80,8 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     if replica_id >= len(compute_devices):
         return None
     device = compute_devices[replica_id]
-    if replica_id in zeros:
-        advice = f"That replica gets 0 examples of a {_empty_cut(empty, plan)} {EMPTY_SLICE_ADVICE}"
-    else:
-        advice = f"Check that replica's slice of the batch (plan: {plan}) and the device."
+    advice = (f"That replica gets 0 examples of a {_empty_cut(empty, plan)} {EMPTY_SLICE_ADVICE}" if replica_id in zeros
+              else f"Check that replica's slice of the batch (plan: {plan}) and the device.")
     return ReplicaStepError(
         f"The {kind} step failed in replica {replica_id} on {device} ({type(exc).__name__}: {cause.strip()}). "
         f"{applied}{advice} The original error is chained below.", replica_id=replica_id, device=device)

@@ -91,11 +91,10 @@ class SparseSum:
     def __init__(self, row_shape, dtype, index_dtype, dense_shape, rows: int | None = None):
         row_shape = tf.TensorShape(row_shape)
         self.shared = rows is not None
-        leading = rows if self.shared else 0
-        self.values = tf.Variable(tf.zeros([leading, *row_shape.as_list()], dtype),
+        self.values = tf.Variable(tf.zeros([rows or 0, *row_shape.as_list()], dtype),
                                   shape=tf.TensorShape([rows, *row_shape]), trainable=False,
                                   name="hetero_cs_sparse_gradient_rows")
-        self.indices = tf.Variable(tf.zeros([leading], index_dtype), shape=tf.TensorShape([rows]), trainable=False,
+        self.indices = tf.Variable(tf.zeros([rows or 0], index_dtype), shape=tf.TensorShape([rows]), trainable=False,
                                    name="hetero_cs_sparse_gradient_indices")
 
     def add(self, gradient):

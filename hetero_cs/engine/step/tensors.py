@@ -10,9 +10,7 @@ from hetero_cs.errors import InputError
 
 def leading_dim(tensor, dtype=tf.int32) -> tf.Tensor:
     """The batch size (a scalar of ``dtype``) of a tensor or ragged tensor."""
-    if isinstance(tensor, tf.RaggedTensor):
-        return tensor.nrows(out_type=dtype)
-    return tf.shape(tensor, out_type=dtype)[0]
+    return tensor.nrows(out_type=dtype) if isinstance(tensor, tf.RaggedTensor) else tf.shape(tensor, out_type=dtype)[0]
 
 
 def dense_part(tensor):
@@ -21,9 +19,7 @@ def dense_part(tensor):
 
 
 def leading_dim_value(value) -> int:
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        shape = np.shape(value)
+    shape = np.shape(value)  # its .shape (a TensorShape, a NumPy shape), else the array's it converts to
     if len(shape) == 0:
         raise InputError(
             f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
@@ -40,9 +36,7 @@ def largest(slices):
 def known_unequal_shapes(components) -> bool:
     """True when every component's shape is fully known and they are not all equal (uneven eager slices)."""
     shapes = [getattr(c, "shape", None) for c in components]
-    if any(shape is None or not shape.is_fully_defined() for shape in shapes):
-        return False
-    return len({tuple(shape.as_list()) for shape in shapes}) > 1
+    return all(s is not None and s.is_fully_defined() for s in shapes) and len({tuple(s.as_list()) for s in shapes}) > 1
 
 
 def first_batch(data):
