@@ -95,12 +95,10 @@ class BatchFlow:
         stack = [tensor]
         while stack:
             current = stack[-1]
-            if (scope.key, current.ref()) in self._memo:
-                stack.pop()
-                continue
-            known = self._known(current, scope)
+            key = (scope.key, current.ref())
+            known = self._memo.get(key) or self._known(current, scope)  # read already, or without its inputs
             if known is not None:
-                self._memo[(scope.key, current.ref())] = known
+                self._memo[key] = known
                 stack.pop()
                 continue
             inputs = list(current.op.inputs)
@@ -170,10 +168,8 @@ class BatchFlow:
         if not settled:
             return [mixed(op, "is a loop whose values hetero_cs cannot settle")] * len(op.outputs)
         cond = getattr(op, "_cond_graph", None)  # noqa: SLF001
-        if cond is not None:
-            predicate = self._run_graph(cond, current)[0]
-            if predicate.what not in (REP,):
-                return [mixed(op, "loops a number of times that depends on the examples")] * len(op.outputs)
+        if cond is not None and self._run_graph(cond, current)[0].what != REP:  # the loop's predicate
+            return [mixed(op, "loops a number of times that depends on the examples")] * len(op.outputs)
         return current
 
     def _cond(self, op, kinds) -> list[Kind]:
