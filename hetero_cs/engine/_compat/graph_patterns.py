@@ -113,9 +113,5 @@ def _captures_one_of(tensor, handle_ids: set) -> bool:
 
 def _handles(variable) -> list:
     """The resource handles a read of ``variable`` may use in the current graph (its own, or its wrapped one's)."""
-    found = []
-    for candidate in (variable, getattr(variable, "_v", None)):  # _v: the variable an AggregatingVariable wraps
-        handle = getattr(candidate, "handle", None)
-        if handle is not None:
-            found.append(handle)
-    return found
+    candidates = (variable, getattr(variable, "_v", None))  # _v: the variable an AggregatingVariable wraps
+    return [c.handle for c in candidates if getattr(c, "handle", None) is not None]
