@@ -27,11 +27,13 @@ refused rather than trusted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import tensorflow as tf
 
 from hetero_cs.engine._compat.batch_kinds import COUNT, LIST, MIXED, REP, REPLICATED as _REP, ROWS, Kind, Tag, join, mixed
+from hetero_cs.engine._compat.batch_kinds import captured
 from hetero_cs.engine._compat.batch_rules import rule
 
 
@@ -78,10 +80,6 @@ class BatchFlow:
         """``tensors`` are the same on every replica and equal to one device's values (e.g. all-reduced sums)."""
         self.seed(tensors, _REP)
 
-    def seed_count(self, tensor) -> None:
-        """``tensor`` is the number of this replica's examples (``b_i``)."""
-        self.seed(tensor, Kind(COUNT, tag=self.batch))
-
     def rows_proportional(self, kind: Kind) -> bool:
         """True for rows whose number is a fixed multiple of the replica's examples (so of ``b_i / B``)."""
         return kind.what == ROWS and kind.tag is not None and kind.tag.root == self.batch.root
@@ -97,12 +95,10 @@ class BatchFlow:
         stack = [tensor]
         while stack:
             current = stack[-1]
-            if (scope.key, current.ref()) in self._memo:
-                stack.pop()
-                continue
-            known = self._known(current, scope)
+            key = (scope.key, current.ref())
+            known = self._memo.get(key) or self._known(current, scope)  # read already, or without its inputs
             if known is not None:
-                self._memo[(scope.key, current.ref())] = known
+                self._memo[key] = known
                 stack.pop()
                 continue
             inputs = list(current.op.inputs)
@@ -123,8 +119,10 @@ class BatchFlow:
         if ref in self._seeds:
             return self._seeds[ref]
         op = tensor.op
-        if op.type == "Placeholder":
-            return self._placeholder(tensor)
+        if op.type == "Placeholder":  # a function graph's input: follow its capture to the outer graph
+            outer = captured(tensor)
+            return self.kind(outer) if outer is not None else Kind(
+                MIXED, reason=f"an input {tensor.name!r} of a function hetero_cs cannot trace back to the step")
         if tensor.dtype == tf.resource:
             return _REP  # a variable's handle: variables live once, read alike by every replica
         if op.type == "Const" or not op.inputs and op.type in ("VarHandleOp", "NoOp"):
@@ -132,14 +130,6 @@ class BatchFlow:
         if op.type == "EmptyTensorList":
             return Kind(LIST)
         return None
-
-    def _placeholder(self, tensor) -> Kind:
-        # A function graph's input: follow its capture to the outer graph (FuncGraph.captures: outer, inner pairs).
-        graph = tensor.graph
-        for outer, inner in getattr(graph, "captures", ()):
-            if inner is tensor:
-                return self.kind(outer)
-        return Kind(MIXED, reason=f"an input {tensor.name!r} of a function hetero_cs cannot trace back to the step")
 
     # -- rules ------------------------------------------------------------------------------------------------------
     def _rule(self, op, kinds: list[Kind]) -> list[Kind]:
@@ -160,8 +150,7 @@ class BatchFlow:
 
     def _call(self, op, kinds) -> list[Kind]:
         try:
-            function = op.graph._get_function(op.get_attr("f").name)  # noqa: SLF001 - the callee's FuncGraph
-            graph = function.graph
+            graph = op.graph._get_function(op.get_attr("f").name).graph  # noqa: SLF001 - the callee's FuncGraph
         except (AttributeError, ValueError, TypeError, KeyError):
             return [mixed(op, "calls a function hetero_cs cannot read")] * len(op.outputs)
         return self._run_graph(graph, kinds)
@@ -179,10 +168,8 @@ class BatchFlow:
         if not settled:
             return [mixed(op, "is a loop whose values hetero_cs cannot settle")] * len(op.outputs)
         cond = getattr(op, "_cond_graph", None)  # noqa: SLF001
-        if cond is not None:
-            predicate = self._run_graph(cond, current)[0]
-            if predicate.what not in (REP,):
-                return [mixed(op, "loops a number of times that depends on the examples")] * len(op.outputs)
+        if cond is not None and self._run_graph(cond, current)[0].what != REP:  # the loop's predicate
+            return [mixed(op, "loops a number of times that depends on the examples")] * len(op.outputs)
         return current
 
     def _cond(self, op, kinds) -> list[Kind]:
@@ -193,11 +180,8 @@ class BatchFlow:
         graphs = [getattr(op, name, None) for name in names]
         if any(g is None for g in graphs):
             return [mixed(op, "branches into functions hetero_cs cannot read")] * len(op.outputs)
-        result = None
-        for graph in graphs:
-            produced = self._run_graph(graph, kinds[1:])
-            result = produced if result is None else [join(a, b) for a, b in zip(result, produced)]
-        return result
+        produced = [self._run_graph(graph, kinds[1:]) for graph in graphs]
+        return [functools.reduce(join, branches) for branches in zip(*produced)]  # each output's kinds, joined
 
 
 def flow_of(step) -> BatchFlow:
@@ -214,6 +198,6 @@ def seed_replica_step(step, *row_groups) -> None:
     for rows in row_groups:
         flow.seed_rows(rows)
     if isinstance(step.batch_size, tf.Tensor):
-        flow.seed_count(step.batch_size)
+        flow.seed(step.batch_size, Kind(COUNT, tag=flow.batch))  # b_i: this replica's number of examples
     if isinstance(step.global_batch_size, tf.Tensor):
         flow.seed_replicated(step.global_batch_size)

@@ -91,9 +91,7 @@ def static(tensor):
         value = None
     if value is not None:
         return value
-    op = tensor.op
-    if op.type == "Rank" and op.inputs[0].shape.rank is not None:
-        return np.int32(op.inputs[0].shape.rank)
+    op = tensor.op  # (TensorFlow's constant folding reads a Rank of a known rank already)
     if op.type in ("Identity", "Cast") and op.inputs:
         inner = static(op.inputs[0])
         return None if inner is None else np.asarray(inner).astype(tensor.dtype.as_numpy_dtype)
@@ -142,8 +140,10 @@ def axes(tensor, rank: int | None) -> list[int] | None:
     return [int(a) % max(rank, 1) for a in np.ravel(value)]
 
 
-def rank(tensor) -> int | None:
-    return tensor.shape.rank
+def captured(tensor):
+    """The outer graph's tensor that a function graph's input ``tensor`` captures, else None."""
+    # FuncGraph.captures: (outer tensor, placeholder inside the function) pairs.
+    return next((outer for outer, inner in getattr(tensor.graph, "captures", ()) if inner is tensor), None)
 
 
 def rows_of(op, kind: Kind, what: str) -> Kind | None:

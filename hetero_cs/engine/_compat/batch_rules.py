@@ -12,7 +12,7 @@ import numpy as np
 
 from hetero_cs.engine._compat.batch_kinds import (
     AGG, AGGREGATE, COUNT, INDEX, LIST, MIXED, REP, REPLICATED, ROWS, SHAPE, Kind, Tag, axes, join, mixed,
-    rank as _rank, rows_of as _rows_of, same_rows, static,
+    rows_of as _rows_of, same_rows, static,
 )
 from hetero_cs.engine._compat.batch_shapes import SHAPE_RULES
 
@@ -79,12 +79,12 @@ def rule(op, kinds: list[Kind]) -> list[Kind]:
 
 # -- families of ops ------------------------------------------------------------------------------------------------
 def _elementwise(op, kinds) -> Kind:
-    rank, rows = _rank(op.outputs[0]), []
+    rank, rows = op.outputs[0].shape.rank, []
     for tensor, kind in zip(op.inputs, kinds):
         if kind.what in (AGG, COUNT):
             rows.append(AGGREGATE)
-        elif kind.what == ROWS and rank is not None and _rank(tensor) is not None:
-            rows.append(kind.at(kind.axis + rank - _rank(tensor)))  # broadcasting aligns the trailing axes
+        elif kind.what == ROWS and rank is not None and tensor.shape.rank is not None:
+            rows.append(kind.at(kind.axis + rank - tensor.shape.rank))  # broadcasting aligns the trailing axes
         elif kind.what != REP:
             return mixed(op, f"combines a {kind} value element by element")
     if not any(k.what == ROWS for k in rows):
@@ -101,12 +101,9 @@ def _reduction(op, kinds) -> Kind:
     kind = kinds[0]
     if kind.what == SHAPE:  # a product of a shape's entries: a number of elements, a fixed multiple of the rows
         return Kind(COUNT, tag=Tag(kind.tag.root, None)) if op.type == "Prod" else AGGREGATE
-    early = _rows_of(op, kind, "reduces")
-    if early is not None:
-        return early
-    reduced = axes(op.inputs[1], _rank(op.inputs[0]))
-    if reduced is None:
-        return mixed(op, "reduces along axes not known while tracing")
+    early, reduced = _rows_of(op, kind, "reduces"), axes(op.inputs[1], op.inputs[0].shape.rank)
+    if early is not None or reduced is None:
+        return early or mixed(op, "reduces along axes not known while tracing")
     if kind.axis in reduced:
         return AGGREGATE
     keep = op.get_attr("keep_dims") if "keep_dims" in op.node_def.attr else False
@@ -115,17 +112,14 @@ def _reduction(op, kinds) -> Kind:
 
 def _along_axis(op, kinds) -> Kind:
     kind = kinds[0]
-    early = _rows_of(op, kind, "works along an axis of")
-    if early is not None:
-        return early
-    along = axes(op.inputs[1], _rank(op.inputs[0]))
-    if along is None or kind.axis in along:
-        return mixed(op, "works along the batch axis (its result for one example depends on the others)")
+    early, along = _rows_of(op, kind, "works along an axis of"), axes(op.inputs[1], op.inputs[0].shape.rank)
+    if early is not None or along is None or kind.axis in along:
+        return early or mixed(op, "works along the batch axis (its result for one example depends on the others)")
     return kind.at(kind.axis - (along[0] < kind.axis)) if op.type in ("ArgMax", "ArgMin") else kind
 
 
 def _last_axis(op, kinds) -> Kind:
-    kind, rank = kinds[0], _rank(op.inputs[0])
+    kind, rank = kinds[0], op.inputs[0].shape.rank
     if kind.what in (AGG, COUNT):
         return AGGREGATE
     if kind.what != ROWS or rank is None or kind.axis == rank - 1:
@@ -160,14 +154,14 @@ def _matmul(op, kinds) -> Kind:
         return AGGREGATE if ROWS not in (a.what, b.what) else mixed(op, "multiplies examples by a batch aggregate")
     ta = op.get_attr("transpose_a") if "transpose_a" in op.node_def.attr else op.get_attr("adj_x")
     tb = op.get_attr("transpose_b") if "transpose_b" in op.node_def.attr else op.get_attr("adj_y")
-    rank = _rank(op.outputs[0])
-    if None in (_rank(op.inputs[0]), _rank(op.inputs[1]), rank):
+    rank = op.outputs[0].shape.rank
+    if None in (op.inputs[0].shape.rank, op.inputs[1].shape.rank, rank):
         return mixed(op, "multiplies tensors of unknown rank")
     present = []  # (kind, role, axis of the product): a batch dimension, a row/column of the product, or inner
     for kind, tensor, transposed, left in ((a, op.inputs[0], ta, True), (b, op.inputs[1], tb, False)):
         if kind.what == REP:
             continue
-        n = _rank(tensor)
+        n = tensor.shape.rank
         outer = (n - 1 if transposed else n - 2) if left else (n - 2 if transposed else n - 1)
         if kind.axis < n - 2:
             present.append((kind, "batch", rank - n + kind.axis))
@@ -219,9 +213,9 @@ def _gather(op, kinds) -> Kind:  # GatherV2(params, indices, axis), ResourceGath
         static_axis = static(op.inputs[2])
         if static_axis is None:
             return mixed(op, "gathers along an axis not known while tracing")
-        axis = int(static_axis) % max(_rank(op.inputs[0]) or 1, 1)
+        axis = int(static_axis) % max(op.inputs[0].shape.rank or 1, 1)
     batch_dims = op.get_attr("batch_dims") if "batch_dims" in op.node_def.attr else 0
-    if _rank(op.inputs[1]) is None:
+    if op.inputs[1].shape.rank is None:
         return mixed(op, "gathers with indices of unknown rank")
     if params.what == SHAPE:
         positions = static(op.inputs[1])
@@ -236,7 +230,7 @@ def _gather(op, kinds) -> Kind:  # GatherV2(params, indices, axis), ResourceGath
     if params.what == ROWS and indices.what == REP:
         if params.axis == axis:
             return mixed(op, "picks examples by their position in the slice")
-        return params.at(params.axis + (_rank(op.inputs[1]) - 1 - batch_dims if params.axis > axis else 0))
+        return params.at(params.axis + (op.inputs[1].shape.rank - 1 - batch_dims if params.axis > axis else 0))
     if params.what == ROWS and params.axis == axis == 0 and same_rows(params.tag, indices.tag):
         if indices.what == INDEX:
             return Kind(ROWS, 0, Tag(("subset", op.name)))  # a subset of the rows the data picked, in order
@@ -262,7 +256,7 @@ def _one_hot(op, kinds) -> Kind:
         return mixed(op, "takes a depth or values that depend on the examples")
     early = _rows_of(op, indices, "encodes")
     axis = op.get_attr("axis")
-    axis = _rank(op.outputs[0]) - 1 if axis == -1 else axis
+    axis = op.outputs[0].shape.rank - 1 if axis == -1 else axis
     return early or indices.at(indices.axis + (axis <= indices.axis))
 
 

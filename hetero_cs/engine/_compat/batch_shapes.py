@@ -13,7 +13,7 @@ import numpy as np
 
 from hetero_cs.engine._compat.batch_kinds import (
     AGG, AGGREGATE, COUNT, INDEX, REP, REPLICATED, ROWS, SHAPE, Kind, Tag, axes, entries, mixed,
-    rank as _rank, rows_of as _rows_of, same_rows, static,
+    rows_of as _rows_of, same_rows, static,
 )
 
 
@@ -65,7 +65,7 @@ def _transpose(op, kinds) -> Kind:
 
 
 def _expand_dims(op, kinds) -> Kind:
-    kind, axis, rank = kinds[0], static(op.inputs[1]), _rank(op.outputs[0])
+    kind, axis, rank = kinds[0], static(op.inputs[1]), op.outputs[0].shape.rank
     early = _rows_of(op, kind, "expands")
     if early is not None or axis is None or rank is None:
         return early or mixed(op, "expands at an axis not known while tracing")
@@ -73,7 +73,7 @@ def _expand_dims(op, kinds) -> Kind:
 
 
 def _squeeze(op, kinds) -> Kind:
-    kind, rank = kinds[0], _rank(op.inputs[0])
+    kind, rank = kinds[0], op.inputs[0].shape.rank
     if kind.what == INDEX:  # tf.where's coordinates of a 1-D condition, squeezed to a vector of positions
         return kind
     early = _rows_of(op, kind, "squeezes")
@@ -94,14 +94,14 @@ def _concat(op, kinds) -> Kind:
         before = 0
         for tensor, kind in zip(tensors, values):
             if kind.what in (SHAPE, COUNT):
-                if sum(k.what != REP for k in values) == 1 and _rank(op.outputs[0]) == 1:
+                if sum(k.what != REP for k in values) == 1 and op.outputs[0].shape.rank == 1:
                     return Kind(SHAPE, before + (kind.axis if kind.what == SHAPE else 0), kind.tag)
                 break
             if tensor.shape.rank == 1 and tensor.shape[0] is None:
                 break
             before += tensor.shape[0] if tensor.shape.rank == 1 else 1
         return mixed(op, "concatenates shapes hetero_cs cannot follow")
-    along = axes(axis_tensor, _rank(op.outputs[0]))
+    along = axes(axis_tensor, op.outputs[0].shape.rank)
     if along is None or whats != {ROWS} or any(k.axis != values[0].axis or (
             k.axis != along[0] and not same_rows(k.tag, values[0].tag)) for k in values):
         return mixed(op, "concatenates values of different kinds")
@@ -117,7 +117,7 @@ def _concat(op, kinds) -> Kind:
 
 
 def _pack(op, kinds) -> Kind:
-    rank = _rank(op.outputs[0])
+    rank = op.outputs[0].shape.rank
     counts = [i for i, k in enumerate(kinds) if k.what == COUNT]
     if all(k.what in (REP, COUNT) for k in kinds) and rank == 1 and len(counts) == 1:
         return Kind(SHAPE, counts[0], kinds[counts[0]].tag)
@@ -134,7 +134,7 @@ def _unpack(op, kinds) -> list[Kind]:
     if kind.what == SHAPE:
         return [Kind(COUNT, tag=kind.tag) if i == kind.axis else REPLICATED for i in range(count)]
     early = _rows_of(op, kind, "unstacks")
-    axis = op.get_attr("axis") % _rank(op.inputs[0]) if _rank(op.inputs[0]) else 0
+    axis = op.get_attr("axis") % op.inputs[0].shape.rank if op.inputs[0].shape.rank else 0
     if early is None and axis == kind.axis:
         early = mixed(op, "unstacks along the batch axis")
     return [early or kind.at(kind.axis - (axis < kind.axis))] * count
@@ -143,7 +143,7 @@ def _unpack(op, kinds) -> list[Kind]:
 def _split(op, kinds) -> Kind:  # Split(axis, value), SplitV(value, size_splits, axis)
     kind, axis_tensor, value = ((kinds[1], op.inputs[0], op.inputs[1]) if op.type == "Split"
                                 else (kinds[0], op.inputs[2], op.inputs[0]))
-    early, along = _rows_of(op, kind, "splits"), axes(axis_tensor, _rank(value))
+    early, along = _rows_of(op, kind, "splits"), axes(axis_tensor, value.shape.rank)
     if early is None and (along is None or along[0] == kind.axis):
         return mixed(op, "splits along the batch axis")
     return early or kind
@@ -165,7 +165,7 @@ def _strided_slice(op, kinds) -> Kind:
     if kind.what != ROWS:
         return mixed(op, f"slices a {kind} value")
     if mask["ellipsis"]:
-        rank = _rank(op.inputs[0])
+        rank = op.inputs[0].shape.rank
         ellipsis = (mask["ellipsis"] & -mask["ellipsis"]).bit_length() - 1
         covered = None if rank is None else rank - sum(1 for i in range(specs) if i != ellipsis and not new[i])
         consumed = sum(1 for i in range(ellipsis) if not new[i])  # input axes the specs before the ellipsis take
@@ -238,8 +238,8 @@ def _broadcast_to(op, kinds) -> Kind:
     kind, shape = kinds[:2]
     if kind.what == REP and shape.what == SHAPE:
         return Kind(ROWS, shape.axis, shape.tag)
-    if kind.what == ROWS and _rank(op.outputs[0]) is not None and _rank(op.inputs[0]) is not None:
-        return kind.at(kind.axis + _rank(op.outputs[0]) - _rank(op.inputs[0]))
+    if kind.what == ROWS and op.outputs[0].shape.rank is not None and op.inputs[0].shape.rank is not None:
+        return kind.at(kind.axis + op.outputs[0].shape.rank - op.inputs[0].shape.rank)
     return AGGREGATE if kind.what in (AGG, COUNT) else mixed(op, "broadcasts a value hetero_cs cannot follow")
 
 

@@ -137,9 +137,7 @@ def global_batch_size_of(data: Any) -> int | None:
         parts = components(value)
         if parts and len(parts) == 1 and not is_unbatched_marker(parts[0]):
             component = parts[0]
-            if isinstance(component, tf.RaggedTensor):
-                return int(component.nrows())
-            return int(component.shape[0])
+            return int(component.nrows() if isinstance(component, tf.RaggedTensor) else component.shape[0])
     return None
 
 

@@ -3,18 +3,16 @@
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. An ``assign`` to a metric
 variable accumulates when the value is ``var + delta`` in any linear form (``var + a + b``, ``tf.add_n([var, a,
 b])``, ``var - (-d)``): the variable's reads have total coefficient 1 (:func:`accumulates_into`). The walk
-(:func:`linear_terms`) goes only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a
+goes only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a
 product with a constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import tensorflow as tf
 
-from hetero_cs.engine._compat.batch_kinds import axes, static
+from hetero_cs.engine._compat.batch_kinds import axes, captured, static
 
 _PASS_THROUGH = ("Identity", "Cast", "StopGradient")
 _MAX_OPS = 256  # bound on the ops visited per question (a linear combination of a few terms needs far fewer)
@@ -24,49 +22,6 @@ def _constant_scalar(tensor) -> float | None:
     """The value of a one-element tensor that tracing computes (a constant, maybe cast), else None."""
     value = static(tensor)
     return None if value is None or np.size(value) != 1 else float(np.reshape(value, ()))
-
-
-def linear_terms(value, is_term: Callable[[object], bool]) -> list | None:
-    """``value`` as ``sum_k c_k * t_k``: a list of ``(c_k, t_k)``, or None when the graph does not show it.
-
-    A tensor for which ``is_term`` is true is a term and is not looked into. Other tensors are followed through
-    linear ops (see the module docstring) down to leaves, which are terms as well. Returns None in eager mode
-    (no graph) or when the walk visits more than a bounded number of ops.
-    """
-    if not hasattr(value, "op") or tf.executing_eagerly():
-        return None
-    terms: list = []
-    stack = [(value, 1.0)]
-    visited = 0
-    while stack:
-        tensor, coeff = stack.pop()
-        visited += 1
-        if visited > _MAX_OPS:
-            return None
-        if is_term(tensor):
-            terms.append((coeff, tensor))
-            continue
-        op = tensor.op
-        kind = op.type
-        inputs = list(op.inputs)
-        if kind in _PASS_THROUGH and inputs:
-            stack.append((inputs[0], coeff))
-        elif kind in ("AddV2", "Add", "AddN"):  # a sum of two (Add, AddV2) or of any number (AddN) of terms
-            stack.extend((t, coeff) for t in inputs)
-        elif kind == "Sub" and len(inputs) == 2:
-            stack.extend([(inputs[0], coeff), (inputs[1], -coeff)])
-        elif kind == "Neg" and inputs:
-            stack.append((inputs[0], -coeff))
-        elif kind in ("Mul", "RealDiv") and len(inputs) == 2 and _scaled_by_constant(op) is not None:
-            factor, other = _scaled_by_constant(op)
-            stack.append((other, coeff * factor))
-        elif kind == "Sum" and len(inputs) == 2 and inputs[0].op.type == "Pack" and _sums_whole_stack(op):
-            stack.extend((t, coeff) for t in inputs[0].op.inputs)  # keras.ops.sum([a, b, ...])
-        elif kind in ("Sum", "Mean") and len(inputs) == 2 and inputs[0].shape.rank == 0:
-            stack.append((inputs[0], coeff))  # a reduction of a scalar is the scalar (Keras sums each add_loss value)
-        else:
-            terms.append((coeff, tensor))
-    return terms
 
 
 def _scaled_by_constant(op):
@@ -79,9 +34,7 @@ def _scaled_by_constant(op):
                 return factor, other
         return None
     divisor = _constant_scalar(b)  # RealDiv: only x / constant is linear in x
-    if divisor:
-        return 1.0 / divisor, a
-    return None
+    return (1.0 / divisor, a) if divisor else None
 
 
 def _sums_whole_stack(sum_op) -> bool:
@@ -100,9 +53,10 @@ def accumulates_into(value, variable) -> bool:
     1: ``var + a + b``, ``tf.add_n([var, a, b])``, ``var - (-d)`` and ``var - d`` qualify; ``var * decay + x``
     and ``2 * var + d`` do not. The other terms are not searched for further reads of the variable (they can be
     the whole model's forward pass): a value such as ``var + var * d`` counts as an accumulation of ``var * d``.
+    False in eager mode (no graph) or when the walk visits more than a bounded number of ops.
     """
     handles = {id(h) for h in _handles(variable)}
-    if not handles:
+    if not handles or not hasattr(value, "op") or tf.executing_eagerly():
         return False
 
     def reads_variable(tensor) -> bool:
@@ -111,10 +65,38 @@ def accumulates_into(value, variable) -> bool:
             op = op.inputs[0].op
         return op.type == "ReadVariableOp" and _captures_one_of(op.inputs[0], handles)
 
-    terms = linear_terms(value, reads_variable)
-    if terms is None:
-        return False
-    coefficient = sum(coeff for coeff, tensor in terms if reads_variable(tensor))
+    # value as sum_k c_k * t_k, followed through linear ops (see the module docstring) down to the variable's reads,
+    # which are not looked into, and to other leaves; coefficient sums the reads' c_k.
+    coefficient = 0.0
+    stack = [(value, 1.0)]
+    visited = 0
+    while stack:
+        tensor, coeff = stack.pop()
+        visited += 1
+        if visited > _MAX_OPS:
+            return False
+        if reads_variable(tensor):
+            coefficient += coeff
+            continue
+        op = tensor.op
+        kind = op.type
+        inputs = list(op.inputs)
+        if kind in _PASS_THROUGH and inputs:
+            stack.append((inputs[0], coeff))
+        elif kind in ("AddV2", "Add", "AddN"):  # a sum of two (Add, AddV2) or of any number (AddN) of terms
+            stack.extend((t, coeff) for t in inputs)
+        elif kind == "Sub" and len(inputs) == 2:
+            stack.extend([(inputs[0], coeff), (inputs[1], -coeff)])
+        elif kind == "Neg" and inputs:
+            stack.append((inputs[0], -coeff))
+        elif kind in ("Mul", "RealDiv") and len(inputs) == 2 and (scaled := _scaled_by_constant(op)) is not None:
+            factor, other = scaled
+            stack.append((other, coeff * factor))
+        elif kind == "Sum" and len(inputs) == 2 and inputs[0].op.type == "Pack" and _sums_whole_stack(op):
+            stack.extend((t, coeff) for t in inputs[0].op.inputs)  # keras.ops.sum([a, b, ...])
+        elif kind in ("Sum", "Mean") and len(inputs) == 2 and inputs[0].shape.rank == 0:
+            stack.append((inputs[0], coeff))  # a reduction of a scalar is the scalar (Keras sums each add_loss value)
+        # Anything else is a leaf that does not read the variable.
     return abs(coefficient - 1.0) < 1e-12
 
 
@@ -125,17 +107,11 @@ def _captures_one_of(tensor, handle_ids: set) -> bool:
             return False
         if id(tensor) in handle_ids:
             return True
-        # FuncGraph.captures: (outer tensor, placeholder inside the function) pairs.
-        captures = getattr(tensor.graph, "captures", ())
-        tensor = next((outer for outer, inner in captures if inner is tensor), None)
+        tensor = captured(tensor)
     return False
 
 
 def _handles(variable) -> list:
     """The resource handles a read of ``variable`` may use in the current graph (its own, or its wrapped one's)."""
-    found = []
-    for candidate in (variable, getattr(variable, "_v", None)):  # _v: the variable an AggregatingVariable wraps
-        handle = getattr(candidate, "handle", None)
-        if handle is not None:
-            found.append(handle)
-    return found
+    candidates = (variable, getattr(variable, "_v", None))  # _v: the variable an AggregatingVariable wraps
+    return [c.handle for c in candidates if getattr(c, "handle", None) is not None]

@@ -38,6 +38,7 @@ import tensorflow as tf
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat.batch_flow import BatchFlow, flow_of
 from hetero_cs.engine._compat.batch_kinds import COUNT, MIXED, REP, ROWS, SHAPE, axes
+from hetero_cs.engine._compat.context import note_for_micro_batches
 from hetero_cs.errors import BatchCouplingError, LossPatternError
 
 GLOBAL, SHARE = "global", "share"
@@ -65,7 +66,6 @@ class _Reading:
     tape: object = None
     leaves: list = dataclasses.field(default_factory=list)
     memo: dict = dataclasses.field(default_factory=dict)
-    all_reduced: bool = False
 
 
 def share_of(step, value, *, what: str = "the loss"):
@@ -279,17 +279,15 @@ def _atom(reading, op, tensor, what):
     """A reduction over the batch axis of per-example values: a sum (kept), a mean (weighed), or refused."""
     flow = reading.flow
     kind = flow.kind(op.inputs[0])
-    if op.type == "Prod":
-        if kind.what == SHAPE:
-            return SHARE, _leaf(reading, tensor)
+    if op.type == "Prod" and kind.what != SHAPE:
         raise _refusal(what, op, "multiplies values over the batch")
     leaf = _leaf(reading, tensor)
-    if op.type == "Sum":
+    if op.type in ("Sum", "Prod"):  # a sum, or the product of a shape (a count of elements): the replicas' add up
         return SHARE, leaf
     if flow.rows_proportional(kind):
         return SHARE, _weigh(leaf)
     # Rows the data picked: this replica's share of the mean is its rows' sum over all replicas' rows.
-    _note_all_reduce(reading)
+    note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
     rows = tf.cast(tf.size(op.inputs[0]), tensor.dtype) / tf.cast(tf.maximum(tf.size(tensor), 1), tensor.dtype)
     total = all_reduced_sum(tf.stop_gradient(rows))
     return SHARE, tf.where(rows > 0, leaf * tf.math.divide_no_nan(rows, total), tf.zeros_like(leaf))
@@ -297,9 +295,8 @@ def _atom(reading, op, tensor, what):
 
 def _product(reading, op, tensor, what, depth):
     a, b = op.inputs
-    step = reading.step
     for factor, other in ((a, b), (b, a)):
-        if factor.ref() in step.weights:  # value * hetero_cs.replica_weight(): the user weighed it already
+        if factor.ref() in reading.step.weights:  # value * hetero_cs.replica_weight(): the user weighed it already
             mode, _ = _read(reading, other, what, depth + 1)
             if mode == GLOBAL or _is_weighed_mean(reading.flow, other):
                 return SHARE, _leaf(reading, tensor)
@@ -322,20 +319,18 @@ def _is_weighed_mean(flow, tensor) -> bool:
 
 def _quotient(reading, op, tensor, what, depth):
     numerator, denominator = op.inputs
+    mode_n, share_n = _read(reading, numerator, what, depth + 1)
     if _is_one_on_one_device(reading.step, denominator):
         # x / strategy.num_replicas_in_sync (the stock idiom for an even split), or x / the replica's weight b_i / B
         # (Keras' logged loss, unscaled: a per-output loss tracker's value): one device divides by 1.
-        mode, share = _read(reading, numerator, what, depth + 1)
-        return SHARE, _as_share(mode, share)
-    mode_n, share_n = _read(reading, numerator, what, depth + 1)
+        return SHARE, _as_share(mode_n, share_n)
     mode_d, share_d = _read(reading, denominator, what, depth + 1)
     counted = reading.flow.kind(denominator)
     if counted.what == COUNT and counted.tag is not None and counted.tag.root == reading.flow.batch.root:
         # Divided by a number of rows that is a fixed multiple of the slice's examples (Keras' mean: a sum over the
         # number of values): one device divides by that number over the whole batch, count * B / b_i.
         weight = replica_state.replica_weight(tensor.dtype)
-        share = tf.math.divide_no_nan(_as_share(mode_n, share_n) * weight, tf.cast(share_d, tensor.dtype))
-        return SHARE, share
+        return SHARE, tf.math.divide_no_nan(_as_share(mode_n, share_n) * weight, tf.cast(share_d, tensor.dtype))
     if mode_d == GLOBAL:
         if mode_n == GLOBAL:
             return GLOBAL, _leaf(reading, tensor)
@@ -343,7 +338,7 @@ def _quotient(reading, op, tensor, what, depth):
     # A ratio of batch aggregates (sum(loss * mask) / sum(mask)): one device divides the whole batch's numerator by
     # the whole batch's denominator. Both are all-reduced (without gradient), every replica divides its numerator's
     # share by the global denominator, and the quotient rule's term for the denominator is added with value 0.
-    _note_all_reduce(reading)
+    note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
     dtype = tensor.dtype
     share_n = _as_share(mode_n, share_n)
     share_d = tf.cast(share_d, dtype)
@@ -351,8 +346,7 @@ def _quotient(reading, op, tensor, what, depth):
         total_d = all_reduced_sum(tf.stop_gradient(share_d))
         total_n = tf.stop_gradient(tf.cast(numerator, dtype))
     else:
-        totals = all_reduced_sum(tf.stop_gradient(tf.stack([tf.cast(share_n, dtype), share_d])))
-        total_n, total_d = totals[0], totals[1]
+        total_n, total_d = tf.unstack(all_reduced_sum(tf.stop_gradient(tf.stack([tf.cast(share_n, dtype), share_d]))))
     first = tf.math.divide_no_nan(tf.cast(share_n, dtype), total_d)
     second = tf.math.divide_no_nan(total_n, tf.square(total_d)) * (share_d - tf.stop_gradient(share_d))
     return SHARE, first - second
@@ -362,9 +356,7 @@ def _is_one_on_one_device(step, tensor) -> bool:
     """Whether ``tensor`` is ``strategy.num_replicas_in_sync`` (``B / b_i``) or the replica's weight (``b_i / B``)
     of this step, as it is or cast: a factor that is 1 on one device."""
     marked = step.replica_counts | step.weights
-    while tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
-        if tensor.ref() in marked:
-            return True
+    while tensor.ref() not in marked and tensor.op.type in ("Identity", "Cast") and tensor.op.inputs:
         tensor = tensor.op.inputs[0]
     return tensor.ref() in marked
 
@@ -377,13 +369,6 @@ def all_reduced_sum(values):
     if step is not None and step.flow is not None:
         step.flow.seed_replicated(summed)
     return summed
-
-
-def _note_all_reduce(reading) -> None:
-    reading.all_reduced = True
-    from hetero_cs.engine._compat.context import note_for_micro_batches
-
-    note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
 
 
 def _rebuilt(reading, tensor, inputs):

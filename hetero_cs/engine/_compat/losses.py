@@ -58,6 +58,22 @@ def weighted_step():
     return step if step.global_batch_size is not None else None
 
 
+def _patch_weighted(owner, name: str):
+    """Like :func:`hetero_cs.engine._compat.symbols.patch`, for a patch that acts only in a :func:`weighted_step`:
+    the decorated function is called with the original and that step first; elsewhere the original runs
+    unchanged."""
+
+    def install(function):
+        @patch(owner, name)
+        def dispatch(original, *args, **kwargs):
+            step = weighted_step()
+            return original(*args, **kwargs) if step is None else function(original, step, *args, **kwargs)
+
+        return dispatch
+
+    return install
+
+
 def _register(step, value):
     step.loss_terms.add(value.ref())
     return value
@@ -73,10 +89,9 @@ def patch_compute_average_loss() -> None:
     # nn_impl in TensorFlow before 2.13 is not supported anyway), which other TensorFlow code calls.
     from tensorflow.python.ops import nn_impl_distribute
 
-    @patch(nn_impl_distribute, "compute_average_loss")
-    def compute_average_loss(original, per_example_loss, sample_weight=None, global_batch_size=None):
-        step = weighted_step() if global_batch_size is None else None
-        if step is not None:
+    @_patch_weighted(nn_impl_distribute, "compute_average_loss")
+    def compute_average_loss(original, step, per_example_loss, sample_weight=None, global_batch_size=None):
+        if global_batch_size is None:
             global_batch_size = step.global_batch_size
         return original(per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size)
 
@@ -86,11 +101,8 @@ def patch_compute_average_loss() -> None:
     # examples runs nothing under our central-storage strategy (hetero_cs.engine.step.idle_replicas), so only the active
     # replicas add it and 1/R would undercount it. Inside a replica step of our strategies it weighs b_i / B
     # instead, which sums to 1 over the replicas that hold the batch, idle ones or not.
-    @patch(nn_impl_distribute, "scale_regularization_loss")
-    def scale_regularization_loss(original, regularization_loss):
-        step = weighted_step()
-        if step is None:
-            return original(regularization_loss)
+    @_patch_weighted(nn_impl_distribute, "scale_regularization_loss")
+    def scale_regularization_loss(original, step, regularization_loss):
         total = tf.reduce_sum(regularization_loss)
         return total * tf.cast(step.batch_size, total.dtype) / tf.cast(step.global_batch_size, total.dtype)
 
@@ -104,18 +116,13 @@ def patch_loss_scaling() -> None:
     # attributes reaches every caller. Under our strategy the factor is b_i / B instead.
     from keras.src.losses import loss as loss_module
 
-    @patch(loss_module, "scale_loss_for_distribution")
-    def scale_loss_for_distribution(original, value):
-        step = weighted_step()
-        if step is None:
-            return original(value)
+    @_patch_weighted(loss_module, "scale_loss_for_distribution")
+    def scale_loss_for_distribution(original, step, value):
         hooks.fired(hooks.LOSS_SCALE)
         return _register(step, share_of(step, value, what=f"the loss {_loss_name()}"))
 
-    @patch(loss_module, "unscale_loss_for_distribution")
-    def unscale_loss_for_distribution(original, value):
-        if weighted_step() is None:
-            return original(value)
+    @_patch_weighted(loss_module, "unscale_loss_for_distribution")
+    def unscale_loss_for_distribution(original, step, value):
         hooks.fired(hooks.LOSS_UNSCALE)
         # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
         return tf.math.divide_no_nan(value, replica_state.replica_weight(value.dtype))
@@ -126,20 +133,15 @@ def patch_loss_reduction() -> None:
     # replacing it reaches every Keras loss. Loss.__call__ itself is wrapped only to name the loss in errors.
     from keras.src.losses import loss as loss_module
 
-    @patch(loss_module.Loss, "__call__")
-    def call(original, self, y_true, y_pred, sample_weight=None):
-        if weighted_step() is None:
-            return original(self, y_true, y_pred, sample_weight=sample_weight)
+    @_patch_weighted(loss_module.Loss, "__call__")
+    def call(original, step, self, y_true, y_pred, sample_weight=None):
         hooks.expect(hooks.LOSS_REDUCE, by=f"the loss {self.name!r} (Loss.__call__)")
         with set_locally(_current_loss, loss=self):
             return original(self, y_true, y_pred, sample_weight=sample_weight)
 
-    @patch(loss_module, "reduce_weighted_values")
-    def reduce_weighted_values(original, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
-                               dtype=None):
-        step = weighted_step()
-        if step is None:
-            return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+    @_patch_weighted(loss_module, "reduce_weighted_values")
+    def reduce_weighted_values(original, step, values, sample_weight=None, mask=None,
+                               reduction="sum_over_batch_size", dtype=None):
         from keras.src import ops
 
         hooks.fired(hooks.LOSS_REDUCE)
@@ -148,10 +150,9 @@ def patch_loss_reduction() -> None:
         if values.shape.rank == 0:
             return _register(step, _scalar_share(step, values, sample_weight, mask))
         _refuse_mixed_examples(step, values, sample_weight, mask)
-        global_normaliser = reduction in _MEAN_REDUCTIONS and (
-            mask is not None or (reduction == "mean_with_sample_weight" and sample_weight is not None)
-        )
-        if global_normaliser:
+        # A mean whose normaliser (the unmasked count, the sum of sample weights) must be the whole batch's:
+        if reduction in _MEAN_REDUCTIONS and (
+                mask is not None or (reduction == "mean_with_sample_weight" and sample_weight is not None)):
             return _register(step, _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module))
         if reduction in _MEAN_REDUCTIONS and not tf.executing_eagerly() and tuple(values.shape) != (0,):
             # Keras' reduce_values weighs a mean through the module's scale_loss_for_distribution (patched).
@@ -209,17 +210,13 @@ def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_mod
     """
     note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
     squeeze = loss_module.squeeze_or_expand_to_same_rank
-    if sample_weight is not None:
-        sample_weight = tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)
-    weights = sample_weight
-    float_mask = None
-    if mask is not None:
-        float_mask = tf.cast(tf.convert_to_tensor(mask), values.dtype)
-        if weights is not None:
-            masked, weights = squeeze(float_mask, weights)
-            weights = weights * masked
-        else:
-            weights = float_mask
+    weights = None if sample_weight is None else tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)
+    float_mask = None if mask is None else tf.cast(tf.convert_to_tensor(mask), values.dtype)
+    if float_mask is not None and weights is not None:
+        masked, weights = squeeze(float_mask, weights)
+        weights = weights * masked
+    elif float_mask is not None:
+        weights = float_mask
     values, weights = squeeze(values, weights)
     weighted = values * weights
     numerator = tf.reduce_sum(weighted)
@@ -250,14 +247,12 @@ def patch_compute_loss() -> None:
             _register(step, result)
         return result
 
-    @patch(Trainer, "_compute_loss")
-    def _compute_loss(original, self, *args, **kwargs):
-        if weighted_step() is None:
-            return original(self, *args, **kwargs)
+    @_patch_weighted(Trainer, "_compute_loss")
+    def _compute_loss(original, step, self, *args, **kwargs):
         # Keras' train_step and test_step log this loss through unscale_loss_for_distribution (patched).
         hooks.expect(hooks.LOSS_UNSCALE, by="Trainer._compute_loss (the logged loss)")
         with _library_errors_unwrapped():
-            return _share_of(original, self, *args, **kwargs)
+            return _share_of(original, step, self, *args, **kwargs)
 
     @patch(Trainer, "compile")
     def compile(original, self, *args, **kwargs):
@@ -290,15 +285,12 @@ def _wrap_compute_loss_overrides(model_class, trainer_class) -> None:
             return
         override = cls.__dict__.get("compute_loss")
         if callable(override) and not getattr(override, "_hetero_cs_share", False):
-            patch(cls, "compute_loss")(_share_of)._hetero_cs_share = True
+            _patch_weighted(cls, "compute_loss")(_share_of)._hetero_cs_share = True
 
 
-def _share_of(compute_loss, self, *args, **kwargs):
+def _share_of(compute_loss, step, self, *args, **kwargs):
     """``compute_loss(self, ...)`` (Keras' ``_compute_loss`` or an override of ``compute_loss``) as this replica's
-    share under our strategy, unchanged elsewhere."""
-    step = weighted_step()
-    if step is None:
-        return compute_loss(self, *args, **kwargs)
+    share in the weighted ``step`` (elsewhere :func:`_patch_weighted` calls ``compute_loss`` unchanged)."""
     before = len(step.loss_terms)
     return _as_share(compute_loss(self, *args, **kwargs), step, before, type(self).__name__)
 

@@ -107,8 +107,7 @@ def weighted_terms(step, target, sources, output_gradients=None):
 
 def _output_gradients(targets, output_gradients) -> list:
     """One output gradient (or None) per target."""
-    if output_gradients is None:
-        return [None] * len(targets)
+    # None (no output gradients) gives [None]: kept for one target, widened to one None per target below.
     given = list(output_gradients) if isinstance(output_gradients, (list, tuple)) else [output_gradients]
     return given if len(given) == len(targets) else [None] * len(targets)
 
