@@ -333,7 +333,15 @@ def _class_names(program, base) -> list:
         names.append(base)
     if program.loss in ("add_loss_keras", "add_loss_tensor"):
         names.append({"add_loss_keras": "AddsKerasLoss", "add_loss_tensor": "AddsTensorLoss"}[program.loss])
+    if _counts_steps(program):
+        names.append("StepStatistics")
     return names
+
+
+def _counts_steps(program: Program) -> bool:
+    """Whether the program compiles the StepStatistics metric too (every other seed, in loops that compile
+    metrics): terms every replica computes alike in a metric's accumulation."""
+    return program.loop not in ("train_step", "custom_loop") and program.seed % 2 == 0
 
 
 def _optimizer(program: Program) -> str:
@@ -389,7 +397,9 @@ def _compile_extras(program: Program) -> str:
         extras.append("loss_weights=[1.0, 0.5]")
         extras.append("metrics=[['mae'], ['mse']]")
     elif program.loop != "train_step":
-        extras.append("metrics=['accuracy']" if program.classification else "metrics=['mae']")
+        step_statistics = ", StepStatistics()" if _counts_steps(program) else ""
+        extras.append(f"metrics=['accuracy'{step_statistics}]" if program.classification
+                      else f"metrics=['mae'{step_statistics}]")
     if program.loss in ("sample_weight", "mean_with_sample_weight"):
         extras.append("weighted_metrics=['mae']" if not program.classification else "weighted_metrics=['accuracy']")
     return ", ".join(extras)
@@ -455,6 +465,22 @@ class TrainStepModel(keras.Model):
 
 
 _CLASSES = {
+    "StepStatistics": '''
+class StepStatistics(keras.metrics.Metric):
+    """Steps counted with assign_add of a constant, and a total that adds each step a constant and a sum."""
+
+    def __init__(self, name="step_statistics", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.steps = self.add_variable((), "zeros", name="steps")
+        self.total = self.add_variable((), "zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.steps.assign_add(1.0)
+        self.total.assign(self.total + 0.5 + 0.01 * tf.reduce_sum(tf.cast(y_pred, "float32")))
+
+    def result(self):
+        return self.total.value / self.steps.value + self.steps.value
+''',
     "Subclassed": '''
 class Subclassed(keras.Model):
     """A subclassed model: its call runs a functional model it holds as an attribute."""

@@ -418,6 +418,76 @@ def test_a_metric_that_sets_its_state_keeps_the_sum_over_replicas():
         assert got[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
+class StepCount(keras.metrics.Metric):
+    """Counts steps: assign_add of a constant."""
+
+    def __init__(self, name="steps", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.steps = self.add_variable((), "zeros", name="steps")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.steps.assign_add(1.0)
+
+    def result(self):
+        return self.steps.value
+
+
+class OffsetTotal(keras.metrics.Metric):
+    """Adds the predictions' sum times a variable that is not its own, plus a constant, to a total each step."""
+
+    def __init__(self, scale, name="offset_total", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), "zeros", name="total")
+        self._scale = [scale]  # in a list: not tracked, so not reset with the metric's state
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign(self.total + tf.reduce_sum(y_pred) * self._scale[0] + 1.0 + self._scale[0])
+
+    def result(self):
+        return self.total.value
+
+
+class MeanOfBatches(keras.metrics.Metric):
+    """The mean over steps of a replicated value (the scale) plus 1, with assign_add."""
+
+    def __init__(self, scale, name="mean_of_batches", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), "zeros", name="total")
+        self.count = self.add_variable((), "zeros", name="count")
+        self._scale = [scale]
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(self._scale[0] * 3.0 + 1.0)
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.total.value / self.count.value
+
+
+def test_a_metric_that_counts_steps_or_reads_another_variable_matches_single_device():
+    # Each replica adds the same 1 to the step count: summed over the replicas it counted R a step, and so every
+    # term that every replica computes alike (a constant, another variable's value) in a metric's accumulation (a
+    # read of another variable there also raised AttributeError while the step was traced).
+    x = np.arange(46, dtype=np.float32).reshape(46, 1) / 46
+    y = np.zeros((46, 1), np.float32)
+
+    def build():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        scale = tf.Variable(2.0, trainable=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      metrics=[StepCount(), OffsetTotal(scale), MeanOfBatches(scale)])
+        return model
+
+    reference = build().fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
+    strategy = strategy_for(3, [5, 3, 2])
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
+    assert history["steps"] == pytest.approx([5.0, 5.0], abs=1e-5)  # 5 steps an epoch
+    for key in ("offset_total", "mean_of_batches"):
+        np.testing.assert_allclose(history[key], reference[key], rtol=1e-5, err_msg=key)
+
+
 def test_the_stateless_metric_api_leaves_the_variables_alone():
     strategy = strategy_for(2, [3, 1])
     with strategy.scope():

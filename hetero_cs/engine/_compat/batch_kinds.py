@@ -141,9 +141,11 @@ def axes(tensor, rank: int | None) -> list[int] | None:
 
 
 def captured(tensor):
-    """The outer graph's tensor that a function graph's input ``tensor`` captures, else None."""
+    """The outer graph's tensor that a function graph's input ``tensor`` captures, else None (also for an eager
+    tensor: a variable's handle captured from outside every function, whose ``graph`` raises AttributeError)."""
     # FuncGraph.captures: (outer tensor, placeholder inside the function) pairs.
-    return next((outer for outer, inner in getattr(tensor.graph, "captures", ()) if inner is tensor), None)
+    graph = getattr(tensor, "graph", None)
+    return next((outer for outer, inner in getattr(graph, "captures", ()) if inner is tensor), None)
 
 
 def rows_of(op, kind: Kind, what: str) -> Kind | None:

@@ -3,7 +3,7 @@
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. An ``assign`` to a metric
 variable accumulates when the value is ``var + delta`` in any linear form (``var + a + b``, ``tf.add_n([var, a,
 b])``, ``var - (-d)``): the variable's reads have total coefficient 1 (:func:`accumulates_into`). The walk
-goes only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a
+(:func:`linear_terms`) goes only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a
 product with a constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
 """
 
@@ -55,26 +55,35 @@ def accumulates_into(value, variable) -> bool:
     the whole model's forward pass): a value such as ``var + var * d`` counts as an accumulation of ``var * d``.
     False in eager mode (no graph) or when the walk visits more than a bounded number of ops.
     """
-    handles = {id(h) for h in _handles(variable)}
-    if not handles or not hasattr(value, "op") or tf.executing_eagerly():
-        return False
+    terms = linear_terms(value, variable)
+    return terms is not None and abs(terms[0] - 1.0) < 1e-12
+
+
+def linear_terms(value, variable=None) -> tuple[float, list] | None:
+    """Graph tensor ``value`` as ``c * variable + sum_k c_k * t_k``: ``(c, [(c_k, t_k), ...])``.
+
+    Followed through linear ops (see the module docstring) down to ``variable``'s direct reads (None: no variable),
+    which add up to ``c`` and are not looked into, and to other leaves ``t_k``. None in eager mode (no graph), for
+    a variable without a handle, or when the walk visits more than a bounded number of ops.
+    """
+    handles = set() if variable is None else {id(h) for h in _handles(variable)}
+    if variable is not None and not handles or not hasattr(value, "op") or tf.executing_eagerly():
+        return None
 
     def reads_variable(tensor) -> bool:
         op = tensor.op
         while op.type in _PASS_THROUGH and op.inputs:
             op = op.inputs[0].op
-        return op.type == "ReadVariableOp" and _captures_one_of(op.inputs[0], handles)
+        return bool(handles) and op.type == "ReadVariableOp" and _captures_one_of(op.inputs[0], handles)
 
-    # value as sum_k c_k * t_k, followed through linear ops (see the module docstring) down to the variable's reads,
-    # which are not looked into, and to other leaves; coefficient sums the reads' c_k.
-    coefficient = 0.0
+    coefficient, leaves = 0.0, []
     stack = [(value, 1.0)]
     visited = 0
     while stack:
         tensor, coeff = stack.pop()
         visited += 1
         if visited > _MAX_OPS:
-            return False
+            return None
         if reads_variable(tensor):
             coefficient += coeff
             continue
@@ -96,8 +105,9 @@ def accumulates_into(value, variable) -> bool:
             stack.extend((t, coeff) for t in inputs[0].op.inputs)  # keras.ops.sum([a, b, ...])
         elif kind in ("Sum", "Mean") and len(inputs) == 2 and inputs[0].shape.rank == 0:
             stack.append((inputs[0], coeff))  # a reduction of a scalar is the scalar (Keras sums each add_loss value)
-        # Anything else is a leaf that does not read the variable.
-    return abs(coefficient - 1.0) < 1e-12
+        else:
+            leaves.append((coeff, tensor))  # anything else is a leaf that does not read the variable
+    return coefficient, leaves
 
 
 def _captures_one_of(tensor, handle_ids: set) -> bool:

@@ -13,7 +13,9 @@ from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.context import (
     current_weighting_strategy, in_stateless_scope, is_hetero_strategy, strategy_of,
 )
-from hetero_cs.engine._compat.graph_patterns import accumulates_into
+from hetero_cs.engine._compat.batch_flow import flow_of
+from hetero_cs.engine._compat.batch_kinds import REP
+from hetero_cs.engine._compat.graph_patterns import accumulates_into, linear_terms
 from hetero_cs.engine._compat.loss_scale import iterations_increment
 from hetero_cs.engine._compat.symbols import patch
 
@@ -31,10 +33,15 @@ def patch_variable_assign_add() -> None:
         inner = _central_in_replica_context(self)
         if inner is None:
             return original(self, value)
+        if inner.aggregation == tf.VariableAggregation.SUM:
+            value = _replica_weighted(value, inner.dtype)
+        return _write(self, inner, original.__name__, value)
+
+    def _write(variable, inner, name, value):
         hooks.fired(hooks.VARIABLE_WRITE)
-        if original.__name__ == "assign_add":  # a loss-scaled step that was skipped counts no iteration
-            value = iterations_increment(self, tf.cast(value, inner.dtype))
-        return getattr(inner, original.__name__)(_behind_barrier(value, inner.dtype))
+        if name == "assign_add":  # a loss-scaled step that was skipped counts no iteration
+            value = iterations_increment(variable, tf.cast(value, inner.dtype))
+        return getattr(inner, name)(_behind_barrier(value, inner.dtype))
 
     for name in ("assign_add", "assign_sub"):
         patch(core.Variable, name)(_route)
@@ -51,8 +58,8 @@ def patch_variable_assign_add() -> None:
         inner = _central_in_replica_context(self)
         aggregation = getattr(inner, "aggregation", None)
         if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or accumulates_into(value, inner)):
-            delta = tf.cast(value, inner.dtype) - inner.read_value()
-            return core.Variable.assign_add(self, delta)  # routed above: aggregated deltas, behind the barrier
+            delta = tf.cast(_replica_weighted(value, inner.dtype, inner), inner.dtype) - inner.read_value()
+            return _write(self, inner, "assign_add", delta)  # aggregated deltas, behind the barrier
         if aggregation == tf.VariableAggregation.NONE:
             # A trainable variable (aggregation NONE) assigned in replica context: Keras' optimizer applies weight
             # constraints (kernel_constraint=MaxNorm, ...) this way after the update, and every replica computes the
@@ -97,6 +104,35 @@ def _central_in_replica_context(variable):
     ):
         return inner
     return None
+
+
+def _replica_weighted(value, dtype, variable=None):
+    """A delta of a SUM-aggregated variable (a metric's state) whose replicated terms are weighted by the replica's
+    ``b_i / B``: ``value`` less ``(1 - b_i / B)`` times its terms that every replica computes alike.
+
+    The replicas' deltas are summed. A term that sums over the replica's examples (a total, a count of examples)
+    sums to one device's; a replicated one (a count of steps, a constant, another variable's value: the batch-flow
+    analysis proves it) would count once per replica that runs (per micro-batch under micro-batching), so a metric
+    that counts steps counted R a step. Weighted, such terms add up to one device's: the weights of the slices that
+    hold a step's batch sum to 1. ``value`` is read as a linear form (graph_patterns.linear_terms) with
+    ``variable``'s own reads left out (``assign(var + delta)``); a value that does not read so, an eager one, or
+    integer state stays as it is.
+    """
+    if tf.executing_eagerly() or not tf.as_dtype(dtype).is_floating or current_weighting_strategy() is None:
+        return value
+    step = replica_state.current_replica_step()
+    if step is None or step.global_batch_size is None or step.batch_size is None:
+        return value
+    value = tf.cast(value, dtype)  # a Python number: a constant
+    terms = linear_terms(value, variable)
+    if not terms:
+        return value
+    flow = flow_of(step)
+    replicated = [c * tf.cast(t, dtype) for c, t in terms[1] if flow.kind(t).what == REP]
+    if not replicated:
+        return value
+    weight = tf.cast(step.batch_size, dtype) / tf.cast(step.global_batch_size, dtype)
+    return value - (1.0 - weight) * tf.add_n(replicated)
 
 
 def _behind_barrier(value, dtype):
