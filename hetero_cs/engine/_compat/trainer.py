@@ -163,9 +163,8 @@ def patch_make_train_function() -> None:
         current = [function]
 
         micro = strategy._micro_batching  # noqa: SLF001
-        set_steps = None
-        if not is_multi_worker_strategy(strategy) and strategy.num_replicas_in_sync > 1:
-            set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function))
+        set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function)) \
+            if strategy.num_replicas_in_sync > 1 else None  # the central-storage strategy (is_hetero_strategy)
 
         def trace_again_if_needed():
             idle_sets_new = active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True)
