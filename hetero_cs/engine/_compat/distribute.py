@@ -264,9 +264,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     @property
     def worker_devices(self):
         active = self.active_replicas_now()
-        if active is None:
-            return self._compute_devices
-        return tuple(self._compute_devices[i] for i in active)
+        return self._compute_devices if active is None else tuple(self._compute_devices[i] for i in active)
 
     def _get_replica_id_in_sync_group(self, replica_id):
         active = self.active_replicas_now()
