@@ -36,6 +36,7 @@ import logging
 import threading
 
 from hetero_cs._supported import supported_range, unsupported_installed
+from hetero_cs.errors import HeteroCSError
 from hetero_cs.engine._compat import (
     batch_norm, distribute, loss_scale, losses, multi_worker, on_batch, optimizer, replica_pass, tape, trainer,
     variables,
@@ -67,17 +68,6 @@ _install_lock = threading.Lock()
 _installed = False
 
 
-def _let_library_errors_through_autograph() -> None:
-    # Private: AutoGraph (tf.function's default conversion) re-raises an exception raised while tracing as a new
-    # exception of the same type when it can rebuild it from a message alone, else as TensorFlow's StagingError; ours
-    # take keyword arguments, so `except hetero_cs.ConfigError` around a custom loop's tf.function would not catch
-    # them. AutoGraph passes an exception with an `ag_pass_through` attribute through unchanged
-    # (tensorflow/python/autograph/impl/api.py, _attach_error_metadata).
-    from hetero_cs.errors import HeteroCSError
-
-    HeteroCSError.ag_pass_through = True
-
-
 def install() -> None:
     """Installs the dispatching patches once per process (thread-safe, idempotent)."""
     global _installed
@@ -93,7 +83,12 @@ def install() -> None:
                 "hetero_cs: %s is outside the tested range %s; hetero_cs checks that every Keras hook it patches "
                 "still runs (UnsupportedVersionError if not), but results were not tested on this pair.",
                 " and ".join(outside), supported_range())
-        _let_library_errors_through_autograph()
+        # Private: AutoGraph (tf.function's default conversion) re-raises an exception raised while tracing as a new
+        # exception of the same type when it can rebuild it from a message alone, else as TensorFlow's StagingError;
+        # ours take keyword arguments, so `except hetero_cs.ConfigError` around a custom loop's tf.function would not
+        # catch them. AutoGraph passes an exception with an `ag_pass_through` attribute through unchanged
+        # (tensorflow/python/autograph/impl/api.py, _attach_error_metadata).
+        HeteroCSError.ag_pass_through = True
         distribute.register_replica_count_conversion()
         losses.patch_loss_scaling()
         losses.patch_compute_average_loss()

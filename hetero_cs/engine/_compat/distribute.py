@@ -264,9 +264,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     @property
     def worker_devices(self):
         active = self.active_replicas_now()
-        if active is None:
-            return self._compute_devices
-        return tuple(self._compute_devices[i] for i in active)
+        return self._compute_devices if active is None else tuple(self._compute_devices[i] for i in active)
 
     def _get_replica_id_in_sync_group(self, replica_id):
         active = self.active_replicas_now()
@@ -354,7 +352,8 @@ class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
 
     def __init__(self, *args, source=None, first_batches=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._hetero_source_spec = None if source is None else source.element_spec
+        # The element spec of the user's dataset (one global batch, before it was packed), or None.
+        self.source_element_spec = None if source is None else source.element_spec
         self._hetero_source = None if source is None else weakref.ref(source)
         self._hetero_first_batches = first_batches
 
@@ -373,11 +372,6 @@ class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
     def source_dataset(self):
         """The user's dataset this one packs (None when it is gone or unknown)."""
         return self._hetero_source() if self._hetero_source is not None else None
-
-    @property
-    def source_element_spec(self):
-        """The element spec of the user's dataset (one global batch, before it was packed), or None."""
-        return self._hetero_source_spec
 
 
 def distribute_on_host(strategy, dataset, *, source=None, host=None):

@@ -67,10 +67,6 @@ class StepHooks:
     fired: set = dataclasses.field(default_factory=set)
     expected: dict = dataclasses.field(default_factory=dict)
 
-    def missing(self) -> list[tuple[str, str]]:
-        """(hook, what needed it) for every needed hook that did not run."""
-        return [(hook, by) for hook, by in self.expected.items() if hook not in self.fired]
-
 
 def fired(hook: str) -> None:
     """Records that ``hook`` ran in the step this thread works on (nothing outside a checked step)."""
@@ -99,9 +95,9 @@ def expect_optimizer_step(optimizer, *, central_iterations: bool) -> None:
         expect(DECAY_DEFERRED, DECAY_APPLIED, by=f"{by} with weight_decay={optimizer.weight_decay}")
 
 
-def verify(record: StepHooks | None) -> None:
+def verify(record: StepHooks) -> None:
     """Raises UnsupportedVersionError when a hook the traced step needs did not run."""
-    missing = [] if record is None else record.missing()
+    missing = [(hook, by) for hook, by in record.expected.items() if hook not in record.fired]  # what needed it
     if not missing:
         return
     from hetero_cs._supported import version_advice

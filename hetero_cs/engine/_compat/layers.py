@@ -9,16 +9,10 @@ from __future__ import annotations
 
 def all_sublayers(model) -> list:
     """The model and every layer inside it, nested models and layers held as attributes included."""
-    # Private: Keras 3's _flatten_layers is the only walk that reaches sublayers kept as plain attributes of a
-    # subclassed layer; `model.layers` lists only the top level. Used to count a model's FLOPs for emulation.
-    if hasattr(model, "_flatten_layers"):
-        return list(model._flatten_layers(include_self=True, recursive=True))  # noqa: SLF001
-    layers, stack = [], [model]  # public fallback for Keras versions without it
-    while stack:
-        layer = stack.pop()
-        layers.append(layer)
-        stack.extend(getattr(layer, "layers", []))
-    return layers
+    # Private: Keras 3's _flatten_layers (every supported Keras has it: symbols.REQUIRED) is the only walk that
+    # reaches sublayers kept as plain attributes of a subclassed layer; `model.layers` lists only the top level. Used
+    # to count a model's FLOPs for emulation.
+    return list(model._flatten_layers(include_self=True, recursive=True))  # noqa: SLF001
 
 
 def layer_build_shapes(layer) -> dict | None:

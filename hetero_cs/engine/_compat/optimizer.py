@@ -93,7 +93,7 @@ def patch_optimizer() -> None:
         # gradients are unscaled and clipped on the host in the update instead (loss_scale.apply_or_skip).
         # Under micro-batching (a trace that may run as a sub-step) or Keras' gradient_accumulation_steps the sum is
         # clipped in the host update, once per update, on the sum it applies (_accumulating_update).
-        deferred = (loss_scale.pending_scaler(self) is not None or _micro_armed(strategy)
+        deferred = (loss_scale.pending_scaler(self) is not None or strategy._micro_batching.armed  # noqa: SLF001
                     or bool(getattr(self, "gradient_accumulation_steps", None)))
         clip = None if deferred else functools.partial(_clip_on_host, self)
         # The clip function goes in the merge function, not its arguments (which are regrouped per replica).
@@ -263,11 +263,6 @@ def iteration_counter(optimizer):
     # except under gradient_accumulation_steps, where it is the count divided by the steps (a tensor).
     counter = getattr(optimizer, "_iterations", None)
     return counter if counter is not None else getattr(optimizer, "iterations", None)
-
-
-def _micro_armed(strategy) -> bool:
-    micro = getattr(strategy, "_micro_batching", None)
-    return micro is not None and micro.armed
 
 
 def _accumulating_update(optimizer, distribution, grads_and_vars, run_update):

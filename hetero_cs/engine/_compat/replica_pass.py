@@ -208,6 +208,9 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     # _call_has_training_arg, _compute_loss) and its StatelessScope, the scope Keras' stateless_call uses to run a
     # model on given weight values and record the state it writes instead of writing it.
     from keras.src.backend.common.stateless_scope import StatelessScope
+    # Private: keras.src.metrics.reduction_metrics holds Keras' Sum and Mean (loss trackers and every
+    # MeanMetricWrapper included), whose update_state only adds to their state (assign_add).
+    from keras.src.metrics.reduction_metrics import Mean, Sum
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     from hetero_cs.engine._compat.losses import weighing_in_compiled_replica_step
@@ -221,7 +224,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     # added to the variables after it, as the plain step adds it (aggregated across replicas).
     known = {id(v) for v in trainable + non_trainable}
     metric_state = [v for v in model.metrics_variables if id(v) not in known]
-    additive = {id(v) for metric in model.metrics if isinstance(metric, _additive_metrics())
+    additive = {id(v) for metric in model.metrics if isinstance(metric, (Sum, Mean))
                 for v in metric.variables}
     optimizer = model.optimizer
     # optimizer.scale_loss multiplies by the loss scale (a variable on the parameter device) under
@@ -285,31 +288,28 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     if micro_cap is None and not (jit or skip_when_empty):
         return None  # traced only to find the above: Keras' own step runs
     if micro_cap is not None:
-        return _micro_batched(model, step, concrete, function, arguments, trainable, non_trainable, metric_state,
-                              written, added, micro_cap, x, y, sample_weight)
-    empty = _empty_outputs(concrete.structured_outputs, weights, state, written) if skip_when_empty else None
-    if skip_when_empty and empty is None:
-        replica_xla.multi_worker_fall_back(model, "a prediction's shape beyond the batch dimension is not known "
-                                                    "while tracing, so an idle replica has no empty one to give")
-        skip_when_empty = False
-        if not jit:
-            return None
-    if jit:
-        replica_xla.note_compiled(model)
-        logger.debug("hetero_cs: replica %d's forward pass, loss and gradient are compiled with XLA on %s.",
-                     step.replica_id, step.device)
-    if skip_when_empty:
-        y_pred, loss, gradients, new_state, sums = tf.cond(
-            step.batch_size > 0, lambda: function(*arguments), empty)
+        step, outputs = _micro_batched(model, step, concrete, function, arguments, written, micro_cap, x, y,
+                                       sample_weight)
     else:
-        y_pred, loss, gradients, new_state, sums = function(*arguments)
-    return _finish(model, step, (x, y, sample_weight), y_pred, loss, gradients, trainable, zip(written, new_state),
-                   zip(added, sums), non_trainable, metric_state)
+        empty = _empty_outputs(concrete.structured_outputs, weights, state, written) if skip_when_empty else None
+        if skip_when_empty and empty is None:
+            replica_xla.multi_worker_fall_back(model, "a prediction's shape beyond the batch dimension is not known "
+                                                        "while tracing, so an idle replica has no empty one to give")
+            skip_when_empty = False
+            if not jit:
+                return None
+        if jit:
+            replica_xla.note_compiled(model)
+            logger.debug("hetero_cs: replica %d's forward pass, loss and gradient are compiled with XLA on %s.",
+                         step.replica_id, step.device)
+        outputs = tf.cond(step.batch_size > 0, lambda: function(*arguments), empty) if skip_when_empty \
+            else function(*arguments)
+    return _finish(model, step, (x, y, sample_weight), outputs, trainable, non_trainable, metric_state, written, added)
 
 
-def _micro_batched(model, step, concrete, function, arguments, trainable, non_trainable, metric_state, written, added,
-                   cap: int, x, y, sample_weight):
-    """The rest of :func:`_cut_step` when the slice runs as micro-batches of at most ``cap`` examples.
+def _micro_batched(model, step, concrete, function, arguments, written, cap: int, x, y, sample_weight):
+    """The pass of :func:`_cut_step` when the slice runs as micro-batches of at most ``cap`` examples: the replica
+    step to finish it in (its micro-batches waited out their emulated time), and the pass's outputs.
 
     ``k = ceil(b_i / cap)`` near-equal micro-batches (:func:`hetero_cs.planning.cost_model.near_equal_micro_batches`:
     the rule the chief's plans price) run one after another (``parallel_iterations=1``: one micro-batch's
@@ -374,9 +374,7 @@ def _micro_batched(model, step, concrete, function, arguments, trainable, non_tr
     step.flow.seed_rows(y_pred)  # the slice's rows in order, put back together from its micro-batches
     strategy.micro_batching.note_micro_batched(model)
     # The loss is a b_i / B share: the sum of the micro-batches' m_ij / B shares.
-    step = dataclasses.replace(step, waited_per_micro_batch=emulated)
-    return _finish(model, step, (x, y, sample_weight), y_pred, loss, gradients, trainable,
-                   zip(written, new_state), zip(added, sums), non_trainable, metric_state)
+    return dataclasses.replace(step, waited_per_micro_batch=emulated), (y_pred, loss, gradients, new_state, sums)
 
 
 def _near_equal_micro_batches(batch_size, cap: int):
@@ -404,22 +402,22 @@ def _row_arrays(tensors, count) -> list:
             for t in tensors]
 
 
-def _finish(model, step, data, y_pred, loss, gradients, trainable, state_written, sums_added, non_trainable,
-            metric_state):
+def _finish(model, step, data, outputs, trainable, non_trainable, metric_state, written, added):
     """The end of the cut train step, as Keras' ``train_step`` ends: the loss share registered (weighted
-    ``b_i / B``, as ``_compute_loss``'s own result is), the state and metric sums the pass wrote put in their
-    variables, the loss tracker, ``apply_gradients`` (the all-reduce) and ``compute_metrics``. ``data`` is
-    ``(x, y, sample_weight)``."""
+    ``b_i / B``, as ``_compute_loss``'s own result is), the state and metric sums the pass wrote (``outputs``:
+    ``(y_pred, loss, gradients, new_state, sums)``) put in their variables, the loss tracker, ``apply_gradients``
+    (the all-reduce) and ``compute_metrics``. ``data`` is ``(x, y, sample_weight)``."""
     from keras.src import tree
     from keras.src.losses import loss as loss_module
 
     from hetero_cs.engine._compat.losses import _register
 
     x, y, sample_weight = data
+    y_pred, loss, gradients, new_state, sums = outputs
     _register(step, loss)
-    for i, value in state_written:
+    for i, value in zip(written, new_state):
         non_trainable[i].assign(value)
-    for i, value in sums_added:
+    for i, value in zip(added, sums):
         metric_state[i].assign_add(value)
     model._loss_tracker.update_state(  # noqa: SLF001
         loss_module.unscale_loss_for_distribution(loss),
@@ -486,11 +484,3 @@ def _fall_back(model, jit: bool, skip_when_empty: bool, reason: str, *, refusal:
     if refusal is not None:
         micro = strategy_of(model).micro_batching
         micro.refuse(model, getattr(micro, refusal))
-
-
-def _additive_metrics() -> tuple:
-    # Private: keras.src.metrics.reduction_metrics holds Keras' Sum and Mean (loss trackers and every
-    # MeanMetricWrapper included), whose update_state only adds to their state (assign_add).
-    from keras.src.metrics.reduction_metrics import Mean, Sum
-
-    return (Sum, Mean)

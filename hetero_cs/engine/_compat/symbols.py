@@ -56,7 +56,7 @@ REQUIRED = (
     ("tensorflow.python.distribute.values", None, ("PerReplica", "PerReplicaSpec")),
     ("tensorflow.python.ops.nn_impl_distribute", None, ("compute_average_loss", "scale_regularization_loss")),
     ("keras.src.layers.normalization.batch_normalization", "BatchNormalization", ("_moments",)),
-    ("keras.src.layers.layer", "Layer", ("add_loss", "_get_own_losses", "_clear_losses")),
+    ("keras.src.layers.layer", "Layer", ("add_loss", "_get_own_losses", "_clear_losses", "_flatten_layers")),
     ("tensorflow.python.eager.def_function", "Function", ("_clone", "python_function")),
 )
 
@@ -64,17 +64,15 @@ REQUIRED = (
 def resolve(module_name: str, class_name: str | None = None):
     """The module ``module_name`` (or its class ``class_name``) at its home in the installed Keras, moved or renamed
     (:data:`MOVED_MODULES`, :data:`RENAMED_CLASSES`); None when neither home has it."""
-    for module in (module_name, MOVED_MODULES.get(module_name)):
-        if module is None:
-            continue
+    for module in filter(None, (module_name, MOVED_MODULES.get(module_name))):
         try:
             owner = importlib.import_module(module)
         except ImportError:
             continue
         if class_name is None:
             return owner
-        for name in (class_name, RENAMED_CLASSES.get((module_name, class_name))):
-            found = getattr(owner, name, None) if name is not None else None
+        for name in filter(None, (class_name, RENAMED_CLASSES.get((module_name, class_name)))):
+            found = getattr(owner, name, None)
             if found is not None:
                 return found
     return None
@@ -106,8 +104,9 @@ def patch(owner, name: str):
     return install
 
 
-def missing_private_symbols() -> list[str]:
-    """The dotted names of :data:`REQUIRED` that the installed Keras / TensorFlow lacks."""
+def check_private_symbols() -> None:
+    """Raises UnsupportedVersionError naming every private name of :data:`REQUIRED` that the installed Keras /
+    TensorFlow lacks."""
     missing = []
     for module_name, class_name, attributes in REQUIRED:
         owner, prefix = resolve(module_name, class_name), f"{module_name}.{class_name}" if class_name else module_name
@@ -115,12 +114,6 @@ def missing_private_symbols() -> list[str]:
             missing.append(prefix)
         else:
             missing.extend(f"{prefix}.{name}" for name in attributes if not hasattr(owner, name))
-    return missing
-
-
-def check_private_symbols() -> None:
-    """Raises UnsupportedVersionError naming every private name the patches need that is missing."""
-    missing = missing_private_symbols()
     if not missing:
         return
     from hetero_cs._supported import version_advice

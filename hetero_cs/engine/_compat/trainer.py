@@ -106,22 +106,6 @@ def _raise_with_tensorflow_cause(exc):
     raise exc
 
 
-class _BatchInHand:
-    """Around a step whose batch was read: a StopIteration from inside (a planner's, a retry's) is a bug, not the end
-    of the data, which Keras' loop would take it for (ending the epoch, or fit as "the dataset is empty")."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, traceback):
-        if kind is not None and issubclass(kind, StopIteration):
-            raise RuntimeError("hetero_cs: a StopIteration was raised inside a training step whose batch was already "
-                               "read; it is not the end of the data, so training stops here instead of ending the "
-                               "epoch early. This is a bug in hetero_cs or in the model's train_step: please report "
-                               "it with the traceback.") from exc
-        return False
-
-
 def _next_batch(iterator):
     """The next element of a distributed iterator, read eagerly; StopIteration at its end, as Keras' loops expect."""
     try:
@@ -179,9 +163,8 @@ def patch_make_train_function() -> None:
         current = [function]
 
         micro = strategy._micro_batching  # noqa: SLF001
-        set_steps = None
-        if not is_multi_worker_strategy(strategy) and strategy.num_replicas_in_sync > 1:
-            set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function))
+        set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function)) \
+            if strategy.num_replicas_in_sync > 1 else None  # the central-storage strategy (is_hetero_strategy)
 
         def trace_again_if_needed():
             idle_sets_new = active_sets.traced_with.get(current[0], 0) < active_sets.version(training=True)
@@ -215,7 +198,7 @@ def patch_make_train_function() -> None:
             if not (recovering or micro_batching or (in_hand and per_set())):
                 return step(iterator)
             data = _next_batch(iterator)  # eager: the batch stays in hand for a retry, its sub-steps, its plan
-            with _BatchInHand():
+            try:
 
                 def run(batch):
                     return set_steps(batch, global_batch_size_of(batch)) if per_set() else train_function([batch])
@@ -258,16 +241,24 @@ def patch_make_train_function() -> None:
                                 plan.global_batch_size, plan.num_sub_steps)
                     micro.arm()
                     return micro.run(self, one_step, data, plan)
+            except StopIteration as exc:
+                # Raised inside a step whose batch was read (a planner's, a retry's): a bug, not the end of the data,
+                # which Keras' loop would take it for (ending the epoch, or fit as "the dataset is empty").
+                raise RuntimeError("hetero_cs: a StopIteration was raised inside a training step whose batch was "
+                                   "already read; it is not the end of the data, so training stops here instead of "
+                                   "ending the epoch early. This is a bug in hetero_cs or in the model's train_step: "
+                                   "please report it with the traceback.") from exc
 
         train_function._hetero_wrapped = True
         self.train_function = train_function
         return result
 
 
-def _made_step(keras_make, model, wrapper):
-    """A new, untraced Keras train function of ``model`` (Keras keeps ``wrapper`` as ``model.train_function``)."""
+def _made_step(keras_make, model, wrapper, attribute="train_function"):
+    """A new, untraced Keras step function of ``model`` (Keras keeps ``wrapper`` as ``model.<attribute>``)."""
     _made_without_whole_step_xla(keras_make, model, force=True)
-    made, model.train_function = model.train_function, wrapper
+    made = getattr(model, attribute)
+    setattr(model, attribute, wrapper)
     return made
 
 
@@ -351,10 +342,8 @@ def _make_inference_function(keras_make, self, force=False):
 
     def wrapped(data, nested=False):
         if micro.armed and not getattr(current[0], "_hetero_micro", False):
-            _made_without_whole_step_xla(keras_make, self, force=True)
-            current[0] = getattr(self, attribute)
+            current[0] = _made_step(keras_make, self, wrapped, attribute)
             current[0]._hetero_micro = True
-            setattr(self, attribute, wrapped)
         step = current[0]
         recovering = not nested and recovery is not None and recovery.memory_recovery and recovery.armed()
         if self.steps_per_execution != 1 or not (micro.may_apply() or recovering):
@@ -431,9 +420,7 @@ def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | 
     if arguments.get(steps) is not None or x is None or isinstance(x, (tf.data.Dataset,
                                                                         tf.distribute.DistributedDataset)):
         return None, None
-    leaves = tf.nest.flatten(x)
-    first = leaves[0] if leaves else None
-    shape = getattr(first, "shape", None)
+    shape = getattr(next(iter(tf.nest.flatten(x)), None), "shape", None)  # the first leaf's
     if shape is None or len(shape) == 0 or shape[0] is None:
         return None, None
     return int(shape[0]), int(arguments.get("batch_size") or 32)

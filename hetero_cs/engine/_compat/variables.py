@@ -168,6 +168,5 @@ def patch_seed_generator() -> None:
         seed = original(self, ordered=ordered)
         step = replica_state.current_replica_step()
         if step is not None and step.replica_id and current_weighting_strategy() is not None:
-            offset = tf.constant([step.replica_id * 1_000_003, 0], dtype=seed.dtype)
-            seed = seed + offset
+            return seed + tf.constant([step.replica_id * 1_000_003, 0], dtype=seed.dtype)
         return seed
