@@ -188,9 +188,11 @@ class HeteroCentralStorageStrategy(
 
         self._compute_devices = tuple(devices)
         self._parameter_device = parameter_device
-        from hetero_cs.devices.emulation import Emulator
+        if emulator is None and emulate is not None:
+            from hetero_cs.devices.emulation import Emulator
 
-        self._emulator = emulator = emulator or (None if emulate is None else Emulator(list(emulate)))
+            emulator = Emulator(list(emulate))
+        self._emulator = emulator
         if emulator is not None:
             logger.warning(
                 "hetero_cs: timings are EMULATED - replicas %s emulate %s on logical CPU devices (real compute on "

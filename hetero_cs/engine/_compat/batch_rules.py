@@ -101,9 +101,12 @@ def _reduction(op, kinds) -> Kind:
     kind = kinds[0]
     if kind.what == SHAPE:  # a product of a shape's entries: a number of elements, a fixed multiple of the rows
         return Kind(COUNT, tag=Tag(kind.tag.root, None)) if op.type == "Prod" else AGGREGATE
-    early, reduced = _rows_of(op, kind, "reduces"), axes(op.inputs[1], op.inputs[0].shape.rank)
-    if early is not None or reduced is None:
-        return early or mixed(op, "reduces along axes not known while tracing")
+    early = _rows_of(op, kind, "reduces")
+    if early is not None:
+        return early
+    reduced = axes(op.inputs[1], op.inputs[0].shape.rank)
+    if reduced is None:
+        return mixed(op, "reduces along axes not known while tracing")
     if kind.axis in reduced:
         return AGGREGATE
     keep = op.get_attr("keep_dims") if "keep_dims" in op.node_def.attr else False
@@ -112,9 +115,12 @@ def _reduction(op, kinds) -> Kind:
 
 def _along_axis(op, kinds) -> Kind:
     kind = kinds[0]
-    early, along = _rows_of(op, kind, "works along an axis of"), axes(op.inputs[1], op.inputs[0].shape.rank)
-    if early is not None or along is None or kind.axis in along:
-        return early or mixed(op, "works along the batch axis (its result for one example depends on the others)")
+    early = _rows_of(op, kind, "works along an axis of")
+    if early is not None:
+        return early
+    along = axes(op.inputs[1], op.inputs[0].shape.rank)
+    if along is None or kind.axis in along:
+        return mixed(op, "works along the batch axis (its result for one example depends on the others)")
     return kind.at(kind.axis - (along[0] < kind.axis)) if op.type in ("ArgMax", "ArgMin") else kind
 
 

@@ -107,7 +107,8 @@ def weighted_terms(step, target, sources, output_gradients=None):
 
 def _output_gradients(targets, output_gradients) -> list:
     """One output gradient (or None) per target."""
-    # None (no output gradients) gives [None]: kept for one target, widened to one None per target below.
+    if output_gradients is None:
+        return [None] * len(targets)
     given = list(output_gradients) if isinstance(output_gradients, (list, tuple)) else [output_gradients]
     return given if len(given) == len(targets) else [None] * len(targets)
 

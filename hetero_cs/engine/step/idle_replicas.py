@@ -345,9 +345,12 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
 
     def expand(value):
         parts = components(value)
-        if (parts is None or len(parts) != count) and count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):
-            parts = (value,)  # one active replica: its output is not regrouped
-        if parts is None or len(parts) != count or isinstance(value, tf.Variable):
+        if parts is None or len(parts) != count:
+            if count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):  # one active replica: not regrouped
+                parts = (value,)
+            else:
+                return value
+        if isinstance(value, tf.Variable):
             return value
         first, is_batch = parts[0], batched(parts)
         return per_replica([parts[slot[r]] if r in slot else fill(first, is_batch) for r in range(num_replicas)])
