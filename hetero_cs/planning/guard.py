@@ -34,7 +34,8 @@ replaces - and then balancing loses to the even split. The guard turns "predicte
    library promises never to be slower than: the trial decides by the rules of item 2 whether the plan in force is
    measurably faster than the card alone, and only then does the plan stay (reverted); otherwise, a tie included,
    the card alone is kept and the other cards sit idle. A revert here costs no back-off (the check refuted nothing
-   that was proposed). A trial that gets no pairs in ``max_trial_steps`` steps reverts, here too.
+   that was proposed). A check still undecided after ``max_trial_steps`` steps (too few pairs: its plans' sizes
+   were seldom observed) reverts, as a trial does: the plan in force stays, changed on no measurement.
 
 Which plan a step ran with is read from the sizes the step reported (``StepSample.per_replica_batch_sizes``), not
 from what was served, so batches cut before a switch (an engine that cuts ahead of the step) are attributed right;
@@ -358,7 +359,7 @@ class PlanGuard:
             if decision is not None:
                 alone_stays = not decision.kept
                 decision = dataclasses.replace(
-                    decision, outcome=KEPT if alone_stays else REVERTED, median_ratio=1.0 / decision.median_ratio,
+                    decision, outcome=KEPT if alone_stays else REVERTED, median_ratio=float(np.median(ratios)),
                     reason=f"the plan in force was {decision.reason}" + (", so the card alone stays" if alone_stays
                                                                          else ""))
         if decision is None and trial.steps >= self._policy.max_trial_steps:

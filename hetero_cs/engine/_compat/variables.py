@@ -125,7 +125,7 @@ def _replica_weighted(value, dtype, variable=None):
         return value
     value = tf.cast(value, dtype)  # a Python number: a constant
     terms = linear_terms(value, variable)
-    if not terms:
+    if terms is None:
         return value
     flow = flow_of(step)
     replicated = [c * tf.cast(t, dtype) for c, t in terms[1] if flow.kind(t).what == REP]
