@@ -54,6 +54,9 @@ class Program:
     examples: int
     epochs: int
     seed: int
+    # The StepStatistics metric may be drawn (see _counts_steps); False for the two-worker runs, whose metric
+    # state (Keras' own, ON_READ and summed) counts a step once per replica, as under stock strategies.
+    step_statistics: bool = True
 
     @property
     def classification(self) -> bool:
@@ -341,7 +344,7 @@ def _class_names(program, base) -> list:
 def _counts_steps(program: Program) -> bool:
     """Whether the program compiles the StepStatistics metric too (every other seed, in loops that compile
     metrics): terms every replica computes alike in a metric's accumulation."""
-    return program.loop not in ("train_step", "custom_loop") and program.seed % 2 == 0
+    return program.step_statistics and program.loop not in ("train_step", "custom_loop") and program.seed % 2 == 0
 
 
 def _optimizer(program: Program) -> str:

@@ -16,6 +16,7 @@ processes. ``test_the_oracle_fails_on_a_mutant`` shows the oracle can fail: with
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import pathlib
 
@@ -177,6 +178,7 @@ def run_on_two_workers(program: Program, tmp_path) -> str:
     import subprocess
     import sys
 
+    program = dataclasses.replace(program, step_statistics=False)  # see Program.step_statistics
     source = render(program)
     script = tmp_path / "program.py"
     script.write_text(source)
