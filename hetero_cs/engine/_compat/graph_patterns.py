@@ -2,7 +2,7 @@
 
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches. An ``assign`` to a metric
 variable accumulates when the value is ``var + delta`` in any linear form (``var + a + b``, ``tf.add_n([var, a,
-b])``, ``var - (-d)``): the variable's reads have total coefficient 1 (:func:`accumulates_into`). The walk
+b])``, ``var - (-d)``): the variable's reads have total coefficient 1 (:func:`accumulated_terms`). The walk
 (:func:`linear_terms`) goes only through ops that keep a value linear: Identity, Cast, Add, AddV2, AddN, Sub, Neg, a
 product with a constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
 """
@@ -46,17 +46,18 @@ def _sums_whole_stack(sum_op) -> bool:
     return axis is not None and set(axis) <= {0}
 
 
-def accumulates_into(value, variable) -> bool:
-    """True when graph tensor ``value`` is ``variable + delta`` in some linear form.
+def accumulated_terms(value, variable) -> list | None:
+    """The terms ``[(c_k, t_k), ...]`` of ``delta`` when graph tensor ``value`` is ``variable + delta`` in some linear
+    form (``delta = sum_k c_k * t_k``), else None.
 
     The variable's direct reads (its own handle, or a function graph's capture of it) must add up to coefficient
     1: ``var + a + b``, ``tf.add_n([var, a, b])``, ``var - (-d)`` and ``var - d`` qualify; ``var * decay + x``
     and ``2 * var + d`` do not. The other terms are not searched for further reads of the variable (they can be
     the whole model's forward pass): a value such as ``var + var * d`` counts as an accumulation of ``var * d``.
-    False in eager mode (no graph) or when the walk visits more than a bounded number of ops.
+    None in eager mode (no graph) or when the walk visits more than a bounded number of ops.
     """
     terms = linear_terms(value, variable)
-    return terms is not None and abs(terms[0] - 1.0) < 1e-12
+    return terms[1] if terms is not None and abs(terms[0] - 1.0) < 1e-12 else None
 
 
 def linear_terms(value, variable=None) -> tuple[float, list] | None:

@@ -15,7 +15,7 @@ from hetero_cs.engine._compat.context import (
 )
 from hetero_cs.engine._compat.batch_flow import flow_of
 from hetero_cs.engine._compat.batch_kinds import REP
-from hetero_cs.engine._compat.graph_patterns import accumulates_into, linear_terms
+from hetero_cs.engine._compat.graph_patterns import accumulated_terms, linear_terms
 from hetero_cs.engine._compat.loss_scale import iterations_increment
 from hetero_cs.engine._compat.symbols import patch
 
@@ -57,8 +57,9 @@ def patch_variable_assign_add() -> None:
     def assign(original_assign, self, value):
         inner = _central_in_replica_context(self)
         aggregation = getattr(inner, "aggregation", None)
-        if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or accumulates_into(value, inner)):
-            delta = tf.cast(_replica_weighted(value, inner.dtype, inner), inner.dtype) - inner.read_value()
+        terms = accumulated_terms(value, inner) if aggregation == tf.VariableAggregation.SUM else None
+        if aggregation == tf.VariableAggregation.SUM and (tf.executing_eagerly() or terms is not None):
+            delta = tf.cast(_replica_weighted(value, inner.dtype, terms), inner.dtype) - inner.read_value()
             return _write(self, inner, "assign_add", delta)  # aggregated deltas, behind the barrier
         if aggregation == tf.VariableAggregation.NONE:
             # A trainable variable (aggregation NONE) assigned in replica context: Keras' optimizer applies weight
@@ -106,7 +107,7 @@ def _central_in_replica_context(variable):
     return None
 
 
-def _replica_weighted(value, dtype, variable=None):
+def _replica_weighted(value, dtype, terms=None):
     """A delta of a SUM-aggregated variable (a metric's state) whose replicated terms are weighted by the replica's
     ``b_i / B``: ``value`` less ``(1 - b_i / B)`` times its terms that every replica computes alike.
 
@@ -114,9 +115,9 @@ def _replica_weighted(value, dtype, variable=None):
     sums to one device's; a replicated one (a count of steps, a constant, another variable's value: the batch-flow
     analysis proves it) would count once per replica that runs (per micro-batch under micro-batching), so a metric
     that counts steps counted R a step. Weighted, such terms add up to one device's: the weights of the slices that
-    hold a step's batch sum to 1. ``value`` is read as a linear form (graph_patterns.linear_terms) with
-    ``variable``'s own reads left out (``assign(var + delta)``); a value that does not read so, an eager one, or
-    integer state stays as it is.
+    hold a step's batch sum to 1. ``terms``: the delta's terms when the caller read them (``assign(var + delta)``:
+    graph_patterns.accumulated_terms), else ``value``'s own (graph_patterns.linear_terms); a value that does not
+    read as a linear form, an eager one, or integer state stays as it is.
     """
     if tf.executing_eagerly() or not tf.as_dtype(dtype).is_floating or current_weighting_strategy() is None:
         return value
@@ -124,11 +125,11 @@ def _replica_weighted(value, dtype, variable=None):
     if step is None or step.global_batch_size is None or step.batch_size is None:
         return value
     value = tf.cast(value, dtype)  # a Python number: a constant
-    terms = linear_terms(value, variable)
     if terms is None:
-        return value
+        read = linear_terms(value)
+        terms = [] if read is None else read[1]
     flow = flow_of(step)
-    replicated = [c * tf.cast(t, dtype) for c, t in terms[1] if flow.kind(t).what == REP]
+    replicated = [c * tf.cast(t, dtype) for c, t in terms if flow.kind(t).what == REP]
     if not replicated:
         return value
     weight = tf.cast(step.batch_size, dtype) / tf.cast(step.global_batch_size, dtype)
