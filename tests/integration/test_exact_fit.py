@@ -418,50 +418,27 @@ def test_a_metric_that_sets_its_state_keeps_the_sum_over_replicas():
         assert got[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
-class StepCount(keras.metrics.Metric):
-    """Counts steps: assign_add of a constant."""
+class ReplicatedTerms(keras.metrics.Metric):
+    """Accumulates terms every replica computes alike: a count of steps (assign_add of a constant), a total that adds
+    a sum times a variable that is not its own plus constants (assign of var + delta), and the mean over steps of
+    that variable (assign_add)."""
 
-    def __init__(self, name="steps", **kwargs):
+    def __init__(self, scale, name="replicated_terms", **kwargs):
         super().__init__(name=name, **kwargs)
         self.steps = self.add_variable((), "zeros", name="steps")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.steps.assign_add(1.0)
-
-    def result(self):
-        return self.steps.value
-
-
-class OffsetTotal(keras.metrics.Metric):
-    """Adds the predictions' sum times a variable that is not its own, plus a constant, to a total each step."""
-
-    def __init__(self, scale, name="offset_total", **kwargs):
-        super().__init__(name=name, **kwargs)
         self.total = self.add_variable((), "zeros", name="total")
+        self.scales = self.add_variable((), "zeros", name="scales")
         self._scale = [scale]  # in a list: not tracked, so not reset with the metric's state
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        self.total.assign(self.total + tf.reduce_sum(y_pred) * self._scale[0] + 1.0 + self._scale[0])
+        scale = self._scale[0]
+        self.steps.assign_add(1.0)
+        self.total.assign(self.total + tf.reduce_sum(y_pred) * scale + 1.0 + scale)
+        self.scales.assign_add(scale * 3.0 + 1.0)
 
     def result(self):
-        return self.total.value
-
-
-class MeanOfBatches(keras.metrics.Metric):
-    """The mean over steps of a replicated value (the scale) plus 1, with assign_add."""
-
-    def __init__(self, scale, name="mean_of_batches", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.total = self.add_variable((), "zeros", name="total")
-        self.count = self.add_variable((), "zeros", name="count")
-        self._scale = [scale]
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.total.assign_add(self._scale[0] * 3.0 + 1.0)
-        self.count.assign_add(1.0)
-
-    def result(self):
-        return self.total.value / self.count.value
+        return {"steps": self.steps.value, "offset_total": self.total.value,
+                "mean_of_batches": self.scales.value / self.steps.value}
 
 
 def test_a_metric_that_counts_steps_or_reads_another_variable_matches_single_device():
@@ -475,7 +452,7 @@ def test_a_metric_that_counts_steps_or_reads_another_variable_matches_single_dev
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
         scale = tf.Variable(2.0, trainable=False)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      metrics=[StepCount(), OffsetTotal(scale), MeanOfBatches(scale)])
+                      metrics=[ReplicatedTerms(scale)])
         return model
 
     reference = build().fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history
