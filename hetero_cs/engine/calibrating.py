@@ -189,7 +189,6 @@ def first_global_batch(strategy, data):
         distributed = _compat.distribute_on_host(strategy, strategy._slicer.pack(data), source=data)
     except InputError:
         return tensors.first_batch(data)  # a dataset that cannot be cut: the checks below say what is wrong with it
-    strategy._input_error = None
     try:
         element = strategy._first_batches.read(distributed, data)
     except StopIteration:

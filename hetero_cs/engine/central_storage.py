@@ -8,6 +8,7 @@ private TensorFlow/Keras touches in :mod:`hetero_cs.engine._compat`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -220,7 +221,10 @@ class HeteroCentralStorageStrategy(
         self._calibrated_fingerprint: str | None = None
         self._models_set_by_user = False  # set_cost_models: calibration keeps those models unless forced
         self._last_logged_plan: BatchPlan | None = None
-        self._input_error: Exception | None = None  # the last error raised inside the input pipeline
+        # Errors raised inside the input pipeline, kept until the step that reads their batch fails on them. The
+        # pipeline prefetches and runs on TensorFlow's threads, maybe while another entry point (an evaluate run by a
+        # fit callback) distributes its own input, so they are matched by the error TensorFlow raised, not cleared.
+        self._input_errors: collections.deque = collections.deque(maxlen=16)
         self._empty_slices = EmptySliceNotes()  # cuts that gave a replica 0 examples, warned once per size
         # Without auto-balancing nothing changes the plan between batches, so full global batches take their sizes
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.step.input_slicing).
@@ -310,8 +314,9 @@ class HeteroCentralStorageStrategy(
         # Called from the tf.data pipeline (numpy_function) for a global batch whose components disagree in size or
         # hold 0 examples (hetero_cs.engine.step.input_slicing). The error would reach the user wrapped in TensorFlow's;
         # it is kept on the strategy so that model.fit re-raises it as is.
-        self._input_error = bad_batch_error(leading_dims)
-        raise self._input_error
+        error = bad_batch_error(leading_dims)
+        self._input_errors.append(error)
+        raise error
 
     def _slice_sizes(self, global_batch_size, *, training: bool = True, traced=None) -> np.ndarray:
         # Called when a step starts (numpy_function, before any replica runs) unless the cached plan covers it
@@ -332,8 +337,9 @@ class HeteroCentralStorageStrategy(
                 self._slicer.publish(plan if sizes == tuple(plan.per_replica_batch_sizes) else None)
             return np.asarray([*sizes, int(timed)], dtype=np.int64)
         except Exception as exc:
-            self._input_error = self._micro_batching.explained(exc, training=training)  # exc, or one saying why
-            raise self._input_error from (None if self._input_error is exc else exc)
+            error = self._micro_batching.explained(exc, training=training)  # exc, or one saying why
+            self._input_errors.append(error)
+            raise error from (None if error is exc else exc)
 
     # ----------------------------------------------------------------------------------------------------------
     # Input
@@ -364,7 +370,6 @@ class HeteroCentralStorageStrategy(
         last); an evaluation or prediction input (:mod:`hetero_cs.engine.step.input_roles`) leaves training's plans alone."""
         training = self._input_roles.claim_input()
         with self._lock:
-            self._input_error = None
             if training:
                 self._source_dataset = dataset
                 self._balancer.start_new_input()
@@ -444,10 +449,13 @@ class HeteroCentralStorageStrategy(
         self._balancer.monitor.record_step_end(start_s, step_time_s)
 
     def _input_error_raised(self, exc: Exception) -> Exception | None:
-        """The input pipeline's kept error if TensorFlow's ``exc`` is it, else None (a later, prefetched batch's
-        error is not this step's); the kept error is dropped either way."""
-        error, self._input_error = self._input_error, None
-        return error if error is not None and raised_by_input_pipeline(exc, error) else None
+        """The input pipeline's kept error that TensorFlow's ``exc`` is (no longer kept), else None: the step's own
+        error, or one of a later, prefetched batch that is not this step's."""
+        for error in list(self._input_errors):
+            if raised_by_input_pipeline(exc, error):
+                self._input_errors.remove(error)
+                return error
+        return None
 
     # ----------------------------------------------------------------------------------------------------------
     # Calibration

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import keras
 import numpy as np
@@ -653,15 +654,33 @@ def test_an_optimizer_that_overrides_a_hooked_method_is_refused():
 
 def test_an_evaluate_inside_fit_keeps_fits_pending_input_error():
     # fit's pipeline reads a batch ahead and keeps its error until the step that needs it fails; an evaluate run by a
-    # callback in between (its own entry point) must not drop it, or fit would raise TensorFlow's error, not ours.
-    model = small_model(fixed_split_strategy())
+    # callback in between (its own entry point, distributing its own input) must not drop it, or fit would raise
+    # TensorFlow's error, not ours. The evaluate starts its input only once fit's pipeline has kept the error, so the
+    # race that dropped it on a busy host is not left to chance.
+    strategy = fixed_split_strategy()
+    model = small_model(strategy)
     batches = [(X[:4], Y[:4]), (X[:4], Y[:4]), (X[:4], Y[:3])]  # the third batch's components disagree
     dataset = dataset_of(batches)
     good = tf.data.Dataset.from_tensors((X[:4], Y[:4]))
+    claim_input = strategy._input_roles.claim_input  # noqa: SLF001
+    kept = []
+
+    def claim_once_fits_error_is_kept():
+        deadline = time.monotonic() + 20.0
+        while not strategy._input_errors and time.monotonic() < deadline:  # noqa: SLF001
+            time.sleep(0.01)
+        kept.append(bool(strategy._input_errors))  # noqa: SLF001
+        return claim_input()
 
     class EvaluateEachBatch(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            self.model.evaluate(good, verbose=0)
+            if batch == 1:  # the pipeline reads the third, bad batch ahead of its step
+                strategy._input_roles.claim_input = claim_once_fits_error_is_kept  # noqa: SLF001
+            try:
+                self.model.evaluate(good, verbose=0)
+            finally:
+                strategy._input_roles.claim_input = claim_input  # noqa: SLF001
 
     with pytest.raises(InputError, match=r"different leading \(batch\) dimensions \[4, 3\]"):
         model.fit(dataset, epochs=1, verbose=0, callbacks=[EvaluateEachBatch()])
+    assert kept and kept[-1]  # the evaluate ran with fit's error kept

@@ -132,9 +132,9 @@ def test_mismatched_components_still_reach_the_python_check():
     )
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     next(iterator)
-    with pytest.raises(tf.errors.OpError):
+    with pytest.raises(tf.errors.OpError) as raised:
         next(iterator)  # x has 4 examples, y has 3: the pipeline's check goes to Python, which raises
-    assert isinstance(strategy._input_error, InputError)  # noqa: SLF001 - what model.fit re-raises
+    assert isinstance(strategy._input_error_raised(raised.value), InputError)  # noqa: SLF001 - what model.fit re-raises
 
 
 def test_a_plan_change_reaches_the_cached_path():

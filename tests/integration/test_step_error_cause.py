@@ -49,7 +49,7 @@ class WaitForThePipeline(keras.layers.Layer):
         def wait(values):
             if np.abs(values).max() >= MARKER:
                 deadline = time.monotonic() + 20.0
-                while self.strategy._input_error is None and time.monotonic() < deadline:  # noqa: SLF001
+                while not self.strategy._input_errors and time.monotonic() < deadline:  # noqa: SLF001
                     time.sleep(0.01)
             return values
 

@@ -54,13 +54,7 @@ def _entry_point(original, self, *args, **kwargs):
     bound.apply_defaults()
     if is_multi_worker_strategy(strategy):
         return run_entry_point(original, self, strategy, bound)
-    # The input pipeline's kept error is this call's to raise; one kept by a call still running (fit, whose callback
-    # runs this evaluate) is that call's again afterwards: its step has yet to fail on it.
-    pending, strategy._input_error = strategy._input_error, None  # noqa: SLF001
-    try:
-        return (_fit if verb == "fit" else _evaluate_or_predict)(original, self, strategy, bound)
-    finally:
-        strategy._input_error = strategy._input_error or pending  # noqa: SLF001
+    return (_fit if verb == "fit" else _evaluate_or_predict)(original, self, strategy, bound)
 
 
 def _fit(original, self, strategy, bound):
