@@ -415,6 +415,21 @@ def test_timing_reports_an_idle_replica_as_0_examples_and_its_emulated_clock_adv
     assert steps_done[1] == steps_done[0] == steps_done[2]  # drift schedules count the idle replica's steps too
 
 
+def test_timing_without_emulation_reports_an_idle_replica_on_the_steps_it_times(tmp_path, monkeypatch):
+    # Real devices: an untimed step (sampled timing) calls no Python for its idle replicas; a timed one (here every
+    # step, as HETERO_CS_TIMING asks) reports them, or its step would never pair in the monitor.
+    monkeypatch.setenv("HETERO_CS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HETERO_CS_TIMING", "1")
+    strategy = HeteroCentralStorageStrategy(["/cpu:1", "/cpu:2", "/cpu:3"], batch_split=[2, 0, 1])
+    with strategy.scope():
+        model = bn_model(6)
+    x, y = data(30, seed=6)
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert strategy.monitor.completed_steps == 10
+    sample = strategy.monitor.last_step()
+    assert sample.per_replica_batch_sizes == (4, 0, 2) and sample.per_replica_step_times_s[1] == 0.0
+
+
 def test_the_first_evaluate_and_predict_idle_the_replicas_of_a_last_batch_smaller_than_r():
     # Their plans for batches below R are known before the pass: the first trace has their branches, so no replica
     # runs a 0-example slice - which oneDNN's Conv2D on a CPU fails on (before, the first call raised).

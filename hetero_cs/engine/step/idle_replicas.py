@@ -378,7 +378,13 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
                 record(i, 0, 0.0, step_key=start_s)
         return np.float64(0.0)
 
-    stamp = start_stamp if start_stamp is not None else tf.constant(-1.0, tf.float64)
-    with tf.device(host):
-        tf.numpy_function(_report, [tf.cast(stamp, tf.float64)], tf.float64, stateful=True,
-                          name="hetero_cs_idle_replicas")
+    stamp = tf.cast(start_stamp if start_stamp is not None else tf.constant(-1.0, tf.float64), tf.float64)
+
+    def report():
+        with tf.device(host):
+            return tf.numpy_function(_report, [stamp], tf.float64, stateful=True, name="hetero_cs_idle_replicas")
+
+    if emulator is not None:
+        report()  # every step: the emulator's counters advance
+    else:  # only a timed step has reports to make: an untimed one (sampled timing) calls no Python
+        tf.cond(stamp >= 0.0, report, lambda: tf.constant(0.0, tf.float64))
