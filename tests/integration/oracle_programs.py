@@ -36,7 +36,8 @@ BODIES = {
                 "python_rows"),
     "two_inputs": ("dense", "dense_relu", "layer_norm"),
     "images": ("conv2d", "batch_norm", "pool", "conv2d_relu", "conv_transpose", "upsample"),
-    "sequences": ("conv1d", "lstm", "gru", "attention", "layer_norm", "dense", "bidirectional"),
+    "sequences": ("conv1d", "lstm", "gru", "attention", "layer_norm", "dense", "bidirectional", "causal_tile",
+                  "causal_stack"),
     "tokens": ("lstm", "gru", "dense", "attention", "bidirectional"),
 }
 
@@ -275,6 +276,13 @@ def _layer(token: str, sequence: bool) -> list:
         return ["h = keras.layers.MultiHeadAttention(2, 2, kernel_initializer=init)(h, h)"]
     if token == "bidirectional":  # a backward LSTM reverses the time axis
         return ["h = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True, kernel_initializer=init))(h)"]
+    if token in ("causal_tile", "causal_stack"):
+        # A causal mask (constants) tiled to the slice's rows by multiples holding its row count, built as keras-io's
+        # Transformer examples build them (concat of expand_dims) or with tf.stack: a causal sum over time per example.
+        count = ("tf.concat([tf.expand_dims(tf.shape(t)[0], -1), [1, 1]], 0)" if token == "causal_tile"
+                 else "tf.stack([tf.shape(t)[0], 1, 1])")
+        return ["h = keras.layers.Lambda(lambda t: tf.einsum('bts,bsd->btd', tf.tile(",
+                f"    tf.linalg.band_part(tf.ones((1, 5, 5), t.dtype), -1, 0), {count}), t), output_shape=lambda s: s)(h)"]
     if token == "conv_transpose":
         return ["h = keras.layers.Conv2DTranspose(2, 3, padding='same', kernel_initializer=init)(h)"]
     if token == "upsample":

@@ -243,13 +243,29 @@ def _classifier(layers, *, loss, input_shape=(3,), seed=5):
     return build
 
 
-@pytest.mark.parametrize("case", ["categorical crossentropy", "Conv2DTranspose", "UpSampling2D", "Bidirectional"])
+class CausalSum(keras.layers.Layer):
+    """keras-io's Transformer examples' causal mask: constants tiled to the batch by multiples holding its row count,
+    built by concatenating tf.expand_dims(tf.shape(x)[0], -1) with ones."""
+
+    def call(self, x):  # x: [b, T, d] -> each step's sum over the steps up to it
+        steps = x.shape[1]
+        mask = tf.linalg.band_part(tf.ones((1, steps, steps)), -1, 0)
+        multiples = tf.concat([tf.expand_dims(tf.shape(x)[0], -1), tf.constant([1, 1], tf.int32)], axis=0)
+        return tf.einsum("bts,bsd->btd", tf.tile(mask, multiples), x)
+
+
+@pytest.mark.parametrize("case", ["categorical crossentropy", "Conv2DTranspose", "UpSampling2D", "Bidirectional",
+                                  "causal mask"])
 def test_per_example_forms_the_reader_refused_are_exact(case):
     # CategoricalCrossentropy's Slice of the logits' shape, Conv2DBackpropInput, Tile by multiples computed from a
-    # shape, ReverseV2 along time: each refused as coupling examples (a plain Dense model with the categorical
-    # loss was refused).
+    # shape, ReverseV2 along time, a Tile by multiples concatenated from the row count's expand_dims: each refused as
+    # coupling examples (a plain Dense model with the categorical loss was refused).
     rng = np.random.default_rng(6)
-    if case == "categorical crossentropy":
+    if case == "causal mask":
+        x = rng.normal(size=(20, 4, 2)).astype(np.float32)
+        build = _classifier(lambda: [CausalSum(), keras.layers.Flatten()],
+                            loss=keras.losses.CategoricalCrossentropy(from_logits=True), input_shape=(4, 2))
+    elif case == "categorical crossentropy":
         x = rng.normal(size=(20, 3)).astype(np.float32)
         build = _classifier(lambda: [keras.layers.Dense(4)],
                             loss=keras.losses.CategoricalCrossentropy(from_logits=True))

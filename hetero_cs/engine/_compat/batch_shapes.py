@@ -66,6 +66,8 @@ def _transpose(op, kinds) -> Kind:
 
 def _expand_dims(op, kinds) -> Kind:
     kind, axis, rank = kinds[0], static(op.inputs[1]), op.outputs[0].shape.rank
+    if kind.what == COUNT and rank == 1:  # tf.expand_dims(tf.shape(x)[0], -1): a shape vector of the row count alone
+        return Kind(SHAPE, 0, kind.tag)
     early = _rows_of(op, kind, "expands")
     if early is not None or axis is None or rank is None:
         return early or mixed(op, "expands at an axis not known while tracing")
