@@ -27,7 +27,7 @@ LOSSES = (
 LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision", "on_batch")
 CUSTOM_LOSSES = ("compute_average_loss", "reduce_mean", "reduce_mean_over_replicas", "reduce_sum_over_b",
                  "masked_ratio", "boolean_mask_mean", "stop_gradient", "nonlinear", "in_batch", "regularized",
-                 "l2_loss", "learned_weight")
+                 "l2_loss", "learned_weight", "scale_regularization", "scale_activity")
 # Forms a split cannot reproduce: refused with a hetero_cs error (BatchCouplingError / LossPatternError).
 MAY_REFUSE = frozenset({"nonlinear", "in_batch"})
 # Data kinds whose models hold BatchNormalization in some programs: micro-batches refuse them (their statistics).
@@ -665,6 +665,12 @@ def _custom_loop(program: Program) -> str:
                        "model.trainable_variables])",
         "l2_loss": "tf.nn.l2_loss(pred - tf.cast(tf.reshape(yb, [-1, 1]), pred.dtype)) / 10.0",
         "learned_weight": "tf.exp(-log_scale) * tf.reduce_mean(per_example) + log_scale",
+        # TensorFlow's custom-loop tutorial: a weight penalty every replica adds alike, or (keras-io's custom-loop
+        # guide) the model's losses with an activity term summed over the batch, through scale_regularization_loss.
+        "scale_regularization": "tf.nn.compute_average_loss(per_example) + tf.nn.scale_regularization_loss("
+                                "0.01 * tf.add_n([tf.reduce_sum(tf.square(v)) for v in model.trainable_variables]))",
+        "scale_activity": "tf.nn.compute_average_loss(per_example) + tf.nn.scale_regularization_loss("
+                          "tf.add_n(model.losses + [0.01 * tf.reduce_sum(tf.square(pred))]))",
     }[program.loss]
     return f'''
 def train(strategy, record=None):

@@ -80,6 +80,51 @@ def test_custom_loop_with_compute_average_loss_is_exact(strategy3, global_batch_
         np.testing.assert_allclose(np.asarray(v), np.asarray(ref_v), atol=1e-5)
 
 
+class SumsItsInput(keras.layers.Layer):
+    def call(self, inputs):  # keras-io's custom-loop guide: an activity loss, a sum over the batch
+        self.add_loss(1e-2 * tf.reduce_sum(inputs))
+        return inputs
+
+
+def test_scale_regularization_loss_of_the_models_losses_is_one_devices(strategy3):
+    """TensorFlow's tutorial adds tf.nn.scale_regularization_loss(tf.add_n(model.losses)). One device divides the
+    term by 1: the whole batch's activity sum plus the weight penalty. So does every split (regression: a term
+    computed from the batch was refused as multiplying two values computed from it)."""
+    x, y = data()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+
+    def build():
+        init = keras.initializers.GlorotUniform(3)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", kernel_initializer=init,
+                                                                     kernel_regularizer=keras.regularizers.L2(0.01)),
+                                 SumsItsInput(), keras.layers.Dense(3, kernel_initializer=init)])
+
+    def loss_of(model, xb, yb):
+        per_example = loss_fn(yb, model(xb, training=True))
+        return tf.nn.compute_average_loss(per_example) + tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+
+    reference, ref_opt = build(), keras.optimizers.SGD(0.05)
+    for xb, yb in dataset:
+        with tf.GradientTape() as tape:
+            loss = loss_of(reference, xb, yb)
+        ref_opt.apply_gradients(zip(tape.gradient(loss, reference.trainable_variables), reference.trainable_variables))
+    with strategy3.scope():
+        model, optimizer = build(), keras.optimizers.SGD(0.05)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, xb, yb)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    for batch in strategy3.experimental_distribute_dataset(dataset):
+        strategy3.run(train_step, args=batch)
+    for ref_w, w in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(w, ref_w, atol=1e-5)
+
+
 def test_sum_metric_accumulates_once_per_step(strategy3):
     # Stock CentralStorageStrategy reads 60, 240, 780 here: each replica's assign(old + d_i) is summed.
     with strategy3.scope():

@@ -99,12 +99,14 @@ def patch_compute_average_loss() -> None:
 
     # tf.nn.scale_regularization_loss divides a term every replica adds by the replica count. A replica with 0
     # examples runs nothing under our central-storage strategy (hetero_cs.engine.step.idle_replicas), so only the active
-    # replicas add it and 1/R would undercount it. Inside a replica step of our strategies it weighs b_i / B
-    # instead, which sums to 1 over the replicas that hold the batch, idle ones or not.
+    # replicas add it and 1/R would undercount it. Inside a replica step of our strategies the term is read as any
+    # loss is: one every replica adds alike (a weight penalty) weighs b_i / B, which sums to 1 over the replicas that
+    # hold the batch, idle ones or not; one computed from the slice (an activity loss in model.losses) is the
+    # replica's share of one device's term (a sum over the slice as it is), as one device divides it by 1.
     @_patch_weighted(nn_impl_distribute, "scale_regularization_loss")
     def scale_regularization_loss(original, step, regularization_loss):
-        total = tf.reduce_sum(regularization_loss)
-        return total * tf.cast(step.batch_size, total.dtype) / tf.cast(step.global_batch_size, total.dtype)
+        return _register(step, share_of(step, tf.reduce_sum(regularization_loss),
+                                        what="the term tf.nn.scale_regularization_loss scales"))
 
     tf.nn.scale_regularization_loss = scale_regularization_loss
 
