@@ -22,20 +22,21 @@ DATA = ("vectors", "two_inputs", "images", "sequences", "tokens")
 LOSSES = (
     "keras", "keras_sum", "mean_with_sample_weight", "sample_weight", "class_weight", "two_outputs", "categorical",
     "compute_loss_mean", "compute_loss_sum", "add_loss_keras", "add_loss_tensor", "regularizers", "loss_class_scalar",
-    "masked_ratio", "stop_gradient", "nonlinear", "in_batch", "concat_batch",
+    "masked_ratio", "stop_gradient", "nonlinear", "in_batch", "concat_batch", "gradient_penalty",
 )
 LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision", "on_batch")
 CUSTOM_LOSSES = ("compute_average_loss", "reduce_mean", "reduce_mean_over_replicas", "reduce_sum_over_b",
                  "masked_ratio", "boolean_mask_mean", "stop_gradient", "nonlinear", "in_batch", "regularized",
                  "l2_loss", "learned_weight", "scale_regularization", "scale_activity")
 # Forms a split cannot reproduce: refused with a hetero_cs error (BatchCouplingError / LossPatternError).
-MAY_REFUSE = frozenset({"nonlinear", "in_batch"})
+MAY_REFUSE = frozenset({"nonlinear", "in_batch", "gradient_penalty"})  # the last: second-order gradients of some
+# layers (pooling, recurrent loops) are read as mixing examples
 # Data kinds whose models hold BatchNormalization in some programs: micro-batches refuse them (their statistics).
 BODIES = {
     "vectors": ("dense", "dense_relu", "layer_norm", "batch_norm", "sync_batch_norm", "regularized_dense",
                 "python_rows"),
     "two_inputs": ("dense", "dense_relu", "layer_norm"),
-    "images": ("conv2d", "batch_norm", "pool", "conv2d_relu", "conv_transpose", "upsample"),
+    "images": ("conv2d", "batch_norm", "pool", "conv2d_relu", "conv_transpose", "upsample", "zero_pad"),
     "sequences": ("conv1d", "lstm", "gru", "attention", "layer_norm", "dense", "bidirectional", "causal_tile",
                   "causal_stack"),
     "tokens": ("lstm", "gru", "dense", "attention", "bidirectional"),
@@ -75,6 +76,8 @@ def _valid(program: Program) -> bool:
         return loss in CUSTOM_LOSSES
     if loss in CUSTOM_LOSSES and loss not in LOSSES:
         return False
+    if loss == "gradient_penalty":  # a gradient with respect to float inputs, in a train_step
+        return loop == "train_step" and program.data in ("vectors", "images", "sequences")
     if loop == "train_step":
         return loss in ("keras", "sample_weight", "stop_gradient", "nonlinear", "masked_ratio", "compute_loss_mean",
                         "add_loss_tensor", "regularizers", "concat_batch")
@@ -285,6 +288,8 @@ def _layer(token: str, sequence: bool) -> list:
                 f"    tf.linalg.band_part(tf.ones((1, 5, 5), t.dtype), -1, 0), {count}), t), output_shape=lambda s: s)(h)"]
     if token == "conv_transpose":
         return ["h = keras.layers.Conv2DTranspose(2, 3, padding='same', kernel_initializer=init)(h)"]
+    if token == "zero_pad":
+        return ["h = keras.layers.ZeroPadding2D(1)(h)"]
     if token == "upsample":
         return ["h = keras.layers.UpSampling2D(2)(h)"]
     raise ValueError(token)
@@ -450,6 +455,8 @@ def _train_step_model(program: Program) -> str:
                         "self.trainable_variables])",
         # a GAN's discriminator step: two batches of rows concatenated along the batch axis, one mean over them
         "concat_batch": "tf.reduce_mean(tf.concat([per_example, 0.5 * per_example + 0.1], 0))",
+        # WGAN-GP's penalty: a second-order gradient, through the model's padding too
+        "gradient_penalty": "tf.reduce_mean(per_example) + 0.1 * self.input_gradient_penalty(x)",
     }[program.loss]
     return f'''
 class TrainStepModel(keras.Model):
@@ -466,6 +473,13 @@ class TrainStepModel(keras.Model):
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         return {{"loss": loss, "mean_prediction": tf.reduce_mean(pred), "batch_sum": tf.reduce_sum(per_example)}}
+
+    def input_gradient_penalty(self, x):
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            out = self(x, training=False)
+        g = inner.gradient(out, x)
+        return tf.reduce_mean(tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])), axis=-1))
 
     def test_step(self, data):
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)

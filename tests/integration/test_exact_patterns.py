@@ -46,6 +46,13 @@ def dense(seed=0, features=3):
                              keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed + 1))])
 
 
+def padded_dense(seed=0):
+    init = keras.initializers.GlorotUniform(seed)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Reshape((3, 1)), keras.layers.ZeroPadding1D(1),
+                             keras.layers.Flatten(), keras.layers.Dense(4, activation="tanh", kernel_initializer=init),
+                             keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed + 1))])
+
+
 def test_tf_function_step_passed_to_run_from_an_eager_loop_is_exact():
     # TensorFlow's own CentralStorageStrategy custom-loop pattern: the optimizer's gradient all-reduce inside a
     # tf.function that strategy.run is given. It raised "merge_call called while defining a new graph" before.
@@ -599,7 +606,9 @@ def test_a_train_step_that_reduces_its_own_loss_is_exact(reduce_mean):
 
 def own_loss_step(kind, model, xb, yb, global_batch=6):
     """One replica's (or one device's) loss, reduced by hand in one of the ways custom loops do it."""
-    if kind == "gradient_penalty":  # an inner tape on the inputs, as WGAN-GP writes it: not weighted itself
+    if kind in ("gradient_penalty", "gradient_penalty_through_a_pad"):
+        # An inner tape on the inputs, as WGAN-GP writes it: not weighted itself. Through a pad (keras-io's WGAN-GP
+        # pads its images), the penalty holds the pad's gradient: a Slice by the input's shape.
         with tf.GradientTape() as inner:
             inner.watch(xb)
             pred = model(xb, training=True)
@@ -636,10 +645,12 @@ def custom_loop_step(strategy, model, optimizer, loss_of):
 LOSS_WEIGHTS: list = []  # two tf.Variable loss weights, made at first use (after the logical devices exist)
 
 
-@pytest.mark.parametrize("kind", ["mean_plus_l2", "sum_over_a_constant", "gradient_penalty", "weights_in_variables"])
+@pytest.mark.parametrize("kind", ["mean_plus_l2", "sum_over_a_constant", "gradient_penalty",
+                                  "gradient_penalty_through_a_pad", "weights_in_variables"])
 def test_a_custom_loop_loss_reduced_by_hand_is_exact(kind):
     x, y = regression_data(17)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)  # 6, 6, 5
+    dense = padded_dense if kind == "gradient_penalty_through_a_pad" else globals()["dense"]
     reference, ref_opt = dense(), keras.optimizers.SGD(0.1)
     for xb, yb in dataset:
         with tf.GradientTape() as tape:

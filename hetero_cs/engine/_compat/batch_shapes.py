@@ -205,9 +205,15 @@ def _sliced_shape(op, kind, begin, end, strides, mask, specs) -> Kind:
 
 
 def _slice(op, kinds) -> Kind:
-    kind = kinds[0]
+    kind, size_kind = kinds[0], kinds[2]
     if kind.what in (AGG, COUNT):
         return AGGREGATE
+    if kind.what == ROWS and kinds[1].what == REP and size_kind.what == SHAPE and size_kind.axis == kind.axis and \
+            size_kind.tag.root == kind.tag.root and kind.tag.per_example is not None and \
+            size_kind.tag.per_example == kind.tag.per_example:
+        # A size whose batch entry is these rows' own count (a Pad's gradient: the padded input's shape) keeps every
+        # row, so the slice starts at row 0; the other axes are cut alike for every example.
+        return kind
     begin, size = static(op.inputs[1]), static(op.inputs[2])
     if kind.what not in (ROWS, SHAPE) or begin is None or size is None:
         return mixed(op, "slices at positions computed while the step runs")
