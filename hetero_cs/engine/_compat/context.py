@@ -161,6 +161,12 @@ def refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
         raise ConfigError(create_and_compile_in_scope(
             "This model's variables were created outside `with strategy.scope():` (it was built outside the scope "
             "and compiled inside it)", compiled_under))
+    if is_ours(model_strategy) and compiled_under is not None and compiled_under is not model_strategy:
+        # TensorFlow fails only once the optimizer makes a slot variable (Adam); one without (SGD) would count each
+        # replica's update as a step of its own: its iterations and a learning-rate schedule R times too fast.
+        raise ConfigError(create_and_compile_in_scope(
+            "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
+            "outside it, or an optimizer object made outside it was passed to compile)", model_strategy))
     current = tf.distribute.get_strategy()
     if model_strategy is not None or not is_ours(current):
         return

@@ -18,7 +18,7 @@ from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.engine._compat import replica_xla, symbols
 from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_multi_worker_strategy
-from hetero_cs.engine._compat.context import create_and_compile_in_scope, is_ours, strategy_of
+from hetero_cs.engine._compat.context import is_ours, strategy_of
 from hetero_cs.engine._compat.context import refuse_a_model_from_outside_the_scope
 from hetero_cs.engine._compat.layers import all_sublayers
 from hetero_cs.engine._compat.multi_worker import run_entry_point
@@ -81,12 +81,6 @@ def _fit(original, self, strategy, bound):
         raise replica_error from exc
     except (DeviceFaultError, StepOOMError) as exc:  # a DeviceFaultError is a RuntimeError: before the clause below
         _raise_with_tensorflow_cause(exc)
-    except RuntimeError as exc:
-        if "Mixing different tf.distribute.Strategy objects" not in str(exc):
-            raise
-        raise ConfigError(create_and_compile_in_scope(
-            "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
-            "outside it, or an optimizer object made outside it was passed to compile)", strategy)) from exc
     finally:  # fit may raise mid-epoch: the log records held while its progress bar drew are passed on
         for callback in bound.arguments["callbacks"]:
             getattr(callback, "release_held_logs", lambda: None)()
