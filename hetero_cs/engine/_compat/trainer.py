@@ -11,6 +11,7 @@ import math
 import time
 import weakref
 
+import keras
 import tensorflow as tf
 
 from hetero_cs.devices.device_errors import is_out_of_memory
@@ -65,12 +66,16 @@ def _fit(original, self, strategy, bound):
         examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
     idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
     callbacks = bound.arguments.get("callbacks")
-    bound.arguments["callbacks"] = strategy._fit_callbacks(self, callbacks, bound.arguments)  # noqa: SLF001
+    counted = _BatchCount("fit")
+    bound.arguments["callbacks"] = [*strategy._fit_callbacks(self, callbacks, bound.arguments), counted]  # noqa: SLF001
     # fit distributes its training data first and validation data later (hetero_cs.engine.step.input_roles).
     distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
     try:
         with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
-            return original(*bound.args, **bound.kwargs)
+            history = original(*bound.args, **bound.kwargs)
+        counted.check(bound.arguments["epochs"] > bound.arguments["initial_epoch"] and
+                      bound.arguments.get("steps_per_epoch") != 0)
+        return history
     except StopIteration as exc:
         # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
         raise _empty_input_error("fit") from exc
@@ -374,9 +379,14 @@ def _evaluate_or_predict(original, self, strategy, bound):
     idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(bound.arguments))
     active_sets.refresh(self, attribute, training=False)
     known = active_sets.version(training=False)
+    counted, callbacks = _BatchCount(original.__name__), bound.arguments.get("callbacks")
+    if not isinstance(callbacks, keras.callbacks.CallbackList):  # fit's validation pass hands on fit's own list
+        bound.arguments["callbacks"] = [*(callbacks or []), counted]
     try:
         with strategy._input_roles.inferring(predicting=predicting):  # noqa: SLF001 - its inputs and steps infer
-            return original(*bound.args, **bound.kwargs)
+            result = original(*bound.args, **bound.kwargs)
+        counted.check(bound.arguments["callbacks"] is not callbacks and bound.arguments.get("steps") != 0)
+        return result
     except (StopIteration, UnboundLocalError) as exc:
         # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop ends before
         # its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
@@ -412,6 +422,29 @@ def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | 
     if shape is None or len(shape) == 0 or shape[0] is None:
         return None, None
     return int(shape[0]), int(arguments.get("batch_size") or 32)
+
+
+class _BatchCount(keras.callbacks.Callback):
+    """The batches one fit (its training batches), evaluate or predict call ran. A dataset whose emptiness Keras
+    cannot see before it reads it (a filter that drops everything, an empty generator) ends Keras' loop with a
+    warning and no step; :meth:`check` raises the InputError an empty dataset of known size gets."""
+
+    def __init__(self, verb: str):
+        super().__init__()
+        self.verb, self.batches = verb, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += self.verb == "fit"
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.batches += self.verb == "evaluate"
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.batches += self.verb == "predict"
+
+    def check(self, expected: bool) -> None:
+        if expected and self.batches == 0:
+            raise _empty_input_error(self.verb)
 
 
 def _empty_input_error(verb: str):
