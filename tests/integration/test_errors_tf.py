@@ -324,6 +324,20 @@ def test_fit_evaluate_and_predict_on_an_empty_dataset(emptied):
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_scalar_element_of_a_dataset_of_unknown_rank_is_an_input_error():
+    # The pipeline's check read the leading dimension with tf.shape(x)[0], which failed on a scalar with TensorFlow's
+    # "slice index 0 of dimension 0 out of bounds" (regression).
+    model = small_model(fixed_split_strategy())
+
+    def elements():
+        yield X[:4]
+        yield np.float32(1.0)
+
+    dataset = tf.data.Dataset.from_generator(elements, output_signature=tf.TensorSpec(None, tf.float32))
+    expect(lambda: model.predict(dataset, verbose=0), InputError, ValueError,
+           r"a component with no leading batch dimension \(a scalar; leading dimensions \['none'\]\)")
+
+
 def test_fit_on_a_batch_with_zero_examples():
     under = fixed_split_strategy()
     model = small_model(under)

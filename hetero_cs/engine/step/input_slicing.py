@@ -62,6 +62,11 @@ def bad_batch_error(leading_dims, spec=None) -> InputError:
     """The error for a global batch whose components hold different numbers of examples, or 0 examples (``spec``:
     the dataset's element_spec, when the error is found from it)."""
     sizes = [int(d) for d in leading_dims]
+    if min(sizes) < 0:  # a component of unknown rank that came as a scalar (see PlanSlicer.pack)
+        return InputError(
+            f"A dataset element has a component with no leading batch dimension (a scalar; leading dimensions "
+            f"{['none' if d < 0 else d for d in sizes]}), so it cannot be cut into per-replica slices. Batch the "
+            f"dataset first, e.g. dataset.batch(global_batch_size).")
     if len(set(sizes)) > 1:
         return InputError(
             f"The components of one dataset element have different leading (batch) dimensions {sizes}"
@@ -72,6 +77,14 @@ def bad_batch_error(leading_dims, spec=None) -> InputError:
         "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
         "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
     )
+
+
+def _leading_dim_or_minus_one(tensor) -> tf.Tensor:
+    """In the pipeline: ``tensor``'s leading dimension (int64), or -1 for a scalar of a component whose rank is not
+    known while tracing (a generator's ``TensorSpec(None)``), where ``tf.shape(tensor)[0]`` would fail."""
+    if isinstance(tensor, tf.RaggedTensor) or tensor.shape.rank is not None:
+        return leading_dim(tensor, tf.int64)
+    return tf.cond(tf.rank(tensor) > 0, lambda: leading_dim(tensor, tf.int64), lambda: tf.constant(-1, tf.int64))
 
 
 def is_unbatched_marker(spec_or_value) -> bool:
@@ -254,7 +267,7 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             # structure) as one argument.
             element = args if type(spec) is tuple else args[0]
             flat = tf.nest.flatten(element, expand_composites=False)
-            dims = tf.stack([leading_dim(t, tf.int64) for t in flat if not is_unbatched_marker(t)])
+            dims = tf.stack([_leading_dim_or_minus_one(t) for t in flat if not is_unbatched_marker(t)])
             good = tf.logical_and(tf.reduce_all(tf.equal(dims, dims[0])), dims[0] > 0)
             verdict = tf.cond(good, lambda: tf.constant(0, tf.int64), lambda: tf.reshape(tf.numpy_function(
                 self._check_batch, tf.unstack(dims), tf.int64, stateful=True), []))
