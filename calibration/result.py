@@ -108,9 +108,9 @@ class DeviceProfile:
             raise ProfileCacheError(
                 f"DeviceProfile.cost_model needs predict_step_time_s. Received: {type(self.cost_model).__name__}."
             )
-        if self.max_batch_size is not None and not (_is_int(self.max_batch_size) and self.max_batch_size >= 0):
+        if self.max_batch_size is not None and not (_is_int(self.max_batch_size) and 0 <= self.max_batch_size < 2**63):
             raise ProfileCacheError(
-                f"DeviceProfile.max_batch_size must be None or an int >= 0. Received: {self.max_batch_size!r}."
+                f"DeviceProfile.max_batch_size must be None or an int in [0, 2**63). Received: {self.max_batch_size!r}."
             )
         _finite_non_negative("DeviceProfile", "fit_error", self.fit_error)
         _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)

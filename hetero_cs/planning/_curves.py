@@ -74,10 +74,10 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
             f"max_batch_sizes must hold one cap per replica: len(max_batch_sizes)={len(caps)} but there are "
             f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap.")
     for i, cap in enumerate(caps):
-        if cap is not None and (not _is_int(cap) or cap < 0):
+        if cap is not None and (not _is_int(cap) or not 0 <= cap < 2**63):
             raise ConfigError(
-                f"max_batch_sizes[{i}] must be an integer >= 0 (examples; 0 leaves the replica idle) or None (no "
-                f"cap). Received: max_batch_sizes[{i}]={cap!r}.")
+                f"max_batch_sizes[{i}] must be an integer in [0, 2**63) (examples; 0 leaves the replica idle) or None "
+                f"(no cap). Received: max_batch_sizes[{i}]={cap!r}.")
     low = [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]
     if low:
         listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)

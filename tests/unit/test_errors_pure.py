@@ -142,6 +142,8 @@ SOLVER_CASES = [
      r"None \(no cap\)\. Received: max_batch_sizes\[0\]=5\.5"),
     ("cap_nan", lambda: solve_batch_split([FAST, SLOW], 10, max_batch_sizes=[math.nan, 20]), ConfigError,
      ValueError, r"max_batch_sizes\[0\]=nan"),
+    ("cap_huge", lambda: solve_batch_split([FAST, SLOW], 10, max_batch_sizes=[10**400, 20]), ConfigError,
+     ValueError, r"an integer in \[0, 2\*\*63\) .* Received: max_batch_sizes\[0\]=1000"),
     ("caps_string", lambda: solve_batch_split([FAST, SLOW], 10, max_batch_sizes="20"), ConfigError, ValueError,
      r"max_batch_sizes='20'.*Example: max_batch_sizes="),
     ("batch_below_minimum", lambda: solve_batch_split([FAST, SLOW], 3, min_batch_size=2), InfeasiblePlanError,

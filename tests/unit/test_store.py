@@ -306,8 +306,9 @@ def test_a_profile_with_a_cap_of_zero_has_no_samples_and_no_fitted_model(change)
                   probe_batch_sizes=(), median_step_times_s=(), mad_s=())
     with pytest.raises(ProfileCacheError, match="max_batch_size=0 .* has no probed sizes and an OutOfMemoryCostModel"):
         DeviceProfile(**{**fields, **change})
-    with pytest.raises(ProfileCacheError, match="max_batch_size must be None or an int >= 0"):
-        DeviceProfile(**{**fields, "max_batch_size": -1})
+    for cap in (-1, 10**400):  # the second overflowed a float once the cap reached fit's figures
+        with pytest.raises(ProfileCacheError, match=r"max_batch_size must be None or an int in \[0, 2\*\*63\)"):
+            DeviceProfile(**{**fields, "max_batch_size": cap})
 
 
 def test_contention_factors_round_trip_and_scale_the_cost_models_and_an_older_profile_has_none(tmp_path):
