@@ -280,9 +280,9 @@ def test_global_batch_size_must_be_a_positive_integer(B):
     ({"min_batch_size": -1}, "min_batch_size must be an integer >= 0"),
     ({"multiple_of": 0}, "multiple_of must be an integer >= 1"),
     ({"max_batch_sizes": [1, 2]}, r"len\(max_batch_sizes\)=2 but there are R=3 cost models"),
-    ({"max_batch_sizes": [1, 2.5, None]}, r"max_batch_sizes\[1\] must be an integer >= 0 .* or None"),
+    ({"max_batch_sizes": [1, 2.5, None]}, r"max_batch_sizes\[1\] must be an integer in \[0, 2\*\*63\) .* or None"),
     # A negative cap was an InfeasiblePlanError whose fix (min_batch_size=0) was already the value in force.
-    ({"max_batch_sizes": [-1, None, None]}, r"max_batch_sizes\[0\] must be an integer >= 0 .* Received: "
+    ({"max_batch_sizes": [-1, None, None]}, r"max_batch_sizes\[0\] must be an integer in \[0, 2\*\*63\) .* Received: "
                                             r"max_batch_sizes\[0\]=-1"),
     ({"max_batch_sizes": 8}, "sequence of R=3 caps"),
 ])

@@ -19,8 +19,7 @@ from hetero_cs.engine.step import idle_replicas
 from hetero_cs.engine.step.input_slicing import is_unbatched_marker
 from hetero_cs.engine._compat import replica_xla, symbols
 from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_multi_worker_strategy
-from hetero_cs.engine._compat.context import is_ours, strategy_of
-from hetero_cs.engine._compat.context import refuse_a_model_from_outside_the_scope
+from hetero_cs.engine._compat.context import is_ours, refuse_a_model_from_outside_the_scope, strategy_of
 from hetero_cs.engine._compat.layers import all_sublayers
 from hetero_cs.engine._compat.multi_worker import run_entry_point
 from hetero_cs.engine._compat.replica_pass import keras_train_step
