@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from hetero_cs.devices.device_errors import is_out_of_memory
 from hetero_cs.engine.step import idle_replicas
-from hetero_cs.engine.step.input_slicing import is_unbatched_marker
+from hetero_cs.engine.step.input_slicing import BatchCount, empty_input_error, is_unbatched_marker
 from hetero_cs.engine._compat import replica_xla, symbols
 from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_strategy, is_multi_worker_strategy
 from hetero_cs.engine._compat.context import is_ours, refuse_a_model_from_outside_the_scope, strategy_of
@@ -65,19 +65,18 @@ def _fit(original, self, strategy, bound):
         examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
     idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
     callbacks = bound.arguments.get("callbacks")
-    counted = _BatchCount("fit")
+    counted = BatchCount("fit")
     bound.arguments["callbacks"] = [*strategy._fit_callbacks(self, callbacks, bound.arguments), counted]  # noqa: SLF001
     # fit distributes its training data first and validation data later (hetero_cs.engine.step.input_roles).
     distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
     try:
         with strategy._input_roles.fitting(training_input_pending=not distributed):  # noqa: SLF001
             history = original(*bound.args, **bound.kwargs)
-        counted.check(bound.arguments["epochs"] > bound.arguments["initial_epoch"] and
-                      bound.arguments.get("steps_per_epoch") != 0)
+        counted.check(counted.epochs > 0 and bound.arguments.get("steps_per_epoch") != 0)
         return history
     except StopIteration as exc:
         # Keras lets the distributed iterator's StopIteration escape when the dataset has no batch at all.
-        raise _empty_input_error("fit") from exc
+        raise empty_input_error("fit") from exc
     except tf.errors.OpError as exc:
         replica_error = strategy._replica_step_error(exc, replica_scopes=(self.name,))  # noqa: SLF001
         if replica_error is None:
@@ -378,7 +377,7 @@ def _evaluate_or_predict(original, self, strategy, bound):
     idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(bound.arguments))
     active_sets.refresh(self, attribute, training=False)
     known = active_sets.version(training=False)
-    counted, callbacks = _BatchCount(original.__name__), bound.arguments.get("callbacks")
+    counted, callbacks = BatchCount(original.__name__), bound.arguments.get("callbacks")
     if not isinstance(callbacks, keras.callbacks.CallbackList):  # fit's validation pass hands on fit's own list
         bound.arguments["callbacks"] = [*(callbacks or []), counted]
     try:
@@ -391,7 +390,7 @@ def _evaluate_or_predict(original, self, strategy, bound):
         # its first output exists ("batch_outputs" is unbound); fit's InputError, likewise.
         if isinstance(exc, UnboundLocalError) and "batch_outputs" not in str(exc):
             raise
-        raise _empty_input_error(original.__name__) from exc
+        raise empty_input_error(original.__name__) from exc
     except tf.errors.OpError as exc:
         input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
         if input_error is not None:
@@ -421,37 +420,6 @@ def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | 
     if shape is None or len(shape) == 0 or shape[0] is None:
         return None, None
     return int(shape[0]), int(arguments.get("batch_size") or 32)
-
-
-class _BatchCount(keras.callbacks.Callback):
-    """The batches one fit (its training batches), evaluate or predict call ran. A dataset whose emptiness Keras
-    cannot see before it reads it (a filter that drops everything, an empty generator) ends Keras' loop with a
-    warning and no step; :meth:`check` raises the InputError an empty dataset of known size gets."""
-
-    def __init__(self, verb: str):
-        super().__init__()
-        self.verb, self.batches = verb, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches += self.verb == "fit"
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.batches += self.verb == "evaluate"
-
-    def on_predict_batch_end(self, batch, logs=None):
-        self.batches += self.verb == "predict"
-
-    def check(self, expected: bool) -> None:
-        if expected and self.batches == 0:
-            raise _empty_input_error(self.verb)
-
-
-def _empty_input_error(verb: str):
-    """The InputError of fit, evaluate or predict given a dataset with no batch."""
-    return InputError(
-        f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
-        f"everything, or fewer examples than one batch with drop_remainder=True)."
-    )
 
 
 def patch_symbolic_build() -> None:

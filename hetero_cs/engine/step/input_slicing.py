@@ -29,6 +29,7 @@ import functools
 import threading
 from collections.abc import Callable
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -76,6 +77,41 @@ def bad_batch_error(leading_dims, spec=None) -> InputError:
     return InputError(
         "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
         "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
+    )
+
+
+class BatchCount(keras.callbacks.Callback):
+    """The batches one fit (its training batches, and the epochs it began: none when a restored backup says the fit
+    had finished), evaluate or predict call ran. A dataset whose emptiness Keras cannot see before it reads it (a
+    filter that drops everything, an empty generator) ends Keras' loop with a warning and no step; :meth:`check`
+    raises the InputError an empty dataset of known size gets."""
+
+    def __init__(self, verb: str):
+        super().__init__()
+        self.verb, self.batches, self.epochs = verb, 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs += 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += self.verb == "fit"
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.batches += self.verb == "evaluate"
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.batches += self.verb == "predict"
+
+    def check(self, expected: bool) -> None:
+        if expected and self.batches == 0:
+            raise empty_input_error(self.verb)
+
+
+def empty_input_error(verb: str):
+    """The InputError of fit, evaluate or predict given a dataset with no batch."""
+    return InputError(
+        f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
+        f"everything, or fewer examples than one batch with drop_remainder=True)."
     )
 
 
