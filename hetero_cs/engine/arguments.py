@@ -171,7 +171,15 @@ def emulated_makespan_target_s() -> float:
 
 
 def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the environment variable ``name`` is on: 1, true, yes or on; off when unset, empty, 0, false, no or off.
+
+    Raises:
+        ConfigError: Any other value.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ConfigError(f"{name}={os.environ[name]!r} is not a flag: set it to 1 (on) or 0 (off), or leave it unset.")
+    return value in ("1", "true", "yes", "on")
 
 
 def memory_policy(oom_recovery):

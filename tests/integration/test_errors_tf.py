@@ -424,6 +424,14 @@ def test_time_scale_environment_variable_with_garbage(monkeypatch):
            r"HETERO_CS_EMULATION_TIME_SCALE='fast'.*must be a finite number > 0, e\.g\. 1\.0")
 
 
+@pytest.mark.parametrize("raw", ["2", "enable"])
+def test_timing_flag_environment_variable_with_garbage(monkeypatch, raw):
+    # It was silently off, where every other HETERO_CS_* variable is checked.
+    monkeypatch.setenv("HETERO_CS_TIMING", raw)
+    expect(lambda: strategy(DEVICES), ConfigError, ValueError,
+           rf"HETERO_CS_TIMING='{raw}' is not a flag: set it to 1 \(on\) or 0 \(off\), or leave it unset")
+
+
 @pytest.mark.parametrize("raw", ["soon", "-5", "nan"])
 def test_target_makespan_environment_variable_with_garbage(monkeypatch, raw):
     monkeypatch.setenv("HETERO_CS_EMULATION_TARGET_MAKESPAN_MS", raw)
