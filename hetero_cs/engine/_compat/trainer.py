@@ -377,13 +377,16 @@ def _evaluate_or_predict(original, self, strategy, bound):
     idle_replicas.anticipate_last_batch(strategy, *_examples_and_batch_size(bound.arguments))
     active_sets.refresh(self, attribute, training=False)
     known = active_sets.version(training=False)
-    counted, callbacks = BatchCount(original.__name__), bound.arguments.get("callbacks")
-    if not isinstance(callbacks, keras.callbacks.CallbackList):  # fit's validation pass hands on fit's own list
+    # An evaluate of an empty dataset of unknown size runs no batch (predict fails below without one); fit's
+    # validation pass hands on fit's own callback list and is left alone.
+    counted, callbacks = BatchCount("evaluate"), bound.arguments.get("callbacks")
+    counting = not predicting and not isinstance(callbacks, keras.callbacks.CallbackList)
+    if counting:
         bound.arguments["callbacks"] = [*(callbacks or []), counted]
     try:
         with strategy._input_roles.inferring(predicting=predicting):  # noqa: SLF001 - its inputs and steps infer
             result = original(*bound.args, **bound.kwargs)
-        counted.check(bound.arguments["callbacks"] is not callbacks and bound.arguments.get("steps") != 0)
+        counted.check(counting and bound.arguments.get("steps") != 0)
         return result
     except (StopIteration, UnboundLocalError) as exc:
         # An input with no batch: the model's build reads none (StopIteration), or Keras' predict loop ends before

@@ -82,7 +82,7 @@ def bad_batch_error(leading_dims, spec=None) -> InputError:
 
 class BatchCount(keras.callbacks.Callback):
     """The batches one fit (its training batches, and the epochs it began: none when a restored backup says the fit
-    had finished), evaluate or predict call ran. A dataset whose emptiness Keras cannot see before it reads it (a
+    had finished) or evaluate call ran. A dataset whose emptiness Keras cannot see before it reads it (a
     filter that drops everything, an empty generator) ends Keras' loop with a warning and no step; :meth:`check`
     raises the InputError an empty dataset of known size gets."""
 
@@ -98,9 +98,6 @@ class BatchCount(keras.callbacks.Callback):
 
     def on_test_batch_end(self, batch, logs=None):
         self.batches += self.verb == "evaluate"
-
-    def on_predict_batch_end(self, batch, logs=None):
-        self.batches += self.verb == "predict"
 
     def check(self, expected: bool) -> None:
         if expected and self.batches == 0:
