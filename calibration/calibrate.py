@@ -57,10 +57,8 @@ def _check_devices(devices: Sequence[str], parameter_device: str) -> tuple[list[
     from hetero_cs.devices.device_errors import checked_device_names  # imports TensorFlow
 
     if isinstance(devices, str) or not devices:
-        raise DeviceError(
-            f"devices must be a non-empty sequence of device names, e.g. ['/device:GPU:0', '/device:GPU:1']. "
-            f"Received: devices={devices!r}."
-        )
+        raise DeviceError(f"devices must be a non-empty sequence of device names, e.g. ['/device:GPU:0', "
+                          f"'/device:GPU:1']. Received: devices={devices!r}.")
     return checked_device_names(devices, parameter_device, argument="devices")
 
 
@@ -211,23 +209,17 @@ def calibrate(
     global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
     warmup_steps = _check_positive_int("warmup_steps", warmup_steps, minimum=0)
     trials = _check_positive_int("trials", trials)
-    caps: list[int | None] = [None] * num_replicas
-    if max_batch_sizes is not None:
-        caps = _positive_ints("max_batch_sizes", max_batch_sizes, example="[64, None] (None: no cap)",
-                              none_allowed=True)
-        if len(caps) != num_replicas:
-            raise ConfigError(
-                f"max_batch_sizes needs one entry per device. Received: len(max_batch_sizes)={len(caps)}, "
-                f"len(devices)={num_replicas}."
-            )
+    caps: list[int | None] = [None] * num_replicas if max_batch_sizes is None else _positive_ints(
+        "max_batch_sizes", max_batch_sizes, example="[64, None] (None: no cap)", none_allowed=True)
+    if len(caps) != num_replicas:
+        raise ConfigError(f"max_batch_sizes needs one entry per device. Received: len(max_batch_sizes)={len(caps)}, "
+                          f"len(devices)={num_replicas}.")
     if probe_batch_sizes is not None:
         probe_batch_sizes = _positive_ints("probe_batch_sizes", probe_batch_sizes, example="[1, 4, 16, 64]")
     if emulator is not None:
         if emulator.num_replicas != num_replicas:
-            raise ConfigError(
-                f"The emulator has num_replicas={emulator.num_replicas} but len(devices)={num_replicas}; give one "
-                "catalog name per compute device."
-            )
+            raise ConfigError(f"The emulator has num_replicas={emulator.num_replicas} but len(devices)={num_replicas}; "
+                              "give one catalog name per compute device.")
         if emulator.workload is None:
             from calibration.workload import estimate_workload
 
@@ -245,26 +237,19 @@ def calibrate(
 
     key = None
     if store is not False:
-        signature = (
-            f"{probe_lib.input_signature(sample_batch)}|global_batch_size={global_batch_size}"
-            f"|probe_batch_sizes={None if probe_batch_sizes is None else sorted(set(probe_batch_sizes))}"
-            f"|max_batch_sizes={caps}|parameter_device={parameter_device}"
-        )
-        key = profile_key(
-            device_ids=_device_ids(devices, emulator, gpu_facts),
-            model_fingerprint=probe_lib.model_fingerprint(model),
-            input_signature=signature,
-            tf_version=tf.__version__,
-            dtype_policy=probe_lib.dtype_policy_name(model),
-        )
+        signature = (f"{probe_lib.input_signature(sample_batch)}|global_batch_size={global_batch_size}"
+                     f"|probe_batch_sizes={None if probe_batch_sizes is None else sorted(set(probe_batch_sizes))}"
+                     f"|max_batch_sizes={caps}|parameter_device={parameter_device}")
+        key = profile_key(device_ids=_device_ids(devices, emulator, gpu_facts),
+                          model_fingerprint=probe_lib.model_fingerprint(model), input_signature=signature,
+                          tf_version=tf.__version__, dtype_policy=probe_lib.dtype_policy_name(model))
         cached = store.load(key)
         if cached is not None and cached.devices == tuple(devices):
             mismatch = None
             if check_cached:
                 with probe_lib.preserved_model_state(model):
-                    mismatch = _cached_profile_mismatch(
-                        cached, make_probe, devices=devices, global_batch_size=global_batch_size,
-                    )
+                    mismatch = _cached_profile_mismatch(cached, make_probe, devices=devices,
+                                                        global_batch_size=global_batch_size)
             if mismatch is None:
                 logger.info("Calibration profile cache hit (%s)%s; skipping calibration.", store.path(key),
                             ", checked against a few timed steps" if check_cached else "")
@@ -326,11 +311,9 @@ def calibrate(
         _time_interleaved(calibrations, trials, tick=tick)
         profiles = [calibration.profile() for calibration in calibrations]
         for replica_id, (calibration, profile) in enumerate(zip(calibrations, profiles)):
-            logger.info(
-                "Calibrated replica %d, %s: %s, max_batch_size=%s, fit_error=%.1f%%, noise=%.1f%%", replica_id,
-                calibration.label, profile.describe_cost_model(), profile.max_batch_size, profile.fit_error * 100,
-                profile.relative_noise * 100,
-            )
+            logger.info("Calibrated replica %d, %s: %s, max_batch_size=%s, fit_error=%.1f%%, noise=%.1f%%", replica_id,
+                        calibration.label, profile.describe_cost_model(), profile.max_batch_size,
+                        profile.fit_error * 100, profile.relative_noise * 100)
         result = CalibrationResult(profiles=tuple(profiles), wall_time_s=0.0, emulated=emulator is not None)
         result = dataclasses.replace(result, plan=_solve(result, global_batch_size))
         if result.plan is not None and probe_batch_sizes is None:  # where a fit misses its curve: probe the plan's slices
@@ -367,8 +350,6 @@ def _with_measurement(result: CalibrationResult, run_plan: Callable[[BatchPlan],
     if not (math.isfinite(measured_s) and measured_s >= 0):
         raise CalibrationError(f"run_plan must return a step time in seconds >= 0. Received: {measured_s!r}.")
     predicted_s = result.plan.predicted_makespan_s or float("nan")
-    logger.info(
-        "Plan %s: predicted makespan %.4f s, measured %.4f s (measured/predicted %.3f)",
-        list(result.plan.per_replica_batch_sizes), predicted_s, measured_s, measured_s / predicted_s,
-    )
+    logger.info("Plan %s: predicted makespan %.4f s, measured %.4f s (measured/predicted %.3f)",
+                list(result.plan.per_replica_batch_sizes), predicted_s, measured_s, measured_s / predicted_s)
     return dataclasses.replace(result, measured_makespan_s=measured_s)

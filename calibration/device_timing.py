@@ -82,7 +82,7 @@ class _DeviceCalibration:
         if peak_bytes is not None:
             self.peaks_bytes.append((batch_size, peak_bytes))
 
-    def prepare(self, sizes: Sequence[int], on_warm: Callable[[int], None] | None = None) -> None:
+    def prepare(self, sizes: Sequence[int], on_warm: Callable[[int], None] = lambda batch_size: None) -> None:
         """Warms every size up in increasing order, stopping at the first out-of-memory, then finds the cap."""
         for batch_size in sizes:
             if self._out_of_memory(batch_size, self._warm) is not None:
@@ -90,8 +90,7 @@ class _DeviceCalibration:
                 self._find_cap(batch_size)
                 break
             self.sizes.append(batch_size)
-            if on_warm is not None:
-                on_warm(batch_size)
+            on_warm(batch_size)
         self.samples_s = {b: [] for b in self.sizes}
 
     def _out_of_memory(self, batch_size: int, run: Callable[[int], Any]) -> Exception | None:
@@ -141,24 +140,16 @@ class _DeviceCalibration:
 
     def profile(self) -> DeviceProfile:
         """Summarises the samples, fits the cost model and returns the device's profile."""
-        if self.cap == 0:  # nothing fitted, nothing timed: the device sits idle
-            return DeviceProfile(device=self.probe.device, cost_model=OutOfMemoryCostModel(), max_batch_size=0,
-                                 fit_error=0.0, probe_batch_sizes=(), median_step_times_s=(), mad_s=(),
-                                 emulated_as=self.emulated_as)
         stats = [timing.summarize_trials(self.samples_s[b]) for b in self.sizes]
-        result = self.fit = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats],
-                                                   anchor_batch_size=self.anchor)
-        return DeviceProfile(
-            device=self.probe.device,
-            cost_model=result.cost_model,
-            max_batch_size=self.cap,
-            fit_error=result.fit_error,
-            probe_batch_sizes=tuple(self.sizes),
-            median_step_times_s=tuple(s.median_s for s in stats),
-            mad_s=tuple(s.mad_s for s in stats),
-            emulated_as=self.emulated_as,
-            relative_noise=self.relative_noise(),
-        )
+        if self.cap == 0:  # nothing fitted, nothing timed (no sizes, no samples): the device sits idle
+            cost_model, fit_error = OutOfMemoryCostModel(), 0.0
+        else:
+            self.fit = fit_lib.fit_cost_model(self.sizes, [s.median_s for s in stats], anchor_batch_size=self.anchor)
+            cost_model, fit_error = self.fit.cost_model, self.fit.fit_error
+        return DeviceProfile(device=self.probe.device, cost_model=cost_model, max_batch_size=self.cap,
+                             fit_error=fit_error, probe_batch_sizes=tuple(self.sizes),
+                             median_step_times_s=tuple(s.median_s for s in stats), mad_s=tuple(s.mad_s for s in stats),
+                             emulated_as=self.emulated_as, relative_noise=self.relative_noise())
 
     def probe_at(self, batch_size: int, largest: int) -> list[int]:
         """Anchors the fit at the plan's slice ``batch_size`` and warms the sizes around it (up to ``largest``, the
@@ -229,19 +220,15 @@ def _time_interleaved(calibrations: Sequence[_DeviceCalibration], trials: int,
         worst = max(range(R), key=lambda i: noise[i])
         if noise[worst] <= NOISE_LIMIT:
             break
+        noisiest = (noise[worst] * 100, calibrations[worst].probe.device)
         if round_index + 1 < MAX_TIMING_ROUNDS:
-            logger.warning(
-                "Calibration: timing noise %.0f %% on %s exceeds %.0f %% (the host or device is busy); repeating "
-                "the trials (round %d of at most %d).", noise[worst] * 100, calibrations[worst].probe.device,
-                NOISE_LIMIT * 100, round_index + 2, MAX_TIMING_ROUNDS,
-            )
+            logger.warning("Calibration: timing noise %.0f %% on %s exceeds %.0f %% (the host or device is busy); "
+                           "repeating the trials (round %d of at most %d).", *noisiest, NOISE_LIMIT * 100,
+                           round_index + 2, MAX_TIMING_ROUNDS)
         else:
-            logger.warning(
-                "Calibration: timing noise is still %.0f %% on %s after %d rounds; the devices may be ranked "
-                "wrongly. The plan will be measured against the even split before it is kept; calibrate again on a "
-                "quieter machine for a better plan.", noise[worst] * 100, calibrations[worst].probe.device,
-                MAX_TIMING_ROUNDS,
-            )
+            logger.warning("Calibration: timing noise is still %.0f %% on %s after %d rounds; the devices may be "
+                           "ranked wrongly. The plan will be measured against the even split before it is kept; "
+                           "calibrate again on a quieter machine for a better plan.", *noisiest, MAX_TIMING_ROUNDS)
     return noise
 
 

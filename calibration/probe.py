@@ -62,9 +62,9 @@ def _layer_config_text(layer: Any) -> str:
         config = dict(layer.get_config())
     except Exception:  # noqa: BLE001 - custom layers may not implement get_config; the class name still counts.
         return ""
-    config.pop("name", None)
-    config.pop("layers", None)  # Nested layers are walked separately.
-    return json.dumps(config, sort_keys=True, default=lambda o: type(o).__qualname__)
+    # Nested layers are walked separately.
+    return json.dumps({k: v for k, v in config.items() if k not in ("name", "layers")}, sort_keys=True,
+                      default=lambda o: type(o).__qualname__)
 
 
 def model_fingerprint(model: Any) -> str:
@@ -83,10 +83,8 @@ def model_fingerprint(model: Any) -> str:
     """
     variables = list(getattr(model, "variables", None) or ())
     if not variables:
-        raise ConfigError(
-            f"model_fingerprint needs a built model; {type(model).__name__} has no variables. Build it first "
-            "(keras.Input(...) as first layer, or call it on a batch)."
-        )
+        raise ConfigError(f"model_fingerprint needs a built model; {type(model).__name__} has no variables. Build it "
+                          "first (keras.Input(...) as first layer, or call it on a batch).")
     description = {
         "model": _qualified_name(model),
         "layers": [[_qualified_name(layer), _layer_config_text(layer)] for layer in _walk_layers(model)],
@@ -103,9 +101,7 @@ def dtype_policy_name(model: Any) -> str:
 
 def _leaf_signature(leaf: Any, include_batch_dim: bool) -> str:
     dtype_name = getattr(getattr(leaf, "dtype", None), "name", None) or str(np.asarray(leaf).dtype)
-    dims = [str(d) for d in getattr(leaf, "shape", np.shape(leaf))]
-    if dims and not include_batch_dim:
-        dims[0] = "*"
+    dims = [str(d) if i or include_batch_dim else "*" for i, d in enumerate(getattr(leaf, "shape", np.shape(leaf)))]
     return f"{dtype_name}[{','.join(dims)}]"
 
 
@@ -118,10 +114,8 @@ def input_signature(batch: Any, *, include_batch_dim: bool = False) -> str:
     """
     import keras
 
-    flat = keras.tree.flatten_with_path(batch)
-    return ";".join(
-        f"{'/'.join(str(k) for k in path)}={_leaf_signature(leaf, include_batch_dim)}" for path, leaf in flat
-    )
+    return ";".join(f"{'/'.join(str(k) for k in path)}={_leaf_signature(leaf, include_batch_dim)}"
+                    for path, leaf in keras.tree.flatten_with_path(batch))
 
 
 def search_memory_cap(
@@ -158,10 +152,9 @@ def search_memory_cap(
         300
     """
     if not 1 <= largest_fitting < smallest_failing or max_steps < 0:
-        raise ConfigError(
-            "search_memory_cap needs 1 <= largest_fitting < smallest_failing and max_steps >= 0. Received: "
-            f"largest_fitting={largest_fitting}, smallest_failing={smallest_failing}, max_steps={max_steps}."
-        )
+        raise ConfigError("search_memory_cap needs 1 <= largest_fitting < smallest_failing and max_steps >= 0. "
+                          f"Received: largest_fitting={largest_fitting}, smallest_failing={smallest_failing}, "
+                          f"max_steps={max_steps}.")
     low, high = largest_fitting, smallest_failing
     guess = first_guess
     for _ in range(max_steps):
@@ -239,10 +232,8 @@ def sample_batch_size(sample_batch: Any) -> int:
               for leaf in keras.tree.flatten(_split_batch(sample_batch)) if leaf is not None]
     sizes = {int(shape[0]) if shape and shape[0] is not None else -1 for shape in shapes}
     if len(sizes) != 1 or min(sizes) < 1:
-        raise ConfigError(
-            "Every array of sample_batch needs the same leading batch dimension >= 1. Received: leading sizes "
-            f"{sorted(sizes)} (-1: no batch dimension)."
-        )
+        raise ConfigError("Every array of sample_batch needs the same leading batch dimension >= 1. Received: "
+                          f"leading sizes {sorted(sizes)} (-1: no batch dimension).")
     return sizes.pop()
 
 
@@ -250,10 +241,8 @@ def _split_batch(sample_batch: Any) -> tuple[Any, ...]:
     """(x, y[, sample_weight]) as a tuple; a sample_weight of None is left out."""
     if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) not in (2, 3):
         length = len(sample_batch) if hasattr(sample_batch, "__len__") else "?"
-        raise ConfigError(
-            "sample_batch must be a tuple (x, y) or (x, y, sample_weight) with a leading batch dimension. "
-            f"Received: {type(sample_batch).__name__} of length {length}."
-        )
+        raise ConfigError("sample_batch must be a tuple (x, y) or (x, y, sample_weight) with a leading batch "
+                          f"dimension. Received: {type(sample_batch).__name__} of length {length}.")
     return tuple(sample_batch[:2]) + tuple(w for w in sample_batch[2:] if w is not None)
 
 
@@ -336,9 +325,7 @@ class DeviceProbe:
         if batch_size not in self._batches:
             indices = tf.range(batch_size) % self.sample_size
             with tf.device(self.parameter_device):
-                self._batches[batch_size] = tf.nest.map_structure(
-                    lambda t: tf.gather(t, indices, axis=0), self._sample
-                )
+                self._batches[batch_size] = tf.nest.map_structure(lambda t: tf.gather(t, indices, axis=0), self._sample)
         return self._batches[batch_size]
 
     def run_step(self, batch_size: int) -> float:
@@ -362,9 +349,8 @@ class DeviceProbe:
         The probe's very first step (which traces the tf.function) is always untimed, even with warmup_steps=0.
         """
         if warmup_steps < 0 or trials < 1:
-            raise ConfigError(
-                f"Need warmup_steps >= 0 and trials >= 1. Received: warmup_steps={warmup_steps}, trials={trials}."
-            )
+            raise ConfigError(f"Need warmup_steps >= 0 and trials >= 1. Received: warmup_steps={warmup_steps}, "
+                              f"trials={trials}.")
         with preserved_model_state(self._model):
             if not self._has_run:  # The first call traces the step function: never time it.
                 self.run_step(batch_size)

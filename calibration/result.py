@@ -7,7 +7,6 @@ importing TensorFlow and the CLI can print them.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -84,54 +83,42 @@ class DeviceProfile:
                 raise ProfileCacheError(f"DeviceProfile.{name} must be a list of numbers, one per probed size. "
                                         f"Received: {name}={getattr(self, name)!r}.")
             object.__setattr__(self, name, values)
-        bad_sizes = [b for b in self.probe_batch_sizes if isinstance(b, bool) or not isinstance(b, numbers.Integral)]
-        if bad_sizes:
-            raise ProfileCacheError(
-                f"DeviceProfile.probe_batch_sizes must be integers. Received: probe_batch_sizes="
-                f"{list(self.probe_batch_sizes)!r} (offending: {bad_sizes!r})."
-            )
-        if self.emulated_as is not None and (not isinstance(self.emulated_as, str) or not self.emulated_as):
-            raise ProfileCacheError(
-                f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. Received: "
-                f"emulated_as={self.emulated_as!r}."
-            )
+        if bad_sizes := [b for b in self.probe_batch_sizes if not _is_int(b)]:
+            raise ProfileCacheError(f"DeviceProfile.probe_batch_sizes must be integers. Received: probe_batch_sizes="
+                                    f"{list(self.probe_batch_sizes)!r} (offending: {bad_sizes!r}).")
+        if self.emulated_as is not None and not (isinstance(self.emulated_as, str) and self.emulated_as):
+            raise ProfileCacheError(f"DeviceProfile.emulated_as must be None or a catalog device name such as 'T4'. "
+                                    f"Received: emulated_as={self.emulated_as!r}.")
         if not all(finite_real(t) and t >= 0 for t in self.median_step_times_s + self.mad_s):
-            raise ProfileCacheError(
-                f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds >= 0. Received: "
-                f"median_step_times_s={list(self.median_step_times_s)!r}, mad_s={list(self.mad_s)!r}."
-            )
+            raise ProfileCacheError(f"DeviceProfile.median_step_times_s and mad_s must hold finite numbers of seconds "
+                                    f">= 0. Received: median_step_times_s={list(self.median_step_times_s)!r}, "
+                                    f"mad_s={list(self.mad_s)!r}.")
         for name, kind in (("probe_batch_sizes", int), ("median_step_times_s", float), ("mad_s", float)):
             object.__setattr__(self, name, tuple(kind(v) for v in getattr(self, name)))
         if not isinstance(self.device, str) or not self.device:
             raise ProfileCacheError(f"DeviceProfile.device must be a non-empty string. Received: {self.device!r}.")
         if not callable(getattr(self.cost_model, "predict_step_time_s", None)):
-            raise ProfileCacheError(
-                f"DeviceProfile.cost_model needs predict_step_time_s. Received: {type(self.cost_model).__name__}."
-            )
+            raise ProfileCacheError(f"DeviceProfile.cost_model needs predict_step_time_s. Received: "
+                                    f"{type(self.cost_model).__name__}.")
         if self.max_batch_size is not None and not (_is_int(self.max_batch_size) and 0 <= self.max_batch_size < 2**63):
-            raise ProfileCacheError(
-                f"DeviceProfile.max_batch_size must be None or an int in [0, 2**63). Received: {self.max_batch_size!r}."
-            )
+            raise ProfileCacheError(f"DeviceProfile.max_batch_size must be None or an int in [0, 2**63). Received: "
+                                    f"{self.max_batch_size!r}.")
         _finite_non_negative("DeviceProfile", "fit_error", self.fit_error)
         _finite_non_negative("DeviceProfile", "relative_noise", self.relative_noise)
         sizes, medians, mads = self.probe_batch_sizes, self.median_step_times_s, self.mad_s
         if self.holds_no_example:
             if sizes or medians or mads or not isinstance(self.cost_model, OutOfMemoryCostModel):
-                raise ProfileCacheError(
-                    "A DeviceProfile with max_batch_size=0 (the device cannot hold one example) has no probed sizes "
-                    f"and an OutOfMemoryCostModel. Received: probe_batch_sizes={list(sizes)}, cost_model="
-                    f"{self.cost_model!r}. Recalibrate to replace it."
-                )
+                raise ProfileCacheError("A DeviceProfile with max_batch_size=0 (the device cannot hold one example) "
+                                        "has no probed sizes and an OutOfMemoryCostModel. Received: probe_batch_sizes="
+                                        f"{list(sizes)}, cost_model={self.cost_model!r}. Recalibrate to replace it.")
             return
         if not sizes or len(medians) != len(sizes) or len(mads) != len(sizes):
-            raise ProfileCacheError(
-                "DeviceProfile needs one median and one MAD per probed size, at least one size. Received: "
-                f"len(probe_batch_sizes)={len(sizes)}, len(median_step_times_s)={len(medians)}, len(mad_s)={len(mads)}."
-            )
+            raise ProfileCacheError("DeviceProfile needs one median and one MAD per probed size, at least one size. "
+                                    f"Received: len(probe_batch_sizes)={len(sizes)}, len(median_step_times_s)="
+                                    f"{len(medians)}, len(mad_s)={len(mads)}.")
         if any(b < 1 for b in sizes) or any(b >= c for b, c in zip(sizes, sizes[1:])):
-            raise ProfileCacheError(
-                f"DeviceProfile.probe_batch_sizes must be >= 1 and strictly increasing. Received: {sizes}."
-            )
+            raise ProfileCacheError(f"DeviceProfile.probe_batch_sizes must be >= 1 and strictly increasing. Received: "
+                                    f"{sizes}.")
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict; inverse of from_dict."""
