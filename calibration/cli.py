@@ -276,14 +276,12 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
         workload = dataclasses.replace(workload, tensor_float_32=args.tf32 == "on")
     if args.plot is not None:
-        from hetero_cs.devices.what_if_plot import check_plot_path
+        from hetero_cs.devices.what_if_plot import check_plot_path, plot_what_if
 
         check_plot_path(args.plot)  # before the work: a missing matplotlib or folder fails at once
     result = what_if(mix(args.devices, add=args.add, drop=args.drop), args.global_batch_size, workload)
     print(json.dumps(result) if args.json else format_what_if(result))
     if args.plot is not None:
-        from hetero_cs.devices.what_if_plot import plot_what_if
-
         path = plot_what_if(result, args.plot)
         if not args.json:
             print(f"plot: {path}")

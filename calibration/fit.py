@@ -124,10 +124,8 @@ def _validated_points(
     raw_sizes = np.asarray(batch_sizes).reshape(-1)
     raw_times = np.asarray(step_times_s, dtype=np.float64).reshape(-1)
     if raw_sizes.size == 0 or raw_sizes.size != raw_times.size:
-        raise ConfigError(
-            "fit_cost_model needs as many step times as batch sizes, at least one. Received: "
-            f"len(batch_sizes)={raw_sizes.size}, len(step_times_s)={raw_times.size}."
-        )
+        raise ConfigError("fit_cost_model needs as many step times as batch sizes, at least one. Received: "
+                          f"len(batch_sizes)={raw_sizes.size}, len(step_times_s)={raw_times.size}.")
     if not np.issubdtype(raw_sizes.dtype, np.integer) or np.any(raw_sizes < 1):
         raise ConfigError(f"Batch sizes must be integers >= 1. Received: batch_sizes={raw_sizes.tolist()!r}.")
     if not np.all(np.isfinite(raw_times)) or np.any(raw_times < 0.0):
@@ -150,9 +148,7 @@ def _fit_linear(sizes: np.ndarray, times: np.ndarray, counts: np.ndarray) -> Lin
 
 def _fit_piecewise(sizes: np.ndarray, times: np.ndarray) -> PiecewiseLinearCostModel:
     """Knots at the probed sizes through the (already non-decreasing) times."""
-    return PiecewiseLinearCostModel(
-        batch_sizes=tuple(int(b) for b in sizes), step_times_s=tuple(float(t) for t in times)
-    )
+    return PiecewiseLinearCostModel(batch_sizes=tuple(map(int, sizes)), step_times_s=tuple(map(float, times)))
 
 
 def _max_relative_error(model: CostModel, sizes: np.ndarray, times: np.ndarray) -> float:

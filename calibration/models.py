@@ -45,34 +45,22 @@ def build_model(name: str, *, input_shape: Sequence[int], num_classes: int, drop
 
     shape = tuple(int(d) for d in input_shape)
     if not shape or any(d < 1 for d in shape):
-        raise ConfigError(
-            f"input_shape must be a non-empty shape of positive sizes. Received: input_shape={input_shape!r}."
-        )
+        raise ConfigError(f"input_shape must be a non-empty shape of positive sizes. Received: "
+                          f"input_shape={input_shape!r}.")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
         raise ConfigError(f"num_classes must be an int >= 2. Received: num_classes={num_classes!r}.")
     if not 0.0 <= dropout_rate < 1.0:
         raise ConfigError(f"dropout_rate must be in [0, 1). Received: dropout_rate={dropout_rate!r}.")
     layers = keras.layers
     if name == "mlp":
-        body = [
-            layers.Flatten(),
-            layers.Dense(256, activation="relu"),
-            layers.Dense(256, activation="relu"),
-        ]
+        body = [layers.Flatten(), layers.Dense(256, activation="relu"), layers.Dense(256, activation="relu")]
     elif name == "digits_cnn":
         if len(shape) != 3 or shape[0] < 2 or shape[1] < 2:
-            raise ConfigError(
-                f"digits_cnn needs input_shape=(H, W, C) with H, W >= 2. Received: input_shape={shape!r}; "
-                "for scikit-learn's digits use (8, 8, 1)."
-            )
-        body = [
-            layers.Conv2D(32, 3, padding="same", activation="relu"),
-            layers.Conv2D(64, 3, padding="same", activation="relu"),
-            layers.MaxPooling2D(2),
-            layers.Flatten(),
-            layers.Dense(128, activation="relu"),
-            layers.Dropout(dropout_rate),
-        ]
+            raise ConfigError(f"digits_cnn needs input_shape=(H, W, C) with H, W >= 2. Received: "
+                              f"input_shape={shape!r}; for scikit-learn's digits use (8, 8, 1).")
+        body = [layers.Conv2D(32, 3, padding="same", activation="relu"),
+                layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),
+                layers.Flatten(), layers.Dense(128, activation="relu"), layers.Dropout(dropout_rate)]
     else:
         raise ConfigError(f"Unknown model name={name!r}. Use one of {list(MODEL_NAMES)}.")
     return keras.Sequential([keras.Input(shape), *body, layers.Dense(num_classes)], name=name)

@@ -100,12 +100,9 @@ def profile_key(*, device_ids: Sequence[str], model_fingerprint: str, input_sign
                         ("tf_version", tf_version), ("dtype_policy", dtype_policy)):
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string. Received: {name}={value!r}.")
-    payload = json.dumps(
-        {"device_ids": list(device_ids), "model_fingerprint": model_fingerprint,
-         "input_signature": input_signature, "tf_version": tf_version, "dtype_policy": dtype_policy,
-         "schema_version": SCHEMA_VERSION},
-        sort_keys=True,
-    )
+    payload = json.dumps({"device_ids": list(device_ids), "model_fingerprint": model_fingerprint,
+                          "input_signature": input_signature, "tf_version": tf_version, "dtype_policy": dtype_policy,
+                          "schema_version": SCHEMA_VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
@@ -150,10 +147,8 @@ def _read_text(path: pathlib.Path) -> str:
         refuse_special(status.st_mode)  # it may have been swapped since the first check
         data = handle.read(MAX_PROFILE_BYTES + 1)
     if len(data) > MAX_PROFILE_BYTES:
-        raise ProfileCacheError(
-            f"it holds more than MAX_PROFILE_BYTES={MAX_PROFILE_BYTES} bytes (size {status.st_size}); a profile "
-            "is a few kilobytes"
-        )
+        raise ProfileCacheError(f"it holds more than MAX_PROFILE_BYTES={MAX_PROFILE_BYTES} bytes (size "
+                                f"{status.st_size}); a profile is a few kilobytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -267,25 +262,18 @@ def check_output_path(path: str | os.PathLike[str], *, option: str = "--output")
         raise ConfigError(f"{option} must name a file. Received: {option}={path!r}. Example: {option} profile.json.")
     target = pathlib.Path(text).expanduser()
     if target.is_dir() or text.endswith(("/", os.sep)):
-        raise ConfigError(
-            f"{option}={text!r} is a directory; it must name a file to write. Example: {option} "
-            f"{str(target / 'profile.json')!r}."
-        )
+        raise ConfigError(f"{option}={text!r} is a directory; it must name a file to write. Example: {option} "
+                          f"{str(target / 'profile.json')!r}.")
     if target.exists() and not target.is_file():
         raise ConfigError(f"{option}={text!r} exists and is not a regular file. Name a new or a regular file.")
     folder = target.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
-    if not folder.is_dir():
-        raise ConfigError(
-            f"{option}={text!r} cannot be written: {str(folder)!r} is not a directory. Choose a path in a "
-            "writable directory."
-        )
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{option}={text!r} cannot be written: the directory {str(folder)!r} is not writable. Choose a path "
-            "in a writable directory."
-        )
+    problem = (f"{str(folder)!r} is not a directory" if not folder.is_dir()
+               else f"the directory {str(folder)!r} is not writable" if not os.access(folder, os.W_OK | os.X_OK)
+               else None)
+    if problem is not None:
+        raise ConfigError(f"{option}={text!r} cannot be written: {problem}. Choose a path in a writable directory.")
     return target
 
 
@@ -336,21 +324,16 @@ class ProfileStore:
                 the default) exists but is a file.
         """
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
-            raise ConfigError(
-                f"ProfileStore directory must be a path (str or os.PathLike) or None. Received: directory={directory!r}."
-            )
+            raise ConfigError(f"ProfileStore directory must be a path (str or os.PathLike) or None. Received: "
+                              f"directory={directory!r}.")
         self.directory = pathlib.Path(directory).expanduser() if directory is not None else default_cache_dir()
         if self.directory.exists() and not self.directory.is_dir():
-            if directory is not None:
-                source = f"directory={str(directory)!r}"
-            elif os.environ.get("HETERO_CS_CACHE_DIR"):
-                source = f"HETERO_CS_CACHE_DIR={os.environ['HETERO_CS_CACHE_DIR']!r}"
-            else:
-                source = f"the default cache directory {str(self.directory)!r}"
-            raise ConfigError(
-                f"The profile cache directory is not a directory: {source} names an existing file. Point it at a "
-                "directory (it is created if missing), or disable the cache (profile_cache=False, --no-cache)."
-            )
+            env = os.environ.get("HETERO_CS_CACHE_DIR")
+            source = (f"directory={str(directory)!r}" if directory is not None else f"HETERO_CS_CACHE_DIR={env!r}"
+                      if env else f"the default cache directory {str(self.directory)!r}")
+            raise ConfigError(f"The profile cache directory is not a directory: {source} names an existing file. "
+                              "Point it at a directory (it is created if missing), or disable the cache "
+                              "(profile_cache=False, --no-cache).")
 
     def __repr__(self) -> str:
         return f"ProfileStore(directory={str(self.directory)!r})"
@@ -387,11 +370,8 @@ class ProfileStore:
             return None
         except ProfileCacheError as exc:
             reason = " ".join(str(exc).split()).rstrip(".")
-            warnings.warn(
-                f"Ignoring the unusable profile cache file {str(path)!r}: {reason}. Recalibrating; the file will "
-                "be overwritten.",
-                stacklevel=2,
-            )
+            warnings.warn(f"Ignoring the unusable profile cache file {str(path)!r}: {reason}. Recalibrating; the file "
+                          "will be overwritten.", stacklevel=2)
             return None
         logger.debug("Profile cache hit: %s", path)
         return result

@@ -48,14 +48,11 @@ class TimingStats:
             if not (math.isfinite(value := getattr(self, name)) and value >= 0.0):
                 raise ConfigError(f"TimingStats.{name} must be finite and >= 0. Received: {name}={value!r}.")
         if not self.min_s <= self.median_s <= self.max_s:
-            raise ConfigError(
-                "TimingStats needs min_s <= median_s <= max_s. Received: "
-                f"min_s={self.min_s!r}, median_s={self.median_s!r}, max_s={self.max_s!r}."
-            )
+            raise ConfigError("TimingStats needs min_s <= median_s <= max_s. Received: "
+                              f"min_s={self.min_s!r}, median_s={self.median_s!r}, max_s={self.max_s!r}.")
         if self.n < 1 or self.n_outliers < 0:
-            raise ConfigError(
-                f"TimingStats needs n >= 1 and n_outliers >= 0. Received: n={self.n}, n_outliers={self.n_outliers}."
-            )
+            raise ConfigError(f"TimingStats needs n >= 1 and n_outliers >= 0. Received: n={self.n}, "
+                              f"n_outliers={self.n_outliers}.")
 
 
 def summarize_trials(samples_s: Sequence[float], *, outlier_mads: float = 5.0) -> TimingStats:
@@ -84,9 +81,7 @@ def summarize_trials(samples_s: Sequence[float], *, outlier_mads: float = 5.0) -
     if samples.size == 0:
         raise ConfigError("summarize_trials needs at least one sample. Received: samples_s=[]. Run trials >= 1.")
     if not np.all(np.isfinite(samples)) or np.any(samples < 0.0):
-        raise ConfigError(
-            f"Timing samples must be finite and >= 0 seconds. Received: samples_s={samples.tolist()!r}."
-        )
+        raise ConfigError(f"Timing samples must be finite and >= 0 seconds. Received: samples_s={samples.tolist()!r}.")
     if not (math.isfinite(outlier_mads) and outlier_mads > 0.0):
         raise ConfigError(f"outlier_mads must be finite and > 0. Received: outlier_mads={outlier_mads!r}.")
     median = float(np.median(samples))
@@ -96,14 +91,9 @@ def summarize_trials(samples_s: Sequence[float], *, outlier_mads: float = 5.0) -
     if kept.size == 0:  # Only reachable when every sample is 0.0 and the threshold is 0.
         kept = samples
     kept_median = float(np.median(kept))
-    return TimingStats(
-        median_s=kept_median,
-        mad_s=float(np.median(np.abs(kept - kept_median))),
-        min_s=float(kept.min()),
-        max_s=float(kept.max()),
-        n=int(kept.size),
-        n_outliers=int(samples.size - kept.size),
-    )
+    return TimingStats(median_s=kept_median, mad_s=float(np.median(np.abs(kept - kept_median))),
+                       min_s=float(kept.min()), max_s=float(kept.max()), n=int(kept.size),
+                       n_outliers=int(samples.size - kept.size))
 
 
 def probe_batch_sizes(max_batch_size: int, *, num: int = 5, min_batch_size: int = 1) -> tuple[int, ...]:
@@ -132,10 +122,8 @@ def probe_batch_sizes(max_batch_size: int, *, num: int = 5, min_batch_size: int 
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ConfigError(f"probe_batch_sizes needs an integer {name} >= 1. Received: {name}={value!r}.")
     if max_batch_size < min_batch_size:
-        raise ConfigError(
-            "probe_batch_sizes needs max_batch_size >= min_batch_size. Received: "
-            f"max_batch_size={max_batch_size}, min_batch_size={min_batch_size}."
-        )
+        raise ConfigError("probe_batch_sizes needs max_batch_size >= min_batch_size. Received: "
+                          f"max_batch_size={max_batch_size}, min_batch_size={min_batch_size}.")
     sizes = np.rint(np.geomspace(min_batch_size, max_batch_size, num=num)).astype(np.int64)  # within the bounds
     sizes[0], sizes[-1] = min_batch_size, max_batch_size  # num == 1: [max_batch_size]
     return tuple(int(b) for b in np.unique(sizes))

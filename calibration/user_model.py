@@ -58,10 +58,8 @@ def load_model_function(spec: str) -> Callable[[], Any]:
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(
-            f"--model={spec!r}: cannot import module {module_name!r} ({exc}). Run from the folder that holds the "
-            f"package, or install it, e.g. {_EXAMPLE}."
-        ) from exc
+        raise ConfigError(f"--model={spec!r}: cannot import module {module_name!r} ({exc}). Run from the folder that "
+                          f"holds the package, or install it, e.g. {_EXAMPLE}.") from exc
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"--model={spec!r}: module {module_name!r} has no attribute {attribute!r}.")
@@ -93,27 +91,19 @@ def build_calibration_model(spec: str, *, global_batch_size: int, seed: int = 0)
         returned = load_model_function(spec)()
     model, sample = returned if isinstance(returned, tuple) and len(returned) == 2 else (returned, None)
     if not isinstance(model, keras.Model):
-        raise ConfigError(
-            f"--model={spec!r} returned {type(returned).__name__}; it must return a compiled keras.Model, or "
-            "(model, (x, y)) with sample data."
-        )
+        raise ConfigError(f"--model={spec!r} returned {type(returned).__name__}; it must return a compiled "
+                          "keras.Model, or (model, (x, y)) with sample data.")
     if not getattr(model, "compiled", False):
-        raise ConfigError(
-            f"--model={spec!r} returned an uncompiled model {model.name!r}: calibration times the training step, so "
-            "compile it with its optimizer and loss before returning it."
-        )
+        raise ConfigError(f"--model={spec!r} returned an uncompiled model {model.name!r}: calibration times the "
+                          "training step, so compile it with its optimizer and loss before returning it.")
     if not model.variables:
-        raise ConfigError(
-            f"--model={spec!r} returned a model that is not built ({model.name!r} has no variables): start it with "
-            "keras.Input(...) or call it once on a batch before returning it."
-        )
+        raise ConfigError(f"--model={spec!r} returned a model that is not built ({model.name!r} has no variables): "
+                          "start it with keras.Input(...) or call it once on a batch before returning it.")
     if sample is None:
         return model, _made_up_batch(spec, model, global_batch_size, np.random.default_rng(seed))
     if not isinstance(sample, (tuple, list)) or len(sample) not in (2, 3):
-        raise ConfigError(
-            f"--model={spec!r} returned sample data of type {type(sample).__name__}; give (x, y) or "
-            "(x, y, sample_weight), arrays with a leading batch dimension."
-        )
+        raise ConfigError(f"--model={spec!r} returned sample data of type {type(sample).__name__}; give (x, y) or "
+                          "(x, y, sample_weight), arrays with a leading batch dimension.")
     return model, tuple(sample)
 
 
@@ -121,16 +111,13 @@ def _made_up_batch(spec: str, model: Any, n: int, rng: np.random.Generator) -> t
     try:
         inputs, outputs = list(model.inputs), list(model.outputs)
     except (AttributeError, ValueError) as exc:  # a subclassed model has no symbolic inputs
-        raise ConfigError(
-            f"--model={spec!r}: the model has no known input shape ({exc}); return (model, (x, y)) with a sample of "
-            "your data."
-        ) from exc
+        raise ConfigError(f"--model={spec!r}: the model has no known input shape ({exc}); return (model, (x, y)) with "
+                          "a sample of your data.") from exc
     shapes = [tuple(t.shape)[1:] for t in [*inputs, *outputs]]
     if len(outputs) != 1 or any(d is None for shape in shapes for d in shape):
-        raise ConfigError(
-            f"--model={spec!r}: cannot make up a sample batch for a model with {len(outputs)} outputs or unknown "
-            f"dimensions (input and output shapes {shapes}); return (model, (x, y)) with a sample of your data."
-        )
+        raise ConfigError(f"--model={spec!r}: cannot make up a sample batch for a model with {len(outputs)} outputs or "
+                          f"unknown dimensions (input and output shapes {shapes}); return (model, (x, y)) with a "
+                          "sample of your data.")
     xs = [_random(rng, (n, *tuple(t.shape)[1:]), t.dtype) for t in inputs]
     output_shape, classes = tuple(outputs[0].shape)[1:], tuple(outputs[0].shape)[-1]
     if "sparse" in _loss_name(getattr(model, "loss", None)).lower():

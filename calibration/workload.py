@@ -113,9 +113,8 @@ def estimate_workload(model: Any) -> Workload:
     import tensorflow as tf
 
     if not getattr(model, "built", False):
-        raise ConfigError(
-            f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, e.g. "
-            f"model.build(input_shape) or call it on one batch.")
+        raise ConfigError(f"estimate_workload: model={getattr(model, 'name', model)!r} is not built. Build it first, "
+                          f"e.g. model.build(input_shape) or call it on one batch.")
     layers = all_sublayers(model)
     # The layers that run kernels: not containers (their leaves are counted) nor input layers.
     leaves = [layer for layer in layers if not (layer is model or getattr(layer, "layers", None)
@@ -131,13 +130,9 @@ def estimate_workload(model: Any) -> Workload:
     policy = getattr(getattr(model, "dtype_policy", None), "compute_dtype", None) or "float32"
     optimizer = getattr(model, "optimizer", None)
     optimizer_variables = list(getattr(optimizer, "variables", ()) or ()) if getattr(optimizer, "built", False) else []
-    return Workload(
-        flops_per_example=flops,
-        parameter_bytes=_bytes(model.trainable_weights),
-        optimizer_bytes=_bytes(optimizer_variables),
-        activation_bytes_per_example=_activation_bytes_per_example(model, leaves),
-        non_trainable_bytes=_bytes(model.non_trainable_weights),
-        compute_dtype=policy if policy in ("float16", "bfloat16") else "float32",
-        layers=len(leaves),
-        tensor_float_32=bool(tf.config.experimental.tensor_float_32_execution_enabled()),
-    )
+    return Workload(flops_per_example=flops, parameter_bytes=_bytes(model.trainable_weights),
+                    optimizer_bytes=_bytes(optimizer_variables),
+                    activation_bytes_per_example=_activation_bytes_per_example(model, leaves),
+                    non_trainable_bytes=_bytes(model.non_trainable_weights),
+                    compute_dtype=policy if policy in ("float16", "bfloat16") else "float32", layers=len(leaves),
+                    tensor_float_32=bool(tf.config.experimental.tensor_float_32_execution_enabled()))
