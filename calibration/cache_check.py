@@ -47,16 +47,15 @@ def _cached_profile_mismatch(cached: CalibrationResult, make_probe: Callable[[in
     if not np.all(predicted > 0) or not np.all(measured > 0):
         return None
     ratios = measured / predicted
-    relative = ratios / float(np.exp(np.mean(np.log(ratios))))
+    shared = float(np.exp(np.mean(np.log(ratios))))  # the factor all devices share (a busier or quieter host)
+    relative = ratios / shared
     tolerance = max(CHECK_TOLERANCE, 3.0 * max(p.relative_noise for p in cached.profiles))
     off = [k for k in range(len(timed)) if abs(relative[k] - 1.0) > tolerance]
     logger.info("Cached profile check at slices %s: measured/predicted %s (shared factor %.2f)",
-                [sizes[i] for i in timed], [round(float(r), 3) for r in ratios],
-                float(np.exp(np.mean(np.log(ratios)))))
+                [sizes[i] for i in timed], [round(float(r), 3) for r in ratios], shared)
     if not off:
         return None
     return "; ".join(
         f"replica {timed[k]} ({devices[timed[k]]}) took {measured[k] * 1e3:.1f} ms at batch_size={sizes[timed[k]]}, "
         f"the profile predicts {predicted[k] * 1e3:.1f} ms ({(relative[k] - 1.0) * 100:+.0f} % against the other "
-        f"devices, tolerance {tolerance * 100:.0f} %)" for k in off
-    )
+        f"devices, tolerance {tolerance * 100:.0f} %)" for k in off)

@@ -202,11 +202,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         emulator = Emulator(emulated, workload=estimate_workload(model), time_scale=args.time_scale)
         emulator.calibrate_time_scale(batch, target_makespan_s=args.target_step_ms / 1e3)
         print("\n".join(emulator.describe(batch)))
-    result = calibrate(
-        model, sample, devices=devices, parameter_device=parameter_device, global_batch_size=batch,
-        emulator=emulator, probe_batch_sizes=args.probe_batch_sizes, warmup_steps=args.warmup_steps, trials=args.trials,
-        store=False if args.no_cache else ProfileStore(args.cache_dir), progress=not args.no_progress,
-    )
+    result = calibrate(model, sample, devices=devices, parameter_device=parameter_device, global_batch_size=batch,
+                       emulator=emulator, probe_batch_sizes=args.probe_batch_sizes, warmup_steps=args.warmup_steps,
+                       trials=args.trials, store=False if args.no_cache else ProfileStore(args.cache_dir),
+                       progress=not args.no_progress)
     print(result.format_table())
     if result.plan is not None:
         print(result.plan)

@@ -66,13 +66,11 @@ class _DeviceCalibration:
             root = root.__cause__
         lines = [line.strip() for line in str(root).splitlines() if line.strip()] or [repr(root)]
         detail = (lines[-1] if lines[0] == "in user code:" else lines[0]).removeprefix(f"{type(root).__name__}: ")
-        return CalibrationError(
-            f"The probe step could not be built on device={self.probe.device!r}: {type(root).__name__}: "
-            f"{detail.rstrip('.')}. Calibration times a step of the model's "
-            "compiled loss: check that the model is compiled with a loss and accepts the sample batch "
-            "(model(x, training=True) and its loss), or give the split yourself (batch_split=[...], or "
-            "auto_balance=False for an even split)."
-        )
+        return CalibrationError(f"The probe step could not be built on device={self.probe.device!r}: "
+                                f"{type(root).__name__}: {detail.rstrip('.')}. Calibration times a step of the model's "
+                                "compiled loss: check that the model is compiled with a loss and accepts the sample "
+                                "batch (model(x, training=True) and its loss), or give the split yourself "
+                                "(batch_split=[...], or auto_balance=False for an even split).")
 
     def _warm(self, batch_size: int) -> None:
         """Untimed steps at batch_size (the first traces the step) with the peak memory recorded."""
@@ -126,11 +124,9 @@ class _DeviceCalibration:
     def _after_warm_up(self, batch_size: int, run: Callable[[int], Any]) -> None:
         """``run(batch_size)`` at a size that fitted before: running out of memory now is another process's doing."""
         if (exc := self._out_of_memory(batch_size, run)) is not None:
-            raise CalibrationError(
-                f"device={self.probe.device!r} ran batch_size={batch_size} during warm-up but ran out of memory "
-                "when timing it. Another process may be using the device's memory; pass max_batch_sizes=[...] to "
-                "cap it explicitly."
-            ) from exc
+            raise CalibrationError(f"device={self.probe.device!r} ran batch_size={batch_size} during warm-up but ran "
+                                   "out of memory when timing it. Another process may be using the device's memory; "
+                                   "pass max_batch_sizes=[...] to cap it explicitly.") from exc
 
     def relative_noise(self) -> float:
         """Median over sizes of MAD / median of the timed samples (0.02 = 2 %); 0 before any sample."""
@@ -155,9 +151,8 @@ class _DeviceCalibration:
         """Anchors the fit at the plan's slice ``batch_size`` and warms the sizes around it (up to ``largest``, the
         global batch) not probed yet, when the fit may miss the curve there (MISSED_SHAPE_ERROR); returns those sizes
         ([] and no anchor otherwise)."""
-        fit = self.fit
-        if batch_size == 0 or batch_size == self.anchor or fit is None or (
-                fit.kind == "linear" and fit.fit_error <= MISSED_SHAPE_ERROR):
+        if batch_size in (0, self.anchor) or self.fit is None or (
+                self.fit.kind == "linear" and self.fit.fit_error <= MISSED_SHAPE_ERROR):
             return []
         self.anchor = batch_size
         top = largest if self.cap is None else min(self.cap, largest)
@@ -180,15 +175,13 @@ class _DeviceCalibration:
             # CalibrationOOMError when this is true of every device.
             self.cap = 0
             self.out_of_memory_at = sorted({1, failed_size})
-            logger.warning(
-                "%s cannot hold one example of this model (out of memory at batch_sizes=%s): it gets no examples "
-                "(memory cap 0). A smaller model or mixed precision may let it take part.",
-                device, self.out_of_memory_at)
+            logger.warning("%s cannot hold one example of this model (out of memory at batch_sizes=%s): it gets no "
+                           "examples (memory cap 0). A smaller model or mixed precision may let it take part.",
+                           device, self.out_of_memory_at)
             return
         guess = probe_lib.extrapolate_memory_cap(self.peaks_bytes, memory_limit_bytes=self.memory_limit_bytes)
-        cap = probe_lib.search_memory_cap(
-            self._fits, largest_fitting=largest_fitting, smallest_failing=failed_size, first_guess=guess
-        )
+        cap = probe_lib.search_memory_cap(self._fits, largest_fitting=largest_fitting, smallest_failing=failed_size,
+                                          first_guess=guess)
         logger.info("%s: memory cap max_batch_size=%d (out of memory at %d)", device, cap, failed_size)
         self.cap = cap if self.cap is None else min(self.cap, cap)
         if not self.sizes or cap > self.sizes[-1]:
@@ -265,9 +258,8 @@ def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[i
     share: host cores and threads, PCIe lanes behind one switch, host memory bandwidth.
     """
     working = [i for i, b in enumerate(sizes) if b > 0]
-    alone_s: dict[int, list[float]] = {i: [] for i in working}
-    together_s: dict[int, list[float]] = {i: [] for i in working}
-    for round_index in range(rounds + 1):
+    timed: list[tuple[dict[int, float], dict[int, float]]] = []  # per round: each card's seconds alone, together
+    for _ in range(rounds + 1):
         alone = {i: calibrations[i].probe.run_step(int(sizes[i])) for i in working}
         barrier = threading.Barrier(len(working))
 
@@ -276,11 +268,7 @@ def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[i
             return calibrations[i].probe.run_step(int(sizes[i]))
 
         with ThreadPoolExecutor(len(working), thread_name_prefix="hetero_cs_contention") as pool:
-            results = dict(zip(working, pool.map(together, working)))  # a step's error is raised here
-        if round_index:
-            for i in working:
-                alone_s[i].append(alone[i])
-                together_s[i].append(results[i])
-    return tuple(
-        max(1.0, statistics.median(together_s[i]) / statistics.median(alone_s[i])) if i in alone_s else 1.0
-        for i in range(len(calibrations)))
+            timed.append((alone, dict(zip(working, pool.map(together, working)))))  # a step's error is raised here
+    timed = timed[1:]  # the first round is untimed
+    return tuple(max(1.0, statistics.median(t[i] for _, t in timed) / statistics.median(a[i] for a, _ in timed))
+                 if i in working else 1.0 for i in range(len(calibrations)))

@@ -213,11 +213,10 @@ def _resolve_loss(model: Any, loss: LossFn | None) -> Callable[[Any, Any, Any, A
                                                                       sample_weight=sample_weight, training=True)
     if callable(getattr(model, "loss", None)):
         return _resolve_loss(model, model.loss)
-    raise CalibrationError(
-        f"Calibration needs a loss to time the backward pass, but model={getattr(model, 'name', model)!r} is not "
-        "compiled and no loss was given. Compile the model first (model.compile(optimizer=..., loss=...)), or, "
-        "calling calibration.calibrate directly, pass loss=keras.losses.<Loss>()."
-    )
+    raise CalibrationError(f"Calibration needs a loss to time the backward pass, but model="
+                           f"{getattr(model, 'name', model)!r} is not compiled and no loss was given. Compile the "
+                           "model first (model.compile(optimizer=..., loss=...)), or, calling calibration.calibrate "
+                           "directly, pass loss=keras.losses.<Loss>().")
 
 
 def sample_batch_size(sample_batch: Any) -> int:

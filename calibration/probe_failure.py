@@ -41,15 +41,13 @@ def probe_step_error(exc: Exception, *, device: str, batch_size: int, model: Any
     problem = _data_problem(sample[: len(_PART_NAMES)], min(int(batch_size), int(sample_size)), model, cause,
                             str(exc))
     if problem is not None:
-        return CalibrationError(
-            f"The calibration batch's data is at fault, not device={device!r}: {problem}. The probe step at "
-            f"batch_size={batch_size} failed with {type(exc).__name__}: {cause}. Fix the data: calibration runs on "
-            "the first global batch of the dataset given to model.fit (or the sample batch given to calibrate)."
-        )
-    return CalibrationError(
-        f"The probe step failed on device={device!r} at batch_size={batch_size}: {type(exc).__name__}: {cause}. "
-        "Check that the model runs on this device with this sample batch (model(x, training=True) and its loss)."
-    )
+        return CalibrationError(f"The calibration batch's data is at fault, not device={device!r}: {problem}. The "
+                                f"probe step at batch_size={batch_size} failed with {type(exc).__name__}: {cause}. "
+                                "Fix the data: calibration runs on the first global batch of the dataset given to "
+                                "model.fit (or the sample batch given to calibrate).")
+    return CalibrationError(f"The probe step failed on device={device!r} at batch_size={batch_size}: "
+                            f"{type(exc).__name__}: {cause}. Check that the model runs on this device with this sample "
+                            "batch (model(x, training=True) and its loss).")
 
 
 def _data_problem(parts: Sequence[Any], used: int, model: Any, cause: str, message: str) -> str | None:

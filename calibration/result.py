@@ -204,25 +204,21 @@ class CalibrationResult:
         if self.contention_factors is not None:
             factors = ordered_values(self.contention_factors) or ()
             if len(factors) != len(self.profiles) or not all(finite_real(f) and f >= 1 for f in factors):
-                raise ProfileCacheError(
-                    f"CalibrationResult.contention_factors must hold one finite number >= 1 per profile. Received: "
-                    f"contention_factors={self.contention_factors!r}. Recalibrate to replace it.")
+                raise ProfileCacheError(f"CalibrationResult.contention_factors must hold one finite number >= 1 per "
+                                        f"profile. Received: contention_factors={self.contention_factors!r}. "
+                                        "Recalibrate to replace it.")
             object.__setattr__(self, "contention_factors", tuple(float(f) for f in factors))
         if not self.profiles or not all(isinstance(p, DeviceProfile) for p in self.profiles):
-            raise ProfileCacheError(
-                "CalibrationResult.profiles must be a non-empty sequence of DeviceProfile. Received: "
-                f"{self.profiles!r}."
-            )
+            raise ProfileCacheError("CalibrationResult.profiles must be a non-empty sequence of DeviceProfile. "
+                                    f"Received: {self.profiles!r}.")
         _finite_non_negative("CalibrationResult", "wall_time_s", self.wall_time_s)
         for name in ("emulated", "from_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ProfileCacheError(f"CalibrationResult.{name} must be a bool. Received: {getattr(self, name)!r}.")
         if self.plan is not None and len(self.plan.per_replica_batch_sizes) != len(self.profiles):
-            raise ProfileCacheError(
-                "CalibrationResult.plan must have one slice per profile. Received: "
-                f"len(per_replica_batch_sizes)={len(self.plan.per_replica_batch_sizes)}, "
-                f"len(profiles)={len(self.profiles)}."
-            )
+            raise ProfileCacheError("CalibrationResult.plan must have one slice per profile. Received: "
+                                    f"len(per_replica_batch_sizes)={len(self.plan.per_replica_batch_sizes)}, "
+                                    f"len(profiles)={len(self.profiles)}.")
         if self.measured_makespan_s is not None:
             _finite_non_negative("CalibrationResult", "measured_makespan_s", self.measured_makespan_s)
 

@@ -298,10 +298,8 @@ def load_result_file(path: str | os.PathLike[str]) -> CalibrationResult:
         return _parse(_read_text(source), expected_key=None)
     except (OSError, ProfileCacheError) as exc:
         reason = " ".join(str(exc).split()).rstrip(".")  # one line, whatever the cause
-        raise ProfileCacheError(
-            f"Cannot use the calibration profile path={str(source)!r}: {reason}. "
-            "Recalibrate with `hetero-cs calibrate ... --output PATH`."
-        ) from exc
+        raise ProfileCacheError(f"Cannot use the calibration profile path={str(source)!r}: {reason}. "
+                                "Recalibrate with `hetero-cs calibrate ... --output PATH`.") from exc
 
 
 class ProfileStore:

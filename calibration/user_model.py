@@ -39,9 +39,8 @@ def model_spec(text: str) -> str:
     """argparse type of --model: a reference name (mlp, digits_cnn) or ``package.module:function``."""
     if text in MODEL_NAMES or _SPEC.match(text):
         return text
-    raise argparse.ArgumentTypeError(
-        f"must be one of {', '.join(MODEL_NAMES)} or package.module:function (e.g. {_EXAMPLE}), got {text!r}"
-    )
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(MODEL_NAMES)} or package.module:function (e.g. "
+                                     f"{_EXAMPLE}), got {text!r}")
 
 
 def load_model_function(spec: str) -> Callable[[], Any]:
