@@ -35,14 +35,8 @@ from calibration.result import CalibrationResult
 from calibration.cache_check import _cached_profile_mismatch
 from calibration.device_timing import _DeviceCalibration, _refit_at_plan, _time_interleaved, _time_together
 from calibration.store import ProfileStore, profile_key
-from hetero_cs.errors import (
-    CalibrationError,
-    CalibrationOOMError,
-    ConfigError,
-    DeviceError,
-    InfeasiblePlanError,
-    ProfileCacheError,
-)
+from hetero_cs.errors import (CalibrationError, CalibrationOOMError, ConfigError, DeviceError, InfeasiblePlanError,
+                              ProfileCacheError)
 from hetero_cs.planning.plan import BatchPlan, check_range
 
 __all__ = ["calibrate"]
@@ -125,24 +119,12 @@ def _solve(result: CalibrationResult, global_batch_size: int) -> BatchPlan | Non
         return None
 
 
-def calibrate(
-    model: Any,
-    sample_batch: Any,
-    *,
-    devices: Sequence[str],
-    parameter_device: str = "/device:CPU:0",
-    global_batch_size: int | None = None,
-    emulator: Any = None,
-    probe_batch_sizes: Sequence[int] | None = None,
-    warmup_steps: int = 2,
-    trials: int = 5,
-    max_batch_sizes: Sequence[int | None] | None = None,
-    store: ProfileStore | None | bool = None,
-    run_plan: Callable[[BatchPlan], float] | None = None,
-    progress: bool = True,
-    loss: Callable[..., Any] | None = None,
-    check_cached: bool = True,
-) -> CalibrationResult:
+def calibrate(model: Any, sample_batch: Any, *, devices: Sequence[str], parameter_device: str = "/device:CPU:0",
+              global_batch_size: int | None = None, emulator: Any = None,
+              probe_batch_sizes: Sequence[int] | None = None, warmup_steps: int = 2, trials: int = 5,
+              max_batch_sizes: Sequence[int | None] | None = None, store: ProfileStore | None | bool = None,
+              run_plan: Callable[[BatchPlan], float] | None = None, progress: bool = True,
+              loss: Callable[..., Any] | None = None, check_cached: bool = True) -> CalibrationResult:
     """Times each compute device on the model's real step, fits its cost model, and solves a batch split.
 
     The probe step (broadcast from parameter_device, forward with training=True, loss, backward, gradient return)
@@ -316,7 +298,8 @@ def calibrate(
                         profile.fit_error * 100, profile.relative_noise * 100)
         result = CalibrationResult(profiles=tuple(profiles), wall_time_s=0.0, emulated=emulator is not None)
         result = dataclasses.replace(result, plan=_solve(result, global_batch_size))
-        if result.plan is not None and probe_batch_sizes is None:  # where a fit misses its curve: probe the plan's slices
+        # where a fit misses its curve: probe the plan's slices
+        if result.plan is not None and probe_batch_sizes is None:
             profiles, plan = _refit_at_plan(
                 calibrations, profiles, result.plan,
                 lambda models: _solve(dataclasses.replace(result, profiles=tuple(models)), global_batch_size),

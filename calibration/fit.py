@@ -71,13 +71,8 @@ class FitResult:
                 raise ConfigError(f"FitResult.{name} must be finite and >= 0. Received: {name}={value!r}.")
 
 
-def fit_cost_model(
-    batch_sizes: Sequence[int],
-    step_times_s: Sequence[float],
-    *,
-    linear_tolerance: float = 0.05,
-    anchor_batch_size: int | None = None,
-) -> FitResult:
+def fit_cost_model(batch_sizes: Sequence[int], step_times_s: Sequence[float], *, linear_tolerance: float = 0.05,
+                   anchor_batch_size: int | None = None) -> FitResult:
     """Fits a non-decreasing step-time model to measured points.
 
     Args:

@@ -29,16 +29,8 @@ import numpy as np
 from calibration.probe_failure import probe_step_error
 from hetero_cs.errors import CalibrationError, ConfigError
 
-__all__ = [
-    "DeviceProbe",
-    "dtype_policy_name",
-    "extrapolate_memory_cap",
-    "input_signature",
-    "model_fingerprint",
-    "preserved_model_state",
-    "sample_batch_size",
-    "search_memory_cap",
-]
+__all__ = ["DeviceProbe", "dtype_policy_name", "extrapolate_memory_cap", "input_signature", "model_fingerprint",
+           "preserved_model_state", "sample_batch_size", "search_memory_cap"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +110,8 @@ def input_signature(batch: Any, *, include_batch_dim: bool = False) -> str:
                     for path, leaf in keras.tree.flatten_with_path(batch))
 
 
-def search_memory_cap(
-    fits: Callable[[int], bool],
-    *,
-    largest_fitting: int,
-    smallest_failing: int,
-    first_guess: int | None = None,
-    max_steps: int = 8,
-    relative_precision: float = 1 / 64,
-) -> int:
+def search_memory_cap(fits: Callable[[int], bool], *, largest_fitting: int, smallest_failing: int,
+                      first_guess: int | None = None, max_steps: int = 8, relative_precision: float = 1 / 64) -> int:
     """Finds (approximately) the largest batch size that fits in memory by a bounded bisection.
 
     Invariant: ``largest_fitting`` fits and ``smallest_failing`` does not. Each step tries one size in between
