@@ -13,8 +13,9 @@ import copy
 import threading
 from typing import Any
 
-_LOCK = type(threading.Lock())
-_RLOCK = type(threading.RLock())
+# What a copy gets in place of a lock, or of per-thread state (set while a thread runs fit): a new, empty one.
+_FRESH = ((type(threading.RLock()), lambda _: threading.RLock()), (type(threading.Lock()), lambda _: threading.Lock()),
+          (threading.local, lambda local: type(local)()))
 
 
 def deepcopy_attributes(source: Any, result: Any, memo: dict) -> Any:
@@ -23,15 +24,8 @@ def deepcopy_attributes(source: Any, result: Any, memo: dict) -> Any:
     The caller puts ``result`` in ``memo`` first, so references back to ``source`` lead to ``result``.
     """
     for name, value in source.__dict__.items():
-        if isinstance(value, _RLOCK):
-            value = threading.RLock()
-        elif isinstance(value, _LOCK):
-            value = threading.Lock()
-        elif isinstance(value, threading.local):  # per-thread state (set while a thread runs fit): a fresh one
-            value = type(value)()
-        else:
-            value = copy.deepcopy(value, memo)
-        setattr(result, name, value)
+        fresh = next((make for kind, make in _FRESH if isinstance(value, kind)), None)
+        setattr(result, name, copy.deepcopy(value, memo) if fresh is None else fresh(value))
     return result
 
 
@@ -39,7 +33,5 @@ class DeepcopiedWithNewLocks:
     """Mixin: ``copy.deepcopy`` copies every attribute and gives the copy new locks (see the module docstring)."""
 
     def __deepcopy__(self, memo: dict) -> Any:
-        cls = type(self)
-        result = cls.__new__(cls)
-        memo[id(self)] = result
+        result = memo[id(self)] = type(self).__new__(type(self))
         return deepcopy_attributes(self, result, memo)

@@ -31,8 +31,7 @@ def supported_range() -> str:
 
 def installed_version(name: str) -> str:
     """The version of ``name`` this process runs (the loaded module's ``__version__``), or what pip installed."""
-    version = getattr(sys.modules.get(name), "__version__", None)
-    if version:
+    if version := getattr(sys.modules.get(name), "__version__", None):
         return str(version)
     try:
         from importlib import metadata
@@ -40,11 +39,6 @@ def installed_version(name: str) -> str:
         return metadata.version(name)
     except Exception:  # noqa: BLE001 - not installed, or no metadata: say so in the message
         return "unknown"
-
-
-def installed_versions() -> str:
-    """E.g. ``"tensorflow 2.21.0, keras 3.15.1"``."""
-    return ", ".join(f"{name} {installed_version(name)}" for name in SUPPORTED_VERSIONS)
 
 
 def unsupported_installed() -> list[str]:
@@ -68,8 +62,7 @@ def unsupported_installed() -> list[str]:
 
 def version_advice() -> str:
     """The sentence every version error ends with: what is installed, what is supported, the fix."""
-    return (
-        f"Installed: {installed_versions()}; hetero_cs supports {supported_range()} (the newest tested pair is "
-        f"tensorflow 2.21 with keras 3.15). Install a supported pair, e.g. pip install "
-        f"'{requirement('tensorflow')}' '{requirement('keras')}'."
-    )
+    installed = ", ".join(f"{name} {installed_version(name)}" for name in SUPPORTED_VERSIONS)
+    return (f"Installed: {installed}; hetero_cs supports {supported_range()} (the newest tested pair is tensorflow "
+            f"2.21 with keras 3.15). Install a supported pair, e.g. pip install '{requirement('tensorflow')}' "
+            f"'{requirement('keras')}'.")
