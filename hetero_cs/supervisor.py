@@ -303,15 +303,13 @@ class Supervisor:
     def _decide(self, status: int, watch) -> str | None:
         """After a failure: why and how the script is restarted, in words, or None to pass the status on."""
         lines = list(self._tail)
-        card = next((c for c in map(lost_card_in, reversed(lines)) if c is not None), None)
-        if card is not None:
+        if (card := next((c for c in map(lost_card_in, reversed(lines)) if c is not None), None)) is not None:
             position = nth_remaining(card.index, self.excluded)
             self.excluded.append(position)
             what = f"the emulated {card.name} at position {position} of emulate="
             self.lost_names.append(what)
             return f"it lost {what} (its line: {card.line[:200]}). Restarting it without that card"
-        found = watch.lost(lines)  # (Gpu, evidence) pairs: those GPUs are left out of the next run
-        if found:
+        if found := watch.lost(lines):  # (Gpu, evidence) pairs: those GPUs are left out of the next run
             for gpu, why in found:
                 self.excluded.append(self._gpus.index(gpu))
                 self.lost_names.append(f"{gpu} ({why})")
@@ -326,8 +324,7 @@ class Supervisor:
                 self._note(f"no GPU is left ({lost}); --allow-cpu: restarting on the CPU (CUDA_VISIBLE_DEVICES='')")
             return "it lost {}. Restarting it without {}".format(
                 "; ".join(f"{gpu} ({why})" for gpu, why in found), "any GPU" if self._on_cpu else "that card")
-        sticky = next((line.strip() for line in reversed(lines) if STICKY_TEXT.search(line)), None)
-        if sticky is None:
+        if (sticky := next((line.strip() for line in reversed(lines) if STICKY_TEXT.search(line)), None)) is None:
             self._note(f"the script exited with status {status} and no card was lost: not restarting (a failure of "
                        f"the script itself is passed on)")
             return None

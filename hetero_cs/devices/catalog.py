@@ -179,9 +179,8 @@ class DeviceSpec:
         Per lane: gen3 0.985e9, gen4 1.969e9, gen5 3.938e9 bytes/s (line rate after 128b/130b encoding), so a
         gen4 x16 link gives 31.5e9 bytes/s each way.
         """
-        if self.pcie_generation is None or self.pcie_lanes is None:
-            return math.inf
-        return PCIE_BYTES_PER_S_PER_LANE[self.pcie_generation] * self.pcie_lanes
+        lanes = self.pcie_lanes  # set together with pcie_generation (__post_init__), None for the host CPU
+        return math.inf if lanes is None else PCIE_BYTES_PER_S_PER_LANE[self.pcie_generation] * lanes
 
 
 
@@ -199,8 +198,7 @@ def compute_dtype_of(policy: str) -> str:
     Raises:
         ConfigError: For any other name (float64 policies are not emulated).
     """
-    dtype = _COMPUTE_DTYPES.get(policy) if isinstance(policy, str) else None
-    if dtype is None:
+    if (dtype := _COMPUTE_DTYPES.get(policy) if isinstance(policy, str) else None) is None:
         raise ConfigError(
             f"Unknown dtype policy or compute dtype {policy!r} for emulation; use one of "
             f"{', '.join(sorted(_COMPUTE_DTYPES))}.")

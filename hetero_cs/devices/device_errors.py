@@ -66,13 +66,11 @@ def naming_the_replica(replica_id):
 
     In a graph (inside tf.function) the op names carry the replica's scope and this does nothing.
     """
-    if tf.inside_function():
-        yield
-        return
     try:
         yield
     except tf.errors.OpError as exc:
-        tag_replica(exc, tf.get_static_value(replica_id))
+        if not tf.inside_function():
+            tag_replica(exc, tf.get_static_value(replica_id))
         raise
 
 
@@ -168,11 +166,9 @@ def _device_named(text: str) -> str | None:
 def named_device(message: str) -> str | None:
     """The device (canonical) where the memory ran out, as the message names it; None when it names none."""
     for pattern in (_ALLOCATOR_CLAUSE, _COPY_DESTINATION):
-        match = pattern.search(message)
-        if match and _device_named(match.group(1)):
-            return _device_named(match.group(1))
-    match = _ALLOCATOR_NAME.search(message)
-    if match:
+        if (match := pattern.search(message)) and (device := _device_named(match.group(1))):
+            return device
+    if match := _ALLOCATOR_NAME.search(message):
         return f"/device:GPU:{match.group(2) or match.group(3)}"
     mentioned = {_device_named(m.group(1)) for m in _ANY_DEVICE.finditer(message)} - {None}
     return mentioned.pop() if len(mentioned) == 1 else None
@@ -203,8 +199,7 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
     emulated = re.search(r"Emulated out of memory: replica=(\d+)", message)
     if emulated and int(emulated.group(1)) < num_replicas:
         return int(emulated.group(1)), compute_devices[int(emulated.group(1))], "emulated"
-    device = named_device(message)
-    if device is not None:
+    if (device := named_device(message)) is not None:
         on_device = [i for i, d in enumerate(compute_devices) if _device_named(d) == device]
         if len(on_device) == 1:
             return on_device[0], device, "device"
@@ -214,8 +209,7 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
     tagged = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly (run_eagerly=True)
     if tagged is not None and 0 <= int(tagged) < num_replicas:
         return int(tagged), compute_devices[int(tagged)], "eager replica"
-    by_name = op_name_replica(message, num_replicas, replica_scopes)
-    if by_name is not None:
+    if (by_name := op_name_replica(message, num_replicas, replica_scopes)) is not None:
         return by_name, compute_devices[by_name], "op name"
     return None, None, None
 
@@ -223,8 +217,7 @@ def blamed_replica(exc: BaseException, compute_devices: Sequence[str],
 def classify(exc: BaseException, compute_devices: Sequence[str],
              replica_scopes: Sequence[str] = ()) -> OutOfMemory | None:
     """An :class:`OutOfMemory` for an out-of-memory error (with the replica blamed, or None), else None."""
-    form = oom_form(exc)
-    if form is None:
+    if (form := oom_form(exc)) is None:
         return None
     replica_id, device, blame = blamed_replica(exc, compute_devices, replica_scopes)
     return OutOfMemory(form=form, device=device, replica_id=replica_id, blame=blame)
@@ -262,8 +255,7 @@ def device_fault(exc: BaseException, compute_devices: Sequence[str],
                  replica_scopes: Sequence[str] = ()) -> DeviceFault | None:
     """A :class:`DeviceFault` when ``exc`` is a device error (the module's rule), with the replica it names; else
     None (a program error, or out of memory)."""
-    form = fault_form(exc)
-    if form is None:
+    if (form := fault_form(exc)) is None:
         return None
     replica_id = getattr(exc, "replica_id", None) if isinstance(exc, EmulatedDeviceError) else None
     emulated = re.search(r"emulated device fault on replica=(\d+)", str(exc))

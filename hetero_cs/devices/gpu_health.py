@@ -66,8 +66,7 @@ def visible_gpus() -> list[Gpu]:
 
 def kernel_xid(line: str) -> tuple[str, int] | None:
     """(PCI ``domain:bus:device``, Xid code) of a kernel Xid line (``NVRM: Xid (PCI:0000:3b:00): 79, ...``)."""
-    match = _KERNEL_XID.search(line)
-    if match is None:
+    if (match := _KERNEL_XID.search(line)) is None:
         return None
     domain, bus, device = (int(part, 16) for part in match.group(1).split(":"))
     return f"{domain:08x}:{bus:02x}:{device:02x}", int(match.group(2))

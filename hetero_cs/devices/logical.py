@@ -93,8 +93,7 @@ def _split_host_cpu(num_devices: int, min_threads: int, *, needed_for: str, fix:
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
-        created = len(tf.config.get_logical_device_configuration(cpu) or []) < num_devices
-        if created:
+        if created := len(tf.config.get_logical_device_configuration(cpu) or []) < num_devices:
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)])
         threads = tf.config.threading.get_inter_op_parallelism_threads()

@@ -60,8 +60,7 @@ def normalize_pci_bus_id(bus_id: str | bytes) -> str:
         DeviceError: If ``bus_id`` is not "[domain:]bus:device.function" in hex.
     """
     text = _text(bus_id).strip().rstrip("\x00")
-    match = _PCI_BUS_ID.match(text)
-    if not match:
+    if not (match := _PCI_BUS_ID.match(text)):
         raise DeviceError(f"pci_bus_id={text!r} is not of the form 'domain:bus:device.function', e.g. '0000:3b:00.0'.")
     domain, bus, device, function = match.groups()
     return f"{int(domain or '0', 16):08x}:{int(bus, 16):02x}:{int(device, 16):02x}.{int(function)}"

@@ -244,8 +244,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
     Returns:
         The gradients, in order, one of them tied to the end of the step.
     """
-    present = [g for g in grads if g is not None]
-    if not present:
+    if not (present := [g for g in grads if g is not None]):
         return list(grads)
     with contextlib.ExitStack() as placement:
         if host_device is not None:
