@@ -57,19 +57,8 @@ from hetero_cs.engine.faults.supervised_run import RESTART_ENV_VAR
 from hetero_cs.launch_config import check_emulate, check_workers, free_ports, parse_emulate, tf_config, worker_gpus
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, NO_CAP, format_caps, lowest_caps, read_caps
 from hetero_cs.supervisor import (
-    DEFAULT_GRACE_S,
-    MAX_RESTARTS,
-    checked_command,
-    checked_grace_s,
-    checked_int,
-    exit_status,
-    lines_of,
-    lost_card_in,
-    signal_group,
-    silence,
-    start_child,
-    stop_signals_to,
-)
+    DEFAULT_GRACE_S, MAX_RESTARTS, checked_command, checked_grace_s, checked_int, exit_status, lines_of, lost_card_in,
+    signal_group, silence, start_child, stop_signals_to)
 
 EMULATE_ENV_VAR = "HETERO_CS_EMULATE"
 _POLL_S = 0.05
@@ -170,8 +159,7 @@ class Launch:
         it raised or another worker was told of, a lost card), or with every worker after a process killed by a
         signal (a transient death). Returns False (no relaunch) for any other failure: the script's own."""
         worker, code = self._failed
-        card = self._worker_whose_card_failed()
-        if card is not None:
+        if (card := self._worker_whose_card_failed()) is not None:
             if self._num_workers == 1:
                 self._note(f"worker {card}'s card failed and no other worker is left: not relaunching")
                 return False
@@ -287,8 +275,7 @@ class Launch:
     def _wait(self) -> int:
         while True:
             codes = [p.poll() for p in self._processes]
-            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
+            if (failed := next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)) is not None:
                 self._failed = index, code = failed
                 status = exit_status(code)
                 # The others find out themselves within seconds (a WorkerLostError naming the worker, from

@@ -35,14 +35,7 @@ from collections.abc import Iterable, Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.devices.catalog import (
-    MAX_EMULATED_MAKESPAN_S,
-    MAX_TIME_SCALE,
-    TIME_SCALE_ENV_VAR,
-    DeviceSpec,
-    _is_int,
-    _is_real,
-    get_device_spec,
-)
+    MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE, TIME_SCALE_ENV_VAR, DeviceSpec, _is_int, _is_real, get_device_spec)
 from hetero_cs.devices.drift import Drift
 from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
@@ -299,8 +292,7 @@ class Emulator(DeepcopiedWithNewLocks):
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self._specs) for i in drop):
             raise ConfigError(f"Positions to leave out must be ints in [0, {len(self._specs)}). Received: "
                               f"{sorted(drop, key=str)!r}.")
-        keep = [i for i in range(len(self._specs)) if i not in drop]
-        if not keep:
+        if not (keep := [i for i in range(len(self._specs)) if i not in drop]):
             raise ConfigError(f"Leaving out {sorted(drop)} leaves no card of {[s.name for s in self._specs]}.")
         drift = [dataclasses.replace(d, replica_id=keep.index(d.replica_id)) for d in self._drift
                  if d.replica_id in keep]

@@ -26,12 +26,7 @@ from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examp
 from hetero_cs.errors import ConfigError, InfeasiblePlanError, MicroBatchError
 from hetero_cs.planning.cost_model import LinearCostModel, idle_free
 from hetero_cs.planning.micro_batches import (
-    MicroBatchPlan,
-    capacity_of,
-    plan_micro_batches,
-    plan_overlapped_micro_batches,
-    prefer_overlapped,
-)
+    MicroBatchPlan, capacity_of, plan_micro_batches, plan_overlapped_micro_batches, prefer_overlapped)
 from hetero_cs.planning.plan import even_batch_split
 from hetero_cs.planning.solver import solve_batch_split
 
@@ -77,8 +72,7 @@ def mix(devices: Sequence[str], *, add: Sequence[str] = (), drop: Sequence[str] 
     """
     names = list(devices) + list(add)
     for name in drop:
-        matches = [i for i, n in enumerate(names) if n.upper() == name.upper()]
-        if not matches:
+        if not (matches := [i for i, n in enumerate(names) if n.upper() == name.upper()]):
             raise ConfigError(f"--drop {name}: no such card in the mix {names}. Drop one of the names listed.")
         del names[matches[-1]]
     if not names:

@@ -15,14 +15,8 @@ import math
 from typing import Any
 
 from hetero_cs.devices.catalog import (
-    ACTIVATION_PASSES,
-    DEFAULT_COMPUTE_EFFICIENCY,
-    DEFAULT_LAUNCH_OVERHEAD_S,
-    LAYER_OVERHEAD_S,
-    DeviceSpec,
-    _is_real,
-    compute_dtype_of,
-)
+    ACTIVATION_PASSES, DEFAULT_COMPUTE_EFFICIENCY, DEFAULT_LAUNCH_OVERHEAD_S, LAYER_OVERHEAD_S, DeviceSpec, _is_real,
+    compute_dtype_of)
 from hetero_cs.errors import ConfigError
 
 def _check_non_negative_int(name: str, value: Any, what: str = "") -> None:
