@@ -336,12 +336,10 @@ def gpu_device_info(name: str, record: TfGpuRecord, nvml: NvmlRecord | None) -> 
     if nvml is None:
         return DeviceInfo(name=name, device_type="GPU", description=record.name or "GPU",
                           pci_bus_id=record.pci_bus_id, compute_capability=record.compute_capability)
-    return DeviceInfo(
-        name=name, device_type="GPU", description=nvml.name or record.name or "GPU", uuid=nvml.uuid,
-        pci_bus_id=nvml.pci_bus_id, memory_total_bytes=nvml.memory_total_bytes,
-        memory_free_bytes=nvml.memory_free_bytes, pcie_generation=nvml.pcie_generation,
-        pcie_width=nvml.pcie_width, compute_capability=record.compute_capability or nvml.compute_capability,
-        mig=nvml.mig, source="nvml")
+    shared = ("uuid", "pci_bus_id", "memory_total_bytes", "memory_free_bytes", "pcie_generation", "pcie_width", "mig")
+    return DeviceInfo(name=name, device_type="GPU", description=nvml.name or record.name or "GPU", source="nvml",
+                      compute_capability=record.compute_capability or nvml.compute_capability,
+                      **{field: getattr(nvml, field) for field in shared})
 
 
 def _gib(value: int | None) -> str:

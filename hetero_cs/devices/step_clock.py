@@ -102,9 +102,7 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
                 emulator.check_memory(replica_id, examples)
             target_s = (emulator.delay_s(replica_id, examples) if advance
                         else emulator.step_time_s(replica_id, examples))
-            remaining_s = start_s + target_s - time.perf_counter()
-            if remaining_s > 0:
-                time.sleep(remaining_s)
+            time.sleep(max(0.0, start_s + target_s - time.perf_counter()))
         end_s = time.perf_counter()
         if record is not None:
             record(replica_id, examples, end_s - start_s, **({"step_key": start_s} if keyed else {}))
