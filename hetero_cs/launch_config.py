@@ -73,22 +73,19 @@ def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None
             f"--emulate names the devices of each worker, one comma-separated entry per worker: got {shown} "
             f"({len(groups)} entr{'ies' if len(groups) != 1 else 'y'}) for --workers {num_workers}. Give exactly "
             f"{num_workers}, e.g. --emulate {','.join(_example_names(num_workers))}; several replicas per worker are "
-            f"joined by +, e.g. A10+T4."
-        )
+            f"joined by +, e.g. A10+T4.")
     sizes = sorted({len(group) for group in groups})
     if len(sizes) > 1:
         raise ConfigError(
             f"--emulate gives the workers different numbers of replicas: {shown} has "
             f"{[len(group) for group in groups]} per worker. MultiWorkerMirroredStrategy needs the same number of "
             f"replicas on every worker; give each worker {sizes[-1]} (e.g. add a device to the others) or split a "
-            f"worker's devices over more workers."
-        )
+            f"worker's devices over more workers.")
     if sizes[-1] > MAX_EMULATED_REPLICAS_PER_WORKER:
         raise ConfigError(
             f"--emulate gives each worker {sizes[-1]} emulated replicas in {shown}; at most "
             f"{MAX_EMULATED_REPLICAS_PER_WORKER} per worker are supported (more stalled in testing: their emulated "
-            f"waits block beside the CPU collectives). Use more --workers with fewer devices each."
-        )
+            f"waits block beside the CPU collectives). Use more --workers with fewer devices each.")
     for part in [part for group in groups for part in group]:
         get_device_spec(part)  # an UnknownEmulatedDeviceError for a name the catalog does not know
     return ["+".join(group) for group in groups]
@@ -113,9 +110,8 @@ def worker_gpus(gpus: Sequence, num_workers: int) -> list[list] | None:
     if not gpus:
         return None
     if len(gpus) < num_workers:
-        raise ConfigError(
-            f"--workers {num_workers} needs a GPU per worker, and this machine shows {len(gpus)}: "
-            f"{[str(g) for g in gpus]}. Use --workers {len(gpus)} or fewer, or set CUDA_VISIBLE_DEVICES='' to run "
-            f"every worker on the CPU.")
+        raise ConfigError(f"--workers {num_workers} needs a GPU per worker, and this machine shows {len(gpus)}: "
+                          f"{[str(g) for g in gpus]}. Use --workers {len(gpus)} or fewer, or set "
+                          f"CUDA_VISIBLE_DEVICES='' to run every worker on the CPU.")
     per = len(gpus) // num_workers
     return [list(gpus[i * per:(i + 1) * per]) for i in range(num_workers)]

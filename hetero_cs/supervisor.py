@@ -152,10 +152,9 @@ def start_child(command: list[str], env: dict[str, str], **pipes) -> subprocess.
         return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=die_with_parent, **pipes)
     except OSError as exc:
-        raise ConfigError(
-            f"cannot run {command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script needs a first line "
-            f"#!/path/to/interpreter naming an interpreter that exists, or run it through one (-- python "
-            f"script.py). Received the command {command!r}.") from None
+        raise ConfigError(f"cannot run {command[0]!r}: {exc.strerror or exc} (errno {exc.errno}). A script needs a "
+                          f"first line #!/path/to/interpreter naming an interpreter that exists, or run it through "
+                          f"one (-- python script.py). Received the command {command!r}.") from None
 
 
 def lines_of(stream):
@@ -390,16 +389,14 @@ def add_run_arguments(parser) -> None:
     """The ``hetero-cs run`` options."""
     parser.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                         help=f"restarts after a lost card before giving up (default {DEFAULT_MAX_RESTARTS})")
-    parser.add_argument("--backup-dir", default=None,
-                        help="fit's backups go to its hetero_cs subdirectory (default: under the cache directory, "
-                             "one per working directory and command)")
+    parser.add_argument("--backup-dir", default=None, help="fit's backups go to its hetero_cs subdirectory (default: "
+                        "under the cache directory, one per working directory and command)")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="when the last GPU is lost, restart on the CPU instead of stopping")
     parser.add_argument("--retry-transient", action="store_true",
                         help="after a sticky CUDA error with every card healthy, restart once with the same cards")
-    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
-                        help=f"seconds from a stop signal passed on to the script to SIGKILL (default "
-                             f"{DEFAULT_GRACE_S:g})")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, help=f"seconds from a stop signal passed "
+                        f"on to the script to SIGKILL (default {DEFAULT_GRACE_S:g})")
     parser.add_argument("command", nargs="+", help="the training script's command, after `--`")
 
 

@@ -122,13 +122,11 @@ class DeviceSpec:
         if not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
             raise ConfigError(f"DeviceSpec {self.name!r}: memory_bytes={self.memory_bytes!r} must be an int > 0.")
         if (self.pcie_generation is None) != (self.pcie_lanes is None):
-            raise ConfigError(
-                f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} and "
-                f"pcie_lanes={self.pcie_lanes!r} must both be set (a PCIe device) or both be None (the host CPU).")
+            raise ConfigError(f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} and pcie_lanes="
+                              f"{self.pcie_lanes!r} must both be set (a PCIe device) or both be None (the host CPU).")
         if self.pcie_generation is not None and self.pcie_generation not in PCIE_BYTES_PER_S_PER_LANE:
-            raise ConfigError(
-                f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} is not one of "
-                f"{sorted(PCIE_BYTES_PER_S_PER_LANE)}.")
+            raise ConfigError(f"DeviceSpec {self.name!r}: pcie_generation={self.pcie_generation!r} is not one of "
+                              f"{sorted(PCIE_BYTES_PER_S_PER_LANE)}.")
         if self.pcie_lanes is not None and not (isinstance(self.pcie_lanes, int) and 1 <= self.pcie_lanes <= 32):
             raise ConfigError(f"DeviceSpec {self.name!r}: pcie_lanes={self.pcie_lanes!r} must be an int in [1, 32].")
         if not self.source:
@@ -199,9 +197,8 @@ def compute_dtype_of(policy: str) -> str:
         ConfigError: For any other name (float64 policies are not emulated).
     """
     if (dtype := _COMPUTE_DTYPES.get(policy) if isinstance(policy, str) else None) is None:
-        raise ConfigError(
-            f"Unknown dtype policy or compute dtype {policy!r} for emulation; use one of "
-            f"{', '.join(sorted(_COMPUTE_DTYPES))}.")
+        raise ConfigError(f"Unknown dtype policy or compute dtype {policy!r} for emulation; use one of "
+                          f"{', '.join(sorted(_COMPUTE_DTYPES))}.")
     return dtype
 
 
@@ -211,10 +208,8 @@ LINK_OVERRIDE_SEPARATOR = "~"
 """Separates a catalog name (and its memory override) from a host-link override: ``"P100~x1"``."""
 _LINK_PATTERN = re.compile(r"^\s*(?:gen([1-5]))?x([0-9]+)\s*$", re.IGNORECASE | re.ASCII)
 
-_MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-})
+_MEMORY_UNITS: Mapping[str, int] = types.MappingProxyType({"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                                                          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 _MEMORY_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE | re.ASCII)
 
 
@@ -235,9 +230,8 @@ def parse_memory_bytes(text: str) -> int:
     unit = match and _MEMORY_UNITS.get(match.group(2).lower())
     value = int(float(match.group(1)) * unit) if unit else 0
     if value < 1:
-        raise ConfigError(
-            f"A memory size is a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB), "
-            f"at least 1 byte, e.g. '48MB' or '1.5GiB'. Received: {text!r}.")
+        raise ConfigError(f"A memory size is a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB), "
+                          f"at least 1 byte, e.g. '48MB' or '1.5GiB'. Received: {text!r}.")
     return value
 
 
@@ -290,9 +284,8 @@ def get_device_spec(name: str) -> DeviceSpec:
     key_text, separator, memory_text = head.partition(MEMORY_OVERRIDE_SEPARATOR)
     spec = next((spec for key, spec in CATALOG.items() if key.lower() == key_text.strip().lower()), None)
     if spec is None:
-        raise UnknownEmulatedDeviceError(
-            f"Unknown emulated device name={name!r}. Known devices: {', '.join(CATALOG)}. "
-            f"Use one of these names (case does not matter).")
+        raise UnknownEmulatedDeviceError(f"Unknown emulated device name={name!r}. Known devices: "
+                                         f"{', '.join(CATALOG)}. Use one of these names (case does not matter).")
     if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
         # The name keeps the override: banners show it, a re-lookup by name (an Emulator passed on as names) keeps
         # the memory, and profile cache keys tell the two memories apart.

@@ -147,12 +147,10 @@ def checked_device_names(names: Sequence[str], parameter_device: str, *, argumen
     if len(set(devices)) != len(devices):
         raise DeviceError(f"{argument} repeats a device: {devices}. List each device once.")
     known = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
-    unknown = [d for d in [*devices, parameter] if d not in known]
-    if unknown:
-        raise DeviceError(
-            f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create logical "
-            f"devices first with hetero_cs.emulation.setup_logical_devices([...]) before TensorFlow starts, or "
-            f"emulate catalog cards (emulate=[...]).")
+    if unknown := [d for d in [*devices, parameter] if d not in known]:
+        raise DeviceError(f"Unknown device(s) {unknown}; TensorFlow sees {sorted(known)}. On a CPU-only machine create "
+                          f"logical devices first with hetero_cs.emulation.setup_logical_devices([...]) before "
+                          f"TensorFlow starts, or emulate catalog cards (emulate=[...]).")
     return devices, parameter
 
 

@@ -150,8 +150,7 @@ def _only(candidates: list) -> NvmlRecord | None:
 
 
 def join_gpu_records(tf_gpus: Sequence[TfGpuRecord], nvml_records: Sequence[NvmlRecord], *,
-                     cuda_visible_devices: str | None,
-                     cuda_device_order: str | None = None) -> list[NvmlRecord | None]:
+                     cuda_visible_devices: str | None, cuda_device_order: str | None = None) -> list[NvmlRecord | None]:
     """Finds the NVML record of each TF GPU, matching on UUID or PCI bus id, never on the index.
 
     For TF GPU k (CUDA ordinal k), in order of preference:
@@ -312,14 +311,12 @@ def discover_devices() -> list[DeviceInfo]:
         # No GPU to describe (a CPU-only or emulated run): nothing is missing, so no warning.
         logger.info("NVML is unavailable (%s); TensorFlow sees no GPU.", reason)
     elif reason is not None and _first_time("nvml-unavailable"):
-        warnings.warn(
-            f"NVML is unavailable: {reason}. hetero_cs lists TensorFlow's devices without NVML facts (free memory, "
-            f"PCIe link, UUID, MIG). On a GPU machine, install or load the NVIDIA driver and nvidia-ml-py.",
-            UserWarning, stacklevel=2)
+        warnings.warn(f"NVML is unavailable: {reason}. hetero_cs lists TensorFlow's devices without NVML facts (free "
+                      f"memory, PCIe link, UUID, MIG). On a GPU machine, install or load the NVIDIA driver and "
+                      f"nvidia-ml-py.", UserWarning, stacklevel=2)
     if problems and _first_time("nvml-partial"):
-        warnings.warn(
-            f"NVML refused some device facts ({'; '.join(problems)}); those fields are None. Run with the "
-            f"permissions NVML needs to read them.", UserWarning, stacklevel=2)
+        warnings.warn(f"NVML refused some device facts ({'; '.join(problems)}); those fields are None. Run with the "
+                      f"permissions NVML needs to read them.", UserWarning, stacklevel=2)
     gpu_records = list(dict.fromkeys(record for _, kind, record in tf_devices if kind == "GPU"))
     joined = dict(zip(gpu_records, join_gpu_records(
         gpu_records, nvml_records or [], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),

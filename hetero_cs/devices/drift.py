@@ -62,10 +62,9 @@ class Drift:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Drift.{name}={getattr(self, name)!r} must be True or False.")
         if self.fails and self.lost:
-            raise ConfigError(
-                f"Drift(replica_id={self.replica_id}) sets both fails=True and lost=True: a lost card ends the "
-                "process at its first step, so give one of them (fails=True: its steps fail; lost=True: the "
-                "process aborts).")
+            raise ConfigError(f"Drift(replica_id={self.replica_id}) sets both fails=True and lost=True: a lost card "
+                              "ends the process at its first step, so give one of them (fails=True: its steps fail; "
+                              "lost=True: the process aborts).")
         if self.lost and self.until_step is not None:
             raise ConfigError(
                 f"Drift(replica_id={self.replica_id}, lost=True) has until_step={self.until_step!r}: a lost card "
@@ -77,10 +76,9 @@ class Drift:
                 f"Drift.memory_bytes={self.memory_bytes!r} must be None or an int >= 1 (bytes left to the device).")
         if self.factor is None:
             if self.memory_bytes is None and not (self.fails or self.lost):
-                raise ConfigError(
-                    f"Drift(replica_id={self.replica_id}) changes nothing: give factor= (2.0 = twice as slow), "
-                    "memory_bytes= (device memory left), fails=True (its steps fail) or lost=True (the process "
-                    "aborts).")
+                raise ConfigError(f"Drift(replica_id={self.replica_id}) changes nothing: give factor= (2.0 = twice as "
+                                  "slow), memory_bytes= (device memory left), fails=True (its steps fail) or lost=True "
+                                  "(the process aborts).")
             object.__setattr__(self, "factor", 1.0)
         if not (_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0):
             raise ConfigError(f"Drift.factor={self.factor!r} must be a finite number > 0 (2.0 = twice as slow).")

@@ -413,8 +413,7 @@ class Emulator(DeepcopiedWithNewLocks):
                 f"{needed} bytes for a slice of batch_size={batch_size} at its step {step}, but the device has "
                 f"memory_bytes={available}. Give it a smaller slice (max_batch_sizes), or more memory "
                 f"(the NAME@SIZE override or the Drift's memory_bytes).",
-                replica_id=replica_id, needed_bytes=needed, memory_bytes=available,
-            )
+                replica_id=replica_id, needed_bytes=needed, memory_bytes=available)
 
     def describe(self, global_batch_size: int | None = None) -> list[str]:
         """Lines of a table of the emulated replicas; the header says the times are emulated.

@@ -103,9 +103,8 @@ def _split_host_cpu(num_devices: int, min_threads: int, *, needed_for: str, fix:
     except RuntimeError as exc:  # TF refuses once its context is initialised.
         existing = tf.config.list_logical_devices("CPU")
         if len(existing) < num_devices:
-            raise EmulationError(
-                f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but {num_devices} are "
-                f"needed for {needed_for}. {fix}") from exc
+            raise EmulationError(f"TensorFlow is already initialised with logical_cpu_devices={len(existing)}, but "
+                                 f"{num_devices} are needed for {needed_for}. {fix}") from exc
         threads = tf.config.threading.get_inter_op_parallelism_threads() or (os.cpu_count() or 1)
         if threads < min_threads:
             logger.warning("inter_op_parallelism_threads=%d < %d: emulated replicas may wait one after another.",

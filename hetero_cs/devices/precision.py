@@ -47,6 +47,6 @@ def check_policy_support(policy: str, devices: Sequence[tuple[str, tuple[int, in
             major, minor = capability
             raise UnsupportedPrecisionError(
                 f"Device {name} (compute capability {major}.{minor}) has no bfloat16 arithmetic, which the dtype "
-                f"policy {policy!r} needs (compute capability >= 8.0: A10, A100, H100). Use "
-                f"keras.mixed_precision.set_global_policy('mixed_float16') with these devices, or leave {name} "
-                f"out of compute_devices.", device=name, compute_dtype="bfloat16")
+                f"policy {policy!r} needs (compute capability >= 8.0: A10, A100, H100). Use keras.mixed_precision."
+                f"set_global_policy('mixed_float16') with these devices, or leave {name} out of compute_devices.",
+                device=name, compute_dtype="bfloat16")

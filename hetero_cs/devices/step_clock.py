@@ -56,8 +56,7 @@ def wall_clock_stamp(anchor: Any) -> tf.Tensor:
 
 
 def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_size: Any,
-                     emulator: Emulator | None = None,
-                     record: Callable[..., None] | None = None,
+                     emulator: Emulator | None = None, record: Callable[..., None] | None = None,
                      advance: bool = True, keyed: bool = False) -> tf.Tensor:
     """Ends one replica's step: waits out the emulated device time, reports the step, returns the end stamp.
 
@@ -217,8 +216,7 @@ def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
 
 
 def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: int, batch_size: Any,
-                        emulator: Emulator | None = None,
-                        record: Callable[..., None] | None = None,
+                        emulator: Emulator | None = None, record: Callable[..., None] | None = None,
                         sampled: bool = False, host_device: str | None = None, keyed: bool = False,
                         end_stamps: list | None = None) -> list:
     """Ends a replica's training step once its gradients are ready, and returns gradients that wait for it.

@@ -114,13 +114,11 @@ def emulated_step_time_s(spec: DeviceSpec, batch_size: int, workload: Workload, 
     """
     _check_non_negative_int("batch_size", batch_size, " (examples in the replica's slice)")
     if not (_is_real(compute_efficiency) and 0.0 < compute_efficiency <= 1.0):
-        raise ConfigError(
-            f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak "
-            f"FLOP/s sustained; the default is {DEFAULT_COMPUTE_EFFICIENCY}.")
+        raise ConfigError(f"compute_efficiency={compute_efficiency!r} must be a number in (0, 1], the fraction of peak "
+                          f"FLOP/s sustained; the default is {DEFAULT_COMPUTE_EFFICIENCY}.")
     if not (_is_real(launch_overhead_s) and math.isfinite(launch_overhead_s) and launch_overhead_s >= 0.0):
-        raise ConfigError(
-            f"launch_overhead_s={launch_overhead_s!r} must be a finite number of seconds >= 0; the default is "
-            f"{DEFAULT_LAUNCH_OVERHEAD_S}.")
+        raise ConfigError(f"launch_overhead_s={launch_overhead_s!r} must be a finite number of seconds >= 0; the "
+                          f"default is {DEFAULT_LAUNCH_OVERHEAD_S}.")
     if batch_size == 0:
         return 0.0
     transfer_s = workload.parameter_bytes / spec.pcie_bandwidth_bytes_per_s  # the host CPU's is inf: 0 s
