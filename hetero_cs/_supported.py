@@ -12,10 +12,7 @@ from __future__ import annotations
 import sys
 
 # name -> (lowest supported, first unsupported), as in setup.cfg: tensorflow>=2.16.2,<2.22 and keras>=3.8,<3.16.
-SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {
-    "tensorflow": ("2.16.2", "2.22"),
-    "keras": ("3.8", "3.16"),
-}
+SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {"tensorflow": ("2.16.2", "2.22"), "keras": ("3.8", "3.16")}
 
 
 def requirement(name: str) -> str:

@@ -36,10 +36,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def tf_config(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> str:
     """The ``TF_CONFIG`` JSON of worker ``index`` in a cluster of one worker per port."""
-    return json.dumps({
-        "cluster": {"worker": [f"{host}:{port}" for port in ports]},
-        "task": {"type": "worker", "index": int(index)},
-    })
+    return json.dumps({"cluster": {"worker": [f"{host}:{port}" for port in ports]},
+                       "task": {"type": "worker", "index": int(index)}})
 
 
 def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:

@@ -30,14 +30,9 @@ from hetero_cs.planning.micro_batches import (
 from hetero_cs.planning.plan import even_batch_split
 from hetero_cs.planning.solver import solve_batch_split
 
-DEFAULT_WORKLOAD = Workload(
-    flops_per_example=7_715_946_496,
-    parameter_bytes=102_334_368,
-    optimizer_bytes=2 * 102_334_368,
-    activation_bytes_per_example=148_480_848,
-    non_trainable_bytes=212_480,
-    layers=176,
-)
+DEFAULT_WORKLOAD = Workload(flops_per_example=7_715_946_496, parameter_bytes=102_334_368,
+                            optimizer_bytes=2 * 102_334_368, activation_bytes_per_example=148_480_848,
+                            non_trainable_bytes=212_480, layers=176)
 """ResNet-50 on 224x224x3 images in float32 (TF32 where a card has it, TensorFlow's default), trained with Adam: the
 figures ``hetero_cs.devices.workload.estimate_workload(keras.applications.ResNet50(weights=None))`` gives (Keras
 3.15; 7.7 GFLOP per example forward, two per multiply-add, as He et al. 2016 count 3.8e9 multiply-adds; 25.6 M
@@ -201,8 +196,7 @@ def format_what_if(result: dict[str, Any]) -> str:
     lines += [
         f"predicted step: {result['predicted_step_s'] * 1e3:.2f} ms {how}, {result['examples_per_s']:.0f} examples/s",
         f"speedup vs the even split: {'n/a (a card holds no example)' if even is None else f'{even:.3f}x'}",
-        f"speedup vs the fastest card alone ({result['fastest_card']}): {result['speedup_vs_fastest']:.3f}x",
-    ]
+        f"speedup vs the fastest card alone ({result['fastest_card']}): {result['speedup_vs_fastest']:.3f}x"]
     if result["idle"]:
         lines.append(f"left out (idle): cards {result['idle']}; the others finish sooner without them")
     return "\n".join(lines)
