@@ -101,7 +101,9 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
                 emulator.check_memory(replica_id, examples)
             target_s = (emulator.delay_s(replica_id, examples) if advance
                         else emulator.step_time_s(replica_id, examples))
-            time.sleep(max(0.0, start_s + target_s - time.perf_counter()))
+            remaining_s = start_s + target_s - time.perf_counter()
+            if remaining_s > 0:
+                time.sleep(remaining_s)
         end_s = time.perf_counter()
         if record is not None:
             record(replica_id, examples, end_s - start_s, **({"step_key": start_s} if keyed else {}))
@@ -140,10 +142,7 @@ def stamp_step_end(start_stamp: Any, after: Sequence[Any], *, record: Callable[[
         return _host_scalar(_end, [tf.cast(start_stamp, tf.float64)], "end_host_step", stateful=True)
 
     with tf.control_dependencies(list(after)):
-        if sampled:
-            tf.cond(start_stamp >= 0.0, stamp, lambda: tf.constant(0.0, tf.float64))
-        else:
-            stamp()
+        _if_timed(start_stamp, stamp) if sampled else stamp()
 
 
 def emulated_memory_gate(structure: Any, anchor: Any, *, replica_id: int, batch_size: Any,
@@ -210,6 +209,11 @@ def tie_to_stamp(structure: Any, stamp: Any) -> Any:
     return tf.nest.map_structure(tie, structure)
 
 
+def _if_timed(start_stamp: Any, fn: Callable[[], Any]) -> tf.Tensor:
+    """``fn()`` on a timed step (``start_stamp >= 0``), else 0.0, in the graph."""
+    return tf.cond(start_stamp >= 0.0, fn, lambda: tf.constant(0.0, tf.float64))
+
+
 def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
     """``wall_clock_stamp(anchor)`` when ``timed`` (a bool scalar tensor), else -1.0 without reading the clock."""
     return tf.cond(timed, lambda: wall_clock_stamp(anchor), lambda: tf.constant(-1.0, tf.float64))
@@ -260,10 +264,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
                                     emulator=emulator, record=record, keyed=keyed)
 
         with tf.control_dependencies(tf.nest.flatten(present, expand_composites=True)):
-            if sampled and emulator is None:
-                end = tf.cond(start_stamp >= 0.0, end, lambda: tf.constant(0.0, tf.float64))
-            else:
-                end = end()
+            end = _if_timed(start_stamp, end) if sampled and emulator is None else end()
         sizes = [g.shape.num_elements() if g is not None and g.shape.is_fully_defined() else None for g in grads]
         known = [(n, i) for i, n in enumerate(sizes) if n is not None]  # the smallest gradient is tied
         index = min(known)[1] if known else next(i for i, g in enumerate(grads) if g is not None)
