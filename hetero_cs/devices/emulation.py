@@ -39,11 +39,16 @@ from hetero_cs.devices.catalog import (
 from hetero_cs.devices.drift import Drift
 from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
-from hetero_cs.planning.plan import even_batch_split
 
 __all__ = ["Drift", "Emulator", "Workload", "emulated_step_time_s"]
 
 logger = logging.getLogger(__name__)
+
+
+def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
+    """As hetero_cs.planning.plan.even_batch_split, without NumPy (this module imports none)."""
+    base, extra = divmod(global_batch_size, num_replicas)
+    return [base + (1 if i < extra else 0) for i in range(num_replicas)]
 
 
 def _float_or_text(text: str) -> float | str:
@@ -205,7 +210,7 @@ class Emulator(DeepcopiedWithNewLocks):
             if self._time_scale_source is not None and self._workload is None:
                 return self._time_scale  # nothing to check it against yet
             workload = self._require_workload()
-            split = even_batch_split(global_batch_size, len(self._specs))
+            split = _even_split(global_batch_size, len(self._specs))
             makespan_s = max(emulated_step_time_s(spec, b, workload) for spec, b in zip(self._specs, split))
             if self._time_scale_source is not None:  # fixed: it may not stretch the step beyond the longest
                 if self._time_scale * makespan_s > MAX_EMULATED_MAKESPAN_S:
@@ -419,7 +424,7 @@ class Emulator(DeepcopiedWithNewLocks):
         """
         with self._lock:
             workload, scale = self._workload, self._time_scale
-            split = (even_batch_split(global_batch_size, len(self._specs))
+            split = (_even_split(global_batch_size, len(self._specs))
                      if global_batch_size and workload is not None else None)
             dtype, tf32 = ("float32", True) if workload is None else (workload.compute_dtype, workload.tensor_float_32)
             width = max([6] + [len(spec.name) for spec in self._specs])  # "T4@48MB" is wider than "A10"
