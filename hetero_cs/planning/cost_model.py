@@ -27,15 +27,8 @@ from hetero_cs.errors import InvalidCostModelError
 from hetero_cs.planning.cost_checks import MAX_SECONDS, _check_base, _check_batch_size
 from hetero_cs.planning.plan import _is_int, _is_real, check_keys, even_batch_split
 
-__all__ = [
-    "CostModel",
-    "IdleFreeCostModel",
-    "LinearCostModel",
-    "MicroBatchedCostModel",
-    "PiecewiseLinearCostModel",
-    "ScaledCostModel",
-    "cost_model_from_dict",
-]
+__all__ = ["CostModel", "IdleFreeCostModel", "LinearCostModel", "MicroBatchedCostModel", "PiecewiseLinearCostModel",
+           "ScaledCostModel", "cost_model_from_dict"]
 
 
 @runtime_checkable
@@ -150,8 +143,7 @@ class PiecewiseLinearCostModel(_Stored):
 
     def __post_init__(self) -> None:
         try:
-            sizes = tuple(self.batch_sizes)
-            times = tuple(self.step_times_s)
+            sizes, times = tuple(self.batch_sizes), tuple(self.step_times_s)
         except TypeError as exc:
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs sequences batch_sizes and step_times_s. Received: "
@@ -160,8 +152,7 @@ class PiecewiseLinearCostModel(_Stored):
             raise InvalidCostModelError(
                 "PiecewiseLinearCostModel needs as many step times as batch sizes, at least one. Received: "
                 f"len(batch_sizes)={len(sizes)}, len(step_times_s)={len(times)}.")
-        bad = [b for b in sizes if not _is_int(b) or b < 0]
-        if bad:
+        if bad := [b for b in sizes if not _is_int(b) or b < 0]:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.batch_sizes must be integers >= 0. Received: batch_sizes={list(sizes)} "
                 f"(offending: {bad}).")
@@ -172,8 +163,8 @@ class PiecewiseLinearCostModel(_Stored):
                     "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
                     f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
                     "repeated batch sizes (average their times).")
-        bad_times = [(b, t) for b, t in zip(sizes, times) if not (_is_real(t) and 0 <= t <= MAX_SECONDS)]  # NaN too
-        if bad_times:
+        # (NaN fails the range too)
+        if bad_times := [(b, t) for b, t in zip(sizes, times) if not (_is_real(t) and 0 <= t <= MAX_SECONDS)]:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.step_times_s must be from 0 to {MAX_SECONDS:g} seconds. Received "
                 f"(batch_size, step_time_s): {bad_times}. Drop failed measurements before fitting.")
@@ -185,10 +176,9 @@ class PiecewiseLinearCostModel(_Stored):
                     f"step time {times[k - 1]!r} s at batch_size={sizes[k - 1]} but {times[k]!r} s at "
                     f"batch_size={sizes[k]}. Fit the measurements with calibration's isotonic fit "
                     "(calibration.fit.fit_cost_model), which makes them monotone.")
-        object.__setattr__(self, "batch_sizes", sizes)
-        object.__setattr__(self, "step_times_s", times)
         slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])) if len(sizes) >= 2 else 0.0
-        object.__setattr__(self, "_last_slope_s", slope)
+        for name, value in (("batch_sizes", sizes), ("step_times_s", times), ("_last_slope_s", slope)):
+            object.__setattr__(self, name, value)
 
     def predict_step_time_s(self, batch_size: int) -> float:
         """Returns the interpolated step time in seconds for ``batch_size >= 0`` examples."""
@@ -243,8 +233,7 @@ class ScaledCostModel(_Stored):
         Raises:
             InvalidCostModelError: If base has no ``to_dict``.
         """
-        to_dict = getattr(self.base, "to_dict", None)
-        if not callable(to_dict):
+        if not callable(to_dict := getattr(self.base, "to_dict", None)):
             raise InvalidCostModelError(
                 f"ScaledCostModel.to_dict needs a base with to_dict(). Received: base={self.base!r}. Use one of "
                 "LinearCostModel, PiecewiseLinearCostModel or ScaledCostModel as the base.")
@@ -377,7 +366,7 @@ class MicroBatchedCostModel:
         """``max_{b' <= b}`` of the micro-batches' summed step times, in seconds."""
         _check_batch_size(batch_size)
         b = int(batch_size)
-        if line_of(self.base) is not None:  # k a + c b: non-decreasing as it is
+        if _is_linear(self.base):  # k a + c b: non-decreasing as it is
             return self._raw_s(b)
         known = self._running_max
         while len(known) <= b:
@@ -405,16 +394,12 @@ def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) 
     return list(even_batch_split(b, 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))))  # ceil
 
 
-def line_of(model: Any) -> tuple[float, float, bool] | None:
-    """``(a, c, idle_free)`` when ``model`` is ``t(b) = a + c b`` for ``b >= 1``: a :class:`LinearCostModel`, maybe
-    scaled or idle-free (``t(0) = 0``, then ``idle_free`` is True); else None."""
-    factor, idle = 1.0, False
+def _is_linear(model: Any) -> bool:
+    """True when ``model`` is ``t(b) = a + c b`` for ``b >= 1``: a :class:`LinearCostModel`, maybe scaled or
+    idle-free (``t(0) = 0``)."""
     while isinstance(model, (IdleFreeCostModel, ScaledCostModel)):
-        factor *= getattr(model, "factor", 1.0)  # (an IdleFreeCostModel has none)
-        idle, model = idle or isinstance(model, IdleFreeCostModel), model.base
-    if type(model) is not LinearCostModel:
-        return None
-    return factor * model.fixed_overhead_s, factor * model.seconds_per_example, idle
+        model = model.base
+    return type(model) is LinearCostModel
 
 
 def idle_free(cost_models: Sequence[CostModel]) -> list[CostModel]:
