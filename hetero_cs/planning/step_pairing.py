@@ -93,18 +93,8 @@ class StepPairing:
     def add(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool,
             step_key: Hashable | None = None) -> PendingStep | None:
         """Adds one report (arguments validated by the caller); returns the step it completed, if any."""
-        if step_key is None:
-            return self._add_by_order(replica_id, batch_size, step_time_s, valid)
-        return self._add_by_key(replica_id, batch_size, step_time_s, valid, step_key)
-
-    def abandon_open_steps(self) -> None:
-        """Drops every incomplete step and lines the by-order counters up (complete steps are not affected)."""
-        self._line_up(max(max(self._next_step), self._next_keyed_index))
-        self._closed_keys.extend(self._keyed)
-        self._keyed.clear()
-
-    # ------------------------------------------------------------------------------------------------------------
-    def _add_by_order(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool) -> PendingStep | None:
+        if step_key is not None:
+            return self._add_by_key(replica_id, batch_size, step_time_s, valid, step_key)
         step = self._next_step[replica_id]
         self._next_step[replica_id] = step + 1
         if step < self._first_open_step:
@@ -114,11 +104,15 @@ class StepPairing:
             entry = self._pending[step] = PendingStep(step, self._num_replicas)
             while len(self._pending) > self._max_pending:
                 self._first_open_step = self._drop_oldest(self._pending) + 1
-        if not entry.add(replica_id, batch_size, step_time_s, valid):
-            return None
-        del self._pending[step]
-        return entry
+        return self._pending.pop(step) if entry.add(replica_id, batch_size, step_time_s, valid) else None
 
+    def abandon_open_steps(self) -> None:
+        """Drops every incomplete step and lines the by-order counters up (complete steps are not affected)."""
+        self._line_up(max(max(self._next_step), self._next_keyed_index))
+        self._closed_keys.extend(self._keyed)
+        self._keyed.clear()
+
+    # ------------------------------------------------------------------------------------------------------------
     def _add_by_key(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool,
                     key: Hashable) -> PendingStep | None:
         if key in self._closed_keys:
@@ -128,10 +122,9 @@ class StepPairing:
             if older_key == key:
                 break
             if not self._keyed[older_key].reported[replica_id]:
-                failed = self._keyed.pop(older_key)
                 self._closed_keys.append(older_key)
                 logger.debug("Dropping step %d: replica %d reported a later step without it (a failed step).",
-                             failed.index, replica_id)
+                             self._keyed.pop(older_key).index, replica_id)
         entry = self._keyed.get(key)
         if entry is None:
             index = max(max(self._next_step), self._next_keyed_index)
