@@ -152,8 +152,7 @@ class BatchPlan:
             raise ConfigError(
                 "BatchPlan.per_replica_batch_sizes must be a non-empty sequence of integers. Received: "
                 f"per_replica_batch_sizes={self.per_replica_batch_sizes!r}.")
-        bad = [(i, b) for i, b in enumerate(sizes) if not _is_int(b) or b < 0]
-        if bad:
+        if bad := [(i, b) for i, b in enumerate(sizes) if not _is_int(b) or b < 0]:
             raise ConfigError(
                 "BatchPlan.per_replica_batch_sizes must hold integers >= 0. Received: "
                 f"per_replica_batch_sizes={tuple(sizes)!r} (offending (replica, value): {bad}).")
@@ -167,10 +166,8 @@ class BatchPlan:
                 "of the global batch goes to exactly one replica; fix the slices or the global batch size.")
         object.__setattr__(self, "per_replica_batch_sizes", sizes)
         object.__setattr__(self, "global_batch_size", int(B))
-        for name in _OPTIONAL_FIGURES:
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, _checked_seconds(name, value))
+        for name in (name for name in _OPTIONAL_FIGURES if getattr(self, name) is not None):
+            object.__setattr__(self, name, _checked_seconds(name, getattr(self, name)))
         if self.predicted_step_times_s is not None:
             times = _as_tuple(self.predicted_step_times_s)
             if times is None or len(times) != len(sizes):
@@ -244,8 +241,7 @@ class BatchPlan:
         for i, (b, w) in enumerate(zip(self.per_replica_batch_sizes, self.replica_weights)):
             step = "idle" if b == 0 else "n/a" if times is None else f"{times[i] * 1e3:.3f}"
             lines.append(f"{i:>7}  {b:>7}  {w:>7.4f}  {step:>17}")
-        idle = [i for i, b in enumerate(self.per_replica_batch_sizes) if b == 0]
-        if idle:
+        if idle := [i for i, b in enumerate(self.per_replica_batch_sizes) if b == 0]:
             lines.append(f"idle replicas: {idle} (0 examples: no work on their devices; the rest finish sooner "
                          f"without them, or there are fewer examples than replicas, or their share or memory cap is "
                          f"0: a card that cannot hold one example, or one set aside after a device error)")
@@ -334,8 +330,7 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
             f"shares must be a non-empty sequence of numbers (an ordered one: list, tuple or 1-D array), one per "
             f"replica in replica order. Received: shares={short_repr(given)}{unordered_note(given)}. Pass e.g. "
             "[2, 1, 1] to give replica 0 half the batch.")
-    bad = [(i, s) for i, s in enumerate(shares) if not finite_real(s) or s < 0]
-    if bad:
+    if bad := [(i, s) for i, s in enumerate(shares) if not finite_real(s) or s < 0]:
         raise BatchSplitError(
             f"shares must be finite numbers >= 0. Received: shares={short_repr(list(shares))} (offending (replica, "
             f"share): {short_repr(bad)}). Give each replica a non-negative relative share, e.g. [2, 1, 1].")
