@@ -78,8 +78,7 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
             raise ConfigError(
                 f"max_batch_sizes[{i}] must be an integer in [0, 2**63) (examples; 0 leaves the replica idle) or None "
                 f"(no cap). Received: max_batch_sizes[{i}]={cap!r}.")
-    low = [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]
-    if low:
+    if low := [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]:
         listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)
         raise InfeasiblePlanError(
             f"{listing} below min_batch_size={min_b}: such a replica cannot hold even the smallest slice. "
@@ -97,13 +96,11 @@ def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> N
             f"global_batch_size={B} is less than num_replicas={R} x min_batch_size={min_b} = {R * min_b}: every "
             "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
             "raise the global batch size, or use fewer replicas.")
-    if all(c is not None for c in caps):
-        total = sum(c for c in caps if c is not None)
-        if total < B:
-            raise InfeasiblePlanError(
-                f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum to {total} "
-                f"({_caps_listing(caps)}). Lower the global batch size to at most {total}, raise the caps "
-                "(recalibrate the memory limits), or add replicas.")
+    if all(c is not None for c in caps) and (total := sum(caps)) < B:
+        raise InfeasiblePlanError(
+            f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum to {total} "
+            f"({_caps_listing(caps)}). Lower the global batch size to at most {total}, raise the caps "
+            "(recalibrate the memory limits), or add replicas.")
 
 
 
@@ -143,8 +140,7 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> tup
         offsets[holder] = rem
     lo = [_first_at_least(min_b, o, k) for o in offsets]
     hi = [None if c is None else o + (c - o) // k * k for c, o in zip(caps, offsets)]
-    empty = [i for i in range(R) if hi[i] is not None and hi[i] < lo[i]]  # type: ignore[operator]
-    if empty:
+    if empty := [i for i in range(R) if hi[i] is not None and hi[i] < lo[i]]:  # type: ignore[operator]
         listing = ", ".join(f"max_batch_sizes[{i}]={caps[i]}" for i in empty)
         raise InfeasiblePlanError(
             f"{listing} admits no slice that is a multiple of multiple_of={k} and >= min_batch_size={min_b} "

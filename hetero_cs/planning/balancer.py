@@ -298,8 +298,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             raise ConfigError(
                 f"Need one cost model per replica: got {len(models)} for R={R}. Pass them in replica-id order.")
         caps = None if max_batch_sizes is None else _checked_caps(max_batch_sizes, R, 0)
-        excluded = self._memory.excluded  # cards whose device failed stay out (cap 0) with new models
-        if excluded:
+        if excluded := self._memory.excluded:  # cards whose device failed stay out (cap 0) with new models
             caps = [0 if i in excluded else cap for i, cap in enumerate(caps or [None] * R)]
         if reference_batch_size is not None:
             check_range("reference_batch_size", reference_batch_size, 1, integer=True,

@@ -170,8 +170,7 @@ class GuardTrials:
                     and last.candidate_per_replica_batch_sizes == alone.per_replica_batch_sizes)):
             self._alone_checked.add(sizes)  # nothing to check for this plan under these models
             return
-        why = self._alone_check_reason(sizes, plan_s, alone_s)
-        if why is None:
+        if (why := self._alone_check_reason(sizes, plan_s, alone_s)) is None:
             return  # not due now; later steps may measure it slower
         logger.info("hetero_cs guard: %s %s (replica %d alone); measuring both side by side", list(sizes), why,
                     alone.per_replica_batch_sizes.index(plan.global_batch_size))

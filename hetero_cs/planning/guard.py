@@ -132,8 +132,7 @@ class GuardPolicy:
                 f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
                 f"one-sided p-value of {2 * self.max_pairs} pairs is {2.0 ** -(2 * self.max_pairs):.3g}). Raise "
                 f"max_pairs or significance.")
-        needed = math.ceil(len(p) / p.count("I")) * 2 * self.max_pairs
-        if self.max_trial_steps < needed:
+        if self.max_trial_steps < (needed := math.ceil(len(p) / p.count("I")) * 2 * self.max_pairs):
             raise ConfigError(
                 f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "
                 f"pairs with pattern={p!r} ({needed} steps). Raise max_trial_steps to at least {needed}.")
@@ -338,8 +337,7 @@ class PlanGuard:
         plan of a running trial pays for it, so it is a warm-up again, not a sample, and a candidate step waiting
         for its incumbent is dropped. (A fit's retrace at an epoch's start once gave one pair a 0.03 ratio, which
         kept a plan "over 4x faster" that measured 1.01-1.10x faster.)"""
-        trial = self._trial
-        if trial is not None:
+        if (trial := self._trial) is not None:
             trial.candidate_warm = trial.incumbent_warm = False
             trial.incumbent_recent_s = trial.pending_candidate_s = None
 

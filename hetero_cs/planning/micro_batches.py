@@ -318,14 +318,12 @@ def plan_micro_batches(global_batch_size: int, solve: Callable[[int], BatchPlan]
         for K in range(k_min + 1, min(B, k_min + max_extra_sub_steps) + 1):
             if smallest > 0 and K * smallest >= best:
                 break
-            value = makespan(K)
-            if value is not None and value < best:
+            if (value := makespan(K)) is not None and value < best:
                 best_k, best = K, value
         if single is not None and best_k != 1 and best * (1.0 + min_gain) > single:
             best_k, best = 1, single  # not clearly faster than the one step that fits
         if incumbent_sub_steps is not None and incumbent_sub_steps != best_k and k_min <= incumbent_sub_steps <= B:
-            kept = makespan(incumbent_sub_steps)
-            if kept is not None and best * (1.0 + min_gain) > kept:
+            if (kept := makespan(incumbent_sub_steps)) is not None and best * (1.0 + min_gain) > kept:
                 best_k = incumbent_sub_steps  # not clearly faster than the K in use
     return MicroBatchPlan(tuple(plan_of(size) for size in even_batch_split(B, best_k)), single_step_makespan_s=single,
                           sub_step_overhead_s=overhead)

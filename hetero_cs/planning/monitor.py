@@ -153,8 +153,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 logger.warning("Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be "
                                "finite and >= 0. Steps with invalid times are left out of the statistics; further ones "
                                "are not reported.", step_time_s, replica_id)
-            done = self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)
-            if done is not None:
+            if (done := self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)) is not None:
                 self._completed_steps += 1
                 if done.valid:
                     self._window.append(StepSample.from_times(done.index, done.batch_sizes, done.step_times_s))
@@ -360,8 +359,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             if not q.size:
                 continue
             usable = relative[:, i][np.isfinite(relative[:, i])]
-            recent = _shift_start(usable)
-            if recent is not None and q.size == usable.size:
+            if (recent := _shift_start(usable)) is not None and q.size == usable.size:
                 q = q[recent:]  # the speed changed: only the steps since say how precisely the new level is known
             result[i] = median_and_error(q)[1]
         return result
@@ -410,8 +408,8 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         if not usable.any():
             return base
         relative, common = relative[usable], common[usable]
-        recent = _shift_start(relative)
-        if recent is not None:  # the replica's speed changed: estimate it from the steps since
+        # The replica's speed changed: estimate it from the steps since.
+        if (recent := _shift_start(relative)) is not None:
             relative, common = relative[recent:], common[recent:]
         factor = _median(relative) * _median(common)
         # (only zero times observed: no usable correction)

@@ -70,7 +70,6 @@ def _fit_linear_model(sizes: np.ndarray, times_s: np.ndarray) -> LinearCostModel
         i, j = np.triu_indices(b.size, k=1)
         distinct = b[i] != b[j]
         slope = _median((t[j][distinct] - t[i][distinct]) / (b[j][distinct] - b[i][distinct]))
-        intercept = _median(t - slope * b)
-        if slope > 0 and intercept >= 0:
+        if slope > 0 and (intercept := _median(t - slope * b)) >= 0:
             return LinearCostModel(intercept, slope)
     return LinearCostModel(0.0, _median(t / b))

@@ -333,15 +333,12 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
     ideal = None
     while True:
         upper = heap[0][0] if heap else math.inf
-        if ideal is None and last < upper:
-            low = max(last, base_s)
-            if low < upper:
-                gaps = nxt - chosen  # > 0: nxt >= upper > low >= chosen
-                examples = whole + float(np.sum((low - chosen) / gaps))
-                rate = float(np.sum(1.0 / gaps))  # examples per second of T on this piece
-                root = low if examples >= B else (low + (B - examples) / rate if rate > 0 else math.inf)
-                if root < upper:
-                    ideal = root
+        if ideal is None and last < upper and (low := max(last, base_s)) < upper:
+            gaps = nxt - chosen  # > 0: nxt >= upper > low >= chosen
+            examples = whole + float(np.sum((low - chosen) / gaps))
+            rate = float(np.sum(1.0 / gaps))  # examples per second of T on this piece
+            if (root := low if examples >= B else (low + (B - examples) / rate if rate > 0 else math.inf)) < upper:
+                ideal = root
         if remaining == 0:
             break
         t, b, i = heapq.heappop(heap)
