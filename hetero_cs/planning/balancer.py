@@ -89,16 +89,13 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._num_replicas = num_replicas
         self._lock = threading.RLock()
         self._shares = None if shares is None else tuple(float(s) for s in shares)
-        self._auto_balance = bool(auto_balance)
-        self._rebalance = bool(rebalance)
-        self._guard_enabled = bool(guard)
+        self._auto_balance, self._rebalance, self._guard_enabled = bool(auto_balance), bool(rebalance), bool(guard)
         # An engine that runs nothing for an idle replica (central storage): 0 examples cost 0 s, so solved plans
         # and re-plans leave a card out wherever that is predicted faster (IdleFreeCostModel).
         self._idle_free = bool(idle_replicas_free)
         self._rebalance_policy = rebalance_policy or RebalancePolicy(min_batch_size=0 if self._idle_free else 1)
         self._rebalance_policy_given = rebalance_policy is not None
-        self._on_plan = on_plan
-        self._on_trial = on_trial
+        self._on_plan, self._on_trial = on_plan, on_trial
         self._calibrated_models: list[CostModel] | None = None
         self._cost_models: list[CostModel] | None = None
         self._max_batch_sizes: list[int | None] | None = None
@@ -314,8 +311,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         with self._lock:
             # Solve with the new models before changing anything, so a failure leaves everything as it was.
             B = self._reference_batch_size
-            if reference_batch_size is not None:
-                B = max(B or 0, int(reference_batch_size))
+            B = B if reference_batch_size is None else max(B or 0, int(reference_batch_size))
             plan = None if B is None else self._solve(B, cost_models=models, max_batch_sizes=caps, log_ties=True)
             self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
             self._contention_factors, self._reference_batch_size = factors, B
@@ -323,11 +319,9 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             self._memory.reset(caps)
             self._forget_plans()
             self._alone_checked.clear()  # new cost models: every plan may be checked again
-            if plan is None:  # solved (and tried) when the first global batch arrives
-                self._trial_on_first_batch = trial
-                return
-            self._trial_on_first_batch = False
-            self._adopt(plan, trial=trial)
+            self._trial_on_first_batch = trial if plan is None else False  # else solved when the first batch arrives
+            if plan is not None:
+                self._adopt(plan, trial=trial)
 
     def start_new_input(self) -> None:
         """A new input's first global batch sets the reference size of :attr:`plan` again."""

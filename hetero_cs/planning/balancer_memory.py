@@ -202,9 +202,8 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                     or self._monitor.num_samples < self._rebalance_policy.min_samples):
                 return False
             sizes = plan.per_replica_batch_sizes
-            if not any(cap is not None and 0 < cap <= b for b, cap in zip(sizes, caps)):
-                return False  # no card is held at its cap: the one-step re-planner sees everything
-            if not self._look_due("micro"):
+            # No card is held at its cap (the one-step re-planner sees everything), or no look is due.
+            if not any(cap is not None and 0 < cap <= b for b, cap in zip(sizes, caps)) or not self._look_due("micro"):
                 return False
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             deadband = float(self._rebalance_policy.deadband)
