@@ -286,8 +286,7 @@ class PlanGuard:
 
     def plan_to_serve(self) -> BatchPlan | None:
         """The plan for the next full global batch the input pipeline cuts during a trial (None outside one)."""
-        trial = self._trial
-        if trial is None:
+        if (trial := self._trial) is None:
             return None
         letter = self._policy.pattern[trial.served % len(self._policy.pattern)]
         trial.served += 1
@@ -311,8 +310,7 @@ class PlanGuard:
             raise ConfigError(
                 f"observe takes the step's slices (a sequence of integers) and its makespan in seconds (a number). "
                 f"Received: per_replica_batch_sizes={per_replica_batch_sizes!r}, makespan_s={makespan_s!r}.") from None
-        trial = self._trial
-        if trial is None:
+        if (trial := self._trial) is None:
             return None
         trial.steps += 1
         usable = math.isfinite(makespan_s) and makespan_s > 0
@@ -348,18 +346,14 @@ class PlanGuard:
     def _decide(self, step: int) -> GuardDecision | None:
         trial = self._trial
         ratios = np.asarray(trial.ratios, dtype=np.float64)
-        if not trial.against_alone:
-            decision = self._decide_ratios(step, ratios)
-        else:
-            # The burden of proof is the plan's (item 4): decided as a trial of the plan in force against the card
-            # alone, whose outcome is then turned round.
-            decision = self._decide_ratios(step, 1.0 / ratios)
-            if decision is not None:
-                alone_stays = not decision.kept
-                decision = dataclasses.replace(
-                    decision, outcome=KEPT if alone_stays else REVERTED, median_ratio=float(np.median(ratios)),
-                    reason=f"the plan in force was {decision.reason}" + (", so the card alone stays" if alone_stays
-                                                                         else ""))
+        # Against the card alone the burden of proof is the plan's (item 4): decided as a trial of the plan in force
+        # against the card alone, whose outcome is then turned round.
+        decision = self._decide_ratios(step, 1.0 / ratios if trial.against_alone else ratios)
+        if trial.against_alone and decision is not None:
+            alone_stays = not decision.kept
+            decision = dataclasses.replace(
+                decision, outcome=KEPT if alone_stays else REVERTED, median_ratio=float(np.median(ratios)),
+                reason=f"the plan in force was {decision.reason}{', so the card alone stays' if alone_stays else ''}")
         if decision is None and trial.steps >= self._policy.max_trial_steps:
             median = float(np.median(ratios)) if len(ratios) else math.nan
             return self._decision(step, REVERTED, median, None, f"only {len(ratios)} pairs in {trial.steps} steps")
