@@ -52,9 +52,8 @@ def _checked_models(cost_models: Sequence[CostModel]) -> list[CostModel]:
     except TypeError as exc:
         raise ConfigError(f"cost_models must be a sequence of cost models. Received: {cost_models!r}.") from exc
     if not models:
-        raise ConfigError(
-            "cost_models is empty: give one cost model per replica (e.g. from calibration.calibrate, or "
-            "LinearCostModel(fixed_overhead_s, seconds_per_example)).")
+        raise ConfigError("cost_models is empty: give one cost model per replica (e.g. from calibration.calibrate, or "
+                          "LinearCostModel(fixed_overhead_s, seconds_per_example)).")
     for i, model in enumerate(models):
         predictor(model, i)
     return models
@@ -65,9 +64,8 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
         return [None] * R
     if isinstance(max_batch_sizes, (str, bytes)) or not isinstance(max_batch_sizes, (Sequence, np.ndarray)) or (
             isinstance(max_batch_sizes, np.ndarray) and max_batch_sizes.ndim != 1):
-        raise ConfigError(
-            f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). Received: "
-            f"max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128].")
+        raise ConfigError(f"max_batch_sizes must be None or a sequence of R={R} caps (ints, or None for no cap). "
+                          f"Received: max_batch_sizes={max_batch_sizes!r}. Example: max_batch_sizes=[512, None, 128].")
     caps = list(max_batch_sizes)
     if len(caps) != R:
         raise ConfigError(
@@ -75,9 +73,8 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
             f"R={R} cost models. Received: max_batch_sizes={caps}. Use None for a replica without a cap.")
     for i, cap in enumerate(caps):
         if cap is not None and (not _is_int(cap) or not 0 <= cap < 2**63):
-            raise ConfigError(
-                f"max_batch_sizes[{i}] must be an integer in [0, 2**63) (examples; 0 leaves the replica idle) or None "
-                f"(no cap). Received: max_batch_sizes[{i}]={cap!r}.")
+            raise ConfigError(f"max_batch_sizes[{i}] must be an integer in [0, 2**63) (examples; 0 leaves the replica "
+                              f"idle) or None (no cap). Received: max_batch_sizes[{i}]={cap!r}.")
     if low := [(i, int(c)) for i, c in enumerate(caps) if c is not None and c < min_b]:
         listing = ", ".join(f"max_batch_sizes[{i}]={c}" for i, c in low)
         raise InfeasiblePlanError(
@@ -97,10 +94,9 @@ def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> N
             "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
             "raise the global batch size, or use fewer replicas.")
     if all(c is not None for c in caps) and (total := sum(caps)) < B:
-        raise InfeasiblePlanError(
-            f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum to {total} "
-            f"({_caps_listing(caps)}). Lower the global batch size to at most {total}, raise the caps "
-            "(recalibrate the memory limits), or add replicas.")
+        raise InfeasiblePlanError(f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum "
+                                  f"to {total} ({_caps_listing(caps)}). Lower the global batch size to at most "
+                                  f"{total}, raise the caps (recalibrate the memory limits), or add replicas.")
 
 
 
@@ -142,10 +138,9 @@ def _grid(B: int, R: int, min_b: int, k: int, caps: Sequence[int | None]) -> tup
     hi = [None if c is None else o + (c - o) // k * k for c, o in zip(caps, offsets)]
     if empty := [i for i in range(R) if hi[i] is not None and hi[i] < lo[i]]:  # type: ignore[operator]
         listing = ", ".join(f"max_batch_sizes[{i}]={caps[i]}" for i in empty)
-        raise InfeasiblePlanError(
-            f"{listing} admits no slice that is a multiple of multiple_of={k} and >= min_batch_size={min_b} "
-            f"(the smallest legal slice is {lo[empty[0]]}). Pass min_batch_size=0, a smaller multiple_of, or "
-            "raise the cap.")
+        raise InfeasiblePlanError(f"{listing} admits no slice that is a multiple of multiple_of={k} and >= "
+                                  f"min_batch_size={min_b} (the smallest legal slice is {lo[empty[0]]}). Pass "
+                                  "min_batch_size=0, a smaller multiple_of, or raise the cap.")
     if sum(lo) > B:
         raise InfeasiblePlanError(
             f"global_batch_size={B} cannot be split into slices that are multiples of multiple_of={k} and >= "

@@ -181,10 +181,9 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                 relative_standard_errors=self._monitor.relative_standard_errors(measured))
             if proposal is None:
                 return False
-            logger.info(
-                "hetero_cs: micro-batched steps measured the cards' speeds off their models: their micro-batches "
-                "are planned again from the measured times (%s -> %s examples per replica predicted).",
-                list(current.per_replica_batch_sizes), list(proposal.per_replica_batch_sizes))
+            logger.info("hetero_cs: micro-batched steps measured the cards' speeds off their models: their "
+                        "micro-batches are planned again from the measured times (%s -> %s examples per replica "
+                        "predicted).", list(current.per_replica_batch_sizes), list(proposal.per_replica_batch_sizes))
             self._take_measured_models(measured)
             return True
 
@@ -217,11 +216,10 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                                     max_batch_sizes=zero_caps(caps), min_batch_size=0)
             if not best.predicted_makespan_s < (1.0 - deadband) * current_s:
                 return False
-            logger.info(
-                "hetero_cs: the cards measured off their models while a card is held at its cap: micro-batches "
-                "planned from the measured times are predicted %.3f of the step in use (%s -> %s examples per "
-                "replica); they are planned again, and tried against it.",
-                best.predicted_makespan_s / current_s, list(sizes), list(best.per_replica_batch_sizes))
+            logger.info("hetero_cs: the cards measured off their models while a card is held at its cap: micro-batches "
+                        "planned from the measured times are predicted %.3f of the step in use (%s -> %s examples per "
+                        "replica); they are planned again, and tried against it.",
+                        best.predicted_makespan_s / current_s, list(sizes), list(best.per_replica_batch_sizes))
             self._take_measured_models(measured)
             return True
 

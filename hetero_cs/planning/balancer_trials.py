@@ -84,10 +84,9 @@ class GuardTrials:
         was timed after 3 x ``max_trial_steps`` batches."""
         self._trial_served += 1
         if self._trial_served > 3 * self._guard.policy.max_trial_steps and self._guard.observed_steps == 0:
-            logger.warning(
-                "hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without "
-                "a Keras optimizer is not timed); keeping %s unmeasured.",
-                self._trial_served, list(self._guard.candidate.per_replica_batch_sizes))
+            logger.warning("hetero_cs guard: no step of the trial was timed after %d batches (a custom loop without a "
+                           "Keras optimizer is not timed); keeping %s unmeasured.", self._trial_served,
+                           list(self._guard.candidate.per_replica_batch_sizes))
             candidate = self._guard.candidate
             self._guard.abandon()
             self._models_before_replan = None

@@ -44,11 +44,9 @@ def choose_plan(global_batch_size: int, num_replicas: int, *, shares: Sequence[f
     even = even_batch_split(global_batch_size, num_replicas)
     speedup = plan.predicted_speedup_vs_even
     if not _violates(even, max_batch_sizes) and speedup is not None and speedup < 1.0 + MIN_PREDICTED_GAIN:
-        logger.log(
-            logging.INFO if log_ties else logging.DEBUG,
-            "hetero_cs: the solved split %s is predicted only %.1f %% faster than the even split (below "
-            "MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
-            list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even))
+        logger.log(logging.INFO if log_ties else logging.DEBUG, "hetero_cs: the solved split %s is predicted only %.1f "
+                   "%% faster than the even split (below MIN_PREDICTED_GAIN=%.0f %%); keeping the even split %s.",
+                   list(plan.per_replica_batch_sizes), (speedup - 1.0) * 100, MIN_PREDICTED_GAIN * 100, list(even))
         return plan_from_split(even, cost_models, max_batch_sizes=max_batch_sizes)
     return plan
 

@@ -28,9 +28,8 @@ def _check_batch_size(batch_size: Any) -> None:
     # A plain int, the common case, is checked first because the solver calls this often.
     if (type(batch_size) is int or _is_int(batch_size)) and batch_size >= 0:
         return
-    raise ConfigError(
-        f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. "
-        "Pass the number of examples of one replica's slice.")
+    raise ConfigError(f"batch_size must be an integer >= 0. Received: batch_size={batch_size!r}. Pass the number of "
+                      "examples of one replica's slice.")
 
 
 def _check_base(model: Any) -> None:

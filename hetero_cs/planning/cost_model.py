@@ -153,9 +153,8 @@ class PiecewiseLinearCostModel(_Stored):
                 "PiecewiseLinearCostModel needs as many step times as batch sizes, at least one. Received: "
                 f"len(batch_sizes)={len(sizes)}, len(step_times_s)={len(times)}.")
         if bad := [b for b in sizes if not _is_int(b) or b < 0]:
-            raise InvalidCostModelError(
-                f"PiecewiseLinearCostModel.batch_sizes must be integers >= 0. Received: batch_sizes={list(sizes)} "
-                f"(offending: {bad}).")
+            raise InvalidCostModelError("PiecewiseLinearCostModel.batch_sizes must be integers >= 0. Received: "
+                                        f"batch_sizes={list(sizes)} (offending: {bad}).")
         sizes = tuple(int(b) for b in sizes)
         for k in range(1, len(sizes)):
             if sizes[k] <= sizes[k - 1]:
@@ -386,9 +385,8 @@ def near_equal_micro_batches(batch_size: int, max_micro_batch_size: int | None) 
     """
     b = int(batch_size)
     if max_micro_batch_size is not None and (not _is_int(max_micro_batch_size) or max_micro_batch_size < 1):
-        raise InvalidCostModelError(
-            f"A micro-batch cap must be an integer >= 1 (the examples a card holds at once) or None. Received: "
-            f"max_micro_batch_size={max_micro_batch_size!r}.")
+        raise InvalidCostModelError("A micro-batch cap must be an integer >= 1 (the examples a card holds at once) or "
+                                    f"None. Received: max_micro_batch_size={max_micro_batch_size!r}.")
     if b <= 0:
         return []
     return list(even_batch_split(b, 1 if max_micro_batch_size is None else -(-b // int(max_micro_batch_size))))  # ceil
@@ -441,7 +439,6 @@ def cost_model_from_dict(data: Mapping[str, Any]) -> CostModel:
     """
     if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str) or data["kind"] not in _KINDS:
         kind = data.get("kind") if isinstance(data, Mapping) else None
-        raise InvalidCostModelError(
-            f"A cost model dict needs 'kind' in {sorted(_KINDS)}. Received: kind={kind!r} in {data!r}. "
-            "Write it with the model's to_dict().")
+        raise InvalidCostModelError(f"A cost model dict needs 'kind' in {sorted(_KINDS)}. Received: kind={kind!r} in "
+                                    f"{data!r}. Write it with the model's to_dict().")
     return _KINDS[data["kind"]].from_dict(data)

@@ -111,9 +111,8 @@ class GuardPolicy:
     def __post_init__(self) -> None:
         p = self.pattern
         if not isinstance(p, str) or set(p) - {"C", "I"} or "C" not in p or "I" not in p or p[0] == "I" or "II" in p:
-            raise ConfigError(
-                f"pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', with every "
-                f"'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'.")
+            raise ConfigError("pattern must be a string of 'C' (candidate) and 'I' (incumbent), starting with 'C', "
+                              f"with every 'I' right after a 'C'. Received: pattern={p!r}. Example: pattern='CCI'.")
         for name, low in (("min_pairs", 1), ("backoff_steps", 0), ("max_trial_steps", 1)):
             check_range(name, getattr(self, name), low, integer=True)
         check_range("max_pairs", self.max_pairs, self.min_pairs, integer=True, hint="at least min_pairs")
@@ -128,10 +127,9 @@ class GuardPolicy:
         check_range("min_gain", self.min_gain, 0, 1)
         check_range("significance", self.significance, 0, 1, low_open=True)
         if 2.0 ** -(2 * self.max_pairs) >= self.significance:
-            raise ConfigError(
-                f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} (the smallest "
-                f"one-sided p-value of {2 * self.max_pairs} pairs is {2.0 ** -(2 * self.max_pairs):.3g}). Raise "
-                f"max_pairs or significance.")
+            raise ConfigError(f"With max_pairs={self.max_pairs} no test can reach significance={self.significance} "
+                              f"(the smallest one-sided p-value of {2 * self.max_pairs} pairs is "
+                              f"{2.0 ** -(2 * self.max_pairs):.3g}). Raise max_pairs or significance.")
         if self.max_trial_steps < (needed := math.ceil(len(p) / p.count("I")) * 2 * self.max_pairs):
             raise ConfigError(
                 f"max_trial_steps={self.max_trial_steps} cannot hold a trial of up to 2 x max_pairs={self.max_pairs} "

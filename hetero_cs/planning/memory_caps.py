@@ -71,9 +71,8 @@ class MemoryRecoveryPolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"MemoryRecoveryPolicy.{name}={value!r} must be an int >= 1.")
         if self.max_grow_after_steps < self.grow_after_steps:
-            raise ConfigError(
-                f"MemoryRecoveryPolicy.max_grow_after_steps={self.max_grow_after_steps} must be >= "
-                f"grow_after_steps={self.grow_after_steps}.")
+            raise ConfigError(f"MemoryRecoveryPolicy.max_grow_after_steps={self.max_grow_after_steps} must be >= "
+                              f"grow_after_steps={self.grow_after_steps}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,13 +149,11 @@ class BatchPlan:
     def __post_init__(self) -> None:
         sizes = _as_tuple(self.per_replica_batch_sizes)
         if not sizes:
-            raise ConfigError(
-                "BatchPlan.per_replica_batch_sizes must be a non-empty sequence of integers. Received: "
-                f"per_replica_batch_sizes={self.per_replica_batch_sizes!r}.")
+            raise ConfigError("BatchPlan.per_replica_batch_sizes must be a non-empty sequence of integers. Received: "
+                              f"per_replica_batch_sizes={self.per_replica_batch_sizes!r}.")
         if bad := [(i, b) for i, b in enumerate(sizes) if not _is_int(b) or b < 0]:
-            raise ConfigError(
-                "BatchPlan.per_replica_batch_sizes must hold integers >= 0. Received: "
-                f"per_replica_batch_sizes={tuple(sizes)!r} (offending (replica, value): {bad}).")
+            raise ConfigError("BatchPlan.per_replica_batch_sizes must hold integers >= 0. Received: "
+                              f"per_replica_batch_sizes={tuple(sizes)!r} (offending (replica, value): {bad}).")
         sizes = tuple(int(b) for b in sizes)
         B = self.global_batch_size
         if not _is_int(B) or B <= 0:
@@ -335,15 +333,13 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
             f"shares must be finite numbers >= 0. Received: shares={short_repr(list(shares))} (offending (replica, "
             f"share): {short_repr(bad)}). Give each replica a non-negative relative share, e.g. [2, 1, 1].")
     if not math.isfinite(sum(float(s) for s in shares)):
-        raise BatchSplitError(
-            f"shares sum to more than a float holds: shares={short_repr(list(shares))}. Only their ratios matter; "
-            "scale them down, e.g. [2, 1, 1].")
+        raise BatchSplitError(f"shares sum to more than a float holds: shares={short_repr(list(shares))}. Only their "
+                              "ratios matter; scale them down, e.g. [2, 1, 1].")
     exact = [_exact_fraction(s) for s in shares]
     total = sum(exact)
     if total == 0:
-        raise BatchSplitError(
-            f"shares are all zero: shares={list(shares)!r}. At least one replica needs a positive share, e.g. "
-            "[1] * num_replicas for an even split.")
+        raise BatchSplitError(f"shares are all zero: shares={list(shares)!r}. At least one replica needs a positive "
+                              "share, e.g. [1] * num_replicas for an even split.")
     quotas = [B * s / total for s in exact]
     sizes = [math.floor(q) for q in quotas]
     by_remainder = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))  # largest remainder first

@@ -171,9 +171,8 @@ class Rebalancer:
             raise ConfigError(f"policy must be a RebalancePolicy. Received: policy={policy!r}.")
         if max_batch_sizes is not None:
             if any(m is not None and (not _is_int(m) or m < 0) for m in max_batch_sizes):
-                raise ConfigError(
-                    f"max_batch_sizes must hold non-negative integers (examples per replica) or None (no cap). "
-                    f"Received: max_batch_sizes={list(max_batch_sizes)!r}.")
+                raise ConfigError("max_batch_sizes must hold non-negative integers (examples per replica) or None (no "
+                                  f"cap). Received: max_batch_sizes={list(max_batch_sizes)!r}.")
             max_batch_sizes = tuple(None if m is None else int(m) for m in max_batch_sizes)
         self._policy = policy
         self._max_batch_sizes = max_batch_sizes
@@ -252,14 +251,12 @@ class Rebalancer:
             ConfigError: As ``propose``, or if the monitor's replica count differs from current_plan's.
         """
         if monitor.num_replicas != len(current_plan.per_replica_batch_sizes):
-            raise ConfigError(
-                f"The monitor and current_plan disagree on the replica count. Received: "
-                f"monitor.num_replicas={monitor.num_replicas}, "
-                f"current slices={list(current_plan.per_replica_batch_sizes)}.")
+            raise ConfigError("The monitor and current_plan disagree on the replica count. Received: "
+                              f"monitor.num_replicas={monitor.num_replicas}, current "
+                              f"slices={list(current_plan.per_replica_batch_sizes)}.")
 
-        return self._propose(
-            monitor.completed_steps, current_plan, lambda: monitor.updated_cost_models(base_models),
-            monitor.relative_standard_errors, monitor.num_samples)
+        return self._propose(monitor.completed_steps, current_plan, lambda: monitor.updated_cost_models(base_models),
+                             monitor.relative_standard_errors, monitor.num_samples)
 
     def _propose(self, step: int, current_plan: BatchPlan, get_models: Callable[[], Sequence[CostModel]],
                  get_errors: Callable[[Sequence[CostModel]], Sequence[float] | None],
@@ -267,15 +264,13 @@ class Rebalancer:
         if not _is_int(step) or step < 0:
             raise ConfigError(f"step must be a non-negative integer. Received: step={step!r}.")
         if self._last_step is not None and step < self._last_step:
-            raise ConfigError(
-                f"step must not decrease between calls. Received: step={step} after step={self._last_step}. "
-                f"Use a new Rebalancer when step counting restarts.")
+            raise ConfigError(f"step must not decrease between calls. Received: step={step} after "
+                              f"step={self._last_step}. Use a new Rebalancer when step counting restarts.")
         old_sizes = tuple(int(b) for b in current_plan.per_replica_batch_sizes)
         caps = self._max_batch_sizes
         if caps is not None and len(caps) != len(old_sizes):
-            raise ConfigError(
-                f"max_batch_sizes must hold one cap per replica of current_plan. Received: "
-                f"max_batch_sizes={list(caps)}, current slices={list(old_sizes)}.")
+            raise ConfigError("max_batch_sizes must hold one cap per replica of current_plan. Received: "
+                              f"max_batch_sizes={list(caps)}, current slices={list(old_sizes)}.")
         self._last_step = int(step)
         forced = _violates(old_sizes, caps)
         if not forced:
@@ -331,10 +326,9 @@ class Rebalancer:
         if outcome != REPLANNED:
             return None
         self._switches.append(decision)
-        logger.info(
-            "re-planned at step %d: %s -> %s, predicted makespan %.3f ms -> %.3f ms (gain %.1f %%)%s",
-            step, list(old_sizes), list(new_sizes), current_makespan_s * 1e3, new_makespan_s * 1e3, gain * 100,
-            " (the old plan exceeded a memory cap)" if forced else "")
+        logger.info("re-planned at step %d: %s -> %s, predicted makespan %.3f ms -> %.3f ms (gain %.1f %%)%s", step,
+                    list(old_sizes), list(new_sizes), current_makespan_s * 1e3, new_makespan_s * 1e3, gain * 100,
+                    " (the old plan exceeded a memory cap)" if forced else "")
         return new_plan
 
 

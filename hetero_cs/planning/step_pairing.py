@@ -135,9 +135,8 @@ class StepPairing:
         elif entry.reported[replica_id]:
             if not self._warned_duplicate:
                 self._warned_duplicate = True
-                logger.warning(
-                    "Ignoring a second report of replica %d for one step (step_key=%r): a step key must be "
-                    "shared by the replicas of one step and by no other step.", replica_id, key)
+                logger.warning("Ignoring a second report of replica %d for one step (step_key=%r): a step key must be "
+                               "shared by the replicas of one step and by no other step.", replica_id, key)
             return None
         if not entry.add(replica_id, batch_size, step_time_s, valid):
             return None
@@ -159,10 +158,9 @@ class StepPairing:
         step = pending.pop(key)
         if not self._warned_dropped:
             self._warned_dropped = True
-            logger.warning(
-                "Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
-                "ahead. Every replica must call record() once per step, also with a 0-example slice.",
-                step.index, [i for i, done in enumerate(step.reported) if not done], self._max_pending)
+            logger.warning("Dropping incomplete step %d: replicas %s have not reported it while others are %d steps "
+                           "ahead. Every replica must call record() once per step, also with a 0-example slice.",
+                           step.index, [i for i, done in enumerate(step.reported) if not done], self._max_pending)
         return key
 
 
