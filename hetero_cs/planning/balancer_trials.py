@@ -96,9 +96,7 @@ class GuardTrials:
 
     def _observe_trial(self, completed: int) -> None:
         """Feeds the running trial the steps measured since the last call, and acts on its decision."""
-        for sample in self._monitor.window():
-            if sample.step <= self._observed_step:
-                continue
+        for sample in (s for s in self._monitor.window() if s.step > self._observed_step):
             self._observed_step = sample.step
             decision = self._guard.observe(sample.per_replica_batch_sizes, sample.makespan_s, step=completed)
             if decision is None:
@@ -143,8 +141,7 @@ class GuardTrials:
                 return None
             caps = self._max_batch_sizes or [None] * self._num_replicas
             B = int(global_batch_size)
-            holding = [i for i in range(self._num_replicas) if caps[i] is None or caps[i] >= B]
-            if not holding:
+            if not (holding := [i for i in range(self._num_replicas) if caps[i] is None or caps[i] >= B]):
                 return None
             alone = self._alone_models()
             fastest = min(holding, key=lambda i: (alone[i].predict_step_time_s(B), i))

@@ -211,18 +211,17 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             step_key: The step's key, as its replicas reported it (:meth:`record`).
             step_time_s: Seconds from the step's start to the end of its update, on the replicas' clock.
         """
-        step_time_s = _seconds(step_time_s)
-        if not (math.isfinite(step_time_s) and step_time_s >= 0.0):
+        if not (math.isfinite(step_time_s := _seconds(step_time_s)) and step_time_s >= 0.0):
             return
         with self._lock:
             try:
                 index = self._step_of_key.pop(step_key)
             except (KeyError, TypeError):
                 return
-            for position in range(len(self._window) - 1, -1, -1):
-                if self._window[position].step == index:
-                    self._window[position] = self._window[position].with_step_end(step_time_s)
-                    return
+            # The newest sample of that step (there is at most one).
+            position = next((p for p in range(len(self._window) - 1, -1, -1) if self._window[p].step == index), None)
+            if position is not None:
+                self._window[position] = self._window[position].with_step_end(step_time_s)
 
     def last_step(self) -> StepSample | None:
         """The most recent complete step with valid times, or None before there is one."""
