@@ -289,17 +289,15 @@ class Rebalancer:
         cost_models = get_models()
         # Every replica counts, an idle one (b_i = 0) with t_i(0), as in plan_from_split and solve_batch_split.
         current_times_s = [float(m.predict_step_time_s(b)) for m, b in zip(cost_models, old_sizes)]
-        current_makespan_s = max(current_times_s)
+        current_s = max(current_times_s)
         deadband = float(self._policy.deadband)
-        if not forced and 0 < current_makespan_s < math.inf and min(current_times_s) >= (1.0 - deadband) * (
-                current_makespan_s):
+        if not forced and 0 < current_s < math.inf and min(current_times_s) >= (1.0 - deadband) * current_s:
             # No split can gain more than the deadband: to finish a fraction g > deadband earlier, every replica
             # (each already within the deadband of the makespan) would have to shed examples, and the slices still
             # sum to B. So the decision is known without solving (which costs most of a look).
-            self._last_decision = RebalanceDecision(step, BALANCED, old_sizes, current_makespan_s=current_makespan_s)
+            self._last_decision = RebalanceDecision(step, BALANCED, old_sizes, current_makespan_s=current_s)
             return None
-        errors = get_errors(cost_models)
-        if errors is not None:
+        if (errors := get_errors(cost_models)) is not None:
             errors = [float(u) for u in errors]
             if len(errors) != len(old_sizes) or not all(0 <= u < math.inf for u in errors):
                 raise ConfigError(f"relative_standard_errors must hold one finite value >= 0 per replica. Received: "
@@ -312,22 +310,20 @@ class Rebalancer:
                                      min_batch_size=min(self._policy.min_batch_size, B // len(old_sizes)))
         new_sizes = tuple(int(b) for b in new_plan.per_replica_batch_sizes)
         new_makespan_s = new_plan.predicted_makespan_s
-        gain = _relative_gain(current_makespan_s, new_makespan_s)
-        worst_case_gain = gain
-        z = float(self._policy.noise_sigmas)
-        if errors is not None and z > 0 and any(u > 0 for u in errors):
-            worst_case_gain = _relative_gain(
-                _makespan_s(old_sizes, cost_models, [max(1.0 - z * u, _MIN_LEVEL_FACTOR) for u in errors]),
-                _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]))
+        gain = _relative_gain(current_s, new_makespan_s)
+        z = float(self._policy.noise_sigmas)  # (>= 0: the worst case is the point estimate without errors)
+        worst_case_gain = gain if errors is None or not z > 0 or not any(u > 0 for u in errors) else _relative_gain(
+            _makespan_s(old_sizes, cost_models, [max(1.0 - z * u, _MIN_LEVEL_FACTOR) for u in errors]),
+            _makespan_s(new_sizes, cost_models, [1.0 + z * u for u in errors]))
         outcome = (UNCHANGED if new_sizes == old_sizes else REPLANNED if forced or worst_case_gain > deadband
                    else WITHIN_NOISE if gain > deadband else BELOW_DEADBAND)
         self._last_decision = decision = RebalanceDecision(
-            step, outcome, old_sizes, new_sizes, current_makespan_s, new_makespan_s, gain, worst_case_gain, forced)
+            step, outcome, old_sizes, new_sizes, current_s, new_makespan_s, gain, worst_case_gain, forced)
         if outcome != REPLANNED:
             return None
         self._switches.append(decision)
         logger.info("re-planned at step %d: %s -> %s, predicted makespan %.3f ms -> %.3f ms (gain %.1f %%)%s", step,
-                    list(old_sizes), list(new_sizes), current_makespan_s * 1e3, new_makespan_s * 1e3, gain * 100,
+                    list(old_sizes), list(new_sizes), current_s * 1e3, new_makespan_s * 1e3, gain * 100,
                     " (the old plan exceeded a memory cap)" if forced else "")
         return new_plan
 
