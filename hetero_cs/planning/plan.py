@@ -336,8 +336,7 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
         raise BatchSplitError(f"shares sum to more than a float holds: shares={short_repr(list(shares))}. Only their "
                               "ratios matter; scale them down, e.g. [2, 1, 1].")
     exact = [_exact_fraction(s) for s in shares]
-    total = sum(exact)
-    if total == 0:
+    if (total := sum(exact)) == 0:
         raise BatchSplitError(f"shares are all zero: shares={list(shares)!r}. At least one replica needs a positive "
                               "share, e.g. [1] * num_replicas for an even split.")
     quotas = [B * s / total for s in exact]

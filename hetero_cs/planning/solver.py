@@ -129,8 +129,7 @@ def solve_batch_split(cost_models: Sequence[CostModel], global_batch_size: int, 
             relaxed = _lowest_level(*tables, B)
         counts, step_times = _warm_selection(curves, M, tables, relaxed)
     else:
-        counts = [0] * R
-        step_times = [curves.time(i, b) for i, b in enumerate(lo)]
+        counts, step_times = [0] * R, [curves.time(i, b) for i, b in enumerate(lo)]
         if k == 1:  # the unit-step selection is also the one the ideal bound needs
             ideal_s = _select_with_ideal(curves, counts, step_times, M, B, max(step_times))
         else:
@@ -392,7 +391,6 @@ def _warm_selection(curves: _Curves, M: int, tables: tuple[np.ndarray, np.ndarra
         if not nxt or last < min(nxt):
             return counts, step_times
     logger.debug("solve_batch_split: warm start not certified; using the generic selection")
-    counts = [0] * R
-    step_times = [curves.time(i, b) for i, b in enumerate(lo)]
+    counts, step_times = [0] * R, [curves.time(i, b) for i, b in enumerate(lo)]
     _select(curves, counts, step_times, M)
     return counts, step_times
