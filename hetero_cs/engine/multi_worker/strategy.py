@@ -112,8 +112,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         if profile_cache not in (None, False):
             raise ConfigError(
                 f"profile_cache={profile_cache!r}: HeteroMultiWorkerMirroredStrategy calibrates during the first "
-                f"training steps and caches nothing. Pass None or False."
-            )
+                f"training steps and caches nothing. Pass None or False.")
         from_launch = os.environ.get(EMULATE_ENV_VAR, "").strip()
         source = "emulate"  # where the names came from, for the errors below
         if emulate is None and from_launch:  # one entry per worker; several local replicas joined by "+"
@@ -165,8 +164,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
             raise ConfigError(
                 f"{source} names one catalog device per replica of the whole cluster, in task-index order: "
                 f"{len(emulate)} names, num_replicas_in_sync={R} ({R // self._num_local} workers x "
-                f"{self._num_local} local replicas). Give exactly {R} names."
-            )
+                f"{self._num_local} local replicas). Give exactly {R} names.")
         self._emulator = None if emulate is None else emulator or emulation.Emulator(list(emulate))
         if emulate is not None:
             # An Emulator is not sent between workers: each worker builds its own from the same script, applies
@@ -176,8 +174,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
             logger.warning(
                 "hetero_cs: timings are EMULATED - this worker's replicas %s emulate %s (real compute on the CPU "
                 "plus each named device's modelled step time); no GPU is used.",
-                list(range(self._first_replica, self._first_replica + self._num_local)), local,
-            )
+                list(range(self._first_replica, self._first_replica + self._num_local)), local)
         self._balancer = Balancer(R, auto_balance=auto_balance, rebalance=rebalance, shares=shares)
         self._agreed = bool(auto_balance) and shares is None and R > 1  # the chief decides every step
         self._planner = ClusterPlanner(self._balancer, calibrate=self._agreed)
@@ -261,11 +258,9 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
                 if self._emulator.workload is None:
                     raise ConfigError(
                         "Emulated devices need the model's size before the first step. fit/evaluate/predict do "
-                        "this for you; in a custom loop call strategy.prepare_emulation(model) first."
-                    )
+                        "this for you; in a custom loop call strategy.prepare_emulation(model) first.")
                 self._emulator.calibrate_time_scale(
-                    global_batch_size, target_makespan_s=arguments.emulated_makespan_target_s()
-                )
+                    global_batch_size, target_makespan_s=arguments.emulated_makespan_target_s())
                 self._time_scale_set = True
 
     def _on_replica_gradients(self, grads: list) -> list:
@@ -277,8 +272,7 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
 
         return finish_replica_step(
             grads, step.start_stamp, replica_id=step.replica_id, batch_size=step.batch_size,
-            emulator=None if step.waited_per_micro_batch else self._emulator, record=self._record_step_time,
-        )
+            emulator=None if step.waited_per_micro_batch else self._emulator, record=self._record_step_time)
 
     def _keras_callbacks(self, callbacks):
         from hetero_cs.engine.multi_worker.callback import MultiWorkerCallback
@@ -286,9 +280,8 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         if hasattr(callbacks, "callbacks"):  # a keras.callbacks.CallbackList: the caller built it, keep it
             return callbacks
         callbacks = list(callbacks or [])
-        if not any(isinstance(c, MultiWorkerCallback) for c in callbacks):
-            callbacks.insert(0, MultiWorkerCallback(self))
-        return callbacks
+        return callbacks if any(isinstance(c, MultiWorkerCallback) for c in callbacks) else [
+            MultiWorkerCallback(self), *callbacks]
 
 
 def cluster_workers() -> int:
@@ -309,8 +302,7 @@ def _names_per_worker(text: str, source: str) -> list[str]:
         raise ConfigError(
             f"{source} gives {len(groups)} worker entries of {sizes} devices, but TF_CONFIG names {workers} "
             f"worker(s): give one entry per worker, comma-separated, each with the same number of devices joined by "
-            f"+ (e.g. A10+T4,P100+T4 for 2 workers of 2 replicas)."
-        )
+            f"+ (e.g. A10+T4,P100+T4 for 2 workers of 2 replicas).")
     return [name for group in groups for name in group]
 
 
@@ -321,16 +313,14 @@ def _emulated_local_replicas(num_names: int, source: str) -> int:
         raise ConfigError(
             f"{source} names {num_names} emulated devices for {workers} workers: every worker runs the same number "
             f"of replicas (MultiWorkerMirroredStrategy's rule), so give a multiple of {workers}, in task-index then "
-            f"local order (e.g. 2 per worker: ['A10', 'T4', 'P100', 'T4'] for workers [A10, T4] and [P100, T4])."
-        )
+            f"local order (e.g. 2 per worker: ['A10', 'T4', 'P100', 'T4'] for workers [A10, T4] and [P100, T4]).")
     per_worker = num_names // workers
     if per_worker > MAX_EMULATED_REPLICAS_PER_WORKER:
         raise ConfigError(
             f"{source} gives each of {workers} worker(s) {per_worker} emulated replicas; at most "
             f"{MAX_EMULATED_REPLICAS_PER_WORKER} per worker process are supported (more stalled in testing: their "
             f"emulated waits block beside the CPU collectives). Use more workers (hetero-cs launch --workers) with "
-            f"fewer devices each."
-        )
+            f"fewer devices each.")
     return per_worker
 
 
