@@ -138,9 +138,7 @@ class MultiWorkerMicroBatches(TraceFindings, DeepcopiedWithNewLocks):
         micro-batches."""
         if verb == "fit":
             return self._active
-        with self._lock:
-            whole = verb == "evaluate" and self._evaluates_whole.get(id(model), False)
-        return self.setting is not False and not whole
+        return self.setting is not False and not (verb == "evaluate" and self._evaluates_whole.get(id(model), False))
 
     @property
     def active(self) -> bool:
@@ -212,8 +210,7 @@ class MultiWorkerMicroBatches(TraceFindings, DeepcopiedWithNewLocks):
                 f"HeteroMultiWorkerMirroredStrategy: {self._why(found)}. Use micro_batches=None (the caps then bound "
                 f"each slice) or a global batch the caps {caps} hold in one step.")
         with self._lock:
-            self._found = found | self._refused
-            found = set(self._found)
+            self._found = found = found | self._refused
         self._set(caps, self.setting is not False and not found)
         if found and self.setting is None:
             self._log_once(("kept", tuple(sorted(found))), logging.INFO,
@@ -236,9 +233,7 @@ class MultiWorkerMicroBatches(TraceFindings, DeepcopiedWithNewLocks):
 
     def accepts_layer_state(self, model, paths: Sequence[str]) -> bool:
         """While a replica step is traced: whether micro-batches may set layer state ``paths`` once each."""
-        paths = {str(p) for p in paths}
-        with self._lock:
-            self._paths = paths
+        paths = self._paths = {str(p) for p in paths}
         if self.setting is True:
             self._log_once(("approximation", tuple(sorted(paths))), logging.WARNING,
                            "hetero_cs: micro_batches=True: %s; this model's micro-batched slices approximate one "
@@ -290,12 +285,9 @@ class MultiWorkerMicroBatches(TraceFindings, DeepcopiedWithNewLocks):
         """In an evaluate replica step with a cap: False when ``all_reduces()`` finds that the model's test step
         all-reduces inside the replica (a loss normalised by the global batch), which a loop of micro-batches would
         run once per micro-batch while the other replicas run it once (remembered per model, logged once)."""
-        with self._lock:
-            known = self._evaluates_whole.get(id(model))
+        known = self._evaluates_whole.get(id(model))  # one dict read or write: atomic
         if known is None:
-            known = bool(all_reduces())
-            with self._lock:
-                self._evaluates_whole[id(model)] = known
+            known = self._evaluates_whole[id(model)] = bool(all_reduces())
         if known:
             self._log_once(("evaluate whole", id(model)), logging.WARNING,
                            "hetero_cs: not micro-batching this model's evaluate slices: %s; each slice runs in one "
