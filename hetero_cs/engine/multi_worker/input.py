@@ -131,10 +131,9 @@ class MultiWorkerInput:
                 sizes = tie_to_stamp(sizes, start)  # and their slices are cut after the stamp (never before it)
             ends = tf.cumsum(sizes)
             starts = ends - sizes
-        local = [self._first_replica + k for k in range(self._num_local)]
         for i, held in batches.items():
             slices = []
-            for k, replica in enumerate(local):
+            for k, replica in enumerate(range(self._first_replica, self._first_replica + self._num_local)):
                 component = held[k] if isinstance(held, tuple) else held
                 with tf.device(_device_of(component) or host):  # where it lives: the host for a dataset's element
                     slices.append(component[starts[replica]:ends[replica]])
