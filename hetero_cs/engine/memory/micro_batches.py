@@ -130,8 +130,9 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         return self._plan_and_replaced(global_batch_size, cost_models, max_batch_sizes, overlapped)[0]
 
     def _plan_and_replaced(self, global_batch_size: int, cost_models, max_batch_sizes, overlapped: bool) -> tuple:
-        """:meth:`plan_for`'s plan, and the plan an overlapped one replaces (for the guard's side-by-side trial,
-        :meth:`plan_to_run`; None for any other plan)."""
+        """:meth:`plan_for`'s plan, the plan an overlapped one replaces (for the guard's side-by-side trial,
+        :meth:`plan_to_run`; None for any other plan), the trial's key (``B``, the models' ids, the caps) and the
+        models."""
         B = int(global_batch_size)
         models, caps = self._models_and_caps(cost_models, max_batch_sizes)
         overhead = self.sub_step_overhead_s()
@@ -140,7 +141,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         with self._lock:
             cached, incumbent = self._plans.get(key), self._in_use.get(B)
         if cached is not None:
-            return cached[1:]
+            return cached
         try:
             plan = plan_micro_batches(
                 B, lambda b: self.plan_for_sub_step(b, cost_models=models, max_batch_sizes=caps),
@@ -153,10 +154,11 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         with self._lock:
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = (models, plan, replaced)  # the models stay referenced: their ids in the key stay theirs
+            # The models stay referenced: their ids in the key stay theirs.
+            entry = self._plans[key] = (plan, replaced, key[:3], models)
             if cost_models is None and max_batch_sizes is None:  # the balancer's: this K is now in use
                 self._in_use[B] = plan.num_sub_steps
-        return plan, replaced
+        return entry
 
     def plan_after_failure(self, global_batch_size: int, *, overlapped: bool = True) -> MicroBatchPlan:
         """The sub-steps for a batch whose one step failed out of memory even after its retries: :meth:`plan_for`'s,
@@ -177,11 +179,9 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
             # A card held at its cap whose models went stale (it drifted, then recovered): measured models may
             # bring its micro-batches back (hetero_cs.planning.balancer_memory).
             balancer.consider_micro_batched_models(int(global_batch_size))
-        plan, replaced = self._plan_and_replaced(global_batch_size, None, None, overlapped)
+        plan, replaced, key, models = self._plan_and_replaced(global_batch_size, None, None, overlapped)
         if replaced is None or not balancer.guard_enabled:
             return plan
-        models, caps = self._models_and_caps()  # those plan_for used
-        key = (int(global_batch_size), tuple(id(m) for m in models or ()), None if caps is None else tuple(caps))
         return self._trials.choose(key, plan, replaced, balancer.guard.policy, pin=models)
 
     def observe_run(self, plan: MicroBatchPlan, seconds: float) -> None:
@@ -310,13 +310,13 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
                 except (StepOOMError, DeviceFaultError):  # a card set aside too: its share moved to the others
                     now = capacity_of(self._strategy.balancer.max_batch_sizes)
                     failures += 1
-                    if now is not None and now < size:
-                        continue  # the lowered caps cannot hold this sub-step: cut it finer, above
-                    if size == 1 or failures > _MAX_SUB_STEP_FAILURES:
-                        raise
-                    # Every retry lowered a cap, and the caps still claim to hold it: those are upper bounds
-                    # (halved after a failure), not sizes known to fit. Cut it in two.
-                    sizes[j:j + 1] = even_batch_split(size, 2)
+                    # Where the lowered caps cannot hold this sub-step, it is cut finer above. Otherwise every retry
+                    # lowered a cap, and the caps still claim to hold it: those are upper bounds (halved after a
+                    # failure), not sizes known to fit. Cut it in two.
+                    if now is None or now >= size:
+                        if size == 1 or failures > _MAX_SUB_STEP_FAILURES:
+                            raise
+                        sizes[j:j + 1] = even_batch_split(size, 2)
                     continue
                 predicted = plan.sub_step_plans[j].predicted_makespan_s if j < plan.num_sub_steps else None
                 if warm and predicted is not None and size == plan.sub_step_sizes[j]:

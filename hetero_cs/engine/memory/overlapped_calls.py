@@ -114,11 +114,9 @@ class OverlappedCalls:
         if not reports:
             return
         R = self._strategy.balancer.num_replicas
-        sizes, times, counts = [0] * R, [0.0] * R, [0] * R
-        for replica, examples, seconds, count in reports:
-            sizes[replica] += examples
-            times[replica] += seconds
-            counts[replica] += count
+        # Per replica: examples, seconds and micro-batches summed over its reports (in the order they came).
+        sizes, times, counts = ([sum((report[k] for report in reports if report[0] == i), zero) for i in range(R)]
+                                for k, zero in ((1, 0), (2, 0.0), (3, 0)))
         if sizes != list(plan.per_replica_batch_sizes):  # a report missing (a sampled step): nothing to pair
             return
         self._strategy.balancer.record_micro_batched_step(sizes, times, counts)
