@@ -80,12 +80,11 @@ class OverlappedCalls:
             logger.info("hetero_cs: the overlapped micro-batched step failed (%s: %s); running this batch of %d "
                         "examples as sub-steps with a barrier each.", type(exc).__name__,
                         str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "", B)
-            barrier = plan_micro_batches(
-                B, self.plan_for_sub_step, capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
-                sub_step_overhead_s=self.sub_step_overhead_s())
             # Even one sub-step runs through the sub-step loop: one that runs out of memory again, beyond what the
             # lowered caps hold, is cut finer there instead of failing the step.
-            return self._run_sub_steps(model, step, data, barrier)
+            return self._run_sub_steps(model, step, data, plan_micro_batches(
+                B, self.plan_for_sub_step, capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
+                sub_step_overhead_s=self.sub_step_overhead_s()))
         predicted = plan.predicted_makespan_s
         if warm and predicted is not None:  # a call's first run traces: its time is not the host's
             with self._lock:
@@ -173,10 +172,9 @@ class OverlappedCalls:
                 size = tf.reduce_sum(cuts[j])
                 rows = rows_of(data, start, start + size)
                 start = start + size
-                sub_step = SubStepTrace(j, K, global_batch_size, tf.reshape(cuts[j], [R]), actives[j], ends, stamps,
-                                        applies=applies, last_of=last_of, counts=counts, chain_sizes=chain_sizes,
-                                        chain_starts=chain_starts, record=record)
-                with tracing_sub_step(sub_step):
+                with tracing_sub_step(SubStepTrace(j, K, global_batch_size, tf.reshape(cuts[j], [R]), actives[j], ends,
+                                                   stamps, applies=applies, last_of=last_of, counts=counts,
+                                                   chain_sizes=chain_sizes, chain_starts=chain_starts, record=record)):
                     outputs = _compat.reduced_step_outputs(strategy.run(model.train_step, args=(rows,)), strategy)
             return outputs  # the last sub-step's (K >= 1)
 

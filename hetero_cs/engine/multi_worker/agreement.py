@@ -170,8 +170,7 @@ class PlanAgreement:
         if replica_id == 0:
             vector[:R], self._served_index = self._planner.sizes(B)  # the split, and the step it is served for
             vector[-1] = self._planner.hold_steps()
-        with self._lock:
-            last = self._last_step.pop(replica_id, None)
+        last = self._last_step.pop(replica_id, None)  # one dict operation, as in _record_step_time: atomic
         if last is not None:
             vector[2 * R + replica_id], vector[R + replica_id] = last
         return vector
@@ -209,5 +208,4 @@ class PlanAgreement:
         return times
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
-        with self._lock:
-            self._last_step[int(replica_id)] = (int(batch_size), float(step_time_s))
+        self._last_step[int(replica_id)] = (int(batch_size), float(step_time_s))

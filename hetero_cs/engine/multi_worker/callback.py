@@ -42,8 +42,7 @@ class MultiWorkerCallback(FiguresCallback):
     def on_epoch_end(self, epoch, logs=None):
         if not self._strategy.is_chief:
             return
-        plan = self._strategy.plan
-        split = () if plan is None else plan.per_replica_batch_sizes
+        split = getattr(self._strategy.plan, "per_replica_batch_sizes", ())  # () before a plan
         figures = {f"replica_{i}_batch_size": float(b) for i, b in enumerate(split)}
         if self._strategy.agreed:
             times = self._strategy.pop_reported_step_times()

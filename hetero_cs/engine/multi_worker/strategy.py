@@ -95,18 +95,9 @@ class HeteroMultiWorkerMirroredStrategy(_compat.DeepcopiedStrategy, _compat.Repl
         UnknownEmulatedDeviceError: An ``emulate`` name is not in the catalog.
     """
 
-    def __init__(
-        self,
-        *,
-        auto_balance: bool = True,
-        rebalance: bool = True,
-        batch_split: Sequence[float] | None = None,
-        emulate: Sequence[str] | None = None,
-        profile_cache: Any = None,
-        communication_options: Any = None,
-        micro_batches: bool | None = None,
-        max_batch_sizes: Sequence[int | None] | None = None,
-    ):
+    def __init__(self, *, auto_balance: bool = True, rebalance: bool = True, batch_split: Sequence[float] | None = None,
+                 emulate: Sequence[str] | None = None, profile_cache: Any = None, communication_options: Any = None,
+                 micro_batches: bool | None = None, max_batch_sizes: Sequence[int | None] | None = None):
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance)
         arguments.validate_setting("micro_batches", micro_batches, arguments.MICRO_BATCHES_CHOICES)
         if profile_cache not in (None, False):
