@@ -44,8 +44,7 @@ logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages u
 
 _INFERENCE = "evaluation or prediction"
 
-_NO_EXAMPLE = ("that replica had no example in this step, so a lower cap cannot help (something else holds its "
-               "memory)")
+_NO_EXAMPLE = "that replica had no example in this step, so a lower cap cannot help (something else holds its memory)"
 
 
 def unblamed_oom_error(oom: OutOfMemory, exc: Exception, *, parameter_device: str | None = None,

@@ -270,8 +270,7 @@ class MultiWorkerMicroBatches(TraceFindings, DeepcopiedWithNewLocks):
             return None
         caps = self._caps
         if caps is None:  # before fit: the emulated memory's caps once the model's size is known
-            emulator = self._strategy.emulator
-            sized = self._given is None and emulator is not None and emulator.workload is not None
+            sized = self._given is None and getattr(self._strategy.emulator, "workload", None) is not None
             caps = lowest_caps(self._emulated_caps(model) if sized else None, self.known_caps)
         return _slice_cap(caps, replica_id)
 
