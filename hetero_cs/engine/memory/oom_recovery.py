@@ -257,5 +257,4 @@ def strategy_step_error(strategy, exc: Exception, replica_scopes=(), kind: str =
         exc, compute_devices=strategy.compute_devices, plan=strategy.plan,
         empty_slice_plan=strategy._empty_slices.last_plan,  # noqa: SLF001
         replica_id=oom.replica_id if oom is not None else None, kind=kind,
-        failed_sizes=strategy._slicer.last_step_sizes(),  # noqa: SLF001
-    )
+        failed_sizes=strategy._slicer.last_step_sizes())  # noqa: SLF001

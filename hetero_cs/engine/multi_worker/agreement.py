@@ -141,8 +141,7 @@ class PlanAgreement:
             raise InputError(
                 f"An empty global batch reached HeteroMultiWorkerMirroredStrategy (global_batch_size={B}): a step "
                 f"needs at least one example. Drop empty batches from the dataset (e.g. Dataset.filter on the batch "
-                f"size)."
-            )
+                f"size).")
         self._micro_slices.check_batch(B)  # every worker alike, before any collective of the step
         with self._lock:
             hold = self._hold
@@ -184,8 +183,7 @@ class PlanAgreement:
             raise InputError(
                 f"The workers do not read the same data: this worker's global batch has {int(global_batch_size)} "
                 f"examples but the chief split {int(sizes.sum())} ({sizes.tolist()}). Every worker must iterate the "
-                f"same dataset of global batches in the same order (no sharding, the same shuffle seed)."
-            )
+                f"same dataset of global batches in the same order (no sharding, the same shuffle seed).")
         with self._lock:
             self._hold = (sizes, int(round(float(agreed[-1]))))
             self._last_split = tuple(int(b) for b in sizes)
