@@ -39,8 +39,7 @@ def emulation_names(emulate) -> tuple:
     if not names:
         raise ConfigError(
             f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
-            f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100']."
-        )
+            f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100'].")
     for name in names:
         get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
     return None, names
@@ -72,8 +71,7 @@ def checked_devices(compute_devices, parameter_device: str) -> list[str]:
         raise DeviceError(
             f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
             f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it from "
-            f"compute_devices."
-        )
+            f"compute_devices.")
     return devices
 
 
@@ -88,36 +86,31 @@ def checked_shares(batch_split, num_replicas: int) -> list:
     if shares is None:
         raise BatchSplitError(
             f"batch_split must be a sequence of relative shares, one per replica in replica order. Received: "
-            f"batch_split={short_repr(batch_split)}{unordered_note(batch_split)}. Example: batch_split=[2, 1, 1]."
-        )
+            f"batch_split={short_repr(batch_split)}{unordered_note(batch_split)}. Example: batch_split=[2, 1, 1].")
     if len(shares) != num_replicas:
         raise BatchSplitError(
             f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
-            f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}."
-        )
+            f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}.")
     if any(not finite_real(s) or s < 0 for s in shares) or not any(s > 0 for s in shares):
         raise BatchSplitError(
             f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
             f"batch_split={short_repr(list(shares))}. Example: batch_split=[2, 1, 1] gives replica 0 half of each "
-            f"batch."
-        )
+            f"batch.")
     if not math.isfinite(sum(float(s) for s in shares)):
         raise BatchSplitError(
             f"batch_split shares sum to more than a float holds: batch_split={short_repr(list(shares))}. Only their "
-            f"ratios matter; scale them down, e.g. batch_split=[2, 1, 1]."
-        )
+            f"ratios matter; scale them down, e.g. batch_split=[2, 1, 1].")
     return list(shares)
 
 
 def validate_profile_cache(profile_cache) -> None:
     from calibration.store import ProfileStore
 
-    if profile_cache is None or profile_cache is False or isinstance(profile_cache, (str, os.PathLike, ProfileStore)):
-        return
-    raise ConfigError(
-        f"profile_cache must be None (the default cache directory), False (no cache), a directory path or a "
-        f"calibration.ProfileStore. Received: profile_cache={profile_cache!r}."
-    )
+    if not (profile_cache is None or profile_cache is False
+            or isinstance(profile_cache, (str, os.PathLike, ProfileStore))):
+        raise ConfigError(
+            f"profile_cache must be None (the default cache directory), False (no cache), a directory path or a "
+            f"calibration.ProfileStore. Received: profile_cache={profile_cache!r}.")
 
 
 _DEFAULT_INPUT_OPTIONS = tf.distribute.InputOptions()
@@ -125,21 +118,17 @@ _DEFAULT_INPUT_OPTIONS = tf.distribute.InputOptions()
 
 def warn_unused_input_options(options) -> None:
     """Warns about InputOptions settings that cannot apply when every global batch is cut on the host."""
-    if options is None:
-        return
-    if not isinstance(options, tf.distribute.InputOptions):
+    if options is not None and not isinstance(options, tf.distribute.InputOptions):
         raise InputError(
-            f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}."
-        )
+            f"options must be a tf.distribute.InputOptions or None; got {type(options).__name__}: {options!r}.")
     # InputOptions is a namedtuple: fetch to device, replication mode, placement on device, per-replica buffer size.
-    changed = {f: v for f, v in options._asdict().items() if v != getattr(_DEFAULT_INPUT_OPTIONS, f)}
+    changed = {f: v for f, v in (options or _DEFAULT_INPUT_OPTIONS)._asdict().items()
+               if v != getattr(_DEFAULT_INPUT_OPTIONS, f)}
     if changed:
         logger.warning(
             "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "
             "strategy.run, so there is no per-replica input to place or buffer. Add .prefetch(...) to the dataset "
-            "for more buffering.",
-            changed,
-        )
+            "for more buffering.", changed)
 
 
 def emulated_makespan_target_s() -> float:
@@ -165,8 +154,7 @@ def emulated_makespan_target_s() -> float:
         raise ConfigError(
             f"{TARGET_MAKESPAN_ENV_VAR}={raw!r} must be a positive number of milliseconds, e.g. 100, from "
             f"{MIN_TARGET_MAKESPAN_MS:g} to {high_ms:g} (an emulated step of at most {MAX_EMULATED_MAKESPAN_S:g} s). "
-            f"Unset it for the default of 100."
-        )
+            f"Unset it for the default of 100.")
     return value_ms / 1e3
 
 
@@ -190,22 +178,18 @@ def memory_policy(oom_recovery):
     """
     from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
 
-    if isinstance(oom_recovery, MemoryRecoveryPolicy):
-        return oom_recovery
-    if oom_recovery is None or isinstance(oom_recovery, bool):
-        return None
-    raise ConfigError(
-        f"oom_recovery must be None (the default), True, False or a MemoryRecoveryPolicy. Received: oom_recovery={oom_recovery!r}. "
-        f"Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2)."
-    )
+    if not (oom_recovery is None or isinstance(oom_recovery, (bool, MemoryRecoveryPolicy))):
+        raise ConfigError(
+            f"oom_recovery must be None (the default), True, False or a MemoryRecoveryPolicy. Received: "
+            f"oom_recovery={oom_recovery!r}. Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2).")
+    return oom_recovery if isinstance(oom_recovery, MemoryRecoveryPolicy) else None
 
 
 def validate_flags(**flags) -> None:
     """Raises ConfigError unless every flag is a bool (``auto_balance="no"`` would otherwise count as True)."""
     for name, value in flags.items():
         if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False. Received: {name}={value!r} "
-                              f"({type(value).__name__}).")
+            raise ConfigError(f"{name} must be True or False. Received: {name}={value!r} ({type(value).__name__}).")
 
 
 def validate_setting(name: str, value, choices: str) -> None:

@@ -51,14 +51,12 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
     batched = [leaf for leaf in tf.nest.flatten(batch) if not is_unbatched_marker(leaf)]
     if not batched:
         raise InputError(
-            "The first dataset element holds only None or Optional components; there is nothing to calibrate on."
-        )
+            "The first dataset element holds only None or Optional components; there is nothing to calibrate on.")
     global_batch_size = int(tensors.leading_dim_value(batched[0]))
     if global_batch_size < 1:
         raise InputError(
             "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
-            "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
-        )
+            "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
     restarted = (profiles_before_restart(strategy, fingerprint, global_batch_size)  # a restart without a lost card
                  if fingerprint is not None and strategy._profile is None else None)
     if emulation_pending:
@@ -80,21 +78,14 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             f"(x, y, sample_weight) batches, but this data's batches have no labels (got a "
             f"{type(batch).__name__}{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; "
             f"e.g. x only, with a loss from add_loss). Pass batch_split=[...] (fixed shares) or "
-            f"auto_balance=False to train on such data."
-        )
+            f"auto_balance=False to train on such data.")
     with warnings.catch_warnings():
         if strategy._micro_batching.enabled:  # a batch that does not fit in one step trains as micro-batches
             warnings.filterwarnings("ignore", message="Calibration finished, but no plan fits")
         result = run_calibration(
-            model,
-            batch,
-            devices=list(strategy._compute_devices),
-            parameter_device=strategy._parameter_device,
-            global_batch_size=global_batch_size,
-            emulator=strategy._emulator,
-            store=_store(strategy),
-            progress=progress,
-        )
+            model, batch, devices=list(strategy._compute_devices), parameter_device=strategy._parameter_device,
+            global_batch_size=global_batch_size, emulator=strategy._emulator, store=_store(strategy),
+            progress=progress)
     keep_for_restart(strategy, result, fingerprint, global_batch_size)  # under `hetero-cs run` only
     return _use(strategy, result, fingerprint, global_batch_size, "")
 
@@ -123,14 +114,11 @@ def _use(strategy, result, fingerprint: str, global_batch_size: int, source: str
     strategy._calibrated_fingerprint = fingerprint
     logger.info("hetero_cs calibration%s:\n%s", f" {source}" if source else "", result.format_table())
     strategy._balancer.set_cost_models(
-        list(result.cost_models),
-        max_batch_sizes=list(result.max_batch_sizes),
-        contention_factors=result.contention_factors,
-        trial=True,
+        list(result.cost_models), max_batch_sizes=list(result.max_batch_sizes),
+        contention_factors=result.contention_factors, trial=True,
         # Micro-batched (memory caps bind): the balancer plans the sub-steps, the size it serves.
         reference_batch_size=strategy._micro_batching.reference_batch_size(
-            global_batch_size, result.cost_models, result.max_batch_sizes),
-    )
+            global_batch_size, result.cost_models, result.max_batch_sizes))
     return result
 
 
@@ -153,16 +141,14 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(
             f"profile must be the path of a file written by `hetero-cs calibrate --output PATH`. Received: "
-            f"profile={path!r}."
-        )
+            f"profile={path!r}.")
     if not auto_balance:
         raise ConfigError(
             f"profile={os.fspath(path)!r} holds calibrated cost models, which only auto_balance uses; with "
-            f"batch_split=[...] or auto_balance=False it would be ignored. Drop one or the other."
-        )
+            f"batch_split=[...] or auto_balance=False it would be ignored. Drop one or the other.")
     result = load_result_file(path)
     profiled = [arguments.canonical_device(d) for d in result.devices]
-    profiled_as = [p.emulated_as if p.emulated_as else None for p in result.profiles]
+    profiled_as = [p.emulated_as or None for p in result.profiles]
     wanted_as = list(emulate) if emulate is not None else [None] * len(devices)
     if profiled != list(devices) or [*map(emulated_identity, profiled_as)] != [*map(emulated_identity, wanted_as)]:
         def describe(names, emulated):
@@ -171,8 +157,7 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
         raise ConfigError(
             f"profile={os.fspath(path)!r} was calibrated on {describe(profiled, profiled_as)}, but this strategy "
             f"runs on {describe(list(devices), wanted_as)}. Calibrate for these devices (hetero-cs calibrate "
-            f"--devices ... or --emulate ... --output PATH), or build the strategy on the profile's devices."
-        )
+            f"--devices ... or --emulate ... --output PATH), or build the strategy on the profile's devices.")
     return result
 
 

@@ -151,13 +151,10 @@ class BalanceCallback(FiguresCallback):
             if full:
                 logger.info(
                     "hetero_cs: plan %s predicted a makespan of %.1f ms for the replicas; measured %.1f ms, and "
-                    "%.1f ms with the host's gradient sum and update (%s).",
-                    list(plan.per_replica_batch_sizes),
-                    plan.predicted_makespan_s * 1e3,
-                    statistics.median(s.replica_makespan_s for s in full) * 1e3,
+                    "%.1f ms with the host's gradient sum and update (%s).", list(plan.per_replica_batch_sizes),
+                    plan.predicted_makespan_s * 1e3, statistics.median(s.replica_makespan_s for s in full) * 1e3,
                     statistics.median(s.makespan_s for s in full) * 1e3,
-                    "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps",
-                )
+                    "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps")
         self._write_tensorboard(epoch, self._publish(self._figures(plan), logs))
 
     def _figures(self, plan) -> dict:
@@ -192,10 +189,9 @@ class BalanceCallback(FiguresCallback):
         import tensorflow as tf
 
         for directory in self._tensorboard_dirs:
-            writer = self._writers.get(directory)
-            if writer is None:
-                writer = self._writers[directory] = tf.summary.create_file_writer(os.path.join(directory, "hetero_cs"))
-            with writer.as_default():
+            if directory not in self._writers:
+                self._writers[directory] = tf.summary.create_file_writer(os.path.join(directory, "hetero_cs"))
+            with (writer := self._writers[directory]).as_default():
                 for key, value in figures.items():
                     tf.summary.scalar(f"epoch_{key}", value, step=epoch)
             writer.flush()

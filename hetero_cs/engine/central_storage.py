@@ -134,21 +134,11 @@ class HeteroCentralStorageStrategy(
     """
 
     def __init__(
-        self,
-        compute_devices: Sequence[str] | None = None,
-        parameter_device: str | None = None,
-        *,
-        auto_balance: bool = True,
-        rebalance: bool = True,
-        batch_split: Sequence[float] | None = None,
-        emulate: "Sequence[str] | Any | None" = None,
-        profile_cache: Any = None,
-        guard: "bool | Any" = True,
-        profile: Any = None,
-        oom_recovery: "bool | Any | None" = None,
-        fused_update: bool | None = None,
-        micro_batches: bool | None = None,
-        on_device_error: str = "exclude",
+        self, compute_devices: Sequence[str] | None = None, parameter_device: str | None = None, *,
+        auto_balance: bool = True, rebalance: bool = True, batch_split: Sequence[float] | None = None,
+        emulate: "Sequence[str] | Any | None" = None, profile_cache: Any = None, guard: "bool | Any" = True,
+        profile: Any = None, oom_recovery: "bool | Any | None" = None, fused_update: bool | None = None,
+        micro_batches: bool | None = None, on_device_error: str = "exclude",
     ):
         guard_policy = guard if isinstance(guard, GuardPolicy) else None  # on, with its own thresholds
         guard = True if guard_policy is not None else guard
@@ -166,8 +156,7 @@ class HeteroCentralStorageStrategy(
         if emulate is not None and len(emulate) != len(devices):
             raise ConfigError(
                 f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
-                f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names."
-            )
+                f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names.")
         arguments.validate_profile_cache(profile_cache)
         memory_policy = arguments.memory_policy(oom_recovery)
         arguments.validate_setting("fused_update", fused_update, "None (the default: Keras' own optimizers), True "
@@ -197,16 +186,12 @@ class HeteroCentralStorageStrategy(
         if emulator is not None:
             logger.warning(
                 "hetero_cs: timings are EMULATED - replicas %s emulate %s on logical CPU devices (real compute on "
-                "the CPU plus each named device's modelled step time); no GPU is used.",
-                list(devices),
-                [spec.name for spec in emulator.specs],
-            )
+                "the CPU plus each named device's modelled step time); no GPU is used.", list(devices),
+                [spec.name for spec in emulator.specs])
         if len(devices) == 1 and auto_balance and shares is None:
             warnings.warn(
                 f"HeteroCentralStorageStrategy has one compute device ({devices[0]}): there is nothing to balance. "
-                f"Add GPUs, or pass emulate=['A10', 'T4', ...] on a CPU-only machine.",
-                stacklevel=2,
-            )
+                f"Add GPUs, or pass emulate=['A10', 'T4', ...] on a CPU-only machine.", stacklevel=2)
         self._profile_cache = profile_cache
         self._fused_update = fused_update
         self._micro_batching = MicroBatching(self, micro_batches)  # sub-steps where memory caps bind
@@ -230,8 +215,7 @@ class HeteroCentralStorageStrategy(
         # from a copy of the plan in the graph instead of a Python call each (see hetero_cs.engine.step.input_slicing).
         self._slicer = PlanSlicer(
             len(devices), self._slice_sizes, check_batch=self._check_batch, device=parameter_device,
-            cacheable=not (bool(auto_balance) and shares is None),
-        )
+            cacheable=not (bool(auto_balance) and shares is None))
         # The sets of active replicas plans use; a step gets a branch for each (hetero_cs.engine.step.idle_replicas). A 0
         # share idles its replica in every plan: known before any step is traced.
         self._active_sets = ActiveSets(len(devices))
@@ -423,19 +407,11 @@ class HeteroCentralStorageStrategy(
             record = None if sub_step.record is None else functools.partial(sub_step.record, count=count)
 
         return finish_replica_step(
-            grads,
-            step.start_stamp,
-            replica_id=step.replica_id,
-            batch_size=batch_size,
-            emulator=self._emulator,
-            record=record,
+            grads, step.start_stamp, replica_id=step.replica_id, batch_size=batch_size, emulator=self._emulator,
+            record=record, sampled=step.sampled_timing, keyed=step.shared_start, host_device=self._parameter_device,
             # Its next micro-batch's clock starts where this one's stops (replica_wrapping): back to back, as a
             # card runs them, so the emulated waits of a card's micro-batches add up to its micro-batched time.
-            end_stamps=None if sub_step is None else sub_step.end_stamps.setdefault(step.replica_id, []),
-            sampled=step.sampled_timing,
-            keyed=step.shared_start,
-            host_device=self._parameter_device,
-        )
+            end_stamps=None if sub_step is None else sub_step.end_stamps.setdefault(step.replica_id, []))
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
                           step_key: float | None = None) -> None:

@@ -98,16 +98,14 @@ class PackedBatchValues:
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
             return args, kwargs, [], timed, None
         created: list = []
-        return (self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed,
-                sizes)
+        return self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed, sizes
 
     @staticmethod
     def _global_batches(args, kwargs) -> list:
         """The global batches among ``strategy.run``'s arguments (a distributed dataset's elements)."""
         return [leaf for leaf in tf.nest.flatten((args, kwargs or {}))
                 if isinstance(leaf, tf.distribute.DistributedValues)
-                and len(_compat.components(leaf) or ()) == 1
-                and not is_unbatched_marker(_compat.components(leaf)[0])]
+                and len(_compat.components(leaf) or ()) == 1 and not is_unbatched_marker(_compat.components(leaf)[0])]
 
     def _static_batch_size(self, args, kwargs) -> int | None:
         """The static size of the global batch in a traced step's arguments; None when unknown or absent."""

@@ -38,8 +38,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
 
     def is_batched_per_replica(v):
         return isinstance(v, tf.distribute.DistributedValues) and all(
-            getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in strategy.experimental_local_results(v)
-        )
+            getattr(c, "shape", None) is not None and c.shape.rank != 0 for c in strategy.experimental_local_results(v))
 
     sub_step = current_sub_step()  # a sub-step of an overlapped micro-batched call (traced in this thread)
     # The leaves each replica receives its own slice of: one row per example (the loss reader's seeds).
@@ -66,8 +65,7 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
         raise ConfigError(
             "Emulated devices need the model's size before the first step. model.fit does this for you; "
             "before a model.evaluate or model.predict that comes before any fit, and in a custom loop before "
-            "the first strategy.run, call strategy.calibrate(model, dataset) once."
-        )
+            "the first strategy.run, call strategy.calibrate(model, dataset) once.")
 
     # Traced inside evaluate or predict (fit's validation pass included): an inference step.
     roles = strategy._input_roles
@@ -105,17 +103,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
             if chained:
                 sub_step.chain_starts[replica_id] = start
         step = replica_state.ReplicaStep(
-            replica_id=replica_id,
-            device=strategy._compute_devices[replica_id],
-            batch_size=batch_size,
-            global_batch_size=global_batch_size,
-            start_stamp=start,
-            sampled_timing=step_start is not None and sampled,
-            shared_start=step_start is not None,
-            handoff=handoff,
-            sub_step=sub_step,
-            flow=BatchFlow(replica_id),
-        )
+            replica_id=replica_id, device=strategy._compute_devices[replica_id], batch_size=batch_size,
+            global_batch_size=global_batch_size, start_stamp=start, sampled_timing=step_start is not None and sampled,
+            shared_start=step_start is not None, handoff=handoff, sub_step=sub_step, flow=BatchFlow(replica_id))
         if strategy._emulator is not None and batched is not None:
             # An emulated slice too large for its device fails here, before the replica computes anything (no
             # loss or metric of the failed step is formed), as a GPU fails at its first large allocation.

@@ -76,8 +76,7 @@ def bad_batch_error(leading_dims, spec=None) -> InputError:
             f"yet, batch it: dataset.batch(global_batch_size).")
     return InputError(
         "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
-        "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)."
-    )
+        "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
 
 
 class BatchCount(keras.callbacks.Callback):
@@ -108,8 +107,7 @@ def empty_input_error(verb: str):
     """The InputError of fit, evaluate or predict given a dataset with no batch."""
     return InputError(
         f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
-        f"everything, or fewer examples than one batch with drop_remainder=True)."
-    )
+        f"everything, or fewer examples than one batch with drop_remainder=True).")
 
 
 def _leading_dim_or_minus_one(tensor) -> tf.Tensor:
@@ -128,8 +126,7 @@ def is_unbatched_marker(spec_or_value) -> bool:
     """
     # NoneTensorSpec has no public name.
     return spec_or_value is None or type(spec_or_value).__name__ == "NoneTensorSpec" or isinstance(
-        spec_or_value, (tf.OptionalSpec, tf.experimental.Optional)
-    )
+        spec_or_value, (tf.OptionalSpec, tf.experimental.Optional))
 
 
 class PlanSlicer(DeepcopiedWithNewLocks):
@@ -148,15 +145,8 @@ class PlanSlicer(DeepcopiedWithNewLocks):
             step (online re-balancing, the guard and sampled timing decide there).
     """
 
-    def __init__(
-        self,
-        num_replicas: int,
-        slice_sizes: Callable[..., np.ndarray],
-        *,
-        check_batch: Callable[..., np.ndarray] | None = None,
-        device: str,
-        cacheable: bool,
-    ):
+    def __init__(self, num_replicas: int, slice_sizes: Callable[..., np.ndarray], *,
+                 check_batch: Callable[..., np.ndarray] | None = None, device: str, cacheable: bool):
         self._num_replicas = int(num_replicas)
         self._slice_sizes = slice_sizes
         self._check_batch = check_batch
@@ -167,9 +157,7 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         # Created outside any strategy scope and tf.function: plain host variables, not mirrored ones.
         with tf.init_scope(), tf.device(device):
             if cacheable:
-                self._cache = tf.Variable(
-                    self._published, dtype=tf.int64, trainable=False, name="hetero_cs_plan_cache"
-                )
+                self._cache = tf.Variable(self._published, dtype=tf.int64, trainable=False, name="hetero_cs_plan_cache")
             # The sizes the last step started with (read after a failed step: which replica had how many examples).
             self._last_sizes = tf.Variable([0] * self._num_replicas, dtype=tf.int64, trainable=False,
                                            name="hetero_cs_last_step_sizes")
@@ -277,18 +265,15 @@ class PlanSlicer(DeepcopiedWithNewLocks):
                 raise InputError(
                     f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica slices; got "
                     f"element_spec={spec}. Make it dense (tf.sparse.to_dense) or ragged "
-                    f"(tf.RaggedTensor.from_sparse) in a dataset.map before distributing the dataset."
-                )
+                    f"(tf.RaggedTensor.from_sparse) in a dataset.map before distributing the dataset.")
             shape = getattr(leaf, "shape", None)
             if shape is None or shape.rank == 0:
                 raise InputError(
                     f"Every dataset component needs a leading batch dimension to be split across replicas; got "
-                    f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size)."
-                )
+                    f"element_spec={spec}. Batch the dataset first, e.g. dataset.batch(global_batch_size).")
         if not batched:
             raise InputError(
-                f"The dataset's elements hold only None or Optional components; there is nothing to split: {spec}."
-            )
+                f"The dataset's elements hold only None or Optional components; there is nothing to split: {spec}.")
         known = sorted({leaf.shape[0] for leaf in batched if leaf.shape.rank and leaf.shape[0] is not None})
         if len(known) > 1:
             raise bad_batch_error(known, spec)
