@@ -37,9 +37,8 @@ def emulation_names(emulate) -> tuple:
         return emulate, [spec.name for spec in emulate.specs]
     names = None if isinstance(emulate, str) or not isinstance(emulate, Iterable) else list(emulate)
     if not names:
-        raise ConfigError(
-            f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
-            f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100'].")
+        raise ConfigError(f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
+                          f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100'].")
     for name in names:
         get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
     return None, names
@@ -61,17 +60,15 @@ def checked_devices(compute_devices, parameter_device: str) -> list[str]:
     elif isinstance(compute_devices, str):
         compute_devices = [compute_devices]
     elif not isinstance(compute_devices, (list, tuple)):  # each name is checked by canonical_device
-        raise ConfigError(
-            f"compute_devices must be a list of device names, e.g. ['/gpu:0', '/gpu:1'], or None for every GPU. "
-            f"Received: compute_devices={compute_devices!r}.")
+        raise ConfigError(f"compute_devices must be a list of device names, e.g. ['/gpu:0', '/gpu:1'], or None for "
+                          f"every GPU. Received: compute_devices={compute_devices!r}.")
     if not compute_devices:
         raise DeviceError("compute_devices is empty. Give at least one device, e.g. ['/gpu:0'].")
     devices, _ = checked_device_names(compute_devices, parameter_device, argument="compute_devices")
     if parameter_device in devices and len(devices) > 1:
-        raise DeviceError(
-            f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
-            f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it from "
-            f"compute_devices.")
+        raise DeviceError(f"The parameter device {parameter_device} is also a compute device in {devices}. Keep the "
+                          f"variables on a device that does not run a replica (default '/device:CPU:0'), or drop it "
+                          f"from compute_devices.")
     return devices
 
 
@@ -92,10 +89,9 @@ def checked_shares(batch_split, num_replicas: int) -> list:
             f"batch_split has one share per replica: len(batch_split)={len(shares)}, but there are "
             f"R={num_replicas} compute devices. Give {num_replicas} shares, e.g. {[1] * num_replicas}.")
     if any(not finite_real(s) or s < 0 for s in shares) or not any(s > 0 for s in shares):
-        raise BatchSplitError(
-            f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
-            f"batch_split={short_repr(list(shares))}. Example: batch_split=[2, 1, 1] gives replica 0 half of each "
-            f"batch.")
+        raise BatchSplitError(f"batch_split shares must be finite numbers >= 0 with at least one > 0. Received: "
+                              f"batch_split={short_repr(list(shares))}. Example: batch_split=[2, 1, 1] gives replica 0 "
+                              f"half of each batch.")
     if not math.isfinite(sum(float(s) for s in shares)):
         raise BatchSplitError(
             f"batch_split shares sum to more than a float holds: batch_split={short_repr(list(shares))}. Only their "
@@ -108,9 +104,8 @@ def validate_profile_cache(profile_cache) -> None:
 
     if not (profile_cache is None or profile_cache is False
             or isinstance(profile_cache, (str, os.PathLike, ProfileStore))):
-        raise ConfigError(
-            f"profile_cache must be None (the default cache directory), False (no cache), a directory path or a "
-            f"calibration.ProfileStore. Received: profile_cache={profile_cache!r}.")
+        raise ConfigError(f"profile_cache must be None (the default cache directory), False (no cache), a directory "
+                          f"path or a calibration.ProfileStore. Received: profile_cache={profile_cache!r}.")
 
 
 _DEFAULT_INPUT_OPTIONS = tf.distribute.InputOptions()
@@ -125,10 +120,9 @@ def warn_unused_input_options(options) -> None:
     changed = {f: v for f, v in (options or _DEFAULT_INPUT_OPTIONS)._asdict().items()
                if v != getattr(_DEFAULT_INPUT_OPTIONS, f)}
     if changed:
-        logger.warning(
-            "hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there inside "
-            "strategy.run, so there is no per-replica input to place or buffer. Add .prefetch(...) to the dataset "
-            "for more buffering.", changed)
+        logger.warning("hetero_cs: InputOptions %s are ignored: every global batch goes to the host and is cut there "
+                       "inside strategy.run, so there is no per-replica input to place or buffer. Add .prefetch(...) "
+                       "to the dataset for more buffering.", changed)
 
 
 def emulated_makespan_target_s() -> float:
@@ -151,10 +145,9 @@ def emulated_makespan_target_s() -> float:
         value_ms = math.nan
     high_ms = MAX_EMULATED_MAKESPAN_S * 1e3
     if not math.isfinite(value_ms) or not MIN_TARGET_MAKESPAN_MS <= value_ms <= high_ms:
-        raise ConfigError(
-            f"{TARGET_MAKESPAN_ENV_VAR}={raw!r} must be a positive number of milliseconds, e.g. 100, from "
-            f"{MIN_TARGET_MAKESPAN_MS:g} to {high_ms:g} (an emulated step of at most {MAX_EMULATED_MAKESPAN_S:g} s). "
-            f"Unset it for the default of 100.")
+        raise ConfigError(f"{TARGET_MAKESPAN_ENV_VAR}={raw!r} must be a positive number of milliseconds, e.g. 100, "
+                          f"from {MIN_TARGET_MAKESPAN_MS:g} to {high_ms:g} (an emulated step of at most "
+                          f"{MAX_EMULATED_MAKESPAN_S:g} s). Unset it for the default of 100.")
     return value_ms / 1e3
 
 
@@ -179,9 +172,8 @@ def memory_policy(oom_recovery):
     from hetero_cs.planning.memory_caps import MemoryRecoveryPolicy
 
     if not (oom_recovery is None or isinstance(oom_recovery, (bool, MemoryRecoveryPolicy))):
-        raise ConfigError(
-            f"oom_recovery must be None (the default), True, False or a MemoryRecoveryPolicy. Received: "
-            f"oom_recovery={oom_recovery!r}. Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2).")
+        raise ConfigError(f"oom_recovery must be None (the default), True, False or a MemoryRecoveryPolicy. Received: "
+                          f"oom_recovery={oom_recovery!r}. Example: oom_recovery=MemoryRecoveryPolicy(max_retries=2).")
     return oom_recovery if isinstance(oom_recovery, MemoryRecoveryPolicy) else None
 
 

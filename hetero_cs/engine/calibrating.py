@@ -54,9 +54,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             "The first dataset element holds only None or Optional components; there is nothing to calibrate on.")
     global_batch_size = int(tensors.leading_dim_value(batched[0]))
     if global_batch_size < 1:
-        raise InputError(
-            "The first dataset element holds 0 examples; calibration needs a global batch of at least one. Drop "
-            "empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
+        raise InputError("The first dataset element holds 0 examples; calibration needs a global batch of at least "
+                         "one. Drop empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
     restarted = (profiles_before_restart(strategy, fingerprint, global_batch_size)  # a restart without a lost card
                  if fingerprint is not None and strategy._profile is None else None)
     if emulation_pending:
@@ -139,13 +138,11 @@ def load_profile(path, devices, emulate, *, auto_balance: bool):
         ProfileCacheError: The file cannot be read or is not a profile (calibration.store.load_result_file).
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(
-            f"profile must be the path of a file written by `hetero-cs calibrate --output PATH`. Received: "
-            f"profile={path!r}.")
+        raise ConfigError(f"profile must be the path of a file written by `hetero-cs calibrate --output PATH`. "
+                          f"Received: profile={path!r}.")
     if not auto_balance:
-        raise ConfigError(
-            f"profile={os.fspath(path)!r} holds calibrated cost models, which only auto_balance uses; with "
-            f"batch_split=[...] or auto_balance=False it would be ignored. Drop one or the other.")
+        raise ConfigError(f"profile={os.fspath(path)!r} holds calibrated cost models, which only auto_balance uses; "
+                          f"with batch_split=[...] or auto_balance=False it would be ignored. Drop one or the other.")
     result = load_result_file(path)
     profiled = [arguments.canonical_device(d) for d in result.devices]
     profiled_as = [p.emulated_as or None for p in result.profiles]

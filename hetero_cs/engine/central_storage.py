@@ -154,9 +154,8 @@ class HeteroCentralStorageStrategy(
         parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
         devices = arguments.checked_devices(compute_devices, parameter_device)
         if emulate is not None and len(emulate) != len(devices):
-            raise ConfigError(
-                f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
-                f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names.")
+            raise ConfigError(f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
+                              f"compute_devices={devices} (R={len(devices)}). Give exactly {len(devices)} names.")
         arguments.validate_profile_cache(profile_cache)
         memory_policy = arguments.memory_policy(oom_recovery)
         arguments.validate_setting("fused_update", fused_update, "None (the default: Keras' own optimizers), True "
@@ -189,9 +188,8 @@ class HeteroCentralStorageStrategy(
                 "the CPU plus each named device's modelled step time); no GPU is used.", list(devices),
                 [spec.name for spec in emulator.specs])
         if len(devices) == 1 and auto_balance and shares is None:
-            warnings.warn(
-                f"HeteroCentralStorageStrategy has one compute device ({devices[0]}): there is nothing to balance. "
-                f"Add GPUs, or pass emulate=['A10', 'T4', ...] on a CPU-only machine.", stacklevel=2)
+            warnings.warn(f"HeteroCentralStorageStrategy has one compute device ({devices[0]}): there is nothing to "
+                          f"balance. Add GPUs, or pass emulate=['A10', 'T4', ...] on a CPU-only machine.", stacklevel=2)
         self._profile_cache = profile_cache
         self._fused_update = fused_update
         self._micro_batching = MicroBatching(self, micro_batches)  # sub-steps where memory caps bind

@@ -62,10 +62,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
                 if handoff is not None:  # the host's end of this step is timed from the same start
                     handoff.start_stamp, handoff.sampled_start = step_start, sampled
     if strategy._emulation_pending():
-        raise ConfigError(
-            "Emulated devices need the model's size before the first step. model.fit does this for you; "
-            "before a model.evaluate or model.predict that comes before any fit, and in a custom loop before "
-            "the first strategy.run, call strategy.calibrate(model, dataset) once.")
+        raise ConfigError("Emulated devices need the model's size before the first step. model.fit does this for you; "
+                          "before a model.evaluate or model.predict that comes before any fit, and in a custom loop "
+                          "before the first strategy.run, call strategy.calibrate(model, dataset) once.")
 
     # Traced inside evaluate or predict (fit's validation pass included): an inference step.
     roles = strategy._input_roles

@@ -145,10 +145,9 @@ class SupervisedBackup(keras.callbacks.Callback):
             self._stop_backups(exc)
         if not self._record_path.exists():
             if self._run.get("shuffled_arrays"):
-                logger.warning(
-                    "hetero_cs: fit(shuffle=True) on arrays under hetero-cs run: each epoch is shuffled anew, so a "
-                    "restart inside an epoch cannot resume it and will be refused. Pass shuffle=False (or a "
-                    "tf.data.Dataset in a fixed order) to resume at the exact step.")
+                logger.warning("hetero_cs: fit(shuffle=True) on arrays under hetero-cs run: each epoch is shuffled "
+                               "anew, so a restart inside an epoch cannot resume it and will be refused. Pass "
+                               "shuffle=False (or a tf.data.Dataset in a fixed order) to resume at the exact step.")
             return
         record, arrays = self._read()
         self._check_same_run(record)
@@ -204,12 +203,11 @@ class SupervisedBackup(keras.callbacks.Callback):
                 f"The backup in {self._dir} was made by another run: {'; '.join(differences)}. A backup is resumed "
                 f"only by the run that made it. Remove {self._dir} to start over, or run the script as it was.")
         if not record["complete"] and record["batches"] and now.get("shuffled_arrays"):
-            raise ConfigError(
-                f"The backup in {self._dir} stopped after {record['batches']} batch(es) of epoch {record['epoch'] + 1}"
-                f", but fit(shuffle=True) on arrays shuffles that epoch anew: the batches skipped now would not be "
-                f"the ones applied. Pass shuffle=False to fit (or a tf.data.Dataset in a fixed order, e.g. "
-                f"shuffled once with a seed and reshuffle_each_iteration=False), then remove {self._dir} to start "
-                f"over.")
+            raise ConfigError(f"The backup in {self._dir} stopped after {record['batches']} batch(es) of epoch "
+                              f"{record['epoch'] + 1}, but fit(shuffle=True) on arrays shuffles that epoch anew: the "
+                              f"batches skipped now would not be the ones applied. Pass shuffle=False to fit (or a "
+                              f"tf.data.Dataset in a fixed order, e.g. shuffled once with a seed and "
+                              f"reshuffle_each_iteration=False), then remove {self._dir} to start over.")
 
     def _read(self) -> tuple[dict, dict]:
         """The record and every array of the backup, checked; a ConfigError when either cannot be read."""
@@ -229,10 +227,9 @@ class SupervisedBackup(keras.callbacks.Callback):
             with np.load(self._dir / record["arrays"]) as stored:
                 arrays = {key: stored[key] for key in stored.files}  # reads (and CRC-checks) every array now
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-            raise ConfigError(
-                f"The backup {self._record_path} cannot be read ({type(exc).__name__}: {exc}). Backups are written "
-                f"atomically, so something else changed or truncated it; remove {self._dir} to start over (training "
-                f"then starts from its first step).") from exc
+            raise ConfigError(f"The backup {self._record_path} cannot be read ({type(exc).__name__}: {exc}). Backups "
+                              f"are written atomically, so something else changed or truncated it; remove {self._dir} "
+                              f"to start over (training then starts from its first step).") from exc
         return record, arrays
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -43,10 +43,9 @@ ON_DEVICE_ERROR_CHOICES = ("exclude", "raise")
 def check_setting(on_device_error: object) -> str:
     """``on_device_error`` as given, if it is ``"exclude"`` or ``"raise"``; else a ConfigError."""
     if on_device_error not in ON_DEVICE_ERROR_CHOICES or not isinstance(on_device_error, str):
-        raise ConfigError(
-            f"on_device_error must be 'exclude' (the default: a card whose step fails twice with a device error is "
-            f"set aside and the step retried on the others) or 'raise' (the error ends fit). Received: "
-            f"on_device_error={on_device_error!r}.")
+        raise ConfigError(f"on_device_error must be 'exclude' (the default: a card whose step fails twice with a "
+                          f"device error is set aside and the step retried on the others) or 'raise' (the error ends "
+                          f"fit). Received: on_device_error={on_device_error!r}.")
     return on_device_error
 
 

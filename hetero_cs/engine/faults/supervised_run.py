@@ -112,10 +112,9 @@ def leave_out_excluded(emulator, names, compute_devices, batch_split):
     if not text or names is None:  # real GPUs: CUDA_VISIBLE_DEVICES left them out (shares_without_lost_gpus)
         return emulator, names, compute_devices, batch_split
     if any(not 0 <= i < len(names) for i in positions) or len(positions) >= len(names):
-        raise ConfigError(
-            f"{EXCLUDED_ENV_VAR}={text!r} must list positions in emulate={names} (0..{len(names) - 1}, comma-"
-            f"separated) and leave at least one card; `hetero-cs run` sets it when it restarts a script without a "
-            f"lost card. Unset it to use every card.")
+        raise ConfigError(f"{EXCLUDED_ENV_VAR}={text!r} must list positions in emulate={names} (0..{len(names) - 1}, "
+                          f"comma-separated) and leave at least one card; `hetero-cs run` sets it when it restarts a "
+                          f"script without a lost card. Unset it to use every card.")
     if compute_devices is not None and (not isinstance(compute_devices, (list, tuple))
                                         or len(compute_devices) != len(names)):
         return emulator, names, compute_devices, batch_split  # the checks that follow explain what is wrong
@@ -137,10 +136,9 @@ def excluded_positions() -> list[int]:
         return []
     parts = text.split(",")
     if not all(re.fullmatch(r"[0-9]+", part.strip()) for part in parts) or len(set(map(int, parts))) != len(parts):
-        raise ConfigError(
-            f"{EXCLUDED_ENV_VAR}={text!r} must list distinct positions in the script's first device list, as "
-            f"comma-separated non-negative integers (e.g. '1' or '0,2'); `hetero-cs run` sets it when it restarts a "
-            f"script without a lost card. Unset it to use every card.")
+        raise ConfigError(f"{EXCLUDED_ENV_VAR}={text!r} must list distinct positions in the script's first device "
+                          f"list, as comma-separated non-negative integers (e.g. '1' or '0,2'); `hetero-cs run` sets "
+                          f"it when it restarts a script without a lost card. Unset it to use every card.")
     return sorted(int(part) for part in parts)
 
 

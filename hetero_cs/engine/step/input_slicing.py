@@ -64,19 +64,16 @@ def bad_batch_error(leading_dims, spec=None) -> InputError:
     the dataset's element_spec, when the error is found from it)."""
     sizes = [int(d) for d in leading_dims]
     if min(sizes) < 0:  # a component of unknown rank that came as a scalar (see PlanSlicer.pack)
-        return InputError(
-            f"A dataset element has a component with no leading batch dimension (a scalar; leading dimensions "
-            f"{['none' if d < 0 else d for d in sizes]}), so it cannot be cut into per-replica slices. Batch the "
-            f"dataset first, e.g. dataset.batch(global_batch_size).")
+        return InputError(f"A dataset element has a component with no leading batch dimension (a scalar; leading "
+                          f"dimensions {['none' if d < 0 else d for d in sizes]}), so it cannot be cut into "
+                          f"per-replica slices. Batch the dataset first, e.g. dataset.batch(global_batch_size).")
     if len(set(sizes)) > 1:
-        return InputError(
-            f"The components of one dataset element have different leading (batch) dimensions {sizes}"
-            f"{'' if spec is None else f'; got element_spec={spec}'}, so they cannot be cut into the same slices. "
-            f"Every component of a global batch needs the same number of examples; if the dataset is not batched "
-            f"yet, batch it: dataset.batch(global_batch_size).")
-    return InputError(
-        "A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
-        "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
+        return InputError(f"The components of one dataset element have different leading (batch) dimensions "
+                          f"{sizes}{'' if spec is None else f'; got element_spec={spec}'}, so they cannot be cut into "
+                          f"the same slices. Every component of a global batch needs the same number of examples; if "
+                          f"the dataset is not batched yet, batch it: dataset.batch(global_batch_size).")
+    return InputError("A dataset element holds 0 examples: there is nothing to split. Drop empty batches, e.g. "
+                      "dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
 
 
 class BatchCount(keras.callbacks.Callback):
@@ -105,9 +102,8 @@ class BatchCount(keras.callbacks.Callback):
 
 def empty_input_error(verb: str):
     """The InputError of fit, evaluate or predict given a dataset with no batch."""
-    return InputError(
-        f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter that drops "
-        f"everything, or fewer examples than one batch with drop_remainder=True).")
+    return InputError(f"model.{verb} got no batches: the dataset is empty. Check the dataset (e.g. a take(0), a filter "
+                      f"that drops everything, or fewer examples than one batch with drop_remainder=True).")
 
 
 def _leading_dim_or_minus_one(tensor) -> tf.Tensor:
@@ -262,10 +258,9 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         batched = [leaf for leaf in leaves if not is_unbatched_marker(leaf)]  # None (no sample weights): no cut
         for leaf in batched:
             if isinstance(leaf, tf.SparseTensorSpec):
-                raise InputError(
-                    f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica slices; got "
-                    f"element_spec={spec}. Make it dense (tf.sparse.to_dense) or ragged "
-                    f"(tf.RaggedTensor.from_sparse) in a dataset.map before distributing the dataset.")
+                raise InputError(f"A dataset component is a tf.SparseTensor, which cannot be cut into per-replica "
+                                 f"slices; got element_spec={spec}. Make it dense (tf.sparse.to_dense) or ragged "
+                                 f"(tf.RaggedTensor.from_sparse) in a dataset.map before distributing the dataset.")
             shape = getattr(leaf, "shape", None)
             if shape is None or shape.rank == 0:
                 raise InputError(

@@ -199,8 +199,7 @@ def _require_step() -> ReplicaStep:
         raise NotInReplicaStepError(
             "This accessor only works inside a replica function run by HeteroCentralStorageStrategy.run with "
             "per-replica inputs (for example a distributed dataset's element). Call it inside the function you "
-            "pass to strategy.run."
-        )
+            "pass to strategy.run.")
     return step
 
 

@@ -20,8 +20,7 @@ EMPTY_SLICE_ADVICE = (
     "global batch hold at least R examples: drop a last partial batch smaller than R (dataset.batch(B, "
     "drop_remainder=True), or fit on the first N - N % B examples), choose a global batch size B whose remainder "
     "N % B is 0 or at least R, and give no replica a 0 share in batch_split; or set TF_ENABLE_ONEDNN_OPTS=0 before "
-    "TensorFlow is imported."
-)
+    "TensorFlow is imported.")
 
 
 CROSS_REPLICA_SCOPE = "hetero_cross_replica"

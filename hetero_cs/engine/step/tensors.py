@@ -21,9 +21,7 @@ def dense_part(tensor):
 def leading_dim_value(value) -> int:
     shape = np.shape(value)  # its .shape (a TensorShape, a NumPy shape), else the array's it converts to
     if len(shape) == 0:
-        raise InputError(
-            f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first."
-        )
+        raise InputError(f"A batch component has no batch dimension (shape={tuple(shape)}); batch the data first.")
     return int(shape[0])
 
 
@@ -47,5 +45,4 @@ def first_batch(data):
     if isinstance(data, (tuple, list)) and data:
         return tuple(data)
     raise InputError(
-        f"Calibration needs a tf.data.Dataset of global batches or one batch (x, y); got {type(data).__name__}."
-    )
+        f"Calibration needs a tf.data.Dataset of global batches or one batch (x, y); got {type(data).__name__}.")
