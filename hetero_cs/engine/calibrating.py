@@ -96,14 +96,12 @@ def _done(strategy, fingerprint: str, force: bool) -> bool:
         return False
     if strategy._calibrated_fingerprint == fingerprint:
         return True
-    if not strategy._models_set_by_user:
-        return False
-    if not getattr(strategy, "_user_models_logged", False):
+    if strategy._models_set_by_user and not getattr(strategy, "_user_models_logged", False):
         strategy._user_models_logged = True
         logger.info("hetero_cs: the cost models set with set_cost_models are kept; no calibration runs "
                     "(strategy.calibrate(model, data, force=True) calibrates, or loads this model's cached "
                     "calibration on these devices, and replaces them).")
-    return True
+    return strategy._models_set_by_user
 
 
 def _use(strategy, result, fingerprint: str, global_batch_size: int, source: str):

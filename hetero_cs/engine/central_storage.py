@@ -263,8 +263,7 @@ class HeteroCentralStorageStrategy(
         Raises:
             BatchSplitError: Wrong length, negative, non-finite or all-zero shares.
         """
-        if shares is not None:
-            shares = arguments.checked_shares(shares, self.num_replicas_in_sync)
+        shares = None if shares is None else arguments.checked_shares(shares, self.num_replicas_in_sync)
         self._balancer.set_batch_split(shares)
         self._active_sets.note([int(share > 0) for share in shares or ()], training=True)
 

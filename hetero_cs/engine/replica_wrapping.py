@@ -12,8 +12,7 @@ import contextlib
 import tensorflow as tf
 
 from hetero_cs.engine import _compat
-from hetero_cs.engine.step import tensors
-from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step import replica_state, tensors
 from hetero_cs.engine.step.sub_steps import current_sub_step
 from hetero_cs.engine._compat.batch_flow import BatchFlow, seed_replica_step
 from hetero_cs.engine._compat.loss_reader import check_predictions, shares_of_logs

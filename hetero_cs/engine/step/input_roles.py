@@ -22,8 +22,6 @@ The state is per thread: it is the thread that calls ``fit`` that distributes it
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.engine.step.replica_state import set_locally
@@ -43,8 +41,7 @@ class InputRoles(DeepcopiedWithNewLocks):
     def __init__(self):
         self._state = _ThreadRoles()
 
-    @contextmanager
-    def fitting(self, *, training_input_pending: bool = True) -> Iterator[None]:
+    def fitting(self, *, training_input_pending: bool = True):
         """Marks a ``fit`` call: its first distributed input trains (if ``training_input_pending``), later ones infer.
 
         Args:
@@ -52,15 +49,12 @@ class InputRoles(DeepcopiedWithNewLocks):
                 it distributes itself is validation data.
         """
         state = self._state
-        with set_locally(state, fitting=state.fitting + 1, training_input_pending=bool(training_input_pending)):
-            yield
+        return set_locally(state, fitting=state.fitting + 1, training_input_pending=bool(training_input_pending))
 
-    @contextmanager
-    def inferring(self, *, predicting: bool = False) -> Iterator[None]:
+    def inferring(self, *, predicting: bool = False):
         """Marks an ``evaluate`` or ``predict`` call (fit's validation pass included)."""
         state = self._state
-        with set_locally(state, inferring=state.inferring + 1, predicting=state.predicting + int(predicting)):
-            yield
+        return set_locally(state, inferring=state.inferring + 1, predicting=state.predicting + int(predicting))
 
     @property
     def inferring_now(self) -> bool:
