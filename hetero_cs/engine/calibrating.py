@@ -83,8 +83,7 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
             warnings.filterwarnings("ignore", message="Calibration finished, but no plan fits")
         result = run_calibration(
             model, batch, devices=list(strategy._compute_devices), parameter_device=strategy._parameter_device,
-            global_batch_size=global_batch_size, emulator=strategy._emulator, store=_store(strategy),
-            progress=progress)
+            global_batch_size=global_batch_size, emulator=strategy._emulator, store=_store(strategy), progress=progress)
     keep_for_restart(strategy, result, fingerprint, global_batch_size)  # under `hetero-cs run` only
     return _use(strategy, result, fingerprint, global_batch_size, "")
 

@@ -165,8 +165,7 @@ class HeteroCentralStorageStrategy(
         batch_split = supervised_run.shares_without_lost_gpus(batch_split, len(devices), emulate is not None)
         shares = None if batch_split is None else arguments.checked_shares(batch_split, len(devices))
         if profile is not None:
-            profile = calibrating.load_profile(profile, devices, emulate,
-                                               auto_balance=auto_balance and shares is None)
+            profile = calibrating.load_profile(profile, devices, emulate, auto_balance=auto_balance and shares is None)
 
         _compat.install()
         # Strategy.__init__ (public class) with our extended object; CentralStorageStrategy.__init__ would build the

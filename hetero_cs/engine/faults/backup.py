@@ -259,8 +259,7 @@ class SupervisedBackup(keras.callbacks.Callback):
         steps = math.ceil(cost_s / max(BACKUP_COST_SHARE * step_s, 1e-9))
         self.interval_steps = max(1, min(MAX_INTERVAL_STEPS, steps))
         logger.info("hetero_cs: fit backs up every %d step(s) (a backup takes %.1f ms, a step %.1f ms): a lost card "
-                    "costs at most %d step(s).", self.interval_steps, 1e3 * cost_s, 1e3 * step_s,
-                    self.interval_steps)
+                    "costs at most %d step(s).", self.interval_steps, 1e3 * cost_s, 1e3 * step_s, self.interval_steps)
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._batches = epoch + 1, 0
@@ -312,9 +311,8 @@ class SupervisedBackup(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         record = {"epoch": self._epoch, "batches": self._batches, "complete": complete, "history": self._history,
                   "epochs": int(self.params.get("epochs") or 0) if self.params else 0,
-                  "step": int(optimizer.iterations.numpy()) if optimizer is not None else 0,
-                  "arrays": slot, "counts": {k: len(v) for k, v in groups.items()}, "run": self._run,
-                  "written": time.time()}
+                  "step": int(optimizer.iterations.numpy()) if optimizer is not None else 0, "arrays": slot,
+                  "counts": {k: len(v) for k, v in groups.items()}, "run": self._run, "written": time.time()}
         try:
             write_atomically(self._dir / slot, lambda stream: np.savez(stream, **arrays))
             write_atomically(self._record_path, lambda stream: stream.write(json.dumps(record).encode()))

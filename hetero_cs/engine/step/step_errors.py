@@ -122,8 +122,7 @@ def xla_compile_error(exc: Exception) -> ConfigError | None:
     # TensorFlow's message starts with "Graph execution error:" and stack notes; the line that names the op is it.
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     reason = next((line for line in lines if "unsupported operations" in line or "located in device" in line),
-                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)),
-                       type(exc).__name__))
+                  next((line for line in lines if re.search(r"XLA|compile", line, re.IGNORECASE)), type(exc).__name__))
     what, fix = _XLA_FUNCTIONS[name]
     return ConfigError(f"XLA could not compile {what}: {reason[:500].rstrip('.')}. {fix}")
 

@@ -105,8 +105,7 @@ class SparseSum:
     def total(self, gradient) -> tf.IndexedSlices:
         """The rows so far with ``gradient``'s, as one ``tf.IndexedSlices``."""
         if self.shared:
-            return tf.IndexedSlices(self.values.read_value() + gradient.values, gradient.indices,
-                                    gradient.dense_shape)
+            return tf.IndexedSlices(self.values.read_value() + gradient.values, gradient.indices, gradient.dense_shape)
         return tf.IndexedSlices(tf.concat([self.values.read_value(), gradient.values], 0),
                                 tf.concat([self.indices.read_value(), gradient.indices], 0), gradient.dense_shape)
 
