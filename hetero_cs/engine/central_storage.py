@@ -47,8 +47,7 @@ _PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
 
 class HeteroCentralStorageStrategy(
     _compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, PackedBatchValues, StrategyState,
-    tf.distribute.experimental.CentralStorageStrategy
-):
+    tf.distribute.experimental.CentralStorageStrategy):
     """Central-storage data parallelism whose per-replica slices are sized by a plan, with exact weighting.
 
     Variables live once on the parameter device (host memory). Each step, every global batch of ``B`` examples is
@@ -138,8 +137,7 @@ class HeteroCentralStorageStrategy(
         auto_balance: bool = True, rebalance: bool = True, batch_split: Sequence[float] | None = None,
         emulate: "Sequence[str] | Any | None" = None, profile_cache: Any = None, guard: "bool | Any" = True,
         profile: Any = None, oom_recovery: "bool | Any | None" = None, fused_update: bool | None = None,
-        micro_batches: bool | None = None, on_device_error: str = "exclude",
-    ):
+        micro_batches: bool | None = None, on_device_error: str = "exclude"):
         guard_policy = guard if isinstance(guard, GuardPolicy) else None  # on, with its own thresholds
         guard = True if guard_policy is not None else guard
         arguments.validate_flags(auto_balance=auto_balance, rebalance=rebalance, guard=guard)
@@ -232,9 +230,8 @@ class HeteroCentralStorageStrategy(
     # ----------------------------------------------------------------------------------------------------------
     # Public state
     # ----------------------------------------------------------------------------------------------------------
-    def set_cost_models(
-        self, cost_models: Sequence[CostModel], *, max_batch_sizes: Sequence[int | None] | None = None
-    ) -> None:
+    def set_cost_models(self, cost_models: Sequence[CostModel], *,
+                        max_batch_sizes: Sequence[int | None] | None = None) -> None:
         """Replaces the per-replica cost models (and memory caps) and re-solves the plan, at once (no guard trial).
 
         Models set here are kept: ``model.fit`` then does not calibrate over them (``calibrate(..., force=True)``
@@ -458,13 +455,12 @@ class HeteroCentralStorageStrategy(
         """
         result = calibrating.calibrate(self, model, data, force=force, progress=progress)
         reference = self._balancer.reference_batch_size
-        if reference is not None:
-            # The guard may measure the fastest card alone at any time (when the plan in force measures slow): its
-            # set of active replicas gets a branch before the step is traced (hetero_cs.engine.step.idle_replicas), so
-            # that trial traces nothing again (a custom loop's step is traced once, after this call).
-            alone = self._balancer.fastest_alone_plan(reference)
-            if alone is not None:
-                self._active_sets.note(alone.per_replica_batch_sizes, training=True)
+        # The guard may measure the fastest card alone at any time (when the plan in force measures slow): its
+        # set of active replicas gets a branch before the step is traced (hetero_cs.engine.step.idle_replicas), so
+        # that trial traces nothing again (a custom loop's step is traced once, after this call).
+        alone = None if reference is None else self._balancer.fastest_alone_plan(reference)
+        if alone is not None:
+            self._active_sets.note(alone.per_replica_batch_sizes, training=True)
         return result
 
     def _fit_callbacks(self, model, callbacks, arguments=None):

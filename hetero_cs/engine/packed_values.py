@@ -159,11 +159,9 @@ class PackedBatchValues:
 
         def gather_leaf(leaf):
             slices = self._replica_slices(leaf)
-            if slices is None:
-                return gather_one(leaf, axis)
-            if is_unbatched_marker(slices[0]):  # None / Optional: nothing to gather
+            if slices is not None and is_unbatched_marker(slices[0]):  # None / Optional: nothing to gather
                 return slices[0]
-            return gather_one(_compat.per_replica(slices), axis)
+            return gather_one(leaf if slices is None else _compat.per_replica(slices), axis)
 
         return tf.nest.map_structure(gather_leaf, value)
 

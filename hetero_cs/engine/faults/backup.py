@@ -84,11 +84,9 @@ def describe_run(arguments: dict) -> dict:
     if leaves and all(isinstance(leaf, (np.ndarray, tf.Tensor)) and len(getattr(leaf, "shape", ())) for leaf in leaves):
         return {"global_batch_size": int(arguments.get("batch_size") or 32), "examples": int(leaves[0].shape[0]),
                 "shuffled_arrays": bool(arguments.get("shuffle", True))}
-    batch = None
-    if isinstance(x, tf.data.Dataset):
-        dims = {spec.shape[0] if spec.shape.rank else None for spec in tf.nest.flatten(x.element_spec)}
-        batch = dims.pop() if len(dims) == 1 else None
-    return {"global_batch_size": batch, "examples": None, "shuffled_arrays": False}
+    dims = ({spec.shape[0] if spec.shape.rank else None for spec in tf.nest.flatten(x.element_spec)}
+            if isinstance(x, tf.data.Dataset) else set())
+    return {"global_batch_size": dims.pop() if len(dims) == 1 else None, "examples": None, "shuffled_arrays": False}
 
 
 def _variable_groups(model) -> dict[str, list]:

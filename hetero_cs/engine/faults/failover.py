@@ -127,16 +127,14 @@ class DeviceFailover:
 
         ``restored``: the model's non-trained and metric variables were put back (``fit`` with the batch in hand);
         otherwise the message says that those may hold the failed step's other replicas' updates."""
-        card = self.card(replica_id)
-        excluded = [self.card(i) for i in self.exclusions]
         state = ("variables and optimizer state are as they were before it" if restored else
                  "the trained variables and the optimizer state are as they were before it, but BatchNormalization's "
                  "moving statistics and the metrics may hold the other replicas' part of the failed step")
         return DeviceFaultError(
-            f"The training step failed with a device error on replica {replica_id}, {card} ({type(exc).__name__}: "
-            f"{first_line(exc)}), and training cannot go on without it: {why}. Excluded before: "
-            f"{excluded or 'none'}. No update of this step was applied: {state}. Check the card (nvidia-smi -q shows "
-            f"ECC errors and Xid events), leave it out of compute_devices (or CUDA_VISIBLE_DEVICES), or run the "
-            f"script under `hetero-cs run` to restart it without the card. The original error is chained below.",
-            replica_id=replica_id, device=self._strategy.compute_devices[replica_id],
-            excluded=tuple(self.exclusions), last_error=exc)
+            f"The training step failed with a device error on replica {replica_id}, {self.card(replica_id)} "
+            f"({type(exc).__name__}: {first_line(exc)}), and training cannot go on without it: {why}. Excluded before: "
+            f"{[self.card(i) for i in self.exclusions] or 'none'}. No update of this step was applied: {state}. Check "
+            f"the card (nvidia-smi -q shows ECC errors and Xid events), leave it out of compute_devices (or "
+            f"CUDA_VISIBLE_DEVICES), or run the script under `hetero-cs run` to restart it without the card. The "
+            f"original error is chained below.", replica_id=replica_id,
+            device=self._strategy.compute_devices[replica_id], excluded=tuple(self.exclusions), last_error=exc)

@@ -45,10 +45,8 @@ def applies(setting: bool | None, optimizer, gradients: Sequence) -> bool:
     """
     if setting is False or tf.executing_eagerly():
         return False
-    if setting is True:
-        return True
     keras_own = type(optimizer).__module__.startswith(_KERAS_OPTIMIZER_MODULES)
-    return keras_own and not any(isinstance(g, tf.IndexedSlices) for g in gradients)
+    return setting is True or (keras_own and not any(isinstance(g, tf.IndexedSlices) for g in gradients))
 
 
 def compiled(update: Callable[[list], object], device: str) -> Callable[[list], tf.Tensor]:

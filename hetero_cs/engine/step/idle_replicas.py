@@ -324,11 +324,9 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
     count = len(active)
 
     def batched(parts) -> bool:
-        shape = parts[0].shape
-        if not shape.rank:  # a scalar, or of unknown rank
-            return False
-        return shape[0] is None if sizes is None else all(
-            p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active))
+        shape = parts[0].shape  # not a scalar, nor of unknown rank
+        return bool(shape.rank) and (shape[0] is None if sizes is None else all(
+            p.shape.rank and p.shape[0] == int(sizes[r]) for p, r in zip(parts, active)))
 
     def fill(template, is_batch):
         shape = template.shape

@@ -149,11 +149,10 @@ class PlanSlicer(DeepcopiedWithNewLocks):
         self._device = device
         self._lock = threading.Lock()
         self._published: tuple[int, ...] = (_UNSET,) * (self._num_replicas + 1)
-        self._cache = None
         # Created outside any strategy scope and tf.function: plain host variables, not mirrored ones.
         with tf.init_scope(), tf.device(device):
-            if cacheable:
-                self._cache = tf.Variable(self._published, dtype=tf.int64, trainable=False, name="hetero_cs_plan_cache")
+            self._cache = (tf.Variable(self._published, dtype=tf.int64, trainable=False, name="hetero_cs_plan_cache")
+                           if cacheable else None)
             # The sizes the last step started with (read after a failed step: which replica had how many examples).
             self._last_sizes = tf.Variable([0] * self._num_replicas, dtype=tf.int64, trainable=False,
                                            name="hetero_cs_last_step_sizes")

@@ -40,8 +40,8 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
     """
     message = str(exc)
     cross_replica = False
-    if replica_id is None:
-        replica_id = getattr(exc, REPLICA_ID_ATTRIBUTE, None)  # set when the replica ran eagerly
+    # The error's replica attribute is set when the replica ran eagerly.
+    replica_id = getattr(exc, REPLICA_ID_ATTRIBUTE, None) if replica_id is None else replica_id
     if replica_id is None:
         # "[[{{node NAME}}]]" names the op that failed; "Detected at node NAME" may name an op it fed.
         match = re.search(r"\[\[\{\{node ([^}\s]+)\}\}\]\]", message) or re.search(r"node (\S+)", message)
