@@ -138,8 +138,7 @@ class PackedBatchValues:
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis=axis), value)
         if value is None:  # e.g. the missing sample weights of an (x, y, None) batch
             return None
-        op = reduce_op if isinstance(reduce_op, str) else reduce_op.value
-        whole_mean = axis is None and str(op).upper() == "MEAN"
+        whole_mean = axis is None and str(getattr(reduce_op, "value", reduce_op)).upper() == "MEAN"  # a ReduceOp or str
         slices = self._replica_slices(value)
         if slices is not None:  # an element of a distributed dataset: reduce its per-replica slices
             if is_unbatched_marker(slices[0]):

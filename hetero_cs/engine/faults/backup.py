@@ -50,11 +50,11 @@ from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
+#: Share of training time spent writing backups after the first (half the 1 % budget, which the first shares).
 BACKUP_COST_SHARE = 0.005
-"""Share of training time spent writing backups after the first (half the 1 % budget, which the first shares)."""
 
+#: Most steps between two backups, whatever a backup costs: the most a lost card costs.
 MAX_INTERVAL_STEPS = 1000
-"""Most steps between two backups, whatever a backup costs: the most a lost card costs."""
 
 _FIT_ORDINALS = itertools.count()  # the k-th supervised fit of this process: its backup is fit_<k>
 _ORDINAL_LOCK = threading.Lock()
@@ -254,8 +254,7 @@ class SupervisedBackup(keras.callbacks.Callback):
     def _choose_interval(self, step_s: float) -> None:
         """Fixes the steps between backups from the cheaper of the first two backups and the second step's time."""
         cost_s = min(self._costs_s)
-        steps = math.ceil(cost_s / max(BACKUP_COST_SHARE * step_s, 1e-9))
-        self.interval_steps = max(1, min(MAX_INTERVAL_STEPS, steps))
+        self.interval_steps = max(1, min(MAX_INTERVAL_STEPS, math.ceil(cost_s / max(BACKUP_COST_SHARE * step_s, 1e-9))))
         logger.info("hetero_cs: fit backs up every %d step(s) (a backup takes %.1f ms, a step %.1f ms): a lost card "
                     "costs at most %d step(s).", self.interval_steps, 1e3 * cost_s, 1e3 * step_s, self.interval_steps)
 

@@ -126,8 +126,7 @@ class ActiveSets(DeepcopiedWithNewLocks):
     def for_trace(self, *, training: bool) -> tuple[tuple[int, ...], ...]:
         """The sets a step of this kind traced now gets branches for."""
         with self._lock:
-            sets = self._sets[True] if training else {*self._sets[True], *self._sets[False]}
-            return tuple(sorted(sets))
+            return tuple(sorted(self._sets[True] if training else {*self._sets[True], *self._sets[False]}))
 
     def version(self, *, training: bool) -> int:
         """Grows whenever :meth:`for_trace` of this kind changes."""
@@ -275,8 +274,7 @@ def served_sizes(sizes: Sequence[int], traced, keep_idle: Sequence[int] = ()) ->
     split = list(sizes)
     for i in superset:
         if split[i] == 0:
-            donor = max(superset, key=lambda j: split[j])
-            split[donor] -= 1
+            split[max(superset, key=lambda j: split[j])] -= 1  # the donor: the largest slice
             split[i] = 1
     logger.debug("hetero_cs: split %s runs as %s this step (its set of active replicas gets a branch when the step "
                  "is traced again).", list(sizes), split)
@@ -343,12 +341,9 @@ def expand_outputs(result, active: Sequence[int], num_replicas: int, *, keras_st
 
     def expand(value):
         parts = components(value)
-        if parts is None or len(parts) != count:
-            if count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):  # one active replica: not regrouped
-                parts = (value,)
-            else:
-                return value
-        if isinstance(value, tf.Variable):
+        if (parts is None or len(parts) != count) and count == 1 and isinstance(value, (tf.Tensor, tf.RaggedTensor)):
+            parts = (value,)  # one active replica: not regrouped
+        if parts is None or len(parts) != count or isinstance(value, tf.Variable):
             return value
         first, is_batch = parts[0], batched(parts)
         return per_replica([parts[slot[r]] if r in slot else fill(first, is_batch) for r in range(num_replicas)])

@@ -23,8 +23,8 @@ EMPTY_SLICE_ADVICE = (
     "TensorFlow is imported.")
 
 
+#: The name scope of the reductions over the replicas (the merge calls' sums on the parameter device).
 CROSS_REPLICA_SCOPE = "hetero_cross_replica"
-"""The name scope of the reductions over the replicas (the merge calls' sums on the parameter device)."""
 
 def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_plan, replica_id=None,
                        kind: str = "training", failed_sizes=None):
@@ -114,9 +114,8 @@ def xla_compile_error(exc: Exception) -> ConfigError | None:
     if not isinstance(exc, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
         return None
     message = str(exc)
-    name = next((name for name in _XLA_FUNCTIONS if name in message), None)
-    if name is None and "tfvariable_on_a_different_device" in message:
-        name = "hetero_cs_replica_forward_backward"
+    name = next((name for name in _XLA_FUNCTIONS if name in message),
+                "hetero_cs_replica_forward_backward" if "tfvariable_on_a_different_device" in message else None)
     if name is None or not re.search(r"XLA|compile|jit|located in device", message, re.IGNORECASE):
         return None
     # TensorFlow's message starts with "Graph execution error:" and stack notes; the line that names the op is it.
