@@ -50,11 +50,11 @@ from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
-#: Share of training time spent writing backups after the first (half the 1 % budget, which the first shares).
 BACKUP_COST_SHARE = 0.005
+"""Share of training time spent writing backups after the first (half the 1 % budget, which the first shares)."""
 
-#: Most steps between two backups, whatever a backup costs: the most a lost card costs.
 MAX_INTERVAL_STEPS = 1000
+"""Most steps between two backups, whatever a backup costs: the most a lost card costs."""
 
 _FIT_ORDINALS = itertools.count()  # the k-th supervised fit of this process: its backup is fit_<k>
 _ORDINAL_LOCK = threading.Lock()

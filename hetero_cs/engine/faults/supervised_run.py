@@ -27,15 +27,15 @@ from hetero_cs.errors import ConfigError
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
 
-#: Restarts so far (0 on the first run), set by the supervisor and the launcher; hetero_cs itself never reads it.
 RESTART_ENV_VAR = "HETERO_CS_RESTART"
-#: The library's own backup directory (``--backup-dir``/hetero_cs).
+"""Restarts so far (0 on the first run), set by the supervisor and the launcher; hetero_cs itself never reads it."""
 BACKUP_DIR_ENV_VAR = "HETERO_CS_BACKUP_DIR"
-#: Positions, in the script's first device list, of the cards the script was restarted without.
+"""The library's own backup directory (``--backup-dir``/hetero_cs)."""
 EXCLUDED_ENV_VAR = "HETERO_CS_EXCLUDED_DEVICES"
+"""Positions, in the script's first device list, of the cards the script was restarted without."""
 
-#: The subdirectory of ``--backup-dir`` the library writes in.
 OWNED_DIR = "hetero_cs"
+"""The subdirectory of ``--backup-dir`` the library writes in."""
 
 MANIFEST = "MANIFEST.json"
 
