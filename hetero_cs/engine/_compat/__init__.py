@@ -89,26 +89,15 @@ def install() -> None:
         # catch them. AutoGraph passes an exception with an `ag_pass_through` attribute through unchanged
         # (tensorflow/python/autograph/impl/api.py, _attach_error_metadata).
         HeteroCSError.ag_pass_through = True
-        distribute.register_replica_count_conversion()
-        losses.patch_loss_scaling()
-        losses.patch_compute_average_loss()
-        losses.patch_loss_reduction()
-        losses.patch_layer_losses()
-        losses.patch_compute_loss()
-        losses.patch_mean_metric()
-        tape.patch_gradient_tape()
-        batch_norm.patch_batch_normalization()
-        variables.patch_variable_assign_add()
-        optimizer.patch_optimizer()
-        loss_scale.patch_loss_scale_optimizer()
-        variables.patch_seed_generator()
-        trainer.patch_entry_points()
-        trainer.patch_make_train_function()
-        trainer.patch_inference_functions()
-        trainer.patch_symbolic_build()
-        on_batch.patch_on_batch()
-        replica_pass.patch_train_step()
-        replica_pass.patch_inference_steps()
-        multi_worker.patch_reduce_per_replica()
+        for install_patches in (
+                distribute.register_replica_count_conversion, losses.patch_loss_scaling,
+                losses.patch_compute_average_loss, losses.patch_loss_reduction, losses.patch_layer_losses,
+                losses.patch_compute_loss, losses.patch_mean_metric, tape.patch_gradient_tape,
+                batch_norm.patch_batch_normalization, variables.patch_variable_assign_add, optimizer.patch_optimizer,
+                loss_scale.patch_loss_scale_optimizer, variables.patch_seed_generator, trainer.patch_entry_points,
+                trainer.patch_make_train_function, trainer.patch_inference_functions, trainer.patch_symbolic_build,
+                on_batch.patch_on_batch, replica_pass.patch_train_step, replica_pass.patch_inference_steps,
+                multi_worker.patch_reduce_per_replica):
+            install_patches()
         _installed = True
         logger.debug("hetero_cs: Keras patches installed (they act only under HeteroCentralStorageStrategy)")

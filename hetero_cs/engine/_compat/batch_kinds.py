@@ -135,9 +135,7 @@ def entries(tensor) -> list | None:
 def axes(tensor, rank: int | None) -> list[int] | None:
     """The axes a static axis tensor names, as non-negative ints, or None."""
     value = static(tensor)
-    if value is None or rank is None:
-        return None
-    return [int(a) % max(rank, 1) for a in np.ravel(value)]
+    return None if value is None or rank is None else [int(a) % max(rank, 1) for a in np.ravel(value)]
 
 
 def captured(tensor):

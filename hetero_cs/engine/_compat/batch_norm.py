@@ -44,23 +44,18 @@ def global_moments(inputs, axes, mask=None, epsilon: float = 1e-7):
     """
     dtype = inputs.dtype
     x = tf.cast(inputs, tf.float32) if dtype in (tf.float16, tf.bfloat16) else inputs
-    if mask is None:
-        weights = tf.ones_like(x)
-    else:
-        weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(x)), x.dtype)
+    weights = tf.ones_like(x) if mask is None else tf.cast(
+        tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(x)), x.dtype)
     local = [tf.reduce_sum(x * weights, axes, keepdims=True), tf.reduce_sum(weights, axes, keepdims=True)]
     total, count = all_reduced_sum(local)
-    if mask is None:
-        mean = tf.math.divide_no_nan(total, count)
-    else:
+    if mask is not None:
         count = count + tf.cast(epsilon, x.dtype)
-        mean = total / count
+    mean = tf.math.divide_no_nan(total, count) if mask is None else total / count
     squares = all_reduced_sum(tf.reduce_sum(tf.square(x - mean) * weights, axes, keepdims=True))
     variance = tf.math.divide_no_nan(squares, count) if mask is None else squares / count
     mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     if x.dtype != dtype:
-        mean = tf.cast(tf.clip_by_value(mean, dtype.min, dtype.max), dtype)
-        variance = tf.cast(tf.clip_by_value(variance, dtype.min, dtype.max), dtype)
+        mean, variance = (tf.cast(tf.clip_by_value(v, dtype.min, dtype.max), dtype) for v in (mean, variance))
     return mean, variance
 
 

@@ -32,8 +32,6 @@ def current_multi_worker_strategy():
     return _current(is_multi_worker_strategy)
 
 
-
-
 def in_keras_entry_point() -> bool:
     """True inside a Keras ``fit``, ``evaluate`` or ``predict`` of a model under the multi-worker strategy (this
     thread), False in a custom loop."""
@@ -78,9 +76,7 @@ def strategy_of(model) -> Any:
 
 
 def _current(accept) -> Any:
-    if replica_state.current_replica_step() is None:
-        return None
-    strategy = tf.distribute.get_strategy()
+    strategy = tf.distribute.get_strategy() if replica_state.current_replica_step() is not None else None
     return strategy if accept(strategy) else None
 
 
@@ -113,9 +109,7 @@ def components(value) -> tuple | None:
     """The components of a per-replica value (one per replica, or one for a global batch's leaf), else None."""
     # Private: PerReplica._values holds the components; experimental_local_results is overridden by the strategy
     # to return the unpacked slices, so it cannot be used here.
-    if not isinstance(value, tf.distribute.DistributedValues):
-        return None
-    return tuple(getattr(value, "_values", ()))
+    return tuple(getattr(value, "_values", ())) if isinstance(value, tf.distribute.DistributedValues) else None
 
 
 def per_replica(components) -> Any:
@@ -136,8 +130,7 @@ def global_batch_size_of(data: Any) -> int | None:
     for value in tf.nest.flatten(data, expand_composites=False):
         parts = components(value)
         if parts and len(parts) == 1 and not is_unbatched_marker(parts[0]):
-            component = parts[0]
-            return int(component.nrows() if isinstance(component, tf.RaggedTensor) else component.shape[0])
+            return int(parts[0].nrows() if isinstance(parts[0], tf.RaggedTensor) else parts[0].shape[0])
     return None
 
 

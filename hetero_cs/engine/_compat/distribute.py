@@ -44,12 +44,12 @@ class DeepcopiedStrategy:
         cls = type(self)
         result = cls.__new__(cls)
         memo[id(self)] = result
-        lifted = self._extended.__dict__.get("_hetero_lifted_functions")  # see HeteroExtended.lifted_function
-        if lifted is not None:
-            memo[id(lifted)] = weakref.WeakKeyDictionary()
-        active = self._extended.__dict__.get("_hetero_active")  # see HeteroExtended._only_replicas
-        if active is not None:
-            memo[id(active)] = threading.local()
+        # See HeteroExtended.lifted_function and HeteroExtended._only_replicas: each starts afresh in the copy.
+        fresh_state = {"_hetero_lifted_functions": weakref.WeakKeyDictionary, "_hetero_active": threading.local}
+        for name, fresh in fresh_state.items():
+            value = self._extended.__dict__.get(name)
+            if value is not None:
+                memo[id(value)] = fresh()
         for value in vars(self).values():
             if isinstance(value, tf.data.Dataset):
                 memo[id(value)] = value
@@ -115,9 +115,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
     """
 
     def _create_variable(self, next_creator, **kwargs):
-        aggregation = kwargs.get("aggregation")
-        trainable = kwargs.get("trainable", True)
-        if not trainable and aggregation in (None, tf.VariableAggregation.NONE):
+        if not kwargs.get("trainable", True) and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE):
             dtype = kwargs.get("dtype")
             initial_value = kwargs.get("initial_value")
             if dtype is None and initial_value is not None and not callable(initial_value):
@@ -363,9 +361,8 @@ class _HostDistributedDataset(input_lib.DistributedDatasetsFromFunction):
 
     def __iter__(self):
         iterator = super().__iter__()
-        source = self.source_dataset
-        if self._hetero_first_batches is not None and source is not None:
-            self._hetero_first_batches.restore_next(source, iterator)
+        if self._hetero_first_batches is not None:  # (restore_next ignores an unknown source)
+            self._hetero_first_batches.restore_next(self.source_dataset, iterator)
         return iterator
 
     @property

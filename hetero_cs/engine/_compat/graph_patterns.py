@@ -77,20 +77,16 @@ def linear_terms(value, variable=None) -> tuple[float, list] | None:
             op = op.inputs[0].op
         return bool(handles) and op.type == "ReadVariableOp" and _captures_one_of(op.inputs[0], handles)
 
-    coefficient, leaves = 0.0, []
-    stack = [(value, 1.0)]
-    visited = 0
-    while stack:
+    coefficient, leaves, stack = 0.0, [], [(value, 1.0)]
+    for _ in range(_MAX_OPS):
+        if not stack:
+            return coefficient, leaves
         tensor, coeff = stack.pop()
-        visited += 1
-        if visited > _MAX_OPS:
-            return None
         if reads_variable(tensor):
             coefficient += coeff
             continue
-        op = tensor.op
+        op, inputs = tensor.op, list(tensor.op.inputs)
         kind = op.type
-        inputs = list(op.inputs)
         if kind in _PASS_THROUGH and inputs:
             stack.append((inputs[0], coeff))
         elif kind in ("AddV2", "Add", "AddN"):  # a sum of two (Add, AddV2) or of any number (AddN) of terms
@@ -108,7 +104,7 @@ def linear_terms(value, variable=None) -> tuple[float, list] | None:
             stack.append((inputs[0], coeff))  # a reduction of a scalar is the scalar (Keras sums each add_loss value)
         else:
             leaves.append((coeff, tensor))  # anything else is a leaf that does not read the variable
-    return coefficient, leaves
+    return None if stack else (coefficient, leaves)
 
 
 def _captures_one_of(tensor, handle_ids: set) -> bool:

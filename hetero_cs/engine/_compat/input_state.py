@@ -64,13 +64,7 @@ class FirstBatchReader(DeepcopiedWithNewLocks):
             StopIteration: The dataset is empty.
         """
         iterator = distributed.plain_iterator()  # nothing restored into it
-        state = None
-        try:
-            state = tf.raw_ops.SerializeIterator(
-                resource_handle=host_iterator_resource(iterator), external_state_policy=_IGNORE_EXTERNAL_STATE
-            )
-        except (tf.errors.OpError, AttributeError, IndexError) as exc:
-            self._warn(exc)
+        state = self._on_host(tf.raw_ops.SerializeIterator, iterator, external_state_policy=_IGNORE_EXTERNAL_STATE)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             element = next(iterator)
@@ -91,10 +85,15 @@ class FirstBatchReader(DeepcopiedWithNewLocks):
             state = self._pending.pop(source, None)
         if state is None or not tf.executing_eagerly():
             return  # an iterator made inside a tf.function cannot be restored here: it starts as TensorFlow starts it
+        self._on_host(tf.raw_ops.DeserializeIterator, iterator, serialized=state)
+
+    def _on_host(self, op, iterator, **kwargs):
+        """``op`` (tf.data's iterator (de)serialization) on ``iterator``'s host iterator, or None with a warning."""
         try:
-            tf.raw_ops.DeserializeIterator(resource_handle=host_iterator_resource(iterator), serialized=state)
+            return op(resource_handle=host_iterator_resource(iterator), **kwargs)
         except (tf.errors.OpError, AttributeError, IndexError) as exc:
             self._warn(exc)
+            return None
 
     def _warn(self, exc: Exception) -> None:
         if self._warned:

@@ -48,17 +48,14 @@ def _current_graph():
 def _noted_in_this_graph(field: str):
     """The step handoff's ``field`` (a tuple whose last item is its graph) when it was noted in the graph being
     traced (or eagerly, when executing eagerly), else None."""
-    handoff = replica_state.current_step_handoff()
-    noted = None if handoff is None else getattr(handoff, field)
+    noted = getattr(replica_state.current_step_handoff(), field, None)  # (None without a handoff)
     return noted if noted is not None and noted[-1] is _current_graph() else None
 
 
 def pending_scaler(inner_optimizer):
     """The LossScaleOptimizer that is applying gradients through ``inner_optimizer`` in this step, else None."""
     pending = _noted_in_this_graph("loss_scale_pending")
-    if pending is None or getattr(pending[0], "inner_optimizer", None) is not inner_optimizer:
-        return None
-    return pending[0]
+    return pending[0] if pending and getattr(pending[0], "inner_optimizer", None) is inner_optimizer else None
 
 
 def iterations_increment(variable, value):
@@ -133,7 +130,6 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
         handoff.loss_scale_pending = None  # consumed: this step's update is the one the replicas marked
     hooks.fired(hooks.LOSS_SCALE_HOST)
     pairs = [(_first_value(distribution, g), v) for g, v in grads_and_vars]
-    variables = [v for _, v in pairs]
     with tf.device(distribution.parameter_device):
         present = [g for g, _ in pairs if g is not None]
         finite = tf.reduce_all(tf.stack([_is_finite(g) for g in present])) if present else tf.constant(True)
@@ -142,7 +138,7 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
         unscaled = clip([None if g is None else _divide(g, scale) for g, _ in pairs])
 
     def apply_step():
-        update(list(zip(unscaled, variables)))
+        update(list(zip(unscaled, [v for _, v in pairs])))
         return tf.constant(True)
 
     tf.cond(finite, apply_step, lambda: tf.constant(False))

@@ -52,10 +52,8 @@ _current_loss = threading.local()  # the Loss object being called in this thread
 
 def weighted_step():
     """The replica step being run when it is ours and knows its global batch (the b_i / B weighting applies)."""
-    if current_weighting_strategy() is None:
-        return None
-    step = replica_state.current_replica_step()
-    return step if step.global_batch_size is not None else None
+    step = replica_state.current_replica_step()  # not None when one of our strategies runs a replica step
+    return step if current_weighting_strategy() is not None and step.global_batch_size is not None else None
 
 
 def _patch_weighted(owner, name: str):

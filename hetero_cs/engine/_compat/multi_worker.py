@@ -29,6 +29,7 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -86,10 +87,9 @@ def patch_reduce_per_replica() -> None:
 
         shares = []
         structure(lambda key, value: shares.append(value) if logged_share(value) else None)
-        if multi_worker:  # metric results and logged shares summed over the cluster in one all-reduce
-            results, sums = summed_logs(current_keras_model() if isinstance(values, dict) else None, strategy, shares)
-        else:
-            results, sums = {}, [strategy.reduce("SUM", value, axis=None) for value in shares]
+        # Under the multi-worker strategy: metric results and logged shares summed over the cluster in one all-reduce.
+        results, sums = (summed_logs(current_keras_model() if isinstance(values, dict) else None, strategy, shares)
+                         if multi_worker else ({}, [strategy.reduce("SUM", value, axis=None) for value in shares]))
         sums = iter(sums)
 
         def reduce(key, value):
@@ -259,11 +259,10 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     if emulated is not None:  # the emulator numbers the replicas of the whole cluster
         offset = int(emulated.group(1)) - first
         local_id = offset if 0 <= offset < len(local) else None
-    worker = id_in_cluster(strategy)
     device = local[local_id] if local_id is not None else "one of its devices"
     _tell_cluster(strategy, f"a device error on {device} ({first_line(exc)})")
     return DeviceFaultError(
-        f"model.{verb} failed on worker {worker} with a device error on {device} ({type(exc).__name__}: "
+        f"model.{verb} failed on worker {id_in_cluster(strategy)} with a device error on {device} ({type(exc).__name__}: "
         f"{first_line(exc)}). On several machines a failing card is not set aside: every worker runs the same steps "
         f"in lockstep, so the job stops (the other workers were told and stop too, with a WorkerLostError). No update "
         f"of this step was applied. Check the card (nvidia-smi -q: ECC errors, Xid events), then restart the job "
@@ -310,22 +309,19 @@ def _worker_lost(strategy, verb: str, exc: Exception):
 
 _local_cpus = threading.local()  # .count while a HeteroMultiWorkerMirroredStrategy with CPU replicas is built here
 _local_devices_lock = threading.Lock()
-_local_devices_patched = False
 
 
 @contextlib.contextmanager
 def local_cpu_replicas(count: int):
     """While a HeteroMultiWorkerMirroredStrategy is built in this block, its worker runs ``count`` replicas on the
     logical CPU devices ``CPU:0..count-1`` (which must exist) instead of TensorFlow's one CPU replica."""
-    global _local_devices_patched
-    with _local_devices_lock:
-        if not _local_devices_patched:
-            patch_local_devices()
-            _local_devices_patched = True
+    with _local_devices_lock:  # patched once (functools.cache), by the first such block
+        patch_local_devices()
     with set_locally(_local_cpus, count=int(count)):
         yield
 
 
+@functools.cache
 def patch_local_devices() -> None:
     # Private: CollectiveAllReduceExtended._initialize_local_devices chooses a worker's local replicas: every GPU,
     # else exactly one CPU replica, and MultiWorkerMirroredStrategy has no argument to give them in a cluster (only

@@ -15,16 +15,15 @@ other strategies, and under the multi-worker strategy (whose workers each read t
 
 from __future__ import annotations
 
-from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.context import is_hetero_strategy, strategy_of
-from hetero_cs.engine._compat.symbols import patch
+from hetero_cs.engine._compat.symbols import patch, require
 from hetero_cs.engine._compat.trainer import _examples_and_batch_size
 from hetero_cs.errors import InputError
 
 
 def patch_on_batch() -> None:
     # Private: TensorFlowTrainer is where Keras' TensorFlow backend defines the three methods.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+    TensorFlowTrainer = require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
 
     @patch(TensorFlowTrainer, "train_on_batch")
     def train_on_batch(original, self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):

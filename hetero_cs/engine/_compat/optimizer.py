@@ -11,8 +11,7 @@ import threading
 import tensorflow as tf
 
 from hetero_cs.devices.step_clock import stamp_step_end
-from hetero_cs.engine.step import fused_update
-from hetero_cs.engine.step import replica_state
+from hetero_cs.engine.step import fused_update, replica_state
 from hetero_cs.engine.step.sub_steps import SparseSum
 from hetero_cs.engine._compat import hooks, loss_scale
 from hetero_cs.engine._compat.context import (
@@ -242,17 +241,14 @@ def _accumulate_across_workers(optimizer, strategy, grads, trainable_variables, 
         optimizer._backend_increment_gradient_accumulators(step_grads, accumulators)  # noqa: SLF001
 
     def cross_replica(distribution, step_grads):
+        def branch(step, applies: bool):
+            def run():
+                distribution.extended.call_for_each_replica(step, args=(step_grads,))
+                return tf.constant(applies)
+            return run
+
         is_update_step = (optimizer._iterations + 1) % n == 0  # noqa: SLF001
-
-        def apply_branch():
-            distribution.extended.call_for_each_replica(apply_step, args=(step_grads,))
-            return tf.constant(True)
-
-        def accumulate_branch():
-            distribution.extended.call_for_each_replica(accumulate_step, args=(step_grads,))
-            return tf.constant(False)
-
-        return tf.cond(is_update_step, apply_branch, accumulate_branch)
+        return tf.cond(is_update_step, branch(apply_step, True), branch(accumulate_step, False))
 
     context.merge_call(cross_replica, args=(summed,))
 
@@ -297,11 +293,9 @@ def _accumulating_update(optimizer, distribution, grads_and_vars, run_update):
         static = isinstance(sub_step, int)  # an overlapped call's sub-step: the branch is known while tracing
         if static:
             sub_step = tf.constant(sub_step, tf.int32)
-        if n is None:
-            keras_applies = tf.constant(True)
-        else:  # Keras' rule, read before apply() counts this step: (iterations + 1) % n == 0
-            # Private: Keras' iteration counter (the public `iterations` divides it by n under accumulation).
-            keras_applies = tf.equal((optimizer._iterations + 1) % n, 0)  # noqa: SLF001
+        # Keras' rule, read before apply() counts this step: (iterations + 1) % n == 0. Private: Keras' iteration
+        # counter (the public `iterations` divides it by n under accumulation).
+        keras_applies = tf.constant(True) if n is None else tf.equal((optimizer._iterations + 1) % n, 0)  # noqa: SLF001
         branch = tf.where(tf.equal(sub_step, 1), 1, tf.where(
             tf.logical_not(keras_applies), 2, tf.where(tf.logical_or(tf.equal(sub_step, 2), n is not None), 3, 0)))
     # A sparse gradient (an Embedding's tf.IndexedSlices) stays sparse over sub-steps: its rows are concatenated, as
@@ -401,9 +395,8 @@ def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:
             variable.assign_sub(variable * wd * lr)
 
     for variable in variables:
-        if isinstance(variable, backend.Variable):
-            variable = variable.value
-        distribution.extended.update(variable, weight_decay_fn, group=False)
+        distribution.extended.update(variable.value if isinstance(variable, backend.Variable) else variable,
+                                     weight_decay_fn, group=False)
 
 
 def _sum_on_parameter_device(strategy, per_replica_grads, clip=None) -> list:

@@ -29,8 +29,7 @@ RENAMED_CLASSES = {
 REQUIRED = (
     ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", (
         "apply", "apply_gradients", "assign", "_clip_gradients", "_all_reduce_sum_gradients",
-        "_distributed_tf_update_step",
-        "_apply_weight_decay", "_use_weight_decay")),
+        "_distributed_tf_update_step", "_apply_weight_decay", "_use_weight_decay")),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", ("apply", "_tf_apply")),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer", ("_backend_apply_gradients", "_backend_update_step")),
     ("keras.src.losses.loss", None, (
@@ -47,8 +46,7 @@ REQUIRED = (
     ("keras.src.random.seed_generator", "SeedGenerator", ("next",)),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", (
         "fit", "evaluate", "predict", "train_step", "make_train_function", "make_test_function",
-        "make_predict_function",
-        "_maybe_symbolic_build", "_symbolic_build")),
+        "make_predict_function", "_maybe_symbolic_build", "_symbolic_build")),
     ("keras.src.backend.tensorflow.trainer", None, ("reduce_per_replica",)),
     ("tensorflow.python.distribute.parameter_server_strategy", "ParameterServerStrategyExtended", (
         "_create_variable", "_call_for_each_replica")),
