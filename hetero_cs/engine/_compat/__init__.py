@@ -90,8 +90,8 @@ def install() -> None:
         # (tensorflow/python/autograph/impl/api.py, _attach_error_metadata).
         HeteroCSError.ag_pass_through = True
         for install_patches in (
-                distribute.register_replica_count_conversion, losses.patch_loss_scaling,
-                losses.patch_compute_average_loss, losses.patch_loss_reduction, losses.patch_layer_losses,
+                distribute.register_replica_count_conversion, losses.patch_loss_module,
+                losses.patch_compute_average_loss, losses.patch_layer_losses,
                 losses.patch_compute_loss, losses.patch_mean_metric, tape.patch_gradient_tape,
                 batch_norm.patch_batch_normalization, variables.patch_variable_assign_add, optimizer.patch_optimizer,
                 loss_scale.patch_loss_scale_optimizer, variables.patch_seed_generator, trainer.patch_entry_points,

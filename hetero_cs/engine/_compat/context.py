@@ -161,11 +161,10 @@ def refuse_a_model_from_outside_the_scope(model, model_strategy) -> None:
             "This model's optimizer was created outside `with strategy.scope():` (when the model was compiled "
             "outside it, or an optimizer object made outside it was passed to compile)", model_strategy))
     current = tf.distribute.get_strategy()
-    if model_strategy is not None or not is_ours(current):
-        return
-    raise ConfigError(create_and_compile_in_scope(
-        f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
-        f"belong to no strategy, but model.fit runs inside the scope of a {type(current).__name__}", current))
+    if model_strategy is None and is_ours(current):
+        raise ConfigError(create_and_compile_in_scope(
+            f"This model ({type(model).__name__}) was created outside `with strategy.scope():`, so its variables "
+            f"belong to no strategy, but model.fit runs inside the scope of a {type(current).__name__}", current))
 
 
 def create_and_compile_in_scope(what: str, strategy) -> str:

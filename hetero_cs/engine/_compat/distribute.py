@@ -241,8 +241,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         # and stock reduces refuse a SUM of a value that is not per-replica while num_replicas_in_sync > 1. It is
         # the one active replica's value: a per-replica value of one component.
         active = self.active_replicas_now()
-        if active is not None and len(active) == 1 and not isinstance(value, tf.distribute.DistributedValues) \
-                and isinstance(value, (tf.Tensor, tf.IndexedSlices)):
+        if active is not None and len(active) == 1 and isinstance(value, (tf.Tensor, tf.IndexedSlices)):
             return per_replica((value,))
         return value
 

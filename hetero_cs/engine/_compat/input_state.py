@@ -105,5 +105,5 @@ class FirstBatchReader(DeepcopiedWithNewLocks):
             f"shuffling PyDataset) may then give training a different batch order from single-device training. "
             f"Pass one batch instead of the dataset: strategy.calibrate(model, (x, y)), or use batch_split=[...] "
             f"without emulation (no batch is read then).",
-            stacklevel=3,
+            stacklevel=4,  # the caller of read or restore_next (through _on_host)
         )

@@ -7,7 +7,7 @@ must be its *share*: the part of the single-device loss that its examples contri
 is the slice mean times ``w_i = b_i / B``. Keras reduces losses in a few places, and each is made exact here:
 
 * ``reduce_values`` (per-example losses, reduction ``"sum_over_batch_size"``): Keras' ``1 / R`` scaling becomes
-  ``w_i`` (:func:`patch_loss_scaling`).
+  ``w_i`` (:func:`patch_loss_module`).
 * A loss that returns a scalar (a loss function that reduces itself): a slice mean, weighed ``w_i``. With
   reduction ``"sum"`` or None, or with sample weights or a mask, it cannot be weighed: ``LossPatternError``.
 * A mask (``mask_zero=True``, ``Masking``), and reduction ``"mean_with_sample_weight"``: the normaliser (unmasked
@@ -109,7 +109,7 @@ def patch_compute_average_loss() -> None:
     tf.nn.scale_regularization_loss = scale_regularization_loss
 
 
-def patch_loss_scaling() -> None:
+def patch_loss_module() -> None:
     # keras.src.losses.loss.scale_loss_for_distribution multiplies every replica's mean loss by 1/num_replicas
     # (and unscale_loss_for_distribution undoes it for the logged loss). Both are looked up as module attributes at
     # call time (by Loss.__call__ via reduce_values, the TF trainer and compile_utils), so replacing the module
@@ -127,12 +127,8 @@ def patch_loss_scaling() -> None:
         # divide_no_nan: a 0-example replica logs 0 (with sample weight 0), never NaN.
         return tf.math.divide_no_nan(value, replica_state.replica_weight(value.dtype))
 
-
-def patch_loss_reduction() -> None:
     # Loss.__call__ reduces through the module attribute reduce_weighted_values (looked up at call time), so
     # replacing it reaches every Keras loss. Loss.__call__ itself is wrapped only to name the loss in errors.
-    from keras.src.losses import loss as loss_module
-
     @_patch_weighted(loss_module.Loss, "__call__")
     def call(original, step, self, y_true, y_pred, sample_weight=None):
         hooks.expect(hooks.LOSS_REDUCE, by=f"the loss {self.name!r} (Loss.__call__)")

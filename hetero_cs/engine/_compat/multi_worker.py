@@ -125,9 +125,8 @@ def summed_logs(model, strategy, shares) -> tuple[dict, list]:
     vectors = [tf.concat([tf.reshape(tf.cast(c[local], tf.float64), [-1]) for c in components], axis=0)
                for local in range(len(components[0]))]
     summed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica(vectors), axis=None)
-    sizes = [int(np.prod(shape)) for shape in shapes]
     pieces = [tf.cast(tf.reshape(piece, shape), c[0].dtype)  # each in its own dtype again
-              for piece, shape, c in zip(tf.split(summed, sizes), shapes, components)]
+              for piece, shape, c in zip(tf.split(summed, [int(np.prod(s)) for s in shapes]), shapes, components)]
     logged, pieces = pieces[len(variables):], iter(pieces[:len(variables)])
     results = {}
     for metric in metrics:
@@ -259,10 +258,11 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     if emulated is not None:  # the emulator numbers the replicas of the whole cluster
         offset = int(emulated.group(1)) - first
         local_id = offset if 0 <= offset < len(local) else None
+    worker = id_in_cluster(strategy)
     device = local[local_id] if local_id is not None else "one of its devices"
     _tell_cluster(strategy, f"a device error on {device} ({first_line(exc)})")
     return DeviceFaultError(
-        f"model.{verb} failed on worker {id_in_cluster(strategy)} with a device error on {device} ({type(exc).__name__}: "
+        f"model.{verb} failed on worker {worker} with a device error on {device} ({type(exc).__name__}: "
         f"{first_line(exc)}). On several machines a failing card is not set aside: every worker runs the same steps "
         f"in lockstep, so the job stops (the other workers were told and stop too, with a WorkerLostError). No update "
         f"of this step was applied. Check the card (nvidia-smi -q: ECC errors, Xid events), then restart the job "

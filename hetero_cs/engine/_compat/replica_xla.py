@@ -63,12 +63,10 @@ def check_setting(model) -> None:
     Keras' ``compile`` takes any value; any other true value would ask XLA for the whole distributed step.
     """
     value = getattr(model, "_jit_compile", None)  # private: what compile stored, before Keras resolves None
-    if value is None or isinstance(value, bool):
-        return
-    raise ConfigError(
-        f"compile(jit_compile=...) must be True, False or \"auto\". Received: jit_compile={value!r}. Compile with "
-        f"jit_compile=True to compile each replica's forward and backward pass with XLA, or False for none."
-    )
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(
+            f"compile(jit_compile=...) must be True, False or \"auto\". Received: jit_compile={value!r}. Compile "
+            f"with jit_compile=True to compile each replica's forward and backward pass with XLA, or False for none.")
 
 
 def requested(model) -> bool:
@@ -157,7 +155,6 @@ def multi_worker_fall_back(model, reason: str) -> None:
     _multi_worker_fell_back.add(model)
     logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).",
                 reason)
-    strategy = strategy_of(model)
-    balancer = getattr(strategy, "_balancer", None)
+    balancer = getattr(strategy_of(model), "_balancer", None)
     if balancer is not None:
         balancer.set_idle_replicas_free(False)

@@ -108,10 +108,8 @@ def check_private_symbols() -> None:
     missing = []
     for module_name, class_name, attributes in REQUIRED:
         owner, prefix = resolve(module_name, class_name), f"{module_name}.{class_name}" if class_name else module_name
-        if owner is None:
-            missing.append(prefix)
-        else:
-            missing.extend(f"{prefix}.{name}" for name in attributes if not hasattr(owner, name))
+        missing.extend([prefix] if owner is None else
+                       [f"{prefix}.{name}" for name in attributes if not hasattr(owner, name)])
     if not missing:
         return
     from hetero_cs._supported import version_advice
