@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 
 from calibration.user_model import model_spec
-from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE
+from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE, _float_or
 from hetero_cs.errors import ConfigError
 
 __all__ = ["add_calibrate_arguments", "add_plan_arguments", "run_calibrate", "run_plan"]
@@ -58,10 +58,7 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], i
 def _positive_float(maximum: float) -> Callable[[str], float]:
     """An argparse type: a finite number in (0, maximum]."""
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
+        value = _float_or(text, math.nan)
         if not (math.isfinite(value) and value > 0):
             raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
         if value > maximum:

@@ -80,6 +80,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _float_or(text: str, failed: Any) -> Any:
+    """``float(text)``, or ``failed`` when the text is not a number (the caller refuses it with its own message)."""
+    try:
+        return float(text)
+    except ValueError:
+        return failed
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """Published figures of one device.

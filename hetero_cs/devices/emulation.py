@@ -35,7 +35,8 @@ from collections.abc import Iterable, Sequence
 
 from hetero_cs._copying import DeepcopiedWithNewLocks
 from hetero_cs.devices.catalog import (
-    MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE, TIME_SCALE_ENV_VAR, DeviceSpec, _is_int, _is_real, get_device_spec)
+    MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE, TIME_SCALE_ENV_VAR, DeviceSpec, _float_or, _is_int, _is_real,
+    get_device_spec)
 from hetero_cs.devices.drift import Drift
 from hetero_cs.devices.workload import Workload, emulated_step_time_s, max_examples_in_memory, slice_memory_bytes
 from hetero_cs.errors import ConfigError, EmulatedDeviceError, EmulatedOutOfMemoryError, EmulationError
@@ -49,13 +50,6 @@ def _even_split(global_batch_size: int, num_replicas: int) -> list[int]:
     """As hetero_cs.planning.plan.even_batch_split, without NumPy (this module imports none)."""
     base, extra = divmod(global_batch_size, num_replicas)
     return [base + (1 if i < extra else 0) for i in range(num_replicas)]
-
-
-def _float_or_text(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text  # refused with the text by Emulator._check_scale
 
 
 class Emulator(DeepcopiedWithNewLocks):
@@ -114,7 +108,8 @@ class Emulator(DeepcopiedWithNewLocks):
             self._time_scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
         elif raw:
             self._time_scale_source = f"{TIME_SCALE_ENV_VAR}={raw!r}"
-            self._time_scale = self._check_scale(_float_or_text(raw), self._time_scale_source)
+            # text that is not a number is refused with the text by _check_scale
+            self._time_scale = self._check_scale(_float_or(raw, raw), self._time_scale_source)
         self._lock = threading.Lock()
         self._workload = workload
         self._steps = [0] * num_replicas

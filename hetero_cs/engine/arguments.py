@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import tensorflow as tf
 
 from hetero_cs.devices.catalog import (
-    MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR, get_device_spec)
+    MAX_EMULATED_MAKESPAN_S, MIN_TARGET_MAKESPAN_MS, TARGET_MAKESPAN_ENV_VAR, _float_or, get_device_spec)
 # canonical_device is also the strategy's (arguments.canonical_device).
 from hetero_cs.devices.device_errors import canonical_device, checked_device_names  # noqa: F401
 from hetero_cs.errors import BatchSplitError, ConfigError, DeviceError, InputError
@@ -139,10 +139,7 @@ def emulated_makespan_target_s() -> float:
     raw = os.environ.get(TARGET_MAKESPAN_ENV_VAR, "").strip()
     if not raw:
         return 0.1
-    try:
-        value_ms = float(raw)
-    except ValueError:
-        value_ms = math.nan
+    value_ms = _float_or(raw, math.nan)
     high_ms = MAX_EMULATED_MAKESPAN_S * 1e3
     if not math.isfinite(value_ms) or not MIN_TARGET_MAKESPAN_MS <= value_ms <= high_ms:
         raise ConfigError(f"{TARGET_MAKESPAN_ENV_VAR}={raw!r} must be a positive number of milliseconds, e.g. 100, "
