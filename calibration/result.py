@@ -10,10 +10,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hetero_cs.devices.catalog import _is_int
 from hetero_cs.errors import ProfileCacheError
 from hetero_cs.planning.cost_model import CostModel, OutOfMemoryCostModel, ScaledCostModel, cost_model_from_dict
-from hetero_cs.planning.plan import BatchPlan, check_keys, finite_real, ordered_values
+from hetero_cs.planning.plan import BatchPlan, _is_int, check_keys, finite_real, ordered_values
 
 __all__ = ["CalibrationResult", "DeviceProfile"]
 

@@ -35,7 +35,6 @@ capped or not, traces what keeps the slices within the caps, so every worker swi
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 from collections.abc import Sequence
 
@@ -44,7 +43,7 @@ from hetero_cs.devices.workload import max_examples_in_memory
 from hetero_cs.engine.memory.trace_findings import BATCH_NORM, LAYER_STATE, NORMALISED_LOSS, TraceFindings
 from hetero_cs.errors import ConfigError, MicroBatchError
 from hetero_cs.planning.micro_batches import MicroBatchPlan
-from hetero_cs.planning.plan import BatchPlan, ordered_values
+from hetero_cs.planning.plan import BatchPlan, _is_int, ordered_values
 from hetero_cs.planning.restart_caps import CAPS_ENV_VAR, format_caps, lowest_caps
 
 logger = logging.getLogger("hetero_cs.engine.multi_worker.strategy")
@@ -79,7 +78,7 @@ def checked_caps(max_batch_sizes, num_replicas: int) -> list[int | None] | None:
         raise ConfigError(
             f"max_batch_sizes must be a list of one memory cap per replica of the cluster (examples its card holds "
             f"at once; None: no cap), in task-index then local order. Received: max_batch_sizes={max_batch_sizes!r}.")
-    caps = [int(c) if isinstance(c, numbers.Integral) and not isinstance(c, bool) else c for c in given]
+    caps = [int(c) if _is_int(c) else c for c in given]
     bad = [c for c in caps if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0)]
     if len(caps) != num_replicas or bad:
         raise ConfigError(
