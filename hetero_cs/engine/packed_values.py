@@ -103,9 +103,8 @@ class PackedBatchValues:
     @staticmethod
     def _global_batches(args, kwargs) -> list:
         """The global batches among ``strategy.run``'s arguments (a distributed dataset's elements)."""
-        return [leaf for leaf in tf.nest.flatten((args, kwargs or {}))
-                if isinstance(leaf, tf.distribute.DistributedValues)
-                and len(_compat.components(leaf) or ()) == 1 and not is_unbatched_marker(_compat.components(leaf)[0])]
+        return [leaf for leaf in tf.nest.flatten((args, kwargs or {}))  # components: None for any other value
+                if len(_compat.components(leaf) or ()) == 1 and not is_unbatched_marker(_compat.components(leaf)[0])]
 
     def _static_batch_size(self, args, kwargs) -> int | None:
         """The static size of the global batch in a traced step's arguments; None when unknown or absent."""
