@@ -89,8 +89,8 @@ def replica_step_error(exc: Exception, *, compute_devices, plan, empty_slice_pla
 #: The names TensorFlow's errors quote for the functions hetero_cs compiles with XLA (the fused host update of
 #: :mod:`hetero_cs.engine.step.fused_update`, a replica's pass of :mod:`hetero_cs.engine._compat.replica_xla`), each
 #: with what it compiles and the fix. A replica's pass that reads a variable the model does not track is named by
+#: TensorFlow's "tfvariable_on_a_different_device" instead (XLA cannot read it on the parameter device).
 _XLA_FUNCTIONS = {
-"""TensorFlow's "tfvariable_on_a_different_device" instead (XLA cannot read it on the parameter device)."""
     "hetero_cs_fused_update": (
         "the optimizer's update on the parameter device (fused_update)",
         "Pass fused_update=False to HeteroCentralStorageStrategy to run the update without XLA, or None (the default) "
