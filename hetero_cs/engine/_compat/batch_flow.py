@@ -47,6 +47,9 @@ class _Scope:
 
 
 _TOP = _Scope(None)
+_NESTED = {**dict.fromkeys(("PartitionedCall", "StatefulPartitionedCall"), "_call"),
+           **dict.fromkeys(("While", "StatelessWhile"), "_while"),
+           **dict.fromkeys(("If", "StatelessIf", "Case", "StatelessCase"), "_cond")}  # ops whose graphs are read
 
 
 class BatchFlow:
@@ -64,17 +67,15 @@ class BatchFlow:
         self._scopes: list = []
 
     # -- seeds ------------------------------------------------------------------------------------------------------
-    def seed(self, tensors, kind: Kind) -> None:
+    def seed(self, tensors, kind) -> None:
+        """``tensors`` have ``kind`` (a Kind, or a function of the tensor that gives it)."""
         for tensor in tf.nest.flatten(tensors, expand_composites=True):
             if isinstance(tensor, tf.Tensor):
-                self._seeds[tensor.ref()] = kind
+                self._seeds[tensor.ref()] = kind(tensor) if callable(kind) else kind
 
     def seed_rows(self, tensors) -> None:
         """``tensors`` hold this replica's examples along their first axis (its slice of the batch)."""
-        for tensor in tf.nest.flatten(tensors, expand_composites=True):
-            if isinstance(tensor, tf.Tensor):
-                rows = tensor.shape.rank is None or tensor.shape.rank >= 1
-                self._seeds[tensor.ref()] = Kind(ROWS, 0, self.batch) if rows else _REP
+        self.seed(tensors, lambda t: Kind(ROWS, 0, self.batch) if t.shape.rank is None or t.shape.rank >= 1 else _REP)
 
     def seed_replicated(self, tensors) -> None:
         """``tensors`` are the same on every replica and equal to one device's values (e.g. all-reduced sums)."""
@@ -133,13 +134,8 @@ class BatchFlow:
 
     # -- rules ------------------------------------------------------------------------------------------------------
     def _rule(self, op, kinds: list[Kind]) -> list[Kind]:
-        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
-            return self._call(op, kinds)
-        if op.type in ("While", "StatelessWhile"):
-            return self._while(op, kinds)
-        if op.type in ("If", "StatelessIf", "Case", "StatelessCase"):
-            return self._cond(op, kinds)
-        return rule(op, kinds)
+        nested = _NESTED.get(op.type)
+        return rule(op, kinds) if nested is None else getattr(self, nested)(op, kinds)
 
     # -- nested graphs ----------------------------------------------------------------------------------------------
     def _run_graph(self, graph, input_kinds: list[Kind]) -> list[Kind]:

@@ -44,8 +44,6 @@ _RANDOM = frozenset({
     "StatelessRandomUniformFullIntV2", "StatelessRandomUniform", "StatelessRandomNormal",
     "StatelessTruncatedNormal", "StatelessRandomBinomial", "Fill",
 })
-_NO_DATA = frozenset({"Rank", "VarIsInitializedOp", "TensorListLength", "TensorListElementShape"})
-_PYTHON = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
 
 def rule(op, kinds: list[Kind]) -> list[Kind]:
@@ -58,23 +56,20 @@ def rule(op, kinds: list[Kind]) -> list[Kind]:
         return [_LISTS[t](op, [Kind(LIST) if k.what == REP and i == 0 else k for i, k in enumerate(kinds)])] * outputs
     if all(k.what == REP for k in kinds) and t not in _RANDOM:
         return [REPLICATED] * outputs
-    handler = _HANDLERS.get(t)
-    if handler is not None:
-        result = handler(op, kinds)
-        return result if isinstance(result, list) else [result] * outputs
-    if t in _PASS_THROUGH:
-        return [kinds[0]] * outputs
-    if t in _NO_DATA:
-        return [REPLICATED] * outputs
-    if t in _PYTHON:
-        return [mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs "
-                          "cannot read; write it in TensorFlow ops, or, if it works example by example, mark its "
-                          "output with hetero_cs.per_example(...) (keras.layers.Lambda(hetero_cs.per_example) in a "
-                          "functional model)")] * outputs
-    return [mixed(op, "is not an op hetero_cs knows (it cannot tell whether it keeps examples apart); if it "
-                      "computes each example from that example alone, mark its output with "
-                      "hetero_cs.per_example(...) (keras.layers.Lambda(hetero_cs.per_example) in a functional "
-                      "model)")] * outputs
+    result = _HANDLERS.get(t, _unknown)(op, kinds)
+    return result if isinstance(result, list) else [result] * outputs
+
+
+def _python(op, kinds) -> Kind:
+    return mixed(op, "runs Python code (tf.py_function, tf.numpy_function), whose computation hetero_cs cannot read; "
+                     "write it in TensorFlow ops, or, if it works example by example, mark its output with "
+                     "hetero_cs.per_example(...) (keras.layers.Lambda(hetero_cs.per_example) in a functional model)")
+
+
+def _unknown(op, kinds) -> Kind:
+    return mixed(op, "is not an op hetero_cs knows (it cannot tell whether it keeps examples apart); if it computes "
+                     "each example from that example alone, mark its output with hetero_cs.per_example(...) "
+                     "(keras.layers.Lambda(hetero_cs.per_example) in a functional model)")
 
 
 # -- families of ops ------------------------------------------------------------------------------------------------
@@ -101,8 +96,7 @@ def _reduction(op, kinds) -> Kind:
     kind = kinds[0]
     if kind.what == SHAPE:  # a product of a shape's entries: a number of elements, a fixed multiple of the rows
         return Kind(COUNT, tag=Tag(kind.tag.root, None)) if op.type == "Prod" else AGGREGATE
-    early = _rows_of(op, kind, "reduces")
-    if early is not None:
+    if (early := _rows_of(op, kind, "reduces")) is not None:
         return early
     reduced = axes(op.inputs[1], op.inputs[0].shape.rank)
     if reduced is None:
@@ -115,8 +109,7 @@ def _reduction(op, kinds) -> Kind:
 
 def _along_axis(op, kinds) -> Kind:
     kind = kinds[0]
-    early = _rows_of(op, kind, "works along an axis of")
-    if early is not None:
+    if (early := _rows_of(op, kind, "works along an axis of")) is not None:
         return early
     along = axes(op.inputs[1], op.inputs[0].shape.rank)
     if along is None or kind.axis in along:
@@ -260,10 +253,9 @@ def _one_hot(op, kinds) -> Kind:
     indices = kinds[0]
     if any(k.what != REP for k in kinds[1:]):
         return mixed(op, "takes a depth or values that depend on the examples")
-    early = _rows_of(op, indices, "encodes")
     axis = op.get_attr("axis")
     axis = op.outputs[0].shape.rank - 1 if axis == -1 else axis
-    return early or indices.at(indices.axis + (axis <= indices.axis))
+    return _rows_of(op, indices, "encodes") or indices.at(indices.axis + (axis <= indices.axis))
 
 
 def _range(op, kinds) -> Kind:
@@ -324,8 +316,12 @@ _LISTS = {
     "TensorListSetItem": _list_set, "TensorListStack": _list_stack,
 }
 _HANDLERS = {
-    "MatMul": _matmul, "BatchMatMul": _matmul, "BatchMatMulV2": _matmul, "BatchMatMulV3": _matmul,
-    "Einsum": _einsum, **SHAPE_RULES, "Size": lambda op, kinds: Kind(COUNT, tag=kinds[0].tag) if kinds[0].what == ROWS else REPLICATED,
+    **dict.fromkeys(_PASS_THROUGH, lambda op, kinds: kinds[0]),
+    **dict.fromkeys(("PyFunc", "PyFuncStateless", "EagerPyFunc"), _python),
+    **dict.fromkeys(("Rank", "VarIsInitializedOp", "TensorListLength", "TensorListElementShape"),
+                    lambda op, kinds: REPLICATED),
+    "MatMul": _matmul, "BatchMatMul": _matmul, "BatchMatMulV2": _matmul, "BatchMatMulV3": _matmul, "Einsum": _einsum,
+    **SHAPE_RULES, "Size": lambda op, kinds: Kind(COUNT, tag=kinds[0].tag) if kinds[0].what == ROWS else REPLICATED,
     "GatherV2": _gather, "ResourceGather": _gather, "Gather": _gather, "Where": _where, "OneHot": _one_hot,
     "Range": _range, "SparseSoftmaxCrossEntropyWithLogits": _cross_entropy,
     "SoftmaxCrossEntropyWithLogits": _cross_entropy, "IdentityN": lambda op, kinds: list(kinds),

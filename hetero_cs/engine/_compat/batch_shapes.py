@@ -21,8 +21,7 @@ def _reshape(op, kinds) -> Kind:
     kind, shape = kinds[:2]
     if kind.what == SHAPE:
         return kind
-    early = _rows_of(op, kind, "reshapes")
-    if early is not None:
+    if (early := _rows_of(op, kind, "reshapes")) is not None:
         return early
     if shape.what == SHAPE and shape.axis == 0 and kind.axis == 0 and shape.tag.root == kind.tag.root:
         # To a shape whose first entry counts rows of this slice (tf.shape(x)[0], or its product with other axes):
@@ -58,8 +57,7 @@ def _reshape(op, kinds) -> Kind:
 
 def _transpose(op, kinds) -> Kind:
     kind, perm = kinds[0], static(op.inputs[1])
-    early = _rows_of(op, kind, "transposes")
-    if early is not None or perm is None:
+    if (early := _rows_of(op, kind, "transposes")) is not None or perm is None:
         return early or mixed(op, "transposes axes not known while tracing")
     return kind.at([int(p) for p in np.ravel(perm)].index(kind.axis))
 
@@ -68,8 +66,7 @@ def _expand_dims(op, kinds) -> Kind:
     kind, axis, rank = kinds[0], static(op.inputs[1]), op.outputs[0].shape.rank
     if kind.what == COUNT and rank == 1:  # tf.expand_dims(tf.shape(x)[0], -1): a shape vector of the row count alone
         return Kind(SHAPE, 0, kind.tag)
-    early = _rows_of(op, kind, "expands")
-    if early is not None or axis is None or rank is None:
+    if (early := _rows_of(op, kind, "expands")) is not None or axis is None or rank is None:
         return early or mixed(op, "expands at an axis not known while tracing")
     return kind.at(kind.axis + (int(np.ravel(axis)[0]) % rank <= kind.axis))
 
@@ -78,9 +75,8 @@ def _squeeze(op, kinds) -> Kind:
     kind, rank = kinds[0], op.inputs[0].shape.rank
     if kind.what == INDEX:  # tf.where's coordinates of a 1-D condition, squeezed to a vector of positions
         return kind
-    early = _rows_of(op, kind, "squeezes")
     dims = [int(d) % rank for d in op.get_attr("squeeze_dims")] if rank is not None else None
-    if early is not None or not dims or kind.axis in dims:
+    if (early := _rows_of(op, kind, "squeezes")) is not None or not dims or kind.axis in dims:
         return early or mixed(op, "squeezes axes not known while tracing")
     return kind.at(kind.axis - sum(d < kind.axis for d in dims))
 
@@ -227,8 +223,7 @@ def _slice(op, kinds) -> Kind:
 
 def _pad(op, kinds) -> Kind:
     kind, paddings = kinds[0], static(op.inputs[1])
-    early = _rows_of(op, kind, "pads")
-    if early is not None or paddings is None:
+    if (early := _rows_of(op, kind, "pads")) is not None or paddings is None:
         return early or mixed(op, "pads by amounts not known while tracing")
     return mixed(op, "pads along the batch axis") if np.any(np.asarray(paddings)[kind.axis] != 0) else kind
 

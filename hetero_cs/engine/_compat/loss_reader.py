@@ -43,14 +43,14 @@ from hetero_cs.errors import BatchCouplingError, LossPatternError
 
 GLOBAL, SHARE = "global", "share"
 
-# Ops through which a value stays linear in its data inputs (listed by index; "all", or all but the last). The other
-# inputs (axes, shapes, indices, a condition) must not depend on the batch.
+# Ops through which a value stays linear in its data inputs (a slice of its inputs: the first, all, all but the last,
+# the second and third). The other inputs (axes, shapes, indices, a condition) must not depend on the batch.
 _LINEAR = {
-    "Identity": (0,), "Snapshot": (0,), "EnsureShape": (0,), "CheckNumerics": (0,), "CheckNumericsV2": (0,),
-    "Cast": (0,), "StopGradient": (0,), "Neg": (0,), "Add": "all", "AddV2": "all", "AddN": "all", "Sub": "all",
-    "Sum": (0,), "Mean": (0,), "Pack": "all", "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,),
-    "Transpose": (0,), "StridedSlice": (0,), "Slice": (0,), "GatherV2": (0,), "Tile": (0,), "BroadcastTo": (0,),
-    "Select": (1, 2), "SelectV2": (1, 2), "ConcatV2": "all but last", "ZerosLike": (0,),
+    **dict.fromkeys(("Identity", "Snapshot", "EnsureShape", "CheckNumerics", "CheckNumericsV2", "Cast", "StopGradient",
+                     "Neg", "Sum", "Mean", "Reshape", "ExpandDims", "Squeeze", "Transpose", "StridedSlice", "Slice",
+                     "GatherV2", "Tile", "BroadcastTo", "ZerosLike"), slice(0, 1)),
+    **dict.fromkeys(("Add", "AddV2", "AddN", "Sub", "Pack"), slice(None)), "ConcatV2": slice(None, -1),
+    "Select": slice(1, 3), "SelectV2": slice(1, 3),
 }
 _OPAQUE = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While", "StatelessWhile",
                      "Case", "StatelessCase", "PyFunc", "PyFuncStateless", "EagerPyFunc"})
@@ -240,7 +240,7 @@ def _read_uncached(reading, tensor, what, depth):
             f"tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size()).")
     if linear is None:
         raise _refusal(what, op, "is not linear in the examples' values")
-    data = _data_inputs(op, linear)
+    data = set(range(len(op.inputs))[linear])
     inputs, modes = list(op.inputs), []
     for index, inner in enumerate(op.inputs):
         if index not in data:
@@ -254,15 +254,6 @@ def _read_uncached(reading, tensor, what, depth):
     for index, mode in zip(sorted(data), modes):
         inputs[index] = _as_share(mode, inputs[index])
     return SHARE, _rebuilt(reading, tensor, inputs)
-
-
-def _data_inputs(op, linear) -> set:
-    count = len(op.inputs)
-    if linear == "all":
-        return set(range(count))
-    if linear == "all but last":
-        return set(range(count - 1))
-    return {i for i in linear if i < count}
 
 
 def _reduces_rows(flow, op) -> bool:
@@ -340,14 +331,13 @@ def _quotient(reading, op, tensor, what, depth):
     # share by the global denominator, and the quotient rule's term for the denominator is added with value 0.
     note_for_micro_batches("normalised_loss")  # each micro-batch would have its own normaliser
     dtype = tensor.dtype
-    share_n = _as_share(mode_n, share_n)
-    share_d = tf.cast(share_d, dtype)
+    share_n, share_d = tf.cast(_as_share(mode_n, share_n), dtype), tf.cast(share_d, dtype)
     if mode_n == GLOBAL:
         total_d = all_reduced_sum(tf.stop_gradient(share_d))
         total_n = tf.stop_gradient(tf.cast(numerator, dtype))
     else:
-        total_n, total_d = tf.unstack(all_reduced_sum(tf.stop_gradient(tf.stack([tf.cast(share_n, dtype), share_d]))))
-    first = tf.math.divide_no_nan(tf.cast(share_n, dtype), total_d)
+        total_n, total_d = tf.unstack(all_reduced_sum(tf.stop_gradient(tf.stack([share_n, share_d]))))
+    first = tf.math.divide_no_nan(share_n, total_d)
     second = tf.math.divide_no_nan(total_n, tf.square(total_d)) * (share_d - tf.stop_gradient(share_d))
     return SHARE, first - second
 
@@ -385,9 +375,8 @@ def _attr(op, name, default=None):
 
 
 _REEMIT = {
-    "Identity": lambda op, x: tf.identity(x[0]), "Snapshot": lambda op, x: tf.identity(x[0]),
-    "EnsureShape": lambda op, x: tf.identity(x[0]), "CheckNumerics": lambda op, x: tf.identity(x[0]),
-    "CheckNumericsV2": lambda op, x: tf.identity(x[0]), "Cast": lambda op, x: tf.cast(x[0], op.outputs[0].dtype),
+    **dict.fromkeys(("Identity", "Snapshot", "EnsureShape", "CheckNumerics", "CheckNumericsV2"),
+                    lambda op, x: tf.identity(x[0])), "Cast": lambda op, x: tf.cast(x[0], op.outputs[0].dtype),
     "StopGradient": lambda op, x: tf.stop_gradient(x[0]), "Neg": lambda op, x: tf.negative(x[0]),
     "Add": lambda op, x: tf.add(x[0], x[1]), "AddV2": lambda op, x: tf.add(x[0], x[1]),
     "Sub": lambda op, x: tf.subtract(x[0], x[1]), "AddN": lambda op, x: tf.add_n(list(x)),

@@ -41,8 +41,7 @@ def patch_train_step() -> None:
     # elsewhere Keras' own runs.
     @patch(symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"), "train_step")
     def train_step(original, self, data):
-        step = replica_state.current_replica_step()
-        strategy = strategy_of(self)
+        step, strategy = replica_state.current_replica_step(), strategy_of(self)
         if step is None or step.global_batch_size is None or not is_ours(strategy) or not self.trainable_weights:
             return original(self, data)
         jit = replica_xla.applies(self)
@@ -53,9 +52,8 @@ def patch_train_step() -> None:
         # step to find what keeps them within the caps, so every worker switches alike (a worker whose replicas have
         # no cap would otherwise keep the micro-batched plan and cut its batches unlike the others).
         finding = multi_worker and strategy.micro_batching.active
-        if not (jit or skip or cap is not None or finding):
-            return original(self, data)
-        outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap, find_micro=finding)
+        outputs = _cut_step(self, data, step, jit=jit, skip_when_empty=skip, micro_cap=cap, find_micro=finding) \
+            if jit or skip or cap is not None or finding else None
         return original(self, data) if outputs is None else outputs
 
     # Keras resolves compile(jit_compile="auto") to False under every tf.distribute strategy. Under our strategies
@@ -84,8 +82,7 @@ def patch_inference_steps() -> None:
 
 
 def _inference_step(original, self, data):
-    step = replica_state.current_replica_step()
-    strategy = strategy_of(self)
+    step, strategy = replica_state.current_replica_step(), strategy_of(self)
     if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
         return original(self, data)
     cap = strategy.micro_batching.inference_cap(self, step.replica_id)
@@ -119,9 +116,9 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
         part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
                                                            for v in (x, y, sample_weight)))
         part = _memory_checked(strategy_of(model), step, part, size)
-        micro = dataclasses.replace(step, batch_size=size)
-        _seed(micro, rows=part)
-        with replica_state.replica_step(micro):
+        inner = dataclasses.replace(step, batch_size=size)
+        _seed(inner, rows=part)
+        with replica_state.replica_step(inner):
             return keras_step(model, part)
 
     first = run(tf.constant(0, tf.int32))
@@ -132,9 +129,8 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
         result = tf.nest.flatten(run(j))
         return j + 1, ([array.write(j, t) for array, t in zip(outputs, result)] if predict else result)
 
-    _, outputs = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1, tf.int32), outputs),
-                               parallel_iterations=1)
-    strategy_of(model).micro_batching.note_micro_batched_inference(model)
+    _, outputs = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1, tf.int32), outputs), parallel_iterations=1)
+    micro.note_micro_batched_inference(model)
     if not predict:
         # Keras' own test_step returns its metrics' results: read once every micro-batch has updated them (the
         # loop's last values, which the loss reader cannot follow through a loop whose count is the slice's).
@@ -169,13 +165,18 @@ def _all_reduces_in_test_step(model, keras_step, data) -> bool:
         replica_state.current_replica_step().flow.seed_rows(data)  # this function's inputs: the replica's slice
         return keras_step(model, data)
 
+    return _traced(tf.function(traced, autograph=False), data) is None
+
+
+def _traced(function, *arguments):
+    """``function`` (a replica's pass) traced for ``arguments``, its concrete function; None when the pass
+    all-reduces across replicas (TensorFlow refuses the merge_call inside a function of its own)."""
     try:
-        tf.function(traced, autograph=False).get_concrete_function(data)
+        return function.get_concrete_function(*arguments)
     except RuntimeError as exc:
         if "merge_call" not in str(exc):
             raise
-        return True
-    return False
+        return None
 
 
 def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap: int | None = None,
@@ -217,23 +218,19 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     from hetero_cs.engine._compat.sparse_rows import shared_rows_dense
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    trainable = list(model.trainable_variables)
-    non_trainable = list(model.non_trainable_variables)
+    trainable, non_trainable = list(model.trainable_variables), list(model.non_trainable_variables)
     # Keras' loss trackers (per-output losses) are updated inside _compute_loss. They are sums (Mean, Sum: total and
     # count only ever grow by assign_add), so they go in as zeros and what the function adds comes out exactly, to be
     # added to the variables after it, as the plain step adds it (aggregated across replicas).
     known = {id(v) for v in trainable + non_trainable}
     metric_state = [v for v in model.metrics_variables if id(v) not in known]
-    additive = {id(v) for metric in model.metrics if isinstance(metric, (Sum, Mean))
-                for v in metric.variables}
-    optimizer = model.optimizer
+    additive = {id(v) for metric in model.metrics if isinstance(metric, (Sum, Mean)) for v in metric.variables}
     # optimizer.scale_loss multiplies by the loss scale (a variable on the parameter device) under
     # LossScaleOptimizer and returns the loss itself otherwise: the scale goes in as an input too.
     unit = tf.ones((), tf.float32)
-    scale = None if optimizer is None else optimizer.scale_loss(unit)
+    scale = None if model.optimizer is None else model.optimizer.scale_loss(unit)
     scale = None if scale is unit else tf.convert_to_tensor(scale)
-    written: list[int] = []
-    added: list[int] = []
+    written, added = [], []  # the indices of the state variables and the metric variables the pass writes
 
     def hetero_cs_replica_forward_backward(weights, state, scale, x, y, sample_weight, examples):
         zeros = [tf.zeros(v.shape, v.dtype) for v in metric_state]
@@ -263,24 +260,18 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     weights = [tf.convert_to_tensor(variable) for variable in trainable]
     state = [tf.convert_to_tensor(variable) for variable in non_trainable]
     arguments = (weights, state, scale, x, y, sample_weight, step.batch_size)
-    try:
-        concrete = function.get_concrete_function(*arguments)  # traced here, called below
-    except RuntimeError as exc:
-        if "merge_call" not in str(exc):
-            raise
+    concrete = _traced(function, *arguments)  # traced here, called below
+    if concrete is None:
         # An all-reduce across replicas inside the forward pass or the loss: a masked loss, or one reduced with
         # "mean_with_sample_weight", normalised by the whole global batch (hetero_cs.engine._compat.losses); a
         # layer of the user's own that all-reduces. No per-replica function can hold it.
         reason = ("the forward pass or the loss all-reduces across replicas (a loss normalised by the whole global "
                   "batch's mask or sample weights, or a layer that synchronises replicas)")
-        _fall_back(model, jit, skip_when_empty, reason, refusal="NORMALISED_LOSS" if find_micro else None)
-        return None
+        return _fall_back(model, jit, skip_when_empty, reason, refusal="NORMALISED_LOSS" if find_micro else None)
     other = [metric_state[i].path for i in added if id(metric_state[i]) not in additive]
     if other:
-        _fall_back(model, jit, skip_when_empty,
-                   f"the loss updates metric state that is not a sum ({', '.join(other[:3])})",
-                   refusal="METRIC_STATE" if find_micro else None)
-        return None
+        return _fall_back(model, jit, skip_when_empty, f"the loss updates metric state that is not a sum "
+                          f"({', '.join(other[:3])})", refusal="METRIC_STATE" if find_micro else None)
     if find_micro:
         layer_state = [non_trainable[i].path for i in written if _is_layer_state(non_trainable[i])]
         if layer_state and not strategy_of(model).micro_batching.accepts_layer_state(model, layer_state):
@@ -398,8 +389,7 @@ def _near_equal_micro_batches(batch_size, cap: int):
 
 def _row_arrays(tensors, count) -> list:
     """One TensorArray of ``count`` parts per tensor of ``tensors``, each part some rows of it (concatenated after)."""
-    return [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]])
-            for t in tensors]
+    return [tf.TensorArray(t.dtype, size=count, infer_shape=False, element_shape=[None, *t.shape[1:]]) for t in tensors]
 
 
 def _finish(model, step, data, outputs, trainable, non_trainable, metric_state, written, added):
@@ -476,7 +466,7 @@ def _empty_outputs(outputs, weights, state, written):
 def _fall_back(model, jit: bool, skip_when_empty: bool, reason: str, *, refusal: str | None) -> None:
     """Found while tracing: the replica pass cannot be cut into its own function because of ``reason``; with
     ``refusal`` (the name of one of the micro-batching's findings) the model's slices may not run as micro-batches
-    either."""
+    either. Returns None: the cut step's result when it cannot run (Keras' own step runs)."""
     if jit:
         replica_xla.fall_back(model, f"{reason}, which a per-replica XLA function cannot hold")
     if skip_when_empty:

@@ -112,8 +112,6 @@ def note_per_example_randomness(model) -> None:
     """Says once per model (INFO) which of its layers draw random values per example (Dropout, noise, random
     augmentation: every layer that holds a Keras SeedGenerator). Each replica draws its own values for its slice, so
     training matches one device in distribution, not value for value."""
-    import keras
-
     if model in _randomness_noted:
         return
     _randomness_noted.add(model)
@@ -182,12 +180,11 @@ def patch_make_train_function() -> None:
             in_hand = self.steps_per_execution == 1 and isinstance(iterator, tf.distribute.DistributedIterator)
             if not (in_hand and per_set()):
                 trace_again_if_needed()
-            step = current[0]
             recovering = recovery is not None and in_hand and recovery.armed()
             micro_batching = in_hand and micro.may_apply()
             single = None  # the one-step plan a micro-batching step was served, to time it for a guard trial
             if not (recovering or micro_batching or (in_hand and per_set())):
-                return step(iterator)
+                return current[0](iterator)
             data = _next_batch(iterator)  # eager: the batch stays in hand for a retry, its sub-steps, its plan
             try:
 
@@ -195,11 +192,10 @@ def patch_make_train_function() -> None:
                     return set_steps(batch, global_batch_size_of(batch)) if per_set() else train_function([batch])
 
                 def one_step(batch):
-                    if not recovering:
-                        return run(batch)
                     # The model's name scopes its forward ops, which run in the replicas only (blame by op name). A
                     # retry whose new plan idles a replica runs that set's step.
-                    return recovery.run(run, batch, replica_scopes=(self.name,), model=self)
+                    return recovery.run(run, batch, replica_scopes=(self.name,), model=self) if recovering \
+                        else run(batch)
 
                 if micro_batching:
                     # The plan's, or the guard's pick while it tries an overlapped plan side by side (timed here).
@@ -341,10 +337,8 @@ def _make_inference_function(keras_make, self, force=False):
             return step(data)
         if predicting:  # Keras' predict loop reads the batch itself and passes [element]
             element = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None
-        elif isinstance(data, tf.distribute.DistributedIterator):
-            element = _next_batch(data)
         else:
-            return step(data)
+            element = _next_batch(data) if isinstance(data, tf.distribute.DistributedIterator) else None
         if element is None:
             return step(data)
 
@@ -355,10 +349,9 @@ def _make_inference_function(keras_make, self, force=False):
             micro.arm()  # the next call traces the step again, reading the sub-step state
             return micro.run_inference(lambda batch: wrapped([batch], nested=True), element, predicting=predicting)
 
-        if not recovering:
-            return attempt(element)
         # An out-of-memory step lowers the cap and runs the batch again (hetero_cs.engine.memory.oom_recovery).
-        return recovery.run(attempt, element, replica_scopes=(self.name,), model=self, training=False)
+        return recovery.run(attempt, element, replica_scopes=(self.name,), model=self, training=False) if recovering \
+            else attempt(element)
 
     wrapped._hetero_wrapped = True
     setattr(self, attribute, wrapped)
