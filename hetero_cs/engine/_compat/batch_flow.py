@@ -32,8 +32,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from hetero_cs.engine._compat.batch_kinds import COUNT, LIST, MIXED, REP, REPLICATED as _REP, ROWS, Kind, Tag, join, mixed
-from hetero_cs.engine._compat.batch_kinds import captured
+from hetero_cs.engine._compat.batch_kinds import COUNT, LIST, MIXED, REP, REPLICATED as _REP, ROWS, Kind, Tag
+from hetero_cs.engine._compat.batch_kinds import captured, join, mixed
 from hetero_cs.engine._compat.batch_rules import rule
 
 
@@ -114,23 +114,18 @@ class BatchFlow:
         return self._memo[(scope.key, tensor.ref())]
 
     def _known(self, tensor, scope) -> Kind | None:
-        ref = tensor.ref()
-        if ref in scope.inputs:
-            return scope.inputs[ref]
-        if ref in self._seeds:
-            return self._seeds[ref]
+        known = scope.inputs.get(tensor.ref()) or self._seeds.get(tensor.ref())  # a given kind (a Kind is never falsy)
+        if known is not None:
+            return known
         op = tensor.op
         if op.type == "Placeholder":  # a function graph's input: follow its capture to the outer graph
             outer = captured(tensor)
             return self.kind(outer) if outer is not None else Kind(
                 MIXED, reason=f"an input {tensor.name!r} of a function hetero_cs cannot trace back to the step")
-        if tensor.dtype == tf.resource:
-            return _REP  # a variable's handle: variables live once, read alike by every replica
-        if op.type == "Const" or not op.inputs and op.type in ("VarHandleOp", "NoOp"):
+        # A variable's handle (variables live once, read alike by every replica), or a constant.
+        if tensor.dtype == tf.resource or op.type == "Const" or not op.inputs and op.type in ("VarHandleOp", "NoOp"):
             return _REP
-        if op.type == "EmptyTensorList":
-            return Kind(LIST)
-        return None
+        return Kind(LIST) if op.type == "EmptyTensorList" else None
 
     # -- rules ------------------------------------------------------------------------------------------------------
     def _rule(self, op, kinds: list[Kind]) -> list[Kind]:

@@ -123,18 +123,16 @@ def _last_axis(op, kinds) -> Kind:
         return AGGREGATE
     if kind.what != ROWS or rank is None or kind.axis == rank - 1:
         return mixed(op, "works along the batch axis (its result for one example depends on the others)")
-    if op.type != "InTopKV2" and any(k.what != REP for k in kinds[1:]):
-        return mixed(op, "combines values of other kinds")
-    return kind
+    return mixed(op, "combines values of other kinds") if op.type != "InTopKV2" and any(
+        k.what != REP for k in kinds[1:]) else kind
 
 
 def _convolution(op, kinds) -> Kind:
     kind = kinds[0]
     if kind.what != ROWS or kind.axis != 0 or any(k.what != REP for k in kinds[1:]):
         return mixed(op, "slides over the batch axis or takes weights that depend on the examples")
-    if op.type.startswith("FusedBatchNorm") and op.get_attr("is_training"):
-        return mixed(op, "normalises each example by its slice's statistics")
-    return kind
+    training = op.type.startswith("FusedBatchNorm") and op.get_attr("is_training")
+    return mixed(op, "normalises each example by its slice's statistics") if training else kind
 
 
 def _filled(op, kinds) -> Kind:
@@ -162,12 +160,8 @@ def _matmul(op, kinds) -> Kind:
             continue
         n = tensor.shape.rank
         outer = (n - 1 if transposed else n - 2) if left else (n - 2 if transposed else n - 1)
-        if kind.axis < n - 2:
-            present.append((kind, "batch", rank - n + kind.axis))
-        elif kind.axis == outer:
-            present.append((kind, "outer", rank - 2 if left else rank - 1))
-        else:
-            present.append((kind, "inner", None))
+        role = "batch" if kind.axis < n - 2 else "outer" if kind.axis == outer else "inner"
+        present.append((kind, role, {"batch": rank - n + kind.axis, "outer": rank - 2 if left else rank - 1}.get(role)))
     if any(role == "inner" for _, role, _ in present):
         if len(present) == 1 or all(role == "inner" for _, role, _ in present) and same_rows(present[0][0].tag,
                                                                                             present[1][0].tag):
@@ -235,9 +229,8 @@ def _gather(op, kinds) -> Kind:  # GatherV2(params, indices, axis), ResourceGath
             return Kind(ROWS, 0, Tag(("subset", op.name)))  # a subset of the rows the data picked, in order
         if indices.what == ROWS and indices.axis == 0 and batch_dims >= 1:
             return params  # each example gathers from its own rows (tf.gather(..., batch_dims=1))
-    if AGG in (params.what, indices.what) and ROWS not in (params.what, indices.what):
-        return AGGREGATE
-    return mixed(op, "gathers values of one example by another's indices")
+    return AGGREGATE if AGG in (params.what, indices.what) and ROWS not in (params.what, indices.what) else \
+        mixed(op, "gathers values of one example by another's indices")
 
 
 def _where(op, kinds) -> Kind:
@@ -281,15 +274,13 @@ def _list_from_tensor(op, kinds) -> Kind:
     kind = kinds[0]
     if kind.what == LIST:  # the REP tensor it unstacks
         return Kind(LIST, element=REPLICATED)
-    if kind.what != ROWS or kind.axis == 0:
-        return mixed(op, "unstacks the examples into a list")
-    return Kind(LIST, element=kind.at(kind.axis - 1))
+    return mixed(op, "unstacks the examples into a list") if kind.what != ROWS or kind.axis == 0 else \
+        Kind(LIST, element=kind.at(kind.axis - 1))
 
 
 def _list_get(op, kinds) -> Kind:
-    if kinds[0].what != LIST or any(k.what != REP for k in kinds[1:]):
-        return mixed(op, "reads a list at a position computed from the examples")
-    return kinds[0].element or REPLICATED
+    return mixed(op, "reads a list at a position computed from the examples") if kinds[0].what != LIST or any(
+        k.what != REP for k in kinds[1:]) else kinds[0].element or REPLICATED
 
 
 def _list_set(op, kinds) -> Kind:
@@ -304,10 +295,6 @@ def _list_stack(op, kinds) -> Kind:
     if element is None or element.what not in (ROWS, REP, AGG):
         return mixed(op, f"stacks {element or kinds[0]} values")
     return element.at(element.axis + 1) if element.what == ROWS else element
-
-
-def _scatters(op, kinds) -> Kind:
-    return mixed(op, "scatters values to positions hetero_cs cannot follow")
 
 
 _LISTS = {
@@ -327,8 +314,8 @@ _HANDLERS = {
     "SoftmaxCrossEntropyWithLogits": _cross_entropy, "IdentityN": lambda op, kinds: list(kinds),
     "L2Loss": lambda op, kinds: AGGREGATE if kinds[0].what in (ROWS, AGG, COUNT) else mixed(op, "reduces a value"),
     "Conv2DBackpropInput": _transposed_convolution, "Conv3DBackpropInputV2": _transposed_convolution,
-    "ScatterNd": _scatters, "TensorScatterUpdate": _scatters, "TensorScatterAdd": _scatters,
-    "UnsortedSegmentSum": _scatters, "SparseToDense": _scatters, "Unique": _scatters,
+    **dict.fromkeys(("ScatterNd", "TensorScatterUpdate", "TensorScatterAdd", "UnsortedSegmentSum", "SparseToDense",
+                     "Unique"), lambda op, kinds: mixed(op, "scatters values to positions hetero_cs cannot follow")),
     **{t: _elementwise for t in _ELEMENTWISE}, **{t: _convolution for t in _CONVOLUTIONS},
     **{t: _filled for t in _RANDOM},
     **{t: _reduction for t in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm")},

@@ -50,9 +50,8 @@ def _reshape(op, kinds) -> Kind:
     if per_row_after == 0 or per_row_before == 0:
         return kind
     per_example = kind.tag.per_example * Fraction(per_row_before, per_row_after)
-    if per_example.denominator != 1:
-        return mixed(op, "reshapes so that one row holds values of several examples")
-    return Kind(ROWS, 0, Tag(kind.tag.root, per_example))
+    return mixed(op, "reshapes so that one row holds values of several examples") if per_example.denominator != 1 \
+        else Kind(ROWS, 0, Tag(kind.tag.root, per_example))
 
 
 def _transpose(op, kinds) -> Kind:
@@ -142,9 +141,8 @@ def _split(op, kinds) -> Kind:  # Split(axis, value), SplitV(value, size_splits,
     kind, axis_tensor, value = ((kinds[1], op.inputs[0], op.inputs[1]) if op.type == "Split"
                                 else (kinds[0], op.inputs[2], op.inputs[0]))
     early, along = _rows_of(op, kind, "splits"), axes(axis_tensor, value.shape.rank)
-    if early is None and (along is None or along[0] == kind.axis):
-        return mixed(op, "splits along the batch axis")
-    return early or kind
+    return mixed(op, "splits along the batch axis") if early is None and (along is None or along[0] == kind.axis) \
+        else early or kind
 
 
 def _strided_slice(op, kinds) -> Kind:

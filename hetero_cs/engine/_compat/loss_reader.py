@@ -77,8 +77,7 @@ def share_of(step, value, *, what: str = "the loss"):
     """
     if tf.executing_eagerly():  # no graph to read: a value of hetero_cs's is a share, any other a slice mean
         return value if _is_share(step, value) else _weigh(value)
-    reading = _Reading(step, flow_of(step))
-    return _as_share(*_read(reading, value, what, 0))
+    return _as_share(*_read(_Reading(step, flow_of(step)), value, what, 0))
 
 
 def shares_of_logs(step, outputs, *, keep_replicated: bool = False):
@@ -150,10 +149,8 @@ def gradient_terms(step, targets, output_gradients, *, what: str = "the loss"):
     weighed = [not (_is_share(step, target) or flow.kind(target).what == ROWS) for target in targets]
     if not any(weighed):
         return None
-    reading = _Reading(step, flow)
     with tf.GradientTape(watch_accessed_variables=False, persistent=False) as tape:
-        reading.tape = tape
-        total = []
+        reading, total = _Reading(step, flow, tape), []
         for target, outer, read in zip(targets, output_gradients, weighed):
             share = _as_share(*_read(reading, target, what, 0)) if read else _leaf(reading, target)
             if outer is not None:
@@ -194,13 +191,11 @@ def _as_share(mode, tensor):
 def _read(reading, tensor, what: str, depth: int):
     """``(mode, tensor)``: GLOBAL, a value equal to one device's; SHARE, this replica's share of it."""
     key = tensor.ref()
-    if key in reading.memo:
-        return reading.memo[key]
-    if depth > _MAX_DEPTH:
-        raise _refusal(what, tensor.op, "is too deep an expression above the batch's reductions to read")
-    result = _read_uncached(reading, tensor, what, depth)
-    reading.memo[key] = result
-    return result
+    if key not in reading.memo:
+        if depth > _MAX_DEPTH:
+            raise _refusal(what, tensor.op, "is too deep an expression above the batch's reductions to read")
+        reading.memo[key] = _read_uncached(reading, tensor, what, depth)
+    return reading.memo[key]
 
 
 def _read_uncached(reading, tensor, what, depth):
@@ -213,10 +208,8 @@ def _read_uncached(reading, tensor, what, depth):
             f"hetero_cs cannot split {what}: its {kind.reason}, so each replica's part would not add up to one "
             f"device's value on the whole batch. Where examples do meet (pairs, in-batch negatives, a batch "
             f"statistic), train this model on one device.")
-    if kind.what == REP:
-        return GLOBAL, _leaf(reading, tensor)
-    if kind.what == COUNT:
-        return SHARE, _leaf(reading, tensor)  # a slice's number of rows: the replicas' counts add up
+    if kind.what in (REP, COUNT):  # COUNT: a slice's number of rows, and the replicas' counts add up
+        return GLOBAL if kind.what == REP else SHARE, _leaf(reading, tensor)
     if kind.what == ROWS:
         raise LossPatternError(
             f"{what} ({tensor.name}) holds one value per example where hetero_cs expects a value reduced over the "
@@ -260,9 +253,7 @@ def _reduces_rows(flow, op) -> bool:
     kind = flow.kind(op.inputs[0])
     if kind.what == SHAPE:
         return op.type == "Prod"  # the product of a shape: a count of elements, which add up over the replicas
-    if kind.what != ROWS:
-        return False
-    reduced = axes(op.inputs[1], op.inputs[0].shape.rank)
+    reduced = axes(op.inputs[1], op.inputs[0].shape.rank) if kind.what == ROWS else None
     return reduced is not None and kind.axis in reduced
 
 
@@ -323,9 +314,8 @@ def _quotient(reading, op, tensor, what, depth):
         weight = replica_state.replica_weight(tensor.dtype)
         return SHARE, tf.math.divide_no_nan(_as_share(mode_n, share_n) * weight, tf.cast(share_d, tensor.dtype))
     if mode_d == GLOBAL:
-        if mode_n == GLOBAL:
-            return GLOBAL, _leaf(reading, tensor)
-        return SHARE, _rebuilt(reading, tensor, [share_n, share_d])
+        return (GLOBAL, _leaf(reading, tensor)) if mode_n == GLOBAL else \
+            (SHARE, _rebuilt(reading, tensor, [share_n, share_d]))
     # A ratio of batch aggregates (sum(loss * mask) / sum(mask)): one device divides the whole batch's numerator by
     # the whole batch's denominator. Both are all-reduced (without gradient), every replica divides its numerator's
     # share by the global denominator, and the quotient rule's term for the denominator is added with value 0.
@@ -389,10 +379,8 @@ _REEMIT = {
     "Reshape": lambda op, x: tf.reshape(x[0], x[1]), "ExpandDims": lambda op, x: tf.expand_dims(x[0], x[1]),
     "Squeeze": lambda op, x: tf.squeeze(x[0], axis=list(_attr(op, "squeeze_dims", [])) or None),
     "Transpose": lambda op, x: tf.transpose(x[0], x[1]),
-    "StridedSlice": lambda op, x: tf.raw_ops.StridedSlice(
-        input=x[0], begin=x[1], end=x[2], strides=x[3], begin_mask=_attr(op, "begin_mask"),
-        end_mask=_attr(op, "end_mask"), ellipsis_mask=_attr(op, "ellipsis_mask"),
-        new_axis_mask=_attr(op, "new_axis_mask"), shrink_axis_mask=_attr(op, "shrink_axis_mask")),
+    "StridedSlice": lambda op, x: tf.raw_ops.StridedSlice(input=x[0], begin=x[1], end=x[2], strides=x[3], **{
+        f"{mask}_mask": _attr(op, f"{mask}_mask") for mask in ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}),
     "Slice": lambda op, x: tf.slice(x[0], x[1], x[2]),
     "GatherV2": lambda op, x: tf.gather(x[0], x[1], axis=x[2], batch_dims=_attr(op, "batch_dims", 0)),
     "Tile": lambda op, x: tf.tile(x[0], x[1]), "BroadcastTo": lambda op, x: tf.broadcast_to(x[0], x[1]),

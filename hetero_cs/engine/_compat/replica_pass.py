@@ -29,9 +29,15 @@ from hetero_cs.engine._compat.symbols import patch
 logger = logging.getLogger(__name__)
 
 
+def keras_trainer():
+    """Keras' TensorFlow trainer class, whose methods the patches replace (Private: TensorFlowTrainer is where Keras'
+    TensorFlow backend defines fit, evaluate, predict and the steps)."""
+    return symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+
+
 def keras_train_step():
     """``train_step`` as a model class inherits it from Keras (hetero_cs's dispatch below, once installed)."""
-    return symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer").train_step
+    return keras_trainer().train_step
 
 
 def patch_train_step() -> None:
@@ -39,7 +45,7 @@ def patch_train_step() -> None:
     # (hetero_cs.engine._compat.replica_xla.applies), or of one whose idle replicas skip their pass under the multi-worker
     # strategy (hetero_cs.engine.step.replica_xla.multi_worker_skips), Keras' train step runs cut (_cut_step);
     # elsewhere Keras' own runs.
-    @patch(symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"), "train_step")
+    @patch(keras_trainer(), "train_step")
     def train_step(original, self, data):
         step, strategy = replica_state.current_replica_step(), strategy_of(self)
         if step is None or step.global_batch_size is None or not is_ours(strategy) or not self.trainable_weights:
@@ -76,9 +82,8 @@ def patch_inference_steps() -> None:
     # Under the multi-worker strategy, a replica whose slice of an evaluate or predict batch exceeds its card's memory
     # cap runs Keras' own test_step or predict_step on each micro-batch in turn (_micro_batched_inference);
     # elsewhere Keras' own runs.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
     for name in ("test_step", "predict_step"):
-        patch(TensorFlowTrainer, name)(_inference_step)
+        patch(keras_trainer(), name)(_inference_step)
 
 
 def _inference_step(original, self, data):
@@ -86,9 +91,8 @@ def _inference_step(original, self, data):
     if step is None or step.global_batch_size is None or not is_multi_worker_strategy(strategy):
         return original(self, data)
     cap = strategy.micro_batching.inference_cap(self, step.replica_id)
-    if cap is None:
-        return original(self, _memory_checked(strategy, step, data, step.batch_size))
-    return _micro_batched_inference(self, original, data, step, cap, predict=original.__name__ == "predict_step")
+    return original(self, _memory_checked(strategy, step, data, step.batch_size)) if cap is None else \
+        _micro_batched_inference(self, original, data, step, cap, predict=original.__name__ == "predict_step")
 
 
 def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict: bool):
@@ -113,8 +117,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
 
     def run(j):
         size, rows_of = micro_batch(j)
-        part = data_adapter_utils.pack_x_y_sample_weight(*(tree.map_structure(rows_of, v)
-                                                           for v in (x, y, sample_weight)))
+        part = data_adapter_utils.pack_x_y_sample_weight(*tree.map_structure(rows_of, (x, y, sample_weight)))
         part = _memory_checked(strategy_of(model), step, part, size)
         inner = dataclasses.replace(step, batch_size=size)
         _seed(inner, rows=part)
@@ -238,8 +241,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         # The examples this pass holds (the slice's b_i, or a micro-batch's m_ij) weigh its share of the global batch.
         inner = dataclasses.replace(step, batch_size=examples)
         _seed(inner, rows=(x, y, sample_weight), replicated=(weights, state, scale, zeros))
-        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
-                weighing_in_compiled_replica_step(), \
+        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, weighing_in_compiled_replica_step(), \
                 replica_state.replica_step(inner):
             with tf.GradientTape() as tape:
                 tape.watch(weights)
@@ -279,8 +281,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     if micro_cap is None and not (jit or skip_when_empty):
         return None  # traced only to find the above: Keras' own step runs
     if micro_cap is not None:
-        step, outputs = _micro_batched(model, step, concrete, function, arguments, written, micro_cap, x, y,
-                                       sample_weight)
+        step, outputs = _micro_batched(model, step, concrete, function, arguments, written, micro_cap)
     else:
         empty = _empty_outputs(concrete.structured_outputs, weights, state, written) if skip_when_empty else None
         if skip_when_empty and empty is None:
@@ -298,7 +299,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     return _finish(model, step, (x, y, sample_weight), outputs, trainable, non_trainable, metric_state, written, added)
 
 
-def _micro_batched(model, step, concrete, function, arguments, written, cap: int, x, y, sample_weight):
+def _micro_batched(model, step, concrete, function, arguments, written, cap: int):
     """The pass of :func:`_cut_step` when the slice runs as micro-batches of at most ``cap`` examples: the replica
     step to finish it in (its micro-batches waited out their emulated time), and the pass's outputs.
 
@@ -314,10 +315,9 @@ def _micro_batched(model, step, concrete, function, arguments, written, cap: int
 
     from hetero_cs.devices.step_clock import _probe_scalar, end_replica_step, tie_to_stamp
 
-    weights, state, scale = arguments[0], arguments[1], arguments[2]
+    weights, state, scale, x, y, sample_weight, _ = arguments
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
-    strategy = strategy_of(model)
-    emulator = strategy.emulator
+    emulator = strategy_of(model).emulator
     emulated = emulator is not None and step.start_stamp is not None
     # The chain's clock: where the last micro-batch's emulated time ended (a constant when nothing is emulated).
     stamp = step.start_stamp if emulated else tf.zeros([], tf.float64)
@@ -331,12 +331,10 @@ def _micro_batched(model, step, concrete, function, arguments, written, cap: int
         if emulated:  # the next micro-batch starts when the last one's emulated time is over
             j = tie_to_stamp(j, chain)
         size, rows_of = micro_batch(j)
-        current = list(state)
-        for i, value in zip(written, written_state):
-            current[i] = value
+        last = dict(zip(written, written_state))  # the state the last micro-batch wrote goes on to this one
+        current = [last.get(i, value) for i, value in enumerate(state)]
         pred, part_loss, grads, new_state, sums = function(
-            weights, current, scale, tree.map_structure(rows_of, x), tree.map_structure(rows_of, y),
-            tree.map_structure(rows_of, sample_weight), size)
+            weights, current, scale, *tree.map_structure(rows_of, (x, y, sample_weight)), size)
         if emulated:
             anchor = next(g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None)
             chain = end_replica_step(chain, _probe_scalar(anchor), replica_id=step.replica_id, batch_size=size,
@@ -354,16 +352,14 @@ def _micro_batched(model, step, concrete, function, arguments, written, cap: int
     _, chain, loss, dense_sums, sparse_parts, sums, new_state, predictions = tf.while_loop(
         lambda j, *_: j < count, body, start, parallel_iterations=1)
 
-    gradients = list(gradient_spec)
-    for i, total in zip(dense, dense_sums):
-        gradients[i] = total
-    for i, (values, indices) in zip(sparse, sparse_parts):
-        gradients[i] = tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(weights[i]))
+    total = dict(zip(dense, dense_sums)) | {i: tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(weights[i]))
+                                           for i, (values, indices) in zip(sparse, sparse_parts)}
+    gradients = [total.get(i, gradient) for i, gradient in enumerate(gradient_spec)]  # None: no gradient
     if emulated:  # the step's gradients leave only after the last micro-batch's emulated time
         gradients = tie_to_stamp(gradients, chain)
     y_pred = tf.nest.pack_sequence_as(y_pred_spec, [array.concat() for array in predictions])
     step.flow.seed_rows(y_pred)  # the slice's rows in order, put back together from its micro-batches
-    strategy.micro_batching.note_micro_batched(model)
+    strategy_of(model).micro_batching.note_micro_batched(model)
     # The loss is a b_i / B share: the sum of the micro-batches' m_ij / B shares.
     return dataclasses.replace(step, waited_per_micro_batch=emulated), (y_pred, loss, gradients, new_state, sums)
 
@@ -457,8 +453,7 @@ def _empty_outputs(outputs, weights, state, written):
     def empty():
         return (tf.nest.map_structure(lambda t: tf.zeros([0, *t.shape[1:]], t.dtype), y_pred),
                 tf.zeros([], loss.dtype), [zero_gradient(g, w) for g, w in zip(gradients, weights)],
-                [state[i] for i in written],
-                [tf.zeros(t.shape, t.dtype) for t in sums])
+                [state[i] for i in written], [tf.zeros(t.shape, t.dtype) for t in sums])
 
     return empty
 

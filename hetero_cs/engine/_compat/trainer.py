@@ -22,7 +22,7 @@ from hetero_cs.engine._compat.context import global_batch_size_of, is_hetero_str
 from hetero_cs.engine._compat.context import is_ours, refuse_a_model_from_outside_the_scope, strategy_of
 from hetero_cs.engine._compat.layers import all_sublayers
 from hetero_cs.engine._compat.multi_worker import run_entry_point
-from hetero_cs.engine._compat.replica_pass import keras_train_step
+from hetero_cs.engine._compat.replica_pass import keras_train_step, keras_trainer
 from hetero_cs.engine._compat.symbols import patch
 from hetero_cs.errors import ConfigError, DeviceFaultError, HeteroCSError, InputError, StepOOMError
 from hetero_cs.planning.micro_batches import capacity_of
@@ -37,9 +37,8 @@ def patch_entry_points() -> None:
     # straggler wait and the plan in the logs, and the three mark their inputs and steps (training or inference) and
     # raise the library's errors for TensorFlow's; the multi-worker strategy's is multi_worker.run_entry_point. Other
     # strategies are untouched.
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
     for name in ("fit", "evaluate", "predict"):
-        patch(TensorFlowTrainer, name)(_entry_point)
+        patch(keras_trainer(), name)(_entry_point)
 
 
 def _entry_point(original, self, *args, **kwargs):
@@ -52,9 +51,8 @@ def _entry_point(original, self, *args, **kwargs):
         note_per_example_randomness(self)
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     bound.apply_defaults()
-    if is_multi_worker_strategy(strategy):
-        return run_entry_point(original, self, strategy, bound)
-    return (_fit if verb == "fit" else _evaluate_or_predict)(original, self, strategy, bound)
+    run = run_entry_point if is_multi_worker_strategy(strategy) else _fit if verb == "fit" else _evaluate_or_predict
+    return run(original, self, strategy, bound)
 
 
 def _fit(original, self, strategy, bound):
@@ -64,8 +62,7 @@ def _fit(original, self, strategy, bound):
     if examples is not None and 0.0 < split < 1.0:  # an epoch of arrays ends on a batch of N % B examples
         examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
     idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
-    callbacks = bound.arguments.get("callbacks")
-    counted = BatchCount("fit")
+    callbacks, counted = bound.arguments.get("callbacks"), BatchCount("fit")
     bound.arguments["callbacks"] = [*strategy._fit_callbacks(self, callbacks, bound.arguments), counted]  # noqa: SLF001
     # fit distributes its training data first and validation data later (hetero_cs.engine.step.input_roles).
     distributed = isinstance(bound.arguments.get("x"), tf.distribute.DistributedDataset)
@@ -132,13 +129,11 @@ def patch_make_train_function() -> None:
     # function traced for the plan's set of active replicas (idle_replicas.StepPerSet: one Keras train function per
     # set), and a retry re-runs the same batch, re-cut by a new plan, without retracing. Other strategies and other
     # steps_per_execution take Keras' path unchanged (train_on_batch runs as fit: _compat.on_batch).
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-
     # Where one train function runs every set (steps_per_execution above 1, micro-batches), it is traced again, right
     # before a step, when plans have used a set of idle replicas since it was traced (idle_replicas): the step then
     # has a branch in which those replicas do no work. Private: Keras keeps the traced step in model.train_function
     # and calls it anew for every step; make_train_function(force=True) builds a new one.
-    @patch(TensorFlowTrainer, "make_train_function")
+    @patch(keras_trainer(), "make_train_function")
     def make_train_function(keras_make, self, force=False):
         result = _made_without_whole_step_xla(keras_make, self, force)
         strategy = strategy_of(self)
@@ -147,11 +142,10 @@ def patch_make_train_function() -> None:
             return result
         active_sets = strategy._active_sets  # noqa: SLF001
         active_sets.mark_traced_function(function, active_sets.version(training=True))
-        strategy._micro_batching.forget_findings()  # noqa: SLF001 - this model's step is traced at its first call
+        micro = strategy._micro_batching  # noqa: SLF001
+        micro.forget_findings()  # this model's step is traced at its first call
         recovery = getattr(strategy, "_step_recovery", None)
         current = [function]
-
-        micro = strategy._micro_batching  # noqa: SLF001
         set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function)) \
             if strategy.num_replicas_in_sync > 1 else None  # the central-storage strategy (is_hetero_strategy)
 
@@ -254,8 +248,8 @@ def reduced_step_outputs(outputs, strategy):
     # Private: Keras' train function reduces the replicas' outputs with reduce_per_replica(..., reduction="auto")
     # (keras.src.backend.tensorflow.trainer); an overlapped micro-batched call runs Keras' train_step in a function
     # of its own and must return the same logs.
-    keras_trainer = symbols.require("keras.src.backend.tensorflow.trainer")
-    return keras_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+    keras_module = symbols.require("keras.src.backend.tensorflow.trainer")
+    return keras_module.reduce_per_replica(outputs, strategy, reduction="auto")
 
 
 def skip_applied_batches(model, strategy, iterator) -> dict:
@@ -282,9 +276,8 @@ def patch_inference_functions() -> None:
     # cap and runs again (hetero_cs.engine.memory.oom_recovery.StepRecovery.run); a step traced before
     # micro-batching was armed is traced again first. Private: Keras keeps the traced steps in model.test_function and
     # model.predict_function and builds them with make_test_function / make_predict_function(force=True).
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
     for maker in ("make_test_function", "make_predict_function"):
-        patch(TensorFlowTrainer, maker)(_make_inference_function)
+        patch(keras_trainer(), maker)(_make_inference_function)
 
 
 def _made_without_whole_step_xla(keras_make, model, force=False):
@@ -335,10 +328,9 @@ def _make_inference_function(keras_make, self, force=False):
         recovering = not nested and recovery is not None and recovery.memory_recovery and recovery.armed()
         if self.steps_per_execution != 1 or not (micro.may_apply() or recovering):
             return step(data)
-        if predicting:  # Keras' predict loop reads the batch itself and passes [element]
-            element = data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None
-        else:
-            element = _next_batch(data) if isinstance(data, tf.distribute.DistributedIterator) else None
+        # Keras' predict loop reads the batch itself and passes [element]; evaluate's passes the iterator.
+        element = (data[0] if isinstance(data, (list, tuple)) and len(data) == 1 else None) if predicting else \
+            _next_batch(data) if isinstance(data, tf.distribute.DistributedIterator) else None
         if element is None:
             return step(data)
 
@@ -388,17 +380,14 @@ def _evaluate_or_predict(original, self, strategy, bound):
             raise
         raise empty_input_error(original.__name__) from exc
     except tf.errors.OpError as exc:
-        input_error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
-        if input_error is not None:
-            raise input_error from exc
-        if not is_out_of_memory(exc):
+        error = strategy._input_error_raised(exc)  # noqa: SLF001 - None: the step's own error
+        if error is None and is_out_of_memory(exc):
+            # Out of memory, not recovered (recovery off, or not armed): the library's error naming the replica.
+            error = strategy._replica_step_error(  # noqa: SLF001
+                exc, replica_scopes=(self.name,), kind="prediction" if predicting else "evaluation")
+        if error is None:
             raise
-        # Out of memory, not recovered (recovery off, or not armed): the library's error naming the replica.
-        replica_error = strategy._replica_step_error(  # noqa: SLF001
-            exc, replica_scopes=(self.name,), kind="prediction" if predicting else "evaluation")
-        if replica_error is None:
-            raise
-        raise replica_error from exc
+        raise error from exc
     except StepOOMError as exc:
         _raise_with_tensorflow_cause(exc)
     finally:
@@ -409,10 +398,9 @@ def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | 
     """``(N, B)`` of a fit, evaluate or predict call on arrays (``arguments``: its bound arguments; Keras' default
     batch size 32), else ``(None, None)`` (a dataset, or a number of ``steps``)."""
     x = arguments.get("x")
-    if arguments.get(steps) is not None or x is None or isinstance(x, (tf.data.Dataset,
-                                                                        tf.distribute.DistributedDataset)):
+    if arguments.get(steps) is not None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
         return None, None
-    shape = getattr(next(iter(tf.nest.flatten(x)), None), "shape", None)  # the first leaf's
+    shape = getattr(next(iter(tf.nest.flatten(x)), None), "shape", None)  # the first leaf's (None: no x)
     if shape is None or len(shape) == 0 or shape[0] is None:
         return None, None
     return int(shape[0]), int(arguments.get("batch_size") or 32)
@@ -426,9 +414,7 @@ def patch_symbolic_build() -> None:
     # strategies it takes them from the user dataset's element spec instead, and reads nothing. Under the
     # multi-worker strategy this also avoids the original's strategy.reduce("MEAN", batch) over the cluster
     # (keras-team/keras#20585).
-    TensorFlowTrainer = symbols.require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
-
-    @patch(TensorFlowTrainer, "_maybe_symbolic_build")
+    @patch(keras_trainer(), "_maybe_symbolic_build")
     def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
         strategy = strategy_of(self)
         # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
