@@ -102,13 +102,12 @@ class BatchFlow:
                 self._memo[key] = known
                 stack.pop()
                 continue
-            inputs = list(current.op.inputs)
-            pending = [t for t in inputs if (scope.key, t.ref()) not in self._memo]
+            pending = [t for t in current.op.inputs if (scope.key, t.ref()) not in self._memo]
             if pending:
                 stack.extend(pending)
                 continue
             stack.pop()
-            kinds = [self._memo[(scope.key, t.ref())] for t in inputs]
+            kinds = [self._memo[(scope.key, t.ref())] for t in current.op.inputs]
             for output, kind in zip(current.op.outputs, self._rule(current.op, kinds)):
                 self._memo[(scope.key, output.ref())] = kind
         return self._memo[(scope.key, tensor.ref())]
@@ -171,8 +170,8 @@ class BatchFlow:
         graphs = [getattr(op, name, None) for name in names]
         if any(g is None for g in graphs):
             return [mixed(op, "branches into functions hetero_cs cannot read")] * len(op.outputs)
-        produced = [self._run_graph(graph, kinds[1:]) for graph in graphs]
-        return [functools.reduce(join, branches) for branches in zip(*produced)]  # each output's kinds, joined
+        # Each output's kinds over the branches, joined.
+        return [functools.reduce(join, branches) for branches in zip(*(self._run_graph(g, kinds[1:]) for g in graphs))]
 
 
 def flow_of(step) -> BatchFlow:
@@ -186,8 +185,7 @@ def seed_replica_step(step, *row_groups) -> None:
     """Tells ``step``'s batch-flow analysis what the strategy knows: each group's tensors are this replica's slice
     (one row per example), ``b_i`` is its number of examples and ``B`` is the same on every replica."""
     flow = flow_of(step)
-    for rows in row_groups:
-        flow.seed_rows(rows)
+    flow.seed_rows(row_groups)  # every tensor of every group
     if isinstance(step.batch_size, tf.Tensor):
         flow.seed(step.batch_size, Kind(COUNT, tag=flow.batch))  # b_i: this replica's number of examples
     if isinstance(step.global_batch_size, tf.Tensor):

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetero_cs.engine._compat.batch_kinds import (
-    AGG, AGGREGATE, COUNT, INDEX, LIST, MIXED, REP, REPLICATED, ROWS, SHAPE, Kind, Tag, axes, join, mixed,
-    rows_of as _rows_of, same_rows, static,
-)
+from hetero_cs.engine._compat.batch_kinds import AGG, AGGREGATE, COUNT, INDEX, LIST, MIXED, REP, REPLICATED, ROWS
+from hetero_cs.engine._compat.batch_kinds import SHAPE, Kind, Tag, axes, join, mixed, rows_of as _rows_of, same_rows
+from hetero_cs.engine._compat.batch_kinds import static
 from hetero_cs.engine._compat.batch_shapes import SHAPE_RULES
 
 _PASS_THROUGH = frozenset({
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics", "CheckNumericsV2", "EnsureShape",
-    "Cast", "Bitcast", "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Digamma", "Elu",
-    "Erf", "Erfc", "Erfinv", "Exp", "Expm1", "Floor", "Gelu", "Inv", "Invert", "IsFinite", "IsInf", "IsNan",
+    "Cast", "Bitcast", "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Digamma",
+    "Elu", "Erf", "Erfc", "Erfinv", "Exp", "Expm1", "Floor", "Gelu", "Inv", "Invert", "IsFinite", "IsInf", "IsNan",
     "LeakyRelu", "Lgamma", "Log", "Log1p", "LogicalNot", "Neg", "Ndtri", "OnesLike", "Reciprocal", "Relu", "Relu6",
     "Rint", "Round", "Rsqrt", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Square", "Tan",
     "Tanh", "ZerosLike", "Real", "Imag", "Angle", "Conj", "ComplexAbs", "AsString", "StringToNumber",
@@ -87,9 +86,8 @@ def _elementwise(op, kinds) -> Kind:
     if any(k.what != ROWS for k in rows):
         return mixed(op, "combines each example's values with a value computed from the whole slice (a batch "
                          "statistic): one device would use the whole batch's")
-    if any(k.axis != rows[0].axis or not same_rows(k.tag, rows[0].tag) for k in rows):
-        return mixed(op, "pairs values of different examples (their rows do not line up)")
-    return rows[0]
+    lined_up = all(k.axis == rows[0].axis and same_rows(k.tag, rows[0].tag) for k in rows)
+    return rows[0] if lined_up else mixed(op, "pairs values of different examples (their rows do not line up)")
 
 
 def _reduction(op, kinds) -> Kind:
@@ -221,9 +219,8 @@ def _gather(op, kinds) -> Kind:  # GatherV2(params, indices, axis), ResourceGath
     if params.what == REP and indices.what == ROWS:
         return Kind(ROWS, axis + indices.axis - batch_dims, indices.tag)  # an embedding lookup
     if params.what == ROWS and indices.what == REP:
-        if params.axis == axis:
-            return mixed(op, "picks examples by their position in the slice")
-        return params.at(params.axis + (op.inputs[1].shape.rank - 1 - batch_dims if params.axis > axis else 0))
+        return mixed(op, "picks examples by their position in the slice") if params.axis == axis else \
+            params.at(params.axis + (op.inputs[1].shape.rank - 1 - batch_dims if params.axis > axis else 0))
     if params.what == ROWS and params.axis == axis == 0 and same_rows(params.tag, indices.tag):
         if indices.what == INDEX:
             return Kind(ROWS, 0, Tag(("subset", op.name)))  # a subset of the rows the data picked, in order
@@ -259,9 +256,8 @@ def _range(op, kinds) -> Kind:
 
 def _cross_entropy(op, kinds) -> Kind:
     first, second = kinds[:2]
-    if first.what == second.what == ROWS and first.axis == second.axis == 0 and same_rows(first.tag, second.tag):
-        return first
-    return mixed(op, "combines labels and logits that are not one row per example")
+    ok = first.what == second.what == ROWS and first.axis == second.axis == 0 and same_rows(first.tag, second.tag)
+    return first if ok else mixed(op, "combines labels and logits that are not one row per example")
 
 
 def _transposed_convolution(op, kinds) -> Kind:  # Conv2DBackpropInput(input_sizes, filter, out_backprop)

@@ -11,10 +11,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from hetero_cs.engine._compat.batch_kinds import (
-    AGG, AGGREGATE, COUNT, INDEX, REP, REPLICATED, ROWS, SHAPE, Kind, Tag, axes, entries, mixed,
-    rows_of as _rows_of, same_rows, static,
-)
+from hetero_cs.engine._compat.batch_kinds import AGG, AGGREGATE, COUNT, INDEX, REP, REPLICATED, ROWS, SHAPE, Kind, Tag
+from hetero_cs.engine._compat.batch_kinds import axes, entries, mixed, rows_of as _rows_of, same_rows, static
 
 
 def _reshape(op, kinds) -> Kind:
@@ -81,9 +79,9 @@ def _squeeze(op, kinds) -> Kind:
 
 
 def _concat(op, kinds) -> Kind:
-    values, axis_tensor, tensors = kinds[:-1], op.inputs[-1], op.inputs[:-1]
-    if op.type == "Concat":  # the old op: the axis comes first
-        values, axis_tensor, tensors = kinds[1:], op.inputs[0], op.inputs[1:]
+    # Concat, the old op, takes the axis first; ConcatV2 last.
+    values, axis_tensor, tensors = ((kinds[1:], op.inputs[0], op.inputs[1:]) if op.type == "Concat"
+                                    else (kinds[:-1], op.inputs[-1], op.inputs[:-1]))
     whats = {k.what for k in values}
     if whats <= {REP, SHAPE, COUNT, AGG} and AGG in whats:
         return AGGREGATE  # sizes that grow with the slice (e.g. a reshape's target shape)
@@ -190,8 +188,7 @@ def _sliced_shape(op, kind, begin, end, strides, mask, specs) -> Kind:
     length = op.inputs[0].shape[0]
     if mask["shrink_axis"] & 1:
         return Kind(COUNT, tag=kind.tag) if int(begin[0]) % max(length or 1, 1) == kind.axis else REPLICATED
-    start = 0 if mask["begin"] & 1 else int(begin[0])
-    stop = None if mask["end"] & 1 else int(end[0])
+    start, stop = 0 if mask["begin"] & 1 else int(begin[0]), None if mask["end"] & 1 else int(end[0])
     if specs != 1 or length is None:
         return mixed(op, "slices a shape hetero_cs cannot follow")
     positions = list(range(length))[start:stop:int(strides[0])]

@@ -122,9 +122,7 @@ def check_predictions(step, outputs):
     if tf.executing_eagerly():
         return outputs
     flow = flow_of(step)
-    for value in tf.nest.flatten(outputs):
-        if not isinstance(value, tf.Tensor) or value.shape.rank == 0:
-            continue
+    for value in (v for v in tf.nest.flatten(outputs) if isinstance(v, tf.Tensor) and v.shape.rank != 0):
         kind = flow.kind(value)
         if kind.what == REP or kind.what == ROWS and kind.tag is not None and kind.tag.ordered:
             continue
@@ -355,9 +353,8 @@ def _rebuilt(reading, tensor, inputs):
     """``tensor``'s op on ``inputs`` (same dtypes): ``tensor`` itself when they are its own and no tape records the
     reading, else the op again, with its own attributes."""
     op = tensor.op
-    if reading.tape is None and all(new is old for new, old in zip(inputs, op.inputs)):
-        return tensor
-    return _REEMIT[op.type](op, inputs)
+    unchanged = reading.tape is None and all(new is old for new, old in zip(inputs, op.inputs))
+    return tensor if unchanged else _REEMIT[op.type](op, inputs)
 
 
 def _attr(op, name, default=None):
@@ -368,25 +365,23 @@ _REEMIT = {
     **dict.fromkeys(("Identity", "Snapshot", "EnsureShape", "CheckNumerics", "CheckNumericsV2"),
                     lambda op, x: tf.identity(x[0])), "Cast": lambda op, x: tf.cast(x[0], op.outputs[0].dtype),
     "StopGradient": lambda op, x: tf.stop_gradient(x[0]), "Neg": lambda op, x: tf.negative(x[0]),
-    "Add": lambda op, x: tf.add(x[0], x[1]), "AddV2": lambda op, x: tf.add(x[0], x[1]),
-    "Sub": lambda op, x: tf.subtract(x[0], x[1]), "AddN": lambda op, x: tf.add_n(list(x)),
-    "Mul": lambda op, x: tf.multiply(x[0], x[1]), "MulNoNan": lambda op, x: tf.math.multiply_no_nan(x[0], x[1]),
-    "RealDiv": lambda op, x: tf.math.divide(x[0], x[1]), "Div": lambda op, x: tf.math.divide(x[0], x[1]),
-    "DivNoNan": lambda op, x: tf.math.divide_no_nan(x[0], x[1]),
-    "Sum": lambda op, x: tf.reduce_sum(x[0], x[1], keepdims=_attr(op, "keep_dims", False)),
-    "Mean": lambda op, x: tf.reduce_mean(x[0], x[1], keepdims=_attr(op, "keep_dims", False)),
+    "ZerosLike": lambda op, x: tf.zeros_like(x[0]), "AddN": lambda op, x: tf.add_n(list(x)),
+    "Add": lambda op, x: tf.add(*x), "AddV2": lambda op, x: tf.add(*x), "Sub": lambda op, x: tf.subtract(*x),
+    "Mul": lambda op, x: tf.multiply(*x), "MulNoNan": lambda op, x: tf.math.multiply_no_nan(*x),
+    "RealDiv": lambda op, x: tf.math.divide(*x), "Div": lambda op, x: tf.math.divide(*x),
+    "DivNoNan": lambda op, x: tf.math.divide_no_nan(*x), "Slice": lambda op, x: tf.slice(*x),
+    "Sum": lambda op, x: tf.reduce_sum(*x, keepdims=_attr(op, "keep_dims", False)),
+    "Mean": lambda op, x: tf.reduce_mean(*x, keepdims=_attr(op, "keep_dims", False)),
     "Pack": lambda op, x: tf.stack(list(x), axis=_attr(op, "axis", 0)),
-    "Reshape": lambda op, x: tf.reshape(x[0], x[1]), "ExpandDims": lambda op, x: tf.expand_dims(x[0], x[1]),
+    "Reshape": lambda op, x: tf.reshape(*x), "ExpandDims": lambda op, x: tf.expand_dims(*x),
+    "Transpose": lambda op, x: tf.transpose(*x), "Tile": lambda op, x: tf.tile(*x),
+    "BroadcastTo": lambda op, x: tf.broadcast_to(*x), "SelectV2": lambda op, x: tf.where(*x),
     "Squeeze": lambda op, x: tf.squeeze(x[0], axis=list(_attr(op, "squeeze_dims", [])) or None),
-    "Transpose": lambda op, x: tf.transpose(x[0], x[1]),
     "StridedSlice": lambda op, x: tf.raw_ops.StridedSlice(input=x[0], begin=x[1], end=x[2], strides=x[3], **{
         f"{mask}_mask": _attr(op, f"{mask}_mask") for mask in ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}),
-    "Slice": lambda op, x: tf.slice(x[0], x[1], x[2]),
     "GatherV2": lambda op, x: tf.gather(x[0], x[1], axis=x[2], batch_dims=_attr(op, "batch_dims", 0)),
-    "Tile": lambda op, x: tf.tile(x[0], x[1]), "BroadcastTo": lambda op, x: tf.broadcast_to(x[0], x[1]),
     "Select": lambda op, x: tf.raw_ops.Select(condition=x[0], x=x[1], y=x[2]),
-    "SelectV2": lambda op, x: tf.where(x[0], x[1], x[2]),
-    "ConcatV2": lambda op, x: tf.concat(list(x[:-1]), axis=x[-1]), "ZerosLike": lambda op, x: tf.zeros_like(x[0]),
+    "ConcatV2": lambda op, x: tf.concat(list(x[:-1]), axis=x[-1]),
 }
 
 

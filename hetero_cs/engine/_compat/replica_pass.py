@@ -20,9 +20,9 @@ import logging
 
 import tensorflow as tf
 
-from hetero_cs.engine._compat import replica_xla
+from hetero_cs.engine._compat import replica_xla, symbols
+from hetero_cs.engine._compat.batch_flow import seed_replica_step
 from hetero_cs.engine.step import replica_state
-from hetero_cs.engine._compat import symbols
 from hetero_cs.engine._compat.context import is_multi_worker_strategy, is_ours, strategy_of
 from hetero_cs.engine._compat.symbols import patch
 
@@ -120,7 +120,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
         part = data_adapter_utils.pack_x_y_sample_weight(*tree.map_structure(rows_of, (x, y, sample_weight)))
         part = _memory_checked(strategy_of(model), step, part, size)
         inner = dataclasses.replace(step, batch_size=size)
-        _seed(inner, rows=part)
+        seed_replica_step(inner, part)  # the batch-flow analysis: this micro-batch's rows, and its b_i
         with replica_state.replica_step(inner):
             return keras_step(model, part)
 
@@ -240,7 +240,10 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
         mapping = list(zip(trainable, weights)) + list(zip(non_trainable, state)) + list(zip(metric_state, zeros))
         # The examples this pass holds (the slice's b_i, or a micro-batch's m_ij) weigh its share of the global batch.
         inner = dataclasses.replace(step, batch_size=examples)
-        _seed(inner, rows=(x, y, sample_weight), replicated=(weights, state, scale, zeros))
+        # The pass is traced in a function of its own: its batch-flow analysis is told that the function's inputs
+        # hold the pass's examples (its b_i is theirs) and the weights and state, the same on every replica.
+        inner.flow.seed_replicated((weights, state, scale, zeros))
+        seed_replica_step(inner, (x, y, sample_weight))
         with StatelessScope(state_mapping=mapping, collect_losses=True) as scope, weighing_in_compiled_replica_step(), \
                 replica_state.replica_step(inner):
             with tf.GradientTape() as tape:
@@ -413,21 +416,10 @@ def _finish(model, step, data, outputs, trainable, non_trainable, metric_state, 
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-
-def _seed(step, *, rows, replicated=()) -> None:
-    """Seeds the batch-flow analysis of a pass traced in a function of its own (its inputs are that function's):
-    ``rows`` hold the pass's examples, ``replicated`` the weights and state, and its ``b_i`` is its examples'."""
-    from hetero_cs.engine._compat.batch_flow import seed_replica_step
-
-    step.flow.seed_replicated(replicated)
-    seed_replica_step(step, rows)
-
-
 def _is_layer_state(variable) -> bool:
     """A non-trainable variable a layer sets from its examples in training (not BatchNormalization's moving
     statistics, which the strategy judges up front, nor a seed generator's state, which only counts draws)."""
-    path = str(getattr(variable, "path", ""))
-    return not path.endswith(("moving_mean", "moving_variance", "seed_generator_state"))
+    return not str(getattr(variable, "path", "")).endswith(("moving_mean", "moving_variance", "seed_generator_state"))
 
 
 def _empty_outputs(outputs, weights, state, written):
@@ -437,8 +429,7 @@ def _empty_outputs(outputs, weights, state, written):
     and every gradient and sum are zeros (a sparse gradient: no rows), and the state written is the state given.
     """
     y_pred, loss, gradients, _, sums = outputs
-    leaves = tf.nest.flatten(y_pred)
-    if not all(t.shape.rank is not None and t.shape[1:].is_fully_defined() for t in leaves):
+    if not all(t.shape.rank is not None and t.shape[1:].is_fully_defined() for t in tf.nest.flatten(y_pred)):
         return None
 
     def zero_gradient(gradient, weight):

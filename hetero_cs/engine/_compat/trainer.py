@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 import weakref
 
@@ -24,7 +23,7 @@ from hetero_cs.engine._compat.layers import all_sublayers
 from hetero_cs.engine._compat.multi_worker import run_entry_point
 from hetero_cs.engine._compat.replica_pass import keras_train_step, keras_trainer
 from hetero_cs.engine._compat.symbols import patch
-from hetero_cs.errors import ConfigError, DeviceFaultError, HeteroCSError, InputError, StepOOMError
+from hetero_cs.errors import ConfigError, DeviceFaultError, HeteroCSError, StepOOMError
 from hetero_cs.planning.micro_batches import capacity_of
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")
@@ -60,7 +59,7 @@ def _fit(original, self, strategy, bound):
     examples, batch_size = _examples_and_batch_size(bound.arguments, steps="steps_per_epoch")
     split = bound.arguments.get("validation_split") or 0.0
     if examples is not None and 0.0 < split < 1.0:  # an epoch of arrays ends on a batch of N % B examples
-        examples = int(math.floor(examples * (1.0 - split)))  # Keras keeps the first part for training
+        examples = int(examples * (1.0 - split))  # Keras keeps the first part for training (its floor: >= 0)
     idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
     callbacks, counted = bound.arguments.get("callbacks"), BatchCount("fit")
     bound.arguments["callbacks"] = [*strategy._fit_callbacks(self, callbacks, bound.arguments), counted]  # noqa: SLF001
@@ -136,15 +135,13 @@ def patch_make_train_function() -> None:
     @patch(keras_trainer(), "make_train_function")
     def make_train_function(keras_make, self, force=False):
         result = _made_without_whole_step_xla(keras_make, self, force)
-        strategy = strategy_of(self)
-        function = self.train_function
+        strategy, function = strategy_of(self), self.train_function
         if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
             return result
         active_sets = strategy._active_sets  # noqa: SLF001
         active_sets.mark_traced_function(function, active_sets.version(training=True))
-        micro = strategy._micro_batching  # noqa: SLF001
+        micro, recovery = strategy._micro_batching, getattr(strategy, "_step_recovery", None)  # noqa: SLF001
         micro.forget_findings()  # this model's step is traced at its first call
-        recovery = getattr(strategy, "_step_recovery", None)
         current = [function]
         set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function)) \
             if strategy.num_replicas_in_sync > 1 else None  # the central-storage strategy (is_hetero_strategy)
@@ -176,7 +173,7 @@ def patch_make_train_function() -> None:
                 trace_again_if_needed()
             recovering = recovery is not None and in_hand and recovery.armed()
             micro_batching = in_hand and micro.may_apply()
-            single = None  # the one-step plan a micro-batching step was served, to time it for a guard trial
+            plan = None  # the one-step plan a micro-batching step was served, to time it for a guard trial
             if not (recovering or micro_batching or (in_hand and per_set())):
                 return current[0](iterator)
             data = _next_batch(iterator)  # eager: the batch stays in hand for a retry, its sub-steps, its plan
@@ -200,12 +197,11 @@ def patch_make_train_function() -> None:
                         outputs = micro.run(self, one_step, data, plan)
                         micro.observe_run(plan, time.perf_counter() - started)
                         return outputs
-                    single = plan
                 try:
                     outputs = one_step(data)
-                    if single is not None:
+                    if plan is not None:
                         micro.last_run_as_planned = True
-                        micro.observe_run(single, time.perf_counter() - started)
+                        micro.observe_run(plan, time.perf_counter() - started)
                     return outputs
                 except (DeviceFaultError, StepOOMError) as exc:
                     # A card was set aside, or lost memory, and the cards cannot hold the batch in one step any more:
@@ -311,14 +307,12 @@ def _make_inference_function(keras_make, self, force=False):
     predicting = keras_make.__name__ == "make_predict_function"
     attribute = "predict_function" if predicting else "test_function"
     result = _made_without_whole_step_xla(keras_make, self, force)
-    strategy = strategy_of(self)
-    function = getattr(self, attribute)
+    strategy, function = strategy_of(self), getattr(self, attribute)
     if not is_hetero_strategy(strategy) or function is None or getattr(function, "_hetero_wrapped", False):
         return result
-    micro = strategy._micro_batching  # noqa: SLF001
+    micro, recovery = strategy._micro_batching, getattr(strategy, "_step_recovery", None)  # noqa: SLF001
     function._hetero_micro = micro.armed
     current = [function]
-    recovery = getattr(strategy, "_step_recovery", None)
 
     def wrapped(data, nested=False):
         if micro.armed and not getattr(current[0], "_hetero_micro", False):
@@ -401,9 +395,8 @@ def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | 
     if arguments.get(steps) is not None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
         return None, None
     shape = getattr(next(iter(tf.nest.flatten(x)), None), "shape", None)  # the first leaf's (None: no x)
-    if shape is None or len(shape) == 0 or shape[0] is None:
-        return None, None
-    return int(shape[0]), int(arguments.get("batch_size") or 32)
+    unknown = shape is None or len(shape) == 0 or shape[0] is None
+    return (None, None) if unknown else (int(shape[0]), int(arguments.get("batch_size") or 32))
 
 
 def patch_symbolic_build() -> None:
