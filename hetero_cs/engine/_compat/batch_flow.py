@@ -92,8 +92,7 @@ class BatchFlow:
         inputs their kinds."""
         if not isinstance(tensor, tf.Tensor) or not hasattr(tensor, "op"):
             return _REP  # a Python number or a NumPy array: a constant
-        scope = scope or _TOP
-        stack = [tensor]
+        scope, stack = scope or _TOP, [tensor]
         while stack:
             current = stack[-1]
             key = (scope.key, current.ref())

@@ -112,8 +112,7 @@ def _concat(op, kinds) -> Kind:
 
 
 def _pack(op, kinds) -> Kind:
-    rank = op.outputs[0].shape.rank
-    counts = [i for i, k in enumerate(kinds) if k.what == COUNT]
+    rank, counts = op.outputs[0].shape.rank, [i for i, k in enumerate(kinds) if k.what == COUNT]
     if all(k.what in (REP, COUNT) for k in kinds) and rank == 1 and len(counts) == 1:
         return Kind(SHAPE, counts[0], kinds[counts[0]].tag)
     if all(k.what in (REP, AGG, COUNT) for k in kinds):
@@ -159,8 +158,7 @@ def _strided_slice(op, kinds) -> Kind:
     if kind.what != ROWS:
         return mixed(op, f"slices a {kind} value")
     if mask["ellipsis"]:
-        rank = op.inputs[0].shape.rank
-        ellipsis = (mask["ellipsis"] & -mask["ellipsis"]).bit_length() - 1
+        rank, ellipsis = op.inputs[0].shape.rank, (mask["ellipsis"] & -mask["ellipsis"]).bit_length() - 1
         covered = None if rank is None else rank - sum(1 for i in range(specs) if i != ellipsis and not new[i])
         consumed = sum(1 for i in range(ellipsis) if not new[i])  # input axes the specs before the ellipsis take
         if covered is None or not consumed <= kind.axis < consumed + covered:

@@ -177,8 +177,7 @@ def _leaf(reading, tensor):
 
 def _weigh(value, weight=None):
     """``value * b_i / B``, and 0 (never NaN) for a 0-example replica, whose own mean of nothing is NaN."""
-    if weight is None:
-        weight = replica_state.replica_weight(value.dtype)
+    weight = replica_state.replica_weight(value.dtype) if weight is None else weight
     return tf.where(weight > 0, value * tf.cast(weight, value.dtype), tf.zeros_like(value))
 
 
@@ -257,8 +256,7 @@ def _reduces_rows(flow, op) -> bool:
 
 def _atom(reading, op, tensor, what):
     """A reduction over the batch axis of per-example values: a sum (kept), a mean (weighed), or refused."""
-    flow = reading.flow
-    kind = flow.kind(op.inputs[0])
+    flow, kind = reading.flow, reading.flow.kind(op.inputs[0])
     if op.type == "Prod" and kind.what != SHAPE:
         raise _refusal(what, op, "multiplies values over the batch")
     leaf = _leaf(reading, tensor)
@@ -277,8 +275,7 @@ def _product(reading, op, tensor, what, depth):
     a, b = op.inputs
     for factor, other in ((a, b), (b, a)):
         if factor.ref() in reading.step.weights:  # value * hetero_cs.replica_weight(): the user weighed it already
-            mode, _ = _read(reading, other, what, depth + 1)
-            if mode == GLOBAL or _is_weighed_mean(reading.flow, other):
+            if _read(reading, other, what, depth + 1)[0] == GLOBAL or _is_weighed_mean(reading.flow, other):
                 return SHARE, _leaf(reading, tensor)
             raise _refusal(what, op, "multiplies a value that is already a share by replica_weight() again")
     (mode_a, share_a), (mode_b, share_b) = _read(reading, a, what, depth + 1), _read(reading, b, what, depth + 1)
@@ -321,8 +318,7 @@ def _quotient(reading, op, tensor, what, depth):
     dtype = tensor.dtype
     share_n, share_d = tf.cast(_as_share(mode_n, share_n), dtype), tf.cast(share_d, dtype)
     if mode_n == GLOBAL:
-        total_d = all_reduced_sum(tf.stop_gradient(share_d))
-        total_n = tf.stop_gradient(tf.cast(numerator, dtype))
+        total_d, total_n = all_reduced_sum(tf.stop_gradient(share_d)), tf.stop_gradient(tf.cast(numerator, dtype))
     else:
         total_n, total_d = tf.unstack(all_reduced_sum(tf.stop_gradient(tf.stack([share_n, share_d]))))
     first = tf.math.divide_no_nan(share_n, total_d)

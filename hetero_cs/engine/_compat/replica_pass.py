@@ -50,8 +50,7 @@ def patch_train_step() -> None:
         step, strategy = replica_state.current_replica_step(), strategy_of(self)
         if step is None or step.global_batch_size is None or not is_ours(strategy) or not self.trainable_weights:
             return original(self, data)
-        jit = replica_xla.applies(self)
-        multi_worker = is_multi_worker_strategy(strategy)
+        jit, multi_worker = replica_xla.applies(self), is_multi_worker_strategy(strategy)
         skip = multi_worker and replica_xla.multi_worker_skips(self)
         cap = strategy.micro_batching.cap_of(step.replica_id) if multi_worker else None
         # Whether this model's slices may run as micro-batches: then every replica, capped or not, traces the cut
@@ -262,8 +261,7 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
 
     function = tf.function(hetero_cs_replica_forward_backward, jit_compile=jit, autograph=False)
     # One function per replica and trace: its captures (this replica's b_i, B) are this replica's own.
-    weights = [tf.convert_to_tensor(variable) for variable in trainable]
-    state = [tf.convert_to_tensor(variable) for variable in non_trainable]
+    weights, state = ([tf.convert_to_tensor(variable) for variable in group] for group in (trainable, non_trainable))
     arguments = (weights, state, scale, x, y, sample_weight, step.batch_size)
     concrete = _traced(function, *arguments)  # traced here, called below
     if concrete is None:

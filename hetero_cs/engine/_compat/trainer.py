@@ -59,7 +59,7 @@ def _fit(original, self, strategy, bound):
     examples, batch_size = _examples_and_batch_size(bound.arguments, steps="steps_per_epoch")
     split = bound.arguments.get("validation_split") or 0.0
     if examples is not None and 0.0 < split < 1.0:  # an epoch of arrays ends on a batch of N % B examples
-        examples = int(examples * (1.0 - split))  # Keras keeps the first part for training (its floor: >= 0)
+        examples = int(examples * (1.0 - split))  # Keras keeps the first part for training (floored)
     idle_replicas.anticipate_last_batch(strategy, examples, batch_size, training=True)
     callbacks, counted = bound.arguments.get("callbacks"), BatchCount("fit")
     bound.arguments["callbacks"] = [*strategy._fit_callbacks(self, callbacks, bound.arguments), counted]  # noqa: SLF001
@@ -392,9 +392,8 @@ def _examples_and_batch_size(arguments, *, steps: str = "steps") -> tuple[int | 
     """``(N, B)`` of a fit, evaluate or predict call on arrays (``arguments``: its bound arguments; Keras' default
     batch size 32), else ``(None, None)`` (a dataset, or a number of ``steps``)."""
     x = arguments.get("x")
-    if arguments.get(steps) is not None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
-        return None, None
-    shape = getattr(next(iter(tf.nest.flatten(x)), None), "shape", None)  # the first leaf's (None: no x)
+    arrays = arguments.get(steps) is None and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset))
+    shape = getattr(next(iter(tf.nest.flatten(x)), None), "shape", None) if arrays else None  # the first leaf's
     unknown = shape is None or len(shape) == 0 or shape[0] is None
     return (None, None) if unknown else (int(shape[0]), int(arguments.get("batch_size") or 32))
 
@@ -409,11 +408,10 @@ def patch_symbolic_build() -> None:
     # (keras-team/keras#20585).
     @patch(keras_trainer(), "_maybe_symbolic_build")
     def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
-        strategy = strategy_of(self)
         # Private: TFEpochIterator keeps the distributed dataset it iterates in _distributed_dataset.
         distributed = getattr(iterator, "_distributed_dataset", None)
         spec = getattr(distributed, "source_element_spec", None)
-        if not is_ours(strategy):
+        if not is_ours(strategy_of(self)):
             return original(self, iterator=iterator, data_batch=data_batch)
         if data_batch is not None or spec is None:
             return _built_or_explained(self, lambda: original(self, iterator=iterator, data_batch=data_batch))
@@ -421,7 +419,7 @@ def patch_symbolic_build() -> None:
         if source is not None and int(source.cardinality()) == 0:
             raise StopIteration  # what the original's read raises on a dataset known to be empty (fit: InputError)
         shapes = tf.nest.map_structure(lambda leaf: None if is_unbatched_marker(leaf) else leaf, spec)
-        with strategy.scope():
+        with strategy_of(self).scope():
             _built_or_explained(self, lambda: self._symbolic_build(data_batch=shapes))  # noqa: SLF001 - as the original
 
 
