@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetero_cs.engine._compat.batch_kinds import AGG, AGGREGATE, COUNT, INDEX, LIST, MIXED, REP, REPLICATED, ROWS
-from hetero_cs.engine._compat.batch_kinds import SHAPE, Kind, Tag, axes, join, mixed, rows_of as _rows_of, same_rows
-from hetero_cs.engine._compat.batch_kinds import static
+from hetero_cs.engine._compat.batch_kinds import SHAPE, Kind, Tag, axes, join, mixed, rows_of, same_rows, static
 from hetero_cs.engine._compat.batch_shapes import SHAPE_RULES
 
 _PASS_THROUGH = frozenset({
@@ -94,7 +93,7 @@ def _reduction(op, kinds) -> Kind:
     kind = kinds[0]
     if kind.what == SHAPE:  # a product of a shape's entries: a number of elements, a fixed multiple of the rows
         return Kind(COUNT, tag=Tag(kind.tag.root, None)) if op.type == "Prod" else AGGREGATE
-    if (early := _rows_of(op, kind, "reduces")) is not None:
+    if (early := rows_of(op, kind, "reduces")) is not None:
         return early
     reduced = axes(op.inputs[1], op.inputs[0].shape.rank)
     if reduced is None:
@@ -107,7 +106,7 @@ def _reduction(op, kinds) -> Kind:
 
 def _along_axis(op, kinds) -> Kind:
     kind = kinds[0]
-    if (early := _rows_of(op, kind, "works along an axis of")) is not None:
+    if (early := rows_of(op, kind, "works along an axis of")) is not None:
         return early
     along = axes(op.inputs[1], op.inputs[0].shape.rank)
     if along is None or kind.axis in along:
@@ -167,9 +166,8 @@ def _matmul(op, kinds) -> Kind:
         return mixed(op, "multiplies values of different examples together")
     if len(present) == 2:
         (ka, ra, axa), (kb, rb, axb) = present
-        if ra == rb == "batch" and axa == axb and same_rows(ka.tag, kb.tag):
-            return Kind(ROWS, axa, ka.tag)
-        return mixed(op, "pairs every example with every other (a matrix of examples by examples)")
+        return Kind(ROWS, axa, ka.tag) if ra == rb == "batch" and axa == axb and same_rows(ka.tag, kb.tag) else \
+            mixed(op, "pairs every example with every other (a matrix of examples by examples)")
     kind, _, axis = present[0]
     return Kind(ROWS, axis, kind.tag)
 
@@ -245,7 +243,7 @@ def _one_hot(op, kinds) -> Kind:
         return mixed(op, "takes a depth or values that depend on the examples")
     axis = op.get_attr("axis")
     axis = op.outputs[0].shape.rank - 1 if axis == -1 else axis
-    return _rows_of(op, indices, "encodes") or indices.at(indices.axis + (axis <= indices.axis))
+    return rows_of(op, indices, "encodes") or indices.at(indices.axis + (axis <= indices.axis))
 
 
 def _range(op, kinds) -> Kind:

@@ -20,8 +20,11 @@ import logging
 
 import tensorflow as tf
 
+from hetero_cs.devices.step_clock import _probe_scalar, emulated_memory_gate, end_replica_step, tie_to_stamp
 from hetero_cs.engine._compat import replica_xla, symbols
 from hetero_cs.engine._compat.batch_flow import seed_replica_step
+from hetero_cs.engine._compat.losses import _register, weighing_in_compiled_replica_step
+from hetero_cs.engine._compat.sparse_rows import shared_rows_dense
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat.context import is_multi_worker_strategy, is_ours, strategy_of
 from hetero_cs.engine._compat.symbols import patch
@@ -117,8 +120,7 @@ def _micro_batched_inference(model, keras_step, data, step, cap: int, *, predict
     def run(j):
         size, rows_of = micro_batch(j)
         part = data_adapter_utils.pack_x_y_sample_weight(*tree.map_structure(rows_of, (x, y, sample_weight)))
-        part = _memory_checked(strategy_of(model), step, part, size)
-        inner = dataclasses.replace(step, batch_size=size)
+        part, inner = _memory_checked(strategy_of(model), step, part, size), dataclasses.replace(step, batch_size=size)
         seed_replica_step(inner, part)  # the batch-flow analysis: this micro-batch's rows, and its b_i
         with replica_state.replica_step(inner):
             return keras_step(model, part)
@@ -151,8 +153,6 @@ def _memory_checked(strategy, step, data, examples):
     anchor = next((t for t in tf.nest.flatten(data) if tf.is_tensor(t) and t.dtype.is_numeric), None)
     if emulator is None or emulator.workload is None or anchor is None:
         return data
-    from hetero_cs.devices.step_clock import emulated_memory_gate
-
     gated = emulated_memory_gate(data, anchor, replica_id=step.replica_id, batch_size=examples, emulator=emulator,
                                  training=False)
     step.flow.seed_rows(gated)  # the same rows, tied to the check (which the loss reader cannot read through)
@@ -215,9 +215,6 @@ def _cut_step(model, data, step, *, jit: bool, skip_when_empty: bool, micro_cap:
     # MeanMetricWrapper included), whose update_state only adds to their state (assign_add).
     from keras.src.metrics.reduction_metrics import Mean, Sum
     from keras.src.trainers.data_adapters import data_adapter_utils
-
-    from hetero_cs.engine._compat.losses import weighing_in_compiled_replica_step
-    from hetero_cs.engine._compat.sparse_rows import shared_rows_dense
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     trainable, non_trainable = list(model.trainable_variables), list(model.non_trainable_variables)
@@ -314,8 +311,6 @@ def _micro_batched(model, step, concrete, function, arguments, written, cap: int
     """
     from keras.src import tree
 
-    from hetero_cs.devices.step_clock import _probe_scalar, end_replica_step, tie_to_stamp
-
     weights, state, scale, x, y, sample_weight, _ = arguments
     y_pred_spec, loss_spec, gradient_spec, _, sums_spec = concrete.structured_outputs
     emulator = strategy_of(model).emulator
@@ -396,8 +391,6 @@ def _finish(model, step, data, outputs, trainable, non_trainable, metric_state, 
     (the all-reduce) and ``compute_metrics``. ``data`` is ``(x, y, sample_weight)``."""
     from keras.src import tree
     from keras.src.losses import loss as loss_module
-
-    from hetero_cs.engine._compat.losses import _register
 
     x, y, sample_weight = data
     y_pred, loss, gradients, new_state, sums = outputs
