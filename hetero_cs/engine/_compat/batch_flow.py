@@ -56,11 +56,10 @@ class BatchFlow:
     """The batch-flow analysis of one replica step: seeds (what the strategy knows) and the kinds derived from them.
 
     Args:
-        replica_id: For messages.
+        replica_id: The replica's, which names its batch (the tag of its rows).
     """
 
     def __init__(self, replica_id: int = 0):
-        self.replica_id = replica_id
         self.batch = Tag(("batch", replica_id))
         self._seeds: dict = {}  # tensor ref -> Kind
         self._memo: dict = {}  # (scope key, tensor ref) -> Kind
@@ -185,7 +184,6 @@ def seed_replica_step(step, *row_groups) -> None:
     (one row per example), ``b_i`` is its number of examples and ``B`` is the same on every replica."""
     flow = flow_of(step)
     flow.seed_rows(row_groups)  # every tensor of every group
-    if isinstance(step.batch_size, tf.Tensor):
-        flow.seed(step.batch_size, Kind(COUNT, tag=flow.batch))  # b_i: this replica's number of examples
-    if isinstance(step.global_batch_size, tf.Tensor):
-        flow.seed_replicated(step.global_batch_size)
+    # b_i, this replica's number of examples, and B (a Python number or None is no tensor of the graph: not seeded).
+    flow.seed(step.batch_size, Kind(COUNT, tag=flow.batch))
+    flow.seed_replicated(step.global_batch_size)

@@ -168,8 +168,7 @@ def _matmul(op, kinds) -> Kind:
         (ka, ra, axa), (kb, rb, axb) = present
         return Kind(ROWS, axa, ka.tag) if ra == rb == "batch" and axa == axb and same_rows(ka.tag, kb.tag) else \
             mixed(op, "pairs every example with every other (a matrix of examples by examples)")
-    kind, _, axis = present[0]
-    return Kind(ROWS, axis, kind.tag)
+    return Kind(ROWS, present[0][2], present[0][0].tag)  # one operand holds rows: at their axis of the product
 
 
 def _einsum(op, kinds) -> Kind:

@@ -216,10 +216,8 @@ def _read_uncached(reading, tensor, what, depth):
         return _atom(reading, op, tensor, what)
     if op.type == "L2Loss" and flow.kind(op.inputs[0]).what == ROWS:
         return SHARE, _leaf(reading, tensor)  # half the sum of squares over the batch: the replicas' parts add up
-    if op.type in ("Mul", "MulNoNan"):
-        return _product(reading, op, tensor, what, depth)
-    if op.type in ("RealDiv", "Div", "DivNoNan"):
-        return _quotient(reading, op, tensor, what, depth)
+    if op.type in ("Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan"):  # a product or a quotient
+        return (_product if op.type.startswith("Mul") else _quotient)(reading, op, tensor, what, depth)
     linear = _LINEAR.get(op.type)
     if linear is None and op.type in _OPAQUE:
         raise LossPatternError(

@@ -128,6 +128,7 @@ def patch_make_train_function() -> None:
     # function traced for the plan's set of active replicas (idle_replicas.StepPerSet: one Keras train function per
     # set), and a retry re-runs the same batch, re-cut by a new plan, without retracing. Other strategies and other
     # steps_per_execution take Keras' path unchanged (train_on_batch runs as fit: _compat.on_batch).
+
     # Where one train function runs every set (steps_per_execution above 1, micro-batches), it is traced again, right
     # before a step, when plans have used a set of idle replicas since it was traced (idle_replicas): the step then
     # has a branch in which those replicas do no work. Private: Keras keeps the traced step in model.train_function
