@@ -1,7 +1,5 @@
 """`python -m calibration [options]`: the same as `hetero-cs calibrate [options]` (see calibration.cli)."""
 
-from __future__ import annotations
-
 import sys
 from collections.abc import Sequence
 

@@ -1,7 +1,5 @@
 """Checking a cached calibration profile against the machine before it is trusted."""
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any

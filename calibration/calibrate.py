@@ -17,8 +17,6 @@ the others (``CalibrationResult.contention_factors``), and the plan is solved ag
 it was (see calibration.probe).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import itertools
 import logging

@@ -16,8 +16,6 @@ would. The sample batch is the one your function returns, else random data of th
 does not depend on the values).
 """
 
-from __future__ import annotations
-
 import argparse
 import logging
 import math

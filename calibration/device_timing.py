@@ -6,8 +6,6 @@
 much they slow each other down.
 """
 
-from __future__ import annotations
-
 import logging
 import statistics
 import threading

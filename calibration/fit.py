@@ -24,8 +24,6 @@ sizes that violate monotonicity around it bend to it instead (calibration probes
 (leave-one-out; an estimate of the error at unprobed batch sizes inside the probed range).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from collections.abc import Sequence

@@ -3,8 +3,6 @@
 Build them inside a strategy's scope to get its variables; they are returned uncompiled and output logits.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 

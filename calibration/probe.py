@@ -14,8 +14,6 @@ TensorFlow is imported inside functions, so importing this module does not initi
 ``model_fingerprint`` and ``search_memory_cap`` never need it.
 """
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import json

@@ -5,8 +5,6 @@ A bad label in the first global batch of ``model.fit`` is the data's fault; a me
 model runs on this device" sends the user to the wrong place.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 

@@ -4,8 +4,6 @@ These are plain frozen dataclasses with a strict dict round trip, so calibration
 importing TensorFlow and the CLI can print them.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -124,7 +122,7 @@ class DeviceProfile:
         return _to_dict(self, cost_model=self.cost_model.to_dict())
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DeviceProfile:
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceProfile":
         """Rebuilds a profile from to_dict output (``relative_noise`` may be missing: 0.0).
 
         Raises:
@@ -245,7 +243,7 @@ class CalibrationResult:
                         plan=None if self.plan is None else self.plan.to_dict())
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CalibrationResult:
+    def from_dict(cls, data: Mapping[str, Any]) -> "CalibrationResult":
         """Rebuilds a result from to_dict output (``contention_factors`` may be missing: None).
 
         Raises:

@@ -21,8 +21,6 @@ The directory is, in order of precedence: the ``directory`` argument, ``$HETERO_
 ``$XDG_CACHE_HOME/hetero_cs``, ``~/.cache/hetero_cs``.
 """
 
-from __future__ import annotations
-
 import contextlib
 import errno
 import hashlib

@@ -5,8 +5,6 @@ so calibration summarises trials by the median and the median absolute deviation
 standard deviation, and drops samples further than ``outlier_mads`` MADs from the median before summarising.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from collections.abc import Sequence

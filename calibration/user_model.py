@@ -12,8 +12,6 @@ Importing the module must not run TensorFlow ops (the devices are set up before,
 about logical devices once it runs).
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import os

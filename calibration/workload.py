@@ -4,8 +4,6 @@
 layers' shapes and weights), for the emulator's waits and memory and for ``hetero-cs calibrate --what-if``.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 from typing import Any

@@ -7,8 +7,6 @@ in its place, and a new, empty ``threading.local`` in place of one; everything e
 this way (``Strategy.__deepcopy__`` deep-copies the strategy's attributes, its ``extended`` object included).
 """
 
-from __future__ import annotations
-
 import copy
 import threading
 from typing import Any

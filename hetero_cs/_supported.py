@@ -7,8 +7,6 @@ oldest pair ``tox -e oldest`` runs; upper bounds: just above the newest tested p
 Keras 3.15.x). Pure: importing this module loads neither TensorFlow nor Keras.
 """
 
-from __future__ import annotations
-
 import sys
 
 # name -> (lowest supported, first unsupported), as in setup.cfg: tensorflow>=2.16.2,<2.22 and keras>=3.8,<3.16.

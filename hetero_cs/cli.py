@@ -8,8 +8,6 @@
     hetero-cs run --max-restarts 3 -- python train.py   # restarted without a lost card, resumed from fit's backup
 """
 
-from __future__ import annotations
-
 import argparse
 import logging
 import os

@@ -6,7 +6,6 @@ so callers can catch either ``HeteroCSError`` or the builtin they already handle
 kept on attributes where a caller might act on it.
 """
 
-from __future__ import annotations
 
 
 class HeteroCSError(Exception):
@@ -26,7 +25,6 @@ class HeteroCSError(Exception):
 
 class ConfigError(HeteroCSError, ValueError):
     """An argument, environment variable or config file holds a value hetero_cs cannot use."""
-
 
 class LossPatternError(ConfigError):
     """A loss or metric pattern whose share of the global batch hetero_cs cannot infer (see the message's fix).

@@ -39,8 +39,6 @@ Any other failure is the script's own and is not relaunched. With ``keras.callba
 the relaunched job resumes from its last backup.
 """
 
-from __future__ import annotations
-
 import collections
 import os
 import re

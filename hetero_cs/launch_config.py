@@ -3,8 +3,6 @@
 No TensorFlow is imported here.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import socket

@@ -33,8 +33,6 @@ command and the options, starting a child in its own process group, reading its 
 handing stop signals over. This module imports neither TensorFlow nor pynvml at import time.
 """
 
-from __future__ import annotations
-
 import collections
 import contextlib
 import hashlib

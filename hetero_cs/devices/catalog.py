@@ -8,8 +8,6 @@ The emulator and the what-if (:func:`hetero_cs.devices.workload.emulated_step_ti
 times; calibration and the monitor never read them. This module imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import math

@@ -36,8 +36,6 @@ texts are :mod:`hetero_cs.devices.fault_texts`' (the supervisor reads them too).
 Nothing else names a replica: never replica 0 by default.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import re

@@ -19,8 +19,6 @@ The pure part (``parse_cuda_visible_devices``, ``join_gpu_records``, ``format_de
 driver.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import itertools

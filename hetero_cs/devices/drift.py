@@ -8,8 +8,6 @@ fails=True)`` makes its steps fail with a device error from step 20 (an uncorrec
 The :class:`~hetero_cs.emulation.Emulator` applies them. This module imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 

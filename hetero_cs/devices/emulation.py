@@ -23,8 +23,6 @@ own), so ``import hetero_cs.emulation`` never loads TensorFlow. The waits are in
 All times produced here are emulated, not measured; every human-readable output says so.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import math

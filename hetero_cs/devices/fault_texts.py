@@ -4,8 +4,6 @@ Read from a TensorFlow error by :mod:`hetero_cs.devices.device_errors` (which of
 from a script's last lines on standard error by the supervisor (``hetero-cs run``). No TensorFlow here.
 """
 
-from __future__ import annotations
-
 import re
 
 

@@ -16,8 +16,6 @@ first. Without the CUDA driver or NVML, :func:`visible_gpus` is empty and no GPU
 This module imports neither TensorFlow nor pynvml at import time.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import os
@@ -89,7 +87,7 @@ class CardWatch:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def __enter__(self) -> CardWatch:
+    def __enter__(self) -> "CardWatch":
         if not self.gpus:
             return self
         try:

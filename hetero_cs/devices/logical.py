@@ -3,8 +3,6 @@
 TensorFlow is imported inside the function, so importing this module does not load it.
 """
 
-from __future__ import annotations
-
 import logging
 import os
 from collections.abc import Sequence

@@ -5,8 +5,6 @@ module as an argument, so tests pass a fake one); ``_query_nvml`` imports ``pynv
 shuts NVML down around the read, and reports why NVML cannot be used instead of raising.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import re

@@ -9,8 +9,6 @@ Instructions" table (bf16 rows from compute capability 8.0), and the datasheets 
 converts where the CPU has no native half-precision arithmetic).
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 from hetero_cs.devices.catalog import compute_dtype_of

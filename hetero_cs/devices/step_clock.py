@@ -6,8 +6,6 @@ calls tied into the data path. The strategy, the calibration probe and the bench
 wait for comes from :class:`hetero_cs.emulation.Emulator`.
 """
 
-from __future__ import annotations
-
 import contextlib
 import operator
 import time

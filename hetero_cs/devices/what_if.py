@@ -13,8 +13,6 @@ figures are predictions from published peak figures, not measurements: calibrati
 Pure Python: no TensorFlow.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import math

@@ -14,8 +14,6 @@ matplotlib is an optional dependency (``pip install "hetero_cs[examples]"`` or `
 figure is drawn without pyplot (no display, no global state) and written atomically.
 """
 
-from __future__ import annotations
-
 import os
 import tempfile
 from pathlib import Path

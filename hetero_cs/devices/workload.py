@@ -8,8 +8,6 @@ what-if's predictions); ``slice_memory_bytes`` is what one replica's slice of ``
 pure: it imports neither TensorFlow nor Keras.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from typing import Any

@@ -3,8 +3,6 @@
 Each raises the library's typed error with the values and the fix; none changes any state.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 import os

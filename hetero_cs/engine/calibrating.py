@@ -4,8 +4,6 @@ to try.
 ``HeteroCentralStorageStrategy.calibrate`` (called by ``model.fit`` on its first global batch) delegates here.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import os

@@ -1,7 +1,5 @@
 """BalanceCallback: calibration at the start of fit, and per-replica timing in the fit logs."""
 
-from __future__ import annotations
-
 import logging
 import math
 import os

@@ -6,8 +6,6 @@ re-planned, guarded) lives in :class:`hetero_cs.planning.balancer.Balancer`; cut
 private TensorFlow/Keras touches in :mod:`hetero_cs.engine._compat`.
 """
 
-from __future__ import annotations
-
 import collections
 import functools
 import logging

@@ -7,8 +7,6 @@ of the strategy that turns such an element into its ``R`` slices wherever tf.dis
 ``reduce`` and ``gather`` (cut by the plan in force).
 """
 
-from __future__ import annotations
-
 import numpy as np
 import tensorflow as tf
 

@@ -5,8 +5,6 @@
 :func:`hetero_cs.engine.step.replica_state.replica_step`, which the exact b_i/B weighting and the step timing read.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import tensorflow as tf

@@ -4,8 +4,6 @@
 adds what only it has; in their own module for size. The strategies' constructors set the attributes they read.
 """
 
-from __future__ import annotations
-
 from hetero_cs.planning.balancer import Balancer
 from hetero_cs.planning.cost_model import CostModel
 from hetero_cs.planning.monitor import StepTimeMonitor

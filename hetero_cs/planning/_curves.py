@@ -5,8 +5,6 @@ The closed-form path: every model of this library is exactly linear between know
 relaxation "every replica stops where its time reaches T" is solved on the knots with numpy.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Sequence
 from typing import Any

@@ -23,8 +23,6 @@ changes. Thread-safe: one lock serialises every call.
 This module is pure: it imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import threading

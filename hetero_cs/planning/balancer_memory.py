@@ -34,8 +34,6 @@ slice where it is.
 This module imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Sequence
 

@@ -30,8 +30,6 @@ again.
 This module imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Sequence
 

@@ -34,8 +34,6 @@ slower. The re-planner looks first: a plan that a drifting card made slow is re-
 This module imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 

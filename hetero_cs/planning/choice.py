@@ -1,7 +1,5 @@
 """How the split of one global batch is chosen: fixed shares, the even split, or the solved split (pure)."""
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Sequence
 

@@ -4,8 +4,6 @@ batch sizes (a number, finite, >= 0 and non-decreasing), with errors that name t
 The solver, the balancer and the model classes of :mod:`hetero_cs.planning.cost_model` share these rules.
 """
 
-from __future__ import annotations
-
 import math
 import numbers
 from collections.abc import Sequence

@@ -15,8 +15,6 @@ validates any model's predictions at given batch sizes; the solver uses the same
 Pure Python: no TensorFlow, no NVML.
 """
 
-from __future__ import annotations
-
 import bisect
 import math
 from collections.abc import Mapping, Sequence
@@ -239,7 +237,7 @@ class ScaledCostModel(_Stored):
         return {"kind": self.KIND, "factor": self.factor, "base": to_dict()}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ScaledCostModel:
+    def from_dict(cls, data: Mapping[str, Any]) -> "ScaledCostModel":
         """Inverse of :meth:`to_dict`; ``"kind"`` may be omitted. Unknown or missing keys raise."""
         _check_keys(cls.KIND, data, {"factor", "base"})
         return cls(cost_model_from_dict(data["base"]), data["factor"])

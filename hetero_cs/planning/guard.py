@@ -44,8 +44,6 @@ a step whose sizes match neither plan (a last partial batch) is ignored.
 This module is pure: it imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import math

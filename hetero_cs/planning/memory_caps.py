@@ -20,8 +20,6 @@ This module is pure: it imports neither TensorFlow nor pynvml. It is not thread-
 :class:`~hetero_cs.planning.balancer.Balancer` calls it under its lock.
 """
 
-from __future__ import annotations
-
 import collections
 import dataclasses
 import math

@@ -34,8 +34,6 @@ into ``k_i`` near-equal micro-batches within its cap, run in its first ``k_i`` s
 Pure Python: no TensorFlow, no NVML.
 """
 
-from __future__ import annotations
-
 import functools
 import itertools
 import math
@@ -193,7 +191,7 @@ class MicroBatchPlan:
                 **{key: getattr(self, key) for key in _FIGURES}, "call_sub_steps": list(self.call_sub_steps)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MicroBatchPlan:
+    def from_dict(cls, data: Mapping[str, Any]) -> "MicroBatchPlan":
         """Rebuilds a plan from :meth:`to_dict` output.
 
         Raises:
@@ -207,7 +205,7 @@ class MicroBatchPlan:
 
     @classmethod
     def of_slices(cls, plan: BatchPlan, max_batch_sizes: Sequence[int | None],
-                  cost_models: Sequence[Any] | None = None) -> MicroBatchPlan:
+                  cost_models: Sequence[Any] | None = None) -> "MicroBatchPlan":
         """How an engine that micro-batches within each replica's step runs ``plan``: replica ``i``'s ``b_i``
         examples as :func:`~hetero_cs.planning.cost_model.near_equal_micro_batches` within its cap, back to back
         (``overlapped``, one call). Sub-step ``j`` holds each replica's ``j``-th micro-batch (0 once its are done).

@@ -17,8 +17,6 @@ move it little and multiplicative noise averages out; memory stays bounded by th
 This module is pure: it imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import collections
 import logging
 import math

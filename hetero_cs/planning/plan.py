@@ -11,8 +11,6 @@ This module also holds the two fixed splitting rules, :func:`even_batch_split` a
 Pure Python: no TensorFlow, no NVML.
 """
 
-from __future__ import annotations
-
 import json
 import math
 import numbers
@@ -201,7 +199,7 @@ class BatchPlan:
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BatchPlan:
+    def from_dict(cls, data: Mapping[str, Any]) -> "BatchPlan":
         """Rebuilds a plan from :meth:`to_dict` output; the optional figures may be omitted.
 
         Raises:
@@ -219,7 +217,7 @@ class BatchPlan:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_json(cls, text: str) -> BatchPlan:
+    def from_json(cls, text: str) -> "BatchPlan":
         """Inverse of :meth:`to_json`.
 
         Raises:

@@ -28,8 +28,6 @@ A plan that violates a memory cap is replaced at once, regardless of deadband an
 This module is pure: it imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import math

@@ -14,8 +14,6 @@ it would otherwise use (``max_batch_sizes``, or the emulated devices' memory) to
 This module is pure: it imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import math
 import re
 from collections.abc import Sequence

@@ -2,8 +2,6 @@
 the start of a level shift, and the Theil-Sen affine fit of one replica's samples.
 """
 
-from __future__ import annotations
-
 import math
 import statistics
 

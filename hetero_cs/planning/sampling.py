@@ -4,8 +4,6 @@ Timing a step and re-planning both cost host time. Both run every step when that
 the step, else every N-th step with the smallest N that keeps it under the budget (bounded).
 """
 
-from __future__ import annotations
-
 import math
 
 LOOK_COST_S = 5e-4

@@ -6,8 +6,6 @@ noise, so the policy's behaviour (how many re-plans on steady devices, how fast 
 is a deterministic function of a seed. The property tests and ``benchmarks/rebalance.py``'s reasoning use it.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any

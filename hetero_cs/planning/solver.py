@@ -37,8 +37,6 @@ the replica's grid.
 Pure Python + numpy: no TensorFlow, no NVML.
 """
 
-from __future__ import annotations
-
 import heapq
 import logging
 import math

@@ -22,8 +22,6 @@ its host tail).
 This module is pure: it imports neither TensorFlow nor pynvml.
 """
 
-from __future__ import annotations
-
 import collections
 import dataclasses
 import logging
@@ -208,14 +206,14 @@ class StepSample:
         """max_i t_i: when the slowest replica's gradients reached the parameter device, from the step's start."""
         return max(self.per_replica_step_times_s)
 
-    def with_step_end(self, step_time_s: float) -> StepSample:
+    def with_step_end(self, step_time_s: float) -> "StepSample":
         """This sample with the host tail of a whole step of ``step_time_s`` seconds (start to the update's end)."""
         tail_s = max(0.0, float(step_time_s) - self.replica_makespan_s)
         return dataclasses.replace(self, host_tail_s=tail_s, makespan_s=self.replica_makespan_s + tail_s)
 
     @classmethod
     def from_times(cls, step: int, batch_sizes: Sequence[int], step_times_s: Sequence[float],
-                   micro_batches: Sequence[int] | None = None) -> StepSample:
+                   micro_batches: Sequence[int] | None = None) -> "StepSample":
         """Builds a sample, computing the straggler statistics from the per-replica times (shape [R])."""
         times = np.asarray(step_times_s, dtype=np.float64)
         makespan_s = float(times.max())

@@ -30,8 +30,6 @@ The patches check themselves: ``symbols`` looks up every private name they need 
 (``hetero_cs/_supported.py``).
 """
 
-from __future__ import annotations
-
 import logging
 import threading
 

@@ -24,8 +24,6 @@ The rules are a whitelist: an op this module does not know gives ``MIXED`` with 
 refused rather than trusted.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 from typing import Any

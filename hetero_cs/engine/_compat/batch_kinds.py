@@ -5,8 +5,6 @@ in :mod:`hetero_cs.engine._compat.batch_flow`; what each op does to kinds in
 :mod:`hetero_cs.engine._compat.batch_rules`.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from fractions import Fraction
 from typing import Any

@@ -17,8 +17,6 @@ A replica with 0 examples contributes 0 to every sum and takes the global statis
 It costs two all-reduces of per-channel vectors per layer and step, through the parameter device.
 """
 
-from __future__ import annotations
-
 import tensorflow as tf
 
 from hetero_cs.engine._compat.loss_reader import all_reduced_sum

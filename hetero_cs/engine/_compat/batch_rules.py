@@ -6,8 +6,6 @@ calls, loops and conditionals itself). The rules are a whitelist: an op not list
 naming the op.
 """
 
-from __future__ import annotations
-
 import numpy as np
 
 from hetero_cs.engine._compat.batch_kinds import AGG, AGGREGATE, COUNT, INDEX, LIST, MIXED, REP, REPLICATED, ROWS

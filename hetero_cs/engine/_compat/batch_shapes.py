@@ -5,8 +5,6 @@ Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Ker
 :func:`hetero_cs.engine._compat.batch_rules.rule`.
 """
 
-from __future__ import annotations
-
 from fractions import Fraction
 
 import numpy as np

@@ -5,8 +5,6 @@ Part of :mod:`hetero_cs.engine._compat`. The rest of the package builds on these
 module of it. The strategies are told apart by marker attributes, so that nothing here imports them.
 """
 
-from __future__ import annotations
-
 import threading
 from typing import Any
 

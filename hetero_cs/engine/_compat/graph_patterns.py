@@ -7,8 +7,6 @@ b])``, ``var - (-d)``): the variable's reads have total coefficient 1 (:func:`ac
 product with a constant scalar, and Keras' ``ops.sum`` of a stacked list. Anything else is a leaf.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import tensorflow as tf
 

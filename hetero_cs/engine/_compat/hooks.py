@@ -18,8 +18,6 @@ not run, the installed versions and the supported range. Only traced steps are c
 too, but are not verified): a step's graph is built once, so the check costs nothing per step.
 """
 
-from __future__ import annotations
-
 import dataclasses
 
 from hetero_cs.engine.step import replica_state

@@ -17,8 +17,6 @@ the seed generator as one iteration would: the first training epoch sees what si
 does every later one.
 """
 
-from __future__ import annotations
-
 import logging
 import random
 import threading

@@ -4,7 +4,6 @@ Part of :mod:`hetero_cs.engine._compat`. This module imports nothing of hetero_c
 own modules may read a model through it.
 """
 
-from __future__ import annotations
 
 
 def all_sublayers(model) -> list:

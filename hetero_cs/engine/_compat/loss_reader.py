@@ -28,8 +28,6 @@ Refused: a non-linear function of a batch aggregate (``tf.sqrt`` of a mean, a pr
 the batch), and any value whose per-example inputs mix examples (:mod:`hetero_cs.engine._compat.batch_flow`).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import weakref
 

@@ -25,8 +25,6 @@ Metrics and the logged loss are updated on a skipped step as on one device (Kera
 and regardless of the optimizer).
 """
 
-from __future__ import annotations
-
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state

@@ -28,8 +28,6 @@ divided by the step's ``B`` (``tf.nn.compute_average_loss(..., global_batch_size
 is one too.
 """
 
-from __future__ import annotations
-
 import contextlib
 import threading
 

@@ -26,8 +26,6 @@ Why (keras-team/keras#20585, tensorflow/tensorflow#72388; read in Keras 3.15's `
    gathered slices are taken as they come instead.
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import logging

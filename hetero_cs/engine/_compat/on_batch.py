@@ -13,8 +13,6 @@ the entry point's own setup on every call (its callbacks; under ``auto_balance``
 other strategies, and under the multi-worker strategy (whose workers each read their own data), Keras' own runs.
 """
 
-from __future__ import annotations
-
 from hetero_cs.engine._compat.context import is_hetero_strategy, strategy_of
 from hetero_cs.engine._compat.symbols import patch, require
 from hetero_cs.engine._compat.trainer import _examples_and_batch_size

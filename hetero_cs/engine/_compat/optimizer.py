@@ -3,8 +3,6 @@
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
 """
 
-from __future__ import annotations
-
 import functools
 import threading
 

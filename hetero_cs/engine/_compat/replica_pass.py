@@ -13,8 +13,6 @@ forward pass, the loss and the gradient, becomes one function of the weights, wh
   (:mod:`hetero_cs.engine.step.idle_replicas`).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 

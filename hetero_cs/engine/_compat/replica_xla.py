@@ -41,8 +41,6 @@ op without an XLA kernel: ``tf.py_function``, string ops) fails at its first ste
 applied.
 """
 
-from __future__ import annotations
-
 import logging
 import weakref
 

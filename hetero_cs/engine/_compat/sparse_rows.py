@@ -2,8 +2,6 @@
 concatenated, as one device has them; rows looked up without the batch (a Transformer's positions) are added row by
 row, as one device sums them over the batch."""
 
-from __future__ import annotations
-
 import tensorflow as tf
 
 

@@ -11,8 +11,6 @@ are not listed; the multi-worker strategy's own patch (``multi_worker.patch_loca
 imports of ``distribute.py`` are not covered either.
 """
 
-from __future__ import annotations
-
 import functools
 import importlib
 

@@ -21,8 +21,6 @@ inner tape), the gradient calls ``tape.jacobian`` makes, and eager values, which
 needs weighing, differentiated with respect to variables and tensors in one call, is refused.
 """
 
-from __future__ import annotations
-
 import logging
 import threading
 

@@ -4,8 +4,6 @@ per-replica dropout seeds.
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
 """
 
-from __future__ import annotations
-
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state

@@ -29,8 +29,6 @@ A backup that cannot be written (a read-only or full disk, a directory removed) 
 without backups.
 """
 
-from __future__ import annotations
-
 import itertools
 import json
 import logging

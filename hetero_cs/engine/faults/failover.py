@@ -28,8 +28,6 @@ failing card (a shape error, a NaN check, a device-side assert, any Python error
 exclusion is not the cards': when the last card fails too, the error says so.
 """
 
-from __future__ import annotations
-
 import logging
 
 from hetero_cs.devices.device_errors import DeviceFault, first_line

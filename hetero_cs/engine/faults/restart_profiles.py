@@ -10,8 +10,6 @@ speeds they were timed at. Anything that does not match (another model or batch 
 calibrates as usual.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import logging

@@ -13,8 +13,6 @@ new one, never a part.
 This module imports neither TensorFlow nor Keras.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import logging

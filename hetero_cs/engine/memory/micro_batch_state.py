@@ -8,8 +8,6 @@ exact (BatchNormalization's statistics, a loss normalised by the batch, a layer'
 loop reads before it runs a step as sub-steps (:meth:`MicroBatchState._refusal`).
 """
 
-from __future__ import annotations
-
 import logging
 
 import tensorflow as tf

@@ -14,8 +14,6 @@ plan it would have replaced does, until the cost models or caps change (a re-pla
 a new trial. Every step of either plan is exact, so a trial costs time only.
 """
 
-from __future__ import annotations
-
 import logging
 import threading
 

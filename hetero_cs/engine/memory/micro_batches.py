@@ -36,8 +36,6 @@ as they were. An out-of-memory sub-step is recovered by :mod:`hetero_cs.engine.m
 sub-step that no longer fits the lowered caps is cut into smaller sub-steps.
 """
 
-from __future__ import annotations
-
 import collections
 import logging
 import math

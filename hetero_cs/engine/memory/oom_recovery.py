@@ -24,8 +24,6 @@ for growth), counted in the fit logs (:class:`hetero_cs.engine.callbacks.Balance
 the profile cache entry the calibration came from, so the next run starts from the lower cap.
 """
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any

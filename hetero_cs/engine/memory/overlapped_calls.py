@@ -8,8 +8,6 @@ and the update branch of each sub-step is fixed while tracing. A card's micro-ba
 one on emulated cards) and reported to the balancer as one step (:meth:`OverlappedCalls._report_micro_batch_times`).
 """
 
-from __future__ import annotations
-
 import logging
 import time
 import weakref

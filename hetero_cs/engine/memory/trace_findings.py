@@ -3,8 +3,6 @@
 Loads no TensorFlow (the multi-worker strategy's caps are read without it).
 """
 
-from __future__ import annotations
-
 import threading
 
 BATCH_NORM = "batch_norm"

@@ -15,8 +15,6 @@ choice to agree follows from agreed values alone: a plan change or a hold cannot
 another, or run a collective on one worker only (either would mismatch the collectives and hang).
 """
 
-from __future__ import annotations
-
 import collections
 import functools
 

@@ -1,7 +1,5 @@
 """MultiWorkerCallback: what fit/evaluate/predict need from HeteroMultiWorkerMirroredStrategy around the steps."""
 
-from __future__ import annotations
-
 import math
 import statistics
 

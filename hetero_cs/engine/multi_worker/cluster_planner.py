@@ -14,8 +14,6 @@ device. After ``probe_steps`` timed probes the chief fits one cost model per rep
 (guard, monitor, re-balancing), exactly as under the central-storage strategy.
 """
 
-from __future__ import annotations
-
 import logging
 import threading
 from collections.abc import Sequence

@@ -9,8 +9,6 @@ cuts each batch component on the host into this worker's local replicas' slices 
 host-to-device bytes and device memory for the input scale with ``b_i``, not ``B``.
 """
 
-from __future__ import annotations
-
 import tensorflow as tf
 
 from hetero_cs.engine import _compat, arguments

@@ -32,8 +32,6 @@ own ``test_step`` and ``predict_step`` (:meth:`MultiWorkerMicroBatches.inference
 capped or not, traces what keeps the slices within the caps, so every worker switches alike.
 """
 
-from __future__ import annotations
-
 import logging
 import threading
 from collections.abc import Sequence

@@ -24,8 +24,6 @@ training split, which a lower cap bounds where micro-batches do not apply. A cus
 TensorFlow's error unchanged.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import re
 from collections.abc import Sequence

@@ -12,8 +12,6 @@ on the whole batch. A last partial batch ``B' < B`` is split by a plan for ``B'`
 Agreement: :mod:`hetero_cs.engine.multi_worker.agreement`.
 """
 
-from __future__ import annotations
-
 import logging
 import os
 import threading

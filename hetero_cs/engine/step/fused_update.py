@@ -22,8 +22,6 @@ compiles them itself on GPUs) and dense gradients; with ``True`` for any optimiz
 optimizer whose update uses an op XLA cannot compile fails at its first step, and ``fused_update=False`` is the fix.
 """
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable, Sequence
 

@@ -49,8 +49,6 @@ as before, and plans price its fixed cost (the chief's Balancer is told which:
 ``Balancer.set_idle_replicas_free``).
 """
 
-from __future__ import annotations
-
 import logging
 import threading
 import weakref

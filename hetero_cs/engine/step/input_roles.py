@@ -19,8 +19,6 @@ of those methods), so:
 The state is per thread: it is the thread that calls ``fit`` that distributes its inputs and traces its steps.
 """
 
-from __future__ import annotations
-
 import threading
 
 from hetero_cs._copying import DeepcopiedWithNewLocks

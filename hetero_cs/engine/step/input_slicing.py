@@ -22,8 +22,6 @@ from there inside the graph; any other batch (the first one, a last partial batc
 sizes handed to it (:meth:`PlanSlicer.handed`; see :class:`hetero_cs.engine.step.idle_replicas.StepPerSet`).
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import threading

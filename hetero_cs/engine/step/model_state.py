@@ -10,8 +10,6 @@ that copies them all on their device: 0.43 ms for ResNet-50's 108 such variables
 2.7 ms for reading each into NumPy. Putting them back happens only after a failure.
 """
 
-from __future__ import annotations
-
 import weakref
 
 import tensorflow as tf

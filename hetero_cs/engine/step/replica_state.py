@@ -33,8 +33,6 @@ cross-replica merges of that same call (and back) lives on a :class:`StepHandoff
 module globals: two models tracing their steps in two threads cannot take each other's state.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import threading
 from collections.abc import Iterator
@@ -94,7 +92,7 @@ class ReplicaStep:
     shared_start: bool = False
     barrier: list = dataclasses.field(default_factory=list)
     loss_terms: set = dataclasses.field(default_factory=set)
-    handoff: StepHandoff | None = None
+    handoff: "StepHandoff | None" = None
     layer_losses: dict = dataclasses.field(default_factory=dict)
     sub_step: Any = None
     waited_per_micro_batch: bool = False

@@ -4,8 +4,6 @@ Also the advice for 0-example slices, which some TensorFlow kernels cannot run, 
 could not compile (:func:`xla_compile_error`).
 """
 
-from __future__ import annotations
-
 import logging
 import re
 

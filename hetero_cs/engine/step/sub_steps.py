@@ -6,8 +6,6 @@ overlapped sub-step it is tracing (:func:`current_sub_step`), and sums sparse gr
 :class:`SparseSum`.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any
 

@@ -1,7 +1,5 @@
 """Small tensor helpers of the strategy: batch sizes of (ragged) components, the largest slice, the first batch."""
 
-from __future__ import annotations
-
 import numpy as np
 import tensorflow as tf
 
