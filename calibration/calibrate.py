@@ -252,8 +252,7 @@ def calibrate(model: Any, sample_batch: Any, *, devices: Sequence[str], paramete
         headings = (verbose and not logger.isEnabledFor(logging.INFO)
                     and keras.config.is_interactive_logging_enabled())  # else the bars go to absl logging
         if headings:
-            print(f"hetero_cs calibration: warming up {num_replicas} device(s) at their probe batch sizes",
-                  flush=True)
+            print(f"hetero_cs calibration: warming up {num_replicas} device(s) at their probe batch sizes", flush=True)
         warm_bar = keras.utils.Progbar(sum(len(s) for s in sizes_per_device), verbose=verbose, unit_name="size")
         for replica_id, (device, sizes) in enumerate(zip(devices, sizes_per_device)):
             probe = make_probe(replica_id)

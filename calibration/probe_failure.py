@@ -36,8 +36,7 @@ def probe_step_error(exc: Exception, *, device: str, batch_size: int, model: Any
     from hetero_cs.devices.device_errors import op_message  # imports TensorFlow
 
     cause = op_message(getattr(exc, "message", str(exc)), exc)
-    problem = _data_problem(sample[: len(_PART_NAMES)], min(int(batch_size), int(sample_size)), model, cause,
-                            str(exc))
+    problem = _data_problem(sample[: len(_PART_NAMES)], min(int(batch_size), int(sample_size)), model, cause, str(exc))
     if problem is not None:
         return CalibrationError(f"The calibration batch's data is at fault, not device={device!r}: {problem}. The "
                                 f"probe step at batch_size={batch_size} failed with {type(exc).__name__}: {cause}. "

@@ -373,8 +373,7 @@ class Emulator(DeepcopiedWithNewLocks):
         memory = self.memory_bytes(replica_id, step=step)
         return max_examples_in_memory(self.workload or self._require_workload(), memory)
 
-    def check_memory(self, replica_id: int, batch_size: int, *, step: int | None = None,
-                     training: bool = True) -> None:
+    def check_memory(self, replica_id: int, batch_size: int, *, step: int | None = None, training: bool = True) -> None:
         """Raises if a slice of ``batch_size`` examples does not fit the replica's memory at a step.
 
         What the slice needs is :func:`hetero_cs.devices.workload.slice_memory_bytes` of the Workload, for a

@@ -117,8 +117,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         with self._lock:
             return len(self._window)
 
-    def record(self, replica_id: int, batch_size: int, step_time_s: float, *,
-               step_key: Hashable | None = None) -> None:
+    def record(self, replica_id: int, batch_size: int, step_time_s: float, *, step_key: Hashable | None = None) -> None:
         """Records one replica's step.
 
         Args:

@@ -26,8 +26,7 @@ def patch_on_batch() -> None:
     @patch(TensorFlowTrainer, "train_on_batch")
     def train_on_batch(original, self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         if not is_hetero_strategy(strategy_of(self)):
-            return original(self, x, y, sample_weight=sample_weight, class_weight=class_weight,
-                            return_dict=return_dict)
+            return original(self, x, y, sample_weight=sample_weight, class_weight=class_weight, return_dict=return_dict)
         self.fit(x, y, sample_weight=sample_weight, class_weight=class_weight, batch_size=_examples(x), epochs=1,
                  verbose=0, shuffle=False)
         # The metrics after fit's one step (reset when its epoch began): Keras' logs of the step, without the

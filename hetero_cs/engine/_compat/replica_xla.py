@@ -151,8 +151,7 @@ def multi_worker_fall_back(model, reason: str) -> None:
     if model in _multi_worker_fell_back:
         return
     _multi_worker_fell_back.add(model)
-    logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).",
-                reason)
+    logger.info("hetero_cs: a replica with 0 examples runs its step on an empty slice (it cannot skip it: %s).", reason)
     balancer = getattr(strategy_of(model), "_balancer", None)
     if balancer is not None:
         balancer.set_idle_replicas_free(False)

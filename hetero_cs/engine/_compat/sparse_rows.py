@@ -79,5 +79,4 @@ def shared_rows_sum(strategy, per_replica_grad, device):
             "whose lookup does not depend on the batch; their sparse gradients cannot be added row by row")
             for p in parts[1:]]
         with tf.control_dependencies(checks):
-            return tf.IndexedSlices(tf.add_n([p.values for p in parts]), tf.identity(first.indices),
-                                    first.dense_shape)
+            return tf.IndexedSlices(tf.add_n([p.values for p in parts]), tf.identity(first.indices), first.dense_shape)
