@@ -39,8 +39,17 @@ def _checked_problem(cost_models: Sequence[CostModel], global_batch_size: Any, m
     models = _checked_models(cost_models)
     B = _checked_int("global_batch_size", global_batch_size, low=1)
     min_b = _checked_int("min_batch_size", min_batch_size, low=0)
-    caps = _checked_caps(max_batch_sizes, len(models), min_b)
-    _check_feasible(B, len(models), min_b, caps)
+    R = len(models)
+    caps = _checked_caps(max_batch_sizes, R, min_b)
+    if B < R * min_b:
+        raise InfeasiblePlanError(
+            f"global_batch_size={B} is less than num_replicas={R} x min_batch_size={min_b} = {R * min_b}: every "
+            "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
+            "raise the global batch size, or use fewer replicas.")
+    if all(c is not None for c in caps) and (total := sum(caps)) < B:
+        raise InfeasiblePlanError(f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum "
+                                  f"to {total} ({_caps_listing(caps)}). Lower the global batch size to at most "
+                                  f"{total}, raise the caps (recalibrate the memory limits), or add replicas.")
     return models, B, min_b, caps
 
 
@@ -83,19 +92,6 @@ def _checked_caps(max_batch_sizes: Sequence[int | None] | None, R: int, min_b: i
 
 def _caps_listing(caps: Sequence[int | None]) -> str:
     return ", ".join(f"replica {i}: {'no cap' if c is None else c}" for i, c in enumerate(caps))
-
-
-def _check_feasible(B: int, R: int, min_b: int, caps: Sequence[int | None]) -> None:
-    if B < R * min_b:
-        raise InfeasiblePlanError(
-            f"global_batch_size={B} is less than num_replicas={R} x min_batch_size={min_b} = {R * min_b}: every "
-            "replica must get at least min_batch_size examples. Pass min_batch_size=0 (lets replicas sit idle), "
-            "raise the global batch size, or use fewer replicas.")
-    if all(c is not None for c in caps) and (total := sum(caps)) < B:
-        raise InfeasiblePlanError(f"global_batch_size={B} exceeds the total capacity: max_batch_sizes={list(caps)} sum "
-                                  f"to {total} ({_caps_listing(caps)}). Lower the global batch size to at most "
-                                  f"{total}, raise the caps (recalibrate the memory limits), or add replicas.")
-
 
 
 class _Curves:

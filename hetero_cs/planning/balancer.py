@@ -252,11 +252,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
                 self._set_models_again(caps)
                 return
             self._memory.reset(caps)
-            if self._memory.excluded:  # a replica set aside after a device failure keeps its cap of 0
-                caps = self._memory.caps
-            self._max_batch_sizes = caps
-            self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
-            self._forget_plans()
+            # A replica set aside after a device failure keeps its cap of 0.
+            self._apply_memory_caps(self._memory.caps if self._memory.excluded else caps)
 
     def _set_models_again(self, max_batch_sizes: list[int | None] | None) -> None:
         """The models in force priced again and solved again under ``max_batch_sizes``, at once (no guard trial)."""
@@ -311,11 +308,10 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             B = self._reference_batch_size
             B = B if reference_batch_size is None else max(B or 0, int(reference_batch_size))
             plan = None if B is None else self._solve(B, cost_models=models, max_batch_sizes=caps, log_ties=True)
-            self._calibrated_models, self._cost_models, self._max_batch_sizes = list(models), list(models), caps
+            self._calibrated_models, self._cost_models = list(models), list(models)
             self._contention_factors, self._reference_batch_size = factors, B
-            self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
             self._memory.reset(caps)
-            self._forget_plans()
+            self._apply_memory_caps(caps)
             self._alone_checked.clear()  # new cost models: every plan may be checked again
             self._trial_on_first_batch = trial if plan is None else False  # else solved when the first batch arrives
             if plan is not None:

@@ -99,7 +99,7 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         """
         with self._lock:
             change = self._memory.record_out_of_memory(replica_id, failed_batch_size)
-            self._apply_memory_caps()
+            self._apply_memory_caps(self._memory.caps)
             if self._reference_batch_size is not None:
                 try:
                     self.plan_for(self._reference_batch_size)
@@ -130,7 +130,7 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
         with self._lock:
             changes = self._memory.record_success(per_replica_batch_sizes, self._reference_batch_size)
             if changes:
-                self._apply_memory_caps()
+                self._apply_memory_caps(self._memory.caps)
                 if self._reference_batch_size is not None:
                     self.plan_for(self._reference_batch_size)
             return changes
@@ -138,11 +138,13 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
     def _plan_to_retry(self, change: CapChange, global_batch_size: int) -> tuple[BatchPlan, CapChange]:
         """After a failed step: its partial reports dropped, the plan of the batch to retry within the new caps."""
         self._monitor.abandon_open_steps()
-        self._apply_memory_caps()
+        self._apply_memory_caps(self._memory.caps)
         return self.plan_for(global_batch_size), change
 
-    def _apply_memory_caps(self) -> None:
-        self._max_batch_sizes = caps = self._memory.caps
+    def _apply_memory_caps(self, caps: list[int | None] | None) -> None:
+        """``caps`` are the memory caps in force (the memory policy's, or new ones): a re-balancer within them, and
+        every plan solved again."""
+        self._max_batch_sizes = caps
         self._rebalancer = Rebalancer(self._rebalance_policy, max_batch_sizes=caps)
         self._forget_plans()
 

@@ -148,12 +148,9 @@ class MemoryCaps:
         cap that a step then held, else the largest slice it completed recently (0 when none). A cap lowered by
         halving after an out-of-memory step is only an upper bound until a step fits it; an uncapped replica counts
         its largest recent slice."""
-        known = []
-        for i in range(self._num_replicas):
-            cap, done = self._cap(i), max(self._recent[i], default=0)
-            # (a lowered cap that no step held yet is above every slice done: those say what fits)
-            known.append(cap if cap is not None and (self._lowered[i] is None or done >= cap) else done)
-        return known
+        # (a lowered cap that no step held yet is above every slice done: those say what fits)
+        return [cap if cap is not None and (lowered is None or done >= cap) else done
+                for cap, lowered, done in zip(self.caps, self._lowered, (max(r, default=0) for r in self._recent))]
 
     @property
     def lowered(self) -> bool:
@@ -207,8 +204,7 @@ class MemoryCaps:
         # Slices as large as the one that failed no longer fit (memory shrank): forgotten.
         self._recent[replica_id] = collections.deque(smaller, maxlen=self.policy.recent_steps)
         new = max(smaller) if smaller else int(math.floor(batch_size * self.policy.backoff_factor))
-        if old is not None:
-            new = min(new, old)
+        new = new if old is None else min(new, old)
         if self._grown[replica_id]:  # a grown cap failed: probe less often
             self._grow_after[replica_id] = min(2 * self._grow_after[replica_id], self.policy.max_grow_after_steps)
         self._grown[replica_id] = False
