@@ -180,9 +180,8 @@ def _knot_tables(models: Sequence[CostModel], lows: Sequence[int],
         inner = [b for b in _breakpoints(model) if low < b < high]  # type: ignore[union-attr]
         xs = [low, *inner] + ([high] if high > low else [])
         ts = [curves.time(i, x) for x in xs]
-        for a in range(1, len(ts)):
-            if ts[a] < ts[a - 1]:
-                raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
+        if a := next((a for a in range(1, len(ts)) if ts[a] < ts[a - 1]), 0):  # the first knot that decreases
+            raise decreasing_error(i, xs[a - 1], ts[a - 1], xs[a], ts[a])
         rows_x.append(xs)
         rows_t.append(ts)
     width = max(2, max(len(r) for r in rows_x))  # each row padded with its last knot

@@ -154,25 +154,23 @@ class PiecewiseLinearCostModel(_Stored):
             raise InvalidCostModelError("PiecewiseLinearCostModel.batch_sizes must be integers >= 0. Received: "
                                         f"batch_sizes={list(sizes)} (offending: {bad}).")
         sizes = tuple(int(b) for b in sizes)
-        for k in range(1, len(sizes)):
-            if sizes[k] <= sizes[k - 1]:
-                raise InvalidCostModelError(
-                    "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
-                    f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
-                    "repeated batch sizes (average their times).")
+        if k := next((k for k in range(1, len(sizes)) if sizes[k] <= sizes[k - 1]), 0):  # the first out of order
+            raise InvalidCostModelError(
+                "PiecewiseLinearCostModel.batch_sizes must be strictly increasing. Received: "
+                f"batch_sizes[{k - 1}]={sizes[k - 1]}, batch_sizes[{k}]={sizes[k]}. Sort the points and merge "
+                "repeated batch sizes (average their times).")
         # (NaN fails the range too)
         if bad_times := [(b, t) for b, t in zip(sizes, times) if not (_is_real(t) and 0 <= t <= MAX_SECONDS)]:
             raise InvalidCostModelError(
                 f"PiecewiseLinearCostModel.step_times_s must be from 0 to {MAX_SECONDS:g} seconds. Received "
                 f"(batch_size, step_time_s): {bad_times}. Drop failed measurements before fitting.")
         times = tuple(float(t) for t in times)
-        for k in range(1, len(times)):
-            if times[k] < times[k - 1]:
-                raise InvalidCostModelError(
-                    "PiecewiseLinearCostModel.step_times_s must be non-decreasing in batch size. Received: "
-                    f"step time {times[k - 1]!r} s at batch_size={sizes[k - 1]} but {times[k]!r} s at "
-                    f"batch_size={sizes[k]}. Fit the measurements with calibration's isotonic fit "
-                    "(calibration.fit.fit_cost_model), which makes them monotone.")
+        if k := next((k for k in range(1, len(times)) if times[k] < times[k - 1]), 0):  # the first that decreases
+            raise InvalidCostModelError(
+                "PiecewiseLinearCostModel.step_times_s must be non-decreasing in batch size. Received: "
+                f"step time {times[k - 1]!r} s at batch_size={sizes[k - 1]} but {times[k]!r} s at "
+                f"batch_size={sizes[k]}. Fit the measurements with calibration's isotonic fit "
+                "(calibration.fit.fit_cost_model), which makes them monotone.")
         slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])) if len(sizes) >= 2 else 0.0
         for name, value in (("batch_sizes", sizes), ("step_times_s", times), ("_last_slope_s", slope)):
             object.__setattr__(self, name, value)

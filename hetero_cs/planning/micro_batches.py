@@ -240,19 +240,18 @@ class MicroBatchPlan:
         lines = [f"MicroBatchPlan: global_batch_size={self.global_batch_size} in {K} sub-step{'' if K == 1 else 's'} "
                  f"of {_sizes_text(self.sub_step_sizes)} examples",
                  f"{'replica':>7}  {'examples':>8}  {'micro-batch':>11}  {'count':>5}"]
-        for i, (b, m, k) in enumerate(zip(self.per_replica_batch_sizes, self.micro_batch_sizes,
-                                          self.micro_batch_counts)):
-            lines.append(f"{i:>7}  {b:>8}  {m if k else 'idle':>11}  {k:>5}")
+        lines += [f"{i:>7}  {b:>8}  {m if k else 'idle':>11}  {k:>5}" for i, (b, m, k) in
+                  enumerate(zip(self.per_replica_batch_sizes, self.micro_batch_sizes, self.micro_batch_counts))]
 
         speedup = self.predicted_speedup_vs_single_step
-        single = "does not fit" if self.predicted_makespan_s is not None else "n/a"  # n/a: nothing predicted
+        single = (ms_text(self.single_step_makespan_s) if self.single_step_makespan_s is not None
+                  else "does not fit" if self.predicted_makespan_s is not None else "n/a")  # n/a: nothing predicted
         calls = "" if self.num_calls == 1 else f"in {self.num_calls} calls of up to {SUB_STEPS_PER_CALL} sub-steps, "
         how = (f"{calls}each card's micro-batches back to back, with {self.sub_step_overhead_s * 1e3:.3f} ms of host "
                f"time per {'call' if calls else 'step'}" if self.overlapped else
                f"a barrier after each sub-step, with {self.sub_step_overhead_s * 1e3:.3f} ms of host time per sub-step")
         lines += [f"predicted makespan: {ms_text(self.predicted_makespan_s)} ({how})",
-                  f"in one step within the caps: "
-                  f"{ms_text(self.single_step_makespan_s) if self.single_step_makespan_s is not None else single}"]
+                  f"in one step within the caps: {single}"]
         if speedup is not None:
             lines.append(f"predicted speedup vs one step: {speedup:.3f}x")
         return "\n".join(lines)

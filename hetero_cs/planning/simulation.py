@@ -98,8 +98,7 @@ def simulate_training(true_models_at_step: Callable[[int], Sequence[CostModel]],
             monitor.record(int(replica_id), sizes[replica_id], float(times_s[replica_id]))
         new_plan = rebalancer.propose_from_monitor(monitor, plan, base_models=base_models)
         trace.append(SimulatedStep(step, sizes, float(times_s.max()), float(true_times_s.max()), new_plan is not None))
-        if new_plan is not None:
-            plan = new_plan
+        plan = new_plan or plan
     return trace
 
 
