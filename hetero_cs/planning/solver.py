@@ -348,12 +348,10 @@ def _select_with_ideal(curves: _Curves, counts: list[int], step_times: list[floa
 
 
 def _generic_ideal(models: Sequence[CostModel], B: int, min_b: int, caps: Sequence[int | None]) -> float:
-    R = len(models)
-    M = B - R * min_b
-    length = [M if c is None else min(M, c - min_b) for c in caps]
-    curves = _Curves(models, [min_b] * R, length, 1)
-    step_times = [curves.time(i, min_b) for i in range(R)]
-    return _select_with_ideal(curves, [0] * R, step_times, M, B, max(step_times))
+    lo, length, M = _grid(B, len(models), min_b, 1, caps)  # (checked caps: the unit grid [min_b, cap_i] is legal)
+    curves = _Curves(models, lo, length, 1)
+    step_times = [curves.time(i, b) for i, b in enumerate(lo)]
+    return _select_with_ideal(curves, [0] * len(models), step_times, M, B, max(step_times))
 
 
 def _warm_selection(curves: _Curves, M: int, tables: tuple[np.ndarray, np.ndarray],
@@ -382,11 +380,10 @@ def _warm_selection(curves: _Curves, M: int, tables: tuple[np.ndarray, np.ndarra
         step_times = [curves.time(i, lo[i] + counts[i] * k) for i in range(R)]
         _select(curves, counts, step_times, M - sum(counts))
         last = max(((step_times[i], lo[i] + counts[i] * k, i) for i in range(R) if counts[i] > 0), default=None)
-        if last is None:
-            return counts, step_times
+        # (no step chosen: M = 0, so no replica has a next step either, and nothing is evaluated)
         nxt = [(curves.time(i, lo[i] + (counts[i] + 1) * k), lo[i] + (counts[i] + 1) * k, i)
                for i in range(R) if counts[i] < length[i]]
-        if not nxt or last < min(nxt):
+        if last is None or not nxt or last < min(nxt):
             return counts, step_times
     logger.debug("solve_batch_split: warm start not certified; using the generic selection")
     counts, step_times = [0] * R, [curves.time(i, b) for i, b in enumerate(lo)]
