@@ -34,6 +34,7 @@ slice where it is.
 This module imports neither TensorFlow nor pynvml.
 """
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -101,10 +102,9 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
             change = self._memory.record_out_of_memory(replica_id, failed_batch_size)
             self._apply_memory_caps(self._memory.caps)
             if self._reference_batch_size is not None:
-                try:
+                # Caps that cannot hold it: training's next step meets them (sub-steps, or its own StepOOMError).
+                with contextlib.suppress(InfeasiblePlanError):
                     self.plan_for(self._reference_batch_size)
-                except InfeasiblePlanError:
-                    pass  # training's next step meets it (sub-steps, or its own StepOOMError)
             return change
 
     def exclude_replica(self, replica_id: int, failed_batch_size: int,

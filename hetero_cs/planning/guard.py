@@ -370,7 +370,11 @@ class PlanGuard:
             if np.all(ratios > 1.0) and median > 1.0 + policy.early_gain:
                 return self._decision(step, REVERTED, median, None, f"slower in every one of {n} pairs")
         if n >= policy.max_pairs:
-            p_value = _wilcoxon_less_p(np.log(ratios))
+            from scipy import stats  # (imported the first time a trial goes as far as the test)
+
+            # The one-sided Wilcoxon signed-rank p-value for "the log ratios are centred below 0".
+            log_ratios = np.log(ratios)
+            p_value = float(stats.wilcoxon(log_ratios, alternative="less").pvalue) if np.any(log_ratios != 0) else 1.0
             if median < 1.0 - policy.min_gain and p_value < policy.significance:
                 return self._decision(step, KEPT, median, p_value, "measurably faster")
             if median < 1.0 - policy.min_gain and n < 2 * policy.max_pairs:
@@ -432,10 +436,3 @@ class _Trial:
     ratios: list[float] = dataclasses.field(default_factory=list)  # candidate / incumbent makespan per pair
     candidate_warm: bool = False
     incumbent_warm: bool = False
-
-
-def _wilcoxon_less_p(log_ratios: np.ndarray) -> float:
-    """One-sided Wilcoxon signed-rank p-value for "the log ratios are centred below 0" (scipy.stats.wilcoxon)."""
-    from scipy import stats
-
-    return float(stats.wilcoxon(log_ratios, alternative="less").pvalue) if np.any(log_ratios != 0) else 1.0

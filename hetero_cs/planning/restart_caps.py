@@ -108,8 +108,6 @@ def lowered_caps(caps: Sequence[int | None] | None, num_replicas: int, replica_i
     check_range("replica_id", replica_id, 0, num_replicas, integer=True, hint="one of the cluster's replicas")
     check_range("examples", examples, 1, integer=True, hint="a replica runs out of memory holding at least one example")
     check_range("backoff_factor", backoff_factor, 0, 1, low_open=True)
-    result = [None] * num_replicas if caps is None else list(caps)
-    lowered = math.floor(int(examples) * backoff_factor)
-    current = result[int(replica_id)]
-    result[int(replica_id)] = lowered if current is None else min(int(current), lowered)
-    return result
+    lowered: list[int | None] = [None] * num_replicas
+    lowered[int(replica_id)] = math.floor(int(examples) * backoff_factor)
+    return lowest_caps(caps, lowered)
