@@ -113,23 +113,21 @@ class OtherPlans:
         with self._lock:
             if self._plan is not None and self._plan.global_batch_size == b:
                 return self._plan
-            if b not in self._inference_plans:
-                self._inference_plans[b] = self._solve_for_inference(b)
-            return self._inference_plans[b]
-
-    def _solve_for_inference(self, global_batch_size: int) -> BatchPlan:
-        try:
-            return self._solve(global_batch_size, log_ties=False)
-        except InfeasiblePlanError:
-            # A card with a cap of 0 stays out (set aside for a device error, or unable to hold one training
-            # example: inference may not fit either); the other caps are lifted.
-            out = set(self._memory.excluded) | {i for i, cap in enumerate(self._max_batch_sizes or ()) if cap == 0}
-            caps = [0 if i in out else None for i in range(self._num_replicas)] if out else None
-            plan = self._solve(global_batch_size, log_ties=False, max_batch_sizes=caps)
-            logger.info(
-                "hetero_cs: an evaluation/prediction batch of %d examples is more than the training memory caps %s "
-                "hold; it is split %s without them (an inference step keeps no activations for a backward pass).",
-                global_batch_size, list(self._max_batch_sizes), list(plan.per_replica_batch_sizes))
+            if b in self._inference_plans:
+                return self._inference_plans[b]
+            try:
+                plan = self._solve(b, log_ties=False)
+            except InfeasiblePlanError:
+                # A card with a cap of 0 stays out (set aside for a device error, or unable to hold one training
+                # example: inference may not fit either); the other caps are lifted.
+                out = set(self._memory.excluded) | {i for i, cap in enumerate(self._max_batch_sizes or ()) if cap == 0}
+                caps = [0 if i in out else None for i in range(self._num_replicas)] if out else None
+                plan = self._solve(b, log_ties=False, max_batch_sizes=caps)
+                logger.info(
+                    "hetero_cs: an evaluation/prediction batch of %d examples is more than the training memory caps %s "
+                    "hold; it is split %s without them (an inference step keeps no activations for a backward pass).",
+                    b, list(self._max_batch_sizes), list(plan.per_replica_batch_sizes))
+            self._inference_plans[b] = plan
             return plan
 
     @property

@@ -340,9 +340,8 @@ def split_by_shares(global_batch_size: int, shares: Sequence[float]) -> tuple[in
     quotas = [B * s / total for s in exact]
     sizes = [math.floor(q) for q in quotas]
     by_remainder = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))  # largest remainder first
-    for i in by_remainder[:B - sum(sizes)]:
-        sizes[i] += 1
-    return tuple(int(b) for b in sizes)
+    extra = set(by_remainder[:B - sum(sizes)])  # one more example each
+    return tuple(int(b) + (i in extra) for i, b in enumerate(sizes))
 
 
 def _exact_fraction(value: Any) -> Fraction:
