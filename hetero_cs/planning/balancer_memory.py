@@ -206,9 +206,9 @@ class MemoryRecovery(DeepcopiedWithNewLocks):
                 return False
             measured = self._monitor.updated_cost_models(self._calibrated_models)
             deadband = float(self._rebalance_policy.deadband)
-            moved = max(abs(float(new.predict_step_time_s(b)) / float(old.predict_step_time_s(b)) - 1.0)
-                        for new, old, b in zip(measured, self._cost_models, sizes)
-                        if b > 0 and float(old.predict_step_time_s(b)) > 0)
+            moved = max((abs(float(new.predict_step_time_s(b)) / float(old.predict_step_time_s(b)) - 1.0)
+                         for new, old, b in zip(measured, self._cost_models, sizes)
+                         if b > 0 and float(old.predict_step_time_s(b)) > 0), default=0.0)  # 0: nothing to compare
             if not moved > deadband:
                 return False  # the models in force still describe the cards
             current_s = max(float(m.predict_step_time_s(b)) for m, b in zip(measured, sizes))

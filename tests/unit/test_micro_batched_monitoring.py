@@ -101,3 +101,20 @@ def test_a_card_held_at_its_cap_that_measures_faster_than_its_model_gets_micro_b
     assert balancer.micro_batched_replans == 1
     assert balancer.cost_models[0].predict_step_time_s(16) == pytest.approx(MODELS[0].predict_step_time_s(16))
     assert not balancer.consider_micro_batched_models(B)  # the models now describe the cards: nothing more
+
+
+def test_models_in_force_that_predict_no_time_leave_nothing_to_compare():
+    # A card held at its cap, and models in force that predict 0 s for every slice (a user's LinearCostModel(0, 0)):
+    # no card's model can be compared with its measured time, so there is nothing to re-plan (before, max() of no
+    # ratios raised ValueError out of the step).
+    balancer = Balancer(3, idle_replicas_free=True)
+    balancer.set_cost_models(MODELS, max_batch_sizes=CAPS, reference_batch_size=B)
+    balancer._commit(balancer._solve(B))
+    sizes = balancer.plan.per_replica_batch_sizes
+    assert sizes[0] == CAPS[0]
+    balancer._cost_models = [LinearCostModel(0.0, 0.0)] * 3
+    for step in range(8):
+        for i, b in enumerate(sizes):
+            balancer.record_step_time(i, b, MODELS[i].predict_step_time_s(b), step_key=step)
+    assert not balancer.consider_micro_batched_models(B)
+    assert balancer.micro_batched_replans == 0
