@@ -51,9 +51,7 @@ def _cached_profile_mismatch(cached: CalibrationResult, make_probe: Callable[[in
     off = [k for k in range(len(timed)) if abs(relative[k] - 1.0) > tolerance]
     logger.info("Cached profile check at slices %s: measured/predicted %s (shared factor %.2f)",
                 [sizes[i] for i in timed], [round(float(r), 3) for r in ratios], shared)
-    if not off:
-        return None
-    return "; ".join(
+    return "; ".join(  # None when every device agrees
         f"replica {timed[k]} ({devices[timed[k]]}) took {measured[k] * 1e3:.1f} ms at batch_size={sizes[timed[k]]}, "
         f"the profile predicts {predicted[k] * 1e3:.1f} ms ({(relative[k] - 1.0) * 100:+.0f} % against the other "
-        f"devices, tolerance {tolerance * 100:.0f} %)" for k in off)
+        f"devices, tolerance {tolerance * 100:.0f} %)" for k in off) or None

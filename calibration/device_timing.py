@@ -57,19 +57,6 @@ class _DeviceCalibration:
         self.fit: fit_lib.FitResult | None = None
         self.anchor: int | None = None  # the plan's slice the fit passes through (fit_cost_model's anchor)
 
-    def _step_error(self, exc: Exception) -> CalibrationError:
-        """The CalibrationError for a ValueError or TypeError the step raised (an op's error: probe.step_error)."""
-        root = exc  # raised while tracing the step, e.g. Keras' "No loss to compute" under a traced "in user code:"
-        while root.__cause__ is not None:
-            root = root.__cause__
-        lines = [line.strip() for line in str(root).splitlines() if line.strip()] or [repr(root)]
-        detail = (lines[-1] if lines[0] == "in user code:" else lines[0]).removeprefix(f"{type(root).__name__}: ")
-        return CalibrationError(f"The probe step could not be built on device={self.probe.device!r}: "
-                                f"{type(root).__name__}: {detail.rstrip('.')}. Calibration times a step of the model's "
-                                "compiled loss: check that the model is compiled with a loss and accepts the sample "
-                                "batch (model(x, training=True) and its loss), or give the split yourself "
-                                "(batch_split=[...], or auto_balance=False for an even split).")
-
     def _warm(self, batch_size: int) -> None:
         """Untimed steps at batch_size (the first traces the step) with the peak memory recorded."""
         self.probe.reset_peak_memory()
@@ -103,8 +90,17 @@ class _DeviceCalibration:
             if not is_out_of_memory(exc):  # names the data when the batch's values are at fault
                 raise self.probe.step_error(exc, batch_size) from exc
             return exc
-        except (ValueError, TypeError) as exc:
-            raise self._step_error(exc) from exc
+        except (ValueError, TypeError) as exc:  # an op's error is probe.step_error's (above)
+            root = exc  # raised while tracing the step, e.g. Keras' "No loss to compute" under a traced "in user code:"
+            while root.__cause__ is not None:
+                root = root.__cause__
+            lines = [line.strip() for line in str(root).splitlines() if line.strip()] or [repr(root)]
+            detail = (lines[-1] if lines[0] == "in user code:" else lines[0]).removeprefix(f"{type(root).__name__}: ")
+            raise CalibrationError(f"The probe step could not be built on device={self.probe.device!r}: "
+                                   f"{type(root).__name__}: {detail.rstrip('.')}. Calibration times a step of the "
+                                   "model's compiled loss: check that the model is compiled with a loss and accepts "
+                                   "the sample batch (model(x, training=True) and its loss), or give the split "
+                                   "yourself (batch_split=[...], or auto_balance=False for an even split).") from exc
         return None
 
     def _fits(self, batch_size: int) -> bool:

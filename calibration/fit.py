@@ -94,26 +94,7 @@ def fit_cost_model(batch_sizes: Sequence[int], step_times_s: Sequence[float], *,
         >>> result.kind, round(result.cost_model.predict_step_time_s(32), 4)
         ('linear', 0.0164)
     """
-    sizes, times, counts, raw_sizes, raw_times = _validated_points(batch_sizes, step_times_s, linear_tolerance)
-    weights = counts.copy()
-    weights[sizes == anchor_batch_size] = counts.sum() * 1e6  # the others bend to it (module docstring)
-    monotone = np.asarray(optimize.isotonic_regression(times, weights=weights, increasing=True).x, dtype=np.float64)
-
-    if sizes.size == 1:
-        model: CostModel = LinearCostModel(fixed_overhead_s=0.0, seconds_per_example=float(monotone[0] / sizes[0]))
-        return FitResult(model, _max_relative_error(model, raw_sizes, raw_times), "linear", None)
-
-    linear = _fit_linear(sizes, monotone, counts)
-    kind: FitKind = "linear" if _max_relative_error(linear, sizes, monotone) <= linear_tolerance else "piecewise"
-    model = linear if kind == "linear" else _fit_piecewise(sizes, monotone)
-    return FitResult(model, _max_relative_error(model, raw_sizes, raw_times), kind,
-                     _leave_one_out_error(kind, sizes, monotone, counts))
-
-
-def _validated_points(
-    batch_sizes: Sequence[int], step_times_s: Sequence[float], linear_tolerance: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Checks the inputs; returns distinct sorted sizes, mean times, counts, and the raw points as arrays."""
+    # The inputs checked, then the raw points as arrays and the distinct sorted sizes with their mean times and counts.
     raw_sizes = np.asarray(batch_sizes).reshape(-1)
     raw_times = np.asarray(step_times_s, dtype=np.float64).reshape(-1)
     if raw_sizes.size == 0 or raw_sizes.size != raw_times.size:
@@ -128,7 +109,19 @@ def _validated_points(
     raw_sizes = raw_sizes.astype(np.int64)
     sizes, inverse, counts = np.unique(raw_sizes, return_inverse=True, return_counts=True)
     times = np.bincount(inverse, weights=raw_times) / counts
-    return sizes, times, counts.astype(np.float64), raw_sizes, raw_times
+    weights = counts.astype(np.float64)
+    weights[sizes == anchor_batch_size] = counts.sum() * 1e6  # the others bend to it (module docstring)
+    monotone = np.asarray(optimize.isotonic_regression(times, weights=weights, increasing=True).x, dtype=np.float64)
+
+    if sizes.size == 1:
+        model: CostModel = LinearCostModel(fixed_overhead_s=0.0, seconds_per_example=float(monotone[0] / sizes[0]))
+        return FitResult(model, _max_relative_error(model, raw_sizes, raw_times), "linear", None)
+
+    linear = _fit_linear(sizes, monotone, counts)
+    kind: FitKind = "linear" if _max_relative_error(linear, sizes, monotone) <= linear_tolerance else "piecewise"
+    model = linear if kind == "linear" else _fit_piecewise(sizes, monotone)
+    return FitResult(model, _max_relative_error(model, raw_sizes, raw_times), kind,
+                     _leave_one_out_error(kind, sizes, monotone, counts))
 
 
 def _fit_linear(sizes: np.ndarray, times: np.ndarray, counts: np.ndarray) -> LinearCostModel:
