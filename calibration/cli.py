@@ -21,7 +21,8 @@ import logging
 import math
 from collections.abc import Callable
 
-from calibration.user_model import model_spec
+from calibration.store import ProfileStore, load_result_file, save_result_file
+from calibration.user_model import build_calibration_model, model_spec
 from hetero_cs.devices.catalog import MAX_EMULATED_MAKESPAN_S, MAX_TIME_SCALE, _float_or
 from hetero_cs.errors import ConfigError
 
@@ -177,8 +178,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import tensorflow as tf
 
     from calibration.calibrate import _check_devices, calibrate
-    from calibration.store import ProfileStore, save_result_file
-    from calibration.user_model import build_calibration_model
     from calibration.workload import estimate_workload
     from hetero_cs.devices.emulation import Emulator
 
@@ -216,7 +215,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     """Loads a profile and prints the plan solved for the requested global batch size, or (``--devices``) the
     what-if plan of catalog cards; returns 0."""
-    from calibration.store import load_result_file
     from hetero_cs.planning.solver import solve_batch_split
 
     if (args.profile is None) == (getattr(args, "devices", None) is None):
@@ -260,7 +258,6 @@ def _run_what_if(args: argparse.Namespace) -> int:
                           "do (any slice size, a card may be left out).")
     workload = DEFAULT_WORKLOAD
     if args.model is not None:
-        from calibration.user_model import build_calibration_model
         from calibration.workload import estimate_workload
 
         model, _ = build_calibration_model(args.model, global_batch_size=args.global_batch_size)

@@ -14,7 +14,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from calibration.cli import add_calibrate_arguments, add_plan_arguments, run_calibrate, run_plan
+from calibration.store import check_output_path
 from hetero_cs.errors import ConfigError, HeteroCSError
+from hetero_cs.launch import add_launch_arguments, run_launch
+from hetero_cs.supervisor import add_run_arguments, run_supervised, silence
 
 
 def start_tensorflow_quietly(verbose: bool = False) -> None:
@@ -51,8 +55,6 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from calibration.cli import run_calibrate
-    from calibration.store import check_output_path
 
     if args.output is not None:
         check_output_path(args.output)  # a bad --output is refused before TensorFlow loads
@@ -61,7 +63,6 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from calibration.cli import run_plan
 
     if getattr(args, "model", None) is not None:  # a model sizes the what-if's workload: TensorFlow loads
         start_tensorflow_quietly(args.verbose)
@@ -88,9 +89,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from calibration.cli import add_calibrate_arguments, add_plan_arguments
-    from hetero_cs.launch import add_launch_arguments, run_launch
-    from hetero_cs.supervisor import add_run_arguments, run_supervised
 
     parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -138,7 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hetero-cs {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        from hetero_cs.supervisor import silence
 
         silence(sys.stdout)  # our output was closed (`| head`): stop quietly
         return 128 + 13  # as a shell reports a process ended by SIGPIPE
