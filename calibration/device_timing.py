@@ -240,8 +240,7 @@ def _refit_at_plan(calibrations: Sequence[_DeviceCalibration], profiles: list[De
     return profiles, plan
 
 
-def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[int], *,
-                   rounds: int = CONTENTION_ROUNDS) -> tuple[float, ...]:
+def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[int]) -> tuple[float, ...]:
     """Contention factors: how much slower each card's step at its slice of ``sizes`` is when every card with
     examples steps at once (as in a training step) than when it steps alone, one per card (1.0 for an idle one).
 
@@ -253,7 +252,7 @@ def _time_together(calibrations: Sequence[_DeviceCalibration], sizes: Sequence[i
     """
     working = [i for i, b in enumerate(sizes) if b > 0]
     timed: list[tuple[dict[int, float], dict[int, float]]] = []  # per round: each card's seconds alone, together
-    for _ in range(rounds + 1):
+    for _ in range(CONTENTION_ROUNDS + 1):
         alone = {i: calibrations[i].probe.run_step(int(sizes[i])) for i in working}
         barrier = threading.Barrier(len(working))
 

@@ -138,17 +138,13 @@ def search_memory_cap(fits: Callable[[int], bool], *, largest_fitting: int, smal
         raise ConfigError("search_memory_cap needs 1 <= largest_fitting < smallest_failing and max_steps >= 0. "
                           f"Received: largest_fitting={largest_fitting}, smallest_failing={smallest_failing}, "
                           f"max_steps={max_steps}.")
-    low, high = largest_fitting, smallest_failing
-    guess = first_guess
+    low, high, guess = largest_fitting, smallest_failing, first_guess
     for _ in range(max_steps):
         if high - low <= max(1, math.floor(relative_precision * low)):
             break
         candidate = guess if guess is not None and low < guess < high else (low + high) // 2
         guess = None
-        if fits(candidate):
-            low = candidate
-        else:
-            high = candidate
+        low, high = (candidate, high) if fits(candidate) else (low, candidate)
     return low
 
 

@@ -264,9 +264,7 @@ def check_output_path(path: str | os.PathLike[str], *, option: str = "--output")
                           f"{str(target / 'profile.json')!r}.")
     if target.exists() and not target.is_file():
         raise ConfigError(f"{option}={text!r} exists and is not a regular file. Name a new or a regular file.")
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = next((parent for parent in target.parents if parent.exists()), target.parents[-1])  # the nearest one
     problem = (f"{str(folder)!r} is not a directory" if not folder.is_dir()
                else f"the directory {str(folder)!r} is not writable" if not os.access(folder, os.W_OK | os.X_OK)
                else None)

@@ -4,6 +4,7 @@
 layers' shapes and weights), for the emulator's waits and memory and for ``hetero-cs calibrate --what-if``.
 """
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -28,16 +29,12 @@ def _dtype_size_bytes(dtype: Any) -> int:
 
 def _output_shape(layer: Any) -> tuple | None:
     """A layer's output shape (batch dim included), or None when it cannot be known."""
-    try:
+    with contextlib.suppress(AttributeError, ValueError):
         return tuple(layer.output.shape)
-    except (AttributeError, ValueError):
-        pass
     build_shapes = layer_build_shapes(layer)
     if build_shapes and len(build_shapes) == 1:
-        try:
+        with contextlib.suppress(Exception):  # any layer may refuse; the estimate then uses a fallback.
             return tuple(layer.compute_output_shape(next(iter(build_shapes.values()))))
-        except Exception:  # noqa: BLE001 - any layer may refuse; the estimate then uses a fallback.
-            return None
     return None
 
 

@@ -56,19 +56,20 @@ def parse_emulate(text: str | None, num_workers: int) -> list[str] | None:
 def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None = None) -> list[str]:
     """``names`` as a list of per-worker entries (``"A10"`` or ``"A10+T4"``), checked (see :func:`parse_emulate`)."""
     shown = repr(written) if written is not None else repr(names)
+    examples = [_EXAMPLE_NAMES[i % 3] for i in range(max(num_workers, 1))]
     if isinstance(names, str) or not all(isinstance(name, str) for name in names):
         raise ConfigError(f"emulate must be a list of catalog names (str), one per worker. Received: {names!r}. "
-                          f"Example: emulate={list(_example_names(num_workers))!r}.")
+                          f"Example: emulate={examples!r}.")
     groups = [[part.strip() for part in name.split("+")] for name in names]
     if any(not part for group in groups for part in group):
         raise ConfigError(f"--emulate has an empty name in {shown}: name one catalog device per worker, "
-                          f"comma-separated, e.g. --emulate {','.join(_example_names(num_workers))} (or several per "
+                          f"comma-separated, e.g. --emulate {','.join(examples)} (or several per "
                           f"worker joined by +, e.g. --emulate A10+T4,P100+T4).")
     if len(groups) != num_workers:
         raise ConfigError(
             f"--emulate names the devices of each worker, one comma-separated entry per worker: got {shown} "
             f"({len(groups)} entr{'ies' if len(groups) != 1 else 'y'}) for --workers {num_workers}. Give exactly "
-            f"{num_workers}, e.g. --emulate {','.join(_example_names(num_workers))}; several replicas per worker are "
+            f"{num_workers}, e.g. --emulate {','.join(examples)}; several replicas per worker are "
             f"joined by +, e.g. A10+T4.")
     sizes = sorted({len(group) for group in groups})
     if len(sizes) > 1:
@@ -85,10 +86,6 @@ def check_emulate(names: Sequence[str], num_workers: int, *, written: str | None
     for part in [part for group in groups for part in group]:
         get_device_spec(part)  # an UnknownEmulatedDeviceError for a name the catalog does not know
     return ["+".join(group) for group in groups]
-
-
-def _example_names(count: int) -> list[str]:
-    return [_EXAMPLE_NAMES[i % 3] for i in range(max(count, 1))]
 
 
 def check_workers(num_workers) -> int:

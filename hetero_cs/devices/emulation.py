@@ -100,15 +100,14 @@ class Emulator(DeepcopiedWithNewLocks):
                                   f"0..{num_replicas - 1}); fix the drift's replica_id.")
         if workload is not None:
             self._check_workload(workload)
-        self._time_scale_source = None  # what fixed the scale (the argument or the environment), for messages
-        self._time_scale, raw = 1.0, os.environ.get(TIME_SCALE_ENV_VAR, "").strip()
-        if time_scale is not None:
-            self._time_scale, self._time_scale_source = self._check_scale(time_scale, "time_scale"), "time_scale"
-        elif raw:
-            self._time_scale_source = f"{TIME_SCALE_ENV_VAR}={raw!r}"
-            # text that is not a number is refused with the text by _check_scale
-            self._time_scale = self._check_scale(_float_or(raw, raw), self._time_scale_source)
         self._lock = threading.Lock()
+        # _time_scale_source: what fixed the scale (the argument or the environment), for messages
+        self._time_scale, self._time_scale_source = 1.0, None
+        if time_scale is not None:
+            self.fix_time_scale(time_scale, "time_scale")
+        elif raw := os.environ.get(TIME_SCALE_ENV_VAR, "").strip():
+            # text that is not a number is refused with the text by _check_scale
+            self.fix_time_scale(_float_or(raw, raw), f"{TIME_SCALE_ENV_VAR}={raw!r}")
         self._workload = workload
         self._steps = [0] * num_replicas
 
