@@ -96,8 +96,7 @@ def _device_probe_sizes(requested: Sequence[int] | None, global_batch_size: int,
     largest = global_batch_size if cap is None else min(cap, global_batch_size)
     if requested is None:
         return timing.probe_batch_sizes(largest, num=DEFAULT_NUM_PROBES)
-    sizes = sorted({int(b) for b in requested if int(b) <= largest})
-    return tuple(sizes) or (largest,)
+    return tuple(sorted({int(b) for b in requested if int(b) <= largest})) or (largest,)
 
 
 def _solve(result: CalibrationResult, global_batch_size: int) -> BatchPlan | None:

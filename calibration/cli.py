@@ -205,8 +205,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(result.plan)
     if args.output:
         save_result_file(args.output, result)
-        emulated = [p.emulated_as for p in result.profiles] if result.emulated else None
-        given = f"emulate={emulated}, " if emulated else ""
+        given = f"emulate={[p.emulated_as for p in result.profiles]}, " if result.emulated else ""
         print(f"profile written to {args.output}; use it with HeteroCentralStorageStrategy({given}"
               f"profile={args.output!r}) on the same devices and model")
     return 0

@@ -352,13 +352,11 @@ def format_device_table(devices: Sequence[DeviceInfo]) -> str:
     """
     header = ("device", "type", "description", "mem total GiB", "mem free GiB", "PCIe", "CC", "MIG", "source",
               "emulated as")
-    rows = [header]
-    for d in devices:
-        link = "-" if d.pcie_generation is None else f"gen{d.pcie_generation} x{d.pcie_width or '?'}"
-        capability = "-" if d.compute_capability is None else ".".join(str(v) for v in d.compute_capability)
-        rows.append((d.name, d.device_type, d.description or "-", _gib(d.memory_total_bytes),
-                     _gib(d.memory_free_bytes), link, capability, "yes" if d.mig else "no", d.source,
-                     d.emulated_as or "-"))
+    rows = [header, *((d.name, d.device_type, d.description or "-", _gib(d.memory_total_bytes),
+                       _gib(d.memory_free_bytes),
+                       "-" if d.pcie_generation is None else f"gen{d.pcie_generation} x{d.pcie_width or '?'}",
+                       "-" if d.compute_capability is None else ".".join(str(v) for v in d.compute_capability),
+                       "yes" if d.mig else "no", d.source, d.emulated_as or "-") for d in devices)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     if any(d.emulated_as for d in devices):

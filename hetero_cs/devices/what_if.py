@@ -109,7 +109,13 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
     caps = [max_examples_in_memory(workload, spec.memory_bytes) for spec in specs]
     plan = _micro_plan(models, caps, global_batch_size)
     B, R = global_batch_size, len(specs)
-    even_s = _even_split_s(models, caps, B)
+    # The step of the even split over every card, in as few equal sub-steps as the smallest card's memory needs (each
+    # sub-step cut evenly: what stock central storage would run, micro-batched); None when a card holds nothing.
+    smallest = min((cap for cap in caps if cap is not None), default=None)
+    sub_steps = 1 if not smallest else max(1, math.ceil(B / (R * smallest)))
+    even_s = None if smallest == 0 else sum(
+        max(model.predict_step_time_s(b) for model, b in zip(models, even_batch_split(size, R)))
+        for size in even_batch_split(B, sub_steps))
     alone = {i: _micro_plan([models[i]], [caps[i]], B).predicted_makespan_s for i in range(R)
              if caps[i] is None or caps[i] > 0}
     fastest = min(alone, key=alone.get)
@@ -141,19 +147,6 @@ def what_if(devices: Sequence[str], global_batch_size: int, workload: Workload =
         "peak_tflops": [spec.peak_tflops(workload.compute_dtype, tf32=workload.tensor_float_32) for spec in specs],
         "predicted_from": "catalog",
     }
-
-
-def _even_split_s(models, caps, global_batch_size: int) -> float | None:
-    """The step of the even split over every card, in as few equal sub-steps as the smallest card's memory needs
-    (each sub-step cut evenly: what stock central storage would run, micro-batched); None when a card holds
-    nothing."""
-    R = len(models)
-    smallest = min((cap for cap in caps if cap is not None), default=None)
-    if smallest == 0:
-        return None
-    sub_steps = 1 if smallest is None else max(1, math.ceil(global_batch_size / (R * smallest)))
-    return sum(max(model.predict_step_time_s(b) for model, b in zip(models, even_batch_split(size, R)))
-               for size in even_batch_split(global_batch_size, sub_steps))
 
 
 def _micro_plan(models, caps, global_batch_size: int) -> MicroBatchPlan:
