@@ -230,9 +230,9 @@ def run_plan(args: argparse.Namespace) -> int:
         if result.plan is None:
             raise ConfigError(f"The profile path={args.profile!r} holds no plan; pass --global-batch-size B.")
         batch = result.plan.global_batch_size
-    min_batch_size = args.min_batch_size
-    if min_batch_size is None:  # a device that holds no example (cap 0) sits idle; the others get at least one
-        min_batch_size = 0 if any(p.holds_no_example for p in result.profiles) else 1
+    # By default a device that holds no example (cap 0) sits idle; the others get at least one.
+    min_batch_size = args.min_batch_size if args.min_batch_size is not None else (
+        0 if any(p.holds_no_example for p in result.profiles) else 1)
     plan = solve_batch_split(result.cost_models, batch, max_batch_sizes=result.max_batch_sizes,
                              min_batch_size=min_batch_size, multiple_of=args.multiple_of)
     if args.json:

@@ -387,9 +387,8 @@ class DeviceProbe:
         return int(limit_mb) * 1024 * 1024 if limit_mb else None
 
 
-def extrapolate_memory_cap(
-    peaks_bytes: Sequence[tuple[int, int]], *, memory_limit_bytes: int | None, headroom: float = 0.9
-) -> int | None:
+def extrapolate_memory_cap(peaks_bytes: Sequence[tuple[int, int]], *, memory_limit_bytes: int | None,
+                           headroom: float = 0.9) -> int | None:
     """Extrapolates the largest batch that fits from peak memory at two or more batch sizes.
 
     Fits peak(b) = base + per_example * b through the two largest measured sizes and solves

@@ -117,10 +117,8 @@ def _made_up_batch(spec: str, model: Any, n: int, rng: np.random.Generator) -> t
                           "sample of your data.")
     xs = [_random(rng, (n, *tuple(t.shape)[1:]), t.dtype) for t in inputs]
     output_shape, classes = tuple(outputs[0].shape)[1:], tuple(outputs[0].shape)[-1]
-    if "sparse" in _loss_name(getattr(model, "loss", None)).lower():
-        y = rng.integers(0, max(int(classes or 1), 1), size=(n, *output_shape[:-1])).astype(np.int64)
-    else:
-        y = np.zeros((n, *output_shape), np.float32)
+    y = (rng.integers(0, max(int(classes or 1), 1), size=(n, *output_shape[:-1])).astype(np.int64)
+         if "sparse" in _loss_name(getattr(model, "loss", None)).lower() else np.zeros((n, *output_shape), np.float32))
     return (xs[0] if len(xs) == 1 else xs), y
 
 
