@@ -133,9 +133,9 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         models."""
         B = int(global_batch_size)
         models, caps = self._models_and_caps(cost_models, max_batch_sizes)
-        overhead = self.sub_step_overhead_s()
+        overhead = self._overhead_s(self._overheads)
         key = (B, None if models is None else tuple(id(m) for m in models), None if caps is None else tuple(caps),
-               self._strategy.balancer.shares, overhead, self.step_overhead_s(), overlapped)
+               self._strategy.balancer.shares, overhead, self._overhead_s(self._step_overheads), overlapped)
         with self._lock:
             cached, incumbent = self._plans.get(key), self._in_use.get(B)
         if cached is not None:
@@ -166,7 +166,7 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         if plan.num_sub_steps > 1 or global_batch_size < 2:
             return plan
         return plan_micro_batches(int(global_batch_size), self.plan_for_sub_step, capacity=global_batch_size // 2,
-                                  sub_step_overhead_s=self.sub_step_overhead_s())
+                                  sub_step_overhead_s=self._overhead_s(self._overheads))
 
     def plan_to_run(self, global_batch_size: int, *, overlapped: bool = True) -> MicroBatchPlan:
         """The plan ``model.fit``'s next step of this size runs: :meth:`plan_for`'s, except while the guard tries
@@ -204,21 +204,14 @@ class MicroBatching(MicroBatchState, OverlappedCalls, DeepcopiedWithNewLocks):
         single = (barrier_plan.predicted_makespan_s if barrier_plan.num_sub_steps == 1
                   else barrier_plan.single_step_makespan_s)
         plan = plan_overlapped_micro_batches(global_batch_size, models, caps, single_step_makespan_s=single,
-                                             host_overhead_s=self.step_overhead_s())
+                                             host_overhead_s=self._overhead_s(self._step_overheads))
         chosen = prefer_overlapped(barrier_plan, plan)
         return chosen if chosen is plan else None
 
-    def step_overhead_s(self) -> float:
-        """The host's measured time per overlapped call beyond the cards' predicted makespan (median of the last
-        32 calls, rounded to 0.5 ms; 0 until 5 were measured), in seconds."""
-        return self._median_s(self._step_overheads)
-
-    def sub_step_overhead_s(self) -> float:
-        """The host's measured time per sub-step beyond the replicas' predicted makespan (median of the last 32
-        sub-steps, rounded to 0.5 ms; 0 until 5 were measured), in seconds."""
-        return self._median_s(self._overheads)
-
-    def _median_s(self, samples: collections.deque) -> float:
+    def _overhead_s(self, samples: collections.deque) -> float:
+        """The host's measured time beyond the predicted makespan, in seconds: per overlapped call beyond the cards'
+        (``samples`` ``_step_overheads``), or per sub-step beyond the replicas' (``_overheads``); the median of the
+        last 32 calls or sub-steps, rounded to 0.5 ms; 0 until 5 were measured."""
         with self._lock:
             samples = list(samples)
         return round(statistics.median(samples) * 2000) / 2000 if len(samples) >= 5 else 0.0

@@ -82,7 +82,7 @@ class OverlappedCalls:
             # lowered caps hold, is cut finer there instead of failing the step.
             return self._run_sub_steps(model, step, data, plan_micro_batches(
                 B, self.plan_for_sub_step, capacity=capacity_of(self._strategy.balancer.max_batch_sizes),
-                sub_step_overhead_s=self.sub_step_overhead_s()))
+                sub_step_overhead_s=self._overhead_s(self._overheads)))
         predicted = plan.predicted_makespan_s
         if warm and predicted is not None:  # a call's first run traces: its time is not the host's
             with self._lock:
