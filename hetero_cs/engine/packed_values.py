@@ -38,19 +38,13 @@ class PackedBatchValues:
         component, R = parts[0], self.num_replicas_in_sync
         if is_unbatched_marker(component):  # None / Optional ("no sample weights"): the same for every replica
             return [component] * R
+        # Outside a step: the plan in force for a batch of this size (a Python call that advances nothing).
         if sizes is None:
-            sizes = self._inspection_sizes(tensors.leading_dim(component))
+            sizes = tf.reshape(tf.numpy_function(
+                lambda b: np.asarray(self._balancer.plan_for_inference(int(b)).per_replica_batch_sizes, dtype=np.int64),
+                [tf.cast(tensors.leading_dim(component), tf.int64)], tf.int64, stateful=True), [R])
         with tf.device(self.extended.input_device):
             return cut(component, sizes, R)
-
-    def _inspection_sizes(self, global_batch_size):
-        """The plan in force for a batch of this size, outside a step (a Python call that advances nothing)."""
-
-        def sizes_of(b):
-            return np.asarray(self._balancer.plan_for_inference(int(b)).per_replica_batch_sizes, dtype=np.int64)
-
-        sizes = tf.numpy_function(sizes_of, [tf.cast(global_batch_size, tf.int64)], tf.int64, stateful=True)
-        return tf.reshape(sizes, [self.num_replicas_in_sync])
 
     def _unpack(self, structure, created=None, sizes=None):
         """``structure`` with every global-batch leaf replaced by a per-replica value of its ``R`` slices.
