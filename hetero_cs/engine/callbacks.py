@@ -6,6 +6,7 @@ import os
 import statistics
 
 import keras
+import tensorflow as tf
 
 from hetero_cs.engine import arguments, calibrating
 
@@ -153,7 +154,14 @@ class BalanceCallback(FiguresCallback):
                     plan.predicted_makespan_s * 1e3, statistics.median(s.replica_makespan_s for s in full) * 1e3,
                     statistics.median(s.makespan_s for s in full) * 1e3,
                     "one timed step" if len(full) == 1 else f"median of {len(full)} timed steps")
-        self._write_tensorboard(epoch, self._publish(self._figures(plan), logs))
+        left = self._publish(self._figures(plan), logs)  # the figures not in the logs go to TensorBoard
+        for directory in self._tensorboard_dirs if left else ():
+            if directory not in self._writers:
+                self._writers[directory] = tf.summary.create_file_writer(os.path.join(directory, "hetero_cs"))
+            with (writer := self._writers[directory]).as_default():
+                for key, value in left.items():
+                    tf.summary.scalar(f"epoch_{key}", value, step=epoch)
+            writer.flush()
 
     def _figures(self, plan) -> dict:
         """Every figure of the epoch (see the class docstring), keys in a stable order."""
@@ -180,19 +188,6 @@ class BalanceCallback(FiguresCallback):
         for i in range(R):
             figures[f"replica_{i}_step_ms"] = median_ms(lambda s, i=i: s.per_replica_step_times_s[i])
         return figures
-
-    def _write_tensorboard(self, epoch: int, figures: dict) -> None:
-        if not figures:
-            return
-        import tensorflow as tf
-
-        for directory in self._tensorboard_dirs:
-            if directory not in self._writers:
-                self._writers[directory] = tf.summary.create_file_writer(os.path.join(directory, "hetero_cs"))
-            with (writer := self._writers[directory]).as_default():
-                for key, value in figures.items():
-                    tf.summary.scalar(f"epoch_{key}", value, step=epoch)
-            writer.flush()
 
 
 class HeldLogs(logging.Filter):
