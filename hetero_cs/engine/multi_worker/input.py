@@ -133,7 +133,9 @@ class MultiWorkerInput:
             slices = []
             for k, replica in enumerate(range(self._first_replica, self._first_replica + self._num_local)):
                 component = held[k] if isinstance(held, tuple) else held
-                with tf.device(_device_of(component) or host):  # where it lives: the host for a dataset's element
+                # Where it lives: the host for a dataset's element, and for a tensor whose device is not known (a
+                # symbolic tensor not yet placed) or a ragged one.
+                with tf.device((getattr(component, "device", "") if isinstance(component, tf.Tensor) else "") or host):
                     slices.append(component[starts[replica]:ends[replica]])
             flat[i] = _compat.per_replica(slices)
         return (*tf.nest.pack_sequence_as((args, kwargs), flat), (sizes, global_batch_size, start, frozenset(batches)))
@@ -197,8 +199,3 @@ def _is_batched(value) -> bool:
             "tf.SparseTensor does not support here. Convert it with tf.sparse.to_dense in the dataset.")
     return not is_unbatched_marker(value) and (
         isinstance(value, tf.RaggedTensor) or (tf.is_tensor(value) and value.shape.rank != 0))
-
-
-def _device_of(value) -> str:
-    """The device a tensor is on ('' when not known, e.g. a ragged tensor or a symbolic tensor not yet placed)."""
-    return (getattr(value, "device", "") or "") if isinstance(value, tf.Tensor) else ""
