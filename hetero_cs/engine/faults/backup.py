@@ -110,6 +110,7 @@ class SupervisedBackup(keras.callbacks.Callback):
         with _ORDINAL_LOCK:
             self._ordinal = next(_FIT_ORDINALS)
         self._record_path = self._dir / f"fit_{self._ordinal}.json"
+        self._slots = [f"fit_{self._ordinal}.a.npz", f"fit_{self._ordinal}.b.npz"]  # the arrays' two files
         self._epoch, self._batches = 0, 0  # the current epoch, and its batches applied
         self._resume_metrics: list | None = None  # metric values to put back when the resumed epoch begins
         # The resumed epoch (None: not resumed), and its batches applied before the restart (skipped now).
@@ -136,7 +137,7 @@ class SupervisedBackup(keras.callbacks.Callback):
             fingerprint = None
         self._run.update(model=fingerprint, steps=(self.params or {}).get("steps"))
         try:
-            register(self._dir, [self._record_path.name, *self._slots()])
+            register(self._dir, [self._record_path.name, *self._slots])
         except OSError as exc:
             self._stop_backups(exc)
         if not self._record_path.exists():
@@ -180,9 +181,6 @@ class SupervisedBackup(keras.callbacks.Callback):
             "hetero_cs: resuming fit from its backup (%s): epoch %d, %d batch(es) of it already applied and skipped "
             "now, optimizer step %d.", self._record_path, self._epoch + 1, self._batches, record["step"])
 
-    def _slots(self) -> list[str]:
-        return [f"fit_{self._ordinal}.a.npz", f"fit_{self._ordinal}.b.npz"]
-
     def _check_same_run(self, record: dict) -> None:
         """A ConfigError naming what differs when the backup was made by another run (another model, global batch
         size or data), or when its epoch cannot be resumed in the same order."""
@@ -218,8 +216,8 @@ class SupervisedBackup(keras.callbacks.Callback):
                 if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
                     wanted = "an int >= 0" if kind is int else f"a {kind.__name__}"
                     raise ValueError(f"{label}={value!r} is not {wanted}")
-            if record["arrays"] not in self._slots():
-                raise ValueError(f"arrays={record['arrays']!r} is not one of this fit's files {self._slots()}")
+            if record["arrays"] not in self._slots:
+                raise ValueError(f"arrays={record['arrays']!r} is not one of this fit's files {self._slots}")
             with np.load(self._dir / record["arrays"]) as stored:
                 arrays = {key: stored[key] for key in stored.files}  # reads (and CRC-checks) every array now
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
@@ -262,13 +260,10 @@ class SupervisedBackup(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         _compat.set_initial_epoch(self.model, None)
-        self._restore_history()
         self._strategy._resume_skip = 0  # noqa: SLF001
         self._save(complete=True)  # fit returned (an error in a step ends it without this call)
-
-    def _restore_history(self) -> None:
-        """Puts the epochs finished before the restart in front of fit's History (``model.history``), so the
-        History a resumed fit returns holds every epoch, as an uninterrupted fit's does."""
+        # The epochs finished before the restart go in front of fit's History (``model.history``), so the History a
+        # resumed fit returns holds every epoch, as an uninterrupted fit's does.
         record = self.resumed_from
         before = record["history"][:None if record["complete"] else self._resume_epoch] if record is not None else []
         if not before:
@@ -302,7 +297,7 @@ class SupervisedBackup(keras.callbacks.Callback):
         groups = _variable_groups(self.model)
         arrays = {f"{name}_{i}": np.asarray(v.numpy()) for name, variables in groups.items()
                   for i, v in enumerate(variables)}
-        slot = next(name for name in self._slots() if name != self._slot)
+        slot = next(name for name in self._slots if name != self._slot)
         optimizer = getattr(self.model, "optimizer", None)
         record = {"epoch": self._epoch, "batches": self._batches, "complete": complete, "history": self._history,
                   "epochs": int(self.params.get("epochs") or 0) if self.params else 0,
