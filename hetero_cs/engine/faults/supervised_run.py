@@ -116,10 +116,9 @@ def leave_out_excluded(emulator, names, compute_devices, batch_split):
     if compute_devices is not None and (not isinstance(compute_devices, (list, tuple))
                                         or len(compute_devices) != len(names)):
         return emulator, names, compute_devices, batch_split  # the checks that follow explain what is wrong
-    logger.warning("hetero_cs: restarted without the lost emulated card(s) %s (%s=%s): emulating %s.",
-                   [names[i] for i in positions], EXCLUDED_ENV_VAR, text,
-                   [n for i, n in enumerate(names) if i not in positions])
     keep = [i for i in range(len(names)) if i not in positions]
+    logger.warning("hetero_cs: restarted without the lost emulated card(s) %s (%s=%s): emulating %s.",
+                   [names[i] for i in positions], EXCLUDED_ENV_VAR, text, [names[i] for i in keep])
     if isinstance(batch_split, (list, tuple)) and len(batch_split) == len(names):  # one share per card
         batch_split = [batch_split[i] for i in keep]
     return (None if emulator is None else emulator.without(positions), [names[i] for i in keep],
