@@ -95,8 +95,7 @@ class OverlapTrials:
 
     def _remember(self, key, verdict: bool) -> None:
         if len(self._verdicts) >= _MAX_KEYS:
-            oldest = next(iter(self._verdicts))
-            self._verdicts.pop(oldest)
+            self._verdicts.pop(oldest := next(iter(self._verdicts)))
             if oldest not in self._trials:
                 self._pinned.pop(oldest, None)
         self._verdicts[key] = verdict
