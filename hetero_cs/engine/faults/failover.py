@@ -107,13 +107,12 @@ class DeviceFailover:
             raise self.error(replica_id, exc, "no other card is left to train on" + (
                 " (every card failed in turn: a fault that follows the step from card to card is more likely the "
                 "model's or TensorFlow's than the cards')" if self.exclusions else "")) from exc
+        self.exclusions.append(replica_id)  # set aside even where the others cannot hold the batch
         try:
             plan, _ = balancer.exclude_replica(replica_id, max(1, int(failed_batch_size)), global_batch_size)
         except InfeasiblePlanError as infeasible:
-            self.exclusions.append(replica_id)
             raise self.error(replica_id, exc, f"the other cards' memory caps {balancer.max_batch_sizes} cannot "
                              f"hold the batch of {global_batch_size} examples in one step ({infeasible})") from exc
-        self.exclusions.append(replica_id)
         logger.warning(
             "hetero_cs: replica %d, %s, failed twice with a device error (%s): it is excluded from training (0 "
             "examples from now on, nothing runs on it). Retrying the same global batch cut %s on the other cards.",
