@@ -144,14 +144,9 @@ class ActiveSets(DeepcopiedWithNewLocks):
             self.traced_with[function] = version
 
 
-def traced_for_set(active: tuple[int, ...] | None):
-    """For the block: the step traced (or run) in this thread is one of :class:`StepPerSet`'s, for exactly the
-    replicas ``active`` (None: every replica), and reads the sizes handed to it (``PlanSlicer.handed``)."""
-    return replica_state.this_threads("step_set", (active,))
-
-
 def set_of_traced_step() -> tuple | None:
-    """``(active,)`` inside :func:`traced_for_set`'s block, else None."""
+    """``(active,)`` while the step traced (or run) in this thread is one of :class:`StepPerSet`'s, for exactly the
+    replicas ``active`` (None: every replica), reading the sizes handed to it (``PlanSlicer.handed``); else None."""
     return replica_state.this_threads_value("step_set")
 
 
@@ -187,7 +182,8 @@ class StepPerSet:
                             "active replicas).", list(key or range(strategy.num_replicas_in_sync)))
                 strategy._balancer.step_traced_again()  # noqa: SLF001 - a guard trial's next steps pay for the trace
             step = self._steps[key] = self._make()
-        with strategy._slicer.handed(decided), traced_for_set(key):  # noqa: SLF001
+        # For the block: the step traced (or run) in this thread is this set's (set_of_traced_step).
+        with strategy._slicer.handed(decided), replica_state.this_threads("step_set", (key,)):  # noqa: SLF001
             return step([batch])
 
 
