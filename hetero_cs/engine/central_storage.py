@@ -40,8 +40,6 @@ from hetero_cs.planning.plan import BatchPlan
 
 logger = logging.getLogger(__name__)
 
-_PARAMETER_DEVICE_DEFAULT = "/device:CPU:0"
-
 
 class HeteroCentralStorageStrategy(
     _compat.DeepcopiedStrategy, _compat.ReplicaCountStrategy, PackedBatchValues, StrategyState,
@@ -147,7 +145,7 @@ class HeteroCentralStorageStrategy(
             from hetero_cs.devices.logical import setup_logical_devices
 
             compute_devices = setup_logical_devices(list(emulate))
-        parameter_device = arguments.canonical_device(parameter_device or _PARAMETER_DEVICE_DEFAULT)
+        parameter_device = arguments.canonical_device(parameter_device or "/device:CPU:0")
         devices = arguments.checked_devices(compute_devices, parameter_device)
         if emulate is not None and len(emulate) != len(devices):
             raise ConfigError(f"emulate names one catalog device per compute device: len(emulate)={len(emulate)}, "
@@ -337,8 +335,7 @@ class HeteroCentralStorageStrategy(
         Raises:
             InputError: A component has no batch dimension, or is a ``tf.SparseTensor``.
         """
-        arguments.warn_unused_input_options(options)
-        return self._distribute(dataset)
+        return self.distribute_datasets_from_function(lambda _: dataset, options)
 
     def _distribute(self, dataset):
         """A new training input's first global batch sets the reference size of :attr:`plan` (it may differ from the
@@ -418,11 +415,10 @@ class HeteroCentralStorageStrategy(
     def _input_error_raised(self, exc: Exception) -> Exception | None:
         """The input pipeline's kept error that TensorFlow's ``exc`` is (no longer kept), else None: the step's own
         error, or one of a later, prefetched batch that is not this step's."""
-        for error in list(self._input_errors):
-            if raised_by_input_pipeline(exc, error):
-                self._input_errors.remove(error)
-                return error
-        return None
+        error = next((error for error in list(self._input_errors) if raised_by_input_pipeline(exc, error)), None)
+        if error is not None:
+            self._input_errors.remove(error)
+        return error
 
     # ----------------------------------------------------------------------------------------------------------
     # Calibration

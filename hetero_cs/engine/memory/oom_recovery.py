@@ -40,8 +40,6 @@ from hetero_cs.errors import EmulatedDeviceError, EmulatedOutOfMemoryError, Infe
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
 
-_INFERENCE = "evaluation or prediction"
-
 _NO_EXAMPLE = "that replica had no example in this step, so a lower cap cannot help (something else holds its memory)"
 
 
@@ -130,7 +128,7 @@ class StepRecovery:
         global_batch_size = global_batch_size_of(data)
         if training and (global_batch_size is None or len(strategy.compute_devices) == 1):
             return step(data)  # one replica: nothing to move elsewhere
-        kind = "training" if training else _INFERENCE
+        kind = "training" if training else "evaluation or prediction"
         retries = balancer.memory_caps.policy.max_retries
         tried: dict[int, list[int]] = {}
         faults: dict[int, int] = {}  # device errors per replica in this batch (hetero_cs.engine.faults.failover)
