@@ -24,7 +24,7 @@ def emulation_names(emulate) -> tuple:
     """``emulate`` as (Emulator or None, list of catalog names or None); the names are checked against the catalog.
 
     Raises:
-        ConfigError: ``emulate`` is not a non-empty list of names (or an Emulator).
+        ConfigError: ``emulate`` is not a non-empty list of names (or an Emulator); a set (no order) is not one.
         UnknownEmulatedDeviceError: A name is not in the catalog.
     """
     from hetero_cs.devices.emulation import Emulator
@@ -33,10 +33,11 @@ def emulation_names(emulate) -> tuple:
         return None, None
     if isinstance(emulate, Emulator):
         return emulate, [spec.name for spec in emulate.specs]
-    names = None if isinstance(emulate, str) or not isinstance(emulate, Iterable) else list(emulate)
+    # A set has no order, and the order says which card each replica emulates.
+    names = None if isinstance(emulate, (str, set, frozenset)) or not isinstance(emulate, Iterable) else list(emulate)
     if not names:
-        raise ConfigError(f"emulate must be a non-empty list of catalog names, one per compute device. Received: "
-                          f"emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100'].")
+        raise ConfigError(f"emulate must be a non-empty list of catalog names, one per compute device in order. "
+                          f"Received: emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100'].")
     for name in names:
         get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
     return None, names

@@ -124,6 +124,8 @@ CONSTRUCTOR_CASES = [
     ("emulate_plain_string", dict(compute_devices=DEVICES, emulate="A10"), ConfigError, ValueError,
      r"emulate='A10'. Example: emulate=\['A10', 'T4', 'P100'\]"),
     ("emulate_empty", dict(compute_devices=DEVICES, emulate=[]), ConfigError, ValueError, r"emulate=\[\]"),
+    ("emulate_set", dict(compute_devices=DEVICES, emulate={"A10", "T4", "P100"}), ConfigError, ValueError,
+     r"one per compute device in order. Received: emulate=\{"),
     # Regression: "no" and None counted as True (balancing stayed on), an int gave an untyped TypeError.
     ("auto_balance_string", dict(compute_devices=DEVICES, auto_balance="no"), ConfigError, ValueError,
      r"auto_balance must be True or False. Received: auto_balance='no' \(str\)"),
