@@ -468,6 +468,9 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         if len(args.mixes) != 1:
             print("error: --in-process runs exactly one --mix", file=sys.stderr)
             return 2
+        from hetero_cs.cli import start_tensorflow_quietly
+
+        start_tensorflow_quietly()  # each mix's process opens without TensorFlow's start-up lines, as the CLI does
         results = run_mix_in_process(args.mixes[0], args, keep_alive=keep_alive)
         if args.json is not None:
             _common.write_json(args.json, summarize(results))

@@ -55,7 +55,6 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-
     if args.output is not None:
         check_output_path(args.output)  # a bad --output is refused before TensorFlow loads
     start_tensorflow_quietly(args.verbose)
@@ -63,7 +62,6 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-
     if getattr(args, "model", None) is not None:  # a model sizes the what-if's workload: TensorFlow loads
         start_tensorflow_quietly(args.verbose)
     return run_plan(args)
@@ -89,7 +87,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-
     parser = argparse.ArgumentParser(prog="hetero-cs", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at DEBUG, and show TensorFlow's own start-up lines")
@@ -136,7 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hetero-cs {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-
         silence(sys.stdout)  # our output was closed (`| head`): stop quietly
         return 128 + 13  # as a shell reports a process ended by SIGPIPE
 
