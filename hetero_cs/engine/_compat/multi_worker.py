@@ -145,7 +145,16 @@ def run_entry_point(original, self, strategy, bound):
     if verb == "fit":
         _refuse_loss_scaling(self)
         strategy._prepare_idle_replicas(self, keras_train_step())  # noqa: SLF001
-    _refuse_steps_per_execution(self)
+    # Keras runs steps_per_execution > 1 as a tf.while_loop over the iterator inside the train function; under
+    # MultiWorkerMirroredStrategy (our strategy, even a fixed split without the agreement) that loop fails with "You
+    # must feed a value for placeholder tensor 'while/body/.../while/cond/Placeholder_1'" (TF 2.21, 2 workers; not
+    # tracked down). Refuse it with the fix instead of that message.
+    steps = getattr(self, "steps_per_execution", 1)
+    if steps is not None and int(steps) > 1:
+        raise ConfigError(
+            f"steps_per_execution={int(steps)} is not supported under HeteroMultiWorkerMirroredStrategy (Keras' "
+            f"multi-step loop fails there). Compile with steps_per_execution=1 (the default)."
+        )
     bound.arguments["callbacks"] = strategy._keras_callbacks(bound.arguments.get("callbacks"))  # noqa: SLF001
     with entered(self, verb):
         strategy._kept_plan_error(None)  # noqa: SLF001 - an error kept from an earlier call is not this one's
@@ -163,19 +172,6 @@ def run_entry_point(original, self, strategy, bound):
             error = (_out_of_memory_here(strategy, verb, exc, self)
                      or _device_fault_here(strategy, verb, exc, (self.name,)) or _step_error_here(strategy, verb, exc))
             raise error from exc
-
-
-def _refuse_steps_per_execution(model) -> None:
-    # Keras runs steps_per_execution > 1 as a tf.while_loop over the iterator inside the train function; under
-    # MultiWorkerMirroredStrategy (our strategy, even a fixed split without the agreement) that loop fails with "You
-    # must feed a value for placeholder tensor 'while/body/.../while/cond/Placeholder_1'" (TF 2.21, 2 workers; not
-    # tracked down). Refuse it with the fix instead of that message.
-    steps = getattr(model, "steps_per_execution", 1)
-    if steps is not None and int(steps) > 1:
-        raise ConfigError(
-            f"steps_per_execution={int(steps)} is not supported under HeteroMultiWorkerMirroredStrategy (Keras' "
-            f"multi-step loop fails there). Compile with steps_per_execution=1 (the default)."
-        )
 
 
 def _refuse_loss_scaling(model) -> None:
@@ -256,11 +252,10 @@ def _device_fault_here(strategy, verb: str, exc: Exception, replica_scopes):
     if emulated is not None:  # the emulator numbers the replicas of the whole cluster
         offset = int(emulated.group(1)) - first
         local_id = offset if 0 <= offset < len(local) else None
-    worker = id_in_cluster(strategy)
     device = local[local_id] if local_id is not None else "one of its devices"
     _tell_cluster(strategy, f"a device error on {device} ({first_line(exc)})")
     return DeviceFaultError(
-        f"model.{verb} failed on worker {worker} with a device error on {device} ({type(exc).__name__}: "
+        f"model.{verb} failed on worker {id_in_cluster(strategy)} with a device error on {device} ({type(exc).__name__}: "
         f"{first_line(exc)}). On several machines a failing card is not set aside: every worker runs the same steps "
         f"in lockstep, so the job stops (the other workers were told and stop too, with a WorkerLostError). No update "
         f"of this step was applied. Check the card (nvidia-smi -q: ECC errors, Xid events), then restart the job "
