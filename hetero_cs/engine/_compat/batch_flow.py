@@ -103,8 +103,9 @@ class BatchFlow:
                 stack.extend(pending)
                 continue
             stack.pop()
-            kinds = [self._memo[(scope.key, t.ref())] for t in current.op.inputs]
-            for output, kind in zip(current.op.outputs, self._rule(current.op, kinds)):
+            kinds, nested = [self._memo[(scope.key, t.ref())] for t in current.op.inputs], _NESTED.get(current.op.type)
+            outputs = rule(current.op, kinds) if nested is None else getattr(self, nested)(current.op, kinds)
+            for output, kind in zip(current.op.outputs, outputs):
                 self._memo[(scope.key, output.ref())] = kind
         return self._memo[(scope.key, tensor.ref())]
 
@@ -121,11 +122,6 @@ class BatchFlow:
         if tensor.dtype == tf.resource or op.type == "Const" or not op.inputs and op.type in ("VarHandleOp", "NoOp"):
             return _REP
         return Kind(LIST) if op.type == "EmptyTensorList" else None
-
-    # -- rules ------------------------------------------------------------------------------------------------------
-    def _rule(self, op, kinds: list[Kind]) -> list[Kind]:
-        nested = _NESTED.get(op.type)
-        return rule(op, kinds) if nested is None else getattr(self, nested)(op, kinds)
 
     # -- nested graphs ----------------------------------------------------------------------------------------------
     def _run_graph(self, graph, input_kinds: list[Kind]) -> list[Kind]:
