@@ -39,18 +39,12 @@ class DeepcopiedStrategy:
     def __deepcopy__(self, memo: dict) -> Any:
         from hetero_cs._copying import deepcopy_attributes
 
-        cls = type(self)
-        result = cls.__new__(cls)
-        memo[id(self)] = result
-        # See HeteroExtended.lifted_function and HeteroExtended._only_replicas: each starts afresh in the copy.
+        memo[id(self)] = result = type(self).__new__(type(self))
+        # See HeteroExtended._lifted_tf_function and HeteroExtended._call_active: each starts afresh in the copy.
         fresh_state = {"_hetero_lifted_functions": weakref.WeakKeyDictionary, "_hetero_active": threading.local}
-        for name, fresh in fresh_state.items():
-            value = self._extended.__dict__.get(name)
-            if value is not None:
-                memo[id(value)] = fresh()
-        for value in vars(self).values():
-            if isinstance(value, tf.data.Dataset):
-                memo[id(value)] = value
+        memo.update({id(held): fresh() for name, fresh in fresh_state.items()
+                     if (held := self._extended.__dict__.get(name)) is not None})
+        memo.update({id(value): value for value in vars(self).values() if isinstance(value, tf.data.Dataset)})
         deepcopy_attributes(self, result, memo)
         # Private: the back-reference stock's __deepcopy__ fixes up the same way (distribute_lib.Strategy).
         result._extended._container_strategy_weakref = weakref.ref(result)  # noqa: SLF001
@@ -205,7 +199,14 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
                     else None, emulator=strategy._emulator, host=strategy._parameter_device)  # noqa: SLF001
                 sub = functools.partial(idle_replicas.subset_per_replica, active=active, num_replicas=R,
                                         components=components, per_replica=per_replica)
-                with self._only_replicas(active):
+                # Within: this thread's call_for_each_replica starts threads for the active replicas only. Private:
+                # mirrored_run's _call_for_each_replica starts one thread per device of worker_devices (read once, in
+                # this thread, when the call starts) and asks _get_replica_id_in_sync_group(index) for each thread's
+                # replica id; both are answered from this thread's active set, so the threads run on the active
+                # replicas' devices with their own replica ids. Merges run in this thread too: while the call lasts,
+                # a per-replica value here has one component per active replica, which must not be taken for a
+                # packed global batch (PackedBatchValues).
+                with set_locally(self._hetero_active_state(), active=tuple(active)):
                     result = super()._call_for_each_replica(wrapped, sub(args), sub(kwargs or {}))
                 result = idle_replicas.expand_outputs(
                     result, active, R, keras_step=strategy._input_roles.keras_loop_now,  # noqa: SLF001
@@ -214,18 +215,6 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         if not tf.executing_eagerly():
             hooks.verify(handoff.hooks)
         return result
-
-    def _only_replicas(self, active):
-        """Within: this thread's ``call_for_each_replica`` starts threads for the ``active`` replicas only.
-
-        Private: mirrored_run's ``_call_for_each_replica`` starts one thread per device of ``worker_devices`` (read
-        once, in this thread, when the call starts) and asks ``_get_replica_id_in_sync_group(index)`` for each
-        thread's replica id; both are answered from this thread's active set, so the threads run on the active
-        replicas' devices with their own replica ids. Merges run in this thread too: while the call lasts, a
-        per-replica value here has one component per active replica, which must not be taken for a packed
-        global batch (``PackedBatchValues``).
-        """
-        return set_locally(self._hetero_active_state(), active=tuple(active))
 
     def _hetero_active_state(self):
         return self.__dict__.setdefault("_hetero_active", threading.local())
