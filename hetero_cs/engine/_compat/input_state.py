@@ -90,18 +90,14 @@ class FirstBatchReader(DeepcopiedWithNewLocks):
         try:
             return op(resource_handle=host_iterator_resource(iterator), **kwargs)
         except (tf.errors.OpError, AttributeError, IndexError) as exc:
-            self._warn(exc)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"hetero_cs read the first global batch (for calibration) from the dataset but cannot rewind it "
+                    f"({type(exc).__name__}: {exc}). A dataset that reshuffles on each iteration (Dataset.shuffle, a "
+                    f"shuffling PyDataset) may then give training a different batch order from single-device "
+                    f"training. Pass one batch instead of the dataset: strategy.calibrate(model, (x, y)), or use "
+                    f"batch_split=[...] without emulation (no batch is read then).",
+                    stacklevel=3,  # the caller of read or restore_next
+                )
             return None
-
-    def _warn(self, exc: Exception) -> None:
-        if self._warned:
-            return
-        self._warned = True
-        warnings.warn(
-            f"hetero_cs read the first global batch (for calibration) from the dataset but cannot rewind it "
-            f"({type(exc).__name__}: {exc}). A dataset that reshuffles on each iteration (Dataset.shuffle, a "
-            f"shuffling PyDataset) may then give training a different batch order from single-device training. "
-            f"Pass one batch instead of the dataset: strategy.calibrate(model, (x, y)), or use batch_split=[...] "
-            f"without emulation (no batch is read then).",
-            stacklevel=4,  # the caller of read or restore_next (through _on_host)
-        )
