@@ -166,8 +166,27 @@ def patch_optimizer() -> None:
         # Records what this optimizer step needs of the hooks above (hooks.verify checks them once traced): the
         # all-reduce and the host update always, clipping and weight decay when configured.
         if current_hetero_strategy() is not None and tf.distribute.get_replica_context() is not None:
-            _refuse_overridden_hooks(self, TFOptimizer)
-            _refuse_ema(self)
+            # An optimizer class that overrides one of _HOOKED (a user's subclass, or Keras' Muon for weight decay)
+            # bypasses the patch: clipping per slice or weight decay per replica would be silently wrong. Refused,
+            # naming it.
+            for name, role in _HOOKED.items():
+                if getattr(type(self), name, None) is not getattr(TFOptimizer, name, None):
+                    owner = next((c for c in type(self).__mro__ if name in vars(c)), type(self))
+                    raise ConfigError(
+                        f"The optimizer {type(self).__name__} overrides {name} (in {owner.__module__}."
+                        f"{owner.__qualname__}), which hetero_cs replaces for {role}; with the override the step "
+                        f"would not equal one device's. Use an optimizer that does not override it, or move the "
+                        f"custom logic into update_step.")
+            # Keras updates the moving average of use_ema=True inside a cond whose branch makes a merge call (the
+            # variables' writes); TensorFlow refuses that in a replica step ("merge_call called while defining a new
+            # graph"), under stock MirroredStrategy too. Refused before it, with the fix.
+            if getattr(self, "use_ema", False):
+                raise ConfigError(
+                    f"The optimizer {type(self).__name__} has use_ema=True, which TensorFlow cannot run in a replica "
+                    f"step under a central-storage strategy (Keras updates the moving average inside a condition "
+                    f"that writes the variables; stock MirroredStrategy fails the same way). Train with "
+                    f"use_ema=False; to average the weights, keep your own copy in a callback (on_train_batch_end), "
+                    f"or average checkpoints.")
             grads = list(grads)
             if any(g is not None for g in grads):
                 hooks.expect_optimizer_step(
@@ -340,9 +359,8 @@ def _accumulating_update(optimizer, distribution, grads_and_vars, run_update):
             hooks.fired(hooks.CLIP_SUMMED)
             hooks.fired(hooks.LOSS_SCALE_HOST)
             return add(True)
-        if n is None:
-            return apply_sums()
-        return tf.cond(keras_applies, apply_sums, lambda: add(False))  # the call's last: nothing runs after it
+        # The call's last sub-step: nothing runs after it.
+        return apply_sums() if n is None else tf.cond(keras_applies, apply_sums, lambda: add(False))
     return tf.switch_case(branch, [ordinary, lambda: add(True), lambda: add(False), apply_sums])
 
 
@@ -353,31 +371,6 @@ _HOOKED = {
     "_clip_gradients": "clipping, which must apply to the summed gradient, not to each replica's slice",
     "_apply_weight_decay": "decoupled weight decay, which must run once, in the host update, behind the barrier",
 }
-
-
-def _refuse_overridden_hooks(optimizer, base) -> None:
-    # An optimizer class that overrides one of _HOOKED (a user's subclass, or Keras' Muon for weight decay) bypasses
-    # the patch: clipping per slice or weight decay per replica would be silently wrong. Refused, naming it.
-    for name, role in _HOOKED.items():
-        if getattr(type(optimizer), name, None) is not getattr(base, name, None):
-            owner = next((c for c in type(optimizer).__mro__ if name in vars(c)), type(optimizer))
-            raise ConfigError(
-                f"The optimizer {type(optimizer).__name__} overrides {name} (in {owner.__module__}.{owner.__qualname__}"
-                f"), which hetero_cs replaces for {role}; with the override the step would not equal one device's. "
-                f"Use an optimizer that does not override it, or move the custom logic into update_step."
-            )
-
-
-def _refuse_ema(optimizer) -> None:
-    # Keras updates the moving average of use_ema=True inside a cond whose branch makes a merge call (the variables'
-    # writes); TensorFlow refuses that in a replica step ("merge_call called while defining a new graph"), under
-    # stock MirroredStrategy too. Refused before it, with the fix.
-    if getattr(optimizer, "use_ema", False):
-        raise ConfigError(
-            f"The optimizer {type(optimizer).__name__} has use_ema=True, which TensorFlow cannot run in a replica "
-            f"step under a central-storage strategy (Keras updates the moving average inside a condition that "
-            f"writes the variables; stock MirroredStrategy fails the same way). Train with use_ema=False; to average "
-            f"the weights, keep your own copy in a callback (on_train_batch_end), or average checkpoints.")
 
 
 def _weight_decay_cross_replica(optimizer, distribution, variables) -> None:
