@@ -91,18 +91,14 @@ def _central_in_replica_context(variable):
     """The central variable behind Keras ``variable`` when it is one of our strategy's, written in replica context
     outside Keras' stateless scope (the case the patches above reroute); else None."""
     inner = getattr(variable, "_value", None)
-    if (
-        inner is not None
-        and tf.distribute.in_cross_replica_context() is False
-        and is_hetero_strategy(strategy_of(inner))
-        # Outside every strategy scope TensorFlow's default replica context also reports "not cross-replica": a
-        # reset there (metric.reset_state() after fit, Keras' reset_metrics) is a plain assign, not a delta
-        # (a NaN total would otherwise stay NaN: NaN + (0 - NaN)).
-        and is_hetero_strategy(getattr(tf.distribute.get_replica_context(), "strategy", None))
-        and not in_stateless_scope()
-    ):
-        return inner
-    return None
+    central = (inner is not None and tf.distribute.in_cross_replica_context() is False
+               and is_hetero_strategy(strategy_of(inner))
+               # Outside every strategy scope TensorFlow's default replica context also reports "not cross-replica":
+               # a reset there (metric.reset_state() after fit, Keras' reset_metrics) is a plain assign, not a delta
+               # (a NaN total would otherwise stay NaN: NaN + (0 - NaN)).
+               and is_hetero_strategy(getattr(tf.distribute.get_replica_context(), "strategy", None))
+               and not in_stateless_scope())
+    return inner if central else None
 
 
 def _replica_weighted(value, dtype, terms=None):
