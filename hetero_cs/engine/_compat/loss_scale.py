@@ -90,18 +90,6 @@ def patch_loss_scale_optimizer() -> None:
         return original(self, grads, trainable_variables)
 
 
-def _first_value(strategy, value):
-    """One replica's copy of an all-reduced (identical on every replica) value; plain tensors as they are."""
-    if isinstance(value, tf.distribute.DistributedValues):
-        return strategy.experimental_local_results(value)[0]
-    return value
-
-
-def _is_finite(grad):
-    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-    return tf.reduce_all(tf.math.is_finite(values))
-
-
 def _divide(grad, scale):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values / tf.cast(scale, grad.values.dtype), grad.indices, grad.dense_shape)
@@ -127,10 +115,13 @@ def apply_or_skip(scaler, inner, distribution, grads_and_vars, *, clip, update):
     if handoff is not None:
         handoff.loss_scale_pending = None  # consumed: this step's update is the one the replicas marked
     hooks.fired(hooks.LOSS_SCALE_HOST)
-    pairs = [(_first_value(distribution, g), v) for g, v in grads_and_vars]
+    # One replica's copy of each all-reduced (identical on every replica) gradient; plain tensors as they are.
+    pairs = [(distribution.experimental_local_results(g)[0] if isinstance(g, tf.distribute.DistributedValues) else g, v)
+             for g, v in grads_and_vars]
     with tf.device(distribution.parameter_device):
-        present = [g for g, _ in pairs if g is not None]
-        finite = tf.reduce_all(tf.stack([_is_finite(g) for g in present])) if present else tf.constant(True)
+        present = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in pairs if g is not None]
+        finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(values)) for values in present])) \
+            if present else tf.constant(True)
         scale = tf.identity(scaler.dynamic_scale.value)
         counter = tf.identity(scaler.step_counter.value)
         unscaled = clip([None if g is None else _divide(g, scale) for g, _ in pairs])
