@@ -89,9 +89,19 @@ def weighted_terms(step, target, sources, output_gradients=None):
     if not targets or not all(isinstance(t, tf.Tensor) and t.dtype.is_floating for t in targets):
         return None
     if tf.executing_eagerly():
-        _warn_eager_once(step, targets)
+        # Said once, and not when Keras' own weighting ran in this step (its loss, maybe loss-scaled).
+        if not (any(_is_share(step, t) for t in targets) or step.loss_terms or getattr(_state, "warned_eager", False)):
+            _state.warned_eager = True
+            logger.warning(
+                "hetero_cs: a loss of your own is differentiated in a replica step run eagerly (run_eagerly=True, or "
+                "strategy.run outside tf.function). Without a graph hetero_cs cannot read it, and the replicas' "
+                "gradients are summed as TensorFlow does: exact for a sum over the batch divided by the global batch, "
+                "not for a mean over each slice. Trace the step (run_eagerly=False, @tf.function), or reduce with "
+                "tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size()).")
         return None
-    terms = gradient_terms(step, targets, _output_gradients(targets, output_gradients),
+    # One output gradient (or None) per target.
+    given = list(output_gradients) if isinstance(output_gradients, (list, tuple)) else [output_gradients]
+    terms = gradient_terms(step, targets, given if len(given) == len(targets) else [None] * len(targets),
                            what="the loss differentiated in this replica step")
     if terms is None:
         return None
@@ -101,23 +111,3 @@ def weighted_terms(step, target, sources, output_gradients=None):
             "hetero_cs weighs by b_i / B for the variables (the host sums the replicas' gradients). Take the "
             "variables' gradient and the tensors' gradient in separate calls (a persistent tape).")
     return terms
-
-
-def _output_gradients(targets, output_gradients) -> list:
-    """One output gradient (or None) per target."""
-    if output_gradients is None:
-        return [None] * len(targets)
-    given = list(output_gradients) if isinstance(output_gradients, (list, tuple)) else [output_gradients]
-    return given if len(given) == len(targets) else [None] * len(targets)
-
-
-def _warn_eager_once(step, targets) -> None:
-    if any(_is_share(step, t) for t in targets) or step.loss_terms or getattr(_state, "warned_eager", False):
-        return  # Keras' own weighting ran in this step (its loss, maybe loss-scaled)
-    _state.warned_eager = True
-    logger.warning(
-        "hetero_cs: a loss of your own is differentiated in a replica step run eagerly (run_eagerly=True, or "
-        "strategy.run outside tf.function). Without a graph hetero_cs cannot read it, and the replicas' gradients "
-        "are summed as TensorFlow does: exact for a sum over the batch divided by the global batch, not for a mean "
-        "over each slice. Trace the step (run_eagerly=False, @tf.function), or reduce with "
-        "tf.nn.compute_average_loss(per_example, global_batch_size=hetero_cs.current_global_batch_size()).")
