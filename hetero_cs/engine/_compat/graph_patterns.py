@@ -26,11 +26,8 @@ def _scaled_by_constant(op):
     """``(factor, other input)`` when ``op`` is a product with (or a division by) a constant scalar, else None."""
     a, b = op.inputs
     if op.type == "Mul":
-        for const, other in ((a, b), (b, a)):
-            factor = _constant_scalar(const)
-            if factor is not None:
-                return factor, other
-        return None
+        return next(((factor, other) for const, other in ((a, b), (b, a))
+                     if (factor := _constant_scalar(const)) is not None), None)
     divisor = _constant_scalar(b)  # RealDiv: only x / constant is linear in x
     return (1.0 / divisor, a) if divisor else None
 
