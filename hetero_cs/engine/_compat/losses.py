@@ -141,8 +141,17 @@ def patch_loss_module() -> None:
         hooks.fired(hooks.LOSS_REDUCE)
         reduction = loss_module.standardize_reduction(reduction)
         values = ops.convert_to_tensor(values, dtype=dtype)  # as Keras' own: casts to the loss's dtype
-        if values.shape.rank == 0:
-            return _register(step, _scalar_share(step, values, sample_weight, mask))
+        if values.shape.rank == 0:  # a loss that reduced itself to a scalar: this replica's share (the loss reader)
+            if sample_weight is not None or mask is not None:
+                given = "sample weights (sample_weight or class_weight)" if sample_weight is not None else "a mask"
+                raise LossPatternError(
+                    f"The loss {_loss_name()} returned a scalar, but the batch has {given}. Under "
+                    f"HeteroCentralStorageStrategy each replica's loss must be its share of the whole batch's loss, "
+                    f"and a scalar that was reduced before the weights apply cannot be weighted per example (on one "
+                    f"device the result would not be a weighted mean either). Return per-example losses (shape "
+                    f"[batch, ...], e.g. without the final tf.reduce_mean) and let the loss reduction apply the "
+                    f"weights.")
+            return _register(step, share_of(step, values, what=f"the loss {_loss_name()}"))
         _refuse_mixed_examples(step, values, sample_weight, mask)
         # A mean whose normaliser (the unmasked count, the sum of sample weights) must be the whole batch's:
         if reduction in _MEAN_REDUCTIONS and (
@@ -178,20 +187,6 @@ def _refuse_mixed_examples(step, values, sample_weight, mask) -> None:
                 f"- its {flow.kind(tensor).reason} - so each replica's loss would not add up to one device's on the "
                 f"whole batch. Where examples do meet (pairs, in-batch negatives, a batch statistic), train this "
                 f"model on one device.")
-
-
-def _scalar_share(step, value, sample_weight, mask):
-    """A loss that reduced itself to a scalar: this replica's share of it (the loss reader)."""
-    if sample_weight is not None or mask is not None:
-        given = "sample weights (sample_weight or class_weight)" if sample_weight is not None else "a mask"
-        raise LossPatternError(
-            f"The loss {_loss_name()} returned a scalar, but the batch has {given}. Under "
-            f"HeteroCentralStorageStrategy each replica's loss must be its share of the whole batch's loss, and a "
-            f"scalar that was reduced before the weights apply cannot be weighted per example (on one device the "
-            f"result would not be a weighted mean either). Return per-example losses (shape [batch, ...], e.g. "
-            f"without the final tf.reduce_mean) and let the loss reduction apply the weights."
-        )
-    return share_of(step, value, what=f"the loss {_loss_name()}")
 
 
 def _globally_normalised(values, sample_weight, mask, reduction, dtype, loss_module):
