@@ -180,6 +180,30 @@ def test_adamw_weight_decay_matches_single_device(shares):
     assert_same_state(reference, model)
 
 
+def test_gradient_accumulation_over_three_steps_is_exact_in_float64():
+    # Regression: the host scaled the accumulated sum by tf.cast(1 / 3, float64), a third rounded to float32 first,
+    # so float64 weights drifted about 1e-8 from one device's (g + accumulated) / 3.
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(48, 4)), rng.normal(size=(48, 1))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,), dtype="float64"),
+                                  keras.layers.Dense(3, activation="tanh", dtype="float64"),
+                                  keras.layers.Dense(1, dtype="float64")])
+        model.compile(optimizer=keras.optimizers.SGD(0.5, gradient_accumulation_steps=3), loss="mse")
+        return model
+
+    reference = build()
+    with strategy_for(3, [5, 2, 1]).scope():
+        model = build()
+    model.set_weights(reference.get_weights())
+    for trained in (reference, model):
+        trained.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 6 steps: 2 updates
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-13)
+
+
 def test_adam_first_moment_has_no_replica_count_factor():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(12, 3)).astype(np.float32)

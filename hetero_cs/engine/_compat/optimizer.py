@@ -338,9 +338,10 @@ def _accumulating_update(optimizer, distribution, grads_and_vars, run_update):
 
     def apply_sums():
         with tf.device(device):
-            scale = 1.0 / (n or 1)
+            # Divided by n as Keras does (a product with 1 / n is not the same float; tf.cast(1 / 3, float64) loses
+            # the bits past float32's).
             total_pairs = _refill(pairs, [s.total(g) if isinstance(s, SparseSum)
-                                          else (tf.convert_to_tensor(g) + s.read_value()) * tf.cast(scale, s.dtype)
+                                          else (tf.convert_to_tensor(g) + s.read_value()) / (n or 1)
                                           for (g, _), s in zip(present, sums)])
         run_update(total_pairs, clip=True)
         done = tf.nest.flatten([g for g, _ in total_pairs if g is not None], expand_composites=True)
