@@ -22,6 +22,7 @@ DATA = ("vectors", "two_inputs", "images", "sequences", "tokens")
 LOSSES = (
     "keras", "keras_sum", "mean_with_sample_weight", "sample_weight", "class_weight", "two_outputs", "categorical",
     "compute_loss_mean", "compute_loss_sum", "add_loss_keras", "add_loss_tensor", "regularizers", "loss_class_scalar",
+    "loss_class_dunder",
     "masked_ratio", "stop_gradient", "nonlinear", "in_batch", "concat_batch", "gradient_penalty",
 )
 LOOPS = ("fit", "train_step", "custom_loop", "grad_accum", "mixed_precision", "on_batch")
@@ -394,6 +395,8 @@ def _compiled_loss(program: Program) -> str:
         return "['mse', 'mae']"
     if loss == "loss_class_scalar":
         return "ScalarMeanLoss()"
+    if loss == "loss_class_dunder":
+        return "OverridesCallLoss()"
     if loss == "masked_ratio":
         return "MaskedRatioLoss()"
     if loss == "stop_gradient":
@@ -425,6 +428,8 @@ def _loss_parts(program: Program) -> str:
     parts = []
     if program.loss == "loss_class_scalar":
         parts.append(_CLASSES["ScalarMeanLoss"])
+    if program.loss == "loss_class_dunder":
+        parts.append(_CLASSES["OverridesCallLoss"])
     if program.loss == "masked_ratio":
         parts.append(_CLASSES["MaskedRatioLoss"])
     if program.loss == "stop_gradient":
@@ -558,6 +563,14 @@ class ScalarMeanLoss(keras.losses.Loss):
     def call(self, y_true, y_pred):
         y_true = tf.cast(tf.reshape(y_true, [-1, 1]), y_pred.dtype)  # class labels come as (n,): not (n, n) pairs
         return tf.reduce_mean(tf.square(y_true - y_pred[..., :1]))
+''',
+    "OverridesCallLoss": '''
+class OverridesCallLoss(keras.losses.Loss):
+    """A loss that overrides __call__ itself (keras.io's supervised contrastive loss does): no Keras reduction."""
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        y_true = tf.cast(tf.reshape(y_true, [-1, 1]), y_pred.dtype)
+        return tf.reduce_mean(tf.abs(y_true - y_pred[..., :1]))
 ''',
     "MaskedRatioLoss": '''
 class MaskedRatioLoss(keras.losses.Loss):

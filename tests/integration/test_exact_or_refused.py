@@ -89,6 +89,31 @@ def test_a_masked_ratio_in_a_keras_loss_class_divides_by_the_whole_batchs_count(
     check_fit_and_evaluate(lambda: _compiled(MaskedRatio()), x, y, shares=SPLIT, batch_size=16)
 
 
+class OverridesCall(keras.losses.Loss):
+    """keras.io's supervised contrastive loss overrides __call__, not call, so Keras' reduction never runs."""
+
+    def __init__(self, pairs=False):
+        super().__init__()
+        self.pairs = pairs
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        if self.pairs:  # every example against every other, as the contrastive loss's logits are
+            return tf.reduce_mean(tf.matmul(y_pred, y_pred, transpose_b=True))
+        return tf.reduce_mean(tf.square(y_true - y_pred))
+
+
+def test_a_loss_class_that_overrides_call_is_exact_or_refused():
+    # Each replica's slice mean was taken as its share and summed: 3.0x the loss logged, weights 6e-3 off after one
+    # step, and the contrastive loss of keras.io trained with no error.
+    x, y = data()
+    check_fit_and_evaluate(lambda: _compiled(OverridesCall()), x, y, shares=SPLIT, batch_size=16)
+    with strategy_for(SPLIT).scope():
+        model = _compiled(OverridesCall(pairs=True))
+    with pytest.raises(hetero_cs.errors.BatchCouplingError, match=r"OverridesCall.__call__ returned: its MatMul"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations) == 0
+
+
 def _compiled(loss):
     keras.utils.set_random_seed(3)
     model = dense()

@@ -226,6 +226,7 @@ def patch_compute_loss() -> None:
     # call, and compute_loss overrides of models compiled under our strategy are wrapped at compile: an override's
     # result is turned into a share there (_as_share). Other strategies call the originals.
     Trainer = symbols.require("keras.src.trainers.trainer", "Trainer")
+    Loss = symbols.require("keras.src.losses.loss", "Loss")
 
     @patch(Trainer, "compute_loss")
     def compute_loss(original, self, *args, **kwargs):
@@ -247,7 +248,12 @@ def patch_compute_loss() -> None:
     def compile(original, self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if is_ours(strategy_of(self)):
-            _wrap_compute_loss_overrides(type(self), Trainer)
+            _wrap_overrides(type(self), Trainer, "compute_loss")
+            # A compiled loss class's own __call__ skips Keras' Loss.__call__, where a loss becomes a share (its
+            # reduction, patched): its scalar (a slice mean) is read as a compute_loss override's terms are.
+            for loss in tf.nest.flatten(getattr(self, "loss", None)):
+                if isinstance(loss, Loss):
+                    _wrap_overrides(type(loss), Loss, "__call__")
         return result
 
 
@@ -267,24 +273,27 @@ def _library_errors_unwrapped():
         raise
 
 
-def _wrap_compute_loss_overrides(model_class, trainer_class) -> None:
-    """Wraps every compute_loss a model class defines above Keras' Trainer (once; dispatching on our strategy)."""
-    for cls in model_class.__mro__:
-        if cls is trainer_class:
+def _wrap_overrides(cls, base, name: str) -> None:
+    """Wraps every ``name`` (a model's compute_loss, a loss's __call__) that ``cls`` defines above Keras' ``base``
+    (once; dispatching on our strategy): its result is read as a share (:func:`_share_of`)."""
+    for owner in cls.__mro__:
+        if owner is base:
             return
-        override = cls.__dict__.get("compute_loss")
+        override = owner.__dict__.get(name)
         if callable(override) and not getattr(override, "_hetero_cs_share", False):
-            _patch_weighted(cls, "compute_loss")(_share_of)._hetero_cs_share = True
+            _patch_weighted(owner, name)(_share_of)._hetero_cs_share = True
 
 
-def _share_of(compute_loss, step, self, *args, **kwargs):
-    """``compute_loss(self, ...)`` (Keras' ``_compute_loss`` or an override of ``compute_loss``) as this replica's
-    share in the weighted ``step`` (elsewhere :func:`_patch_weighted` calls ``compute_loss`` unchanged)."""
+def _share_of(call, step, self, *args, **kwargs):
+    """``call(self, ...)`` (Keras' ``_compute_loss``, an override of ``compute_loss`` or of a loss's ``__call__``) as
+    this replica's share in the weighted ``step`` (elsewhere :func:`_patch_weighted` calls ``call`` unchanged)."""
     before = len(step.loss_terms)
-    return _as_share(compute_loss(self, *args, **kwargs), step, before, type(self).__name__)
+    name = type(self).__name__
+    what = f"compute_loss of {name}" if hasattr(self, "compute_loss") else f"{name}.__call__"
+    return _as_share(call(self, *args, **kwargs), step, before, what)
 
 
-def _as_share(result, step, before: int, owner: str):
+def _as_share(result, step, before: int, what: str):
     """A compute_loss result as this replica's share: Keras' own terms as they are, the rest weighed b_i / B."""
     if result is None or getattr(getattr(result, "shape", None), "rank", None) != 0 or _is_share(step, result):
         return result
@@ -292,14 +301,14 @@ def _as_share(result, step, before: int, owner: str):
         if len(step.loss_terms) == before:  # nothing of Keras' weighting ran in the call: all of it is its own
             return _register(step, _weigh(result))
         raise LossPatternError(
-            f"compute_loss of {owner} returned a value that mixes Keras' own loss terms (already weighted by "
+            f"{what} returned a value that mixes Keras' own loss terms (already weighted by "
             f"hetero_cs) with terms of its own, and with run_eagerly=True the value has no graph that tells them "
             f"apart. Compile without run_eagerly=True, or return either Keras' loss alone or only your own scalar "
             f"(a mean over the batch, which hetero_cs weighs by b_i / B)."
         )
     # Keras' own terms are shares already; the override's own (a mean, a sum, a regularization term, a masked ratio)
     # are read by the loss reader.
-    return _register(step, share_of(step, result, what=f"the loss compute_loss of {owner} returned"))
+    return _register(step, share_of(step, result, what=f"the loss {what} returned"))
 
 
 def patch_mean_metric() -> None:
