@@ -40,9 +40,7 @@ def _output_shape(layer: Any) -> tuple | None:
 
 def _per_example_elements(shape: tuple | None) -> int | None:
     """prod(shape[1:]) for a known shape with a batch dimension, else None."""
-    if not shape or any(d is None for d in shape[1:]):
-        return None
-    return math.prod(int(d) for d in shape[1:])
+    return None if not shape or any(d is None for d in shape[1:]) else math.prod(int(d) for d in shape[1:])
 
 
 def _positions(layer: Any, channels: int) -> int:

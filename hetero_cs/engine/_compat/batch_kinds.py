@@ -125,9 +125,7 @@ def entries(tensor) -> list | None:
         if whole is not None and begin is not None and size is not None:
             start, length = int(np.ravel(begin)[0]), int(np.ravel(size)[0])
             return whole[start:] if length < 0 else whole[start:start + length]
-    if tensor.shape.rank == 1 and tensor.shape[0] is not None:
-        return [None] * tensor.shape[0]
-    return None
+    return [None] * tensor.shape[0] if tensor.shape.rank == 1 and tensor.shape[0] is not None else None
 
 
 def axes(tensor, rank: int | None) -> list[int] | None:

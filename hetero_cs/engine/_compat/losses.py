@@ -363,9 +363,7 @@ def patch_layer_losses() -> None:
 
     def replica_list(layer):
         step = replica_state.current_replica_step()
-        if step is None or in_stateless_scope():
-            return None
-        return step.layer_losses.setdefault(id(layer), [])
+        return None if step is None or in_stateless_scope() else step.layer_losses.setdefault(id(layer), [])
 
     @patch(Layer, "add_loss")
     def add_loss(original, self, loss):
