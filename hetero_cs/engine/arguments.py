@@ -6,7 +6,6 @@ Each raises the library's typed error with the values and the fix; none changes 
 import logging
 import math
 import os
-from collections.abc import Iterable
 
 import tensorflow as tf
 
@@ -33,14 +32,14 @@ def emulation_names(emulate) -> tuple:
         return None, None
     if isinstance(emulate, Emulator):
         return emulate, [spec.name for spec in emulate.specs]
-    # A set has no order, and the order says which card each replica emulates.
-    names = None if isinstance(emulate, (str, set, frozenset)) or not isinstance(emulate, Iterable) else list(emulate)
+    names = ordered_values(emulate)  # the order says which card each replica emulates: a set has none
     if not names:
         raise ConfigError(f"emulate must be a non-empty list of catalog names, one per compute device in order. "
-                          f"Received: emulate={emulate!r}. Example: emulate=['A10', 'T4', 'P100'].")
+                          f"Received: emulate={emulate!r}{unordered_note(emulate)}. Example: "
+                          f"emulate=['A10', 'T4', 'P100'].")
     for name in names:
         get_device_spec(name)  # UnknownEmulatedDeviceError with the known names
-    return None, names
+    return None, list(names)
 
 
 def checked_devices(compute_devices, parameter_device: str) -> list[str]:
