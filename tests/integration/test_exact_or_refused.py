@@ -92,14 +92,14 @@ def test_a_masked_ratio_in_a_keras_loss_class_divides_by_the_whole_batchs_count(
 class OverridesCall(keras.losses.Loss):
     """keras.io's supervised contrastive loss overrides __call__, not call, so Keras' reduction never runs."""
 
-    def __init__(self, pairs=False):
+    def __init__(self, form="mean"):
         super().__init__()
-        self.pairs = pairs
+        self.form = form
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        if self.pairs:  # every example against every other, as the contrastive loss's logits are
+        if self.form == "pairs":  # every example against every other, as the contrastive loss's logits are
             return tf.reduce_mean(tf.matmul(y_pred, y_pred, transpose_b=True))
-        return tf.reduce_mean(tf.square(y_true - y_pred))
+        return tf.reduce_mean(tf.square(y_true - y_pred), keepdims=self.form == "keepdims")
 
 
 def test_a_loss_class_that_overrides_call_is_exact_or_refused():
@@ -107,11 +107,15 @@ def test_a_loss_class_that_overrides_call_is_exact_or_refused():
     # step, and the contrastive loss of keras.io trained with no error.
     x, y = data()
     check_fit_and_evaluate(lambda: _compiled(OverridesCall()), x, y, shares=SPLIT, batch_size=16)
-    with strategy_for(SPLIT).scope():
-        model = _compiled(OverridesCall(pairs=True))
-    with pytest.raises(hetero_cs.errors.BatchCouplingError, match=r"OverridesCall.__call__ returned: its MatMul"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
-    assert int(model.optimizer.iterations) == 0
+    # A mean kept as shape (1, 1) was not weighed at all: summed over the replicas, weights 0.1 off after 2 steps.
+    for form, error, match in [
+            ("pairs", hetero_cs.errors.BatchCouplingError, r"OverridesCall.__call__ returned: its MatMul"),
+            ("keepdims", hetero_cs.errors.LossPatternError, r"returned shape \(1, 1\), not one number")]:
+        with strategy_for(SPLIT).scope():
+            model = _compiled(OverridesCall(form))
+        with pytest.raises(error, match=match):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        assert int(model.optimizer.iterations) == 0
 
 
 def _compiled(loss):

@@ -251,9 +251,8 @@ def patch_compute_loss() -> None:
             _wrap_overrides(type(self), Trainer, "compute_loss")
             # A compiled loss class's own __call__ skips Keras' Loss.__call__, where a loss becomes a share (its
             # reduction, patched): its scalar (a slice mean) is read as a compute_loss override's terms are.
-            for loss in tf.nest.flatten(getattr(self, "loss", None)):
-                if isinstance(loss, Loss):
-                    _wrap_overrides(type(loss), Loss, "__call__")
+            for loss in (loss for loss in tf.nest.flatten(getattr(self, "loss", None)) if isinstance(loss, Loss)):
+                _wrap_overrides(type(loss), Loss, "__call__")
         return result
 
 
@@ -287,10 +286,12 @@ def _wrap_overrides(cls, base, name: str) -> None:
 def _share_of(call, step, self, *args, **kwargs):
     """``call(self, ...)`` (Keras' ``_compute_loss``, an override of ``compute_loss`` or of a loss's ``__call__``) as
     this replica's share in the weighted ``step`` (elsewhere :func:`_patch_weighted` calls ``call`` unchanged)."""
-    before = len(step.loss_terms)
-    name = type(self).__name__
-    what = f"compute_loss of {name}" if hasattr(self, "compute_loss") else f"{name}.__call__"
-    return _as_share(call(self, *args, **kwargs), step, before, what)
+    before, name, result = len(step.loss_terms), type(self).__name__, call(self, *args, **kwargs)
+    model = hasattr(self, "compute_loss")  # else a loss's own __call__: one number, or refused
+    if not model and getattr(getattr(result, "shape", None), "rank", None) != 0:
+        raise LossPatternError(f"The loss {name}.__call__ returned shape {getattr(result, 'shape', None)}, not one "
+                               f"number: return a scalar (a mean or a sum over the batch), or override call() instead.")
+    return _as_share(result, step, before, f"compute_loss of {name}" if model else f"{name}.__call__")
 
 
 def _as_share(result, step, before: int, what: str):
@@ -304,8 +305,7 @@ def _as_share(result, step, before: int, what: str):
             f"{what} returned a value that mixes Keras' own loss terms (already weighted by "
             f"hetero_cs) with terms of its own, and with run_eagerly=True the value has no graph that tells them "
             f"apart. Compile without run_eagerly=True, or return either Keras' loss alone or only your own scalar "
-            f"(a mean over the batch, which hetero_cs weighs by b_i / B)."
-        )
+            f"(a mean over the batch, which hetero_cs weighs by b_i / B).")
     # Keras' own terms are shares already; the override's own (a mean, a sum, a regularization term, a masked ratio)
     # are read by the loss reader.
     return _register(step, share_of(step, result, what=f"the loss {what} returned"))
