@@ -67,6 +67,11 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             and re-plans leave a card out wherever that is predicted faster. False (the multi-worker engine): every
             replica pays its fixed cost, and solved plans give every replica at least one example when B >= R.
         on_trial: Called with the candidate (under the lock) when a guard trial starts, before it is served.
+        idle_prober: How the engine probes cards the plan leaves idle off the step's path: called (under the lock)
+            with the replica ids due a probe, it starts a timed step of one example on each, beside training and
+            changing nothing, whose times come back through :meth:`record_probe`; it returns False when it cannot
+            (then the step served gives each of them one example). None: the steps probe them
+            (:mod:`hetero_cs.planning.balancer_plans`).
 
     Examples:
         >>> from hetero_cs.planning.cost_model import LinearCostModel
@@ -82,7 +87,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
                  shares: Sequence[float] | None = None, guard: bool = True,
                  rebalance_policy: RebalancePolicy | None = None, guard_policy: GuardPolicy | None = None,
                  on_plan: Callable[[BatchPlan], None] | None = None, memory_policy: MemoryRecoveryPolicy | None = None,
-                 idle_replicas_free: bool = False, on_trial: Callable[[BatchPlan], None] | None = None):
+                 idle_replicas_free: bool = False, on_trial: Callable[[BatchPlan], None] | None = None,
+                 idle_prober: Callable[[Sequence[int]], bool] | None = None):
         self._memory = MemoryCaps(num_replicas, memory_policy)  # (ConfigError unless num_replicas is an int >= 1)
         self._num_replicas = num_replicas
         self._lock = threading.RLock()
@@ -93,7 +99,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._idle_free = bool(idle_replicas_free)
         self._rebalance_policy = rebalance_policy or RebalancePolicy(min_batch_size=0 if self._idle_free else 1)
         self._rebalance_policy_given = rebalance_policy is not None
-        self._on_plan, self._on_trial = on_plan, on_trial
+        self._on_plan, self._on_trial, self._idle_prober = on_plan, on_trial, idle_prober
         self._calibrated_models: list[CostModel] | None = None
         self._cost_models: list[CostModel] | None = None
         self._max_batch_sizes: list[int | None] | None = None
@@ -389,6 +395,10 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
                          step_key: Hashable | None = None) -> None:
         """One replica's measured step, keyed by its step when ``step_key`` is given (see StepTimeMonitor.record)."""
         self._monitor.record(replica_id, batch_size, step_time_s, step_key=step_key)
+
+    def record_probe(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+        """A probe of an idle replica, timed off the step's path (``idle_prober``; StepTimeMonitor.record_probe)."""
+        self._monitor.record_probe(replica_id, batch_size, step_time_s)
 
     def timing_due(self) -> bool:
         """Whether the step just served should be timed: always while a trial or the re-balancer needs samples.

@@ -19,13 +19,18 @@ than refused (the split within the caps is used whenever there is one).
 **Probes of idle cards**: cards the plan left out are timed on one example now and then. A card that a solved plan
 leaves idle (its fixed cost per step is more than the others need for the whole batch, or it drifted far slower)
 has no step times in the monitor's window, so nothing would tell the re-planner that it became fast again. Every
-``PROBE_INTERVAL_STEPS`` served training batches, one step gives every such card one example, taken from the largest
-slices, and is timed. Its time updates each card's cost model (the monitor keeps the last measured speed of an idle
-card); when a card is fast again the re-planner proposes a plan that uses it, which the guard tries as any re-plan.
-A probe costs one step in which the slowest probed card does one example: for a card 50x slower than calibrated,
-about 50x its fixed cost per step, once per interval. Probing every idle card in the same step makes a probe step use
-every card, whose branch every step has (:mod:`hetero_cs.engine.step.idle_replicas`): probes never make a step traced
-again.
+``PROBE_INTERVAL_STEPS`` served training batches, each such card is probed on one example. Its time updates the
+card's cost model (the monitor keeps the last measured speed of an idle card); when a card is fast again the
+re-planner proposes a plan that uses it, which the guard tries as any re-plan.
+
+Where the engine can (central storage, with the model it calibrated), the probe runs off the step's path
+(``Balancer(idle_prober=...)``): a step of its own on the idle card, beside training, with no update and no change
+to any variable (:mod:`hetero_cs.engine.idle_probes`), so training steps neither wait for the probed card nor
+change their set of active replicas. Otherwise (several machines; a custom loop whose cost models were set by hand,
+with no model to probe) the step served gives every idle card one example, taken from the largest slices, and is
+timed: it lasts as long as the slowest probed card takes for one example (for a card 50x slower than calibrated,
+about 50x its fixed cost per step), once per interval. Probing every idle card in the same step makes such a step
+use every card, whose branch every step has (:mod:`hetero_cs.engine.step.idle_replicas`).
 
 This module imports neither TensorFlow nor pynvml.
 """
@@ -132,7 +137,7 @@ class OtherPlans:
 
     @property
     def probes(self) -> int:
-        """How many probe steps were served so far (one example on a card the plan left idle)."""
+        """How many probes of the cards the plan left idle were started so far (off the step's path or in it)."""
         return self._probes
 
     def _maybe_probe(self, plan: BatchPlan) -> BatchPlan:
@@ -148,13 +153,18 @@ class OtherPlans:
         idle = [i for i, b in enumerate(sizes) if b == 0 and caps[i] != 0]
         if not any(served - self._last_worked[i] >= PROBE_INTERVAL_STEPS for i in idle):
             return plan
+        for i in idle:
+            self._last_worked[i] = served
+        self._probes += 1
+        if self._idle_prober is not None and self._idle_prober(idle):
+            logger.info("hetero_cs: probing idle replica(s) %s with 1 example each, beside training (the plan in "
+                        "force is %s).", idle, list(sizes))
+            return plan
         probe = list(sizes)
         for i in idle:
             donor = max(range(len(probe)), key=lambda j: probe[j])
             probe[i], probe[donor] = 1, probe[donor] - 1
-            self._last_worked[i] = served
         logger.info("hetero_cs: probing idle replica(s) %s with 1 example each: %s (the plan in force is %s).",
                     idle, probe, list(sizes))
         self._probe_due = True
-        self._probes += 1
         return plan_from_split(probe, self._cost_models, max_batch_sizes=self._max_batch_sizes)

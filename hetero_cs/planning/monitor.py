@@ -94,6 +94,7 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         # Per replica, (base model, corrected model) of its last correction from samples: a replica the plan leaves
         # idle has no samples in the window, and keeps the speed last measured instead of its base model.
         self._last_correction: dict[int, tuple[CostModel, CostModel]] = {}
+        self._probe_samples: dict[int, tuple[int, float]] = {}  # an idle replica's last probe: (b, seconds)
 
     @property
     def num_replicas(self) -> int:
@@ -158,6 +159,26 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                         self._step_of_key[step_key] = done.index
                         while len(self._step_of_key) > self._window_steps:
                             self._step_of_key.popitem(last=False)
+
+    def record_probe(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
+        """Records a probe of a replica the plan leaves idle, timed off the step's path (it pairs with no step).
+
+        Until the replica has steps in the window again, :meth:`updated_cost_models` takes its model as its base
+        model at the probe's level, ``step_time_s / base.predict_step_time_s(batch_size)``.
+
+        Args:
+            replica_id: In [0, R).
+            batch_size: b >= 1, the probe's examples.
+            step_time_s: Seconds the probe took; a time that is not finite and positive is ignored.
+
+        Raises:
+            ConfigError: If replica_id is out of range or batch_size is not an integer >= 1.
+        """
+        check_range("replica_id", replica_id, 0, self._num_replicas, integer=True)
+        check_range("batch_size", batch_size, 1, integer=True)
+        if math.isfinite(step_time_s := _seconds(step_time_s)) and step_time_s > 0:
+            with self._lock:
+                self._probe_samples[int(replica_id)] = (int(batch_size), step_time_s)
 
     def record_micro_batched_step(self, batch_sizes: Sequence[int], step_times_s: Sequence[float],
                                   micro_batches: Sequence[int]) -> None:
@@ -285,8 +306,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         its slice sizes span at least a factor 2 and the fit has a >= 0 and c > 0; otherwise the proportional
         model ``LinearCostModel(0, median(t_i / b_i))``.
 
-        A replica with no step with b_i > 0 in the window (one the plan left idle) keeps its last correction of
-        the same base model, else its base model. Without base models its speed
+        A replica with no step with b_i > 0 in the window (one the plan left idle) takes its base model at the
+        level of a probe recorded since (:meth:`record_probe`), else keeps its last correction of the same base
+        model, else its base model. Without base models its speed
         is unknown; it then gets the model of the slowest known replica (the one predicting the largest time at
         the window's median positive slice), a conservative guess that gives it some work to measure.
 
@@ -307,6 +329,12 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             models = []
             for i, base in enumerate(base_models):
                 model = self._scaled_model(base, relative[:, i], common)
+                with self._lock:
+                    probe = self._probe_samples.pop(i, None)  # (stale once the replica has steps again)
+                if model is base and np.isnan(relative[:, i]).all() and probe is not None:
+                    with np.errstate(divide="ignore", invalid="ignore"):  # (a base predicting 0 s: no level)
+                        level = np.float64(probe[1]) / float(base.predict_step_time_s(probe[0]))
+                    model = self._scaled_model(base, np.array([level]), np.ones(1))  # probed off the step's path
                 if model is not base:
                     self._last_correction[i] = (base, model)
                 elif np.isnan(relative[:, i]).all() and self._last_correction.get(i, (None,))[0] is base:

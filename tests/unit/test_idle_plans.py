@@ -87,6 +87,65 @@ def test_a_card_50x_slower_is_left_out_within_10_steps_and_used_again_within_50_
     assert balancer.probes >= 1
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_probes_beside_training_leave_every_step_to_the_plan_and_still_bring_the_card_back(seed):
+    # The central-storage engine probes an idle card off the step's path: the step it serves runs the plan in
+    # force, and the probe's time comes back through record_probe (here at once, from the true models).
+    calls = []
+
+    def prober(replicas):
+        step = balancer.monitor.completed_steps  # the step being served (prefetch 0)
+        calls.append((step, tuple(replicas)))
+        for i in replicas:
+            balancer.record_probe(i, 1, true_models(step)[i].predict_step_time_s(1))
+        return True
+
+    balancer = Balancer(3, idle_replicas_free=True, idle_prober=prober)
+    balancer.set_cost_models(BASE, reference_batch_size=B)
+    steps = simulate_balancer(balancer, true_models, B, steps=260, relative_noise=0.02, seed=seed)
+    assert all(s.per_replica_batch_sizes == s.plan_in_force for s in steps if not s.in_trial)
+    assert not any(s.per_replica_batch_sizes[1] == 1 for s in steps)  # no step gives the idle card one example
+    probes = [c for c in calls if SLOW_AT <= c[0] < RECOVER_AT]
+    assert 1 <= len(probes) <= (RECOVER_AT - SLOW_AT) // PROBE_INTERVAL_STEPS + 1 and {c[1] for c in probes} == {(1,)}
+    assert balancer.probes == len(calls)
+    # From 10 steps after the slow-down, every step is within 2x of the new optimum (no probe step in between).
+    assert all(s.true_makespan_s <= 2.0 * optimum_s(s.step) for s in steps[SLOW_AT + 10:RECOVER_AT])
+    used = next(s.step for s in steps[RECOVER_AT:] if s.per_replica_batch_sizes[1] > 1)
+    assert used - RECOVER_AT <= 50
+    assert balancer.plan.predicted_makespan_s == pytest.approx(optimum_s(RECOVER_AT), rel=0.05)
+
+
+def test_an_engine_that_cannot_probe_beside_training_gets_the_probe_in_the_step():
+    calls = []
+    balancer = Balancer(3, idle_replicas_free=True, idle_prober=lambda replicas: calls.append(list(replicas)))
+    balancer.set_cost_models(BASE, reference_batch_size=B)
+    steps = simulate_balancer(balancer, true_models, B, steps=RECOVER_AT)
+    in_step = [s.step for s in steps if s.per_replica_batch_sizes[1] == 1]
+    assert calls and len(in_step) == len(calls) == balancer.probes  # each refusal: one probe step
+
+
+def test_the_monitor_takes_an_idle_cards_speed_from_a_probe_beside_training():
+    base = [LinearCostModel(0.0, 1e-3), LinearCostModel(0.005, 1e-3)]
+    monitor = StepTimeMonitor(2, window_steps=4)
+    for _ in range(4):
+        monitor.record(0, 20, 0.020)
+        monitor.record(1, 0, 0.0)
+    assert monitor.updated_cost_models(base)[1] is base[1]
+    monitor.record_probe(1, 1, 0.012)  # 2x its base model's 6 ms
+    assert monitor.updated_cost_models(base)[1].predict_step_time_s(10) == pytest.approx(0.030)
+    assert monitor.updated_cost_models(base)[1].predict_step_time_s(10) == pytest.approx(0.030)  # kept while idle
+    monitor.record_probe(1, 1, float("nan"))  # no time: ignored
+    assert monitor.updated_cost_models(base)[1].predict_step_time_s(10) == pytest.approx(0.030)
+    for _ in range(4):  # in the plan again: its steps say its speed, a probe recorded meanwhile does not
+        monitor.record(0, 10, 0.010)
+        monitor.record(1, 10, 0.015)
+    monitor.record_probe(1, 1, 0.6)
+    assert monitor.updated_cost_models(base)[1].predict_step_time_s(10) == pytest.approx(0.015)
+    for bad in ({"replica_id": 2, "batch_size": 1}, {"replica_id": 1, "batch_size": 0}):
+        with pytest.raises(ConfigError, match="must be an integer"):
+            monitor.record_probe(step_time_s=0.1, **bad)
+
+
 def test_the_monitor_keeps_an_idle_cards_last_measured_speed():
     base = [LinearCostModel(0.0, 1e-3), LinearCostModel(0.0, 1e-3)]
     monitor = StepTimeMonitor(2, window_steps=4)
