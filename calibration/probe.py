@@ -233,7 +233,8 @@ class DeviceProbe:
     """
 
     def __init__(self, model: Any, sample_batch: Any, *, device: str, parameter_device: str = "/device:CPU:0",
-                 loss: LossFn | None = None, replica_id: int = 0, emulator: Any = None) -> None:
+                 loss: LossFn | None = None, replica_id: int = 0, emulator: Any = None,
+                 stateless: bool = False) -> None:
         """Builds the probe step (traced lazily on the first call, once for all batch sizes).
 
         Args:
@@ -246,6 +247,8 @@ class DeviceProbe:
             loss: callable(y_true, y_pred[, sample_weight]); None uses the model's compiled loss.
             replica_id: Replica index of this device, passed to the emulator.
             emulator: A hetero_cs.emulation.Emulator whose device replica_id this device plays, or None.
+            stateless: Change no variable at all (Keras' ``StatelessScope``: the step's BatchNormalization, seed and
+                metric updates are dropped), so that the step may run beside training, in another thread.
 
         Raises:
             ConfigError: If sample_batch is not (x, y[, sample_weight]) or has an empty batch.
@@ -264,6 +267,7 @@ class DeviceProbe:
             self._sample = tf.nest.map_structure(tf.convert_to_tensor, _split_batch(sample_batch))
         self._batches: dict[int, Any] = {}
         self._has_run = False
+        self._stateless = bool(stateless)
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), self._sample)
         self._step = tf.function(self._step_fn, input_signature=[spec])
 
@@ -279,7 +283,10 @@ class DeviceProbe:
         with tf.device(self.device):
             start = wall_clock_stamp(tf.nest.flatten(x)[0])
             x = tie_to_stamp(x, start)  # The forward pass starts after the start stamp (a data dependency).
-            with tf.GradientTape() as tape:
+            import keras
+
+            stateless = keras.StatelessScope(collect_losses=True) if self._stateless else contextlib.nullcontext()
+            with tf.GradientTape() as tape, stateless:
                 y_pred = self._model(x, training=True)
                 loss = self._loss(x, y, y_pred, sample_weight)
             gradients = tape.gradient(loss, trainable)
@@ -305,6 +312,10 @@ class DeviceProbe:
             with tf.device(self.parameter_device):
                 self._batches[batch_size] = tf.nest.map_structure(lambda t: tf.gather(t, indices, axis=0), self._sample)
         return self._batches[batch_size]
+
+    def trace(self, batch_size: int) -> None:
+        """Traces the step now, without running it (e.g. in the thread that runs training, to run it in another)."""
+        self._step.get_concrete_function(self.batch(batch_size))
 
     def run_step(self, batch_size: int) -> float:
         """Runs one step; returns its seconds from the input's arrival to the gradients' arrival on the parameter

@@ -151,6 +151,14 @@ def test_probe_leaves_the_model_unchanged(strategy):
 
     probe.time_step(8, warmup_steps=1, trials=2)
     assert [v.path for v, a, b in zip(tracked, before, snapshot()) if not np.array_equal(a, b)] == []
+    # A stateless probe (an idle card's, beside training) changes nothing by itself, traced here and run elsewhere.
+    stateless = DeviceProbe(model, batch, device=DEVICES[1], stateless=True)
+    stateless.trace(16)
+    worker = threading.Thread(target=stateless.run_step, args=(16,))
+    worker.start()
+    worker.join()
+    assert stateless.run_step(16) > 0
+    assert [v.path for v, a, b in zip(tracked, before, snapshot()) if not np.array_equal(a, b)] == []
 
     calibrate(model, batch, devices=DEVICES[:2], probe_batch_sizes=[2, 8, 32], warmup_steps=1, trials=1,
               store=False, progress=False)
