@@ -4,8 +4,8 @@ What it measures. ``model.fit`` trains the benchmarks' CNN (B = 256) for ``--ste
 ``HeteroCentralStorageStrategy(auto_balance=True, rebalance=True)`` on an emulated mix (default A10,T4,P100) at an
 emulated step of ``--target-ms`` (10 ms). From ``--slow-at`` (300) until ``--recover-at`` (1,200) the emulator's drift
 makes one card (``--slow-replica``, default 1, the T4) ``--factor`` (4x) slower: the re-planner leaves it out, and
-every 40 steps a probe gives it one example. Timings are EMULATED (real compute on logical CPU devices plus waits for
-the named devices' times; the library only sees measured wall times).
+every 40 steps a probe times it on one example, in a step of its own beside training. Timings are EMULATED (real
+compute on logical CPU devices plus waits for the named devices' times; the library only sees measured wall times).
 
 It reports:
 
@@ -13,11 +13,13 @@ It reports:
   replicas its plans run), and the sets of active replicas plans used;
 * ``rss_mb``: the process's resident memory after steps 200, 1,000 and the last; ``rss_growth_after_200`` =
   (last - step 200) / step 200 (goal < 0.05);
-* ``probe_step_over_plain``: the median wall time of the steps that probed an idle card over the median of the
-  plain steps of the same plan, from step 200 on (goal <= 1.5). A probe step pays the probed card's own time for one
-  example (its fixed cost, times the drift), which ``probe_modelled_over_plain`` gives from the emulator's models;
-  ``probe_over_modelled`` (the first over the second, per probe) is what the library adds: a step traced again for a
-  new set of active replicas made it 7-10x before sets kept their traces.
+* ``probe_step_over_plain``: the median wall time of the steps with a probe (one started in the step or running
+  at its start or end) over the median of the plain steps of the same plan, from step 200 on (goal <= 1.5);
+  ``first_probe_step_ms``: the step that started the first probe, which traces the card's probe step in fit's
+  thread. ``probe_modelled_over_plain`` is what the emulator's models make the same steps: 1.0 for probes beside
+  training, the probed card's own time for one example (its fixed cost, times the drift) over the plan's step for a
+  probe in the step (3.75x here); ``probe_over_modelled`` (the first over the second, per probe) is what the library
+  adds.
 
 ``--xla`` compiles with ``jit_compile=True`` (XLA per replica). ``--quick``: 600 steps, slow in [200, 450).
 
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
     wall_s: list[float] = []
     sizes: list[tuple[int, ...] | None] = []
     probes: list[bool] = []
+    first_probe_ms: list[float] = []
     rss: dict[int, float] = {}
     changes: list = []
 
@@ -127,12 +130,16 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         def on_train_batch_begin(self, batch, logs=None):
             self.start_s = time.perf_counter()
             self.probes = strategy.balancer.probes
+            self.probing = strategy._idle_probes.running  # noqa: SLF001 - a probe beside training runs now
 
         def on_train_batch_end(self, batch, logs=None):
             wall_s.append(time.perf_counter() - self.start_s)
             sample = strategy.monitor.last_step()
             sizes.append(tuple(sample.per_replica_batch_sizes) if sample is not None else None)
-            probes.append(strategy.balancer.probes > self.probes)
+            started = strategy.balancer.probes > self.probes
+            if started and not first_probe_ms:
+                first_probe_ms.append(wall_s[-1] * 1e3)
+            probes.append(started or self.probing or strategy._idle_probes.running)  # noqa: SLF001
             retraces.step = len(wall_s)
             if len(wall_s) % 10 == 0 or len(wall_s) in (1, args.steps):
                 rss[len(wall_s)] = rss_mb()
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
         "traced_sets": [list(s) for s in strategy._active_sets.for_trace(training=True)],  # noqa: SLF001
         "rss_mb": {str(k): v for k, v in sorted(rss.items())},
         "split_changes": changes,
-        "probes": sum(probes),
+        "probes": strategy.balancer.probes, "steps_with_probes": sum(probes),
+        "first_probe_step_ms": first_probe_ms[0] if first_probe_ms else None,
         "probe_step_over_plain": statistics.median(ratios) if ratios else None,
         "probe_modelled_over_plain": statistics.median(modelled) if modelled else None,
         # What the library adds to a probe step: its wall ratio over what the emulator's models make it.
@@ -189,6 +197,9 @@ def main(argv: list[str] | None = None, *, keep_alive: list | None = None) -> in
             f"plan (goal <= {PROBE_COST_GOAL}); the emulator's models alone give "
             f"{results['probe_modelled_over_plain']:.2f}x, so the library's own part is "
             f"{results['probe_over_modelled']:.2f}x")
+    if first_probe_ms:
+        log(f"   {results['probes']} probes; the step of the first (it traces the probe step): "
+            f"{first_probe_ms[0]:.0f} ms")
     log(f"   median step from step 200: {results['median_step_ms']:.1f} ms; wall time "
         f"{time.perf_counter() - started_s:.0f} s")
     if args.json is not None:

@@ -54,6 +54,8 @@ def calibrate(strategy, model, data, *, force: bool = False, progress: bool = Tr
     if global_batch_size < 1:
         raise InputError("The first dataset element holds 0 examples; calibration needs a global batch of at least "
                          "one. Drop empty batches, e.g. dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0).")
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3) and batch[1] is not None:
+        strategy._idle_probes.use(model, batch)  # idle cards are probed on its first example
     restarted = (profiles_before_restart(strategy, fingerprint, global_batch_size)  # a restart without a lost card
                  if fingerprint is not None and strategy._profile is None else None)
     if emulation_pending:

@@ -22,6 +22,7 @@ from hetero_cs.engine.callbacks import with_balance_callback
 from hetero_cs.engine.faults import supervised_run
 from hetero_cs.engine.faults.backup import with_backup
 from hetero_cs.engine.faults.failover import check_setting
+from hetero_cs.engine.idle_probes import IdleProbes
 from hetero_cs.engine.memory.micro_batches import MicroBatching
 from hetero_cs.engine.memory.oom_recovery import StepRecovery, strategy_step_error
 from hetero_cs.engine.packed_values import PackedBatchValues
@@ -211,10 +212,12 @@ class HeteroCentralStorageStrategy(
         # share idles its replica in every plan: known before any step is traced.
         self._active_sets = ActiveSets(len(devices))
         self._active_sets.note([int(share > 0) for share in shares or ()], training=True)
+        self._idle_probes = IdleProbes(self)  # probes of idle cards, beside training
         self._balancer = Balancer(
             len(devices), auto_balance=auto_balance, rebalance=rebalance, shares=shares, guard=guard,
             guard_policy=guard_policy, on_plan=self._on_plan, memory_policy=memory_policy, idle_replicas_free=True,
-            on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True))
+            on_trial=lambda plan: self._active_sets.note(plan.per_replica_batch_sizes, training=True),
+            idle_prober=self._idle_probes.start)
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
                                             on_device_error=on_device_error) if len(devices) > 1 else None)
         # Sampled timing on real devices when only the balancer needs the times (each step's plan says whether it is

@@ -18,8 +18,9 @@ Which sets get a branch, and how often a step is traced. Every set that a plan s
 (:class:`ActiveSets`, fed by the strategy when a plan comes into force, a guard trial starts or ``batch_split`` is
 set; calibration adds the fastest card alone, which the guard may measure at any time), up to
 ``MAX_SETS_PER_REPLICA * R`` sets. A set keeps its branch: a trial or a plan that comes back finds its branch traced,
-and a probe gives every idle card one example at once (the set of every replica), so a long run traces its step
-once per new set at most (for three cards, at most the six sets there are), never again for sets it met before.
+and a probe of idle cards runs beside ``fit``'s step (:mod:`hetero_cs.engine.idle_probes`; elsewhere it gives every
+idle card one example at once, the set of every replica), so a long run traces its step once per new set at most
+(for three cards, at most the six sets there are), never again for sets it met before.
 A step with branches is traced again right before a step when a new set appeared (:meth:`ActiveSets.version`):
 ``model.fit``'s where it runs one (``steps_per_execution`` above 1, micro-batches), ``evaluate`` and ``predict`` when
 they start. In those, a step whose plan's set has no branch (one met while the
@@ -156,7 +157,7 @@ class StepPerSet:
     Called with a global batch in hand (read before the step), it serves the step's plan first, in Python (the
     strategy's slice sizes, as a step with branches serves them when it starts), hands the sizes to the step, and runs
     the step traced for the plan's set: only those replicas' work is in its graph, so the step walks no branch of
-    another set, and a set met later (a re-plan that leaves a card out, a probe, a guard trial) traces one more
+    another set, and a set met later (a re-plan that leaves a card out, a guard trial) traces one more
     function, its own, once, rather than the whole step with a branch more. Every set met so far keeps its function,
     with no bound (a function costs no step any time, only its trace's memory, as a new input shape does on one
     device): no replica ever gets an example its plan spared it.
@@ -173,7 +174,8 @@ class StepPerSet:
 
     def __call__(self, batch, batch_size: int):
         strategy = self._strategy
-        decided = strategy._slice_sizes(batch_size, training=True)  # noqa: SLF001 - the sizes, then whether timed
+        with replica_state.this_threads("between_steps", True):  # a probe of an idle card may trace its step here
+            decided = strategy._slice_sizes(batch_size, training=True)  # noqa: SLF001 - the sizes, then whether timed
         key = active_set(decided[:strategy.num_replicas_in_sync])
         step = self._steps.get(key)
         if step is None:
