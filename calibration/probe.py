@@ -285,10 +285,13 @@ class DeviceProbe:
             x = tie_to_stamp(x, start)  # The forward pass starts after the start stamp (a data dependency).
             import keras
 
-            stateless = keras.StatelessScope(collect_losses=True) if self._stateless else contextlib.nullcontext()
-            with tf.GradientTape() as tape, stateless:
-                y_pred = self._model(x, training=True)
-                loss = self._loss(x, y, y_pred, sample_weight)
+            with tf.GradientTape() as tape:
+                # Stateless: the trainable variables are read (on the tape) into the scope, where Keras' weight
+                # regularizers look their values up; no variable is written.
+                with (keras.StatelessScope([(v, v.value) for v in trainable], collect_losses=True) if self._stateless
+                      else contextlib.nullcontext()):
+                    y_pred = self._model(x, training=True)
+                    loss = self._loss(x, y, y_pred, sample_weight)
             gradients = tape.gradient(loss, trainable)
         with tf.device(self.parameter_device):
             returned = [tf.identity(g) for g in gradients if g is not None]  # Gradient return to the host.

@@ -137,7 +137,8 @@ class OtherPlans:
 
     @property
     def probes(self) -> int:
-        """How many probes of the cards the plan left idle were started so far (off the step's path or in it)."""
+        """How many times the cards the plan left idle were due a probe so far (beside training, a card whose last
+        probe still runs is not probed again)."""
         return self._probes
 
     def _maybe_probe(self, plan: BatchPlan) -> BatchPlan:

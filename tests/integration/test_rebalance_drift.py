@@ -212,8 +212,9 @@ def test_idle_cards_are_probed_beside_training_and_the_probes_change_nothing(mon
         strategy.balancer.record_probe = spy
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
-                                      keras.layers.Dropout(0.3), keras.layers.Dense(10)])
+            model = keras.Sequential([  # (a weight regularizer: read from the probe's stateless scope)
+                keras.Input((32,)), keras.layers.Dense(32, kernel_regularizer="l2"), keras.layers.BatchNormalization(),
+                keras.layers.Dropout(0.3), keras.layers.Dense(10, activity_regularizer="l2")])
             model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         steps = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: sizes.append(strategy.monitor.last_step().per_replica_batch_sizes))
