@@ -12,10 +12,13 @@ Its time reaches the balancer (``record_probe``) when it ends, a few steps later
 A card's probe step is traced once, in the thread that runs ``fit``, while it serves a step's plan (no step or trace
 runs in that thread then): tracing calls the model's layers, whose Python state (the list ``add_loss`` fills) a trace
 in another thread could disturb. Where nothing says it is between two steps (a custom loop, which cuts its batch
-inside its own step), a card whose probe step is not traced yet is probed in the step, as before.
+inside its own step; fit with ``steps_per_execution`` above 1 or micro-batches, which take another step), a card
+whose probe step is not traced yet is probed in the step, as before.
 
 One probe runs at a time per card: a probe still running when the next is due is not started again. A probe that
-fails (the card ran out of memory, or is lost) is logged; the card stays idle until the next probe.
+fails (the card ran out of memory, or is lost) is logged; the card stays idle until the next probe. The probes' threads
+are joined at exit: a probe still running when the program ends (a card thousands of times slower) delays the exit
+until it ends.
 """
 
 import logging
