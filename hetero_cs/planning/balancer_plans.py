@@ -28,9 +28,10 @@ Where the engine can (central storage, with the model it calibrated), the probe 
 to any variable (:mod:`hetero_cs.engine.idle_probes`), so training steps neither wait for the probed card nor
 change their set of active replicas. Otherwise (several machines; no model calibrated yet; a custom loop, or ``fit``
 with ``steps_per_execution`` above 1 or micro-batches, before the card's probe step was traced in ``fit``) the step
-served gives every idle card one example, taken from the largest slices, and is timed: it lasts as long as the slowest probed card takes for one example (for a card 50x slower than calibrated,
-about 50x its fixed cost per step), once per interval. Probing every idle card in the same step makes such a step
-use every card, whose branch every step has (:mod:`hetero_cs.engine.step.idle_replicas`).
+served gives every idle card one example, taken from the largest slices, and is timed: it lasts as long as the
+slowest probed card takes for one example (for a card 50x slower than calibrated, about 50x its fixed cost per step),
+once per interval. Probing every idle card in the same step makes such a step use every card, whose branch every
+step has (:mod:`hetero_cs.engine.step.idle_replicas`).
 
 This module imports neither TensorFlow nor pynvml.
 """
