@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import tensorflow as tf
 
 from calibration.probe import DeviceProbe
+from hetero_cs.devices.device_errors import first_line
 from hetero_cs.engine.step import replica_state
 
 logger = logging.getLogger("hetero_cs.engine.central_storage")  # the messages users filter on
@@ -77,7 +78,7 @@ class IdleProbes:
                 self._probes[i] = self._traced_probe(i)
         except Exception as exc:  # noqa: BLE001 - any failure to build the probe: the step probes the cards
             logger.warning("hetero_cs: idle cards cannot be probed beside training (%s: %s); each probe gives them "
-                           "one example in a training step instead.", type(exc).__name__, _first_line(exc))
+                           "one example in a training step instead.", type(exc).__name__, first_line(exc))
             self._model = None
             return False
         with self._lock:
@@ -106,7 +107,7 @@ class IdleProbes:
             self._strategy._balancer.record_probe(replica_id, 1, probe.run_step(1))  # noqa: SLF001
         except Exception as exc:  # noqa: BLE001 - a probe that fails says the card is not back; training goes on
             logger.warning("hetero_cs: the probe of idle replica %d failed (%s: %s); it stays idle until its next "
-                           "probe.", replica_id, type(exc).__name__, _first_line(exc))
+                           "probe.", replica_id, type(exc).__name__, first_line(exc))
         finally:
             with self._lock:
                 self._running.discard(replica_id)
@@ -116,7 +117,3 @@ class IdleProbes:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-
-
-def _first_line(exc: Exception) -> str:
-    return next(iter(str(exc).strip().splitlines()), "")
