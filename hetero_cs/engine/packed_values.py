@@ -46,13 +46,21 @@ class PackedBatchValues:
         with tf.device(self.extended.input_device):
             return cut(component, sizes, R)
 
-    def _unpack(self, structure, created=None, sizes=None):
-        """``structure`` with every global-batch leaf replaced by a per-replica value of its ``R`` slices.
+    def _unpack(self, structure, created=None, sizes=None, whole=False):
+        """``structure`` with every global-batch leaf replaced by a per-replica value of its ``R`` slices (``whole``:
+        by the whole batch, a tensor, for a call whose one replica holds all of it).
 
-        The new per-replica values are appended to ``created`` (a list) when given.
+        The new per-replica values (or whole batches) are appended to ``created`` (a list) when given.
         """
 
         def convert(value):
+            if whole:
+                parts = _compat.components(value)
+                if parts is None or len(parts) != 1:
+                    return value
+                if created is not None and not is_unbatched_marker(parts[0]):
+                    created.append(parts[0])
+                return parts[0]
             slices = self._replica_slices(value, sizes)
             if slices is None:
                 return value
@@ -63,13 +71,14 @@ class PackedBatchValues:
 
         return tf.nest.map_structure(convert, structure)
 
-    def _unpack_inputs(self, args, kwargs, traced=None, handed=False):
+    def _unpack_inputs(self, args, kwargs, traced=None, handed=False, whole=False):
         """``strategy.run``'s arguments with every global batch replaced by per-replica slices, cut by the plan this
         step decides now (before any replica runs).
 
         ``traced``: the sets of active replicas the step has branches for (see
         :func:`hetero_cs.engine.step.idle_replicas.served_sizes`), or None.
         ``handed``: the step reads the sizes served before it (``PlanSlicer.handed``: model.fit's step per set).
+        ``whole``: the step's one active replica gets the whole batch, uncut (its plan's set is that replica alone).
 
         Returns ``(args, kwargs, batch_leaves, timed, sizes)``; ``batch_leaves`` are the per-replica slices made
         here, in order; ``timed`` is a bool scalar tensor (whether to time this step) and ``sizes`` the int64
@@ -90,7 +99,8 @@ class PackedBatchValues:
         if self.num_replicas_in_sync == 1:  # the batch is replica 0's slice; the plan is still served (a stateful op)
             return args, kwargs, [], timed, None
         created: list = []
-        return self._unpack(args, created, sizes), self._unpack(kwargs or {}, created, sizes), created, timed, sizes
+        return (self._unpack(args, created, sizes, whole), self._unpack(kwargs or {}, created, sizes, whole), created,
+                timed, sizes)
 
     @staticmethod
     def _global_batches(args, kwargs) -> list:

@@ -19,7 +19,8 @@ from hetero_cs.devices.step_clock import emulated_memory_gate, sampled_wall_cloc
 from hetero_cs.errors import ConfigError
 
 
-def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None, scope_replica=False):
+def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, handoff=None, scope_replica=False,
+                    whole=False):
     """Wraps a replica function so it knows its slice size b_i, the global batch B and its start time.
 
     ``b_i`` and ``B`` come from one argument leaf: the first of ``batch_leaves`` (slices of a distributed
@@ -28,7 +29,9 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
     ``handoff`` (a :class:`hetero_cs.engine.step.replica_state.StepHandoff`, shared by the call's replicas) goes on every
     replica's step. ``scope_replica``: the call runs some replicas only (the others idle), whose threads
     tf.distribute numbers 0, 1, ... in its op names ("replica_<k>/"): each replica's ops then also go under
-    "hetero_replica_<replica id>/", so that an op error names the right replica.
+    "hetero_replica_<replica id>/", so that an op error names the right replica. ``whole``: the call's one replica
+    holds the whole global batch (``batch_leaves`` are tensors) and runs as one device's step: timed as any, with
+    nothing weighed (``ReplicaStep.whole_batch``).
     """
     flat = tf.nest.flatten((args, kwargs or {}))
     batch_ids = {id(v) for v in batch_leaves}
@@ -100,20 +103,22 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
                 sub_step.chain_starts[replica_id] = start
         step = replica_state.ReplicaStep(
             replica_id=replica_id, device=strategy._compute_devices[replica_id], batch_size=batch_size,
-            global_batch_size=global_batch_size, start_stamp=start, sampled_timing=step_start is not None and sampled,
-            shared_start=step_start is not None, handoff=handoff, sub_step=sub_step, flow=BatchFlow(replica_id))
+            global_batch_size=None if whole else global_batch_size, start_stamp=start,
+            sampled_timing=step_start is not None and sampled, shared_start=step_start is not None, handoff=handoff,
+            sub_step=sub_step, flow=BatchFlow(replica_id), whole_batch=whole)
         if strategy._emulator is not None and batched is not None:
             # An emulated slice too large for its device fails here, before the replica computes anything (no
             # loss or metric of the failed step is formed), as a GPU fails at its first large allocation.
             call_args, call_kwargs = emulated_memory_gate(
                 (call_args, call_kwargs), tensors.dense_part(batched), replica_id=replica_id,
                 batch_size=batch_size, emulator=strategy._emulator, training=not inferring)
-        seed_replica_step(step, [v for i, v in enumerate(call_flat) if i in row_leaves],
-                          [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs))) if i in row_leaves])
+        if not whole:
+            seed_replica_step(step, [v for i, v in enumerate(call_flat) if i in row_leaves],
+                              [v for i, v in enumerate(tf.nest.flatten((call_args, call_kwargs))) if i in row_leaves])
         scope = tf.name_scope(f"hetero_replica_{replica_id}") if scope_replica else contextlib.nullcontext()
         with replica_state.replica_step(step), naming_the_replica(replica_id), scope:
             outputs = fn(*call_args, **call_kwargs)
-            if global_batch_size is None or not keras_loop:
+            if step.global_batch_size is None or not keras_loop:
                 return outputs
             return shares_of_logs(step, outputs) if logs else check_predictions(step, outputs)
 

@@ -101,11 +101,12 @@ _RECURRENT = ("lstm", "gru", "attention", "bidirectional")
 
 @st.composite
 def programs(draw, *, loops=LOOPS, replicas=(2, 4), data_kinds=DATA, max_layers: int = 3,
-             max_recurrent: int = 3) -> Program:
+             max_recurrent: int = 3, one_card: bool = False) -> Program:
     """A random valid program (hypothesis strategy); shrinks toward small plain ones (vectors, Dense, fit).
 
     ``max_layers`` bounds the hidden layers, ``max_recurrent`` how many of them are LSTM, GRU or attention layers
-    (the slowest to trace under a strategy: the default run keeps one)."""
+    (the slowest to trace under a strategy: the default run keeps one). ``one_card``: the split gives every example
+    to one replica (a card alone)."""
     data = draw(st.sampled_from(data_kinds), label="data")
     loop = draw(st.sampled_from(loops), label="loop")
     loss = draw(st.sampled_from(CUSTOM_LOSSES if loop == "custom_loop" else LOSSES), label="loss")
@@ -113,8 +114,12 @@ def programs(draw, *, loops=LOOPS, replicas=(2, 4), data_kinds=DATA, max_layers:
     body = tuple(draw(st.lists(st.sampled_from(BODIES[data]), min_size=1, max_size=max_layers)
                       .filter(lambda b: sum(t in _RECURRENT for t in b) <= max_recurrent), label="body"))
     num_replicas = draw(st.integers(*replicas), label="replicas")
-    shares = tuple(draw(st.lists(st.integers(0, 4), min_size=num_replicas, max_size=num_replicas)
-                        .filter(lambda s: sum(s) > 0), label="shares"))
+    if one_card:
+        alone = draw(st.integers(0, num_replicas - 1), label="card alone")
+        shares = tuple(int(i == alone) * draw(st.integers(1, 4), label="share") for i in range(num_replicas))
+    else:
+        shares = tuple(draw(st.lists(st.integers(0, 4), min_size=num_replicas, max_size=num_replicas)
+                            .filter(lambda s: sum(s) > 0), label="shares"))
     batch_size = draw(st.integers(4, 12), label="batch_size")
     short = draw(st.integers(0, batch_size - 1), label="short")  # a partial last batch of batch_size - short
     program = Program(

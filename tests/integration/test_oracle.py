@@ -135,6 +135,15 @@ def test_random_programs_match_one_device_or_are_refused(program):
     run_program(program)
 
 
+@oracle(10)
+@given(program=programs(loops=("fit", "train_step", "grad_accum", "mixed_precision"), max_layers=2, max_recurrent=1,
+                        one_card=True))
+def test_random_programs_on_a_card_alone_match_one_device_or_are_refused(program):
+    # A card alone runs model.fit's steps after the first as one device's step on the whole batch (StepPerSet):
+    # nothing weighed, num_replicas_in_sync 1 in the replica. Each program has two steps or more.
+    assert run_program(program) in ("exact", "refused")
+
+
 @oracle(4)
 @given(program=programs(loops=("on_batch",), max_layers=2, max_recurrent=1))
 def test_random_on_batch_programs_match_one_device_or_are_refused(program):

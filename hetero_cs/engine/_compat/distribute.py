@@ -63,8 +63,10 @@ class ReplicaCountStrategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        # Private: the count tf.distribute.Strategy.num_replicas_in_sync itself returns.
-        return ReplicaCount(self._extended._num_replicas_in_sync)  # noqa: SLF001
+        # Private: the count tf.distribute.Strategy.num_replicas_in_sync itself returns. A replica that holds the
+        # whole global batch (ReplicaStep.whole_batch) runs as one device's step: one replica in sync.
+        whole = getattr(replica_state.current_replica_step(), "whole_batch", False)
+        return ReplicaCount(1 if whole else self._extended._num_replicas_in_sync)  # noqa: SLF001
 
 
 def register_replica_count_conversion() -> None:
@@ -124,9 +126,11 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         R = len(self._compute_devices)
         per_set = idle_replicas.set_of_traced_step()
         if per_set is not None and not tf.executing_eagerly():  # fit's step for one set: its sizes were served
-            unpacked = strategy._unpack_inputs(args, kwargs, handed=True)  # noqa: SLF001
+            active, whole = per_set
+            unpacked = strategy._unpack_inputs(args, kwargs, handed=True, whole=whole)  # noqa: SLF001
             args, kwargs, batch_leaves, timed, sizes = unpacked
-            return self._call_active(fn, args, kwargs, batch_leaves, timed, None if sizes is None else per_set[0])
+            return self._call_active(fn, args, kwargs, batch_leaves, timed, None if sizes is None else active,
+                                     whole=whole and sizes is not None)
         # In a graph: one branch per set of active replicas that plans use, picked when the step starts
         # (hetero_cs.engine.step.idle_replicas); branch 0 runs every replica. Eagerly the sizes are known.
         sets, supersets = None, strategy._input_roles.keras_loop_now  # noqa: SLF001
@@ -178,8 +182,9 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         merged = [v if static else next(tensors) for v, static in zip(flat, template["static"])]
         return tf.nest.pack_sequence_as(structure, merged, expand_composites=True)
 
-    def _call_active(self, fn, args, kwargs, batch_leaves, timed, active, sizes=None):
-        """One ``strategy.run`` call over the replicas in ``active`` (None: all of them)."""
+    def _call_active(self, fn, args, kwargs, batch_leaves, timed, active, sizes=None, whole=False):
+        """One ``strategy.run`` call over the replicas in ``active`` (None: all of them); ``whole``: its one
+        replica holds the whole global batch (``batch_leaves``) and runs as one device's step."""
         strategy = self._container_strategy()
         # One handoff per call: its replica threads and this thread, which runs its merges, share it (and no
         # other call does: another model may trace its step in another thread at the same time). The patched
@@ -187,7 +192,7 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
         # (hooks.verify), else Keras changed under us: UnsupportedVersionError.
         handoff = replica_state.StepHandoff(hooks=hooks.StepHooks())
         wrapped = strategy._wrap_replica_fn(fn, args, kwargs, batch_leaves, timed, handoff=handoff,  # noqa: SLF001
-                                            scope_replica=active is not None)
+                                            scope_replica=active is not None, whole=whole)
         R = len(self._compute_devices)
         with replica_state.step_handoff(handoff):
             if active is None:

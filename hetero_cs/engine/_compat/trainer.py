@@ -142,7 +142,9 @@ def patch_make_train_function() -> None:
         micro, recovery = strategy._micro_batching, getattr(strategy, "_step_recovery", None)  # noqa: SLF001
         micro.forget_findings()  # this model's step is traced at its first call
         current = [function]
-        set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function)) \
+        # XLA per replica compiles the weighted step only: such a model's card alone runs its weighted step.
+        set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function),
+                                             whole_allowed=lambda: not replica_xla.applies(self)) \
             if strategy.num_replicas_in_sync > 1 else None  # the central-storage strategy (is_hetero_strategy)
 
         def trace_again_if_needed():

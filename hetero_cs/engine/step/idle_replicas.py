@@ -146,8 +146,9 @@ class ActiveSets(DeepcopiedWithNewLocks):
 
 
 def set_of_traced_step() -> tuple | None:
-    """``(active,)`` while the step traced (or run) in this thread is one of :class:`StepPerSet`'s, for exactly the
-    replicas ``active`` (None: every replica), reading the sizes handed to it (``PlanSlicer.handed``); else None."""
+    """``(active, whole)`` while the step traced (or run) in this thread is one of :class:`StepPerSet`'s, for exactly
+    the replicas ``active`` (None: every replica), reading the sizes handed to it (``PlanSlicer.handed``); ``whole``:
+    its one active replica runs the whole batch as one device's step. Else None."""
     return replica_state.this_threads_value("step_set")
 
 
@@ -162,31 +163,45 @@ class StepPerSet:
     with no bound (a function costs no step any time, only its trace's memory, as a new input shape does on one
     device): no replica ever gets an example its plan spared it.
 
+    A card alone (a set of one replica) holds the whole global batch, so its step needs no cut and nothing weighed:
+    it runs as one device's step on that card (:attr:`hetero_cs.engine.step.replica_state.ReplicaStep.whole_batch`),
+    with the batch's static shape, as a strategy over that card alone would run it. That step skips the loss reader,
+    so it is taken only once a step traced with the reader (the first step, whatever its set) has run: a program
+    the reader refuses is refused at its first step, whatever the plan, and a card alone met first is traced twice.
+
     Args:
         strategy: The central-storage strategy.
         make: Returns a new, untraced Keras train function (called once per set).
+        whole_allowed: Whether a card alone may run as one device's step (False: a model compiled with XLA per
+            replica, which only the weighted step compiles).
     """
 
-    def __init__(self, strategy, make: Callable[[], Callable]):
+    def __init__(self, strategy, make: Callable[[], Callable], whole_allowed: Callable[[], bool] = lambda: True):
         self._strategy = strategy
         self._make = make
+        self._whole_allowed = whole_allowed
         self._steps: dict = {}
+        self._read = False  # a step traced with the loss reader has run
 
     def __call__(self, batch, batch_size: int):
         strategy = self._strategy
         with replica_state.this_threads("between_steps", True):  # a probe of an idle card may trace its step here
             decided = strategy._slice_sizes(batch_size, training=True)  # noqa: SLF001 - the sizes, then whether timed
         key = active_set(decided[:strategy.num_replicas_in_sync])
-        step = self._steps.get(key)
+        whole = self._read and key is not None and len(key) == 1 and self._whole_allowed()
+        step = self._steps.get((key, whole))
         if step is None:
             if self._steps:
                 logger.info("hetero_cs: tracing the train step again, for the active replicas %s (once per set of "
-                            "active replicas).", list(key or range(strategy.num_replicas_in_sync)))
+                            "active replicas%s).", list(key or range(strategy.num_replicas_in_sync)),
+                            "; a card alone: one device's step on the whole batch" if whole else "")
                 strategy._balancer.step_traced_again()  # noqa: SLF001 - a guard trial's next steps pay for the trace
-            step = self._steps[key] = self._make()
+            step = self._steps[(key, whole)] = self._make()
         # For the block: the step traced (or run) in this thread is this set's (set_of_traced_step).
-        with strategy._slicer.handed(decided), replica_state.this_threads("step_set", (key,)):  # noqa: SLF001
-            return step([batch])
+        with strategy._slicer.handed(decided), replica_state.this_threads("step_set", (key, whole)):  # noqa: SLF001
+            outputs = step([batch])
+        self._read = True
+        return outputs
 
 
 def anticipate_last_batch(strategy, num_examples: int | None, batch_size: int | None, *,

@@ -81,6 +81,10 @@ class ReplicaStep:
             reader (:mod:`hetero_cs.engine._compat.loss_reader`).
         weights: References of the tensors :func:`replica_weight` returned in this step.
         replica_counts: References of ``strategy.num_replicas_in_sync`` converted to a tensor in this step.
+        whole_batch: True when this replica holds the step's whole global batch, as the one active replica of a
+            step traced for it alone (:class:`hetero_cs.engine.step.idle_replicas.StepPerSet`): it then runs as
+            one device's step (``global_batch_size`` None, ``strategy.num_replicas_in_sync`` 1 in it), with
+            nothing to weigh.
     """
 
     replica_id: int
@@ -99,6 +103,7 @@ class ReplicaStep:
     flow: Any = None
     weights: set = dataclasses.field(default_factory=set)
     replica_counts: set = dataclasses.field(default_factory=set)
+    whole_batch: bool = False
 
 
 @dataclasses.dataclass(eq=False)
