@@ -12,7 +12,8 @@ cannot sit in a branch of its own. Instead the whole call has one branch per *se
 (only those threads run, with their own replica ids and devices), and the step picks the branch of its set
 (``tf.switch_case``) when it starts. The set of every replica is always branch 0. ``model.fit``'s train step, which
 reads its batch before the step, instead serves the step's plan first and runs a step traced for the plan's set
-alone, one function per set (:class:`StepPerSet`): no branch op, no other set's work in its graph.
+alone, one function per set (:class:`StepPerSet`): no branch op, no other set's work in its graph; a card alone
+runs there as one device's step on the whole batch.
 
 Which sets get a branch, and how often a step is traced. Every set that a plan served, solved or tried so far uses
 (:class:`ActiveSets`, fed by the strategy when a plan comes into force, a guard trial starts or ``batch_split`` is
