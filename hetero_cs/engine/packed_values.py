@@ -58,9 +58,16 @@ class PackedBatchValues:
                 parts = _compat.components(value)
                 if parts is None or len(parts) != 1:
                     return value
-                if created is not None and not is_unbatched_marker(parts[0]):
-                    created.append(parts[0])
-                return parts[0]
+                whole_batch = parts[0]
+                if isinstance(whole_batch, tf.Tensor) and whole_batch.shape.rank:
+                    # The batch dimension left open, as in every cut slice: Keras reads a static batch size where it
+                    # has one (a per-output loss tracker weighs each step by it), so a step must not know it when
+                    # the steps around it do not.
+                    whole_batch = tf.raw_ops.PlaceholderWithDefault(
+                        input=whole_batch, shape=tf.TensorShape([None]).concatenate(whole_batch.shape[1:]))
+                if created is not None and not is_unbatched_marker(whole_batch):
+                    created.append(whole_batch)
+                return whole_batch
             slices = self._replica_slices(value, sizes)
             if slices is None:
                 return value

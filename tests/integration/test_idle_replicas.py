@@ -324,6 +324,50 @@ def test_fit_traces_its_step_once_per_set_of_active_replicas_it_runs_and_a_set_m
     assert len(traced) == 3 + 2 + 1, len(traced)  # the sets (0, 1, 2), (0, 2) and (1,), each traced once
 
 
+def two_output_model(seed: int):
+    init = keras.initializers.GlorotUniform
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(6, activation="tanh", kernel_initializer=init(seed=seed))(inputs)
+    outputs = {"cls": keras.layers.Dense(2, kernel_initializer=init(seed=seed + 1), name="cls")(hidden),
+               "reg": keras.layers.Dense(1, kernel_initializer=init(seed=seed + 2), name="reg")(hidden)}
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss={
+        "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"})
+    return model
+
+
+def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_device_logs():
+    # After a first step traced with the loss reader, fit's steps of a card alone run as one device's step on the whole
+    # batch (StepPerSet): nothing weighed, num_replicas_in_sync 1 inside the replica. The batch dimension stays open
+    # there, as in the cut slices: Keras weighs a per-output loss tracker by a static batch size, so a step that knew
+    # it would log other per-output losses than one device (and the steps around it) do. 46 examples in batches of 10:
+    # a last batch of 6.
+    strategy = strategy_for(3, [0, 1, 0])
+    with strategy.scope():
+        model = two_output_model(5)
+    reference = two_output_model(5)
+    counts = []
+    keras_train_step = model.train_step
+
+    def train_step(data):
+        counts.append(int(model.distribute_strategy.num_replicas_in_sync))  # read while tracing
+        return keras_train_step(data)
+
+    model.train_step = train_step
+    x, y = data(46)
+    targets = {"cls": y, "reg": x[:, :1] * 2.0}
+    dataset = tf.data.Dataset.from_tensor_slices((x, targets)).batch(10)
+    expected = reference.fit(dataset, epochs=2, verbose=0).history
+    got = model.fit(dataset, epochs=2, verbose=0).history
+    # The weighted step's trace (the reader reads it), then one device's, and that once more for the last batch of
+    # 6 (Keras' reduce_retracing: a new input shape traces with the batch dimension open).
+    assert counts == [3, 1, 1], counts
+    assert_same_state(reference, model)
+    assert set(got) == set(expected)
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
+
+
 def test_regression_fit_gives_no_example_to_a_replica_with_a_0_share_however_many_sets_it_met():
     # Four cards, more sets of active replicas in one fit than the branches' bound (2 per replica): the ninth set ran
     # as a traced superset, one example each to cards with a 0 share (under auto-balance, a card left out for being

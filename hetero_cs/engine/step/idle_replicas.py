@@ -166,7 +166,7 @@ class StepPerSet:
 
     A card alone (a set of one replica) holds the whole global batch, so its step needs no cut and nothing weighed:
     it runs as one device's step on that card (:attr:`hetero_cs.engine.step.replica_state.ReplicaStep.whole_batch`),
-    with the batch's static shape, as a strategy over that card alone would run it. That step skips the loss reader,
+    the batch dimension open as in a cut slice (see ``PackedBatchValues._unpack``). That step skips the loss reader,
     so it is taken only once a step traced with the reader (the first step, whatever its set) has run: a program
     the reader refuses is refused at its first step, whatever the plan, and a card alone met first is traced twice.
 
