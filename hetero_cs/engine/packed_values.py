@@ -63,8 +63,9 @@ class PackedBatchValues:
                     # The batch dimension left open, as in every cut slice: Keras reads a static batch size where it
                     # has one (a per-output loss tracker weighs each step by it), so a step must not know it when
                     # the steps around it do not.
-                    whole_batch = tf.raw_ops.PlaceholderWithDefault(
-                        input=whole_batch, shape=tf.TensorShape([None]).concatenate(whole_batch.shape[1:]))
+                    with tf.device(self.extended.input_device):  # on the host, where the cut would be
+                        whole_batch = tf.raw_ops.PlaceholderWithDefault(
+                            input=whole_batch, shape=tf.TensorShape([None]).concatenate(whole_batch.shape[1:]))
                 if created is not None and not is_unbatched_marker(whole_batch):
                     created.append(whole_batch)
                 return whole_batch
