@@ -175,7 +175,8 @@ class GuardTrials:
         ``alone_s``), or None."""
         policy = self._guard.policy
         if alone_s / plan_s < policy.alone_check_below:
-            return f"is predicted only {alone_s / plan_s:.3f}x faster than the fastest card alone"
+            return (f"is predicted at {alone_s / plan_s:.3f}x the fastest card alone's speed (below "
+                    f"GuardPolicy.alone_check_below={policy.alone_check_below:g})")
         if math.isinf(policy.alone_check_margin):
             return None
         # Measured: the replicas' median makespan over the window's steps that ran ``sizes``, and the relative

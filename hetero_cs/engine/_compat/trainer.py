@@ -112,9 +112,9 @@ def note_per_example_randomness(model) -> None:
     random = [layer.name for layer in all_sublayers(model) if layer is not model and any(
         isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values())]
     if random:
-        logger.info("hetero_cs: %s draw random values per example: each replica draws its own for its slice, so "
-                    "training matches one device in distribution, not value for value (switch them off to compare "
-                    "runs).", ", ".join(random))
+        logger.info("hetero_cs: the layers %s draw random values per example: each replica draws its own for its "
+                    "slice, so training matches one device in distribution, not value for value (switch them off to "
+                    "compare runs).", ", ".join(random))
 
 
 def patch_make_train_function() -> None:
