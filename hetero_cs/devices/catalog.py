@@ -260,6 +260,14 @@ def _read_catalog() -> dict[str, DeviceSpec]:
 CATALOG: Mapping[str, DeviceSpec] = types.MappingProxyType(_read_catalog())
 
 
+def _nearest_name(text: str) -> str:
+    """" Did you mean 'RTX4090'?" for a catalog key written with spaces, dashes or underscores ("RTX 4090",
+    "h100-sxm"), else ""."""
+    folded = {re.sub(r"[\s_-]", "", key).lower(): key for key in CATALOG}
+    key = folded.get(re.sub(r"[\s_-]", "", str(text)).lower())
+    return f" Did you mean {key!r}?" if key else ""
+
+
 def get_device_spec(name: str) -> DeviceSpec:
     """Looks up a catalog device, case-insensitively; ``NAME@SIZE`` overrides its memory, ``NAME~LINK`` its PCIe link.
 
@@ -290,8 +298,9 @@ def get_device_spec(name: str) -> DeviceSpec:
     key_text, separator, memory_text = head.partition(MEMORY_OVERRIDE_SEPARATOR)
     spec = next((spec for key, spec in CATALOG.items() if key.lower() == key_text.strip().lower()), None)
     if spec is None:
-        raise UnknownEmulatedDeviceError(f"Unknown emulated device name={name!r}. Known devices: "
-                                         f"{', '.join(CATALOG)}. Use one of these names (case does not matter).")
+        raise UnknownEmulatedDeviceError(f"Unknown emulated device name={name!r}.{_nearest_name(key_text)} Known "
+                                         f"devices: {', '.join(CATALOG)}. Use one of these names (case does not "
+                                         f"matter).")
     if separator:  # "T4@" (no size) is refused by the parser, not read as the catalog size
         # The name keeps the override: banners show it, a re-lookup by name (an Emulator passed on as names) keeps
         # the memory, and profile cache keys tell the two memories apart.

@@ -91,6 +91,14 @@ def test_every_error_class_is_a_hetero_cs_error_and_a_builtin():
         assert builtins, f"{cls.__name__} must also subclass a builtin such as ValueError or RuntimeError"
 
 
+@pytest.mark.parametrize("name, suggested", [("RTX 4090", "RTX4090"), ("h100-sxm", "H100SXM"),
+                                             ("rtx_a6000", "RTXA6000"), ("RTX9090", None), ("Quadro", None)])
+def test_an_unknown_emulated_device_name_close_to_a_known_one_is_suggested(name, suggested):
+    message = str(expect(lambda: get_device_spec(name), UnknownEmulatedDeviceError, KeyError, repr(name)))
+    assert (f"Did you mean {suggested!r}?" in message) if suggested else "Did you mean" not in message, message
+    assert "Known devices: A10, T4" in message
+
+
 def test_unknown_emulated_device_error_prints_its_message_not_a_repr():
     error = expect(lambda: get_device_spec("RTX9090"), UnknownEmulatedDeviceError, KeyError, "RTX9090")
     assert str(error).startswith("Unknown emulated device name='RTX9090'")  # KeyError would wrap it in quotes
