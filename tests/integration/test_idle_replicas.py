@@ -295,6 +295,18 @@ def test_fit_traces_its_step_again_before_the_first_step_that_idles_a_replica(wh
     assert counts[0] == counts[2] == 4 and counts[1] == 1, counts  # replica 1 worked in the first step only
 
 
+def recorded_traces(model, read=lambda data: data) -> list:
+    """Wraps ``model.train_step`` to append ``read(data)`` once per replica pass in a trace; returns that list."""
+    records, keras_train_step = [], model.train_step
+
+    def train_step(data):
+        records.append(read(data))
+        return keras_train_step(data)
+
+    model.train_step = train_step
+    return records
+
+
 def test_fit_traces_its_step_once_per_set_of_active_replicas_it_runs_and_a_set_met_again_traces_nothing():
     # fit runs a step traced for its plan's set of active replicas alone (idle_replicas.StepPerSet): a new set traces
     # one function, its own, with only its replicas' passes, and a set met before traces nothing (with branches, each
@@ -304,14 +316,7 @@ def test_fit_traces_its_step_once_per_set_of_active_replicas_it_runs_and_a_set_m
     with strategy.scope():
         model = bn_model(4)
     reference = bn_model(4)
-    traced = []
-    keras_train_step = model.train_step
-
-    def train_step(data):
-        traced.append(data)  # once per replica pass in a trace
-        return keras_train_step(data)
-
-    model.train_step = train_step
+    traced = recorded_traces(model)
 
     class Resplit(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -346,14 +351,7 @@ def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_de
     with strategy.scope():
         model = two_output_model(5)
     reference = two_output_model(5)
-    counts = []
-    keras_train_step = model.train_step
-
-    def train_step(data):
-        counts.append(int(model.distribute_strategy.num_replicas_in_sync))  # read while tracing
-        return keras_train_step(data)
-
-    model.train_step = train_step
+    counts = recorded_traces(model, lambda data: int(model.distribute_strategy.num_replicas_in_sync))
     x, y = data(46)
     targets = {"cls": y, "reg": x[:, :1] * 2.0}
     dataset = tf.data.Dataset.from_tensor_slices((x, targets)).batch(10)

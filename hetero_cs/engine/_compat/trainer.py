@@ -142,9 +142,10 @@ def patch_make_train_function() -> None:
         micro, recovery = strategy._micro_batching, getattr(strategy, "_step_recovery", None)  # noqa: SLF001
         micro.forget_findings()  # this model's step is traced at its first call
         current = [function]
-        # XLA per replica compiles the weighted step only: such a model's card alone runs its weighted step.
+        # XLA per replica compiles the weighted step only: a model compiled with jit_compile=True runs its card
+        # alone's weighted step (a check of two attributes per step, not of the layers).
         set_steps = idle_replicas.StepPerSet(strategy, lambda: _made_step(keras_make, self, train_function),
-                                             whole_allowed=lambda: not replica_xla.applies(self)) \
+                                             whole_allowed=lambda: not replica_xla.requested(self)) \
             if strategy.num_replicas_in_sync > 1 else None  # the central-storage strategy (is_hetero_strategy)
 
         def trace_again_if_needed():

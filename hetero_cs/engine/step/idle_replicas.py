@@ -173,8 +173,8 @@ class StepPerSet:
     Args:
         strategy: The central-storage strategy.
         make: Returns a new, untraced Keras train function (called once per set).
-        whole_allowed: Whether a card alone may run as one device's step (False: a model compiled with XLA per
-            replica, which only the weighted step compiles).
+        whole_allowed: Whether a card alone may run as one device's step (False: a model compiled with
+            ``jit_compile=True``, whose XLA per replica only the weighted step compiles). Called once per step.
     """
 
     def __init__(self, strategy, make: Callable[[], Callable], whole_allowed: Callable[[], bool] = lambda: True):
