@@ -225,7 +225,9 @@ def test_idle_cards_are_probed_beside_training_and_the_probes_change_nothing(mon
 
     state, probes, sizes, started = run(5)
     assert (128, 0, 0) != sizes[-1] and sizes[-1][1] == 0, sizes  # the T4 left out
-    assert len(probes) >= 3 and started >= len(probes), (probes, started)
+    # Probes due are counted by served steps; how many of them ran depends on the host's speed (a probe still running
+    # when the next is due is not started again), so at least the first one, which fit's end waits for.
+    assert started >= 3 and 1 <= len(probes) <= started, (probes, started)
     assert {(i, b) for i, b, _ in probes} == {(1, 1)} and all("idle_probe" in name for *_, name in probes), probes
     assert not any(s[1] == 1 for s in sizes), sizes  # no training step gave it an example
     alone_state, no_probes, alone_sizes, _ = run(10**6)
