@@ -58,14 +58,10 @@ class PackedBatchValues:
                 parts = _compat.components(value)
                 if parts is None or len(parts) != 1:
                     return value
+                # Its static batch size stays where the traced call knows it (one device's step can see none, from
+                # a dataset that does not say it: only Keras' per-output loss trackers read it, and they count one
+                # per step in such a step, see _compat.losses.patch_mean_metric).
                 whole_batch = parts[0]
-                if isinstance(whole_batch, tf.Tensor) and whole_batch.shape.rank:
-                    # The batch dimension left open, as in every cut slice: Keras reads a static batch size where it
-                    # has one (a per-output loss tracker weighs each step by it), so a step must not know it when
-                    # the steps around it do not.
-                    with tf.device(self.extended.input_device):  # on the host, where the cut would be
-                        whole_batch = tf.raw_ops.PlaceholderWithDefault(
-                            input=whole_batch, shape=tf.TensorShape([None]).concatenate(whole_batch.shape[1:]))
                 if created is not None and not is_unbatched_marker(whole_batch):
                     created.append(whole_batch)
                 return whole_batch

@@ -341,25 +341,28 @@ def two_output_model(seed: int):
     return model
 
 
-def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_device_logs():
+@pytest.mark.parametrize("drop_remainder", [False, True], ids=["batch-size-unknown", "batch-size-known"])
+def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_device_logs(drop_remainder):
     # After a first step traced with the loss reader, fit's steps of a card alone run as one device's step on the whole
-    # batch (StepPerSet): nothing weighed, num_replicas_in_sync 1 inside the replica. The batch dimension stays open
-    # there, as in the cut slices: Keras weighs a per-output loss tracker by a static batch size, so a step that knew
-    # it would log other per-output losses than one device (and the steps around it) do. 46 examples in batches of 10:
-    # a last batch of 6.
+    # batch (StepPerSet): nothing weighed, num_replicas_in_sync 1 inside the replica, the batch's static size known.
+    # Keras weighs a per-output loss tracker by a static batch size: one device reads its dataset's (unknown without
+    # drop_remainder, 1 per step; else the same every step), so a card alone's step counts one per step, as the
+    # weighted steps around it do. 46 examples in batches of 10: a last batch of 6 without drop_remainder.
     strategy = strategy_for(3, [0, 1, 0])
     with strategy.scope():
         model = two_output_model(5)
     reference = two_output_model(5)
-    counts = recorded_traces(model, lambda data: int(model.distribute_strategy.num_replicas_in_sync))
+    traced = recorded_traces(model, lambda data: (int(model.distribute_strategy.num_replicas_in_sync),
+                                                  tf.nest.flatten(data)[0].shape[0]))
     x, y = data(46)
     targets = {"cls": y, "reg": x[:, :1] * 2.0}
-    dataset = tf.data.Dataset.from_tensor_slices((x, targets)).batch(10)
+    dataset = tf.data.Dataset.from_tensor_slices((x, targets)).batch(10, drop_remainder=drop_remainder)
     expected = reference.fit(dataset, epochs=2, verbose=0).history
     got = model.fit(dataset, epochs=2, verbose=0).history
-    # The weighted step's trace (the reader reads it), then one device's, and that once more for the last batch of
-    # 6 (Keras' reduce_retracing: a new input shape traces with the batch dimension open).
-    assert counts == [3, 1, 1], counts
+    # The weighted step's trace (the reader reads it; three replicas, a slice of no static size), then one device's
+    # on the whole batch, and without drop_remainder that once more for the last batch of 6 (Keras'
+    # reduce_retracing: a new input shape traces with the batch dimension open).
+    assert traced == [(3, None), (1, 10)] + ([] if drop_remainder else [(1, None)]), traced
     assert_same_state(reference, model)
     assert set(got) == set(expected)
     for key in expected:
