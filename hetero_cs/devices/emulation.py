@@ -170,6 +170,19 @@ class Emulator(DeepcopiedWithNewLocks):
         with self._lock:
             self._steps = [step] * len(self._specs)
 
+    def skip_step(self, replica_ids: Sequence[int]) -> None:
+        """Advances the step counters of replicas a step leaves idle, as ``delay_s(i, 0)`` does (0 examples: 0 s,
+        no memory, nothing fails), without its computation: one lock for the step's idle replicas.
+
+        Raises:
+            ConfigError: If a replica id is not in [0, R).
+        """
+        for i in replica_ids:
+            self._check_replica(i)
+        with self._lock:
+            for i in replica_ids:
+                self._steps[i] += 1
+
     def calibrate_time_scale(self, global_batch_size: int, *, target_makespan_s: float = 0.05) -> float:
         """Chooses ``time_scale`` so the slowest replica's step at an even split takes ~``target_makespan_s``.
 

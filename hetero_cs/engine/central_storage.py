@@ -397,6 +397,9 @@ class HeteroCentralStorageStrategy(
                 batch_size, count = sub_step.chain_sizes[step.replica_id], sub_step.counts[step.replica_id]
             record = None if sub_step.record is None else functools.partial(sub_step.record, count=count)
 
+        idle = step.handoff.idle_reports if step.handoff is not None and sub_step is None else ()
+        if idle and step.replica_id == min(set(range(len(self._compute_devices))) - set(idle)) and record is not None:
+            record = functools.partial(self._record_step_time, idle=idle)  # the first active replica reports the idle
         return finish_replica_step(
             grads, step.start_stamp, replica_id=step.replica_id, batch_size=batch_size, emulator=self._emulator,
             record=record, sampled=step.sampled_timing, keyed=step.shared_start, host_device=self._parameter_device,
@@ -405,10 +408,12 @@ class HeteroCentralStorageStrategy(
             end_stamps=None if sub_step is None else sub_step.end_stamps.setdefault(step.replica_id, []))
 
     def _record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
-                          step_key: float | None = None) -> None:
+                          step_key: float | None = None, idle: tuple = ()) -> None:
         """Monitor callback (runs in a TensorFlow thread once per replica per step): records only. ``step_key``
-        is the step's clock start (seconds), shared by its replicas: steps pair by it, also after a failed step."""
-        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s), step_key=step_key)
+        is the step's clock start (seconds), shared by its replicas: steps pair by it, also after a failed step.
+        ``idle``: the replicas the step left idle, whose reports (0 examples, 0 s) go with this one."""
+        self._balancer.record_step_time(int(replica_id), int(batch_size), float(step_time_s), step_key=step_key,
+                                        idle_replicas=idle)
 
     def _record_step_end(self, start_s: float, step_time_s: float) -> None:
         """Called from a TensorFlow thread when the host's work on a step ended (its update): the step's makespan

@@ -392,9 +392,10 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             self._guard.warm_up_again()
 
     def record_step_time(self, replica_id: int, batch_size: int, step_time_s: float, *,
-                         step_key: Hashable | None = None) -> None:
-        """One replica's measured step, keyed by its step when ``step_key`` is given (see StepTimeMonitor.record)."""
-        self._monitor.record(replica_id, batch_size, step_time_s, step_key=step_key)
+                         step_key: Hashable | None = None, idle_replicas: Sequence[int] = ()) -> None:
+        """One replica's measured step, keyed by its step when ``step_key`` is given, with the reports of the
+        replicas it left idle (see StepTimeMonitor.record)."""
+        self._monitor.record(replica_id, batch_size, step_time_s, step_key=step_key, idle_replicas=idle_replicas)
 
     def record_probe(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
         """A probe of an idle replica, timed off the step's path (``idle_prober``; StepTimeMonitor.record_probe)."""

@@ -118,8 +118,9 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
         with self._lock:
             return len(self._window)
 
-    def record(self, replica_id: int, batch_size: int, step_time_s: float, *, step_key: Hashable | None = None) -> None:
-        """Records one replica's step.
+    def record(self, replica_id: int, batch_size: int, step_time_s: float, *, step_key: Hashable | None = None,
+               idle_replicas: Sequence[int] = ()) -> None:
+        """Records one replica's step (and, in the same call, the step of each replica it left idle).
 
         Args:
             replica_id: In [0, R).
@@ -129,11 +130,15 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
             step_key: None to pair by order (the k-th report of each replica is step k), or a hashable value
                 that every replica of this step reports and no other step has (the engine passes the step's
                 clock start, in seconds); keyed steps stay paired across a step that failed part-way.
+            idle_replicas: Replicas of this step with no examples: each reports 0 examples in 0 s here, as its own
+                call would (one call, not one per replica, from the step's host callback).
 
         Raises:
-            ConfigError: If replica_id is out of range, batch_size is negative or not an integer, or step_key is
+            ConfigError: If a replica id is out of range, batch_size is negative or not an integer, or step_key is
                 not hashable.
         """
+        for idle in idle_replicas:
+            check_range("idle_replicas", idle, 0, self._num_replicas, integer=True)
         check_range("replica_id", replica_id, 0, self._num_replicas, integer=True)
         if not _is_int(batch_size) or batch_size < 0:
             raise ConfigError(f"batch_size must be a non-negative integer (examples in the replica's slice). "
@@ -151,14 +156,21 @@ class StepTimeMonitor(DeepcopiedWithNewLocks):
                 logger.warning("Ignoring an invalid step time (step_time_s=%r, replica_id=%d); a step time must be "
                                "finite and >= 0. Steps with invalid times are left out of the statistics; further ones "
                                "are not reported.", step_time_s, replica_id)
-            if (done := self._pairing.add(int(replica_id), int(batch_size), step_time_s, valid, step_key)) is not None:
-                self._completed_steps += 1
-                if done.valid:
-                    self._window.append(StepSample.from_times(done.index, done.batch_sizes, done.step_times_s))
-                    if step_key is not None:
-                        self._step_of_key[step_key] = done.index
-                        while len(self._step_of_key) > self._window_steps:
-                            self._step_of_key.popitem(last=False)
+            for idle in idle_replicas:
+                self._add_locked(int(idle), 0, 0.0, True, step_key)
+            self._add_locked(int(replica_id), int(batch_size), step_time_s, valid, step_key)
+
+    def _add_locked(self, replica_id: int, batch_size: int, step_time_s: float, valid: bool, step_key) -> None:
+        """One replica's report into its step's pairing; a step complete with it goes into the window."""
+        if (done := self._pairing.add(replica_id, batch_size, step_time_s, valid, step_key)) is None:
+            return
+        self._completed_steps += 1
+        if done.valid:
+            self._window.append(StepSample.from_times(done.index, done.batch_sizes, done.step_times_s))
+            if step_key is not None:
+                self._step_of_key[step_key] = done.index
+                while len(self._step_of_key) > self._window_steps:
+                    self._step_of_key.popitem(last=False)
 
     def record_probe(self, replica_id: int, batch_size: int, step_time_s: float) -> None:
         """Records a probe of a replica the plan leaves idle, timed off the step's path (it pairs with no step).

@@ -285,6 +285,19 @@ def test_delay_applies_drift_at_each_replicas_own_step_and_advances():
     assert emulator.delay_s(1, 0) == 0.0  # an empty slice idles, drift or not
 
 
+def test_skip_step_advances_idle_replicas_as_an_empty_slice_does_and_never_fails():
+    # fit's step per set advances its idle replicas' counters in one call (no step time, no memory, no fault).
+    drift = [Drift(replica_id=1, factor=2.0, from_step=1, fails=True)]
+    skipped, stepped = (Emulator(["T4", "T4", "P100"], workload=MLP, time_scale=1.0, drift=drift) for _ in range(2))
+    for _ in range(3):
+        skipped.skip_step([1, 2])
+        assert stepped.delay_s(1, 0) == stepped.delay_s(2, 0) == 0.0
+    assert skipped.steps_done == stepped.steps_done == (0, 3, 3)
+    with pytest.raises(ConfigError, match=r"replica_id=3 must be an int in \[0, 3\)"):
+        skipped.skip_step([0, 3])
+    assert skipped.steps_done == (0, 3, 3)  # checked before any counter moves
+
+
 def test_query_validation():
     emulator = Emulator(["T4"], workload=MLP)
     with pytest.raises(ConfigError, match=r"replica_id=1 must be an int in \[0, 1\)"):

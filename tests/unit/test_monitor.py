@@ -54,6 +54,22 @@ def test_step_completes_only_when_every_replica_reported():
     assert last.straggler_replica == 2
 
 
+def test_a_report_that_names_its_idle_replicas_completes_the_step_as_their_own_reports_would():
+    # The engine's first active replica reports the replicas its step left idle in the same call (one host callback).
+    together, apart = StepTimeMonitor(3), StepTimeMonitor(3)
+    for key in (1.5, 2.5):
+        together.record(1, 8, 0.2, step_key=key, idle_replicas=(0, 2))
+        apart.record(1, 8, 0.2, step_key=key)
+        apart.record(0, 0, 0.0, step_key=key)
+        apart.record(2, 0, 0.0, step_key=key)
+    assert together.completed_steps == apart.completed_steps == 2
+    assert together.last_step() == apart.last_step()
+    assert together.last_step().per_replica_batch_sizes == (0, 8, 0)
+    with pytest.raises(ConfigError, match="idle_replicas"):
+        together.record(1, 8, 0.2, step_key=3.5, idle_replicas=(3,))
+    assert together.completed_steps == 2
+
+
 def test_kth_report_of_each_replica_belongs_to_step_k():
     monitor = StepTimeMonitor(2)
     monitor.record(0, 10, 1.0)  # step 0

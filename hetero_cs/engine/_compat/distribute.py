@@ -199,9 +199,13 @@ class HeteroExtended(parameter_server_strategy.ParameterServerStrategyExtended):
                 result = super()._call_for_each_replica(wrapped, args, kwargs)
             else:
                 idle = [i for i in range(R) if i not in active]
-                idle_replicas.report_idle_replicas(
-                    idle, handoff.start_stamp, record=strategy._record_step_time if handoff.start_stamp is not None
-                    else None, emulator=strategy._emulator, host=strategy._parameter_device)  # noqa: SLF001
+                if idle_replicas.set_of_traced_step() is not None:  # fit's step per set (its counters: StepPerSet)
+                    handoff.idle_reports = tuple(idle)
+                else:
+                    idle_replicas.report_idle_replicas(
+                        idle, handoff.start_stamp, record=strategy._record_step_time  # noqa: SLF001
+                        if handoff.start_stamp is not None else None, emulator=strategy._emulator,  # noqa: SLF001
+                        host=strategy._parameter_device)  # noqa: SLF001
                 sub = functools.partial(idle_replicas.subset_per_replica, active=active, num_replicas=R,
                                         components=components, per_replica=per_replica)
                 # Within: this thread's call_for_each_replica starts threads for the active replicas only. Private:

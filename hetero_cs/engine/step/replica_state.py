@@ -124,6 +124,9 @@ class StepHandoff:
             summed gradients finite (or not); the inner optimizer's iteration counter adds it instead of 1.
         start_stamp: The step's float64 clock start, shared by its replicas (None when the step is not timed);
             the host's end of the step is timed from it. ``sampled_start``: it is negative on untimed steps.
+        idle_reports: The replicas this call leaves idle whose step reports (0 examples) its first active replica
+            makes with its own, in the same host call (fit's step per set; elsewhere an op of their own makes them,
+            ``idle_replicas.report_idle_replicas``).
         hooks: The record of which patched Keras/TensorFlow hooks ran in this step and which it needs
             (:class:`hetero_cs.engine._compat.hooks.StepHooks`), or None where nothing checks them (the multi-worker
             strategy).
@@ -136,6 +139,7 @@ class StepHandoff:
     hooks: Any = None
     start_stamp: Any = None
     sampled_start: bool = False
+    idle_reports: tuple = ()
 
 
 @contextmanager
