@@ -167,9 +167,10 @@ class StepPerSet:
     A card alone (a set of one replica) holds the whole global batch, so its step needs no cut and nothing weighed:
     it runs as one device's step on that card (:attr:`hetero_cs.engine.step.replica_state.ReplicaStep.whole_batch`),
     its batch's static size known, as a one-card strategy's step knows it (see ``PackedBatchValues._unpack``; a
-    per-output loss tracker counts one per step there: ``_compat.losses.patch_mean_metric``). That step skips the loss reader,
-    so it is taken only once a step traced with the reader (the first step, whatever its set) has run: a program
-    the reader refuses is refused at its first step, whatever the plan, and a card alone met first is traced twice.
+    per-output loss tracker counts one per step there: ``_compat.losses.patch_mean_metric``). That step skips the
+    loss reader, so it is taken only once a step traced with the reader (the first step, whatever its set) has run:
+    a program the reader refuses is refused at its first step, whatever the plan, and a card alone met first is
+    traced twice.
 
     Args:
         strategy: The central-storage strategy.
