@@ -58,9 +58,9 @@ class PackedBatchValues:
                 parts = _compat.components(value)
                 if parts is None or len(parts) != 1:
                     return value
-                # Its static batch size stays where the traced call knows it (one device's step can see none, from
-                # a dataset that does not say it: only Keras' per-output loss trackers read it, and they count one
-                # per step in such a step, see _compat.losses.patch_mean_metric).
+                # Its static batch size stays where the traced call knows it (one device's step may see none, from
+                # a dataset that does not say it). Keras' per-output loss trackers weigh a Mean by it: a Mean weighed
+                # by a number counts one per step in our steps (_compat.losses.patch_mean_metric).
                 whole_batch = parts[0]
                 if created is not None and not is_unbatched_marker(whole_batch):
                     created.append(whole_batch)

@@ -470,7 +470,12 @@ def _train_step_model(program: Program) -> str:
     }[program.loss]
     return f'''
 class TrainStepModel(keras.Model):
-    """A train_step and a test_step of its own, returning scalars it computes itself."""
+    """A train_step and a test_step of its own, returning scalars it computes itself, and a Mean tracker weighed by
+    the batch's static size (Keras' per-output loss trackers' idiom: None where unknown)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracked = keras.metrics.Mean(name="tracked")
 
     def train_step(self, data):
         x, y, w = keras.utils.unpack_x_y_sample_weight(data)
@@ -482,7 +487,9 @@ class TrainStepModel(keras.Model):
             loss = {loss}
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
-        return {{"loss": loss, "mean_prediction": tf.reduce_mean(pred), "batch_sum": tf.reduce_sum(per_example)}}
+        self.tracked.update_state(tf.reduce_mean(per_example), sample_weight=x.shape[0])
+        return {{"loss": loss, "mean_prediction": tf.reduce_mean(pred), "batch_sum": tf.reduce_sum(per_example),
+                "tracked": self.tracked.result()}}
 
     def input_gradient_penalty(self, x):
         with tf.GradientTape() as inner:

@@ -369,6 +369,55 @@ def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_de
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
 
 
+class NumberWeighedTrackers(keras.Model):
+    """A train_step override whose Mean trackers are weighed by numbers: the batch's static size (Keras' own
+    per-output loss trackers' idiom; None, so 1, where unknown) and a constant."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_static_size = keras.metrics.Mean(name="by_static_size")
+        self.by_constant = keras.metrics.Mean(name="by_constant")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        error = tf.reduce_mean(tf.square(y_pred - y))
+        self.by_static_size.update_state(error, sample_weight=x.shape[0])
+        self.by_constant.update_state(error, sample_weight=2)
+        return {m.name: m.result() for m in (self.by_static_size, self.by_constant)}
+
+
+@pytest.mark.parametrize("shares", [[0, 1, 0], [3, 2, 1]])
+@pytest.mark.parametrize("drop_remainder", [False, True], ids=["batch-size-unknown", "batch-size-known"])
+def test_a_mean_weighed_by_a_number_logs_what_one_device_logs(shares, drop_remainder):
+    # One device weighs every step of an epoch alike (one static size, or none); a card alone's step knows a static
+    # size where one device may not, and a weighted step's slices know none: a Mean weighed by a number counts one
+    # per step in our steps (before: the card alone's logged mean was 0.05 off; a weighted step's about R times).
+    def build():
+        init = keras.initializers.GlorotUniform
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(1, kernel_initializer=init(seed=3))(
+            keras.layers.Dense(6, activation="tanh", kernel_initializer=init(seed=2))(inputs))
+        model = NumberWeighedTrackers(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    strategy = strategy_for(3, shares)
+    with strategy.scope():
+        model = build()
+    reference = build()
+    x, _ = data(46)
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1] * 2.0)).batch(10, drop_remainder=drop_remainder)
+    expected = reference.fit(dataset, epochs=2, verbose=0).history
+    got = model.fit(dataset, epochs=2, verbose=0).history
+    assert_same_state(reference, model)
+    for key in ("by_static_size", "by_constant"):
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
+
+
 def test_regression_fit_gives_no_example_to_a_replica_with_a_0_share_however_many_sets_it_met():
     # Four cards, more sets of active replicas in one fit than the branches' bound (2 per replica): the ninth set ran
     # as a traced superset, one example each to cards with a 0 share (under auto-balance, a card left out for being

@@ -29,6 +29,7 @@ is one too.
 """
 
 import contextlib
+import numbers
 import threading
 
 import tensorflow as tf
@@ -316,26 +317,22 @@ def patch_mean_metric() -> None:
     # R per step and the mean would come out R times too small (Keras' guide: a Mean tracking compute_loss's
     # value in a custom train_step), or average slices unweighted (per-output loss metrics). Under our strategy
     # such a scalar counts w_i = b_i / B per replica: one per step, as on one device.
-    # Keras' CompileLoss updates each per-output loss tracker with the batch's static size as its weight (None, so 1,
-    # where the size is unknown). One device reads one static size per dataset, so every step of an epoch weighs
-    # alike: one per step is its mean. A weighted step's slices have no static size; a card alone's step (whole
-    # batch) may have one: it counts one per step too, so the steps of an epoch weigh alike here as well.
+    # A sample weight that is a positive number, not a tensor, is the same in every step of a trace: Keras'
+    # CompileLoss weighs each per-output loss tracker by the batch's static size (1 a step where it has none), and
+    # code after Keras' own does the same (`sample_weight=x.shape[0]`). One device's steps of an epoch then all weigh
+    # alike, so its mean is the mean of the steps' values. In a replica step of ours such a value counts one per step
+    # too (as without a sample weight): the slices of a weighted step have no static size, and a card alone's step
+    # (whole batch) may know it where one device's step does not.
     from keras.src.metrics.reduction_metrics import Mean
-    from keras.src.trainers.compile_utils import CompileLoss
-
-    @patch(CompileLoss, "call")
-    def call(original, self, *args, **kwargs):
-        whole = getattr(replica_state.current_replica_step(), "whole_batch", False)
-        with set_locally(_per_output, whole_batch=whole):
-            return original(self, *args, **kwargs)
 
     @patch(Mean, "update_state")
     def update_state(original, self, values, sample_weight=None):
-        if isinstance(sample_weight, int) and getattr(_per_output, "whole_batch", False):
-            sample_weight = None  # a per-output loss tracker's static batch size in a card alone's step
         if weighted_step() is not None and not in_stateless_scope() and any(
                 _central_in_replica_context(v) is not None for v in self.variables):
             hooks.expect(hooks.VARIABLE_WRITE, by=f"the metric {self.name!r} (Mean.update_state)")
+        if isinstance(sample_weight, numbers.Real) and sample_weight > 0 and \
+                replica_state.current_replica_step() is not None:
+            sample_weight = None  # the same every step of the trace: one per step, as above
         step = weighted_step() if sample_weight is None else None
         if step is None or (in_stateless_scope() and not getattr(_compiled, "replica_step", False)):
             return original(self, values, sample_weight=sample_weight)
@@ -350,7 +347,6 @@ def patch_mean_metric() -> None:
         return original(self, tensor, sample_weight=weight)
 
 
-_per_output = threading.local()  # .whole_batch: CompileLoss is called in a card alone's step (whole batch)
 _compiled = threading.local()  # .replica_step: a replica's compiled forward pass is being traced (see below)
 
 

@@ -38,7 +38,6 @@ REQUIRED = (
                                                "_resolve_auto_jit_compile")),
     ("keras.src.metrics.reduction_metrics", "Mean", ("update_state",)),
     ("keras.src.metrics.reduction_metrics", "Sum", ("update_state",)),
-    ("keras.src.trainers.compile_utils", "CompileLoss", ("call",)),
     ("keras.src.backend.common.stateless_scope", None, ("in_stateless_scope", "StatelessScope")),
     ("keras.src.trainers.data_adapters", "data_adapter_utils", ("unpack_x_y_sample_weight",)),
     ("keras.src.backend.tensorflow.core", "Variable", ("assign", "assign_add", "assign_sub")),

@@ -166,8 +166,9 @@ class StepPerSet:
 
     A card alone (a set of one replica) holds the whole global batch, so its step needs no cut and nothing weighed:
     it runs as one device's step on that card (:attr:`hetero_cs.engine.step.replica_state.ReplicaStep.whole_batch`),
-    its batch's static size known, as a one-card strategy's step knows it (see ``PackedBatchValues._unpack``; a
-    per-output loss tracker counts one per step there: ``_compat.losses.patch_mean_metric``). That step skips the
+    its batch's static size known where the traced call knows it (a one-card strategy's step knows its dataset's,
+    which may be none: a ``Mean`` weighed by a number, as Keras' per-output loss trackers weigh by that size, counts
+    one per step in either, ``_compat.losses.patch_mean_metric``). That step skips the
     loss reader, so it is taken only once a step traced with the reader (the first step, whatever its set) has run:
     a program the reader refuses is refused at its first step, whatever the plan, and a card alone met first is
     traced twice.
