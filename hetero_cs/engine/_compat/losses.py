@@ -330,9 +330,10 @@ def patch_mean_metric() -> None:
         if weighted_step() is not None and not in_stateless_scope() and any(
                 _central_in_replica_context(v) is not None for v in self.variables):
             hooks.expect(hooks.VARIABLE_WRITE, by=f"the metric {self.name!r} (Mean.update_state)")
-        if isinstance(sample_weight, numbers.Real) and sample_weight > 0 and \
+        if isinstance(sample_weight, numbers.Real) and sample_weight > 0 and not tf.executing_eagerly() and \
                 replica_state.current_replica_step() is not None:
-            sample_weight = None  # the same every step of the trace: one per step, as above
+            sample_weight = None  # the same every step of the trace: one per step, as above (eagerly, a batch's
+            # size is known in every step, partial ones too, and weighs it there as on one device)
         step = weighted_step() if sample_weight is None else None
         if step is None or (in_stateless_scope() and not getattr(_compiled, "replica_step", False)):
             return original(self, values, sample_weight=sample_weight)
