@@ -389,9 +389,8 @@ def report_idle_replicas(idle: Sequence[int], start_stamp, *, record: Callable[.
         start_s = float(start)
         if emulator is not None:
             emulator.skip_step(idle)
-        for i in idle:
-            if record is not None and start_s >= 0.0:  # a sampled step that is not timed has a negative stamp
-                record(i, 0, 0.0, step_key=start_s)
+        if record is not None and start_s >= 0.0:  # a sampled step that is not timed has a negative stamp
+            record(idle[0], 0, 0.0, step_key=start_s, idle=tuple(idle[1:]))  # one call for the idle replicas
         return np.float64(0.0)
 
     stamp = tf.cast(start_stamp if start_stamp is not None else tf.constant(-1.0, tf.float64), tf.float64)
