@@ -71,7 +71,9 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
     (measured on TF 2.21 inside tf.function).
 
     Args:
-        start_stamp: float64 scalar from ``wall_clock_stamp`` at the start of the step.
+        start_stamp: float64 scalar from ``wall_clock_stamp`` at the start of the step; negative: an emulated step
+            that is not timed (``sampled_wall_clock_stamp(..., emulated=True)``), which waits from the stamp's
+            magnitude and calls no ``record``.
         anchor: A tensor computed at the end of the replica's work (e.g. a gradient), or None when the call is
             made under ``tf.control_dependencies`` on that work (control inputs of this op itself are kept; it is
             only a stamp whose *output* feeds nothing but control edges that Grappler drops).
@@ -86,12 +88,14 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
             that failed in some replica (:class:`hetero_cs.planning.monitor.StepTimeMonitor`).
 
     Returns:
-        A float64 scalar: the end stamp on the ``time.perf_counter`` clock.
+        A float64 scalar: the end stamp on the ``time.perf_counter`` clock (negated for a negative start).
     """
     replica_id = operator.index(replica_id)  # a Python or numpy int, fixed at trace time
 
     def _end(start: Any, _probe: Any, size: Any) -> Any:
+        # A negative start: an emulated step that is not timed (sampled_wall_clock_stamp): it waits, and reports nothing.
         start_s, examples = float(start), int(size)
+        timed, start_s = start_s >= 0.0, abs(start_s)
         if emulator is not None:
             # An emulated device whose memory the slice exceeds raises EmulatedOutOfMemoryError (a MemoryError),
             # which TensorFlow reports as tf.errors.ResourceExhaustedError, as a GPU would.
@@ -103,9 +107,9 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
             if remaining_s > 0:
                 time.sleep(remaining_s)
         end_s = time.perf_counter()
-        if record is not None:
+        if record is not None and timed:
             record(replica_id, examples, end_s - start_s, **({"step_key": start_s} if keyed else {}))
-        return np.float64(end_s)
+        return np.float64(end_s if timed else -end_s)  # a micro-batch chained after it is not timed either
 
     # With anchor=None the caller orders the op after the work with tf.control_dependencies around this call; the
     # start stamp (a run-time value) keeps it from being constant-folded.
@@ -212,8 +216,19 @@ def _if_timed(start_stamp: Any, fn: Callable[[], Any]) -> tf.Tensor:
     return tf.cond(start_stamp >= 0.0, fn, lambda: tf.constant(0.0, tf.float64))
 
 
-def sampled_wall_clock_stamp(anchor: Any, timed: Any) -> tf.Tensor:
-    """``wall_clock_stamp(anchor)`` when ``timed`` (a bool scalar tensor), else -1.0 without reading the clock."""
+def sampled_wall_clock_stamp(anchor: Any, timed: Any, *, emulated: bool = False) -> tf.Tensor:
+    """``wall_clock_stamp(anchor)`` when ``timed`` (a bool scalar tensor), else -1.0 without reading the clock.
+
+    ``emulated``: the clock is read on every step, since an emulated step waits from it whether it is timed or not
+    (:func:`end_replica_step`); an untimed step's stamp is then the clock's negative. Either way a negative stamp
+    says "not timed": nothing reports the step.
+    """
+    if emulated:
+        def signed(is_timed: Any, _probe: Any) -> Any:
+            now = time.perf_counter()
+            return np.float64(now if is_timed else -now)
+
+        return _host_scalar(signed, [timed, _probe_scalar(anchor)], "wall_clock_stamp")
     return tf.cond(timed, lambda: wall_clock_stamp(anchor), lambda: tf.constant(-1.0, tf.float64))
 
 
@@ -233,7 +248,7 @@ def finish_replica_step(grads: Sequence[Any], start_stamp: Any, *, replica_id: i
         start_stamp: float64 scalar from :func:`wall_clock_stamp` when the replica's slice arrived.
         replica_id, batch_size, emulator, record, keyed: As for :func:`end_replica_step`.
         sampled: ``start_stamp`` came from :func:`sampled_wall_clock_stamp`: a negative stamp (an untimed step)
-            skips the end stamp and the report (not allowed with an emulator, whose wait must run every step).
+            skips the end stamp and the report; with an emulator, whose wait runs every step, only the report.
         host_device: Where the gradients go (the parameter device): they are copied there first and the step ends
             when the copies exist (kernel completion on a GPU); the copies are returned. None: the step ends when
             the gradients exist on the replica's device, and they are returned where they are.

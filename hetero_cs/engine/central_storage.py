@@ -220,10 +220,12 @@ class HeteroCentralStorageStrategy(
             idle_prober=self._idle_probes.start)
         self._step_recovery = (StepRecovery(self, always=oom_recovery is not None, memory=oom_recovery is not False,
                                             on_device_error=on_device_error) if len(devices) > 1 else None)
-        # Sampled timing on real devices when only the balancer needs the times (each step's plan says whether it is
-        # timed); an emulated step must wait (and so be timed) every step, and HETERO_CS_TIMING=1 asks for every step.
-        every_step = emulator is not None or arguments.env_flag("HETERO_CS_TIMING")
-        self._timing_enabled = bool(self._balancer.timing_needed or every_step)
+        # Sampled timing when only the balancer needs the times (each step's plan says whether it is timed), on
+        # emulated devices as on real ones: an emulated step waits out its device's time every step, timed or not
+        # (its clock runs on untimed steps too, step_clock.sampled_wall_clock_stamp), and without the balancer its
+        # every step is timed. HETERO_CS_TIMING=1 asks for every step.
+        every_step = arguments.env_flag("HETERO_CS_TIMING")
+        self._timing_enabled = bool(self._balancer.timing_needed or every_step or emulator is not None)
         self._sampled_timing = bool(self._balancer.timing_needed and not every_step)
 
     # ----------------------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def wrap_replica_fn(strategy, fn, args, kwargs, batch_leaves=(), timed=None, han
                 # One clock start per step, when the step's input is there: every replica's step time runs
                 # from it (what a real device's does: input and parameters reach it after the step starts).
                 anchor = tensors.dense_part(components[0])  # data, so never constant-folded
-                step_start = sampled_wall_clock_stamp(anchor, timed) if sampled else wall_clock_stamp(anchor)
+                step_start = (sampled_wall_clock_stamp(anchor, timed, emulated=strategy._emulator is not None)
+                              if sampled else wall_clock_stamp(anchor))
                 if handoff is not None:  # the host's end of this step is timed from the same start
                     handoff.start_stamp, handoff.sampled_start = step_start, sampled
     if strategy._emulation_pending():

@@ -62,7 +62,8 @@ class StrategyState(SharedState):
 
     @property
     def monitor(self) -> StepTimeMonitor:
-        """Per-replica step-time statistics (filled while timing is on: auto_balance, emulation, HETERO_CS_TIMING=1)."""
+        """Per-replica step-time statistics: of sampled steps under auto_balance or re-balancing, of every step on
+        emulated devices without them or with HETERO_CS_TIMING=1 (see ``docs/trust.md``)."""
         return self._balancer.monitor
 
     @property

@@ -18,7 +18,7 @@ from hetero_cs.emulation import (
     setup_logical_devices,
 )
 from hetero_cs.errors import ConfigError, EmulationError, UnknownEmulatedDeviceError
-from hetero_cs.devices.step_clock import end_replica_step, tie_to_stamp, wall_clock_stamp
+from hetero_cs.devices.step_clock import end_replica_step, sampled_wall_clock_stamp, tie_to_stamp, wall_clock_stamp
 
 # Before any TF op runs in this process (idempotent: a conftest or an earlier module may have configured more).
 COMPUTE_DEVICES = setup_logical_devices(["A10", "T4", "T4"])
@@ -128,6 +128,29 @@ def test_an_empty_slice_works_and_idles(emulated_devices, monkeypatch):
 
     step = make_replicated_step(emulated_devices, [0, 0, 0], emulator=emulator)
     assert step(tf.zeros([0, 4])).shape == (3, 4)
+
+
+def test_an_emulated_step_that_is_not_timed_still_waits_and_reports_nothing(monkeypatch):
+    """Sampled timing on emulated devices: every step waits out its device's time and advances its counter; only a
+    timed step reports."""
+    from hetero_cs.devices import step_clock as step_timing
+
+    emulator = Emulator(["T4", "T4", "T4"], workload=MLP, time_scale=1000.0)
+    wanted_s = emulator.step_time_s(1, 4)
+    sleeps = []
+    monkeypatch.setattr(step_timing.time, "sleep", sleeps.append)  # the wait asked for, without a wall-clock bound
+    record = Recorder()
+    anchor = tf.ones([4, 2])
+    for timed in (False, True):
+        start = sampled_wall_clock_stamp(anchor, tf.constant(timed), emulated=True)
+        assert (float(start) >= 0.0) == timed  # untimed: the clock's negative
+        end = end_replica_step(start, anchor, replica_id=1, batch_size=4, emulator=emulator, record=record)
+        assert (float(end) >= 0.0) == timed and abs(float(end)) >= abs(float(start))
+    assert len(sleeps) == 2 and all(0 < s <= wanted_s for s in sleeps)  # both steps waited, from their starts
+    assert emulator.steps_done == (0, 2, 0)
+    assert [(r, b) for r, b, *_ in record.calls] == [(1, 4)]  # the timed step only
+    # Real devices: an untimed step's stamp is -1.0, and the clock is not read.
+    assert float(sampled_wall_clock_stamp(anchor, tf.constant(False))) == -1.0
 
 
 def test_probes_do_not_advance_the_emulator(emulated_devices):

@@ -70,6 +70,32 @@ def test_sampled_timing_keeps_replicas_paired_and_times_fewer_steps(monkeypatch)
         assert sum(sample.per_replica_batch_sizes) == B
 
 
+def test_emulated_devices_time_sampled_steps_only_and_wait_out_every_step(monkeypatch):
+    """As on real devices, only sampled steps are timed; every step still waits out its emulated devices' time
+    (their step counters say so). Every report says 4 ms, as in the test above."""
+    monkeypatch.delenv("HETERO_CS_TIMING", raising=False)
+    monkeypatch.setattr(HeteroCentralStorageStrategy, "_record_step_time",
+                        lambda self, replica_id, batch_size, _measured_s, **key: self.balancer.record_step_time(
+                            int(replica_id), int(batch_size), STEP_S, **key))
+    monkeypatch.setattr(HeteroCentralStorageStrategy, "_record_step_end", lambda *args: None)
+    emulator = Emulator(["T4", "T4", "T4"], workload=Workload(flops_per_example=2e6, parameter_bytes=4_000))
+    emulator.fix_time_scale(emulator.calibrate_time_scale(B, target_makespan_s=STEP_S), "the test's scale")
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, auto_balance=True, rebalance=True,
+                                            profile_cache=False)
+    model = compiled(strategy)
+    x, y = data()
+    strategy.calibrate(model, (x[:B], y[:B]), progress=False)
+    strategy.set_cost_models([LinearCostModel(STEP_S - 32e-5, 1e-5)] * 3)
+    assert strategy.plan_for(B).per_replica_batch_sizes == (32, 32, 32) and not strategy.balancer.guard.in_trial
+    steps, before = 120, emulator.steps_done
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True).repeat()
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+    assert [done - was for done, was in zip(emulator.steps_done, before)] == [steps] * 3  # every step waited
+    assert 0 < strategy.monitor.completed_steps <= steps // 2  # some steps timed, not all
+    for sample in strategy.monitor.window():
+        assert sum(sample.per_replica_batch_sizes) == B
+
+
 def modelled_ratio(emulator, decision):
     """candidate / incumbent makespan as the emulated devices model them (what modelled_step_times reports)."""
     def makespan_s(sizes):

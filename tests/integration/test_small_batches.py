@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hetero_cs import HeteroCentralStorageStrategy
-from hetero_cs.planning.rebalance import REPLANNED
+from hetero_cs.planning.rebalance import REPLANNED, RebalancePolicy
 
 
 @pytest.fixture
@@ -40,6 +40,7 @@ def test_regression_fit_with_a_global_batch_smaller_than_the_replica_count(fast_
     assert len(history.history["loss"]) == 3 and np.all(np.isfinite(history.history["loss"]))
     assert strategy.plan.global_batch_size == global_batch_size
     assert strategy.balancer.rebalancer.last_decision is not None  # the re-planner looked, more than once
-    assert strategy.monitor.completed_steps >= 60
+    # A full window of timed steps (sampled, as on real devices: while deciding every step, then one in N).
+    assert strategy.monitor.completed_steps >= RebalancePolicy().min_samples
     for decision in strategy.balancer.rebalancer.switches:
         assert decision.outcome == REPLANNED and sum(decision.new_per_replica_batch_sizes) == global_batch_size
