@@ -115,6 +115,8 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
         self._served = 0  # global batches served: steady-state timing picks every N-th
         self._last_worked: dict[int, int] = {}  # probes: replica -> the served count when it last had examples
         self._probe_due = False  # the batch just served is a probe: time it
+        self._last_served: BatchPlan | None = None  # the training plan the last serve returned
+        self._again: BatchPlan | None = None  # served next, as it is (serve_again)
         self._probes = 0
         self._alone_checked: set[tuple[int, ...]] = set()  # splits in force checked against the card alone
         self._contention_factors = [1.0] * num_replicas  # set_cost_models: each card beside the others
@@ -375,14 +377,27 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             return self.plan_for_inference(global_batch_size)
         b = _checked_global_batch_size(global_batch_size, allow_zero=False)
         with self._lock:
+            again, self._again = self._again, None
+            if again is not None and again.global_batch_size == b:
+                return again
             self._served += 1
             if self.timing_needed:
                 self._process_measurements()
             plan = self.plan_for(b)
             if self._guard.in_trial and b == self._guard.candidate.global_batch_size:
-                return self._serve_trial()
-            # The plan in force for a full batch: now and then a probe of it (one example on a card it leaves idle).
-            return self._maybe_probe(plan) if b == self._reference_batch_size and plan is self._plan else plan
+                plan = self._serve_trial()
+            elif b == self._reference_batch_size and plan is self._plan:
+                plan = self._maybe_probe(plan)  # the plan in force for a full batch: now and then a probe of it
+            self._last_served = plan
+            return plan
+
+    def serve_again(self) -> None:
+        """Makes the next training :meth:`serve` of the same size return the plan served last, as it was, and move
+        nothing else (no trial's turn, no probe, no look): a global batch retried on the same plan after a device
+        error (:mod:`hetero_cs.engine.faults.failover`). During a guard trial the next batch would otherwise get the
+        trial's other plan, and a card that fails on one of them only would never fail twice in one batch."""
+        with self._lock:
+            self._again = self._last_served
 
     def step_traced_again(self) -> None:
         """Called before the first step of a training step function traced again: the steps measured so far are

@@ -91,6 +91,30 @@ def test_auto_balance_solves_the_plan_again_from_the_other_cards(fast_emulation,
     assert sizes[0] == 0 and sizes[1] + sizes[2] == B and abs(sizes[1] - sizes[2]) <= 1  # two alike T4s
 
 
+def test_a_card_failing_for_good_mid_trial_is_retried_on_the_same_plan_and_set_aside(fast_emulation):
+    """A guard trial serves its two plans by turns; a retry after a device error must not take the turn. The candidate
+    leaves the failing card idle: retried on it, the batch succeeded, the card failed once per batch and was never
+    set aside (a failed step every few steps, the trial never measuring its incumbent)."""
+    from hetero_cs import LinearCostModel
+
+    emulator = Emulator(["A10", "T4", "T4"], workload=WORKLOAD, time_scale=1.0,
+                        drift=[Drift(replica_id=1, from_step=2, fails=True)])
+    strategy = HeteroCentralStorageStrategy(DEVICES, emulate=emulator, rebalance=False)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    initial = model.get_weights()
+    x, y = data()
+    strategy.calibrate(model, (x[:B], y[:B]), progress=False)
+    slow_card = [LinearCostModel(1e-3, 1e-5), LinearCostModel(1.0, 1e-2), LinearCostModel(1e-3, 1e-5)]
+    strategy.balancer.set_cost_models(slow_card, trial=True, reference_batch_size=B)
+    assert strategy.balancer.guard.in_trial and strategy.balancer.guard.candidate.per_replica_batch_sizes[1] == 0
+    history = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_matches_reference(model, initial, history, epochs=1)
+    failover = strategy._step_recovery.failover  # noqa: SLF001
+    assert failover.exclusions == [1] and failover.retries == 1
+
+
 def test_on_device_error_raise_ends_fit_with_a_device_fault_error_and_applies_nothing(fast_emulation):
     emulator = Emulator(["A10", "T4", "T4"], workload=WORKLOAD, time_scale=1.0,
                         drift=[Drift(replica_id=2, from_step=1, fails=True)])

@@ -147,6 +147,19 @@ def test_timing_is_due_every_step_while_deciding_then_sampled():
     assert quick.timing_interval_steps() > 1  # ~2.4 ms steps: time one in a few
 
 
+def test_serve_again_repeats_the_plan_served_last_and_takes_no_turn_of_a_trial():
+    plain, again = balanced(), balanced()
+    assert plain.guard.in_trial
+    served = [plain.serve(B) for _ in range(4)]
+    first = again.serve(B)
+    again.serve_again()  # a retry of the same batch after a device error
+    assert again.serve(B) is first
+    assert [first, *(again.serve(B) for _ in range(3))] == served  # the trial's turns go on as without the retry
+    again.serve_again()
+    assert again.serve(B // 2).global_batch_size == B // 2  # another size: served as usual
+    assert again.serve(B) == plain.serve(B)  # and the request is gone
+
+
 def test_samples_are_needed_during_a_trial_and_while_the_window_fills_only():
     balancer = balanced()
     assert balancer.guard.in_trial and balancer.samples_needed()

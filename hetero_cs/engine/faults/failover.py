@@ -99,6 +99,7 @@ class DeviceFailover:
         faults[replica_id] = faults.get(replica_id, 0) + 1
         if faults[replica_id] == 1:
             self.retries += 1
+            balancer.serve_again()  # on the same plan, also mid-trial
             logger.warning("hetero_cs: device error on replica %d, %s (%s); retrying the same global batch once.",
                            replica_id, self.card(replica_id), first_line(exc))
             return None
