@@ -93,7 +93,7 @@ def end_replica_step(start_stamp: Any, anchor: Any, *, replica_id: int, batch_si
     replica_id = operator.index(replica_id)  # a Python or numpy int, fixed at trace time
 
     def _end(start: Any, _probe: Any, size: Any) -> Any:
-        # A negative start: an emulated step that is not timed (sampled_wall_clock_stamp): it waits, and reports nothing.
+        # A negative start: an emulated step not timed (sampled_wall_clock_stamp): it waits, and reports nothing.
         start_s, examples = float(start), int(size)
         timed, start_s = start_s >= 0.0, abs(start_s)
         if emulator is not None:

@@ -112,7 +112,7 @@ def note_per_example_randomness(model) -> None:
     random = [layer.name for layer in all_sublayers(model) if layer is not model and any(
         isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values())]
     if random:
-        logger.info("hetero_cs: the layers %s draw random values per example: each replica draws its own for its "
+        logger.info("hetero_cs: layers that draw random values per example (%s): each replica draws its own for its "
                     "slice, so training matches one device in distribution, not value for value (switch them off to "
                     "compare runs).", ", ".join(random))
 
