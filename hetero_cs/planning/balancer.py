@@ -391,14 +391,6 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
             self._last_served = plan
             return plan
 
-    def serve_again(self) -> None:
-        """Makes the next training :meth:`serve` of the same size return the plan served last, as it was, and move
-        nothing else (no trial's turn, no probe, no look): a global batch retried on the same plan after a device
-        error (:mod:`hetero_cs.engine.faults.failover`). During a guard trial the next batch would otherwise get the
-        trial's other plan, and a card that fails on one of them only would never fail twice in one batch."""
-        with self._lock:
-            self._again = self._last_served
-
     def step_traced_again(self) -> None:
         """Called before the first step of a training step function traced again: the steps measured so far are
         fed to a running guard trial first, then each of its plans' next step is a warm-up (PlanGuard.warm_up_again)."""

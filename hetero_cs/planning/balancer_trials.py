@@ -77,6 +77,14 @@ class GuardTrials:
         if self._on_trial is not None:
             self._on_trial(candidate)
 
+    def serve_again(self) -> None:
+        """Makes the next training ``serve`` of the same size return the plan served last, as it was, and move
+        nothing else (no trial's turn, no probe, no look): a global batch retried on the same plan after a device
+        error (:mod:`hetero_cs.engine.faults.failover`). During a guard trial the next batch would otherwise get the
+        trial's other plan, and a card that fails on one of them only would never fail twice in one batch."""
+        with self._lock:
+            self._again = self._last_served
+
     def _serve_trial(self) -> BatchPlan:
         """The side of the running trial to serve next; the candidate, kept unmeasured, when no step of the trial
         was timed after 3 x ``max_trial_steps`` batches."""
