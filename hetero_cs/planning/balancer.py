@@ -463,7 +463,7 @@ class Balancer(GuardTrials, MemoryRecovery, OtherPlans):
 
     def _commit(self, plan: BatchPlan) -> None:
         changed = plan != self._plan
-        self._plan = plan
+        self._plan, self._again = plan, None  # a retry after a plan change runs the new plan (serve_again)
         self._inference_plans.clear()  # (also when the models behind an equal plan changed: a refuted re-plan)
         # Plans for other (partial-batch) sizes came from the same models only if this plan did: dropped.
         self._plans_by_batch = {plan.global_batch_size: plan}

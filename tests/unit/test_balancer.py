@@ -158,6 +158,9 @@ def test_serve_again_repeats_the_plan_served_last_and_takes_no_turn_of_a_trial()
     again.serve_again()
     assert again.serve(B // 2).global_batch_size == B // 2  # another size: served as usual
     assert again.serve(B) == plain.serve(B)  # and the request is gone
+    again.serve_again()
+    again.set_batch_split([1, 0, 1])  # a new plan in force (a card set aside after its second fault)
+    assert again.serve(B).per_replica_batch_sizes[1] == 0  # the retry runs it, not the plan served before
 
 
 def test_samples_are_needed_during_a_trial_and_while_the_window_fills_only():
