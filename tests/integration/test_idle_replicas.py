@@ -371,12 +371,17 @@ def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_de
 
 class NumberWeighedTrackers(keras.Model):
     """A train_step override whose Mean trackers are weighed by numbers: the batch's static size (Keras' own
-    per-output loss trackers' idiom; None, so 1, where unknown) and a constant."""
+    per-output loss trackers' idiom; None, so 1, where unknown), a constant and a constant tensor; and trackers of
+    a batch's mean that one device adds once a step: a Mean of a mean kept as a 1-vector, a Sum of the mean (also
+    in a test_step of its own)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.by_static_size = keras.metrics.Mean(name="by_static_size")
         self.by_constant = keras.metrics.Mean(name="by_constant")
+        self.by_tensor = keras.metrics.Mean(name="by_tensor")
+        self.of_kept_dims = keras.metrics.Mean(name="of_kept_dims")
+        self.summed = keras.metrics.Sum(name="summed")
 
     def train_step(self, data):
         x, y = data
@@ -387,7 +392,16 @@ class NumberWeighedTrackers(keras.Model):
         error = tf.reduce_mean(tf.square(y_pred - y))
         self.by_static_size.update_state(error, sample_weight=x.shape[0])
         self.by_constant.update_state(error, sample_weight=2)
-        return {m.name: m.result() for m in (self.by_static_size, self.by_constant)}
+        self.by_tensor.update_state(error, sample_weight=tf.constant(2.0))
+        self.of_kept_dims.update_state(tf.reduce_mean(tf.square(y_pred - y), axis=0))
+        self.summed.update_state(error)
+        trackers = (self.by_static_size, self.by_constant, self.by_tensor, self.of_kept_dims, self.summed)
+        return {m.name: m.result() for m in trackers}
+
+    def test_step(self, data):
+        x, y = data
+        self.summed.update_state(tf.reduce_mean(tf.square(self(x, training=False) - y)))
+        return {"summed": self.summed.result()}
 
 
 @pytest.mark.parametrize("shares", [[0, 1, 0], [3, 2, 1]])
@@ -416,6 +430,11 @@ def test_a_mean_weighed_by_a_number_logs_what_one_device_logs(shares, drop_remai
     assert_same_state(reference, model)
     for key in ("by_static_size", "by_constant"):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
+    # A batch's mean in a metric's delta is weighed b_i / B as in a loss (before: R slices' means, up to 3x off).
+    for key in ("by_tensor", "of_kept_dims", "summed"):
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(model.evaluate(dataset, verbose=0, return_dict=True)["summed"],
+                               reference.evaluate(dataset, verbose=0, return_dict=True)["summed"], rtol=1e-5)
 
 
 def test_regression_fit_gives_no_example_to_a_replica_with_a_0_share_however_many_sets_it_met():

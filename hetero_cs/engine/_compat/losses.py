@@ -42,7 +42,7 @@ from hetero_cs.engine._compat.context import (
 from hetero_cs.engine._compat.batch_kinds import MIXED
 from hetero_cs.engine._compat.loss_reader import _is_share, _weigh, all_reduced_sum, flow_of, share_of
 from hetero_cs.engine._compat.symbols import patch
-from hetero_cs.engine._compat.variables import _central_in_replica_context
+from hetero_cs.engine._compat.variables import _central_in_replica_context, writing_shares
 from hetero_cs.errors import BatchCouplingError, HeteroCSError, LossPatternError
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -345,7 +345,8 @@ def patch_mean_metric() -> None:
         weight = replica_state.replica_weight(self.dtype)
         share = tf.cast(share_of(step, tensor, what=f"the value given to the Mean metric {self.name!r}"), self.dtype)
         tensor = tf.where(weight > 0, tf.math.divide_no_nan(share, weight), tf.zeros_like(share))
-        return original(self, tensor, sample_weight=weight)
+        with writing_shares():
+            return original(self, tensor, sample_weight=weight)
 
 
 _compiled = threading.local()  # .replica_step: a replica's compiled forward pass is being traced (see below)

@@ -4,18 +4,22 @@ per-replica dropout seeds.
 Part of :mod:`hetero_cs.engine._compat`, the one place of private TensorFlow/Keras touches.
 """
 
+import threading
+
 import tensorflow as tf
 
 from hetero_cs.engine.step import replica_state
 from hetero_cs.engine._compat import hooks, symbols
 from hetero_cs.engine._compat.context import (
-    current_weighting_strategy, in_stateless_scope, is_hetero_strategy, strategy_of,
+    current_weighting_strategy, in_stateless_scope, is_hetero_strategy, set_locally, strategy_of,
 )
 from hetero_cs.engine._compat.batch_flow import flow_of
-from hetero_cs.engine._compat.batch_kinds import REP
+from hetero_cs.engine._compat.batch_kinds import AGG, REP
 from hetero_cs.engine._compat.graph_patterns import accumulated_terms, linear_terms
+from hetero_cs.engine._compat.loss_reader import share_of
 from hetero_cs.engine._compat.loss_scale import iterations_increment
 from hetero_cs.engine._compat.symbols import patch
+from hetero_cs.errors import LossPatternError
 
 # The barrier token and the deferred weight decay of a step go from its replica threads to the merge that applies
 # the update on the step's replica_state.StepHandoff (one per strategy.run call), not in module globals.
@@ -102,16 +106,17 @@ def _central_in_replica_context(variable):
 
 
 def _replica_weighted(value, dtype, terms=None):
-    """A delta of a SUM-aggregated variable (a metric's state) whose replicated terms are weighted by the replica's
-    ``b_i / B``: ``value`` less ``(1 - b_i / B)`` times its terms that every replica computes alike.
+    """A delta of a SUM-aggregated variable (a metric's state) made of this replica's shares of its terms.
 
     The replicas' deltas are summed. A term that sums over the replica's examples (a total, a count of examples)
-    sums to one device's; a replicated one (a count of steps, a constant, another variable's value: the batch-flow
-    analysis proves it) would count once per replica that runs (per micro-batch under micro-batching), so a metric
-    that counts steps counted R a step. Weighted, such terms add up to one device's: the weights of the slices that
-    hold a step's batch sum to 1. ``terms``: the delta's terms when the caller read them (``assign(var + delta)``:
+    sums to one device's as it is. A replicated one (a count of steps, a constant, another variable's value: the
+    batch-flow analysis proves it) would count once per replica that runs (per micro-batch under micro-batching),
+    and a mean over the replica's examples (``keras.metrics.Sum`` of a batch's mean loss, a ``Mean`` weighed by a
+    tensor) would add R slices' means: both are weighed ``b_i / B`` (the loss reader reads an aggregate's share), so
+    they add up to one device's. ``terms``: the delta's terms when the caller read them (``assign(var + delta)``:
     graph_patterns.accumulated_terms), else ``value``'s own (graph_patterns.linear_terms); a value that does not
-    read as a linear form, an eager one, or integer state stays as it is.
+    read as a linear form, an eager one, integer state, and an aggregate the reader cannot read (AUC's buckets, a
+    segment sum) stay as they are.
     """
     if tf.executing_eagerly() or not tf.as_dtype(dtype).is_floating or current_weighting_strategy() is None:
         return value
@@ -122,12 +127,37 @@ def _replica_weighted(value, dtype, terms=None):
     if terms is None:
         read = linear_terms(value)
         terms = [] if read is None else read[1]
-    flow = flow_of(step)
-    replicated = [c * tf.cast(t, dtype) for c, t in terms if flow.kind(t).what == REP]
-    if not replicated:
-        return value
-    weight = tf.cast(step.batch_size, dtype) / tf.cast(step.global_batch_size, dtype)
-    return value - (1.0 - weight) * tf.add_n(replicated)
+    flow, weight = flow_of(step), tf.cast(step.batch_size, dtype) / tf.cast(step.global_batch_size, dtype)
+    corrections = []
+    for c, term in terms:
+        term = tf.cast(term, dtype)
+        share = _term_share(step, flow, term, weight)
+        if share is not None:
+            corrections.append(c * (share - term))
+    return value + tf.add_n(corrections) if corrections else value
+
+
+def _term_share(step, flow, term, weight):
+    """This replica's share of one term of a metric's delta, or None where the term is its share as it is."""
+    what = flow.kind(term).what
+    if what == REP:
+        return weight * term
+    if what != AGG or getattr(_given, "shares", False):
+        return None
+    try:
+        share = share_of(step, term, what="a metric's update")
+    except LossPatternError:  # not read as linear in the examples (a bucketed or segment sum): summed, as it is
+        return None
+    return None if share is term else share
+
+
+_given = threading.local()  # .shares: a metric is given this replica's share already (writing_shares)
+
+
+def writing_shares():
+    """Within: the values a metric writes are this replica's shares already (the scalar ``Mean``'s own weighing,
+    ``losses.patch_mean_metric``): its aggregates are not read again."""
+    return set_locally(_given, shares=True)
 
 
 def _behind_barrier(value, dtype):
