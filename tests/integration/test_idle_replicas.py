@@ -371,9 +371,9 @@ def test_a_card_alone_runs_one_devices_step_after_the_first_and_logs_what_one_de
 
 class NumberWeighedTrackers(keras.Model):
     """A train_step override whose Mean trackers are weighed by numbers: the batch's static size (Keras' own
-    per-output loss trackers' idiom; None, so 1, where unknown), a constant and a constant tensor; and trackers of
-    a batch's mean that one device adds once a step: a Mean of a mean kept as a 1-vector, a Sum of the mean (also
-    in a test_step of its own)."""
+    per-output loss trackers' idiom; None, so 1, where unknown), a constant and a constant tensor; trackers of a
+    batch's mean that one device adds once a step: a Mean of a mean kept as a 1-vector, a Sum of the mean; and
+    compute_loss's value weighed by the batch's rows and by a constant tensor (Sum and rows also in a test_step)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -382,6 +382,8 @@ class NumberWeighedTrackers(keras.Model):
         self.by_tensor = keras.metrics.Mean(name="by_tensor")
         self.of_kept_dims = keras.metrics.Mean(name="of_kept_dims")
         self.summed = keras.metrics.Sum(name="summed")
+        self.loss_by_rows = keras.metrics.Mean(name="loss_by_rows")
+        self.loss_by_tensor = keras.metrics.Mean(name="loss_by_tensor")
 
     def train_step(self, data):
         x, y = data
@@ -395,13 +397,19 @@ class NumberWeighedTrackers(keras.Model):
         self.by_tensor.update_state(error, sample_weight=tf.constant(2.0))
         self.of_kept_dims.update_state(tf.reduce_mean(tf.square(y_pred - y), axis=0))
         self.summed.update_state(error)
-        trackers = (self.by_static_size, self.by_constant, self.by_tensor, self.of_kept_dims, self.summed)
+        self.loss_by_rows.update_state(loss, sample_weight=tf.cast(tf.shape(x)[0], "float32"))
+        self.loss_by_tensor.update_state(loss, sample_weight=tf.constant(2.0))
+        trackers = (self.by_static_size, self.by_constant, self.by_tensor, self.of_kept_dims, self.summed,
+                    self.loss_by_rows, self.loss_by_tensor)
         return {m.name: m.result() for m in trackers}
 
     def test_step(self, data):
         x, y = data
-        self.summed.update_state(tf.reduce_mean(tf.square(self(x, training=False) - y)))
-        return {"summed": self.summed.result()}
+        y_pred = self(x, training=False)
+        self.summed.update_state(tf.reduce_mean(tf.square(y_pred - y)))
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self.loss_by_rows.update_state(loss, sample_weight=tf.cast(tf.shape(x)[0], "float32"))
+        return {m.name: m.result() for m in (self.summed, self.loss_by_rows)}
 
 
 @pytest.mark.parametrize("shares", [[0, 1, 0], [3, 2, 1]])
@@ -430,11 +438,13 @@ def test_a_mean_weighed_by_a_number_logs_what_one_device_logs(shares, drop_remai
     assert_same_state(reference, model)
     for key in ("by_static_size", "by_constant"):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
-    # A batch's mean in a metric's delta is weighed b_i / B as in a loss (before: R slices' means, up to 3x off).
-    for key in ("by_tensor", "of_kept_dims", "summed"):
+    # A batch's mean in a metric's delta is weighed b_i / B as in a loss (before: R slices' means, up to 3x off);
+    # compute_loss's value (a share) weighed by a tensor is its slice's value under that weight (before: w_i b_i).
+    for key in ("by_tensor", "of_kept_dims", "summed", "loss_by_rows", "loss_by_tensor"):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
-    np.testing.assert_allclose(model.evaluate(dataset, verbose=0, return_dict=True)["summed"],
-                               reference.evaluate(dataset, verbose=0, return_dict=True)["summed"], rtol=1e-5)
+    evaluated = model.evaluate(dataset, verbose=0, return_dict=True)
+    for key, value in reference.evaluate(dataset, verbose=0, return_dict=True).items():
+        np.testing.assert_allclose(evaluated[key], value, rtol=1e-5, err_msg=key)
 
 
 def test_regression_fit_gives_no_example_to_a_replica_with_a_0_share_however_many_sets_it_met():

@@ -334,17 +334,27 @@ def patch_mean_metric() -> None:
                 replica_state.current_replica_step() is not None:
             sample_weight = None  # the same every step of the trace: one per step, as above (eagerly, a batch's
             # size is known in every step, partial ones too, and weighs it there as on one device)
-        step = weighted_step() if sample_weight is None else None
+        step = weighted_step()
         if step is None or (in_stateless_scope() and not getattr(_compiled, "replica_step", False)):
             return original(self, values, sample_weight=sample_weight)
         tensor = values if isinstance(values, tf.Tensor) else tf.convert_to_tensor(values)
-        if tensor.shape.rank != 0:
+        if tensor.shape.rank != 0 or sample_weight is not None and (
+                tf.executing_eagerly() or not _is_share(step, tensor)):
             return original(self, values, sample_weight=sample_weight)
-        # One device counts the step's value once: each replica adds its share with weight w_i (summed: the value,
-        # with weight 1). A 0-example replica adds 0 with weight 0, never NaN.
-        weight = replica_state.replica_weight(self.dtype)
         share = tf.cast(share_of(step, tensor, what=f"the value given to the Mean metric {self.name!r}"), self.dtype)
-        tensor = tf.where(weight > 0, tf.math.divide_no_nan(share, weight), tf.zeros_like(share))
+        if sample_weight is None:
+            # One device counts the step's value once: each replica adds its share with weight w_i (summed: the
+            # value, with weight 1).
+            weight, weighed = replica_state.replica_weight(self.dtype), share
+        else:
+            # compute_loss's value (a share) under a weight of the user's (tf.shape(x)[0], a constant): one device
+            # adds value * weight to the total and the weight to the count. Each replica adds its share of the
+            # weight, and its share of the value times the whole batch's weight.
+            weight = tf.cast(share_of(step, tf.cast(sample_weight, self.dtype),
+                                      what=f"the sample weight given to the Mean metric {self.name!r}"), self.dtype)
+            weighed = share * all_reduced_sum(tf.stop_gradient(weight))
+        # A replica whose weight is 0 (no examples) adds 0 with weight 0, never NaN.
+        tensor = tf.where(weight != 0, tf.math.divide_no_nan(weighed, weight), tf.zeros_like(weighed))
         with writing_shares():
             return original(self, tensor, sample_weight=weight)
 
